@@ -1,0 +1,36 @@
+"""Build lycoris_ops._C (the operator schemas) with torch's C++ extension tools.
+
+    pip install torch==2.13.0            # first and alone: see README
+    pip install --no-build-isolation -e ".[test]"
+"""
+import os
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+# -g0: no debug info; the extension only registers schemas, and this halves the build.
+extra_compile_args = {"cxx": ["-O2", "-g0", "-std=c++17"]}
+
+setup(
+    name="lycoris_ops",
+    version="0.1.0",
+    description="Fused LyCORIS adapter ops as torch.ops.lycoris.* custom ops",
+    packages=find_packages(include=["lycoris_ops", "lycoris_ops.*"]),
+    python_requires=">=3.10",
+    install_requires=["torch>=2.11"],
+    extras_require={
+        "triton": ["triton>=3.6"],
+        "tilelang": ["tilelang==0.1.15"],
+        "test": ["pytest", "expecttest", "numpy"],
+        "bench": ["numpy", "matplotlib"],
+    },
+    ext_modules=[
+        CppExtension(
+            "lycoris_ops._C",
+            ["csrc/ops.cpp", "csrc/module.cpp"],
+            include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")],
+            extra_compile_args=extra_compile_args,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)
