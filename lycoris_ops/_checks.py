@@ -1,0 +1,116 @@
+"""Argument checks shared by the eager kernels and the fakes.
+
+Every op validates its operands with these helpers before it computes or
+allocates anything, so the CPU kernel, the CUDA kernel and the fake raise the
+same ``ValueError`` naming the op, the argument and what was expected. They use
+``torch._check_value`` so that symbolic sizes (dynamic token dims under
+torch.compile / torch.export) become guards instead of data-dependent errors.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def fail(op: str, message: str) -> None:
+    """Raise the library's argument error: ``lycoris.<op>: <message>``."""
+    raise ValueError(f"lycoris.{op}: {message}")
+
+
+def expect(cond, op: str, message) -> None:
+    """Check ``cond`` (a bool or SymBool); ``message`` may be a str or a callable."""
+    msg = message if callable(message) else (lambda: message)
+    torch._check_value(cond, lambda: f"lycoris.{op}: {msg()}")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def tensor(op: str, name: str, t, ndim: Optional[int] = None, layout: str = "") -> torch.Tensor:
+    """A floating-point tensor of rank ``ndim`` (when given); ``layout`` names its dims."""
+    if not isinstance(t, torch.Tensor):
+        fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        fail(op, f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        want = f"{ndim}-D {layout}" if layout else f"{ndim}-D"
+        fail(op, f"{name} must be {want}, got shape {_shape(t)}")
+    return t
+
+
+def size(op: str, what: str, actual, expected) -> None:
+    """``actual == expected`` for one dimension; ``what`` reads like 'x.shape[1] (I)'."""
+    expect(actual == expected, op, lambda: f"{what} must be {expected}, got {actual}")
+
+
+def shape(op: str, name: str, t: torch.Tensor, expected: Sequence, layout: str = "") -> None:
+    """The whole shape of ``t`` equals ``expected`` (after the rank check)."""
+    expected = tuple(expected)
+    if t.dim() != len(expected):
+        fail(op, f"{name} must have shape {tuple(expected)}{' ' + layout if layout else ''}, got {_shape(t)}")
+    for d, (a, e) in enumerate(zip(t.shape, expected)):
+        expect(a == e, op, lambda: f"{name} must have shape {tuple(expected)}{' ' + layout if layout else ''}, got {_shape(t)}")
+
+
+def same_device(op: str, **named) -> torch.device:
+    """All given (non-None) tensors on one device; returns it."""
+    device = None
+    first = None
+    for name, t in named.items():
+        if t is None:
+            continue
+        if device is None:
+            device, first = t.device, name
+        elif t.device != device:
+            fail(op, f"{name} is on {t.device} but {first} is on {device}: all tensors must be on one device")
+    return device
+
+
+def compute_dtype(op: str, **named) -> torch.dtype:
+    """The compute dtype of OPS.md §1.3: a 16-bit operand rounds every matrix
+    operand down to it; else float32; float64 only when everything is float64
+    (gradcheck). float16 and bfloat16 never meet in one call."""
+    seen = {}
+    for name, t in named.items():
+        if t is not None:
+            seen.setdefault(t.dtype, name)
+    if torch.float16 in seen and torch.bfloat16 in seen:
+        fail(op, f"{seen[torch.float16]} is float16 but {seen[torch.bfloat16]} is bfloat16: "
+                 "float16 and bfloat16 cannot be mixed in one call")
+    for half in HALF_DTYPES:
+        if half in seen:
+            return half
+    if torch.float32 in seen or not seen:
+        return torch.float32
+    return torch.float64
+
+
+def float_arg(op: str, name: str, value) -> float:
+    if isinstance(value, torch.Tensor):
+        fail(op, f"{name} must be a Python float, got a Tensor (a scale with a gradient goes through eager torch)")
+    return float(value)
+
+
+def choice(op: str, name: str, value, allowed: Sequence) -> None:
+    if value not in allowed:
+        fail(op, f"{name} must be one of {', '.join(repr(a) for a in allowed)}, got {value!r}")
+
+
+def out_dtype(op: str, dtype, default: torch.dtype) -> torch.dtype:
+    if dtype is None:
+        return default
+    if dtype not in FLOAT_DTYPES:
+        fail(op, f"out_dtype must be a floating dtype, got {dtype}")
+    return dtype
+
+
+def axis(op: str, name: str, value: int, ndim: int) -> int:
+    """Normalize a possibly negative axis of a rank-``ndim`` tensor."""
+    if not -ndim <= value < ndim:
+        fail(op, f"{name}={value} is out of range for a {ndim}-D tensor")
+    return value % ndim
