@@ -1,0 +1,344 @@
+"""LoKr: eager bodies and argument checks (OPS.md §2.3).
+
+Kronecker convention: ``kron(w1, w2)[u·c + i, v·d + j] = w1[u, v]·w2[i, j]`` for
+w1 (a, b) and w2 (c, d), giving (a·c, b·d) = (O, I).
+
+Conv factors: w2 may arrive flattened as (c, d·Kk) (a conv w2 (c, d, *kernel)
+reshaped row-major). Every op here treats w2's column count as "d"; the
+Kronecker product of w1 with the flattened factor is then the flattened 4-D
+LoKr weight, because column ``v·(d·Kk) + j·Kk + κ = (v·d + j)·Kk + κ``. So the
+merges return (a·c, b·w2.shape[1]) and ``lokr_merge_fwd``'s ``shape[3]`` is
+w2's column count (d·Kk for a flattened conv factor).
+
+Dtypes (OPS.md §1.3 and the library policy): the matrix operands are promoted to
+the compute dtype (a 16-bit operand wins; fp16 with bf16 is an error), every
+product accumulates in fp32 (fp64 when the compute dtype is fp64), the factored
+sides are never rounded before the Kronecker multiply, γ and the base add are
+done in fp32 and the result is rounded once. Merges store in ``out_dtype``
+(default: w2's / w2a's dtype); bypass stores in base's dtype when given, else
+x's. Every backward op returns each gradient in its own input's dtype.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _checks as C
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for a compute dtype: fp64 stays fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _up(t: torch.Tensor, compute: torch.dtype, acc: torch.dtype) -> torch.Tensor:
+    """``t`` rounded to the compute dtype (exact for an up-cast), then widened to acc."""
+    return t.to(compute).to(acc)
+
+
+def _epilogue_dtype(acc: torch.dtype, base) -> torch.dtype:
+    return acc if base is None else torch.promote_types(acc, base.dtype)
+
+
+def _gamma(op, gamma) -> float:
+    return C.float_arg(op, "gamma", gamma)
+
+
+def _kron(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """kron(w1, w2) of 2-D tensors by broadcasting: (a, c, b, d) -> (a·c, b·d)."""
+    a, b = w1.shape
+    c, d = w2.shape
+    return (w1[:, None, :, None] * w2[None, :, None, :]).reshape(a * c, b * d)
+
+
+# ---------------------------------------------------------------------------
+# lokr_full_merge_fwd / lokr_full_merge_bwd
+
+
+def check_lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
+    op = "lokr_full_merge_fwd"
+    C.tensor(op, "w1", w1, 2, "(a, b)")
+    C.tensor(op, "w2", w2, 2, "(c, d) (a conv w2 flattened to (c, d*Kk))")
+    _gamma(op, gamma)
+    a, b = w1.shape
+    c, d = w2.shape
+    out_shape = (a * c, b * d)
+    if base is not None:
+        C.tensor(op, "base", base, 2, "(a*c, b*d)")
+        C.shape(op, "base", base, out_shape, "(a*c, b*d)")
+    C.same_device(op, w1=w1, w2=w2, base=base)
+    C.compute_dtype(op, w1=w1, w2=w2, base=base)  # fp16 + bf16 check (base included)
+    C.compute_dtype(op, w1=w1, w2=w2)
+    return ((out_shape, C.out_dtype(op, out_dtype, w2.dtype)),)
+
+
+def lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
+    """``Y = γ·kron(w1, w2) [+ base]`` (OPS.md §2.3.1).
+
+    w1 (a, b), w2 (c, d) or a conv w2 flattened to (c, d·Kk); base (a·c, b·d)
+    optional. Output (a·c, b·d) in ``out_dtype``, default w2's dtype. The
+    product, γ and the base add are fp32 (fp64 for fp64 operands), one rounding.
+    """
+    ((_, dtype),) = check_lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype)
+    cd = C.compute_dtype("lokr_full_merge_fwd", w1=w1, w2=w2)
+    acc = _acc(cd)
+    ep = _epilogue_dtype(acc, base)
+    y = _kron(_up(w1, cd, acc), _up(w2, cd, acc)).to(ep) * float(gamma)
+    if base is not None:
+        y = y + base.to(ep)
+    return y.to(dtype).contiguous()
+
+
+def check_lokr_full_merge_bwd(grad, w1, w2, gamma):
+    op = "lokr_full_merge_bwd"
+    C.tensor(op, "w1", w1, 2, "(a, b)")
+    C.tensor(op, "w2", w2, 2, "(c, d)")
+    C.tensor(op, "grad", grad, 2, "(a*c, b*d)")
+    _gamma(op, gamma)
+    a, b = w1.shape
+    c, d = w2.shape
+    C.shape(op, "grad", grad, (a * c, b * d), "(a*c, b*d)")
+    C.same_device(op, grad=grad, w1=w1, w2=w2)
+    C.compute_dtype(op, grad=grad, w1=w1, w2=w2)
+    return (((a, b), w1.dtype), ((c, d), w2.dtype))
+
+
+def _kron_grads(g, w1, w2, gamma):
+    """g (a·c, b·d) in acc dtype -> (γ·Σ_ij G4·w2, γ·Σ_uv G4·w1), both in acc."""
+    a, b = w1.shape
+    c, d = w2.shape
+    g4 = g.reshape(a, c, b, d)
+    g_w1 = torch.einsum("uivj,ij->uv", g4, w2) * gamma
+    g_w2 = torch.einsum("uivj,uv->ij", g4, w1) * gamma
+    return g_w1, g_w2
+
+
+def lokr_full_merge_bwd(grad, w1, w2, gamma):
+    """Gradients of ``γ·kron(w1, w2)`` (OPS.md §2.3.2).
+
+    With G viewed as G4 (a, c, b, d): ``g_w1[u,v] = γ·Σ_ij G4[u,i,v,j]·w2[i,j]``,
+    ``g_w2[i,j] = γ·Σ_uv G4[u,i,v,j]·w1[u,v]``. G is cast to the compute dtype of
+    (w1, w2) first; fp32 accumulation. Returns (g_w1 (a, b) in w1's dtype,
+    g_w2 (c, d) in w2's dtype).
+    """
+    (_, d1), (_, d2) = check_lokr_full_merge_bwd(grad, w1, w2, gamma)
+    cd = C.compute_dtype("lokr_full_merge_bwd", w1=w1, w2=w2)
+    acc = _acc(cd)
+    g_w1, g_w2 = _kron_grads(_up(grad, cd, acc), _up(w1, cd, acc), _up(w2, cd, acc), float(gamma))
+    return g_w1.to(d1).contiguous(), g_w2.to(d2).contiguous()
+
+
+# ---------------------------------------------------------------------------
+# lokr_merge_fwd / lokr_merge_bwd
+
+
+def _check_factored(op, w1a, w1b, w2a, w2b, shape):
+    """Validate the four factors against ``shape`` = [a, b, c, d]; returns (a, b, c, d)."""
+    if not isinstance(shape, (list, tuple)) or len(shape) != 4:
+        C.fail(op, f"shape must be a list of 4 ints [a, b, c, d], got {shape!r}")
+    for k, s in enumerate(shape):
+        if isinstance(s, bool) or not isinstance(s, (int, torch.SymInt)):
+            C.fail(op, f"shape[{k}] must be an int, got {s!r}")
+        C.expect(s >= 0, op, lambda: f"shape must hold non-negative sizes [a, b, c, d], got {list(shape)}")
+    a, b, c, d = shape
+
+    def _match(name, dim, actual, letter, expected):
+        C.expect(actual == expected, op, lambda: (
+            f"{name}.shape[{dim}] is {actual} but shape={list(shape)} requires {letter}={expected} "
+            f"(shape must match the factors)"))
+
+    for side, wa, wb, rows, cols, lr, lc in (("1", w1a, w1b, a, b, "a", "b"), ("2", w2a, w2b, c, d, "c", "d")):
+        na, nb = f"w{side}a", f"w{side}b"
+        if wb is None:
+            C.tensor(op, na, wa, 2, f"({lr}, {lc}) when {nb} is None")
+            _match(na, 0, wa.shape[0], lr, rows)
+            _match(na, 1, wa.shape[1], lc, cols)
+        else:
+            C.tensor(op, na, wa, 2, f"({lr}, r{side})")
+            C.tensor(op, nb, wb, 2, f"(r{side}, {lc})")
+            _match(na, 0, wa.shape[0], lr, rows)
+            _match(nb, 1, wb.shape[1], lc, cols)
+            C.size(op, f"{nb}.shape[0] (r{side}, the rank of {na})", wb.shape[0], wa.shape[1])
+    return a, b, c, d
+
+
+def check_lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
+    op = "lokr_merge_fwd"
+    a, b, c, d = _check_factored(op, w1a, w1b, w2a, w2b, shape)
+    _gamma(op, gamma)
+    out_shape = (a * c, b * d)
+    if base is not None:
+        C.tensor(op, "base", base, 2, "(a*c, b*d)")
+        C.shape(op, "base", base, out_shape, "(a*c, b*d)")
+    C.same_device(op, w1a=w1a, w1b=w1b, w2a=w2a, w2b=w2b, base=base)
+    C.compute_dtype(op, w1a=w1a, w1b=w1b, w2a=w2a, w2b=w2b, base=base)
+    return ((out_shape, C.out_dtype(op, out_dtype, w2a.dtype)),)
+
+
+def _side(wa, wb, cd, acc):
+    """The whole side in acc dtype: wa·wb (fp32 accumulation, not rounded) or wa."""
+    if wb is None:
+        return _up(wa, cd, acc)
+    return _up(wa, cd, acc) @ _up(wb, cd, acc)
+
+
+def lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
+    """``Y = γ·kron(w1a·w1b | w1a, w2a·w2b | w2a) [+ base]`` (OPS.md §2.3.3).
+
+    ``shape`` = [a, b, c, d]: w1a (a, r1) with w1b (r1, b), or w1a (a, b) whole
+    when w1b is None; w2a (c, r2) with w2b (r2, d), or w2a (c, d) whole. For a
+    conv w2 flattened to (·, d·Kk), ``shape[3]`` is that column count d·Kk.
+    Either, both or neither side may be factored. The sides are generated in
+    fp32 and not rounded before the Kronecker multiply. Output (a·c, b·d) in
+    ``out_dtype``, default w2a's dtype. A ``shape`` inconsistent with the factors
+    raises ValueError naming ``shape``.
+    """
+    ((_, dtype),) = check_lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype)
+    cd = C.compute_dtype("lokr_merge_fwd", w1a=w1a, w1b=w1b, w2a=w2a, w2b=w2b)
+    acc = _acc(cd)
+    ep = _epilogue_dtype(acc, base)
+    y = _kron(_side(w1a, w1b, cd, acc), _side(w2a, w2b, cd, acc)).to(ep) * float(gamma)
+    if base is not None:
+        y = y + base.to(ep)
+    return y.to(dtype).contiguous()
+
+
+def check_lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
+    op = "lokr_merge_bwd"
+    a, b, c, d = _check_factored(op, w1a, w1b, w2a, w2b, shape)
+    _gamma(op, gamma)
+    C.tensor(op, "grad", grad, 2, "(a*c, b*d)")
+    C.shape(op, "grad", grad, (a * c, b * d), "(a*c, b*d)")
+    C.same_device(op, grad=grad, w1a=w1a, w1b=w1b, w2a=w2a, w2b=w2b)
+    C.compute_dtype(op, grad=grad, w1a=w1a, w1b=w1b, w2a=w2a, w2b=w2b)
+    return (
+        (tuple(w1a.shape), w1a.dtype),
+        ((0,), w1a.dtype) if w1b is None else (tuple(w1b.shape), w1b.dtype),
+        (tuple(w2a.shape), w2a.dtype),
+        ((0,), w2a.dtype) if w2b is None else (tuple(w2b.shape), w2b.dtype),
+    )
+
+
+def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
+    """Gradients of ``lokr_merge_fwd`` (OPS.md §2.3.4).
+
+    Regenerates w1, w2 (fp32), computes g_w1, g_w2 as in ``lokr_full_merge_bwd``
+    and chains through the factored sides: ``g_w1a = g_w1·w1bᵀ``,
+    ``g_w1b = w1aᵀ·g_w1`` (else ``g_w1a = g_w1``); the same for side 2. All in
+    fp32, rounded once. Returns (g_w1a, g_w1b, g_w2a, g_w2b), each in its own
+    input's dtype and shape; an absent b factor gives an empty tensor of shape
+    (0,) in its a partner's dtype.
+    """
+    specs = check_lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma)
+    cd = C.compute_dtype("lokr_merge_bwd", w1a=w1a, w1b=w1b, w2a=w2a, w2b=w2b)
+    acc = _acc(cd)
+    w1 = _side(w1a, w1b, cd, acc)
+    w2 = _side(w2a, w2b, cd, acc)
+    g_w1, g_w2 = _kron_grads(_up(grad, cd, acc), w1, w2, float(gamma))
+    outs = []
+    for g_w, wa, wb in ((g_w1, w1a, w1b), (g_w2, w2a, w2b)):
+        if wb is None:
+            outs += [g_w, None]
+        else:
+            outs += [g_w @ _up(wb, cd, acc).t(), _up(wa, cd, acc).t() @ g_w]
+    result = []
+    for g, (shp, dt) in zip(outs, specs):
+        if g is None:
+            result.append(grad.new_empty(shp, dtype=dt))
+        else:
+            result.append(g.to(dt).contiguous())
+    return tuple(result)
+
+
+# ---------------------------------------------------------------------------
+# lokr_bypass_fwd / lokr_bypass_bwd
+
+
+def check_lokr_bypass_fwd(x, w1, w2, gamma, base=None):
+    op = "lokr_bypass_fwd"
+    C.tensor(op, "x", x, 2, "(T, b*d)")
+    C.tensor(op, "w1", w1, 2, "(a, b)")
+    C.tensor(op, "w2", w2, 2, "(c, d)")
+    _gamma(op, gamma)
+    a, b = w1.shape
+    c, d = w2.shape
+    T = x.shape[0]
+    C.size(op, "x.shape[1] (I = b*d = w1.shape[1]*w2.shape[1])", x.shape[1], b * d)
+    if base is not None:
+        C.tensor(op, "base", base, 2, "(T, a*c)")
+        C.shape(op, "base", base, (T, a * c), "(T, a*c)")
+    C.same_device(op, x=x, w1=w1, w2=w2, base=base)
+    C.compute_dtype(op, x=x, w1=w1, w2=w2, base=base)
+    return (((T, a * c), x.dtype if base is None else base.dtype),)
+
+
+def lokr_bypass_fwd(x, w1, w2, gamma, base=None):
+    """``Y = γ·x·kron(w1, w2)ᵀ [+ base]`` without forming the Kronecker product
+    (OPS.md §2.3.5).
+
+    x (T, b·d), w1 (a, b), w2 (c, d), base (T, a·c) optional. Per token,
+    ``X_t = reshape(x_t, (b, d))`` and ``Y_t = γ·vec(w1·X_t·w2ᵀ)``: two batched
+    products with fp32 accumulation (no intermediate rounding), γ and base in
+    fp32. Output (T, a·c) in base's dtype when given, else x's.
+    """
+    ((_, dtype),) = check_lokr_bypass_fwd(x, w1, w2, gamma, base)
+    cd = C.compute_dtype("lokr_bypass_fwd", x=x, w1=w1, w2=w2)
+    acc = _acc(cd)
+    a, b = w1.shape
+    c, d = w2.shape
+    T = x.shape[0]
+    X = _up(x, cd, acc).reshape(T, b, d)
+    w1c, w2c = _up(w1, cd, acc), _up(w2, cd, acc)
+    # two orders give the same value; take the cheaper (weight dims only: no guard on T)
+    if b * c * (a + d) <= a * d * (b + c):
+        y = torch.matmul(w1c, torch.matmul(X, w2c.t()))  # (T, b, c) then (T, a, c)
+    else:
+        y = torch.matmul(torch.matmul(w1c, X), w2c.t())  # (T, a, d) then (T, a, c)
+    ep = _epilogue_dtype(acc, base)
+    y = y.reshape(T, a * c).to(ep) * float(gamma)
+    if base is not None:
+        y = y + base.to(ep)
+    return y.to(dtype).contiguous()
+
+
+def check_lokr_bypass_bwd(grad, x, w1, w2, gamma):
+    op = "lokr_bypass_bwd"
+    C.tensor(op, "grad", grad, 2, "(T, a*c)")
+    C.tensor(op, "x", x, 2, "(T, b*d)")
+    C.tensor(op, "w1", w1, 2, "(a, b)")
+    C.tensor(op, "w2", w2, 2, "(c, d)")
+    _gamma(op, gamma)
+    a, b = w1.shape
+    c, d = w2.shape
+    T = x.shape[0]
+    C.size(op, "x.shape[1] (I = b*d = w1.shape[1]*w2.shape[1])", x.shape[1], b * d)
+    C.shape(op, "grad", grad, (T, a * c), "(T, a*c)")
+    C.same_device(op, grad=grad, x=x, w1=w1, w2=w2)
+    C.compute_dtype(op, grad=grad, x=x, w1=w1, w2=w2)
+    return (((T, b * d), x.dtype), ((a, b), w1.dtype), ((c, d), w2.dtype))
+
+
+def lokr_bypass_bwd(grad, x, w1, w2, gamma):
+    """Gradients of ``lokr_bypass_fwd`` (OPS.md §2.3.6).
+
+    With ``G_t = reshape(G[t], (a, c))`` and ``X_t = reshape(x[t], (b, d))``:
+    ``gX_t = γ·w1ᵀ·G_t·w2`` (flattened row-major into gx[t]),
+    ``g_w1 = γ·Σ_t G_t·w2·X_tᵀ``, ``g_w2 = γ·Σ_t G_tᵀ·w1·X_t``. G and the operands
+    are cast to the compute dtype of (x, w1, w2); fp32 accumulation, one
+    rounding. Returns (gx (T, b·d) in x's dtype, g_w1 (a, b) in w1's dtype,
+    g_w2 (c, d) in w2's dtype).
+    """
+    (_, dx), (_, d1), (_, d2) = check_lokr_bypass_bwd(grad, x, w1, w2, gamma)
+    cd = C.compute_dtype("lokr_bypass_bwd", x=x, w1=w1, w2=w2)
+    acc = _acc(cd)
+    gamma = float(gamma)
+    a, b = w1.shape
+    c, d = w2.shape
+    T = x.shape[0]
+    G = _up(grad, cd, acc).reshape(T, a, c)
+    X = _up(x, cd, acc).reshape(T, b, d)
+    w1c, w2c = _up(w1, cd, acc), _up(w2, cd, acc)
+    H = torch.matmul(G, w2c)  # (T, a, d) = G_t·w2
+    gx = torch.matmul(w1c.t(), H).reshape(T, b * d) * gamma
+    g_w1 = torch.einsum("tad,tbd->ab", H, X) * gamma
+    P = torch.matmul(w1c, X)  # (T, a, d) = w1·X_t
+    g_w2 = torch.einsum("tac,tad->cd", G, P) * gamma
+    return gx.to(dx).contiguous(), g_w1.to(d1).contiguous(), g_w2.to(d2).contiguous()
