@@ -1,0 +1,36 @@
+"""Scaled add (OPS.md §2.8): ``add_scaled`` (Full and Norms merges).
+
+No bwd op: the autograd gives ``g_base = G`` and ``g_delta = γ·G``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _checks as C
+
+
+def check_add_scaled(base, delta, gamma):
+    """-> ((base shape, base.dtype),). base and delta must have equal numel."""
+    op = "add_scaled"
+    C.tensor(op, "base", base)
+    C.tensor(op, "delta", delta)
+    C.float_arg(op, "gamma", gamma)
+    C.expect(delta.numel() == base.numel(), op,
+             lambda: f"delta must have as many elements as base ({base.numel()}, shape "
+                     f"{tuple(base.shape)}), got {delta.numel()} (shape {tuple(delta.shape)})")
+    C.same_device(op, base=base, delta=delta)
+    C.compute_dtype(op, base=base, delta=delta)  # float16 + bfloat16 -> error
+    return ((tuple(base.shape), base.dtype),)
+
+
+def add_scaled(base, delta, gamma):
+    """``out = base + γ·delta`` elementwise.
+
+    base: any shape; delta: any float dtype (not float16 with bfloat16) and
+    shape with base's numel, read in row-major order. fp32 arithmetic (fp64 when
+    either is fp64); out in base's shape and dtype.
+    """
+    check_add_scaled(base, delta, gamma)
+    cdt = torch.float64 if torch.float64 in (base.dtype, delta.dtype) else torch.float32
+    out = torch.add(base.to(cdt), delta.reshape(base.shape).to(cdt), alpha=gamma)
+    return out.to(base.dtype).contiguous()
