@@ -22,9 +22,14 @@ def fail(op: str, message: str) -> None:
 
 
 def expect(cond, op: str, message) -> None:
-    """Check ``cond`` (a bool or SymBool); ``message`` may be a str or a callable."""
-    msg = message if callable(message) else (lambda: message)
-    torch._check_value(cond, lambda: f"lycoris.{op}: {msg()}")
+    """Check ``cond`` (a bool or SymBool); symbolic conditions become guards.
+
+    ``message`` (a str, or a callable returning one) is rendered before the
+    check: Dynamo traces ``torch._check_value`` only with a message closure over
+    constants, and the compile tier runs these checks too.
+    """
+    text = f"lycoris.{op}: {message() if callable(message) else message}"
+    torch._check_value(cond, lambda: text)
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -45,16 +50,18 @@ def tensor(op: str, name: str, t, ndim: Optional[int] = None, layout: str = "") 
 
 def size(op: str, what: str, actual, expected) -> None:
     """``actual == expected`` for one dimension; ``what`` reads like 'x.shape[1] (I)'."""
-    expect(actual == expected, op, lambda: f"{what} must be {expected}, got {actual}")
+    # the message is built eagerly: a closure over sizes cannot be traced by Dynamo
+    expect(actual == expected, op, f"{what} must be {expected}, got {actual}")
 
 
 def shape(op: str, name: str, t: torch.Tensor, expected: Sequence, layout: str = "") -> None:
     """The whole shape of ``t`` equals ``expected`` (after the rank check)."""
     expected = tuple(expected)
+    message = f"{name} must have shape {expected}{' ' + layout if layout else ''}, got {_shape(t)}"
     if t.dim() != len(expected):
-        fail(op, f"{name} must have shape {tuple(expected)}{' ' + layout if layout else ''}, got {_shape(t)}")
-    for d, (a, e) in enumerate(zip(t.shape, expected)):
-        expect(a == e, op, lambda: f"{name} must have shape {tuple(expected)}{' ' + layout if layout else ''}, got {_shape(t)}")
+        fail(op, message)
+    for a, e in zip(t.shape, expected):
+        expect(a == e, op, message)
 
 
 def same_device(op: str, **named) -> torch.device:
