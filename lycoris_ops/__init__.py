@@ -1,0 +1,33 @@
+"""lycoris_ops: the fused LyCORIS adapter ops as ``torch.ops.lycoris.*`` custom ops.
+
+Importing this package loads the prebuilt schema library (``lycoris_ops._C``,
+built by ``pip install``; nothing is compiled at import), then registers the CPU
+and CUDA kernels, the fakes and the autograd formulas of all 23 ops.
+"""
+from __future__ import annotations
+
+import torch  # noqa: F401  (loads libtorch, which _C links against)
+
+try:
+    from . import _C
+except ImportError as exc:  # pragma: no cover - only without a build
+    raise ImportError(
+        "lycoris_ops._C is not built. Install the package first: "
+        "pip install torch==2.13.0 && pip install --no-build-isolation -e ."
+    ) from exc
+
+#: the 23 op names, in schema order (the table lives in csrc/schemas.h)
+OP_NAMES = tuple(s.split("(", 1)[0] for s in _C.schemas())
+
+from .dispatch import available_backends, fused_backends, resolve_backend  # noqa: E402
+from .dispatch import set_backend, use_backend  # noqa: E402
+from . import registry as _registry  # noqa: E402  CPU/CUDA kernels
+from . import fakes as _fakes  # noqa: E402  fake (meta) kernels
+from . import autograd as _autograd  # noqa: E402  autograd on the ops
+from . import functional  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = [
+    "OP_NAMES", "functional", "__version__",
+    "available_backends", "fused_backends", "resolve_backend", "set_backend", "use_backend",
+]

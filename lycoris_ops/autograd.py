@@ -1,0 +1,404 @@
+"""Autograd registered on the ops themselves, in schema order.
+
+Each forward op's backward calls its ``*_bwd`` op (``lora_merge_fwd`` in mode
+``sum``, ``lora_tucker_fwd`` and ``add_scaled`` differentiate through their own
+rules, OPS.md §2). The ``*_bwd`` ops are first-order only: differentiating
+through one raises a clear error instead of returning a silent zero.
+"""
+from __future__ import annotations
+
+import torch
+from torch.library import register_autograd
+
+lycoris = torch.ops.lycoris
+
+
+def _cast(grad, like):
+    """A gradient in its input's dtype, or None when the input is absent/not needed."""
+    if grad is None or like is None:
+        return None
+    return grad if grad.dtype == like.dtype else grad.to(like.dtype)
+
+
+def _no_double_backward(op_name):
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"lycoris.{op_name} is a first-order backward op: double backward "
+            "(create_graph=True through a lycoris op, then differentiating again) is not supported"
+        )
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    register_autograd(f"lycoris::{op_name}", backward, setup_context=setup_context)
+
+
+# --- lora ---
+from ._checks import compute_dtype as _lora_compute_dtype
+from .reference import mm32 as _lora_mm32
+
+
+def _lora_acc_cast(t, c):
+    """t rounded to the compute dtype c, then widened to its accumulation dtype."""
+    acc = torch.float64 if c == torch.float64 else torch.float32
+    return None if t is None else t.to(c).to(acc)
+
+
+def _lora_merge_fwd_setup(ctx, inputs, output):
+    a1, b1, a2, b2, base, gamma, mode = inputs[:7]
+    ctx.gamma, ctx.mode = gamma, mode
+    ctx.base_dtype = None if base is None else base.dtype
+    if mode == "plain":
+        ctx.save_for_backward(a1, b1)
+    else:
+        ctx.save_for_backward(a1, b1, a2, b2)
+
+
+def _lora_merge_fwd_backward(ctx, grad):
+    need = ctx.needs_input_grad
+    g_base = grad.to(ctx.base_dtype) if need[4] else None
+    rest = (None,) * (len(need) - 5)
+    if not any(need[:4]):
+        return (None, None, None, None, g_base) + rest
+    gamma = ctx.gamma
+    if ctx.mode == "plain":
+        a1, b1 = ctx.saved_tensors
+        g_a1, g_b1 = lycoris.lora_merge_bwd(grad, a1, b1, gamma)
+        grads = (g_a1, g_b1, None, None)
+    elif ctx.mode == "hada":
+        grads = lycoris.loha_merge_bwd(grad, *ctx.saved_tensors, gamma)
+    else:  # sum: no bwd op, eager (differentiable again): g_a = γ·G·bᵀ, g_b = γ·aᵀ·G
+        a1, b1, a2, b2 = ctx.saved_tensors
+        c = _lora_compute_dtype("lora_merge_fwd", a1=a1, b1=b1, a2=a2, b2=b2)
+        gs = _lora_acc_cast(grad, c) * gamma
+        A1, B1, A2, B2 = (_lora_acc_cast(t, c) for t in (a1, b1, a2, b2))
+        grads = (
+            (gs @ B1.t()).to(a1.dtype) if need[0] else None,
+            (A1.t() @ gs).to(b1.dtype) if need[1] else None,
+            (gs @ B2.t()).to(a2.dtype) if need[2] else None,
+            (A2.t() @ gs).to(b2.dtype) if need[3] else None,
+        )
+    grads = tuple(g if n else None for g, n in zip(grads, need[:4]))
+    return grads + (g_base,) + rest
+
+
+register_autograd("lycoris::lora_merge_fwd", _lora_merge_fwd_backward, setup_context=_lora_merge_fwd_setup)
+
+
+def _lora_bypass_fwd_setup(ctx, inputs, output):
+    x, up, down, gamma = inputs[:4]
+    base = inputs[4] if len(inputs) > 4 else None
+    ctx.gamma = gamma
+    ctx.base_dtype = None if base is None else base.dtype
+    ctx.save_for_backward(x, up, down)
+
+
+def _lora_bypass_fwd_backward(ctx, grad):
+    need = ctx.needs_input_grad
+    g_base = grad.to(ctx.base_dtype) if len(need) > 4 and need[4] else None
+    gx = g_up = g_down = None
+    if any(need[:3]):
+        x, up, down = ctx.saved_tensors
+        gx, g_up, g_down = lycoris.lora_bypass_bwd(grad, x, up, down, ctx.gamma)
+    out = (gx if need[0] else None, g_up if need[1] else None, g_down if need[2] else None, None)
+    return out + ((g_base,) if len(need) > 4 else ())
+
+
+register_autograd("lycoris::lora_bypass_fwd", _lora_bypass_fwd_backward, setup_context=_lora_bypass_fwd_setup)
+
+
+def _lora_tucker_fwd_setup(ctx, inputs, output):
+    a1, t1, b1, a2, t2, b2, gamma = inputs
+    ctx.gamma = gamma
+    ctx.save_for_backward(a1, t1, b1, a2, t2, b2)
+
+
+def _lora_tucker_chain(a, t, b):
+    """(AT, C): AT[o,q,κ] = Σ_p a[o,p]·t[p,q,κ] (O, R', Kk); C = Σ_q AT[o,q,κ]·b[q,i] (O, I, Kk)."""
+    at = (a @ t.reshape(t.shape[0], -1)).reshape(a.shape[0], t.shape[1], t.shape[2])
+    return at, b.t() @ at
+
+
+def _lora_tucker_grads(gs, a, t, b, at, need):
+    """Grads of C[o,i,κ] = Σ a[o,p]·t[p,q,κ]·b[q,i] for the incoming gs (O, I, Kk):
+    g_a = Σ gs·t·b, g_t = Σ a·gs·b, g_b = Σ a·t·gs (matmuls, no n-ary einsum)."""
+    O, Ra, Rb, Kk = a.shape[0], t.shape[0], t.shape[1], t.shape[2]
+    g_a = g_t = g_b = None
+    if need[0] or need[1]:
+        g_at = (b @ gs).reshape(O, Rb * Kk)  # (Rb, I) @ (O, I, Kk) -> (O, Rb, Kk)
+        if need[0]:
+            g_a = g_at @ t.reshape(Ra, Rb * Kk).t()
+        if need[1]:
+            g_t = (a.t() @ g_at).reshape(Ra, Rb, Kk)
+    if need[2]:
+        g_b = at.permute(1, 0, 2).reshape(Rb, O * Kk) @ gs.permute(0, 2, 1).reshape(O * Kk, gs.shape[1])
+    return g_a, g_t, g_b
+
+
+def _lora_tucker_fwd_backward(ctx, grad):
+    """No bwd op (OPS.md §2.1.5): eager contractions with Gs = γ·G; for two chains the
+    chain-1 grads use Gs ⊙ C2 and the chain-2 grads Gs ⊙ C1 (both recomputed).
+    Differentiable again (double backward works)."""
+    need = ctx.needs_input_grad
+    saved = ctx.saved_tensors
+    if not any(need[:6]):
+        return (None,) * 7
+    c = _lora_compute_dtype("lora_tucker_fwd", **dict(zip(("a1", "t1", "b1", "a2", "t2", "b2"), saved)))
+    A1, T1, B1, A2, T2, B2 = (_lora_acc_cast(t, c) for t in saved)
+    gs = _lora_acc_cast(grad, c) * ctx.gamma
+    AT1, C1 = _lora_tucker_chain(A1, T1, B1)
+    if A2 is None:
+        grads = _lora_tucker_grads(gs, A1, T1, B1, AT1, need[:3]) + (None, None, None)
+    else:
+        AT2, C2 = _lora_tucker_chain(A2, T2, B2)
+        grads = (_lora_tucker_grads(gs * C2, A1, T1, B1, AT1, need[:3])
+                 + _lora_tucker_grads(gs * C1, A2, T2, B2, AT2, need[3:6]))
+    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, saved)) + (None,)
+
+
+register_autograd("lycoris::lora_tucker_fwd", _lora_tucker_fwd_backward, setup_context=_lora_tucker_fwd_setup)
+# --- end lora ---
+
+# --- loha ---
+def _loha_bypass_fwd_setup(ctx, inputs, output):
+    x, a1, b1, a2, b2, gamma = inputs[:6]
+    base = inputs[6] if len(inputs) > 6 else None
+    ctx.gamma = gamma
+    ctx.base_dtype = None if base is None else base.dtype
+    ctx.save_for_backward(x, a1, b1, a2, b2)
+
+
+def _loha_bypass_fwd_backward(ctx, grad):
+    need = ctx.needs_input_grad
+    g_base = grad.to(ctx.base_dtype) if len(need) > 6 and need[6] else None
+    grads = (None,) * 5
+    if any(need[:5]):
+        grads = lycoris.loha_bypass_bwd(grad, *ctx.saved_tensors, ctx.gamma)
+    out = tuple(g if n else None for g, n in zip(grads, need[:5])) + (None,)
+    return out + ((g_base,) if len(need) > 6 else ())
+
+
+register_autograd("lycoris::loha_bypass_fwd", _loha_bypass_fwd_backward, setup_context=_loha_bypass_fwd_setup)
+# --- end loha ---
+
+# --- lokr ---
+def _lokr_full_merge_fwd_setup(ctx, inputs, output):
+    w1, w2, base, gamma = inputs[:4]
+    ctx.save_for_backward(w1, w2)
+    ctx.gamma = gamma
+    ctx.base_dtype = None if base is None else base.dtype
+
+
+def _lokr_full_merge_fwd_backward(ctx, grad):
+    w1, w2 = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    g_w1 = g_w2 = g_base = None
+    if need[0] or need[1]:
+        g_w1, g_w2 = lycoris.lokr_full_merge_bwd(grad, w1, w2, ctx.gamma)
+        g_w1 = g_w1 if need[0] else None
+        g_w2 = g_w2 if need[1] else None
+    if ctx.base_dtype is not None and need[2]:
+        g_base = grad.to(ctx.base_dtype)
+    return g_w1, g_w2, g_base, None, None
+
+
+register_autograd("lycoris::lokr_full_merge_fwd", _lokr_full_merge_fwd_backward,
+                  setup_context=_lokr_full_merge_fwd_setup)
+
+
+def _lokr_merge_fwd_setup(ctx, inputs, output):
+    w1a, w1b, w2a, w2b, shape, base, gamma = inputs[:7]
+    ctx.save_for_backward(w1a, w1b, w2a, w2b)
+    ctx.shape = list(shape)
+    ctx.gamma = gamma
+    ctx.base_dtype = None if base is None else base.dtype
+
+
+def _lokr_merge_fwd_backward(ctx, grad):
+    w1a, w1b, w2a, w2b = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    grads = [None, None, None, None]
+    if any(need[:4]):
+        outs = lycoris.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, ctx.shape, ctx.gamma)
+        for k, (g, w) in enumerate(zip(outs, (w1a, w1b, w2a, w2b))):
+            # an absent b factor comes back as an empty tensor: map it to None
+            grads[k] = g if (w is not None and need[k]) else None
+    g_base = grad.to(ctx.base_dtype) if ctx.base_dtype is not None and need[5] else None
+    return grads[0], grads[1], grads[2], grads[3], None, g_base, None, None
+
+
+register_autograd("lycoris::lokr_merge_fwd", _lokr_merge_fwd_backward, setup_context=_lokr_merge_fwd_setup)
+
+
+def _lokr_bypass_fwd_setup(ctx, inputs, output):
+    x, w1, w2, gamma = inputs[:4]
+    base = inputs[4] if len(inputs) > 4 else None
+    ctx.save_for_backward(x, w1, w2)
+    ctx.gamma = gamma
+    ctx.base_dtype = None if base is None else base.dtype
+
+
+def _lokr_bypass_fwd_backward(ctx, grad):
+    x, w1, w2 = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    gx = g_w1 = g_w2 = g_base = None
+    if need[0] or need[1] or need[2]:
+        gx, g_w1, g_w2 = lycoris.lokr_bypass_bwd(grad, x, w1, w2, ctx.gamma)
+        gx = gx if need[0] else None
+        g_w1 = g_w1 if need[1] else None
+        g_w2 = g_w2 if need[2] else None
+    if ctx.base_dtype is not None and need[4]:
+        g_base = grad.to(ctx.base_dtype)
+    return gx, g_w1, g_w2, None, g_base
+
+
+register_autograd("lycoris::lokr_bypass_fwd", _lokr_bypass_fwd_backward, setup_context=_lokr_bypass_fwd_setup)
+# --- end lokr ---
+
+# --- dora ---
+def _dora_fwd_setup(ctx, inputs, output):
+    w, dscale, mult, row_axis, delta = inputs
+    ctx.mark_non_differentiable(output[1])  # norms: saved statistics, not differentiable
+    ctx.mult, ctx.row_axis = mult, row_axis
+    ctx.save_for_backward(w, dscale, delta, output[1])
+
+
+def _dora_fwd_backward(ctx, grad_y, grad_norms):
+    w, dscale, delta, norms = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if grad_y is None or not (need[0] or need[1] or (delta is not None and need[4])):
+        return None, None, None, None, None
+    g_m, g_d = lycoris.dora_bwd(grad_y, w, dscale, norms, ctx.mult, ctx.row_axis, delta)
+    return (
+        _cast(g_m, w) if need[0] else None,
+        _cast(g_d, dscale).reshape(dscale.shape) if need[1] else None,
+        None,
+        None,
+        _cast(g_m, delta) if delta is not None and need[4] else None,
+    )
+
+
+register_autograd("lycoris::dora_fwd", _dora_fwd_backward, setup_context=_dora_fwd_setup)
+# --- end dora ---
+
+# --- oft ---
+def _oft_fwd_setup(ctx, inputs, output):
+    blocks, x, rescale, cscale, shift, weight = inputs
+    ctx.save_for_backward(blocks, x, rescale)
+    ctx.cscale, ctx.shift, ctx.weight = cscale, shift, weight
+    ctx.has_rescale = rescale is not None
+
+
+def _oft_fwd_backward(ctx, grad):
+    # cscale is a constant float: no gradient flows through the constraint norm here
+    # (functional.diag_oft folds an active constraint into the blocks instead).
+    blocks, x, rescale = ctx.saved_tensors
+    need_b, need_x, need_r = ctx.needs_input_grad[:3]
+    if not (need_b or need_x or (need_r and ctx.has_rescale)):
+        return None, None, None, None, None, None
+    gx, g_blocks, g_rescale = lycoris.oft_bwd(grad, blocks, x, rescale if ctx.has_rescale else None,
+                                              ctx.cscale, ctx.shift, ctx.weight)
+    g_r = None
+    if ctx.has_rescale and need_r:
+        g_r = _cast(g_rescale.reshape(rescale.shape), rescale)
+    return (_cast(g_blocks, blocks) if need_b else None,
+            _cast(gx, x) if need_x else None,
+            g_r, None, None, None)
+
+
+register_autograd("lycoris::oft_fwd", _oft_fwd_backward, setup_context=_oft_fwd_setup)
+# --- end oft ---
+
+# --- boft ---
+def _boft_fwd_setup(ctx, inputs, output):
+    blocks, x, axis, cscale, scale, rescale, diff = inputs
+    ctx.save_for_backward(blocks, x, rescale)
+    ctx.axis, ctx.cscale, ctx.scale, ctx.diff = axis, cscale, scale, diff
+    ctx.has_rescale = rescale is not None
+
+
+def _boft_fwd_backward(ctx, grad):
+    # OPS.md §3.6: boft_bwd differentiates the plain chain; rescale and diff are
+    # handled here. cscale and scale are constant floats (no gradient through them).
+    blocks, x, rescale = ctx.saved_tensors
+    need_b, need_x = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    need_r = ctx.has_rescale and ctx.needs_input_grad[5]
+    ax = ctx.axis % x.dim()
+    g_r = None
+    g_chain = grad
+    wd = torch.promote_types(grad.dtype, torch.float32)  # fp32 epilogue math (fp64 stays fp64)
+    if ctx.has_rescale:
+        bshape = [1] * x.dim()
+        bshape[ax] = x.shape[ax]
+        rho = rescale.reshape(bshape)
+        if need_r:
+            pre = lycoris.boft_fwd(blocks, x, ctx.axis, ctx.cscale, ctx.scale, None, False)
+            dims = [d for d in range(x.dim()) if d != ax]
+            g_r = grad.to(wd) * pre.to(wd)
+            g_r = g_r.sum(dim=dims) if dims else g_r
+            g_r = _cast(g_r.reshape(rescale.shape), rescale)
+        if need_b or need_x:
+            g_chain = grad.to(wd) * rho.to(wd)
+    g_b = g_x = None
+    if need_b or need_x:
+        g_x, g_b = lycoris.boft_bwd(g_chain, blocks, x, ctx.axis, ctx.cscale, ctx.scale)
+        if ctx.diff and need_x:
+            g_x = g_x - grad.to(g_x.dtype)
+    return (_cast(g_b, blocks) if need_b else None,
+            _cast(g_x, x) if need_x else None,
+            None, None, None, g_r, None)
+
+
+register_autograd("lycoris::boft_fwd", _boft_fwd_backward, setup_context=_boft_fwd_setup)
+# --- end boft ---
+
+# --- ia3 ---
+def _ia3_fwd_setup(ctx, inputs, output):
+    x, w, channel_axis, alpha, gamma = inputs
+    ctx.args = (channel_axis, alpha, gamma)
+    ctx.save_for_backward(x, w)
+
+
+def _ia3_fwd_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if grad is None or not (need[0] or need[1]):
+        return None, None, None, None, None
+    gx, gw = lycoris.ia3_bwd(grad, x, w, *ctx.args)
+    return (_cast(gx, x) if need[0] else None, _cast(gw, w) if need[1] else None, None, None, None)
+
+
+register_autograd("lycoris::ia3_fwd", _ia3_fwd_backward, setup_context=_ia3_fwd_setup)
+# --- end ia3 ---
+
+# --- add ---
+def _add_scaled_setup(ctx, inputs, output):
+    base, delta, gamma = inputs
+    ctx.gamma = gamma
+    ctx.base_dtype, ctx.delta_dtype, ctx.delta_shape = base.dtype, delta.dtype, delta.shape
+
+
+def _add_scaled_backward(ctx, grad):
+    # g_base = G, g_delta = γ·G (fp32 math for 16-bit G), each in its input's dtype.
+    # Plain torch ops: the rule is exact and linear, so double backward works here.
+    need = ctx.needs_input_grad
+    if grad is None:
+        return None, None, None
+    g_base = grad.to(ctx.base_dtype) if need[0] else None
+    g_delta = None
+    if need[1]:
+        wide = torch.promote_types(grad.dtype, torch.float32)
+        g_delta = (grad.to(wide) * ctx.gamma).to(ctx.delta_dtype).reshape(ctx.delta_shape)
+    return g_base, g_delta, None
+
+
+register_autograd("lycoris::add_scaled", _add_scaled_backward, setup_context=_add_scaled_setup)
+# --- end add ---
+
+
+for _name in (
+    "lora_merge_bwd", "lora_bypass_bwd", "loha_merge_bwd", "loha_bypass_bwd",
+    "lokr_full_merge_bwd", "lokr_merge_bwd", "lokr_bypass_bwd", "dora_bwd",
+    "oft_bwd", "boft_bwd", "ia3_bwd",
+):
+    _no_double_backward(_name)

@@ -1,0 +1,47 @@
+"""CPU and CUDA kernels of the 23 ops.
+
+CPU: the eager body (``reference/<family>.py``), or the compile tier when it is
+named. CUDA: the body chosen per call by ``select`` (a fused op set, the
+compile tier or the same eager body).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import OP_NAMES, reference
+from .reference import add, boft, dora, ia3, lokr, lora, loha, oft
+
+#: op name -> family module of reference/ (and of triton/, tilelang/, plans/)
+FAMILY = {}
+for _module, _ops in (
+    (lora, ("lora_merge_fwd", "lora_merge_bwd", "lora_bypass_fwd", "lora_bypass_bwd", "lora_tucker_fwd")),
+    (loha, ("loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd")),
+    (lokr, ("lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd", "lokr_merge_bwd",
+            "lokr_bypass_fwd", "lokr_bypass_bwd")),
+    (dora, ("dora_fwd", "dora_bwd")),
+    (oft, ("oft_fwd", "oft_bwd")),
+    (boft, ("boft_fwd", "boft_bwd")),
+    (ia3, ("ia3_fwd", "ia3_bwd")),
+    (add, ("add_scaled",)),
+):
+    for _op in _ops:
+        FAMILY[_op] = _module
+assert tuple(FAMILY) == OP_NAMES, "registry.FAMILY must list the ops in schema order"
+
+
+def eager(op: str):
+    """The eager body of ``op`` (its CPU kernel)."""
+    return getattr(FAMILY[op], op)
+
+
+def _register():
+    from .select import cpu_kernel, cuda_kernel
+
+    for op in OP_NAMES:
+        body = eager(op)
+        # CPU: the eager body (routed through the choice only when `compile` is named)
+        torch.library.impl(f"lycoris::{op}", "CPU")(cpu_kernel(op, body))
+        torch.library.impl(f"lycoris::{op}", "CUDA")(cuda_kernel(op, body))
+
+
+_register()
