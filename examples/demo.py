@@ -17,7 +17,7 @@ def eager_formula(m, x):
     """The same model written with plain torch (no lycoris ops)."""
     xf = x.reshape(-1, x.shape[-1])
     h = F.linear(xf, m.w1) + 0.5 * F.linear(F.linear(xf, m.lora_down), m.lora_up)
-    a1, b1, a2, b2 = m.hada
+    a1, b1, a2, b2 = m.hada_a1, m.hada_b1, m.hada_a2, m.hada_b2
     h = F.linear(torch.tanh(h), m.w2 + 0.3 * (a1 @ b1) * (a2 @ b2))
     h = h + 0.7 * F.linear(h, torch.kron(m.kron_w1, m.kron_w2))
     n = m.w3.norm(dim=1, keepdim=True) + torch.finfo(m.dora_scale.dtype).eps

@@ -26,7 +26,8 @@ class TinyAdapted(nn.Module):
         for w in (self.w1, self.w2, self.w3):
             w.requires_grad_(False)  # frozen base weights
         self.lora_up, self.lora_down = p(dim, rank), p(rank, dim)              # LoRA on w1 (bypass)
-        self.hada = nn.ParameterList([p(dim, rank), p(rank, dim), p(dim, rank), p(rank, dim)])  # LoHa on w2
+        # LoHa on w2 (four named factors: torch 2.11's Dynamo cannot unpack a ParameterList)
+        self.hada_a1, self.hada_b1, self.hada_a2, self.hada_b2 = p(dim, rank), p(rank, dim), p(dim, rank), p(rank, dim)
         self.kron_w1, self.kron_w2 = p(4, 4), p(dim // 4, dim // 4)          # LoKr on the w2 output
         self.dora_scale = nn.Parameter(self.w3.norm(dim=1).detach().clone())  # DoRA on w3
         self.oft_blocks = p(4, dim // 4, dim // 4, scale=0.05)                # diag-OFT on the output
@@ -37,7 +38,7 @@ class TinyAdapted(nn.Module):
         # LoRA: y = x·W1ᵀ + 0.5·(x·downᵀ)·upᵀ, base folded into the op's epilogue
         h = lycoris.lora_bypass_fwd(xf, self.lora_up, self.lora_down, 0.5, F.linear(xf, self.w1))
         # LoHa: W2 + 0.3·(a1·b1)⊙(a2·b2), merged with the base folded
-        w2 = lycoris.lora_merge_fwd(*self.hada, self.w2, 0.3, "hada")
+        w2 = lycoris.lora_merge_fwd(self.hada_a1, self.hada_b1, self.hada_a2, self.hada_b2, self.w2, 0.3, "hada")
         h = F.linear(torch.tanh(h), w2)
         # LoKr: + 0.7·x·kron(w1, w2)ᵀ without building the Kronecker product
         h = lycoris.lokr_bypass_fwd(h, self.kron_w1, self.kron_w2, 0.7, h)

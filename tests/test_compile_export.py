@@ -82,7 +82,9 @@ def test_export_keeps_ops_and_dynamic_batch():
 
 
 def _run_fresh(code: str):
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=900)
+    # -X faulthandler: a crash in the fresh process prints where it happened
+    out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", textwrap.dedent(code)],
+                         capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
