@@ -118,7 +118,7 @@ SCOPE: Dict[str, OpScope] = {
     # LoHa (MAX_HADA_RANK: the regenerated P tiles live in registers)
     "loha_merge_bwd": OpScope(measure=lambda grad, a1, b1, a2, b2, gamma: _rank(a1), limits=_RANK_128),
     "loha_bypass_fwd": OpScope(measure=lambda x, a1, b1, a2, b2, gamma, base=None: _rank(a1),
-                               limits=_RANK_128),
+                               limits={"rank": {"triton": None, ANY: 128}}),  # triton: materializes above 128
     "loha_bypass_bwd": OpScope(measure=lambda grad, x, a1, b1, a2, b2, gamma: _rank(a1), limits=_RANK_128),
     # LoKr: merges loop over the ranks (no cap, §2.3.3); the bypass keeps whole
     # padded factor dims in registers (the current kernels' cap, not the legacy
@@ -159,8 +159,9 @@ SCOPE: Dict[str, OpScope] = {
     # IA3: elementwise, every layout
     "ia3_fwd": OpScope(layout=lambda x, w, channel_axis, alpha, gamma: _ia3_layout(x, channel_axis)),
     "ia3_bwd": OpScope(layout=lambda grad, x, w, channel_axis, alpha, gamma: _ia3_layout(x, channel_axis)),
-    # add_scaled: TileLang's kernel takes one dtype (§6.20)
-    "add_scaled": OpScope(rules={"tilelang": _same_dtype}),
+    # add_scaled: elementwise; both backends read each operand in its own dtype
+    # (the reference TileLang kernel's one-dtype limit, §6.20, is lifted)
+    "add_scaled": OpScope(),
 }
 
 

@@ -1,0 +1,172 @@
+"""Small Triton helpers shared by the LoHa / LoKr / tucker kernels
+(``triton/loha.py``, ``triton/lokr.py``, ``triton/tucker.py``).
+
+* ``dot_wide``: ``w·z`` (or ``z·w``) where ``w`` is a compute-dtype operand and
+  ``z`` an fp32 intermediate that the spec keeps unrounded (LoKr's two chained
+  products). With 16-bit operands it splits ``z = hi + lo`` into two 16-bit
+  halves and runs two tensor-core dots (``SPLIT``), which keeps ~16 mantissa
+  bits of ``z`` (the fp32 eager chain keeps 24); fp32 (and the interpreter's
+  bf16 upcast) runs one IEEE fp32 dot. fp16 caveat: ``hi`` saturates where
+  ``|z|`` exceeds the fp16 range (65504), where the eager fp32 chain would not.
+* ``_reduce_kernel``: ``out = α·Σ_s part[s]`` for one or two fp32 partial
+  matrices (split-K reductions), cast to each output's dtype.
+* ``_mm_kernel``: ``out = α·X·Y`` for small chained products where one operand
+  is an fp32 split-K partial stack (summed in-kernel) and the other a factor
+  rounded to the compute dtype; IEEE fp32 dot.
+
+Nothing here allocates or launches on its own; the launchers live with the
+kernels that use them.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, num_sms, tl_dtype
+
+
+def compute_dtype(*dtypes) -> torch.dtype:
+    """OPS.md §1.3 without checks (arguments arrive validated): a 16-bit dtype
+    wins, else fp32 (fp64 only when every operand is fp64)."""
+    seen = set(d for d in dtypes if d is not None)
+    if torch.float16 in seen:
+        return torch.float16
+    if torch.bfloat16 in seen:
+        return torch.bfloat16
+    if torch.float32 in seen or not seen:
+        return torch.float32
+    return torch.float64
+
+
+def view_key(*ts):
+    """Hashable (shape, stride) of each tensor (None for an absent one)."""
+    return tuple(None if t is None else (tuple(t.shape), t.stride()) for t in ts)
+
+
+def split_count(work: int, device: torch.device, max_split: int, per_sm: int = 2) -> int:
+    """Splits of a reduction so that ``work·split`` is about ``per_sm`` programs per SM."""
+    if work <= 0:
+        return 1
+    return max(1, min(cdiv(per_sm * num_sms(device), work), max(1, max_split)))
+
+
+@triton.jit
+def dot_wide(w, z, acc, DOT: tl.constexpr, SPLIT: tl.constexpr, Z_LEFT: tl.constexpr):
+    """acc + w·z (Z_LEFT: acc + z·w); ``w`` already in the compute dtype, ``z`` fp32."""
+    if DOT == tl.float32:
+        wd = w.to(tl.float32)
+        if Z_LEFT:
+            acc = tl.dot(z, wd, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(wd, z, acc, input_precision="ieee")
+    else:
+        wd = w.to(DOT)
+        hi = z.to(DOT)
+        if Z_LEFT:
+            acc = tl.dot(hi, wd, acc)
+        else:
+            acc = tl.dot(wd, hi, acc)
+        if SPLIT:
+            lo = (z - hi.to(tl.float32)).to(DOT)
+            if Z_LEFT:
+                acc = tl.dot(lo, wd, acc)
+            else:
+                acc = tl.dot(wd, lo, acc)
+    return acc
+
+
+@triton.jit
+def _reduce_kernel(
+    p_ptr, o1_ptr, o2_ptr, M, N, S, alpha,
+    s_ps, s_pj, s_pm, s_pn, s_1m, s_1n, s_2m, s_2n,
+    TWO: tl.constexpr, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    """o1 = α·Σ_s p[s, 0], o2 = α·Σ_s p[s, 1] (TWO) over an (M, N) tile grid."""
+    pid = tl.program_id(0)
+    n_n = tl.cdiv(N, BN)
+    offs_m = (pid // n_n) * BM + tl.arange(0, BM)
+    offs_n = (pid % n_n) * BN + tl.arange(0, BN)
+    if IDX64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    pp = p_ptr + offs_m[:, None] * s_pm + offs_n[None, :] * s_pn
+    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
+    for _ in range(0, S):
+        acc1 += tl.load(pp, mask=mask, other=0.0)
+        if TWO:
+            acc2 += tl.load(pp + s_pj, mask=mask, other=0.0)
+        pp += s_ps
+    tl.store(o1_ptr + offs_m[:, None] * s_1m + offs_n[None, :] * s_1n,
+             (acc1 * alpha).to(o1_ptr.dtype.element_ty), mask=mask)
+    if TWO:
+        tl.store(o2_ptr + offs_m[:, None] * s_2m + offs_n[None, :] * s_2n,
+                 (acc2 * alpha).to(o2_ptr.dtype.element_ty), mask=mask)
+
+
+def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, idx64, block=(32, 64)):
+    """out1 (, out2) = α·Σ_s part[s(, j)] with explicit strides (elements)."""
+    bm, bn = block
+    grid = (cdiv(M, bm) * cdiv(N, bn),)
+    o2 = out1 if out2 is None else out2
+    o2s = o1s if out2 is None else o2s
+    _reduce_kernel[grid](part, out1, o2, M, N, S, alpha, ps, pj, pm, pn, o1s[0], o1s[1], o2s[0], o2s[1],
+                         TWO=out2 is not None, IDX64=idx64, BM=bm, BN=bn, num_warps=4)
+
+
+@triton.jit
+def _mm_kernel(
+    x_ptr, y_ptr, o_ptr, M, N, K, SX, SY, alpha,
+    s_xs, s_xm, s_xk, s_ys, s_yk, s_yn, s_om, s_on,
+    X_CD: tl.constexpr, Y_CD: tl.constexpr, CD: tl.constexpr, IDX64: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """o = α·(Σ_s x[s])·(Σ_s y[s]) in fp32 (IEEE dot); an operand flagged ``*_CD``
+    is rounded to the compute dtype first (a factor), otherwise it is an fp32
+    partial stack that is summed unrounded."""
+    pid = tl.program_id(0)
+    n_n = tl.cdiv(N, BN)
+    offs_m = (pid // n_n) * BM + tl.arange(0, BM)
+    offs_n = (pid % n_n) * BN + tl.arange(0, BN)
+    if IDX64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mask_k = offs_k < K
+        xp = x_ptr + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk
+        xm = mask_m[:, None] & mask_k[None, :]
+        xt = tl.zeros((BM, BK), dtype=tl.float32)
+        for _ in range(0, SX):
+            v = tl.load(xp, mask=xm, other=0.0)
+            if X_CD:
+                v = v.to(CD)
+            xt += v.to(tl.float32)
+            xp += s_xs
+        yp = y_ptr + offs_k[:, None] * s_yk + offs_n[None, :] * s_yn
+        ym = mask_k[:, None] & mask_n[None, :]
+        yt = tl.zeros((BK, BN), dtype=tl.float32)
+        for _ in range(0, SY):
+            v = tl.load(yp, mask=ym, other=0.0)
+            if Y_CD:
+                v = v.to(CD)
+            yt += v.to(tl.float32)
+            yp += s_ys
+        acc = tl.dot(xt, yt, acc, input_precision="ieee")
+    tl.store(o_ptr + offs_m[:, None] * s_om + offs_n[None, :] * s_on,
+             (acc * alpha).to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def mm_launch(x, y, out, M, N, K, SX, SY, alpha, xs, ys, os_, x_cd, y_cd, compute, idx64,
+              block=(32, 32, 32)):
+    """out = α·(Σ x)·(Σ y); ``xs`` = (s_s, s_m, s_k), ``ys`` = (s_s, s_k, s_n), ``os_`` = (s_m, s_n)."""
+    bm, bn, bk = block
+    grid = (cdiv(M, bm) * cdiv(N, bn),)
+    _mm_kernel[grid](x, y, out, M, N, K, SX, SY, alpha, xs[0], xs[1], xs[2], ys[0], ys[1], ys[2],
+                     os_[0], os_[1], X_CD=x_cd, Y_CD=y_cd, CD=tl_dtype(compute), IDX64=idx64,
+                     BM=bm, BN=bn, BK=bk, num_warps=4)

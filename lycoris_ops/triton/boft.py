@@ -1,0 +1,434 @@
+"""Triton kernels of BOFT (OPS.md §2.6): ``boft_fwd`` and ``boft_bwd``.
+
+Written from the math (``reference/boft.py`` is the oracle, same numerics: all
+fp32, one rounding at the store). Stage i (κ_i = 2^i·s/2) applies
+``F_{i,β} = scale·R_{i,β} + (1 − scale)·I`` (R, not Rᵀ) to the blocks of the
+π_i-permuted channels; ``y = u^m ⊙ rescale − diff·x``.
+
+Channel groups. Stage i mixes only two things of a channel index c: its low part
+``c mod s/2`` and the bit of weight κ_i. A run of consecutive stages
+``[a, a+L)`` therefore maps every *group* of ``gs = (s/2)·2^L`` channels
+``base(g) + low + tb·κ_a`` (low < s/2, tb < 2^L) onto itself, and its action on
+a group is one dense gs×gs matrix ``J = E_{a+L−1}···E_a``. A program owns one
+group: it rebuilds the stage matrices of its group in registers (per stage:
+batched Cayley of its 2^(L−1) blocks by Gauss–Jordan, ``cayley.py``, then a
+0/1 permutation into the group's channel basis), multiplies them into J, and
+streams its share of the positions with one ``tl.dot`` per tile. R is never
+written to memory.
+
+Segments. The m stages are cut into segments of at most ``L_max`` stages, the
+largest L with ``2^L·pow2(s/2) <= max_group`` (default 32 channels per group;
+a single stage is always one segment, for s <= 32). When ``2^(m−1)·s`` fits
+(``L_max >= m``) the whole butterfly is ONE segment.
+
+Passes:
+
+``boft_fwd``
+  * one segment: ONE kernel — x read once, y written once, rescale and diff
+    folded into the group matrix (``W = diag(ρ)·J − diff·I``).
+  * n segments: n kernels over one fp32 scratch of x's size (updated in place;
+    the last segment applies rescale and reads x again for diff).
+``boft_bwd`` (the plain chain, no rescale / diff; OPS.md §2.6.2) — no replay of
+  stage prefixes: with one segment, ONE streaming kernel reads G and x once,
+  writes ``gx = Jᵀ·G`` and accumulates ``Pg = Σ G·Xᵀ`` (gs×gs per group, fp32
+  partials per position split); then ONE tiny chain kernel per group sums the
+  partials and, per stage, forms ``P_i = (E_{i+1}ᵀ···E_{m−1}ᵀ)·Pg·(E_{i−1}···E_0)ᵀ``
+  (exactly ``Σ g^{i+1}·(u^i)ᵀ``), maps it to the block basis, ``gR = scale·P``
+  and the Cayley chain (``gQ = 2Mᵀ·gR·Mᵀ``, ``gB = cscale·(gQ − gQᵀ)``), storing
+  g_blocks in blocks' dtype. With n segments: n − 1 forward kernels keep the
+  segment inputs (fp32 scratch, computed once), then per segment from the last:
+  one streaming kernel (gx of the segment into an fp32 g scratch, in place) and
+  one chain kernel — 3n − 1 launches, each stage applied once forward and once
+  backward.
+
+Dots: streaming dots use ``input_precision`` from the config (default
+``"tf32x3"``, ~fp32 accuracy); the stage algebra uses IEEE fp32.
+
+Layout: x is seen as (pre, C, post) around the channel axis (axis 0: weight;
+last: channels last; other: (N, C, *spatial)); any strides, pre and post dims
+each collapsed to one strided run (else a contiguous copy).
+
+Scope: s <= 32 (pow2(s) <= 32); any m (segmented); float16 / bfloat16 /
+float32 (fp64 goes to eager).
+Calls arrive validated by ``check_boft_*`` and inside ``lycoris_ops.scope`` (the op
+set's contract); the launchers do not re-validate.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, device_guard, needs_idx64, next_pow2, num_sms
+from .cayley import batched_inverse, block_diag, cayley_grad, skew_system
+from .oft import pos_mode, pos_offsets, positions_view
+
+__all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
+
+#: largest block size s the kernels take (padded to a power of two); larger
+#: blocks make the in-register stage algebra too big to compile quickly
+MAX_BLOCK = 32
+
+
+# --------------------------------------------------------------------------- kernels
+
+@triton.jit
+def _group_base(g, a, L, half):
+    hi = g >> a
+    mid = g & ((1 << a) - 1)
+    return hi * (half << (a + L)) + mid * half
+
+
+@triton.jit
+def _group_channels(base, a, L, half, HP: tl.constexpr, GP: tl.constexpr):
+    """Channels of the group's local basis l = tb·HP + low, and their validity."""
+    l = tl.arange(0, GP)
+    tb = l // HP
+    low = l % HP
+    valid = (low < half) & (tb < (1 << L))
+    return base + low + tb * (half << a), valid
+
+
+@triton.jit
+def _stage(blocks_ptr, sb0, sb1, sb2, sb3, t, a, L, half, base, cscale, scale,
+           HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
+    """Stage i = a + t restricted to one group.
+
+    Returns (E, M, PI, beta, pp, bidx, valid_e):
+      E (GP, GP): the stage in the group's local channel basis;
+      M (GP, GP): block-diagonal (I − Q)⁻¹ of its blocks in the block basis
+        e = bidx·SP + pp (bidx: block within the group, pp: position in block);
+      PI (GP, GP): PI[e, l] = 1 where block-basis e is local channel l;
+      beta (GP,): the global block index of each e; valid_e: real entries.
+    """
+    GP: tl.constexpr = NB * SP
+    i = a + t
+    s = 2 * half
+    kap_a = half << a
+    kap_i = half << i
+    nblk = 1 << (L - 1)
+    low_mask = (1 << t) - 1
+    # block-basis indices
+    e = tl.arange(0, GP)
+    bidx = e // SP
+    pp = e % SP
+    h = pp % 2
+    lo = pp // 2
+    tb = ((bidx >> t) << (t + 1)) | (h << t) | (bidx & low_mask)
+    valid_e = (bidx < nblk) & (pp < s)
+    c = base + lo + tb * kap_a
+    beta = (c // (2 * kap_i)) * (1 << i) + (c % kap_i) // half
+    # the raw blocks of this stage, one per bidx
+    n = tl.arange(0, NB)
+    tbn = ((n >> t) << (t + 1)) | (n & low_mask)
+    cn = base + tbn * kap_a
+    beta_n = (cn // (2 * kap_i)) * (1 << i) + (cn % kap_i) // half
+    n3 = n[:, None, None]
+    p3 = tl.arange(0, SP)[None, :, None]
+    q3 = tl.arange(0, SP)[None, None, :]
+    valid3 = (n3 < nblk) & (p3 < s) & (q3 < s)
+    boff = i * sb0 + beta_n[:, None, None] * sb1
+    bb = tl.load(blocks_ptr + boff + p3 * sb2 + q3 * sb3, mask=valid3, other=0.0).to(tl.float32)
+    bt = tl.load(blocks_ptr + boff + q3 * sb2 + p3 * sb3, mask=valid3, other=0.0).to(tl.float32)
+    m = block_diag(batched_inverse(skew_system(bb, bt, cscale, valid3, NB, SP), NB, SP), NB, SP)
+    eye = tl.where(e[:, None] == e[None, :], 1.0, 0.0)
+    f = (2.0 * scale) * m + (1.0 - 2.0 * scale) * eye
+    le = tb * HP + lo
+    pi = tl.where((le[:, None] == e[None, :]) & valid_e[:, None], 1.0, 0.0)
+    e_loc = tl.dot(tl.trans(pi), tl.dot(f, pi, input_precision="ieee"), input_precision="ieee")
+    return e_loc, m, pi, beta, pp, bidx, valid_e
+
+
+@triton.jit
+def _segment_matrix(blocks_ptr, sb0, sb1, sb2, sb3, a, L, half, base, cscale, scale,
+                    HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
+    """J = E_{a+L−1}···E_a on one group (local basis)."""
+    GP: tl.constexpr = NB * SP
+    e = tl.arange(0, GP)
+    j = tl.where(e[:, None] == e[None, :], 1.0, 0.0)
+    for t in range(L):
+        e_t, m_t, pi_t, beta_t, pp_t, bidx_t, valid_t = _stage(blocks_ptr, sb0, sb1, sb2, sb3, t, a, L, half,
+                                                               base, cscale, scale, HP, SP, NB)
+        j = tl.dot(e_t, j, input_precision="ieee")
+    return j
+
+
+@triton.jit
+def _boft_seg_fwd(
+    blocks_ptr, sb0, sb1, sb2, sb3, rs_ptr, srs,
+    u_ptr, su_pre, su_c, su_post, y_ptr, sy_pre, sy_c, sy_post, x0_ptr, s0_pre, s0_c, s0_post,
+    NPOS, POST, n_tiles, n_split, a, L, half, cscale, scale,
+    HAS_RESCALE: tl.constexpr, DIFF_FOLD: tl.constexpr, DIFF_LOAD: tl.constexpr,
+    MODE: tl.constexpr, IDX64: tl.constexpr,
+    HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    GP: tl.constexpr = NB * SP
+    base = _group_base(tl.program_id(0), a, L, half)
+    w = _segment_matrix(blocks_ptr, sb0, sb1, sb2, sb3, a, L, half, base, cscale, scale, HP, SP, NB)
+    ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
+    if HAS_RESCALE:
+        rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
+        w = rho[:, None] * w
+    if DIFF_FOLD:
+        e = tl.arange(0, GP)
+        w = w - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
+    if IDX64:
+        ch = ch.to(tl.int64)
+    for t in range(tl.program_id(1), n_tiles, n_split):
+        p = t * BLOCK_P + tl.arange(0, BLOCK_P)
+        if IDX64:
+            p = p.to(tl.int64)
+        mask = ch_valid[:, None] & (p < NPOS)[None, :]
+        uo = ch[:, None] * su_c + pos_offsets(p, POST, su_pre, su_post, MODE)[None, :]
+        u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(tl.float32)
+        y = tl.dot(w, u, input_precision=DOT_PREC)
+        if DIFF_LOAD:
+            xo = ch[:, None] * s0_c + pos_offsets(p, POST, s0_pre, s0_post, MODE)[None, :]
+            y -= tl.load(x0_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+        yo = ch[:, None] * sy_c + pos_offsets(p, POST, sy_pre, sy_post, MODE)[None, :]
+        tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _boft_seg_bwd(
+    blocks_ptr, sb0, sb1, sb2, sb3,
+    g_ptr, sg_pre, sg_c, sg_post, u_ptr, su_pre, su_c, su_post, gx_ptr, so_pre, so_c, so_post, part_ptr,
+    NPOS, POST, n_tiles, n_split, n_groups, a, L, half, cscale, scale,
+    MODE: tl.constexpr, IDX64: tl.constexpr,
+    HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    GP: tl.constexpr = NB * SP
+    g = tl.program_id(0)
+    sp = tl.program_id(1)
+    base = _group_base(g, a, L, half)
+    jt = tl.trans(_segment_matrix(blocks_ptr, sb0, sb1, sb2, sb3, a, L, half, base, cscale, scale, HP, SP, NB))
+    ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
+    if IDX64:
+        ch = ch.to(tl.int64)
+    acc = tl.zeros((GP, GP), dtype=tl.float32)
+    for t in range(sp, n_tiles, n_split):
+        p = t * BLOCK_P + tl.arange(0, BLOCK_P)
+        if IDX64:
+            p = p.to(tl.int64)
+        mask = ch_valid[:, None] & (p < NPOS)[None, :]
+        go = ch[:, None] * sg_c + pos_offsets(p, POST, sg_pre, sg_post, MODE)[None, :]
+        gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
+        uo = ch[:, None] * su_c + pos_offsets(p, POST, su_pre, su_post, MODE)[None, :]
+        u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(tl.float32)
+        gx = tl.dot(jt, gg, input_precision=DOT_PREC)
+        oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
+        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+        acc = tl.dot(gg, tl.trans(u), acc, input_precision=DOT_PREC)
+    e = tl.arange(0, GP)
+    off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
+    tl.store(part_ptr + off + e[:, None] * GP + e[None, :], acc)
+
+
+@triton.jit
+def _boft_chain(
+    blocks_ptr, sb0, sb1, sb2, sb3, part_ptr, gb_ptr,
+    nb, n_split, n_groups, a, L, half, cscale, scale,
+    HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr,
+):
+    GP: tl.constexpr = NB * SP
+    g = tl.program_id(0)
+    base = _group_base(g, a, L, half)
+    e = tl.arange(0, GP)
+    eye = tl.where(e[:, None] == e[None, :], 1.0, 0.0)
+    pg = tl.zeros((GP, GP), dtype=tl.float32)
+    for sp in range(n_split):
+        off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
+        pg += tl.load(part_ptr + off + e[:, None] * GP + e[None, :])
+    s = 2 * half
+    for t in range(L):
+        # one pass over the segment's stages (a single inlined stage build keeps
+        # the compile small): Pre = E_{t-1}···E_0, ST = E_{t+1}ᵀ···E_{L-1}ᵀ, and
+        # stage t's own factors
+        pre = eye
+        st_ = eye
+        e_ = tl.arange(0, GP)
+        m = eye
+        pi = eye
+        beta = e_
+        pp = e_
+        bidx = e_
+        valid_e = e_ < 0
+        for r in range(L):
+            e_r, m_r, pi_r, beta_r, pp_r, bidx_r, valid_r = _stage(blocks_ptr, sb0, sb1, sb2, sb3, r, a, L, half,
+                                                                   base, cscale, scale, HP, SP, NB)
+            pre = tl.where(r < t, tl.dot(e_r, pre, input_precision="ieee"), pre)
+            st_ = tl.where(r > t, tl.dot(st_, tl.trans(e_r), input_precision="ieee"), st_)
+            sel = r == t
+            m = tl.where(sel, m_r, m)
+            pi = tl.where(sel, pi_r, pi)
+            beta = tl.where(sel, beta_r, beta)
+            pp = tl.where(sel, pp_r, pp)
+            bidx = tl.where(sel, bidx_r, bidx)
+            valid_e = tl.where(sel, valid_r, valid_e)
+        hh = tl.dot(st_, pg, input_precision="ieee")
+        p_loc = tl.dot(hh, tl.trans(pre), input_precision="ieee")
+        p_bb = tl.dot(pi, tl.dot(p_loc, tl.trans(pi), input_precision="ieee"), input_precision="ieee")
+        same = (bidx[:, None] == bidx[None, :]) & valid_e[:, None] & valid_e[None, :]
+        g_r = tl.where(same, scale * p_bb, 0.0)
+        g_b = cayley_grad(g_r, m, cscale)
+        go = (((a + t) * nb + beta[:, None]).to(tl.int64) * s + pp[:, None]) * s + pp[None, :]
+        tl.store(gb_ptr + go, g_b.to(gb_ptr.dtype.element_ty), mask=same)
+
+
+# --------------------------------------------------------------------------- host side
+
+class BoftCfg(NamedTuple):
+    """Launch parameters: ``max_group``: largest channel group a segment may use
+    (decides how many stages are fused; a single stage always runs),
+    ``block_p``/``bwd_block_p``: positions per tile, ``split``: programs per group
+    along the positions (0 = automatic, to fill the GPU), ``dot_prec``:
+    input_precision of the streaming fp32 dots."""
+    max_group: int = 32
+    block_p: int = 128
+    bwd_block_p: int = 64
+    split: int = 0
+    num_warps: int = 4
+    num_stages: int = 2
+    dot_prec: str = "tf32x3"
+    chain_warps: int = 4
+
+
+def default_boft_cfg() -> BoftCfg:
+    return BoftCfg()
+
+
+class _Seg(NamedTuple):
+    a: int
+    L: int
+    NB: int
+    n_groups: int
+    split: int
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(m, nb, s, npos, n_sm, bwd, cfg: BoftCfg):
+    half = s // 2
+    HP = next_pow2(half)
+    SP = 2 * HP
+    if SP > MAX_BLOCK:
+        raise ValueError(f"lycoris triton boft: block size s={s} exceeds the fused limit {MAX_BLOCK}")
+    lmax = 1
+    while (1 << (lmax + 1)) * HP <= cfg.max_group:
+        lmax += 1
+    bp = cfg.bwd_block_p if bwd else cfg.block_p
+    n_tiles = cdiv(npos, bp)
+    C = nb * s
+    segs = []
+    a = 0
+    while a < m:
+        L = min(lmax, m - a)
+        GP = max(16, (1 << L) * HP)
+        n_groups = C // (half << L)
+        split = cfg.split or max(1, cdiv(4 * n_sm, max(1, n_groups)))
+        segs.append(_Seg(a, L, GP // SP, n_groups, max(1, min(split, n_tiles))))
+        a += L
+    return HP, SP, bp, n_tiles, tuple(segs)
+
+
+def _prep(blocks, x, axis, cfg, bwd):
+    if x.dtype == torch.float64 or blocks.dtype == torch.float64:
+        raise ValueError("lycoris triton boft: float64 is not fused (eager only)")
+    m, nb, s = blocks.shape[0], blocks.shape[1], blocks.shape[2]
+    ax = axis % x.dim()
+    x, pre, post, xs = positions_view(x, ax)
+    return m, nb, s, ax, x, pre, post, xs, _plan(m, nb, s, pre * post, num_sms(x.device), bwd, cfg)
+
+
+def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCfg] = None):
+    """BOFT butterfly (OPS.md §2.6.1, see ``reference.boft.boft_fwd``): one kernel per segment
+    (one in all when ``2^(m−1)·s`` fits a group)."""
+    cfg = cfg or BoftCfg()
+    m, nb, s, ax, x, pre, post, xs, (HP, SP, bp, n_tiles, segs) = _prep(blocks, x, axis, cfg, False)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if y.numel() == 0:
+        return y
+    C = nb * s
+    npos = pre * post
+    ys = (C * post, post, 1)
+    mode, xa, xb = pos_mode(pre, post, xs)
+    _, ya, yb = pos_mode(pre, post, ys)
+    idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()))
+    rs = rescale.reshape(-1) if rescale is not None else blocks
+    bst = blocks.stride()
+    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, DOT_PREC=cfg.dot_prec,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    buf = None
+    bs = _buf_strides(pre, C, post, mode)
+    if len(segs) > 1:
+        buf = torch.empty((pre, C, post), device=x.device, dtype=torch.float32)
+    with device_guard(x):
+        for idx, sg in enumerate(segs):
+            first, last = idx == 0, idx == len(segs) - 1
+            src = (x, xa, xs[1], xb) if first else (buf,) + bs
+            dst = (y, ya, ys[1], yb) if last else (buf,) + bs
+            _boft_seg_fwd[(sg.n_groups, sg.split)](
+                blocks, *bst, rs, rs.stride(0), *src, *dst, x, xa, xs[1], xb,
+                npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2, float(cscale), float(scale),
+                HAS_RESCALE=last and rescale is not None, DIFF_FOLD=first and last and diff,
+                DIFF_LOAD=(not first) and last and diff, NB=sg.NB, **common)
+    return y
+
+
+def _buf_strides(pre, C, post, mode):
+    """(s_pre', s_c, s_post') of a contiguous (pre, C, post) buffer for ``pos_offsets``."""
+    _, a, b = pos_mode(pre, post, (C * post, post, 1))
+    return a, post, b
+
+
+def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None):
+    """Gradients of the plain chain (OPS.md §2.6.2, see ``reference.boft.boft_bwd``).
+
+    Returns gx (x's shape and dtype) and g_blocks (blocks' shape and dtype)."""
+    cfg = cfg or BoftCfg()
+    m, nb, s, ax, x, pre, post, xs, (HP, SP, bp, n_tiles, segs) = _prep(blocks, x, axis, cfg, True)
+    dev = x.device
+    gx = torch.empty(x.shape, device=dev, dtype=x.dtype)
+    g_blocks = torch.empty(blocks.shape, device=dev, dtype=blocks.dtype)
+    if blocks.numel() == 0:
+        return gx, g_blocks
+    C = nb * s
+    npos = pre * post
+    grad, _, _, gs = positions_view(grad, ax)
+    mode, xa, xb = pos_mode(pre, post, xs)
+    _, ga, gb = pos_mode(pre, post, gs)
+    os_ = _buf_strides(pre, C, post, mode)  # gx and every scratch are contiguous (pre, C, post)
+    idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
+                        (tuple(gx.shape), gx.stride()))
+    bst = blocks.stride()
+    half = s // 2
+    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, DOT_PREC=cfg.dot_prec,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    with device_guard(x):
+        # segment inputs (computed once; x itself for the first segment)
+        inputs = [(x, xa, xs[1], xb)]
+        for sg in segs[:-1]:
+            buf = torch.empty((pre, C, post), device=dev, dtype=torch.float32)
+            _boft_seg_fwd[(sg.n_groups, sg.split)](
+                blocks, *bst, blocks, 0, *inputs[-1], buf, *os_, x, xa, xs[1], xb,
+                npos, post, n_tiles, sg.split, sg.a, sg.L, half, float(cscale), float(scale),
+                HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=bp, **common)
+            inputs.append((buf,) + os_)
+        g_in = (grad, ga, gs[1], gb)
+        gbuf = torch.empty((pre, C, post), device=dev, dtype=torch.float32) if len(segs) > 1 else None
+        for idx in range(len(segs) - 1, -1, -1):
+            sg = segs[idx]
+            GP = sg.NB * SP
+            out = (gx,) + os_ if idx == 0 else (gbuf,) + os_
+            part = torch.empty((sg.split, sg.n_groups, GP, GP), device=dev, dtype=torch.float32)
+            _boft_seg_bwd[(sg.n_groups, sg.split)](
+                blocks, *bst, *g_in, *inputs[idx], *out, part,
+                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, float(cscale), float(scale),
+                NB=sg.NB, BLOCK_P=bp, **common)
+            _boft_chain[(sg.n_groups,)](
+                blocks, *bst, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
+                float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=cfg.chain_warps)
+            g_in = out
+    return gx, g_blocks

@@ -1,0 +1,83 @@
+"""In-register Cayley transform helpers shared by the diag-OFT and BOFT kernels.
+
+For a raw block B (S×S) and a constraint factor ``cscale``:
+``Q = cscale·(B − Bᵀ)`` (skew-symmetric), ``M = (I − Q)⁻¹`` and
+``R = (I + Q)·M = 2M − I`` (because ``I + Q = 2I − (I − Q)``).
+
+``I − Q`` has symmetric part ``I`` (positive definite), so Gauss–Jordan
+elimination without pivoting is stable and never meets a zero pivot. The
+helpers work on a *batch* of blocks held in registers as a 3-D tensor
+``(NB, SP, SP)`` (SP = S padded to a power of two, padded rows/columns hold the
+identity), so the elimination takes SP sequential steps whatever the number of
+blocks a program owns; ``block_diag`` then lays the batch out as one
+``(NB·SP, NB·SP)`` block-diagonal matrix for ``tl.dot``.
+
+Everything is fp32. Nothing here is written to memory.
+
+Gradient of the map (OPS.md §2.5): ``dR = (I + R)·dQ·M = 2·M·dQ·M``, so
+``gQ = 2·Mᵀ·gR·Mᵀ`` and ``gB = cscale·(gQ − gQᵀ)`` (``cayley_grad``).
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["skew_system", "batched_inverse", "block_diag", "cayley_grad"]
+
+
+@triton.jit
+def skew_system(b, bt, cscale, valid, NB: tl.constexpr, SP: tl.constexpr):
+    """``A = I − cscale·(B − Bᵀ)`` of a batch (NB, SP, SP).
+
+    ``b`` holds B[n, p, q] and ``bt`` holds B[n, q, p] (both fp32, 0 where
+    masked); ``valid`` (NB, SP, SP) marks the real entries. Padding becomes the
+    identity, so the padded system stays invertible and its inverse is I there.
+    """
+    p = tl.arange(0, SP)
+    eye = (p[:, None] == p[None, :])[None, :, :]
+    q = tl.where(valid, cscale * (b - bt), 0.0)
+    return tl.where(eye, 1.0, 0.0) - q
+
+
+@triton.jit
+def batched_inverse(a, NB: tl.constexpr, SP: tl.constexpr):
+    """Inverse of each (SP, SP) matrix of ``a`` (NB, SP, SP) by Gauss–Jordan
+    without pivoting (valid for ``I − Q``, Q skew). SP sequential steps; the
+    row/column extractions are masked reductions inside each block."""
+    p = tl.arange(0, SP)
+    r3 = p[None, :, None]
+    c3 = p[None, None, :]
+    inv = tl.where(r3 == c3, 1.0, 0.0) + tl.zeros((NB, SP, SP), dtype=tl.float32)
+    for k in range(SP):
+        row_a = tl.sum(tl.where(r3 == k, a, 0.0), axis=1)        # (NB, SP): A[n, k, :]
+        row_i = tl.sum(tl.where(r3 == k, inv, 0.0), axis=1)      # (NB, SP): inv[n, k, :]
+        col_a = tl.sum(tl.where(c3 == k, a, 0.0), axis=2)        # (NB, SP): A[n, :, k]
+        piv = tl.sum(tl.where(p[None, :] == k, row_a, 0.0), axis=1)  # (NB,)
+        rcp = 1.0 / piv
+        row_a = row_a * rcp[:, None]
+        row_i = row_i * rcp[:, None]
+        f = tl.where(p[None, :] == k, 0.0, col_a)                # eliminate every other row
+        a = a - f[:, :, None] * row_a[:, None, :]
+        inv = inv - f[:, :, None] * row_i[:, None, :]
+        a = tl.where(r3 == k, row_a[:, None, :], a)
+        inv = tl.where(r3 == k, row_i[:, None, :], inv)
+    return inv
+
+
+@triton.jit
+def block_diag(m3, NB: tl.constexpr, SP: tl.constexpr):
+    """(NB, SP, SP) -> the (NB·SP, NB·SP) block-diagonal matrix, row/col index n·SP + p."""
+    n = tl.arange(0, NB)
+    same = (n[:, None, None, None] == n[None, None, :, None])
+    m4 = tl.where(same, m3[:, :, None, :], 0.0)                  # (NB, SP, NB, SP)
+    return tl.reshape(m4, (NB * SP, NB * SP))
+
+
+@triton.jit
+def cayley_grad(g_r, m, cscale):
+    """``cscale·(gQ − gQᵀ)`` with ``gQ = 2·Mᵀ·gR·Mᵀ`` (square fp32 matrices,
+    dims >= 16; block-diagonal inputs give a block-diagonal result)."""
+    mt = tl.trans(m)
+    t = tl.dot(mt, g_r, input_precision="ieee")
+    g_q = 2.0 * tl.dot(t, mt, input_precision="ieee")
+    return cscale * (g_q - tl.trans(g_q))

@@ -1,0 +1,463 @@
+"""Triton kernels of the LoHa family (OPS.md §2.2): ``loha_merge_bwd``,
+``loha_bypass_fwd``, ``loha_bypass_bwd``.
+
+Written from the math of OPS.md §2.2 and the eager bodies of
+``reference/loha.py``: ΔW = (a1·b1) ⊙ (a2·b2) with a1, a2 (O, r), b1, b2 (r, I).
+Operands are read in their stored dtype and rounded to the compute dtype in
+the kernel (no host casts); products accumulate in fp32; the deliberate
+roundings are kept: each ΔW tile is rounded to the compute dtype before it
+multiplies x (or G), ``E = γ·G ⊙ P`` is rounded before its contraction and
+``GW = Gᵀ·x`` is rounded before the merge backward. fp32 dots are IEEE. Any
+strides (a transposed operand is just swapped strides); odd sizes masked.
+
+Kernels
+-------
+``_hada_apply_kernel``: ``Y = α·X·Dᵀ (+ base)``; D (N, K) is either regenerated
+    tile by tile inside the K loop (``REGEN``: D = round((A1·B1) ⊙ (A2·B2)), the
+    whole padded rank in one dot, never stored) or read from memory.
+``_hada_tile_kernel``: materializes ΔW (O, I) in the compute dtype (rank looped).
+``_hada_grad_kernel``: for a row block of M, loops over (a split of) N:
+    regenerates P1, P2, forms ``E1 = round(γ·G⊙P2)``, ``E2 = round(γ·G⊙P1)`` and
+    accumulates ``E1·B1ᵀ``, ``E2·B2ᵀ``. Launched twice: rows = O gives
+    (g_a1, g_a2); the transposed problem (rows = I, A := bᵀ, B := aᵀ, G := Gᵀ)
+    gives (g_b1ᵀ, g_b2ᵀ). Split-K partials in fp32, one reduce launch per job.
+
+Passes per op
+-------------
+``loha_bypass_fwd``: ``regen`` (default when the token tiles are few): one
+    launch, ΔW never reaches memory. ``materialize`` (many token tiles, or a
+    padded rank > 128): ΔW (O, I) built once in the compute dtype (1 launch),
+    then a GEMM with γ and base in the epilogue (1 launch) - the regenerating
+    kernel repeats the ΔW work per token tile (≈ 2r/BM extra flops).
+``loha_merge_bwd``: 2 launches (g_a job, g_b job), + 1 reduce each when split.
+``loha_bypass_bwd``: gx = γ·G·ΔW (ΔW regenerated as (b·a)ᵀ tiles, or the
+    materialized ΔW: +1 launch), GW = round(Gᵀ·x) (O, I) (1 GEMM launch, the
+    only intermediate), then the two merge-backward launches on GW (+ reduces).
+    G is read twice (gx, GW), x once.
+
+Limits: the regenerating kernels (bypass regen, merge backward) hold the whole
+padded rank: ``pow2(r, ≥16) <= 128`` (``supported``); the bypass ops fall back
+to ``materialize`` above that by themselves, ``loha_merge_bwd`` and the factor
+grads of ``loha_bypass_bwd`` must not be called there. fp16 / bf16 / fp32 only.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, device_guard, dot_dtype, needs_idx64, next_pow2, tl_dtype
+from ._fusedkit import compute_dtype, reduce_launch, split_count, view_key
+
+__all__ = [
+    "ApplyCfg", "GradCfg", "MAX_HADA_RANK", "supported",
+    "loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd",
+]
+
+#: the regenerating kernels hold the whole padded rank in registers
+MAX_HADA_RANK = 128
+
+
+def _p16(n: int) -> int:
+    return max(16, next_pow2(n))
+
+
+def supported(rank: int) -> bool:
+    """Whether every LoHa op of this set takes rank ``rank`` (the bypass forward
+    alone takes any rank, through ``materialize``)."""
+    return _p16(rank) <= MAX_HADA_RANK
+
+
+# =============================================================================== kernels
+
+
+@triton.jit
+def _hada_apply_kernel(
+    x_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, base_ptr, y_ptr,
+    M, N, K, R, alpha,
+    s_xm, s_xk, s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, s_bm, s_bn, s_ym, s_yn,
+    REGEN: tl.constexpr, HAS_BASE: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr,
+    IDX64: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):
+    """Y[m, n] = α·Σ_k X[m, k]·D[n, k] (+ base). REGEN: D = round((A1·B1)⊙(A2·B2))
+    generated per (BN, BK) tile; else D is read through (a1_ptr, s_a1n, s_a1r)."""
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    n_n = tl.cdiv(N, BN)
+    group = GROUP_M * n_n
+    first_m = (pid // group) * GROUP_M
+    gsize = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group) % gsize
+    pid_n = (pid % group) // gsize
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_n = pid_n * BN + tl.arange(0, BN)
+    if IDX64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if REGEN:
+        offs_r = tl.arange(0, BR)
+        mask_r = offs_r < R
+        mnr = mask_n[:, None] & mask_r[None, :]
+        a1 = tl.load(a1_ptr + offs_n[:, None] * s_a1n + offs_r[None, :] * s_a1r, mask=mnr, other=0.0)
+        a2 = tl.load(a2_ptr + offs_n[:, None] * s_a2n + offs_r[None, :] * s_a2r, mask=mnr, other=0.0)
+        a1 = a1.to(CD).to(DOT)
+        a2 = a2.to(CD).to(DOT)
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        if IDX64:
+            offs_k = offs_k.to(tl.int64)
+        mask_k = offs_k < K
+        xt = tl.load(x_ptr + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk,
+                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if REGEN:
+            mrk = mask_r[:, None] & mask_k[None, :]
+            b1 = tl.load(b1_ptr + offs_r[:, None] * s_b1r + offs_k[None, :] * s_b1k, mask=mrk, other=0.0)
+            b2 = tl.load(b2_ptr + offs_r[:, None] * s_b2r + offs_k[None, :] * s_b2k, mask=mrk, other=0.0)
+            p1 = tl.dot(a1, b1.to(CD).to(DOT), input_precision="ieee")
+            p2 = tl.dot(a2, b2.to(CD).to(DOT), input_precision="ieee")
+            dt = (p1 * p2).to(CD).to(DOT)
+        else:
+            dt = tl.load(a1_ptr + offs_n[:, None] * s_a1n + offs_k[None, :] * s_a1r,
+                         mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(CD).to(DOT)
+        acc = tl.dot(xt.to(CD).to(DOT), tl.trans(dt), acc, input_precision="ieee")
+    acc = acc * alpha
+    mask = mask_m[:, None] & mask_n[None, :]
+    if HAS_BASE:
+        acc += tl.load(base_ptr + offs_m[:, None] * s_bm + offs_n[None, :] * s_bn,
+                       mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs_m[:, None] * s_ym + offs_n[None, :] * s_yn, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _hada_tile_kernel(
+    a1_ptr, b1_ptr, a2_ptr, b2_ptr, d_ptr, N, K, R,
+    s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, s_dn, s_dk,
+    CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):
+    """D[n, k] = round((A1·B1)[n, k]·(A2·B2)[n, k]) (rank looped)."""
+    pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BK)
+    offs_n = (pid // n_k) * BN + tl.arange(0, BN)
+    offs_k = (pid % n_k) * BK + tl.arange(0, BK)
+    if IDX64:
+        offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    mask_n = offs_n < N
+    mask_k = offs_k < K
+    p1 = tl.zeros((BN, BK), dtype=tl.float32)
+    p2 = tl.zeros((BN, BK), dtype=tl.float32)
+    for r0 in range(0, R, BR):
+        offs_r = r0 + tl.arange(0, BR)
+        mask_r = offs_r < R
+        mnr = mask_n[:, None] & mask_r[None, :]
+        mrk = mask_r[:, None] & mask_k[None, :]
+        a1 = tl.load(a1_ptr + offs_n[:, None] * s_a1n + offs_r[None, :] * s_a1r, mask=mnr, other=0.0)
+        b1 = tl.load(b1_ptr + offs_r[:, None] * s_b1r + offs_k[None, :] * s_b1k, mask=mrk, other=0.0)
+        p1 = tl.dot(a1.to(CD).to(DOT), b1.to(CD).to(DOT), p1, input_precision="ieee")
+        a2 = tl.load(a2_ptr + offs_n[:, None] * s_a2n + offs_r[None, :] * s_a2r, mask=mnr, other=0.0)
+        b2 = tl.load(b2_ptr + offs_r[:, None] * s_b2r + offs_k[None, :] * s_b2k, mask=mrk, other=0.0)
+        p2 = tl.dot(a2.to(CD).to(DOT), b2.to(CD).to(DOT), p2, input_precision="ieee")
+    tl.store(d_ptr + offs_n[:, None] * s_dn + offs_k[None, :] * s_dk, (p1 * p2).to(d_ptr.dtype.element_ty),
+             mask=mask_n[:, None] & mask_k[None, :])
+
+
+@triton.jit
+def _hada_grad_kernel(
+    g_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, o1_ptr, o2_ptr,
+    M, N, R, N_PER, gamma,
+    s_gm, s_gn, s_a1m, s_a1r, s_b1r, s_b1n, s_a2m, s_a2r, s_b2r, s_b2n,
+    s_o1s, s_o1m, s_o1r, s_o2s, s_o2m, s_o2r,
+    CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+):
+    """o1[m, r] = Σ_n round(γ·G⊙P2)[m, n]·B1[r, n], o2 likewise with (P1, B2), over
+    this program's N range; P = A·B regenerated in fp32."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    offs_m = pid_m * BM + tl.arange(0, BM)
+    offs_r = tl.arange(0, BR)
+    if IDX64:
+        offs_m = offs_m.to(tl.int64)
+    mask_m = offs_m < M
+    mask_r = offs_r < R
+    mmr = mask_m[:, None] & mask_r[None, :]
+    a1 = tl.load(a1_ptr + offs_m[:, None] * s_a1m + offs_r[None, :] * s_a1r, mask=mmr, other=0.0)
+    a2 = tl.load(a2_ptr + offs_m[:, None] * s_a2m + offs_r[None, :] * s_a2r, mask=mmr, other=0.0)
+    a1 = a1.to(CD).to(DOT)
+    a2 = a2.to(CD).to(DOT)
+    acc1 = tl.zeros((BM, BR), dtype=tl.float32)
+    acc2 = tl.zeros((BM, BR), dtype=tl.float32)
+    n_lo = pid_s * N_PER
+    n_hi = tl.minimum(n_lo + N_PER, N)
+    for n0 in range(n_lo, n_hi, BN):
+        offs_n = n0 + tl.arange(0, BN)
+        if IDX64:
+            offs_n = offs_n.to(tl.int64)
+        mask_n = offs_n < n_hi
+        mrn = mask_r[:, None] & mask_n[None, :]
+        b1 = tl.load(b1_ptr + offs_r[:, None] * s_b1r + offs_n[None, :] * s_b1n, mask=mrn, other=0.0)
+        b2 = tl.load(b2_ptr + offs_r[:, None] * s_b2r + offs_n[None, :] * s_b2n, mask=mrn, other=0.0)
+        b1 = b1.to(CD).to(DOT)
+        b2 = b2.to(CD).to(DOT)
+        p1 = tl.dot(a1, b1, input_precision="ieee")
+        p2 = tl.dot(a2, b2, input_precision="ieee")
+        g = tl.load(g_ptr + offs_m[:, None] * s_gm + offs_n[None, :] * s_gn,
+                    mask=mask_m[:, None] & mask_n[None, :], other=0.0)
+        gs = g.to(CD).to(tl.float32) * gamma
+        e1 = (gs * p2).to(CD).to(DOT)
+        e2 = (gs * p1).to(CD).to(DOT)
+        acc1 = tl.dot(e1, tl.trans(b1), acc1, input_precision="ieee")
+        acc2 = tl.dot(e2, tl.trans(b2), acc2, input_precision="ieee")
+    tl.store(o1_ptr + pid_s * s_o1s + offs_m[:, None] * s_o1m + offs_r[None, :] * s_o1r,
+             acc1.to(o1_ptr.dtype.element_ty), mask=mmr)
+    tl.store(o2_ptr + pid_s * s_o2s + offs_m[:, None] * s_o2m + offs_r[None, :] * s_o2r,
+             acc2.to(o2_ptr.dtype.element_ty), mask=mmr)
+
+
+# =============================================================================== configs
+
+
+class ApplyCfg(NamedTuple):
+    """Bypass GEMMs (``Y = α·X·Dᵀ``). ``strategy``: "regen" | "materialize" | "" (auto:
+    regen while the token tiles are at most ``regen_max_tiles``); ``tile_*``: the
+    materializing kernel's tile. 0 = auto for the block sizes."""
+    block_m: int = 0
+    block_n: int = 0
+    block_k: int = 0
+    group_m: int = 8
+    strategy: str = ""
+    regen_max_tiles: int = 2
+    tile_n: int = 64
+    tile_k: int = 64
+    tile_r: int = 32
+    num_warps: int = 0
+    num_stages: int = 3
+
+
+class GradCfg(NamedTuple):
+    """Merge-backward jobs: row block ``block_m``, N step ``block_n``, ``split`` of the
+    N loop per job (0: auto, about two programs per SM)."""
+    block_m: int = 64
+    block_n: int = 64
+    split: int = 0
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_apply_cfg(M: int, N: int, K: int, R: int, compute: torch.dtype, regen: bool) -> ApplyCfg:
+    if compute == torch.float32:  # IEEE fp32 dots (FMA): operands in registers, smaller tiles
+        if regen:
+            return ApplyCfg(block_m=32, block_n=64 if _p16(R) <= 32 else 32, block_k=32, num_warps=8, num_stages=2)
+        return ApplyCfg(block_m=32 if M <= 32 else 64, block_n=64, block_k=32, num_warps=4, num_stages=2)
+    bm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 64 or regen else 128
+    return ApplyCfg(block_m=bm, block_n=128 if not regen or _p16(R) <= 64 else 64, block_k=64,
+                    num_warps=8 if bm >= 128 or regen else 4)
+
+
+def default_grad_cfg(R: int, compute: torch.dtype) -> GradCfg:
+    rp = _p16(R)
+    if compute == torch.float32:
+        return GradCfg(block_m=32 if rp <= 64 else 16, block_n=32, num_warps=4 if rp <= 32 else 8)
+    # ptxas (sm_90, bf16): no spills up to rp 64 with these; rp 128 spills a few bytes
+    return GradCfg(block_m=64, block_n=64 if rp <= 64 else 32, num_warps=4 if rp <= 16 else 8)
+
+
+# =============================================================================== launchers
+
+
+def _apply_meta(M, N, K, R, compute, regen, idx64, has_base, cfg: ApplyCfg):
+    d = default_apply_cfg(M, N, K, R, compute, regen)
+    bm, bn, bk = cfg.block_m or d.block_m, cfg.block_n or d.block_n, cfg.block_k or d.block_k
+    grid = (cdiv(M, bm) * cdiv(N, bn),)
+    meta = dict(REGEN=regen, HAS_BASE=has_base, CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=idx64,
+                GROUP_M=cfg.group_m, BM=bm, BN=bn, BK=bk, BR=_p16(R) if regen else 16,
+                num_warps=cfg.num_warps or d.num_warps, num_stages=cfg.num_stages)
+    return grid, meta
+
+
+def _regen(M, R, cfg: ApplyCfg, compute) -> bool:
+    if _p16(R) > MAX_HADA_RANK:
+        return False
+    if cfg.strategy:
+        return cfg.strategy == "regen"
+    bm = cfg.block_m or default_apply_cfg(M, 1, 1, R, compute, True).block_m
+    return cdiv(M, bm) <= cfg.regen_max_tiles
+
+
+def _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg: ApplyCfg):
+    """ΔW (O, I) in the compute dtype."""
+    dw = torch.empty((O, I), device=a1.device, dtype=compute)
+    grid = (cdiv(O, cfg.tile_n) * cdiv(I, cfg.tile_k),)
+    _hada_tile_kernel[grid](
+        a1, b1, a2, b2, dw, O, I, R, a1.stride(0), a1.stride(1), b1.stride(0), b1.stride(1),
+        a2.stride(0), a2.stride(1), b2.stride(0), b2.stride(1), dw.stride(0), dw.stride(1),
+        CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=idx64,
+        BN=cfg.tile_n, BK=cfg.tile_k, BR=cfg.tile_r, num_warps=4, num_stages=2)
+    return dw
+
+
+@functools.lru_cache(maxsize=4096)
+def _bypass_fwd_plan(T, O, I, R, views, has_base, compute, device, cfg: ApplyCfg):
+    idx64 = needs_idx64(*[v for v in views if v is not None]) or T * O > 2**31 - 1
+    regen = _regen(T, R, cfg, compute)
+    grid, meta = _apply_meta(T, O, I, R, compute, regen, idx64, has_base, cfg)
+    return regen, idx64, grid, meta
+
+
+def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg: Optional[ApplyCfg] = None):
+    """``Y = γ·x·ΔWᵀ (+ base)``, ΔW = round((a1·b1)⊙(a2·b2)); output (T, O)."""
+    T, I = x.shape
+    O, R = a1.shape
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    y = torch.empty((T, O), device=x.device, dtype=x.dtype if base is None else base.dtype)
+    if y.numel() == 0:
+        return y
+    cfg = cfg or ApplyCfg()
+    regen, idx64, grid, meta = _bypass_fwd_plan(
+        T, O, I, R, view_key(x, a1, b1, a2, b2, base), base is not None, compute, x.device, cfg)
+    bb = y if base is None else base
+    if regen:
+        f = (a1, b1, a2, b2)
+        fs = (a1.stride(0), a1.stride(1), b1.stride(0), b1.stride(1),
+              a2.stride(0), a2.stride(1), b2.stride(0), b2.stride(1))
+    else:
+        dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg)
+        f = (dw, dw, dw, dw)
+        fs = (dw.stride(0), dw.stride(1)) + (0,) * 6
+    _hada_apply_kernel[grid](
+        x, *f, bb, y, T, O, I, R, gamma, x.stride(0), x.stride(1), *fs,
+        bb.stride(0), bb.stride(1), y.stride(0), y.stride(1), **meta)
+    return y
+
+
+@functools.lru_cache(maxsize=4096)
+def _grad_plan(M, N, R, compute, device, idx64, cfg: GradCfg):
+    n_m = cdiv(M, cfg.block_m)
+    n_steps = cdiv(N, cfg.block_n)
+    split = cfg.split or split_count(n_m, device, max(1, n_steps // 2))
+    split = max(1, min(split, n_steps))
+    n_per = cdiv(n_steps, split) * cfg.block_n
+    split = max(1, cdiv(N, n_per))
+    meta = dict(CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=idx64, BM=cfg.block_m, BN=cfg.block_n,
+                BR=_p16(R), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return (n_m, split), n_per, meta
+
+
+def _grad_job(g, sg, a1, sa1, b1, sb1, a2, sa2, b2, sb2, o1, so1, o2, so2, M, N, R, gamma, compute, idx64, cfg):
+    """(o1, o2) (M, R) = (round(γ·G⊙P2)·B1ᵀ, round(γ·G⊙P1)·B2ᵀ); ``s*`` are 2-D strides."""
+    grid, n_per, meta = _grad_plan(M, N, R, compute, g.device, idx64, cfg)
+    split = grid[1]
+    if split == 1:
+        p1, p2, ps1, ps2 = o1, o2, (0,) + so1, (0,) + so2
+    else:
+        part = torch.empty((split, 2, M, R), device=g.device, dtype=torch.float32)
+        p1, p2 = part, part[:, 1]
+        ps1 = ps2 = (part.stride(0), part.stride(2), part.stride(3))
+    _hada_grad_kernel[grid](
+        g, a1, b1, a2, b2, p1, p2, M, N, R, n_per, gamma, *sg, *sa1, *sb1, *sa2, *sb2, *ps1, *ps2, **meta)
+    if split > 1:
+        reduce_launch(part, o1, o2, M, R, split, 1.0, part.stride(0), part.stride(1), part.stride(2),
+                      part.stride(3), so1, so2, idx64)
+
+
+def _t(s):
+    return (s[1], s[0])
+
+
+@functools.lru_cache(maxsize=4096)
+def _merge_bwd_idx64(views):
+    return needs_idx64(*views)
+
+
+def merge_bwd(grad, a1, b1, a2, b2, gamma, compute=None, cfg: Optional[GradCfg] = None):
+    """(g_a1, g_b1, g_a2, g_b2) of ``γ·(a1·b1)⊙(a2·b2)``, each in its input's dtype."""
+    O, R = a1.shape
+    I = b1.shape[1]
+    if compute is None:
+        compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    dev = grad.device
+    outs = tuple(torch.empty(t.shape, device=dev, dtype=t.dtype) for t in (a1, b1, a2, b2))
+    if O == 0 or I == 0 or R == 0:
+        return tuple(o.zero_() for o in outs)
+    g_a1, g_b1, g_a2, g_b2 = outs
+    cfg = cfg or default_grad_cfg(R, compute)
+    idx64 = _merge_bwd_idx64(view_key(grad, a1, b1, a2, b2))
+    sg = grad.stride()
+    sa1, sb1, sa2, sb2 = a1.stride(), b1.stride(), a2.stride(), b2.stride()
+    # job A: rows O, N = I
+    _grad_job(grad, sg, a1, sa1, b1, sb1, a2, sa2, b2, sb2, g_a1, g_a1.stride(), g_a2, g_a2.stride(),
+              O, I, R, gamma, compute, idx64, cfg)
+    # job B: the transposed problem, rows I: A := bᵀ (I, r), B := aᵀ (r, O), G := Gᵀ
+    _grad_job(grad, _t(sg), b1, _t(sb1), a1, _t(sa1), b2, _t(sb2), a2, _t(sa2),
+              g_b1, _t(g_b1.stride()), g_b2, _t(g_b2.stride()), I, O, R, gamma, compute, idx64, cfg)
+    return outs
+
+
+@functools.lru_cache(maxsize=4096)
+def _bypass_bwd_plan(T, O, I, R, views, compute, device, cfg: ApplyCfg):
+    idx64 = needs_idx64(*views) or T * O > 2**31 - 1
+    regen = _regen(T, R, cfg, compute)
+    gx_launch = _apply_meta(T, I, O, R, compute, regen, idx64, False, cfg)
+    gw_launch = _apply_meta(O, I, T, R, compute, False, idx64, False, cfg)
+    return idx64, regen, gx_launch, gw_launch
+
+
+def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
+               grad_cfg: Optional[GradCfg] = None):
+    """(gx (T, I) in x's dtype, g_a1, g_b1, g_a2, g_b2 in their inputs' dtypes)."""
+    T, I = x.shape
+    O, R = a1.shape
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    dev = x.device
+    gx = torch.empty((T, I), device=dev, dtype=x.dtype)
+    gw = torch.empty((O, I), device=dev, dtype=compute)
+    idx64, regen, (grid, meta), (grid_w, meta_w) = _bypass_bwd_plan(
+        T, O, I, R, view_key(grad, x, a1, b1, a2, b2), compute, dev, cfg or ApplyCfg())
+    if gx.numel():
+        if O == 0:
+            gx.zero_()
+        else:
+            # gx[t, i] = γ·Σ_o G[t, o]·ΔW[o, i]: D := ΔWᵀ (I, O), regenerated as round((b1ᵀ·a1ᵀ)⊙(b2ᵀ·a2ᵀ))
+            if regen:
+                f = (b1, a1, b2, a2)
+                fs = _t(b1.stride()) + _t(a1.stride()) + _t(b2.stride()) + _t(a2.stride())
+            else:
+                dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg or ApplyCfg())
+                f = (dw, dw, dw, dw)
+                fs = _t(dw.stride()) + (0,) * 6
+            _hada_apply_kernel[grid](
+                grad, *f, gx, gx, T, I, O, R, gamma, grad.stride(0), grad.stride(1), *fs,
+                0, 0, gx.stride(0), gx.stride(1), **meta)
+    # GW = round(Gᵀ·x) (O, I): X := Gᵀ (O, T), D := xᵀ (I, T)
+    if gw.numel():
+        _hada_apply_kernel[grid_w](
+            grad, x, x, x, x, gw, gw, O, I, T, R, 1.0, grad.stride(1), grad.stride(0),
+            x.stride(1), x.stride(0), 0, 0, 0, 0, 0, 0, 0, 0, gw.stride(0), gw.stride(1), **meta_w)
+    return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg)
+
+
+# =============================================================================== op set (schema signatures)
+# Called by the CUDA dispatcher with validated, in-scope arguments (``scope.SCOPE``).
+
+
+def loha_merge_bwd(grad, a1, b1, a2, b2, gamma):
+    with device_guard(grad):
+        return merge_bwd(grad, a1, b1, a2, b2, gamma)
+
+
+def loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
+    with device_guard(x):
+        return bypass_fwd(x, a1, b1, a2, b2, gamma, base)
+
+
+def loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
+    with device_guard(x):
+        return bypass_bwd(grad, x, a1, b1, a2, b2, gamma)

@@ -1,0 +1,340 @@
+"""Triton kernels of diag-OFT (OPS.md §2.5): ``oft_fwd`` and ``oft_bwd``.
+
+Written from the math (``reference/oft.py`` is the oracle, same numerics).
+Per block k: ``Q_k = cscale·(B_k − B_kᵀ)``, ``M_k = (I − Q_k)⁻¹``, ``R_k = 2M_k − I``
+(the Cayley transform), ``F_k = diag(ρ_k)·R_kᵀ − shift·I``, applied to the
+S-channel slab of every column (weight=True: x (K·S, L)) or token / position
+(weight=False: (T, K·S) channels last, or (N, K·S, *spatial) channels on dim 1).
+
+Geometry: x is seen as (pre, C, post) with C = K·S the rotated axis; the
+*positions* are the pre·post (column / token / pixel) indices. A program owns a
+*group* of NB consecutive blocks (GP = NB·SP channel rows, SP = S padded to a
+power of two, NB chosen so GP >= 16 for ``tl.dot`` — 32 when the channels are
+the contiguous axis, for coalescing) and a share of the positions.
+
+Cayley in registers: every program rebuilds the fp32 Cayley factors of its
+blocks from the fp32-upcast raw blocks (batched Gauss–Jordan, SP steps,
+``cayley.py``) before it streams; R is never written to memory and no scratch
+holds it. The position loop amortizes the rebuild.
+
+Passes:
+
+``oft_fwd`` — ONE kernel: rebuild F, then stream x once (read) and the output
+    once (write): ``Y = F·X`` per (GP × BLOCK_P) tile (fp32 ``tl.dot``), shift
+    and rescale folded into F, one rounding at the store.
+``oft_bwd`` — TWO kernels:
+    1. stream: rebuild F, read G and x once, write gx = Fᵀ·G and accumulate
+       ``P = Σ G·Xᵀ`` (dL/dF, fp32) over the program's positions; the partial P
+       of each (group, position split) goes to a small fp32 scratch
+       (split × groups × GP × GP; deterministic, no atomics).
+    2. chain (one program per group, tiny): sum the partials, rebuild M and R,
+       ``g_rescale = rowsum(P ⊙ Rᵀ)``, ``gR = (diag(ρ)·P)ᵀ``,
+       ``gQ = 2·Mᵀ·gR·Mᵀ``, ``g_blocks = cscale·(gQ − gQᵀ)`` (cscale constant),
+       stored in blocks' dtype.
+
+Dots: the streaming dots on fp32 tiles use ``input_precision`` from the config
+(default ``"tf32x3"``: tensor cores at ~fp32 accuracy, ~1e-6 relative); the
+Cayley algebra uses IEEE fp32.
+
+Layout: any strides. Pre and post dims are each collapsed to one strided run;
+an x / grad whose pre or post dims do not collapse (rare) is read from a
+contiguous copy.
+
+Scope: S <= 64 (SP = pow2(S) <= 64; the dispatcher's default limit is 32);
+float16 / bfloat16 / float32 operands (fp64 goes to eager).
+Calls arrive validated by ``check_oft_*`` and inside ``lycoris_ops.scope`` (the op
+set's contract); the launchers do not re-validate.
+"""
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import cdiv, collapse_one, device_guard, needs_idx64, next_pow2, num_sms
+from .cayley import batched_inverse, block_diag, cayley_grad, skew_system
+
+__all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view"]
+
+#: largest block size S the kernels take (padded to a power of two)
+MAX_BLOCK = 64
+
+
+# --------------------------------------------------------------------------- kernels
+
+@triton.jit
+def pos_offsets(p, POST, s_pre, s_post, MODE: tl.constexpr):
+    """Element offsets of flat positions p = pre_index·POST + post_index.
+    MODE 0: one axis only (offset p·s_pre, the caller passes the live stride);
+    MODE 1: both (div/mod by POST)."""
+    if MODE == 0:
+        off = p * s_pre
+    else:
+        off = (p // POST) * s_pre + (p % POST) * s_post
+    return off
+
+
+@triton.jit
+def _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
+               HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr):
+    """Channel rows of group g and its Cayley factor M (block-diagonal (GP, GP)).
+    Returns (ch, ch_valid, rho, M, same): ``same`` marks the entries (l, l') of one real block."""
+    GP: tl.constexpr = NB * SP
+    l = tl.arange(0, GP)
+    b = l // SP
+    pin = l % SP
+    k = g * NB + b
+    ch_valid = (pin < S) & (k < K)
+    ch = k * S + pin
+    n3 = tl.arange(0, NB)[:, None, None]
+    p3 = tl.arange(0, SP)[None, :, None]
+    q3 = tl.arange(0, SP)[None, None, :]
+    k3 = g * NB + n3
+    valid = (p3 < S) & (q3 < S) & (k3 < K)
+    bb = tl.load(blocks_ptr + k3 * sbk + p3 * sbp + q3 * sbq, mask=valid, other=0.0).to(tl.float32)
+    bt = tl.load(blocks_ptr + k3 * sbk + q3 * sbp + p3 * sbq, mask=valid, other=0.0).to(tl.float32)
+    m = block_diag(batched_inverse(skew_system(bb, bt, cscale, valid, NB, SP), NB, SP), NB, SP)
+    if HAS_RESCALE:
+        rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
+    else:
+        rho = tl.full((GP,), 1.0, tl.float32)
+    same = (b[:, None] == b[None, :]) & ch_valid[:, None] & ch_valid[None, :]
+    return ch, ch_valid, rho, m, same
+
+
+@triton.jit
+def _oft_f(m, rho, shift, GP: tl.constexpr):
+    """F = diag(ρ)·Rᵀ − shift·I with Rᵀ = 2Mᵀ − I."""
+    l = tl.arange(0, GP)
+    eye = tl.where(l[:, None] == l[None, :], 1.0, 0.0)
+    return rho[:, None] * (2.0 * tl.trans(m) - eye) - shift * eye
+
+
+@triton.jit
+def _oft_fwd_kernel(
+    blocks_ptr, sbk, sbp, sbq, rs_ptr, srs,
+    x_ptr, sx_pre, sx_c, sx_post, y_ptr, sy_pre, sy_c, sy_post,
+    K, S, NPOS, POST, n_tiles, n_split, cscale, shift,
+    HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
+    NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    GP: tl.constexpr = NB * SP
+    g = tl.program_id(0)
+    ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
+                                            HAS_RESCALE, NB, SP)
+    f = _oft_f(m, rho, shift, GP)
+    if IDX64:
+        ch = ch.to(tl.int64)
+    for t in range(tl.program_id(1), n_tiles, n_split):
+        p = t * BLOCK_P + tl.arange(0, BLOCK_P)
+        if IDX64:
+            p = p.to(tl.int64)
+        mask = ch_valid[:, None] & (p < NPOS)[None, :]
+        xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
+        x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+        y = tl.dot(f, x, input_precision=DOT_PREC)
+        yo = ch[:, None] * sy_c + pos_offsets(p, POST, sy_pre, sy_post, MODE)[None, :]
+        tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _oft_bwd_stream(
+    blocks_ptr, sbk, sbp, sbq, rs_ptr, srs,
+    g_ptr, sg_pre, sg_c, sg_post, x_ptr, sx_pre, sx_c, sx_post, gx_ptr, so_pre, so_c, so_post, part_ptr,
+    K, S, NPOS, POST, n_tiles, n_split, n_groups, cscale, shift,
+    HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
+    NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    GP: tl.constexpr = NB * SP
+    g = tl.program_id(0)
+    sp = tl.program_id(1)
+    ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
+                                            HAS_RESCALE, NB, SP)
+    ft = tl.trans(_oft_f(m, rho, shift, GP))
+    if IDX64:
+        ch = ch.to(tl.int64)
+    acc = tl.zeros((GP, GP), dtype=tl.float32)
+    for t in range(sp, n_tiles, n_split):
+        p = t * BLOCK_P + tl.arange(0, BLOCK_P)
+        if IDX64:
+            p = p.to(tl.int64)
+        mask = ch_valid[:, None] & (p < NPOS)[None, :]
+        go = ch[:, None] * sg_c + pos_offsets(p, POST, sg_pre, sg_post, MODE)[None, :]
+        gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
+        xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
+        x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+        gx = tl.dot(ft, gg, input_precision=DOT_PREC)
+        oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
+        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+        acc = tl.dot(gg, tl.trans(x), acc, input_precision=DOT_PREC)
+    l = tl.arange(0, GP)
+    base = (sp * n_groups + g).to(tl.int64) * (GP * GP)
+    tl.store(part_ptr + base + l[:, None] * GP + l[None, :], acc)
+
+
+@triton.jit
+def _oft_bwd_chain(
+    blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, part_ptr, gb_ptr, gr_ptr,
+    K, S, n_split, n_groups, cscale,
+    HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr,
+):
+    GP: tl.constexpr = NB * SP
+    g = tl.program_id(0)
+    ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
+                                            HAS_RESCALE, NB, SP)
+    l = tl.arange(0, GP)
+    pp = tl.zeros((GP, GP), dtype=tl.float32)
+    for sp in range(n_split):
+        base = (sp * n_groups + g).to(tl.int64) * (GP * GP)
+        pp += tl.load(part_ptr + base + l[:, None] * GP + l[None, :])
+    pp = tl.where(same, pp, 0.0)                                  # dL/dF_k, block-diagonal
+    eye = tl.where(l[:, None] == l[None, :], 1.0, 0.0)
+    if HAS_RESCALE:
+        rt = 2.0 * tl.trans(m) - eye                              # Rᵀ
+        g_rs = tl.sum(pp * rt, axis=1)
+        tl.store(gr_ptr + ch, g_rs.to(gr_ptr.dtype.element_ty), mask=ch_valid)
+    g_r = tl.trans(rho[:, None] * pp)
+    g_b = cayley_grad(g_r, m, cscale)
+    b = l // SP
+    pin = l % SP
+    k = g * NB + b
+    go = k[:, None] * (S * S) + pin[:, None] * S + pin[None, :]
+    tl.store(gb_ptr + go, g_b.to(gb_ptr.dtype.element_ty), mask=same)
+
+
+# --------------------------------------------------------------------------- host side
+
+class OftCfg(NamedTuple):
+    """Launch parameters: ``block_p`` positions per tile, ``group``: minimum channel
+    rows per program (>= 16; 0 = automatic: 32 when the channels are contiguous
+    in memory, else 16), ``split``: programs per group along the positions
+    (0 = automatic, to fill the GPU), ``dot_prec``: input_precision of the
+    streaming fp32 dots."""
+    block_p: int = 128
+    group: int = 0
+    split: int = 0
+    num_warps: int = 4
+    num_stages: int = 2
+    dot_prec: str = "tf32x3"
+    bwd_block_p: int = 64
+    chain_warps: int = 4
+
+
+def default_oft_cfg() -> OftCfg:
+    return OftCfg()
+
+
+def positions_view(t: torch.Tensor, ax: int):
+    """``(t_or_copy, pre, post, (s_pre, s_c, s_post))`` of t seen as (pre, C, post).
+
+    Pre dims and post dims must each collapse to one strided run; otherwise a
+    contiguous copy is used (documented fallback, rare)."""
+    shape, stride = tuple(t.shape), t.stride()
+    a = collapse_one(shape[:ax], stride[:ax]) if ax > 0 else (1, 0)
+    b = collapse_one(shape[ax + 1:], stride[ax + 1:]) if ax + 1 < len(shape) else (1, 0)
+    if a is None or b is None:
+        t = t.contiguous()
+        return positions_view(t, ax)
+    return t, a[0], b[0], (a[1], stride[ax], b[1])
+
+
+def pos_mode(pre, post, strides):
+    """(MODE, s_pre', s_post') of the position enumeration (see ``pos_offsets``)."""
+    s_pre, _, s_post = strides
+    if post == 1:
+        return 0, s_pre, 0
+    if pre == 1:
+        return 0, s_post, 0
+    return 1, s_pre, s_post
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(K, S, npos, c_contig, n_sm, bwd, cfg: OftCfg):
+    SP = next_pow2(S)
+    if SP > MAX_BLOCK:
+        raise ValueError(f"lycoris triton oft: block size S={S} exceeds the fused limit {MAX_BLOCK}")
+    want = cfg.group or (32 if c_contig else 16)
+    NB = max(1, max(16, want) // SP)
+    n_groups = cdiv(K, NB)
+    bp = cfg.bwd_block_p if bwd else cfg.block_p
+    n_tiles = cdiv(npos, bp)
+    split = cfg.split or max(1, cdiv(4 * n_sm, max(1, n_groups)))
+    split = max(1, min(split, n_tiles))
+    return NB, SP, n_groups, n_tiles, split, bp
+
+
+def _oft_axis(x, weight):
+    return 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
+
+
+def _prep(blocks, x, rescale, weight, cfg, bwd):
+    if x.dtype == torch.float64 or blocks.dtype == torch.float64:
+        raise ValueError("lycoris triton oft: float64 is not fused (eager only)")
+    K, S = blocks.shape[0], blocks.shape[1]
+    ax = _oft_axis(x, weight)
+    x, pre, post, xs = positions_view(x, ax)
+    plan = _plan(K, S, pre * post, xs[1] == 1, num_sms(x.device), bwd, cfg)
+    rs = rescale.reshape(-1) if rescale is not None else blocks
+    return K, S, ax, x, pre, post, xs, plan, rs
+
+
+def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = None):
+    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): one kernel."""
+    cfg = cfg or OftCfg()
+    K, S, ax, x, pre, post, xs, (NB, SP, n_groups, n_tiles, split, bp), rs = _prep(blocks, x, rescale, weight,
+                                                                                  cfg, False)
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if y.numel() == 0:
+        return y
+    ys = (K * S * post, post, 1)
+    mode, a, b = pos_mode(pre, post, xs)
+    _, ya, yb = pos_mode(pre, post, ys)
+    idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()))
+    with device_guard(x):
+        _oft_fwd_kernel[(n_groups, split)](
+            blocks, *blocks.stride(), rs, rs.stride(0),
+            x, a, xs[1], b, y, ya, ys[1], yb,
+            K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
+            HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
+            DOT_PREC=cfg.dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = None):
+    """Diag-OFT backward (OPS.md §2.5.2, see ``reference.oft.oft_bwd``): stream + chain kernels.
+
+    Returns gx (x's shape and dtype), g_blocks (blocks' shape and dtype), g_rescale
+    ((K·S,) in blocks' dtype, or an empty (0,) tensor when rescale is None)."""
+    cfg = cfg or OftCfg()
+    K, S, ax, x, pre, post, xs, (NB, SP, n_groups, n_tiles, split, bp), rs = _prep(blocks, x, rescale, weight,
+                                                                                  cfg, True)
+    dev = x.device
+    gx = torch.empty(x.shape, device=dev, dtype=x.dtype)
+    g_blocks = torch.empty(blocks.shape, device=dev, dtype=blocks.dtype)
+    g_rescale = torch.empty((K * S,) if rescale is not None else (0,), device=dev, dtype=blocks.dtype)
+    if K * S == 0:
+        return gx, g_blocks, g_rescale
+    grad, _, _, gs = positions_view(grad, ax)
+    os_ = (K * S * post, post, 1)
+    mode, xa, xb = pos_mode(pre, post, xs)
+    _, ga, gb = pos_mode(pre, post, gs)
+    _, oa, ob = pos_mode(pre, post, os_)
+    idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
+                        (tuple(gx.shape), gx.stride()))
+    GP = NB * SP
+    part = torch.empty((split, n_groups, GP, GP), device=dev, dtype=torch.float32)
+    with device_guard(x):
+        _oft_bwd_stream[(n_groups, split)](
+            blocks, *blocks.stride(), rs, rs.stride(0),
+            grad, ga, gs[1], gb, x, xa, xs[1], xb, gx, oa, os_[1], ob, part,
+            K, S, pre * post, post, n_tiles, split, n_groups, float(cscale), 1.0 if shift else 0.0,
+            HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
+            DOT_PREC=cfg.dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _oft_bwd_chain[(n_groups,)](
+            blocks, *blocks.stride(), rs, rs.stride(0), part, g_blocks, g_rescale,
+            K, S, split, n_groups, float(cscale),
+            HAS_RESCALE=rescale is not None, NB=NB, SP=SP, num_warps=cfg.chain_warps)
+    return gx, g_blocks, g_rescale

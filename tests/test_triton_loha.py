@@ -1,0 +1,254 @@
+"""Triton LoHa kernels (lycoris_ops/triton/loha.py) and the tucker rebuild
+(lycoris_ops/triton/tucker.py, used by LoHa tucker and LoCon conv) against an
+fp64 oracle.
+
+Without a GPU the kernels run under the Triton interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1) on CPU tensors; bf16 dots are upcast there (see
+_common.dot_dtype). The oracle is einsum / autograd in fp64 from the operands
+rounded to the compute dtype (it skips the deliberate intermediate roundings,
+which stay far inside the tolerances). The compile-only test builds every
+kernel for sm_90 in a subprocess without the interpreter.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lycoris_ops.testing import REL_TOL, make, rel_err  # noqa: E402
+from lycoris_ops.triton import loha as TH  # noqa: E402
+from lycoris_ops.triton import tucker as TT  # noqa: E402
+from lycoris_ops.triton._common import ptxas_path  # noqa: E402
+from lycoris_ops.triton._fusedkit import compute_dtype  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and __name__ != "__main__":
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+T, O, I, R = 37, 19, 23, 5
+GAMMA = 0.7
+SMALL = dict(block_m=16, block_n=16, block_k=16)  # several tiles per dim at these sizes
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def mk(shape, dtype, g, nc=False):
+    return make(shape, dtype, DEV, gen=g, noncontiguous=nc)
+
+
+def mk_t(shape, dtype, g):
+    """A transposed (column-major) view of the given shape."""
+    return make(shape[::-1], dtype, DEV, gen=g).t()
+
+
+def cd_of(*ts):
+    return compute_dtype(*(t.dtype for t in ts if t is not None))
+
+
+def d64(t, c):
+    return None if t is None else t.detach().to(c).double().cpu()
+
+
+def close(actual, expected, tol, what):
+    assert actual.device.type == DEV
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.1e}"
+
+
+def factors(dtype, g, r=R):
+    """a1 (O, r) strided, b1 (r, I) non-contiguous, a2 column-major, b2 plain."""
+    return mk((O, r), dtype, g, nc=True), mk((r, I), dtype, g, nc=True), mk_t((O, r), dtype, g), mk((r, I), dtype, g)
+
+
+def o_delta(a1, b1, a2, b2):
+    return torch.einsum("or,ri->oi", a1, b1) * torch.einsum("or,ri->oi", a2, b2)
+
+
+def o_bypass(x, a1, b1, a2, b2, gamma, base=None):
+    y = gamma * torch.einsum("ti,oi->to", x, o_delta(a1, b1, a2, b2))
+    return y if base is None else y + base
+
+
+# ----------------------------------------------------------------------------- bypass
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("strategy", ["regen", "materialize"])
+def test_bypass(dtype, strategy):
+    g = gen(1)
+    x = mk((T, I), dtype, g, nc=True)
+    a1, b1, a2, b2 = factors(dtype, g)
+    base = mk((T, O), dtype, g, nc=True) if strategy == "regen" else None
+    cd = cd_of(x, a1, b1, a2, b2)
+    cfg = TH.ApplyCfg(strategy=strategy, **SMALL)
+    y = TH.bypass_fwd(x, a1, b1, a2, b2, GAMMA, base, cfg)
+    assert y.shape == (T, O) and y.dtype == dtype and y.is_contiguous()
+    ops64 = [d64(t, cd) for t in (x, a1, b1, a2, b2)]
+    close(y, o_bypass(*ops64, GAMMA, d64(base, torch.float64)), REL_TOL[dtype], "bypass fwd")
+
+    grad = mk((T, O), dtype, g, nc=True)
+    ps = [t.clone().requires_grad_() for t in ops64]
+    o_bypass(*ps, GAMMA).backward(d64(grad, cd))
+    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, cfg, TH.GradCfg(block_m=16, block_n=16, split=2))
+    for name, gt, p, src in zip(("gx", "g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (x, a1, b1, a2, b2)):
+        assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
+        close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name}")
+
+
+def test_bypass_promotion_ops_and_large_rank():
+    """fp32 factors with an fp16 x compute in fp16 (base's dtype sets the output);
+    the op-set entries; a padded rank > 128 goes through ``materialize``."""
+    g = gen(2)
+    x = mk((9, I), torch.float16, g)
+    a1, b1, a2, b2 = factors(torch.float32, g, r=130)
+    base = mk((9, O), torch.float32, g)
+    cd = torch.float16
+    ops64 = [d64(t, cd) for t in (x, a1, b1, a2, b2)]
+    y = TH.loha_bypass_fwd(x, a1, b1, a2, b2, GAMMA / 16, base)
+    assert y.dtype == torch.float32
+    close(y, o_bypass(*ops64, GAMMA / 16, base.double()), REL_TOL[cd], "fwd rank 130")
+    a1, b1, a2, b2 = factors(torch.float32, g)
+    ops64 = [d64(t, cd) for t in (x, a1, b1, a2, b2)]
+    grad = mk((9, O), torch.float32, g)
+    got = TH.loha_bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA)
+    assert [t.dtype for t in got] == [torch.float16] + [torch.float32] * 4
+    ps = [t.clone().requires_grad_() for t in ops64]
+    o_bypass(*ps, GAMMA).backward(d64(grad, cd))
+    for gt, p in zip(got, ps):
+        close(gt, p.grad, REL_TOL[cd], "bwd")
+    assert TH.supported(128) and not TH.supported(129)
+
+
+# ----------------------------------------------------------------------------- merge backward
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("split", [1, 3])
+def test_merge_bwd(dtype, split):
+    g = gen(3)
+    a1, b1, a2, b2 = factors(dtype, g)
+    grad = mk((O, I), dtype, g, nc=True)
+    cd = cd_of(a1, b1, a2, b2)
+    ps = [d64(t, cd).requires_grad_() for t in (a1, b1, a2, b2)]
+    (GAMMA * o_delta(*ps)).backward(d64(grad, cd))
+    got = TH.merge_bwd(grad, a1, b1, a2, b2, GAMMA, cfg=TH.GradCfg(block_m=16, block_n=16, split=split))
+    for name, gt, p, src in zip(("g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (a1, b1, a2, b2)):
+        assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
+        close(gt, p.grad, REL_TOL[dtype], f"merge bwd {name}")
+
+
+def test_merge_bwd_op_mixed_dtypes():
+    """Factors of mixed fp32/bf16 compute in bf16; each gradient in its input's dtype."""
+    g = gen(4)
+    a1, b1, a2, b2 = factors(torch.float32, g)
+    b2 = b2.to(torch.bfloat16)
+    grad = mk((O, I), torch.float32, g)
+    cd = torch.bfloat16
+    got = TH.loha_merge_bwd(grad, a1, b1, a2, b2, GAMMA)
+    assert [t.dtype for t in got] == [torch.float32] * 3 + [torch.bfloat16]
+    ps = [d64(t, cd).requires_grad_() for t in (a1, b1, a2, b2)]
+    (GAMMA * o_delta(*ps)).backward(d64(grad, cd))
+    for gt, p in zip(got, ps):
+        close(gt, p.grad, REL_TOL[cd], "merge bwd mixed")
+
+
+# ----------------------------------------------------------------------------- tucker
+
+
+def o_tucker(a, t, b):
+    return torch.einsum("op,pqk,qi->oik", a, t, b)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("two", [False, True], ids=["one", "hada"])
+def test_tucker(dtype, two):
+    g = gen(5)
+    Kk = 5
+    a1 = mk_t((O, 4), dtype, g)  # LoHa passes a transposed "up"
+    t1 = mk((4, 3, Kk), dtype, g)
+    b1 = mk((3, I), dtype, g, nc=True)
+    a2, t2, b2 = (mk((O, 6), dtype, g), mk((6, 6, Kk), dtype, g), mk((6, I), torch.float32, g)) if two else (None,) * 3
+    cd = cd_of(a1, t1, b1, a2, t2, b2)
+    y = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, TT.TuckerCfg(block_o=16, block_i=16))
+    assert y.shape == (O, I, Kk) and y.dtype == dtype and y.is_contiguous()
+    want = GAMMA * o_tucker(d64(a1, cd), d64(t1, cd), d64(b1, cd))
+    if two:
+        want = want * o_tucker(d64(a2, cd), d64(t2, cd), d64(b2, cd))
+    close(y, want, REL_TOL[dtype], "tucker")
+
+
+def test_tucker_op_and_scope():
+    from lycoris_ops.triton import ops
+
+    g = gen(6)
+    a, t, b = mk((7, 3), torch.float32, g), mk((3, 3, 1), torch.float32, g), mk((3, 5), torch.float32, g)
+    y = ops.lora_tucker_fwd(a, t, b, None, None, None, 1.5)
+    close(y, 1.5 * o_tucker(a.double(), t.double(), b.double()), REL_TOL[torch.float32], "tucker op")
+    assert TT.supported(128, 64) and not TT.supported(129)
+    for name in ("loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd"):
+        assert getattr(ops, name) is getattr(TH, name)
+
+
+# ----------------------------------------------------------------------------- compile-only (sm_90)
+
+
+def _compile_all(dtype_names):
+    """Compile every LoHa / tucker kernel for sm_90 with realistic
+    specializations (unit inner strides, 16-aligned pointers and outer strides).
+    Runs without TRITON_INTERPRET."""
+    import triton.language as tl
+
+    from lycoris_ops.triton._common import compile_only
+
+    for dn in dtype_names:
+        t = {"fp16": tl.float16, "bf16": tl.bfloat16}[dn]
+        com = dict(CD=t, DOT=t, IDX64=dn == "bf16")  # bf16 builds the 64-bit index variants
+        ptr7 = dict(x_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, base_ptr=dn, y_ptr=dn)
+        jobs = [
+            (TH._hada_apply_kernel, ptr7, dict(REGEN=True, HAS_BASE=True, GROUP_M=8, BM=64, BN=128, BK=64, BR=64,
+                                               **com), ("s_xk", "s_a1r", "s_b1k", "s_a2r", "s_b2k", "s_bn", "s_yn"), 8),
+            (TH._hada_apply_kernel, ptr7, dict(REGEN=False, HAS_BASE=False, GROUP_M=8, BM=128, BN=128, BK=64, BR=16,
+                                               **com), ("s_xk", "s_a1r", "s_yn"), 8),
+            (TH._hada_tile_kernel, dict(a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, d_ptr=dn),
+             dict(BN=64, BK=64, BR=32, **com), ("s_a1r", "s_b1k", "s_a2r", "s_b2k", "s_dk"), 4),
+            (TH._hada_grad_kernel, dict(g_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, o1_ptr="fp32",
+                                        o2_ptr="fp32"),
+             dict(BM=64, BN=64, BR=64, **com), ("s_gn", "s_a1r", "s_b1n", "s_a2r", "s_b2n", "s_o1r", "s_o2r"), 8),
+            (TT._tucker_kernel, dict(a1_ptr=dn, t1_ptr=dn, b1_ptr=dn, a2_ptr=dn, t2_ptr=dn, b2_ptr=dn, y_ptr=dn),
+             dict(TWO=True, GROUP_O=8, BO=64, BI=64, BR1A=32, BR1B=32, BR2A=32, BR2B=32, **com),
+             ("s_b1i", "s_b2i", "s_yk"), 8),
+        ]
+        for fn, pointers, cx, ones, warps in jobs:
+            div16 = [p.name for p in fn.params if p.name.startswith("s_") and p.name not in ones]
+            k = compile_only(fn, pointers, cx, ones=ones, div16=div16, num_warps=warps, num_stages=3)
+            assert k.asm.get("cubin"), fn.__name__
+            print(f"ok {fn.__name__} {dn}", flush=True)
+
+
+def run_compile_check(dtype_names):
+    if ptxas_path(90) is None:
+        pytest.skip("triton's ptxas is unavailable")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.abspath(__file__)
+    proc = subprocess.run([sys.executable, here, "--compile", *dtype_names], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(here)))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc.stdout
+
+
+def test_compile_sm90():
+    out = run_compile_check(["bf16"])
+    assert out.count("ok ") == 5, out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:
+    _compile_all(sys.argv[2:])

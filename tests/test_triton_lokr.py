@@ -1,0 +1,277 @@
+"""Triton LoKr kernels (lycoris_ops/triton/lokr.py) against an fp64 oracle.
+
+Without a GPU the kernels run under the Triton interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1) on CPU tensors; bf16 dots are upcast there (see
+_common.dot_dtype), fp16 runs the real 16-bit dots including the hi/lo split
+of the unrounded fp32 intermediates. The oracle is an explicit ``torch.kron``
+(merges, bypass) and autograd of it (backward ops) in fp64, from the operands
+rounded to the compute dtype. The compile-only test builds every kernel for
+sm_90 in a subprocess without the interpreter.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lycoris_ops.testing import REL_TOL, make, rel_err  # noqa: E402
+from lycoris_ops.triton import lokr as TK  # noqa: E402
+from lycoris_ops.triton._common import ptxas_path  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and __name__ != "__main__":
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+GAMMA = 0.7
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def mk(shape, dtype, g, nc=False):
+    return make(shape, dtype, DEV, gen=g, noncontiguous=nc)
+
+
+def mk_t(shape, dtype, g):
+    """A transposed (column-major) view of the given shape."""
+    return make(shape[::-1], dtype, DEV, gen=g).t()
+
+
+def cd_of(*ts):
+    return TK.compute_dtype(*(t.dtype for t in ts if t is not None))
+
+
+def d64(t, c):
+    return None if t is None else t.detach().to(c).double().cpu()
+
+
+def close(actual, expected, tol, what):
+    assert actual.device.type == DEV
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.1e}"
+
+
+def o_kron(w1, w2):
+    return torch.kron(w1.contiguous(), w2.contiguous())  # (kron rejects some strided views)
+
+
+def o_side(wa, wb):
+    return wa if wb is None else wa @ wb
+
+
+# ----------------------------------------------------------------------------- merges
+
+
+MERGE_CASES = [
+    # (a, b, c, d, r1, r2, swap, split)
+    (3, 5, 7, 19, 0, 0, False, 0),   # both whole (the lokr_full_merge path)
+    (3, 5, 7, 19, 2, 0, False, 3),   # side 1 factored
+    (3, 5, 7, 19, 0, 3, None, 0),    # side 2 factored
+    (3, 5, 4, 6, 2, 3, True, 2),     # both factored, w1 tiled (swap)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: f"{c[:6]}-swap{c[6]}-split{c[7]}")
+def test_merge(dtype, case):
+    a, b, c, d, r1, r2, swap, split = case
+    g = gen(1)
+    w1a = mk((a, r1 or b), dtype, g, nc=True)
+    w1b = mk((r1, b), dtype, g) if r1 else None
+    w2a = mk_t((c, r2 or d), dtype, g)
+    w2b = mk((r2, d), dtype, g, nc=True) if r2 else None
+    base = mk((a * c, b * d), torch.float32, g, nc=True)
+    cfg = TK.MergeCfg(block_m=16, block_n=16, swap=swap, split=split)
+    cd = cd_of(w1a, w1b, w2a, w2b)
+    w1, w2 = o_side(d64(w1a, cd), d64(w1b, cd)), o_side(d64(w2a, cd), d64(w2b, cd))
+
+    out_dtype = torch.float32 if dtype == torch.float32 else dtype
+    y = TK.merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, GAMMA, out_dtype, cfg)
+    assert y.shape == (a * c, b * d) and y.dtype == out_dtype and y.is_contiguous()
+    close(y, GAMMA * o_kron(w1, w2) + base.double(), REL_TOL[dtype], "merge fwd")
+
+    grad = mk((a * c, b * d), dtype, g, nc=True)
+    ps = [None if t is None else t.clone().requires_grad_() for t in
+          (d64(w1a, cd), d64(w1b, cd), d64(w2a, cd), d64(w2b, cd))]
+    (GAMMA * o_kron(o_side(ps[0], ps[1]), o_side(ps[2], ps[3]))).backward(d64(grad, cd))
+    got = TK.merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, GAMMA, cfg)
+    for name, gt, p, src in zip(("g_w1a", "g_w1b", "g_w2a", "g_w2b"), got, ps, (w1a, w1b, w2a, w2b)):
+        if src is None:
+            assert gt.numel() == 0
+            continue
+        assert gt.shape == src.shape and gt.dtype == src.dtype
+        close(gt, p.grad, REL_TOL[dtype], f"merge bwd {name}")
+
+
+def test_full_merge_ops_default_dtype_and_promotion():
+    """The op-set entries: out_dtype defaults to w2's dtype; fp32 w1 with bf16 w2
+    computes in bf16; each gradient comes back in its own input's dtype."""
+    g = gen(2)
+    w1 = mk((4, 3), torch.float32, g)
+    w2 = mk((5, 6), torch.bfloat16, g, nc=True)
+    base = mk((20, 18), torch.float32, g)
+    y = TK.lokr_full_merge_fwd(w1, w2, None, GAMMA)
+    assert y.dtype == torch.bfloat16
+    cd = torch.bfloat16
+    close(y, GAMMA * o_kron(d64(w1, cd), d64(w2, cd)), REL_TOL[cd], "full merge")
+    y = TK.lokr_full_merge_fwd(w1, w2, base, GAMMA, torch.float32)
+    close(y, GAMMA * o_kron(d64(w1, cd), d64(w2, cd)) + base.double(), REL_TOL[cd], "full merge + base")
+    grad = mk((20, 18), torch.float32, g)
+    g1, g2 = TK.lokr_full_merge_bwd(grad, w1, w2, GAMMA)
+    assert (g1.dtype, g2.dtype) == (torch.float32, torch.bfloat16)
+    p1, p2 = d64(w1, cd).requires_grad_(), d64(w2, cd).requires_grad_()
+    (GAMMA * o_kron(p1, p2)).backward(d64(grad, cd))
+    close(g1, p1.grad, REL_TOL[cd], "g_w1")
+    close(g2, p2.grad, REL_TOL[cd], "g_w2")
+    y = TK.lokr_merge_fwd(w1, None, w2, None, [4, 3, 5, 6], None, GAMMA)
+    assert y.dtype == torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- bypass
+
+
+def o_bypass(x, w1, w2, gamma, base=None):
+    y = gamma * x @ o_kron(w1, w2).t()
+    return y if base is None else y + base
+
+
+BYPASS_CASES = [
+    # (T, a, b, c, d, swap, with base)
+    (11, 3, 5, 7, 9, False, True),
+    (11, 3, 5, 7, 9, True, False),
+    (6, 2, 9, 5, 3, None, True),
+    (7, 3, 2, 4, 19, False, False),  # d > 16: several d chunks in the backward
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("case", BYPASS_CASES, ids=lambda c: f"{c[:5]}-swap{c[5]}-base{c[6]}")
+def test_bypass(dtype, case):
+    T, a, b, c, d, swap, with_base = case
+    g = gen(3)
+    x = mk((T, b * d), dtype, g, nc=True)
+    w1 = mk((a, b), dtype, g)
+    w2 = mk_t((c, d), dtype, g)
+    base = mk((T, a * c), dtype, g, nc=True) if with_base else None
+    cd = cd_of(x, w1, w2)
+    y = TK.bypass_fwd(x, w1, w2, GAMMA, base, TK.BypassFwdCfg(swap=swap))
+    assert y.shape == (T, a * c) and y.dtype == dtype and y.is_contiguous()
+    close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, d64(base, torch.float64)),
+          REL_TOL[dtype], "bypass fwd")
+
+    grad = mk((T, a * c), dtype, g, nc=True)
+    ps = [d64(t, cd).requires_grad_() for t in (x, w1, w2)]
+    o_bypass(*ps, GAMMA).backward(d64(grad, cd))
+    for passes in (1, 2, 3) if dtype == torch.float16 else (0,):
+        cfg = TK.BypassBwdCfg(swap=swap, passes=passes, programs=2, block_d=16 if passes else 0)
+        got = TK.bypass_bwd(grad, x, w1, w2, GAMMA, cfg)
+        for name, gt, p, src in zip(("gx", "g_w1", "g_w2"), got, ps, (x, w1, w2)):
+            assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
+            close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name} (passes={passes})")
+
+
+def test_bypass_promotion_and_ops():
+    """fp32 factors with a bf16 x compute in bf16; base's dtype sets the output;
+    gradients in their inputs' dtypes; the op-set entries."""
+    g = gen(4)
+    T, a, b, c, d = 5, 2, 3, 4, 5
+    x = mk((T, b * d), torch.bfloat16, g)
+    w1 = mk((a, b), torch.float32, g)
+    w2 = mk((c, d), torch.float32, g, nc=True)
+    base = mk((T, a * c), torch.float32, g)
+    cd = torch.bfloat16
+    y = TK.lokr_bypass_fwd(x, w1, w2, GAMMA, base)
+    assert y.dtype == torch.float32
+    close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, base.double()), REL_TOL[cd], "fwd")
+    grad = mk((T, a * c), torch.float32, g)
+    gx, g1, g2 = TK.lokr_bypass_bwd(grad, x, w1, w2, GAMMA)
+    assert (gx.dtype, g1.dtype, g2.dtype) == (torch.bfloat16, torch.float32, torch.float32)
+    ps = [d64(t, cd).requires_grad_() for t in (x, w1, w2)]
+    o_bypass(*ps, GAMMA).backward(d64(grad, cd))
+    for gt, p in zip((gx, g1, g2), ps):
+        close(gt, p.grad, REL_TOL[cd], "bwd")
+
+
+def test_scope_limits():
+    assert TK.supported_bypass(3, 5, 128, 100)
+    assert not TK.supported_bypass(3, 5, 129, 9)
+
+
+def test_op_set_exports():
+    from lycoris_ops.triton import ops
+
+    for name in ("lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd", "lokr_merge_bwd",
+                 "lokr_bypass_fwd", "lokr_bypass_bwd"):
+        assert getattr(ops, name) is getattr(TK, name)
+
+
+# ----------------------------------------------------------------------------- compile-only (sm_90)
+
+
+def _compile_all(dtype_names):
+    """Compile every LoKr kernel (and the shared reduce / chain kernels) for sm_90
+    with realistic specializations (unit inner strides, 16-aligned pointers and
+    outer strides). Runs without TRITON_INTERPRET."""
+    import triton.language as tl
+
+    from lycoris_ops.triton import _fusedkit as FK
+    from lycoris_ops.triton._common import compile_only
+
+    for dn in dtype_names:
+        t = {"fp16": tl.float16, "bf16": tl.bfloat16}[dn]
+        com = dict(CD=t, DOT=t, IDX64=dn == "bf16")  # bf16 builds the 64-bit index variants
+        jobs = [
+            (FK._reduce_kernel, dict(p_ptr="fp32", o1_ptr=dn, o2_ptr=dn),
+             dict(TWO=True, IDX64=dn == "bf16", BM=32, BN=64), ("s_pn", "s_1n", "s_2n"), 4),
+            (FK._mm_kernel, dict(x_ptr="fp32", y_ptr=dn, o_ptr=dn),
+             dict(X_CD=False, Y_CD=True, CD=t, IDX64=dn == "bf16", BM=32, BN=32, BK=32), ("s_xk", "s_on"), 4),
+            (TK._kron_merge_kernel, dict(ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, base_ptr=dn, out_ptr=dn),
+             dict(FACT_T=True, FACT_L=True, HAS_BASE=True, BM=32, BN=128, BR=32, BRL=32, **com),
+             ("s_tbn", "s_on", "s_bn"), 4),
+            (TK._kron_merge_kernel, dict(ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, base_ptr=dn, out_ptr=dn),
+             dict(FACT_T=False, FACT_L=False, HAS_BASE=False, BM=32, BN=128, BR=32, BRL=32, **com),
+             ("s_tar", "s_on"), 4),
+            (TK._kron_grad_kernel, dict(g_ptr=dn, ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, pt_ptr="fp32",
+                                        pl_ptr="fp32"),
+             dict(FACT_T=True, FACT_L=True, BM=32, BN=128, BR=32, BRL=32, **com), ("s_tbn", "s_gn", "s_ptn"), 4),
+            (TK._bypass_fwd_kernel, dict(x_ptr=dn, w1_ptr=dn, w2_ptr=dn, base_ptr=dn, y_ptr=dn),
+             dict(HAS_BASE=True, SPLIT=True, BT=4, BB=64, BD=64, BC=64, BA=64, **com),
+             ("s_xj", "s_1v", "s_2j", "s_bi", "s_yi"), 8),
+            (TK._bypass_bwd_kernel, dict(g_ptr=dn, x_ptr=dn, w1_ptr=dn, w2_ptr=dn, gx_ptr=dn, p1_ptr="fp32",
+                                         p2_ptr="fp32"),
+             dict(DO_GX=True, DO_GW1=True, DO_GW2=True, SPLIT=True, BT=1, BA=64, BB=64, BC=64, BD=32, **com),
+             ("s_gi", "s_xj", "s_1v", "s_2j", "s_oj", "s_p1v", "s_p2j"), 8),
+        ]
+        for fn, pointers, cx, ones, warps in jobs:
+            div16 = [p.name for p in fn.params if p.name.startswith("s_") and p.name not in ones]
+            k = compile_only(fn, pointers, cx, ones=ones, div16=div16, num_warps=warps, num_stages=2)
+            assert k.asm.get("cubin"), fn.__name__
+            print(f"ok {fn.__name__} {dn}", flush=True)
+
+
+def run_compile_check(dtype_names):
+    if ptxas_path(90) is None:
+        pytest.skip("triton's ptxas is unavailable")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.abspath(__file__)
+    proc = subprocess.run([sys.executable, here, "--compile", *dtype_names], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(here)))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    return proc.stdout
+
+
+def test_compile_sm90():
+    out = run_compile_check(["bf16"])
+    assert out.count("ok ") == 7, out
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:
+    _compile_all(sys.argv[2:])

@@ -1,0 +1,265 @@
+"""Triton diag-OFT and BOFT kernels (lycoris_ops/triton/oft.py, boft.py) against
+fp64 oracles.
+
+Without a GPU the kernels run under the Triton interpreter on CPU tensors
+(tests/conftest.py sets TRITON_INTERPRET=1); with one, on the GPU. The oracles
+are written independently of the reference bodies: the whole rotation as one
+dense C×C matrix (``torch.block_diag`` of the per-block Cayley factors for
+OFT, a product of explicitly permuted stage matrices for BOFT, the Cayley
+factor from ``torch.linalg.solve``), applied with ``tensordot`` along the
+channel axis, and gradients from torch.autograd with cscale a constant. The
+compile-only check builds every kernel for sm_90 in a subprocess.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
+from lycoris_ops.triton import boft as TB  # noqa: E402
+from lycoris_ops.triton import oft as TO  # noqa: E402
+from lycoris_ops.triton.boft import BoftCfg  # noqa: E402
+from lycoris_ops.triton.oft import OftCfg  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+F64 = torch.float64
+
+
+def _tol(dtype):
+    return REL_TOL[dtype] * (2 if dtype == torch.bfloat16 else 1)  # interpreter bf16 stores truncate
+
+
+def _cayley(b, cscale):
+    """R = (I − Q)⁻¹(I + Q), Q = cscale·(B − Bᵀ) (fp64, differentiable)."""
+    q = cscale * (b - b.transpose(-1, -2))
+    eye = torch.eye(b.shape[-1], dtype=b.dtype).expand_as(q)
+    return torch.linalg.solve(eye - q, eye + q)
+
+
+def _apply(f, x, ax):
+    """out[..., c, ...] = Σ_c' f[c, c'] x[..., c', ...] along axis ax."""
+    return torch.movedim(torch.tensordot(f, x, dims=([1], [ax])), 0, ax)
+
+
+def _make(shape, dtype, gen, nc=False, scale=1.0):
+    shape = tuple(shape)
+    if nc:
+        big = torch.randn(shape[:-1] + (2 * shape[-1],), generator=gen, dtype=F64) * scale
+        return big.to(DEV, dtype)[..., ::2]
+    return (torch.randn(shape, generator=gen, dtype=F64) * scale).to(DEV, dtype)
+
+
+# ------------------------------------------------------------------------ diag-OFT
+
+def _oft_oracle(blocks, x, rescale, cscale, shift, weight, grad):
+    b = blocks.detach().cpu().double().requires_grad_(True)
+    xx = x.detach().cpu().double().requires_grad_(True)
+    rs = None if rescale is None else rescale.detach().cpu().double().reshape(-1).requires_grad_(True)
+    r = _cayley(b, cscale)
+    f = torch.block_diag(*[r[k].T for k in range(r.shape[0])])
+    if rs is not None:
+        f = rs[:, None] * f
+    if shift:
+        f = f - torch.eye(f.shape[0], dtype=F64)
+    ax = 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
+    y = _apply(f, xx, ax)
+    leaves = [xx, b] + ([rs] if rs is not None else [])
+    grads = torch.autograd.grad(y, leaves, grad.detach().cpu().double())
+    return y.detach(), grads
+
+
+# (id, K, S, x shape, weight, noncontiguous x)
+OFT_LAYOUTS = [
+    ("weight_odd", 3, 5, (15, 7), True, True),
+    ("linear", 4, 4, (9, 16), False, False),
+    ("conv", 2, 3, (2, 6, 3, 5), False, False),
+    ("linear_s1", 6, 1, (5, 6), False, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", OFT_LAYOUTS, ids=[c[0] for c in OFT_LAYOUTS])
+def test_oft(dtype, layout):
+    cid, K, S, xshape, weight, nc = layout
+    gen = torch.Generator().manual_seed(K * 100 + S * 10 + len(xshape))
+    i = [torch.float32, torch.float16, torch.bfloat16].index(dtype)
+    # rotate the flags through the cases: rescale, shift, active constraint
+    with_rs = (i + K) % 2 == 0
+    shift = (i + S) % 2 == 1
+    cscale = 0.6 if i != 1 else 1.0
+    blocks = _make((K, S, S), torch.float32, gen, scale=0.4)
+    x = _make(xshape, dtype, gen, nc=nc)
+    rescale = (torch.rand(K * S, 1, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32) if with_rs else None
+    grad = _make(xshape, dtype, gen)
+    cfg = OftCfg(block_p=16, bwd_block_p=16, split=2)  # loop and split the positions
+
+    y = TO.oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=cfg)
+    y0, g0 = _oft_oracle(blocks, x, rescale, cscale, shift, weight, grad)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
+    assert rel_err(y, y0) < _tol(dtype)
+
+    gx, gb, gr = TO.oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=cfg)
+    assert gx.shape == x.shape and gx.dtype == x.dtype
+    assert gb.shape == blocks.shape and gb.dtype == blocks.dtype
+    assert rel_err(gx, g0[0]) < _tol(dtype)
+    assert rel_err(gb, g0[1]) < 1e-4
+    if rescale is None:
+        assert gr.numel() == 0 and gr.dtype == blocks.dtype
+    else:
+        assert gr.shape == (K * S,) and gr.dtype == blocks.dtype
+        assert rel_err(gr, g0[2]) < 1e-4
+
+
+def test_oft_16bit_blocks_default_cfg():
+    """bf16 (strided) blocks are upcast to fp32 before the Cayley solve; default launch config."""
+    gen = torch.Generator().manual_seed(7)
+    blocks = _make((2, 8, 8), torch.bfloat16, gen, scale=0.3).transpose(1, 2)  # strided blocks
+    x = _make((16, 12), torch.bfloat16, gen)
+    rescale = _make((16,), torch.bfloat16, gen).abs() + 0.5
+    grad = _make((16, 12), torch.bfloat16, gen)
+    y = TO.oft_fwd(blocks, x, rescale, 0.9, True, True)
+    y0, g0 = _oft_oracle(blocks, x, rescale, 0.9, True, True, grad)
+    assert rel_err(y, y0) < _tol(torch.bfloat16)
+    gx, gb, gr = TO.oft_bwd(grad, blocks, x, rescale, 0.9, True, True)
+    assert gb.dtype == torch.bfloat16 and gr.dtype == torch.bfloat16
+    assert rel_err(gx, g0[0]) < _tol(torch.bfloat16)
+    assert rel_err(gb, g0[1]) < _tol(torch.bfloat16)
+    assert rel_err(gr, g0[2]) < _tol(torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------- BOFT
+
+def _perm(i, s, C):
+    """π_i of OPS.md §2.6.1: position p -> channel."""
+    k = (s // 2) << i
+    return [(p // (2 * k)) * 2 * k + (p % 2) * k + (p % (2 * k)) // 2 for p in range(C)]
+
+
+def _boft_oracle(blocks, x, axis, cscale, scale, rescale, diff, grad):
+    """(y, (gx, g_blocks) of the plain chain) in fp64."""
+    b = blocks.detach().cpu().double().requires_grad_(True)
+    m, nb, s = b.shape[0], b.shape[1], b.shape[2]
+    C = nb * s
+    f = scale * _cayley(b, cscale) + (1 - scale) * torch.eye(s, dtype=F64)
+    j = torch.eye(C, dtype=F64)
+    for i in range(m):
+        e = torch.zeros(C, C, dtype=F64)
+        pi = torch.tensor(_perm(i, s, C))
+        for beta in range(nb):
+            idx = pi[beta * s:(beta + 1) * s]
+            e[idx[:, None], idx[None, :]] = f[i, beta]
+        j = e @ j
+    xx = x.detach().cpu().double().requires_grad_(True)
+    ax = axis % x.dim()
+    chain = _apply(j, xx, ax)
+    gx, gb = torch.autograd.grad(chain, (xx, b), grad.detach().cpu().double())
+    y = chain.detach()
+    if rescale is not None:
+        shape = [1] * x.dim()
+        shape[ax] = C
+        y = y * rescale.detach().cpu().double().reshape(shape)
+    if diff:
+        y = y - xx.detach()
+    return y, (gx, gb)
+
+
+# (id, m, nb, s, x shape, axis, max_group (None: default; small: several segments))
+BOFT_LAYOUTS = [
+    ("weight_fused", 2, 4, 4, (16, 5), 0, None),
+    ("linear_s2_fused", 3, 4, 2, (3, 8), -1, None),
+    ("conv_s6", 3, 4, 6, (2, 24, 3), 1, None),
+    ("weight_segments", 3, 4, 4, (16, 7), 0, 4),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
+def test_boft(dtype, layout):
+    cid, m, nb, s, xshape, axis, max_group = layout
+    gen = torch.Generator().manual_seed(m * 1000 + nb * 100 + s)
+    i = [torch.float32, torch.float16, torch.bfloat16].index(dtype)
+    with_rs = (i + m) % 2 == 0
+    diff = (i + s) % 2 == 0 or i == 2
+    cscale = 0.7 if i != 1 else 1.0
+    scale = 0.6 if i != 0 else 1.0
+    blocks = _make((m, nb, s, s), torch.float32, gen, scale=0.4)
+    x = _make(xshape, dtype, gen, nc=(i == 1))
+    C = nb * s
+    rescale = (torch.rand(C, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32) if with_rs else None
+    grad = _make(xshape, dtype, gen)
+    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2)
+
+    y = TB.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=cfg)
+    y0, (gx0, gb0) = _boft_oracle(blocks, x, axis, cscale, scale, rescale, diff, grad)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
+    assert rel_err(y, y0) < _tol(dtype)
+
+    gx, gb = TB.boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=cfg)
+    assert gx.shape == x.shape and gx.dtype == x.dtype
+    assert gb.shape == blocks.shape and gb.dtype == blocks.dtype
+    assert rel_err(gx, gx0) < _tol(dtype)
+    assert rel_err(gb, gb0) < 1e-4
+
+
+def test_boft_plan_segments():
+    """Stages are fused while a channel group fits ``max_group``; one stage always runs."""
+    plan = TB._plan(4, 8, 4, 100, 2, False, BoftCfg())        # s=4: 2^4·2 = 32 -> all 4 stages fused
+    assert [(sg.a, sg.L) for sg in plan[4]] == [(0, 4)]
+    plan = TB._plan(3, 4, 16, 100, 2, False, BoftCfg())       # s=16: 2 stages per group of 32
+    assert [(sg.a, sg.L) for sg in plan[4]] == [(0, 2), (2, 1)]
+    plan = TB._plan(2, 2, 32, 100, 2, False, BoftCfg())       # s=32: one stage per segment
+    assert [(sg.a, sg.L) for sg in plan[4]] == [(0, 1), (1, 1)]
+    with pytest.raises(ValueError, match="block size"):
+        TB._plan(1, 2, 34, 100, 2, False, BoftCfg())
+
+
+_COMPILE = textwrap.dedent("""
+    import os, sys
+    assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+    import triton
+    from triton.compiler import ASTSource
+    from triton.backends.compiler import GPUTarget
+    from lycoris_ops.triton import boft as B, oft as O
+
+    FLOATS = {"cscale", "scale", "shift"}
+    def build(kernel, consts, ptrs={}):
+        sig = {}
+        for n in kernel.arg_names:
+            if n in consts:
+                sig[n] = "constexpr"
+            elif n.endswith("_ptr"):
+                sig[n] = ptrs.get(n, "*fp32")
+            else:
+                sig[n] = "fp32" if n in FLOATS else "i32"
+        c = triton.compile(ASTSource(kernel, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=4))
+        assert c.asm.get("cubin"), kernel.__name__
+        print("ok", kernel.__name__, flush=True)
+
+    bf = {n: "*bf16" for n in ("x_ptr", "y_ptr", "g_ptr", "gx_ptr", "u_ptr", "x0_ptr")}
+    build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=1, IDX64=False, NB=8, SP=4, BLOCK_P=128,
+                                  DOT_PREC="tf32x3"), bf)
+    build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=64,
+                                  DOT_PREC="tf32x3"), bf)
+    build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=8), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
+    build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, MODE=1, IDX64=False,
+                                HP=2, SP=4, NB=8, BLOCK_P=128, DOT_PREC="tf32x3"), bf)
+    build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=16, SP=32, NB=1, BLOCK_P=64, DOT_PREC="tf32x3"), bf)
+    build(B._boft_chain, dict(HP=4, SP=8, NB=4))
+""")
+
+
+def test_oft_boft_kernels_compile_sm90():
+    """Every diag-OFT / BOFT kernel compiles to a cubin for sm_90 (no GPU needed;
+    own process, since a process is either interpreted or compiled)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok ") == 6
