@@ -205,7 +205,6 @@ def _graph_check(case, gcase, want, dtype, index, backends, usable, opts, notes,
 
     fn, tensors = _graph_fn(gcase, index)
     torch._dynamo.reset()  # every case compiles the same wrapper code: keep clear of the recompile limit
-    breaks_before = sum(torch._dynamo.utils.counters["graph_break"].values())
     try:
         compiled = torch.compile(fn, fullgraph=True, backend=backend)
         ok = 0
@@ -229,10 +228,11 @@ def _graph_check(case, gcase, want, dtype, index, backends, usable, opts, notes,
         return "FAIL"
     finally:
         dispatch.set_backend("auto")
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks_before
+    # fullgraph=True already raised on any break in this graph; Dynamo's global break
+    # counter also counts the compile tier's own compiles inside the op, so it is not read
     opaque = any(f"lycoris.{case.op}" in s for s in seen)
-    if breaks or not opaque:
-        why = f"graph breaks {breaks}, op in graph: {opaque} ({', '.join(seen)[:200]})"
+    if not opaque:
+        why = f"op not in the graph ({', '.join(seen)[:200]})"
         notes.append(f"graph: {why}")
         failures.append(f"{label} {dtype} compiled: {why}")
         return "FAIL"

@@ -106,6 +106,9 @@ def test_export_save_load_in_fresh_process(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.__version__ < "2.13",
+                    reason="torch 2.11's AOTInductor loader segfaults in _load_aoti on this CPU package "
+                           "(seen on the H200 machine, 2026-11-30); CI runs it on torch 2.13")
 def test_aoti_package_runs_in_fresh_process(tmp_path):
     model = TinyAdapted()
     ep = _export(model)

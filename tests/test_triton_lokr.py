@@ -96,7 +96,7 @@ def test_merge(dtype, case):
     out_dtype = torch.float32 if dtype == torch.float32 else dtype
     y = TK.merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, GAMMA, out_dtype, cfg)
     assert y.shape == (a * c, b * d) and y.dtype == out_dtype and y.is_contiguous()
-    close(y, GAMMA * o_kron(w1, w2) + base.double(), REL_TOL[dtype], "merge fwd")
+    close(y, GAMMA * o_kron(w1, w2) + base.double().cpu(), REL_TOL[dtype], "merge fwd")
 
     grad = mk((a * c, b * d), dtype, g, nc=True)
     ps = [None if t is None else t.clone().requires_grad_() for t in
@@ -123,7 +123,7 @@ def test_full_merge_ops_default_dtype_and_promotion():
     cd = torch.bfloat16
     close(y, GAMMA * o_kron(d64(w1, cd), d64(w2, cd)), REL_TOL[cd], "full merge")
     y = TK.lokr_full_merge_fwd(w1, w2, base, GAMMA, torch.float32)
-    close(y, GAMMA * o_kron(d64(w1, cd), d64(w2, cd)) + base.double(), REL_TOL[cd], "full merge + base")
+    close(y, GAMMA * o_kron(d64(w1, cd), d64(w2, cd)) + base.double().cpu(), REL_TOL[cd], "full merge + base")
     grad = mk((20, 18), torch.float32, g)
     g1, g2 = TK.lokr_full_merge_bwd(grad, w1, w2, GAMMA)
     assert (g1.dtype, g2.dtype) == (torch.float32, torch.bfloat16)
@@ -190,7 +190,7 @@ def test_bypass_promotion_and_ops():
     cd = torch.bfloat16
     y = TK.lokr_bypass_fwd(x, w1, w2, GAMMA, base)
     assert y.dtype == torch.float32
-    close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, base.double()), REL_TOL[cd], "fwd")
+    close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, base.double().cpu()), REL_TOL[cd], "fwd")
     grad = mk((T, a * c), torch.float32, g)
     gx, g1, g2 = TK.lokr_bypass_bwd(grad, x, w1, w2, GAMMA)
     assert (gx.dtype, g1.dtype, g2.dtype) == (torch.bfloat16, torch.float32, torch.float32)
