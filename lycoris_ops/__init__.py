@@ -21,6 +21,7 @@ OP_NAMES = tuple(s.split("(", 1)[0] for s in _C.schemas())
 
 from .dispatch import available_backends, fused_backends, resolve_backend  # noqa: E402
 from .dispatch import set_backend, use_backend  # noqa: E402
+from .plans.tune import warmup  # noqa: E402
 from . import registry as _registry  # noqa: E402  CPU/CUDA kernels
 from . import fakes as _fakes  # noqa: E402  fake (meta) kernels
 from . import autograd as _autograd  # noqa: E402  autograd on the ops

@@ -1,23 +1,22 @@
 """The Triton op set: one function per op, named and called like the schema
-(OPS.md §0), for the ops that have Triton kernels. The CUDA dispatcher calls
-these with arguments already validated by the op's ``check_<op>`` and already
-inside the scope limits (``lycoris_ops.scope``); outputs are fresh and
-contiguous, with the dtypes of ``reference/<family>.py``.
+(OPS.md §0). The CUDA dispatcher (``lycoris_ops.select``) calls these with
+arguments already validated by the op's ``check_<op>`` and inside the scope
+limits of ``lycoris_ops.scope``; outputs are fresh and contiguous, with the
+dtypes of ``reference/<family>.py``.
 
-Host work per call is what eager does too (allocating the outputs) plus a
-cached plan lookup and the launches; no casts, copies or syncs (the only
-exceptions: an IA3 / add_scaled operand whose layout does not collapse to a few
-strided runs is copied contiguous, and the bypass backward allocates a small
-(2, T, r) workspace and, when its token reduction is split, fp32 partials).
+Each function takes its launch config from the tuner (``lycoris_ops.plans``:
+cost model shortlist, timed once, cached in ``tuning.json``; the launcher's
+defaults off CUDA) and runs the family launcher (``triton/<family>.py``), or the
+eager body where eager won the timing at this shape.
 
 Importing this module needs triton (ImportError otherwise: the backend is then
 absent) but no GPU.
 """
 from __future__ import annotations
 
-from . import add as _add
-from . import ia3 as _ia3
-from . import lora as _lora
+import triton  # noqa: F401  (the probe: no triton, no op set)
+
+from ..plans import tuned as _tuned
 from ._common import device_guard
 
 #: the 23 ops, all with Triton kernels (limits: lycoris_ops/scope.py)
@@ -31,47 +30,117 @@ __all__ = [
 ]
 
 
+
 def lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
     with device_guard(a1):
-        return _lora.merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype)
+        return _tuned("lora_merge_fwd", a1, b1, a2, b2, base, gamma, mode, out_dtype)
 
 
 def lora_merge_bwd(grad, up, down, gamma):
-    with device_guard(up):
-        return _lora.merge_bwd(grad, up, down, gamma)
+    with device_guard(grad):
+        return _tuned("lora_merge_bwd", grad, up, down, gamma)
 
 
 def lora_bypass_fwd(x, up, down, gamma, base=None):
     with device_guard(x):
-        return _lora.bypass_fwd(x, up, down, gamma, base)
+        return _tuned("lora_bypass_fwd", x, up, down, gamma, base)
 
 
 def lora_bypass_bwd(grad, x, up, down, gamma):
     with device_guard(x):
-        return _lora.bypass_bwd(grad, x, up, down, gamma)
+        return _tuned("lora_bypass_bwd", grad, x, up, down, gamma)
+
+
+def lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
+    with device_guard(a1):
+        return _tuned("lora_tucker_fwd", a1, t1, b1, a2, t2, b2, gamma)
+
+
+def loha_merge_bwd(grad, a1, b1, a2, b2, gamma):
+    with device_guard(grad):
+        return _tuned("loha_merge_bwd", grad, a1, b1, a2, b2, gamma)
+
+
+def loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
+    with device_guard(x):
+        return _tuned("loha_bypass_fwd", x, a1, b1, a2, b2, gamma, base)
+
+
+def loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
+    with device_guard(x):
+        return _tuned("loha_bypass_bwd", grad, x, a1, b1, a2, b2, gamma)
+
+
+def lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
+    with device_guard(w1):
+        return _tuned("lokr_full_merge_fwd", w1, w2, base, gamma, out_dtype)
+
+
+def lokr_full_merge_bwd(grad, w1, w2, gamma):
+    with device_guard(grad):
+        return _tuned("lokr_full_merge_bwd", grad, w1, w2, gamma)
+
+
+def lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
+    with device_guard(w1a):
+        return _tuned("lokr_merge_fwd", w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype)
+
+
+def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
+    with device_guard(grad):
+        return _tuned("lokr_merge_bwd", grad, w1a, w1b, w2a, w2b, shape, gamma)
+
+
+def lokr_bypass_fwd(x, w1, w2, gamma, base=None):
+    with device_guard(x):
+        return _tuned("lokr_bypass_fwd", x, w1, w2, gamma, base)
+
+
+def lokr_bypass_bwd(grad, x, w1, w2, gamma):
+    with device_guard(x):
+        return _tuned("lokr_bypass_bwd", grad, x, w1, w2, gamma)
+
+
+def dora_fwd(w, dscale, mult, row_axis, delta=None):
+    with device_guard(w):
+        return _tuned("dora_fwd", w, dscale, mult, row_axis, delta)
+
+
+def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None):
+    with device_guard(grad):
+        return _tuned("dora_bwd", grad, w, dscale, norms, mult, row_axis, delta)
+
+
+def oft_fwd(blocks, x, rescale, cscale, shift, weight):
+    with device_guard(x):
+        return _tuned("oft_fwd", blocks, x, rescale, cscale, shift, weight)
+
+
+def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight):
+    with device_guard(x):
+        return _tuned("oft_bwd", grad, blocks, x, rescale, cscale, shift, weight)
+
+
+def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff):
+    with device_guard(x):
+        return _tuned("boft_fwd", blocks, x, axis, cscale, scale, rescale, diff)
+
+
+def boft_bwd(grad, blocks, x, axis, cscale, scale):
+    with device_guard(x):
+        return _tuned("boft_bwd", grad, blocks, x, axis, cscale, scale)
 
 
 def ia3_fwd(x, w, channel_axis, alpha, gamma):
     with device_guard(x):
-        return _ia3.ia3_fwd(x, w, channel_axis, alpha, gamma)
+        return _tuned("ia3_fwd", x, w, channel_axis, alpha, gamma)
 
 
 def ia3_bwd(grad, x, w, channel_axis, alpha, gamma):
     with device_guard(x):
-        return _ia3.ia3_bwd(grad, x, w, channel_axis, alpha, gamma)
+        return _tuned("ia3_bwd", grad, x, w, channel_axis, alpha, gamma)
 
 
 def add_scaled(base, delta, gamma):
     with device_guard(base):
-        return _add.add_scaled(base, delta, gamma)
-
-
-# DoRA, diag-OFT, BOFT (triton/dora.py, oft.py, boft.py: validated, in-scope calls)
-from .dora import dora_fwd, dora_bwd  # noqa: F401,E402
-from .oft import oft_fwd, oft_bwd  # noqa: F401,E402
-from .boft import boft_fwd, boft_bwd  # noqa: F401,E402
-# LoHa, LoKr, tucker (triton/loha.py, lokr.py, tucker.py: validated, in-scope calls)
-from .loha import loha_merge_bwd, loha_bypass_fwd, loha_bypass_bwd  # noqa: F401,E402
-from .lokr import (lokr_full_merge_fwd, lokr_full_merge_bwd, lokr_merge_fwd, lokr_merge_bwd,  # noqa: F401,E402
-                   lokr_bypass_fwd, lokr_bypass_bwd)
-from .tucker import lora_tucker_fwd  # noqa: F401,E402
+        return _tuned("add_scaled", base, delta, gamma)

@@ -1,0 +1,44 @@
+"""Small helpers shared by the family planners (plans/<family>.py)."""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Dict, Optional
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def as_dict(cfg) -> Optional[Dict[str, Any]]:
+    """A launcher config (NamedTuple, nested ones included) as a plain JSON-able dict."""
+    if cfg is None:
+        return None
+    if hasattr(cfg, "_asdict"):
+        return {k: as_dict(v) if hasattr(v, "_asdict") else v for k, v in cfg._asdict().items()}
+    return dict(cfg)
+
+
+def compute_dtype(*dtypes) -> torch.dtype:
+    """OPS.md §1.3: a 16-bit dtype wins, else fp32 (fp64 only when all are fp64)."""
+    seen = {d for d in dtypes if d is not None}
+    if torch.float16 in seen:
+        return torch.float16
+    if torch.bfloat16 in seen:
+        return torch.bfloat16
+    if torch.float32 in seen or not seen:
+        return torch.float32
+    return torch.float64
+
+
+def triton_module(family: str):
+    """``lycoris_ops.triton.<family>`` (imported lazily: the launchers import the planners)."""
+    return importlib.import_module(f"lycoris_ops.triton.{family}")
+
+
+def reference_module(family: str):
+    return importlib.import_module(f"lycoris_ops.reference.{family}")
+
+
+def rand(shape, dtype, device, gen, scale: float = 1.0) -> torch.Tensor:
+    """Sample data for ``warmup`` from the caller's private generator."""
+    return (torch.randn(tuple(shape), generator=gen, device=device, dtype=torch.float32) * scale).to(dtype)

@@ -1,0 +1,204 @@
+"""Cost models and tuned launch configs of the Triton BOFT kernels
+(``lycoris_ops/triton/boft.py``): ``boft_fwd`` and ``boft_bwd``.
+
+The m butterfly stages are cut into segments of at most L stages, the largest
+L with 2^L·pow2(s/2) <= ``max_group`` channels; one launch per segment (a
+program: one channel group of GP = max(16, 2^L·pow2(s/2)) rows and a share of
+the positions). More stages per segment = fewer passes over x (each extra
+segment streams an fp32 scratch of x's size in and out) but a bigger GP x GP
+dot per tile and more in-register stage algebra. ``block_p`` positions per
+tile; the backward keeps the segment inputs, streams each segment back (two
+dots per tile, fp32 partials) and runs one tiny chain launch per segment.
+
+Key: exact m, nb, s, bucketed positions, channel contiguity, rescale / diff,
+dtypes.
+"""
+from __future__ import annotations
+
+import functools
+
+from . import tune
+from ._glue import as_dict, rand, reference_module, triton_module
+from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank
+from .device import DeviceFacts, facts
+
+BACKEND = "triton"
+#: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
+DEVICE_TYPES = ("cuda",)
+FAMILY = "boft"
+
+
+def _tl():
+    return triton_module(FAMILY)
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    return tune.source_version(_tl(), triton_module("cayley"), triton_module("oft"))
+
+
+def segments(m: int, nb: int, s: int, npos: int, sm: int, max_group: int, bp: int):
+    """[(L, GP, n_groups, split)] of ``triton.boft._plan``."""
+    half = s // 2
+    HP = p2(half)
+    lmax = 1
+    while (1 << (lmax + 1)) * HP <= max_group:
+        lmax += 1
+    n_tiles = cdiv(npos, bp)
+    C = nb * s
+    out, a = [], 0
+    while a < m:
+        L = min(lmax, m - a)
+        GP = max(16, (1 << L) * HP)
+        n_groups = C // (half << L)
+        split = max(1, min(cdiv(4 * sm, max(1, n_groups)), n_tiles))
+        out.append((L, GP, n_groups, split))
+        a += L
+    return out, n_tiles
+
+
+def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
+    C = nb * s
+    SP = 2 * p2(s // 2)
+    seen = {}
+
+    def work(c):
+        bp = c["bwd_block_p"] if bwd else c["block_p"]
+        segs, n_tiles = segments(m, nb, s, npos, dev.sm_count, c["max_group"], bp)
+        sig = (tuple(segs), bp, c["num_warps"], c["num_stages"])
+        if seen.setdefault(sig, id(c)) != id(c):
+            return None
+        works = []
+        for idx, (L, GP, n_groups, split) in enumerate(segs):
+            first, last = idx == 0, idx == len(segs) - 1
+            e_in = ex if first else 4
+            e_out = ex if last else 4
+            sector = max(1.0, 32.0 / max((GP if c_contig else bp) * min(e_in, e_out), 1))
+            grid = n_groups * split
+            algebra = grid * (L * (1 << max(L - 1, 0)) * 4.0 * SP ** 3 + L * 2.0 * GP ** 3)
+            dots = 3 * 2.0 * GP * GP * bp * n_tiles * n_groups
+            if not bwd:
+                works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"], acc=GP * bp + GP * GP,
+                                  smem=GP * bp * e_in, dram=npos * C * (e_in + e_out) * sector, mma=dots,
+                                  fma=algebra))
+            else:
+                if not last:  # segment input kept for the backward
+                    works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
+                                      acc=GP * bp + GP * GP, smem=GP * bp * e_in,
+                                      dram=npos * C * (e_in + 4) * sector, mma=dots, fma=algebra))
+                part = split * n_groups * GP * GP * 4
+                works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
+                                  acc=GP * bp * 2 + 2 * GP * GP, smem=2 * GP * bp * 4,
+                                  dram=npos * C * (3 * 4) * sector + part, mma=2 * dots, fma=algebra))
+                works.append(Work(grid=n_groups, warps=c.get("chain_warps", 4), acc=3 * GP * GP,
+                                  dram=part, fma=n_groups * (L * 8.0 * GP ** 3), inflight=GP * GP * 4))
+        return works
+
+    bps = (32, 64, 128) if bwd else (32, 64, 128, 256)
+    cfgs = [dict(max_group=g, block_p=128 if bwd else bp, bwd_block_p=bp if bwd else 64, split=0, num_warps=w,
+                 num_stages=st, dot_prec="tf32x3", chain_warps=4)
+            for g in (16, 32, 64) for bp in bps for w in (4, 8) for st in (1, 2, 3)]
+    per_stage = [(nb * s * s * (eb + 4) * 3, nb * 4.0 * s ** 3), (npos * C * 4 * 2, 2.0 * npos * C * s),
+                 (npos * C * 4 * 2, 0)]
+    steps = [(npos * C * (ex + 4), 0)] + per_stage * m + [(npos * C * (4 + ex), 0)]
+    if bwd:
+        steps = steps * 3
+    ranked = rank(cfgs, work, dev)
+    seen.clear()
+    return make_plan(op, ranked, tile_axes=("max_group", "bwd_block_p" if bwd else "block_p"), n=n,
+                     default=default, default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=False))
+
+
+def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
+                  default=None, n: int = 5):
+    return _plan("boft_fwd", dev, m, nb, s, npos, c_contig, False, esize(x_dtype), esize(blocks_dtype), default, n)
+
+
+def plan_boft_bwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
+                  default=None, n: int = 5):
+    return _plan("boft_bwd", dev, m, nb, s, npos, c_contig, True, esize(x_dtype), esize(blocks_dtype), default, n)
+
+
+def _geom(blocks, x, axis):
+    ax = axis % x.dim()
+    npos = 1
+    for i, sz in enumerate(x.shape):
+        if i != ax:
+            npos *= int(sz)
+    m, nb, s = (int(v) for v in blocks.shape[:3])
+    return m, nb, s, npos, x.stride(ax) == 1
+
+
+def launch(op: str, *args, **kw):
+    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
+    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
+    TL = _tl()
+    return {"boft_fwd": TL.boft_fwd, "boft_bwd": TL.boft_bwd}[op](*args, **kw)
+
+
+_F_FWD, _F_BWD = tune.Front(), tune.Front()
+
+
+def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
+    """Launcher kwargs for ``triton.boft.boft_fwd`` (or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (blocks.shape, x.shape, x.stride(), axis, x.dtype, blocks.dtype, rescale is None, diff, dev)
+    hit = _F_FWD.get(fk)
+    if hit is not None:
+        return hit
+    m, nb, s, npos, c_contig = _geom(blocks, x, axis)
+    TL = _tl()
+    key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"m": m, "nb": nb, "s": s},
+                         flags={"blocks": blocks.dtype, "c_contig": c_contig, "rescale": rescale is not None,
+                                "diff": bool(diff)})
+    return tune.pick(
+        "boft_fwd", BACKEND, key,
+        lambda: plan_boft_fwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
+                              default=as_dict(TL.BoftCfg())),
+        lambda kw: launch("boft_fwd", blocks, x, axis, cscale, scale, rescale, diff, **kw),
+        lambda: reference_module(FAMILY).boft_fwd(blocks, x, axis, cscale, scale, rescale, diff),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_FWD, fk))
+
+
+def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
+    """Launcher kwargs for ``triton.boft.boft_bwd`` (or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (blocks.shape, x.shape, x.stride(), axis, grad.dtype, x.dtype, blocks.dtype, dev)
+    hit = _F_BWD.get(fk)
+    if hit is not None:
+        return hit
+    m, nb, s, npos, c_contig = _geom(blocks, x, axis)
+    TL = _tl()
+    key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"m": m, "nb": nb, "s": s},
+                         flags={"blocks": blocks.dtype, "g": grad.dtype, "c_contig": c_contig})
+    return tune.pick(
+        "boft_bwd", BACKEND, key,
+        lambda: plan_boft_bwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
+                              default=as_dict(TL.BoftCfg())),
+        lambda kw: launch("boft_bwd", grad, blocks, x, axis, cscale, scale, **kw),
+        lambda: reference_module(FAMILY).boft_bwd(grad, blocks, x, axis, cscale, scale),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_BWD, fk))
+
+
+def samples(layer, T: int, dtype, device, gen):
+    """BOFT (block 8, as many stages as fit) on a linear layer's input for ``tune.warmup``."""
+    I = layer.in_features
+    s = 8
+    if I % s:
+        return []
+    nb = I // s
+    m = 1
+    while m < 4 and nb % (1 << m) == 0:
+        m += 1
+    blocks = rand((m, nb, s, s), dtype, device, gen, 0.01)
+    x = rand((T, I), dtype, device, gen)
+    return [("boft_fwd", (blocks, x, -1, 1.0, 1.0, None, False)),
+            ("boft_bwd", (rand((T, I), dtype, device, gen), blocks, x, -1, 1.0, 1.0))]
+
+
+#: op name -> the function giving its launcher kwargs (schema arguments)
+KWARGS = {"boft_fwd": boft_fwd_kwargs, "boft_bwd": boft_bwd_kwargs}

@@ -1,0 +1,277 @@
+"""Cost models and tuned launch configs of the Triton LoHa kernels
+(``lycoris_ops/triton/loha.py``): ``loha_bypass_fwd``, ``loha_bypass_bwd``,
+``loha_merge_bwd``.
+
+Bypass (``Y = γ·x·ΔWᵀ``, ΔW = (a1·b1)⊙(a2·b2)) has two whole-op strategies,
+both candidates: *regen* (ΔW tiles regenerated inside the GEMM's K loop, two
+bn x bk x rp dots per step, repeated for every token tile: extra flops
+4·O·I·rp per token tile) and *materialize* (ΔW built once, 4·O·I·rp flops and
+O·I written, then a plain GEMM reading it). The GEMM is scored with a grouped
+tile order (operands re-read once per 8 tiles when they exceed half of L2).
+The backward runs gx (T x I, K = O) and GW = Gᵀ·x (O x I, K = T) with the same
+GEMM config, then the two merge-backward jobs on GW with ``grad_cfg``.
+
+Merge backward (per job, rows M over N): regenerate P1, P2 tiles and form the
+two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import tune
+from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
+from .cost import Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist
+from .device import DeviceFacts, facts
+
+BACKEND = "triton"
+#: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
+DEVICE_TYPES = ("cuda",)
+FAMILY = "loha"
+MAX_HADA_RANK = 128
+
+
+def _tl():
+    return triton_module(FAMILY)
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    return tune.source_version(_tl(), triton_module("_fusedkit"))
+
+
+def _apply_configs(dev: DeviceFacts, M: int, R: int, tc: bool):
+    rp = p2(R, 16)
+    strategies = ["materialize"] + (["regen"] if rp <= MAX_HADA_RANK else [])
+    bms = [b for b in (16, 32, 64, 128) if b <= max(16, p2(M))]
+    return [dict(block_m=bm, block_n=bn, block_k=bk, group_m=8, strategy=st, regen_max_tiles=2, tile_n=64,
+                 tile_k=64, tile_r=32, num_warps=w, num_stages=s)
+            for st in strategies for bm in bms for bn in (64, 128) for bk in (32, 64) for w in (4, 8)
+            for s in dev.stages if tc or (bm * bn <= 64 * 64)]
+
+
+def _apply_works(dev, c, M, N, K, R, e, ex, eo, has_base, tc, *, dw_needed=True):
+    """The GEMM Y (M x N) = X (M x K)·Dᵀ with D (N x K) = ΔW regenerated or materialized."""
+    rp = p2(R, 16)
+    bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
+    n_m, n_n = cdiv(M, bm), cdiv(N, bn)
+    regen = c["strategy"] == "regen" and rp <= MAX_HADA_RANK
+    works = []
+    if not regen and dw_needed:
+        works.append(Work(grid=cdiv(N, c["tile_n"]) * cdiv(K, c["tile_k"]), warps=4, stages=2,
+                          acc=3 * c["tile_n"] * c["tile_k"], smem=2 * (c["tile_n"] + c["tile_k"]) * c["tile_r"] * e,
+                          dram=N * K * e + 2 * (N + K) * R * e, mma=4.0 * N * K * max(R, 16), tc=tc))
+    dram = gemm_reads(M * K * ex, n_n, dev) + M * N * eo * (2 if has_base else 1)
+    mma = 2.0 * M * N * K
+    if regen:
+        dram += 2 * (N + K) * R * e
+        mma += n_m * 4.0 * N * K * rp
+        acc, smem = bm * bn + 2 * bn * bk, (bm * bk + 2 * (bn * rp + rp * bk)) * e
+    else:
+        dram += gemm_reads(N * K * e, n_m, dev)
+        acc, smem = bm * bn, (bm + bn) * bk * e
+    works.append(Work(grid=n_m * n_n, warps=c["num_warps"], stages=c["num_stages"], acc=acc, smem=smem, dram=dram,
+                      mma=mma, tc=tc, mma_tile=bm * bn * bk))
+    return works
+
+
+def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype, has_base: bool,
+                    *, default=None, n: int = 5):
+    e, ex, eo = esize(compute), esize(x_dtype), esize(out_dtype)
+    tc = compute != torch.float32
+
+    def work(c):
+        return _apply_works(dev, c, T, O, I, R, e, ex, eo, has_base, tc)
+
+    eager = eager_time(dev, [(2 * (O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * 12, 0),
+                       (O * I * (4 + e), 0), (T * I * ex + O * I * e + T * O * 4, 2.0 * T * O * I),
+                       (T * O * (4 + eo) * (2 if has_base else 1), 0)], tc=tc)
+    return make_plan("loha_bypass_fwd", rank(_apply_configs(dev, T, R, tc), work, dev),
+                     tile_axes=("strategy", "block_m", "block_n", "block_k"), n=n, default=default,
+                     default_s=predict(work, default, dev), eager_s=eager)
+
+
+def _grad_configs(dev: DeviceFacts, tc: bool):
+    return [dict(block_m=bm, block_n=bn, split=0, num_warps=w, num_stages=s)
+            for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)
+            if tc or bm * bn <= 64 * 64]
+
+
+def _grad_works(dev, c, O, I, R, e, eg, tc):
+    rp = p2(R, 16)
+    works = []
+    for M, N in ((O, I), (I, O)):
+        bm, bn = c["block_m"], c["block_n"]
+        n_m, steps = cdiv(M, bm), cdiv(N, bn)
+        split = max(1, min(cdiv(2 * dev.sm_count, n_m), max(1, steps // 2)))
+        part = 2 * split * M * R * 4 if split > 1 else 0
+        works.append(Work(grid=n_m * split, warps=c["num_warps"], stages=c["num_stages"],
+                          acc=2 * bm * rp + 3 * bm * bn, smem=(bm * bn * eg + 2 * rp * bn * e),
+                          dram=M * N * eg + gemm_reads(2 * (M + N) * R * e, n_m, dev) + part + 2 * M * R * e,
+                          mma=8.0 * M * N * rp, tc=tc, mma_tile=bm * bn * rp))
+        if split > 1:
+            works.append(Work(grid=cdiv(M * R, 32 * 64), warps=4, dram=part + 2 * M * R * e, inflight=8192))
+    return works
+
+
+def plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, *, default=None, n: int = 5):
+    e, eg = esize(compute), esize(g_dtype)
+    tc = compute != torch.float32
+
+    def work(c):
+        return _grad_works(dev, c, O, I, R, e, eg, tc)
+
+    eager = eager_time(dev, [((O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * (eg + 12), 0)] * 4
+                       + [(O * I * e + I * R * e + O * R * 4, 2.0 * O * I * R)] * 4, tc=tc)
+    return make_plan("loha_merge_bwd", rank(_grad_configs(dev, tc), work, dev), tile_axes=("block_m", "block_n"),
+                     n=n, default=default, default_s=predict(work, default, dev), eager_s=eager)
+
+
+def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
+                    default=None, n: int = 5):
+    e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
+    tc = compute != torch.float32
+
+    def gemms(c):  # gx (T x I, K = O, ΔWᵀ), GW = Gᵀ·x (O x I, K = T, plain)
+        return (_apply_works(dev, c, T, I, O, R, e, eg, ex, False, tc)
+                + _apply_works(dev, {**c, "strategy": "materialize"}, O, I, T, 0, e, eg, e, False, tc,
+                               dw_needed=False))
+
+    def grads(c):
+        return _grad_works(dev, c, O, I, R, e, e, tc)
+
+    def both(c):
+        return gemms(c["cfg"]) + grads(c["grad_cfg"])
+
+    g_rank = rank(_apply_configs(dev, T, R, tc), gemms, dev)
+    r_rank = rank(_grad_configs(dev, tc), grads, dev)
+    ga = shortlist(g_rank, 3, ("strategy", "block_m", "block_n", "block_k"))
+    gr = shortlist(r_rank, 2, ("block_m", "block_n"))
+    t_a = {id(c): t for t, c in g_rank}
+    t_r = {id(c): t for t, c in r_rank}
+    combos = sorted(((t_a[id(a)] + t_r[id(b)], {"cfg": a, "grad_cfg": b}) for a in ga for b in gr),
+                    key=lambda x: x[0])
+    eager = eager_time(dev, [(2 * (O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * 12, 0)] * 6
+                       + [(T * O * eg + O * I * e + T * I * 4, 2.0 * T * O * I),
+                          (T * O * eg + T * I * ex + O * I * 4, 2.0 * T * O * I)]
+                       + [(O * I * e + I * R * e + O * R * 4, 2.0 * O * I * R)] * 4, tc=tc)
+    return make_plan("loha_bypass_bwd", combos, n=n, default=default, default_s=predict(both, default, dev),
+                     eager_s=eager)
+
+
+def launch(op: str, *args, **kw):
+    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
+    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
+    TL = _tl()
+    return {"loha_bypass_fwd": TL.bypass_fwd, "loha_bypass_bwd": TL.bypass_bwd, "loha_merge_bwd": TL.merge_bwd}[op](*args, **kw)
+
+
+# =============================================================================== op-set glue
+
+_F_BFWD, _F_BBWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front()
+
+
+def _apply_default(TL, M, R, compute):
+    """``ApplyCfg()`` with the launcher's automatic choices spelled out (strategy, tiles)."""
+    auto = getattr(TL, "_regen", None)
+    if auto is not None:
+        regen = bool(auto(M, R, TL.ApplyCfg(), compute))
+    else:
+        bm = TL.default_apply_cfg(M, 1, 1, R, compute, True).block_m
+        regen = p2(R, 16) <= MAX_HADA_RANK and cdiv(M, bm) <= TL.ApplyCfg().regen_max_tiles
+    d = TL.default_apply_cfg(M, 1, 1, R, compute, regen)
+    return as_dict(TL.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k,
+                               strategy="regen" if regen else "materialize", num_warps=d.num_warps,
+                               num_stages=TL.ApplyCfg().num_stages))
+
+
+def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
+    """Launcher kwargs for ``triton.loha.bypass_fwd`` (or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (x.shape, a1.shape, x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype, None if base is None else base.dtype,
+          dev)
+    hit = _F_BFWD.get(fk)
+    if hit is not None:
+        return hit
+    T, I = (int(s) for s in x.shape)
+    O, R = (int(s) for s in a1.shape)
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    out = x.dtype if base is None else base.dtype
+    TL = _tl()
+    key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
+                         flags={"x": x.dtype, "w": a1.dtype, "out": out, "base": base is not None})
+    return tune.pick(
+        "loha_bypass_fwd", BACKEND, key,
+        lambda: plan_bypass_fwd(facts(dev), T, I, O, R, compute, x.dtype, out, base is not None,
+                                default=_apply_default(TL, T, R, compute)),
+        lambda kw: launch("loha_bypass_fwd", x, a1, b1, a2, b2, gamma, base, **kw),
+        lambda: reference_module(FAMILY).loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.ApplyCfg(**c)}, front=(_F_BFWD, fk))
+
+
+def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
+    """Launcher kwargs for ``triton.loha.bypass_bwd`` (``cfg`` and ``grad_cfg``; or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (x.shape, a1.shape, grad.dtype, x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype, dev)
+    hit = _F_BBWD.get(fk)
+    if hit is not None:
+        return hit
+    T, I = (int(s) for s in x.shape)
+    O, R = (int(s) for s in a1.shape)
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    TL = _tl()
+    key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
+                         flags={"x": x.dtype, "g": grad.dtype, "w": a1.dtype})
+    default = {"cfg": _apply_default(TL, T, R, compute), "grad_cfg": as_dict(TL.default_grad_cfg(R, compute))}
+    return tune.pick(
+        "loha_bypass_bwd", BACKEND, key,
+        lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype, default=default),
+        lambda kw: launch("loha_bypass_bwd", grad, x, a1, b1, a2, b2, gamma, **kw),
+        lambda: reference_module(FAMILY).loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma),
+        device=dev, version=version(),
+        resolve=lambda c: {"cfg": TL.ApplyCfg(**c["cfg"]), "grad_cfg": TL.GradCfg(**c["grad_cfg"])},
+        front=(_F_BBWD, fk))
+
+
+def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
+    """Launcher kwargs for ``triton.loha.merge_bwd`` (or SENTINEL_EAGER)."""
+    dev = grad.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (grad.shape, a1.shape, grad.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype, dev)
+    hit = _F_MBWD.get(fk)
+    if hit is not None:
+        return hit
+    O, R = (int(s) for s in a1.shape)
+    I = int(b1.shape[1])
+    compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    TL = _tl()
+    key = tune.shape_key(compute, exact={"O": O, "I": I, "R": R}, flags={"g": grad.dtype, "w": a1.dtype})
+    return tune.pick(
+        "loha_merge_bwd", BACKEND, key,
+        lambda: plan_merge_bwd(facts(dev), O, I, R, compute, grad.dtype,
+                               default=as_dict(TL.default_grad_cfg(R, compute))),
+        lambda kw: launch("loha_merge_bwd", grad, a1, b1, a2, b2, gamma, **kw),
+        lambda: reference_module(FAMILY).loha_merge_bwd(grad, a1, b1, a2, b2, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.GradCfg(**c)}, front=(_F_MBWD, fk))
+
+
+def samples(layer, T: int, dtype, device, gen):
+    """(op, args) of one LoHa layer at T tokens, for ``tune.warmup``."""
+    O, I, r = layer.out_features, layer.in_features, layer.rank
+    a1, a2 = rand((O, r), dtype, device, gen, 0.1), rand((O, r), dtype, device, gen, 0.1)
+    b1, b2 = rand((r, I), dtype, device, gen, 0.1), rand((r, I), dtype, device, gen, 0.1)
+    x = rand((T, I), dtype, device, gen)
+    return [("loha_bypass_fwd", (x, a1, b1, a2, b2, 1.0, None)),
+            ("loha_bypass_bwd", (rand((T, O), dtype, device, gen), x, a1, b1, a2, b2, 1.0)),
+            ("loha_merge_bwd", (rand((O, I), dtype, device, gen), a1, b1, a2, b2, 1.0))]
+
+
+#: op name -> the function giving its launcher kwargs (schema arguments)
+KWARGS = {"loha_bypass_fwd": bypass_fwd_kwargs, "loha_bypass_bwd": bypass_bwd_kwargs,
+          "loha_merge_bwd": merge_bwd_kwargs}

@@ -1,0 +1,418 @@
+"""Cost models and tuned launch configs of the Triton LoKr kernels
+(``lycoris_ops/triton/lokr.py``): the Kronecker merges (``lokr_full_merge_fwd``,
+``lokr_merge_fwd``) and their backward (``lokr_full_merge_bwd``,
+``lokr_merge_bwd``), ``lokr_bypass_fwd``, ``lokr_bypass_bwd``.
+
+Merges: program = a (block_m x block_n) tile of the *tile* factor (w2, or w1
+with ``swap``) times a range of entries of the *loop* factor; write-bound:
+a·b·c·d outputs. The stores of one tile are contiguous runs of the tile's
+column count when w2 is tiled, single elements (stride d) when w1 is: runs
+shorter than a 32-byte sector cost a whole sector. Backward: the same program
+layout reading G, plus fp32 partials and reduce / chain launches.
+
+Bypass forward: program = (block_t tokens, block_c of c): Z = X·w2ᵀ
+(bt·pow2(b) x bc, fp32, hi/lo 16-bit dots) then Y = γ·w1·Z per block_a of a;
+``swap`` runs the transposed contraction. Register tile bt·pow2(b)·bc <= 16384.
+Bypass backward: persistent programs over token tiles, one pass (gx, g_w1,
+g_w2) or two (``passes``), fp32 partials per program + reduce launches.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import tune
+from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
+from .cost import Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank
+from .device import DeviceFacts, facts
+
+BACKEND = "triton"
+#: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
+DEVICE_TYPES = ("cuda",)
+FAMILY = "lokr"
+REG_TILE = 16384  # OPS.md §4.4: fp32 register tile per program
+BWD_LIVE = 32768
+
+
+def _tl():
+    return triton_module(FAMILY)
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    return tune.source_version(_tl(), triton_module("_fusedkit"))
+
+
+def _p16(n):
+    return p2(n, 16)
+
+
+# =============================================================================== merges
+
+def _merge_geometry(a, b, c, d, swap):
+    return (a, b, c, d) if swap else (c, d, a, b)  # M1, N1 (tile), M2, N2 (loop)
+
+
+def _merge_configs(dev: DeviceFacts, a, b, c, d, r1, r2, grad):
+    out = []
+    for swap in (False, True):
+        M1, N1, _, _ = _merge_geometry(a, b, c, d, swap)
+        for bm in (16, 32, 64, 128):
+            if bm > max(16, p2(M1)):
+                continue
+            for bn in (16, 32, 64, 128):
+                if bn > max(16, p2(N1)) or bm * bn > 8192:
+                    continue
+                for w in (2, 4, 8):
+                    for s in ((1, 2) if not grad else (1,)):
+                        out.append(dict(block_m=bm, block_n=bn, block_r=16 if max(r1, r2) <= 16 else 32,
+                                        block_rl=16 if max(r1, r2) <= 16 else 32, split=0, swap=swap,
+                                        num_warps=w, num_stages=s))
+    return out
+
+
+def _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, grad):
+    swap = cfg["swap"]
+    M1, N1, M2, N2 = _merge_geometry(a, b, c, d, swap)
+    rt, rl = (r1, r2) if swap else (r2, r1)  # tile side rank, loop side rank (0: whole)
+    bm, bn = cfg["block_m"], cfg["block_n"]
+    n_tiles = cdiv(M1, bm) * cdiv(N1, bn)
+    E = M2 * N2
+    split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E))
+    split = cdiv(E, cdiv(E, split))
+    run = (min(bn, N1) if not swap else 1) * (eo if not grad else e)
+    sector = max(1.0, 32.0 / run)
+    out_bytes = a * b * c * d * (eo + eb)
+    gen = 2.0 * M1 * N1 * rt * split + 2.0 * E * rl * n_tiles
+    works = [Work(grid=n_tiles * split, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=bm * bn * (2 if grad
+                  else 1), smem=(bm + bn) * cfg["block_r"] * e if rt else 0, dram=out_bytes * sector
+                  + (M1 * max(rt, 1) + max(rt, 1) * N1) * e * split + E * e, mma=gen, fma=a * b * c * d * 2.0,
+                  inflight=bm * bn * (eo + eb))]
+    if grad:
+        parts = (split * M1 * N1 if (rt or split > 1) else 0) + (n_tiles * E if (rl or n_tiles > 1) else 0)
+        works[0].dram += parts * 4
+        if parts:
+            works.append(Work(grid=cdiv(M1 * N1 + E, 2048), warps=4, dram=parts * 4 + (M1 * N1 + E) * e,
+                              mma=2.0 * (M1 * N1 * rt + E * rl), inflight=8192, launches=2 if (rt or rl) else 1))
+    return works
+
+
+def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: int, r2: int, compute, out_dtype,
+               base_dtype, *, grad: bool = False, default=None, n: int = 5):
+    """``lokr_(full_)merge_fwd`` (grad False; out/base dtypes) or ``..._bwd`` (grad True; out = G)."""
+    e, eo, eb = esize(compute), esize(out_dtype), esize(base_dtype)
+    tc = compute != torch.float32
+
+    def work(cfg):
+        return _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, grad)
+
+    O, I = a * c, b * d
+    steps = [((a + b) * max(r1, 1) * e + a * b * 4, 2.0 * a * b * r1), ((c + d) * max(r2, 1) * e + c * d * 4,
+                                                                         2.0 * c * d * r2),
+             (O * I * 4 + (a * b + c * d) * 4, 0), (O * I * (4 + eo + eb), 0)]
+    if grad:
+        steps += [(O * I * (eo + 4) * 2, 2.0 * O * I)] * 2 + [((a * b + c * d) * 8, 0)] * 4
+    return make_plan(op, rank(_merge_configs(dev, a, b, c, d, r1, r2, grad), work, dev),
+                     tile_axes=("swap", "block_m", "block_n"), n=n, default=default,
+                     default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=tc))
+
+
+# =============================================================================== bypass
+
+def _fwd_cost(a, b, c, d, split):
+    return b * c * (d + (2 if split else 1) * a)
+
+
+def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
+                    has_base: bool, *, default=None, n: int = 5):
+    e, ex, eo = esize(compute), esize(x_dtype), esize(out_dtype)
+    tc = compute != torch.float32
+    split = compute != torch.float32
+
+    def work(cfg):
+        A, B, C, D = (c, d, a, b) if cfg["swap"] else (a, b, c, d)
+        bt, bc, bd, ba = cfg["block_t"], cfg["block_c"], cfg["block_d"], cfg["block_a"]
+        BB = _p16(B)
+        if bc > max(16, min(128, _p16(C))) or bd > _p16(D) or ba > _p16(A) or bt * BB * bc > REG_TILE:
+            return None
+        n_t, n_c = cdiv(T, bt), cdiv(C, bc)
+        mma = T * 2.0 * _fwd_cost(A, B, C, D, split)
+        return Work(grid=n_t * n_c, warps=cfg["num_warps"], stages=cfg["num_stages"],
+                    acc=bt * BB * bc + bt * ba * bc, smem=(bt * BB * bd * ex + bd * bc * e),
+                    dram=gemm_reads(T * b * d * ex, n_c, dev) + T * a * c * eo * (2 if has_base else 1)
+                    + (a * b + c * d) * e, mma=mma, tc=tc)
+
+    cfgs = [dict(block_t=bt, block_d=bd, block_c=bc, block_a=min(_p16(c if sw else a), 64), split=True, swap=sw,
+                 num_warps=w, num_stages=s)
+            for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
+            for bc in (16, 32, 64, 128) for bd in (16, 64) for w in (4, 8) for s in (1, 2)]
+    steps = [(T * b * d * ex + c * d * e + T * b * c * 4, 2.0 * T * b * c * d), (T * b * c * 8, 0),
+             (T * b * c * 4 + a * b * 4 + T * a * c * 4, 2.0 * T * a * b * c), (T * a * c * (4 + eo), 0)]
+    return make_plan("lokr_bypass_fwd", rank(cfgs, work, dev), tile_axes=("swap", "block_t", "block_c", "block_d"),
+                     n=n, default=default, default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=tc))
+
+
+def _bwd_cost(a, b, c, d, split):
+    k = 2 if split else 1
+    return a * c * d + k * b * a * d + k * a * d * b + a * b * d + k * c * a * d
+
+
+def _bwd_live(bt, ba, bb, bc, bd, passes):
+    tiles = bt * (ba * bc + 2 * ba * bd + 2 * bb * bd)
+    return tiles + (ba * bb + bc * bd if passes == 1 else max(ba * bb, bc * bd))
+
+
+def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, g_dtype, *,
+                    default=None, n: int = 5):
+    e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
+    tc = compute != torch.float32
+    split = compute != torch.float32
+
+    def work(cfg):
+        A, B, C, D = (c, d, a, b) if cfg["swap"] else (a, b, c, d)
+        bt, passes = cfg["block_t"], cfg["passes"]
+        live = _bwd_live(bt, _p16(A), _p16(B), _p16(C), _p16(D), passes)
+        if live > BWD_LIVE:
+            return None
+        n_tiles = cdiv(T, bt)
+        progs = max(1, min(dev.sm_count, n_tiles))
+        part = progs * (A * B + C * D) * 4 if progs > 1 else 0
+        works = [Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
+                      dram=(T * a * c * eg + T * b * d * ex) * passes + T * b * d * ex + part,
+                      mma=T * 2.0 * _bwd_cost(A, B, C, D, split) * (1.1 if passes == 2 else 1.0), tc=tc,
+                      launches=passes, inflight=bt * (_p16(A) * _p16(C) * eg + _p16(B) * _p16(D) * ex))]
+        if part:
+            works.append(Work(grid=cdiv(A * B + C * D, 2048), warps=4, dram=part + (A * B + C * D) * e,
+                              inflight=8192, launches=2))
+        return works
+
+    cfgs = [dict(block_t=bt, passes=p, programs=0, split=True, swap=sw, num_warps=w, num_stages=s)
+            for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T)) for p in (1, 2)
+            for w in (4, 8) for s in (1, 2)]
+    O, I = a * c, b * d
+    steps = [(T * O * eg + c * d * e + T * a * d * 4, 2.0 * T * O * d)] * 4 + [(T * (O + I) * 8, 0)] * 3 \
+        + [(T * I * (4 + ex), 0)]
+    return make_plan("lokr_bypass_bwd", rank(cfgs, work, dev), tile_axes=("swap", "block_t", "passes"), n=n,
+                     default=default, default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=tc))
+
+
+def _full_merge_fwd(w1, w2, base, gamma, out_dtype=None, **kw):
+    (a, b), (c, d) = w1.shape, w2.shape
+    return _tl().merge_fwd(w1, None, w2, None, a, b, c, d, base, gamma, w2.dtype if out_dtype is None else out_dtype,
+                           **kw)
+
+
+def _full_merge_bwd(grad, w1, w2, gamma, **kw):
+    (a, b), (c, d) = w1.shape, w2.shape
+    g1, _, g2, _ = _tl().merge_bwd(grad, w1, None, w2, None, a, b, c, d, gamma, **kw)
+    return g1, g2
+
+
+def _merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, **kw):
+    a, b, c, d = (int(s) for s in shape)
+    return _tl().merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, w2a.dtype if out_dtype is None else out_dtype,
+                           **kw)
+
+
+def _merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, **kw):
+    a, b, c, d = (int(s) for s in shape)
+    return _tl().merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, **kw)
+
+
+def launch(op: str, *args, **kw):
+    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
+    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
+    TL = _tl()
+    return {"lokr_full_merge_fwd": _full_merge_fwd, "lokr_full_merge_bwd": _full_merge_bwd,
+            "lokr_merge_fwd": _merge_fwd, "lokr_merge_bwd": _merge_bwd,
+            "lokr_bypass_fwd": TL.bypass_fwd, "lokr_bypass_bwd": TL.bypass_bwd}[op](*args, **kw)
+
+
+# =============================================================================== op-set glue
+
+_F = {k: tune.Front() for k in ("ffwd", "fbwd", "mfwd", "mbwd", "bfwd", "bbwd")}
+
+
+def _merge_default(TL, a, b, c, d, compute):
+    cfg = TL.default_merge_cfg(c, d, a, b, compute)
+    swap = TL._swap_default(a, b, c, d) if hasattr(TL, "_swap_default") else False
+    return {**as_dict(cfg), "swap": bool(swap)}
+
+
+def _merge_kwargs(op, fk_name, fk, a, b, c, d, r1, r2, compute, out_dtype, base_dtype, grad, dev, fused, eager):
+    hit = _F[fk_name].get(fk)
+    if hit is not None:
+        return hit
+    TL = _tl()
+    key = tune.shape_key(compute, exact={"a": a, "b": b, "c": c, "d": d, "r1": r1, "r2": r2},
+                         flags={"out": out_dtype, "base": base_dtype})
+    return tune.pick(
+        op, BACKEND, key,
+        lambda: plan_merge(op, facts(dev), a, b, c, d, r1, r2, compute, out_dtype, base_dtype, grad=grad,
+                           default=_merge_default(TL, a, b, c, d, compute)),
+        fused, eager, device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.MergeCfg(**cfg)},
+        front=(_F[fk_name], fk))
+
+
+def full_merge_fwd_kwargs(w1, w2, base, gamma, out_dtype=None):
+    """Launcher kwargs for ``triton.lokr.merge_fwd`` as ``lokr_full_merge_fwd`` calls it."""
+    dev = w2.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    (a, b), (c, d) = w1.shape, w2.shape
+    out = w2.dtype if out_dtype is None else out_dtype
+    fk = (w1.shape, w2.shape, w1.dtype, w2.dtype, None if base is None else base.dtype, out, dev)
+    return _merge_kwargs("lokr_full_merge_fwd", "ffwd", fk, int(a), int(b), int(c), int(d), 0, 0,
+                         compute_dtype(w1.dtype, w2.dtype), out, None if base is None else base.dtype, False, dev,
+                         lambda kw: launch("lokr_full_merge_fwd", w1, w2, base, gamma, out_dtype, **kw),
+                         lambda: reference_module(FAMILY).lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype))
+
+
+def full_merge_bwd_kwargs(grad, w1, w2, gamma):
+    """Launcher kwargs for ``triton.lokr.merge_bwd`` as ``lokr_full_merge_bwd`` calls it."""
+    dev = grad.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    (a, b), (c, d) = w1.shape, w2.shape
+    fk = (w1.shape, w2.shape, grad.dtype, w1.dtype, w2.dtype, dev)
+    return _merge_kwargs("lokr_full_merge_bwd", "fbwd", fk, int(a), int(b), int(c), int(d), 0, 0,
+                         compute_dtype(w1.dtype, w2.dtype), grad.dtype, None, True, dev,
+                         lambda kw: launch("lokr_full_merge_bwd", grad, w1, w2, gamma, **kw),
+                         lambda: reference_module(FAMILY).lokr_full_merge_bwd(grad, w1, w2, gamma))
+
+
+def _ranks(w1b, w1a, w2b, w2a):
+    return (0 if w1b is None else int(w1a.shape[1])), (0 if w2b is None else int(w2a.shape[1]))
+
+
+def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
+    """Launcher kwargs for ``triton.lokr.merge_fwd`` as ``lokr_merge_fwd`` calls it."""
+    dev = w2a.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    a, b, c, d = (int(s) for s in shape)
+    r1, r2 = _ranks(w1b, w1a, w2b, w2a)
+    out = w2a.dtype if out_dtype is None else out_dtype
+    dts = tuple(None if t is None else t.dtype for t in (w1a, w1b, w2a, w2b, base))
+    fk = (a, b, c, d, r1, r2, dts, out, dev)
+    return _merge_kwargs("lokr_merge_fwd", "mfwd", fk, a, b, c, d, r1, r2,
+                         compute_dtype(*dts[:4]), out, dts[4], False, dev,
+                         lambda kw: launch("lokr_merge_fwd", w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype, **kw),
+                         lambda: reference_module(FAMILY).lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma,
+                                                                         out_dtype))
+
+
+def merge_bwd_kwargs(grad, w1a, w1b, w2a, w2b, shape, gamma):
+    """Launcher kwargs for ``triton.lokr.merge_bwd`` as ``lokr_merge_bwd`` calls it."""
+    dev = grad.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    a, b, c, d = (int(s) for s in shape)
+    r1, r2 = _ranks(w1b, w1a, w2b, w2a)
+    dts = tuple(None if t is None else t.dtype for t in (w1a, w1b, w2a, w2b))
+    fk = (a, b, c, d, r1, r2, dts, grad.dtype, dev)
+    return _merge_kwargs("lokr_merge_bwd", "mbwd", fk, a, b, c, d, r1, r2, compute_dtype(*dts), grad.dtype, None,
+                         True, dev, lambda kw: launch("lokr_merge_bwd", grad, w1a, w1b, w2a, w2b, shape, gamma, **kw),
+                         lambda: reference_module(FAMILY).lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma))
+
+
+def _bypass_default(default_fn, cost, T, a, b, c, d, compute):
+    """The launcher's automatic config (default tiles, cheaper contraction order) spelled out."""
+    split = compute != torch.float32
+    swap = cost(c, d, a, b, split) * 4 < cost(a, b, c, d, split) * 3
+    A, B, C, D = (c, d, a, b) if swap else (a, b, c, d)
+    return {**as_dict(default_fn(T, A, B, C, D, compute)), "swap": swap}
+
+
+def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
+    """Launcher kwargs for ``triton.lokr.bypass_fwd`` (or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (x.shape, w1.shape, w2.shape, x.dtype, w1.dtype, w2.dtype, None if base is None else base.dtype, dev)
+    hit = _F["bfwd"].get(fk)
+    if hit is not None:
+        return hit
+    T = int(x.shape[0])
+    (a, b), (c, d) = ((int(s) for s in w1.shape), (int(s) for s in w2.shape))
+    compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
+    out = x.dtype if base is None else base.dtype
+    TL = _tl()
+    key = tune.shape_key(compute, tokens={"T": T}, exact={"a": a, "b": b, "c": c, "d": d},
+                         flags={"x": x.dtype, "out": out, "base": base is not None})
+
+    def plan():
+        try:
+            default = _bypass_default(TL.default_bypass_fwd_cfg, _fwd_cost, T, a, b, c, d, compute)
+        except Exception:
+            default = None
+        return plan_bypass_fwd(facts(dev), T, a, b, c, d, compute, x.dtype, out, base is not None, default=default)
+
+    return tune.pick(
+        "lokr_bypass_fwd", BACKEND, key, plan,
+        lambda kw: launch("lokr_bypass_fwd", x, w1, w2, gamma, base, **kw),
+        lambda: reference_module(FAMILY).lokr_bypass_fwd(x, w1, w2, gamma, base),
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk))
+
+
+def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
+    """Launcher kwargs for ``triton.lokr.bypass_bwd`` (or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (x.shape, w1.shape, w2.shape, grad.dtype, x.dtype, w1.dtype, w2.dtype, dev)
+    hit = _F["bbwd"].get(fk)
+    if hit is not None:
+        return hit
+    T = int(x.shape[0])
+    (a, b), (c, d) = ((int(s) for s in w1.shape), (int(s) for s in w2.shape))
+    compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
+    TL = _tl()
+    key = tune.shape_key(compute, tokens={"T": T}, exact={"a": a, "b": b, "c": c, "d": d},
+                         flags={"x": x.dtype, "g": grad.dtype})
+
+    def plan():
+        try:
+            default = _bypass_default(TL.default_bypass_bwd_cfg, _bwd_cost, T, a, b, c, d, compute)
+        except Exception:
+            default = None
+        return plan_bypass_bwd(facts(dev), T, a, b, c, d, compute, x.dtype, grad.dtype, default=default)
+
+    return tune.pick(
+        "lokr_bypass_bwd", BACKEND, key, plan,
+        lambda kw: launch("lokr_bypass_bwd", grad, x, w1, w2, gamma, **kw),
+        lambda: reference_module(FAMILY).lokr_bypass_bwd(grad, x, w1, w2, gamma),
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk))
+
+
+def samples(layer, T: int, dtype, device, gen):
+    """(op, args) of one LoKr layer (factors near sqrt of each dim) at T tokens, for ``tune.warmup``."""
+    O, I, r = layer.out_features, layer.in_features, layer.rank
+
+    def split(n):
+        f = max(1, int(n ** 0.5))
+        while n % f:
+            f -= 1
+        return f, n // f
+
+    a, c = split(O)
+    b, d = split(I)
+    w1 = rand((a, b), dtype, device, gen, 0.1)
+    w2 = rand((c, d), dtype, device, gen, 0.1)
+    w2a, w2b = rand((c, r), dtype, device, gen, 0.1), rand((r, d), dtype, device, gen, 0.1)
+    out = [("lokr_full_merge_fwd", (w1, w2, None, 1.0, None)),
+           ("lokr_full_merge_bwd", (rand((O, I), dtype, device, gen), w1, w2, 1.0)),
+           ("lokr_merge_fwd", (w1, None, w2a, w2b, [a, b, c, d], None, 1.0, None)),
+           ("lokr_merge_bwd", (rand((O, I), dtype, device, gen), w1, None, w2a, w2b, [a, b, c, d], 1.0))]
+    if max(_p16(v) for v in (a, b, c, d)) <= 128:
+        x = rand((T, I), dtype, device, gen)
+        out += [("lokr_bypass_fwd", (x, w1, w2, 1.0, None)),
+                ("lokr_bypass_bwd", (rand((T, O), dtype, device, gen), x, w1, w2, 1.0))]
+    return out
+
+
+#: op name -> the function giving its launcher kwargs (schema arguments)
+KWARGS = {"lokr_full_merge_fwd": full_merge_fwd_kwargs, "lokr_full_merge_bwd": full_merge_bwd_kwargs,
+          "lokr_merge_fwd": merge_fwd_kwargs, "lokr_merge_bwd": merge_bwd_kwargs,
+          "lokr_bypass_fwd": bypass_fwd_kwargs, "lokr_bypass_bwd": bypass_bwd_kwargs}

@@ -1,0 +1,111 @@
+"""Cost model and tuned launch config of the Triton tucker rebuild
+(``lycoris_ops/triton/tucker.py``): ``lora_tucker_fwd``.
+
+Program = a ``block_o x block_i`` tile of the (O, I) plane, all Kk kernel
+positions: it keeps a (bo x R1a) and b (R1b x bi) in registers and, per k,
+runs the chain (a·t_k)·b (+ the second chain's, multiplied). Write-bound for
+small ranks: O·I·Kk outputs; flops per k = 2·bo·R1a·R1b (repeated per I tile)
++ 2·bo·R1b·bi. Key: exact O, I, Kk and ranks, dtypes.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from . import tune
+from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
+from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank
+from .device import DeviceFacts, facts
+
+BACKEND = "triton"
+#: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
+DEVICE_TYPES = ("cuda",)
+FAMILY = "tucker"
+
+
+def _tl():
+    return triton_module(FAMILY)
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    return tune.source_version(_tl(), triton_module("_fusedkit"))
+
+
+def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, out_dtype, *, default=None,
+                    n: int = 5):
+    e, eo = esize(compute), esize(out_dtype)
+    tc = compute != torch.float32
+    two = len(ranks) == 4
+    chains = 2 if two else 1
+    rps = [p2(r, 16) for r in ranks]
+    ra, rb = max(rps[0::2]), max(rps[1::2])
+
+    def work(c):
+        bo, bi = c["block_o"], c["block_i"]
+        if not tc and bo * bi > 64 * 64:
+            return None
+        n_o, n_i = cdiv(O, bo), cdiv(I, bi)
+        mma = chains * Kk * (2.0 * O * ra * rb * n_i + 2.0 * O * I * rb)
+        return Work(grid=n_o * n_i, warps=c["num_warps"], stages=c["num_stages"],
+                    acc=chains * bo * bi + chains * bo * rb, regs=chains * (bo * ra + rb * bi) // 2,
+                    smem=chains * (ra * rb) * e, dram=O * I * Kk * eo + chains * (O * ra + rb * I + ra * rb * Kk) * e,
+                    mma=mma, tc=tc, inflight=bo * bi * eo, mma_tile=bo * bi * rb)
+
+    cfgs = [dict(block_o=bo, block_i=bi, group_o=8, num_warps=w, num_stages=s)
+            for bo in (32, 64, 128) for bi in (32, 64, 128, 256) for w in (4, 8) for s in (1, 2, 3)]
+    R = max(ranks)
+    eager = eager_time(dev, [(O * R * e + R * R * Kk * e + O * R * Kk * 4, 2.0 * O * R * R * Kk),
+                             (O * R * Kk * (4 + e), 0), (O * R * Kk * e + R * I * e + O * I * Kk * 4,
+                                                         2.0 * O * I * R * Kk), (O * I * Kk * (4 + 4), 0)] * chains
+                       + [(O * I * Kk * (4 + eo), 0)], tc=tc)
+    return make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("block_o", "block_i"), n=n,
+                     default=default, default_s=predict(work, default, dev), eager_s=eager)
+
+
+def launch(op: str, *args, **kw):
+    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
+    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
+    TL = _tl()
+    return {"lora_tucker_fwd": TL.tucker_fwd}[op](*args, **kw)
+
+
+_FRONT = tune.Front()
+
+
+def tucker_fwd_kwargs(a1, t1, b1, a2, t2, b2, gamma):
+    """Launcher kwargs for ``triton.tucker.tucker_fwd`` (or SENTINEL_EAGER)."""
+    dev = a1.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    two = a2 is not None
+    fk = (a1.shape, t1.shape, b1.shape, None if not two else (t2.shape, a2.dtype, t2.dtype, b2.dtype),
+          a1.dtype, t1.dtype, b1.dtype, dev)
+    hit = _FRONT.get(fk)
+    if hit is not None:
+        return hit
+    O, I, Kk = int(a1.shape[0]), int(b1.shape[1]), int(t1.shape[2])
+    ranks = (int(t1.shape[0]), int(t1.shape[1])) + ((int(t2.shape[0]), int(t2.shape[1])) if two else ())
+    compute = compute_dtype(*(t.dtype for t in (a1, t1, b1, a2, t2, b2) if t is not None))
+    TL = _tl()
+    key = tune.shape_key(compute, exact={"O": O, "I": I, "Kk": Kk, "ranks": ranks}, flags={"out": a1.dtype})
+    d = TL.default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
+    default = as_dict(TL.TuckerCfg(block_o=d.block_o, block_i=d.block_i, num_warps=d.num_warps))
+    return tune.pick(
+        "lora_tucker_fwd", BACKEND, key,
+        lambda: plan_tucker_fwd(facts(dev), O, I, Kk, ranks, compute, a1.dtype, default=default),
+        lambda kw: launch("lora_tucker_fwd", a1, t1, b1, a2, t2, b2, gamma, **kw),
+        lambda: reference_module("lora").lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.TuckerCfg(**c)}, front=(_FRONT, fk))
+
+
+def samples(layer, T: int, dtype, device, gen):
+    """A 3x3 conv LoCon tucker rebuild (out x in, rank) for ``tune.warmup``."""
+    O, I, r = layer.out_features, layer.in_features, min(layer.rank, 64)
+    return [("lora_tucker_fwd", (rand((O, r), dtype, device, gen, 0.1), rand((r, r, 9), dtype, device, gen, 0.1),
+                                 rand((r, I), dtype, device, gen, 0.1), None, None, None, 1.0))]
+
+
+#: op name -> the function giving its launcher kwargs (schema arguments)
+KWARGS = {"lora_tucker_fwd": tucker_fwd_kwargs}

@@ -1,0 +1,89 @@
+"""The family planners end to end on CPU: every op's ``<op>_kwargs`` glue runs its whole
+shortlist through the real Triton launcher under the Triton interpreter (tests/conftest.py
+sets TRITON_INTERPRET=1 without a GPU), each candidate's output checked against the eager
+body by the tuner, with a fake timer. Catches config dicts the launchers do not accept
+and candidates that compute wrong numbers. One fp32 case per op (the first in scope of
+``lycoris_ops.testing``)."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from lycoris_ops import dispatch, scope, select, testing  # noqa: E402
+from lycoris_ops import plans  # noqa: E402
+from lycoris_ops.plans import device, tune  # noqa: E402
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+FAMILIES = ("lora", "tucker", "loha", "lokr", "dora", "oft", "boft", "ia3", "add")
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path))
+    monkeypatch.delenv(dispatch.ENV_TUNE, raising=False)
+    tune.clear()
+    tune.set_tuning(None)
+    tune.set_budget(0)  # every candidate (interpreted warm-ups are slow)
+    prev = tune.set_timer(lambda fn, c: (len(tune._label(c)) % 7 + 1) * 1e-6)  # no call: warm-up ran it
+    yield
+    tune.set_timer(prev)
+    tune.clear()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
+    pm = importlib.import_module(f"lycoris_ops.plans.{family}")
+    monkeypatch.setattr(pm, "DEVICE_TYPES", ("cpu", "cuda"))
+    monkeypatch.setattr(pm, "facts", lambda d: device.synthetic())
+    cases = testing.cases("lora" if family == "tucker" else family, dtype=torch.float32, device="cpu")
+    done = set()
+    for case in cases:
+        if case.op not in pm.KWARGS or case.op in done:
+            continue
+        args = select._full_args(case.op, case.args)
+        if scope.why_not(case.op, "triton", args) is not None:
+            continue
+        done.add(case.op)
+        got = pm.KWARGS[case.op](*args)
+        assert tune.is_eager(got) or (isinstance(got, dict) and set(got) <= {"cfg", "grad_cfg"}), got
+        # the exact-argument front cache answers the next call
+        assert pm.KWARGS[case.op](*args) is got
+        # plans.tuned: the op-set entry point (picked config or eager), equal to eager
+        out = plans.tuned(case.op, *args)
+        ref = getattr(importlib.import_module(f"lycoris_ops.reference.{plans._REFERENCE_OF[case.op]}"),
+                      case.op)(*args)
+        assert tune._mismatch(out, ref) is None
+    assert done == set(pm.KWARGS), f"no in-scope case for {set(pm.KWARGS) - done}"
+    rows = tune.table().rows
+    assert len(rows) == len(done)
+    for key, row in rows.items():
+        assert not row.get("failed"), (key, row.get("failed"))
+        assert len(row["times"]) >= 2, (key, row)
+
+
+def test_non_cuda_calls_get_launcher_defaults():
+    from lycoris_ops.plans import lora
+
+    x, up, down = torch.randn(4, 8), torch.randn(6, 2), torch.randn(2, 8)
+    assert lora.bypass_fwd_kwargs(x, up, down, 1.0) == {}
+
+
+def test_warmup_direct_path(monkeypatch):
+    from lycoris_ops.plans import add, ia3
+
+    for pm in (add, ia3):
+        monkeypatch.setattr(pm, "DEVICE_TYPES", ("cpu", "cuda"))
+        monkeypatch.setattr(pm, "facts", lambda d: device.synthetic())
+    summary = {"calls": 0, "errors": []}
+    gen = torch.Generator().manual_seed(0)
+    tune._warm_all([tune.Layer(48, 32, 4)], [8], torch.float32, torch.device("cpu"), gen,
+                   ["add_scaled", "ia3_fwd"], True, summary, True)
+    assert summary == {"calls": 2, "errors": []}
+    assert tune.stats()["tuned"] == 2 and len(tune.table().rows) == 2
