@@ -1,0 +1,200 @@
+"""Timing primitives shared by bench.py and peer_lycoris.py (no lycoris_ops import).
+
+Device time (``DeviceTimer.time``): CUDA events around each rep. Before each rep
+the L2 cache is flushed by reading a 256 MiB buffer (H200 L2 is 50-60 MiB; the
+read costs ~0.06 ms of device time, runs *before* the start event and leaves no
+dirty lines behind), then
+``torch.cuda._sleep`` keeps the GPU busy for about 1.3x the call's measured host
+enqueue time, so every kernel of the call is already queued when the start event
+fires: the median is device time without host launch gaps (host cost is measured
+separately, see ``host_time``). A call that synchronizes the host inside (``.item()``,
+an error check) is still charged the launch gaps after its sync. On CPU the same
+interface falls back to wall clock (no claims).
+
+Host time (``host_time``): tiny tensors, ``n`` calls back to back without a sync,
+wall clock per call; the GPU idles (each kernel is a few microseconds), so this is
+what the host pays per call. Median over rounds.
+
+Cold time (``cold_call``): the first call of a callable in this process, wall clock
+with a device sync on both sides (includes Triton JIT / Inductor compile / tuning).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, List, Optional
+
+import torch
+
+
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cold_call(fn: Callable, device) -> tuple:
+    """(result, seconds) of one call, synchronized on both sides."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def host_time(fn: Callable, device, n: int = 100, rounds: int = 5, warmup: int = 3) -> float:
+    """Median host seconds per call of ``fn`` (calls issued back to back, no sync)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    per = []
+    for _ in range(rounds):
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        per.append((time.perf_counter() - t0) / n)
+        sync(device)
+    return statistics.median(per)
+
+
+class DeviceTimer:
+    """Median device time of a callable; see the module docstring for the method."""
+
+    def __init__(self, device, flush_mib: int = 256, target_ms: float = 30.0,
+                 min_reps: int = 5, max_reps: int = 40, warmup: int = 2):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.target_ms, self.min_reps, self.max_reps, self.warmup = target_ms, min_reps, max_reps, warmup
+        self.flush_buf = None
+        self.cycles_per_us = 0.0
+        if self.cuda:
+            self.flush_buf = torch.ones(flush_mib << 18, dtype=torch.int32, device=self.device)
+            self._calibrate_sleep()
+
+    def _calibrate_sleep(self) -> None:
+        cycles = 2_000_000
+        torch.cuda._sleep(1000)
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.cuda._sleep(cycles)
+        e.record()
+        torch.cuda.synchronize(self.device)
+        ms = s.elapsed_time(e)
+        self.cycles_per_us = cycles / max(ms * 1e3, 1.0)
+
+    def _prefill(self, host_s: float) -> None:
+        # a read of 256 MiB evicts L2 and leaves it clean: no write-back of dirty lines is
+        # charged to the timed call (a memset here would leave ~50 MB dirty in L2)
+        torch.sum(self.flush_buf, dtype=torch.int32)
+        us = min(1.3 * host_s * 1e6 + 20.0, 20_000.0)
+        torch.cuda._sleep(int(us * self.cycles_per_us))
+
+    def time(self, fn: Callable, reps: Optional[int] = None) -> dict:
+        """{'median_ms', 'min_ms', 'reps', 'host_enqueue_us'}; fn is called warmup + reps + 1 times."""
+        for _ in range(self.warmup):
+            fn()
+        sync(self.device)
+        # host enqueue time of one call (the GPU may still be running it when we stop the clock)
+        t0 = time.perf_counter()
+        fn()
+        host_s = time.perf_counter() - t0
+        sync(self.device)
+        if not self.cuda:
+            times = []
+            for _ in range(reps or self.min_reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+            return {"median_ms": statistics.median(times), "min_ms": min(times), "reps": len(times),
+                    "host_enqueue_us": host_s * 1e6}
+        if reps is None:
+            # one measured rep to size the loop
+            one = self._reps(fn, 1, host_s)[0]
+            reps = int(max(self.min_reps, min(self.max_reps, self.target_ms / max(one, 1e-3))))
+        times = self._reps(fn, reps, host_s)
+        return {"median_ms": statistics.median(times), "min_ms": min(times), "reps": reps,
+                "host_enqueue_us": host_s * 1e6}
+
+    def _reps(self, fn: Callable, reps: int, host_s: float) -> List[float]:
+        events = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self._prefill(host_s)
+            s.record()
+            fn()
+            e.record()
+            events.append((s, e))
+        torch.cuda.synchronize(self.device)
+        return [s.elapsed_time(e) for s, e in events]
+
+
+def copy_bandwidth(device, gib: float = 1.0, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + bytes written), median of reps.
+    On CPU: a small copy (only so the smoke mode has a number; no claim)."""
+    device = torch.device(device)
+    n = int(gib * (1 << 30)) // 4 if device.type == "cuda" else 1 << 22
+    src = torch.empty(n, dtype=torch.float32, device=device).normal_()
+    dst = torch.empty_like(src)
+    timer = DeviceTimer(device, flush_mib=64, min_reps=reps, max_reps=reps)
+    res = timer.time(lambda: dst.copy_(src), reps=reps)
+    del src, dst
+    return 2 * n * 4 / (res["median_ms"] * 1e-3)
+
+
+def fmt_ms(v) -> str:
+    if v is None:
+        return "n/a"
+    if v >= 100:
+        return f"{v:.0f}"
+    if v >= 10:
+        return f"{v:.1f}"
+    if v >= 1:
+        return f"{v:.2f}"
+    return f"{v:.3f}"
+
+
+# --------------------------------------------------------------------------- one column of one spec
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    if a.shape != b.shape:
+        return float("inf")
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def measure_column(fn: Callable, ts: list, grad_idx, G, timer: DeviceTimer, device, *, ref=None,
+                   phases=("fwd", "fwdbwd"), reps=None) -> dict:
+    """Time ``fn(*ts)`` (fwd: a training forward, autograd recording) and fwd+bwd
+    (forward + ``torch.autograd.grad`` of the output w.r.t. ``ts[grad_idx]`` with the
+    fixed upstream grad ``G``). The first call of each phase is the cold call.
+
+    Returns {cold_fwd_s, fwd: timer dict, cold_fwdbwd_s, fwdbwd, out, grads, rel_err,
+    grad_err, error}; ``ref`` = (out, grads) of the reference column for the errors.
+    An exception is caught and reported in ``error`` (the phases done so far stay)."""
+    res: dict = {}
+    targets = [ts[i] for i in grad_idx]
+
+    def fwd():
+        return fn(*ts)
+
+    def fwdbwd():
+        out = fn(*ts)
+        return out, torch.autograd.grad(out, targets, G)
+
+    try:
+        if "fwd" in phases:
+            res["out"], res["cold_fwd_s"] = cold_call(fwd, device)
+            res["fwd"] = timer.time(fwd, reps)
+        if "fwdbwd" in phases:
+            (out, grads), res["cold_fwdbwd_s"] = cold_call(fwdbwd, device)
+            res.setdefault("out", out)
+            res["grads"] = grads
+            res["fwdbwd"] = timer.time(fwdbwd, reps)
+    except Exception as exc:  # a column that fails is reported, the run goes on
+        res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    if ref is not None:
+        if res.get("out") is not None and ref[0] is not None:
+            res["rel_err"] = rel_err(res["out"], ref[0])
+        if res.get("grads") is not None and ref[1] is not None:
+            res["grad_err"] = max((rel_err(g, r) for g, r in zip(res["grads"], ref[1])), default=0.0)
+    return res
