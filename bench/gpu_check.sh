@@ -20,7 +20,7 @@ status=0
 if [ -n "${LYCORIS_TILELANG_SITE:-}" ]; then export PYTHONPATH="$LYCORIS_TILELANG_SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer_site .whl/*.whl >/dev/null 2>&1 \
-    && export LYCORIS_PEER_SITE=/tmp/peer_site   # only the peer subprocess puts it on its path
+    && export LYCORIS_PEER_PATH=/tmp/peer_site   # only the peer subprocess puts it on its path
 fi
 
 echo "== build ($(date -u +%FT%TZ))"
@@ -30,6 +30,10 @@ echo "built in $((SECONDS - t0)) s"
 $py -c "import torch, triton, lycoris_ops as L; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name()); print('backends', L.available_backends('cuda'))"
 
 if [ "$what" = all ] || [ "$what" = tests ]; then
+  echo "== tuning (empty table, then a fresh process that must not time)"
+  t0=$SECONDS
+  $py bench/gpu_tuning.py ${LYCORIS_TUNING_ARGS:-} >"$out/tuning.log" 2>&1; rc=$?
+  tail -15 "$out/tuning.log"; echo "tuning: exit $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1
   echo "== GPU tests"
   t0=$SECONDS
   # -n: pytest-xdist is on the GPU image; the CPU-only tests run too (they are fast there)
@@ -43,6 +47,7 @@ fi
 
 if [ "$what" = all ] || [ "$what" = bench ]; then
   echo "== benchmark"
-  $py bench/bench.py --out "$out" "$@" 2>&1 | tee "$out/bench.log"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${LYCORIS_COMMIT:-unknown}")
+  $py bench/bench.py --out "$out" --commit "$commit" "$@" 2>&1 | tee "$out/bench.log"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 exit $status

@@ -195,7 +195,7 @@ def test_tucker_op_and_scope():
     close(y, 1.5 * o_tucker(a.double().cpu(), t.double().cpu(), b.double().cpu()), REL_TOL[torch.float32], "tucker op")
     assert TT.supported(128, 64) and not TT.supported(129)
     for name in ("loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd"):
-        assert getattr(ops, name) is getattr(TH, name)
+        assert name in ops.__all__ and callable(getattr(ops, name))  # wraps the tuned launcher
 
 
 # ----------------------------------------------------------------------------- compile-only (sm_90)

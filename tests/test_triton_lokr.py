@@ -210,7 +210,7 @@ def test_op_set_exports():
 
     for name in ("lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd", "lokr_merge_bwd",
                  "lokr_bypass_fwd", "lokr_bypass_bwd"):
-        assert getattr(ops, name) is getattr(TK, name)
+        assert name in ops.__all__ and callable(getattr(ops, name))  # wraps the tuned launcher
 
 
 # ----------------------------------------------------------------------------- compile-only (sm_90)
