@@ -1,0 +1,770 @@
+"""Adapter modules on ``torch.ops.lycoris.*`` for users without LyCORIS or PEFT.
+
+Each module wraps an existing ``nn.Linear`` (or ``nn.Conv2d``) as ``self.base``,
+freezes its parameters and adds the adapter's trainable parameters, initialised
+the LyCORIS way so that the initial ΔW is 0 (the "up" side is zero):
+
+=================  ==========================================================  ================
+module             forward (``s = alpha/rank·multiplier``)                     functional path
+=================  ==========================================================  ================
+``LoRALinear``     ``base(x) + s·(x·downᵀ)·upᵀ``                               ``locon.bypass``
+``LoRAConv2d``     ``base(x) + s·conv1x1(conv(x, down), up)``                  ``locon.bypass`` (eager chain)
+``LoHaLinear``     ``base(x) + s·x·((w1a·w1b)⊙(w2a·w2b))ᵀ``                   ``loha.bypass``
+``LoHaConv2d``     ``base(x) + conv(x, s·ΔW)`` (ΔW via the merge op)           ``loha.bypass``
+``LoKrLinear``     ``base(x) + s·x·kron(w1, w2)ᵀ`` (w2 = w2a·w2b if factored)  ``lokr.lokr_bypass``
+``DoRALinear``     ``F.linear(x, wd(W + s·up·down), b)``                       ``locon.merge`` + ``dora.weight_decompose``
+``OFTLinear``      ``diag(ρ)·Rᵀ·(x·Wᵀ) + b`` (diag-OFT on the output channels)  ``diag_oft.bypass``
+``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
+``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_bypass``
+``FullLinear``     ``F.linear(x, W + m·diff, b + m·diff_b)``                   ``full.scaled_add``
+=================  ==========================================================  ================
+
+(OFT/BOFT rotate the bias-free output and add the bias after, so that the bypass
+and the merged weight ``R·W`` agree; IA3 on the output scales the bias too, and
+its merge scales the bias the same way.)
+
+``merge()`` folds the adapter into ``base.weight`` (and bias) with the merge ops
+(``lora_merge_fwd``, ``lokr_*merge_fwd``, ``dora_fwd``, ``oft_fwd``, ``boft_fwd``,
+``ia3_fwd``, ``add_scaled``) so the model runs as a plain layer (the inference
+path before export); ``unmerge()`` takes it back out: additive adapters
+(LoRA/LoHa/LoKr/Full) re-run the merge op with −γ, the others (DoRA, OFT, BOFT,
+IA3, whose merge is not invertible from the merged weight alone) restore a copy
+of the original weight kept at merge time (not in the state dict). While merged,
+``forward`` is ``base(x)``. A state dict saved while merged holds the merged
+weight; ``merged`` is not saved.
+
+Helpers: :func:`add_adapters` (replace matching submodules in place),
+:func:`merge_adapters`, :func:`unmerge_adapters`, :func:`adapters`,
+:func:`mark_only_adapters_trainable`, :func:`remove_adapters`,
+:func:`load_lycoris_state_dict` (build LoCon/LoHa/LoKr/IA3/Full/diag-OFT adapters
+from a LyCORIS network's state dict).
+
+Parameter names follow LyCORIS (``lora_up``/``lora_down``/``alpha``,
+``hada_w1_a`` ..., ``lokr_w1`` ..., ``oft_blocks``/``rescale``, ``dora_scale``)
+but are plain ``nn.Parameter``s (``lora_down`` instead of ``lora_down.weight``).
+The base layer's parameters appear as ``<name>.base.weight`` / ``.base.bias``.
+``alpha`` is a buffer; loading a state dict updates the Python scale from it
+(the forward never reads a tensor to get its scale: no host sync, CUDA-graph safe).
+No dropout / rank dropout (use LyCORIS itself for those).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .functional import boft as _boft
+from .functional import diag_oft as _oft
+from .functional import dora as _dora
+from .functional import full as _full
+from .functional import ia3 as _ia3
+from .functional import locon as _locon
+from .functional import loha as _loha
+from .functional import lokr as _lokr
+
+__all__ = [
+    "AdapterModule", "LoRALinear", "LoRAConv2d", "LoHaLinear", "LoHaConv2d", "LoKrLinear", "DoRALinear",
+    "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "ADAPTERS", "add_adapters", "adapters",
+    "merge_adapters", "unmerge_adapters", "remove_adapters", "mark_only_adapters_trainable",
+    "factorization", "load_lycoris_state_dict",
+]
+
+
+def _kaiming(t: torch.Tensor) -> torch.Tensor:
+    nn.init.kaiming_uniform_(t, a=math.sqrt(5))
+    return t
+
+
+def factorization(dim: int, factor: int = -1) -> Tuple[int, int]:
+    """``(m, n)`` with ``m·n = dim`` and ``m <= n``: ``factor`` itself when it divides
+    ``dim`` (``factor > 0``), else the divisor pair closest to √dim (``factor`` as
+    an upper bound for m when given)."""
+    if factor > 0 and dim % factor == 0:
+        m, n = factor, dim // factor
+        return (m, n) if m <= n else (n, m)
+    bound = factor if factor > 0 else dim
+    m = 1
+    for k in range(1, int(math.isqrt(dim)) + 1):
+        if dim % k == 0 and k <= bound:
+            m = k
+    return m, dim // m
+
+
+class AdapterModule(nn.Module):
+    """Common part: ``self.base`` (frozen), ``multiplier``, merge/unmerge."""
+
+    additive = True
+    uses_rank = True
+    bases: Tuple[Type[nn.Module], ...] = (nn.Linear,)
+
+    def __init__(self, base: nn.Module, multiplier: float = 1.0):
+        super().__init__()
+        if isinstance(base, AdapterModule):
+            raise TypeError("lycoris_ops.nn: the layer already has an adapter")
+        if not isinstance(base, self.bases):
+            raise TypeError(f"lycoris_ops.nn.{type(self).__name__} wraps {[b.__name__ for b in self.bases]}, "
+                            f"got {type(base).__name__}")
+        self.base = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.multiplier = float(multiplier)
+        self.merged = False
+        self._backup: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None
+
+    # the wrapped layer's tensors, for code that reads ``layer.weight``
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base.weight
+
+    @property
+    def bias(self) -> Optional[torch.Tensor]:
+        return self.base.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.merged:
+            return self.base(x)
+        return self.adapter_forward(x)
+
+    def adapter_forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def merged_weight(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(weight, bias) of the equivalent plain layer, differentiable, in the base's dtypes."""
+        raise NotImplementedError
+
+    def unmerged_weight(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Additive adapters: (weight, bias) with the adapter taken back out (merge op with −γ)."""
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        if self.merged:
+            return
+        w, b = self.merged_weight()
+        if not self.additive:
+            bb = self.base.bias
+            self._backup = (self.base.weight.detach().clone(), None if bb is None else bb.detach().clone())
+        self.base.weight.copy_(w)
+        if b is not None and self.base.bias is not None:
+            self.base.bias.copy_(b)
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        if not self.merged:
+            return
+        if self.additive:
+            w, b = self.unmerged_weight()
+        else:
+            w, b = self._backup
+            self._backup = None
+        self.base.weight.copy_(w)
+        if b is not None and self.base.bias is not None:
+            self.base.bias.copy_(b)
+        self.merged = False
+
+    def extra_repr(self) -> str:
+        return f"multiplier={self.multiplier}, merged={self.merged}"
+
+
+class _Scaled(AdapterModule):
+    """Adapters with a rank and an ``alpha`` buffer: ``scale = alpha / rank``."""
+
+    def __init__(self, base, rank: int, alpha: Optional[float], multiplier: float):
+        super().__init__(base, multiplier)
+        if rank < 1:
+            raise ValueError(f"lycoris_ops.nn: rank must be >= 1, got {rank}")
+        self.rank = int(rank)
+        alpha = float(rank if alpha is None or alpha == 0 else alpha)
+        self.register_buffer("alpha", torch.tensor(alpha, device=base.weight.device))
+        self._alpha = alpha
+
+    @property
+    def scale(self) -> float:
+        return self._alpha / self.rank
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        a = state_dict.get(prefix + "alpha")
+        if a is not None:
+            self._alpha = float(a)  # load time, outside any graph
+
+    @property
+    def gamma(self) -> float:
+        return self.scale * self.multiplier
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self._alpha}, " + super().extra_repr()
+
+
+# --------------------------------------------------------------------------- LoRA / LoCon
+
+
+class LoRALinear(_Scaled):
+    """``y = base(x) + (alpha/rank)·m·(x·downᵀ)·upᵀ``; lora_down (r, I) Kaiming, lora_up (O, r) zero."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0):
+        super().__init__(base, rank, alpha, multiplier)
+        w = base.weight
+        kw = dict(device=w.device, dtype=w.dtype)
+        self.lora_down = nn.Parameter(_kaiming(torch.empty(rank, base.in_features, **kw)))
+        self.lora_up = nn.Parameter(torch.zeros(base.out_features, rank, **kw))
+
+    def adapter_forward(self, x):
+        return _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, base=self.base(x))
+
+    def delta_weight(self):
+        return _locon.merge(self.lora_up, self.lora_down, self.gamma, out_dtype=self.base.weight.dtype)
+
+    def merged_weight(self):
+        return _locon.merge(self.lora_up, self.lora_down, self.gamma, base=self.base.weight), None
+
+    def unmerged_weight(self):
+        return _locon.merge(self.lora_up, self.lora_down, -self.gamma, base=self.base.weight), None
+
+
+def _conv_check(base: nn.Conv2d, name: str):
+    if base.groups != 1 or base.padding_mode != "zeros":
+        raise ValueError(f"lycoris_ops.nn.{name}: only groups=1, padding_mode='zeros' convolutions are supported")
+
+
+class LoRAConv2d(_Scaled):
+    """LoCon on a conv: down conv (r, I, kh, kw) with the layer's stride/padding/dilation, then a
+    1×1 up conv (O, r, 1, 1) (zero init); eager conv chain (OPS.md §3.1), merge via ``lora_merge_fwd``."""
+
+    bases = (nn.Conv2d,)
+
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0):
+        super().__init__(base, rank, alpha, multiplier)
+        _conv_check(base, "LoRAConv2d")
+        w = base.weight
+        kw = dict(device=w.device, dtype=w.dtype)
+        self.lora_down = nn.Parameter(_kaiming(torch.empty(rank, base.in_channels, *base.kernel_size, **kw)))
+        self.lora_up = nn.Parameter(torch.zeros(base.out_channels, rank, 1, 1, **kw))
+
+    def adapter_forward(self, x):
+        b = self.base
+        return _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, base=b(x), stride=b.stride,
+                             padding=b.padding, dilation=b.dilation)
+
+    def merged_weight(self):
+        return _locon.merge(self.lora_up, self.lora_down, self.gamma, base=self.base.weight), None
+
+    def unmerged_weight(self):
+        return _locon.merge(self.lora_up, self.lora_down, -self.gamma, base=self.base.weight), None
+
+
+# --------------------------------------------------------------------------- LoHa
+
+
+class LoHaLinear(_Scaled):
+    """``ΔW = (alpha/rank)·m·(w1a·w1b)⊙(w2a·w2b)``; w1a, w1b, w2b normal(0.1), w2a zero."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0):
+        super().__init__(base, rank, alpha, multiplier)
+        self._make(base.out_features, base.in_features, base.weight)
+
+    def _make(self, O, I, w):
+        kw = dict(device=w.device, dtype=w.dtype)
+        r = self.rank
+        self.hada_w1_a = nn.Parameter(torch.randn(O, r, **kw) * 0.1)
+        self.hada_w1_b = nn.Parameter(torch.randn(r, I, **kw) * 0.1)
+        self.hada_w2_a = nn.Parameter(torch.zeros(O, r, **kw))
+        self.hada_w2_b = nn.Parameter(torch.randn(r, I, **kw) * 0.1)
+
+    def _f(self):
+        return self.hada_w1_a, self.hada_w1_b, self.hada_w2_a, self.hada_w2_b
+
+    def adapter_forward(self, x):
+        return _loha.bypass(x, *self._f(), self.gamma, base=self.base(x))
+
+    def merged_weight(self):
+        return _loha.merge(*self._f(), self.gamma, base=self.base.weight), None
+
+    def unmerged_weight(self):
+        return _loha.merge(*self._f(), -self.gamma, base=self.base.weight), None
+
+
+class LoHaConv2d(LoHaLinear):
+    """LoHa on a conv: w1b/w2b stored (r, I·kh·kw); forward builds ΔW with the merge op, then conv."""
+
+    bases = (nn.Conv2d,)
+
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0):
+        _Scaled.__init__(self, base, rank, alpha, multiplier)
+        _conv_check(base, "LoHaConv2d")
+        self._make(base.out_channels, base.in_channels * math.prod(base.kernel_size), base.weight)
+
+    def adapter_forward(self, x):
+        b = self.base
+        return _loha.bypass(x, *self._f(), self.gamma, base=b(x), kernel_size=b.kernel_size, stride=b.stride,
+                            padding=b.padding, dilation=b.dilation)
+
+
+# --------------------------------------------------------------------------- LoKr
+
+
+class LoKrLinear(_Scaled):
+    """``ΔW = scale·m·kron(w1, w2)``, O = a·c, I = b·d with (a, c) = factorization(O, factor),
+    (b, d) = factorization(I, factor). w1 (a, b) whole (or w1a·w1b with ``decompose_both``),
+    w2 = w2a (c, r)·w2b (r, d) when ``rank < max(c, d)/2`` else whole (c, d). The w2 side
+    (w2 or w2a) is zero-initialised. scale = alpha/rank when a side is factored, else 1."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 factor: int = -1, decompose_both: bool = False, full_matrix: bool = False):
+        super().__init__(base, rank, alpha, multiplier)
+        a, c = factorization(base.out_features, factor)
+        b, d = factorization(base.in_features, factor)
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        r = self.rank
+        names = []
+        if decompose_both and r < max(a, b) / 2 and not full_matrix:
+            self.lokr_w1_a = nn.Parameter(_kaiming(torch.empty(a, r, **kw)))
+            self.lokr_w1_b = nn.Parameter(_kaiming(torch.empty(r, b, **kw)))
+            names += ["w1a", "w1b"]
+        else:
+            self.lokr_w1 = nn.Parameter(_kaiming(torch.empty(a, b, **kw)))
+            names += ["w1"]
+        if r < max(c, d) / 2 and not full_matrix:
+            self.lokr_w2_a = nn.Parameter(torch.zeros(c, r, **kw))
+            self.lokr_w2_b = nn.Parameter(_kaiming(torch.empty(r, d, **kw)))
+            names += ["w2a", "w2b"]
+        else:
+            self.lokr_w2 = nn.Parameter(torch.zeros(c, d, **kw))
+            names += ["w2"]
+        self._names = tuple(names)
+
+    @property
+    def scale(self) -> float:
+        factored = "w1a" in self._names or "w2a" in self._names
+        return self._alpha / self.rank if factored else 1.0
+
+    def factors(self) -> Dict[str, torch.Tensor]:
+        attr = {"w1": "lokr_w1", "w1a": "lokr_w1_a", "w1b": "lokr_w1_b", "w2": "lokr_w2", "w2a": "lokr_w2_a",
+                "w2b": "lokr_w2_b"}
+        return {n: getattr(self, attr[n]) for n in self._names}
+
+    def adapter_forward(self, x):
+        return _lokr.lokr_bypass(x, **self.factors(), scale=self.gamma, base=self.base(x))
+
+    def merged_weight(self):
+        return _lokr.lokr_weight(**self.factors(), scale=self.gamma, base=self.base.weight), None
+
+    def unmerged_weight(self):
+        return _lokr.lokr_weight(**self.factors(), scale=-self.gamma, base=self.base.weight), None
+
+
+# --------------------------------------------------------------------------- DoRA
+
+
+class DoRALinear(LoRALinear):
+    """LoRA + weight decompose: ``W' = wd(W + γ·up·down)`` with ``wd(M) = M·(m·(dora_scale/‖M‖ − 1) + 1)``,
+    norms per output row (``wd_on_out=True``, dora_scale (O, 1)) or per input column (dora_scale
+    (1, I)); dora_scale starts at ‖W‖ so the initial layer is unchanged. y = F.linear(x, W', b)."""
+
+    additive = False
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 wd_on_out: bool = True):
+        super().__init__(base, rank, alpha, multiplier)
+        self.wd_on_out = bool(wd_on_out)
+        with torch.no_grad():
+            w = base.weight.float()
+            n = w.norm(dim=1, keepdim=True) if wd_on_out else w.norm(dim=0, keepdim=True)
+        self.dora_scale = nn.Parameter(n.to(base.weight.dtype))
+
+    def _weight(self):
+        W = self.base.weight
+        delta = _locon.merge(self.lora_up, self.lora_down, self.scale * self.multiplier, out_dtype=W.dtype)
+        return _dora.weight_decompose(W, self.dora_scale, self.multiplier, self.wd_on_out, delta=delta).to(W.dtype)
+
+    def adapter_forward(self, x):
+        return F.linear(x, self._weight(), self.base.bias)
+
+    def merged_weight(self):
+        return self._weight(), None
+
+
+# --------------------------------------------------------------------------- OFT / BOFT
+
+
+class OFTLinear(AdapterModule):
+    """Diag-OFT on the output channels: K = O / block_size Cayley blocks ``R_k`` from
+    ``oft_blocks`` (K, S, S) (zero init: R = I), optional ``rescale`` (O, 1) (ones);
+    ``y = diag(ρ)·Fᵀ·(x·Wᵀ) + b`` with F = m·R + (1 − m)·I; ``constraint > 0`` bounds ‖B − Bᵀ‖."""
+
+    additive = False
+    uses_rank = False
+
+    def __init__(self, base: nn.Linear, block_size: int = 4, multiplier: float = 1.0, constraint: float = 0.0,
+                 rescaled: bool = False):
+        super().__init__(base, multiplier)
+        O = base.out_features
+        if block_size < 1 or O % block_size:
+            raise ValueError(f"lycoris_ops.nn.{type(self).__name__}: block_size {block_size} must divide "
+                             f"out_features {O}")
+        self.block_size = int(block_size)
+        self.constraint = float(constraint)
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.oft_blocks = nn.Parameter(self._blocks_shape(O, kw))
+        self.rescale = nn.Parameter(torch.ones(O, 1, **kw)) if rescaled else None
+
+    def _blocks_shape(self, O, kw):
+        S = self.block_size
+        return torch.zeros(O // S, S, S, **kw)
+
+    _fn = _oft
+
+    def _rotate(self, y, diff):
+        return self._fn.bypass(self.oft_blocks, y, self.rescale, constraint=self.constraint,
+                               multiplier=self.multiplier, diff=diff)
+
+    def adapter_forward(self, x):
+        y0 = F.linear(x, self.base.weight)
+        y = y0 + self._rotate(y0, True)
+        return y if self.base.bias is None else y + self.base.bias
+
+    def merged_weight(self):
+        W = self.base.weight
+        w = self._fn.merge(self.oft_blocks, W, self.rescale, constraint=self.constraint, multiplier=self.multiplier,
+                           diff=False)
+        return w.to(W.dtype), None
+
+
+class BOFTLinear(OFTLinear):
+    """BOFT on the output channels: ``oft_blocks`` (m, nb, s, s) with nb = O / block_size
+    (zero init), ``n_butterfly`` = m stages (nb must be a multiple of 2^(m−1));
+    ``y = ρ⊙B·(x·Wᵀ) + b`` with B the butterfly product of F = m·R + (1 − m)·I (OPS.md §2.6)."""
+
+    def __init__(self, base: nn.Linear, block_size: int = 4, n_butterfly: int = 1, multiplier: float = 1.0,
+                 constraint: float = 0.0, rescaled: bool = False):
+        self._m = int(n_butterfly)
+        super().__init__(base, block_size, multiplier, constraint, rescaled)
+        if block_size % 2:
+            raise ValueError(f"lycoris_ops.nn.BOFTLinear: block_size must be even, got {block_size}")
+        nb = base.out_features // block_size
+        if self._m < 1 or nb % (1 << (self._m - 1)):
+            raise ValueError(f"lycoris_ops.nn.BOFTLinear: n_butterfly={self._m} needs out_features/block_size={nb} "
+                             f"to be a multiple of 2^(m-1)")
+
+    def _blocks_shape(self, O, kw):
+        S = self.block_size
+        return torch.zeros(self._m, O // S, S, S, **kw)
+
+    _fn = _boft
+
+    def _rotate(self, y, diff):
+        return _boft.bypass(self.oft_blocks, y, self.rescale, constraint=self.constraint,
+                            multiplier=self.multiplier, diff=diff).to(y.dtype)
+
+
+# --------------------------------------------------------------------------- IA3 / Full
+
+
+class IA3Linear(AdapterModule):
+    """``y = base(x)⊙(1 + m·w)`` (w: O, zero init), or with ``train_on_input``
+    ``y = base(x⊙(1 + m·w))`` (w: I). The merge scales W's rows (and the bias) or columns."""
+
+    additive = False
+    uses_rank = False
+
+    def __init__(self, base: nn.Linear, multiplier: float = 1.0, train_on_input: bool = False):
+        super().__init__(base, multiplier)
+        self.train_on_input = bool(train_on_input)
+        n = base.in_features if train_on_input else base.out_features
+        self.ia3_weight = nn.Parameter(torch.zeros(n, device=base.weight.device, dtype=base.weight.dtype))
+
+    def adapter_forward(self, x):
+        if self.train_on_input:
+            return self.base(_ia3.ia3_scale(x, self.ia3_weight, -1, self.multiplier).to(x.dtype))
+        y = self.base(x)
+        return _ia3.ia3_scale(y, self.ia3_weight, -1, self.multiplier).to(y.dtype)
+
+    def merged_weight(self):
+        W, b = self.base.weight, self.base.bias
+        w = _ia3.ia3_merge(W, self.ia3_weight, self.multiplier, self.train_on_input).to(W.dtype)
+        if b is not None and not self.train_on_input:
+            b = _ia3.ia3_scale(b, self.ia3_weight, 0, self.multiplier).to(b.dtype)
+        return w, b
+
+
+class FullLinear(AdapterModule):
+    """Full fine-tune as an adapter: ``W + m·diff`` and ``b + m·diff_b`` (both zero init), ``add_scaled``."""
+
+    uses_rank = False
+
+    def __init__(self, base: nn.Linear, multiplier: float = 1.0):
+        super().__init__(base, multiplier)
+        self.diff = nn.Parameter(torch.zeros_like(base.weight))
+        self.diff_b = None if base.bias is None else nn.Parameter(torch.zeros_like(base.bias))
+
+    def merged_weight(self, sign: float = 1.0):
+        return _full.full_merge(self.base.weight, self.diff, sign * self.multiplier, self.base.bias, self.diff_b)
+
+    def unmerged_weight(self):
+        return self.merged_weight(-1.0)
+
+    def adapter_forward(self, x):
+        w, b = self.merged_weight()
+        return F.linear(x, w, b)
+
+
+# --------------------------------------------------------------------------- model helpers
+
+#: kind -> {base layer type: adapter class}
+ADAPTERS: Dict[str, Dict[Type[nn.Module], Type[AdapterModule]]] = {
+    "lora": {nn.Linear: LoRALinear, nn.Conv2d: LoRAConv2d},
+    "locon": {nn.Linear: LoRALinear, nn.Conv2d: LoRAConv2d},
+    "loha": {nn.Linear: LoHaLinear, nn.Conv2d: LoHaConv2d},
+    "lokr": {nn.Linear: LoKrLinear},
+    "dora": {nn.Linear: DoRALinear},
+    "oft": {nn.Linear: OFTLinear},
+    "diag-oft": {nn.Linear: OFTLinear},
+    "boft": {nn.Linear: BOFTLinear},
+    "ia3": {nn.Linear: IA3Linear},
+    "full": {nn.Linear: FullLinear},
+}
+
+
+def _match(name: str, patterns) -> bool:
+    if patterns is None:
+        return False
+    if isinstance(patterns, str):
+        patterns = (patterns,)
+    import fnmatch
+    return any(fnmatch.fnmatchcase(name, p) or name.split(".")[-1] == p for p in patterns)
+
+
+def add_adapters(model: nn.Module, kind: str, rank: int = 4, target: Sequence[Type[nn.Module]] = (nn.Linear,), *,
+                 include=None, exclude=None, **kw) -> nn.Module:
+    """Replace every submodule whose type is exactly one of ``target`` (and, if given, whose
+    qualified name matches ``include`` — fnmatch patterns or a last-name-component — and not
+    ``exclude``) by the ``kind`` adapter wrapping it, in place. ``kind``: one of :data:`ADAPTERS`.
+    ``rank`` goes to the rank-based adapters; ``**kw`` (alpha, multiplier, block_size, ...) to every
+    adapter. Returns the model (a new object only if the model itself is a target)."""
+    if kind not in ADAPTERS:
+        raise ValueError(f"lycoris_ops.nn.add_adapters: kind must be one of {sorted(ADAPTERS)}, got {kind!r}")
+    table = ADAPTERS[kind]
+    target = tuple(target)
+    for t in target:
+        if t not in table:
+            raise ValueError(f"lycoris_ops.nn.add_adapters: {kind!r} has no adapter for {t.__name__} "
+                             f"(supported: {[b.__name__ for b in table]})")
+
+    def make(name, mod):
+        cls = table[type(mod)]
+        args = dict(kw)
+        if cls.uses_rank:
+            args["rank"] = rank
+        return cls(mod, **args)
+
+    def wanted(name, mod):
+        if type(mod) not in target:
+            return False
+        if include is not None and not _match(name, include):
+            return False
+        return not _match(name, exclude)
+
+    if wanted("", model):
+        return make("", model)
+    todo = [(name, mod) for name, mod in model.named_modules()
+            if wanted(name, mod) and not any(isinstance(p, AdapterModule) for p in _parents(model, name))]
+    for name, mod in todo:
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, make(name, mod))
+    return model
+
+
+def _parents(model, name) -> Iterator[nn.Module]:
+    parts = name.split(".")[:-1]
+    m = model
+    for p in parts:
+        m = getattr(m, p)
+        yield m
+
+
+def adapters(model: nn.Module) -> Iterator[Tuple[str, AdapterModule]]:
+    """(name, adapter) for every adapter module of the model."""
+    for name, m in model.named_modules():
+        if isinstance(m, AdapterModule):
+            yield name, m
+
+
+def merge_adapters(model: nn.Module) -> nn.Module:
+    """Fold every adapter into its base weight (merge ops); forward then runs the plain layers."""
+    for _, m in adapters(model):
+        m.merge()
+    return model
+
+
+def unmerge_adapters(model: nn.Module) -> nn.Module:
+    """Undo :func:`merge_adapters`."""
+    for _, m in adapters(model):
+        m.unmerge()
+    return model
+
+
+def remove_adapters(model: nn.Module, merge: bool = True) -> nn.Module:
+    """Replace each adapter by its base layer (merged into it first when ``merge``)."""
+    if isinstance(model, AdapterModule):
+        if merge:
+            model.merge()
+        return model.base
+    for name, m in list(adapters(model)):
+        if merge:
+            m.merge()
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, m.base)
+    return model
+
+
+def mark_only_adapters_trainable(model: nn.Module) -> nn.Module:
+    """requires_grad = True on adapter parameters only (base layers and the rest frozen)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for _, m in adapters(model):
+        for n, p in m.named_parameters():
+            if not n.startswith("base."):
+                p.requires_grad_(True)
+    return model
+
+
+# --------------------------------------------------------------------------- LyCORIS state dicts
+
+
+def _lyco_algo(keys: Iterable[str]) -> Optional[str]:
+    keys = set(keys)
+    if "lora_down.weight" in keys:
+        return "dora" if "dora_scale" in keys else "lora"
+    if "hada_w1_a" in keys:
+        return "loha"
+    if keys & {"lokr_w1", "lokr_w1_a"}:
+        return "lokr"
+    if "oft_blocks" in keys:
+        return "oft"
+    if "diff" in keys:
+        return "full"
+    if "weight" in keys and "on_input" in keys:
+        return "ia3"
+    return None
+
+
+def load_lycoris_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor],
+                            prefixes: Sequence[str] = ("lycoris_", "lora_unet_", "lora_te_", "lora_te1_",
+                                                       "lora_te2_", ""),
+                            multiplier: float = 1.0) -> nn.Module:
+    """Build our adapters from a LyCORIS network's state dict, without importing LyCORIS.
+
+    LyCORIS names a module's tensors ``<prefix><module path with '.'→'_'>.<tensor>``;
+    for each ``nn.Linear`` / ``nn.Conv2d`` of ``model`` whose name matches one of
+    ``prefixes``, the tensor set decides the algorithm and the adapter is created with
+    the stored tensors: LoCon (``lora_down.weight``/``lora_up.weight``/``alpha``
+    [+ ``dora_scale``: DoRA, linear, wd_on_out]), LoHa (``hada_w1_a`` ...), LoKr
+    (``lokr_w1``/``lokr_w1_a``/``lokr_w1_b``/``lokr_w2``/``lokr_w2_a``/``lokr_w2_b``/``alpha``;
+    linear, no tucker), diag-OFT (3-D ``oft_blocks``, ``rescale``, ``alpha`` = constraint),
+    BOFT (4-D ``oft_blocks``), IA3 (``weight``/``on_input``), Full (``diff``/``diff_b``).
+    Tucker (``lora_mid``, ``hada_t1``, ``lokr_t2``) raises. Returns the model.
+    """
+    groups: Dict[str, Dict[str, torch.Tensor]] = {}
+    for k, v in state_dict.items():
+        mod, _, t = k.partition(".")
+        groups.setdefault(mod, {})[t] = v
+    todo = []
+    for name, mod in model.named_modules():
+        if type(mod) not in (nn.Linear, nn.Conv2d):
+            continue
+        flat = name.replace(".", "_")
+        for p in prefixes:
+            if p + flat in groups:
+                todo.append((name, mod, groups[p + flat]))
+                break
+    built = {}
+    for name, mod, sd in todo:
+        built[name] = _build_from_lycoris(name, mod, sd, multiplier)
+    for name, ad in built.items():
+        if name == "":
+            return ad
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, ad)
+    return model
+
+
+def _param(t: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(t.detach().to(device=like.device, dtype=like.dtype).clone())
+
+
+def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
+    algo = _lyco_algo(sd)
+    w = mod.weight
+    conv = isinstance(mod, nn.Conv2d)
+    alpha = float(sd["alpha"]) if "alpha" in sd else None
+    if algo is None:
+        raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: unknown tensor set {sorted(sd)}")
+    if {"lora_mid.weight", "hada_t1", "lokr_t2"} & set(sd):
+        raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: tucker factors are not supported")
+    if algo in ("lora", "dora"):
+        down, up = sd["lora_down.weight"], sd["lora_up.weight"]
+        r = down.shape[0]
+        if conv:
+            ad = LoRAConv2d(mod, r, alpha, multiplier)
+            ad.lora_down = _param(down.reshape(ad.lora_down.shape), w)
+            ad.lora_up = _param(up.reshape(ad.lora_up.shape), w)
+        else:
+            ad = (DoRALinear if algo == "dora" else LoRALinear)(mod, r, alpha, multiplier)
+            ad.lora_down = _param(down.reshape(r, -1), w)
+            ad.lora_up = _param(up.reshape(up.shape[0], r), w)
+            if algo == "dora":
+                ds = sd["dora_scale"]
+                ad.wd_on_out = ds.shape[0] == mod.out_features and ds.numel() == mod.out_features
+                ad.dora_scale = _param(ds.reshape((-1, 1) if ad.wd_on_out else (1, -1)), w)
+        return ad
+    if algo == "loha":
+        r = sd["hada_w1_b"].shape[0]
+        ad = (LoHaConv2d if conv else LoHaLinear)(mod, r, alpha, multiplier)
+        for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"):
+            t = sd[k]
+            setattr(ad, k, _param(t.reshape(t.shape[0], -1), w))
+        return ad
+    if algo == "lokr":
+        if conv:
+            raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: LoKr on conv is not supported")
+        ad = LoKrLinear.__new__(LoKrLinear)
+        r = None
+        for k in ("lokr_w1_b", "lokr_w2_b"):
+            if k in sd:
+                r = sd[k].shape[0]
+                break
+        _Scaled.__init__(ad, mod, r or 1, alpha if r else 1.0, multiplier)
+        names = []
+        for k, n in (("lokr_w1", "w1"), ("lokr_w1_a", "w1a"), ("lokr_w1_b", "w1b"), ("lokr_w2", "w2"),
+                     ("lokr_w2_a", "w2a"), ("lokr_w2_b", "w2b")):
+            if k in sd:
+                setattr(ad, k, _param(sd[k], w))
+                names.append(n)
+        ad._names = tuple(names)
+        return ad
+    if algo == "oft":
+        blocks = sd["oft_blocks"]
+        constraint = float(sd.get("alpha", torch.tensor(0.0)))
+        rescaled = "rescale" in sd
+        if blocks.dim() == 3:
+            ad = OFTLinear(mod, blocks.shape[1], multiplier, constraint, rescaled)
+        else:
+            ad = BOFTLinear(mod, blocks.shape[2], blocks.shape[0], multiplier, constraint, rescaled)
+        ad.oft_blocks = _param(blocks, w)
+        if rescaled:
+            ad.rescale = _param(sd["rescale"].reshape(-1, 1), w)
+        return ad
+    if algo == "ia3":
+        on_input = bool(sd["on_input"])
+        ad = IA3Linear(mod, multiplier, on_input)
+        ad.ia3_weight = _param(sd["weight"].reshape(-1), w)
+        return ad
+    ad = FullLinear(mod, multiplier)
+    ad.diff = _param(sd["diff"].reshape(w.shape), w)
+    if "diff_b" in sd and mod.bias is not None:
+        ad.diff_b = _param(sd["diff_b"], mod.bias)
+    return ad

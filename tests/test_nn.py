@@ -1,0 +1,325 @@
+"""lycoris_ops.nn: adapter modules vs their plain-torch formulas (outputs and
+gradients, fp32 CPU), merge/unmerge, state dicts, LyCORIS state-dict import,
+torch.compile(fullgraph) and torch.export of adapted models."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import lycoris_ops  # noqa: F401
+from lycoris_ops import nn as lnn
+
+
+def _perturb(model, seed=0, std=0.2):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".base." not in f".{n}" and not n.startswith("base."):
+                p.add_(torch.randn(p.shape, generator=g) * std)
+
+
+def _cayley(b):
+    q = b - b.transpose(-1, -2)
+    eye = torch.eye(b.shape[-1], dtype=b.dtype)
+    return (eye + q) @ torch.linalg.inv(eye - q)
+
+
+def _boft_matrix(blocks):
+    """Dense C×C butterfly matrix: u_{i+1}[π(βs+p)] = Σ_q R_{i,β}[p,q]·u_i[π(βs+q)]."""
+    m, nb, s, _ = blocks.shape
+    C = nb * s
+    M = torch.eye(C, dtype=blocks.dtype)
+    for i in range(m):
+        k = (s // 2) * 2 ** i
+        perm = [(p // (2 * k)) * 2 * k + (p % 2) * k + (p % (2 * k)) // 2 for p in range(C)]
+        P = torch.zeros(C, C, dtype=blocks.dtype)
+        P[torch.arange(C), torch.tensor(perm)] = 1.0  # (P u)[p] = u[perm[p]]
+        D = torch.block_diag(*_cayley(blocks[i]))
+        M = P.T @ D @ P @ M
+    return M
+
+
+def _oracle(ad, x):
+    """The adapter's output from its parameters, in plain torch (different formulation)."""
+    b = ad.base
+    W, bias = b.weight, b.bias
+    if isinstance(ad, lnn.LoRAConv2d):
+        h = F.conv2d(x, ad.lora_down, stride=b.stride, padding=b.padding, dilation=b.dilation)
+        return b(x) + ad.gamma * F.conv2d(h, ad.lora_up)
+    if isinstance(ad, lnn.LoHaConv2d):
+        dw = ((ad.hada_w1_a @ ad.hada_w1_b) * (ad.hada_w2_a @ ad.hada_w2_b)).reshape(W.shape)
+        return F.conv2d(x, W + ad.gamma * dw, bias, b.stride, b.padding, b.dilation)
+    if isinstance(ad, lnn.DoRALinear):
+        M = W + ad.gamma * torch.einsum("or,ri->oi", ad.lora_up, ad.lora_down)
+        n = M.norm(dim=1 if ad.wd_on_out else 0, keepdim=True) + torch.finfo(torch.float32).eps
+        return F.linear(x, M * (ad.multiplier * (ad.dora_scale / n - 1) + 1), bias)
+    if isinstance(ad, lnn.LoRALinear):
+        return F.linear(x, W, bias) + ad.gamma * torch.einsum("...i,ri,or->...o", x, ad.lora_down, ad.lora_up)
+    if isinstance(ad, lnn.LoHaLinear):
+        dw = torch.einsum("or,ri->oi", ad.hada_w1_a, ad.hada_w1_b) * torch.einsum("or,ri->oi", ad.hada_w2_a,
+                                                                                    ad.hada_w2_b)
+        return F.linear(x, W + ad.gamma * dw, bias)
+    if isinstance(ad, lnn.LoKrLinear):
+        f = ad.factors()
+        w1 = f["w1"] if "w1" in f else f["w1a"] @ f["w1b"]
+        w2 = f["w2"] if "w2" in f else f["w2a"] @ f["w2b"]
+        return F.linear(x, W + ad.gamma * torch.kron(w1, w2), bias)
+    if isinstance(ad, lnn.BOFTLinear):
+        y = x @ W.T @ _boft_matrix(ad.oft_blocks).T
+        if ad.rescale is not None:
+            y = y * ad.rescale.reshape(-1)
+        return y + bias
+    if isinstance(ad, lnn.OFTLinear):
+        R = torch.block_diag(*_cayley(ad.oft_blocks))  # row-vector form: y_k·R_k
+        y = (x @ W.T) @ R
+        if ad.rescale is not None:
+            y = y * ad.rescale.reshape(-1)
+        return y + bias
+    if isinstance(ad, lnn.IA3Linear):
+        s = 1 + ad.multiplier * ad.ia3_weight
+        return F.linear(x * s, W, bias) if ad.train_on_input else F.linear(x, W, bias) * s
+    if isinstance(ad, lnn.FullLinear):
+        return F.linear(x, W + ad.multiplier * ad.diff, bias + ad.multiplier * ad.diff_b)
+    raise AssertionError(type(ad))
+
+
+LINEAR_CASES = [
+    ("lora", dict(rank=3, alpha=2.0, multiplier=0.5)),
+    ("loha", dict(rank=3, alpha=5.0)),
+    ("lokr", dict(rank=2, alpha=3.0)),
+    ("lokr", dict(rank=1, decompose_both=True, factor=4)),
+    ("lokr", dict(rank=8, full_matrix=True)),
+    ("dora", dict(rank=3, alpha=2.0)),
+    ("dora", dict(rank=2, wd_on_out=False, multiplier=0.7)),
+    ("oft", dict(block_size=4, rescaled=True)),
+    ("oft", dict(block_size=8)),
+    ("boft", dict(block_size=4, n_butterfly=3, rescaled=True)),
+    ("ia3", dict()),
+    ("ia3", dict(train_on_input=True, multiplier=0.6)),
+    ("full", dict(multiplier=0.8)),
+]
+_IDS = [f"{k}-{i}" for i, (k, _) in enumerate(LINEAR_CASES)]
+
+
+def _make(kind, kw, I=20, O=32, seed=0):
+    torch.manual_seed(seed)
+    kw = dict(kw)
+    rank = kw.pop("rank", 4)
+    ad = lnn.ADAPTERS[kind][nn.Linear](nn.Linear(I, O), **({"rank": rank} if lnn.ADAPTERS[kind][nn.Linear].uses_rank
+                                                            else {}), **kw)
+    _perturb(ad, seed)
+    return ad
+
+
+def _check_vs_oracle(ad, x, rtol=1e-4, atol=1e-5):
+    params = [p for p in ad.parameters() if p.requires_grad]
+    x1 = x.clone().requires_grad_(True)
+    y = ad(x1)
+    gy = torch.randn_like(y)
+    g = torch.autograd.grad(y, [x1] + params, gy)
+    x2 = x.clone().requires_grad_(True)
+    y2 = _oracle(ad, x2)
+    g2 = torch.autograd.grad(y2, [x2] + params, gy)
+    torch.testing.assert_close(y, y2, rtol=rtol, atol=atol)
+    for a, b in zip(g, g2):
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    assert not any(p.requires_grad for p in ad.base.parameters())
+
+
+@pytest.mark.parametrize("kind,kw", LINEAR_CASES, ids=_IDS)
+def test_linear_vs_formula(kind, kw):
+    ad = _make(kind, kw)
+    _check_vs_oracle(ad, torch.randn(2, 5, 20))
+
+
+@pytest.mark.parametrize("kind", ["lora", "loha"])
+def test_conv_vs_formula(kind):
+    torch.manual_seed(1)
+    ad = lnn.ADAPTERS[kind][nn.Conv2d](nn.Conv2d(3, 6, 3, stride=2, padding=1), rank=2, alpha=1.0)
+    _perturb(ad, 1)
+    _check_vs_oracle(ad, torch.randn(2, 3, 7, 9))
+
+
+@pytest.mark.parametrize("kind,kw", LINEAR_CASES, ids=_IDS)
+def test_initial_delta_is_zero(kind, kw):
+    torch.manual_seed(0)
+    kw = dict(kw)
+    rank = kw.pop("rank", 4)
+    base = nn.Linear(20, 32)
+    cls = lnn.ADAPTERS[kind][nn.Linear]
+    ad = cls(copy.deepcopy(base), **({"rank": rank} if cls.uses_rank else {}), **kw)
+    x = torch.randn(4, 20)
+    torch.testing.assert_close(ad(x), base(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,kw", LINEAR_CASES, ids=_IDS)
+def test_merge_unmerge_round_trip(kind, kw):
+    ad = _make(kind, kw)
+    w0, b0 = ad.base.weight.detach().clone(), ad.base.bias.detach().clone()
+    x = torch.randn(3, 20)
+    with torch.no_grad():
+        y = ad(x)
+        ad.merge()
+        assert ad.merged
+        torch.testing.assert_close(ad(x), y, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ad(x), F.linear(x, ad.base.weight, ad.base.bias))
+        ad.unmerge()
+        assert not ad.merged
+    torch.testing.assert_close(ad.base.weight, w0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ad.base.bias, b0, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ad(x), y, rtol=1e-5, atol=1e-6)
+
+
+def _stack(kind="lora", **kw):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(24, 32), nn.GELU(), nn.Linear(32, 16), nn.LayerNorm(16))
+    return lnn.add_adapters(m, kind, **kw)
+
+
+def test_add_merge_unmerge_model_and_remove():
+    m = _stack("lora", rank=4)
+    assert [n for n, _ in lnn.adapters(m)] == ["0", "2"]
+    _perturb(m)
+    x = torch.randn(2, 3, 24)
+    with torch.no_grad():
+        y = m(x)
+        lnn.merge_adapters(m)
+        torch.testing.assert_close(m(x), y, rtol=1e-4, atol=1e-5)
+        lnn.unmerge_adapters(m)
+        torch.testing.assert_close(m(x), y, rtol=1e-5, atol=1e-6)
+        plain = lnn.remove_adapters(copy.deepcopy(m))
+        assert all(type(mod) is not lnn.LoRALinear for mod in plain.modules())
+        torch.testing.assert_close(plain(x), y, rtol=1e-4, atol=1e-5)
+    lnn.mark_only_adapters_trainable(m)
+    names = {n for n, p in m.named_parameters() if p.requires_grad}
+    assert names == {"0.lora_down", "0.lora_up", "2.lora_down", "2.lora_up"}
+
+
+def test_add_adapters_filters_and_errors():
+    m = _stack("lokr", rank=2, include=["2"])
+    assert [n for n, _ in lnn.adapters(m)] == ["2"]
+    m = _stack("ia3", exclude="0")
+    assert [n for n, _ in lnn.adapters(m)] == ["2"]
+    assert isinstance(lnn.add_adapters(nn.Linear(4, 4), "lora", rank=2), lnn.LoRALinear)
+    with pytest.raises(ValueError, match="kind"):
+        lnn.add_adapters(nn.Linear(4, 4), "nope")
+    with pytest.raises(ValueError, match="Conv2d"):
+        lnn.add_adapters(nn.Conv2d(3, 4, 3), "lokr", target=(nn.Conv2d,))
+    with pytest.raises(ValueError, match="block_size"):
+        lnn.OFTLinear(nn.Linear(4, 6), block_size=4)
+    with pytest.raises(TypeError, match="already"):
+        lnn.LoRALinear(lnn.LoRALinear(nn.Linear(4, 4)))
+
+
+@pytest.mark.parametrize("kind,kw", [("lora", dict(rank=3, alpha=1.5)), ("lokr", dict(rank=2)),
+                                     ("dora", dict(rank=2)), ("boft", dict(block_size=4, n_butterfly=2))])
+def test_state_dict_round_trip(kind, kw):
+    a = _stack(kind, **kw)
+    _perturb(a, seed=3)
+    sd = a.state_dict()
+    assert "0.base.weight" in sd
+    b = _stack(kind, **dict(kw, **({"alpha": 7.0} if "alpha" in kw else {})))
+    b.load_state_dict(sd)
+    x = torch.randn(2, 24)
+    torch.testing.assert_close(b(x), a(x))
+    if "alpha" in kw:
+        assert b[0].scale == a[0].scale
+
+
+# ---------------------------------------------------------------- LyCORIS state dicts
+
+
+def _synthetic_lycoris_sd(g):
+    r = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731
+    return {
+        "lycoris_0.lora_down.weight": r(3, 24), "lycoris_0.lora_up.weight": r(32, 3), "lycoris_0.alpha": torch.tensor(2.0),
+        "lycoris_2.hada_w1_a": r(16, 2), "lycoris_2.hada_w1_b": r(2, 32), "lycoris_2.hada_w2_a": r(16, 2),
+        "lycoris_2.hada_w2_b": r(2, 32), "lycoris_2.alpha": torch.tensor(1.0),
+        "lycoris_4.lokr_w1": r(4, 4), "lycoris_4.lokr_w2_a": r(2, 1), "lycoris_4.lokr_w2_b": r(1, 4),
+        "lycoris_4.alpha": torch.tensor(0.5),
+    }
+
+
+def test_load_lycoris_state_dict():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(24, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 8))
+    ref = copy.deepcopy(m)
+    sd = _synthetic_lycoris_sd(torch.Generator().manual_seed(5))
+    lnn.load_lycoris_state_dict(m, sd)
+    assert isinstance(m[0], lnn.LoRALinear) and isinstance(m[2], lnn.LoHaLinear) and isinstance(m[4], lnn.LoKrLinear)
+    W0 = ref[0].weight + 2.0 / 3 * sd["lycoris_0.lora_up.weight"] @ sd["lycoris_0.lora_down.weight"]
+    W2 = ref[2].weight + 1.0 / 2 * (sd["lycoris_2.hada_w1_a"] @ sd["lycoris_2.hada_w1_b"]) * (
+        sd["lycoris_2.hada_w2_a"] @ sd["lycoris_2.hada_w2_b"])
+    W4 = ref[4].weight + 0.5 / 1 * torch.kron(sd["lycoris_4.lokr_w1"],
+                                              sd["lycoris_4.lokr_w2_a"] @ sd["lycoris_4.lokr_w2_b"])
+    with torch.no_grad():
+        ref[0].weight.copy_(W0)
+        ref[2].weight.copy_(W2)
+        ref[4].weight.copy_(W4)
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(m(x), ref(x), rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------- compile / export
+
+
+def _lycoris_targets(gm):
+    return {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "lycoris" in str(n.target)}
+
+
+def test_compile_fullgraph_keeps_ops():
+    from torch._dynamo.backends.debugging import aot_eager
+
+    torch._dynamo.reset()
+    m = nn.Sequential(lnn.LoRALinear(nn.Linear(24, 32), rank=4), nn.GELU(),
+                      lnn.LoKrLinear(nn.Linear(32, 16), rank=2), nn.GELU(),
+                      lnn.IA3Linear(nn.Linear(16, 8)))
+    _perturb(m)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(m, fullgraph=True, backend=backend)
+    x = torch.randn(2, 3, 24)
+    y_ref = m(x)
+    y_ref.square().sum().backward()
+    g_ref = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    m.zero_grad()
+    y = compiled(x)
+    y.square().sum().backward()
+    g = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert len(graphs) == 1
+    targets = " ".join(_lycoris_targets(graphs[0]))
+    for op in ("lora_bypass_fwd", "lokr_bypass_fwd", "ia3_fwd"):
+        assert op in targets, targets
+
+
+def test_export_round_trip(tmp_path):
+    torch.manual_seed(0)
+    m = nn.Sequential(lnn.LoRALinear(nn.Linear(24, 32), rank=4), nn.GELU(),
+                      lnn.LoHaLinear(nn.Linear(32, 16), rank=2))
+    _perturb(m)
+    x = torch.randn(3, 24)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(m, (x,), dynamic_shapes={"input": {0: batch}})
+    targets = " ".join(_lycoris_targets(ep.graph_module))
+    assert "lora_bypass_fwd" in targets and "loha_bypass_fwd" in targets, targets
+    path = tmp_path / "adapted.pt2"
+    torch.export.save(ep, path)
+    loaded = torch.export.load(path)
+    x2 = torch.randn(5, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.module()(x2), m(x2))
+    # merged model exports as plain linears
+    lnn.merge_adapters(m)
+    ep2 = torch.export.export(m, (x,))
+    assert not _lycoris_targets(ep2.graph_module)
+    with torch.no_grad():
+        torch.testing.assert_close(ep2.module()(x), m(x))
