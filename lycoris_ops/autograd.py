@@ -67,17 +67,21 @@ def _lora_merge_fwd_backward(ctx, grad):
         grads = (g_a1, g_b1, None, None)
     elif ctx.mode == "hada":
         grads = lycoris.loha_merge_bwd(grad, *ctx.saved_tensors, gamma)
-    else:  # sum: no bwd op, eager (differentiable again): g_a = γ·G·bᵀ, g_b = γ·aᵀ·G
+    else:  # sum = γ·a1·b1 + γ·a2·b2: each product's gradient is a plain merge backward
         a1, b1, a2, b2 = ctx.saved_tensors
         c = _lora_compute_dtype("lora_merge_fwd", a1=a1, b1=b1, a2=a2, b2=b2)
-        gs = _lora_acc_cast(grad, c) * gamma
-        A1, B1, A2, B2 = (_lora_acc_cast(t, c) for t in (a1, b1, a2, b2))
-        grads = (
-            (gs @ B1.t()).to(a1.dtype) if need[0] else None,
-            (A1.t() @ gs).to(b1.dtype) if need[1] else None,
-            (gs @ B2.t()).to(a2.dtype) if need[2] else None,
-            (A2.t() @ gs).to(b2.dtype) if need[3] else None,
-        )
+        if _lora_compute_dtype("lora_merge_fwd", a1=a1, b1=b1) == c == _lora_compute_dtype(
+                "lora_merge_fwd", a2=a2, b2=b2):
+            grads = lycoris.lora_merge_bwd(grad, a1, b1, gamma) + lycoris.lora_merge_bwd(grad, a2, b2, gamma)
+        else:  # the pairs round to different dtypes alone: eager in the common compute dtype
+            gs = _lora_acc_cast(grad, c) * gamma
+            A1, B1, A2, B2 = (_lora_acc_cast(t, c) for t in (a1, b1, a2, b2))
+            grads = (
+                (gs @ B1.t()).to(a1.dtype) if need[0] else None,
+                (A1.t() @ gs).to(b1.dtype) if need[1] else None,
+                (gs @ B2.t()).to(a2.dtype) if need[2] else None,
+                (A2.t() @ gs).to(b2.dtype) if need[3] else None,
+            )
     grads = tuple(g if n else None for g, n in zip(grads, need[:4]))
     return grads + (g_base,) + rest
 
