@@ -269,8 +269,6 @@ def _ckey(c) -> str:
     return repr(sorted(c.items(), key=str))
 
 
-#: eager joins the shortlist when the model gives it no worse than this factor of the best tile
-EAGER_MARGIN = 3.0
 #: the launcher's default goes first (the pick without timing) unless the model's best beats it by this
 DEFAULT_MARGIN = 1.05
 
@@ -278,9 +276,10 @@ DEFAULT_MARGIN = 1.05
 def make_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, tile_axes: Sequence[str] = (), n: int = 5,
               default: Optional[dict] = None, default_s: Optional[float] = None, eager_s: Optional[float] = None):
     """The shortlist of an op: ``shortlist(ranked, n, tile_axes)`` plus the launcher's fixed
-    default config (so the tuned pick is never worse than it), then ``SENTINEL_EAGER``
-    when eager could win (``eager_s`` within ``EAGER_MARGIN`` of the model's best, or no
-    estimate). No legal config: eager alone.
+    default config (so the tuned pick is never worse than it), then ``SENTINEL_EAGER``,
+    always: the model misjudged eager by 10x on the H200 (lora_tucker_fwd, bench/RESULTS.md
+    2026-11-30), so whether eager wins is measured, never predicted. No legal config:
+    eager alone.
 
     Order = the pick without timing (TUNE=off, capture, tracing) first: the model's best,
     except that the default (``default_s`` = its predicted time, None: unknown) goes first
@@ -302,9 +301,8 @@ def make_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, tile_axes: Seque
         i = picked.index(default)
         picked.insert(0 if first else 1, picked.pop(i))
         predicted.insert(0 if first else 1, predicted.pop(i))
-    if not picked or eager_s is None or eager_s <= EAGER_MARGIN * best:
-        picked.append(SENTINEL_EAGER)
-        predicted.append(eager_s if eager_s is not None else math.inf)
+    picked.append(SENTINEL_EAGER)
+    predicted.append(eager_s if eager_s is not None else math.inf)
     return Plan(op, picked, predicted)
 
 
