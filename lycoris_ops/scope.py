@@ -99,38 +99,61 @@ def _same_dtype(base, delta, gamma) -> Optional[str]:
 
 
 _RANK_128 = {"rank": {ANY: 128}}
+
+
+def _tc16(*tensors) -> Optional[str]:
+    """TileLang's GEMM kernels (LoRA/LoHa/LoKr/tucker) run on tensor cores, where fp32
+    operands lower to TF32: an fp32 compute dtype (no 16-bit matrix operand) steps down."""
+    if any(t is not None and t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
+        return None
+    return "fp32 compute dtype (TileLang tensor-core GEMMs would run it as TF32)"
+
+
 _OFT_LIMITS = {"block": {"triton": 32, "tilelang": 64, ANY: 32}}
 _BOFT_LIMITS = {"block": {"triton": 32, ANY: 64}}  # triton: stage algebra in registers, s <= 32
 
 #: op -> its fused scope. Ops absent from a backend's op set step down regardless.
 SCOPE: Dict[str, OpScope] = {
     # LoRA / LoCon (forward merge: the rank loop is tiled, no cap)
-    "lora_merge_fwd": OpScope(),
-    "lora_merge_bwd": OpScope(measure=lambda grad, up, down, gamma: _rank(up), limits=_RANK_128),
-    "lora_bypass_fwd": OpScope(measure=lambda x, up, down, gamma, base=None: _rank(up), limits=_RANK_128),
-    "lora_bypass_bwd": OpScope(measure=lambda grad, x, up, down, gamma: _rank(up), limits=_RANK_128),
+    "lora_merge_fwd": OpScope(rules={"tilelang": lambda a1, b1, a2, b2, base, gamma, mode, out_dtype=None: _tc16(
+        a1, b1, *((a2, b2) if mode != "plain" else ()))}),
+    "lora_merge_bwd": OpScope(measure=lambda grad, up, down, gamma: _rank(up), limits=_RANK_128,
+                              rules={"tilelang": lambda grad, up, down, gamma: _tc16(up, down)}),
+    "lora_bypass_fwd": OpScope(measure=lambda x, up, down, gamma, base=None: _rank(up), limits=_RANK_128,
+                               rules={"tilelang": lambda x, up, down, gamma, base=None: _tc16(x, up, down)}),
+    "lora_bypass_bwd": OpScope(measure=lambda grad, x, up, down, gamma: _rank(up), limits=_RANK_128,
+                               rules={"tilelang": lambda grad, x, up, down, gamma: _tc16(x, up, down)}),
     "lora_tucker_fwd": OpScope(
         measure=lambda a1, t1, b1, a2, t2, b2, gamma: {
             "tucker_rank": max(int(t1.shape[0]), int(t1.shape[1]),
                                *(() if t2 is None else (int(t2.shape[0]), int(t2.shape[1]))))},
         limits={"tucker_rank": {ANY: 64}},
+        rules={"tilelang": lambda a1, t1, b1, a2, t2, b2, gamma: _tc16(a1, t1, b1, a2, t2, b2)},
     ),
     # LoHa (MAX_HADA_RANK: the regenerated P tiles live in registers)
-    "loha_merge_bwd": OpScope(measure=lambda grad, a1, b1, a2, b2, gamma: _rank(a1), limits=_RANK_128),
+    "loha_merge_bwd": OpScope(measure=lambda grad, a1, b1, a2, b2, gamma: _rank(a1), limits=_RANK_128,
+                              rules={"tilelang": lambda grad, a1, b1, a2, b2, gamma: _tc16(a1, b1, a2, b2)}),
     "loha_bypass_fwd": OpScope(measure=lambda x, a1, b1, a2, b2, gamma, base=None: _rank(a1),
-                               limits={"rank": {"triton": None, ANY: 128}}),  # triton: materializes above 128
-    "loha_bypass_bwd": OpScope(measure=lambda grad, x, a1, b1, a2, b2, gamma: _rank(a1), limits=_RANK_128),
+                               limits={"rank": {"triton": None, ANY: 128}},  # triton: materializes above 128
+                               rules={"tilelang": lambda x, a1, b1, a2, b2, gamma, base=None: _tc16(x, a1, b1, a2, b2)}),
+    "loha_bypass_bwd": OpScope(measure=lambda grad, x, a1, b1, a2, b2, gamma: _rank(a1), limits=_RANK_128,
+                               rules={"tilelang": lambda grad, x, a1, b1, a2, b2, gamma: _tc16(x, a1, b1, a2, b2)}),
     # LoKr: merges loop over the ranks (no cap, §2.3.3); the bypass keeps whole
     # padded factor dims in registers (the current kernels' cap, not the legacy
     # kernel's, §6.8).
     "lokr_full_merge_fwd": OpScope(),
     "lokr_full_merge_bwd": OpScope(),
-    "lokr_merge_fwd": OpScope(),
-    "lokr_merge_bwd": OpScope(),
+    # (TileLang: whole-factor merges are exact fp32 arithmetic; a factored side is a GEMM)
+    "lokr_merge_fwd": OpScope(rules={"tilelang": lambda w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None: (
+        None if w1b is None and w2b is None else _tc16(w1a, w1b, w2a, w2b))}),
+    "lokr_merge_bwd": OpScope(rules={"tilelang": lambda grad, w1a, w1b, w2a, w2b, shape, gamma: (
+        None if w1b is None and w2b is None else _tc16(w1a, w1b, w2a, w2b))}),
     "lokr_bypass_fwd": OpScope(measure=lambda x, w1, w2, gamma, base=None: _lokr_factors(w1, w2),
-                               limits={"factor": {ANY: 128}}),
+                               limits={"factor": {ANY: 128}},
+                               rules={"tilelang": lambda x, w1, w2, gamma, base=None: _tc16(x, w1, w2)}),
     "lokr_bypass_bwd": OpScope(measure=lambda grad, x, w1, w2, gamma: _lokr_factors(w1, w2),
-                               limits={"factor": {ANY: 128}}),
+                               limits={"factor": {ANY: 128}},
+                               rules={"tilelang": lambda grad, x, w1, w2, gamma: _tc16(x, w1, w2)}),
     # DoRA: resident or streamed rows, no cap
     "dora_fwd": OpScope(),
     "dora_bwd": OpScope(),

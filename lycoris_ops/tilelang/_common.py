@@ -1,0 +1,140 @@
+"""Shared helpers of the TileLang op set: the lazy ``tilelang`` import, the
+target arch of a device, and the per-process kernel cache.
+
+Nothing here imports tilelang or compiles at import time. A kernel family is a
+*builder*: a plain function of static, hashable arguments (dtypes as strings,
+sizes, tile parameters, flags) that returns a ``T.prim_func``. ``kernel(builder,
+arch, *args)`` compiles it once per process for that key (TileLang keeps its own
+disk cache under ``~/.tilelang/cache`` / ``TILELANG_CACHE_DIR`` too, keyed by the
+generated program and the target), so a repeated call never recompiles. Sizes
+that vary from call to call (the token count, ...) are ``T.dynamic`` variables
+inside the builders, not key entries.
+
+``compile_only(builder, arch, *args)`` compiles without caching or running
+(the CI check: nvcc on PATH, no GPU needed).
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Callable, Dict, Tuple
+
+import torch
+
+__all__ = [
+    "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "target_of", "kernel", "compile_only",
+    "clear", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
+]
+
+EXECUTION_BACKEND = "tvm_ffi"
+#: pseudo-arch of the CPU twins (see ``arch_of``)
+CPU_ARCH = "c"
+
+TL_DTYPE = {
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float32: "float32",
+}
+
+_lock = threading.Lock()
+_kernels: Dict[Tuple, object] = {}
+
+
+def tl():
+    """The ``tilelang`` module (imported on first use)."""
+    import tilelang
+    return tilelang
+
+
+def lang():
+    """``tilelang.language`` (imported on first use; builders ``import tilelang.language as T``)."""
+    import tilelang.language as lang
+    return lang
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    return TL_DTYPE[dtype]
+
+
+def arch_of(device: torch.device) -> str:
+    """The nvcc arch TileLang compiles for on ``device``: ``sm_90a`` on a 9.0 device
+    (plain sm_90 lacks the wgmma/TMA features TileLang's Hopper path needs),
+    ``sm_XY`` otherwise; ``"c"`` for a CPU tensor (the CPU twins: each builder's
+    ``cpu=True`` form, fp32, compiled for TileLang's C target — tests only)."""
+    if device.type == "cpu":
+        return CPU_ARCH
+    major, minor = torch.cuda.get_device_capability(device)
+    return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
+
+
+def target_of(arch: str) -> dict:
+    return {"kind": "cuda", "arch": arch}
+
+
+def compile_only(builder: Callable, arch: str, *args, backend: str = EXECUTION_BACKEND):
+    """Compile ``builder(*args)`` for ``arch`` (no cache lookup in this process;
+    TileLang's disk cache still applies). Returns the compiled kernel. ``arch="c"``
+    compiles the builder's CPU twin (``builder(*args, cpu=True)``, C target)."""
+    if arch == CPU_ARCH:
+        # no vectorization: the C target's fp16 vector casts (float4 -> half4) do not compile
+        return tl().compile(builder(*args, cpu=True), target="c", execution_backend="cython",
+                            pass_configs={"tirx.disable_vectorize": True})
+    func = builder(*args)
+    return tl().compile(func, target=target_of(arch), execution_backend=backend)
+
+
+def kernel(builder: Callable, arch: str, *args):
+    """The compiled kernel of ``builder(*args)`` for ``arch``, cached per process
+    by (builder, arch, args)."""
+    key = (builder.__module__, builder.__qualname__, arch, args)
+    k = _kernels.get(key)
+    if k is None:
+        with _lock:
+            k = _kernels.get(key)
+            if k is None:
+                k = compile_only(builder, arch, *args)
+                _kernels[key] = k
+    return k
+
+
+def clear() -> None:
+    """Forget the compiled kernels of this process."""
+    with _lock:
+        _kernels.clear()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 2  # CPU twins: small grids
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms(index)
+
+
+def aligned(t: torch.Tensor, align: int = 16) -> torch.Tensor:
+    """``t`` itself when its data pointer is ``align``-byte aligned (the kernels use
+    16-byte vector accesses from each buffer's base), else an aligned copy."""
+    if t.data_ptr() % align == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def device_guard(t: torch.Tensor):
+    """``torch.cuda.device(t.device)`` when t is not on the current device, else a no-op
+    context (TileLang launches on the current device and torch's current stream)."""
+    import contextlib
+    if t.device.type != "cuda" or t.device.index is None or t.device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(t.device)

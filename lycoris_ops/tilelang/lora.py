@@ -1,0 +1,469 @@
+"""TileLang kernels of the LoRA / LoCon family (OPS.md §2.1): ``lora_bypass_fwd``,
+``lora_bypass_bwd``, ``lora_merge_fwd`` (plain / hada / sum), ``lora_merge_bwd``.
+
+Written from the math of OPS.md §2.1 and the eager bodies of
+``reference/lora.py`` (same dtypes and rounding points). Hopper idioms: every
+contraction is a ``T.gemm`` on shared-memory tiles with an fp32 fragment
+accumulator (WGMMA on sm_90a, mma.sync on sm_80), global->shared staging with
+``T.copy`` inside ``T.Pipelined`` loops (cp.async multi-stage pipelines).
+
+Shapes: the weight sizes (I, O, r) are static (one kernel per layer shape);
+the token count T is a ``T.dynamic`` variable, so one compiled kernel serves
+every batch size. The rank is padded to ``Rp`` (a power of two >= 16) inside
+the kernels: ``T.copy`` zero-fills the rows/columns past r, so the padded
+lanes contribute nothing. Partial tiles are bounds-checked by ``T.copy`` and
+by explicit guards in the epilogues.
+
+Kernel families (builders; the ``cpu`` flag swaps shared/fragment buffers for
+local ones and ``T.Parallel`` for ``T.grid`` so the same builder lowers for
+the C target - the CPU twin of the tests):
+
+``bypass_fwd_kernel`` - ``lora_bypass_fwd`` in one launch. Program = (token
+    tile, range of ``per`` O tiles). It accumulates ``h = x·downᵀ`` (BT x Rp,
+    fp32) over I, rounds it to the compute dtype into shared memory (the
+    deliberate rounding of §1.3 rule 8), then walks its O tiles:
+    ``Y = γ·h·upᵀ (+ base)`` with one rounding at the store. ``per`` is a
+    runtime argument (the grid is sized on the host from T), so no T enters
+    the cache key.
+
+``bypass_bwd_tok_kernel`` - the token pass of ``lora_bypass_bwd``. Program =
+    (token tile, range of I tiles): ``h = x·downᵀ`` and ``q = G·up`` (both
+    rounded to the compute dtype; the first I range stores them to a
+    (T, Rp) workspace each), then ``gx = γ·q·down`` over its I tiles.
+
+``skinny_kernel`` - ``out (M, r) = γ·Σ_k A'[m,k]·B'[k,n]`` for a long
+    reduction and a thin output: ``g_up``/``g_down`` of both LoRA backwards
+    (and the LoHa / LoKr reuse). A may be stored (M, K) or (K, M), B (K, N) or
+    (N, K), the output (M, r) or transposed (r, M). The K loop is split over
+    ``nsplit`` programs (runtime) when the output alone does not fill the GPU:
+    fp32 partials then, summed by one torch reduction (deterministic, no
+    atomics).
+
+``gemm_kernel`` - ``Y = γ·(A·B | (A·B)⊙(A2·B2) | A·B + A2·B2) (+ base)``:
+    ``lora_merge_fwd`` (rank loop tiled, no rank limit) and, with a dynamic M
+    or K, the dense GEMMs of the LoHa/LoKr paths.
+
+Numerics: fp32 accumulation, epilogues in fp32, one rounding per store. fp32
+operands would run as TF32 on tensor cores (sm_80+), so fp32 calls are
+outside the TileLang scope of these ops (``scope.py``) and step down.
+Operands in another dtype than the compute dtype are cast on the host, and
+non-contiguous operands are made contiguous on the host (the kernels take
+compact row-major buffers).
+"""
+
+import torch
+
+from ._common import aligned, arch_of, cdiv, kernel, next_pow2, num_sms, tl_dtype
+
+__all__ = [
+    "bypass_fwd_kernel", "bypass_bwd_tok_kernel", "skinny_kernel", "gemm_kernel",
+    "bypass_fwd", "bypass_bwd", "merge_fwd", "merge_bwd", "skinny", "gemm", "compile_specs",
+    "pad_rank", "compute_dtype", "prep", "fresh", "dummy",
+]
+
+_ACC = "float32"
+_DUMMY = {}
+
+
+def pad_rank(r: int) -> int:
+    """Rank padded to a power of two >= 16 (the MMA K/N granularity)."""
+    return max(16, next_pow2(int(r)))
+
+
+def compute_dtype(*tensors) -> torch.dtype:
+    """OPS.md §1.3: a 16-bit operand wins (the ops never mix fp16 and bf16), else fp32."""
+    for t in tensors:
+        if t is not None and t.dtype in (torch.float16, torch.bfloat16):
+            return t.dtype
+    return torch.float32
+
+
+def prep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` as the kernels read it: the compute dtype, compact row-major, 16-byte aligned."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return aligned(t.contiguous())
+
+
+def fresh(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new contiguous tensor holding ``t`` in ``dtype`` (``Tensor.to`` may return a view)."""
+    out = torch.empty(t.shape, device=t.device, dtype=dtype)
+    out.copy_(t)
+    return out
+
+
+def dummy(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A 1-element tensor standing in for an absent optional operand."""
+    key = (device, dtype)
+    t = _DUMMY.get(key)
+    if t is None:
+        t = _DUMMY[key] = torch.zeros(1, device=device, dtype=dtype)
+    return t
+
+
+def _scopes(T, cpu: bool):
+    """(shared, fragment, parallel, threads-of) for the GPU or the C-target twin."""
+    if cpu:
+        return T.alloc_local, T.alloc_local, T.grid, (lambda n: 1)
+    return T.alloc_shared, T.alloc_fragment, T.Parallel, (lambda n: n)
+
+
+# --------------------------------------------------------------------------- builders
+
+def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
+                      BT: int = 64, BO: int = 128, BK: int = 64, stages: int = 2, threads: int = 128,
+                      cpu: bool = False):
+    """``Y[T, O] = γ·round(x·downᵀ)·upᵀ (+ base)``; bdt None: no base."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    Rp = pad_rank(r)
+    Tn = T.dynamic("T")
+    has_base = bdt is not None
+    bshape = (Tn, O) if has_base else (1,)
+    bdt = bdt or _ACC
+
+    @T.prim_func
+    def lora_bypass_fwd(X: T.Tensor((Tn, I), dt), Up: T.Tensor((O, r), dt), Down: T.Tensor((r, I), dt),
+                        Base: T.Tensor(bshape, bdt), Y: T.Tensor((Tn, O), odt), gamma: T.float32, per: T.int32):
+        with T.Kernel(T.ceildiv(T.ceildiv(O, BO), per), T.ceildiv(Tn, BT), threads=nthreads(threads)) as (bo, bt):
+            xs = shared((BT, BK), dt)
+            ds = shared((Rp, BK), dt)
+            hs = shared((BT, Rp), dt)
+            us = shared((BO, Rp), dt)
+            h = frag((BT, Rp), _ACC)
+            y = frag((BT, BO), _ACC)
+            t0 = bt * BT
+            T.clear(h)
+            for k in T.Pipelined(T.ceildiv(I, BK), num_stages=stages):
+                T.copy(X[t0, k * BK], xs)
+                T.copy(Down[0, k * BK], ds)
+                T.gemm(xs, ds, h, transpose_B=True)
+            T.copy(h, hs)  # the deliberate rounding of h to the compute dtype
+            for j in T.serial(per):
+                o0 = (bo * per + j) * BO
+                if o0 < O:
+                    T.copy(Up[o0, 0], us)
+                    T.gemm(hs, us, y, transpose_B=True, clear_accum=True)
+                    for i, c in par(BT, BO):
+                        if has_base:
+                            if t0 + i < Tn and o0 + c < O:
+                                y[i, c] = y[i, c] * gamma + T.cast(Base[t0 + i, o0 + c], _ACC)
+                        else:
+                            y[i, c] = y[i, c] * gamma
+                    T.copy(y, Y[t0, o0])
+
+    return lora_bypass_fwd
+
+
+def bypass_bwd_tok_kernel(I: int, O: int, r: int, dt: str, gxdt: str,
+                          BT: int = 64, BK: int = 64, BI: int = 128, stages: int = 2, threads=None,
+                          cpu: bool = False):
+    """h = round(x·downᵀ), q = round(G·up) -> workspaces H, Q (T, Rp) (first I range);
+    ``gx = γ·q·down`` over the program's ``per`` I tiles."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    Rp = pad_rank(r)
+    threads = threads or (256 if Rp >= 128 else 128)  # h, q (BT, Rp) and gx (BT, BI) fp32 fragments
+    Tn = T.dynamic("T")
+
+    @T.prim_func
+    def lora_bypass_bwd_tok(Gr: T.Tensor((Tn, O), dt), X: T.Tensor((Tn, I), dt), Up: T.Tensor((O, r), dt),
+                            Down: T.Tensor((r, I), dt), H: T.Tensor((Tn, Rp), dt), Q: T.Tensor((Tn, Rp), dt),
+                            GX: T.Tensor((Tn, I), gxdt), gamma: T.float32, per: T.int32):
+        with T.Kernel(T.ceildiv(T.ceildiv(I, BI), per), T.ceildiv(Tn, BT), threads=nthreads(threads)) as (bi, bt):
+            xs = shared((BT, BK), dt)
+            ds = shared((Rp, BK), dt)
+            gs = shared((BT, BK), dt)
+            us = shared((BK, Rp), dt)
+            qs = shared((BT, Rp), dt)
+            hs = shared((BT, Rp), dt)
+            d2 = shared((Rp, BI), dt)
+            h = frag((BT, Rp), _ACC)
+            q = frag((BT, Rp), _ACC)
+            gx = frag((BT, BI), _ACC)
+            t0 = bt * BT
+            if bi == 0:
+                T.clear(h)
+                for k in T.Pipelined(T.ceildiv(I, BK), num_stages=stages):
+                    T.copy(X[t0, k * BK], xs)
+                    T.copy(Down[0, k * BK], ds)
+                    T.gemm(xs, ds, h, transpose_B=True)
+                T.copy(h, hs)
+                T.copy(hs, H[t0, 0])
+            T.clear(q)
+            for k in T.Pipelined(T.ceildiv(O, BK), num_stages=stages):
+                T.copy(Gr[t0, k * BK], gs)
+                T.copy(Up[k * BK, 0], us)
+                T.gemm(gs, us, q)
+            T.copy(q, qs)  # q rounded to the compute dtype
+            if bi == 0:
+                T.copy(qs, Q[t0, 0])
+            for j in T.serial(per):
+                i0 = (bi * per + j) * BI
+                if i0 < I:
+                    T.copy(Down[0, i0], d2)
+                    T.gemm(qs, d2, gx, clear_accum=True)
+                    for a, c in par(BT, BI):
+                        gx[a, c] = gx[a, c] * gamma
+                    T.copy(gx, GX[t0, i0])
+
+    return lora_bypass_bwd_tok
+
+
+def skinny_kernel(M: int, K, NB: int, r: int, a_km: bool, b_nk: bool, out_t: bool, direct: bool,
+                  dt: str, odt: str, BM: int = 64, BK: int = 64, stages: int = 2, threads: int = 128,
+                  cpu: bool = False):
+    """``out[m, n] = γ·Σ_k A'[m, k]·B'[k, n]`` for n < r.
+
+    A is stored (M, K) or, with ``a_km``, (K, M); B is stored (K, NB) or, with
+    ``b_nk``, (NB, K) (NB = r for a factor, Rp for a workspace). K None: a
+    dynamic K (the token count). ``direct``: store γ·acc into Out (M, r) - or
+    (r, M) with ``out_t`` - in ``odt``; else fp32 partials P (nsplit·Mp, Rp),
+    Mp = M rounded up to BM, summed by the caller. Program = (M tile, split);
+    split s reduces the K tiles [s·kper, (s+1)·kper).
+    """
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    Rp = pad_rank(max(NB, r))
+    Kd = T.dynamic("K") if K is None else K
+    Mp = cdiv(M, BM) * BM
+    ashape = (Kd, M) if a_km else (M, Kd)
+    bshape = (NB, Kd) if b_nk else (Kd, NB)
+    atile = (BK, BM) if a_km else (BM, BK)
+    btile = (Rp, BK) if b_nk else (BK, Rp)
+    if direct:
+        oshape, odt_ = ((r, M) if out_t else (M, r)), odt
+    else:
+        oshape, odt_ = None, _ACC
+
+    @T.prim_func
+    def skinny(A: T.Tensor(ashape, dt), B: T.Tensor(bshape, dt), Out: T.Tensor(oshape or (T.dynamic("P"), Rp), odt_),
+               gamma: T.float32, kper: T.int32, nsplit: T.int32):
+        with T.Kernel(T.ceildiv(M, BM), nsplit, threads=nthreads(threads)) as (bm, s):
+            As = shared(atile, dt)
+            Bs = shared(btile, dt)
+            acc = frag((BM, Rp), _ACC)
+            m0 = bm * BM
+            T.clear(acc)
+            for kk in T.Pipelined(kper, num_stages=stages):
+                k0 = (s * kper + kk) * BK
+                if a_km:
+                    T.copy(A[k0, m0], As)
+                else:
+                    T.copy(A[m0, k0], As)
+                if b_nk:
+                    T.copy(B[0, k0], Bs)
+                else:
+                    T.copy(B[k0, 0], Bs)
+                T.gemm(As, Bs, acc, transpose_A=a_km, transpose_B=b_nk)
+            for i, n in par(BM, Rp):
+                acc[i, n] = acc[i, n] * gamma
+            if direct:
+                if out_t:
+                    for i, n in par(BM, Rp):
+                        if m0 + i < M and n < r:
+                            Out[n, m0 + i] = T.cast(acc[i, n], odt)
+                else:
+                    T.copy(acc, Out[m0, 0])
+            else:
+                T.copy(acc, Out[s * Mp + m0, 0])
+
+    return skinny
+
+
+def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, bdt, odt: str,
+                BM: int = 128, BN: int = 128, BK: int = 64, stages: int = 2, threads: int = 256,
+                cpu: bool = False):
+    """``Y (M, N) = γ·P (+ base)`` with P = A·B (plain), (A·B)⊙(A2·B2) (hada, K2 = K1)
+    or A·B + A2·B2 (sum). A (M, K1) or, ``a_km``, (K1, M); B (K1, N) or,
+    ``b_nk``, (N, K1); A2 (M, K2), B2 (K2, N) row-major. M / K1 None: dynamic."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    Md = T.dynamic("M") if M is None else M
+    Kd = T.dynamic("K") if K1 is None else K1
+    two = mode != "plain"
+    ashape = (Kd, Md) if a_km else (Md, Kd)
+    bshape = (N, Kd) if b_nk else (Kd, N)
+    atile = (BK, BM) if a_km else (BM, BK)
+    btile = (BN, BK) if b_nk else (BK, BN)
+    a2shape = (Md, K2) if two else (1,)
+    b2shape = (K2, N) if two else (1,)
+    has_base = bdt is not None
+    bsh = (Md, N) if has_base else (1,)
+    bdt = bdt or _ACC
+
+    @T.prim_func
+    def gemm(A: T.Tensor(ashape, dt), B: T.Tensor(bshape, dt), A2: T.Tensor(a2shape, dt), B2: T.Tensor(b2shape, dt),
+             Base: T.Tensor(bsh, bdt), Y: T.Tensor((Md, N), odt), gamma: T.float32):
+        with T.Kernel(T.ceildiv(N, BN), T.ceildiv(Md, BM), threads=nthreads(threads)) as (bn, bm):
+            As = shared(atile, dt)
+            Bs = shared(btile, dt)
+            acc = frag((BM, BN), _ACC)
+            if two:
+                A2s = shared((BM, BK), dt)
+                B2s = shared((BK, BN), dt)
+            if mode == "hada":
+                acc2 = frag((BM, BN), _ACC)
+            m0 = bm * BM
+            n0 = bn * BN
+            T.clear(acc)
+            for k in T.Pipelined(T.ceildiv(Kd, BK), num_stages=stages):
+                if a_km:
+                    T.copy(A[k * BK, m0], As)
+                else:
+                    T.copy(A[m0, k * BK], As)
+                if b_nk:
+                    T.copy(B[n0, k * BK], Bs)
+                else:
+                    T.copy(B[k * BK, n0], Bs)
+                T.gemm(As, Bs, acc, transpose_A=a_km, transpose_B=b_nk)
+            if mode == "hada":
+                T.clear(acc2)
+                for k in T.Pipelined(T.ceildiv(K2, BK), num_stages=stages):
+                    T.copy(A2[m0, k * BK], A2s)
+                    T.copy(B2[k * BK, n0], B2s)
+                    T.gemm(A2s, B2s, acc2)
+                for i, j in par(BM, BN):
+                    acc[i, j] = acc[i, j] * acc2[i, j]
+            if mode == "sum":
+                for k in T.Pipelined(T.ceildiv(K2, BK), num_stages=stages):
+                    T.copy(A2[m0, k * BK], A2s)
+                    T.copy(B2[k * BK, n0], B2s)
+                    T.gemm(A2s, B2s, acc)
+            for i, j in par(BM, BN):
+                if has_base:
+                    if m0 + i < Md and n0 + j < N:
+                        acc[i, j] = acc[i, j] * gamma + T.cast(Base[m0 + i, n0 + j], _ACC)
+                else:
+                    acc[i, j] = acc[i, j] * gamma
+            T.copy(acc, Y[m0, n0])
+
+    return gemm
+
+
+# --------------------------------------------------------------------------- launchers
+
+def _per(tiles: int, other: int, device: torch.device) -> int:
+    """Tiles per program so that ``other`` x groups programs fill the GPU about twice."""
+    groups = max(1, min(tiles, cdiv(2 * num_sms(device), max(other, 1))))
+    return cdiv(tiles, groups)
+
+
+def _tl(dtype: torch.dtype) -> str:
+    return tl_dtype(dtype)
+
+
+def bypass_fwd(x, up, down, gamma, base=None):
+    T_, I = x.shape
+    O, r = up.shape
+    c = compute_dtype(x, up, down)
+    odt = x.dtype if base is None else base.dtype
+    y = torch.empty((T_, O), device=x.device, dtype=odt)
+    BT, BO = 64, 128
+    per = _per(cdiv(O, BO), cdiv(T_, BT), x.device)
+    k = kernel(bypass_fwd_kernel, arch_of(x.device), I, O, r, _tl(c),
+               None if base is None else _tl(base.dtype), _tl(odt))
+    b = dummy(x.device, torch.float32) if base is None else aligned(base.contiguous())
+    k(prep(x, c), prep(up, c), prep(down, c), b, y, float(gamma), per)
+    return y
+
+
+def skinny(a, b, r, a_km, b_nk, out_t, gamma, out_dtype, compute, K=None, BM=64, BK=64):
+    """Launch ``skinny_kernel``: returns the (M, r) or (r, M) result in ``out_dtype``.
+    a, b are already prepared (compute dtype, contiguous); K None: dynamic K
+    (taken from the operands)."""
+    M = a.shape[1] if a_km else a.shape[0]
+    Kv = a.shape[0] if a_km else a.shape[1]
+    NB = b.shape[0] if b_nk else b.shape[1]
+    dev = a.device
+    Rp = pad_rank(max(NB, r))
+    mt, kt = cdiv(M, BM), cdiv(Kv, BK)
+    kper = _per(kt, mt, dev)
+    ns = cdiv(kt, kper)
+    arch = arch_of(dev)
+    dt = _tl(compute)
+    if ns == 1:
+        out = torch.empty((r, M) if out_t else (M, r), device=dev, dtype=out_dtype)
+        k = kernel(skinny_kernel, arch, M, K, NB, r, a_km, b_nk, out_t, True, dt, _tl(out_dtype), BM, BK)
+        k(a, b, out, float(gamma), kper, 1)
+        return out
+    Mp = mt * BM
+    part = torch.empty((ns * Mp, Rp), device=dev, dtype=torch.float32)
+    k = kernel(skinny_kernel, arch, M, K, NB, r, a_km, b_nk, out_t, False, dt, "float32", BM, BK)
+    k(a, b, part, float(gamma), kper, ns)
+    s = part.view(ns, Mp, Rp).sum(0)[:M, :r]
+    if out_t:
+        s = s.t()
+    return fresh(s, out_dtype)
+
+
+def bypass_bwd(grad, x, up, down, gamma):
+    T_, I = x.shape
+    O, r = up.shape
+    c = compute_dtype(x, up, down)
+    Rp = pad_rank(r)
+    dev = x.device
+    g, xc, u, d = prep(grad, c), prep(x, c), prep(up, c), prep(down, c)
+    ws = torch.empty((2, T_, Rp), device=dev, dtype=c)
+    gx = torch.empty((T_, I), device=dev, dtype=x.dtype)
+    BT, BI = 64, 128
+    per = _per(cdiv(I, BI), cdiv(T_, BT), dev)
+    k = kernel(bypass_bwd_tok_kernel, arch_of(dev), I, O, r, _tl(c), _tl(x.dtype))
+    k(g, xc, u, d, ws[0], ws[1], gx, float(gamma), per)
+    g_up = skinny(g, ws[0], r, True, False, False, gamma, up.dtype, c)      # γ·Gᵀ·h   (O, r)
+    g_down = skinny(xc, ws[1], r, True, False, True, gamma, down.dtype, c)  # γ·(xᵀ·q)ᵀ (r, I)
+    return gx, g_up, g_down
+
+
+def gemm(a, b, a2, b2, base, gamma, mode, out_dtype, compute, a_km=False, b_nk=False,
+         dyn_m=False, dyn_k=False, BM=128, BN=128, BK=64):
+    """Launch ``gemm_kernel`` on prepared operands; returns Y (M, N) in ``out_dtype``."""
+    M = a.shape[1] if a_km else a.shape[0]
+    K1 = a.shape[0] if a_km else a.shape[1]
+    N = b.shape[0] if b_nk else b.shape[1]
+    K2 = None if a2 is None else a2.shape[1]
+    dev = a.device
+    y = torch.empty((M, N), device=dev, dtype=out_dtype)
+    bk = BK if dyn_k else min(BK, pad_rank(K1 if K2 is None else max(K1, K2)))  # no T in the key
+    k = kernel(gemm_kernel, arch_of(dev), None if dyn_m else M, N, None if dyn_k else K1, K2, mode, a_km, b_nk,
+               _tl(compute), None if base is None else _tl(base.dtype), _tl(out_dtype), BM, BN, bk)
+    dm = dummy(dev, compute)
+    k(a, b, dm if a2 is None else a2, dm if b2 is None else b2,
+      dummy(dev, torch.float32) if base is None else base, y, float(gamma))
+    return y
+
+
+def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
+    if mode == "plain":
+        a2 = b2 = None
+        c = compute_dtype(a1, b1)
+    else:
+        c = compute_dtype(a1, b1, a2, b2)
+    odt = out_dtype or a1.dtype
+    return gemm(prep(a1, c), prep(b1, c), None if a2 is None else prep(a2, c), None if b2 is None else prep(b2, c),
+                None if base is None else aligned(base.contiguous()), gamma, mode, odt, c)
+
+
+def merge_bwd(grad, up, down, gamma):
+    c = compute_dtype(up, down)
+    g, u, d = prep(grad, c), prep(up, c), prep(down, c)
+    r = up.shape[1]
+    g_up = skinny(g, d, r, False, True, False, gamma, up.dtype, c, K=g.shape[1])     # γ·G·downᵀ (O, r)
+    g_down = skinny(g, u, r, True, False, True, gamma, down.dtype, c, K=g.shape[0])  # γ·(Gᵀ·up)ᵀ (r, I)
+    return g_up, g_down
+
+
+def compile_specs(dtype: torch.dtype):
+    """(builder, args) of every kernel family of this file at a small config (CI compile check)."""
+    d = tl_dtype(dtype)
+    return [
+        (bypass_fwd_kernel, (45, 29, 5, d, d, d)),
+        (bypass_bwd_tok_kernel, (45, 29, 5, d, d)),
+        (skinny_kernel, (29, None, 16, 5, True, False, False, True, d, d)),
+        (skinny_kernel, (45, 29, 5, 5, True, False, True, False, d, "float32")),
+        (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d)),
+    ]

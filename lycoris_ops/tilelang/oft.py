@@ -1,0 +1,575 @@
+"""TileLang kernels of diag-OFT (OPS.md §2.5): ``oft_fwd`` and ``oft_bwd``; the
+kernel families here are shared with BOFT (``boft.py``).
+
+Written from the math (``reference/oft.py`` is the oracle). Per block k:
+``Q_k = cscale·(B_k − B_kᵀ)``, ``M_k = (I − Q_k)⁻¹``, ``R_k = 2M_k − I``; diag-OFT
+applies ``F_k = diag(ρ_k)·R_kᵀ − shift·I`` to the S-channel slab of every
+position (column of a weight, token, pixel); BOFT applies
+``F = scale·R + (1 − scale)·I`` per stage (boft.py).
+
+Groups. NB = GP // S consecutive blocks are packed densely into one *group* of
+GC = NB·S channels, padded to GP (a power of two, 32 or 64): the group matrix
+is block-diagonal with zero padding, so one (BT x GP) · (GP x GP) tile GEMM
+applies NB blocks at once (``T.gemm`` on shared tiles).
+
+Kernel families:
+
+``cayley_kernel`` (one program per group, tiny): the fp32 Cayley transform of
+    the group's blocks from the fp32-upcast raw blocks — Gauss–Jordan without
+    pivoting on the block-diagonal ``I − Q`` (valid: its symmetric part is I),
+    in shared memory, GP steps — then F (or Fᵀ) with rescale / shift / scale
+    folded in, stored as a hi + lo pair in the GEMM dtype (hi = F rounded to a
+    16-bit type, or to TF32 for fp32 GEMMs; lo = F − hi), so that the tensor-core
+    GEMMs reproduce fp32 F to about 2^-16 (16-bit) / 2^-21 (TF32).
+``apply_kernel`` (grid: groups x position splits): streams tiles of BT
+    positions: the (BT, GP) slab of x is gathered into shared memory (channel
+    map ``chs``: identity for OFT, the stage permutation for BOFT) in the GEMM
+    dtype — x's own 16-bit dtype (exact), else fp32 split into TF32 hi + lo —
+    then ``acc = X·F_hiᵀ + X·F_loᵀ (+ X_lo·F_hiᵀ)`` in an fp32 fragment, staged
+    through shared memory and stored once (optionally ``− x0`` for BOFT's diff).
+``bwd_stream_kernel`` (same grid): per tile ``gx = G·F`` (as ``G·(Fᵀ)ᵀ`` with
+    the Fᵀ pair) stored, and ``P += Gᵀ·X`` (dL/dF, fp32 fragment) over the
+    program's positions; the partial P of each (split, group) goes to a small
+    fp32 scratch (deterministic, no atomics).
+``chain_kernel`` (one program per group, tiny): sums the partials, rebuilds M
+    by Gauss–Jordan, ``g_rescale = rowsum(P ⊙ Rᵀ)``, ``gR = (diag(ρ)·P)ᵀ`` (OFT)
+    or ``scale·P`` (BOFT), ``gQ = 2·Mᵀ·gR·Mᵀ``, ``g_blocks = cscale·(gQ − gQᵀ)``
+    (fp32 scalar loops, no TF32), stored in blocks' dtype.
+
+Layouts: x is seen as (pre, C, post) around the rotated axis. post = 1
+(channels last: (T, C) activations) reads (T, C) rows; otherwise the kernel
+reads x as (pre, C, post) (weights (C, L): pre = 1; conv activations
+(N, C, *spatial)) and walks (pre index, post tile) pairs. Operands are read
+contiguous (a non-contiguous input is copied first). Every size is a
+``T.dynamic`` variable: one compiled kernel per (dtypes, S, layout, flags).
+
+Scope: S <= 64 (``scope.py``: "block" <= 64 for tilelang); fp16 / bf16 / fp32.
+"""
+import math
+
+import torch
+
+from ._common import aligned, arch_of, cdiv, kernel, num_sms, tl_dtype
+
+__all__ = [
+    "cayley_kernel", "apply_kernel", "bwd_stream_kernel", "chain_kernel",
+    "group_plan", "gemm_dtype", "oft_fwd", "oft_bwd", "compile_specs", "MAX_BLOCK",
+]
+
+MAX_BLOCK = 64
+_THREADS = 128
+_BT_FWD = 128
+_BT_BWD = 64
+
+
+# --------------------------------------------------------------------------- kernel helpers
+
+def _tf32_hi(T, f):
+    """f with its low 13 mantissa bits cleared (exactly representable in TF32)."""
+    bits = T.reinterpret(f, "uint32")
+    return T.reinterpret(T.bitwise_and(bits, T.uint32(0xFFFFE000)), "float32")
+
+
+def _hi_lo(T, f, cdt):
+    """(hi, lo) of the fp32 value f in the GEMM dtype cdt."""
+    if cdt == "float32":
+        hi = _tf32_hi(T, f)
+        return hi, f - hi
+    hi = T.cast(f, cdt)
+    return hi, T.cast(f - T.cast(hi, "float32"), cdt)
+
+
+def _perm(pos, kappa, has_perm):
+    """BOFT stage permutation π(pos) = ⌊pos/2κ⌋·2κ + (pos mod 2)·κ + ⌊(pos mod 2κ)/2⌋."""
+    if not has_perm:
+        return pos
+    two = 2 * kappa
+    return (pos // two) * two + (pos % 2) * kappa + (pos % two) // 2
+
+
+def _cayley_macros(T, par, S, NB, GP):
+    """Macros of the per-group Cayley algebra (closures over the static sizes)."""
+    GC = NB * S
+
+    @T.macro
+    def build_system(B, A, Mi, g, cscale, KB):
+        # A = I − cscale·(B_k − B_kᵀ) on the group's valid block entries (identity padding), Mi = I
+        for i, j in par(GP, GP):
+            A[i, j] = T.if_then_else(i == j, 1.0, 0.0)
+            Mi[i, j] = T.if_then_else(i == j, 1.0, 0.0)
+            if i < GC and j < GC and i // S == j // S and g * NB + i // S < KB:
+                A[i, j] = A[i, j] - cscale * (T.cast(B[g * NB + i // S, i % S, j % S], "float32")
+                                              - T.cast(B[g * NB + i // S, j % S, i % S], "float32"))
+
+    @T.macro
+    def gauss_jordan(A, Mi, ra, ri, ca):
+        # Mi <- A⁻¹ (A destroyed), no pivoting; ra/ri: pivot rows of A/Mi, ca: pivot column of A
+        for kk in T.serial(GP):
+            for j in par(GP):
+                ra[j] = A[kk, j]
+                ri[j] = Mi[kk, j]
+                ca[j] = A[j, kk]
+            for i, j in par(GP, GP):
+                if i == kk:
+                    A[i, j] = ra[j] / ca[kk]
+                    Mi[i, j] = ri[j] / ca[kk]
+                else:
+                    A[i, j] = A[i, j] - (ca[i] / ca[kk]) * ra[j]
+                    Mi[i, j] = Mi[i, j] - (ca[i] / ca[kk]) * ri[j]
+
+    return build_system, gauss_jordan
+
+
+def _stream_macros(T, par, GP, GC, BT, cdt, cf):
+    """Macros of the streaming kernels: gather a (BT, GP) slab into shared memory."""
+    split = cdt == "float32"
+
+    @T.macro
+    def load_slab(src, dst_hi, dst_lo, chs, p0, a, C, lim, g, transposed):
+        # dst[t, l] (transposed: dst[l, t]) <- src at position p0 + t (CF: (a, ·, p0 + t)),
+        # channel chs[l]; 0 outside; fp32: TF32 hi in dst_hi, remainder in dst_lo
+        if cf:
+            for l, t in par(GP, BT):
+                v = T.if_then_else((p0 + t < lim) and (l < GC) and (g * GC + l < C),
+                                   T.cast(src[a, chs[l], p0 + t], "float32"), 0.0)
+                if split:
+                    if transposed:
+                        dst_hi[l, t] = _tf32_hi(T, v)
+                        dst_lo[l, t] = v - _tf32_hi(T, v)
+                    else:
+                        dst_hi[t, l] = _tf32_hi(T, v)
+                        dst_lo[t, l] = v - _tf32_hi(T, v)
+                else:
+                    if transposed:
+                        dst_hi[l, t] = T.cast(v, cdt)
+                    else:
+                        dst_hi[t, l] = T.cast(v, cdt)
+        else:
+            for t, l in par(BT, GP):
+                v = T.if_then_else((p0 + t < lim) and (l < GC) and (g * GC + l < C),
+                                   T.cast(src[p0 + t, chs[l]], "float32"), 0.0)
+                if split:
+                    if transposed:
+                        dst_hi[l, t] = _tf32_hi(T, v)
+                        dst_lo[l, t] = v - _tf32_hi(T, v)
+                    else:
+                        dst_hi[t, l] = _tf32_hi(T, v)
+                        dst_lo[t, l] = v - _tf32_hi(T, v)
+                else:
+                    if transposed:
+                        dst_hi[l, t] = T.cast(v, cdt)
+                    else:
+                        dst_hi[t, l] = T.cast(v, cdt)
+
+    return load_slab
+
+
+# --------------------------------------------------------------------------- kernels
+
+def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool,
+                  has_perm: bool, trans: bool, cpu: bool = False):
+    """Group matrices F (trans: Fᵀ) as a (hi, lo) pair in cdt, (NG, GP, GP) each.
+
+    OFT (boft=False): F = diag(ρ)·Rᵀ − fcoef·I (fcoef = shift). BOFT: F = fcoef·R +
+    (1 − fcoef)·I (fcoef = scale), rows scaled by ρ[π(pos)] for groups g >= g_rs
+    (the last stage; π with ``kappa`` when has_perm). OFT uses g_rs = 0 and
+    pos = g·GC + i. Blocks B (KB, S, S); group g holds blocks g·NB … g·NB + NB − 1.
+    """
+    import tilelang.language as T
+
+    par = T.grid if cpu else T.Parallel
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    threads = 1 if cpu else _THREADS
+    GC = NB * S
+    KB, NR, NG = T.dynamic("KB NR NG")
+    build_system, gauss_jordan = _cayley_macros(T, par, S, NB, GP)
+
+    @T.prim_func
+    def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
+               FL: T.Tensor((NG, GP, GP), cdt), cscale: T.float32, fcoef: T.float32, g_rs: T.int32,
+               kappa: T.int32):
+        with T.Kernel(NG, threads=threads) as g:
+            A = alloc_s((GP, GP), "float32")
+            Mi = alloc_s((GP, GP), "float32")
+            ra = alloc_s((GP,), "float32")
+            ri = alloc_s((GP,), "float32")
+            ca = alloc_s((GP,), "float32")
+            rho = alloc_s((GP,), "float32")
+            build_system(B, A, Mi, g, cscale, KB)
+            for i in par(GP):
+                rho[i] = 1.0
+                if has_rescale:
+                    if g >= g_rs and i < GC and g * NB + i // S < KB:
+                        rho[i] = T.cast(RS[_perm((g - g_rs) * GC + i, kappa, has_perm)], "float32")
+            gauss_jordan(A, Mi, ra, ri, ca)
+            for i, j in par(GP, GP):
+                if boft:
+                    f = rho[i] * (fcoef * (2.0 * Mi[i, j] - T.if_then_else(i == j, 1.0, 0.0))
+                                  + (1.0 - fcoef) * T.if_then_else(i == j, 1.0, 0.0))
+                else:
+                    f = rho[i] * (2.0 * Mi[j, i] - T.if_then_else(i == j, 1.0, 0.0)) \
+                        - fcoef * T.if_then_else(i == j, 1.0, 0.0)
+                fv = T.if_then_else(i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, f, 0.0)
+                if trans:
+                    FH[g, j, i] = _hi_lo(T, fv, cdt)[0]
+                    FL[g, j, i] = _hi_lo(T, fv, cdt)[1]
+                else:
+                    FH[g, i, j] = _hi_lo(T, fv, cdt)[0]
+                    FL[g, i, j] = _hi_lo(T, fv, cdt)[1]
+
+    return cayley
+
+
+def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int, cf: bool, has_perm: bool,
+                 diff: bool, cpu: bool = False):
+    """Y = F·X per group and position (row-vector form ``y = x·Fᵀ``), optional − X0.
+
+    CL (cf=False): X, Y, X0 (NP, C). CF: (PRE, C, NP) with tiles of one pre index.
+    Group g of this launch uses F pair [goff + g]; channel of slot l is
+    π(g·GC + l) (has_perm, ``kappa``) else g·GC + l. Program (g, split) walks
+    tiles split·tps … split·tps + tps − 1.
+    """
+    import tilelang.language as T
+
+    par = T.grid if cpu else T.Parallel
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    alloc_f = T.alloc_local if cpu else T.alloc_fragment
+    threads = 1 if cpu else _THREADS
+    split = cdt == "float32"
+    PRE, C, NP, NG = T.dynamic("PRE C NP NG")
+    xshape = (PRE, C, NP) if cf else (NP, C)
+    load_slab = _stream_macros(T, par, GP, GC, BT, cdt, cf)
+
+    @T.prim_func
+    def oft_apply(X: T.Tensor(xshape, xd), X0: T.Tensor(xshape, x0d), FH: T.Tensor((NG, GP, GP), cdt),
+                  FL: T.Tensor((NG, GP, GP), cdt), Y: T.Tensor(xshape, yd), goff: T.int32, kappa: T.int32,
+                  nsplit: T.int32, tps: T.int32):
+        with T.Kernel(T.ceildiv(C, GC), nsplit, threads=threads) as (g, sp):
+            chs = alloc_s((GP,), "int32")
+            Fh = alloc_s((GP, GP), cdt)
+            Fl = alloc_s((GP, GP), cdt)
+            Xh = alloc_s((BT, GP), cdt)
+            Xl = alloc_s((BT, GP), cdt)
+            Ys = alloc_s((BT, GP), "float32")
+            acc = alloc_f((BT, GP), "float32")
+            for l in par(GP):
+                chs[l] = T.if_then_else(l < GC and g * GC + l < C, _perm(g * GC + l, kappa, has_perm), 0)
+            for i, j in par(GP, GP):
+                Fh[i, j] = FH[goff + g, i, j]
+                Fl[i, j] = FL[goff + g, i, j]
+            for tt in T.serial(tps):
+                if cf:
+                    a = (sp * tps + tt) // T.ceildiv(NP, BT)
+                    p0 = ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT
+                    lim = T.if_then_else(a < PRE, NP, 0)
+                else:
+                    a = 0
+                    p0 = (sp * tps + tt) * BT
+                    lim = NP
+                load_slab(X, Xh, Xl, chs, p0, a, C, lim, g, False)
+                T.clear(acc)
+                T.gemm(Xh, Fh, acc, transpose_B=True)
+                T.gemm(Xh, Fl, acc, transpose_B=True)
+                if split:
+                    T.gemm(Xl, Fh, acc, transpose_B=True)
+                T.copy(acc, Ys)
+                if cf:
+                    for l, t in par(GP, BT):
+                        if (p0 + t < lim) and (l < GC) and (g * GC + l < C):
+                            if diff:
+                                Y[a, chs[l], p0 + t] = T.cast(Ys[t, l] - T.cast(X0[a, chs[l], p0 + t], "float32"), yd)
+                            else:
+                                Y[a, chs[l], p0 + t] = T.cast(Ys[t, l], yd)
+                else:
+                    for t, l in par(BT, GP):
+                        if (p0 + t < lim) and (l < GC) and (g * GC + l < C):
+                            if diff:
+                                Y[p0 + t, chs[l]] = T.cast(Ys[t, l] - T.cast(X0[p0 + t, chs[l]], "float32"), yd)
+                            else:
+                                Y[p0 + t, chs[l]] = T.cast(Ys[t, l], yd)
+
+    return oft_apply
+
+
+def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT: int, cf: bool, has_perm: bool,
+                      cpu: bool = False):
+    """gx = G·F (row-vector form, from the Fᵀ pair) and fp32 partials P = Σ Gᵀ·X.
+
+    Layouts, groups, channel map and tiling as ``apply_kernel``. P (NS, NGP, GP, GP):
+    program (g, split) writes P[split, goff + g] = Σ over its tiles of
+    ``P[i, j] = Σ_t g[t, i]·x[t, j]``.
+    """
+    import tilelang.language as T
+
+    par = T.grid if cpu else T.Parallel
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    alloc_f = T.alloc_local if cpu else T.alloc_fragment
+    threads = 1 if cpu else _THREADS
+    split = cdt == "float32"
+    PRE, C, NP, NG, NS, NGP = T.dynamic("PRE C NP NG NS NGP")
+    xshape = (PRE, C, NP) if cf else (NP, C)
+    load_slab = _stream_macros(T, par, GP, GC, BT, cdt, cf)
+
+    @T.prim_func
+    def oft_bwd_stream(G: T.Tensor(xshape, gd), X: T.Tensor(xshape, xd), FH: T.Tensor((NG, GP, GP), cdt),
+                       FL: T.Tensor((NG, GP, GP), cdt), GX: T.Tensor(xshape, gxd),
+                       P: T.Tensor((NS, NGP, GP, GP), "float32"), goff: T.int32, kappa: T.int32, tps: T.int32):
+        with T.Kernel(T.ceildiv(C, GC), NS, threads=threads) as (g, sp):
+            chs = alloc_s((GP,), "int32")
+            Fh = alloc_s((GP, GP), cdt)
+            Fl = alloc_s((GP, GP), cdt)
+            Gh = alloc_s((BT, GP), cdt)
+            Gl = alloc_s((BT, GP), cdt)
+            Gth = alloc_s((GP, BT), cdt)
+            Gtl = alloc_s((GP, BT), cdt)
+            Xth = alloc_s((GP, BT), cdt)
+            Xtl = alloc_s((GP, BT), cdt)
+            Ys = alloc_s((BT, GP), "float32")
+            acc = alloc_f((BT, GP), "float32")
+            accp = alloc_f((GP, GP), "float32")
+            for l in par(GP):
+                chs[l] = T.if_then_else(l < GC and g * GC + l < C, _perm(g * GC + l, kappa, has_perm), 0)
+            for i, j in par(GP, GP):
+                Fh[i, j] = FH[goff + g, i, j]
+                Fl[i, j] = FL[goff + g, i, j]
+            T.clear(accp)
+            for tt in T.serial(tps):
+                if cf:
+                    a = (sp * tps + tt) // T.ceildiv(NP, BT)
+                    p0 = ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT
+                    lim = T.if_then_else(a < PRE, NP, 0)
+                else:
+                    a = 0
+                    p0 = (sp * tps + tt) * BT
+                    lim = NP
+                load_slab(G, Gh, Gl, chs, p0, a, C, lim, g, False)
+                load_slab(G, Gth, Gtl, chs, p0, a, C, lim, g, True)
+                load_slab(X, Xth, Xtl, chs, p0, a, C, lim, g, True)
+                T.clear(acc)
+                T.gemm(Gh, Fh, acc, transpose_B=True)
+                T.gemm(Gh, Fl, acc, transpose_B=True)
+                T.gemm(Gth, Xth, accp, transpose_B=True)
+                if split:
+                    T.gemm(Gl, Fh, acc, transpose_B=True)
+                    T.gemm(Gtl, Xth, accp, transpose_B=True)
+                    T.gemm(Gth, Xtl, accp, transpose_B=True)
+                T.copy(acc, Ys)
+                if cf:
+                    for l, t in par(GP, BT):
+                        if (p0 + t < lim) and (l < GC) and (g * GC + l < C):
+                            GX[a, chs[l], p0 + t] = T.cast(Ys[t, l], gxd)
+                else:
+                    for t, l in par(BT, GP):
+                        if (p0 + t < lim) and (l < GC) and (g * GC + l < C):
+                            GX[p0 + t, chs[l]] = T.cast(Ys[t, l], gxd)
+            for i, j in par(GP, GP):
+                P[sp, goff + g, i, j] = accp[i, j]
+
+    return oft_bwd_stream
+
+
+def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool, cpu: bool = False):
+    """Cayley-chain backward per group from the fp32 partials P (NS, NG, GP, GP).
+
+    OFT: g_rescale[g·GC + i] = Σ_j P[i,j]·R[j,i] (has_rescale), gR = (diag(ρ)·P)ᵀ;
+    BOFT: gR = fcoef·P (fcoef = scale). Then gQ = 2·Mᵀ·gR·Mᵀ and
+    GB[k] = cscale·(gQ − gQᵀ) on each block, in blocks' dtype.
+    """
+    import tilelang.language as T
+
+    par = T.grid if cpu else T.Parallel
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    alloc_f = T.alloc_local if cpu else T.alloc_fragment
+    threads = 1 if cpu else _THREADS
+    GC = NB * S
+    KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
+    build_system, gauss_jordan = _cayley_macros(T, par, S, NB, GP)
+
+    @T.prim_func
+    def oft_chain(P: T.Tensor((NS, NG, GP, GP), "float32"), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
+                  GB: T.Tensor((KB, S, S), bd), GR: T.Tensor((NGR,), bd), cscale: T.float32, fcoef: T.float32):
+        with T.Kernel(NG, threads=threads) as g:
+            A = alloc_s((GP, GP), "float32")
+            Mi = alloc_s((GP, GP), "float32")
+            ra = alloc_s((GP,), "float32")
+            ri = alloc_s((GP,), "float32")
+            ca = alloc_s((GP,), "float32")
+            rho = alloc_s((GP,), "float32")
+            Ps = alloc_s((GP, GP), "float32")
+            gR = alloc_s((GP, GP), "float32")
+            T1 = alloc_s((GP, GP), "float32")
+            acc = alloc_f((GP, GP), "float32")
+            accr = alloc_f((GP,), "float32")
+            build_system(B, A, Mi, g, cscale, KB)
+            for i in par(GP):
+                rho[i] = 1.0
+                if has_rescale:
+                    if i < GC and g * NB + i // S < KB:
+                        rho[i] = T.cast(RS[g * GC + i], "float32")
+            T.clear(acc)
+            for s in T.serial(NS):
+                for i, j in par(GP, GP):
+                    acc[i, j] += P[s, g, i, j]
+            for i, j in par(GP, GP):
+                Ps[i, j] = T.if_then_else(
+                    i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
+            gauss_jordan(A, Mi, ra, ri, ca)
+            if boft:
+                for i, j in par(GP, GP):
+                    gR[i, j] = fcoef * Ps[i, j]
+            else:
+                for i, j in par(GP, GP):
+                    gR[i, j] = rho[j] * Ps[j, i]
+                if has_rescale:
+                    T.clear(accr)
+                    for j in T.serial(GP):
+                        for i in par(GP):
+                            accr[i] += Ps[i, j] * (2.0 * Mi[j, i] - T.if_then_else(i == j, 1.0, 0.0))
+                    for i in par(GP):
+                        if i < GC and g * NB + i // S < KB:
+                            GR[g * GC + i] = T.cast(accr[i], bd)
+            # T1 = Mᵀ·gR
+            T.clear(acc)
+            for l in T.serial(GP):
+                for i, j in par(GP, GP):
+                    acc[i, j] += Mi[l, i] * gR[l, j]
+            T.copy(acc, T1)
+            # gQ = 2·T1·Mᵀ (kept in A)
+            T.clear(acc)
+            for l in T.serial(GP):
+                for i, j in par(GP, GP):
+                    acc[i, j] += T1[i, l] * Mi[j, l]
+            T.copy(acc, A)
+            for i, j in par(GP, GP):
+                if i < GC and j < GC and i // S == j // S and g * NB + i // S < KB:
+                    GB[g * NB + i // S, i % S, j % S] = T.cast(2.0 * cscale * (A[i, j] - A[j, i]), bd)
+
+    return oft_chain
+
+
+# --------------------------------------------------------------------------- host side
+
+def group_plan(S: int):
+    """(GP, NB, GC): group width (power of two >= 32, >= S), blocks per group, used channels."""
+    gp = 32 if S <= 32 else 64
+    nb = gp // S
+    return gp, nb, nb * S
+
+
+def gemm_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The GEMM operand dtype: the one 16-bit dtype when every streamed operand has it, else fp32."""
+    ds = set(dtypes)
+    if len(ds) == 1 and next(iter(ds)) in (torch.float16, torch.bfloat16):
+        return next(iter(ds))
+    return torch.float32
+
+
+def _oft_axis(x, weight):
+    return 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
+
+
+def position_view(t: torch.Tensor, ax: int):
+    """(contiguous aligned t, CF layout?, the kernel view): CL (pre, C) when post = 1,
+    else CF (pre, C, post)."""
+    pre = math.prod(t.shape[:ax])
+    post = math.prod(t.shape[ax + 1:])
+    tc = aligned(t.contiguous())
+    C = t.shape[ax]
+    if post == 1:
+        return tc, False, tc.view(pre, C)
+    return tc, True, tc.view(pre, C, post)
+
+
+def tiling(cf: bool, pre: int, post: int, bt: int, groups: int, device) -> tuple:
+    """(nsplit, tiles per split) of the position tiles over ``groups`` group programs."""
+    n_tiles = pre * cdiv(post, bt) if cf else cdiv(pre, bt)
+    want = max(1, cdiv(4 * num_sms(device), max(groups, 1)))
+    nsplit = max(1, min(want, n_tiles))
+    tps = cdiv(n_tiles, nsplit)
+    return cdiv(n_tiles, tps), tps
+
+
+def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_rs, kappa, ng, arch):
+    """The (hi, lo) group matrices of ``blocks`` (contiguous), rescale ``rs`` (flat, or None)."""
+    fh = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
+    fl = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
+    rsv = blocks.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
+    k = kernel(cayley_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), tl_dtype(cdt), S, NB, GP, boft,
+               rs is not None, has_perm, trans)
+    k(blocks.view(-1, S, S), rsv, fh, fl, float(cscale), float(fcoef), int(g_rs), int(kappa))
+    return fh, fl
+
+
+def oft_fwd(blocks, x, rescale, cscale, shift, weight):
+    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): Cayley + apply kernels."""
+    y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    if y.numel() == 0:
+        return y
+    K, S = blocks.shape[0], blocks.shape[1]
+    GP, NB, GC = group_plan(S)
+    ng = cdiv(K, NB)
+    ax = _oft_axis(x, weight)
+    _, cf, xv = position_view(x, ax)
+    pre, post = (xv.shape[0], xv.shape[2]) if cf else (xv.shape[0], 1)
+    cdt = gemm_dtype(x.dtype)
+    arch = arch_of(x.device)
+    bc = aligned(blocks.contiguous())
+    rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
+    fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, False, cscale, 1.0 if shift else 0.0, 0, 0, ng, arch)
+    nsplit, tps = tiling(cf, pre, post, _BT_FWD, ng, x.device)
+    k = kernel(apply_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, GC,
+               _BT_FWD, cf, False, False)
+    yv = y.view(xv.shape)
+    k(xv, xv, fh, fl, yv, 0, 0, nsplit, tps)
+    return y
+
+
+def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight):
+    """Diag-OFT backward (OPS.md §2.5.2): Cayley (Fᵀ) + stream + chain kernels.
+
+    Returns gx (x's shape and dtype), g_blocks (blocks' shape and dtype), g_rescale
+    ((K·S,) in blocks' dtype, or an empty (0,) tensor when rescale is None)."""
+    K, S = blocks.shape[0], blocks.shape[1]
+    C = K * S
+    dev = x.device
+    gx = torch.empty(x.shape, device=dev, dtype=x.dtype)
+    g_blocks = torch.empty(blocks.shape, device=dev, dtype=blocks.dtype)
+    g_rescale = torch.empty((C,) if rescale is not None else (0,), device=dev, dtype=blocks.dtype)
+    if x.numel() == 0 or C == 0:
+        g_blocks.zero_()
+        g_rescale.zero_()
+        return gx, g_blocks, g_rescale
+    GP, NB, GC = group_plan(S)
+    ng = cdiv(K, NB)
+    ax = _oft_axis(x, weight)
+    _, cf, xv = position_view(x, ax)
+    _, _, gv = position_view(grad, ax)
+    pre, post = (xv.shape[0], xv.shape[2]) if cf else (xv.shape[0], 1)
+    cdt = gemm_dtype(x.dtype, grad.dtype)
+    arch = arch_of(dev)
+    bc = aligned(blocks.contiguous())
+    rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
+    fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, True, cscale, 1.0 if shift else 0.0, 0, 0, ng, arch)
+    nsplit, tps = tiling(cf, pre, post, _BT_BWD, ng, dev)
+    part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
+    ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt),
+                GP, GC, _BT_BWD, cf, False)
+    ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
+    rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
+    kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None)
+    gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
+    kc(part, bc, rsv, g_blocks, gr, float(cscale), 1.0)
+    return gx, g_blocks, g_rescale
+
+
+def compile_specs(dtype: torch.dtype):
+    """(builder, args) of every kernel family of this file at a small config (CI compile check)."""
+    d = tl_dtype(dtype)
+    return [
+        (cayley_kernel, (d, d, d, 5, 6, 32, False, True, False, False)),
+        (apply_kernel, (d, d, d, d, 32, 30, _BT_FWD, False, False, False)),
+        (apply_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_FWD, True, False, False)),
+        (bwd_stream_kernel, (d, d, d, d, 32, 30, _BT_BWD, False, False)),
+        (bwd_stream_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_BWD, True, False)),
+        (chain_kernel, (d, d, 5, 6, 32, False, True)),
+    ]

@@ -1,0 +1,111 @@
+"""TileLang kernel of the tucker rebuild (OPS.md §2.1.5): ``lora_tucker_fwd``.
+
+``C[o, i, κ] = Σ_q round(Σ_p a[o,p]·t[p,q,κ])·b[q,i]``; ``Y = γ·C1`` or, with
+the second chain, ``Y = (γ·C1)⊙C2``. Written from the math and
+``reference/lora.py`` (the partial product a·t is rounded to the compute
+dtype before ·b, fp32 accumulation, one rounding at the store).
+
+``tucker_kernel`` - program = (κ, I tile, O tile), κ fastest so the programs
+    writing the interleaved κ columns of one (O, I) tile run together. Per
+    chain: ``T.gemm`` of the a rows (BO x Rap) with the core slice t[:, :, κ]
+    (host-permuted to (Kk, R, R') so the slice is a compact tile) into an fp32
+    fragment, rounded into shared memory, then ``T.gemm`` with the b columns
+    (Rbp x BI). The ranks are padded to powers of two >= 16 (zero-filled;
+    the scope caps them at 64). Output (O, I, Kk) in a1's dtype, stored with
+    the κ stride.
+
+fp32 operands would run as TF32: fp32 calls step down (``scope.py``).
+Operands are cast to the compute dtype and made contiguous on the host
+(a transposed a1, as LoHa passes it, is copied).
+"""
+import torch
+
+from ._common import arch_of, kernel, tl_dtype
+from .lora import _scopes, compute_dtype, pad_rank, prep
+
+__all__ = ["tucker_kernel", "tucker_fwd", "compile_specs"]
+
+_ACC = "float32"
+
+
+def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str, odt: str,
+                  BO: int = 64, BI: int = 64, threads: int = 128, cpu: bool = False):
+    """One chain (R2a None) or the hadamard of two. A (O, Ra), Tc (Kk, Ra, Rb), B (Rb, I)."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    two = R2a is not None
+    P1a, P1b = pad_rank(R1a), pad_rank(R1b)
+    P2a, P2b = (pad_rank(R2a), pad_rank(R2b)) if two else (16, 16)
+    s2a = (O, R2a) if two else (1,)
+    s2t = (Kk, R2a, R2b) if two else (1,)
+    s2b = (R2b, I) if two else (1,)
+
+    @T.prim_func
+    def tucker(A1: T.Tensor((O, R1a), dt), T1: T.Tensor((Kk, R1a, R1b), dt), B1: T.Tensor((R1b, I), dt),
+               A2: T.Tensor(s2a, dt), T2: T.Tensor(s2t, dt), B2: T.Tensor(s2b, dt),
+               Y: T.Tensor((O, I, Kk), odt), gamma: T.float32):
+        with T.Kernel(Kk, T.ceildiv(I, BI), T.ceildiv(O, BO), threads=nthreads(threads)) as (kk, bi, bo):
+            a1s = shared((BO, P1a), dt)
+            t1s = shared((P1a, P1b), dt)
+            at1 = shared((BO, P1b), dt)
+            b1s = shared((P1b, BI), dt)
+            f1 = frag((BO, P1b), _ACC)
+            c1 = frag((BO, BI), _ACC)
+            if two:
+                a2s = shared((BO, P2a), dt)
+                t2s = shared((P2a, P2b), dt)
+                at2 = shared((BO, P2b), dt)
+                b2s = shared((P2b, BI), dt)
+                f2 = frag((BO, P2b), _ACC)
+                c2 = frag((BO, BI), _ACC)
+            o0 = bo * BO
+            i0 = bi * BI
+            T.copy(A1[o0, 0], a1s)
+            T.copy(T1[kk, 0:P1a, 0:P1b], t1s)
+            T.copy(B1[0, i0], b1s)
+            T.gemm(a1s, t1s, f1, clear_accum=True)
+            T.copy(f1, at1)  # a·t rounded to the compute dtype
+            T.gemm(at1, b1s, c1, clear_accum=True)
+            if two:
+                T.copy(A2[o0, 0], a2s)
+                T.copy(T2[kk, 0:P2a, 0:P2b], t2s)
+                T.copy(B2[0, i0], b2s)
+                T.gemm(a2s, t2s, f2, clear_accum=True)
+                T.copy(f2, at2)
+                T.gemm(at2, b2s, c2, clear_accum=True)
+            for i, j in par(BO, BI):
+                if o0 + i < O and i0 + j < I:
+                    if two:
+                        Y[o0 + i, i0 + j, kk] = T.cast(c1[i, j] * gamma * c2[i, j], odt)
+                    else:
+                        Y[o0 + i, i0 + j, kk] = T.cast(c1[i, j] * gamma, odt)
+
+    return tucker
+
+
+def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
+    c = compute_dtype(a1, t1, b1, a2, t2, b2)
+    O, R1a = a1.shape
+    R1b, I = b1.shape
+    Kk = t1.shape[2]
+    dev = a1.device
+    y = torch.empty((O, I, Kk), device=dev, dtype=a1.dtype)
+    two = a2 is not None
+    args = [prep(a1, c), prep(t1.permute(2, 0, 1), c), prep(b1, c)]
+    if two:
+        args += [prep(a2, c), prep(t2.permute(2, 0, 1), c), prep(b2, c)]
+        R2a, R2b = t2.shape[0], t2.shape[1]
+    else:
+        z = torch.zeros(1, device=dev, dtype=c)
+        args += [z, z, z]
+        R2a = R2b = None
+    k = kernel(tucker_kernel, arch_of(dev), O, I, Kk, R1a, R1b, R2a, R2b, tl_dtype(c), tl_dtype(a1.dtype))
+    k(*args, y, float(gamma))
+    return y
+
+
+def compile_specs(dtype: torch.dtype):
+    """(builder, args) of the kernel family of this file at a small config (CI compile check)."""
+    d = tl_dtype(dtype)
+    return [(tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d))]

@@ -1,0 +1,89 @@
+"""TileLang BOFT (lycoris_ops/tilelang/boft.py, built on the diag-OFT kernel families
+of oft.py with the stage permutation as the channel map and fp32 GEMMs).
+
+1. Compile check without a GPU of the BOFT-specific configurations (permuted
+   channel map, 16-bit in / fp32 out and fp32 in / 16-bit out stages, diff,
+   rescale folded into the last stage, BOFT chain) for sm_90a and sm_80
+   (``execution_backend="tvm_ffi"``, nvcc on PATH).
+2. ``boft_fwd`` / ``boft_bwd`` end to end against the eager reference in fp64: on a
+   GPU the real kernels, without one the CPU twins (``cpu=True`` builders, fp32,
+   TileLang's C target) behind the same host code: the permutation π_i of every
+   stage, groups of several blocks per stage, the three layouts, rescale and diff.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from lycoris_ops.reference import boft as R_BOFT  # noqa: E402
+from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
+from lycoris_ops.tilelang import _common, boft  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float32]
+IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+NVCC = shutil.which("nvcc")
+FULL = os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0")
+MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
+if FULL:
+    MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
+
+
+def check(actual, expected, dtype, what):
+    tol = REL_TOL[dtype]
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.1e}"
+
+
+def d64(*ts):
+    return [None if t is None else t.detach().double().cpu() for t in ts]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
+def test_kernels_compile(arch, dtype):
+    for builder, args in boft.compile_specs(dtype):
+        src = _common.compile_only(builder, arch, *args).get_kernel_source()
+        assert "__global__" in src, (builder.__name__, args)
+
+
+def test_groups():
+    assert boft.boft_groups(4, 4) == (32, 4, 16)   # the whole stage in one group
+    assert boft.boft_groups(4, 16) == (32, 8, 32)  # two groups per stage
+    assert boft.boft_groups(6, 2) == (32, 2, 12)   # NB must divide nb
+    assert boft.boft_groups(40, 4) == (64, 1, 40)
+
+
+# (m, nb, s, x shape, axis, with rescale, diff)
+CASES = [
+    (3, 4, 4, (23, 16), -1, True, True),     # channels last, m = log2(nb) + 1
+    (2, 16, 4, (9, 64), -1, False, False),   # two groups per stage
+    (3, 4, 4, (16, 7), 0, False, True),      # weight rows
+    (2, 4, 4, (2, 16, 3, 3), 1, True, False),  # conv channels
+    (1, 2, 6, (11, 12), -1, True, True),     # one stage
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[IDS[d] for d in DTYPES])
+@pytest.mark.parametrize("m,nb,s,shape,axis,has_rs,diff", CASES,
+                         ids=[f"m{c[0]}nb{c[1]}s{c[2]}-ax{c[4]}-{'rs' if c[5] else 'nors'}-{'diff' if c[6] else 'plain'}"
+                              for c in CASES])
+def test_boft(m, nb, s, shape, axis, has_rs, diff, dtype):
+    g = torch.Generator().manual_seed(m * 100 + nb * 10 + s)
+    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
+    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV) if has_rs else None
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    cscale, scale = 0.9, 0.7
+    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
+    y = boft.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
+    check(y, R_BOFT.boft_fwd(b6, x6, axis, cscale, scale, r6, diff), dtype, "boft_fwd")
+    gx, gb = boft.boft_bwd(grad, blocks, x, axis, cscale, scale)
+    rx, rb = R_BOFT.boft_bwd(g6, b6, x6, axis, cscale, scale)
+    assert gx.dtype == x.dtype and gb.dtype == blocks.dtype and gb.shape == blocks.shape
+    check(gx, rx, dtype, "boft_bwd gx")
+    check(gb, rb, dtype, "boft_bwd g_blocks")

@@ -1,0 +1,123 @@
+"""TileLang LoHa kernels (lycoris_ops/tilelang/loha.py).
+
+1. Compile check without a GPU: every kernel family compiles for sm_90a (bf16)
+   and sm_80 (fp16) with nvcc (``execution_backend="tvm_ffi"``); skipped when
+   nvcc is not on PATH (LYCORIS_TILELANG_FULL_COMPILE=1: all four pairs).
+2. CPU twins (the same builders, ``cpu=True``, C target, same host code): the
+   LoHa op functions against the eager bodies (reference/loha.py) over the case
+   table in fp32, the core contraction - the ΔW tile regenerated inside the K
+   loop, rounded, then multiplied - in fp16, and the materialized-ΔW and
+   split-reduction paths.
+3. On a GPU (skipped here): the op set against the eager bodies in fp16/bf16.
+"""
+import inspect
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from lycoris_ops.reference import loha as REF  # noqa: E402
+from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
+from lycoris_ops.testing import loha as CASES  # noqa: E402
+from lycoris_ops.tilelang import _common, loha, ops  # noqa: E402
+
+NVCC = shutil.which("nvcc")
+FULL = os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0")
+MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
+if FULL:
+    MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
+IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+OPS = ["loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd"]
+GPU = torch.cuda.is_available()
+
+
+def _outs(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def compare(op, args, dtype, tol=None):
+    got = _outs(getattr(ops, op)(*args))
+    want = _outs(getattr(REF, op)(*args))
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (op, k, g.dtype, w.dtype, g.shape, w.shape)
+        assert g.is_contiguous(), (op, k)
+        err = rel_err(g, w)
+        assert err <= (tol or REL_TOL[dtype]), f"{op} output {k}: rel err {err:.3e}"
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
+def test_kernels_compile(arch, dtype):
+    for builder, args in loha.compile_specs(dtype):
+        k = _common.compile_only(builder, arch, *args)
+        assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
+
+
+def test_opset_signatures():
+    for op in OPS:
+        params = list(inspect.signature(getattr(ops, op)).parameters)
+        schema = [a.name for a in getattr(torch.ops.lycoris, op).default._schema.arguments]
+        assert params == schema, op
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+def test_twin_case_table_fp32():
+    for case in CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)):
+        compare(case.op, case.args, torch.float32)
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+def test_twin_regen_fp16():
+    """The regenerated ΔW tile, rounded to fp16 before it multiplies x (forward and gx)."""
+    keep = {"bypass", "bypass-mixed_fp32", "bypass_bwd"}
+    n = 0
+    for case in CASES.cases(torch.float16, "cpu", False, torch.Generator().manual_seed(1)):
+        if case.id in keep:
+            compare(case.op, case.args, torch.float16)
+            n += 1
+    assert n == len(keep)
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+def test_twin_materialized_and_split(monkeypatch):
+    """ΔW materialized once (many tokens) and the split reductions of the factor grads."""
+    monkeypatch.setattr(loha, "REGEN_BUDGET", -1)
+    g = torch.Generator().manual_seed(2)
+    T, I, O, r = 11, 19, 37, 5
+    f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g),
+         torch.randn(O, r, generator=g), torch.randn(r, I, generator=g))
+    x = torch.randn(T, I, generator=g)
+    compare("loha_bypass_fwd", (x, *f, 0.8, torch.randn(T, O, generator=g)), torch.float32)
+    compare("loha_bypass_bwd", (torch.randn(T, O, generator=g), x, *f, -0.7), torch.float32)
+    # a merge gradient with several K tiles on both reductions -> split partials
+    O2, I2 = 150, 140
+    f2 = (torch.randn(O2, r, generator=g), torch.randn(r, I2, generator=g),
+          torch.randn(O2, r, generator=g), torch.randn(r, I2, generator=g))
+    compare("loha_merge_bwd", (torch.randn(O2, I2, generator=g), *f2, 0.9), torch.float32)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,r", [(torch.bfloat16, 16), (torch.float16, 128), (torch.bfloat16, 5)],
+                         ids=["bf16-r16", "fp16-r128", "bf16-r5"])
+def test_gpu_parity(dtype, r):
+    """Each (dtype, rank) compiles ~12 kernels on a cold cache (3-10 s each); T is dynamic."""
+    g = torch.Generator().manual_seed(r)
+
+    def m(*s, dt=dtype, scale=1.0):
+        return (scale * torch.randn(*s, generator=g)).to(dt).cuda()
+
+    I, O = 320, 200
+    s = r ** -0.5
+    f = (m(O, r, scale=s), m(r, I), m(O, r, scale=s), m(r, I))
+    for T in (1, 333, 4100):  # regenerated ΔW for small T, materialized above
+        x = m(T, I)
+        compare("loha_bypass_fwd", (x, *f, 0.7), dtype)
+        compare("loha_bypass_fwd", (x, *f, 0.7, m(T, O, dt=torch.float32)), dtype)
+        compare("loha_bypass_bwd", (m(T, O), x, *f, 0.7), dtype)
+    compare("loha_merge_bwd", (m(O, I), *f, 1.3), dtype)
+    compare("loha_merge_bwd", (m(2048, 1536), m(2048, r, scale=s), m(r, 1536), m(2048, r, scale=s), m(r, 1536), 0.4),
+            dtype)

@@ -1,0 +1,118 @@
+"""TileLang diag-OFT kernels (lycoris_ops/tilelang/oft.py): Cayley, apply, backward
+stream and chain families.
+
+1. Compile check without a GPU: every kernel family compiles for sm_90a and sm_80
+   (``execution_backend="tvm_ffi"``, nvcc on PATH); (sm_90a, bf16) and (sm_80,
+   fp16) by default, the full dtype x arch matrix with
+   LYCORIS_TILELANG_FULL_COMPILE=1. On sm_90a the 16-bit apply GEMM must lower to
+   wgmma.
+2. ``oft_fwd`` / ``oft_bwd`` end to end against the eager reference run in fp64:
+   on a GPU the real kernels (fp32, fp16, bf16); without one the CPU twins (the
+   same builders with ``cpu=True``: local buffers, serial loops, fp32, TileLang's
+   C target) behind the same host code — this checks the per-block Gauss–Jordan
+   Cayley solve, the group packing, both layouts, the partial reduction and the
+   chain algebra.
+"""
+import os
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("tilelang")
+
+from lycoris_ops.reference import oft as R_OFT  # noqa: E402
+from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
+from lycoris_ops.tilelang import _common, oft  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float32]
+IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+NVCC = shutil.which("nvcc")
+FULL = os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0")
+MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
+if FULL:
+    MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
+
+
+def check(actual, expected, dtype, what):
+    tol = REL_TOL[dtype]
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.1e}"
+
+
+def d64(*ts):
+    return [None if t is None else t.detach().double().cpu() for t in ts]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
+def test_kernels_compile(arch, dtype):
+    for builder, args in oft.compile_specs(dtype):
+        src = _common.compile_only(builder, arch, *args).get_kernel_source()
+        assert "__global__" in src, (builder.__name__, args)
+        if arch == "sm_90a" and builder is oft.apply_kernel and args[3] != "float32":
+            assert "wgmma" in src, "the 16-bit apply GEMM should lower to wgmma on sm_90a"
+
+
+# (K, S, x shape, weight, with rescale, shift): channels last, weight rows, conv channels;
+# S = 5 (6 blocks per 32-wide group), 19 (one block, padded), 40 (64-wide group)
+CASES = [
+    (7, 5, (37, 35), False, True, True),
+    (7, 5, (37, 35), False, False, False),
+    (7, 5, (35, 19), True, True, True),
+    (7, 5, (2, 35, 3, 5), False, False, True),
+    (3, 19, (21, 57), False, True, False),
+    (2, 40, (80, 9), True, False, True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=[IDS[d] for d in DTYPES])
+@pytest.mark.parametrize("K,S,shape,weight,has_rs,shift", CASES,
+                         ids=[f"K{c[0]}S{c[1]}-{'w' if c[3] else len(c[2])}d-{'rs' if c[4] else 'nors'}-"
+                              f"{'shift' if c[5] else 'rot'}" for c in CASES])
+def test_oft(K, S, shape, weight, has_rs, shift, dtype):
+    g = torch.Generator().manual_seed(K * 100 + S)
+    blocks = (0.2 * torch.randn(K, S, S, generator=g)).to(DEV)  # fp32 blocks (Cayley in fp32)
+    rescale = (torch.rand(K * S, 1, generator=g) + 0.5).to(DEV) if has_rs else None
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    if len(shape) == 2 and not weight:
+        x = torch.randn(shape[1], shape[0], generator=g).to(dtype).to(DEV).t()  # non-contiguous activation
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    cscale = 0.8
+    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
+    y = oft.oft_fwd(blocks, x, rescale, cscale, shift, weight)
+    assert y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous()
+    check(y, R_OFT.oft_fwd(b6, x6, r6, cscale, shift, weight), dtype, "oft_fwd")
+    gx, gb, gr = oft.oft_bwd(grad, blocks, x, rescale, cscale, shift, weight)
+    rx, rb, rr = R_OFT.oft_bwd(g6, b6, x6, r6, cscale, shift, weight)
+    assert gx.dtype == x.dtype and gb.dtype == blocks.dtype and gr.dtype == blocks.dtype
+    assert gr.shape == ((K * S,) if has_rs else (0,))
+    check(gx, rx, dtype, "oft_bwd gx")
+    check(gb, rb, dtype, "oft_bwd g_blocks")
+    if has_rs:
+        check(gr, rr, dtype, "oft_bwd g_rescale")
+
+
+def test_cayley_kernel_blocks():
+    """The Cayley family alone: F (and Fᵀ) of each packed block equals diag(ρ)·Rᵀ − I,
+    the padding and the off-block entries are exactly zero."""
+    K, S = 7, 5
+    GP, NB, GC = oft.group_plan(S)
+    g = torch.Generator().manual_seed(5)
+    blocks = (0.3 * torch.randn(K, S, S, generator=g)).to(DEV)
+    rescale = (torch.rand(K * S, generator=g) + 0.5).to(DEV)
+    arch = _common.arch_of(blocks.device)
+    r, _ = R_OFT.cayley(blocks.double().cpu(), 0.8, torch.float64)
+    want = rescale.double().cpu().view(K, S, 1) * r.transpose(-1, -2) - torch.eye(S, dtype=torch.float64)
+    for trans in (False, True):
+        fh, fl = oft._cayley(blocks, rescale, torch.float32, S, NB, GP, False, False, trans, 0.8, 1.0, 0, 0,
+                             -(-K // NB), arch)
+        f = (fh.double() + fl.double()).cpu()
+        mask = torch.zeros_like(f, dtype=torch.bool)
+        for k in range(K):
+            grp, b = divmod(k, NB)
+            blk = f[grp, b * S:(b + 1) * S, b * S:(b + 1) * S]
+            assert rel_err(blk.T if trans else blk, want[k]) < 1e-6
+            mask[grp, b * S:(b + 1) * S, b * S:(b + 1) * S] = True
+        assert f[~mask].abs().max().item() == 0.0
