@@ -78,10 +78,22 @@ def same_device(op: str, **named) -> torch.device:
     return device
 
 
+def promote_dtypes(*dtypes) -> torch.dtype:
+    """The compute dtype of OPS.md §1.3 without checks (for arguments already
+    validated): a 16-bit dtype wins (16-bit operands round the others down to it),
+    else float32, float64 only when every dtype is float64."""
+    seen = {d for d in dtypes if d is not None}
+    for half in HALF_DTYPES:
+        if half in seen:
+            return half
+    if torch.float32 in seen or not seen:
+        return torch.float32
+    return torch.float64
+
+
 def compute_dtype(op: str, **named) -> torch.dtype:
-    """The compute dtype of OPS.md §1.3: a 16-bit operand rounds every matrix
-    operand down to it; else float32; float64 only when everything is float64
-    (gradcheck). float16 and bfloat16 never meet in one call."""
+    """``promote_dtypes`` of the named operands, after checking that float16 and
+    bfloat16 do not meet in one call (they never do, OPS.md §1.3)."""
     seen = {}
     for name, t in named.items():
         if t is not None:
@@ -89,12 +101,7 @@ def compute_dtype(op: str, **named) -> torch.dtype:
     if torch.float16 in seen and torch.bfloat16 in seen:
         fail(op, f"{seen[torch.float16]} is float16 but {seen[torch.bfloat16]} is bfloat16: "
                  "float16 and bfloat16 cannot be mixed in one call")
-    for half in HALF_DTYPES:
-        if half in seen:
-            return half
-    if torch.float32 in seen or not seen:
-        return torch.float32
-    return torch.float64
+    return promote_dtypes(*seen)
 
 
 def float_arg(op: str, name: str, value) -> float:

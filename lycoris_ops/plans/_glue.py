@@ -6,6 +6,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from .._checks import promote_dtypes as compute_dtype  # noqa: F401  (re-exported to the planners)
+
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -16,18 +18,6 @@ def as_dict(cfg) -> Optional[Dict[str, Any]]:
     if hasattr(cfg, "_asdict"):
         return {k: as_dict(v) if hasattr(v, "_asdict") else v for k, v in cfg._asdict().items()}
     return dict(cfg)
-
-
-def compute_dtype(*dtypes) -> torch.dtype:
-    """OPS.md §1.3: a 16-bit dtype wins, else fp32 (fp64 only when all are fp64)."""
-    seen = {d for d in dtypes if d is not None}
-    if torch.float16 in seen:
-        return torch.float16
-    if torch.bfloat16 in seen:
-        return torch.bfloat16
-    if torch.float32 in seen or not seen:
-        return torch.float32
-    return torch.float64
 
 
 def triton_module(family: str):

@@ -54,6 +54,7 @@ compact row-major buffers).
 import torch
 
 from ._common import aligned, arch_of, cdiv, kernel, next_pow2, num_sms, tl_dtype
+from .._checks import promote_dtypes
 
 __all__ = [
     "bypass_fwd_kernel", "bypass_bwd_tok_kernel", "skinny_kernel", "gemm_kernel",
@@ -71,11 +72,8 @@ def pad_rank(r: int) -> int:
 
 
 def compute_dtype(*tensors) -> torch.dtype:
-    """OPS.md §1.3: a 16-bit operand wins (the ops never mix fp16 and bf16), else fp32."""
-    for t in tensors:
-        if t is not None and t.dtype in (torch.float16, torch.bfloat16):
-            return t.dtype
-    return torch.float32
+    """OPS.md §1.3 over the (validated) operands: ``_checks.promote_dtypes``."""
+    return promote_dtypes(*(t.dtype for t in tensors if t is not None))
 
 
 def prep(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,19 +24,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, num_sms, tl_dtype
-
-
-def compute_dtype(*dtypes) -> torch.dtype:
-    """OPS.md §1.3 without checks (arguments arrive validated): a 16-bit dtype
-    wins, else fp32 (fp64 only when every operand is fp64)."""
-    seen = set(d for d in dtypes if d is not None)
-    if torch.float16 in seen:
-        return torch.float16
-    if torch.bfloat16 in seen:
-        return torch.bfloat16
-    if torch.float32 in seen or not seen:
-        return torch.float32
-    return torch.float64
+from .._checks import promote_dtypes as compute_dtype  # noqa: F401  (the launchers' promotion)
 
 
 def view_key(*ts):

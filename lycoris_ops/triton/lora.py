@@ -63,6 +63,7 @@ import triton.language as tl
 
 from .. import scope as _scope
 from ._common import cdiv, dot_dtype, needs_idx64, num_sms, pad_rank, tl_dtype
+from .._checks import promote_dtypes as compute_dtype  # noqa: F401  (the launchers' promotion)
 
 __all__ = [
     "BypassFwdCfg", "BypassBwdCfg", "MergeFwdCfg", "SkinnyCfg", "MAX_BYPASS_RANK",
@@ -76,19 +77,6 @@ __all__ = [
 MAX_BYPASS_RANK = _scope.limit("lora_bypass_fwd", "rank", "triton")
 
 _MODES = {"plain": 0, "hada": 1, "sum": 2}
-
-
-def compute_dtype(*dtypes) -> torch.dtype:
-    """OPS.md §1.3 / ``_checks.compute_dtype`` without the checks (arguments
-    arrive validated): a 16-bit dtype wins, else fp32, fp64 only when all are."""
-    seen = set(d for d in dtypes if d is not None)
-    if torch.float16 in seen:
-        return torch.float16
-    if torch.bfloat16 in seen:
-        return torch.bfloat16
-    if torch.float32 in seen or not seen:
-        return torch.float32
-    return torch.float64
 
 
 def supported_bypass(rank: int) -> bool:
