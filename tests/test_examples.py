@@ -1,0 +1,17 @@
+"""The example scripts keep working (each runs as a user would run it)."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.slow
+def test_export_aoti_example(tmp_path):
+    out = subprocess.run([sys.executable, str(EXAMPLES / "export_aoti.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "adapted:" in out.stdout and "lycoris.lora_bypass_fwd.default" in out.stdout
+    assert "merged:" in out.stdout and "holds 0 lycoris ops" in out.stdout
