@@ -15,3 +15,11 @@ def test_export_aoti_example(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert "adapted:" in out.stdout and "lycoris.lora_bypass_fwd.default" in out.stdout
     assert "merged:" in out.stdout and "holds 0 lycoris ops" in out.stdout
+
+
+def test_host_overhead_script():
+    bench = EXAMPLES.parent / "bench" / "host_overhead.py"
+    out = subprocess.run([sys.executable, str(bench), "--device", "cpu", "--calls", "20"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "lycoris.lora_bypass_fwd" in out.stdout and "torch.add" in out.stdout
