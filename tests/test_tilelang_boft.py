@@ -10,8 +10,6 @@ of oft.py with the stage permutation as the channel map and fp32 GEMMs).
    TileLang's C target) behind the same host code: the permutation π_i of every
    stage, groups of several blocks per stage, the three layouts, rescale and diff.
 """
-import os
-import shutil
 
 import pytest
 import torch
@@ -21,15 +19,10 @@ pytest.importorskip("tilelang")
 from lycoris_ops.reference import boft as R_BOFT  # noqa: E402
 from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.tilelang import _common, boft  # noqa: E402
+from tilelang_harness import IDS, MATRIX, NVCC  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float32]
-IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-NVCC = shutil.which("nvcc")
-FULL = os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0")
-MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
-if FULL:
-    MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
 
 
 def check(actual, expected, dtype, what):

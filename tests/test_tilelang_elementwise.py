@@ -10,9 +10,6 @@
    for TileLang's C target, driven by the same host code (``arch_of(cpu) == "c"``).
 3. The op set imports without compiling and exposes the schema signatures.
 """
-import inspect
-import os
-import shutil
 import subprocess
 import sys
 
@@ -26,15 +23,10 @@ from lycoris_ops.reference import dora as R_DORA  # noqa: E402
 from lycoris_ops.reference import ia3 as R_IA3  # noqa: E402
 from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.tilelang import _common, add, dora, ia3  # noqa: E402
+from tilelang_harness import IDS, MATRIX, NVCC  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float32]
-IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-NVCC = shutil.which("nvcc")
-FULL = os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0")
-MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
-if FULL:
-    MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
 
 
 def _gen(seed=0):

@@ -11,8 +11,6 @@
 3. On a GPU (skipped here): the op set against the eager bodies in fp16/bf16.
 """
 import inspect
-import os
-import shutil
 
 import pytest
 import torch
@@ -20,33 +18,16 @@ import torch
 pytest.importorskip("tilelang")
 
 from lycoris_ops.reference import loha as REF  # noqa: E402
-from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.testing import loha as CASES  # noqa: E402
 from lycoris_ops.tilelang import _common, loha, ops  # noqa: E402
+import tilelang_harness as harness  # noqa: E402
+from tilelang_harness import GPU, IDS, MATRIX, NVCC  # noqa: E402
 
-NVCC = shutil.which("nvcc")
-FULL = os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0")
-MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
-if FULL:
-    MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
-IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 OPS = ["loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd"]
-GPU = torch.cuda.is_available()
-
-
-def _outs(x):
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def compare(op, args, dtype, tol=None):
-    got = _outs(getattr(ops, op)(*args))
-    want = _outs(getattr(REF, op)(*args))
-    assert len(got) == len(want)
-    for k, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and g.shape == w.shape, (op, k, g.dtype, w.dtype, g.shape, w.shape)
-        assert g.is_contiguous(), (op, k)
-        err = rel_err(g, w)
-        assert err <= (tol or REL_TOL[dtype]), f"{op} output {k}: rel err {err:.3e}"
+    harness.compare(ops, REF, op, args, dtype, tol)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")

@@ -15,8 +15,6 @@
    at larger shapes, ranks up to 128.
 """
 import inspect
-import os
-import shutil
 
 import pytest
 import torch
@@ -24,38 +22,17 @@ import torch
 pytest.importorskip("tilelang")
 
 from lycoris_ops.reference import lora as REF  # noqa: E402
-from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.testing import lora as CASES  # noqa: E402
 from lycoris_ops.tilelang import _common, lora, ops, tucker  # noqa: E402
+import tilelang_harness as harness  # noqa: E402
+from tilelang_harness import GPU, IDS, MATRIX, NVCC  # noqa: E402
 
-NVCC = shutil.which("nvcc")
-FULL = os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0")
-MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
-if FULL:
-    MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
-IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 OPS = ["lora_merge_fwd", "lora_merge_bwd", "lora_bypass_fwd", "lora_bypass_bwd", "lora_tucker_fwd"]
-GPU = torch.cuda.is_available()
-
-
-def _outs(x):
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def compare(op, args, dtype, tol=None):
-    """The op-set function against the eager body: same dtypes/shapes, fresh contiguous, close."""
-    got = _outs(getattr(ops, op)(*args))
-    want = _outs(getattr(REF, op)(*args))
-    assert len(got) == len(want)
-    for k, (g, w) in enumerate(zip(got, want)):
-        assert g.dtype == w.dtype and g.shape == w.shape, (op, k, g.dtype, w.dtype, g.shape, w.shape)
-        assert g.is_contiguous(), (op, k)
-        assert all(g.data_ptr() != a.data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel())
-        err = rel_err(g, w)
-        assert err <= (tol or REL_TOL[dtype]), f"{op} output {k}: rel err {err:.3e}"
+    harness.compare(ops, REF, op, args, dtype, tol)
 
-
-# ----------------------------------------------------------------------------- 1. compile for the GPU
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 @pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])

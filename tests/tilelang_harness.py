@@ -1,0 +1,33 @@
+"""What the TileLang test files share: the compile matrix and the op-set-vs-eager check."""
+import os
+import shutil
+
+import torch
+
+from lycoris_ops.testing import REL_TOL, rel_err
+
+#: nvcc compiles the CUDA checks (no GPU needed)
+NVCC = shutil.which("nvcc")
+#: (arch, dtype) pairs compiled by default; LYCORIS_TILELANG_FULL_COMPILE=1 adds the other two
+MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
+if os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0"):
+    MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
+IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+GPU = torch.cuda.is_available()
+
+
+def outs(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def compare(opset, reference, op, args, dtype, tol=None):
+    """The op-set function against the eager body: same dtypes/shapes, fresh contiguous, close."""
+    got = outs(getattr(opset, op)(*args))
+    want = outs(getattr(reference, op)(*args))
+    assert len(got) == len(want)
+    for k, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype and g.shape == w.shape, (op, k, g.dtype, w.dtype, g.shape, w.shape)
+        assert g.is_contiguous(), (op, k)
+        assert all(g.data_ptr() != a.data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel())
+        err = rel_err(g, w)
+        assert err <= (tol or REL_TOL[dtype]), f"{op} output {k}: rel err {err:.3e}"
