@@ -104,3 +104,286 @@ def test_patched_compile_fullgraph():
     inner = m.base_model.model
     compiled = torch.compile(inner, fullgraph=True, backend=aot_eager)
     torch.testing.assert_close(compiled(x), ref)
+
+
+# ------------------------------------------------------------------ OFT / BOFT
+
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
+
+
+class _FakeFbd:
+    """Stand-in for PEFT's CUDA block-diagonal extension (``fbd_cuda``), so that
+    PEFT builds BOFT layers with several butterfly stages on CPU."""
+
+    @staticmethod
+    def forward(inp):  # (N, D, H, H) -> [(N, D·H, D·H)]
+        return [torch.stack([torch.block_diag(*inp[n]) for n in range(inp.shape[0])])]
+
+    @staticmethod
+    def backward(grad, inp):
+        N, D, H, _ = inp.shape
+        g = grad.reshape(N, D, H, D, H).diagonal(dim1=1, dim2=3)  # (N, H, H, D)
+        return [g.permute(0, 3, 1, 2).contiguous()]
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "lycoris" in str(func):
+            self.ops.add(str(func).split(".")[1])
+        return func(*args, **(kwargs or {}))
+
+
+def _lin(*dims, bias=True):
+    torch.manual_seed(0)
+    layers = []
+    for i in range(len(dims) - 1):
+        layers += [nn.Linear(dims[i], dims[i + 1], bias=bias), nn.GELU()]
+    return nn.Sequential(*layers[:-1])
+
+
+def _oft_boft_cases():
+    from peft import BOFTConfig, OFTConfig
+
+    def oft(**kw):
+        kw.setdefault("r", 0)
+        kw.setdefault("oft_block_size", 0)
+        return OFTConfig(use_cayley_neumann=False, init_weights=False, **kw)
+
+    def boft(**kw):
+        return BOFTConfig(init_weights=False, **kw)
+
+    t2, t3 = ["0", "2"], ["0", "2", "4"]
+    tok = lambda c: (lambda big: torch.randn((4, 12, c) if big else (1, 3, c)))  # noqa: E731
+    img = lambda c, hw: (lambda big: torch.randn(3 if big else 1, c, hw, hw))  # noqa: E731
+    ids = lambda big: torch.randint(0, 11, (4, 12) if big else (1, 3))  # noqa: E731
+    lin_oft = lambda bias=True: _lin(15, 21, 9, bias=bias)  # noqa: E731
+    lin_boft = lambda bias=True: _lin(24, 16, 40, 8, bias=bias)  # noqa: E731
+
+    def conv_oft():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(3, 6, 3), nn.GELU(), nn.Conv2d(6, 4, 1))
+
+    def conv_boft():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(4, 6, 3, padding=1, stride=2), nn.GELU(), nn.Conv2d(6, 4, 1))
+
+    def emb():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Embedding(11, 12), nn.Linear(12, 5))
+
+    # name: (model, config, x maker, patched layer count, fbd extension, lycoris op expected)
+    return {
+        "oft-r3": (lin_oft, oft(r=3, target_modules=t2), tok(15), 2, None, "oft_fwd"),  # S = 5, 7
+        "oft-bs3-nobias": (lambda: lin_oft(False), oft(oft_block_size=3, target_modules=t2), tok(15), 2, None,
+                           "oft_fwd"),
+        "oft-coft": (lin_oft, oft(r=3, coft=True, eps=0.5, target_modules=t2), tok(15), 2, None, "oft_fwd"),
+        "oft-share": (lin_oft, oft(oft_block_size=3, block_share=True, target_modules=t2), tok(15), 2, None,
+                      "oft_fwd"),
+        "oft-conv": (conv_oft, oft(r=3, target_modules=t2), img(3, 7), 2, None, "oft_fwd"),  # S = 9, 2
+        "oft-emb": (emb, oft(r=3, target_modules=["0", "1"]), ids, 2, None, "oft_fwd"),
+        "boft-1": (lin_boft, boft(boft_block_size=0, boft_block_num=8, target_modules=t3), tok(24), 3, None,
+                   "oft_fwd"),  # one stage, s = 3, 2, 5
+        "boft-1-nobias": (lambda: lin_boft(False), boft(boft_block_size=4, target_modules=t3), tok(24), 3, None,
+                          "oft_fwd"),
+        "boft-2": (lin_boft, boft(boft_block_size=0, boft_block_num=4, boft_n_butterfly_factor=2,
+                                  target_modules=t3), tok(24), 3, _FakeFbd, "boft_fwd"),  # s = 6, 4, 10
+        "boft-3-nobias": (lambda: lin_boft(False), boft(boft_block_size=2, boft_n_butterfly_factor=3,
+                                                        target_modules=t3), tok(24), 3, _FakeFbd, "boft_fwd"),
+        "boft-conv-2": (conv_boft, boft(boft_block_size=6, boft_n_butterfly_factor=2, target_modules=["0"]),
+                        img(4, 6), 1, _FakeFbd, "boft_fwd"),
+        "boft-conv-1": (conv_boft, boft(boft_block_size=0, boft_block_num=4, target_modules=["0"]),
+                        img(4, 6), 1, None, "oft_fwd"),  # s = 9
+    }
+
+
+@pytest.fixture
+def fbd(monkeypatch):
+    """``fbd(ext)``: what PEFT's BOFT sees as its CUDA extension (None: not built)."""
+    import peft.tuners.boft.layer as boft_layer
+
+    def set_ext(ext):
+        monkeypatch.setattr(boft_layer, "get_fbd_cuda", lambda: ext)
+    set_ext(None)
+    return set_ext
+
+
+def _run2(m, x):
+    """Output, grad of x (None for ids) and grads of every trainable parameter."""
+    if x.is_floating_point():
+        x = x.detach().clone().requires_grad_(True)
+    torch.manual_seed(123)
+    y = m(x)
+    y.float().square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+    m.zero_grad(set_to_none=True)
+    return y.detach(), (x.grad if x.requires_grad else None), grads
+
+
+def _build(name, fbd, dtype=torch.float32):
+    from peft import get_peft_model
+    model, cfg, mk, n, ext, op = _oft_boft_cases()[name]
+    fbd(ext)
+    m = get_peft_model(model().to(dtype), copy.deepcopy(cfg))
+    _perturb(m)
+    return m, mk, n, op
+
+
+def _compare(got, ref, tol, what=""):
+    errs = {"y": rel_err(got[0], ref[0])}
+    if ref[1] is not None:
+        errs["x.grad"] = rel_err(got[1], ref[1])
+    assert got[2].keys() == ref[2].keys()
+    for k in ref[2]:
+        errs[k] = rel_err(got[2][k], ref[2][k])
+    bad = {k: e for k, e in errs.items() if not e <= tol}
+    assert not bad, (what, bad)
+    return max(errs.values())
+
+
+def _no_fallback(mp, m):
+    for t in {type(mod) for mod in m.modules() if getattr(mod, "_lycoris_ops_patched", False)}:
+        mp.setattr(t, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fallback")))
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["few-tokens", "many-tokens"])
+@pytest.mark.parametrize("name", list(_oft_boft_cases()))
+def test_oft_boft_patched_matches_peft(name, big, fbd, monkeypatch):
+    """fp32: same outputs and gradients (x and every trainable parameter) as PEFT,
+    through the lycoris op (few tokens: activations rotated; many: the weight),
+    same state-dict keys; merge / disable still work."""
+    m, mk, n, op = _build(name, fbd)
+    x = mk(big)
+    ref = _run2(m, x)
+    sd = {k: v.clone() for k, v in m.state_dict().items()}
+    assert patch_peft(m) == n
+    assert patch_peft(m) == 0
+    with monkeypatch.context() as mp:
+        _no_fallback(mp, m)
+        with _OpRecorder() as rec:
+            got = _run2(m, x)
+    assert op in rec.ops and op.replace("fwd", "bwd") in rec.ops, rec.ops
+    _compare(got, ref, REL_TOL[torch.float32], name)
+    assert m.state_dict().keys() == sd.keys()
+    for k, v in m.state_dict().items():
+        torch.testing.assert_close(v, sd[k], rtol=1e-5, atol=1e-6, msg=k)
+    m.eval()
+    with torch.no_grad():
+        y_eval = m(x)
+        m.merge_adapter()
+        if name != "oft-conv":  # PEFT's OFT conv forward (unfold/rotate/fold) is not its merged weight
+            assert rel_err(m(x), y_eval) < 1e-4
+        m.unmerge_adapter()
+        with m.disable_adapter():
+            assert rel_err(m(x), _oft_boft_cases()[name][0]()(x)) < 1e-5
+    assert unpatch_peft(m) == n
+
+
+@pytest.mark.parametrize("name", ["oft-r3", "boft-1", "boft-2"])
+def test_oft_boft_patched_bf16(name, fbd, monkeypatch):
+    """bf16 base layers (PEFT keeps the adapter in fp32): within bf16 tolerance of PEFT."""
+    m, mk, n, op = _build(name, fbd, torch.bfloat16)
+    x = mk(False).to(torch.bfloat16)  # (1, 3, C): few tokens
+    xb = mk(True).to(torch.bfloat16)  # many tokens
+    refs = [_run2(m, x), _run2(m, xb)]
+    patch_peft(m)
+    with monkeypatch.context() as mp:
+        _no_fallback(mp, m)
+        gots = [_run2(m, x), _run2(m, xb)]
+    assert gots[0][0].dtype == torch.bfloat16
+    for got, ref in zip(gots, refs):
+        _compare(got, ref, REL_TOL[torch.bfloat16], name)
+
+
+@pytest.mark.parametrize("name", ["oft-r3", "boft-2"])
+def test_oft_boft_two_adapters(name, fbd, monkeypatch):
+    """Two active adapters compose in PEFT's order."""
+    m, mk, n, op = _build(name, fbd)
+    m.add_adapter("second", copy.deepcopy(_oft_boft_cases()[name][1]))
+    m.base_model.set_adapter(["default", "second"])
+    _perturb(m, seed=2)
+    for big in (False, True):
+        x = mk(big)
+        ref = _run2(m, x)
+        patch_peft(m)
+        with monkeypatch.context() as mp:
+            _no_fallback(mp, m)
+            got = _run2(m, x)
+        unpatch_peft(m)
+        assert any("second" in k for k in got[2])
+        _compare(got, ref, REL_TOL[torch.float32], name)
+
+
+def _fallback_case(name, fbd, mutate, train=True):
+    m, mk, n, op = _build(name, fbd)
+    mutate(m)
+    m.train(train)
+    x = mk(True)
+    ref = _run2(m, x)
+    assert patch_peft(m) == n
+    with _OpRecorder() as rec:
+        got = _run2(m, x)
+    assert not rec.ops, rec.ops  # PEFT's own forward ran
+    _compare(got, ref, 0.0, name)
+
+
+def test_oft_cayley_neumann_falls_back(fbd):
+    """PEFT's default OFT (Cayley–Neumann series) is not our exact Cayley: falls back."""
+    def neumann(m):
+        for mod in m.modules():
+            if type(mod).__name__ == "OFTRotationModule":
+                mod.use_cayley_neumann = True
+    _fallback_case("oft-r3", fbd, neumann)
+
+
+def test_oft_module_dropout_training_falls_back(fbd):
+    from peft.tuners.oft.layer import MultiplicativeDropoutLayer
+
+    def drop(m):
+        for mod in m.modules():
+            if hasattr(mod, "oft_dropout"):
+                mod.oft_dropout["default"] = MultiplicativeDropoutLayer(p=0.5)
+    _fallback_case("oft-r3", fbd, drop)
+
+
+def test_boft_dropout_training_falls_back(fbd):
+    from peft.tuners.boft.layer import MultiplicativeDropoutLayer
+
+    def drop(m):
+        for mod in m.modules():
+            if hasattr(mod, "boft_dropout"):
+                mod.boft_dropout["default"] = MultiplicativeDropoutLayer(p=0.5)
+    _fallback_case("boft-2", fbd, drop)
+
+
+def test_boft_stage_partition_mismatch_falls_back(fbd):
+    """A stage permutation that ``boft_fwd``'s butterfly cannot express: falls back."""
+    def scramble(m):
+        g = torch.Generator().manual_seed(5)
+        for mod in m.modules():
+            if hasattr(mod, "boft_P"):
+                C = mod.boft_P.shape[-1]
+                mod.boft_P[1] = torch.eye(C)[torch.randperm(C, generator=g)]
+    _fallback_case("boft-2", fbd, scramble)
+
+
+def test_oft_boft_compile_fullgraph(fbd):
+    from peft import get_peft_model
+    from torch._dynamo.backends.debugging import aot_eager
+    for name in ("oft-coft", "boft-2"):
+        model, cfg, mk, n, ext, op = _oft_boft_cases()[name]
+        fbd(ext)
+        m = get_peft_model(model(), copy.deepcopy(cfg))
+        _perturb(m)
+        patch_peft(m)
+        torch._dynamo.reset()
+        compiled = torch.compile(m.base_model.model, fullgraph=True, backend=aot_eager)
+        for big in (False, True):
+            x = mk(big)
+            ref = m(x)
+            torch.testing.assert_close(compiled(x), ref, rtol=1e-5, atol=1e-6)
