@@ -41,15 +41,23 @@ def test_ddp_and_fsdp2_follow_the_single_device_curve(tmp_path):
     common = ["--adapters", "lora,lokr", "--compile", "no", "--steps", "4", "--dtype", "fp32"]
     _run([sys.executable, TRAIN, *common, "--out", str(ref)])
     _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", TRAIN,
-          *common, "--parallel", "ddp,fsdp2", "--out", str(run)])
+          *common, "--parallel", "ddp,fsdp2,nosync", "--out", str(run)])
     runs = json.loads(run.read_text())["runs"]
+    control = [r for r in runs if r["parallel"] == "nosync"]
+    runs = [r for r in runs if r["parallel"] != "nosync"]
+    run.write_text(json.dumps(dict(runs=runs)))
     assert {(r["adapter"], r["parallel"]) for r in runs} == {(a, p) for a in ("lora", "lokr")
                                                              for p in ("ddp", "fsdp2")}
     assert all(r["world"] == 2 for r in runs)
-    out = _run([sys.executable, TRAIN, "--compare", str(ref), str(run), "--rtol", "1e-3"])
+    out = _run([sys.executable, TRAIN, "--compare", str(ref), str(run)])
     assert out.count(" ok") == 4, out
-    # the curve moves: a run that ignored the gradients would be caught
     assert all(r["losses"][-1] < r["losses"][0] for r in runs)
+    # the negative control: ranks that never average their gradients are flagged
+    nosync = tmp_path / "nosync.json"
+    nosync.write_text(json.dumps(dict(runs=control)))
+    p = subprocess.run([sys.executable, TRAIN, "--compare", str(ref), str(nosync)], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert p.returncode == 1 and p.stdout.count("DIFFERS") == 2, p.stdout
 
 
 def test_compare_catches_a_different_curve(tmp_path):
