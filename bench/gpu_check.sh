@@ -1,21 +1,32 @@
 #!/usr/bin/env bash
-# The GPU check, in one call: build, GPU tests, backend check, benchmark; a short table last.
+# The GPU check, in one call: build, GPU tests, tuner check, per-op benchmark, end-to-end
+# benchmark; a short table last.
 #
-#   bash bench/gpu_check.sh [all|tests|bench] [bench args...]
+#   bash bench/gpu_check.sh [all|tests|bench] [bench.py args...]
 #
-# Runs on a CUDA machine (the H200 of the device tool: torch 2.11, triton 3.6).
+# Lanes: "tests" = the tuner check (empty table, then a fresh process that must not time),
+# the GPU test suite, the backend sweep; "bench" = bench.py, then bench/e2e.py. With two or
+# more GPUs the lanes run at the same time, tests on GPU 1 and benchmarks on GPU 0 (a
+# benchmark never shares its GPU); with one GPU, one after the other.
+#
+# Runs on a CUDA machine (the device tool's H200: torch 2.11, triton 3.6).
 # Optional, carried beside the repo (ignored by git):
 #   .whl/      lycoris-lora 4.1.3 + toml wheels (the peer column of the benchmark)
 #   TileLang:  a folder on PYTHONPATH holding tilelang, apache-tvm-ffi, torch-c-dlpack-ext
 #              and z3-solver (pass it as LYCORIS_TILELANG_SITE=/path)
-# Output: logs and CSVs under ${OUT:-bench/out}.
+# Environment (all optional): LYCORIS_TESTS (pytest targets), LYCORIS_TESTS_SECONDS (the
+# suite is interrupted after this, its summary still printed), LYCORIS_TUNING_ARGS,
+# LYCORIS_BACKENDS_ARGS (empty: skip the sweep if "skip"), LYCORIS_E2E_ARGS ("skip": no e2e),
+# LYCORIS_E2E_SECONDS, LYCORIS_COMMIT (no git checkout on the device).
+# Output: logs, CSVs and the e2e plot packed as ${OUT:-bench/out}/results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-out=${OUT:-bench/out}; mkdir -p "$out"
+final=${OUT:-bench/out}; mkdir -p "$final"
+work=$(mktemp -d)  # everything lives here until packed: the device returns few files
+out=$work/out; mkdir -p "$out"
 py=${PYTHON:-python3}
-status=0
 
 if [ -n "${LYCORIS_TILELANG_SITE:-}" ]; then export PYTHONPATH="$LYCORIS_TILELANG_SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -25,29 +36,67 @@ fi
 
 echo "== build ($(date -u +%FT%TZ))"
 t0=$SECONDS
-MAX_JOBS=16 $py -m pip install -q --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1 || { tail -30 "$out/build.log"; exit 1; }
+MAX_JOBS=16 $py -m pip install -q --no-build-isolation --no-deps -e . >"$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
 echo "built in $((SECONDS - t0)) s"
-$py -c "import torch, triton, lycoris_ops as L; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.get_device_name()); print('backends', L.available_backends('cuda'))"
+$py -c "import torch, triton, lycoris_ops as L; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name()); print('backends', L.available_backends('cuda'))"
+ngpu=$($py -c "import torch; print(torch.cuda.device_count())")
+commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${LYCORIS_COMMIT:-unknown}")
 
-if [ "$what" = all ] || [ "$what" = tests ]; then
+tests_lane() {  # $1: CUDA_VISIBLE_DEVICES for the lane
+  local rc t0
+  export CUDA_VISIBLE_DEVICES=$1
   echo "== tuning (empty table, then a fresh process that must not time)"
   t0=$SECONDS
-  $py bench/gpu_tuning.py ${LYCORIS_TUNING_ARGS:-} >"$out/tuning.log" 2>&1; rc=$?
-  tail -15 "$out/tuning.log"; echo "tuning: exit $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1
+  $py bench/gpu_tuning.py ${LYCORIS_TUNING_ARGS:-} >"$work/tuning.log" 2>&1; rc=$?
+  tail -15 "$work/tuning.log"; echo "tuning: exit $rc in $((SECONDS - t0)) s"
+  echo "tuning: exit $rc" >>"$work/status"
   echo "== GPU tests"
   t0=$SECONDS
-  # -n: pytest-xdist is on the GPU image; the CPU-only tests run too (they are fast there)
-  $py -m pytest -q -n 8 -p no:cacheprovider ${LYCORIS_TESTS:-tests} >"$out/tests.log" 2>&1; rc=$?
-  tail -25 "$out/tests.log"; echo "tests: exit $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1
-  echo "== backends on CUDA (every op, every LYCORIS_KERNEL_BACKEND, compiled)"
-  t0=$SECONDS
-  $py bench/gpu_backends.py ${LYCORIS_BACKENDS_ARGS:-} >"$out/backends.log" 2>&1; rc=$?
-  tail -40 "$out/backends.log"; echo "backends: exit $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1
-fi
+  # SIGINT after the limit: pytest stops and still prints its summary
+  timeout -s INT "${LYCORIS_TESTS_SECONDS:-1800}" $py -m pytest -q -n 8 -p no:cacheprovider --timeout 300 \
+    ${LYCORIS_TESTS:-tests} >"$work/tests.log" 2>&1; rc=$?
+  grep -E "^(FAILED|ERROR)" "$work/tests.log" | head -20; tail -3 "$work/tests.log"
+  echo "tests: exit $rc in $((SECONDS - t0)) s"; echo "tests: exit $rc: $(tail -1 "$work/tests.log")" >>"$work/status"
+  if [ "${LYCORIS_BACKENDS_ARGS:-}" != skip ]; then
+    echo "== backends on CUDA (every op, every LYCORIS_KERNEL_BACKEND, compiled)"
+    t0=$SECONDS
+    $py bench/gpu_backends.py ${LYCORIS_BACKENDS_ARGS:-} >"$work/backends.log" 2>&1; rc=$?
+    tail -25 "$work/backends.log"; echo "backends: exit $rc in $((SECONDS - t0)) s"
+    echo "backends: exit $rc" >>"$work/status"
+  fi
+}
 
-if [ "$what" = all ] || [ "$what" = bench ]; then
+bench_lane() {  # $1: CUDA_VISIBLE_DEVICES; the rest: bench.py args
+  local rc dev=$1; shift
+  export CUDA_VISIBLE_DEVICES=$dev
   echo "== benchmark"
-  commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${LYCORIS_COMMIT:-unknown}")
-  $py bench/bench.py --out "$out" --commit "$commit" "$@" 2>&1 | tee "$out/bench.log"; [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  $py bench/bench.py --out "$out" --commit "$commit" "$@" >"$work/bench.log" 2>&1; rc=$?
+  echo "bench: exit $rc" >>"$work/status"
+  if [ "${LYCORIS_E2E_ARGS:-}" != skip ]; then
+    echo "== end-to-end training step"
+    local csv; csv=$(ls -t "$out"/bench-*.csv 2>/dev/null | head -1)
+    timeout -s INT "${LYCORIS_E2E_SECONDS:-900}" $py bench/e2e.py --out "$out" --plot ${csv:+--per-op-csv "$csv"} \
+      ${LYCORIS_E2E_ARGS:-} >"$work/e2e.log" 2>&1; rc=$?
+    echo "e2e: exit $rc" >>"$work/status"
+  fi
+}
+
+if [ "$what" = all ] && [ "$ngpu" -ge 2 ]; then
+  echo "== two lanes: tests on GPU 1, benchmarks on GPU 0"
+  (bench_lane 0 "$@") >"$work/bench_lane.log" 2>&1 &
+  bench_pid=$!
+  tests_lane 1
+  wait $bench_pid
+  cat "$work/bench_lane.log"
+else
+  [ "$what" = all ] || [ "$what" = tests ] && tests_lane "${CUDA_VISIBLE_DEVICES:-0}"
+  [ "$what" = all ] || [ "$what" = bench ] && bench_lane "${CUDA_VISIBLE_DEVICES:-0}" "$@"
 fi
-exit $status
+for f in "$work"/*.log bench/e2e_ratios.png; do [ -f "$f" ] && cp "$f" "$out/"; done
+tar czf "$final/results.tgz" -C "$out" . && echo "packed: $final/results.tgz"
+
+echo; echo "== summary"
+[ -f "$work/e2e.log" ] && grep -A40 "^E2E" "$work/e2e.log" | head -30
+[ -f "$work/bench.log" ] && tail -45 "$work/bench.log"
+cat "$work/status"
+! grep -qv "exit 0" "$work/status"
