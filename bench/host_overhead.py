@@ -2,6 +2,12 @@
 LoRA formula, and torch.ops.lycoris.lora_bypass_fwd / add_scaled without and with
 autograd, so the Python kernel and Python autograd layers show separately.
 
+The ``probe`` rows are the framework floor: a no-op custom op with the signature of
+lora_bypass_fwd (namespace ``lycoris_probe``, a Python CPU/CUDA kernel returning
+``empty_like(x)``), bare, with torch.library.register_autograd, and with the lean
+registration the lycoris ops use (lycoris_ops/_autograd_kernel.py). The last rows
+time forward+backward of the eager formula and of the op.
+
     python bench/host_overhead.py [--device cpu|cuda] [--calls 3000]
 """
 import argparse
@@ -11,6 +17,35 @@ import torch
 import torch.nn.functional as F
 
 import lycoris_ops  # noqa: F401
+from lycoris_ops._autograd_kernel import register_autograd as lycoris_register_autograd
+
+_PROBE_SCHEMA = "(Tensor x, Tensor up, Tensor down, float gamma, Tensor? base=None) -> Tensor"
+_probe_lib = None
+
+
+def probe_ops():
+    """(bare, torch autograd, lycoris autograd) no-op ops ``lycoris_probe::*``, defined once."""
+    global _probe_lib
+    if _probe_lib is None:
+        _probe_lib = torch.library.Library("lycoris_probe", "DEF")
+
+        def kernel(x, up, down, gamma, base=None):
+            return torch.empty_like(x)
+
+        def setup_context(ctx, inputs, output):
+            ctx.save_for_backward(*inputs[:3])
+
+        def backward(ctx, grad):
+            return None, None, None, None, None
+
+        for name in ("noop", "noop_torch_ag", "noop_lycoris_ag"):
+            _probe_lib.define(name + _PROBE_SCHEMA)
+            for key in ("CPU", "CUDA"):
+                _probe_lib.impl(name, kernel, key)
+        torch.library.register_autograd("lycoris_probe::noop_torch_ag", backward, setup_context=setup_context)
+        lycoris_register_autograd("lycoris_probe::noop_lycoris_ag", backward, setup_context=setup_context)
+    P = torch.ops.lycoris_probe
+    return P.noop, P.noop_torch_ag, P.noop_lycoris_ag
 
 
 def per_call_us(fn, calls, sync):
@@ -40,6 +75,13 @@ def main():
     upg, downg = up.detach().clone().requires_grad_(), down.detach().clone().requires_grad_()
     a, b = t(4, 4), t(4, 4)
     op, add = torch.ops.lycoris.lora_bypass_fwd, torch.ops.lycoris.add_scaled
+    bare, torch_ag, lycoris_ag = probe_ops()
+
+    def eager_fwd_bwd():
+        (base + 0.5 * F.linear(F.linear(x, downg), upg)).sum().backward()
+
+    def op_fwd_bwd():
+        op(x, upg, downg, 0.5, base).sum().backward()
     rows = [
         ("torch.add", lambda: torch.add(a, b, alpha=0.5)),
         ("eager LoRA formula", lambda: base + 0.5 * F.linear(F.linear(x, down), up)),
@@ -48,6 +90,15 @@ def main():
         ("lycoris.lora_bypass_fwd, no_grad", lambda: _no_grad(op, x, up, down, 0.5, base)),
         ("lycoris.lora_bypass_fwd", lambda: op(x, up, down, 0.5, base)),
         ("lycoris.lora_bypass_fwd, factors need grad", lambda: op(x, upg, downg, 0.5, base)),
+        ("probe no-op op, no autograd", lambda: bare(x, up, down, 0.5, base)),
+        ("probe + torch register_autograd, no_grad", lambda: _no_grad(torch_ag, x, up, down, 0.5, base)),
+        ("probe + torch register_autograd", lambda: torch_ag(x, up, down, 0.5, base)),
+        ("probe + torch register_autograd, need grad", lambda: torch_ag(x, upg, downg, 0.5, base)),
+        ("probe + lycoris register_autograd, no_grad", lambda: _no_grad(lycoris_ag, x, up, down, 0.5, base)),
+        ("probe + lycoris register_autograd", lambda: lycoris_ag(x, up, down, 0.5, base)),
+        ("probe + lycoris register_autograd, need grad", lambda: lycoris_ag(x, upg, downg, 0.5, base)),
+        ("eager LoRA formula, forward+backward", eager_fwd_bwd),
+        ("lycoris.lora_bypass_fwd, forward+backward", op_fwd_bwd),
     ]
     ref = None
     print(f"host us/call on {dev} (torch {torch.__version__}, {args.calls} calls each)")

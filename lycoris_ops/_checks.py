@@ -8,6 +8,7 @@ torch.compile / torch.export) become guards instead of data-dependent errors.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
@@ -82,13 +83,14 @@ def promote_dtypes(*dtypes) -> torch.dtype:
     """The compute dtype of OPS.md §1.3 without checks (for arguments already
     validated): a 16-bit dtype wins (16-bit operands round the others down to it),
     else float32, float64 only when every dtype is float64."""
-    seen = {d for d in dtypes if d is not None}
-    for half in HALF_DTYPES:
-        if half in seen:
-            return half
-    if torch.float32 in seen or not seen:
-        return torch.float32
-    return torch.float64
+    # tuple scans instead of building a set: this runs on every call of an op
+    for d in (torch.float16, torch.bfloat16, torch.float32):
+        if d in dtypes:
+            return d
+    for d in dtypes:
+        if d is not None:
+            return torch.float64
+    return torch.float32
 
 
 def compute_dtype(op: str, **named) -> torch.dtype:
@@ -128,3 +130,100 @@ def axis(op: str, name: str, value: int, ndim: int) -> int:
     if not -ndim <= value < ndim:
         fail(op, f"{name}={value} is out of range for a {ndim}-D tensor")
     return value % ndim
+
+
+# --------------------------------------------------------------------------- signature cache
+
+#: tensor types with concrete metadata; FakeTensor, FunctionalTensor and every other
+#: subclass (symbolic sizes, tracing wrappers) bypass the cache and run the check
+_CONCRETE = (torch.Tensor, torch.nn.Parameter)
+#: a check's cache holding more signatures than this is emptied (bounded memory under shape churn)
+MAX_SIGNATURES = 4096
+_caches: list = []
+
+_CACHED_TEMPLATE = """
+def {name}({params}):
+    if _compiling(){guards}:
+        return _check({names})
+    try:
+        key = ({key},)
+        spec = _get(key)
+    except Exception:  # an unhashable or odd argument: validate it the long way
+        return _check({names})
+    if spec is None:
+        spec = _check({names})
+        if len(_cache) >= _MAX:
+            _cache.clear()
+        _cache[key] = spec
+    return spec
+"""
+
+
+def _int_list(v) -> tuple:
+    """The key of an ``int[]`` argument; raises (-> uncached check) unless it is a list
+    or tuple of plain ints (bools and SymInts are checked every time)."""
+    if type(v) not in (list, tuple) or any(type(s) is not int for s in v):
+        raise TypeError("not a plain int list")
+    return (type(v),) + tuple(v)
+
+
+def cached(check):
+    """Memoize ``check_<op>`` on its call signature, so a repeated call does not re-run it.
+
+    A check's outcome (its output spec, or the ValueError it raises) depends only on each
+    tensor's dtype, device and shape and on the non-float arguments' types and values
+    (a float argument is only required to be a Python float), so that is the key: the
+    steady state is one tuple and one dict lookup instead of ~20 µs of checks. Only
+    successful checks are stored, so a bad call always reaches the check and raises
+    its own error. Bypassed (the plain check runs): while ``torch.compile`` /
+    ``torch.export`` trace, for tensor subclasses (FakeTensor: the fakes keep validating
+    symbolic sizes), and for arguments of an unexpected type (a float argument that is
+    not a float, an int list holding bools or SymInts, anything unhashable).
+    The wrapper keeps the check's name and signature (``__wrapped__`` is the plain one).
+    A check that validates a float argument's value must not be cached this way.
+    """
+    import inspect
+
+    op = check.__name__[len("check_"):]
+    schema = getattr(torch.ops.lycoris, op).default._schema.arguments
+    sig = inspect.signature(check)
+    if [p.name for p in sig.parameters.values()] != [a.name for a in schema]:
+        raise TypeError(f"{check.__name__} must take the schema arguments of lycoris.{op} in order")
+    cache: dict = {}
+    ns = {"_check": check, "_get": cache.get, "_cache": cache, "_MAX": MAX_SIGNATURES,
+          "_compiling": torch.compiler.is_compiling, "_P": _CONCRETE, "_int_list": _int_list}
+    params, names, guards, key = [], [], [], []
+    for i, (p, a) in enumerate(zip(sig.parameters.values(), schema)):
+        n, kind = p.name, str(a.type)
+        names.append(n)
+        if p.default is inspect.Parameter.empty:
+            params.append(n)
+        else:
+            ns[f"_d{i}"] = p.default
+            params.append(f"{n}=_d{i}")
+        if kind == "Tensor":
+            guards.append(f"type({n}) not in _P")
+            key.append(f"{n}.dtype, {n}.device, {n}.shape")
+        elif kind == "Optional[Tensor]":
+            guards.append(f"({n} is not None and type({n}) not in _P)")
+            key.append(f"None if {n} is None else ({n}.dtype, {n}.device, {n}.shape)")
+        elif kind == "float":
+            guards.append(f"type({n}) is not float")  # then its value cannot fail the check
+        elif kind.startswith("List[") or kind.startswith("Optional[List["):
+            key.append(f"None if {n} is None else _int_list({n})")
+        else:  # int, bool, str, ScalarType: type and value (True == 1 but may be checked differently)
+            key.append(f"type({n}), {n}")
+    src = _CACHED_TEMPLATE.format(name=check.__name__, params=", ".join(params), names=", ".join(names),
+                                  guards="".join(f" or {g}" for g in guards), key=", ".join(key) or "None")
+    exec(compile(src, f"<lycoris_ops._checks.cached {check.__name__}>", "exec"), ns)
+    fn = ns[check.__name__]
+    functools.update_wrapper(fn, check)
+    fn.cache = cache
+    _caches.append(cache)
+    return fn
+
+
+def clear_cached_checks() -> None:
+    """Empty every ``cached`` check's signature cache."""
+    for cache in _caches:
+        cache.clear()

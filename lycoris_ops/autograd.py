@@ -8,7 +8,9 @@ through one raises a clear error instead of returning a silent zero.
 from __future__ import annotations
 
 import torch
-from torch.library import register_autograd
+
+# torch.library.register_autograd's registration with its per-call overhead removed
+from ._autograd_kernel import register_autograd
 
 lycoris = torch.ops.lycoris
 
@@ -90,18 +92,19 @@ register_autograd("lycoris::lora_merge_fwd", _lora_merge_fwd_backward, setup_con
 
 
 def _lora_bypass_fwd_setup(ctx, inputs, output):
-    x, up, down, gamma = inputs[:4]
-    base = inputs[4] if len(inputs) > 4 else None
+    x, up, down, gamma, base = inputs  # the defaults are filled in: always 5
     ctx.gamma = gamma
     ctx.base_dtype = None if base is None else base.dtype
     ctx.save_for_backward(x, up, down)
 
 
 def _lora_bypass_fwd_backward(ctx, grad):
-    need = ctx.needs_input_grad
-    g_base = grad.to(ctx.base_dtype) if len(need) > 4 and need[4] else None
+    need = ctx.needs_input_grad  # 4 entries when the call left base out
+    g_base = None
+    if len(need) > 4 and need[4]:  # G in base's dtype (G itself when it already is, as .to gives)
+        g_base = grad if grad.dtype == ctx.base_dtype else grad.to(ctx.base_dtype)
     gx = g_up = g_down = None
-    if any(need[:3]):
+    if need[0] or need[1] or need[2]:
         x, up, down = ctx.saved_tensors
         gx, g_up, g_down = lycoris.lora_bypass_bwd(grad, x, up, down, ctx.gamma)
     out = (gx if need[0] else None, g_up if need[1] else None, g_down if need[2] else None, None)
@@ -391,7 +394,7 @@ def _add_scaled_backward(ctx, grad):
     g_base = grad.to(ctx.base_dtype) if need[0] else None
     g_delta = None
     if need[1]:
-        wide = torch.promote_types(grad.dtype, torch.float32)
+        wide = torch.float64 if grad.dtype == torch.float64 else torch.float32  # fp32 math, fp64 stays
         g_delta = (grad.to(wide) * ctx.gamma).to(ctx.delta_dtype).reshape(ctx.delta_shape)
     return g_base, g_delta, None
 

@@ -20,9 +20,16 @@ def as_dict(cfg) -> Optional[Dict[str, Any]]:
     return dict(cfg)
 
 
+_triton_modules: Dict[str, Any] = {}
+
+
 def triton_module(family: str):
-    """``lycoris_ops.triton.<family>`` (imported lazily: the launchers import the planners)."""
-    return importlib.import_module(f"lycoris_ops.triton.{family}")
+    """``lycoris_ops.triton.<family>`` (imported lazily: the launchers import the planners;
+    then kept here: this runs on every launch and import_module costs a microsecond)."""
+    module = _triton_modules.get(family)
+    if module is None:
+        module = _triton_modules[family] = importlib.import_module(f"lycoris_ops.triton.{family}")
+    return module
 
 
 def reference_module(family: str):

@@ -7,8 +7,10 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
+from . import cast
 
 
+@C.cached
 def check_add_scaled(base, delta, gamma):
     """-> ((base shape, base.dtype),). base and delta must have equal numel."""
     op = "add_scaled"
@@ -32,5 +34,5 @@ def add_scaled(base, delta, gamma):
     """
     check_add_scaled(base, delta, gamma)
     cdt = torch.float64 if torch.float64 in (base.dtype, delta.dtype) else torch.float32
-    out = torch.add(base.to(cdt), delta.reshape(base.shape).to(cdt), alpha=gamma)
-    return out.to(base.dtype).contiguous()
+    out = torch.add(cast(base, cdt), cast(delta.reshape(base.shape), cdt), alpha=gamma)
+    return cast(out, base.dtype).contiguous()

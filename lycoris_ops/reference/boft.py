@@ -72,6 +72,7 @@ def _check_common(op, blocks, x, axis, cscale, scale, rescale=None, grad=None):
     return m, nb, s, ax
 
 
+@_checks.cached
 def check_boft_fwd(blocks, x, axis, cscale, scale, rescale, diff):
     """Output spec of ``boft_fwd``: one tensor of x's shape and dtype."""
     if not isinstance(diff, bool):
@@ -80,6 +81,7 @@ def check_boft_fwd(blocks, x, axis, cscale, scale, rescale, diff):
     return ((tuple(x.shape), x.dtype),)
 
 
+@_checks.cached
 def check_boft_bwd(grad, blocks, x, axis, cscale, scale):
     """Output spec of ``boft_bwd``: gx (x's shape and dtype), g_blocks (blocks' shape and dtype)."""
     _check_common("boft_bwd", blocks, x, axis, cscale, scale, grad=grad)

@@ -42,6 +42,7 @@ def _check_common(op, w, dscale, mult, row_axis, delta):
     return rows, _compute_dtype(w, dscale, delta)
 
 
+@C.cached
 def check_dora_fwd(w, dscale, mult, row_axis, delta=None):
     """-> ((y shape, w.dtype), ((R,), fp32 | fp64))."""
     op = "dora_fwd"
@@ -49,6 +50,7 @@ def check_dora_fwd(w, dscale, mult, row_axis, delta=None):
     return ((tuple(w.shape), w.dtype), ((rows,), cdt))
 
 
+@C.cached
 def check_dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None):
     """-> ((w shape, w.dtype), ((R,), dscale.dtype))."""
     op = "dora_bwd"

@@ -30,12 +30,14 @@ def _check_common(op, x, w, channel_axis, alpha, gamma):
     return ax
 
 
+@C.cached
 def check_ia3_fwd(x, w, channel_axis, alpha, gamma):
     """-> ((x shape, promote_types(x, w)),)."""
     _check_common("ia3_fwd", x, w, channel_axis, alpha, gamma)
     return ((tuple(x.shape), torch.promote_types(x.dtype, w.dtype)),)
 
 
+@C.cached
 def check_ia3_bwd(grad, x, w, channel_axis, alpha, gamma):
     """-> ((x shape, x.dtype), (w shape, w.dtype))."""
     op = "ia3_bwd"

@@ -49,6 +49,7 @@ def _hada_grads(gw, p1, p2, a1, b1, a2, b2, gamma, c):
             mm32(a2c.t(), e2).to(b2.dtype).contiguous())
 
 
+@C.cached
 def check_loha_merge_bwd(grad, a1, b1, a2, b2, gamma):
     """-> one (shape, dtype) per factor: (a1, b1, a2, b2) as given. grad (O, I)."""
     op = "loha_merge_bwd"
@@ -75,6 +76,7 @@ def loha_merge_bwd(grad, a1, b1, a2, b2, gamma):
     return _hada_grads(grad.to(c), p1, p2, a1, b1, a2, b2, gamma, c)
 
 
+@C.cached
 def check_loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
     """-> (((T, O), base.dtype if base else x.dtype),). x (T, I), base (T, O)."""
     op = "loha_bypass_fwd"
@@ -113,6 +115,7 @@ def loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
     return y.to(dt).contiguous()
 
 
+@C.cached
 def check_loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
     """-> (x spec, a1, b1, a2, b2 specs) as given. grad (T, O), x (T, I)."""
     op = "loha_bypass_bwd"

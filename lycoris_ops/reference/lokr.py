@@ -53,6 +53,7 @@ def _kron(w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
 # lokr_full_merge_fwd / lokr_full_merge_bwd
 
 
+@C.cached
 def check_lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
     op = "lokr_full_merge_fwd"
     C.tensor(op, "w1", w1, 2, "(a, b)")
@@ -87,6 +88,7 @@ def lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
     return y.to(dtype).contiguous()
 
 
+@C.cached
 def check_lokr_full_merge_bwd(grad, w1, w2, gamma):
     op = "lokr_full_merge_bwd"
     C.tensor(op, "w1", w1, 2, "(a, b)")
@@ -160,6 +162,7 @@ def _check_factored(op, w1a, w1b, w2a, w2b, shape):
     return a, b, c, d
 
 
+@C.cached
 def check_lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
     op = "lokr_merge_fwd"
     a, b, c, d = _check_factored(op, w1a, w1b, w2a, w2b, shape)
@@ -201,6 +204,7 @@ def lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
     return y.to(dtype).contiguous()
 
 
+@C.cached
 def check_lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
     op = "lokr_merge_bwd"
     a, b, c, d = _check_factored(op, w1a, w1b, w2a, w2b, shape)
@@ -252,6 +256,7 @@ def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
 # lokr_bypass_fwd / lokr_bypass_bwd
 
 
+@C.cached
 def check_lokr_bypass_fwd(x, w1, w2, gamma, base=None):
     op = "lokr_bypass_fwd"
     C.tensor(op, "x", x, 2, "(T, b*d)")
@@ -299,6 +304,7 @@ def lokr_bypass_fwd(x, w1, w2, gamma, base=None):
     return y.to(dtype).contiguous()
 
 
+@C.cached
 def check_lokr_bypass_bwd(grad, x, w1, w2, gamma):
     op = "lokr_bypass_bwd"
     C.tensor(op, "grad", grad, 2, "(T, a*c)")

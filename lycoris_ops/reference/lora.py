@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
-from . import mm32
+from . import cast, mm32
 
 MODES = ("plain", "hada", "sum")
 
@@ -25,6 +25,7 @@ def _acc(compute: torch.dtype) -> torch.dtype:
 
 # --------------------------------------------------------------------------- merge
 
+@C.cached
 def check_lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
     """-> (((O, I), out_dtype or a1.dtype),).
 
@@ -71,21 +72,23 @@ def lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
     accumulation over the compute dtype; epilogue in fp32; one rounding.
     """
     ((_, dt),) = check_lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype)
+    # the check rejected float16 with bfloat16: promote without re-checking
     if mode == "plain":
-        c = C.compute_dtype("lora_merge_fwd", a1=a1, b1=b1)
+        c = C.promote_dtypes(a1.dtype, b1.dtype)
     else:
-        c = C.compute_dtype("lora_merge_fwd", a1=a1, b1=b1, a2=a2, b2=b2)
-    y = mm32(a1.to(c), b1.to(c))
+        c = C.promote_dtypes(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    y = mm32(cast(a1, c), cast(b1, c))
     if mode == "hada":
-        y = y * mm32(a2.to(c), b2.to(c))
+        y = y * mm32(cast(a2, c), cast(b2, c))
     elif mode == "sum":
-        y = y + mm32(a2.to(c), b2.to(c))
+        y = y + mm32(cast(a2, c), cast(b2, c))
     y = y * gamma
     if base is not None:
-        y = y + base.to(_acc(c))
-    return y.to(dt).contiguous()
+        y = y + cast(base, _acc(c))
+    return cast(y, dt).contiguous()
 
 
+@C.cached
 def check_lora_merge_bwd(grad, up, down, gamma):
     """-> (((O, r), up.dtype), ((r, I), down.dtype)). grad (O, I), up (O, r), down (r, I)."""
     op = "lora_merge_bwd"
@@ -109,15 +112,16 @@ def lora_merge_bwd(grad, up, down, gamma):
     down's dtype. G (O, I) is cast to the compute dtype of (up, down).
     """
     check_lora_merge_bwd(grad, up, down, gamma)
-    c = C.compute_dtype("lora_merge_bwd", up=up, down=down)
-    g, u, d = grad.to(c), up.to(c), down.to(c)
-    g_up = (mm32(g, d.t()) * gamma).to(up.dtype)
-    g_down = (mm32(u.t(), g) * gamma).to(down.dtype)
+    c = C.promote_dtypes(up.dtype, down.dtype)
+    g, u, d = cast(grad, c), cast(up, c), cast(down, c)
+    g_up = cast(mm32(g, d.t()) * gamma, up.dtype)
+    g_down = cast(mm32(u.t(), g) * gamma, down.dtype)
     return g_up.contiguous(), g_down.contiguous()
 
 
 # --------------------------------------------------------------------------- bypass
 
+@C.cached
 def check_lora_bypass_fwd(x, up, down, gamma, base=None):
     """-> (((T, O), base.dtype if base else x.dtype),). x (T, I), up (O, r), down (r, I), base (T, O)."""
     op = "lora_bypass_fwd"
@@ -144,14 +148,15 @@ def lora_bypass_fwd(x, up, down, gamma, base=None):
     base's dtype when given, else x's.
     """
     ((_, dt),) = check_lora_bypass_fwd(x, up, down, gamma, base)
-    c = C.compute_dtype("lora_bypass_fwd", x=x, up=up, down=down)
-    h = mm32(x.to(c), down.to(c).t()).to(c)
-    y = mm32(h, up.to(c).t()) * gamma
+    c = C.promote_dtypes(x.dtype, up.dtype, down.dtype)
+    h = cast(mm32(cast(x, c), cast(down, c).t()), c)
+    y = mm32(h, cast(up, c).t()) * gamma
     if base is not None:
-        y = y + base.to(_acc(c))
-    return y.to(dt).contiguous()
+        y = y + cast(base, _acc(c))
+    return cast(y, dt).contiguous()
 
 
+@C.cached
 def check_lora_bypass_bwd(grad, x, up, down, gamma):
     """-> ((x.shape, x.dtype), (up.shape, up.dtype), (down.shape, down.dtype))."""
     op = "lora_bypass_bwd"
@@ -177,13 +182,13 @@ def lora_bypass_bwd(grad, x, up, down, gamma):
     each in its input's dtype.
     """
     check_lora_bypass_bwd(grad, x, up, down, gamma)
-    c = C.compute_dtype("lora_bypass_bwd", x=x, up=up, down=down)
-    g, xc, u, d = grad.to(c), x.to(c), up.to(c), down.to(c)
-    h = mm32(xc, d.t()).to(c)
-    q = mm32(g, u).to(c)
-    gx = (mm32(q, d) * gamma).to(x.dtype)
-    g_up = (mm32(g.t(), h) * gamma).to(up.dtype)
-    g_down = (mm32(q.t(), xc) * gamma).to(down.dtype)
+    c = C.promote_dtypes(x.dtype, up.dtype, down.dtype)
+    g, xc, u, d = cast(grad, c), cast(x, c), cast(up, c), cast(down, c)
+    h = cast(mm32(xc, d.t()), c)
+    q = cast(mm32(g, u), c)
+    gx = cast(mm32(q, d) * gamma, x.dtype)
+    g_up = cast(mm32(g.t(), h) * gamma, up.dtype)
+    g_down = cast(mm32(q.t(), xc) * gamma, down.dtype)
     return gx.contiguous(), g_up.contiguous(), g_down.contiguous()
 
 
@@ -197,6 +202,7 @@ def _check_chain(op, k, a, t, b):
     C.size(op, f"b{k}.shape[0] (R = t{k}.shape[1])", b.shape[0], t.shape[1])
 
 
+@C.cached
 def check_lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
     """-> (((O, I, Kk), a1.dtype),).
 

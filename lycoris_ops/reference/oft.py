@@ -113,12 +113,14 @@ def _check_common(op, blocks, x, rescale, cscale, shift, weight, grad=None):
     return K, S
 
 
+@_checks.cached
 def check_oft_fwd(blocks, x, rescale, cscale, shift, weight):
     """Output spec of ``oft_fwd``: one tensor of x's shape and dtype."""
     _check_common("oft_fwd", blocks, x, rescale, cscale, shift, weight)
     return ((tuple(x.shape), x.dtype),)
 
 
+@_checks.cached
 def check_oft_bwd(grad, blocks, x, rescale, cscale, shift, weight):
     """Output spec of ``oft_bwd``: gx (x), g_blocks (blocks), g_rescale ((K*S,) or (0,), blocks' dtype)."""
     K, S = _check_common("oft_bwd", blocks, x, rescale, cscale, shift, weight, grad=grad)

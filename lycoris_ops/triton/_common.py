@@ -86,12 +86,17 @@ def num_sms(device: torch.device) -> int:
     return _num_sms(index)
 
 
+#: a nullcontext holds no state: one instance serves every call (host time per launch)
+_NO_GUARD = contextlib.nullcontext()
+
+
 def device_guard(t: torch.Tensor):
     """Make ``t``'s GPU current while launching (Triton launches on the current
     device and stream); a no-op context when it already is, or on CPU."""
-    if t.device.type != "cuda" or t.device.index is None or t.device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(t.device.index)
+    device = t.device
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return _NO_GUARD
+    return torch.cuda.device(device.index)
 
 
 def collapse(shape, stride, max_dims: int = 3):

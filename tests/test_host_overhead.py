@@ -1,0 +1,120 @@
+"""The host-overhead shortcuts keep every behaviour: the per-signature cache of the
+``check_<op>`` functions (``_checks.cached``) never lets a bad call through and is
+bypassed by fake/symbolic tensors, and the lean autograd registration
+(``_autograd_kernel``) behaves like ``torch.library.register_autograd``."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import lycoris_ops  # noqa: F401
+from lycoris_ops import _checks
+from lycoris_ops.reference import add, boft, ia3, lokr, lora
+
+
+def _lora_args(T=4, I=6, O=5, r=2, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(s, generator=g, dtype=dtype) for s in ((T, I), (O, r), (r, I), (T, O))]
+
+
+def test_cache_hits_and_keeps_the_spec():
+    x, up, down, base = _lora_args()
+    check = lora.check_lora_bypass_fwd
+    check.cache.clear()
+    spec = check(x, up, down, 0.5, base)
+    assert spec == (((4, 5), torch.float32),) and len(check.cache) == 1
+    assert check(x.clone(), up, down, 2.0, base) is spec  # other data, other gamma: a hit
+    assert len(check.cache) == 1
+    check(x, up, down, 0.5)  # no base: another signature
+    assert len(check.cache) == 2
+    assert check.__wrapped__(x, up, down, 0.5, base) == spec
+
+
+@pytest.mark.parametrize("repeat", [1, 3])
+def test_bad_calls_always_raise(repeat):
+    x, up, down, base = _lora_args()
+    check = lora.check_lora_bypass_fwd
+    check(x, up, down, 0.5, base)  # the good signature is cached
+    bad = [
+        ((x, up, down[:1], 0.5, base), "down.shape"),
+        ((x, up.half(), down.bfloat16(), 0.5, base), "float16 and bfloat16"),
+        ((x, up, down, torch.tensor(0.5), base), "gamma"),
+        ((x, up, down, 0.5, base[:, :3]), "base"),
+        ((x.int(), up, down, 0.5, base), "x must be float"),
+        ((x, up, down.to("meta"), 0.5, base), "on meta"),
+        (([1.0], up, down, 0.5, base), "x must be a Tensor"),
+    ]
+    for args, match in bad:
+        for _ in range(repeat):
+            with pytest.raises(ValueError, match=match):
+                check(*args)
+            with pytest.raises(ValueError, match=match):
+                lora.lora_bypass_fwd(*args)
+
+
+def test_type_sensitive_scalars():
+    """True == 1 and hash alike, but an int axis and a bool axis are checked differently."""
+    x, w = torch.randn(3, 4), torch.randn(4)
+    assert ia3.check_ia3_fwd(x, w, 1, 1.0, 0.5)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="channel_axis must be an int"):
+            ia3.check_ia3_fwd(x, w, True, 1.0, 0.5)
+    blocks, xb = torch.randn(1, 2, 2, 2), torch.randn(3, 4)
+    assert boft.check_boft_fwd(blocks, xb, 1, 1.0, 1.0, None, False)
+    with pytest.raises(ValueError, match="diff must be a bool"):
+        boft.check_boft_fwd(blocks, xb, 1, 1.0, 1.0, None, 0)
+    w1, w2 = torch.randn(2, 3), torch.randn(4, 5)
+    assert lokr.check_lokr_merge_fwd(w1, None, w2, None, [2, 3, 4, 5], None, 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        lokr.check_lokr_merge_fwd(w1, None, w2, None, [2, 3, 4, True], None, 1.0)
+    assert add.check_add_scaled(w1, w1, 1)  # an int gamma: checked, not cached
+    with pytest.raises(ValueError, match="gamma"):
+        add.check_add_scaled(w1, w1, torch.tensor(1.0))
+
+
+def test_fake_and_symbolic_tensors_bypass_the_cache():
+    check = lora.check_lora_bypass_fwd
+    check.cache.clear()
+    with FakeTensorMode():
+        x, up, down, base = (torch.empty(s) for s in ((4, 6), (5, 2), (2, 6), (4, 5)))
+        assert check(x, up, down, 0.5, base) == (((4, 5), torch.float32),)
+        with pytest.raises(ValueError, match="base"):
+            check(x, up, down, 0.5, base[:, :3])
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    real = _lora_args(T=7)
+    x, up, down, base = (mode.from_tensor(t, static_shapes=False) for t in real)
+    ((shape, dtype),) = check(x, up, down, 0.5, base)
+    assert isinstance(shape[0], torch.SymInt) and dtype == torch.float32
+    assert len(check.cache) == 0
+    with mode, pytest.raises(ValueError, match="float16 and bfloat16"):  # the fake kernel: same error
+        torch.ops.lycoris.lora_bypass_fwd(x.half(), up, down.bfloat16(), 0.5, base)
+
+
+def test_cached_check_keeps_name_and_signature():
+    import inspect
+
+    fn = lora.check_lora_bypass_fwd
+    assert fn.__name__ == "check_lora_bypass_fwd" and fn.__doc__ == fn.__wrapped__.__doc__
+    assert str(inspect.signature(fn)) == "(x, up, down, gamma, base=None)"
+    _checks.clear_cached_checks()
+    assert len(fn.cache) == 0
+
+
+def test_lean_autograd_registration():
+    x, up, down, base = _lora_args()
+    op = torch.ops.lycoris.lora_bypass_fwd
+    with torch.no_grad():
+        assert op(x, up.requires_grad_(), down, 0.5, base).grad_fn is None
+    y = op(x, up, down, 0.5)  # base left out: setup_context still sees 5 inputs
+    assert type(y.grad_fn).__name__.startswith("LycorisBackwardFor_lycoris_lora_bypass_fwd")
+    y.sum().backward()
+    assert up.grad.shape == up.shape and down.grad is None
+    xb, bb = x.clone().requires_grad_(), base.double().requires_grad_()
+    op(xb, up.detach(), down, 0.5, bb).sum().backward()
+    assert bb.grad.dtype == torch.float64 and xb.grad.shape == x.shape
+    with pytest.raises(RuntimeError, match="double backward"):
+        g = op(xb, up.detach(), down, 0.5, None)
+        (gx,) = torch.autograd.grad(g.sum(), xb, create_graph=True)
+        gx.sum().backward()
