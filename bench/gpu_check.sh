@@ -4,10 +4,11 @@
 #
 #   bash bench/gpu_check.sh [all|tests|bench] [bench.py args...]
 #
-# Lanes: "tests" = the tuner check (empty table, then a fresh process that must not time),
-# the GPU test suite, the backend sweep; "bench" = bench.py, then bench/e2e.py. With two or
-# more GPUs the lanes run at the same time, tests on GPU 1 and benchmarks on GPU 0 (a
-# benchmark never shares its GPU); with one GPU, one after the other.
+# Stages: "tests" = the tuner check (empty table, then a fresh process that must not time),
+# the GPU test suite, the backend sweep; "bench" = bench.py and bench/e2e.py. With two or
+# more GPUs: bench.py on GPU 0 while e2e (then the tests) run on GPU 1, so a benchmark
+# never shares its GPU; with one GPU, one after the other. Stopped early (an outer
+# timeout), the script still packs what it has and prints the summary.
 #
 # Runs on a CUDA machine (the device tool's H200: torch 2.11, triton 3.6).
 # Optional, carried beside the repo (ignored by git):
@@ -17,7 +18,7 @@
 # Environment (all optional): LYCORIS_TESTS (pytest targets), LYCORIS_TESTS_SECONDS (the
 # suite is interrupted after this, its summary still printed), LYCORIS_TUNING_ARGS,
 # LYCORIS_BACKENDS_ARGS (empty: skip the sweep if "skip"), LYCORIS_E2E_ARGS ("skip": no e2e),
-# LYCORIS_E2E_SECONDS, LYCORIS_COMMIT (no git checkout on the device).
+# LYCORIS_E2E_SECONDS, LYCORIS_BENCH_SECONDS, LYCORIS_TUNING_SECONDS, LYCORIS_COMMIT (no git checkout on the device).
 # Output: logs, CSVs and the e2e plot packed as ${OUT:-bench/out}/results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,21 @@ echo "built in $((SECONDS - t0)) s"
 $py -c "import torch, triton, lycoris_ops as L; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name()); print('backends', L.available_backends('cuda'))"
 ngpu=$($py -c "import torch; print(torch.cuda.device_count())")
 commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${LYCORIS_COMMIT:-unknown}")
+touch "$work/status"
+
+finish() {  # pack and summarize, also when an outer timeout stops the script
+  trap - EXIT TERM INT
+  for f in "$work"/*.log bench/e2e_ratios.png; do [ -f "$f" ] && cp "$f" "$out/"; done
+  tar czf "$final/results.tgz" -C "$out" . && echo "packed: $final/results.tgz"
+  echo; echo "== summary"
+  [ -f "$work/e2e.log" ] && grep -A40 "^E2E" "$work/e2e.log" | head -30
+  [ -f "$work/bench.log" ] && tail -45 "$work/bench.log"
+  cat "$work/status"
+  ! grep -qv "exit 0" "$work/status"
+  exit $?
+}
+trap finish EXIT
+trap 'echo "stopped: $(date -u +%T)" >>"$work/status"; pkill -TERM -P $$ 2>/dev/null; finish' TERM INT
 
 tests_lane() {  # $1: CUDA_VISIBLE_DEVICES for the lane
   local rc t0
@@ -69,34 +85,33 @@ tests_lane() {  # $1: CUDA_VISIBLE_DEVICES for the lane
 bench_lane() {  # $1: CUDA_VISIBLE_DEVICES; the rest: bench.py args
   local rc dev=$1; shift
   export CUDA_VISIBLE_DEVICES=$dev
-  echo "== benchmark"
-  $py bench/bench.py --out "$out" --commit "$commit" "$@" >"$work/bench.log" 2>&1; rc=$?
+  echo "== benchmark (GPU $dev)"
+  timeout -s INT "${LYCORIS_BENCH_SECONDS:-1800}" $py bench/bench.py --out "$out" --commit "$commit" "$@" \
+    >"$work/bench.log" 2>&1; rc=$?
   echo "bench: exit $rc" >>"$work/status"
-  if [ "${LYCORIS_E2E_ARGS:-}" != skip ]; then
-    echo "== end-to-end training step"
-    local csv; csv=$(ls -t "$out"/bench-*.csv 2>/dev/null | head -1)
-    timeout -s INT "${LYCORIS_E2E_SECONDS:-900}" $py bench/e2e.py --out "$out" --plot ${csv:+--per-op-csv "$csv"} \
-      ${LYCORIS_E2E_ARGS:-} >"$work/e2e.log" 2>&1; rc=$?
-    echo "e2e: exit $rc" >>"$work/status"
-  fi
 }
 
-if [ "$what" = all ] && [ "$ngpu" -ge 2 ]; then
-  echo "== two lanes: tests on GPU 1, benchmarks on GPU 0"
+e2e_lane() {  # $1: CUDA_VISIBLE_DEVICES
+  local rc
+  [ "${LYCORIS_E2E_ARGS:-}" = skip ] && return
+  export CUDA_VISIBLE_DEVICES=$1
+  echo "== end-to-end training step (GPU $1)"
+  timeout -s INT "${LYCORIS_E2E_SECONDS:-900}" $py bench/e2e.py --out "$out" --plot ${LYCORIS_E2E_ARGS:-} \
+    >"$work/e2e.log" 2>&1; rc=$?
+  echo "e2e: exit $rc" >>"$work/status"
+}
+
+if [ "$ngpu" -ge 2 ] && [ "$what" != tests ]; then
+  echo "== two lanes: per-op benchmark on GPU 0; e2e$([ "$what" = all ] && echo ", then tests") on GPU 1"
   (bench_lane 0 "$@") >"$work/bench_lane.log" 2>&1 &
   bench_pid=$!
-  tests_lane 1
+  e2e_lane 1
+  [ "$what" = all ] && tests_lane 1
   wait $bench_pid
   cat "$work/bench_lane.log"
 else
-  [ "$what" = all ] || [ "$what" = tests ] && tests_lane "${CUDA_VISIBLE_DEVICES:-0}"
-  [ "$what" = all ] || [ "$what" = bench ] && bench_lane "${CUDA_VISIBLE_DEVICES:-0}" "$@"
+  if [ "$what" = all ] || [ "$what" = tests ]; then tests_lane "${CUDA_VISIBLE_DEVICES:-0}"; fi
+  if [ "$what" = all ] || [ "$what" = bench ]; then
+    bench_lane "${CUDA_VISIBLE_DEVICES:-0}" "$@"; e2e_lane "${CUDA_VISIBLE_DEVICES:-0}"
+  fi
 fi
-for f in "$work"/*.log bench/e2e_ratios.png; do [ -f "$f" ] && cp "$f" "$out/"; done
-tar czf "$final/results.tgz" -C "$out" . && echo "packed: $final/results.tgz"
-
-echo; echo "== summary"
-[ -f "$work/e2e.log" ] && grep -A40 "^E2E" "$work/e2e.log" | head -30
-[ -f "$work/bench.log" ] && tail -45 "$work/bench.log"
-cat "$work/status"
-! grep -qv "exit 0" "$work/status"

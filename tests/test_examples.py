@@ -4,11 +4,14 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(torch.__version__ < "2.13", reason="torch 2.11's AOTInductor loader segfaults in _load_aoti "
+                                                       "(tests/test_compile_export.py: the same skip)")
 def test_export_aoti_example(tmp_path):
     out = subprocess.run([sys.executable, str(EXAMPLES / "export_aoti.py"), "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900)
