@@ -120,10 +120,11 @@ def batches(args, step, device, dtype, rank, world):
     """This rank's slice of global batch ``step`` (the same global batch for any world size)."""
     g = torch.Generator().manual_seed(10_000 + step)
     x = torch.randn(args.global_batch, args.seq, args.dim, generator=g)
-    y = torch.randn(args.global_batch, args.seq, args.dim, generator=g)
     per = args.global_batch // world
-    sl = slice(rank * per, (rank + 1) * per)
-    return x[sl].to(device, dtype), y[sl].to(device, dtype)
+    x = x[rank * per:(rank + 1) * per].to(device, dtype)
+    # target: the input itself — the adapters learn to cancel the frozen blocks' residual
+    # updates, a loss that falls from the first step (random targets would not)
+    return x, x
 
 
 def wrap(model, parallel, compiled, device, world):
@@ -198,7 +199,7 @@ def init():
 def compare(ref_path, run_path, rtol, ptol):
     """Curves of ``run_path`` against the single-device curves of ``ref_path`` (same adapter
     and compile flag): the loss per step within ``rtol`` (relative), and the progress
-    ``L_t - L_0`` within ``ptol`` of the reference's total progress (a few steps move the
+    ``L_t - L_0`` within ``ptol`` of the reference's largest progress (a few steps move the
     loss by a few percent only: the progress is what a missing gradient average changes).
     Prints a table; returns the exit status."""
     ref = {(r["adapter"], r["compiled"]): r for r in json.load(open(ref_path))["runs"]}
@@ -213,7 +214,7 @@ def compare(ref_path, run_path, rtol, ptol):
             continue
         got, want = r["losses"], base["losses"]
         worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(got, want))
-        total = max(abs(want[-1] - want[0]), 1e-12)
+        total = max(max(abs(b - want[0]) for b in want), 1e-12)  # the reference's largest excursion
         drift = max(abs((a - got[0]) - (b - want[0])) for a, b in zip(got, want)) / total
         ok = worst <= rtol and drift <= ptol and all(map(math.isfinite, got))
         bad += not ok
@@ -238,14 +239,14 @@ def main(argv=None):
     ap.add_argument("--global-batch", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--lr", type=float, default=1e-2)
+    ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--bench", action="store_true",
                     help="step-time run: D=3072, 24 heads, 4 blocks, 4096 tokens per GPU, ours and eager, no compile")
     ap.add_argument("--out", default=None, help="write the runs as JSON (rank 0)")
     ap.add_argument("--compare", nargs=2, metavar=("REF", "RUN"), help="compare two --out files and exit")
     ap.add_argument("--rtol", type=float, default=1e-2, help="--compare: max relative loss difference per step")
-    ap.add_argument("--ptol", type=float, default=2e-2,
+    ap.add_argument("--ptol", type=float, default=5e-3,
                     help="--compare: max difference of the progress L_t - L_0, relative to the reference's")
     args = ap.parse_args(argv)
     if args.compare:
