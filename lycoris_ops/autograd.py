@@ -394,8 +394,13 @@ def _add_scaled_backward(ctx, grad):
     g_base = grad.to(ctx.base_dtype) if need[0] else None
     g_delta = None
     if need[1]:
-        wide = torch.float64 if grad.dtype == torch.float64 else torch.float32  # fp32 math, fp64 stays
-        g_delta = (grad.to(wide) * ctx.gamma).to(ctx.delta_dtype).reshape(ctx.delta_shape)
+        if grad.dtype == ctx.delta_dtype:
+            # one kernel: torch's elementwise mul of a 16-bit tensor by a Python scalar already
+            # computes in fp32 (opmath) and rounds once, as the upcast form below does
+            g_delta = (grad * ctx.gamma).reshape(ctx.delta_shape)
+        else:
+            wide = torch.float64 if torch.float64 in (grad.dtype, ctx.delta_dtype) else torch.float32
+            g_delta = (grad.to(wide) * ctx.gamma).to(ctx.delta_dtype).reshape(ctx.delta_shape)
     return g_base, g_delta, None
 
 
