@@ -41,7 +41,7 @@ MAX_JOBS=16 $py -m pip install -q --no-build-isolation --no-deps -e . >"$work/bu
 echo "built in $((SECONDS - t0)) s"
 $py -c "import torch, triton, lycoris_ops as L; print('torch', torch.__version__, '| triton', triton.__version__, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name()); print('backends', L.available_backends('cuda'))"
 ngpu=$($py -c "import torch; print(torch.cuda.device_count())")
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo "${LYCORIS_COMMIT:-unknown}")
+commit=${LYCORIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}  # the device copy's .git may be stale
 touch "$work/status"
 
 finish() {  # pack and summarize, also when an outer timeout stops the script
