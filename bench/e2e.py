@@ -11,9 +11,13 @@ LoRA r=32, LoKr, DoRA. Rows per adapter (when available):
 - ``plain-eager`` / ``plain-compiled``   this script's plain-torch adapters (used when PEFT is absent)
 - ``ours-eager`` / ``ours-compiled``     ``lycoris_ops.nn`` adapters
 - ``ours-graphs``          ``torch.compile(mode="reduce-overhead")`` of ``ours`` (CUDA graphs), CUDA only
+- ``base-eager``           no adapters: the frozen blocks' forward and input-gradient backward, the
+                           floor under every row (what adapter fusion cannot remove)
 
 Reports median step time (ms), speed-up vs the row's eager baseline, and peak
-memory (``torch.cuda.max_memory_allocated`` over the measured steps). Writes
+memory (``torch.cuda.max_memory_allocated`` over the measured steps); ``--profile``
+adds one profiled step per row, its time split into GEMMs, attention, our ops,
+optimizer, norms/activations and the rest. Writes
 ``<out>/e2e.json`` and ``<out>/e2e.md``; ``--plot`` draws ``bench/e2e_ratios.png``
 (end-to-end ratios, plus per-op x_eager from a ``bench.py`` CSV given by ``--per-op-csv``;
 needs matplotlib).
@@ -120,6 +124,8 @@ def build(variant, adapter, args, device, dtype):
     m = make_model(args, device, dtype)
     fam = variant.split("-")[0]
     r = args.rank
+    if fam == "base":  # no adapters: the frozen model's own forward + input-gradient backward
+        return m, []
     if fam == "plain":
         _replace(m, (lambda l: PlainLoKr(l, r)) if adapter == "lokr" else (lambda l: PlainLoRA(l, r, adapter == "dora")))
     elif fam == "ours":
@@ -147,6 +153,13 @@ def build(variant, adapter, args, device, dtype):
 
 
 def step_fn(model, params, x):
+    if not params:  # the "base" row: backward through the frozen blocks to the input, no optimizer
+        x = x.detach().requires_grad_()
+
+        def base_step():
+            model(x).float().square().mean().backward()
+            x.grad = None
+        return base_step
     opt = torch.optim.AdamW(params, lr=1e-4, foreach=True)
 
     def step():
@@ -155,6 +168,60 @@ def step_fn(model, params, x):
         opt.step()
         opt.zero_grad(set_to_none=True)
     return step
+
+
+#: profile categories, first match wins; an event inside a matched one is not counted again
+CATEGORIES = (
+    ("lycoris ops", lambda n: n.startswith("lycoris::")),
+    ("attention", lambda n: "scaled_dot_product" in n or "flash_attention" in n or "efficient_attention" in n),
+    ("GEMM", lambda n: n in ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul",
+                             "aten::linear", "aten::_scaled_mm", "aten::kron")),
+    ("optimizer", lambda n: n.startswith("Optimizer.") or "_foreach_" in n or "_fused_adam" in n),
+    ("norm/activation", lambda n: "layer_norm" in n or "gelu" in n),
+)
+
+
+def profile_step(step, device) -> dict:
+    """One profiled step: device time (ms; CPU time without CUDA) per category of
+    ``CATEGORIES`` and ``other`` (the rest: adds, casts, copies, reductions, Inductor's
+    fused kernels), from torch.profiler's op tree (outermost matching op counted)."""
+    from torch.profiler import ProfilerActivity, profile
+    cuda = torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    step()  # not the first call of anything
+    with profile(activities=acts) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    events = prof.events()
+    t = (lambda e: e.device_time_total) if cuda else (lambda e: e.cpu_time_total)
+    out = {name: 0.0 for name, _ in CATEGORIES}
+    total = 0.0
+
+    def category(e):
+        for name, match in CATEGORIES:
+            if match(e.name):
+                return name
+        return None
+
+    for e in events:
+        if e.cpu_parent is None:
+            total += t(e)
+        cat = category(e)
+        if cat is None:
+            continue
+        parent, nested = e.cpu_parent, False
+        while parent is not None:
+            if category(parent) is not None:
+                nested = True
+                break
+            parent = parent.cpu_parent
+        if not nested:
+            out[cat] += t(e)
+    out = {k: v / 1e3 for k, v in out.items()}
+    out["other"] = max(total / 1e3 - sum(out.values()), 0.0)
+    out["total"] = total / 1e3
+    return out
 
 
 def time_steps(step, device, warmup, reps):
@@ -190,6 +257,7 @@ def variants(args, device):
     v = (["peft-eager", "peft-compiled", "peft-ops-eager", "peft-ops-compiled"] if have_peft
          else ["plain-eager", "plain-compiled"])
     v += ["ours-eager", "ours-compiled"]
+    v.insert(0, "base-eager")  # the floor every row shares: no adapters
     if torch.device(device).type == "cuda" and not args.quick:
         v.append("ours-graphs")
     if args.no_compile:
@@ -218,6 +286,8 @@ def main(argv=None):
     ap.add_argument("--device", default=None)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"))
     ap.add_argument("--plot", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing, profile one step per row: time per category (GEMMs, attention, our ops, ...)")
     ap.add_argument("--per-op-csv", default=None, help="bench.py CSV for the per-op panel of the plot")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -233,6 +303,8 @@ def main(argv=None):
     for adapter in args.adapters.split(","):
         base_ms = {}
         for v in variants(args, device):
+            if v == "base-eager" and any(r["variant"] == v for r in rows):
+                continue  # adapter-independent: measured once
             torch._dynamo.reset()
             try:
                 model, params = build(v, adapter, args, device, dtype)
@@ -245,9 +317,11 @@ def main(argv=None):
                 step()
                 cold = time.perf_counter() - t0
                 ms, peak = time_steps(step, device, args.warmup, args.reps)
+                prof = profile_step(step, device) if args.profile else None
                 err = ""
             except Exception as e:  # keep the other rows
                 ms, peak, cold, err = float("nan"), float("nan"), float("nan"), f"{type(e).__name__}: {e}"[:300]
+                prof = None
             fam = v.split("-")[0]
             eager_key = "peft-eager" if fam == "peft" else f"{fam}-eager"
             if v.endswith("eager") and v.count("-") == 1:
@@ -255,7 +329,7 @@ def main(argv=None):
             ref = base_ms.get("peft", base_ms.get("plain", float("nan")))
             rows.append(dict(adapter=adapter, variant=v, ms=ms, peak_gib=peak, cold_s=cold,
                              x_eager=ref / ms if ms == ms and ms > 0 else float("nan"), error=err,
-                             baseline=eager_key))
+                             baseline=eager_key, profile=prof))
             print(f"{adapter:5s} {v:18s} {ms:9.2f} ms  x{rows[-1]['x_eager']:.2f}  peak {peak:.2f} GiB  "
                   f"cold {cold:.1f}s {err}", flush=True)
             del model, params
@@ -271,6 +345,15 @@ def main(argv=None):
           "| --- | --- | --- | --- | --- |"]
     md += [f"| {r['adapter']} | {r['variant']} | {r['ms']:.2f} | {r['x_eager']:.2f} | {r['peak_gib']:.2f} |"
            for r in rows]
+    profiled = [r for r in rows if r.get("profile")]
+    if profiled:
+        cats = list(profiled[0]["profile"])
+        unit = "device ms" if device.startswith("cuda") else "CPU ms"
+        md += ["", f"One profiled step per row ({unit}; GEMM = every matmul, the frozen base's and unfused "
+                   "adapters'; `other` = the rest: adds, casts, copies, Inductor's fused kernels):", "",
+               "| adapter | variant | " + " | ".join(cats) + " |", "| --- | --- | " + " | ".join("---" for _ in cats) + " |"]
+        md += [f"| {r['adapter']} | {r['variant']} | " + " | ".join(f"{r['profile'][c]:.2f}" for c in cats) + " |"
+               for r in profiled]
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))

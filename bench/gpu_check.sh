@@ -96,7 +96,7 @@ e2e_lane() {  # $1: CUDA_VISIBLE_DEVICES
   [ "${LYCORIS_E2E_ARGS:-}" = skip ] && return
   export CUDA_VISIBLE_DEVICES=$1
   echo "== end-to-end training step (GPU $1)"
-  timeout -s INT "${LYCORIS_E2E_SECONDS:-900}" $py bench/e2e.py --out "$out" --plot ${LYCORIS_E2E_ARGS:-} \
+  timeout -s INT "${LYCORIS_E2E_SECONDS:-900}" $py bench/e2e.py --out "$out" --plot --profile ${LYCORIS_E2E_ARGS:-} \
     >"$work/e2e.log" 2>&1; rc=$?
   echo "e2e: exit $rc" >>"$work/status"
 }
