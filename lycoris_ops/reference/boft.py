@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
+from . import cast
 from .oft import cayley, cayley_backward, channel_view, work_dtype
 
 __all__ = ["check_boft_fwd", "boft_fwd", "check_boft_bwd", "boft_bwd", "stage_permutation"]
@@ -160,4 +161,4 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
         gv = torch.einsum("bpq,nbpt->nbqt", f[i], gw)
         g = gv.reshape(pre, C, post).index_select(1, inv)
     g_blocks = cayley_backward(torch.stack(g_r), m_inv, cscale)
-    return g.reshape(x.shape).to(x.dtype).contiguous(), g_blocks.to(blocks.dtype).contiguous()
+    return g.reshape(x.shape).to(x.dtype).contiguous(), cast(g_blocks, blocks.dtype).contiguous()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
+from . import cast
 
 
 def _compute_dtype(w, dscale, delta) -> torch.dtype:
@@ -65,9 +66,9 @@ def check_dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None):
 
 
 def _matrix(w, delta, cdt):
-    m = w.to(cdt)
+    m = cast(w, cdt)
     if delta is not None:
-        m = m + delta.to(cdt)
+        m = m + cast(delta, cdt)
     return m
 
 
@@ -109,8 +110,8 @@ def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None):
     cdt = _compute_dtype(w, dscale, delta)
     red = 1 - row_axis
     m = _matrix(w, delta, cdt)
-    g = grad.to(cdt)
-    n = norms.to(cdt).unsqueeze(red)
+    g = cast(grad, cdt)
+    n = cast(norms, cdt).unsqueeze(red)
     d = dscale.reshape(-1).to(cdt).unsqueeze(red)
     rho = (g * m).sum(dim=red, keepdim=True)
     mnorm = torch.linalg.vector_norm(m, dim=red, keepdim=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
+from . import cast
 
 
 def _check_common(op, x, w, channel_axis, alpha, gamma):
@@ -69,8 +70,8 @@ def ia3_fwd(x, w, channel_axis, alpha, gamma):
     ax = _check_common("ia3_fwd", x, w, channel_axis, alpha, gamma)
     out = torch.promote_types(x.dtype, w.dtype)
     cdt = _cdt(x.dtype, w.dtype)
-    y = x.to(cdt) * _scale(x, w, ax, alpha, gamma, cdt)
-    return y.to(out).contiguous()
+    y = cast(x, cdt) * _scale(x, w, ax, alpha, gamma, cdt)
+    return cast(y, out).contiguous()
 
 
 def ia3_bwd(grad, x, w, channel_axis, alpha, gamma):
@@ -82,9 +83,9 @@ def ia3_bwd(grad, x, w, channel_axis, alpha, gamma):
     check_ia3_bwd(grad, x, w, channel_axis, alpha, gamma)
     ax = channel_axis % x.dim()
     cdt = _cdt(x.dtype, w.dtype)
-    g = grad.to(cdt)
+    g = cast(grad, cdt)
     gx = (g * _scale(x, w, ax, alpha, gamma, cdt)).to(x.dtype).contiguous()
-    prod = g * x.to(cdt)
+    prod = g * cast(x, cdt)
     dims = [d for d in range(x.dim()) if d != ax]
     red = prod.sum(dim=dims) if dims else prod
     gw = (gamma * red).reshape(w.shape).to(w.dtype).contiguous()

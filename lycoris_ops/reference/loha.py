@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
-from . import mm32
+from . import cast, mm32
 
 
 def _acc(compute: torch.dtype) -> torch.dtype:
@@ -39,10 +39,10 @@ def _hada_grads(gw, p1, p2, a1, b1, a2, b2, gamma, c):
     """Factor grads of ``γ·(a1·b1)⊙(a2·b2)`` given ``gw`` = dL/dY (compute dtype)
     and the fp32 products p1, p2. ``E1 = γ·G⊙P2`` and ``E2 = γ·G⊙P1`` are
     rounded to the compute dtype before the second contraction."""
-    gs = gw.to(p1.dtype) * gamma
+    gs = cast(gw, p1.dtype) * gamma
     e1 = (gs * p2).to(c)
     e2 = (gs * p1).to(c)
-    a1c, b1c, a2c, b2c = a1.to(c), b1.to(c), a2.to(c), b2.to(c)
+    a1c, b1c, a2c, b2c = cast(a1, c), cast(b1, c), cast(a2, c), cast(b2, c)
     return (mm32(e1, b1c.t()).to(a1.dtype).contiguous(),
             mm32(a1c.t(), e1).to(b1.dtype).contiguous(),
             mm32(e2, b2c.t()).to(a2.dtype).contiguous(),
@@ -71,9 +71,9 @@ def loha_merge_bwd(grad, a1, b1, a2, b2, gamma):
     """
     check_loha_merge_bwd(grad, a1, b1, a2, b2, gamma)
     c = C.compute_dtype("loha_merge_bwd", a1=a1, b1=b1, a2=a2, b2=b2)
-    p1 = mm32(a1.to(c), b1.to(c))
-    p2 = mm32(a2.to(c), b2.to(c))
-    return _hada_grads(grad.to(c), p1, p2, a1, b1, a2, b2, gamma, c)
+    p1 = mm32(cast(a1, c), cast(b1, c))
+    p2 = mm32(cast(a2, c), cast(b2, c))
+    return _hada_grads(cast(grad, c), p1, p2, a1, b1, a2, b2, gamma, c)
 
 
 @C.cached
@@ -94,8 +94,8 @@ def check_loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
 
 
 def _delta(a1, b1, a2, b2, c):
-    p1 = mm32(a1.to(c), b1.to(c))
-    p2 = mm32(a2.to(c), b2.to(c))
+    p1 = mm32(cast(a1, c), cast(b1, c))
+    p2 = mm32(cast(a2, c), cast(b2, c))
     return p1, p2, (p1 * p2).to(c)
 
 
@@ -109,10 +109,10 @@ def loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
     ((_, dt),) = check_loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base)
     c = C.compute_dtype("loha_bypass_fwd", x=x, a1=a1, b1=b1, a2=a2, b2=b2)
     _, _, dw = _delta(a1, b1, a2, b2, c)
-    y = mm32(x.to(c), dw.t()) * gamma
+    y = mm32(cast(x, c), dw.t()) * gamma
     if base is not None:
         y = y + base.to(_acc(c))
-    return y.to(dt).contiguous()
+    return cast(y, dt).contiguous()
 
 
 @C.cached
@@ -138,7 +138,7 @@ def loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
     """
     check_loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma)
     c = C.compute_dtype("loha_bypass_bwd", x=x, a1=a1, b1=b1, a2=a2, b2=b2)
-    g, xc = grad.to(c), x.to(c)
+    g, xc = cast(grad, c), cast(x, c)
     p1, p2, dw = _delta(a1, b1, a2, b2, c)
     gx = (mm32(g, dw) * gamma).to(x.dtype).contiguous()
     gw = mm32(g.t(), xc).to(c)

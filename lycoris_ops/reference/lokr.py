@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
+from . import cast
+
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for a compute dtype: fp64 stays fp64, else fp32."""
@@ -31,7 +33,7 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
 
 def _up(t: torch.Tensor, compute: torch.dtype, acc: torch.dtype) -> torch.Tensor:
     """``t`` rounded to the compute dtype (exact for an up-cast), then widened to acc."""
-    return t.to(compute).to(acc)
+    return cast(t, compute).to(acc)
 
 
 def _epilogue_dtype(acc: torch.dtype, base) -> torch.dtype:
@@ -84,8 +86,8 @@ def lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
     ep = _epilogue_dtype(acc, base)
     y = _kron(_up(w1, cd, acc), _up(w2, cd, acc)).to(ep) * float(gamma)
     if base is not None:
-        y = y + base.to(ep)
-    return y.to(dtype).contiguous()
+        y = y + cast(base, ep)
+    return cast(y, dtype).contiguous()
 
 
 @C.cached
@@ -125,7 +127,7 @@ def lokr_full_merge_bwd(grad, w1, w2, gamma):
     cd = C.compute_dtype("lokr_full_merge_bwd", w1=w1, w2=w2)
     acc = _acc(cd)
     g_w1, g_w2 = _kron_grads(_up(grad, cd, acc), _up(w1, cd, acc), _up(w2, cd, acc), float(gamma))
-    return g_w1.to(d1).contiguous(), g_w2.to(d2).contiguous()
+    return cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()
 
 
 # ---------------------------------------------------------------------------
@@ -200,8 +202,8 @@ def lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
     ep = _epilogue_dtype(acc, base)
     y = _kron(_side(w1a, w1b, cd, acc), _side(w2a, w2b, cd, acc)).to(ep) * float(gamma)
     if base is not None:
-        y = y + base.to(ep)
-    return y.to(dtype).contiguous()
+        y = y + cast(base, ep)
+    return cast(y, dtype).contiguous()
 
 
 @C.cached
@@ -248,7 +250,7 @@ def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
         if g is None:
             result.append(grad.new_empty(shp, dtype=dt))
         else:
-            result.append(g.to(dt).contiguous())
+            result.append(cast(g, dt).contiguous())
     return tuple(result)
 
 
@@ -300,8 +302,8 @@ def lokr_bypass_fwd(x, w1, w2, gamma, base=None):
     ep = _epilogue_dtype(acc, base)
     y = y.reshape(T, a * c).to(ep) * float(gamma)
     if base is not None:
-        y = y + base.to(ep)
-    return y.to(dtype).contiguous()
+        y = y + cast(base, ep)
+    return cast(y, dtype).contiguous()
 
 
 @C.cached
@@ -347,4 +349,4 @@ def lokr_bypass_bwd(grad, x, w1, w2, gamma):
     g_w1 = torch.einsum("tad,tbd->ab", H, X) * gamma
     P = torch.matmul(w1c, X)  # (T, a, d) = w1·X_t
     g_w2 = torch.einsum("tac,tad->cd", G, P) * gamma
-    return gx.to(dx).contiguous(), g_w1.to(d1).contiguous(), g_w2.to(d2).contiguous()
+    return cast(gx, dx).contiguous(), cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from .. import _checks
+from . import cast
 
 __all__ = [
     "check_oft_fwd", "oft_fwd", "check_oft_bwd", "oft_bwd",
@@ -43,7 +44,7 @@ def cayley(blocks: torch.Tensor, cscale: float, dtype: torch.dtype):
     skew-symmetric, and skipping the error check avoids a host sync on CUDA),
     ``R = (I + Q)·M``. Returns ``(R, M)``.
     """
-    b = blocks.to(dtype)
+    b = cast(blocks, dtype)
     q = cscale * (b - b.transpose(-1, -2))
     eye = torch.eye(b.shape[-1], dtype=dtype, device=b.device).expand_as(q)
     m = torch.linalg.solve_ex(eye - q, eye, check_errors=False).result
@@ -190,11 +191,11 @@ def oft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, rescale: 
     if rescale is not None:
         g_rescale = (p * r.transpose(-1, -2)).sum(-1).reshape(K * S)
         g_r = (rescale.reshape(K, S, 1).to(dt) * p).transpose(-1, -2)
-        g_rescale = g_rescale.to(blocks.dtype).contiguous()
+        g_rescale = cast(g_rescale, blocks.dtype).contiguous()
     else:
         g_r = p.transpose(-1, -2)
         g_rescale = blocks.new_empty((0,))
     g_blocks = cayley_backward(g_r, m, cscale)
     return (gx.reshape(x.shape).to(x.dtype).contiguous(),
-            g_blocks.to(blocks.dtype).contiguous(),
+            cast(g_blocks, blocks.dtype).contiguous(),
             g_rescale)
