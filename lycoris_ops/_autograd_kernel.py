@@ -40,17 +40,17 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Optio
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default
     params = op._schema.arguments
-    tensor_lists = any(is_tensorlist_like_type(a.type) for a in (*params, *op._schema.returns))
-    if tensor_lists or any(a.kwarg_only for a in params):  # not specialized here: torch's own
-        torch.library.register_autograd(qualname, backward, setup_context=setup_context)
-        return
-    try:  # private torch APIs (the ones torch.library's own kernel uses); absent: torch's registration
+    try:  # private torch APIs (the ones torch.library's own kernel uses)
         redispatch = op._handle.redispatch_boxed
         after_autograd = _C._after_autograd_keyset
         below_autograd = _C._AutoDispatchBelowAutograd
         grad_enabled = _C.is_grad_enabled
         any_requires_grad = _C._any_requires_grad
+        private_apis = True
     except AttributeError:
+        private_apis = False
+    tensor_lists = any(is_tensorlist_like_type(a.type) for a in (*params, *op._schema.returns))
+    if not private_apis or tensor_lists or any(a.kwarg_only for a in params):  # not specialized: torch's own
         torch.library.register_autograd(qualname, backward, setup_context=setup_context)
         return
     n = len(params)

@@ -11,6 +11,7 @@ import torch
 
 # torch.library.register_autograd's registration with its per-call overhead removed
 from ._autograd_kernel import register_autograd
+from .reference import cast
 
 lycoris = torch.ops.lycoris
 
@@ -19,7 +20,7 @@ def _cast(grad, like):
     """A gradient in its input's dtype, or None when the input is absent/not needed."""
     if grad is None or like is None:
         return None
-    return grad if grad.dtype == like.dtype else grad.to(like.dtype)
+    return cast(grad, like.dtype)
 
 
 def _no_double_backward(op_name):
@@ -37,7 +38,6 @@ def _no_double_backward(op_name):
 
 # --- lora ---
 from ._checks import compute_dtype as _lora_compute_dtype
-from .reference import mm32 as _lora_mm32
 
 
 def _lora_acc_cast(t, c):
@@ -58,7 +58,7 @@ def _lora_merge_fwd_setup(ctx, inputs, output):
 
 def _lora_merge_fwd_backward(ctx, grad):
     need = ctx.needs_input_grad
-    g_base = grad.to(ctx.base_dtype) if need[4] else None
+    g_base = cast(grad, ctx.base_dtype) if need[4] else None
     rest = (None,) * (len(need) - 5)
     if not any(need[:4]):
         return (None, None, None, None, g_base) + rest
@@ -101,8 +101,8 @@ def _lora_bypass_fwd_setup(ctx, inputs, output):
 def _lora_bypass_fwd_backward(ctx, grad):
     need = ctx.needs_input_grad  # 4 entries when the call left base out
     g_base = None
-    if len(need) > 4 and need[4]:  # G in base's dtype (G itself when it already is, as .to gives)
-        g_base = grad if grad.dtype == ctx.base_dtype else grad.to(ctx.base_dtype)
+    if len(need) > 4 and need[4]:  # G in base's dtype
+        g_base = cast(grad, ctx.base_dtype)
     gx = g_up = g_down = None
     if need[0] or need[1] or need[2]:
         x, up, down = ctx.saved_tensors
@@ -177,7 +177,7 @@ def _loha_bypass_fwd_setup(ctx, inputs, output):
 
 def _loha_bypass_fwd_backward(ctx, grad):
     need = ctx.needs_input_grad
-    g_base = grad.to(ctx.base_dtype) if len(need) > 6 and need[6] else None
+    g_base = cast(grad, ctx.base_dtype) if len(need) > 6 and need[6] else None
     grads = (None,) * 5
     if any(need[:5]):
         grads = lycoris.loha_bypass_bwd(grad, *ctx.saved_tensors, ctx.gamma)
@@ -205,7 +205,7 @@ def _lokr_full_merge_fwd_backward(ctx, grad):
         g_w1 = g_w1 if need[0] else None
         g_w2 = g_w2 if need[1] else None
     if ctx.base_dtype is not None and need[2]:
-        g_base = grad.to(ctx.base_dtype)
+        g_base = cast(grad, ctx.base_dtype)
     return g_w1, g_w2, g_base, None, None
 
 
@@ -230,7 +230,7 @@ def _lokr_merge_fwd_backward(ctx, grad):
         for k, (g, w) in enumerate(zip(outs, (w1a, w1b, w2a, w2b))):
             # an absent b factor comes back as an empty tensor: map it to None
             grads[k] = g if (w is not None and need[k]) else None
-    g_base = grad.to(ctx.base_dtype) if ctx.base_dtype is not None and need[5] else None
+    g_base = cast(grad, ctx.base_dtype) if ctx.base_dtype is not None and need[5] else None
     return grads[0], grads[1], grads[2], grads[3], None, g_base, None, None
 
 
@@ -255,7 +255,7 @@ def _lokr_bypass_fwd_backward(ctx, grad):
         g_w1 = g_w1 if need[1] else None
         g_w2 = g_w2 if need[2] else None
     if ctx.base_dtype is not None and need[4]:
-        g_base = grad.to(ctx.base_dtype)
+        g_base = cast(grad, ctx.base_dtype)
     return gx, g_w1, g_w2, None, g_base
 
 
@@ -391,7 +391,7 @@ def _add_scaled_backward(ctx, grad):
     need = ctx.needs_input_grad
     if grad is None:
         return None, None, None
-    g_base = grad.to(ctx.base_dtype) if need[0] else None
+    g_base = cast(grad, ctx.base_dtype) if need[0] else None
     g_delta = None
     if need[1]:
         if grad.dtype == ctx.delta_dtype:

@@ -76,8 +76,8 @@ diag-OFT, BOFT, IA3, Full; same parameter values and names' tensors).
 """
 from __future__ import annotations
 
+import importlib
 import types
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -428,32 +428,27 @@ def _boft_conv2d_forward(self, x, *args, **kwargs):
     return y.to(prev)
 
 
+#: PEFT module -> {layer class name: our forward}
+_FORWARDS = {
+    "peft.tuners.lora": {"Linear": _lora_forward},
+    "peft.tuners.loha": {"Linear": _loha_forward},
+    "peft.tuners.lokr": {"Linear": _lokr_forward},
+    "peft.tuners.ia3": {"Linear": _ia3_forward},
+    "peft.tuners.oft.layer": {"Linear": _oft_linear_forward, "Conv2d": _oft_conv2d_forward,
+                              "Embedding": _oft_embedding_forward},
+    "peft.tuners.boft.layer": {"Linear": _boft_linear_forward, "Conv2d": _boft_conv2d_forward},
+}
+
+
 def _table():
     table = {}
-    try:
-        from peft.tuners import lora
-        table[lora.Linear] = _lora_forward
-    except Exception:  # pragma: no cover
-        pass
-    for mod, fn in (("loha", _loha_forward), ("lokr", _lokr_forward), ("ia3", _ia3_forward)):
-        try:
-            m = __import__(f"peft.tuners.{mod}", fromlist=["Linear"])
-            table[m.Linear] = fn
+    for module, forwards in _FORWARDS.items():
+        try:  # a PEFT version without a tuner patches the others
+            m = importlib.import_module(module)
+            for cls, fn in forwards.items():
+                table[getattr(m, cls)] = fn
         except Exception:  # pragma: no cover
             pass
-    try:
-        from peft.tuners.oft import layer as oft
-        table[oft.Linear] = _oft_linear_forward
-        table[oft.Conv2d] = _oft_conv2d_forward
-        table[oft.Embedding] = _oft_embedding_forward
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        from peft.tuners.boft import layer as boft
-        table[boft.Linear] = _boft_linear_forward
-        table[boft.Conv2d] = _boft_conv2d_forward
-    except Exception:  # pragma: no cover
-        pass
     return table
 
 

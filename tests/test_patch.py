@@ -1,6 +1,7 @@
 """lycoris_ops.patch.patch_peft: PEFT layers on our ops give PEFT's outputs and
 gradients (fp32 CPU), keep state dicts, and fall back where unsupported."""
 import copy
+import importlib
 
 import pytest
 import torch
@@ -341,24 +342,16 @@ def test_oft_cayley_neumann_falls_back(fbd):
     _fallback_case("oft-r3", fbd, neumann)
 
 
-def test_oft_module_dropout_training_falls_back(fbd):
-    from peft.tuners.oft.layer import MultiplicativeDropoutLayer
+@pytest.mark.parametrize("family,case", [("oft", "oft-r3"), ("boft", "boft-2")])
+def test_dropout_in_training_falls_back(family, case, fbd):
+    """OFT's module dropout / BOFT's dropout (random block masks) in training: PEFT's forward."""
+    layer = importlib.import_module(f"peft.tuners.{family}.layer")
 
     def drop(m):
         for mod in m.modules():
-            if hasattr(mod, "oft_dropout"):
-                mod.oft_dropout["default"] = MultiplicativeDropoutLayer(p=0.5)
-    _fallback_case("oft-r3", fbd, drop)
-
-
-def test_boft_dropout_training_falls_back(fbd):
-    from peft.tuners.boft.layer import MultiplicativeDropoutLayer
-
-    def drop(m):
-        for mod in m.modules():
-            if hasattr(mod, "boft_dropout"):
-                mod.boft_dropout["default"] = MultiplicativeDropoutLayer(p=0.5)
-    _fallback_case("boft-2", fbd, drop)
+            if hasattr(mod, f"{family}_dropout"):
+                getattr(mod, f"{family}_dropout")["default"] = layer.MultiplicativeDropoutLayer(p=0.5)
+    _fallback_case(case, fbd, drop)
 
 
 def test_boft_stage_partition_mismatch_falls_back(fbd):
