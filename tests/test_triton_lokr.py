@@ -11,7 +11,6 @@ sm_90 in a subprocess without the interpreter.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -21,7 +20,7 @@ triton = pytest.importorskip("triton")
 
 from lycoris_ops.testing import REL_TOL, make, rel_err  # noqa: E402
 from lycoris_ops.triton import lokr as TK  # noqa: E402
-from lycoris_ops.triton._common import ptxas_path  # noqa: E402
+from triton_harness import run_compile_check  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and __name__ != "__main__":
@@ -257,19 +256,8 @@ def _compile_all(dtype_names):
             print(f"ok {fn.__name__} {dn}", flush=True)
 
 
-def run_compile_check(dtype_names):
-    if ptxas_path(90) is None:
-        pytest.skip("triton's ptxas is unavailable")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    here = os.path.abspath(__file__)
-    proc = subprocess.run([sys.executable, here, "--compile", *dtype_names], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(here)))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return proc.stdout
-
-
 def test_compile_sm90():
-    out = run_compile_check(["bf16"])
+    out = run_compile_check(__file__, ["bf16"])
     assert out.count("ok ") == 7, out
 
 

@@ -9,7 +9,6 @@ formulation in fp64 from the operands rounded to the compute dtype.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -23,7 +22,7 @@ from lycoris_ops.reference import lora as REF  # noqa: E402
 from lycoris_ops.testing import REL_TOL, make, rel_err  # noqa: E402
 from lycoris_ops.triton import lora as TL  # noqa: E402
 from lycoris_ops.triton import ops  # noqa: E402
-from lycoris_ops.triton._common import ptxas_path  # noqa: E402
+from triton_harness import run_compile_check  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 if DEV == "cpu" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and __name__ != "__main__":
@@ -334,20 +333,8 @@ def _compile_all(dtype_names):
             print(f"ok {fn.__name__} {dn}", flush=True)
 
 
-def run_compile_check(dtype_names):
-    """Run this file's _compile_all in a fresh process without the interpreter."""
-    if ptxas_path(90) is None:
-        pytest.skip("triton's ptxas is unavailable")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    here = os.path.abspath(__file__)
-    proc = subprocess.run([sys.executable, here, "--compile", *dtype_names], env=env, capture_output=True,
-                          text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(here)))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
-    return proc.stdout
-
-
 def test_compile_sm90():
-    out = run_compile_check(["fp16", "bf16"])
+    out = run_compile_check(__file__, ["fp16", "bf16"])
     assert out.count("ok ") == 10, out
 
 
