@@ -11,7 +11,7 @@ import torch
 
 # torch.library.register_autograd's registration with its per-call overhead removed
 from ._autograd_kernel import register_autograd
-from .reference import cast
+from .reference import cast, mm32
 
 lycoris = torch.ops.lycoris
 
@@ -120,47 +120,76 @@ def _lora_tucker_fwd_setup(ctx, inputs, output):
     ctx.save_for_backward(a1, t1, b1, a2, t2, b2)
 
 
-def _lora_tucker_chain(a, t, b):
-    """(AT, C): AT[o,q,κ] = Σ_p a[o,p]·t[p,q,κ] (O, R', Kk); C = Σ_q AT[o,q,κ]·b[q,i] (O, I, Kk)."""
-    at = (a @ t.reshape(t.shape[0], -1)).reshape(a.shape[0], t.shape[1], t.shape[2])
-    return at, b.t() @ at
+def _lora_tucker_rows(g):
+    """(O, I, Kk) -> (O·Kk, I) with rows (o, κ): one permuted copy of the big operand,
+    after which every contraction of the backward is a plain GEMM."""
+    O, I, Kk = g.shape
+    return g.permute(0, 2, 1).reshape(O * Kk, I)
 
 
-def _lora_tucker_grads(gs, a, t, b, at, need):
-    """Grads of C[o,i,κ] = Σ a[o,p]·t[p,q,κ]·b[q,i] for the incoming gs (O, I, Kk):
-    g_a = Σ gs·t·b, g_t = Σ a·gs·b, g_b = Σ a·t·gs (matmuls, no n-ary einsum)."""
+def _lora_tucker_core(a, t, w):
+    """AT = a·t as (O, R', Kk), fp32-accumulated, in dtype ``w`` (the forward rounds it
+    to the compute dtype before ·b)."""
+    Ra, Rb, Kk = t.shape
+    at = mm32(a, t.reshape(Ra, Rb * Kk))
+    return cast(at, w).reshape(a.shape[0], Rb, Kk)
+
+
+def _lora_tucker_full(at, b):
+    """C[o, i, κ] = Σ_q AT[o, q, κ]·b[q, i], fp32 (O, I, Kk) (two chains only)."""
+    O, Rb, Kk = at.shape
+    rows = mm32(at.permute(0, 2, 1).reshape(O * Kk, Rb), cast(b, at.dtype))
+    return rows.reshape(O, Kk, -1).permute(0, 2, 1)
+
+
+def _lora_tucker_grads(gp, a, t, b, at, gamma, need):
+    """Grads of γ·C, C[o,i,κ] = Σ round(a·t)[o,q,κ]·b[q,i], for the incoming gradient in
+    rows form ``gp`` (O·Kk, I) (the compute dtype, or fp32 for two chains); a, t, b
+    rounded to the compute dtype and in gp's dtype; ``at`` = round(a·t) (O, R', Kk).
+    g_at = Gᵀ·b, g_a = g_at·tᵀ, g_t = aᵀ·g_at, g_b = ATᵀ·G: GEMMs with fp32 results."""
     O, Ra, Rb, Kk = a.shape[0], t.shape[0], t.shape[1], t.shape[2]
     g_a = g_t = g_b = None
     if need[0] or need[1]:
-        g_at = (b @ gs).reshape(O, Rb * Kk)  # (Rb, I) @ (O, I, Kk) -> (O, Rb, Kk)
+        g_at = mm32(gp, b.t()) * gamma  # (O·Kk, Rb) rows (o, κ)
+        g_at = g_at.reshape(O, Kk, Rb).transpose(1, 2).reshape(O, Rb * Kk)
         if need[0]:
-            g_a = g_at @ t.reshape(Ra, Rb * Kk).t()
+            g_a = mm32(g_at, cast(t.reshape(Ra, Rb * Kk), g_at.dtype).t())
         if need[1]:
-            g_t = (a.t() @ g_at).reshape(Ra, Rb, Kk)
+            g_t = mm32(cast(a, g_at.dtype).t(), g_at).reshape(Ra, Rb, Kk)
     if need[2]:
-        g_b = at.permute(1, 0, 2).reshape(Rb, O * Kk) @ gs.permute(0, 2, 1).reshape(O * Kk, gs.shape[1])
+        atp = at.permute(1, 0, 2).reshape(Rb, O * Kk)  # (Rb, O·Kk), columns (o, κ)
+        g_b = mm32(atp, gp) * gamma
     return g_a, g_t, g_b
 
 
 def _lora_tucker_fwd_backward(ctx, grad):
-    """No bwd op (OPS.md §2.1.5): eager contractions with Gs = γ·G; for two chains the
-    chain-1 grads use Gs ⊙ C2 and the chain-2 grads Gs ⊙ C1 (both recomputed).
-    Differentiable again (double backward works)."""
+    """No bwd op (OPS.md §2.1.5): eager contractions, each a GEMM with fp32 results (one
+    permuted copy of G makes them plain GEMMs; no fp32 copy of G for one chain); γ is
+    applied to the small results. Two chains: the chain-1 grads use γ·G ⊙ C2 and the
+    chain-2 grads γ·G ⊙ C1 (recomputed, fp32). Differentiable again (double backward
+    works: mm32 takes its upcast path when autograd records)."""
     need = ctx.needs_input_grad
     saved = ctx.saved_tensors
     if not any(need[:6]):
         return (None,) * 7
     c = _lora_compute_dtype("lora_tucker_fwd", **dict(zip(("a1", "t1", "b1", "a2", "t2", "b2"), saved)))
-    A1, T1, B1, A2, T2, B2 = (_lora_acc_cast(t, c) for t in saved)
-    gs = _lora_acc_cast(grad, c) * ctx.gamma
-    AT1, C1 = _lora_tucker_chain(A1, T1, B1)
-    if A2 is None:
-        grads = _lora_tucker_grads(gs, A1, T1, B1, AT1, need[:3]) + (None, None, None)
+    acc = torch.float64 if c == torch.float64 else torch.float32
+    two = saved[3] is not None
+    w = acc if two else c  # the dtype the big GEMMs read G in
+    A1, T1, B1, A2, T2, B2 = (None if x is None else cast(cast(x, c), w) for x in saved)
+    AT1 = _lora_tucker_core(A1, T1, c)
+    if not two:
+        grads = _lora_tucker_grads(_lora_tucker_rows(cast(grad, c)), A1, T1, B1, AT1, ctx.gamma, need[:3])
+        grads += (None, None, None)
     else:
-        AT2, C2 = _lora_tucker_chain(A2, T2, B2)
-        grads = (_lora_tucker_grads(gs * C2, A1, T1, B1, AT1, need[:3])
-                 + _lora_tucker_grads(gs * C1, A2, T2, B2, AT2, need[3:6]))
-    return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, saved)) + (None,)
+        AT2 = _lora_tucker_core(A2, T2, c)
+        g = cast(cast(grad, c), acc)
+        AT1, AT2 = cast(AT1, acc), cast(AT2, acc)
+        g1 = _lora_tucker_rows(g * _lora_tucker_full(AT2, B2))
+        g2 = _lora_tucker_rows(g * _lora_tucker_full(AT1, B1))
+        grads = (_lora_tucker_grads(g1, A1, T1, B1, AT1, ctx.gamma, need[:3])
+                 + _lora_tucker_grads(g2, A2, T2, B2, AT2, ctx.gamma, need[3:6]))
+    return tuple(None if g is None else cast(g, t.dtype) for g, t in zip(grads, saved)) + (None,)
 
 
 register_autograd("lycoris::lora_tucker_fwd", _lora_tucker_fwd_backward, setup_context=_lora_tucker_fwd_setup)

@@ -169,15 +169,17 @@ def o_tucker(a, t, b):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("two", [False, True], ids=["one", "hada"])
-def test_tucker(dtype, two):
+@pytest.mark.parametrize("Kk,block_m", [(5, 32), (9, 16), (1, 16)], ids=["k5-4rows", "k9-1row", "k1"])
+def test_tucker(dtype, two, Kk, block_m):
+    """Rows (o, κ) with κ padded to a power of two: several o per program (Kk 5),
+    one o per program (Kk 9), no padding (Kk 1); O, I not multiples of the tile."""
     g = gen(5)
-    Kk = 5
     a1 = mk_t((O, 4), dtype, g)  # LoHa passes a transposed "up"
     t1 = mk((4, 3, Kk), dtype, g)
     b1 = mk((3, I), dtype, g, nc=True)
     a2, t2, b2 = (mk((O, 6), dtype, g), mk((6, 6, Kk), dtype, g), mk((6, I), torch.float32, g)) if two else (None,) * 3
     cd = cd_of(a1, t1, b1, a2, t2, b2)
-    y = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, TT.TuckerCfg(block_o=16, block_i=16))
+    y = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, TT.TuckerCfg(block_m=block_m, block_i=16))
     assert y.shape == (O, I, Kk) and y.dtype == dtype and y.is_contiguous()
     want = GAMMA * o_tucker(d64(a1, cd), d64(t1, cd), d64(b1, cd))
     if two:
@@ -222,9 +224,12 @@ def _compile_all(dtype_names):
             (TH._hada_grad_kernel, dict(g_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, o1_ptr="fp32",
                                         o2_ptr="fp32"),
              dict(BM=64, BN=64, BR=64, **com), ("s_gn", "s_a1r", "s_b1n", "s_a2r", "s_b2n", "s_o1r", "s_o2r"), 8),
-            (TT._tucker_kernel, dict(a1_ptr=dn, t1_ptr=dn, b1_ptr=dn, a2_ptr=dn, t2_ptr=dn, b2_ptr=dn, y_ptr=dn),
-             dict(TWO=True, GROUP_O=8, BO=64, BI=64, BR1A=32, BR1B=32, BR2A=32, BR2B=32, **com),
-             ("s_b1i", "s_b2i", "s_yk"), 8),
+            (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
+             dict(TWO=True, GROUP_O=8, BO=8, KKP=16, BI=64, BR1=32, BR2=32, **com),
+             ("s_at1k", "s_b1i", "s_at2k", "s_b2i", "s_yk"), 8),
+            (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
+             dict(TWO=False, GROUP_O=8, BO=128, KKP=1, BI=128, BR1=64, BR2=16, **com),
+             ("s_at1k", "s_b1i", "s_at2k", "s_b2i", "s_yk"), 8),
         ]
         for fn, pointers, cx, ones, warps in jobs:
             div16 = [p.name for p in fn.params if p.name.startswith("s_") and p.name not in ones]
@@ -235,7 +240,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 5, out
+    assert out.count("ok ") == 6, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

@@ -12,14 +12,31 @@ from __future__ import annotations
 import torch
 
 
+#: ``torch.mm(a, b, out_dtype=torch.float32)`` (CUDA, 16-bit operands): fp32 accumulation
+#: and an fp32 result straight from the tensor cores, without upcast copies of the operands
+_MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.bmm, "dtype")
+_HALF = (torch.float16, torch.bfloat16)
+
+
 def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` accumulated and returned in float32 (float64 stays float64).
 
     Operands keep their (compute) dtype: a 16-bit product is the exact product of
-    the 16-bit values with fp32 accumulation, rounded once by the caller.
+    the 16-bit values with fp32 accumulation, rounded once by the caller. On CUDA,
+    two 16-bit operands of the same dtype go to the tensor cores with an fp32
+    output (``out_dtype``): the same math as upcasting both to fp32 (every 16-bit
+    product is exact in fp32) at the 16-bit GEMM rate; elsewhere, and where autograd
+    records the product (double backward), they are upcast.
     """
     if a.dtype == torch.float64 or b.dtype == torch.float64:
         return a.double() @ b.double()
+    if (_MM_OUT_DTYPE and a.dtype == b.dtype and a.dtype in _HALF and a.is_cuda
+            and a.dim() == b.dim() and a.dim() in (2, 3)
+            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))):
+        if a.dim() == 2:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        if a.shape[0] == b.shape[0]:
+            return torch.bmm(a, b, out_dtype=torch.float32)
     return a.float() @ b.float()
 
 

@@ -228,11 +228,13 @@ def check_lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
 
 
 def _tucker_chain(a, t, b, c):
-    """``C[o,i,κ] = Σ_{p,q} a[o,p]·t[p,q,κ]·b[q,i]`` in fp32 (a·t rounded to c first)."""
+    """``C[o,i,κ] = Σ_{p,q} a[o,p]·t[p,q,κ]·b[q,i]`` in fp32 (a·t rounded to c first).
+    Two GEMMs; the second has rows (o, κ), so C comes back as an (O, I, Kk) view."""
     Ra, Rb, Kk = t.shape
-    at = mm32(a.to(c), t.to(c).reshape(Ra, Rb * Kk)).to(c)  # (O, Rb·Kk), the deliberate rounding
-    at = at.reshape(a.shape[0], Rb, Kk)
-    return mm32(b.to(c).t(), at)  # (I, Rb) @ (O, Rb, Kk) -> (O, I, Kk)
+    O = a.shape[0]
+    at = cast(mm32(cast(a, c), cast(t, c).reshape(Ra, Rb * Kk)), c)  # (O, Rb·Kk), the deliberate rounding
+    rows = mm32(at.reshape(O, Rb, Kk).permute(0, 2, 1).reshape(O * Kk, Rb), cast(b, c))  # (O·Kk, I)
+    return rows.reshape(O, Kk, -1).permute(0, 2, 1)
 
 
 def lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):

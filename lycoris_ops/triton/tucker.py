@@ -2,18 +2,25 @@
 
 ``C[o, i, κ] = Σ_{p,q} a[o, p]·t[p, q, κ]·b[q, i]``; ``Y = γ·C1`` or, with the
 second chain, ``Y = (γ·C1)⊙C2``; output (O, I, Kk) in a1's dtype. Written from
-the spec and ``reference/lora.py``: the partial product a·t is accumulated in
-fp32 and rounded to the compute dtype before ·b (the eager chain's rounding),
-the second product accumulates in fp32, γ and the hadamard are fp32, one
-rounding at the store. Operands are read in their stored dtype and rounded to
-the compute dtype in-kernel; any strides (LoHa passes a transposed "up").
+the spec and ``reference/lora.py``: the partial product ``AT = a·t`` (O, R', Kk)
+is accumulated in fp32 and rounded to the compute dtype (the eager chain's
+rounding), the second product accumulates in fp32, γ and the hadamard are fp32,
+one rounding at the store.
 
-One launch. Program = (O tile, I tile); the a tile (BO, R1) and b tile (R2, BI)
-of each chain are loaded once, then for each κ: ``M = round(a·t[:, :, κ])``
-(BO, R2) and ``C = M·b`` (BO, BI), stored with stride Kk. M is recomputed per
-I tile (R1/BI extra work; a·t is tiny next to the output).
+The output is written once, coalesced: it is the GEMM ``C[(o, κ), i] =
+Σ_q AT[o, q, κ]·b[q, i]`` with rows ``(o, κ)``. A program owns ``BO`` output
+rows ``o`` with all their ``Kk`` kernel positions (padded to a power of two,
+``KKP``) and ``BI`` columns ``i``: one dot of (BO·KKP, R') × (R', BI) per chain,
+then the tile is re-laid out in registers as (BO, BI, KKP) so that each output
+row ``o`` is one contiguous run of ``BI·Kk`` elements (the (O, I, Kk) layout).
+(A tile per κ stored with stride Kk, the previous design, wrote 2-byte elements
+Kk apart: 34× its memory floor on an H200.)
 
-Limit: both padded ranks ``pow2(R, ≥16) <= 128`` (``supported``; the reference
+``AT`` (O·R'·Kk elements, a fraction of the output) is one small GEMM on the
+host side before the launch; its operands keep any strides (LoHa passes a
+transposed "up").
+
+Limit: padded ranks ``pow2(R, ≥16) <= 128`` (``supported``; the scope table
 allows R <= 64). fp16 / bf16 / fp32 only.
 """
 from __future__ import annotations
@@ -27,8 +34,9 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, needs_idx64, next_pow2, tl_dtype
 from ._fusedkit import compute_dtype, view_key
+from ..reference import mm32
 
-__all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "lora_tucker_fwd", "tucker_fwd"]
+__all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "lora_tucker_fwd", "tucker_fwd", "tucker_core"]
 
 MAX_TUCKER_RANK = 128
 
@@ -43,40 +51,27 @@ def supported(*ranks: int) -> bool:
 
 
 @triton.jit
-def _load_ab(a_ptr, b_ptr, offs_o, offs_i, mask_o, mask_i, R1, R2, s_ao, s_ap, s_bq, s_bi,
-             CD: tl.constexpr, DOT: tl.constexpr, BR1: tl.constexpr, BR2: tl.constexpr):
-    """The chain's a tile (BO, BR1) and b tile (BR2, BI), in the dot dtype."""
-    offs_p = tl.arange(0, BR1)
-    offs_q = tl.arange(0, BR2)
-    a = tl.load(a_ptr + offs_o[:, None] * s_ao + offs_p[None, :] * s_ap,
-                mask=mask_o[:, None] & (offs_p < R1)[None, :], other=0.0)
+def _chain(at_ptr, b_ptr, offs_o, offs_k, mask_m, offs_i, mask_i, R, s_ato, s_atq, s_atk, s_bq, s_bi,
+           CD: tl.constexpr, DOT: tl.constexpr, BR: tl.constexpr):
+    """fp32 (BO·KKP, BI) tile of Σ_q AT[o, q, κ]·b[q, i] over the rows (o, κ)."""
+    offs_q = tl.arange(0, BR)
+    mask_q = offs_q < R
+    at = tl.load(at_ptr + offs_o[:, None] * s_ato + offs_q[None, :] * s_atq + offs_k[:, None] * s_atk,
+                 mask=mask_m[:, None] & mask_q[None, :], other=0.0)
     b = tl.load(b_ptr + offs_q[:, None] * s_bq + offs_i[None, :] * s_bi,
-                mask=(offs_q < R2)[:, None] & mask_i[None, :], other=0.0)
-    return a.to(CD).to(DOT), b.to(CD).to(DOT)
-
-
-@triton.jit
-def _chain(a, b, t_ptr, k, R1, R2, s_tp, s_tq, s_tk,
-           CD: tl.constexpr, DOT: tl.constexpr, BR1: tl.constexpr, BR2: tl.constexpr):
-    """fp32 (BO, BI) tile of Σ_q round(Σ_p a[o,p]·t[p,q,k])·b[q,i]."""
-    offs_p = tl.arange(0, BR1)
-    offs_q = tl.arange(0, BR2)
-    t = tl.load(t_ptr + offs_p[:, None] * s_tp + offs_q[None, :] * s_tq + k * s_tk,
-                mask=(offs_p < R1)[:, None] & (offs_q < R2)[None, :], other=0.0)
-    m = tl.dot(a, t.to(CD).to(DOT), input_precision="ieee")
-    return tl.dot(m.to(CD).to(DOT), b, input_precision="ieee")
+                mask=mask_q[:, None] & mask_i[None, :], other=0.0)
+    return tl.dot(at.to(CD).to(DOT), b.to(CD).to(DOT), input_precision="ieee")
 
 
 @triton.jit
 def _tucker_kernel(
-    a1_ptr, t1_ptr, b1_ptr, a2_ptr, t2_ptr, b2_ptr, y_ptr,
-    O, I, KK, R1a, R1b, R2a, R2b, gamma,
-    s_a1o, s_a1p, s_t1p, s_t1q, s_t1k, s_b1q, s_b1i,
-    s_a2o, s_a2p, s_t2p, s_t2q, s_t2k, s_b2q, s_b2i,
+    at1_ptr, b1_ptr, at2_ptr, b2_ptr, y_ptr,
+    O, I, KK, R1, R2, gamma,
+    s_at1o, s_at1q, s_at1k, s_b1q, s_b1i,
+    s_at2o, s_at2q, s_at2k, s_b2q, s_b2i,
     s_yo, s_yi, s_yk,
     TWO: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr, GROUP_O: tl.constexpr,
-    BO: tl.constexpr, BI: tl.constexpr, BR1A: tl.constexpr, BR1B: tl.constexpr,
-    BR2A: tl.constexpr, BR2B: tl.constexpr,
+    BO: tl.constexpr, KKP: tl.constexpr, BI: tl.constexpr, BR1: tl.constexpr, BR2: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n_o = tl.cdiv(O, BO)
@@ -86,29 +81,34 @@ def _tucker_kernel(
     gsize = tl.minimum(n_o - first, GROUP_O)
     pid_o = first + (pid % group) % gsize
     pid_i = (pid % group) // gsize
-    offs_o = pid_o * BO + tl.arange(0, BO)
+    rows = tl.arange(0, BO * KKP)  # row r = (o_local, κ) = (r // KKP, r % KKP)
+    offs_o = pid_o * BO + rows // KKP
+    offs_k = rows % KKP
     offs_i = pid_i * BI + tl.arange(0, BI)
     if IDX64:
         offs_o = offs_o.to(tl.int64)
         offs_i = offs_i.to(tl.int64)
-    mask_o = offs_o < O
+    mask_m = (offs_o < O) & (offs_k < KK)
     mask_i = offs_i < I
-    mask = mask_o[:, None] & mask_i[None, :]
-    y_tile = y_ptr + offs_o[:, None] * s_yo + offs_i[None, :] * s_yi
-    a1, b1 = _load_ab(a1_ptr, b1_ptr, offs_o, offs_i, mask_o, mask_i, R1a, R1b, s_a1o, s_a1p, s_b1q, s_b1i,
-                      CD, DOT, BR1A, BR1B)
+    acc = _chain(at1_ptr, b1_ptr, offs_o, offs_k, mask_m, offs_i, mask_i, R1,
+                 s_at1o, s_at1q, s_at1k, s_b1q, s_b1i, CD, DOT, BR1) * gamma
     if TWO:
-        a2, b2 = _load_ab(a2_ptr, b2_ptr, offs_o, offs_i, mask_o, mask_i, R2a, R2b, s_a2o, s_a2p, s_b2q, s_b2i,
-                          CD, DOT, BR2A, BR2B)
-    for k in range(0, KK):
-        acc = _chain(a1, b1, t1_ptr, k, R1a, R1b, s_t1p, s_t1q, s_t1k, CD, DOT, BR1A, BR1B) * gamma
-        if TWO:
-            acc = acc * _chain(a2, b2, t2_ptr, k, R2a, R2b, s_t2p, s_t2q, s_t2k, CD, DOT, BR2A, BR2B)
-        tl.store(y_tile + k * s_yk, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        acc = acc * _chain(at2_ptr, b2_ptr, offs_o, offs_k, mask_m, offs_i, mask_i, R2,
+                           s_at2o, s_at2q, s_at2k, s_b2q, s_b2i, CD, DOT, BR2)
+    # (BO·KKP, BI) -> (BO, BI, KKP): each o's (i, κ) run is contiguous in y
+    tile = tl.permute(tl.reshape(acc, (BO, KKP, BI)), (0, 2, 1))
+    o3 = pid_o * BO + tl.arange(0, BO)
+    i3 = offs_i
+    k3 = tl.arange(0, KKP)
+    if IDX64:
+        o3 = o3.to(tl.int64)
+    ptrs = y_ptr + o3[:, None, None] * s_yo + i3[None, :, None] * s_yi + k3[None, None, :] * s_yk
+    mask = (o3 < O)[:, None, None] & mask_i[None, :, None] & (k3 < KK)[None, None, :]
+    tl.store(ptrs, tile.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 class TuckerCfg(NamedTuple):
-    block_o: int = 0
+    block_m: int = 0   # rows (o, κ) per program: BO = max(1, block_m // KKP) output rows o
     block_i: int = 0
     group_o: int = 8
     num_warps: int = 0
@@ -117,25 +117,39 @@ class TuckerCfg(NamedTuple):
 
 def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     if compute == torch.float32:  # IEEE fp32 dots (FMA): smaller tiles
-        return TuckerCfg(block_o=32, block_i=32 if two or rmax > 64 else 64, num_warps=8)
-    rp = _p16(rmax)
-    if rp > 64:  # (outside the scope table's R <= 64; two chains spill at rp 128)
-        return TuckerCfg(block_o=32, block_i=64, num_warps=8)
-    return TuckerCfg(block_o=64, block_i=64 if two else 128, num_warps=8)
+        return TuckerCfg(block_m=64, block_i=64, num_warps=4)
+    return TuckerCfg(block_m=128, block_i=64 if two or _p16(rmax) > 64 else 128, num_warps=8)
+
+
+def tile_rows(block_m: int, Kk: int):
+    """(BO, KKP): output rows o per program and the padded kernel positions."""
+    kkp = next_pow2(max(1, Kk))
+    return max(1, block_m // kkp), kkp
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(O, I, Kk, ranks, views, compute, cfg: TuckerCfg):
-    two = len(ranks) == 4
-    rmax = max(ranks)
-    d = default_tucker_cfg(O, I, Kk, rmax, two, compute)
-    bo, bi = cfg.block_o or d.block_o, cfg.block_i or d.block_i
-    br = [_p16(r) for r in ranks] + [16, 16]
+    two = len(ranks) == 2
+    d = default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
+    bm, bi = cfg.block_m or d.block_m, cfg.block_i or d.block_i
+    bo, kkp = tile_rows(bm, Kk)
+    br = [_p16(r) for r in ranks] + [16]
     meta = dict(TWO=two, CD=tl_dtype(compute), DOT=dot_dtype(compute),
                 IDX64=needs_idx64(*[v for v in views if v is not None]), GROUP_O=cfg.group_o,
-                BO=bo, BI=bi, BR1A=br[0], BR1B=br[1], BR2A=br[2], BR2B=br[3],
+                BO=bo, KKP=kkp, BI=bi, BR1=br[0], BR2=br[1],
                 num_warps=cfg.num_warps or d.num_warps, num_stages=cfg.num_stages)
     return (cdiv(O, bo) * cdiv(I, bi),), meta
+
+
+def tucker_core(a, t, c):
+    """``AT[o, q, κ] = Σ_p a[o, p]·t[p, q, κ]`` (O, R', Kk), fp32-accumulated and rounded
+    to the compute dtype ``c`` (the chain's deliberate rounding)."""
+    Ra, Rb, Kk = t.shape
+    a_c = a if a.dtype == c else a.to(c)
+    t_c = (t if t.dtype == c else t.to(c)).reshape(Ra, Rb * Kk)
+    at = mm32(a_c, t_c)
+    at = at if at.dtype == c else at.to(c)
+    return at.reshape(a.shape[0], Rb, Kk)
 
 
 def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
@@ -147,13 +161,15 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
     y = torch.empty((O, I, Kk), device=a1.device, dtype=a1.dtype)
     if y.numel() == 0:
         return y
-    ranks = (t1.shape[0], t1.shape[1]) + ((t2.shape[0], t2.shape[1]) if two else ())
-    grid, meta = _plan(O, I, Kk, ranks, view_key(a1, t1, b1, a2, t2, b2, y), compute, cfg or TuckerCfg())
+    at1 = tucker_core(a1, t1, compute)
+    at2 = tucker_core(a2, t2, compute) if two else at1
     if not two:
-        a2, t2, b2 = a1, t1, b1
+        b2 = b1
+    ranks = (t1.shape[1],) + ((t2.shape[1],) if two else ())
+    grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2, b2, y), compute, cfg or TuckerCfg())
     _tucker_kernel[grid](
-        a1, t1, b1, a2, t2, b2, y, O, I, Kk, t1.shape[0], t1.shape[1], t2.shape[0], t2.shape[1], gamma,
-        *a1.stride(), *t1.stride(), *b1.stride(), *a2.stride(), *t2.stride(), *b2.stride(), *y.stride(), **meta)
+        at1, b1, at2, b2, y, O, I, Kk, t1.shape[1], t2.shape[1] if two else t1.shape[1], gamma,
+        *at1.stride(), *b1.stride(), *at2.stride(), *b2.stride(), *y.stride(), **meta)
     return y
 
 
