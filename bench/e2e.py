@@ -184,7 +184,9 @@ CATEGORIES = (
 def profile_step(step, device) -> dict:
     """One profiled step: device time (ms; CPU time without CUDA) per category of
     ``CATEGORIES`` and ``other`` (the rest: adds, casts, copies, reductions, Inductor's
-    fused kernels), from torch.profiler's op tree (outermost matching op counted)."""
+    fused kernels). Each kernel is counted once, under the op that launched it, and
+    goes to the category of that op's outermost matching ancestor (an ``aten::mm``
+    inside ``lycoris::lora_bypass_fwd`` is the op's time, not a GEMM)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = torch.device(device).type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -193,31 +195,27 @@ def profile_step(step, device) -> dict:
         step()
         if cuda:
             torch.cuda.synchronize()
-    events = prof.events()
-    t = (lambda e: e.device_time_total) if cuda else (lambda e: e.cpu_time_total)
     out = {name: 0.0 for name, _ in CATEGORIES}
     total = 0.0
 
     def category(e):
-        for name, match in CATEGORIES:
-            if match(e.name):
-                return name
-        return None
+        found = None
+        while e is not None:  # the outermost match wins
+            for name, match in CATEGORIES:
+                if match(e.name):
+                    found = name
+                    break
+            e = e.cpu_parent
+        return found
 
-    for e in events:
-        if e.cpu_parent is None:
-            total += t(e)
-        cat = category(e)
-        if cat is None:
+    for e in prof.events():
+        own = sum(k.duration for k in e.kernels) if cuda else e.self_cpu_time_total  # us
+        if not own:
             continue
-        parent, nested = e.cpu_parent, False
-        while parent is not None:
-            if category(parent) is not None:
-                nested = True
-                break
-            parent = parent.cpu_parent
-        if not nested:
-            out[cat] += t(e)
+        total += own
+        cat = category(e)
+        if cat is not None:
+            out[cat] += own
     out = {k: v / 1e3 for k, v in out.items()}
     out["other"] = max(total / 1e3 - sum(out.values()), 0.0)
     out["total"] = total / 1e3

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
-from . import cast, mm32
+from . import cast, gemm_epilogue, mm32
 
 
 def _acc(compute: torch.dtype) -> torch.dtype:
@@ -109,10 +109,7 @@ def loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
     ((_, dt),) = check_loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base)
     c = C.compute_dtype("loha_bypass_fwd", x=x, a1=a1, b1=b1, a2=a2, b2=b2)
     _, _, dw = _delta(a1, b1, a2, b2, c)
-    y = mm32(cast(x, c), dw.t()) * gamma
-    if base is not None:
-        y = y + base.to(_acc(c))
-    return cast(y, dt).contiguous()
+    return gemm_epilogue(cast(x, c), dw.t(), dt, gamma, base).contiguous()
 
 
 @C.cached
@@ -140,6 +137,6 @@ def loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
     c = C.compute_dtype("loha_bypass_bwd", x=x, a1=a1, b1=b1, a2=a2, b2=b2)
     g, xc = cast(grad, c), cast(x, c)
     p1, p2, dw = _delta(a1, b1, a2, b2, c)
-    gx = (mm32(g, dw) * gamma).to(x.dtype).contiguous()
+    gx = gemm_epilogue(g, dw, x.dtype, gamma).contiguous()
     gw = mm32(g.t(), xc).to(c)
     return (gx,) + _hada_grads(gw, p1, p2, a1, b1, a2, b2, gamma, c)
