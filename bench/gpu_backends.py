@@ -176,6 +176,11 @@ def main(argv=None) -> int:
         took = {t: n for (bb, t), n in tiers.items() if bb == b}
         if took:
             print(f"  {b:9s} ran as: " + ", ".join(f"{t} x{n}" for t, n in sorted(took.items())))
+    if "tilelang" in backends:
+        from lycoris_ops.tilelang import _common as tl_common
+        st = tl_common.stats()
+        print(f"  tilelang kernels built in this process: {st['kernels']} in {st['build_s']:.1f} s "
+              f"(compiles, or loads from TileLang's disk cache)")
     for (bk, dev), err in dispatch.demotions().items():
         print(f"  DEMOTED {bk} on {dev}: {err}")
     for msg in sorted(set(caught)):

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from typing import Callable, Dict, Tuple
 
 import torch
 
 __all__ = [
     "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "target_of", "kernel", "compile_only",
-    "clear", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
+    "clear", "stats", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
 ]
 
 EXECUTION_BACKEND = "tvm_ffi"
@@ -38,6 +39,9 @@ TL_DTYPE = {
 
 _lock = threading.Lock()
 _kernels: Dict[Tuple, object] = {}
+#: kernels built in this process and the seconds spent building them (a compile, or a
+#: load from TileLang's disk cache: the cost a warm cache leaves)
+_stats = {"kernels": 0, "build_s": 0.0}
 
 
 def tl():
@@ -92,9 +96,17 @@ def kernel(builder: Callable, arch: str, *args):
         with _lock:
             k = _kernels.get(key)
             if k is None:
+                t0 = time.perf_counter()
                 k = compile_only(builder, arch, *args)
+                _stats["kernels"] += 1
+                _stats["build_s"] += time.perf_counter() - t0
                 _kernels[key] = k
     return k
+
+
+def stats() -> Dict[str, float]:
+    """``{"kernels": built in this process, "build_s": seconds spent building them}``."""
+    return dict(_stats)
 
 
 def clear() -> None:

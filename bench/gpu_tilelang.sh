@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The TileLang GPU check in one call: every op under LYCORIS_KERNEL_BACKEND=tilelang against
+# the CPU result (fp32/bf16/fp16) and inside torch.compile(fullgraph=True), then the same sweep
+# again in fresh processes with TileLang's disk cache warm (its build seconds are what a
+# second process pays); then the per-op benchmark with the TileLang column.
+#
+#   LYCORIS_TILELANG_SITE=/tmp/tl bash bench/gpu_tilelang.sh [bench.py args...]
+#
+# TileLang is not installed on the device machine: install its wheels into a folder first
+# (see bench/gpu_check.sh and ../shared/TOOLCHAIN.md) and pass it as LYCORIS_TILELANG_SITE.
+# The sweep runs family groups as parallel processes on GPU 1 when there are two GPUs (on
+# GPU 0 otherwise): TileLang's compiles are CPU-bound. The benchmark runs on GPU 0.
+# Environment: LYCORIS_SWEEP_SECONDS (per sweep process, default 240),
+# LYCORIS_BENCH_SECONDS (default 400), LYCORIS_COMMIT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+final=${OUT:-bench/out}; mkdir -p "$final"
+work=$(mktemp -d); out=$work/out; mkdir -p "$out"
+py=${PYTHON:-python3}
+[ -n "${LYCORIS_TILELANG_SITE:-}" ] && export PYTHONPATH="$LYCORIS_TILELANG_SITE${PYTHONPATH:+:$PYTHONPATH}"
+export TILELANG_CACHE_DIR=$work/tilelang-cache   # empty: the first sweep compiles everything
+MAX_JOBS=16 $py -m pip install -q --no-build-isolation --no-deps -e . >"$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
+$py -c "import torch, tilelang, lycoris_ops as L; print('torch', torch.__version__, '| tilelang', tilelang.__version__, '|', L.available_backends('cuda'))" || exit 1
+ngpu=$($py -c "import torch; print(torch.cuda.device_count())")
+sweep_gpu=$([ "$ngpu" -ge 2 ] && echo 1 || echo 0)
+commit=${LYCORIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+groups="lora loha lokr dora,ia3,add oft boft"
+
+finish() {
+  trap - EXIT TERM INT
+  cp "$work"/*.log "$out/" 2>/dev/null
+  tar czf "$final/results.tgz" -C "$out" . && echo "packed: $final/results.tgz"
+  echo; echo "== summary"
+  for f in "$work"/sweep-*.log; do echo "-- $(basename "$f" .log)"; grep -E "case runs|ran as|kernels built|FAIL|DEMOTED|stopped|all equal" "$f" | head -8; done
+  [ -f "$work/bench.log" ] && tail -40 "$work/bench.log"
+}
+trap finish EXIT
+trap 'pkill -TERM -P $$ 2>/dev/null; finish' TERM INT
+
+sweep() {  # $1: cold|warm
+  local pids=() g
+  for g in $groups; do
+    CUDA_VISIBLE_DEVICES=$sweep_gpu timeout -s INT "${LYCORIS_SWEEP_SECONDS:-240}" $py bench/gpu_backends.py \
+      --backends tilelang --families "$g" --max-seconds "$(( ${LYCORIS_SWEEP_SECONDS:-240} - 20 ))" \
+      >"$work/sweep-$1-${g//,/-}.log" 2>&1 &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+}
+
+if [ "$ngpu" -ge 2 ]; then
+  (CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
+     --commit "$commit" "$@" >"$work/bench.log" 2>&1) &
+  bench_pid=$!
+  sweep cold; sweep warm
+  wait $bench_pid
+else
+  sweep cold; sweep warm
+  CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
+    --commit "$commit" "$@" >"$work/bench.log" 2>&1
+fi
