@@ -50,7 +50,7 @@ sweep() {  # $1: cold|warm
 }
 
 if [ "$ngpu" -ge 2 ]; then
-  (CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
+  (TILELANG_CACHE_DIR=$work/tilelang-cache-bench CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
      --commit "$commit" "$@" >"$work/bench.log" 2>&1) &
   bench_pid=$!
   sweep cold; sweep warm
