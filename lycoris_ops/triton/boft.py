@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, needs_idx64, next_pow2, num_sms
-from .cayley import batched_inverse, block_diag, cayley_grad, skew_system
+from .cayley import batched_inverse, cayley_grad, skew_system
 from .oft import pos_mode, pos_offsets, positions_view
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
@@ -71,9 +71,22 @@ __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 #: largest block size s the kernels take (padded to a power of two); larger
 #: blocks make the in-register stage algebra too big to compile quickly
 MAX_BLOCK = 32
+#: register elements of one ``_boft_cayley`` program (NBB = this / SP² blocks at a time)
+CAYLEY_ELEMS = 2048
 
 
 # --------------------------------------------------------------------------- kernels
+#
+# Compile cost (sm_90) is the design constraint here: the Gauss–Jordan Cayley
+# inverse is the one big piece of code, so it lives in ONE small kernel
+# (``_boft_cayley``: its only specialization is SP and the blocks' dtype, shared by
+# every config, forward and backward); the other kernels only load its result.
+# Stage/segment indices (a, L) and the split are runtime integers that are never
+# specialized (``do_not_specialize``): Triton would otherwise compile a separate
+# variant for a == 1 (a constant) and a == 0 (divisible by 16).
+
+_NOSPEC = ["a", "L", "n_split"]
+
 
 @triton.jit
 def _group_base(g, a, L, half):
@@ -92,88 +105,103 @@ def _group_channels(base, a, L, half, HP: tl.constexpr, GP: tl.constexpr):
     return base + low + tb * (half << a), valid
 
 
-@triton.jit
-def _stage(blocks_ptr, sb0, sb1, sb2, sb3, t, a, L, half, base, cscale, scale,
-           HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
-    """Stage i = a + t restricted to one group.
-
-    Returns (E, M, PI, beta, pp, bidx, valid_e):
-      E (GP, GP): the stage in the group's local channel basis;
-      M (GP, GP): block-diagonal (I − Q)⁻¹ of its blocks in the block basis
-        e = bidx·SP + pp (bidx: block within the group, pp: position in block);
-      PI (GP, GP): PI[e, l] = 1 where block-basis e is local channel l;
-      beta (GP,): the global block index of each e; valid_e: real entries.
-    """
-    GP: tl.constexpr = NB * SP
-    i = a + t
-    s = 2 * half
-    kap_a = half << a
-    kap_i = half << i
-    nblk = 1 << (L - 1)
-    low_mask = (1 << t) - 1
-    # block-basis indices
-    e = tl.arange(0, GP)
-    bidx = e // SP
-    pp = e % SP
-    h = pp % 2
-    lo = pp // 2
-    tb = ((bidx >> t) << (t + 1)) | (h << t) | (bidx & low_mask)
-    valid_e = (bidx < nblk) & (pp < s)
-    c = base + lo + tb * kap_a
-    beta = (c // (2 * kap_i)) * (1 << i) + (c % kap_i) // half
-    # the raw blocks of this stage, one per bidx
-    n = tl.arange(0, NB)
-    tbn = ((n >> t) << (t + 1)) | (n & low_mask)
-    cn = base + tbn * kap_a
-    beta_n = (cn // (2 * kap_i)) * (1 << i) + (cn % kap_i) // half
-    n3 = n[:, None, None]
+@triton.jit(do_not_specialize=["n_blk"])
+def _boft_cayley(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, n_blk, nb, s, cscale,
+                 NBB: tl.constexpr, SP: tl.constexpr):
+    """M = (I − Q)⁻¹ (fp32, SP×SP, identity padding) of NBB consecutive blocks
+    j = i·nb + β of all stages, stored to the (m, nb, SP, SP) scratch."""
+    j = tl.program_id(0) * NBB + tl.arange(0, NBB)
+    i = j // nb
+    beta = j % nb
+    j3 = j[:, None, None]
     p3 = tl.arange(0, SP)[None, :, None]
     q3 = tl.arange(0, SP)[None, None, :]
-    valid3 = (n3 < nblk) & (p3 < s) & (q3 < s)
-    boff = i * sb0 + beta_n[:, None, None] * sb1
+    valid3 = (j3 < n_blk) & (p3 < s) & (q3 < s)
+    boff = (i * sb0 + beta * sb1)[:, None, None]
     bb = tl.load(blocks_ptr + boff + p3 * sb2 + q3 * sb3, mask=valid3, other=0.0).to(tl.float32)
     bt = tl.load(blocks_ptr + boff + q3 * sb2 + p3 * sb3, mask=valid3, other=0.0).to(tl.float32)
-    m = block_diag(batched_inverse(skew_system(bb, bt, cscale, valid3, NB, SP), NB, SP), NB, SP)
-    eye = tl.where(e[:, None] == e[None, :], 1.0, 0.0)
-    f = (2.0 * scale) * m + (1.0 - 2.0 * scale) * eye
-    le = tb * HP + lo
-    pi = tl.where((le[:, None] == e[None, :]) & valid_e[:, None], 1.0, 0.0)
-    e_loc = tl.dot(tl.trans(pi), tl.dot(f, pi, input_precision="ieee"), input_precision="ieee")
-    return e_loc, m, pi, beta, pp, bidx, valid_e
+    m = batched_inverse(skew_system(bb, bt, cscale, valid3, NBB, SP), NBB, SP)
+    tl.store(m_ptr + (j3 * SP + p3) * SP + q3, m, mask=(j3 < n_blk) & (p3 < SP) & (q3 < SP))
 
 
 @triton.jit
-def _segment_matrix(blocks_ptr, sb0, sb1, sb2, sb3, a, L, half, base, cscale, scale,
-                    HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
-    """J = E_{a+L−1}···E_a on one group (local basis)."""
+def _stage_map(nb, r, a, L, half, base, HP: tl.constexpr, SP: tl.constexpr, GP: tl.constexpr):
+    """Stage i = a + r seen from the group's local basis l = tb·HP + low.
+
+    Per l: the row ``(i·nb + β)·SP + pp`` of its block row in the Cayley scratch,
+    its block within the group (bidx: tb without bit r), its position in the block
+    (pp = 2·low + bit r of tb), its global block β, and whether l is a real channel.
+    """
+    i = a + r
+    l = tl.arange(0, GP)
+    tb = l // HP
+    low = l % HP
+    valid = (low < half) & (tb < (1 << L))
+    bidx = ((tb >> (r + 1)) << r) | (tb & ((1 << r) - 1))
+    pp = 2 * low + ((tb >> r) & 1)
+    kap_i = half << i
+    c = base + low + tb * (half << a)
+    beta = (c // (2 * kap_i)) * (1 << i) + (c % kap_i) // half
+    return (i * nb + beta) * SP + pp, bidx, pp, beta, valid
+
+
+@triton.jit
+def _stage_mat(m_ptr, nb, r, a, L, half, base, scale, TRANS,
+               HP: tl.constexpr, SP: tl.constexpr, GP: tl.constexpr):
+    """Stage a + r on one group, in its local basis (GP, GP) fp32: E = F on the real
+    channels (F = scale·R + (1 − scale)·I = 2·scale·M + (1 − 2·scale)·I per block), 0
+    elsewhere - gathered from the Cayley scratch by index math (no permutation dots);
+    Eᵀ where ``TRANS`` (a runtime flag)."""
+    row, bidx, pp, beta, valid = _stage_map(nb, r, a, L, half, base, HP, SP, GP)
+    same = (bidx[:, None] == bidx[None, :]) & valid[:, None] & valid[None, :]
+    off = tl.where(TRANS, row[None, :] * SP + pp[:, None], row[:, None] * SP + pp[None, :])
+    m = tl.load(m_ptr + off, mask=same, other=0.0)
+    l = tl.arange(0, GP)
+    eye = tl.where(l[:, None] == l[None, :], 1.0, 0.0)
+    return tl.where(same, (2.0 * scale) * m + (1.0 - 2.0 * scale) * eye, 0.0)
+
+
+@triton.jit(do_not_specialize=["m_st", "LMAX", "G_FULL"])
+def _boft_segmat(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale,
+                 HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
+    """J = E_{a+L−1}···E_a (local basis, fp32 GP×GP) of group g of segment
+    seg (a = seg·LMAX, L = min(LMAX, m − a)), stored at slot seg·G_FULL + g."""
     GP: tl.constexpr = NB * SP
-    e = tl.arange(0, GP)
-    j = tl.where(e[:, None] == e[None, :], 1.0, 0.0)
-    for t in range(L):
-        e_t, m_t, pi_t, beta_t, pp_t, bidx_t, valid_t = _stage(blocks_ptr, sb0, sb1, sb2, sb3, t, a, L, half,
-                                                               base, cscale, scale, HP, SP, NB)
-        j = tl.dot(e_t, j, input_precision="ieee")
-    return j
+    g = tl.program_id(0)
+    seg = tl.program_id(1)
+    a = seg * LMAX
+    L = tl.minimum(LMAX, m_st - a)
+    n_groups = nb * (2 * half) // (half << L)
+    if g < n_groups:
+        base = _group_base(g, a, L, half)
+        e = tl.arange(0, GP)
+        j = tl.where(e[:, None] == e[None, :], 1.0, 0.0)
+        for t in range(L):
+            j = tl.dot(_stage_mat(m_ptr, nb, t, a, L, half, base, scale, False, HP, SP, GP), j,
+                       input_precision="ieee")
+        off = (seg * G_FULL + g).to(tl.int64) * (GP * GP)
+        tl.store(j_ptr + off + e[:, None] * GP + e[None, :], j)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NOSPEC)
 def _boft_seg_fwd(
-    blocks_ptr, sb0, sb1, sb2, sb3, rs_ptr, srs,
+    j_ptr, sjg, sjr, rs_ptr, srs,
     u_ptr, su_pre, su_c, su_post, y_ptr, sy_pre, sy_c, sy_post, x0_ptr, s0_pre, s0_c, s0_post,
-    NPOS, POST, n_tiles, n_split, a, L, half, cscale, scale,
+    NPOS, POST, n_tiles, n_split, a, L, half,
     HAS_RESCALE: tl.constexpr, DIFF_FOLD: tl.constexpr, DIFF_LOAD: tl.constexpr,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     GP: tl.constexpr = NB * SP
-    base = _group_base(tl.program_id(0), a, L, half)
-    w = _segment_matrix(blocks_ptr, sb0, sb1, sb2, sb3, a, L, half, base, cscale, scale, HP, SP, NB)
+    g = tl.program_id(0)
+    base = _group_base(g, a, L, half)
+    e = tl.arange(0, GP)
+    w = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
     if HAS_RESCALE:
         rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
         w = rho[:, None] * w
     if DIFF_FOLD:
-        e = tl.arange(0, GP)
         w = w - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
     if IDX64:
         ch = ch.to(tl.int64)
@@ -192,11 +220,11 @@ def _boft_seg_fwd(
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NOSPEC)
 def _boft_seg_bwd(
-    blocks_ptr, sb0, sb1, sb2, sb3,
+    j_ptr, sjg, sjr,
     g_ptr, sg_pre, sg_c, sg_post, u_ptr, su_pre, su_c, su_post, gx_ptr, so_pre, so_c, so_post, part_ptr,
-    NPOS, POST, n_tiles, n_split, n_groups, a, L, half, cscale, scale,
+    NPOS, POST, n_tiles, n_split, n_groups, a, L, half,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -204,7 +232,8 @@ def _boft_seg_bwd(
     g = tl.program_id(0)
     sp = tl.program_id(1)
     base = _group_base(g, a, L, half)
-    jt = tl.trans(_segment_matrix(blocks_ptr, sb0, sb1, sb2, sb3, a, L, half, base, cscale, scale, HP, SP, NB))
+    e = tl.arange(0, GP)
+    jt = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])  # Jᵀ
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
     if IDX64:
         ch = ch.to(tl.int64)
@@ -222,58 +251,51 @@ def _boft_seg_bwd(
         oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
         acc = tl.dot(gg, tl.trans(u), acc, input_precision=DOT_PREC)
-    e = tl.arange(0, GP)
     off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
     tl.store(part_ptr + off + e[:, None] * GP + e[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_NOSPEC)
 def _boft_chain(
-    blocks_ptr, sb0, sb1, sb2, sb3, part_ptr, gb_ptr,
+    m_ptr, part_ptr, gb_ptr,
     nb, n_split, n_groups, a, L, half, cscale, scale,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr,
 ):
+    """g_blocks of the segment's stages on one group, all in the group's local basis.
+
+    Per stage t: P_t = ST·Pg·Preᵀ (Pre = E_{t−1}···E_0, ST = E_{t+1}ᵀ···E_{L−1}ᵀ), then
+    gR = scale·P_t on the blocks and the Cayley chain gQ = 2·Mᵀ·gR·Mᵀ,
+    gB = cscale·(gQ − gQᵀ) with the gathered M. Every product is one step X ← A·B of
+    a single loop (one dot in the code: the compile stays small): steps k < t
+    multiply by E_kᵀ on the right, the next L−1−t by E_rᵀ on the left (r from L−1
+    down to t+1), the last two by Mᵀ on the left, then on the right (with gR masked
+    in between)."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     base = _group_base(g, a, L, half)
     e = tl.arange(0, GP)
-    eye = tl.where(e[:, None] == e[None, :], 1.0, 0.0)
     pg = tl.zeros((GP, GP), dtype=tl.float32)
     for sp in range(n_split):
         off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
         pg += tl.load(part_ptr + off + e[:, None] * GP + e[None, :])
     s = 2 * half
     for t in range(L):
-        # one pass over the segment's stages (a single inlined stage build keeps
-        # the compile small): Pre = E_{t-1}···E_0, ST = E_{t+1}ᵀ···E_{L-1}ᵀ, and
-        # stage t's own factors
-        pre = eye
-        st_ = eye
-        e_ = tl.arange(0, GP)
-        m = eye
-        pi = eye
-        beta = e_
-        pp = e_
-        bidx = e_
-        valid_e = e_ < 0
-        for r in range(L):
-            e_r, m_r, pi_r, beta_r, pp_r, bidx_r, valid_r = _stage(blocks_ptr, sb0, sb1, sb2, sb3, r, a, L, half,
-                                                                   base, cscale, scale, HP, SP, NB)
-            pre = tl.where(r < t, tl.dot(e_r, pre, input_precision="ieee"), pre)
-            st_ = tl.where(r > t, tl.dot(st_, tl.trans(e_r), input_precision="ieee"), st_)
-            sel = r == t
-            m = tl.where(sel, m_r, m)
-            pi = tl.where(sel, pi_r, pi)
-            beta = tl.where(sel, beta_r, beta)
-            pp = tl.where(sel, pp_r, pp)
-            bidx = tl.where(sel, bidx_r, bidx)
-            valid_e = tl.where(sel, valid_r, valid_e)
-        hh = tl.dot(st_, pg, input_precision="ieee")
-        p_loc = tl.dot(hh, tl.trans(pre), input_precision="ieee")
-        p_bb = tl.dot(pi, tl.dot(p_loc, tl.trans(pi), input_precision="ieee"), input_precision="ieee")
-        same = (bidx[:, None] == bidx[None, :]) & valid_e[:, None] & valid_e[None, :]
-        g_r = tl.where(same, scale * p_bb, 0.0)
-        g_b = cayley_grad(g_r, m, cscale)
+        row, bidx, pp, beta, valid = _stage_map(nb, t, a, L, half, base, HP, SP, GP)
+        same = (bidx[:, None] == bidx[None, :]) & valid[:, None] & valid[None, :]
+        mt = tl.load(m_ptr + row[None, :] * SP + pp[:, None], mask=same, other=0.0)  # Mᵀ of stage t
+        x = pg
+        for k in range(L + 1):
+            right = k < t
+            r = tl.where(right, k, L - 1 - (k - t))
+            if k == L - 1:
+                x = tl.where(same, scale * x, 0.0)  # gR
+            if k < L - 1:
+                f = _stage_mat(m_ptr, nb, r, a, L, half, base, scale, True, HP, SP, GP)
+            else:
+                f = mt
+            right = right | (k == L)
+            x = tl.dot(tl.where(right, x, f), tl.where(right, f, x), input_precision="ieee")
+        g_b = cscale * (2.0 * x - tl.trans(2.0 * x))
         go = (((a + t) * nb + beta[:, None]).to(tl.int64) * s + pp[:, None]) * s + pp[None, :]
         tl.store(gb_ptr + go, g_b.to(gb_ptr.dtype.element_ty), mask=same)
 
@@ -342,9 +364,35 @@ def _prep(blocks, x, axis, cfg, bwd):
     return m, nb, s, ax, x, pre, post, xs, _plan(m, nb, s, pre * post, num_sms(x.device), bwd, cfg)
 
 
+def _cayley_scratch(blocks, cscale, SP):
+    """M = (I − Q)⁻¹ of every block of every stage: (m, nb, SP, SP) fp32, one launch."""
+    m, nb, s = blocks.shape[0], blocks.shape[1], blocks.shape[2]
+    n_blk = m * nb
+    mbuf = torch.empty((m, nb, SP, SP), device=blocks.device, dtype=torch.float32)
+    nbb = max(1, CAYLEY_ELEMS // (SP * SP))
+    _boft_cayley[(cdiv(n_blk, nbb),)](blocks, *blocks.stride(), mbuf, n_blk, nb, s, float(cscale),
+                                      NBB=nbb, SP=SP, num_warps=4)
+    return mbuf
+
+
+def _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs, warps):
+    """The group matrices J of every segment in one launch: (slots, GP0, GP0) fp32,
+    segment idx's groups at slots idx·G0 + g (GP0, G0: the first (largest) segment's
+    group size and count; a shorter last segment uses the top-left corner of its slots)."""
+    NB = segs[0].NB
+    GP = NB * SP
+    g_full = segs[0].n_groups
+    jbuf = torch.empty(((len(segs) - 1) * g_full + segs[-1].n_groups, GP, GP), device=mbuf.device,
+                       dtype=torch.float32)
+    _boft_segmat[(max(sg.n_groups for sg in segs), len(segs))](
+        mbuf, jbuf, nb, m, segs[0].L, g_full, s // 2, float(scale), HP=HP, SP=SP, NB=NB, num_warps=warps)
+    return jbuf, g_full
+
+
 def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCfg] = None):
-    """BOFT butterfly (OPS.md §2.6.1, see ``reference.boft.boft_fwd``): one kernel per segment
-    (one in all when ``2^(m−1)·s`` fits a group)."""
+    """BOFT butterfly (OPS.md §2.6.1, see ``reference.boft.boft_fwd``): the Cayley factors and the
+    group matrices (two small launches), then one streaming kernel per segment (one in all when
+    ``2^(m−1)·s`` fits a group)."""
     cfg = cfg or BoftCfg()
     m, nb, s, ax, x, pre, post, xs, (HP, SP, bp, n_tiles, segs) = _prep(blocks, x, axis, cfg, False)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
@@ -356,8 +404,6 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     mode, xa, xb = pos_mode(pre, post, xs)
     _, ya, yb = pos_mode(pre, post, ys)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()))
-    rs = rescale.reshape(-1) if rescale is not None else blocks
-    bst = blocks.stride()
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, DOT_PREC=cfg.dot_prec,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     buf = None
@@ -365,13 +411,17 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     if len(segs) > 1:
         buf = torch.empty((pre, C, post), device=x.device, dtype=torch.float32)
     with device_guard(x):
+        mbuf = _cayley_scratch(blocks, cscale, SP)
+        jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs, cfg.chain_warps)
+        rs, srs = (rescale.reshape(-1), rescale.reshape(-1).stride(0)) if rescale is not None else (jbuf, 0)
+        GPJ = jbuf.shape[-1]
         for idx, sg in enumerate(segs):
             first, last = idx == 0, idx == len(segs) - 1
             src = (x, xa, xs[1], xb) if first else (buf,) + bs
             dst = (y, ya, ys[1], yb) if last else (buf,) + bs
             _boft_seg_fwd[(sg.n_groups, sg.split)](
-                blocks, *bst, rs, rs.stride(0), *src, *dst, x, xa, xs[1], xb,
-                npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2, float(cscale), float(scale),
+                jbuf[idx * g_full:], GPJ * GPJ, GPJ, rs, srs, *src, *dst, x, xa, xs[1], xb,
+                npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2,
                 HAS_RESCALE=last and rescale is not None, DIFF_FOLD=first and last and diff,
                 DIFF_LOAD=(not first) and last and diff, NB=sg.NB, **common)
     return y
@@ -402,18 +452,20 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     os_ = _buf_strides(pre, C, post, mode)  # gx and every scratch are contiguous (pre, C, post)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
                         (tuple(gx.shape), gx.stride()))
-    bst = blocks.stride()
     half = s // 2
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, DOT_PREC=cfg.dot_prec,
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with device_guard(x):
+        mbuf = _cayley_scratch(blocks, cscale, SP)
+        jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs, cfg.chain_warps)
+        GPJ = jbuf.shape[-1]
         # segment inputs (computed once; x itself for the first segment)
         inputs = [(x, xa, xs[1], xb)]
-        for sg in segs[:-1]:
+        for idx, sg in enumerate(segs[:-1]):
             buf = torch.empty((pre, C, post), device=dev, dtype=torch.float32)
             _boft_seg_fwd[(sg.n_groups, sg.split)](
-                blocks, *bst, blocks, 0, *inputs[-1], buf, *os_, x, xa, xs[1], xb,
-                npos, post, n_tiles, sg.split, sg.a, sg.L, half, float(cscale), float(scale),
+                jbuf[idx * g_full:], GPJ * GPJ, GPJ, jbuf, 0, *inputs[-1], buf, *os_, x, xa, xs[1], xb,
+                npos, post, n_tiles, sg.split, sg.a, sg.L, half,
                 HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=bp, **common)
             inputs.append((buf,) + os_)
         g_in = (grad, ga, gs[1], gb)
@@ -424,11 +476,11 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
             out = (gx,) + os_ if idx == 0 else (gbuf,) + os_
             part = torch.empty((sg.split, sg.n_groups, GP, GP), device=dev, dtype=torch.float32)
             _boft_seg_bwd[(sg.n_groups, sg.split)](
-                blocks, *bst, *g_in, *inputs[idx], *out, part,
-                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, float(cscale), float(scale),
+                jbuf[idx * g_full:], GPJ * GPJ, GPJ, *g_in, *inputs[idx], *out, part,
+                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half,
                 NB=sg.NB, BLOCK_P=bp, **common)
             _boft_chain[(sg.n_groups,)](
-                blocks, *bst, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
+                mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
                 float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=cfg.chain_warps)
             g_in = out
     return gx, g_blocks
