@@ -228,6 +228,79 @@ def test_budget_skips_lower_ranked_candidates(tmp_path):
     assert tune.tune_budget() == tune.DEFAULT_BUDGET_S
 
 
+@pytest.fixture
+def parallel_warm(monkeypatch):
+    """The worker-thread first calls (CUDA-only in production) turned on for CPU runs."""
+    monkeypatch.setattr(tune, "_parallel_ok", lambda dev_id: True)
+    monkeypatch.setenv(tune.ENV_THREADS, "4")
+
+
+def test_parallel_first_calls_overlap_and_check(tmp_path, parallel_warm):
+    """Each fused candidate's first call runs on a worker thread (all at once: a barrier
+    only opens when every one has started), is checked against eager there (wrong
+    numbers and errors disqualify), then timing runs on the calling thread."""
+    import threading
+    barrier = threading.Barrier(3, timeout=20)
+    first = {}
+
+    def run(c):
+        if tune.is_eager(c):
+            return torch.ones(8)
+        name = tune._label(c)
+        if name not in first:
+            first[name] = threading.current_thread().name
+            assert tune._in_worker()
+            barrier.wait()  # deadlocks (times out) unless the three first calls overlap
+        else:
+            assert not tune._in_worker()
+        if c["block"] == 64:
+            raise RuntimeError("out of resources")
+        return torch.ones(8)
+
+    t = FakeTimer({"block=64,num_warps=4": 1e-9, "block=128,num_warps=8": 2e-6, "block=256,num_warps=8": 1e-6,
+                   EAGER: 3e-6})
+    assert _select(cands=(A, B, C, EAGER), timer=t, run=run) == C
+    assert all(n.startswith("lycoris-tune") for n in first.values()) and len(first) == 3
+    (row,) = _rows(tmp_path).values()
+    assert set(row["failed"]) == {"block=64,num_warps=4"} and set(row["times"]) == {
+        "block=128,num_warps=8", "block=256,num_warps=8", EAGER}
+
+
+def test_parallel_nested_selection_takes_first_pick(tmp_path, parallel_warm):
+    """A candidate whose first call selects another key (on a worker, while the tuning
+    thread holds the lock) gets that key's first pick at once: no deadlock, nothing
+    stored for the nested key; timed later on the calling thread, it tunes normally."""
+    nested = []
+
+    def inner_run(c):
+        return torch.ones(2)
+
+    def run(c):
+        if not tune.is_eager(c):
+            nested.append(_select(key=(("dtype", "bfloat16"), ("T", 7)), cands=(B, A, EAGER),
+                                  timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6,
+                                                   EAGER: 3e-6}), run=inner_run, op="ia3_fwd"))
+        return torch.ones(3)
+
+    t = FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6})
+    assert _select(cands=(A, B, EAGER), timer=t, run=run) == A
+    assert nested[:2] == [B, B]  # the two worker first calls: the nested planner's first pick
+    assert A in nested[2:]  # from the calling thread: tuned (A is faster)
+    assert tune.stats()["guarded"] >= 2
+
+
+def test_parallel_off_by_env(tmp_path, parallel_warm, monkeypatch):
+    monkeypatch.setenv(tune.ENV_THREADS, "0")
+    seen = []
+
+    def run(c):
+        seen.append(tune._in_worker())
+        return torch.ones(3)
+
+    _select(timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6}), run=run)
+    assert not any(seen)
+
+
 def test_budget_env(monkeypatch):
     monkeypatch.setenv(tune.ENV_BUDGET, "0")
     tune.set_budget(None)

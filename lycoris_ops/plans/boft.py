@@ -4,11 +4,13 @@
 The m butterfly stages are cut into segments of at most L stages, the largest
 L with 2^L·pow2(s/2) <= ``max_group`` channels; one launch per segment (a
 program: one channel group of GP = max(16, 2^L·pow2(s/2)) rows and a share of
-the positions). More stages per segment = fewer passes over x (each extra
-segment streams an fp32 scratch of x's size in and out) but a bigger GP x GP
-dot per tile and more in-register stage algebra. ``block_p`` positions per
-tile; the backward keeps the segment inputs, streams each segment back (two
-dots per tile, fp32 partials) and runs one tiny chain launch per segment.
+the positions), after two small launches shared by all segments (the Cayley
+factors of every block; the GP x GP group matrix of every group). More stages
+per segment = fewer passes over x (each extra segment streams an fp32 scratch
+of x's size in and out) but a bigger GP x GP dot per tile. ``block_p``
+positions per tile; the backward keeps the segment inputs (forward passes at
+``block_p``), streams each segment back (two dots per tile at ``bwd_block_p``,
+fp32 partials) and runs one tiny chain launch per segment.
 
 Key: exact m, nb, s, bucketed positions, channel contiguity, rescale / diff,
 dtypes.
@@ -57,46 +59,64 @@ def segments(m: int, nb: int, s: int, npos: int, sm: int, max_group: int, bp: in
     return out, n_tiles
 
 
+def _chain_warps(c, GP: int) -> int:
+    """``triton.boft._chain_warps``."""
+    return c.get("chain_warps") or max(4, min(16, GP * GP // 256))
+
+
 def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
     C = nb * s
     SP = 2 * p2(s // 2)
     seen = {}
+    # the Cayley factors of every block (one launch, the same for every config)
+    nbb = max(1, 2048 // (SP * SP))
+    cayley = Work(grid=cdiv(m * nb, nbb), warps=4, acc=3 * nbb * SP * SP, dram=m * nb * (s * s * eb + SP * SP * 4),
+                  fma=m * nb * 4.0 * SP ** 3, tc=False)
 
     def work(c):
         bp = c["bwd_block_p"] if bwd else c["block_p"]
+        fbp = c["block_p"]  # the backward's forward passes (segment inputs) use block_p
         segs, n_tiles = segments(m, nb, s, npos, dev.sm_count, c["max_group"], bp)
-        sig = (tuple(segs), bp, c["num_warps"], c["num_stages"])
+        f_tiles = cdiv(npos, fbp)
+        cw = _chain_warps(c, segs[0][1])
+        sig = (tuple(segs), bp, fbp if bwd else 0, c["num_warps"], c["num_stages"], cw)
         if seen.setdefault(sig, id(c)) != id(c):
             return None
-        works = []
+        # the group matrices J of every segment (one launch; stages gathered, one IEEE dot each)
+        GP0 = segs[0][1]
+        n_j = sum(g for _, _, g, _ in segs)
+        works = [cayley, Work(grid=n_j, warps=cw, acc=3 * GP0 * GP0, dram=n_j * GP0 * GP0 * 4 + m * nb * SP * SP * 4,
+                              fma=sum(g * L * 2.0 * GP ** 3 for L, GP, g, _ in segs), tc=False)]
         for idx, (L, GP, n_groups, split) in enumerate(segs):
             first, last = idx == 0, idx == len(segs) - 1
             e_in = ex if first else 4
             e_out = ex if last else 4
             sector = max(1.0, 32.0 / max((GP if c_contig else bp) * min(e_in, e_out), 1))
             grid = n_groups * split
-            algebra = grid * (L * (1 << max(L - 1, 0)) * 4.0 * SP ** 3 + L * 2.0 * GP ** 3)
             dots = 3 * 2.0 * GP * GP * bp * n_tiles * n_groups
             if not bwd:
                 works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"], acc=GP * bp + GP * GP,
-                                  smem=GP * bp * e_in, dram=npos * C * (e_in + e_out) * sector, mma=dots,
-                                  fma=algebra))
+                                  smem=GP * bp * e_in, dram=npos * C * (e_in + e_out) * sector, mma=dots))
             else:
                 if not last:  # segment input kept for the backward
-                    works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
-                                      acc=GP * bp + GP * GP, smem=GP * bp * e_in,
-                                      dram=npos * C * (e_in + 4) * sector, mma=dots, fma=algebra))
+                    fsplit = max(1, min(cdiv(4 * dev.sm_count, max(1, n_groups)), f_tiles))
+                    fsector = max(1.0, 32.0 / max((GP if c_contig else fbp) * min(e_in, 4), 1))
+                    works.append(Work(grid=n_groups * fsplit, warps=c["num_warps"], stages=c["num_stages"],
+                                      acc=GP * fbp + GP * GP, smem=GP * fbp * e_in,
+                                      dram=npos * C * (e_in + 4) * fsector,
+                                      mma=3 * 2.0 * GP * GP * fbp * f_tiles * n_groups))
                 part = split * n_groups * GP * GP * 4
                 works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
                                   acc=GP * bp * 2 + 2 * GP * GP, smem=2 * GP * bp * 4,
-                                  dram=npos * C * (3 * 4) * sector + part, mma=2 * dots, fma=algebra))
-                works.append(Work(grid=n_groups, warps=c.get("chain_warps", 4), acc=3 * GP * GP,
-                                  dram=part, fma=n_groups * (L * 8.0 * GP ** 3), inflight=GP * GP * 4))
+                                  dram=npos * C * (3 * 4) * sector + part, mma=2 * dots))
+                works.append(Work(grid=n_groups, warps=_chain_warps(c, GP), acc=3 * GP * GP,
+                                  dram=part + n_groups * L * L * GP * GP * 4,
+                                  fma=n_groups * L * (L + 1) * 2.0 * GP ** 3, inflight=GP * GP * 4, tc=False))
         return works
 
     bps = (32, 64, 128) if bwd else (32, 64, 128, 256)
     cfgs = [dict(max_group=g, block_p=128 if bwd else bp, bwd_block_p=bp if bwd else 64, split=0, num_warps=w,
-                 num_stages=st, dot_prec="tf32x3", chain_warps=4)
+                 num_stages=st, dot_prec="tf32x3", chain_warps=0)
             for g in (16, 32, 64) for bp in bps for w in (4, 8) for st in (1, 2, 3)]
     per_stage = [(nb * s * s * (eb + 4) * 3, nb * 4.0 * s ** 3), (npos * C * 4 * 2, 2.0 * npos * C * s),
                  (npos * C * 4 * 2, 0)]

@@ -11,7 +11,9 @@ Flow of ``select_config(op, backend, key_parts, candidates, run_candidate)``:
    returning one - only called on a miss) is timed: each candidate runs once
    (compile + warm-up; every fused candidate's output is checked against the
    eager output - ``SENTINEL_EAGER``'s, or ``reference()`` - and a mismatch
-   disqualifies it; once the warm-ups exceed the budget, ``LYCORIS_KERNEL_TUNE_BUDGET``
+   disqualifies it; on CUDA the fused candidates' first calls run in worker
+   threads, so their compiles overlap (``LYCORIS_KERNEL_TUNE_THREADS``, default 8;
+   0 or 1: one after the other); one after the other, once the warm-ups exceed the budget, ``LYCORIS_KERNEL_TUNE_BUDGET``
    seconds (default 1.5; ``warmup`` and the CLI: none), only the planner's first
    two fused candidates and eager are still tried), then three rounds, each timing a few back-to-back calls with
    CUDA events; a candidate more than twice as slow as the leader after round one
@@ -74,6 +76,7 @@ __all__ = [
     "SENTINEL_EAGER", "TABLE_VERSION", "Plan", "Candidate", "is_eager", "bucket", "shape_key", "make_key",
     "select_config", "pick", "set_tuning", "tuning_enabled", "set_budget", "tune_budget", "set_timer",
     "cuda_timer", "table", "table_path", "source_version", "unsafe_to_time", "stats", "clear", "warmup", "Front", "Layer", "parse_layer", "main",
+    "tune_threads",
 ]
 
 log = logging.getLogger("lycoris_ops.tune")
@@ -261,6 +264,33 @@ DEFAULT_BUDGET_S = 1.5
 _budget: List[Optional[float]] = [None]  # None: read LYCORIS_KERNEL_TUNE_BUDGET on next use
 
 
+ENV_THREADS = "LYCORIS_KERNEL_TUNE_THREADS"
+#: worker threads that run a cold key's fused candidates' first calls (their Triton
+#: compiles release the GIL for most of their time, so they overlap)
+DEFAULT_THREADS = 8
+_worker = threading.local()
+
+
+def tune_threads() -> int:
+    """Worker threads for the first calls of a cold key's candidates (0/1: none)."""
+    try:
+        return max(0, int(os.environ.get(ENV_THREADS, DEFAULT_THREADS)))
+    except ValueError:
+        return DEFAULT_THREADS
+
+
+def _in_worker() -> bool:
+    """True on a tuner worker thread: a nested selection there takes the planner's first
+    pick (neither timed nor stored) instead of waiting for the lock the tuning thread holds."""
+    return getattr(_worker, "active", False)
+
+
+def _parallel_ok(dev_id) -> bool:
+    """Worker threads only for CUDA operands outside Triton's interpreter (which patches
+    module state while it runs and is not thread-safe)."""
+    return dev_id[0] == "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+
+
 def tune_budget() -> float:
     """Seconds of warm-up (compiles) a cold key may spend before lower-ranked candidates are
     skipped (the planner's first two and eager are always tried); 0 = no limit.
@@ -428,9 +458,50 @@ def _label(c: Candidate) -> str:
     return ",".join(f"{k}={_fmt(_value(v))}" for k, v in c.items()) if isinstance(c, dict) else str(c)
 
 
+def _warm_parallel(cands, idx, run, ref, threads, errors) -> bool:
+    """First call (compile + warm-up, output checked against ``ref``) of the candidates
+    ``idx`` on worker threads, on the calling thread's device and stream; failures go to
+    ``errors``. Returns whether one ran out of memory."""
+    from concurrent.futures import ThreadPoolExecutor
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    dev = torch.cuda.current_device() if cuda else None
+    stream = torch.cuda.current_stream(dev) if cuda else None
+
+    def first_call(i):
+        _worker.active = True
+        try:
+            ctx = (torch.cuda.device(dev), torch.cuda.stream(stream)) if cuda else ()
+            with contextlib.ExitStack() as stack:
+                for cm in ctx:
+                    stack.enter_context(cm)
+                stack.enter_context(torch.no_grad())
+                out = run(cands[i])
+                bad = _mismatch(out, ref) if ref is not None else None
+                del out
+                return bad
+        finally:
+            _worker.active = False
+
+    oom = False
+    with ThreadPoolExecutor(max_workers=min(threads, len(idx)), thread_name_prefix="lycoris-tune") as pool:
+        futures = {i: pool.submit(first_call, i) for i in idx}
+        for i, fut in futures.items():
+            try:
+                bad = fut.result()
+                if bad is not None:
+                    errors[i] = f"disagrees with eager: {bad}"
+            except torch.OutOfMemoryError as exc:
+                oom, errors[i] = True, f"out of memory: {exc}"
+            except Exception as exc:
+                errors[i] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    if cuda:
+        stream.synchronize()  # the workers' launches are done before anything is timed
+    return oom
+
+
 def _time_candidates(cands: Sequence[Candidate], run: Callable[[Candidate], Any], timer: Timer,
-                     check: bool, reference: Optional[Callable[[], Any]] = None, budget: Optional[float] = None
-                     ) -> Tuple[int, Dict[int, float], Dict[int, str], bool, List[int]]:
+                     check: bool, reference: Optional[Callable[[], Any]] = None, budget: Optional[float] = None,
+                     threads: int = 0) -> Tuple[int, Dict[int, float], Dict[int, str], bool, List[int]]:
     """(winner index or -1, best seconds per index, failure per index, an OOM happened,
     indices skipped for the time budget)."""
     errors: Dict[int, str] = {}
@@ -450,9 +521,16 @@ def _time_candidates(cands: Sequence[Candidate], run: Callable[[Candidate], Any]
             if eager_at is not None:
                 errors[eager_at] = f"{type(exc).__name__}: {exc}"
     alive: List[int] = []
+    fused = [i for i, c in enumerate(cands) if i not in errors and not is_eager(c)]
+    parallel = threads > 1 and len(fused) > 1
+    if parallel:  # every fused candidate's first call at once: the compiles overlap
+        oom = _warm_parallel(cands, fused, run, ref, threads, errors) or oom
     fused_seen = 0
     for i, c in enumerate(cands):
         if i in errors:
+            continue
+        if parallel and not is_eager(c):
+            alive.append(i)  # warmed and checked on a worker
             continue
         if not is_eager(c):
             fused_seen += 1
@@ -594,6 +672,9 @@ def select_config(op: str, backend: str, key_parts, candidates, run_candidate: C
     mkey = (dev_id, backend, op, version, parts)
     entry = _memo.get(mkey)
     if entry is None or not (entry.tuned or not tuning_enabled()):
+        if _in_worker():  # inside a candidate's first call on a tuner worker: no lock, no timing
+            _stats["guarded"] += 1
+            return _resolve(resolve, _candidates(candidates)[0])
         with _lock:
             return _select_locked(op, backend, candidates, run_candidate, dev_id, parts, mkey, version, resolve,
                                   timer, validate, check, reference, front)
@@ -637,8 +718,9 @@ def _select_locked(op, backend, candidates, run_candidate, dev_id, parts, mkey, 
     # the operands' GPU current while timing (events and launches on its current stream)
     on_device = torch.cuda.device(dev_id[1]) if dev_id[0] == "cuda" else contextlib.nullcontext()
     with torch.no_grad(), on_device:
-        winner, best, errors, oom, skipped = _time_candidates(cands, run_candidate, use_timer or cuda_timer,
-                                                              check, reference, tune_budget())
+        winner, best, errors, oom, skipped = _time_candidates(
+            cands, run_candidate, use_timer or cuda_timer, check, reference, tune_budget(),
+            tune_threads() if _parallel_ok(dev_id) else 0)
     spent = time.perf_counter() - t0
     _stats["tune_s"] += spent
     _stats["tuned"] += 1

@@ -307,7 +307,8 @@ class BoftCfg(NamedTuple):
     (decides how many stages are fused; a single stage always runs),
     ``block_p``/``bwd_block_p``: positions per tile, ``split``: programs per group
     along the positions (0 = automatic, to fill the GPU), ``dot_prec``:
-    input_precision of the streaming fp32 dots."""
+    input_precision of the streaming fp32 dots, ``chain_warps``: warps of the group-matrix
+    and chain launches (0 = automatic: GP²/256, at least 4)."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -315,11 +316,17 @@ class BoftCfg(NamedTuple):
     num_warps: int = 4
     num_stages: int = 2
     dot_prec: str = "tf32x3"
-    chain_warps: int = 4
+    chain_warps: int = 0
 
 
 def default_boft_cfg() -> BoftCfg:
     return BoftCfg()
+
+
+def _chain_warps(cfg: BoftCfg, GP: int) -> int:
+    """Warps of the (GP, GP) IEEE stage-algebra launches: about 8 matrix elements per
+    thread (fewer per thread also keeps the unrolled FMA dots, and the compile, small)."""
+    return cfg.chain_warps or max(4, min(16, GP * GP // 256))
 
 
 class _Seg(NamedTuple):
@@ -412,7 +419,8 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
         buf = torch.empty((pre, C, post), device=x.device, dtype=torch.float32)
     with device_guard(x):
         mbuf = _cayley_scratch(blocks, cscale, SP)
-        jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs, cfg.chain_warps)
+        jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
+                                        _chain_warps(cfg, segs[0].NB * SP))
         rs, srs = (rescale.reshape(-1), rescale.reshape(-1).stride(0)) if rescale is not None else (jbuf, 0)
         GPJ = jbuf.shape[-1]
         for idx, sg in enumerate(segs):
@@ -420,7 +428,8 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
             src = (x, xa, xs[1], xb) if first else (buf,) + bs
             dst = (y, ya, ys[1], yb) if last else (buf,) + bs
             _boft_seg_fwd[(sg.n_groups, sg.split)](
-                jbuf[idx * g_full:], GPJ * GPJ, GPJ, rs, srs, *src, *dst, x, xa, xs[1], xb,
+                jbuf[idx * g_full:], GPJ * GPJ, GPJ, *((rs, srs) if last else (jbuf, 0)), *src, *dst,
+                x, xa, xs[1], xb,
                 npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2,
                 HAS_RESCALE=last and rescale is not None, DIFF_FOLD=first and last and diff,
                 DIFF_LOAD=(not first) and last and diff, NB=sg.NB, **common)
@@ -457,16 +466,19 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with device_guard(x):
         mbuf = _cayley_scratch(blocks, cscale, SP)
-        jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs, cfg.chain_warps)
+        jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
+                                        _chain_warps(cfg, segs[0].NB * SP))
         GPJ = jbuf.shape[-1]
-        # segment inputs (computed once; x itself for the first segment)
+        # segment inputs (computed once; x itself for the first segment), by the forward's
+        # streaming kernel at block_p (the same compiled kernels as boft_fwd's passes)
+        _, _, fbp, f_tiles, fsegs = _plan(m, nb, s, npos, num_sms(x.device), False, cfg)
         inputs = [(x, xa, xs[1], xb)]
-        for idx, sg in enumerate(segs[:-1]):
+        for idx, sg in enumerate(fsegs[:-1]):
             buf = torch.empty((pre, C, post), device=dev, dtype=torch.float32)
             _boft_seg_fwd[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, jbuf, 0, *inputs[-1], buf, *os_, x, xa, xs[1], xb,
-                npos, post, n_tiles, sg.split, sg.a, sg.L, half,
-                HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=bp, **common)
+                npos, post, f_tiles, sg.split, sg.a, sg.L, half,
+                HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=fbp, **common)
             inputs.append((buf,) + os_)
         g_in = (grad, ga, gs[1], gb)
         gbuf = torch.empty((pre, C, post), device=dev, dtype=torch.float32) if len(segs) > 1 else None
@@ -481,6 +493,6 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                 NB=sg.NB, BLOCK_P=bp, **common)
             _boft_chain[(sg.n_groups,)](
                 mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
-                float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=cfg.chain_warps)
+                float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=_chain_warps(cfg, GP))
             g_in = out
     return gx, g_blocks
