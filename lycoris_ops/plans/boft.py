@@ -115,7 +115,9 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
         return works
 
     bps = (32, 64, 128) if bwd else (32, 64, 128, 256)
-    cfgs = [dict(max_group=g, block_p=128 if bwd else bp, bwd_block_p=bp if bwd else 64, split=0, num_warps=w,
+    # backward configs: the forward passes (segment inputs) at the streaming tile too, so a
+    # backward config with the forward's best tile reuses the forward's compiled kernels
+    cfgs = [dict(max_group=g, block_p=bp, bwd_block_p=bp if bwd else 64, split=0, num_warps=w,
                  num_stages=st, dot_prec="tf32x3", chain_warps=0)
             for g in (16, 32, 64) for bp in bps for w in (4, 8) for st in (1, 2, 3)]
     per_stage = [(nb * s * s * (eb + 4) * 3, nb * 4.0 * s ** 3), (npos * C * 4 * 2, 2.0 * npos * C * s),

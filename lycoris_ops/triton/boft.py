@@ -9,19 +9,27 @@ Channel groups. Stage i mixes only two things of a channel index c: its low part
 ``c mod s/2`` and the bit of weight κ_i. A run of consecutive stages
 ``[a, a+L)`` therefore maps every *group* of ``gs = (s/2)·2^L`` channels
 ``base(g) + low + tb·κ_a`` (low < s/2, tb < 2^L) onto itself, and its action on
-a group is one dense gs×gs matrix ``J = E_{a+L−1}···E_a``. A program owns one
-group: it rebuilds the stage matrices of its group in registers (per stage:
-batched Cayley of its 2^(L−1) blocks by Gauss–Jordan, ``cayley.py``, then a
-0/1 permutation into the group's channel basis), multiplies them into J, and
-streams its share of the positions with one ``tl.dot`` per tile. R is never
-written to memory.
+a group is one dense gs×gs matrix ``J = E_{a+L−1}···E_a``.
+
+Stage algebra, computed once per call in two small launches (the streaming
+kernels only load its result, so their compile stays small):
+  * ``_boft_cayley``: M = (I − Q)⁻¹ of every block of every stage by batched
+    Gauss–Jordan (``cayley.py``) into an fp32 scratch (m, nb, SP, SP) — the only
+    copy of the elimination code; its compile depends on SP alone.
+  * ``_boft_segmat``: per segment and group, each stage matrix E_t in the
+    group's local channel basis is *gathered* from that scratch by index math
+    (the 0/1 permutation is applied to the indices, no permutation dots), and
+    ``J = E_{a+L−1}···E_a`` (IEEE dots, J starts as E_a·I) is stored to an fp32
+    scratch of group matrices.
+A streaming program owns one group and a share of the positions: it loads J and
+applies it with one ``tl.dot`` per tile. R itself is never materialized.
 
 Segments. The m stages are cut into segments of at most ``L_max`` stages, the
 largest L with ``2^L·pow2(s/2) <= max_group`` (default 32 channels per group;
 a single stage is always one segment, for s <= 32). When ``2^(m−1)·s`` fits
 (``L_max >= m``) the whole butterfly is ONE segment.
 
-Passes:
+Passes (after the two stage-algebra launches):
 
 ``boft_fwd``
   * one segment: ONE kernel — x read once, y written once, rescale and diff
@@ -33,13 +41,20 @@ Passes:
   writes ``gx = Jᵀ·G`` and accumulates ``Pg = Σ G·Xᵀ`` (gs×gs per group, fp32
   partials per position split); then ONE tiny chain kernel per group sums the
   partials and, per stage, forms ``P_i = (E_{i+1}ᵀ···E_{m−1}ᵀ)·Pg·(E_{i−1}···E_0)ᵀ``
-  (exactly ``Σ g^{i+1}·(u^i)ᵀ``), maps it to the block basis, ``gR = scale·P``
-  and the Cayley chain (``gQ = 2Mᵀ·gR·Mᵀ``, ``gB = cscale·(gQ − gQᵀ)``), storing
-  g_blocks in blocks' dtype. With n segments: n − 1 forward kernels keep the
-  segment inputs (fp32 scratch, computed once), then per segment from the last:
-  one streaming kernel (gx of the segment into an fp32 g scratch, in place) and
-  one chain kernel — 3n − 1 launches, each stage applied once forward and once
-  backward.
+  (exactly ``Σ g^{i+1}·(u^i)ᵀ``), ``gR = scale·P`` on the stage's blocks and the
+  Cayley chain (``gQ = 2Mᵀ·gR·Mᵀ``, ``gB = cscale·(gQ − gQᵀ)``), all in the
+  group's local basis (E and M gathered as above), storing g_blocks in blocks'
+  dtype. With n segments: n − 1 forward kernels keep the segment inputs (fp32
+  scratch, computed once, at the forward's ``block_p``), then per segment from
+  the last: one streaming kernel (gx of the segment into an fp32 g scratch, in
+  place) and one chain kernel — 3n + 1 launches, each stage applied once forward
+  and once backward.
+
+Compile cost: the stage/segment indices (a, L) and the split are runtime
+integers never specialized (``do_not_specialize``), so one compiled kernel
+serves every segment of a call; the IEEE (GP, GP) algebra runs with about 8
+matrix elements per thread (``chain_warps`` = 0: GP²/256 warps, at least 4),
+which keeps its unrolled FMA dots, and their compile, small.
 
 Dots: streaming dots use ``input_precision`` from the config (default
 ``"tf32x3"``, ~fp32 accuracy); the stage algebra uses IEEE fp32.
@@ -63,7 +78,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, needs_idx64, next_pow2, num_sms
-from .cayley import batched_inverse, cayley_grad, skew_system
+from .cayley import batched_inverse, skew_system
 from .oft import pos_mode, pos_offsets, positions_view
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
