@@ -470,6 +470,8 @@ def _warm_parallel(cands, idx, run, ref, threads, errors) -> bool:
     def first_call(i):
         _worker.active = True
         try:
+            if cuda:
+                torch.cuda.set_device(dev)  # this thread's CUDA context (cuBLAS warns without one)
             ctx = (torch.cuda.device(dev), torch.cuda.stream(stream)) if cuda else ()
             with contextlib.ExitStack() as stack:
                 for cm in ctx:
@@ -530,7 +532,16 @@ def _time_candidates(cands: Sequence[Candidate], run: Callable[[Candidate], Any]
         if i in errors:
             continue
         if parallel and not is_eager(c):
-            alive.append(i)  # warmed and checked on a worker
+            # compiled and checked on a worker; one more call here before any timing: a
+            # nested selection skipped on the worker tunes now, and a kernel a worker's
+            # compile raced out of Triton's in-memory cache is reloaded now, not in a timed call
+            try:
+                run(c)
+                alive.append(i)
+            except torch.OutOfMemoryError as exc:
+                oom, errors[i] = True, f"out of memory: {exc}"
+            except Exception as exc:
+                errors[i] = f"{type(exc).__name__}: {str(exc)[:300]}"
             continue
         if not is_eager(c):
             fused_seen += 1
