@@ -381,9 +381,18 @@ def unsafe_to_time() -> bool:
 
 # --------------------------------------------------------------------------- timing
 
+#: GPU cycles spun before a process's first timing on a device (~50 ms at 1.98 GHz)
+SPIN_CYCLES = 100_000_000
+_clocked: set = set()
+
+
 def cuda_timer(fn: Callable[[], Any], candidate: Candidate = None) -> float:
     """One timing round: seconds per call of ``fn`` over a few back-to-back calls
     (CUDA events on the current stream; reps sized to about ``ROUND_S``)."""
+    dev = torch.cuda.current_device()
+    if dev not in _clocked:  # an idle GPU runs its first milliseconds at low clocks: spin it up once
+        _clocked.add(dev)
+        torch.cuda._sleep(SPIN_CYCLES)
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
     start.record()
