@@ -172,6 +172,8 @@ def main(argv=None) -> int:
 
     print("-" * len(header))
     print(f"{rows} case runs in {time.time() - start:.0f} s; graph breaks: {sum(graph_breaks.values())}")
+    for reason, n in sorted(graph_breaks.items(), key=lambda kv: -kv[1])[:3]:  # where they come from
+        print(f"  graph break x{n}: {str(reason)[:240]}")
     for b in backends:
         took = {t: n for (bb, t), n in tiers.items() if bb == b}
         if took:
