@@ -360,10 +360,48 @@ class LoKrLinear(_Scaled):
 # --------------------------------------------------------------------------- DoRA
 
 
+class _AdaptedNorms(torch.autograd.Function):
+    """``n = ‖M‖ + ε`` per row (``row_axis`` 0) or column (1) of ``M = W + round(γ·up·down)``
+    (W frozen): the norms of ``dora_fwd`` (ε from dora_scale's dtype), fp32.
+
+    Backward without keeping M: ``g_M = g_n·M/‖M‖`` is one more ``dora_fwd`` pass (with
+    multiplier 1 and magnitudes ``g_n·n'/‖M‖`` its output is exactly ``M·g_n/‖M‖``), then
+    ``lora_merge_bwd`` gives up's and down's gradients: O·I·r work, no token-sized GEMM."""
+
+    @staticmethod
+    def forward(W, dscale, up, down, gamma, row_axis):
+        delta = _locon.merge(up, down, gamma, out_dtype=W.dtype)
+        _, n = torch.ops.lycoris.dora_fwd(W, dscale, 1.0, row_axis, delta)
+        return n
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        W, dscale, up, down, gamma, row_axis = inputs
+        ctx.save_for_backward(W, up, down, output)
+        ctx.gamma, ctx.row_axis = gamma, row_axis
+        ctx.eps = torch.finfo(dscale.dtype).eps
+
+    @staticmethod
+    def backward(ctx, g_n):
+        W, up, down, n = ctx.saved_tensors
+        delta = _locon.merge(up, down, ctx.gamma, out_dtype=W.dtype)
+        norm = n - ctx.eps  # ‖M‖
+        mags = g_n.to(n.dtype) / norm * (norm + torch.finfo(n.dtype).eps)  # dora_fwd adds its own ε to ‖M‖
+        g_M, _ = torch.ops.lycoris.dora_fwd(W, mags, 1.0, ctx.row_axis, delta)
+        g_up, g_down = torch.ops.lycoris.lora_merge_bwd(g_M, up, down, ctx.gamma)
+        return None, None, g_up, g_down, None, None
+
+
 class DoRALinear(LoRALinear):
     """LoRA + weight decompose: ``W' = wd(W + γ·up·down)`` with ``wd(M) = M·(m·(dora_scale/‖M‖ − 1) + 1)``,
     norms per output row (``wd_on_out=True``, dora_scale (O, 1)) or per input column (dora_scale
-    (1, I)); dora_scale starts at ‖W‖ so the initial layer is unchanged. y = F.linear(x, W', b)."""
+    (1, I)); dora_scale starts at ‖W‖ so the initial layer is unchanged.
+
+    Forward without building W': the rescale is a vector s, so ``x·W'ᵀ = s ⊙ (x·Mᵀ)`` (rows) or
+    ``(x ⊙ s)·Mᵀ`` (columns), and ``x·Mᵀ`` is the base layer plus the LoRA bypass op. The norms'
+    gradient flows to up/down through ``_AdaptedNorms`` (O·I·r work), so the backward has no
+    weight-gradient GEMM over the tokens. (The base weight trainable: the merged path,
+    ``y = F.linear(x, W', b)``.)"""
 
     additive = False
 
@@ -381,8 +419,23 @@ class DoRALinear(LoRALinear):
         delta = _locon.merge(self.lora_up, self.lora_down, self.scale * self.multiplier, out_dtype=W.dtype)
         return _dora.weight_decompose(W, self.dora_scale, self.multiplier, self.wd_on_out, delta=delta).to(W.dtype)
 
+    def _rescale(self):
+        """s = m·(dora_scale/n − 1) + 1, fp32, one per output row (wd_on_out) or input column."""
+        d = self.dora_scale.reshape(-1)
+        n = _AdaptedNorms.apply(self.base.weight, d.detach(), self.lora_up, self.lora_down, self.gamma,
+                                0 if self.wd_on_out else 1)
+        return self.multiplier * (d.to(n.dtype) / n - 1) + 1
+
     def adapter_forward(self, x):
-        return F.linear(x, self._weight(), self.base.bias)
+        if self.base.weight.requires_grad:
+            return F.linear(x, self._weight(), self.base.bias)
+        s = self._rescale()
+        if not self.wd_on_out:
+            x = x * s.to(x.dtype)
+        z = _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, base=F.linear(x, self.base.weight))
+        if self.wd_on_out:
+            z = z * s.to(z.dtype)
+        return z if self.base.bias is None else z + self.base.bias
 
     def merged_weight(self):
         return self._weight(), None

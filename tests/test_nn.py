@@ -323,3 +323,53 @@ def test_export_round_trip(tmp_path):
     assert not _lycoris_targets(ep2.graph_module)
     with torch.no_grad():
         torch.testing.assert_close(ep2.module()(x), m(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("wd_on_out", [True, False], ids=["rows", "cols"])
+def test_dora_bypass_equals_merged_weight(dtype, wd_on_out):
+    """DoRALinear's forward (rescale vector around the base layer + LoRA bypass, norm
+    gradients through _AdaptedNorms) equals F.linear with the merged weight W' built by
+    the merge and dora ops, outputs and every gradient, at odd sizes."""
+    torch.manual_seed(3)
+    ad = lnn.DoRALinear(nn.Linear(37, 45).to(dtype), rank=5, multiplier=0.8, wd_on_out=wd_on_out)
+    _perturb(ad, 3, std=0.3)
+    x = torch.randn(3, 7, 37, dtype=dtype)
+    params = [ad.lora_up, ad.lora_down, ad.dora_scale]
+    outs = []
+    for merged in (False, True):
+        x1 = x.clone().requires_grad_(True)
+        y = F.linear(x1, ad._weight(), ad.base.bias) if merged else ad(x1)
+        gy = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+        outs.append((y,) + torch.autograd.grad(y, [x1] + params, gy))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for a, b in zip(*outs):
+        err = ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+        assert err < tol, err
+
+
+def test_dora_bypass_compile_and_export():
+    """The DoRA bypass (an autograd.Function around our ops) compiles with fullgraph and
+    exports; the exported graph holds the LoRA bypass and the dora ops."""
+    from torch._dynamo.backends.debugging import aot_eager
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = nn.Sequential(lnn.DoRALinear(nn.Linear(24, 32), rank=4), nn.GELU(),
+                      lnn.DoRALinear(nn.Linear(32, 16), rank=2, wd_on_out=False))
+    _perturb(m)
+    x = torch.randn(2, 3, 24)
+    m(x).square().sum().backward()
+    g_ref = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    m.zero_grad()
+    compiled = torch.compile(m, fullgraph=True, backend=aot_eager)
+    compiled(x).square().sum().backward()
+    g = [p.grad.clone() for p in m.parameters() if p.grad is not None]
+    assert len(g) == len(g_ref) == 6
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    ep = torch.export.export(m, (x,))
+    targets = " ".join(_lycoris_targets(ep.graph_module))
+    assert "lora_bypass_fwd" in targets and "dora_fwd" in targets, targets
+    with torch.no_grad():
+        torch.testing.assert_close(ep.module()(x), m(x))
