@@ -735,3 +735,17 @@ def test_parse_layer():
 
 def test_warmup_exported():
     assert lycoris_ops.warmup is tune.warmup
+
+
+def test_parallel_threads_bounded_by_output_size(tmp_path, parallel_warm, monkeypatch):
+    """Concurrent first calls hold one output set each: past the scratch budget the
+    key falls back to one-after-the-other first calls."""
+    monkeypatch.setattr(tune, "PARALLEL_SCRATCH_BYTES", 3 * 4)  # room for one 3-float output
+    seen = []
+
+    def run(c):
+        seen.append(tune._in_worker())
+        return torch.ones(3)
+
+    _select(timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6}), run=run)
+    assert seen and not any(seen)

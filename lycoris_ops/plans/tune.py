@@ -42,7 +42,8 @@ Safety:
   memo and the table takes the planner's first candidate, remembered for the
   process, never stored, timed once tuning is turned back on;
 * no ``torch.cuda.empty_cache()``; scratch is one output set per call (candidates
-  run on the caller's operands; outputs are fresh and dropped); a candidate that
+  run on the caller's operands; outputs are fresh and dropped; the concurrent first
+  calls hold one set per worker thread, at most ``PARALLEL_SCRATCH_BYTES`` together); a candidate that
   raises (compile error, out of resources) times as infinity; after an
   out-of-memory the winner is kept for the process only, not stored;
 * selection is serialized by a re-entrant lock (a candidate being timed may
@@ -269,6 +270,9 @@ ENV_THREADS = "LYCORIS_KERNEL_TUNE_THREADS"
 #: compiles release the GIL for most of their time, so they overlap)
 DEFAULT_THREADS = 8
 _worker = threading.local()
+#: output bytes the concurrent first calls of one cold key may hold at once (fewer
+#: threads for bigger outputs; one: the sequential path)
+PARALLEL_SCRATCH_BYTES = 1 << 30
 
 
 def tune_threads() -> int:
@@ -533,6 +537,9 @@ def _time_candidates(cands: Sequence[Candidate], run: Callable[[Candidate], Any]
                 errors[eager_at] = f"{type(exc).__name__}: {exc}"
     alive: List[int] = []
     fused = [i for i, c in enumerate(cands) if i not in errors and not is_eager(c)]
+    if threads > 1 and ref is not None:  # concurrent first calls hold one output set each
+        out_bytes = sum(t.numel() * t.element_size() for t in _outputs(ref))
+        threads = min(threads, max(1, PARALLEL_SCRATCH_BYTES // max(out_bytes, 1)))
     parallel = threads > 1 and len(fused) > 1
     if parallel:  # every fused candidate's first call at once: the compiles overlap
         oom = _warm_parallel(cands, fused, run, ref, threads, errors) or oom
