@@ -14,7 +14,7 @@ a group is one dense gs×gs matrix ``J = E_{a+L−1}···E_a``.
 Stage algebra, computed once per call in two small launches (the streaming
 kernels only load its result, so their compile stays small):
   * ``_boft_cayley``: M = (I − Q)⁻¹ of every block of every stage by batched
-    Gauss–Jordan (``cayley.py``) into an fp32 scratch (m, nb, SP, SP) — the only
+    Gauss–Jordan (``_cayley.py``) into an fp32 scratch (m, nb, SP, SP) — the only
     copy of the elimination code; its compile depends on SP alone.
   * ``_boft_segmat``: per segment and group, each stage matrix E_t in the
     group's local channel basis is *gathered* from that scratch by index math
@@ -78,7 +78,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, needs_idx64, next_pow2, num_sms
-from .cayley import batched_inverse, skew_system
+from ._cayley import batched_inverse, skew_system
 from .oft import pos_mode, pos_offsets, positions_view
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]

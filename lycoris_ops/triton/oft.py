@@ -14,7 +14,7 @@ the contiguous axis, for coalescing) and a share of the positions.
 
 Cayley in registers: every program rebuilds the fp32 Cayley factors of its
 blocks from the fp32-upcast raw blocks (batched Gauss–Jordan, SP steps,
-``cayley.py``) before it streams; R is never written to memory and no scratch
+``_cayley.py``) before it streams; R is never written to memory and no scratch
 holds it. The position loop amortizes the rebuild.
 
 Passes:
@@ -55,7 +55,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, collapse_one, device_guard, needs_idx64, next_pow2, num_sms
-from .cayley import batched_inverse, block_diag, cayley_grad, skew_system
+from ._cayley import batched_inverse, block_diag, cayley_grad, skew_system
 
 __all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view"]
 
