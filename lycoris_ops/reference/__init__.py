@@ -40,8 +40,12 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-#: longest reduction the fused 16-bit GEMM path takes: cuBLAS may split a longer one and
-#: (with torch's default reduced-precision reduction) add the splits in 16 bits
+#: the fused 16-bit-output GEMM path is taken when cuBLAS cannot split the reduction:
+#: a short one (K <= this), or an output with enough tiles to fill the GPU (M·N >= the
+#: next) and K <= the last. A split reduction may add its partial sums in 16 bits
+#: (torch's default reduced-precision reduction); elsewhere the product is fp32.
+GEMM_EPILOGUE_SHORT_K = 256
+GEMM_EPILOGUE_MIN_OUT = 1 << 24
 GEMM_EPILOGUE_MAX_K = 8192
 
 
@@ -56,7 +60,9 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
     and three fp32 passes over the output. Elsewhere: ``mm32`` and the fp32 epilogue.
     """
     if (_MM_OUT_DTYPE and a.is_cuda and a.dtype == b.dtype == out_dtype and a.dtype in _HALF
-            and a.dim() == 2 and b.dim() == 2 and a.shape[1] <= GEMM_EPILOGUE_MAX_K
+            and a.dim() == 2 and b.dim() == 2
+            and (a.shape[1] <= GEMM_EPILOGUE_SHORT_K
+                 or (a.shape[1] <= GEMM_EPILOGUE_MAX_K and a.shape[0] * b.shape[1] >= GEMM_EPILOGUE_MIN_OUT))
             and (base is None or (base.dtype == out_dtype and base.shape == (a.shape[0], b.shape[1])))
             and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad
                                                   or (base is not None and base.requires_grad)))):

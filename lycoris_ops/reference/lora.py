@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
-from . import cast, mm32
+from . import cast, gemm_epilogue, mm32
 
 MODES = ("plain", "hada", "sum")
 
@@ -77,6 +77,8 @@ def lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
         c = C.promote_dtypes(a1.dtype, b1.dtype)
     else:
         c = C.promote_dtypes(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    if mode == "plain":  # one GEMM; on CUDA the scale and base ride in cuBLAS's epilogue
+        return gemm_epilogue(cast(a1, c), cast(b1, c), dt, gamma, base).contiguous()
     y = mm32(cast(a1, c), cast(b1, c))
     if mode == "hada":
         y = y * mm32(cast(a2, c), cast(b2, c))
@@ -114,8 +116,8 @@ def lora_merge_bwd(grad, up, down, gamma):
     check_lora_merge_bwd(grad, up, down, gamma)
     c = C.promote_dtypes(up.dtype, down.dtype)
     g, u, d = cast(grad, c), cast(up, c), cast(down, c)
-    g_up = cast(mm32(g, d.t()) * gamma, up.dtype)
-    g_down = cast(mm32(u.t(), g) * gamma, down.dtype)
+    g_up = gemm_epilogue(g, d.t(), up.dtype, gamma)
+    g_down = gemm_epilogue(u.t(), g, down.dtype, gamma)
     return g_up.contiguous(), g_down.contiguous()
 
 
@@ -149,11 +151,8 @@ def lora_bypass_fwd(x, up, down, gamma, base=None):
     """
     ((_, dt),) = check_lora_bypass_fwd(x, up, down, gamma, base)
     c = C.promote_dtypes(x.dtype, up.dtype, down.dtype)
-    h = cast(mm32(cast(x, c), cast(down, c).t()), c)
-    y = mm32(h, cast(up, c).t()) * gamma
-    if base is not None:
-        y = y + cast(base, _acc(c))
-    return cast(y, dt).contiguous()
+    h = gemm_epilogue(cast(x, c), cast(down, c).t(), c)
+    return gemm_epilogue(h, cast(up, c).t(), dt, gamma, base).contiguous()
 
 
 @C.cached
@@ -184,11 +183,11 @@ def lora_bypass_bwd(grad, x, up, down, gamma):
     check_lora_bypass_bwd(grad, x, up, down, gamma)
     c = C.promote_dtypes(x.dtype, up.dtype, down.dtype)
     g, xc, u, d = cast(grad, c), cast(x, c), cast(up, c), cast(down, c)
-    h = cast(mm32(xc, d.t()), c)
-    q = cast(mm32(g, u), c)
-    gx = cast(mm32(q, d) * gamma, x.dtype)
-    g_up = cast(mm32(g.t(), h) * gamma, up.dtype)
-    g_down = cast(mm32(q.t(), xc) * gamma, down.dtype)
+    h = gemm_epilogue(xc, d.t(), c)
+    q = gemm_epilogue(g, u, c)
+    gx = gemm_epilogue(q, d, x.dtype, gamma)
+    g_up = gemm_epilogue(g.t(), h, up.dtype, gamma)
+    g_down = gemm_epilogue(q.t(), xc, down.dtype, gamma)
     return gx.contiguous(), g_up.contiguous(), g_down.contiguous()
 
 
