@@ -40,7 +40,7 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
-#: the fused 16-bit-output GEMM path is taken when cuBLAS cannot split the reduction:
+#: the fused 16-bit-output GEMM path is taken where cuBLAS has no reason to split the reduction:
 #: a short one (K <= this), or an output with enough tiles to fill the GPU (M·N >= the
 #: next) and K <= the last. A split reduction may add its partial sums in 16 bits
 #: (torch's default reduced-precision reduction); elsewhere the product is fp32.
