@@ -12,6 +12,7 @@ import torch
 # torch.library.register_autograd's registration with its per-call overhead removed
 from ._autograd_kernel import register_autograd
 from .reference import cast, mm32
+from .reference.lora import tucker_apply, tucker_core, tucker_rows
 
 lycoris = torch.ops.lycoris
 
@@ -120,28 +121,6 @@ def _lora_tucker_fwd_setup(ctx, inputs, output):
     ctx.save_for_backward(a1, t1, b1, a2, t2, b2)
 
 
-def _lora_tucker_rows(g):
-    """(O, I, Kk) -> (O·Kk, I) with rows (o, κ): one permuted copy of the big operand,
-    after which every contraction of the backward is a plain GEMM."""
-    O, I, Kk = g.shape
-    return g.permute(0, 2, 1).reshape(O * Kk, I)
-
-
-def _lora_tucker_core(a, t, w):
-    """AT = a·t as (O, R', Kk), fp32-accumulated, in dtype ``w`` (the forward rounds it
-    to the compute dtype before ·b)."""
-    Ra, Rb, Kk = t.shape
-    at = mm32(a, t.reshape(Ra, Rb * Kk))
-    return cast(at, w).reshape(a.shape[0], Rb, Kk)
-
-
-def _lora_tucker_full(at, b):
-    """C[o, i, κ] = Σ_q AT[o, q, κ]·b[q, i], fp32 (O, I, Kk) (two chains only)."""
-    O, Rb, Kk = at.shape
-    rows = mm32(at.permute(0, 2, 1).reshape(O * Kk, Rb), cast(b, at.dtype))
-    return rows.reshape(O, Kk, -1).permute(0, 2, 1)
-
-
 def _lora_tucker_grads(gp, a, t, b, at, gamma, need):
     """Grads of γ·C, C[o,i,κ] = Σ round(a·t)[o,q,κ]·b[q,i], for the incoming gradient in
     rows form ``gp`` (O·Kk, I) (the compute dtype, or fp32 for two chains); a, t, b
@@ -157,8 +136,7 @@ def _lora_tucker_grads(gp, a, t, b, at, gamma, need):
         if need[1]:
             g_t = mm32(cast(a, g_at.dtype).t(), g_at).reshape(Ra, Rb, Kk)
     if need[2]:
-        atp = at.permute(1, 0, 2).reshape(Rb, O * Kk)  # (Rb, O·Kk), columns (o, κ)
-        g_b = mm32(atp, gp) * gamma
+        g_b = mm32(tucker_rows(at).t(), gp) * gamma  # (Rb, O·Kk)·(O·Kk, I)
     return g_a, g_t, g_b
 
 
@@ -177,16 +155,16 @@ def _lora_tucker_fwd_backward(ctx, grad):
     two = saved[3] is not None
     w = acc if two else c  # the dtype the big GEMMs read G in
     A1, T1, B1, A2, T2, B2 = (None if x is None else cast(cast(x, c), w) for x in saved)
-    AT1 = _lora_tucker_core(A1, T1, c)
+    AT1 = tucker_core(A1, T1, c)
     if not two:
-        grads = _lora_tucker_grads(_lora_tucker_rows(cast(grad, c)), A1, T1, B1, AT1, ctx.gamma, need[:3])
+        grads = _lora_tucker_grads(tucker_rows(cast(grad, c)), A1, T1, B1, AT1, ctx.gamma, need[:3])
         grads += (None, None, None)
     else:
-        AT2 = _lora_tucker_core(A2, T2, c)
+        AT2 = tucker_core(A2, T2, c)
         g = cast(cast(grad, c), acc)
         AT1, AT2 = cast(AT1, acc), cast(AT2, acc)
-        g1 = _lora_tucker_rows(g * _lora_tucker_full(AT2, B2))
-        g2 = _lora_tucker_rows(g * _lora_tucker_full(AT1, B1))
+        g1 = tucker_rows(g * tucker_apply(AT2, B2))
+        g2 = tucker_rows(g * tucker_apply(AT1, B1))
         grads = (_lora_tucker_grads(g1, A1, T1, B1, AT1, ctx.gamma, need[:3])
                  + _lora_tucker_grads(g2, A2, T2, B2, AT2, ctx.gamma, need[3:6]))
     return tuple(None if g is None else cast(g, t.dtype) for g, t in zip(grads, saved)) + (None,)

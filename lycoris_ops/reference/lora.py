@@ -226,14 +226,31 @@ def check_lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
     return (((O, I, Kk), a1.dtype),)
 
 
-def _tucker_chain(a, t, b, c):
-    """``C[o,i,κ] = Σ_{p,q} a[o,p]·t[p,q,κ]·b[q,i]`` in fp32 (a·t rounded to c first).
-    Two GEMMs; the second has rows (o, κ), so C comes back as an (O, I, Kk) view."""
+def tucker_rows(t):
+    """(O, X, Kk) -> (O·Kk, X) with rows (o, κ): the one copy after which every tucker
+    contraction (forward, and the backward in autograd.py) is a plain GEMM."""
+    O, X, Kk = t.shape
+    return t.permute(0, 2, 1).reshape(O * Kk, X)
+
+
+def tucker_core(a, t, c):
+    """``AT[o,q,κ] = Σ_p a[o,p]·t[p,q,κ]`` (O, R', Kk) from a, t in the compute dtype ``c``,
+    fp32-accumulated and rounded to ``c`` (the chain's deliberate rounding)."""
     Ra, Rb, Kk = t.shape
-    O = a.shape[0]
-    at = cast(mm32(cast(a, c), cast(t, c).reshape(Ra, Rb * Kk)), c)  # (O, Rb·Kk), the deliberate rounding
-    rows = mm32(at.reshape(O, Rb, Kk).permute(0, 2, 1).reshape(O * Kk, Rb), cast(b, c))  # (O·Kk, I)
-    return rows.reshape(O, Kk, -1).permute(0, 2, 1)
+    at = mm32(cast(a, c), cast(t, c).reshape(Ra, Rb * Kk))
+    return cast(at, c).reshape(a.shape[0], Rb, Kk)
+
+
+def tucker_apply(at, b):
+    """``C[o,i,κ] = Σ_q AT[o,q,κ]·b[q,i]`` in fp32 (fp64 for fp64), b in AT's dtype: one
+    GEMM with rows (o, κ), returned as an (O, I, Kk) view."""
+    O, Rb, Kk = at.shape
+    return mm32(tucker_rows(at), cast(b, at.dtype)).reshape(O, Kk, -1).permute(0, 2, 1)
+
+
+def _tucker_chain(a, t, b, c):
+    """``C[o,i,κ] = Σ_{p,q} a[o,p]·t[p,q,κ]·b[q,i]`` in fp32 (a·t rounded to c first)."""
+    return tucker_apply(tucker_core(a, t, c), b)
 
 
 def lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):

@@ -34,9 +34,9 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, needs_idx64, next_pow2, tl_dtype
 from ._fusedkit import compute_dtype, view_key
-from ..reference import mm32
+from ..reference.lora import tucker_core
 
-__all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "lora_tucker_fwd", "tucker_fwd", "tucker_core"]
+__all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "lora_tucker_fwd", "tucker_fwd"]
 
 MAX_TUCKER_RANK = 128
 
@@ -139,17 +139,6 @@ def _plan(O, I, Kk, ranks, views, compute, cfg: TuckerCfg):
                 BO=bo, KKP=kkp, BI=bi, BR1=br[0], BR2=br[1],
                 num_warps=cfg.num_warps or d.num_warps, num_stages=cfg.num_stages)
     return (cdiv(O, bo) * cdiv(I, bi),), meta
-
-
-def tucker_core(a, t, c):
-    """``AT[o, q, κ] = Σ_p a[o, p]·t[p, q, κ]`` (O, R', Kk), fp32-accumulated and rounded
-    to the compute dtype ``c`` (the chain's deliberate rounding)."""
-    Ra, Rb, Kk = t.shape
-    a_c = a if a.dtype == c else a.to(c)
-    t_c = (t if t.dtype == c else t.to(c)).reshape(Ra, Rb * Kk)
-    at = mm32(a_c, t_c)
-    at = at if at.dtype == c else at.to(c)
-    return at.reshape(a.shape[0], Rb, Kk)
 
 
 def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
