@@ -73,12 +73,10 @@ def lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
     """
     ((_, dt),) = check_lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype)
     # the check rejected float16 with bfloat16: promote without re-checking
-    if mode == "plain":
-        c = C.promote_dtypes(a1.dtype, b1.dtype)
-    else:
-        c = C.promote_dtypes(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     if mode == "plain":  # one GEMM; on CUDA the scale and base ride in cuBLAS's epilogue
+        c = C.promote_dtypes(a1.dtype, b1.dtype)
         return gemm_epilogue(cast(a1, c), cast(b1, c), dt, gamma, base).contiguous()
+    c = C.promote_dtypes(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     y = mm32(cast(a1, c), cast(b1, c))
     if mode == "hada":
         y = y * mm32(cast(a2, c), cast(b2, c))
