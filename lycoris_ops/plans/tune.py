@@ -471,6 +471,13 @@ def _label(c: Candidate) -> str:
     return ",".join(f"{k}={_fmt(_value(v))}" for k, v in c.items()) if isinstance(c, dict) else str(c)
 
 
+def _failure(exc: Exception) -> Tuple[bool, str]:
+    """(whether it ran out of memory, the row's failure text) for a candidate that raised."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True, f"out of memory: {exc}"
+    return False, f"{type(exc).__name__}: {str(exc)[:300]}"
+
+
 def _warm_parallel(cands, idx, run, ref, threads, errors) -> bool:
     """First call (compile + warm-up, output checked against ``ref``) of the candidates
     ``idx`` on worker threads, on the calling thread's device and stream; failures go to
@@ -484,16 +491,10 @@ def _warm_parallel(cands, idx, run, ref, threads, errors) -> bool:
         _worker.active = True
         try:
             if cuda:
-                torch.cuda.set_device(dev)  # this thread's CUDA context (cuBLAS warns without one)
-            ctx = (torch.cuda.device(dev), torch.cuda.stream(stream)) if cuda else ()
-            with contextlib.ExitStack() as stack:
-                for cm in ctx:
-                    stack.enter_context(cm)
-                stack.enter_context(torch.no_grad())
+                torch.cuda.set_device(dev)  # this thread's device and CUDA context (cuBLAS warns without one)
+            with torch.no_grad(), torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 out = run(cands[i])
-                bad = _mismatch(out, ref) if ref is not None else None
-                del out
-                return bad
+                return _mismatch(out, ref) if ref is not None else None
         finally:
             _worker.active = False
 
@@ -505,10 +506,9 @@ def _warm_parallel(cands, idx, run, ref, threads, errors) -> bool:
                 bad = fut.result()
                 if bad is not None:
                     errors[i] = f"disagrees with eager: {bad}"
-            except torch.OutOfMemoryError as exc:
-                oom, errors[i] = True, f"out of memory: {exc}"
             except Exception as exc:
-                errors[i] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                was_oom, errors[i] = _failure(exc)
+                oom = oom or was_oom
     if cuda:
         stream.synchronize()  # the workers' launches are done before anything is timed
     return oom
@@ -554,10 +554,9 @@ def _time_candidates(cands: Sequence[Candidate], run: Callable[[Candidate], Any]
             try:
                 run(c)
                 alive.append(i)
-            except torch.OutOfMemoryError as exc:
-                oom, errors[i] = True, f"out of memory: {exc}"
             except Exception as exc:
-                errors[i] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                was_oom, errors[i] = _failure(exc)
+                oom = oom or was_oom
             continue
         if not is_eager(c):
             fused_seen += 1
@@ -578,10 +577,9 @@ def _time_candidates(cands: Sequence[Candidate], run: Callable[[Candidate], Any]
                     continue
             del out
             alive.append(i)
-        except torch.OutOfMemoryError as exc:
-            oom, errors[i] = True, f"out of memory: {exc}"
         except Exception as exc:
-            errors[i] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            was_oom, errors[i] = _failure(exc)
+            oom = oom or was_oom
     ref = None
     best: Dict[int, float] = {}
     for rnd in range(ROUNDS):
@@ -590,13 +588,9 @@ def _time_candidates(cands: Sequence[Candidate], run: Callable[[Candidate], Any]
             try:
                 _stats["timer_calls"] += 1
                 t = float(timer(lambda c=c: run(c), c))
-            except torch.OutOfMemoryError as exc:
-                oom, errors[i] = True, f"out of memory: {exc}"
-                alive.remove(i)
-                best.pop(i, None)
-                continue
             except Exception as exc:
-                errors[i] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                was_oom, errors[i] = _failure(exc)
+                oom = oom or was_oom
                 alive.remove(i)
                 best.pop(i, None)
                 continue
