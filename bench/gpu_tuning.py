@@ -247,12 +247,11 @@ def main(argv=None) -> int:
     if opts.compare_default:
         worse = [r for r in warm["rows"] if "tuned_ms" in r and r["tuned_ms"] > 1.05 * r["default_ms"]]
         print(f"tuned vs fixed default: {len(worse)} keys more than 5% slower than the default")
-        rows = {}
-        try:
-            with open(os.path.join(cache, "tuning.json")) as f:
-                rows = json.load(f).get("rows", {})
-        except (OSError, ValueError):
-            pass
+        from lycoris_ops.plans import tune
+        from lycoris_ops.plans.store import read_json_table
+
+        table = warm.get("table")  # the path the worker processes used
+        rows = read_json_table(table, tune.TABLE_VERSION, "rows")[0] if table else {}
         for r in worse:
             print(f"  {r['op']} {r['layer']} T={r['T']} {r['dtype']}: {r['tuned_ms']} ms vs {r['default_ms']} ms")
             for key, row in rows.items():  # what the tuner measured for that op (ms per candidate)
