@@ -59,11 +59,6 @@ def segments(m: int, nb: int, s: int, npos: int, sm: int, max_group: int, bp: in
     return out, n_tiles
 
 
-def _chain_warps(c, GP: int) -> int:
-    """``triton.boft._chain_warps``."""
-    return c.get("chain_warps") or max(4, min(16, GP * GP // 256))
-
-
 def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
     C = nb * s
     SP = 2 * p2(s // 2)
@@ -78,7 +73,7 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
         fbp = c["block_p"]  # the backward's forward passes (segment inputs) use block_p
         segs, n_tiles = segments(m, nb, s, npos, dev.sm_count, c["max_group"], bp)
         f_tiles = cdiv(npos, fbp)
-        cw = _chain_warps(c, segs[0][1])
+        cw = _tl().chain_warps(c.get("chain_warps", 0), segs[0][1])
         sig = (tuple(segs), bp, fbp if bwd else 0, c["num_warps"], c["num_stages"], cw)
         if seen.setdefault(sig, id(c)) != id(c):
             return None
@@ -109,7 +104,7 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
                 works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
                                   acc=GP * bp * 2 + 2 * GP * GP, smem=2 * GP * bp * 4,
                                   dram=npos * C * (3 * 4) * sector + part, mma=2 * dots))
-                works.append(Work(grid=n_groups, warps=_chain_warps(c, GP), acc=3 * GP * GP,
+                works.append(Work(grid=n_groups, warps=_tl().chain_warps(c.get("chain_warps", 0), GP), acc=3 * GP * GP,
                                   dram=part + n_groups * L * L * GP * GP * 4,
                                   fma=n_groups * L * (L + 1) * 2.0 * GP ** 3, inflight=GP * GP * 4, tc=False))
         return works

@@ -338,10 +338,11 @@ def default_boft_cfg() -> BoftCfg:
     return BoftCfg()
 
 
-def _chain_warps(cfg: BoftCfg, GP: int) -> int:
-    """Warps of the (GP, GP) IEEE stage-algebra launches: about 8 matrix elements per
-    thread (fewer per thread also keeps the unrolled FMA dots, and the compile, small)."""
-    return cfg.chain_warps or max(4, min(16, GP * GP // 256))
+def chain_warps(requested: int, GP: int) -> int:
+    """Warps of the (GP, GP) IEEE stage-algebra launches (``requested``: a config's
+    ``chain_warps``, 0 = auto): about 8 matrix elements per thread (fewer per thread also
+    keeps the unrolled FMA dots, and the compile, small). The planner models the same."""
+    return requested or max(4, min(16, GP * GP // 256))
 
 
 class _Seg(NamedTuple):
@@ -435,7 +436,7 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     with device_guard(x):
         mbuf = _cayley_scratch(blocks, cscale, SP)
         jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
-                                        _chain_warps(cfg, segs[0].NB * SP))
+                                        chain_warps(cfg.chain_warps, segs[0].NB * SP))
         rs, srs = (rescale.reshape(-1), rescale.reshape(-1).stride(0)) if rescale is not None else (jbuf, 0)
         GPJ = jbuf.shape[-1]
         for idx, sg in enumerate(segs):
@@ -482,7 +483,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     with device_guard(x):
         mbuf = _cayley_scratch(blocks, cscale, SP)
         jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
-                                        _chain_warps(cfg, segs[0].NB * SP))
+                                        chain_warps(cfg.chain_warps, segs[0].NB * SP))
         GPJ = jbuf.shape[-1]
         # segment inputs (computed once; x itself for the first segment), by the forward's
         # streaming kernel at block_p (the same compiled kernels as boft_fwd's passes)
@@ -508,6 +509,6 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                 NB=sg.NB, BLOCK_P=bp, **common)
             _boft_chain[(sg.n_groups,)](
                 mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
-                float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=_chain_warps(cfg, GP))
+                float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=chain_warps(cfg.chain_warps, GP))
             g_in = out
     return gx, g_blocks
