@@ -199,26 +199,35 @@ def profile_step(step, device) -> dict:
     total = 0.0
 
     def category(e):
-        found = None
+        found, op = None, None
         while e is not None:  # the outermost match wins
             for name, match in CATEGORIES:
                 if match(e.name):
-                    found = name
+                    found, op = name, e.name
                     break
             e = e.cpu_parent
-        return found
+        return found, op
+
+    ours = {}  # (lycoris op, kernel) -> [launches, us]: where our ops' time goes
 
     for e in prof.events():
         own = sum(k.duration for k in e.kernels) if cuda else e.self_cpu_time_total  # us
         if not own:
             continue
         total += own
-        cat = category(e)
+        cat, op = category(e)
         if cat is not None:
             out[cat] += own
+        if cat == "lycoris ops" and cuda:
+            for k in e.kernels:
+                slot = ours.setdefault((op, k.name[:70]), [0, 0.0])
+                slot[0] += 1
+                slot[1] += k.duration
     out = {k: v / 1e3 for k, v in out.items()}
     out["other"] = max(total / 1e3 - sum(out.values()), 0.0)
     out["total"] = total / 1e3
+    top = sorted(ours.items(), key=lambda kv: -kv[1][1])[:14]
+    out["kernels"] = [(op, k, n, us / 1e3) for (op, k), (n, us) in top]
     return out
 
 
@@ -345,16 +354,31 @@ def main(argv=None):
            for r in rows]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
-        cats = list(profiled[0]["profile"])
+        cats = [c for c in profiled[0]["profile"] if c != "kernels"]
         unit = "device ms" if device.startswith("cuda") else "CPU ms"
         md += ["", f"One profiled step per row ({unit}; GEMM = every matmul, the frozen base's and unfused "
                    "adapters'; `other` = the rest: adds, casts, copies, Inductor's fused kernels):", "",
                "| adapter | variant | " + " | ".join(cats) + " |", "| --- | --- | " + " | ".join("---" for _ in cats) + " |"]
         md += [f"| {r['adapter']} | {r['variant']} | " + " | ".join(f"{r['profile'][c]:.2f}" for c in cats) + " |"
                for r in profiled]
+        for r in profiled:
+            if r["profile"].get("kernels"):
+                md += ["", f"Our ops' kernels, {r['adapter']} {r['variant']} (op, kernel, launches, device ms):", ""]
+                md += [f"    {op:28s} {k:70s} {n:4d} {ms:7.3f}" for op, k, n, ms in r["profile"]["kernels"]]
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
+    if args.profile:  # which candidate the tuner picked at this run's shapes
+        from lycoris_ops.plans import tune
+        path = tune.table_path()
+        try:
+            with open(path) as f:
+                table = json.load(f).get("rows", {})
+        except (OSError, ValueError):
+            table = {}
+        print(f"\ntuning table {path}: {len(table)} rows")
+        for k, row in sorted(table.items()):
+            print(f"  {k}: {json.dumps(row, sort_keys=True)[:200]}")
     if args.plot:
         plot(rows, args.per_op_csv, os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e_ratios.png"))
     return rows
