@@ -12,7 +12,7 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``LoHaLinear``     ``base(x) + s·x·((w1a·w1b)⊙(w2a·w2b))ᵀ``                   ``loha.bypass``
 ``LoHaConv2d``     ``base(x) + conv(x, s·ΔW)`` (ΔW via the merge op)           ``loha.bypass``
 ``LoKrLinear``     ``base(x) + s·x·kron(w1, w2)ᵀ`` (w2 = w2a·w2b if factored)  ``lokr.lokr_bypass``
-``DoRALinear``     ``F.linear(x, wd(W + s·up·down), b)``                       ``locon.merge`` + ``dora.weight_decompose``
+``DoRALinear``     ``F.linear(x, wd(W + s·up·down), b)``                       ``locon.bypass`` + ``dora.lowrank_norm_terms``
 ``OFTLinear``      ``diag(ρ)·Rᵀ·(x·Wᵀ) + b`` (diag-OFT on the output channels)  ``diag_oft.bypass``
 ``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
 ``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_bypass``
@@ -361,34 +361,34 @@ class LoKrLinear(_Scaled):
 
 
 class _AdaptedNorms(torch.autograd.Function):
-    """``n = ‖M‖ + ε`` per row (``row_axis`` 0) or column (1) of ``M = W + round(γ·up·down)``
-    (W frozen): the norms of ``dora_fwd`` (ε from dora_scale's dtype), fp32.
-
-    Backward without keeping M: ``g_M = g_n·M/‖M‖`` is one more ``dora_fwd`` pass (with
-    multiplier 1 and magnitudes ``g_n·n'/‖M‖`` its output is exactly ``M·g_n/‖M‖``), then
-    ``lora_merge_bwd`` gives up's and down's gradients: O·I·r work, no token-sized GEMM."""
+    """``n = ‖M‖ + ε`` per row (``row_axis`` 0) or column (1) of ``M = W + γ·up·down`` (W
+    frozen; ε from dora_scale's dtype, as ``dora_fwd``), fp32, from the expansion of
+    ``functional.dora.lowrank_norm_terms``: one O·I·r GEMM over W per direction, M (O×I) never built. Columns are
+    the rows of ``Mᵀ = Wᵀ + γ·downᵀ·upᵀ``. The expansion is exact algebra in fp32 (no
+    16-bit rounding of γ·up·down); it loses digits only where ‖M‖ ≪ ‖W‖, i.e. an adapter
+    that cancels its weight."""
 
     @staticmethod
-    def forward(W, dscale, up, down, gamma, row_axis):
-        delta = _locon.merge(up, down, gamma, out_dtype=W.dtype)
-        _, n = torch.ops.lycoris.dora_fwd(W, dscale, 1.0, row_axis, delta)
-        return n
+    def forward(W, eps, up, down, gamma, row_axis):
+        Wv, a, b = (W, up, down) if row_axis == 0 else (W.t(), down.t(), up.t())
+        m2, P, S = _dora.lowrank_norm_terms(Wv, a, b, gamma)
+        return m2.clamp_min(0).sqrt() + eps, P, S
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        W, dscale, up, down, gamma, row_axis = inputs
-        ctx.save_for_backward(W, up, down, output)
-        ctx.gamma, ctx.row_axis = gamma, row_axis
-        ctx.eps = torch.finfo(dscale.dtype).eps
+        W, eps, up, down, gamma, row_axis = inputs
+        n, P, S = output
+        ctx.save_for_backward(W, up, down, n, P, S)
+        ctx.eps, ctx.gamma, ctx.row_axis = eps, gamma, row_axis
+        ctx.mark_non_differentiable(P, S)
 
     @staticmethod
-    def backward(ctx, g_n):
-        W, up, down, n = ctx.saved_tensors
-        delta = _locon.merge(up, down, ctx.gamma, out_dtype=W.dtype)
-        norm = n - ctx.eps  # ‖M‖
-        mags = g_n.to(n.dtype) / norm * (norm + torch.finfo(n.dtype).eps)  # dora_fwd adds its own ε to ‖M‖
-        g_M, _ = torch.ops.lycoris.dora_fwd(W, mags, 1.0, ctx.row_axis, delta)
-        g_up, g_down = torch.ops.lycoris.lora_merge_bwd(g_M, up, down, ctx.gamma)
+    def backward(ctx, g_n, _g_p, _g_s):
+        W, up, down, n, P, S = ctx.saved_tensors
+        Wv, a, b = (W, up, down) if ctx.row_axis == 0 else (W.t(), down.t(), up.t())
+        norm = (n - ctx.eps).clamp_min(torch.finfo(n.dtype).tiny)
+        g_a, g_b = _dora.lowrank_norm_grads(Wv, a, b, ctx.gamma, P, S, g_n.to(n.dtype) / (2 * norm))  # d‖M‖ = d‖M‖²/(2‖M‖)
+        g_up, g_down = (g_a, g_b) if ctx.row_axis == 0 else (g_b.t(), g_a.t())
         return None, None, g_up, g_down, None, None
 
 
@@ -398,9 +398,9 @@ class DoRALinear(LoRALinear):
     (1, I)); dora_scale starts at ‖W‖ so the initial layer is unchanged.
 
     Forward without building W': the rescale is a vector s, so ``x·W'ᵀ = s ⊙ (x·Mᵀ)`` (rows) or
-    ``(x ⊙ s)·Mᵀ`` (columns), and ``x·Mᵀ`` is the base layer plus the LoRA bypass op. The norms'
-    gradient flows to up/down through ``_AdaptedNorms`` (O·I·r work), so the backward has no
-    weight-gradient GEMM over the tokens. (The base weight trainable: the merged path,
+    ``(x ⊙ s)·Mᵀ`` (columns), and ``x·Mᵀ`` is the base layer plus the LoRA bypass op. The norms
+    come from one O·I·r GEMM over W (``_AdaptedNorms``), their gradient from one more: M is
+    never built and the backward has no weight-gradient GEMM over the tokens. (The base weight trainable: the merged path,
     ``y = F.linear(x, W', b)``.)"""
 
     additive = False
@@ -422,8 +422,8 @@ class DoRALinear(LoRALinear):
     def _rescale(self):
         """s = m·(dora_scale/n − 1) + 1, fp32, one per output row (wd_on_out) or input column."""
         d = self.dora_scale.reshape(-1)
-        n = _AdaptedNorms.apply(self.base.weight, d.detach(), self.lora_up, self.lora_down, self.gamma,
-                                0 if self.wd_on_out else 1)
+        n, _, _ = _AdaptedNorms.apply(self.base.weight, torch.finfo(d.dtype).eps, self.lora_up, self.lora_down,
+                                      self.gamma, 0 if self.wd_on_out else 1)
         return self.multiplier * (d.to(n.dtype) / n - 1) + 1
 
     def adapter_forward(self, x):

@@ -9,8 +9,8 @@ restores the original forwards. Supported (fast path):
 - ``peft.tuners.lora.Linear``, vanilla LoRA: ``lora_bypass_fwd`` with the base
   output folded in (``y = base(x) + s·B·A·dropout(x)``);
 - ``peft.tuners.lora.Linear`` with DoRA (``use_dora=True``):
-  ``k = magnitude/‖W + s·B·A‖`` (norm through ``lora_merge_fwd``, detached as
-  PEFT does), ``y = base(x) + k⊙(W·x' + s·B·A·x') − W·x'`` with the bracket one
+  ``k = magnitude/‖W + s·B·A‖`` (norm in fp32 from ``‖W‖² + 2s·B·(W·Aᵀ) + s²·B·(A·Aᵀ)·Bᵀ``
+  per row, no merged weight built; detached as PEFT does), ``y = base(x) + k⊙(W·x' + s·B·A·x') − W·x'`` with the bracket one
   ``lora_bypass_fwd`` call (x' = dropout(x); W·x' is ``base(x) − bias`` when there
   is no dropout);
 - ``peft.tuners.loha.Linear`` (non-tucker): ``loha_bypass_fwd``;
@@ -82,6 +82,7 @@ import types
 import torch
 import torch.nn as nn
 
+from .functional import dora as _dora
 from .functional import locon as _locon
 from .functional import loha as _loha
 from .functional import lokr as _lokr
@@ -124,10 +125,8 @@ def _lora_forward(self, x, *args, **kwargs):
         if hasattr(self, "lora_variant") and a in self.lora_variant:  # DoRA
             mag = self.lora_magnitude_vector[a].weight
             W = base.weight
-            with torch.no_grad():
-                wide = torch.float64 if W.dtype == torch.float64 else torch.float32
-                merged = _locon.merge(B.detach().to(wide), A.detach().to(wide), s, base=W.detach().to(wide))
-                norm = torch.linalg.vector_norm(merged, dim=1)
+            with torch.no_grad():  # ‖W + s·B·A‖ per row in fp32, without building the merged weight
+                norm = _dora.lowrank_norm_terms(W.detach(), B.detach(), A.detach(), s)[0].clamp_min(0).sqrt()
             k = (mag / norm.to(mag.dtype)).view(1, -1)
             if plain_dropout:  # PEFT uses the running result
                 bw = result if base.bias is None else result - base.bias

@@ -25,7 +25,9 @@ from typing import Optional, Union
 
 import torch
 
-__all__ = ["weight_decompose"]
+from ..reference import cast, mm32
+
+__all__ = ["weight_decompose", "lowrank_norm_terms", "lowrank_norm_grads"]
 
 
 def _eager(weight, dora_scale, multiplier, wd_on_out, delta, out_dtype):
@@ -68,3 +70,27 @@ def weight_decompose(weight: torch.Tensor, dora_scale: torch.Tensor,
     y, _ = torch.ops.lycoris.dora_fwd(w.reshape(flat), dora_scale, float(multiplier),
                                       0 if wd_on_out else 1, None if d is None else d.reshape(flat))
     return y.reshape(weight.shape)
+
+
+def lowrank_norm_terms(Wv, a, b, gamma):
+    """``(‖M_o‖², P, S)`` for the rows o of ``M = Wv + γ·a·b`` (Wv (O, I), a (O, r), b (r, I)),
+    fp32 (fp64 stays fp64), without forming M: ``P = Wv·bᵀ`` (O, r), ``S = b·bᵀ`` (r, r),
+    ``‖M_o‖² = ‖Wv_o‖² + 2γ·a_o·P_o + γ²·a_o·S·a_oᵀ``."""
+    f = torch.float64 if torch.float64 in (Wv.dtype, a.dtype, b.dtype) else torch.float32
+    P = mm32(Wv, cast(b, Wv.dtype).t()).to(f)  # the one pass over W (O·I·r)
+    af, bf = a.to(f), b.to(f)
+    S = bf @ bf.t()
+    w2 = torch.linalg.vector_norm(Wv, dim=1, dtype=f).square()
+    m2 = w2 + (2 * gamma) * (af * P).sum(1) + (gamma * gamma) * ((af @ S) * af).sum(1)
+    return m2, P, S
+
+
+def lowrank_norm_grads(Wv, a, b, gamma, P, S, g_m2):
+    """Gradients of ``Σ_o g_m2_o·‖M_o‖²`` (see ``lowrank_norm_terms``) for a and b:
+    ``g_a = 2γ·g⊙(P + γ·a·S)``, ``g_b = 2γ·((g⊙a)ᵀ·Wv + γ·(aᵀ·(g⊙a))·b)`` (one more pass over W)."""
+    f = P.dtype
+    af, bf = a.to(f), b.to(f)
+    ga = g_m2[:, None] * af  # (O, r)
+    g_a = (2 * gamma) * (g_m2[:, None] * P + gamma * (ga @ S))
+    g_b = (2 * gamma) * (mm32(cast(ga, Wv.dtype).t(), Wv).to(f) + gamma * ((af.t() @ ga) @ bf))
+    return g_a.to(a.dtype), g_b.to(b.dtype)
