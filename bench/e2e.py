@@ -378,7 +378,10 @@ def main(argv=None):
             table = {}
         print(f"\ntuning table {path}: {len(table)} rows")
         for k, row in sorted(table.items()):
-            print(f"  {k}: {json.dumps(row, sort_keys=True)[:200]}")
+            times = row.get("times") or {}
+            best = sorted((t, c) for c, t in times.items() if isinstance(t, (int, float)) and c != "eager")[:2]
+            print(f"  {k.split('|', 2)[-1]}: {row.get('ms')} ms, eager {times.get('eager')} ms, "
+                  f"best fused {best}, picked {json.dumps(row.get('config'), sort_keys=True)}")
     if args.plot:
         plot(rows, args.per_op_csv, os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e_ratios.png"))
     return rows

@@ -47,6 +47,9 @@ EAGER_LAUNCH_S = 6e-6
 WAVE_S = 0.4e-6
 #: DRAM latency (s) for the bytes-in-flight model
 DRAM_LATENCY_S = 0.8e-6
+#: an SM draws at most this multiple of its fair share (1/sm_count) of the DRAM bandwidth:
+#: a grid that keeps few SMs busy cannot stream at full rate, whatever it has in flight
+SM_BW_SHARE = 2.0
 #: fraction of tensor-core / FMA peak a well-fed kernel reaches
 COMPUTE_EFF = 0.8
 BASE_REGS = 40
@@ -126,6 +129,7 @@ def estimate(w: Work, dev: DeviceFacts) -> Optional[Estimate]:
     depth = w.stages if pipelined else 1
     in_flight = busy * per_sm * per_prog * depth
     bw = min(dev.dram_bw, in_flight / DRAM_LATENCY_S) if in_flight > 0 else dev.dram_bw
+    bw = min(bw, dev.dram_bw * SM_BW_SHARE * busy / sm)
     mem = w.dram / bw if w.dram else 0.0
     # --- compute: wave-quantized share of the peak
     need = max(1, math.ceil(8 / w.warps))  # blocks per SM that saturate an SM (8 warps)

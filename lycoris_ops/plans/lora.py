@@ -14,7 +14,8 @@ Models (per program, compute dtype size e, padded rank rp = pow2(r) >= 16):
 * bypass fwd: program = (token tile, O range); h = x·downᵀ (bt x rp fp32) is
   recomputed per O range (flops x split); y tile bt x bo; x read once (the O
   ranges of a token tile are adjacent), y (+ base) written once.
-* bypass bwd: token kernel (h, q, gx; q recomputed per I range) + the skinny
+* bypass bwd: token kernel (h, q, gx; q recomputed per I range, h by the first
+  range only: with ranges, those programs are the critical path) + the skinny
   pair reduction (g_up over O rows, g_down over I rows, K = T, split-K partials).
 * merge fwd: an O x I output tile per program, rank loop of block_r; write-bound.
 * merge bwd: the skinny pair kernel (G read once per job).
@@ -145,15 +146,21 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
         if not tc and bt * bi > 64 * 64:
             return None
         n_t, n_i = cdiv(T, bt), cdiv(I, bi)
-        split = max(1, min(_auto_split(n_t, dev.sm_count, n_i), max(n_i, 1)))
+        auto = _auto_split(n_t, dev.sm_count, n_i)
+        if c["i_split"] == 1 and auto == 1:
+            return None  # same launch as auto
+        split = max(1, min(c["i_split"] or auto, max(n_i, 1)))
         split = max(1, cdiv(I, cdiv(max(n_i, 1), split) * bi))
-        dram = T * O * eg + T * I * ex + T * I * ex + 2 * T * R * e + gemm_reads((O + I) * R * e, n_t, dev)
+        # with I ranges, h (a read of the token tile's whole x row) is the first range's
+        # alone: those programs are the critical path, as if every range read x
+        dram = T * O * eg + T * I * ex * split + T * I * ex + 2 * T * R * e + gemm_reads((O + I) * R * e, n_t, dev)
         return Work(grid=n_t * split, warps=c["num_warps"], stages=c["num_stages"], acc=2 * bt * rp + bt * bi,
                     smem=max(bt * bi + rp * bi, bt * bo + bo * rp) * e, dram=dram,
                     mma=4.0 * T * I * rp + 2.0 * T * O * rp * split, tc=tc, mma_tile=bt * rp * max(bi, bo))
 
-    tok_cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, i_split=0, num_warps=w, num_stages=s)
-                for bt in bts for bi in (32, 64, 128) for bo in (32, 64, 128) for w in WARPS for s in dev.stages]
+    tok_cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, i_split=isp, num_warps=w, num_stages=s)
+                for bt in bts for bi in (32, 64, 128) for bo in (32, 64, 128) for isp in (0, 1)
+                for w in WARPS for s in dev.stages]
     tok_rank = rank(tok_cfgs, tok, dev)
     # reduction: g_up (O rows, K = T) and g_down (I rows, K = T)
     def red(c):
