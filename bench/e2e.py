@@ -231,6 +231,25 @@ def profile_step(step, device) -> dict:
     return out
 
 
+def host_profile(step, device, label, top=15):
+    """cProfile of one step (after a warm one): where the host time goes."""
+    import cProfile
+    import io
+    import pstats
+    step()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    step()
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    pr.disable()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    print(f"host profile, {label}:\n" + "\n".join(buf.getvalue().splitlines()[4:]), flush=True)
+
+
 def time_steps(step, device, warmup, reps):
     cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
@@ -295,6 +314,8 @@ def main(argv=None):
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile one step per row: time per category (GEMMs, attention, our ops, ...)")
+    ap.add_argument("--host-profile", action="store_true",
+                    help="cProfile one step of each ours-* row: the top host functions by own time")
     ap.add_argument("--per-op-csv", default=None, help="bench.py CSV for the per-op panel of the plot")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -325,6 +346,8 @@ def main(argv=None):
                 cold = time.perf_counter() - t0
                 ms, peak = time_steps(step, device, args.warmup, args.reps)
                 prof = profile_step(step, device) if args.profile else None
+                if args.host_profile and v.startswith("ours"):
+                    host_profile(step, device, f"{adapter} {v}")
                 err = ""
             except Exception as e:  # keep the other rows
                 ms, peak, cold, err = float("nan"), float("nan"), float("nan"), f"{type(e).__name__}: {e}"[:300]
@@ -370,13 +393,8 @@ def main(argv=None):
     print("\n".join(md))
     if args.profile:  # which candidate the tuner picked at this run's shapes
         from lycoris_ops.plans import tune
-        path = tune.table_path()
-        try:
-            with open(path) as f:
-                table = json.load(f).get("rows", {})
-        except (OSError, ValueError):
-            table = {}
-        print(f"\ntuning table {path}: {len(table)} rows")
+        table = dict(tune.table().rows)  # this process's view (another program may own the file)
+        print(f"\ntuning table {tune.table_path()}: {len(table)} rows")
         for k, row in sorted(table.items()):
             times = row.get("times") or {}
             best = sorted((t, c) for c, t in times.items() if isinstance(t, (int, float)) and c != "eager")[:2]
