@@ -53,6 +53,39 @@ def _auto_split(work_tiles: int, sm: int, max_split: int) -> int:
     return max(1, min(cdiv(2 * sm, work_tiles), max_split))
 
 
+#: configs measured best on an H200 at the e2e layer shapes (T=4096, r=32, I/O in
+#: 3072..12288; ``bench/sweep_lora.py``, bench/RESULTS.md 2026-11-30 08:45) where the model
+#: ranked small tiles first: large I/O tiles with deep pipelines stream better than it
+#: predicts. Always in the shortlist (when legal on the device), timed like the others.
+FWD_ANCHORS = (
+    dict(block_t=64, block_i=64, block_o=128, o_split=0, num_warps=4, num_stages=4),
+    dict(block_t=32, block_i=256, block_o=256, o_split=1, num_warps=4, num_stages=4),
+)
+BWD_ANCHORS = (
+    dict(block_t=32, block_i=128, block_o=128, i_split=1, num_warps=4, num_stages=4),
+    dict(block_t=32, block_i=256, block_o=256, i_split=1, num_warps=4, num_stages=4),
+)
+
+
+def _with_anchors(plan, anchors, work, dev: DeviceFacts):
+    """``plan`` with each legal anchor config (the model finds it runnable on ``dev``)
+    inserted before ``SENTINEL_EAGER`` when not already there."""
+    from .cost import estimate, total
+
+    cands, pred = list(plan.candidates), list(plan.predicted)
+    for a in anchors:
+        if a in cands:
+            continue
+        w = work(a)
+        e = None if w is None else (total(w, dev) if isinstance(w, list) else estimate(w, dev))
+        if e is None:
+            continue
+        at = len(cands) - 1 if cands and tune.is_eager(cands[-1]) else len(cands)
+        cands.insert(at, a)
+        pred.insert(at, e.time)
+    return tune.Plan(plan.op, cands, pred)
+
+
 # =============================================================================== models
 
 def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
@@ -78,13 +111,14 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                     mma=2.0 * T * I * rp * split + 2.0 * T * O * rp, tc=tc, mma_tile=bt * rp * max(bi, bo))
 
     cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, o_split=os_, num_warps=w, num_stages=s)
-            for bt in bts for bi in (32, 64, 128) for bo in (64, 128, 256) for os_ in (0, 1)
+            for bt in bts for bi in (32, 64, 128, 256) for bo in (64, 128, 256) for os_ in (0, 1)
             for w in WARPS for s in dev.stages]
     eager = eager_time(dev, [(T * I * ex + R * I * e + T * R * 4, 2.0 * T * I * R), (T * R * (4 + e), 0),
                              (T * R * e + O * R * e + T * O * 4, 2.0 * T * O * R),
                              (T * O * (4 + eo) + (T * O * eo if has_base else 0), 0)], tc=tc)
-    return make_plan("lora_bypass_fwd", rank(cfgs, work, dev), tile_axes=("block_t", "block_i", "block_o"),
-                     n=n, default=default, default_s=predict(work, default, dev), eager_s=eager)
+    plan = make_plan("lora_bypass_fwd", rank(cfgs, work, dev), tile_axes=("block_t", "block_i", "block_o"),
+                     n=n - len(FWD_ANCHORS), default=default, default_s=predict(work, default, dev), eager_s=eager)
+    return _with_anchors(plan, FWD_ANCHORS, work, dev)
 
 
 def _skinny_configs(dev: DeviceFacts, R: int, tc: bool):
@@ -159,7 +193,7 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                     mma=4.0 * T * I * rp + 2.0 * T * O * rp * split, tc=tc, mma_tile=bt * rp * max(bi, bo))
 
     tok_cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, i_split=isp, num_warps=w, num_stages=s)
-                for bt in bts for bi in (32, 64, 128) for bo in (32, 64, 128) for isp in (0, 1)
+                for bt in bts for bi in (32, 64, 128, 256) for bo in (32, 64, 128, 256) for isp in (0, 1)
                 for w in WARPS for s in dev.stages]
     tok_rank = rank(tok_cfgs, tok, dev)
     # reduction: g_up (O rows, K = T) and g_down (I rows, K = T)
@@ -182,8 +216,10 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                              (T * R * e + R * I * e + T * I * 4, 2.0 * T * I * R), (T * I * (4 + ex), 0),
                              (T * O * eg + T * R * e, 2.0 * T * O * R), (T * I * ex + T * R * e, 2.0 * T * I * R)],
                        tc=tc)
-    return make_plan("lora_bypass_bwd", combos, n=n, default=default, default_s=predict(both, default, dev),
-                     eager_s=eager)
+    plan = make_plan("lora_bypass_bwd", combos, n=n - len(BWD_ANCHORS), default=default,
+                     default_s=predict(both, default, dev), eager_s=eager)
+    red0 = reds[0] if reds else None
+    return _with_anchors(plan, [{**a, "red": red0} for a in BWD_ANCHORS] if red0 else [], both, dev)
 
 
 def plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
