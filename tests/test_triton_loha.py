@@ -97,7 +97,10 @@ def test_bypass(dtype, strategy):
     grad = mk((T, O), dtype, g, nc=True)
     ps = [t.clone().requires_grad_() for t in ops64]
     o_bypass(*ps, GAMMA).backward(d64(grad, cd))
-    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, cfg, TH.GradCfg(block_m=16, block_n=16, split=2))
+    # GW = Gᵀ·x with its own tiles (gw_cfg; its strategy is ignored) under regen, cfg's under materialize
+    gw_cfg = TH.ApplyCfg(block_m=32, block_n=16, block_k=32, strategy="regen", num_warps=4) \
+        if strategy == "regen" else None
+    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, cfg, TH.GradCfg(block_m=16, block_n=16, split=2), gw_cfg)
     for name, gt, p, src in zip(("gx", "g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (x, a1, b1, a2, b2)):
         assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
         close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name}")

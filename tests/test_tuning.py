@@ -632,6 +632,91 @@ def test_shortlist_diversity_and_default():
     assert cost.make_plan("x", [], default=None).candidates == [EAGER]
 
 
+def test_cuda_timer_holds_the_gpu_while_enqueueing(monkeypatch):
+    """cuda_timer: one untimed call (host enqueue time), then a GPU sleep before each timed
+    block, so the events see back-to-back kernels (device time), not host launch gaps."""
+    log = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            log.append("record")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 0.1  # ms
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(tune, "_clocked", {0})
+    t = tune.cuda_timer(lambda: log.append("fn"))
+    reps = int(tune.ROUND_S / 1e-4)
+    assert log[0] == "fn" and log[1][0] == "sleep" and log[2:5] == ["record", "fn", "record"]
+    assert log[5][0] == "sleep" and log[6:] == ["record"] + ["fn"] * reps + ["record"]
+    assert log[5][1] >= log[1][1] > 0  # the sleep covers the enqueue of all reps
+    assert t == pytest.approx(1e-4 / reps)
+
+
+def test_shared_plan_structure_budget_and_default():
+    """make_shared_plan: one structure (the first candidate's), the compile budget, the
+    launcher default second when it shares the structure, dropped when it does not and the
+    model puts it more than DEFAULT_MARGIN behind."""
+    ranked = [(1.0, {"g": 2, "bp": 32, "w": 4}), (1.0, {"g": 2, "bp": 64, "w": 4}), (1.01, {"g": 4, "bp": 32, "w": 4}),
+              (1.02, {"g": 2, "bp": 32, "w": 8}), (1.03, {"g": 2, "bp": 128, "w": 4}),
+              (1.04, {"g": 2, "bp": 64, "w": 8}), (1.05, {"g": 2, "bp": 128, "w": 8})]
+
+    def kernels(c):  # main kernel per config + one auxiliary kernel per structure
+        return {("main", c["g"], c["bp"], c["w"]), ("aux", c["g"])}
+
+    def structure(c):
+        return c["g"]
+
+    p = cost.make_shared_plan("x", ranked, kernels=kernels, structure=structure, tile_axes=("bp",), n=5,
+                              budget=5, min_fused=3)
+    fused = [c for c in p.candidates if not tune.is_eager(c)]
+    assert p.candidates[0] == ranked[0][1] and p.candidates[-1] == EAGER and len(p.predicted) == len(p.candidates)
+    assert all(c["g"] == 2 for c in fused) and len(fused) == 4  # 4 mains + 1 aux = the budget of 5
+    assert {c["bp"] for c in fused} == {32, 64, 128}  # tile diversity first
+    d_same, d_other = {"g": 2, "bp": 128, "w": 8}, {"g": 4, "bp": 64, "w": 8}
+    p = cost.make_shared_plan("x", ranked, kernels=kernels, structure=structure, tile_axes=("bp",), n=5,
+                              default=d_same, default_s=1.2)
+    assert p.candidates[1] == d_same  # not first (1.2 > 1.05 x best), shares the structure: second
+    p = cost.make_shared_plan("x", ranked, kernels=kernels, structure=structure, tile_axes=("bp",), n=5,
+                              default=d_other, default_s=1.2)
+    assert d_other not in p.candidates and all(c["g"] == 2 for c in p.candidates[:-1])
+    p = cost.make_shared_plan("x", ranked, kernels=kernels, structure=structure, tile_axes=("bp",), n=5,
+                              default=d_other, default_s=1.02)
+    assert p.candidates[0] == d_other and all(c["g"] == 4 for c in p.candidates[:-1])  # its structure wins
+    assert cost.make_shared_plan("x", [], kernels=kernels).candidates == [EAGER]
+
+
+#: distinct Triton compilations of a cold key's shortlist (plans/compiles.py counts them through the
+#: real launchers), for the keys that were over the 2 s cold-tuning target on the H200
+COLD_KEY_COMPILES = {"oft_fwd": 4, "oft_bwd": 5, "boft_fwd": 7, "boft_bwd": 8, "loha_bypass_bwd": 8,
+                     "lokr_merge_bwd": 8}
+
+
+@pytest.mark.parametrize("shape,tokens", [("4096x4096:r64", 32768), ("3072x3072:r32", 8192)])
+def test_cold_key_compile_budget(shape, tokens):
+    """The shortlists of the multi-kernel ops share their auxiliary kernels: a cold key compiles
+    at most ``COLD_KEY_COMPILES[op]`` (<= cost.COMPILE_BUDGET) Triton kernels, with 5-7
+    candidates (the planner's first, eager last). Fails when a shortlist is widened."""
+    from lycoris_ops.plans import compiles
+
+    assert max(COLD_KEY_COMPILES.values()) <= cost.COMPILE_BUDGET
+    for op, bound in COLD_KEY_COMPILES.items():
+        r = compiles.count(op, shape, tokens)
+        assert not r.failed, (op, r.failed)
+        assert 5 <= len(r.candidates) <= 7 and r.candidates[-1] == EAGER, (op, r.candidates)
+        assert r.n_distinct <= bound, r.summary()
+        assert all(r.per_candidate), r.summary()  # every fused candidate launches kernels
+
+
 FAMILY_PLANS = {
     "lora": lambda m, dev, bf: [
         m.plan_bypass_fwd(dev, 4096, 4096, 4096, 16, bf, bf, bf, False),

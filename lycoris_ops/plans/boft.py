@@ -14,6 +14,12 @@ fp32 partials) and runs one tiny chain launch per segment.
 
 Key: exact m, nb, s, bucketed positions, channel contiguity, rescale / diff,
 dtypes.
+
+Shortlist (``cost.make_shared_plan``): every candidate has the first one's
+segments (``max_group``), so the Cayley, group-matrix and chain launches compile
+once per key and the candidates differ in the streaming kernels' tiles, warps and
+stages (streamed tiles of at most ``STREAM_TILE_MAX`` fp32 elements);
+one segment: 2 + 5 compiles forward, 3 + 5 backward.
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import functools
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank
+from .cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -109,12 +115,37 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
                                   fma=n_groups * L * (L + 1) * 2.0 * GP ** 3, inflight=GP * GP * 4, tc=False))
         return works
 
+    def structure(c):  # the segments: (stages, group rows) each; they decide every auxiliary launch
+        return tuple((L, GP) for L, GP, _, _ in segments(m, nb, s, npos, dev.sm_count, c["max_group"], 64)[0]), \
+            c.get("chain_warps", 0)
+
+    def compiles_ok(c):  # streamed tiles (x; G and x in the backward) within STREAM_TILE_MAX fp32 elements
+        GP = structure(c)[0][0][1]
+        lim = STREAM_TILE_MAX
+        return (2 * GP * c["bwd_block_p"] <= lim and GP * c["block_p"] <= lim) if bwd else GP * c["block_p"] <= lim
+
+    def kernels(c):  # the Triton compilations of a config (triton/boft.py: constexprs, dtypes, launch options)
+        segs, cw = structure(c)
+        run = (c["num_warps"], c["num_stages"], c["dot_prec"])
+        out = {("cayley", SP), ("segmat", segs[0][1], _tl().chain_warps(cw, segs[0][1]))}
+        last = len(segs) - 1
+        for idx, (L, GP) in enumerate(segs):
+            if not bwd:
+                out.add(("seg_fwd", GP, idx == 0, idx == last, c["block_p"]) + run)
+                continue
+            if idx < last:  # the segment inputs, forward passes at block_p
+                out.add(("seg_fwd", GP, idx == 0, False, c["block_p"]) + run)
+            out.add(("seg_bwd", GP, idx == 0, idx == last, c["bwd_block_p"]) + run)
+            out.add(("chain", GP, _tl().chain_warps(cw, GP)))
+        return out
+
     bps = (32, 64, 128) if bwd else (32, 64, 128, 256)
     # backward configs: the forward passes (segment inputs) at the streaming tile too, so a
     # backward config with the forward's best tile reuses the forward's compiled kernels
     cfgs = [dict(max_group=g, block_p=bp, bwd_block_p=bp if bwd else 64, split=0, num_warps=w,
                  num_stages=st, dot_prec="tf32x3", chain_warps=0)
             for g in (16, 32, 64) for bp in bps for w in (4, 8) for st in (1, 2, 3)]
+    cfgs = [c for c in cfgs if compiles_ok(c)]
     per_stage = [(nb * s * s * (eb + 4) * 3, nb * 4.0 * s ** 3), (npos * C * 4 * 2, 2.0 * npos * C * s),
                  (npos * C * 4 * 2, 0)]
     steps = [(npos * C * (ex + 4), 0)] + per_stage * m + [(npos * C * (4 + ex), 0)]
@@ -122,8 +153,9 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
         steps = steps * 3
     ranked = rank(cfgs, work, dev)
     seen.clear()
-    return make_plan(op, ranked, tile_axes=("max_group", "bwd_block_p" if bwd else "block_p"), n=n,
-                     default=default, default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=False))
+    return make_shared_plan(op, ranked, kernels=kernels, structure=structure,
+                            tile_axes=("bwd_block_p" if bwd else "block_p", "num_warps"), n=n, default=default,
+                            default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=False))
 
 
 def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,

@@ -37,7 +37,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 from .device import DeviceFacts
 
 __all__ = ["Work", "Estimate", "estimate", "total", "once_or_each", "eager_time", "pow2_between", "rank", "shortlist",
-           "LAUNCH_S", "EAGER_LAUNCH_S", "make_plan", "predict", "cdiv", "p2", "gemm_reads", "esize"]
+           "LAUNCH_S", "EAGER_LAUNCH_S", "make_plan", "make_shared_plan", "COMPILE_BUDGET", "MIN_FUSED",
+           "STREAM_TILE_MAX", "predict", "cdiv", "p2", "gemm_reads", "esize"]
 
 #: host + launch overhead of one kernel launch (s)
 LAUNCH_S = 3e-6
@@ -305,6 +306,82 @@ def make_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, tile_axes: Seque
         i = picked.index(default)
         picked.insert(0 if first else 1, picked.pop(i))
         predicted.insert(0 if first else 1, predicted.pop(i))
+    picked.append(SENTINEL_EAGER)
+    predicted.append(eager_s if eager_s is not None else math.inf)
+    return Plan(op, picked, predicted)
+
+
+#: distinct Triton compilations (kernel x constexprs x specialization x warps/stages) a cold
+#: key's shortlist may cost: a cold key compiles every one of them (0.3-1.5 s each on the
+#: H200 host; the tuner's worker threads overlap them only partly: Triton's front end holds
+#: the GIL), and the target is <= 2 s per cold key
+COMPILE_BUDGET = 8
+#: fused candidates a shared-structure shortlist keeps even past the budget (+ eager: 5)
+MIN_FUSED = 4
+#: fp32 elements of the tiles one loop step of a streaming kernel holds (channel rows x
+#: positions, summed over the streamed operands): the tf32x3 dots' compile time grows with
+#: the tile (sm_90, ptxas: 0.3-0.9 s up to 4096 elements, 1.8 s at 8192, 5.5 s at 16384)
+#: while the model predicts no gain from bigger ones (those streams are DRAM-bound)
+STREAM_TILE_MAX = 4096
+
+
+def make_shared_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, kernels: Callable[[dict], Iterable],
+                     structure: Optional[Callable[[dict], object]] = None, tile_axes: Sequence[str] = (),
+                     n: int = 5, default: Optional[dict] = None, default_s: Optional[float] = None,
+                     eager_s: Optional[float] = None, budget: int = COMPILE_BUDGET, min_fused: int = MIN_FUSED):
+    """The shortlist of an op whose candidates launch several kernels (a main streaming kernel
+    plus reductions, chain / factor-gradient kernels, Cayley or group-matrix launches), built
+    so a cold key compiles few kernels (``make_plan`` otherwise).
+
+    The first candidate is ``make_plan``'s (the launcher's default unless the model predicts a
+    gain of more than ``DEFAULT_MARGIN``, else the model's best). Every other candidate has the
+    first one's ``structure(cfg)`` (what decides the auxiliary kernels and their configs, e.g.
+    the channel group of a chain kernel), so the auxiliary kernels compile once per key and the
+    candidates differ in the main kernel's config. ``kernels(cfg)``: hashable identities of the
+    distinct Triton compilations ``cfg`` launches (the launcher's config -> constexpr mapping).
+    Candidates are taken in ``shortlist`` order (model's best per tile, axis diversity; then the
+    other launch settings in model order) while the union of their kernels stays within
+    ``budget`` (``min_fused`` of them in any case), up to ``n`` fused ones; one that adds no
+    kernel (the same compiled launches) is skipped. The
+    launcher's default goes second when it is not first and shares the structure; a default
+    of another structure that is not first (predicted more than ``DEFAULT_MARGIN`` slower) is
+    left out. ``SENTINEL_EAGER`` last, always."""
+    from .tune import SENTINEL_EAGER, Plan
+
+    times: Dict[str, float] = {}
+    for t, c in ranked:
+        times.setdefault(_ckey(c), t)
+    if default is not None and default_s is not None:
+        times[_ckey(default)] = default_s
+    best = ranked[0][0] if ranked else math.inf
+    default_first = default is not None and (default_s is None or default_s <= DEFAULT_MARGIN * best)
+    first = default if default_first or not ranked else ranked[0][1]
+    if first is None:
+        return Plan(op, [SENTINEL_EAGER], [eager_s if eager_s is not None else math.inf])
+    key = structure(first) if structure is not None else None
+
+    def same(c) -> bool:
+        return structure is None or structure(c) == key
+
+    mine_ranked = [(t, c) for t, c in ranked if same(c)]
+    order = shortlist(mine_ranked, len(ranked), tile_axes)  # one per tile, diversity first
+    queue = ([default] if default is not None and not default_first and same(default) else []) + order
+    queue += [c for _, c in mine_ranked]  # then other launch settings of the tiles, model order
+    picked = [first]
+    used = set(kernels(first))
+    for c in queue:
+        if len(picked) >= n:
+            break
+        if any(c == p for p in picked):
+            continue
+        mine = set(kernels(c))
+        if mine <= used:
+            continue
+        if len(used | mine) > budget and len(picked) >= min_fused:
+            continue
+        picked.append(c)
+        used |= mine
+    predicted = [times.get(_ckey(c), math.inf) for c in picked]
     picked.append(SENTINEL_EAGER)
     predicted.append(eager_s if eager_s is not None else math.inf)
     return Plan(op, picked, predicted)

@@ -8,8 +8,13 @@ bn x bk x rp dots per step, repeated for every token tile: extra flops
 4·O·I·rp per token tile) and *materialize* (ΔW built once, 4·O·I·rp flops and
 O·I written, then a plain GEMM reading it). The GEMM is scored with a grouped
 tile order (operands re-read once per 8 tiles when they exceed half of L2).
-The backward runs gx (T x I, K = O) and GW = Gᵀ·x (O x I, K = T) with the same
-GEMM config, then the two merge-backward jobs on GW with ``grad_cfg``.
+The backward runs gx (T x I, K = O) and GW = Gᵀ·x (O x I, K = T), then the two
+merge-backward jobs on GW with ``grad_cfg``. Its shortlist (``cost.make_shared_plan``)
+varies the gx GEMM only: GW's tiles (``gw_cfg``: the launcher default's when the model
+puts it within ``DEFAULT_MARGIN`` of the best, else the model's best) and ``grad_cfg``
+(the model's best, split or not) are one config shared by every candidate, so a cold
+key compiles ΔW's, GW's and the merge-backward kernels once (4-6) plus one gx GEMM
+per candidate, within ``COMPILE_BUDGET``.
 
 Merge backward (per job, rows M over N): regenerate P1, P2 tiles and form the
 two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
@@ -22,7 +27,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist
+from .cost import (DEFAULT_MARGIN, Work, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2,
+                   predict, rank)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -104,7 +110,8 @@ def _grad_works(dev, c, O, I, R, e, eg, tc):
     for M, N in ((O, I), (I, O)):
         bm, bn = c["block_m"], c["block_n"]
         n_m, steps = cdiv(M, bm), cdiv(N, bn)
-        split = max(1, min(cdiv(2 * dev.sm_count, n_m), max(1, steps // 2)))
+        split = c.get("split") or max(1, min(cdiv(2 * dev.sm_count, n_m), max(1, steps // 2)))
+        split = max(1, min(split, steps))
         part = 2 * split * M * R * 4 if split > 1 else 0
         works.append(Work(grid=n_m * split, warps=c["num_warps"], stages=c["num_stages"],
                           acc=2 * bm * rp + 3 * bm * bn, smem=(bm * bn * eg + 2 * rp * bn * e),
@@ -133,31 +140,55 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
     tc = compute != torch.float32
 
-    def gemms(c):  # gx (T x I, K = O, ΔWᵀ), GW = Gᵀ·x (O x I, K = T, plain)
-        return (_apply_works(dev, c, T, I, O, R, e, eg, ex, False, tc)
-                + _apply_works(dev, {**c, "strategy": "materialize"}, O, I, T, 0, e, eg, e, False, tc,
-                               dw_needed=False))
+    def gx_works(c):  # gx (T x I, K = O, ΔWᵀ regenerated or materialized)
+        return _apply_works(dev, c, T, I, O, R, e, eg, ex, False, tc)
+
+    def gw_works(c):  # GW = Gᵀ·x (O x I, K = T, plain)
+        return _apply_works(dev, {**c, "strategy": "materialize"}, O, I, T, 0, e, eg, e, False, tc, dw_needed=False)
 
     def grads(c):
         return _grad_works(dev, c, O, I, R, e, e, tc)
 
-    def both(c):
-        return gemms(c["cfg"]) + grads(c["grad_cfg"])
+    default = default or {}
+    d_cfg, d_grad = default.get("cfg"), default.get("grad_cfg")
+    # GW's tiles: one config for every candidate (the default's unless the model predicts a gain > DEFAULT_MARGIN)
+    w_rank = rank([c for c in _apply_configs(dev, O, R, tc) if c["strategy"] == "materialize"], gw_works, dev)
+    d_gw = None if d_cfg is None else {**d_cfg, "strategy": "materialize"}
+    t_dgw = predict(gw_works, d_gw, dev)
+    if d_gw is not None and (not w_rank or (t_dgw is not None and t_dgw <= DEFAULT_MARGIN * w_rank[0][0])):
+        gw_cfg, t_gw = d_gw, t_dgw or 0.0
+    else:
+        gw_cfg, t_gw = (w_rank[0][1], w_rank[0][0]) if w_rank else (d_gw, 0.0)
+    # merge backward: the model's best, split (+2 reduce launches) or not
+    r_rank = rank([{**c, "split": sp} for c in _grad_configs(dev, tc) for sp in (0, 1)], grads, dev)
+    grad_cfg, t_grad = (r_rank[0][1], r_rank[0][0]) if r_rank else (d_grad, predict(grads, d_grad, dev) or 0.0)
+    rp = p2(R, 16)
+    split_grad = grad_cfg is not None and (grad_cfg.get("split") or 0) != 1
+    shared = {("gw",) + tuple(sorted((gw_cfg or {}).items())), ("grad", "a"), ("grad", "b")}
+    if split_grad:
+        shared |= {("reduce", "a"), ("reduce", "b")}
 
-    g_rank = rank(_apply_configs(dev, T, R, tc), gemms, dev)
-    r_rank = rank(_grad_configs(dev, tc), grads, dev)
-    ga = shortlist(g_rank, 3, ("strategy", "block_m", "block_n", "block_k"))
-    gr = shortlist(r_rank, 2, ("block_m", "block_n"))
-    t_a = {id(c): t for t, c in g_rank}
-    t_r = {id(c): t for t, c in r_rank}
-    combos = sorted(((t_a[id(a)] + t_r[id(b)], {"cfg": a, "grad_cfg": b}) for a in ga for b in gr),
-                    key=lambda x: x[0])
+    def kernels(c):  # the Triton compilations of a gx config, plus the shared ones
+        regen = c["strategy"] == "regen" and rp <= MAX_HADA_RANK
+        out = shared | {("gx", regen, c["block_m"], c["block_n"], c["block_k"], c["group_m"], c["num_warps"],
+                         c["num_stages"])}
+        if not regen:
+            out.add(("tile", c["tile_n"], c["tile_k"], c["tile_r"]))
+        return out
+
+    fixed = t_gw + t_grad
+    g_rank = [(t + fixed, c) for t, c in rank(_apply_configs(dev, T, R, tc), gx_works, dev)]
+    t_d = predict(gx_works, d_cfg, dev)
     eager = eager_time(dev, [(2 * (O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * 12, 0)] * 6
                        + [(T * O * eg + O * I * e + T * I * 4, 2.0 * T * O * I),
                           (T * O * eg + T * I * ex + O * I * 4, 2.0 * T * O * I)]
                        + [(O * I * e + I * R * e + O * R * 4, 2.0 * O * I * R)] * 4, tc=tc)
-    return make_plan("loha_bypass_bwd", combos, n=n, default=default, default_s=predict(both, default, dev),
-                     eager_s=eager)
+    plan = make_shared_plan("loha_bypass_bwd", g_rank, kernels=kernels,
+                            tile_axes=("strategy", "block_m", "block_n", "block_k"), n=n, default=d_cfg,
+                            default_s=None if t_d is None else t_d + fixed, eager_s=eager)
+    plan.candidates = [c if tune.is_eager(c) else {"cfg": c, "grad_cfg": grad_cfg, "gw_cfg": gw_cfg}
+                       for c in plan.candidates]
+    return plan
 
 
 def launch(op: str, *args, **kw):
@@ -213,7 +244,7 @@ def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
 
 
 def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
-    """Launcher kwargs for ``triton.loha.bypass_bwd`` (``cfg`` and ``grad_cfg``; or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``triton.loha.bypass_bwd`` (``cfg``, ``grad_cfg``, ``gw_cfg``; or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -234,7 +265,9 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
         lambda kw: launch("loha_bypass_bwd", grad, x, a1, b1, a2, b2, gamma, **kw),
         lambda: reference_module(FAMILY).loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma),
         device=dev, version=version(),
-        resolve=lambda c: {"cfg": TL.ApplyCfg(**c["cfg"]), "grad_cfg": TL.GradCfg(**c["grad_cfg"])},
+        resolve=lambda c: {"cfg": TL.ApplyCfg(**c["cfg"]),
+                           "grad_cfg": None if c.get("grad_cfg") is None else TL.GradCfg(**c["grad_cfg"]),
+                           "gw_cfg": None if c.get("gw_cfg") is None else TL.ApplyCfg(**c["gw_cfg"])},
         front=(_F_BBWD, fk))
 
 

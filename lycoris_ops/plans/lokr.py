@@ -24,7 +24,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank
+from .cost import Work, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict, rank
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -113,9 +113,32 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
              (O * I * 4 + (a * b + c * d) * 4, 0), (O * I * (4 + eo + eb), 0)]
     if grad:
         steps += [(O * I * (eo + 4) * 2, 2.0 * O * I)] * 2 + [((a * b + c * d) * 8, 0)] * 4
-    return make_plan(op, rank(_merge_configs(dev, a, b, c, d, r1, r2, grad), work, dev),
-                     tile_axes=("swap", "block_m", "block_n"), n=n, default=default,
-                     default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=tc))
+    ranked = rank(_merge_configs(dev, a, b, c, d, r1, r2, grad), work, dev)
+    eager_s = eager_time(dev, steps, tc=tc)
+    if not grad:
+        return make_plan(op, ranked, tile_axes=("swap", "block_m", "block_n"), n=n, default=default,
+                         default_s=predict(work, default, dev), eager_s=eager_s)
+
+    def kernels(cfg):  # the Triton compilations (triton/lokr.py merge_bwd; the reductions' counts unspecialized)
+        swap = bool(cfg["swap"])
+        M1, N1, M2, N2 = _merge_geometry(a, b, c, d, swap)
+        rt, rl = (r1, r2) if swap else (r2, r1)
+        n_tiles, E = cdiv(M1, cfg["block_m"]) * cdiv(N1, cfg["block_n"]), M2 * N2
+        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, E // 16))
+        out = {("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
+                cfg["num_warps"], cfg["num_stages"])}
+        for side, fact, parts in (("tile", rt, split), ("loop", rl, n_tiles)):
+            if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials)
+                out |= {("mm", side, swap, "a"), ("mm", side, swap, "b")}
+            elif parts > 1:
+                out.add(("reduce", side, swap))
+        return out
+
+    # the candidates share the tiled side (swap): the partial reductions / factor-gradient
+    # GEMMs after the main kernel compile once per key
+    return make_shared_plan(op, ranked, kernels=kernels, structure=lambda cfg: bool(cfg["swap"]),
+                            tile_axes=("block_m", "block_n"), n=n, default=default,
+                            default_s=predict(work, default, dev), eager_s=eager_s)
 
 
 # =============================================================================== bypass

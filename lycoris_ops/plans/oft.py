@@ -12,6 +12,12 @@ P = Σ G·Xᵀ (a second dot per tile) into fp32 partials, then a tiny chain lau
 Model: x (and G) read once, y (gx) written once; registers = the GP x block_p
 tile + the GP x GP factor. Key: exact K, S, bucketed positions, channel
 contiguity, rescale present, dtypes.
+
+Shortlist (``cost.make_shared_plan``): every kernel variant rebuilds the Cayley
+factors in registers, so each costs a full compile (0.5-1 s, sm_90): at most 4
+fused candidates, streamed tiles of at most ``STREAM_TILE_MAX`` fp32 elements;
+the backward's candidates share the first one's channel group (NB), so the
+chain kernel (its config = NB) compiles once per key: 1 + 4 compiles.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import functools
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank
+from .cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -77,27 +83,42 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
                               inflight=GP * GP * 4))
         return works
 
+    def geometry(c):  # (NB, positions per tile) of the streaming kernel
+        bp = c["bwd_block_p"] if bwd else c["block_p"]
+        return _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos)[1], bp
+
+    def compiles_ok(c):  # streamed tiles (x; G and x in the backward) within STREAM_TILE_MAX
+        NB, bp = geometry(c)
+        return (2 if bwd else 1) * NB * p2(S) * bp <= STREAM_TILE_MAX
+
+    def kernels(c):  # the Triton compilations of a config (triton/oft.py: constexprs and launch options)
+        NB, bp = geometry(c)
+        main = ("stream" if bwd else "fwd", NB, bp, c["num_warps"], c["num_stages"], c["dot_prec"])
+        return {main, ("chain", NB, c.get("chain_warps", 4))} if bwd else {main}
+
     bps = (32, 64, 128, 256)
     cfgs = [dict(block_p=128 if bwd else bp, group=g, split=0, num_warps=w, num_stages=s, dot_prec="tf32x3",
                  bwd_block_p=bp if bwd else 64, chain_warps=4)
             for bp in (bps[:3] if bwd else bps) for g in (0, 32, 64) for w in (4, 8) for s in (1, 2, 3)]
+    cfgs = [c for c in cfgs if compiles_ok(c)]
     steps = [(K * S * S * (eb + 4), 0), (K * S * S * 4 * 4, K * 4.0 * S ** 3), (npos * C * (ex + 4), 0),
              (npos * C * 4 * 2, 2.0 * npos * C * S), (npos * C * (4 + ex), 0)]
     if bwd:
         steps = steps * 2
     ranked = rank(cfgs, work, dev)
     seen.clear()
-    return make_plan(op, ranked, tile_axes=("bwd_block_p" if bwd else "block_p", "group"), n=n, default=default,
-                     default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=False))
+    return make_shared_plan(op, ranked, kernels=kernels, structure=(lambda c: geometry(c)[0]) if bwd else None,
+                            tile_axes=("bwd_block_p" if bwd else "block_p", "group"), n=n, default=default,
+                            default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=False))
 
 
 def plan_oft_fwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
-                 default=None, n: int = 5):
+                 default=None, n: int = 4):
     return _plan("oft_fwd", dev, K, S, npos, c_contig, False, esize(x_dtype), esize(blocks_dtype), default, n)
 
 
 def plan_oft_bwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
-                 default=None, n: int = 5):
+                 default=None, n: int = 4):
     return _plan("oft_bwd", dev, K, S, npos, c_contig, True, esize(x_dtype), esize(blocks_dtype), default, n)
 
 

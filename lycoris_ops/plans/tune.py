@@ -16,7 +16,8 @@ Flow of ``select_config(op, backend, key_parts, candidates, run_candidate)``:
    0 or 1: one after the other); one after the other, once the warm-ups exceed the budget, ``LYCORIS_KERNEL_TUNE_BUDGET``
    seconds (default 1.5; ``warmup`` and the CLI: none), only the planner's first
    two fused candidates and eager are still tried), then three rounds, each timing a few back-to-back calls with
-   CUDA events; a candidate more than twice as slow as the leader after round one
+   CUDA events (device time: the GPU is held busy while they are enqueued, see
+   ``cuda_timer``); a candidate more than twice as slow as the leader after round one
    is dropped; the score is the best round. The winner is memoized and stored as
    a row of the table (merge with the rows on disk + atomic replace, see
    ``store.py``), and one line is logged (logger ``lycoris_ops.tune``: op, shape
@@ -390,23 +391,46 @@ SPIN_CYCLES = 100_000_000
 _clocked: set = set()
 
 
+#: GPU clock cycles per microsecond assumed when sizing ``torch.cuda._sleep`` (about 2 GHz
+#: parts; a slower clock only sleeps longer)
+SLEEP_CYCLES_PER_US = 2000
+#: longest sleep before a timed block (s)
+MAX_SLEEP_S = 0.02
+
+
+def _hold(host_s: float, calls: int) -> None:
+    """Keep the GPU busy while the host enqueues ``calls`` calls of ``host_s`` each, so the
+    timed kernels then run back to back: device time, not the host's launch path."""
+    us = min(1.5 * calls * host_s * 1e6 + 20.0, MAX_SLEEP_S * 1e6)
+    torch.cuda._sleep(int(us * SLEEP_CYCLES_PER_US))
+
+
 def cuda_timer(fn: Callable[[], Any], candidate: Candidate = None) -> float:
-    """One timing round: seconds per call of ``fn`` over a few back-to-back calls
-    (CUDA events on the current stream; reps sized to about ``ROUND_S``)."""
+    """One timing round: device seconds per call of ``fn`` over a few back-to-back calls
+    (CUDA events on the current stream; reps sized to about ``ROUND_S``). The GPU is held
+    busy (``torch.cuda._sleep``, sized from one untimed call's host enqueue time) while the
+    timed calls are enqueued, so host launch gaps are not charged: without it a call whose
+    launch path (Python launcher, several kernels) takes longer than its kernels measured
+    the host, the same for every tile."""
     dev = torch.cuda.current_device()
     if dev not in _clocked:  # an idle GPU runs its first milliseconds at low clocks: spin it up once
         _clocked.add(dev)
         torch.cuda._sleep(SPIN_CYCLES)
+    t0 = time.perf_counter()
+    fn()  # untimed: the host's enqueue time of one call
+    host = time.perf_counter() - t0
     start = torch.cuda.Event(enable_timing=True)
     end = torch.cuda.Event(enable_timing=True)
+    _hold(host, 1)
     start.record()
     fn()
     end.record()
     end.synchronize()
     one = max(start.elapsed_time(end) * 1e-3, 1e-7)
-    reps = max(1, min(MAX_REPS, int(ROUND_S / one)))
+    reps = max(1, min(MAX_REPS, int(ROUND_S / one), int(2 * ROUND_S / max(host, 1e-7))))
     if reps == 1:
         return one
+    _hold(host, reps)
     start.record()
     for _ in range(reps):
         fn()

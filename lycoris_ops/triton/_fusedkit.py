@@ -64,7 +64,11 @@ def dot_wide(w, z, acc, DOT: tl.constexpr, SPLIT: tl.constexpr, Z_LEFT: tl.const
     return acc
 
 
-@triton.jit
+# The partial counts (S; SX, SY) are never specialized: they follow the calling kernel's
+# tiling, so specializing them (== 1, divisible by 16) would compile one more variant of
+# these small kernels per config of the op's main kernel (a cold key's tuning compiles
+# every variant).
+@triton.jit(do_not_specialize=["S"])
 def _reduce_kernel(
     p_ptr, o1_ptr, o2_ptr, M, N, S, alpha,
     s_ps, s_pj, s_pm, s_pn, s_1m, s_1n, s_2m, s_2n,
@@ -104,7 +108,7 @@ def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, id
                          TWO=out2 is not None, IDX64=idx64, BM=bm, BN=bn, num_warps=4)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SX", "SY"])
 def _mm_kernel(
     x_ptr, y_ptr, o_ptr, M, N, K, SX, SY, alpha,
     s_xs, s_xm, s_xk, s_ys, s_yk, s_yn, s_om, s_on,

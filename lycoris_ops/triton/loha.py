@@ -402,17 +402,20 @@ def merge_bwd(grad, a1, b1, a2, b2, gamma, compute=None, cfg: Optional[GradCfg] 
 
 
 @functools.lru_cache(maxsize=4096)
-def _bypass_bwd_plan(T, O, I, R, views, compute, device, cfg: ApplyCfg):
+def _bypass_bwd_plan(T, O, I, R, views, compute, device, cfg: ApplyCfg, gw_cfg: Optional[ApplyCfg]):
     idx64 = needs_idx64(*views) or T * O > 2**31 - 1
     regen = _regen(T, R, cfg, compute)
     gx_launch = _apply_meta(T, I, O, R, compute, regen, idx64, False, cfg)
-    gw_launch = _apply_meta(O, I, T, R, compute, False, idx64, False, cfg)
+    gw_launch = _apply_meta(O, I, T, R, compute, False, idx64, False, cfg if gw_cfg is None else gw_cfg)
     return idx64, regen, gx_launch, gw_launch
 
 
 def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
-               grad_cfg: Optional[GradCfg] = None):
-    """(gx (T, I) in x's dtype, g_a1, g_b1, g_a2, g_b2 in their inputs' dtypes)."""
+               grad_cfg: Optional[GradCfg] = None, gw_cfg: Optional[ApplyCfg] = None):
+    """(gx (T, I) in x's dtype, g_a1, g_b1, g_a2, g_b2 in their inputs' dtypes).
+
+    ``cfg``: the gx GEMM (and ΔW materialization); ``gw_cfg``: the GW = Gᵀ·x GEMM's tiles
+    (None: ``cfg``'s; its strategy is ignored: GW reads x); ``grad_cfg``: the merge backward."""
     T, I = x.shape
     O, R = a1.shape
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
@@ -420,7 +423,7 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
     gx = torch.empty((T, I), device=dev, dtype=x.dtype)
     gw = torch.empty((O, I), device=dev, dtype=compute)
     idx64, regen, (grid, meta), (grid_w, meta_w) = _bypass_bwd_plan(
-        T, O, I, R, view_key(grad, x, a1, b1, a2, b2), compute, dev, cfg or ApplyCfg())
+        T, O, I, R, view_key(grad, x, a1, b1, a2, b2), compute, dev, cfg or ApplyCfg(), gw_cfg)
     if gx.numel():
         if O == 0:
             gx.zero_()

@@ -175,7 +175,9 @@ def _oft_bwd_stream(
     tl.store(part_ptr + base + l[:, None] * GP + l[None, :], acc)
 
 
-@triton.jit
+# n_split (the stream's programs per group) follows the config's tile; never specialized, so
+# one compiled chain serves every config of a key (a cold key's tuning compiles each variant)
+@triton.jit(do_not_specialize=["n_split"])
 def _oft_bwd_chain(
     blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, part_ptr, gb_ptr, gr_ptr,
     K, S, n_split, n_groups, cscale,
