@@ -424,7 +424,7 @@ class DoRALinear(LoRALinear):
         d = self.dora_scale.reshape(-1)
         n, _, _ = _AdaptedNorms.apply(self.base.weight, torch.finfo(d.dtype).eps, self.lora_up, self.lora_down,
                                       self.gamma, 0 if self.wd_on_out else 1)
-        return self.multiplier * (d.to(n.dtype) / n - 1) + 1
+        return (d.to(n.dtype) / n).mul_(self.multiplier).add_(1 - self.multiplier)
 
     def adapter_forward(self, x):
         if self.base.weight.requires_grad:
@@ -434,7 +434,8 @@ class DoRALinear(LoRALinear):
             x = x * s.to(x.dtype)
         z = _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, base=F.linear(x, self.base.weight))
         if self.wd_on_out:
-            z = z * s.to(z.dtype)
+            s = s.to(z.dtype)
+            return z * s if self.base.bias is None else torch.addcmul(self.base.bias, z, s)
         return z if self.base.bias is None else z + self.base.bias
 
     def merged_weight(self):

@@ -77,20 +77,21 @@ def lowrank_norm_terms(Wv, a, b, gamma):
     fp32 (fp64 stays fp64), without forming M: ``P = Wv·bᵀ`` (O, r), ``S = b·bᵀ`` (r, r),
     ``‖M_o‖² = ‖Wv_o‖² + 2γ·a_o·P_o + γ²·a_o·S·a_oᵀ``."""
     f = torch.float64 if torch.float64 in (Wv.dtype, a.dtype, b.dtype) else torch.float32
-    P = mm32(Wv, cast(b, Wv.dtype).t()).to(f)  # the one pass over W (O·I·r)
-    af, bf = a.to(f), b.to(f)
+    P = cast(mm32(Wv, cast(b, Wv.dtype).t()), f)  # the one pass over W (O·I·r)
+    af, bf = cast(a, f), cast(b, f)
     S = bf @ bf.t()
-    w2 = torch.linalg.vector_norm(Wv, dim=1, dtype=f).square()
-    m2 = w2 + (2 * gamma) * (af * P).sum(1) + (gamma * gamma) * ((af @ S) * af).sum(1)
-    return m2, P, S
+    # few launches (eager runs these per layer and step): (2γ·P + γ²·a·S)·a summed per row
+    m2 = torch.linalg.vecdot(torch.addmm(P, af, S, beta=2 * gamma, alpha=gamma * gamma), af, dim=1)
+    return m2.add_(torch.linalg.vector_norm(Wv, dim=1, dtype=f).square_()), P, S
 
 
 def lowrank_norm_grads(Wv, a, b, gamma, P, S, g_m2):
     """Gradients of ``Σ_o g_m2_o·‖M_o‖²`` (see ``lowrank_norm_terms``) for a and b:
     ``g_a = 2γ·g⊙(P + γ·a·S)``, ``g_b = 2γ·((g⊙a)ᵀ·Wv + γ·(aᵀ·(g⊙a))·b)`` (one more pass over W)."""
     f = P.dtype
-    af, bf = a.to(f), b.to(f)
-    ga = g_m2[:, None] * af  # (O, r)
-    g_a = (2 * gamma) * (g_m2[:, None] * P + gamma * (ga @ S))
-    g_b = (2 * gamma) * (mm32(cast(ga, Wv.dtype).t(), Wv).to(f) + gamma * ((af.t() @ ga) @ bf))
+    af, bf = cast(a, f), cast(b, f)
+    g = g_m2[:, None]
+    ga = g * af  # (O, r)
+    g_a = torch.addmm(g * P, ga, S, alpha=gamma).mul_(2 * gamma)
+    g_b = torch.addmm(cast(mm32(cast(ga, Wv.dtype).t(), Wv), f), af.t() @ ga, bf, alpha=gamma).mul_(2 * gamma)
     return g_a.to(a.dtype), g_b.to(b.dtype)
