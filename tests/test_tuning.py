@@ -632,10 +632,12 @@ def test_shortlist_diversity_and_default():
     assert cost.make_plan("x", [], default=None).candidates == [EAGER]
 
 
-def test_cuda_timer_holds_the_gpu_while_enqueueing(monkeypatch):
+def test_cuda_timer_holds_the_gpu_and_flushes_l2(monkeypatch):
     """cuda_timer: one untimed call (host enqueue time), then a GPU sleep before each timed
-    block, so the events see back-to-back kernels (device time), not host launch gaps."""
+    block, so the events see the kernels (device time), not host launch gaps; every timed
+    call comes after an L2 flush and has its own events; the round is their median."""
     log = []
+    times = iter([0.25, 0.3, 0.1, 0.2, 0.1])  # ms: the single call, then the 4 reps
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -648,18 +650,24 @@ def test_cuda_timer_holds_the_gpu_while_enqueueing(monkeypatch):
             pass
 
         def elapsed_time(self, other):
-            return 0.1  # ms
+            return next(times)
+
+    class Flush:
+        def zero_(self):
+            log.append("flush")
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(tune, "_clocked", {0})
+    monkeypatch.setattr(tune, "_flush", {0: Flush()})
     t = tune.cuda_timer(lambda: log.append("fn"))
-    reps = int(tune.ROUND_S / 1e-4)
-    assert log[0] == "fn" and log[1][0] == "sleep" and log[2:5] == ["record", "fn", "record"]
-    assert log[5][0] == "sleep" and log[6:] == ["record"] + ["fn"] * reps + ["record"]
-    assert log[5][1] >= log[1][1] > 0  # the sleep covers the enqueue of all reps
-    assert t == pytest.approx(1e-4 / reps)
+    reps = int(tune.ROUND_S / 2.5e-4)
+    assert reps == 4
+    assert log[0] == "fn" and log[1][0] == "sleep" and log[2:6] == ["flush", "record", "fn", "record"]
+    assert log[6][0] == "sleep" and log[7:] == ["flush", "record", "fn", "record"] * reps
+    assert log[6][1] >= log[1][1] > 0  # the sleep covers the enqueue of all reps
+    assert t == pytest.approx(2e-4)  # min(single call, median of the reps)
 
 
 def test_shared_plan_structure_budget_and_default():

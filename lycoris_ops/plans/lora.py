@@ -117,7 +117,7 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                              (T * R * e + O * R * e + T * O * 4, 2.0 * T * O * R),
                              (T * O * (4 + eo) + (T * O * eo if has_base else 0), 0)], tc=tc)
     plan = make_plan("lora_bypass_fwd", rank(cfgs, work, dev), tile_axes=("block_t", "block_i", "block_o"),
-                     n=n - len(FWD_ANCHORS), default=default, default_s=predict(work, default, dev), eager_s=eager)
+                     n=max(2, n - 1 - len(FWD_ANCHORS)), default=default, default_s=predict(work, default, dev), eager_s=eager)
     return _with_anchors(plan, FWD_ANCHORS, work, dev)
 
 
@@ -216,7 +216,7 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                              (T * R * e + R * I * e + T * I * 4, 2.0 * T * I * R), (T * I * (4 + ex), 0),
                              (T * O * eg + T * R * e, 2.0 * T * O * R), (T * I * ex + T * R * e, 2.0 * T * I * R)],
                        tc=tc)
-    plan = make_plan("lora_bypass_bwd", combos, n=n - len(BWD_ANCHORS), default=default,
+    plan = make_plan("lora_bypass_bwd", combos, n=max(2, n - 1 - len(BWD_ANCHORS)), default=default,
                      default_s=predict(both, default, dev), eager_s=eager)
     red0 = reds[0] if reds else None
     return _with_anchors(plan, [{**a, "red": red0} for a in BWD_ANCHORS] if red0 else [], both, dev)

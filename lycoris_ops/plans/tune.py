@@ -15,9 +15,9 @@ Flow of ``select_config(op, backend, key_parts, candidates, run_candidate)``:
    threads, so their compiles overlap (``LYCORIS_KERNEL_TUNE_THREADS``, default 8;
    0 or 1: one after the other); one after the other, once the warm-ups exceed the budget, ``LYCORIS_KERNEL_TUNE_BUDGET``
    seconds (default 1.5; ``warmup`` and the CLI: none), only the planner's first
-   two fused candidates and eager are still tried), then three rounds, each timing a few back-to-back calls with
-   CUDA events (device time: the GPU is held busy while they are enqueued, see
-   ``cuda_timer``); a candidate more than twice as slow as the leader after round one
+   two fused candidates and eager are still tried), then three rounds, each the median of a few calls timed
+   alone with CUDA events after an L2 flush (device time: the GPU is held busy while they are
+   enqueued, see ``cuda_timer``); a candidate more than twice as slow as the leader after round one
    is dropped; the score is the best round. The winner is memoized and stored as
    a row of the table (merge with the rows on disk + atomic replace, see
    ``store.py``), and one line is logged (logger ``lycoris_ops.tune``: op, shape
@@ -396,6 +396,8 @@ _clocked: set = set()
 SLEEP_CYCLES_PER_US = 2000
 #: longest sleep before a timed block (s)
 MAX_SLEEP_S = 0.02
+#: host time of the flush and the two event records around each timed call (s)
+FLUSH_HOST_S = 15e-6
 
 
 def _hold(host_s: float, calls: int) -> None:
@@ -405,38 +407,57 @@ def _hold(host_s: float, calls: int) -> None:
     torch.cuda._sleep(int(us * SLEEP_CYCLES_PER_US))
 
 
+#: the L2 flush buffer is this many times the device's L2 (bounded scratch: one per device)
+FLUSH_L2_FACTOR = 2
+FLUSH_MAX_BYTES = 256 << 20
+_flush: Dict[int, torch.Tensor] = {}
+
+
+def _flush_buffer(dev: int) -> torch.Tensor:
+    buf = _flush.get(dev)
+    if buf is None:
+        l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (32 << 20))
+        n = min(max(FLUSH_L2_FACTOR * l2, 8 << 20), FLUSH_MAX_BYTES)
+        buf = _flush[dev] = torch.empty(n, dtype=torch.int8, device=torch.device("cuda", dev))
+    return buf
+
+
 def cuda_timer(fn: Callable[[], Any], candidate: Candidate = None) -> float:
-    """One timing round: device seconds per call of ``fn`` over a few back-to-back calls
-    (CUDA events on the current stream; reps sized to about ``ROUND_S``). The GPU is held
-    busy (``torch.cuda._sleep``, sized from one untimed call's host enqueue time) while the
-    timed calls are enqueued, so host launch gaps are not charged: without it a call whose
+    """One timing round: the median device seconds of a few calls of ``fn``, each after an
+    L2 flush (a write over twice the L2) and timed alone with CUDA events on the current
+    stream (reps sized to about ``ROUND_S``): an op's operands come from DRAM in a model
+    (the layers between two calls evict them), and a hot L2 favours the candidates that
+    re-read their inputs (the benchmark flushes too). The GPU is held busy
+    (``torch.cuda._sleep``, sized from one untimed call's host enqueue time) while the
+    calls are enqueued, so host launch gaps are not charged either: without it a call whose
     launch path (Python launcher, several kernels) takes longer than its kernels measured
     the host, the same for every tile."""
     dev = torch.cuda.current_device()
     if dev not in _clocked:  # an idle GPU runs its first milliseconds at low clocks: spin it up once
         _clocked.add(dev)
         torch.cuda._sleep(SPIN_CYCLES)
+    flush = _flush_buffer(dev)
     t0 = time.perf_counter()
     fn()  # untimed: the host's enqueue time of one call
-    host = time.perf_counter() - t0
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    _hold(host, 1)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    one = max(start.elapsed_time(end) * 1e-3, 1e-7)
+    host = time.perf_counter() - t0 + FLUSH_HOST_S
+
+    def timed(reps: int) -> List[float]:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        _hold(host, reps)
+        for start, end in events:
+            flush.zero_()
+            start.record()
+            fn()
+            end.record()
+        events[-1][1].synchronize()
+        return sorted(max(s.elapsed_time(e) * 1e-3, 1e-7) for s, e in events)
+
+    one = timed(1)[0]
     reps = max(1, min(MAX_REPS, int(ROUND_S / one), int(2 * ROUND_S / max(host, 1e-7))))
     if reps == 1:
         return one
-    _hold(host, reps)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return min(one, start.elapsed_time(end) * 1e-3 / reps)
+    times = timed(reps)
+    return min(one, times[len(times) // 2])
 
 
 def _outputs(out) -> List[torch.Tensor]:
