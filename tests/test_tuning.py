@@ -670,6 +670,14 @@ def test_cuda_timer_holds_the_gpu_and_flushes_l2(monkeypatch):
     assert t == pytest.approx(2e-4)  # min(single call, median of the reps)
 
 
+def test_flush_buffer_dropped_after_timing(monkeypatch):
+    """The L2 flush buffer is scratch of the timing only: gone once the key is tuned, so a
+    model's peak memory after tuning does not carry it."""
+    monkeypatch.setattr(tune, "_flush", {0: torch.empty(16)})
+    assert _select(timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6})) == A
+    assert tune._flush == {}
+
+
 def test_shared_plan_structure_budget_and_default():
     """make_shared_plan: one structure (the first candidate's), the compile budget, the
     launcher default second when it shares the structure, dropped when it does not and the

@@ -407,7 +407,8 @@ def _hold(host_s: float, calls: int) -> None:
     torch.cuda._sleep(int(us * SLEEP_CYCLES_PER_US))
 
 
-#: the L2 flush buffer is this many times the device's L2 (bounded scratch: one per device)
+#: the L2 flush buffer is this many times the device's L2 (bounded scratch: one per device,
+#: dropped when the key's timing ends)
 FLUSH_L2_FACTOR = 2
 FLUSH_MAX_BYTES = 256 << 20
 _flush: Dict[int, torch.Tensor] = {}
@@ -787,6 +788,7 @@ def _select_locked(op, backend, candidates, run_candidate, dev_id, parts, mkey, 
         winner, best, errors, oom, skipped = _time_candidates(
             cands, run_candidate, use_timer or cuda_timer, check, reference, tune_budget(),
             tune_threads() if _parallel_ok(dev_id) else 0)
+    _flush.clear()  # the L2 flush buffer lives while a key is timed only (not in the model's peak memory)
     spent = time.perf_counter() - t0
     _stats["tune_s"] += spent
     _stats["tuned"] += 1
