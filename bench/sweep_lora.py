@@ -1,6 +1,6 @@
 """Measured tile sweep of the LoRA bypass kernels at given shapes (CUDA): every config of a
-grid around the planner's space, timed with CUDA events (median of a few reps, L2 not
-flushed between reps), against the eager body and the planner's shortlist. Shows how far
+grid around the planner's space, timed like bench.py (median device time, L2 flushed
+before each rep), against the eager body and the planner's shortlist. Shows how far
 the cost model's ranking is from the measured one.
 
     python bench/sweep_lora.py --shapes 4096x3072x9216,4096x12288x3072 --rank 32 --max-seconds 200
@@ -15,22 +15,15 @@ from lycoris_ops.plans import lora as plans
 from lycoris_ops.plans.device import facts
 from lycoris_ops.reference import lora as ref
 from lycoris_ops.triton import lora as TL
+from timing import DeviceTimer  # bench/ (this script's folder)
 
 
 def bench(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    ts.sort()
-    return ts[len(ts) // 2]
+    """Median device ms (L2 flushed before each rep, launch gaps hidden: bench.py's timer)."""
+    return _TIMER[0].time(fn, reps=reps)["median_ms"]
+
+
+_TIMER = []
 
 
 def main():
@@ -41,6 +34,7 @@ def main():
     a = ap.parse_args()
     shapes = a.shapes.split(",")
     dev = torch.device("cuda")
+    _TIMER.append(DeviceTimer(dev))
     bf = torch.bfloat16
     for shp in shapes:
         t_end = time.time() + a.max_seconds / len(shapes)

@@ -419,13 +419,19 @@ def _flush_buffer(dev: int) -> torch.Tensor:
     if buf is None:
         l2 = int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0) or (32 << 20))
         n = min(max(FLUSH_L2_FACTOR * l2, 8 << 20), FLUSH_MAX_BYTES)
-        buf = _flush[dev] = torch.empty(n, dtype=torch.int8, device=torch.device("cuda", dev))
+        buf = _flush[dev] = torch.ones(n // 4, dtype=torch.int32, device=torch.device("cuda", dev))
     return buf
+
+
+def _evict_l2(buf: torch.Tensor) -> None:
+    # a read evicts L2 and leaves it clean: a write (memset) would leave dirty lines whose
+    # write-back is charged to the next timed call
+    torch.sum(buf, dtype=torch.int32)
 
 
 def cuda_timer(fn: Callable[[], Any], candidate: Candidate = None) -> float:
     """One timing round: the median device seconds of a few calls of ``fn``, each after an
-    L2 flush (a write over twice the L2) and timed alone with CUDA events on the current
+    L2 flush (a read of twice the L2) and timed alone with CUDA events on the current
     stream (reps sized to about ``ROUND_S``): an op's operands come from DRAM in a model
     (the layers between two calls evict them), and a hot L2 favours the candidates that
     re-read their inputs (the benchmark flushes too). The GPU is held busy
@@ -446,7 +452,7 @@ def cuda_timer(fn: Callable[[], Any], candidate: Candidate = None) -> float:
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
         _hold(host, reps)
         for start, end in events:
-            flush.zero_()
+            _evict_l2(flush)
             start.record()
             fn()
             end.record()
