@@ -117,7 +117,8 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                              (T * R * e + O * R * e + T * O * 4, 2.0 * T * O * R),
                              (T * O * (4 + eo) + (T * O * eo if has_base else 0), 0)], tc=tc)
     plan = make_plan("lora_bypass_fwd", rank(cfgs, work, dev), tile_axes=("block_t", "block_i", "block_o"),
-                     n=max(2, n - 1 - len(FWD_ANCHORS)), default=default, default_s=predict(work, default, dev), eager_s=eager)
+                     n=max(2, n - 1 - len(FWD_ANCHORS)), default=default, default_s=predict(work, default, dev),
+                     eager_s=eager)
     return _with_anchors(plan, FWD_ANCHORS, work, dev)
 
 
