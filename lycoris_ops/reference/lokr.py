@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
-from . import cast
+from . import cast, mm32
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -341,12 +341,20 @@ def lokr_bypass_bwd(grad, x, w1, w2, gamma):
     a, b = w1.shape
     c, d = w2.shape
     T = x.shape[0]
-    G = _up(grad, cd, acc).reshape(T, a, c)
+    G = cast(grad, cd).reshape(T, a, c)
+    w1c, w2c = cast(w1, cd), cast(w2, cd)
+    # The first products take two compute-dtype operands: one GEMM each over all tokens,
+    # exact products with fp32 accumulation (mm32: 16-bit tensor cores, fp32 out), no
+    # fp32 copy of G. H_t = G_t·w2 (T, a, d); R_t = G_tᵀ·w1 (T, c, b) (so w1ᵀ·G_t = R_tᵀ).
+    H = mm32(G.reshape(T * a, c), w2c).to(acc).reshape(T, a, d)
+    R = mm32(G.transpose(1, 2).reshape(T * c, a), w1c).to(acc).reshape(T, c, b)
+    # The second products (accumulation dtype) contract the smaller inner dimension.
+    if a <= c:
+        gx = torch.einsum("ab,tad->tbd", w1c.to(acc), H)  # w1ᵀ·(G_t·w2)
+    else:
+        gx = torch.einsum("tcb,cd->tbd", R, w2c.to(acc))  # (w1ᵀ·G_t)·w2
+    gx = gx.reshape(T, b * d) * gamma
     X = _up(x, cd, acc).reshape(T, b, d)
-    w1c, w2c = _up(w1, cd, acc), _up(w2, cd, acc)
-    H = torch.matmul(G, w2c)  # (T, a, d) = G_t·w2
-    gx = torch.matmul(w1c.t(), H).reshape(T, b * d) * gamma
-    g_w1 = torch.einsum("tad,tbd->ab", H, X) * gamma
-    P = torch.matmul(w1c, X)  # (T, a, d) = w1·X_t
-    g_w2 = torch.einsum("tac,tad->cd", G, P) * gamma
+    g_w1 = torch.einsum("tad,tbd->ab", H, X) * gamma  # Σ_t (G_t·w2)·X_tᵀ
+    g_w2 = torch.einsum("tcb,tbd->cd", R, X) * gamma  # Σ_t (G_tᵀ·w1)·X_t
     return cast(gx, dx).contiguous(), cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()
