@@ -49,3 +49,12 @@ def test_specs_geometry(bench_modules):
     assert specs.boft_geometry(3072)[2] == 24 and specs.boft_geometry(4096)[2] == 32
     names = [s.name for s in specs.SPECS]
     assert len(names) == len(set(names)) == 15
+
+
+@pytest.mark.parametrize("script", sorted(os.path.basename(p) for p in glob.glob(os.path.join(BENCH, "*.py"))))
+def test_bench_scripts_compile(script):
+    """Every bench script (several only run on a GPU: gpu_tuning, sweep_lora, mm_host, ...)
+    at least byte-compiles here, so a CPU-only CI still catches a broken one."""
+    path = os.path.join(BENCH, script)
+    with open(path, encoding="utf-8") as f:
+        compile(f.read(), path, "exec")
