@@ -250,6 +250,13 @@ def candidates(device: Optional[torch.device] = None) -> Tuple[str, ...]:
     named non-fused tier: itself and what follows it. With ``device``, narrowed to
     the backends that serve it. Always ends with ``torch``.
     """
+    return tuple(iter_candidates(device))
+
+
+def iter_candidates(device: Optional[torch.device] = None) -> Iterator[str]:
+    """``candidates(device)`` lazily: a tier is probed only when the walk reaches it, so
+    a call the first tier takes never imports the later ones (TileLang, ``torch._dynamo``:
+    seconds at a process's first call)."""
     setting = backend_setting()
     if setting == "auto":
         names = tuple(ORDER)
@@ -257,13 +264,12 @@ def candidates(device: Optional[torch.device] = None) -> Tuple[str, ...]:
         names = (setting,) + tuple(n for n in ORDER if n not in FUSED)
     else:
         names = tuple(ORDER[ORDER.index(setting):])
-    if device is not None:
-        names = tuple(n for n in names if serves(n, device, named=(n == setting)))
-    else:
-        names = tuple(n for n in names if _probe(n))
-    if "torch" not in names:
-        names += ("torch",)
-    return names
+    for n in names:
+        if n == "torch":
+            break
+        if (serves(n, device, named=(n == setting)) if device is not None else _probe(n)):
+            yield n
+    yield "torch"
 
 
 def available_backends(device=None) -> Tuple[str, ...]:

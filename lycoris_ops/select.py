@@ -89,7 +89,7 @@ def _walk(tensors: Sequence[torch.Tensor], op: Optional[str], args: Optional[Seq
         return "torch"
     mixed = _HALF[0] in dtypes and _HALF[1] in dtypes
     empty = any(t.numel() == 0 for t in tensors)
-    for name in dispatch.candidates(device):
+    for name in dispatch.iter_candidates(device):
         if name in dispatch.FUSED:
             module = dispatch.opset(name)
             why = None

@@ -130,6 +130,18 @@ def test_first_fused_backend_wins(mocks):
     assert select.choose([b, d], op="add_scaled") == "mocka"
 
 
+def test_later_tiers_not_probed_when_the_first_takes_the_call(mocks, monkeypatch):
+    """The walk probes a tier only when it reaches it: a call the first fused tier takes
+    never imports the later ones (TileLang, torch._dynamo cost seconds at first use)."""
+    probed = []
+    real = dispatch.serves
+    monkeypatch.setattr(dispatch, "serves", lambda n, dev, **kw: probed.append(n) or real(n, dev, **kw))
+    b, d = bd()
+    assert select.choose([b, d], op="add_scaled") == "mocka"
+    assert probed == ["mocka"]
+    assert dispatch.candidates(b.device) == ("mocka", "mockb", "torch")  # the eager list still has them all
+
+
 def test_op_absent_steps_to_the_other_fused_backend(mocks):
     k = kern("lora_bypass_fwd", _bypass, mocks)
     x, up, down = torch.randn(6, 8), torch.randn(9, 4), torch.randn(4, 8)
