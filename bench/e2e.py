@@ -250,6 +250,30 @@ def host_profile(step, device, label, top=15):
     print(f"host profile, {label}:\n" + "\n".join(buf.getvalue().splitlines()[4:]), flush=True)
 
 
+def sync_report(step, device, label, top=8):
+    """The synchronizing CUDA calls one step makes (``torch.cuda.set_sync_debug_mode``):
+    a host-bound step whose host time is not its Python work waits somewhere."""
+    import warnings
+    if torch.device(device).type != "cuda":
+        return
+    step()
+    torch.cuda.synchronize()
+    seen = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for w in caught:
+        where = f"{w.filename}:{w.lineno}: {str(w.message)[:120]}"
+        seen[where] = seen.get(where, 0) + 1
+    print(f"sync report, {label}: {sum(seen.values())} synchronizing calls", flush=True)
+    for where, n in sorted(seen.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  x{n} {where}")
+
+
 def time_steps(step, device, warmup, reps):
     cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
@@ -314,6 +338,8 @@ def main(argv=None):
     ap.add_argument("--plot", action="store_true")
     ap.add_argument("--profile", action="store_true",
                     help="after timing, profile one step per row: time per category (GEMMs, attention, our ops, ...)")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="one step of each ours-* row under torch.cuda.set_sync_debug_mode('warn'): where the host waits")
     ap.add_argument("--host-profile", action="store_true",
                     help="cProfile one step of each ours-* row: the top host functions by own time")
     ap.add_argument("--per-op-csv", default=None, help="bench.py CSV for the per-op panel of the plot")
@@ -348,6 +374,8 @@ def main(argv=None):
                 prof = profile_step(step, device) if args.profile else None
                 if args.host_profile and v.startswith("ours"):
                     host_profile(step, device, f"{adapter} {v}")
+                if args.sync_debug and v.startswith("ours"):
+                    sync_report(step, device, f"{adapter} {v}")
                 err = ""
             except Exception as e:  # keep the other rows
                 ms, peak, cold, err = float("nan"), float("nan"), float("nan"), f"{type(e).__name__}: {e}"[:300]
