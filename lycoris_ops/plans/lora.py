@@ -54,7 +54,7 @@ def _auto_split(work_tiles: int, sm: int, max_split: int) -> int:
 
 
 #: configs measured best on an H200 at the e2e layer shapes (T=4096, r=32, I/O in
-#: 3072..12288; ``bench/sweep_lora.py``, bench/RESULTS.md 2026-11-30 08:45) where the model
+#: 3072..12288; ``bench/sweep_lora.py``, bench/RESULTS.md 2026-11-30, the 08:35 call) where the model
 #: ranked small tiles first: large I/O tiles with deep pipelines stream better than it
 #: predicts. Always in the shortlist (when legal on the device), timed like the others.
 FWD_ANCHORS = (
@@ -70,19 +70,14 @@ BWD_ANCHORS = (
 def _with_anchors(plan, anchors, work, dev: DeviceFacts):
     """``plan`` with each legal anchor config (the model finds it runnable on ``dev``)
     inserted before ``SENTINEL_EAGER`` when not already there."""
-    from .cost import estimate, total
-
     cands, pred = list(plan.candidates), list(plan.predicted)
     for a in anchors:
-        if a in cands:
-            continue
-        w = work(a)
-        e = None if w is None else (total(w, dev) if isinstance(w, list) else estimate(w, dev))
-        if e is None:
+        t = None if a in cands else predict(work, a, dev)
+        if t is None:
             continue
         at = len(cands) - 1 if cands and tune.is_eager(cands[-1]) else len(cands)
         cands.insert(at, a)
-        pred.insert(at, e.time)
+        pred.insert(at, t)
     return tune.Plan(plan.op, cands, pred)
 
 
