@@ -12,8 +12,8 @@ Flow of ``select_config(op, backend, key_parts, candidates, run_candidate)``:
    (compile + warm-up; every fused candidate's output is checked against the
    eager output - ``SENTINEL_EAGER``'s, or ``reference()`` - and a mismatch
    disqualifies it; on CUDA the fused candidates' first calls run in worker
-   threads, so their compiles overlap (``LYCORIS_KERNEL_TUNE_THREADS``, default 8;
-   0 or 1: one after the other); one after the other, once the warm-ups exceed the budget, ``LYCORIS_KERNEL_TUNE_BUDGET``
+   threads (``LYCORIS_KERNEL_TUNE_THREADS``, default 8; 0 or 1: one after the
+   other, and then, once the warm-ups exceed the budget, ``LYCORIS_KERNEL_TUNE_BUDGET``
    seconds (default 1.5; ``warmup`` and the CLI: none), only the planner's first
    two fused candidates and eager are still tried), then three rounds, each the median of a few calls timed
    alone with CUDA events after an L2 flush (device time: the GPU is held busy while they are
@@ -267,8 +267,9 @@ _budget: List[Optional[float]] = [None]  # None: read LYCORIS_KERNEL_TUNE_BUDGET
 
 
 ENV_THREADS = "LYCORIS_KERNEL_TUNE_THREADS"
-#: worker threads that run a cold key's fused candidates' first calls (their Triton
-#: compiles release the GIL for most of their time, so they overlap)
+#: worker threads that run a cold key's fused candidates' first calls (their launches,
+#: output checks and the GIL-free parts of the compile overlap; Triton's front end holds
+#: the GIL, so the compiles themselves overlap little)
 DEFAULT_THREADS = 8
 _worker = threading.local()
 #: output bytes the concurrent first calls of one cold key may hold at once (fewer
