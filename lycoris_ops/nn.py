@@ -363,15 +363,19 @@ class LoKrLinear(_Scaled):
 class _AdaptedNorms(torch.autograd.Function):
     """``n = ‖M‖ + ε`` per row (``row_axis`` 0) or column (1) of ``M = W + γ·up·down`` (W
     frozen; ε from dora_scale's dtype, as ``dora_fwd``), fp32, from the expansion of
-    ``functional.dora.lowrank_norm_terms``: one O·I·r GEMM over W per direction, M (O×I) never built. Columns are
-    the rows of ``Mᵀ = Wᵀ + γ·downᵀ·upᵀ``. The expansion is exact algebra in fp32 (no
+    ``functional.dora.lowrank_norm_terms``: one O·I·r GEMM over W per direction, M (O×I)
+    never built. Columns are the rows of ``Mᵀ = Wᵀ + γ·downᵀ·upᵀ``. The expansion is exact algebra in fp32 (no
     16-bit rounding of γ·up·down); it loses digits only where ‖M‖ ≪ ‖W‖, i.e. an adapter
     that cancels its weight."""
 
     @staticmethod
+    def _as_rows(W, up, down, row_axis):
+        """(Wv, a, b) with the norms over the rows of ``Wv + γ·a·b``."""
+        return (W, up, down) if row_axis == 0 else (W.t(), down.t(), up.t())
+
+    @staticmethod
     def forward(W, eps, up, down, gamma, row_axis):
-        Wv, a, b = (W, up, down) if row_axis == 0 else (W.t(), down.t(), up.t())
-        m2, P, S = _dora.lowrank_norm_terms(Wv, a, b, gamma)
+        m2, P, S = _dora.lowrank_norm_terms(*_AdaptedNorms._as_rows(W, up, down, row_axis), gamma)
         return m2.clamp_min(0).sqrt() + eps, P, S
 
     @staticmethod
@@ -385,7 +389,7 @@ class _AdaptedNorms(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_n, _g_p, _g_s):
         W, up, down, n, P, S = ctx.saved_tensors
-        Wv, a, b = (W, up, down) if ctx.row_axis == 0 else (W.t(), down.t(), up.t())
+        Wv, a, b = _AdaptedNorms._as_rows(W, up, down, ctx.row_axis)
         norm = (n - ctx.eps).clamp_min(torch.finfo(n.dtype).tiny)
         g_a, g_b = _dora.lowrank_norm_grads(Wv, a, b, ctx.gamma, P, S, g_n.to(n.dtype) / (2 * norm))  # d‖M‖ = d‖M‖²/(2‖M‖)
         g_up, g_down = (g_a, g_b) if ctx.row_axis == 0 else (g_b.t(), g_a.t())
