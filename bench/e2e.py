@@ -44,6 +44,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import lycoris_ops  # noqa: E402,F401
 from lycoris_ops import nn as lnn  # noqa: E402
+from timing import sync  # noqa: E402  (bench/, this script's folder)
 
 
 class Block(nn.Module):
@@ -237,13 +238,11 @@ def host_profile(step, device, label, top=15):
     import io
     import pstats
     step()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     pr = cProfile.Profile()
     pr.enable()
     step()
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     pr.disable()
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
@@ -257,7 +256,7 @@ def sync_report(step, device, label, top=8):
     if torch.device(device).type != "cuda":
         return
     step()
-    torch.cuda.synchronize()
+    sync(device)
     seen = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -15,15 +15,7 @@ from lycoris_ops.plans import lora as plans
 from lycoris_ops.plans.device import facts
 from lycoris_ops.reference import lora as ref
 from lycoris_ops.triton import lora as TL
-from timing import DeviceTimer  # bench/ (this script's folder)
-
-
-def bench(fn, reps=20):
-    """Median device ms (L2 flushed before each rep, launch gaps hidden: bench.py's timer)."""
-    return _TIMER[0].time(fn, reps=reps)["median_ms"]
-
-
-_TIMER = []
+from timing import DeviceTimer, copy_bandwidth  # bench/ (this script's folder)
 
 
 def main():
@@ -34,7 +26,13 @@ def main():
     a = ap.parse_args()
     shapes = a.shapes.split(",")
     dev = torch.device("cuda")
-    _TIMER.append(DeviceTimer(dev))
+    timer = DeviceTimer(dev)
+    bw = copy_bandwidth(dev)  # bytes/s, as bench.py's floors
+
+    def bench(fn, reps=20):
+        """Median device ms (L2 flushed before each rep, launch gaps hidden: bench.py's timer)."""
+        return timer.time(fn, reps=reps)["median_ms"]
+
     bf = torch.bfloat16
     for shp in shapes:
         t_end = time.time() + a.max_seconds / len(shapes)
@@ -45,9 +43,10 @@ def main():
         down = torch.randn(R, I, device=dev, dtype=bf) * 0.1
         base = torch.randn(T, O, device=dev, dtype=bf)
         g = torch.randn(T, O, device=dev, dtype=bf)
-        floor_f = (T * I + 2 * T * O) * 2 / 4.0e12 * 1e3
-        floor_b = (T * I * 2 + T * O) * 2 / 4.0e12 * 1e3
-        print(f"\n== {T}x{I}x{O} r{R}: floor fwd {floor_f:.4f} ms, bwd (x, G read once, gx written) {floor_b:.4f} ms")
+        floor_f = (T * I + 2 * T * O) * 2 / bw * 1e3
+        floor_b = (T * I * 2 + T * O) * 2 / bw * 1e3
+        print(f"\n== {T}x{I}x{O} r{R} (copy {bw / 1e12:.2f} TB/s): floor fwd {floor_f:.4f} ms, "
+              f"bwd (x, G read once, gx written) {floor_b:.4f} ms")
         print(f"eager fwd {bench(lambda: ref.lora_bypass_fwd(x, up, down, 0.5, base)):.4f} ms, "
               f"eager bwd {bench(lambda: ref.lora_bypass_bwd(g, x, up, down, 0.5)):.4f} ms")
         pf = plans.plan_bypass_fwd(facts(dev), T, I, O, R, bf, bf, bf, True)
