@@ -29,8 +29,8 @@ def expect(cond, op: str, message) -> None:
     check: Dynamo traces ``torch._check_value`` only with a message closure over
     constants, and the compile tier runs these checks too.
     """
-    if cond is True:  # plain sizes (every eager call): no torch._check_value, whose first
-        return        # call imports the symbolic-shape machinery (0.65 s here, once per process)
+    if cond is True:  # plain sizes (every eager call): no torch._check_value, whose first call
+        return        # imports the symbolic-shape machinery (0.4 s once per process, bench/first_call.py)
     text = f"lycoris.{op}: {message() if callable(message) else message}"
     if cond is False:
         raise ValueError(text)
