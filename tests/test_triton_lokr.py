@@ -199,6 +199,28 @@ def test_bypass_promotion_and_ops():
         close(gt, p.grad, REL_TOL[cd], "bwd")
 
 
+@pytest.mark.parametrize("two", [False, True], ids=["one", "two"])
+@pytest.mark.parametrize("S", [1, 8, 37])
+def test_reduce_deep_stack(S, two):
+    """The split-K reduce (shared by the LoKr/LoHa backward kernels) over a partial stack
+    deeper than its tile (S = 37: four full steps of 8 and a masked fifth), odd (M, N),
+    strided partials and a transposed output."""
+    from lycoris_ops.triton import _fusedkit as FK
+
+    g = gen(3)
+    M, N = 7, 13
+    part = torch.randn(S, 2, N, M, generator=g).to(DEV).transpose(2, 3)  # (S, 2, M, N), strided
+    out1 = torch.empty(N, M, device=DEV, dtype=torch.bfloat16).t()
+    out2 = torch.empty(M, N, device=DEV, dtype=torch.float16)
+    ps = part.stride()
+    FK.reduce_launch(part, out1, out2 if two else None, M, N, S, 0.5, ps[0], ps[1], ps[2], ps[3],
+                     out1.stride(), out2.stride() if two else None, False)
+    want = part.double().sum(0) * 0.5
+    assert rel_err(out1.double(), want[0]) < REL_TOL[torch.bfloat16]
+    if two:
+        assert rel_err(out2.double(), want[1]) < REL_TOL[torch.float16]
+
+
 def test_scope_limits():
     assert TK.supported_bypass(3, 5, 128, 100)
     assert not TK.supported_bypass(3, 5, 129, 9)
@@ -229,7 +251,7 @@ def _compile_all(dtype_names):
         com = dict(CD=t, DOT=t, IDX64=dn == "bf16")  # bf16 builds the 64-bit index variants
         jobs = [
             (FK._reduce_kernel, dict(p_ptr="fp32", o1_ptr=dn, o2_ptr=dn),
-             dict(TWO=True, IDX64=dn == "bf16", BM=32, BN=64), ("s_pn", "s_1n", "s_2n"), 4),
+             dict(TWO=True, IDX64=dn == "bf16", BS=8, BE=64), ("s_pn", "s_1n", "s_2n"), 4),
             (FK._mm_kernel, dict(x_ptr="fp32", y_ptr=dn, o_ptr=dn),
              dict(X_CD=False, Y_CD=True, CD=t, IDX64=dn == "bf16", BM=32, BN=32, BK=32), ("s_xk", "s_on"), 4),
             (TK._kron_merge_kernel, dict(ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, base_ptr=dn, out_ptr=dn),

@@ -72,40 +72,46 @@ def dot_wide(w, z, acc, DOT: tl.constexpr, SPLIT: tl.constexpr, Z_LEFT: tl.const
 def _reduce_kernel(
     p_ptr, o1_ptr, o2_ptr, M, N, S, alpha,
     s_ps, s_pj, s_pm, s_pn, s_1m, s_1n, s_2m, s_2n,
-    TWO: tl.constexpr, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    TWO: tl.constexpr, IDX64: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr,
 ):
-    """o1 = α·Σ_s p[s, 0], o2 = α·Σ_s p[s, 1] (TWO) over an (M, N) tile grid."""
+    """o1 = α·Σ_s p[s, 0], o2 = α·Σ_s p[s, 1] (TWO). A program owns BE output elements
+    (row-major over (M, N)) and adds BS partials per step: a persistent kernel's partial
+    stack is deep (one per program: hundreds) and its outputs few (a factor's gradient),
+    so the stack is read in wide [BS, BE] tiles, not one partial at a time."""
     pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BN)
-    offs_m = (pid // n_n) * BM + tl.arange(0, BM)
-    offs_n = (pid % n_n) * BN + tl.arange(0, BN)
+    offs_e = pid * BE + tl.arange(0, BE)
     if IDX64:
-        offs_m = offs_m.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    pp = p_ptr + offs_m[:, None] * s_pm + offs_n[None, :] * s_pn
-    acc1 = tl.zeros((BM, BN), dtype=tl.float32)
-    acc2 = tl.zeros((BM, BN), dtype=tl.float32)
-    for _ in range(0, S):
+        offs_e = offs_e.to(tl.int64)
+    mask_e = offs_e < M * N
+    m = offs_e // N
+    n = offs_e % N
+    offs_s = tl.arange(0, BS)
+    pp = p_ptr + offs_s[:, None] * s_ps + (m * s_pm + n * s_pn)[None, :]
+    acc1 = tl.zeros((BS, BE), dtype=tl.float32)
+    acc2 = tl.zeros((BS, BE), dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        mask = ((s0 + offs_s) < S)[:, None] & mask_e[None, :]
         acc1 += tl.load(pp, mask=mask, other=0.0)
         if TWO:
             acc2 += tl.load(pp + s_pj, mask=mask, other=0.0)
-        pp += s_ps
-    tl.store(o1_ptr + offs_m[:, None] * s_1m + offs_n[None, :] * s_1n,
-             (acc1 * alpha).to(o1_ptr.dtype.element_ty), mask=mask)
+        pp += BS * s_ps
+    tl.store(o1_ptr + m * s_1m + n * s_1n, (tl.sum(acc1, 0) * alpha).to(o1_ptr.dtype.element_ty), mask=mask_e)
     if TWO:
-        tl.store(o2_ptr + offs_m[:, None] * s_2m + offs_n[None, :] * s_2n,
-                 (acc2 * alpha).to(o2_ptr.dtype.element_ty), mask=mask)
+        tl.store(o2_ptr + m * s_2m + n * s_2n, (tl.sum(acc2, 0) * alpha).to(o2_ptr.dtype.element_ty),
+                 mask=mask_e)
 
 
-def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, idx64, block=(32, 64)):
-    """out1 (, out2) = α·Σ_s part[s(, j)] with explicit strides (elements)."""
-    bm, bn = block
-    grid = (cdiv(M, bm) * cdiv(N, bn),)
+def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, idx64):
+    """out1 (, out2) = α·Σ_s part[s(, j)] with explicit strides (elements). The tile
+    width follows the output size only (one compiled variant per shape, whatever the
+    calling kernel's config), about one program per SM."""
+    per_sm = (M * N) // num_sms(part.device)
+    be = max(64, min(512, 1 << max(0, per_sm.bit_length() - 1)))
     o2 = out1 if out2 is None else out2
     o2s = o1s if out2 is None else o2s
-    _reduce_kernel[grid](part, out1, o2, M, N, S, alpha, ps, pj, pm, pn, o1s[0], o1s[1], o2s[0], o2s[1],
-                         TWO=out2 is not None, IDX64=idx64, BM=bm, BN=bn, num_warps=4)
+    _reduce_kernel[(cdiv(M * N, be),)](
+        part, out1, o2, M, N, S, alpha, ps, pj, pm, pn, o1s[0], o1s[1], o2s[0], o2s[1],
+        TWO=out2 is not None, IDX64=idx64, BS=8, BE=be, num_warps=4)
 
 
 @triton.jit(do_not_specialize=["SX", "SY"])
