@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 from lycoris_ops.reference import add as REF_ADD  # noqa: E402
 from lycoris_ops.reference import ia3 as REF_IA3  # noqa: E402
-from lycoris_ops.testing import REL_TOL, make, rel_err  # noqa: E402
+from lycoris_ops.testing import REL_TOL, Case, cases, make, rel_err  # noqa: E402
 from lycoris_ops.testing import add as CASES_ADD  # noqa: E402
 from lycoris_ops.testing import ia3 as CASES_IA3  # noqa: E402
 from lycoris_ops.triton import add as TA  # noqa: E402
@@ -237,3 +237,102 @@ def test_compile_sm90():
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:
     _compile_all(sys.argv[2:])
+
+
+def test_fast_launch_reuses_the_compiled_kernel_per_specialization(monkeypatch):
+    """FastJIT (triton/_common.py): the first call of a key goes through the JIT, later
+    ones through the compiled kernel's own launcher with the same arguments; a new
+    dtype, alignment, int value, keyword or grid is a new key; a float is not; a tensor
+    keyword is never cached; launch hooks and callable grids always go through the JIT.
+    (The GPU suite runs every op through the real path.)"""
+    from types import SimpleNamespace
+
+    from lycoris_ops.triton import _common
+
+    monkeypatch.setattr(_common, "_INTERPRETED", [False])
+    monkeypatch.setattr(_common, "_current_device", lambda: 0)
+    monkeypatch.setattr(_common, "_raw_stream", lambda dev: 1234)
+    monkeypatch.setattr(_common, "_launch_hooks", lambda: False)
+    runs, jit_calls = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            runs.append(a)
+
+    compiled = Compiled()
+
+    class FakeJIT:
+        params = [SimpleNamespace(name=n, default=d) for n, d in
+                  (("x", _common._EMPTY), ("n", _common._EMPTY), ("g", _common._EMPTY),
+                   ("BLOCK", _common._EMPTY), ("FLAG", False))]
+
+        def __getitem__(self, grid):
+            def call(*args, **meta):
+                jit_calls.append((grid, args, meta))
+                return compiled
+            return call
+
+    f = _common.FastJIT(FakeJIT())
+    x = torch.zeros(64)
+    f[(3,)](x, 7, 0.5, BLOCK=16)
+    assert len(jit_calls) == 1 and not runs
+    f[(3,)](x, 7, 0.25, BLOCK=16)  # a new float value: same key
+    assert len(jit_calls) == 1
+    assert runs[-1] == (3, 1, 1, 1234, "fn", "meta", None, None, None, x, 7, 0.25, 16, False)
+    y = torch.zeros(64, dtype=torch.float16)
+    for args, meta, grid in (((y, 7, 0.5), {"BLOCK": 16}, (3,)),            # dtype
+                             ((x[1:], 7, 0.5), {"BLOCK": 16}, (3,)),        # 4-byte offset: unaligned
+                             ((x, 8, 0.5), {"BLOCK": 16}, (3,)),            # int value
+                             ((x, 7, 0.5), {"BLOCK": 32}, (3,)),            # keyword
+                             ((x, 7, 0.5), {"BLOCK": 16}, (3, 2))):         # grid
+        n = len(jit_calls)
+        f[grid](*args, **meta)
+        assert len(jit_calls) == n + 1, (args, meta, grid)
+        f[grid](*args, **meta)
+        assert len(jit_calls) == n + 1
+    n = len(jit_calls)
+    f[(3,)](x, 7, 0.5, BLOCK=16, FLAG=x)  # a tensor keyword: through the JIT every time
+    f[(3,)](x, 7, 0.5, BLOCK=16, FLAG=x)
+    assert len(jit_calls) == n + 2
+    f[lambda meta: (1,)](x, 7, 0.5, BLOCK=16)
+    monkeypatch.setattr(_common, "_launch_hooks", lambda: True)
+    f[(3,)](x, 7, 0.5, BLOCK=16)
+    assert len(jit_calls) == n + 4
+
+
+def _misaligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` (same strides) whose address is off the 16-byte grid."""
+    span = t.untyped_storage().nbytes() // t.element_size() if t.numel() else 0
+    buf = torch.empty(span + 1, device=t.device, dtype=t.dtype)
+    out = buf.as_strided(t.shape, t.stride(), 1)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.skipif(DEV != "cuda", reason="the direct launch path runs on CUDA only")
+@pytest.mark.parametrize("case", [c for c in cases() if c.tensors()], ids=lambda c: f"{c.op}-{c.id}")
+def test_repeated_calls_through_direct_launches(case):
+    """Every op called three times on CUDA (bf16): the JIT path, then the cached direct
+    launch with fresh data, then operands at unaligned addresses (a new specialization);
+    each result against the eager body."""
+    from lycoris_ops import registry
+
+    torch.manual_seed(0)
+    base = case.to(device="cuda", dtype=torch.bfloat16)
+    eager = registry.eager(case.op)
+    fresh = lambda c: c.to()  # noqa: E731  (same geometry, new buffers)
+    for run in (base, fresh(base), Case(base.op, tuple(_misaligned(a) if isinstance(a, torch.Tensor)
+                                                       and a.numel() else a for a in base.args), base.id)):
+        for a in run.tensors():
+            if a.is_floating_point():
+                a.normal_()
+        want, got = eager(*run.args), run()
+        want = want if isinstance(want, tuple) else (want,)
+        got = got if isinstance(got, tuple) else (got,)
+        for w, g in zip(want, got):
+            if isinstance(w, torch.Tensor) and w.numel():  # loose: bf16 vs bf16, garbage fails
+                err = rel_err(g, w)
+                assert err <= 4 * REL_TOL[torch.bfloat16] or (g.double() - w.double()).abs().max() <= 1e-2, \
+                    f"{case.op}: rel err {err:.3e}"

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, num_sms, tl_dtype
+from ._common import cdiv, fast, num_sms, tl_dtype
 from .._checks import promote_dtypes as compute_dtype  # noqa: F401  (the launchers' promotion)
 
 
@@ -109,7 +109,7 @@ def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, id
     be = max(64, min(512, 1 << max(0, per_sm.bit_length() - 1)))
     o2 = out1 if out2 is None else out2
     o2s = o1s if out2 is None else o2s
-    _reduce_kernel[(cdiv(M * N, be),)](
+    fast(_reduce_kernel)[(cdiv(M * N, be),)](
         part, out1, o2, M, N, S, alpha, ps, pj, pm, pn, o1s[0], o1s[1], o2s[0], o2s[1],
         TWO=out2 is not None, IDX64=idx64, BS=8, BE=be, num_warps=4)
 
@@ -165,6 +165,6 @@ def mm_launch(x, y, out, M, N, K, SX, SY, alpha, xs, ys, os_, x_cd, y_cd, comput
     """out = α·(Σ x)·(Σ y); ``xs`` = (s_s, s_m, s_k), ``ys`` = (s_s, s_k, s_n), ``os_`` = (s_m, s_n)."""
     bm, bn, bk = block
     grid = (cdiv(M, bm) * cdiv(N, bn),)
-    _mm_kernel[grid](x, y, out, M, N, K, SX, SY, alpha, xs[0], xs[1], xs[2], ys[0], ys[1], ys[2],
+    fast(_mm_kernel)[grid](x, y, out, M, N, K, SX, SY, alpha, xs[0], xs[1], xs[2], ys[0], ys[1], ys[2],
                      os_[0], os_[1], X_CD=x_cd, Y_CD=y_cd, CD=tl_dtype(compute), IDX64=idx64,
                      BM=bm, BN=bn, BK=bk, num_warps=4)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, collapse, needs_idx64, next_pow2
+from ._common import cdiv, collapse, fast, needs_idx64, next_pow2
 
 __all__ = ["AddCfg", "add_scaled", "default_add_cfg"]
 
@@ -100,5 +100,5 @@ def add_scaled(base, delta, gamma, cfg: Optional[AddCfg] = None):
     if da is None:
         delta = delta.contiguous()
         da = view_args(collapse(delta.shape, delta.stride()))
-    _add_scaled_kernel[grid](base, delta, out, numel, gamma, *ba[:5], *da[:5], B_ND=ba[5], D_ND=da[5], **meta)
+    fast(_add_scaled_kernel)[grid](base, delta, out, numel, gamma, *ba[:5], *da[:5], B_ND=ba[5], D_ND=da[5], **meta)
     return out

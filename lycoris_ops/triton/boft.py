@@ -77,7 +77,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, device_guard, needs_idx64, next_pow2, num_sms
+from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
 from .oft import pos_mode, pos_offsets, positions_view
 
@@ -393,7 +393,7 @@ def _cayley_scratch(blocks, cscale, SP):
     n_blk = m * nb
     mbuf = torch.empty((m, nb, SP, SP), device=blocks.device, dtype=torch.float32)
     nbb = max(1, CAYLEY_ELEMS // (SP * SP))
-    _boft_cayley[(cdiv(n_blk, nbb),)](blocks, *blocks.stride(), mbuf, n_blk, nb, s, float(cscale),
+    fast(_boft_cayley)[(cdiv(n_blk, nbb),)](blocks, *blocks.stride(), mbuf, n_blk, nb, s, float(cscale),
                                       NBB=nbb, SP=SP, num_warps=4)
     return mbuf
 
@@ -407,7 +407,7 @@ def _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs, warps):
     g_full = segs[0].n_groups
     jbuf = torch.empty(((len(segs) - 1) * g_full + segs[-1].n_groups, GP, GP), device=mbuf.device,
                        dtype=torch.float32)
-    _boft_segmat[(max(sg.n_groups for sg in segs), len(segs))](
+    fast(_boft_segmat)[(max(sg.n_groups for sg in segs), len(segs))](
         mbuf, jbuf, nb, m, segs[0].L, g_full, s // 2, float(scale), HP=HP, SP=SP, NB=NB, num_warps=warps)
     return jbuf, g_full
 
@@ -443,7 +443,7 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
             first, last = idx == 0, idx == len(segs) - 1
             src = (x, xa, xs[1], xb) if first else (buf,) + bs
             dst = (y, ya, ys[1], yb) if last else (buf,) + bs
-            _boft_seg_fwd[(sg.n_groups, sg.split)](
+            fast(_boft_seg_fwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *((rs, srs) if last else (jbuf, 0)), *src, *dst,
                 x, xa, xs[1], xb,
                 npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2,
@@ -491,7 +491,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
         inputs = [(x, xa, xs[1], xb)]
         for idx, sg in enumerate(fsegs[:-1]):
             buf = torch.empty((pre, C, post), device=dev, dtype=torch.float32)
-            _boft_seg_fwd[(sg.n_groups, sg.split)](
+            fast(_boft_seg_fwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, jbuf, 0, *inputs[-1], buf, *os_, x, xa, xs[1], xb,
                 npos, post, f_tiles, sg.split, sg.a, sg.L, half,
                 HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=fbp, **common)
@@ -503,11 +503,11 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
             GP = sg.NB * SP
             out = (gx,) + os_ if idx == 0 else (gbuf,) + os_
             part = torch.empty((sg.split, sg.n_groups, GP, GP), device=dev, dtype=torch.float32)
-            _boft_seg_bwd[(sg.n_groups, sg.split)](
+            fast(_boft_seg_bwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *g_in, *inputs[idx], *out, part,
                 npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half,
                 NB=sg.NB, BLOCK_P=bp, **common)
-            _boft_chain[(sg.n_groups,)](
+            fast(_boft_chain)[(sg.n_groups,)](
                 mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
                 float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=chain_warps(cfg.chain_warps, GP))
             g_in = out

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, device_guard, needs_idx64, next_pow2, num_sms
+from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 
 __all__ = ["DoraCfg", "dora_fwd", "dora_bwd", "default_dora_cfg"]
 
@@ -320,17 +320,17 @@ def dora_fwd(w, dscale, mult, row_axis, delta=None, cfg: Optional[DoraCfg] = Non
     d = delta if delta is not None else w
     with device_guard(w):
         if mode == "res":
-            _dora_fwd_resident[(cdiv(R, BR),)](
+            fast(_dora_fwd_resident)[(cdiv(R, BR),)](
                 w, d, ds, y, norms, R, NC, *sw, *sd, ds.stride(0), *sy, float(mult), eps,
                 HAS_DELTA=delta is not None, IDX64=idx64, BR=BR, BC=BC,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return y, norms
         part = norms if split == 1 else torch.empty((split, R), device=w.device, dtype=torch.float32)
-        _dora_sumsq[(cdiv(R, BR), split)](
+        fast(_dora_sumsq)[(cdiv(R, BR), split)](
             w, d, part, norms, R, NC, *sw, *sd, cps, eps,
             HAS_DELTA=delta is not None, FINAL=split == 1, IDX64=idx64, BR=BR, BC=BC,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        _dora_scale[(cdiv(R, BR), max(1, cdiv(NC, BC)))](
+        fast(_dora_scale)[(cdiv(R, BR), max(1, cdiv(NC, BC)))](
             w, d, ds, y, norms, part, R, NC, *sw, *sd, ds.stride(0), *sy, float(mult), eps,
             HAS_DELTA=delta is not None, SPLIT=split, SPLIT_P=next_pow2(split), IDX64=idx64, BR=BR, BC=BC,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -353,17 +353,17 @@ def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None, cfg: Optional[D
     d = delta if delta is not None else w
     with device_guard(w):
         if mode == "res":
-            _dora_bwd_resident[(cdiv(R, BR),)](
+            fast(_dora_bwd_resident)[(cdiv(R, BR),)](
                 grad, w, d, ds, norms, gm, gd, R, NC, *sg, *sw, *sd, ds.stride(0), norms.stride(0), *so,
                 float(mult), HAS_DELTA=delta is not None, IDX64=idx64, BR=BR, BC=BC,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             return gm, gd
         part = torch.empty((2, split, R), device=w.device, dtype=torch.float32)
-        _dora_bwd_reduce[(cdiv(R, BR), split)](
+        fast(_dora_bwd_reduce)[(cdiv(R, BR), split)](
             grad, w, d, part, R, NC, *sg, *sw, *sd, cps, split,
             HAS_DELTA=delta is not None, IDX64=idx64, BR=BR, BC=BC,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        _dora_bwd_apply[(cdiv(R, BR), max(1, cdiv(NC, BC)))](
+        fast(_dora_bwd_apply)[(cdiv(R, BR), max(1, cdiv(NC, BC)))](
             grad, w, d, ds, norms, gm, gd, part, R, NC, *sg, *sw, *sd, ds.stride(0), norms.stride(0), *so,
             float(mult), HAS_DELTA=delta is not None, SPLIT=split, SPLIT_P=next_pow2(split), IDX64=idx64,
             BR=BR, BC=BC, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

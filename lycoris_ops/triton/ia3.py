@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, collapse_one, needs_idx64, next_pow2, num_sms
+from ._common import cdiv, collapse_one, fast, needs_idx64, next_pow2, num_sms
 
 __all__ = ["Ia3Cfg", "ia3_fwd", "ia3_bwd", "default_ia3_fwd_cfg", "default_ia3_bwd_cfg"]
 
@@ -282,7 +282,7 @@ def ia3_fwd(x, w, channel_axis, alpha, gamma, cfg: Optional[Ia3Cfg] = None):
         return ia3_fwd(x.contiguous() if x_args is None else x, w.contiguous() if s_w is None else w,
                        channel_axis, alpha, gamma, cfg)
     s_xa, s_xc, s_xb, x_flat = x_args
-    _ia3_fwd_kernel[grid](x, w, y, M, N, C, alpha, gamma, s_xa, s_xc, s_xb, s_w, X_FLAT=x_flat, **meta)
+    fast(_ia3_fwd_kernel)[grid](x, w, y, M, N, C, alpha, gamma, s_xa, s_xc, s_xb, s_w, X_FLAT=x_flat, **meta)
     return y
 
 
@@ -301,9 +301,9 @@ def ia3_bwd(grad, x, w, channel_axis, alpha, gamma, cfg: Optional[Ia3Cfg] = None
     s_xa, s_xc, s_xb, x_flat = x_args
     s_ga, s_gc, s_gb, g_flat = g_args
     part = gw if direct else torch.empty((k_rows, C), device=x.device, dtype=torch.float32)
-    _ia3_bwd_kernel[grid](grad, x, w, gx, part, gw, M, N, C, alpha, gamma,
+    fast(_ia3_bwd_kernel)[grid](grad, x, w, gx, part, gw, M, N, C, alpha, gamma,
                           s_ga, s_gc, s_gb, s_xa, s_xc, s_xb, s_w, span,
                           G_FLAT=g_flat, X_FLAT=x_flat, **meta)
     if not direct:
-        _colsum_kernel[rgrid](part, gw, k_rows, C, gamma, **rmeta)
+        fast(_colsum_kernel)[rgrid](part, gw, k_rows, C, gamma, **rmeta)
     return gx, gw

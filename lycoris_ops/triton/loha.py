@@ -49,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, device_guard, dot_dtype, needs_idx64, next_pow2, tl_dtype
+from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
 from ._fusedkit import compute_dtype, reduce_launch, split_count, view_key
 
 __all__ = [
@@ -296,7 +296,7 @@ def _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg: ApplyCfg):
     """ΔW (O, I) in the compute dtype."""
     dw = torch.empty((O, I), device=a1.device, dtype=compute)
     grid = (cdiv(O, cfg.tile_n) * cdiv(I, cfg.tile_k),)
-    _hada_tile_kernel[grid](
+    fast(_hada_tile_kernel)[grid](
         a1, b1, a2, b2, dw, O, I, R, a1.stride(0), a1.stride(1), b1.stride(0), b1.stride(1),
         a2.stride(0), a2.stride(1), b2.stride(0), b2.stride(1), dw.stride(0), dw.stride(1),
         CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=idx64,
@@ -332,7 +332,7 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg: Optional[ApplyCfg] = No
         dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg)
         f = (dw, dw, dw, dw)
         fs = (dw.stride(0), dw.stride(1)) + (0,) * 6
-    _hada_apply_kernel[grid](
+    fast(_hada_apply_kernel)[grid](
         x, *f, bb, y, T, O, I, R, gamma, x.stride(0), x.stride(1), *fs,
         bb.stride(0), bb.stride(1), y.stride(0), y.stride(1), **meta)
     return y
@@ -361,7 +361,7 @@ def _grad_job(g, sg, a1, sa1, b1, sb1, a2, sa2, b2, sb2, o1, so1, o2, so2, M, N,
         part = torch.empty((split, 2, M, R), device=g.device, dtype=torch.float32)
         p1, p2 = part, part[:, 1]
         ps1 = ps2 = (part.stride(0), part.stride(2), part.stride(3))
-    _hada_grad_kernel[grid](
+    fast(_hada_grad_kernel)[grid](
         g, a1, b1, a2, b2, p1, p2, M, N, R, n_per, gamma, *sg, *sa1, *sb1, *sa2, *sb2, *ps1, *ps2, **meta)
     if split > 1:
         reduce_launch(part, o1, o2, M, R, split, 1.0, part.stride(0), part.stride(1), part.stride(2),
@@ -436,12 +436,12 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
                 dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg or ApplyCfg())
                 f = (dw, dw, dw, dw)
                 fs = _t(dw.stride()) + (0,) * 6
-            _hada_apply_kernel[grid](
+            fast(_hada_apply_kernel)[grid](
                 grad, *f, gx, gx, T, I, O, R, gamma, grad.stride(0), grad.stride(1), *fs,
                 0, 0, gx.stride(0), gx.stride(1), **meta)
     # GW = round(Gᵀ·x) (O, I): X := Gᵀ (O, T), D := xᵀ (I, T)
     if gw.numel():
-        _hada_apply_kernel[grid_w](
+        fast(_hada_apply_kernel)[grid_w](
             grad, x, x, x, x, gw, gw, O, I, T, R, 1.0, grad.stride(1), grad.stride(0),
             x.stride(1), x.stride(0), 0, 0, 0, 0, 0, 0, 0, 0, gw.stride(0), gw.stride(1), **meta_w)
     return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg)

@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, device_guard, dot_dtype, needs_idx64, next_pow2, tl_dtype
+from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
 from ._fusedkit import compute_dtype, dot_wide, mm_launch, reduce_launch, split_count, view_key
 
 __all__ = [
@@ -501,7 +501,7 @@ def merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, out_dtype, cfg: Optio
     else:
         t, l = _side_args(w2a, w2b), _side_args(w1a, w1b)
         so, sb = (s0, s1, c * s0, d * s1), (q0, q1, c * q0, d * q1)
-    _kron_merge_kernel[grid](
+    fast(_kron_merge_kernel)[grid](
         t[0], t[1], l[0], l[1], bb, out, M1, N1, t[2], M2, N2, l[2], e_per, gamma,
         t[3], t[4], t[5], t[6], l[3], l[4], l[5], l[6], *so, *sb, **meta)
     return out
@@ -560,7 +560,7 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
     else:
         pl = torch.empty((n_tiles, M2, N2), device=dev, dtype=torch.float32)
         pls = pl.stride()
-    _kron_grad_kernel[grid](
+    fast(_kron_grad_kernel)[grid](
         grad, t[0], t[1], l[0], l[1], pt, pl, M1, N1, t[2], M2, N2, l[2], e_per, gamma,
         t[3], t[4], t[5], t[6], l[3], l[4], l[5], l[6], *sg, *pts, *pls, **meta)
     for part, S, M, N, wa, wb, ga, gb, direct in (
@@ -629,7 +629,7 @@ def bypass_fwd(x, w1, w2, gamma, base=None, cfg: Optional[BypassFwdCfg] = None):
     sx = _x3(x, b, d, swap)
     sb = _x3(bb, a, c, swap)
     sy = _x3(y, a, c, swap)
-    _bypass_fwd_kernel[grid](
+    fast(_bypass_fwd_kernel)[grid](
         x, w1_, w2_, bb, y, T, A, B, C, D, gamma, *sx, w1_.stride(0), w1_.stride(1),
         w2_.stride(0), w2_.stride(1), *sb, *sy, **meta)
     return y
@@ -701,7 +701,7 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None):
         p2 = torch.empty((progs, C, D), device=dev, dtype=torch.float32)
         s2 = p2.stride()
     for do_gx, do_g1, do_g2 in flags:
-        _bypass_bwd_kernel[grid](
+        fast(_bypass_bwd_kernel)[grid](
             grad, x, w1_, w2_, gx, p1, p2, T, A, B, C, D, gamma, per, *sg, *sx,
             w1_.stride(0), w1_.stride(1), w2_.stride(0), w2_.stride(1), *so, *s1, *s2,
             DO_GX=do_gx, DO_GW1=do_g1, DO_GW2=do_g2, **meta)

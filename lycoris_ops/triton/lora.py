@@ -62,7 +62,7 @@ import triton
 import triton.language as tl
 
 from .. import scope as _scope
-from ._common import cdiv, dot_dtype, needs_idx64, num_sms, pad_rank, tl_dtype
+from ._common import cdiv, dot_dtype, fast, needs_idx64, num_sms, pad_rank, tl_dtype
 from .._checks import promote_dtypes as compute_dtype  # noqa: F401  (the launchers' promotion)
 
 __all__ = [
@@ -482,12 +482,12 @@ def _launch_skinny(plan, a, b, R, gamma, device):
     a_big, a_small, a_out, MA, KA, sa_b, sa_s, sa_o = a
     b_big, b_small, b_out, MB, KB, sb_b, sb_s, sb_o = b
     part = a_out if split == 1 else torch.empty(split * part_stride, device=device, dtype=torch.float32)
-    _skinny_pair_kernel[grid](
+    fast(_skinny_pair_kernel)[grid](
         a_big, a_small, a_out, MA, KA, sa_b[0], sa_b[1], sa_s[0], sa_s[1], sa_o[0], sa_o[1], ka_split, tiles_a,
         b_big, b_small, b_out, MB, KB, sb_b[0], sb_b[1], sb_s[0], sb_s[1], sb_o[0], sb_o[1], kb_split,
         part, part_stride, R, gamma, **meta)
     if split > 1:
-        _pair_reduce_kernel[rgrid](part, a_out, b_out, MA, MB, R, split, part_stride, gamma,
+        fast(_pair_reduce_kernel)[rgrid](part, a_out, b_out, MA, MB, R, split, part_stride, gamma,
                                    sa_o[0], sa_o[1], sb_o[0], sb_o[1], **rmeta)
 
 
@@ -585,7 +585,7 @@ def bypass_fwd(x, up, down, gamma, base=None, cfg: Optional[BypassFwdCfg] = None
     if grid is None:
         return y
     # sizes and strides come from the cached plan: the call only adds gamma
-    _bypass_fwd_kernel[grid](x, up, down, y if base is None else base, y, *sizes, gamma, *args, **meta)
+    fast(_bypass_fwd_kernel)[grid](x, up, down, y if base is None else base, y, *sizes, gamma, *args, **meta)
     return y
 
 
@@ -610,7 +610,7 @@ def bypass_bwd(grad, x, up, down, gamma, cfg: Optional[BypassBwdCfg] = None):
     ws = torch.empty((2, T, R), device=dev, dtype=compute)  # h, q (rounded to the compute dtype)
     h, q = ws[0], ws[1]
     if grid is not None:
-        _bypass_bwd_tok_kernel[grid](
+        fast(_bypass_bwd_tok_kernel)[grid](
             grad, x, up, down, gx, h, q, T, I, O, R, gamma,
             *gst, *xst, *up.stride(), *down.stride(), *gx.stride(), *i_per, **meta)
     # g_up[o, r] = γ Σ_t G[t, o]·h[t, r];  g_down[r, i] = γ Σ_t x[t, i]·q[t, r]
@@ -638,7 +638,7 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg: Optional[M
     if a2 is None:
         a2, b2 = a1, b1
     bb = y if base is None else base
-    _merge_fwd_kernel[grid](
+    fast(_merge_fwd_kernel)[grid](
         a1, b1, a2, b2, bb, y, a1.shape[0], b1.shape[1], a1.shape[1], a2.shape[1], gamma,
         a1.stride(0), a1.stride(1), b1.stride(0), b1.stride(1), a2.stride(0), a2.stride(1),
         b2.stride(0), b2.stride(1), bb.stride(0), bb.stride(1), y.stride(0), y.stride(1), **meta)

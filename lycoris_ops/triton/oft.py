@@ -54,7 +54,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, collapse_one, device_guard, needs_idx64, next_pow2, num_sms
+from ._common import cdiv, collapse_one, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, block_diag, cayley_grad, skew_system
 
 __all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view"]
@@ -296,7 +296,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = N
     _, ya, yb = pos_mode(pre, post, ys)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()))
     with device_guard(x):
-        _oft_fwd_kernel[(n_groups, split)](
+        fast(_oft_fwd_kernel)[(n_groups, split)](
             blocks, *blocks.stride(), rs, rs.stride(0),
             x, a, xs[1], b, y, ya, ys[1], yb,
             K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
@@ -329,13 +329,13 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCf
     GP = NB * SP
     part = torch.empty((split, n_groups, GP, GP), device=dev, dtype=torch.float32)
     with device_guard(x):
-        _oft_bwd_stream[(n_groups, split)](
+        fast(_oft_bwd_stream)[(n_groups, split)](
             blocks, *blocks.stride(), rs, rs.stride(0),
             grad, ga, gs[1], gb, x, xa, xs[1], xb, gx, oa, os_[1], ob, part,
             K, S, pre * post, post, n_tiles, split, n_groups, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
             DOT_PREC=cfg.dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        _oft_bwd_chain[(n_groups,)](
+        fast(_oft_bwd_chain)[(n_groups,)](
             blocks, *blocks.stride(), rs, rs.stride(0), part, g_blocks, g_rescale,
             K, S, split, n_groups, float(cscale),
             HAS_RESCALE=rescale is not None, NB=NB, SP=SP, num_warps=cfg.chain_warps)

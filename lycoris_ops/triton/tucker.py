@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, device_guard, dot_dtype, needs_idx64, next_pow2, tl_dtype
+from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
 from ._fusedkit import compute_dtype, view_key
 from ..reference.lora import tucker_core
 
@@ -156,7 +156,7 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
         b2 = b1
     ranks = (t1.shape[1],) + ((t2.shape[1],) if two else ())
     grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2, b2, y), compute, cfg or TuckerCfg())
-    _tucker_kernel[grid](
+    fast(_tucker_kernel)[grid](
         at1, b1, at2, b2, y, O, I, Kk, t1.shape[1], t2.shape[1] if two else t1.shape[1], gamma,
         *at1.stride(), *b1.stride(), *at2.stride(), *b2.stride(), *y.stride(), **meta)
     return y
