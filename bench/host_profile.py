@@ -11,7 +11,11 @@ For each op named, one call is traced to record the Triton launches it makes
 * ``direct``        the same compiled kernels launched through ``CompiledKernel.run``
 * ``torch.add``     the yardstick
 
-then a cProfile of the op (top functions by own time). Prints microseconds per call.
+then a cProfile of the op (top functions by own time; ``--top 0``: none). Last, the
+forward+backward of ``lora_bypass_fwd`` in pieces: the forward with factors that need
+grad, ``.sum().backward()`` whole, and the backward op alone with the gradient autograd
+hands it (``sum``'s expanded ones: zero strides) and with a contiguous one, with the
+tier each takes. Prints microseconds per call.
 
     python bench/host_profile.py [--ops lora_bypass_fwd,add_scaled] [--calls 2000]
 """
@@ -130,6 +134,8 @@ def main():
         for name, fn in rows:
             us = per_call_us(fn, args.calls)
             print(f"  {name:<22} {us:8.1f} us  {us / add_us:6.1f}x torch.add")
+        if args.top <= 0:
+            continue
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.calls):
@@ -141,6 +147,32 @@ def main():
         lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
         start = next(i for i, ln in enumerate(lines) if ln.lstrip().startswith("ncalls"))
         print("\n".join(lines[start:start + args.top + 1]))
+    forward_backward(args.calls, add_us)
+
+
+def forward_backward(calls, add_us):
+    """lora_bypass_fwd forward+backward in pieces (see the module docstring)."""
+    from lycoris_ops import select
+
+    x, up, down, _, base = op_args("lora_bypass_fwd")
+    upg, downg = up.clone().requires_grad_(), down.clone().requires_grad_()
+    op, bwd = torch.ops.lycoris.lora_bypass_fwd, torch.ops.lycoris.lora_bypass_bwd
+    expanded = torch.ones((), device="cuda", dtype=x.dtype).expand(x.shape[0], up.shape[0])
+    dense = expanded.contiguous()
+    F = torch.nn.functional
+    rows = [
+        ("eager formula f+b", lambda: (base + 0.5 * F.linear(F.linear(x, downg), upg)).sum().backward()),
+        ("op forward, factors need grad", lambda: op(x, upg, downg, 0.5, base)),
+        ("op f+b (.sum().backward())", lambda: op(x, upg, downg, 0.5, base).sum().backward()),
+        (f"bwd op, expanded grad [{select.explain('lora_bypass_bwd', expanded, x, up, down, 0.5)}]",
+         lambda: bwd(expanded, x, up, down, 0.5)),
+        (f"bwd op, contiguous grad [{select.explain('lora_bypass_bwd', dense, x, up, down, 0.5)}]",
+         lambda: bwd(dense, x, up, down, 0.5)),
+    ]
+    print("\n== lora_bypass_fwd forward+backward")
+    for name, fn in rows:
+        us = per_call_us(fn, calls)
+        print(f"  {name:<44} {us:8.1f} us  {us / add_us:6.1f}x torch.add")
 
 
 if __name__ == "__main__":

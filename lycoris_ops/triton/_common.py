@@ -279,9 +279,15 @@ def fast(jit) -> FastJIT:
     return f
 
 
+def _hook_active(hook) -> bool:
+    """A launch hook that does something: set, and for triton >= 3.5's HookChain
+    (always present) holding at least one function."""
+    return hook is not None and (not hasattr(hook, "calls") or bool(hook.calls))
+
+
 def _launch_hooks() -> bool:
     runtime = _knobs_runtime
-    return runtime is not None and (runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None)
+    return runtime is not None and (_hook_active(runtime.launch_enter_hook) or _hook_active(runtime.launch_exit_hook))
 
 
 try:  # triton >= 3.4: launch hooks live in triton.knobs
