@@ -18,7 +18,8 @@
 # Environment (all optional): LYCORIS_TESTS (pytest targets), LYCORIS_TESTS_SECONDS (the
 # suite is interrupted after this, its summary still printed), LYCORIS_TUNING_ARGS,
 # LYCORIS_BACKENDS_ARGS (empty: skip the sweep if "skip"), LYCORIS_E2E_ARGS ("skip": no e2e),
-# LYCORIS_E2E_SECONDS, LYCORIS_BENCH_SECONDS, LYCORIS_TUNING_SECONDS, LYCORIS_COMMIT (no git checkout on the device).
+# LYCORIS_E2E_SECONDS, LYCORIS_BENCH_SECONDS, LYCORIS_TUNING_SECONDS, LYCORIS_COMMIT (no git checkout on the device),
+# LYCORIS_HOST_PROFILE ("skip": no bench/host_profile.py after the lanes, when the GPUs are idle).
 # Output: logs, CSVs and the e2e plot packed as ${OUT:-bench/out}/results.tgz.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -50,6 +51,7 @@ finish() {  # pack and summarize, also when an outer timeout stops the script
   tar czf "$final/results.tgz" -C "$out" . && echo "packed: $final/results.tgz"
   echo; echo "== summary"
   [ -f "$work/e2e.log" ] && grep -A40 "^E2E" "$work/e2e.log" | head -30
+  [ -f "$work/host_profile.log" ] && grep -A2 "^== lora_bypass_fwd  \|^torch.add" "$work/host_profile.log"
   [ -f "$work/bench.log" ] && tail -45 "$work/bench.log"
   cat "$work/status"
   ! grep -qv "exit 0" "$work/status"
@@ -116,4 +118,10 @@ else
   if [ "$what" = all ] || [ "$what" = bench ]; then
     bench_lane "${CUDA_VISIBLE_DEVICES:-0}" "$@"; e2e_lane "${CUDA_VISIBLE_DEVICES:-0}"
   fi
+fi
+
+if [ "$what" != tests ] && [ "${LYCORIS_HOST_PROFILE:-}" != skip ]; then  # host time per layer, GPUs idle
+  echo "== host time per layer (bench/host_profile.py)"
+  timeout 180 $py bench/host_profile.py --calls 2000 --top 0 >"$work/host_profile.log" 2>&1
+  echo "host_profile: exit $?" >>"$work/status"
 fi
