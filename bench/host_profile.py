@@ -105,11 +105,15 @@ def main():
     ap.add_argument("--ops", default="lora_bypass_fwd,lora_bypass_bwd,add_scaled,ia3_fwd,lokr_bypass_fwd")
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--top", type=int, default=18)
+    ap.add_argument("--trace", action="store_true",
+                    help="only a torch.profiler table (CPU, both threads) of lora_bypass_fwd forward+backward")
     args = ap.parse_args()
     import lycoris_ops  # noqa: F401
     from lycoris_ops import select
     from lycoris_ops.triton import ops as triton_ops
 
+    if args.trace:
+        return trace_forward_backward()
     a, b = torch.randn(4, 4, device="cuda"), torch.randn(4, 4, device="cuda")
     add_us = per_call_us(lambda: torch.add(a, b), args.calls)
     print(f"torch.add {add_us:.1f} us")
@@ -178,6 +182,30 @@ def forward_backward(calls, add_us):
     for name, fn in rows:
         us = per_call_us(fn, calls)
         print(f"  {name:<44} {us:8.1f} us  {us / add_us:6.1f}x torch.add")
+
+
+def trace_forward_backward(iters=200, top=30):
+    """torch.profiler's CPU table (the autograd engine's device thread included) of the
+    op's forward+backward, then of the eager formula's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x, up, down, _, base = op_args("lora_bypass_fwd")
+    upg, downg = up.clone().requires_grad_(), down.clone().requires_grad_()
+    op = torch.ops.lycoris.lora_bypass_fwd
+    F = torch.nn.functional
+    for name, fn in (("op", lambda: op(x, upg, downg, 0.5, base).sum().backward()),
+                     ("eager", lambda: (base + 0.5 * F.linear(F.linear(x, downg), upg)).sum().backward())):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / iters * 1e6
+        print(f"\n== {name} forward+backward: {wall:.1f} us per iteration under the profiler")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=70))
 
 
 if __name__ == "__main__":
