@@ -6,7 +6,9 @@ The ``probe`` rows are the framework floor: a no-op custom op with the signature
 lora_bypass_fwd (namespace ``lycoris_probe``, a Python CPU/CUDA kernel returning
 ``empty_like(x)``), bare, with torch.library.register_autograd, and with the lean
 registration the lycoris ops use (lycoris_ops/_autograd_kernel.py). The last rows
-time forward+backward of the eager formula and of the op.
+time forward+backward of the eager formula and of the op, then of the probes with
+autograd (the floor of a Python-registered op with a Python backward) and of a plain
+one-op ``autograd.Function``.
 
     python bench/host_overhead.py [--device cpu|cuda] [--calls 3000]
 """
@@ -82,6 +84,23 @@ def main():
 
     def op_fwd_bwd():
         op(x, upg, downg, 0.5, base).sum().backward()
+
+    def probe_fwd_bwd(probe):  # the framework's floor: a no-op kernel, backward returns None
+        def run():
+            torch.autograd.grad(probe(x, upg, downg, 0.5, base).float().sum() * 0, (upg,), allow_unused=True)
+        return run
+
+    class _NoOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t * 1
+
+        @staticmethod
+        def backward(ctx, g):
+            return g
+
+    def function_fwd_bwd():
+        _NoOp.apply(upg).sum().backward()
     rows = [
         ("torch.add", lambda: torch.add(a, b, alpha=0.5)),
         ("eager LoRA formula", lambda: base + 0.5 * F.linear(F.linear(x, down), up)),
@@ -99,6 +118,9 @@ def main():
         ("probe + lycoris register_autograd, need grad", lambda: lycoris_ag(x, upg, downg, 0.5, base)),
         ("eager LoRA formula, forward+backward", eager_fwd_bwd),
         ("lycoris.lora_bypass_fwd, forward+backward", op_fwd_bwd),
+        ("probe + torch register_autograd, f+b", probe_fwd_bwd(torch_ag)),
+        ("probe + lycoris register_autograd, f+b", probe_fwd_bwd(lycoris_ag)),
+        ("plain autograd.Function (t*1), f+b", function_fwd_bwd),
     ]
     ref = None
     print(f"host us/call on {dev} (torch {torch.__version__}, {args.calls} calls each)")
