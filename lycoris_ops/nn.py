@@ -17,6 +17,8 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
 ``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_bypass``
 ``FullLinear``     ``F.linear(x, W + m·diff, b + m·diff_b)``                   ``full.scaled_add``
+``NormAdapter``    ``layer_norm / group_norm`` with ``W + m·w_norm``,           ``full.norms_merge``
+                   ``b + m·b_norm`` (wraps ``nn.LayerNorm`` / ``nn.GroupNorm``)
 =================  ==========================================================  ================
 
 (OFT/BOFT rotate the bias-free output and add the bias after, so that the bypass
@@ -27,7 +29,7 @@ its merge scales the bias the same way.)
 (``lora_merge_fwd``, ``lokr_*merge_fwd``, ``dora_fwd``, ``oft_fwd``, ``boft_fwd``,
 ``ia3_fwd``, ``add_scaled``) so the model runs as a plain layer (the inference
 path before export); ``unmerge()`` takes it back out: additive adapters
-(LoRA/LoHa/LoKr/Full) re-run the merge op with −γ, the others (DoRA, OFT, BOFT,
+(LoRA/LoHa/LoKr/Full/Norm) re-run the merge op with −γ, the others (DoRA, OFT, BOFT,
 IA3, whose merge is not invertible from the merged weight alone) restore a copy
 of the original weight kept at merge time (not in the state dict). While merged,
 ``forward`` is ``base(x)``. A state dict saved while merged holds the merged
@@ -36,11 +38,11 @@ weight; ``merged`` is not saved.
 Helpers: :func:`add_adapters` (replace matching submodules in place),
 :func:`merge_adapters`, :func:`unmerge_adapters`, :func:`adapters`,
 :func:`mark_only_adapters_trainable`, :func:`remove_adapters`,
-:func:`load_lycoris_state_dict` (build LoCon/LoHa/LoKr/IA3/Full/diag-OFT adapters
-from a LyCORIS network's state dict).
+:func:`load_lycoris_state_dict` (build LoCon/LoHa/LoKr/DoRA/IA3/Full/diag-OFT/BOFT/Norm
+adapters from a LyCORIS network's state dict).
 
 Parameter names follow LyCORIS (``lora_up``/``lora_down``/``alpha``,
-``hada_w1_a`` ..., ``lokr_w1`` ..., ``oft_blocks``/``rescale``, ``dora_scale``)
+``hada_w1_a`` ..., ``lokr_w1`` ..., ``oft_blocks``/``rescale``, ``dora_scale``, ``w_norm``/``b_norm``)
 but are plain ``nn.Parameter``s (``lora_down`` instead of ``lora_down.weight``).
 The base layer's parameters appear as ``<name>.base.weight`` / ``.base.bias``.
 ``alpha`` is a buffer; loading a state dict updates the Python scale from it
@@ -67,7 +69,7 @@ from .functional import lokr as _lokr
 
 __all__ = [
     "AdapterModule", "LoRALinear", "LoRAConv2d", "LoHaLinear", "LoHaConv2d", "LoKrLinear", "DoRALinear",
-    "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "ADAPTERS", "add_adapters", "adapters",
+    "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "NormAdapter", "ADAPTERS", "add_adapters", "adapters",
     "merge_adapters", "unmerge_adapters", "remove_adapters", "mark_only_adapters_trainable",
     "factorization", "load_lycoris_state_dict",
 ]
@@ -570,6 +572,36 @@ class FullLinear(AdapterModule):
         return F.linear(x, w, b)
 
 
+class NormAdapter(AdapterModule):
+    """LyCORIS' Norms algorithm: the affine weight and bias of a ``LayerNorm`` / ``GroupNorm``
+    moved by learned deltas, ``W + m·w_norm`` and ``b + m·b_norm`` (zero init, ``add_scaled``),
+    then the norm itself with them. Needs an affine norm (a weight to move)."""
+
+    uses_rank = False
+    bases = (nn.LayerNorm, nn.GroupNorm)
+
+    def __init__(self, base: nn.Module, multiplier: float = 1.0):
+        if isinstance(base, self.bases) and base.weight is None:
+            raise ValueError(f"lycoris_ops.nn.NormAdapter: {type(base).__name__} has no affine weight "
+                             "(elementwise_affine/affine=False): nothing to adapt")
+        super().__init__(base, multiplier)
+        self.w_norm = nn.Parameter(torch.zeros_like(base.weight))
+        self.b_norm = None if base.bias is None else nn.Parameter(torch.zeros_like(base.bias))
+
+    def merged_weight(self, sign: float = 1.0):
+        return _full.norms_merge(self.base.weight, self.w_norm, sign * self.multiplier, self.base.bias, self.b_norm)
+
+    def unmerged_weight(self):
+        return self.merged_weight(-1.0)
+
+    def adapter_forward(self, x):
+        w, b = self.merged_weight()
+        base = self.base
+        if isinstance(base, nn.GroupNorm):
+            return F.group_norm(x, base.num_groups, w, b, base.eps)
+        return F.layer_norm(x, base.normalized_shape, w, b, base.eps)
+
+
 # --------------------------------------------------------------------------- model helpers
 
 #: kind -> {base layer type: adapter class}
@@ -584,6 +616,7 @@ ADAPTERS: Dict[str, Dict[Type[nn.Module], Type[AdapterModule]]] = {
     "boft": {nn.Linear: BOFTLinear},
     "ia3": {nn.Linear: IA3Linear},
     "full": {nn.Linear: FullLinear},
+    "norm": {nn.LayerNorm: NormAdapter, nn.GroupNorm: NormAdapter},
 }
 
 
@@ -707,6 +740,8 @@ def _lyco_algo(keys: Iterable[str]) -> Optional[str]:
         return "full"
     if "weight" in keys and "on_input" in keys:
         return "ia3"
+    if "w_norm" in keys:
+        return "norm"
     return None
 
 
@@ -723,7 +758,8 @@ def load_lycoris_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor
     [+ ``dora_scale``: DoRA, linear, wd_on_out]), LoHa (``hada_w1_a`` ...), LoKr
     (``lokr_w1``/``lokr_w1_a``/``lokr_w1_b``/``lokr_w2``/``lokr_w2_a``/``lokr_w2_b``/``alpha``;
     linear, no tucker), diag-OFT (3-D ``oft_blocks``, ``rescale``, ``alpha`` = constraint),
-    BOFT (4-D ``oft_blocks``), IA3 (``weight``/``on_input``), Full (``diff``/``diff_b``).
+    BOFT (4-D ``oft_blocks``), IA3 (``weight``/``on_input``), Full (``diff``/``diff_b``);
+    for each affine ``nn.LayerNorm`` / ``nn.GroupNorm``, Norms (``w_norm``/``b_norm``).
     Tucker (``lora_mid``, ``hada_t1``, ``lokr_t2``) raises. Returns the model.
     """
     groups: Dict[str, Dict[str, torch.Tensor]] = {}
@@ -732,7 +768,7 @@ def load_lycoris_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor
         groups.setdefault(mod, {})[t] = v
     todo = []
     for name, mod in model.named_modules():
-        if type(mod) not in (nn.Linear, nn.Conv2d):
+        if type(mod) not in (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.GroupNorm):
             continue
         flat = name.replace(".", "_")
         for p in prefixes:
@@ -761,6 +797,15 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
     alpha = float(sd["alpha"]) if "alpha" in sd else None
     if algo is None:
         raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: unknown tensor set {sorted(sd)}")
+    if isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) != (algo == "norm"):
+        raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: a {type(mod).__name__} with the "
+                         f"tensors of LyCORIS' {algo!r} algorithm ({sorted(sd)})")
+    if algo == "norm":
+        ad = NormAdapter(mod, multiplier)
+        ad.w_norm = _param(sd["w_norm"].reshape(w.shape), w)
+        if "b_norm" in sd and mod.bias is not None:
+            ad.b_norm = _param(sd["b_norm"].reshape(mod.bias.shape), mod.bias)
+        return ad
     if {"lora_mid.weight", "hada_t1", "lokr_t2"} & set(sd):
         raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: tucker factors are not supported")
     if algo in ("lora", "dora"):

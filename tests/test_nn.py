@@ -262,6 +262,83 @@ def test_load_lycoris_state_dict():
     torch.testing.assert_close(m(x), ref(x), rtol=1e-4, atol=1e-5)
 
 
+NORM_CASES = [
+    ("layernorm", lambda: nn.LayerNorm(12), (3, 5, 12)),
+    ("layernorm-2d-nobias", lambda: nn.LayerNorm((4, 6), bias=False), (3, 4, 6)),
+    ("groupnorm", lambda: nn.GroupNorm(3, 6), (2, 6, 5, 4)),
+]
+
+
+@pytest.mark.parametrize("make,shape", [c[1:] for c in NORM_CASES], ids=[c[0] for c in NORM_CASES])
+def test_norm_adapter_vs_formula(make, shape):
+    """LyCORIS' Norms algorithm: the norm with W + m·w_norm and b + m·b_norm; outputs and
+    gradients against F.layer_norm / F.group_norm with the moved weights; merge/unmerge;
+    a state-dict round trip."""
+    torch.manual_seed(0)
+    base = make()
+    with torch.no_grad():
+        base.weight.normal_()
+        if base.bias is not None:
+            base.bias.normal_()
+    ref_w = base.weight.detach().clone()
+    ref_b = None if base.bias is None else base.bias.detach().clone()
+    ad = lnn.add_adapters(nn.Sequential(base), "norm", target=(type(base),), multiplier=0.7)[0]
+    assert isinstance(ad, lnn.NormAdapter) and (ad.b_norm is None) == (ref_b is None)
+    x = torch.randn(*shape)
+    torch.testing.assert_close(ad(x), base(x))  # zero deltas: the plain norm
+    _perturb(ad, seed=1)
+    params = [p for p in ad.parameters() if p.requires_grad]
+    assert {id(p) for p in params} == {id(p) for p in (ad.w_norm, ad.b_norm) if p is not None}
+
+    def oracle(x):
+        w = ref_w + 0.7 * ad.w_norm
+        b = None if ref_b is None else ref_b + 0.7 * ad.b_norm
+        if isinstance(base, nn.GroupNorm):
+            return F.group_norm(x, base.num_groups, w, b, base.eps)
+        return F.layer_norm(x, base.normalized_shape, w, b, base.eps)
+
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y, y2 = ad(x1), oracle(x2)
+    gy = torch.randn_like(y)
+    torch.testing.assert_close(y, y2)
+    for a, b in zip(torch.autograd.grad(y, [x1] + params, gy), torch.autograd.grad(y2, [x2] + params, gy)):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        want = oracle(x)
+        ad.merge()
+        torch.testing.assert_close(ad(x), want)
+        ad.unmerge()
+        torch.testing.assert_close(ad.base.weight, ref_w)
+        torch.testing.assert_close(ad(x), want)
+    other = lnn.NormAdapter(make(), multiplier=0.7)
+    other.load_state_dict(ad.state_dict())
+    torch.testing.assert_close(other(x), ad(x))
+
+
+def test_norm_adapter_errors_and_lycoris_import():
+    with pytest.raises(ValueError, match="no affine weight"):
+        lnn.NormAdapter(nn.LayerNorm(8, elementwise_affine=False))
+    with pytest.raises(TypeError, match="wraps"):
+        lnn.NormAdapter(nn.Linear(4, 4))
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GroupNorm(2, 8))
+    ref = copy.deepcopy(m)
+    g = torch.Generator().manual_seed(2)
+    sd = {"lycoris_1.w_norm": torch.randn(8, generator=g), "lycoris_1.b_norm": torch.randn(8, generator=g),
+          "lycoris_2.w_norm": torch.randn(8, generator=g)}
+    lnn.load_lycoris_state_dict(m, sd, multiplier=0.5)
+    assert isinstance(m[0], nn.Linear) and isinstance(m[1], lnn.NormAdapter) and isinstance(m[2], lnn.NormAdapter)
+    assert m[2].b_norm is not None and not m[2].b_norm.any()  # absent from the dict: stays zero
+    with torch.no_grad():
+        ref[1].weight.add_(0.5 * sd["lycoris_1.w_norm"])
+        ref[1].bias.add_(0.5 * sd["lycoris_1.b_norm"])
+        ref[2].weight.add_(0.5 * sd["lycoris_2.w_norm"])
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(m(x), ref(x))
+    with pytest.raises(ValueError, match="'norm' algorithm"):  # norm tensors on a Linear
+        lnn.load_lycoris_state_dict(nn.Sequential(nn.Linear(8, 8)), {"lycoris_0.w_norm": torch.zeros(8)})
+
+
 # ---------------------------------------------------------------- compile / export
 
 
