@@ -12,6 +12,7 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``LoHaLinear``     ``base(x) + s·x·((w1a·w1b)⊙(w2a·w2b))ᵀ``                   ``loha.bypass``
 ``LoHaConv2d``     ``base(x) + conv(x, s·ΔW)`` (ΔW via the merge op)           ``loha.bypass``
 ``LoKrLinear``     ``base(x) + s·x·kron(w1, w2)ᵀ`` (w2 = w2a·w2b if factored)  ``lokr.lokr_bypass``
+``LoKrConv2d``     ``base(x) + conv(x, s·kron(w1, w2))`` (ΔW never built)      ``lokr.lokr_bypass_conv``
 ``DoRALinear``     ``F.linear(x, wd(W + s·up·down), b)``                       ``locon.bypass`` + ``dora.lowrank_norm_terms``
 ``OFTLinear``      ``diag(ρ)·Rᵀ·(x·Wᵀ) + b`` (diag-OFT on the output channels)  ``diag_oft.bypass``
 ``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
@@ -52,7 +53,7 @@ No dropout / rank dropout (use LyCORIS itself for those).
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Iterable, Iterator, Optional, Sequence, Tuple, Type
+from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.nn as nn
@@ -68,7 +69,8 @@ from .functional import loha as _loha
 from .functional import lokr as _lokr
 
 __all__ = [
-    "AdapterModule", "LoRALinear", "LoRAConv2d", "LoHaLinear", "LoHaConv2d", "LoKrLinear", "DoRALinear",
+    "AdapterModule", "LoRALinear", "LoRAConv2d", "LoHaLinear", "LoHaConv2d", "LoKrLinear", "LoKrConv2d",
+    "DoRALinear",
     "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "NormAdapter", "ADAPTERS", "add_adapters", "adapters",
     "merge_adapters", "unmerge_adapters", "remove_adapters", "mark_only_adapters_trainable",
     "factorization", "load_lycoris_state_dict",
@@ -235,28 +237,35 @@ def _conv_check(base: nn.Conv2d, name: str):
 
 class LoRAConv2d(_Scaled):
     """LoCon on a conv: down conv (r, I, kh, kw) with the layer's stride/padding/dilation, then a
-    1×1 up conv (O, r, 1, 1) (zero init); eager conv chain (OPS.md §3.1), merge via ``lora_merge_fwd``."""
+    1×1 up conv (O, r, 1, 1) (zero init); eager conv chain (OPS.md §3.1), merge via ``lora_merge_fwd``.
+    ``use_tucker`` (a kernel larger than 1×1): down (r, I, 1, 1), a core ``lora_mid``
+    (r, r, kh, kw) carrying the kernel, up (O, r, 1, 1); merge via ``lora_tucker_fwd``."""
 
     bases = (nn.Conv2d,)
 
-    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0):
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 use_tucker: bool = False):
         super().__init__(base, rank, alpha, multiplier)
         _conv_check(base, "LoRAConv2d")
         w = base.weight
         kw = dict(device=w.device, dtype=w.dtype)
-        self.lora_down = nn.Parameter(_kaiming(torch.empty(rank, base.in_channels, *base.kernel_size, **kw)))
+        tucker = use_tucker and tuple(base.kernel_size) != (1, 1)
+        down_kernel = (1, 1) if tucker else tuple(base.kernel_size)
+        self.lora_down = nn.Parameter(_kaiming(torch.empty(rank, base.in_channels, *down_kernel, **kw)))
+        self.lora_mid = nn.Parameter(_kaiming(torch.empty(rank, rank, *base.kernel_size, **kw))) if tucker else None
         self.lora_up = nn.Parameter(torch.zeros(base.out_channels, rank, 1, 1, **kw))
 
     def adapter_forward(self, x):
         b = self.base
-        return _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, base=b(x), stride=b.stride,
-                             padding=b.padding, dilation=b.dilation)
+        return _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, mid=self.lora_mid, base=b(x),
+                             stride=b.stride, padding=b.padding, dilation=b.dilation)
 
-    def merged_weight(self):
-        return _locon.merge(self.lora_up, self.lora_down, self.gamma, base=self.base.weight), None
+    def merged_weight(self, sign: float = 1.0):
+        return _locon.merge(self.lora_up, self.lora_down, sign * self.gamma, mid=self.lora_mid,
+                            base=self.base.weight), None
 
     def unmerged_weight(self):
-        return _locon.merge(self.lora_up, self.lora_down, -self.gamma, base=self.base.weight), None
+        return self.merged_weight(-1.0)
 
 
 # --------------------------------------------------------------------------- LoHa
@@ -291,19 +300,43 @@ class LoHaLinear(_Scaled):
 
 
 class LoHaConv2d(LoHaLinear):
-    """LoHa on a conv: w1b/w2b stored (r, I·kh·kw); forward builds ΔW with the merge op, then conv."""
+    """LoHa on a conv: w1b/w2b stored (r, I·kh·kw); forward builds ΔW with the merge op, then conv.
+    ``use_tucker`` (a kernel larger than 1×1): cores ``hada_t1``/``hada_t2`` (r, r, kh, kw) and
+    factors stored the LyCORIS way, w1a/w2a (r, O), w1b/w2b (r, I); merge via ``lora_tucker_fwd``."""
 
     bases = (nn.Conv2d,)
 
-    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0):
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 use_tucker: bool = False):
         _Scaled.__init__(self, base, rank, alpha, multiplier)
         _conv_check(base, "LoHaConv2d")
-        self._make(base.out_channels, base.in_channels * math.prod(base.kernel_size), base.weight)
+        if use_tucker and tuple(base.kernel_size) != (1, 1):
+            w, r = base.weight, self.rank
+            kw = dict(device=w.device, dtype=w.dtype)
+            O, I = base.out_channels, base.in_channels
+            self.hada_t1 = nn.Parameter(torch.randn(r, r, *base.kernel_size, **kw) * 0.1)
+            self.hada_t2 = nn.Parameter(torch.randn(r, r, *base.kernel_size, **kw) * 0.1)
+            self.hada_w1_a = nn.Parameter(torch.randn(r, O, **kw) * 0.1)
+            self.hada_w1_b = nn.Parameter(torch.randn(r, I, **kw) * 0.1)
+            self.hada_w2_a = nn.Parameter(torch.zeros(r, O, **kw))
+            self.hada_w2_b = nn.Parameter(torch.randn(r, I, **kw) * 0.1)
+        else:
+            self.hada_t1 = self.hada_t2 = None
+            self._make(base.out_channels, base.in_channels * math.prod(base.kernel_size), base.weight)
+
+    def _tucker(self):
+        return dict(t1=self.hada_t1, t2=self.hada_t2)
 
     def adapter_forward(self, x):
         b = self.base
-        return _loha.bypass(x, *self._f(), self.gamma, base=b(x), kernel_size=b.kernel_size, stride=b.stride,
-                            padding=b.padding, dilation=b.dilation)
+        return _loha.bypass(x, *self._f(), self.gamma, **self._tucker(), base=b(x), kernel_size=b.kernel_size,
+                            stride=b.stride, padding=b.padding, dilation=b.dilation)
+
+    def merged_weight(self, sign: float = 1.0):
+        return _loha.merge(*self._f(), sign * self.gamma, **self._tucker(), base=self.base.weight), None
+
+    def unmerged_weight(self):
+        return self.merged_weight(-1.0)
 
 
 # --------------------------------------------------------------------------- LoKr
@@ -347,7 +380,7 @@ class LoKrLinear(_Scaled):
     def factors(self) -> Dict[str, torch.Tensor]:
         attr = {"w1": "lokr_w1", "w1a": "lokr_w1_a", "w1b": "lokr_w1_b", "w2": "lokr_w2", "w2a": "lokr_w2_a",
                 "w2b": "lokr_w2_b"}
-        return {n: getattr(self, attr[n]) for n in self._names}
+        return {n: getattr(self, attr[n]) for n in self._names if n in attr}
 
     def adapter_forward(self, x):
         return _lokr.lokr_bypass(x, **self.factors(), scale=self.gamma, base=self.base(x))
@@ -357,6 +390,53 @@ class LoKrLinear(_Scaled):
 
     def unmerged_weight(self):
         return _lokr.lokr_weight(**self.factors(), scale=-self.gamma, base=self.base.weight), None
+
+
+class LoKrConv2d(LoKrLinear):
+    """LoKr on a conv: ``ΔW = scale·m·kron(w1, w2)`` of shape (O, I, kh, kw), w1 (a, b) broadcast
+    over the kernel, w2 (c, d, kh, kw) whole or w2a (c, r)·w2b (r, d, kh, kw) (factored when
+    ``rank < max(c, d)/2``); a LyCORIS state dict may also hold the tucker side (``lokr_t2``
+    (r, r, kh, kw), w2a (r, c), w2b (r, d)). Forward: ``lokr_bypass_conv`` (x convolved with w2
+    per group of d input channels, then contracted with w1; ΔW never built)."""
+
+    bases = (nn.Conv2d,)
+
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 factor: int = -1, decompose_both: bool = False, full_matrix: bool = False):
+        _Scaled.__init__(self, base, rank, alpha, multiplier)
+        _conv_check(base, "LoKrConv2d")
+        a, c = factorization(base.out_channels, factor)
+        b, d = factorization(base.in_channels, factor)
+        k = tuple(base.kernel_size)
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        r = self.rank
+        names = []
+        if decompose_both and r < max(a, b) / 2 and not full_matrix:
+            self.lokr_w1_a = nn.Parameter(_kaiming(torch.empty(a, r, **kw)))
+            self.lokr_w1_b = nn.Parameter(_kaiming(torch.empty(r, b, **kw)))
+            names += ["w1a", "w1b"]
+        else:
+            self.lokr_w1 = nn.Parameter(_kaiming(torch.empty(a, b, **kw)))
+            names += ["w1"]
+        if r < max(c, d) / 2 and not full_matrix:
+            self.lokr_w2_a = nn.Parameter(torch.zeros(c, r, **kw))
+            self.lokr_w2_b = nn.Parameter(_kaiming(torch.empty(r, d, *k, **kw)))
+            names += ["w2a", "w2b"]
+        else:
+            self.lokr_w2 = nn.Parameter(torch.zeros(c, d, *k, **kw))
+            names += ["w2"]
+        self._names = tuple(names)
+
+    def factors(self) -> Dict[str, torch.Tensor]:
+        f = super().factors()
+        if "t2" in self._names:
+            f["t2"] = self.lokr_t2
+        return f
+
+    def adapter_forward(self, x):
+        b = self.base
+        return _lokr.lokr_bypass_conv(x, **self.factors(), scale=self.gamma, base=b(x), stride=b.stride,
+                                      padding=b.padding, dilation=b.dilation)
 
 
 # --------------------------------------------------------------------------- DoRA
@@ -609,7 +689,7 @@ ADAPTERS: Dict[str, Dict[Type[nn.Module], Type[AdapterModule]]] = {
     "lora": {nn.Linear: LoRALinear, nn.Conv2d: LoRAConv2d},
     "locon": {nn.Linear: LoRALinear, nn.Conv2d: LoRAConv2d},
     "loha": {nn.Linear: LoHaLinear, nn.Conv2d: LoHaConv2d},
-    "lokr": {nn.Linear: LoKrLinear},
+    "lokr": {nn.Linear: LoKrLinear, nn.Conv2d: LoKrConv2d},
     "dora": {nn.Linear: DoRALinear},
     "oft": {nn.Linear: OFTLinear},
     "diag-oft": {nn.Linear: OFTLinear},
@@ -757,10 +837,11 @@ def load_lycoris_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor
     the stored tensors: LoCon (``lora_down.weight``/``lora_up.weight``/``alpha``
     [+ ``dora_scale``: DoRA, linear, wd_on_out]), LoHa (``hada_w1_a`` ...), LoKr
     (``lokr_w1``/``lokr_w1_a``/``lokr_w1_b``/``lokr_w2``/``lokr_w2_a``/``lokr_w2_b``/``alpha``;
-    linear, no tucker), diag-OFT (3-D ``oft_blocks``, ``rescale``, ``alpha`` = constraint),
+    linear or conv), the conv tucker cores (``lora_mid``, ``hada_t1``/``hada_t2``, ``lokr_t2``),
+    diag-OFT (3-D ``oft_blocks``, ``rescale``, ``alpha`` = constraint),
     BOFT (4-D ``oft_blocks``), IA3 (``weight``/``on_input``), Full (``diff``/``diff_b``);
     for each affine ``nn.LayerNorm`` / ``nn.GroupNorm``, Norms (``w_norm``/``b_norm``).
-    Tucker (``lora_mid``, ``hada_t1``, ``lokr_t2``) raises. Returns the model.
+    Tucker tensors on a linear layer raise. Returns the model.
     """
     groups: Dict[str, Dict[str, torch.Tensor]] = {}
     for k, v in state_dict.items():
@@ -806,15 +887,19 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
         if "b_norm" in sd and mod.bias is not None:
             ad.b_norm = _param(sd["b_norm"].reshape(mod.bias.shape), mod.bias)
         return ad
-    if {"lora_mid.weight", "hada_t1", "lokr_t2"} & set(sd):
-        raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: tucker factors are not supported")
+    if not conv and {"lora_mid.weight", "hada_t1", "lokr_t2"} & set(sd):
+        raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: tucker factors on a "
+                         f"{type(mod).__name__} (LyCORIS builds them for convolutions only)")
     if algo in ("lora", "dora"):
         down, up = sd["lora_down.weight"], sd["lora_up.weight"]
         r = down.shape[0]
         if conv:
-            ad = LoRAConv2d(mod, r, alpha, multiplier)
+            tucker = "lora_mid.weight" in sd
+            ad = LoRAConv2d(mod, r, alpha, multiplier, use_tucker=tucker)
             ad.lora_down = _param(down.reshape(ad.lora_down.shape), w)
             ad.lora_up = _param(up.reshape(ad.lora_up.shape), w)
+            if tucker:
+                ad.lora_mid = _param(sd["lora_mid.weight"].reshape(r, r, *mod.kernel_size), w)
         else:
             ad = (DoRALinear if algo == "dora" else LoRALinear)(mod, r, alpha, multiplier)
             ad.lora_down = _param(down.reshape(r, -1), w)
@@ -826,15 +911,21 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
         return ad
     if algo == "loha":
         r = sd["hada_w1_b"].shape[0]
-        ad = (LoHaConv2d if conv else LoHaLinear)(mod, r, alpha, multiplier)
+        if conv and "hada_t1" in sd:  # tucker: cores (r, r, kh, kw), factors (r, O) / (r, I) as stored
+            ad = LoHaConv2d(mod, r, alpha, multiplier, use_tucker=True)
+            for k in ("hada_t1", "hada_t2"):
+                setattr(ad, k, _param(sd[k].reshape(r, r, *mod.kernel_size), w))
+        else:
+            ad = (LoHaConv2d if conv else LoHaLinear)(mod, r, alpha, multiplier)
         for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"):
             t = sd[k]
             setattr(ad, k, _param(t.reshape(t.shape[0], -1), w))
         return ad
     if algo == "lokr":
+        cls = LoKrConv2d if conv else LoKrLinear
         if conv:
-            raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: LoKr on conv is not supported")
-        ad = LoKrLinear.__new__(LoKrLinear)
+            _conv_check(mod, "load_lycoris_state_dict")
+        ad = cls.__new__(cls)
         r = None
         for k in ("lokr_w1_b", "lokr_w2_b"):
             if k in sd:
@@ -843,7 +934,7 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
         _Scaled.__init__(ad, mod, r or 1, alpha if r else 1.0, multiplier)
         names = []
         for k, n in (("lokr_w1", "w1"), ("lokr_w1_a", "w1a"), ("lokr_w1_b", "w1b"), ("lokr_w2", "w2"),
-                     ("lokr_w2_a", "w2a"), ("lokr_w2_b", "w2b")):
+                     ("lokr_w2_a", "w2a"), ("lokr_w2_b", "w2b"), ("lokr_t2", "t2")):
             if k in sd:
                 setattr(ad, k, _param(sd[k], w))
                 names.append(n)

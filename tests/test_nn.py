@@ -206,7 +206,8 @@ def test_add_adapters_filters_and_errors():
     with pytest.raises(ValueError, match="kind"):
         lnn.add_adapters(nn.Linear(4, 4), "nope")
     with pytest.raises(ValueError, match="Conv2d"):
-        lnn.add_adapters(nn.Conv2d(3, 4, 3), "lokr", target=(nn.Conv2d,))
+        lnn.add_adapters(nn.Conv2d(3, 4, 3), "dora", target=(nn.Conv2d,))
+    assert isinstance(lnn.add_adapters(nn.Conv2d(3, 4, 3), "lokr", target=(nn.Conv2d,)), lnn.LoKrConv2d)
     with pytest.raises(ValueError, match="block_size"):
         lnn.OFTLinear(nn.Linear(4, 6), block_size=4)
     with pytest.raises(TypeError, match="already"):
@@ -260,6 +261,81 @@ def test_load_lycoris_state_dict():
         ref[4].weight.copy_(W4)
     x = torch.randn(3, 24)
     torch.testing.assert_close(m(x), ref(x), rtol=1e-4, atol=1e-5)
+
+
+def _conv_sd_cases():
+    """(name, LyCORIS tensors for a Conv2d(6 -> 8, 3x3), the ΔW they stand for) per conv format."""
+    g = torch.Generator().manual_seed(7)
+    r = lambda *sh: torch.randn(*sh, generator=g) * 0.3  # noqa: E731
+    a, c, b, d, R = 2, 4, 2, 3, 2
+    out = []
+    up, down = r(8, R, 1, 1), r(R, 6, 3, 3)
+    out.append(("locon", {"lora_up.weight": up, "lora_down.weight": down, "alpha": torch.tensor(1.0)},
+                0.5 * (up.reshape(8, R) @ down.reshape(R, -1)).reshape(8, 6, 3, 3)))
+    up, mid, down = r(8, R, 1, 1), r(R, R, 3, 3), r(R, 6, 1, 1)
+    out.append(("locon-tucker", {"lora_up.weight": up, "lora_mid.weight": mid, "lora_down.weight": down,
+                                 "alpha": torch.tensor(3.0)},
+                1.5 * torch.einsum("op,pqhw,qi->oihw", up.reshape(8, R), mid, down.reshape(R, 6))))
+    w1a, w1b, w2a, w2b = r(8, R), r(R, 54), r(8, R), r(R, 54)
+    out.append(("loha", {"hada_w1_a": w1a, "hada_w1_b": w1b, "hada_w2_a": w2a, "hada_w2_b": w2b,
+                         "alpha": torch.tensor(2.0)}, ((w1a @ w1b) * (w2a @ w2b)).reshape(8, 6, 3, 3)))
+    t1, t2, w1a, w1b, w2a, w2b = r(R, R, 3, 3), r(R, R, 3, 3), r(R, 8), r(R, 6), r(R, 8), r(R, 6)
+    chain = lambda t, wa, wb: torch.einsum("pqhw,po,qi->oihw", t, wa, wb)  # noqa: E731
+    out.append(("loha-tucker", {"hada_t1": t1, "hada_t2": t2, "hada_w1_a": w1a, "hada_w1_b": w1b,
+                                "hada_w2_a": w2a, "hada_w2_b": w2b, "alpha": torch.tensor(1.0)},
+                0.5 * chain(t1, w1a, w1b) * chain(t2, w2a, w2b)))
+    kron = lambda w1, w2: torch.einsum("uv,ijhw->uivjhw", w1, w2).reshape(a * c, b * d, 3, 3)  # noqa: E731
+    w1, w2 = r(a, b), r(c, d, 3, 3)
+    out.append(("lokr-whole", {"lokr_w1": w1, "lokr_w2": w2, "alpha": torch.tensor(4.0)}, kron(w1, w2)))
+    w1, w2a, w2b = r(a, b), r(c, 1), r(1, d, 3, 3)
+    out.append(("lokr-factored", {"lokr_w1": w1, "lokr_w2_a": w2a, "lokr_w2_b": w2b, "alpha": torch.tensor(0.5)},
+                0.5 * kron(w1, torch.einsum("cr,rdhw->cdhw", w2a, w2b))))
+    w1, t2, w2a, w2b = r(a, b), r(R, R, 3, 3), r(R, c), r(R, d)
+    out.append(("lokr-tucker", {"lokr_w1": w1, "lokr_t2": t2, "lokr_w2_a": w2a, "lokr_w2_b": w2b,
+                                "alpha": torch.tensor(1.0)},
+                0.5 * kron(w1, torch.einsum("ijhw,ip,jq->pqhw", t2, w2a, w2b))))
+    return out
+
+
+@pytest.mark.parametrize("case", _conv_sd_cases(), ids=lambda c: c[0])
+def test_load_lycoris_conv_formats(case):
+    """LyCORIS conv adapters (LoCon, LoHa, LoKr; plain, factored and tucker) from a state dict:
+    forward against F.conv2d with W + ΔW built here from the stored tensors, gradients reach
+    every factor, merge/unmerge."""
+    name, tensors, dw = case
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(6, 8, 3, stride=2, padding=1))
+    ref = copy.deepcopy(m[0])
+    lnn.load_lycoris_state_dict(m, {f"lycoris_0.{k}": v for k, v in tensors.items()}, multiplier=0.8)
+    ad = m[0]
+    assert isinstance(ad, lnn.AdapterModule), type(ad)
+    x = torch.randn(2, 6, 9, 7)
+    want = F.conv2d(x, ref.weight + 0.8 * dw, ref.bias, stride=2, padding=1)
+    y = ad(x)
+    torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+    y.square().sum().backward()
+    trained = [n for n, p in ad.named_parameters() if p.requires_grad]
+    assert trained and all(ad.get_parameter(n).grad is not None for n in trained), trained
+    with torch.no_grad():
+        ad.merge()
+        torch.testing.assert_close(ad.base.weight, ref.weight + 0.8 * dw, rtol=1e-4, atol=1e-5)
+        ad.unmerge()
+        torch.testing.assert_close(ad.base.weight, ref.weight, rtol=1e-4, atol=1e-5)
+
+
+def test_conv_adapters_start_at_zero_and_tucker_on_linear_raises():
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 6, 6)
+    for ad in (lnn.LoRAConv2d(nn.Conv2d(8, 12, 3, padding=1), 2, use_tucker=True),
+               lnn.LoHaConv2d(nn.Conv2d(8, 12, 3, padding=1), 2, use_tucker=True),
+               lnn.LoKrConv2d(nn.Conv2d(8, 12, 3, padding=1), 1), lnn.LoKrConv2d(nn.Conv2d(8, 12, 3), 8)):
+        torch.testing.assert_close(ad(x), ad.base(x))
+    assert lnn.LoRAConv2d(nn.Conv2d(8, 12, 3), 2, use_tucker=True).lora_mid is not None
+    assert lnn.LoRAConv2d(nn.Conv2d(8, 12, 1), 2, use_tucker=True).lora_mid is None  # 1x1: nothing to factor
+    with pytest.raises(ValueError, match="tucker factors on a Linear"):
+        lnn.load_lycoris_state_dict(nn.Sequential(nn.Linear(4, 4)), {
+            "lycoris_0.lora_up.weight": torch.zeros(4, 2), "lycoris_0.lora_mid.weight": torch.zeros(2, 2),
+            "lycoris_0.lora_down.weight": torch.zeros(2, 4)})
 
 
 NORM_CASES = [
