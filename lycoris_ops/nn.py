@@ -14,6 +14,7 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``LoKrLinear``     ``base(x) + s·x·kron(w1, w2)ᵀ`` (w2 = w2a·w2b if factored)  ``lokr.lokr_bypass``
 ``LoKrConv2d``     ``base(x) + conv(x, s·kron(w1, w2))`` (ΔW never built)      ``lokr.lokr_bypass_conv``
 ``DoRALinear``     ``F.linear(x, wd(W + s·up·down), b)``                       ``locon.bypass`` + ``dora.lowrank_norm_terms``
+``DoRAConv2d``     ``conv(x, wd(W + s·ΔW), b)`` (W' built: a conv weight)       ``dora.weight_decompose``
 ``OFTLinear``      ``diag(ρ)·Rᵀ·(x·Wᵀ) + b`` (diag-OFT on the output channels)  ``diag_oft.bypass``
 ``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
 ``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_bypass``
@@ -70,7 +71,7 @@ from .functional import lokr as _lokr
 
 __all__ = [
     "AdapterModule", "LoRALinear", "LoRAConv2d", "LoHaLinear", "LoHaConv2d", "LoKrLinear", "LoKrConv2d",
-    "DoRALinear",
+    "DoRALinear", "DoRAConv2d",
     "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "NormAdapter", "ADAPTERS", "add_adapters", "adapters",
     "merge_adapters", "unmerge_adapters", "remove_adapters", "mark_only_adapters_trainable",
     "factorization", "load_lycoris_state_dict",
@@ -528,6 +529,37 @@ class DoRALinear(LoRALinear):
         return self._weight(), None
 
 
+class DoRAConv2d(LoRAConv2d):
+    """DoRA on a conv: ``W' = wd(W + γ·ΔW)`` on the (O, I, kh, kw) weight, norms per output
+    channel (``wd_on_out``, dora_scale (O, 1, 1, 1)) or per input channel over the outputs and
+    the kernel (dora_scale (1, I, 1, 1)), then the layer's conv with W'. A conv weight is small
+    next to its activations: W' is built each call (``lora_merge_fwd``/``lora_tucker_fwd`` for
+    ΔW, ``dora_fwd`` for the rows), exact gradients to every parameter through the ops."""
+
+    additive = False
+
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 wd_on_out: bool = True, use_tucker: bool = False):
+        super().__init__(base, rank, alpha, multiplier, use_tucker)
+        self.wd_on_out = bool(wd_on_out)
+        with torch.no_grad():
+            w = base.weight.float()
+            n = torch.linalg.vector_norm(w, dim=(1, 2, 3) if wd_on_out else (0, 2, 3), keepdim=True)
+        self.dora_scale = nn.Parameter(n.to(base.weight.dtype))
+
+    def _weight(self):
+        W = self.base.weight
+        delta = _locon.merge(self.lora_up, self.lora_down, self.gamma, mid=self.lora_mid, out_dtype=W.dtype)
+        return _dora.weight_decompose(W, self.dora_scale, self.multiplier, self.wd_on_out, delta=delta).to(W.dtype)
+
+    def adapter_forward(self, x):
+        b = self.base
+        return F.conv2d(x, self._weight(), b.bias, b.stride, b.padding, b.dilation)
+
+    def merged_weight(self):
+        return self._weight(), None
+
+
 # --------------------------------------------------------------------------- OFT / BOFT
 
 
@@ -690,7 +722,7 @@ ADAPTERS: Dict[str, Dict[Type[nn.Module], Type[AdapterModule]]] = {
     "locon": {nn.Linear: LoRALinear, nn.Conv2d: LoRAConv2d},
     "loha": {nn.Linear: LoHaLinear, nn.Conv2d: LoHaConv2d},
     "lokr": {nn.Linear: LoKrLinear, nn.Conv2d: LoKrConv2d},
-    "dora": {nn.Linear: DoRALinear},
+    "dora": {nn.Linear: DoRALinear, nn.Conv2d: DoRAConv2d},
     "oft": {nn.Linear: OFTLinear},
     "diag-oft": {nn.Linear: OFTLinear},
     "boft": {nn.Linear: BOFTLinear},
@@ -835,7 +867,7 @@ def load_lycoris_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor
     for each ``nn.Linear`` / ``nn.Conv2d`` of ``model`` whose name matches one of
     ``prefixes``, the tensor set decides the algorithm and the adapter is created with
     the stored tensors: LoCon (``lora_down.weight``/``lora_up.weight``/``alpha``
-    [+ ``dora_scale``: DoRA, linear, wd_on_out]), LoHa (``hada_w1_a`` ...), LoKr
+    [+ ``dora_scale``: DoRA, per output or input channel], linear or conv), LoHa (``hada_w1_a`` ...), LoKr
     (``lokr_w1``/``lokr_w1_a``/``lokr_w1_b``/``lokr_w2``/``lokr_w2_a``/``lokr_w2_b``/``alpha``;
     linear or conv), the conv tucker cores (``lora_mid``, ``hada_t1``/``hada_t2``, ``lokr_t2``),
     diag-OFT (3-D ``oft_blocks``, ``rescale``, ``alpha`` = constraint),
@@ -895,7 +927,13 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
         r = down.shape[0]
         if conv:
             tucker = "lora_mid.weight" in sd
-            ad = LoRAConv2d(mod, r, alpha, multiplier, use_tucker=tucker)
+            if algo == "dora":
+                ds = sd["dora_scale"]
+                on_out = ds.numel() == mod.out_channels and ds.shape[0] == mod.out_channels
+                ad = DoRAConv2d(mod, r, alpha, multiplier, wd_on_out=on_out, use_tucker=tucker)
+                ad.dora_scale = _param(ds.reshape(ad.dora_scale.shape), w)
+            else:
+                ad = LoRAConv2d(mod, r, alpha, multiplier, use_tucker=tucker)
             ad.lora_down = _param(down.reshape(ad.lora_down.shape), w)
             ad.lora_up = _param(up.reshape(ad.lora_up.shape), w)
             if tucker:

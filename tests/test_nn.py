@@ -206,7 +206,7 @@ def test_add_adapters_filters_and_errors():
     with pytest.raises(ValueError, match="kind"):
         lnn.add_adapters(nn.Linear(4, 4), "nope")
     with pytest.raises(ValueError, match="Conv2d"):
-        lnn.add_adapters(nn.Conv2d(3, 4, 3), "dora", target=(nn.Conv2d,))
+        lnn.add_adapters(nn.Conv2d(3, 4, 3), "ia3", target=(nn.Conv2d,))
     assert isinstance(lnn.add_adapters(nn.Conv2d(3, 4, 3), "lokr", target=(nn.Conv2d,)), lnn.LoKrConv2d)
     with pytest.raises(ValueError, match="block_size"):
         lnn.OFTLinear(nn.Linear(4, 6), block_size=4)
@@ -323,12 +323,53 @@ def test_load_lycoris_conv_formats(case):
         torch.testing.assert_close(ad.base.weight, ref.weight, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("on_out", [True, False], ids=["per-out", "per-in"])
+@pytest.mark.parametrize("tucker", [False, True], ids=["plain", "tucker"])
+def test_load_lycoris_conv_dora(on_out, tucker):
+    """DoRA on a conv from a LyCORIS state dict: conv(x, M·(m·(dora_scale/‖M‖ − 1) + 1)) with
+    M = W + m·γ·ΔW, norms per output channel or per input channel; gradients; merge/unmerge."""
+    g = torch.Generator().manual_seed(11)
+    r = lambda *sh: torch.randn(*sh, generator=g) * 0.3  # noqa: E731
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(6, 8, 3, padding=1))
+    ref = copy.deepcopy(m[0])
+    R, mult = 2, 0.8
+    up = r(8, R, 1, 1)
+    sd = {"lora_up.weight": up, "alpha": torch.tensor(1.0)}
+    if tucker:
+        sd.update({"lora_mid.weight": r(R, R, 3, 3), "lora_down.weight": r(R, 6, 1, 1)})
+        dw = torch.einsum("op,pqhw,qi->oihw", up.reshape(8, R), sd["lora_mid.weight"],
+                          sd["lora_down.weight"].reshape(R, 6))
+    else:
+        sd["lora_down.weight"] = r(R, 6, 3, 3)
+        dw = (up.reshape(8, R) @ sd["lora_down.weight"].reshape(R, -1)).reshape(8, 6, 3, 3)
+    dims = (1, 2, 3) if on_out else (0, 2, 3)
+    sd["dora_scale"] = torch.rand(8 if on_out else 6, generator=g).reshape((8, 1, 1, 1) if on_out else (1, 6, 1, 1)) + 0.5
+    lnn.load_lycoris_state_dict(m, {f"lycoris_0.{k}": v for k, v in sd.items()}, multiplier=mult)
+    ad = m[0]
+    assert isinstance(ad, lnn.DoRAConv2d) and ad.wd_on_out == on_out and (ad.lora_mid is not None) == tucker
+    M = ref.weight + mult * 0.5 * dw
+    n = torch.linalg.vector_norm(M, dim=dims, keepdim=True) + torch.finfo(torch.float32).eps
+    Wp = M * (mult * (sd["dora_scale"] / n - 1) + 1)
+    x = torch.randn(2, 6, 7, 5)
+    y = ad(x)
+    torch.testing.assert_close(y, F.conv2d(x, Wp, ref.bias, padding=1), rtol=1e-4, atol=1e-5)
+    y.square().sum().backward()
+    assert all(p.grad is not None for p in ad.parameters() if p.requires_grad)
+    with torch.no_grad():
+        ad.merge()
+        torch.testing.assert_close(ad.base.weight, Wp, rtol=1e-4, atol=1e-5)
+        ad.unmerge()
+        torch.testing.assert_close(ad.base.weight, ref.weight)
+
+
 def test_conv_adapters_start_at_zero_and_tucker_on_linear_raises():
     torch.manual_seed(0)
     x = torch.randn(2, 8, 6, 6)
     for ad in (lnn.LoRAConv2d(nn.Conv2d(8, 12, 3, padding=1), 2, use_tucker=True),
                lnn.LoHaConv2d(nn.Conv2d(8, 12, 3, padding=1), 2, use_tucker=True),
-               lnn.LoKrConv2d(nn.Conv2d(8, 12, 3, padding=1), 1), lnn.LoKrConv2d(nn.Conv2d(8, 12, 3), 8)):
+               lnn.LoKrConv2d(nn.Conv2d(8, 12, 3, padding=1), 1), lnn.LoKrConv2d(nn.Conv2d(8, 12, 3), 8),
+               lnn.DoRAConv2d(nn.Conv2d(8, 12, 3), 2), lnn.DoRAConv2d(nn.Conv2d(8, 12, 3), 2, wd_on_out=False)):
         torch.testing.assert_close(ad(x), ad.base(x))
     assert lnn.LoRAConv2d(nn.Conv2d(8, 12, 3), 2, use_tucker=True).lora_mid is not None
     assert lnn.LoRAConv2d(nn.Conv2d(8, 12, 1), 2, use_tucker=True).lora_mid is None  # 1x1: nothing to factor
