@@ -19,6 +19,8 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
 ``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_bypass``
 ``FullLinear``     ``F.linear(x, W + m·diff, b + m·diff_b)``                   ``full.scaled_add``
+``*Conv2d``        OFT / BOFT / IA3 / Full on a conv: the conv with the merged  the merge ops
+                   (O, I, kh, kw) weight, built each call
 ``NormAdapter``    ``layer_norm / group_norm`` with ``W + m·w_norm``,           ``full.norms_merge``
                    ``b + m·b_norm`` (wraps ``nn.LayerNorm`` / ``nn.GroupNorm``)
 =================  ==========================================================  ================
@@ -72,7 +74,8 @@ from .functional import lokr as _lokr
 __all__ = [
     "AdapterModule", "LoRALinear", "LoRAConv2d", "LoHaLinear", "LoHaConv2d", "LoKrLinear", "LoKrConv2d",
     "DoRALinear", "DoRAConv2d",
-    "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "NormAdapter", "ADAPTERS", "add_adapters", "adapters",
+    "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "OFTConv2d", "BOFTConv2d", "IA3Conv2d", "FullConv2d",
+    "NormAdapter", "ADAPTERS", "add_adapters", "adapters",
     "merge_adapters", "unmerge_adapters", "remove_adapters", "mark_only_adapters_trainable",
     "factorization", "load_lycoris_state_dict",
 ]
@@ -229,6 +232,13 @@ class LoRALinear(_Scaled):
 
     def unmerged_weight(self):
         return _locon.merge(self.lora_up, self.lora_down, -self.gamma, base=self.base.weight), None
+
+
+def _out_in(base: nn.Module) -> Tuple[int, int]:
+    """(out, in) features of a Linear, channels of a Conv2d."""
+    if isinstance(base, nn.Conv2d):
+        return base.out_channels, base.in_channels
+    return base.out_features, base.in_features
 
 
 def _conv_check(base: nn.Conv2d, name: str):
@@ -574,7 +584,7 @@ class OFTLinear(AdapterModule):
     def __init__(self, base: nn.Linear, block_size: int = 4, multiplier: float = 1.0, constraint: float = 0.0,
                  rescaled: bool = False):
         super().__init__(base, multiplier)
-        O = base.out_features
+        O = _out_in(base)[0]
         if block_size < 1 or O % block_size:
             raise ValueError(f"lycoris_ops.nn.{type(self).__name__}: block_size {block_size} must divide "
                              f"out_features {O}")
@@ -601,9 +611,9 @@ class OFTLinear(AdapterModule):
 
     def merged_weight(self):
         W = self.base.weight
-        w = self._fn.merge(self.oft_blocks, W, self.rescale, constraint=self.constraint, multiplier=self.multiplier,
-                           diff=False)
-        return w.to(W.dtype), None
+        w = self._fn.merge(self.oft_blocks, W.reshape(W.shape[0], -1), self.rescale, constraint=self.constraint,
+                           multiplier=self.multiplier, diff=False)
+        return w.reshape(W.shape).to(W.dtype), None
 
 
 class BOFTLinear(OFTLinear):
@@ -616,10 +626,11 @@ class BOFTLinear(OFTLinear):
         self._m = int(n_butterfly)
         super().__init__(base, block_size, multiplier, constraint, rescaled)
         if block_size % 2:
-            raise ValueError(f"lycoris_ops.nn.BOFTLinear: block_size must be even, got {block_size}")
-        nb = base.out_features // block_size
+            raise ValueError(f"lycoris_ops.nn.{type(self).__name__}: block_size must be even, got {block_size}")
+        nb = _out_in(base)[0] // block_size
         if self._m < 1 or nb % (1 << (self._m - 1)):
-            raise ValueError(f"lycoris_ops.nn.BOFTLinear: n_butterfly={self._m} needs out_features/block_size={nb} "
+            raise ValueError(f"lycoris_ops.nn.{type(self).__name__}: n_butterfly={self._m} needs "
+                             f"out_features/block_size={nb} "
                              f"to be a multiple of 2^(m-1)")
 
     def _blocks_shape(self, O, kw):
@@ -646,7 +657,7 @@ class IA3Linear(AdapterModule):
     def __init__(self, base: nn.Linear, multiplier: float = 1.0, train_on_input: bool = False):
         super().__init__(base, multiplier)
         self.train_on_input = bool(train_on_input)
-        n = base.in_features if train_on_input else base.out_features
+        n = _out_in(base)[1 if train_on_input else 0]
         self.ia3_weight = nn.Parameter(torch.zeros(n, device=base.weight.device, dtype=base.weight.dtype))
 
     def adapter_forward(self, x):
@@ -714,6 +725,51 @@ class NormAdapter(AdapterModule):
         return F.layer_norm(x, base.normalized_shape, w, b, base.eps)
 
 
+class _ConvByWeight:
+    """Conv form of an adapter whose merged weight is defined on any (O, I, kh, kw) weight:
+    the layer's conv with the merged weight and bias. A conv weight is small next to its
+    activations, so it is built each call (through the adapter's merge ops, differentiable)."""
+
+    bases = (nn.Conv2d,)
+
+    def adapter_forward(self, x):
+        w, b = self.merged_weight()
+        base = self.base
+        return F.conv2d(x, w, base.bias if b is None else b, base.stride, base.padding, base.dilation)
+
+
+class OFTConv2d(_ConvByWeight, OFTLinear):
+    """Diag-OFT on a conv's output channels (the (O, I·kh·kw) weight's rows rotated)."""
+
+    def __init__(self, base: nn.Conv2d, *args, **kw):
+        _conv_check(base, type(self).__name__)
+        super().__init__(base, *args, **kw)
+
+
+class BOFTConv2d(_ConvByWeight, BOFTLinear):
+    """BOFT on a conv's output channels (the (O, I·kh·kw) weight's rows)."""
+
+    def __init__(self, base: nn.Conv2d, *args, **kw):
+        _conv_check(base, type(self).__name__)
+        super().__init__(base, *args, **kw)
+
+
+class IA3Conv2d(_ConvByWeight, IA3Linear):
+    """IA3 on a conv: output channels (or input channels with ``train_on_input``) scaled by 1 + m·w."""
+
+    def __init__(self, base: nn.Conv2d, *args, **kw):
+        _conv_check(base, type(self).__name__)
+        super().__init__(base, *args, **kw)
+
+
+class FullConv2d(_ConvByWeight, FullLinear):
+    """Full fine-tune of a conv as an adapter: ``W + m·diff``, ``b + m·diff_b``."""
+
+    def __init__(self, base: nn.Conv2d, *args, **kw):
+        _conv_check(base, type(self).__name__)
+        super().__init__(base, *args, **kw)
+
+
 # --------------------------------------------------------------------------- model helpers
 
 #: kind -> {base layer type: adapter class}
@@ -723,11 +779,11 @@ ADAPTERS: Dict[str, Dict[Type[nn.Module], Type[AdapterModule]]] = {
     "loha": {nn.Linear: LoHaLinear, nn.Conv2d: LoHaConv2d},
     "lokr": {nn.Linear: LoKrLinear, nn.Conv2d: LoKrConv2d},
     "dora": {nn.Linear: DoRALinear, nn.Conv2d: DoRAConv2d},
-    "oft": {nn.Linear: OFTLinear},
-    "diag-oft": {nn.Linear: OFTLinear},
-    "boft": {nn.Linear: BOFTLinear},
-    "ia3": {nn.Linear: IA3Linear},
-    "full": {nn.Linear: FullLinear},
+    "oft": {nn.Linear: OFTLinear, nn.Conv2d: OFTConv2d},
+    "diag-oft": {nn.Linear: OFTLinear, nn.Conv2d: OFTConv2d},
+    "boft": {nn.Linear: BOFTLinear, nn.Conv2d: BOFTConv2d},
+    "ia3": {nn.Linear: IA3Linear, nn.Conv2d: IA3Conv2d},
+    "full": {nn.Linear: FullLinear, nn.Conv2d: FullConv2d},
     "norm": {nn.LayerNorm: NormAdapter, nn.GroupNorm: NormAdapter},
 }
 
@@ -983,19 +1039,20 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
         constraint = float(sd.get("alpha", torch.tensor(0.0)))
         rescaled = "rescale" in sd
         if blocks.dim() == 3:
-            ad = OFTLinear(mod, blocks.shape[1], multiplier, constraint, rescaled)
+            ad = (OFTConv2d if conv else OFTLinear)(mod, blocks.shape[1], multiplier, constraint, rescaled)
         else:
-            ad = BOFTLinear(mod, blocks.shape[2], blocks.shape[0], multiplier, constraint, rescaled)
+            ad = (BOFTConv2d if conv else BOFTLinear)(mod, blocks.shape[2], blocks.shape[0], multiplier,
+                                                      constraint, rescaled)
         ad.oft_blocks = _param(blocks, w)
         if rescaled:
             ad.rescale = _param(sd["rescale"].reshape(-1, 1), w)
         return ad
     if algo == "ia3":
         on_input = bool(sd["on_input"])
-        ad = IA3Linear(mod, multiplier, on_input)
+        ad = (IA3Conv2d if conv else IA3Linear)(mod, multiplier, on_input)
         ad.ia3_weight = _param(sd["weight"].reshape(-1), w)
         return ad
-    ad = FullLinear(mod, multiplier)
+    ad = (FullConv2d if conv else FullLinear)(mod, multiplier)
     ad.diff = _param(sd["diff"].reshape(w.shape), w)
     if "diff_b" in sd and mod.bias is not None:
         ad.diff_b = _param(sd["diff_b"], mod.bias)

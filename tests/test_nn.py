@@ -206,7 +206,7 @@ def test_add_adapters_filters_and_errors():
     with pytest.raises(ValueError, match="kind"):
         lnn.add_adapters(nn.Linear(4, 4), "nope")
     with pytest.raises(ValueError, match="Conv2d"):
-        lnn.add_adapters(nn.Conv2d(3, 4, 3), "ia3", target=(nn.Conv2d,))
+        lnn.add_adapters(nn.Conv2d(3, 4, 3), "norm", target=(nn.Conv2d,))
     assert isinstance(lnn.add_adapters(nn.Conv2d(3, 4, 3), "lokr", target=(nn.Conv2d,)), lnn.LoKrConv2d)
     with pytest.raises(ValueError, match="block_size"):
         lnn.OFTLinear(nn.Linear(4, 6), block_size=4)
@@ -361,6 +361,70 @@ def test_load_lycoris_conv_dora(on_out, tucker):
         torch.testing.assert_close(ad.base.weight, Wp, rtol=1e-4, atol=1e-5)
         ad.unmerge()
         torch.testing.assert_close(ad.base.weight, ref.weight)
+
+
+CONV_WEIGHT_CASES = [
+    ("oft", dict(block_size=4, rescaled=True)),
+    ("boft", dict(block_size=4, n_butterfly=2, rescaled=True)),
+    ("ia3", dict(multiplier=0.6)),
+    ("ia3", dict(train_on_input=True, multiplier=0.6)),
+    ("full", dict(multiplier=0.8)),
+]
+
+
+@pytest.mark.parametrize("kind,kw", CONV_WEIGHT_CASES, ids=[f"{k}-{i}" for i, (k, _) in enumerate(CONV_WEIGHT_CASES)])
+def test_conv_weight_adapters_vs_formula(kind, kw):
+    """OFT / BOFT / IA3 / Full on a Conv2d: the conv with the adapted (O, I, kh, kw) weight
+    built here from the parameters (rotations of the output channels, channel scales, a
+    difference); gradients reach the adapter; merge/unmerge."""
+    torch.manual_seed(0)
+    ad = lnn.add_adapters(nn.Conv2d(6, 8, 3, stride=2, padding=1), kind, target=(nn.Conv2d,), **kw)
+    _perturb(ad, seed=2)
+    W, b = ad.base.weight.detach().clone(), ad.base.bias.detach().clone()
+    if kind in ("oft", "boft"):
+        R = _boft_matrix(ad.oft_blocks) if kind == "boft" else torch.block_diag(*_cayley(ad.oft_blocks)).T
+        Wp = (R @ W.reshape(8, -1)).reshape(W.shape) * ad.rescale.reshape(8, 1, 1, 1)
+        bp = b
+    elif kind == "ia3":
+        s = 1 + ad.multiplier * ad.ia3_weight
+        if ad.train_on_input:
+            Wp, bp = W * s.reshape(1, 6, 1, 1), b
+        else:
+            Wp, bp = W * s.reshape(8, 1, 1, 1), b * s
+    else:
+        Wp, bp = W + ad.multiplier * ad.diff, b + ad.multiplier * ad.diff_b
+    x = torch.randn(2, 6, 9, 7)
+    y = ad(x)
+    torch.testing.assert_close(y, F.conv2d(x, Wp, bp, stride=2, padding=1), rtol=1e-4, atol=1e-5)
+    y.square().sum().backward()
+    trained = [p for p in ad.parameters() if p.requires_grad]
+    assert trained and all(p.grad is not None for p in trained)
+    with torch.no_grad():
+        ad.merge()
+        torch.testing.assert_close(ad.base.weight, Wp, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ad(x), F.conv2d(x, Wp, bp, stride=2, padding=1), rtol=1e-4, atol=1e-5)
+        ad.unmerge()
+        torch.testing.assert_close(ad.base.weight, W, rtol=1e-4, atol=1e-5)
+
+
+def test_load_lycoris_conv_oft_ia3_full():
+    g = torch.Generator().manual_seed(4)
+    m = nn.Sequential(nn.Conv2d(6, 8, 3), nn.Conv2d(8, 8, 1), nn.Conv2d(8, 8, 3), nn.Conv2d(8, 4, 1))
+    sd = {"lycoris_0.oft_blocks": torch.randn(2, 4, 4, generator=g) * 0.1,
+          "lycoris_0.rescale": torch.rand(8, 1, 1, 1, generator=g) + 0.5,
+          "lycoris_1.oft_blocks": torch.randn(2, 4, 2, 2, generator=g) * 0.1,
+          "lycoris_2.weight": torch.randn(8, generator=g) * 0.1, "lycoris_2.on_input": torch.tensor(True),
+          "lycoris_3.diff": torch.randn(4, 8, 1, 1, generator=g) * 0.1, "lycoris_3.diff_b": torch.randn(4, generator=g)}
+    lnn.load_lycoris_state_dict(m, sd)
+    assert [type(a).__name__ for a in m] == ["OFTConv2d", "BOFTConv2d", "IA3Conv2d", "FullConv2d"]
+    assert m[2].train_on_input and m[0].rescale is not None
+    x = torch.randn(2, 6, 7, 7)
+    want = x
+    for a in m:
+        w, b = a.merged_weight()
+        want = F.conv2d(want, w, a.base.bias if b is None else b)
+    torch.testing.assert_close(m(x), want)
+    torch.testing.assert_close(m[3].diff_b, sd["lycoris_3.diff_b"])
 
 
 def test_conv_adapters_start_at_zero_and_tucker_on_linear_raises():
