@@ -242,7 +242,7 @@ def _out_in(base: nn.Module) -> Tuple[int, int]:
 
 
 def _conv_check(base: nn.Conv2d, name: str):
-    if base.groups != 1 or base.padding_mode != "zeros":
+    if isinstance(base, nn.Conv2d) and (base.groups != 1 or base.padding_mode != "zeros"):
         raise ValueError(f"lycoris_ops.nn.{name}: only groups=1, padding_mode='zeros' convolutions are supported")
 
 
@@ -732,6 +732,10 @@ class _ConvByWeight:
 
     bases = (nn.Conv2d,)
 
+    def __init__(self, base: nn.Conv2d, *args, **kw):
+        _conv_check(base, type(self).__name__)
+        super().__init__(base, *args, **kw)
+
     def adapter_forward(self, x):
         w, b = self.merged_weight()
         base = self.base
@@ -741,33 +745,17 @@ class _ConvByWeight:
 class OFTConv2d(_ConvByWeight, OFTLinear):
     """Diag-OFT on a conv's output channels (the (O, I·kh·kw) weight's rows rotated)."""
 
-    def __init__(self, base: nn.Conv2d, *args, **kw):
-        _conv_check(base, type(self).__name__)
-        super().__init__(base, *args, **kw)
-
 
 class BOFTConv2d(_ConvByWeight, BOFTLinear):
     """BOFT on a conv's output channels (the (O, I·kh·kw) weight's rows)."""
-
-    def __init__(self, base: nn.Conv2d, *args, **kw):
-        _conv_check(base, type(self).__name__)
-        super().__init__(base, *args, **kw)
 
 
 class IA3Conv2d(_ConvByWeight, IA3Linear):
     """IA3 on a conv: output channels (or input channels with ``train_on_input``) scaled by 1 + m·w."""
 
-    def __init__(self, base: nn.Conv2d, *args, **kw):
-        _conv_check(base, type(self).__name__)
-        super().__init__(base, *args, **kw)
-
 
 class FullConv2d(_ConvByWeight, FullLinear):
     """Full fine-tune of a conv as an adapter: ``W + m·diff``, ``b + m·diff_b``."""
-
-    def __init__(self, base: nn.Conv2d, *args, **kw):
-        _conv_check(base, type(self).__name__)
-        super().__init__(base, *args, **kw)
 
 
 # --------------------------------------------------------------------------- model helpers
