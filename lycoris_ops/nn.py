@@ -362,8 +362,11 @@ class LoKrLinear(_Scaled):
     def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
                  factor: int = -1, decompose_both: bool = False, full_matrix: bool = False):
         super().__init__(base, rank, alpha, multiplier)
-        a, c = factorization(base.out_features, factor)
-        b, d = factorization(base.in_features, factor)
+        _conv_check(base, type(self).__name__)
+        O, I = _out_in(base)
+        a, c = factorization(O, factor)
+        b, d = factorization(I, factor)
+        k = tuple(getattr(base, "kernel_size", ()))  # a conv's w2 side carries the kernel
         kw = dict(device=base.weight.device, dtype=base.weight.dtype)
         r = self.rank
         names = []
@@ -376,10 +379,10 @@ class LoKrLinear(_Scaled):
             names += ["w1"]
         if r < max(c, d) / 2 and not full_matrix:
             self.lokr_w2_a = nn.Parameter(torch.zeros(c, r, **kw))
-            self.lokr_w2_b = nn.Parameter(_kaiming(torch.empty(r, d, **kw)))
+            self.lokr_w2_b = nn.Parameter(_kaiming(torch.empty(r, d, *k, **kw)))
             names += ["w2a", "w2b"]
         else:
-            self.lokr_w2 = nn.Parameter(torch.zeros(c, d, **kw))
+            self.lokr_w2 = nn.Parameter(torch.zeros(c, d, *k, **kw))
             names += ["w2"]
         self._names = tuple(names)
 
@@ -411,32 +414,6 @@ class LoKrConv2d(LoKrLinear):
     per group of d input channels, then contracted with w1; ΔW never built)."""
 
     bases = (nn.Conv2d,)
-
-    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
-                 factor: int = -1, decompose_both: bool = False, full_matrix: bool = False):
-        _Scaled.__init__(self, base, rank, alpha, multiplier)
-        _conv_check(base, "LoKrConv2d")
-        a, c = factorization(base.out_channels, factor)
-        b, d = factorization(base.in_channels, factor)
-        k = tuple(base.kernel_size)
-        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
-        r = self.rank
-        names = []
-        if decompose_both and r < max(a, b) / 2 and not full_matrix:
-            self.lokr_w1_a = nn.Parameter(_kaiming(torch.empty(a, r, **kw)))
-            self.lokr_w1_b = nn.Parameter(_kaiming(torch.empty(r, b, **kw)))
-            names += ["w1a", "w1b"]
-        else:
-            self.lokr_w1 = nn.Parameter(_kaiming(torch.empty(a, b, **kw)))
-            names += ["w1"]
-        if r < max(c, d) / 2 and not full_matrix:
-            self.lokr_w2_a = nn.Parameter(torch.zeros(c, r, **kw))
-            self.lokr_w2_b = nn.Parameter(_kaiming(torch.empty(r, d, *k, **kw)))
-            names += ["w2a", "w2b"]
-        else:
-            self.lokr_w2 = nn.Parameter(torch.zeros(c, d, *k, **kw))
-            names += ["w2"]
-        self._names = tuple(names)
 
     def factors(self) -> Dict[str, torch.Tensor]:
         f = super().factors()
