@@ -43,7 +43,8 @@ Helpers: :func:`add_adapters` (replace matching submodules in place),
 :func:`merge_adapters`, :func:`unmerge_adapters`, :func:`adapters`,
 :func:`mark_only_adapters_trainable`, :func:`remove_adapters`,
 :func:`load_lycoris_state_dict` (build LoCon/LoHa/LoKr/DoRA/IA3/Full/diag-OFT/BOFT/Norm
-adapters from a LyCORIS network's state dict).
+adapters from a LyCORIS network's state dict) and :func:`lycoris_state_dict` (save them
+back in LyCORIS's format).
 
 Parameter names follow LyCORIS (``lora_up``/``lora_down``/``alpha``,
 ``hada_w1_a`` ..., ``lokr_w1`` ..., ``oft_blocks``/``rescale``, ``dora_scale``, ``w_norm``/``b_norm``)
@@ -77,7 +78,7 @@ __all__ = [
     "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "OFTConv2d", "BOFTConv2d", "IA3Conv2d", "FullConv2d",
     "NormAdapter", "ADAPTERS", "add_adapters", "adapters",
     "merge_adapters", "unmerge_adapters", "remove_adapters", "mark_only_adapters_trainable",
-    "factorization", "load_lycoris_state_dict",
+    "factorization", "load_lycoris_state_dict", "lycoris_state_dict",
 ]
 
 
@@ -911,13 +912,64 @@ def load_lycoris_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor
                 break
     built = {}
     for name, mod, sd in todo:
-        built[name] = _build_from_lycoris(name, mod, sd, multiplier)
+        ad = built[name] = _build_from_lycoris(name, mod, sd, multiplier)
+        ad._lyco_shapes = {k: tuple(v.shape) for k, v in sd.items()}  # lycoris_state_dict writes these back
     for name, ad in built.items():
         if name == "":
             return ad
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, ad)
     return model
+
+
+def lycoris_state_dict(model: nn.Module, prefix: str = "lycoris_") -> Dict[str, torch.Tensor]:
+    """The adapters of ``model`` as a LyCORIS network state dict: the inverse of
+    :func:`load_lycoris_state_dict` (load a network, train or edit it on the ops, save it for
+    any LyCORIS tool). Keys ``<prefix><module path with '.'→'_'>.<tensor>`` with LyCORIS's
+    tensor names; a tensor read by the loader keeps the shape it had there, the others have
+    the modules' shapes. Detached copies."""
+    out: Dict[str, torch.Tensor] = {}
+    for name, ad in adapters(model):
+        head = prefix + name.replace(".", "_") + "."
+        shapes = getattr(ad, "_lyco_shapes", {})
+        for k, t in _lycoris_tensors(ad).items():
+            t = t.detach().clone()
+            out[head + k] = t.reshape(shapes[k]) if k in shapes else t
+    return out
+
+
+def _lycoris_tensors(ad: AdapterModule) -> Dict[str, torch.Tensor]:
+    """LyCORIS tensor name -> tensor, for one adapter."""
+    if isinstance(ad, (LoRALinear, LoRAConv2d)):
+        t = {"lora_down.weight": ad.lora_down, "lora_up.weight": ad.lora_up, "alpha": ad.alpha}
+        if getattr(ad, "lora_mid", None) is not None:
+            t["lora_mid.weight"] = ad.lora_mid
+        if isinstance(ad, (DoRALinear, DoRAConv2d)):
+            t["dora_scale"] = ad.dora_scale
+        return t
+    if isinstance(ad, LoHaLinear):
+        t = {k: getattr(ad, k) for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
+        if getattr(ad, "hada_t1", None) is not None:
+            t.update(hada_t1=ad.hada_t1, hada_t2=ad.hada_t2)
+        return dict(t, alpha=ad.alpha)
+    if isinstance(ad, LoKrLinear):
+        attr = {"w1": "lokr_w1", "w1a": "lokr_w1_a", "w1b": "lokr_w1_b", "w2": "lokr_w2", "w2a": "lokr_w2_a",
+                "w2b": "lokr_w2_b", "t2": "lokr_t2"}
+        return dict({attr[n]: getattr(ad, attr[n]) for n in ad._names}, alpha=ad.alpha)
+    if isinstance(ad, OFTLinear):
+        t = {"oft_blocks": ad.oft_blocks}
+        if ad.rescale is not None:
+            t["rescale"] = ad.rescale
+        if ad.constraint or "alpha" in getattr(ad, "_lyco_shapes", {}):
+            t["alpha"] = torch.tensor(ad.constraint)
+        return t
+    if isinstance(ad, IA3Linear):
+        return {"weight": ad.ia3_weight, "on_input": torch.tensor(ad.train_on_input)}
+    if isinstance(ad, FullLinear):
+        return {"diff": ad.diff} if ad.diff_b is None else {"diff": ad.diff, "diff_b": ad.diff_b}
+    if isinstance(ad, NormAdapter):
+        return {"w_norm": ad.w_norm} if ad.b_norm is None else {"w_norm": ad.w_norm, "b_norm": ad.b_norm}
+    raise TypeError(f"lycoris_ops.nn.lycoris_state_dict: no LyCORIS form for {type(ad).__name__}")
 
 
 def _param(t: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
@@ -990,7 +1042,7 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
             if k in sd:
                 r = sd[k].shape[0]
                 break
-        _Scaled.__init__(ad, mod, r or 1, alpha if r else 1.0, multiplier)
+        _Scaled.__init__(ad, mod, r or 1, alpha, multiplier)  # (scale ignores alpha when no side is factored)
         names = []
         for k, n in (("lokr_w1", "w1"), ("lokr_w1_a", "w1a"), ("lokr_w1_b", "w1b"), ("lokr_w2", "w2"),
                      ("lokr_w2_a", "w2a"), ("lokr_w2_b", "w2b"), ("lokr_t2", "t2")):

@@ -427,6 +427,49 @@ def test_load_lycoris_conv_oft_ia3_full():
     torch.testing.assert_close(m[3].diff_b, sd["lycoris_3.diff_b"])
 
 
+def _round_trip_cases():
+    """(name, model factory, LyCORIS state dict) covering every algorithm the loader reads."""
+    g = torch.Generator().manual_seed(9)
+    r = lambda *sh: torch.randn(*sh, generator=g) * 0.3  # noqa: E731
+    lin = lambda: nn.Sequential(nn.Linear(24, 32), nn.GELU(), nn.Linear(32, 16), nn.GELU(), nn.Linear(16, 8))  # noqa: E731
+    conv = lambda: nn.Sequential(nn.Conv2d(6, 8, 3, stride=2, padding=1))  # noqa: E731
+    cases = [("linear-lora-loha-lokr", lin, _synthetic_lycoris_sd(g))]
+    cases += [(f"conv-{n}", conv, {f"lycoris_0.{k}": v for k, v in t.items()}) for n, t, _ in _conv_sd_cases()]
+    cases.append(("conv-dora", conv, {"lycoris_0.lora_up.weight": r(8, 2, 1, 1), "lycoris_0.lora_down.weight":
+                                      r(2, 6, 3, 3), "lycoris_0.alpha": torch.tensor(1.0),
+                                      "lycoris_0.dora_scale": r(8, 1, 1, 1).abs() + 0.5}))
+    cases.append(("linear-dora-oft-ia3-full", lambda: nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8),
+                                                                    nn.Linear(8, 4)), {
+        "lycoris_0.lora_up.weight": r(8, 2), "lycoris_0.lora_down.weight": r(2, 8), "lycoris_0.alpha": torch.tensor(2.0),
+        "lycoris_0.dora_scale": r(1, 8).abs() + 0.5,
+        "lycoris_1.oft_blocks": r(2, 4, 4), "lycoris_1.rescale": r(8, 1), "lycoris_1.alpha": torch.tensor(0.1),
+        "lycoris_2.weight": r(8), "lycoris_2.on_input": torch.tensor(False),
+        "lycoris_3.diff": r(4, 8), "lycoris_3.diff_b": r(4)}))
+    cases.append(("conv-boft-norms", lambda: nn.Sequential(nn.Conv2d(8, 8, 1), nn.GroupNorm(2, 8), nn.LayerNorm(8)), {
+        "lycoris_0.oft_blocks": r(2, 4, 2, 2), "lycoris_0.rescale": r(8, 1, 1, 1),
+        "lycoris_1.w_norm": r(8), "lycoris_1.b_norm": r(8), "lycoris_2.w_norm": r(8), "lycoris_2.b_norm": r(8)}))
+    return cases
+
+
+@pytest.mark.parametrize("case", _round_trip_cases(), ids=lambda c: c[0])
+def test_lycoris_state_dict_round_trip(case):
+    """load_lycoris_state_dict then lycoris_state_dict gives the same keys, shapes and values;
+    a trained parameter shows in the next export."""
+    _, make, sd = case
+    m = lnn.load_lycoris_state_dict(make(), sd)
+    out = lnn.lycoris_state_dict(m)
+    assert sorted(out) == sorted(sd)
+    for k, v in sd.items():
+        assert out[k].shape == v.shape, k
+        torch.testing.assert_close(out[k].to(v.dtype), v, msg=k)
+    name, ad = next(iter(lnn.adapters(m)))
+    p = next(p for p in ad.parameters() if p.requires_grad)
+    with torch.no_grad():
+        p.add_(1.0)
+    changed = [k for k, v in lnn.lycoris_state_dict(m).items() if not torch.equal(v.to(sd[k].dtype), sd[k])]
+    assert changed and all(k.startswith(f"lycoris_{name.replace('.', '_')}.") for k in changed)
+
+
 def test_conv_adapters_start_at_zero_and_tucker_on_linear_raises():
     torch.manual_seed(0)
     x = torch.randn(2, 8, 6, 6)
