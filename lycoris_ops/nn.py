@@ -13,11 +13,12 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``LoHaConv2d``     ``base(x) + conv(x, s·ΔW)`` (ΔW via the merge op)           ``loha.bypass``
 ``LoKrLinear``     ``base(x) + s·x·kron(w1, w2)ᵀ`` (w2 = w2a·w2b if factored)  ``lokr.lokr_bypass``
 ``LoKrConv2d``     ``base(x) + conv(x, s·kron(w1, w2))`` (ΔW never built)      ``lokr.lokr_bypass_conv``
-``DoRALinear``     ``F.linear(x, wd(W + s·up·down), b)``                       ``locon.bypass`` + ``dora.lowrank_norm_terms``
-``DoRAConv2d``     ``conv(x, wd(W + s·ΔW), b)`` (W' built: a conv weight)       ``dora.weight_decompose``
+``DoRALinear``     ``F.linear(x, wd(W + α/r·up·down), b)`` (m only in wd)       ``locon.bypass`` + ``dora.lowrank_norm_terms``
+``DoRAConv2d``     ``conv(x, wd(W + α/r·ΔW), b)`` (W' built each call)       ``dora.weight_decompose``
 ``OFTLinear``      ``diag(ρ)·Rᵀ·(x·Wᵀ) + b`` (diag-OFT on the output channels)  ``diag_oft.bypass``
 ``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
 ``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_bypass``
+                   (LyCORIS's, ``scale_bias=False``: ``(x·Wᵀ)⊙(1 + m·w) + b``)
 ``FullLinear``     ``F.linear(x, W + m·diff, b + m·diff_b)``                   ``full.scaled_add``
 ``*Conv2d``        OFT / BOFT / IA3 / Full on a conv: the conv with the merged  the merge ops
                    (O, I, kh, kw) weight, built each call
@@ -468,8 +469,8 @@ class _AdaptedNorms(torch.autograd.Function):
 
 
 class DoRALinear(LoRALinear):
-    """LoRA + weight decompose: ``W' = wd(W + γ·up·down)`` with ``wd(M) = M·(m·(dora_scale/‖M‖ − 1) + 1)``,
-    norms per output row (``wd_on_out=True``, dora_scale (O, 1)) or per input column (dora_scale
+    """LoRA + weight decompose: ``W' = wd(W + s·up·down)`` with ``wd(M) = M·(m·(dora_scale/‖M‖ − 1) + 1)``,
+    s = alpha/rank (the multiplier m only blends the rescale, as LyCORIS does), norms per output row (``wd_on_out=True``, dora_scale (O, 1)) or per input column (dora_scale
     (1, I)); dora_scale starts at ‖W‖ so the initial layer is unchanged.
 
     Forward without building W': the rescale is a vector s, so ``x·W'ᵀ = s ⊙ (x·Mᵀ)`` (rows) or
@@ -491,14 +492,14 @@ class DoRALinear(LoRALinear):
 
     def _weight(self):
         W = self.base.weight
-        delta = _locon.merge(self.lora_up, self.lora_down, self.scale * self.multiplier, out_dtype=W.dtype)
+        delta = _locon.merge(self.lora_up, self.lora_down, self.scale, out_dtype=W.dtype)
         return _dora.weight_decompose(W, self.dora_scale, self.multiplier, self.wd_on_out, delta=delta).to(W.dtype)
 
     def _rescale(self):
         """s = m·(dora_scale/n − 1) + 1, fp32, one per output row (wd_on_out) or input column."""
         d = self.dora_scale.reshape(-1)
         n, _, _ = _AdaptedNorms.apply(self.base.weight, torch.finfo(d.dtype).eps, self.lora_up, self.lora_down,
-                                      self.gamma, 0 if self.wd_on_out else 1)
+                                      self.scale, 0 if self.wd_on_out else 1)
         return (d.to(n.dtype) / n).mul_(self.multiplier).add_(1 - self.multiplier)
 
     def adapter_forward(self, x):
@@ -507,7 +508,7 @@ class DoRALinear(LoRALinear):
         s = self._rescale()
         if not self.wd_on_out:
             x = x * s.to(x.dtype)
-        z = _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, base=F.linear(x, self.base.weight))
+        z = _locon.bypass(x, self.lora_up, self.lora_down, self.scale, base=F.linear(x, self.base.weight))
         if self.wd_on_out:
             s = s.to(z.dtype)
             return z * s if self.base.bias is None else torch.addcmul(self.base.bias, z, s)
@@ -518,7 +519,8 @@ class DoRALinear(LoRALinear):
 
 
 class DoRAConv2d(LoRAConv2d):
-    """DoRA on a conv: ``W' = wd(W + γ·ΔW)`` on the (O, I, kh, kw) weight, norms per output
+    """DoRA on a conv: ``W' = wd(W + s·ΔW)`` on the (O, I, kh, kw) weight (s = alpha/rank; see
+    ``DoRALinear``), norms per output
     channel (``wd_on_out``, dora_scale (O, 1, 1, 1)) or per input channel over the outputs and
     the kernel (dora_scale (1, I, 1, 1)), then the layer's conv with W'. A conv weight is small
     next to its activations: W' is built each call (``lora_merge_fwd``/``lora_tucker_fwd`` for
@@ -537,7 +539,7 @@ class DoRAConv2d(LoRAConv2d):
 
     def _weight(self):
         W = self.base.weight
-        delta = _locon.merge(self.lora_up, self.lora_down, self.gamma, mid=self.lora_mid, out_dtype=W.dtype)
+        delta = _locon.merge(self.lora_up, self.lora_down, self.scale, mid=self.lora_mid, out_dtype=W.dtype)
         return _dora.weight_decompose(W, self.dora_scale, self.multiplier, self.wd_on_out, delta=delta).to(W.dtype)
 
     def adapter_forward(self, x):
@@ -627,27 +629,35 @@ class BOFTLinear(OFTLinear):
 
 class IA3Linear(AdapterModule):
     """``y = base(x)⊙(1 + m·w)`` (w: O, zero init), or with ``train_on_input``
-    ``y = base(x⊙(1 + m·w))`` (w: I). The merge scales W's rows (and the bias) or columns."""
+    ``y = base(x⊙(1 + m·w))`` (w: I). The merge scales W's rows (and the bias) or columns.
+    ``scale_bias=False`` (LyCORIS's IA3; the loader sets it): on the output only the weight's
+    rows are scaled, ``y = (x·Wᵀ)⊙(1 + m·w) + b``."""
 
     additive = False
     uses_rank = False
 
-    def __init__(self, base: nn.Linear, multiplier: float = 1.0, train_on_input: bool = False):
+    def __init__(self, base: nn.Linear, multiplier: float = 1.0, train_on_input: bool = False,
+                 scale_bias: bool = True):
         super().__init__(base, multiplier)
         self.train_on_input = bool(train_on_input)
+        self.scale_bias = bool(scale_bias)
         n = _out_in(base)[1 if train_on_input else 0]
         self.ia3_weight = nn.Parameter(torch.zeros(n, device=base.weight.device, dtype=base.weight.dtype))
 
     def adapter_forward(self, x):
         if self.train_on_input:
             return self.base(_ia3.ia3_scale(x, self.ia3_weight, -1, self.multiplier).to(x.dtype))
-        y = self.base(x)
-        return _ia3.ia3_scale(y, self.ia3_weight, -1, self.multiplier).to(y.dtype)
+        b = self.base.bias
+        if self.scale_bias or b is None:
+            y = self.base(x)
+            return _ia3.ia3_scale(y, self.ia3_weight, -1, self.multiplier).to(y.dtype)
+        y = F.linear(x, self.base.weight)
+        return _ia3.ia3_scale(y, self.ia3_weight, -1, self.multiplier).to(y.dtype) + b
 
     def merged_weight(self):
         W, b = self.base.weight, self.base.bias
         w = _ia3.ia3_merge(W, self.ia3_weight, self.multiplier, self.train_on_input).to(W.dtype)
-        if b is not None and not self.train_on_input:
+        if b is not None and not self.train_on_input and self.scale_bias:
             b = _ia3.ia3_scale(b, self.ia3_weight, 0, self.multiplier).to(b.dtype)
         return w, b
 
@@ -1066,7 +1076,7 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
         return ad
     if algo == "ia3":
         on_input = bool(sd["on_input"])
-        ad = (IA3Conv2d if conv else IA3Linear)(mod, multiplier, on_input)
+        ad = (IA3Conv2d if conv else IA3Linear)(mod, multiplier, on_input, scale_bias=False)
         ad.ia3_weight = _param(sd["weight"].reshape(-1), w)
         return ad
     ad = (FullConv2d if conv else FullLinear)(mod, multiplier)

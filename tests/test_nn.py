@@ -52,7 +52,7 @@ def _oracle(ad, x):
         dw = ((ad.hada_w1_a @ ad.hada_w1_b) * (ad.hada_w2_a @ ad.hada_w2_b)).reshape(W.shape)
         return F.conv2d(x, W + ad.gamma * dw, bias, b.stride, b.padding, b.dilation)
     if isinstance(ad, lnn.DoRALinear):
-        M = W + ad.gamma * torch.einsum("or,ri->oi", ad.lora_up, ad.lora_down)
+        M = W + ad.scale * torch.einsum("or,ri->oi", ad.lora_up, ad.lora_down)  # the multiplier only blends
         n = M.norm(dim=1 if ad.wd_on_out else 0, keepdim=True) + torch.finfo(torch.float32).eps
         return F.linear(x, M * (ad.multiplier * (ad.dora_scale / n - 1) + 1), bias)
     if isinstance(ad, lnn.LoRALinear):
@@ -348,7 +348,7 @@ def test_load_lycoris_conv_dora(on_out, tucker):
     lnn.load_lycoris_state_dict(m, {f"lycoris_0.{k}": v for k, v in sd.items()}, multiplier=mult)
     ad = m[0]
     assert isinstance(ad, lnn.DoRAConv2d) and ad.wd_on_out == on_out and (ad.lora_mid is not None) == tucker
-    M = ref.weight + mult * 0.5 * dw
+    M = ref.weight + 0.5 * dw  # LyCORIS: the multiplier only blends the rescale
     n = torch.linalg.vector_norm(M, dim=dims, keepdim=True) + torch.finfo(torch.float32).eps
     Wp = M * (mult * (sd["dora_scale"] / n - 1) + 1)
     x = torch.randn(2, 6, 7, 5)
