@@ -15,6 +15,11 @@ restores the original forwards. Supported (fast path):
   is no dropout);
 - ``peft.tuners.loha.Linear`` (non-tucker): ``loha_bypass_fwd``;
 - ``peft.tuners.lokr.Linear`` (non-tucker): ``lokr_bypass_fwd``;
+- ``peft.tuners.lora.Conv2d`` (vanilla LoRA): the rank-r conv with lora_A's own
+  stride/padding/dilation, then the 1×1 up conv (``functional.locon.bypass``);
+- ``peft.tuners.loha.Conv2d`` (non-tucker): ``conv(x, s·ΔW)`` with ΔW from the merge op;
+- ``peft.tuners.lokr.Conv2d`` (whole, factored or tucker w2): ``lokr_bypass_conv``
+  (x convolved with w2 per group of input channels, contracted with w1; ΔW never built);
 - ``peft.tuners.ia3.Linear``: ``ia3_fwd`` on the output (or the input for
   feed-forward layers);
 - ``peft.tuners.oft.Linear`` / ``Conv2d`` / ``Embedding`` with the exact Cayley
@@ -42,9 +47,10 @@ restores the original forwards. Supported (fast path):
 
 Anything else falls back to PEFT's own forward per call: merged or disabled
 adapters, ``adapter_names=`` mixed batches, extra forward args, ``fan_in_fan_out``,
-non-``nn.Linear``/``nn.Conv2d``/``nn.Embedding`` (e.g. quantized) base layers,
+non-``nn.Linear``/``nn.Conv2d``/``nn.Embedding`` (e.g. quantized) base layers, grouped or
+non-zero-padded convs, LoHa's tucker convs (``use_effective_conv2d``), DoRA on convs,
 other LoRA variants, ``lora_bias``, LoHa/LoKr rank or module dropout in
-training, tucker factors; OFT with the Cayley–Neumann series
+training, tucker factors on linear layers; OFT with the Cayley–Neumann series
 (``use_cayley_neumann=True``, **PEFT's default**: a truncated series, not the
 exact Cayley transform our ops compute — their outputs differ by far more than
 a dtype tolerance once the blocks move from zero — in PEFT 0.21.2 the series
@@ -139,6 +145,36 @@ def _lora_forward(self, x, *args, **kwargs):
     return result.to(out_dtype)
 
 
+def _conv_ok(self, x, args, kwargs) -> bool:
+    """A plain 2-D conv base (groups 1, zero padding) on a batched (4-D) input."""
+    if not _common_ok(self, x, args, kwargs, nn.Conv2d) or x.dim() != 4:
+        return False
+    base = self.get_base_layer()
+    return base.groups == 1 and base.padding_mode == "zeros" and not isinstance(base.padding, str)
+
+
+def _lora_conv_forward(self, x, *args, **kwargs):
+    """PEFT's LoRA Conv2d: ``base(x) + s·B(A(dropout(x)))``, A the rank-r conv with its own
+    stride/padding/dilation, B 1×1 (``functional.locon.bypass``'s conv chain)."""
+    if not _conv_ok(self, x, args, kwargs):
+        return type(self).forward(self, x, *args, **kwargs)
+    active = [a for a in self.active_adapters if a in self.lora_A.keys()]
+    for a in active:
+        A, B = self.lora_A[a], self.lora_B[a]
+        if (a in getattr(self, "lora_variant", {}) or B.bias is not None or A.groups != 1 or B.groups != 1
+                or tuple(B.kernel_size) != (1, 1) or isinstance(A.padding, str)):
+            return type(self).forward(self, x, *args, **kwargs)
+    result = self.get_base_layer()(x)
+    out_dtype = result.dtype
+    for a in active:
+        A, B = self.lora_A[a], self.lora_B[a]
+        dropout = self.lora_dropout[a]
+        xd = x if isinstance(dropout, nn.Identity) or not self.training else dropout(x)
+        result = _locon.bypass(xd, B.weight, A.weight, float(self.scaling[a]), base=result, stride=A.stride,
+                               padding=A.padding, dilation=A.dilation)
+    return result.to(out_dtype)
+
+
 def _lyco_ok(self, a) -> bool:
     if self.training and (self.rank_dropout[a] or self.module_dropout[a]):
         return False
@@ -159,6 +195,42 @@ def _loha_forward(self, x, *args, **kwargs):
     return result.to(dt)
 
 
+def _loha_conv_forward(self, x, *args, **kwargs):
+    """PEFT's LoHa Conv2d (w1b/w2b (r, I·kh·kw)): ``base(x) + conv(x, s·ΔW)``, ΔW by the merge op."""
+    if not _conv_ok(self, x, args, kwargs):
+        return type(self).forward(self, x, *args, **kwargs)
+    active = [a for a in self.active_adapters if a in self._available_adapters]
+    if any(a in self.hada_t1 or not _lyco_ok(self, a) for a in active):
+        return type(self).forward(self, x, *args, **kwargs)
+    base = self.get_base_layer()
+    result = base(x)
+    dt = x.dtype
+    for a in active:
+        result = _loha.bypass(x, self.hada_w1_a[a], self.hada_w1_b[a], self.hada_w2_a[a], self.hada_w2_b[a],
+                              float(self.scaling[a]), base=result, kernel_size=base.kernel_size,
+                              stride=base.stride, padding=base.padding, dilation=base.dilation)
+    return result.to(dt)
+
+
+def _lokr_factors(self, a, kernel=None):
+    """PEFT's LoKr tensors of adapter ``a`` as ``functional.lokr`` factors (a conv's flattened
+    w2b (r, d·kh·kw) gets its kernel axes back)."""
+    f = {}
+    if a in self.lokr_w1:
+        f["w1"] = self.lokr_w1[a]
+    else:
+        f["w1a"], f["w1b"] = self.lokr_w1_a[a], self.lokr_w1_b[a]
+    if a in self.lokr_w2:
+        f["w2"] = self.lokr_w2[a]
+    else:
+        f["w2a"], f["w2b"] = self.lokr_w2_a[a], self.lokr_w2_b[a]
+        if a in self.lokr_t2:
+            f["t2"] = self.lokr_t2[a]
+        elif kernel is not None:
+            f["w2b"] = f["w2b"].reshape(f["w2b"].shape[0], -1, *kernel)
+    return f
+
+
 def _lokr_forward(self, x, *args, **kwargs):
     if not _common_ok(self, x, args, kwargs):
         return type(self).forward(self, x, *args, **kwargs)
@@ -168,16 +240,24 @@ def _lokr_forward(self, x, *args, **kwargs):
     result = self.get_base_layer()(x)
     dt = x.dtype
     for a in active:
-        f = {}
-        if a in self.lokr_w1:
-            f["w1"] = self.lokr_w1[a]
-        else:
-            f["w1a"], f["w1b"] = self.lokr_w1_a[a], self.lokr_w1_b[a]
-        if a in self.lokr_w2:
-            f["w2"] = self.lokr_w2[a]
-        else:
-            f["w2a"], f["w2b"] = self.lokr_w2_a[a], self.lokr_w2_b[a]
-        result = _lokr.lokr_bypass(x, **f, scale=float(self.scaling[a]), base=result)
+        result = _lokr.lokr_bypass(x, **_lokr_factors(self, a), scale=float(self.scaling[a]), base=result)
+    return result.to(dt)
+
+
+def _lokr_conv_forward(self, x, *args, **kwargs):
+    """PEFT's LoKr Conv2d (whole, factored or tucker w2): ``lokr_bypass_conv`` (ΔW never built)."""
+    if not _conv_ok(self, x, args, kwargs):
+        return type(self).forward(self, x, *args, **kwargs)
+    active = [a for a in self.active_adapters if a in self._available_adapters]
+    if any(not _lyco_ok(self, a) for a in active):
+        return type(self).forward(self, x, *args, **kwargs)
+    base = self.get_base_layer()
+    result = base(x)
+    dt = x.dtype
+    for a in active:
+        result = _lokr.lokr_bypass_conv(x, **_lokr_factors(self, a, tuple(base.kernel_size)),
+                                        scale=float(self.scaling[a]), base=result, stride=base.stride,
+                                        padding=base.padding, dilation=base.dilation)
     return result.to(dt)
 
 
@@ -429,9 +509,9 @@ def _boft_conv2d_forward(self, x, *args, **kwargs):
 
 #: PEFT module -> {layer class name: our forward}
 _FORWARDS = {
-    "peft.tuners.lora": {"Linear": _lora_forward},
-    "peft.tuners.loha": {"Linear": _loha_forward},
-    "peft.tuners.lokr": {"Linear": _lokr_forward},
+    "peft.tuners.lora": {"Linear": _lora_forward, "Conv2d": _lora_conv_forward},
+    "peft.tuners.loha": {"Linear": _loha_forward, "Conv2d": _loha_conv_forward},
+    "peft.tuners.lokr": {"Linear": _lokr_forward, "Conv2d": _lokr_conv_forward},
     "peft.tuners.ia3": {"Linear": _ia3_forward},
     "peft.tuners.oft.layer": {"Linear": _oft_linear_forward, "Conv2d": _oft_conv2d_forward,
                               "Embedding": _oft_embedding_forward},

@@ -383,3 +383,78 @@ def test_oft_boft_compile_fullgraph(fbd):
             x = mk(big)
             ref = m(x)
             torch.testing.assert_close(compiled(x), ref, rtol=1e-5, atol=1e-6)
+
+
+def _conv_configs():
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+    t = ["0", "2"]
+    return {
+        "lora-conv": LoraConfig(r=4, lora_alpha=8, target_modules=t),
+        "lora-conv-dropout": LoraConfig(r=4, lora_alpha=8, target_modules=t, lora_dropout=0.25),
+        "loha-conv": LoHaConfig(r=3, alpha=6, target_modules=t),
+        "lokr-conv": LoKrConfig(r=2, alpha=4, target_modules=t),
+        "lokr-conv-whole": LoKrConfig(r=8, alpha=4, target_modules=t),
+        "lokr-conv-both": LoKrConfig(r=1, alpha=4, target_modules=t, decompose_both=True, decompose_factor=4),
+        "lokr-conv-tucker": LoKrConfig(r=2, alpha=4, target_modules=t, use_effective_conv2d=True),
+    }
+
+
+@pytest.mark.parametrize("name", list(_conv_configs()))
+def test_patched_conv_matches_peft(name, monkeypatch):
+    """PEFT's LoRA / LoHa / LoKr Conv2d layers on our ops: PEFT's outputs and gradients
+    (strided and padded convs, dilated for LoHa/LoKr; LoKr whole, factored and tucker), no fallback."""
+    from peft import get_peft_model
+    torch.manual_seed(0)
+    dil = 1 if name.startswith("lora") else 2  # PEFT's LoRA conv ignores the base's dilation (its own forward fails)
+    base = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1, stride=2), nn.GELU(),
+                         nn.Conv2d(16, 16, 3, padding=dil, dilation=dil))
+    m = get_peft_model(base, _conv_configs()[name])
+    _perturb(m)
+    m.train()
+    x = torch.randn(2, 8, 9, 11)
+    ref = _run(m, x)
+    assert patch_peft(m) == 2
+    layer_types = {type(mod) for mod in m.modules() if getattr(mod, "_lycoris_ops_patched", False)}
+    with monkeypatch.context() as mp:  # the fast path must not fall back to PEFT's forward
+        for t in layer_types:
+            mp.setattr(t, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fallback")))
+        got = _run(m, x)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == ref[2].keys()
+    for k in ref[2]:
+        torch.testing.assert_close(got[2][k], ref[2][k], rtol=1e-4, atol=1e-5, msg=k)
+    assert unpatch_peft(m) == 2
+
+
+def test_patched_conv_falls_back_where_unsupported():
+    """Grouped convs and LoHa's tucker layout (use_effective_conv2d) keep PEFT's forward."""
+    from peft import LoHaConfig, LoraConfig, get_peft_model
+    for base, cfg in ((nn.Sequential(nn.Conv2d(8, 16, 3, groups=2)), LoraConfig(r=2, target_modules=["0"])),
+                      (nn.Sequential(nn.Conv2d(8, 16, 3)),
+                       LoHaConfig(r=2, alpha=4, target_modules=["0"], use_effective_conv2d=True))):
+        torch.manual_seed(0)
+        m = get_peft_model(base, cfg)
+        _perturb(m)
+        x = torch.randn(2, 8, 7, 7)
+        with torch.no_grad():
+            want = m(x)
+            patch_peft(m)
+            torch.testing.assert_close(m(x), want)
+
+
+@pytest.mark.parametrize("name", ["lora-conv", "lokr-conv"])
+def test_patched_conv_compile_fullgraph(name):
+    from peft import get_peft_model
+    from torch._dynamo.backends.debugging import aot_eager
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = get_peft_model(nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.GELU(), nn.Conv2d(16, 16, 3)),
+                       _conv_configs()[name])
+    _perturb(m)
+    m.eval()
+    patch_peft(m)
+    x = torch.randn(2, 8, 7, 7)
+    ref = m(x)
+    compiled = torch.compile(m.base_model.model, fullgraph=True, backend=aot_eager)
+    torch.testing.assert_close(compiled(x), ref)
