@@ -428,38 +428,11 @@ def main(argv=None):
             print(f"  {k.split('|', 2)[-1]}: {row.get('ms')} ms, eager {times.get('eager')} ms, "
                   f"best fused {best}, picked {json.dumps(row.get('config'), sort_keys=True)}")
     if args.plot:
-        plot(rows, args.per_op_csv, os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e_ratios.png"))
+        import plot as ratio_plot  # bench/plot.py
+        ratio_plot.plot([r for r in rows if r["x_eager"] == r["x_eager"]],
+                        ratio_plot.per_op_rows([args.per_op_csv]) if args.per_op_csv else None,
+                        os.path.join(os.path.dirname(os.path.abspath(__file__)), "e2e_ratios.png"))
     return rows
-
-
-def plot(rows, per_op_csv, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    panels = 2 if per_op_csv else 1
-    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.5), squeeze=False)
-    ax = axes[0][0]
-    labels = [f"{r['adapter']}\n{r['variant']}" for r in rows]
-    ax.bar(range(len(rows)), [r["x_eager"] for r in rows])
-    ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rows)), labels, rotation=90, fontsize=7)
-    ax.set_ylabel("speed-up vs eager (step)")
-    ax.set_title("end-to-end training step")
-    if per_op_csv:
-        import csv
-        with open(per_op_csv) as f:
-            data = [r for r in csv.DictReader(f) if r.get("kind") == "time" and r.get("column") == "ours"
-                    and r.get("x_eager") not in (None, "")]
-        ax2 = axes[0][1]
-        lab = [f"{r['spec']} {r['shape']} {r['dtype']} {r['phase']}" for r in data]
-        ax2.bar(range(len(data)), [float(r["x_eager"]) for r in data])
-        ax2.axhline(1.0, color="k", lw=0.8)
-        ax2.set_xticks(range(len(data)), lab, rotation=90, fontsize=5)
-        ax2.set_ylabel("eager / ours (per op)")
-        ax2.set_title("per op")
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

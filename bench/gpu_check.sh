@@ -47,7 +47,12 @@ touch "$work/status"
 
 finish() {  # pack and summarize, also when an outer timeout stops the script
   trap - EXIT TERM INT
-  for f in "$work"/*.log bench/e2e_ratios.png; do [ -f "$f" ] && cp "$f" "$out/"; done
+  if [ -f "$out/e2e.json" ] || compgen -G "$out/bench-*.csv" >/dev/null; then  # the ratio plot, both panels
+    $py bench/plot.py $([ -f "$out/e2e.json" ] && echo --e2e "$out/e2e.json") \
+      $(for c in "$out"/bench-*.csv; do [ -f "$c" ] && echo --csv "$c"; done) --out "$out/e2e_ratios.png" \
+      >>"$work/plot.log" 2>&1 || echo "plot: failed (matplotlib?)" >>"$work/plot.log"
+  fi
+  for f in "$work"/*.log; do [ -f "$f" ] && cp "$f" "$out/"; done
   tar czf "$final/results.tgz" -C "$out" . && echo "packed: $final/results.tgz"
   echo; echo "== summary"
   [ -f "$work/e2e.log" ] && grep -A40 "^E2E" "$work/e2e.log" | head -30
@@ -100,7 +105,7 @@ e2e_lane() {  # $1: CUDA_VISIBLE_DEVICES
   [ "${LYCORIS_E2E_ARGS:-}" = skip ] && return
   export CUDA_VISIBLE_DEVICES=$1
   echo "== end-to-end training step (GPU $1)"
-  timeout -s INT "${LYCORIS_E2E_SECONDS:-900}" $py bench/e2e.py --out "$out" --plot --profile ${LYCORIS_E2E_ARGS:-} \
+  timeout -s INT "${LYCORIS_E2E_SECONDS:-900}" $py bench/e2e.py --out "$out" --profile ${LYCORIS_E2E_ARGS:-} \
     >"$work/e2e.log" 2>&1; rc=$?
   echo "e2e: exit $rc" >>"$work/status"
 }
