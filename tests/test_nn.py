@@ -626,6 +626,33 @@ def test_export_round_trip(tmp_path):
         torch.testing.assert_close(ep2.module()(x), m(x))
 
 
+def test_conv_adapters_export_round_trip(tmp_path):
+    """A conv stack with LoKr, DoRA (tucker), OFT, IA3 and Norm adapters exports with the ops
+    in the graph, saves, loads and runs at another batch size; merged, it exports plain."""
+    torch.manual_seed(0)
+    m = nn.Sequential(lnn.LoKrConv2d(nn.Conv2d(8, 16, 3, padding=1), rank=2), nn.GELU(),
+                      lnn.DoRAConv2d(nn.Conv2d(16, 16, 3, padding=1), rank=2, use_tucker=True),
+                      lnn.NormAdapter(nn.GroupNorm(4, 16)),
+                      lnn.OFTConv2d(nn.Conv2d(16, 16, 1), block_size=4),
+                      lnn.IA3Conv2d(nn.Conv2d(16, 8, 3)))
+    _perturb(m)
+    x = torch.randn(2, 8, 7, 7)
+    batch = torch.export.Dim("batch", min=1, max=64)
+    ep = torch.export.export(m, (x,), dynamic_shapes={"input": {0: batch}})
+    targets = " ".join(_lycoris_targets(ep.graph_module))
+    for op in ("lora_tucker_fwd", "dora_fwd", "add_scaled", "oft_fwd", "ia3_fwd"):
+        assert op in targets, (op, targets)
+    path = tmp_path / "conv.pt2"
+    torch.export.save(ep, path)
+    x2 = torch.randn(5, 8, 7, 7)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.export.load(path).module()(x2), m(x2), rtol=1e-4, atol=1e-5)
+        want = m(x2)
+        lnn.merge_adapters(m)
+        torch.testing.assert_close(m(x2), want, rtol=1e-4, atol=1e-5)
+    assert not _lycoris_targets(torch.export.export(m, (x,)).graph_module)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("wd_on_out", [True, False], ids=["rows", "cols"])
 def test_dora_bypass_equals_merged_weight(dtype, wd_on_out):
