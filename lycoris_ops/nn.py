@@ -445,18 +445,16 @@ class _AdaptedNorms(torch.autograd.Function):
         """(Wv, a, b) with the norms over the rows of ``Wv + γ·a·b``."""
         return (W, up, down) if row_axis == 0 else (W.t(), down.t(), up.t())
 
+    # forward(ctx, ...) rather than forward + setup_context: torch binds a setup_context
+    # Function's arguments through inspect.signature on every apply (host time per layer/step)
     @staticmethod
-    def forward(W, eps, up, down, gamma, row_axis):
+    def forward(ctx, W, eps, up, down, gamma, row_axis):
         m2, P, S = _dora.lowrank_norm_terms(*_AdaptedNorms._as_rows(W, up, down, row_axis), gamma)
-        return m2.clamp_min(0).sqrt() + eps, P, S
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        W, eps, up, down, gamma, row_axis = inputs
-        n, P, S = output
+        n = m2.clamp_min_(0).sqrt_().add_(eps)
         ctx.save_for_backward(W, up, down, n, P, S)
         ctx.eps, ctx.gamma, ctx.row_axis = eps, gamma, row_axis
         ctx.mark_non_differentiable(P, S)
+        return n, P, S
 
     @staticmethod
     def backward(ctx, g_n, _g_p, _g_s):
