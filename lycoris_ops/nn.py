@@ -920,7 +920,17 @@ def load_lycoris_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor
                 break
     built = {}
     for name, mod, sd in todo:
-        ad = built[name] = _build_from_lycoris(name, mod, sd, multiplier)
+        try:
+            ad = built[name] = _build_from_lycoris(name, mod, sd, multiplier)
+            with torch.no_grad():  # the tensors must make this layer's weight (not another model's)
+                merged = ad.merged_weight()[0]
+            if merged.shape != mod.weight.shape:
+                raise RuntimeError(f"they make a weight of shape {tuple(merged.shape)}")
+        except (RuntimeError, KeyError, TypeError, ValueError) as e:  # shapes of another model, a missing tensor
+            shapes = {k: tuple(v.shape) for k, v in sd.items()}
+            raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name or 'the model'} "
+                             f"({type(mod).__name__} with weight {tuple(mod.weight.shape)}) cannot take the "
+                             f"LyCORIS tensors {shapes}: {type(e).__name__}: {e}") from e
         ad._lyco_shapes = {k: tuple(v.shape) for k, v in sd.items()}  # lycoris_state_dict writes these back
     for name, ad in built.items():
         if name == "":

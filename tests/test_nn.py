@@ -470,6 +470,15 @@ def test_lycoris_state_dict_round_trip(case):
     assert changed and all(k.startswith(f"lycoris_{name.replace('.', '_')}.") for k in changed)
 
 
+def test_load_lycoris_state_dict_wrong_model_names_the_layer():
+    sd = {"lycoris_0.lora_down.weight": torch.zeros(2, 24), "lycoris_0.lora_up.weight": torch.zeros(32, 2)}
+    with pytest.raises(ValueError, match=r"0 \(Linear with weight \(8, 16\)\).*lora_down.weight"):
+        lnn.load_lycoris_state_dict(nn.Sequential(nn.Linear(16, 8)), sd)
+    with pytest.raises(ValueError, match="hada_w2_a"):  # an incomplete LoHa
+        lnn.load_lycoris_state_dict(nn.Sequential(nn.Linear(16, 8)), {
+            "lycoris_0.hada_w1_a": torch.zeros(8, 2), "lycoris_0.hada_w1_b": torch.zeros(2, 16)})
+
+
 def test_conv_adapters_start_at_zero_and_tucker_on_linear_raises():
     torch.manual_seed(0)
     x = torch.randn(2, 8, 6, 6)
