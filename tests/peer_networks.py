@@ -64,9 +64,14 @@ def main(path):
         with torch.no_grad():
             for p in net.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.shape and p.numel() == 1 else 0.0))
-            y = model(x)
-        out["nets"][name] = {"base": base, "sd": {k: v.clone() for k, v in net.state_dict().items()}, "y": y,
-                             "multiplier": 0.8}
+        xg = x.clone().requires_grad_(True)
+        y = model(xg)
+        y.square().sum().backward()  # gradients of the network's tensors and of the input
+        sd = net.state_dict(keep_vars=True)
+        # the parameters saved under their own name (Full saves a derived ``diff`` instead)
+        grads = {n: p.grad.clone() for n, p in net.named_parameters() if n in sd and p.grad is not None}
+        out["nets"][name] = {"base": base, "sd": {k: v.detach().clone() for k, v in sd.items()}, "y": y.detach(),
+                             "grads": grads, "gx": xg.grad.clone(), "multiplier": 0.8}
     torch.save(out, path)
 
 

@@ -5,8 +5,8 @@ tests/peer_networks.py runs in a subprocess with the peer on its path (the two p
 cannot share a process: both register the ``lycoris`` operator namespace) and saves, per
 algorithm, a small model's base weights, a LyCORIS network's state dict with random adapter
 tensors, an input and the network's output. Here ``load_lycoris_state_dict`` rebuilds the
-network on our ops: same output (fp32), and ``lycoris_state_dict`` gives back the same
-state dict.
+network on our ops: same output and the same gradients for the input and every adapter
+tensor (fp32), and ``lycoris_state_dict`` gives back the same state dict.
 """
 import os
 import subprocess
@@ -47,10 +47,20 @@ def test_network_on_our_ops_matches_lycoris(peer_networks, name):
     lnn.load_lycoris_state_dict(model, net["sd"], multiplier=net["multiplier"])
     kinds = {type(a).__name__ for _, a in lnn.adapters(model)}
     assert len(list(lnn.adapters(model))) == 5, kinds  # conv, two norms, two linears
-    with torch.no_grad():
-        y = model(peer_networks["x"])
-    err = ((y - net["y"]).norm() / net["y"].norm()).item()
+    x = peer_networks["x"].clone().requires_grad_(True)
+    y = model(x)
+    err = ((y.detach() - net["y"]).norm() / net["y"].norm()).item()
     assert err < 1e-5, f"{name}: rel err {err:.2e} against lycoris-lora ({sorted(kinds)})"
+    y.square().sum().backward()
+    torch.testing.assert_close(x.grad, net["gx"], rtol=1e-4, atol=1e-6)
+    ours = {}  # our parameters under LyCORIS's names, for their gradients
+    for mname, ad in lnn.adapters(model):
+        for k, t in lnn._lycoris_tensors(ad).items():
+            if isinstance(t, torch.nn.Parameter):
+                ours[f"lycoris_{mname.replace('.', '_')}.{k}"] = t
+    assert net["grads"] and set(net["grads"]) <= set(ours), sorted(set(net["grads"]) - set(ours))
+    for k, g in net["grads"].items():
+        torch.testing.assert_close(ours[k].grad.reshape(g.shape), g, rtol=1e-4, atol=1e-6, msg=k)
     back = lnn.lycoris_state_dict(model)
     assert sorted(back) == sorted(net["sd"])
     for k, v in net["sd"].items():
