@@ -20,8 +20,8 @@ restores the original forwards. Supported (fast path):
 - ``peft.tuners.loha.Conv2d`` (non-tucker): ``conv(x, s·ΔW)`` with ΔW from the merge op;
 - ``peft.tuners.lokr.Conv2d`` (whole, factored or tucker w2): ``lokr_bypass_conv``
   (x convolved with w2 per group of input channels, contracted with w1; ΔW never built);
-- ``peft.tuners.ia3.Linear``: ``ia3_fwd`` on the output (or the input for
-  feed-forward layers);
+- ``peft.tuners.ia3.Linear`` / ``Conv2d``: ``ia3_fwd`` on the output (or the input for
+  feed-forward layers) along the feature / channel axis;
 - ``peft.tuners.oft.Linear`` / ``Conv2d`` / ``Embedding`` with the exact Cayley
   transform (``use_cayley_neumann=False``): ``oft_fwd``. PEFT stores each block
   as the S(S−1)/2 entries above the diagonal; the op's raw block is that vector
@@ -261,18 +261,26 @@ def _lokr_conv_forward(self, x, *args, **kwargs):
     return result.to(dt)
 
 
-def _ia3_forward(self, x, *args, **kwargs):
-    if not _common_ok(self, x, args, kwargs):
-        return type(self).forward(self, x, *args, **kwargs)
-    active = [a for a in self.active_adapters if a in self.ia3_l.keys()]
+def _ia3_run(self, x, args, kwargs, ok: bool, axis: int):
+    """PEFT's IA3 with one active adapter: ``base(x)⊙w`` (bias included, as PEFT scales the
+    result) or, for a feed-forward layer, ``base(x⊙w)``; w along ``axis`` (``ia3_fwd``)."""
+    active = [a for a in self.active_adapters if a in self.ia3_l.keys()] if ok else []
     if len(active) != 1:
         return type(self).forward(self, x, *args, **kwargs)
-    w = self.ia3_l[active[0]]
+    w = self.ia3_l[active[0]].reshape(-1)
     base = self.get_base_layer()
     if self.is_feedforward:
-        return base(torch.ops.lycoris.ia3_fwd(x, w.reshape(-1), -1, 0.0, 1.0).to(x.dtype))
+        return base(torch.ops.lycoris.ia3_fwd(x, w, axis, 0.0, 1.0).to(x.dtype))
     y = base(x)
-    return torch.ops.lycoris.ia3_fwd(y, w.reshape(-1), -1, 0.0, 1.0).to(y.dtype)
+    return torch.ops.lycoris.ia3_fwd(y, w, axis, 0.0, 1.0).to(y.dtype)
+
+
+def _ia3_forward(self, x, *args, **kwargs):
+    return _ia3_run(self, x, args, kwargs, _common_ok(self, x, args, kwargs), -1)
+
+
+def _ia3_conv_forward(self, x, *args, **kwargs):
+    return _ia3_run(self, x, args, kwargs, _conv_ok(self, x, args, kwargs), 1)
 
 
 # --------------------------------------------------------------------------- OFT
@@ -512,7 +520,7 @@ _FORWARDS = {
     "peft.tuners.lora": {"Linear": _lora_forward, "Conv2d": _lora_conv_forward},
     "peft.tuners.loha": {"Linear": _loha_forward, "Conv2d": _loha_conv_forward},
     "peft.tuners.lokr": {"Linear": _lokr_forward, "Conv2d": _lokr_conv_forward},
-    "peft.tuners.ia3": {"Linear": _ia3_forward},
+    "peft.tuners.ia3": {"Linear": _ia3_forward, "Conv2d": _ia3_conv_forward},
     "peft.tuners.oft.layer": {"Linear": _oft_linear_forward, "Conv2d": _oft_conv2d_forward,
                               "Embedding": _oft_embedding_forward},
     "peft.tuners.boft.layer": {"Linear": _boft_linear_forward, "Conv2d": _boft_conv2d_forward},

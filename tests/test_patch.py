@@ -386,9 +386,10 @@ def test_oft_boft_compile_fullgraph(fbd):
 
 
 def _conv_configs():
-    from peft import LoHaConfig, LoKrConfig, LoraConfig
+    from peft import IA3Config, LoHaConfig, LoKrConfig, LoraConfig
     t = ["0", "2"]
     return {
+        "ia3-conv": IA3Config(target_modules=t, feedforward_modules=["2"]),
         "lora-conv": LoraConfig(r=4, lora_alpha=8, target_modules=t),
         "lora-conv-dropout": LoraConfig(r=4, lora_alpha=8, target_modules=t, lora_dropout=0.25),
         "loha-conv": LoHaConfig(r=3, alpha=6, target_modules=t),
@@ -401,7 +402,7 @@ def _conv_configs():
 
 @pytest.mark.parametrize("name", list(_conv_configs()))
 def test_patched_conv_matches_peft(name, monkeypatch):
-    """PEFT's LoRA / LoHa / LoKr Conv2d layers on our ops: PEFT's outputs and gradients
+    """PEFT's LoRA / LoHa / LoKr / IA3 Conv2d layers on our ops: PEFT's outputs and gradients
     (strided and padded convs, dilated for LoHa/LoKr; LoKr whole, factored and tucker), no fallback."""
     from peft import get_peft_model
     torch.manual_seed(0)
