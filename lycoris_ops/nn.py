@@ -355,6 +355,11 @@ class LoHaConv2d(LoHaLinear):
 # --------------------------------------------------------------------------- LoKr
 
 
+#: LoKr factor name (``functional.lokr``'s keywords) -> the module attribute, LyCORIS's tensor name
+_LOKR_ATTR = {"w1": "lokr_w1", "w1a": "lokr_w1_a", "w1b": "lokr_w1_b", "w2": "lokr_w2", "w2a": "lokr_w2_a",
+              "w2b": "lokr_w2_b", "t2": "lokr_t2"}
+
+
 class LoKrLinear(_Scaled):
     """``ΔW = scale·m·kron(w1, w2)``, O = a·c, I = b·d with (a, c) = factorization(O, factor),
     (b, d) = factorization(I, factor). w1 (a, b) whole (or w1a·w1b with ``decompose_both``),
@@ -394,9 +399,7 @@ class LoKrLinear(_Scaled):
         return self._alpha / self.rank if factored else 1.0
 
     def factors(self) -> Dict[str, torch.Tensor]:
-        attr = {"w1": "lokr_w1", "w1a": "lokr_w1_a", "w1b": "lokr_w1_b", "w2": "lokr_w2", "w2a": "lokr_w2_a",
-                "w2b": "lokr_w2_b"}
-        return {n: getattr(self, attr[n]) for n in self._names if n in attr}
+        return {n: getattr(self, _LOKR_ATTR[n]) for n in self._names}
 
     def adapter_forward(self, x):
         return _lokr.lokr_bypass(x, **self.factors(), scale=self.gamma, base=self.base(x))
@@ -416,12 +419,6 @@ class LoKrConv2d(LoKrLinear):
     per group of d input channels, then contracted with w1; ΔW never built)."""
 
     bases = (nn.Conv2d,)
-
-    def factors(self) -> Dict[str, torch.Tensor]:
-        f = super().factors()
-        if "t2" in self._names:
-            f["t2"] = self.lokr_t2
-        return f
 
     def adapter_forward(self, x):
         b = self.base
@@ -971,9 +968,7 @@ def _lycoris_tensors(ad: AdapterModule) -> Dict[str, torch.Tensor]:
             t.update(hada_t1=ad.hada_t1, hada_t2=ad.hada_t2)
         return dict(t, alpha=ad.alpha)
     if isinstance(ad, LoKrLinear):
-        attr = {"w1": "lokr_w1", "w1a": "lokr_w1_a", "w1b": "lokr_w1_b", "w2": "lokr_w2", "w2a": "lokr_w2_a",
-                "w2b": "lokr_w2_b", "t2": "lokr_t2"}
-        return dict({attr[n]: getattr(ad, attr[n]) for n in ad._names}, alpha=ad.alpha)
+        return dict({_LOKR_ATTR[n]: getattr(ad, _LOKR_ATTR[n]) for n in ad._names}, alpha=ad.alpha)
     if isinstance(ad, OFTLinear):
         t = {"oft_blocks": ad.oft_blocks}
         if ad.rescale is not None:
@@ -1062,8 +1057,7 @@ def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
                 break
         _Scaled.__init__(ad, mod, r or 1, alpha, multiplier)  # (scale ignores alpha when no side is factored)
         names = []
-        for k, n in (("lokr_w1", "w1"), ("lokr_w1_a", "w1a"), ("lokr_w1_b", "w1b"), ("lokr_w2", "w2"),
-                     ("lokr_w2_a", "w2a"), ("lokr_w2_b", "w2b"), ("lokr_t2", "t2")):
+        for n, k in _LOKR_ATTR.items():
             if k in sd:
                 setattr(ad, k, _param(sd[k], w))
                 names.append(n)
