@@ -181,35 +181,29 @@ def _lyco_ok(self, a) -> bool:
     return True
 
 
-def _loha_forward(self, x, *args, **kwargs):
-    if not _common_ok(self, x, args, kwargs):
-        return type(self).forward(self, x, *args, **kwargs)
+def _loha_run(self, x, args, kwargs, ok: bool, conv: bool):
+    """PEFT's LoHa (non-tucker): ``loha_bypass_fwd`` on a linear (ΔW never stored), or
+    ``conv(x, s·ΔW)`` with ΔW from the merge op on a conv (w1b/w2b (r, I·kh·kw))."""
     active = [a for a in self.active_adapters if a in self._available_adapters]
-    if any(a in self.hada_t1 or not _lyco_ok(self, a) for a in active):
-        return type(self).forward(self, x, *args, **kwargs)
-    result = self.get_base_layer()(x)
-    dt = x.dtype
-    for a in active:
-        result = _loha.bypass(x, self.hada_w1_a[a], self.hada_w1_b[a], self.hada_w2_a[a], self.hada_w2_b[a],
-                              float(self.scaling[a]), base=result)
-    return result.to(dt)
-
-
-def _loha_conv_forward(self, x, *args, **kwargs):
-    """PEFT's LoHa Conv2d (w1b/w2b (r, I·kh·kw)): ``base(x) + conv(x, s·ΔW)``, ΔW by the merge op."""
-    if not _conv_ok(self, x, args, kwargs):
-        return type(self).forward(self, x, *args, **kwargs)
-    active = [a for a in self.active_adapters if a in self._available_adapters]
-    if any(a in self.hada_t1 or not _lyco_ok(self, a) for a in active):
+    if not ok or any(a in self.hada_t1 or not _lyco_ok(self, a) for a in active):
         return type(self).forward(self, x, *args, **kwargs)
     base = self.get_base_layer()
+    geometry = dict(kernel_size=base.kernel_size, stride=base.stride, padding=base.padding,
+                    dilation=base.dilation) if conv else {}
     result = base(x)
     dt = x.dtype
     for a in active:
         result = _loha.bypass(x, self.hada_w1_a[a], self.hada_w1_b[a], self.hada_w2_a[a], self.hada_w2_b[a],
-                              float(self.scaling[a]), base=result, kernel_size=base.kernel_size,
-                              stride=base.stride, padding=base.padding, dilation=base.dilation)
+                              float(self.scaling[a]), base=result, **geometry)
     return result.to(dt)
+
+
+def _loha_forward(self, x, *args, **kwargs):
+    return _loha_run(self, x, args, kwargs, _common_ok(self, x, args, kwargs), False)
+
+
+def _loha_conv_forward(self, x, *args, **kwargs):
+    return _loha_run(self, x, args, kwargs, _conv_ok(self, x, args, kwargs), True)
 
 
 def _lokr_factors(self, a, kernel=None):
