@@ -50,6 +50,21 @@ def _run(m, x):
     return y.detach(), x.grad, grads
 
 
+def _assert_fast_path_matches(m, x, ref, monkeypatch):
+    """The patched model's output, input gradient and parameter gradients equal ``ref``
+    (``_run`` before patching), with PEFT's own forward made to raise (no fallback)."""
+    layer_types = {type(mod) for mod in m.modules() if getattr(mod, "_lycoris_ops_patched", False)}
+    with monkeypatch.context() as mp:
+        for t in layer_types:
+            mp.setattr(t, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fallback")))
+        got = _run(m, x)
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5)
+    assert got[2].keys() == ref[2].keys()
+    for k in ref[2]:
+        torch.testing.assert_close(got[2][k], ref[2][k], rtol=1e-4, atol=1e-5, msg=k)
+
+
 @pytest.mark.parametrize("name", list(_configs()))
 def test_patched_matches_peft(name, monkeypatch):
     from peft import get_peft_model
@@ -61,16 +76,7 @@ def test_patched_matches_peft(name, monkeypatch):
     n = patch_peft(m)
     assert n == 3
     assert patch_peft(m) == 0  # idempotent
-    layer_types = {type(mod) for mod in m.modules() if getattr(mod, "_lycoris_ops_patched", False)}
-    with monkeypatch.context() as mp:  # the fast path must not fall back to PEFT's forward
-        for t in layer_types:
-            mp.setattr(t, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fallback")))
-        got = _run(m, x)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5)
-    assert got[2].keys() == ref[2].keys()
-    for k in ref[2]:
-        torch.testing.assert_close(got[2][k], ref[2][k], rtol=1e-4, atol=1e-5, msg=k)
+    _assert_fast_path_matches(m, x, ref, monkeypatch)
     assert m.state_dict().keys() == sd.keys()
     # merged / disabled paths still work (PEFT's own forward)
     m.eval()
@@ -415,16 +421,7 @@ def test_patched_conv_matches_peft(name, monkeypatch):
     x = torch.randn(2, 8, 9, 11)
     ref = _run(m, x)
     assert patch_peft(m) == 2
-    layer_types = {type(mod) for mod in m.modules() if getattr(mod, "_lycoris_ops_patched", False)}
-    with monkeypatch.context() as mp:  # the fast path must not fall back to PEFT's forward
-        for t in layer_types:
-            mp.setattr(t, "forward", lambda *a, **k: (_ for _ in ()).throw(AssertionError("fallback")))
-        got = _run(m, x)
-    torch.testing.assert_close(got[0], ref[0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got[1], ref[1], rtol=1e-4, atol=1e-5)
-    assert got[2].keys() == ref[2].keys()
-    for k in ref[2]:
-        torch.testing.assert_close(got[2][k], ref[2][k], rtol=1e-4, atol=1e-5, msg=k)
+    _assert_fast_path_matches(m, x, ref, monkeypatch)
     assert unpatch_peft(m) == 2
 
 
