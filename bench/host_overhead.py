@@ -8,7 +8,9 @@ lora_bypass_fwd (namespace ``lycoris_probe``, a Python CPU/CUDA kernel returning
 registration the lycoris ops use (lycoris_ops/_autograd_kernel.py). The last rows
 time forward+backward of the eager formula and of the op, then of the probes with
 autograd (the floor of a Python-registered op with a Python backward) and of a plain
-one-op ``autograd.Function``.
+one-op ``autograd.Function``. ``--layers`` times instead the forward+backward of whole
+adapter layers (a plain ``nn.Linear``, ``lycoris_ops.nn`` LoRA and DoRA, PEFT's DoRA when
+PEFT is installed), best of five rounds.
 
     python bench/host_overhead.py [--device cpu|cuda] [--calls 3000]
 """
@@ -65,8 +67,11 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--calls", type=int, default=3000)
+    ap.add_argument("--layers", action="store_true", help="adapter layers' forward+backward instead")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if args.layers:
+        return layers(dev, args.calls)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
 
@@ -133,6 +138,40 @@ def main():
 def _no_grad(fn, *args):
     with torch.no_grad():
         return fn(*args)
+
+
+def layers(dev, calls, rounds=5):
+    """Forward+backward host time of adapter layers on a (16, 64) input, rank 8."""
+    from lycoris_ops import nn as lnn
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    x = torch.randn(16, 64, device=dev)
+    rows = [("nn.Linear", torch.nn.Linear(64, 64)),
+            ("lycoris_ops.nn.LoRALinear", lnn.LoRALinear(torch.nn.Linear(64, 64), rank=8)),
+            ("lycoris_ops.nn.DoRALinear", lnn.DoRALinear(torch.nn.Linear(64, 64), rank=8))]
+    try:
+        from peft import LoraConfig, get_peft_model
+        rows.append(("PEFT LoRA Linear, use_dora", get_peft_model(
+            torch.nn.Sequential(torch.nn.Linear(64, 64)), LoraConfig(r=8, target_modules=["0"], use_dora=True))))
+    except ImportError:
+        pass
+    print(f"host us per forward+backward on {dev} (torch {torch.__version__}, best of {rounds} rounds)")
+    for name, layer in rows:
+        layer = layer.to(dev)
+        fn = lambda: layer(x).sum().backward()  # noqa: E731
+        n = max(1, calls // rounds)
+        for _ in range(min(n, 50)):
+            fn()
+        sync()
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        print(f"  {name:45s} {best:8.1f} us")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ then a cProfile of the op (top functions by own time; ``--top 0``: none). Last, 
 forward+backward of ``lora_bypass_fwd`` in pieces: the forward with factors that need
 grad, ``.sum().backward()`` whole, and the backward op alone with the gradient autograd
 hands it (``sum``'s expanded ones: zero strides) and with a contiguous one, with the
-tier each takes. Prints microseconds per call.
+tier each takes, forward+backward through ``autograd.grad``, the backward alone of a
+retained graph, and the backward op called from another Python thread. Prints
+microseconds per call.
 
     python bench/host_profile.py [--ops lora_bypass_fwd,add_scaled] [--calls 2000]
 """
@@ -177,11 +179,23 @@ def forward_backward(calls, add_us):
          lambda: bwd(expanded, x, up, down, 0.5)),
         (f"bwd op, contiguous grad [{select.explain('lora_bypass_bwd', dense, x, up, down, 0.5)}]",
          lambda: bwd(dense, x, up, down, 0.5)),
+        ("op f+b (autograd.grad, contiguous grad)",
+         lambda: torch.autograd.grad(op(x, upg, downg, 0.5, base), (upg, downg), dense)),
     ]
+    retained = op(x, upg, downg, 0.5, base)
+    rows.append(("backward alone of a retained graph",
+                 lambda: torch.autograd.grad(retained, (upg, downg), dense, retain_graph=True)))
     print("\n== lora_bypass_fwd forward+backward")
     for name, fn in rows:
         us = per_call_us(fn, calls)
         print(f"  {name:<44} {us:8.1f} us  {us / add_us:6.1f}x torch.add")
+    # the same backward op timed from another Python thread (the engine runs backward on one)
+    import threading
+    out = []
+    thread = threading.Thread(target=lambda: out.append(per_call_us(lambda: bwd(dense, x, up, down, 0.5), calls)))
+    thread.start()
+    thread.join()
+    print(f"  {'bwd op, contiguous grad, another thread':<44} {out[0]:8.1f} us  {out[0] / add_us:6.1f}x torch.add")
 
 
 def trace_forward_backward(iters=200, top=30):
