@@ -1,6 +1,6 @@
 """bench/e2e.py keeps working: the CPU smoke run (tiny dims, no compile) with the
 per-step profile, whose categories must see our ops in our rows only; bench/plot.py's
-row selection."""
+row selection; bench/host_overhead.py --layers."""
 import json
 import os
 import subprocess
@@ -51,3 +51,12 @@ def test_plot_rows_merge_runs(tmp_path):
     per_op = plot.per_op_rows([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
     assert [(r["spec"], r["phase"], r["x_eager"]) for r in per_op] == [("boft", "fwdbwd", "3.0"),
                                                                         ("lora_bypass", "fwd", "2.5")]
+
+
+def test_host_overhead_layers_runs():
+    """bench/host_overhead.py --layers (the adapter layers' host time quoted in RESULTS)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_overhead.py"), "--layers", "--device", "cpu",
+                        "--calls", "10"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [ln for ln in p.stdout.splitlines() if ln.strip().endswith(" us")]
+    assert any("DoRALinear" in r for r in rows) and any("nn.Linear" in r for r in rows), p.stdout
