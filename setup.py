@@ -8,7 +8,7 @@ import os
 from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
-# -g0: no debug info; the extension only registers schemas, and this halves the build.
+# -g0: no debug info; it halves the build.
 extra_compile_args = {"cxx": ["-O2", "-g0", "-std=c++17"]}
 
 setup(
@@ -27,7 +27,7 @@ setup(
     ext_modules=[
         CppExtension(
             "lycoris_ops._C",
-            ["csrc/ops.cpp", "csrc/module.cpp"],
+            ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/module.cpp"],
             include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")],
             extra_compile_args=extra_compile_args,
         )

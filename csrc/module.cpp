@@ -1,5 +1,6 @@
 // The Python module lycoris_ops._C: importing it runs the TORCH_LIBRARY block
-// of ops.cpp (same shared object) and exposes the schema table in its order.
+// of ops.cpp (same shared object), exposes the schema table in its order, and
+// the registration of the C++ Autograd kernel (autograd.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -8,10 +9,15 @@
 
 #include "schemas.h"
 
+namespace lycoris {
+void bind_autograd(pybind11::module_& m);  // autograd.cpp
+}
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "lycoris_ops schemas (TORCH_LIBRARY(lycoris, m))";
   m.def(
       "schemas",
       [] { return std::vector<std::string>(std::begin(lycoris::kSchemas), std::end(lycoris::kSchemas)); },
       "The 23 operator schemas, in registration order.");
+  lycoris::bind_autograd(m);
 }

@@ -1,42 +1,120 @@
-"""``register_autograd`` for the lycoris ops: torch.library's registration, minus its
+"""``register_autograd`` for the lycoris ops: torch.library's contract, without its
 per-call overhead.
 
 ``torch.library.register_autograd`` registers, for the ``Autograd`` key, a generic
-Python kernel that on every call builds a metadata dataclass, re-reads the op's
-tags, and (when a gradient is needed) rebuilds the full argument list from the
-schema (``fill_defaults``: ~10 µs, the schema's argument list is re-created per
-argument). This module registers the same thing specialized once per op:
+Python kernel: every call goes from the dispatcher into Python, and a call that needs
+a gradient also builds an ``autograd.Function`` with its ctx and runs
+``setup_context`` in Python. Here the forward side is C++ (``csrc/autograd.cpp``):
+grad mode and ``requires_grad`` are checked, the op is redispatched below autograd,
+and when a gradient is needed one graph node keeps the tensors named in ``save`` (the
+others only as their dtype and shape) and the scalar arguments. Python runs once, in
+the backward: ``setup_context(ctx, inputs, output)`` on the saved arguments, then
+``backward(ctx, *grads)``, with ``ctx.needs_input_grad`` what this backward pass needs.
 
-* no gradient needed (grad mode off, or no input requires grad): redispatch below
-  autograd (``_AutoDispatchBelowAutograd`` + ``redispatch_boxed`` on the keyset
-  after autograd), exactly what the generic kernel does;
-* else an ``autograd.Function`` whose forward redispatches the same way and calls
-  ``setup_context(ctx, inputs, output)`` with the trailing defaults filled in from
-  a tuple computed at registration, and whose backward calls ``backward`` with
-  ``ctx.needs_input_grad`` restricted to the op's inputs.
-
-Registration, dispatch, tracing (torch.compile / AOTAutograd / export go through
-the same Autograd-key kernel and autograd.Function) and the ``backward`` /
-``setup_context`` contract are those of ``torch.library.register_autograd``.
-Ops with kwarg-only or tensor-list arguments (none here) use torch's registration.
+An op registered without ``save`` (or where the C++ registration is missing) gets the
+Python kernel below: the same contract specialized once per op (no gradient needed:
+redispatch below autograd; else an ``autograd.Function`` whose forward redispatches
+and calls ``setup_context`` with the trailing defaults filled in). Ops with
+kwarg-only or tensor-list arguments (none here) use torch's own registration.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import _C
 from torch._library.utils import is_tensorlist_like_type
 
-__all__ = ["register_autograd"]
+__all__ = ["register_autograd", "first_order_only"]
 
 #: the FRAGMENT libraries holding the registrations (kept alive with the process)
 _libs = {}
 
 
-def register_autograd(qualname: str, backward: Callable, *, setup_context: Optional[Callable] = None) -> None:
+class _BackwardCtx:
+    """The ``ctx`` that ``setup_context`` and ``backward`` see on the C++ path."""
+
+    saved_tensors = ()
+
+    def __init__(self, needs_input_grad):
+        self.needs_input_grad = needs_input_grad
+
+    def save_for_backward(self, *tensors):
+        self.saved_tensors = tensors
+
+    def mark_non_differentiable(self, *outputs):  # declared at registration (nondiff_outputs)
+        pass
+
+    def set_materialize_grads(self, value):  # the node always materializes (as Function's default)
+        pass
+
+
+class _Absent:
+    """A tensor argument the node did not keep: its dtype and shape only."""
+
+    __slots__ = ("dtype", "shape")
+
+    def __init__(self, dtype, shape):
+        self.dtype, self.shape = dtype, torch.Size(shape)
+
+
+def first_order_only(qualname: str) -> None:
+    """Register ``qualname`` as first order: differentiating through it raises."""
+    if not _cpp_registration(qualname, None, None, (), (), ()):
+        def backward(ctx, *grads):
+            raise RuntimeError(
+                f"{qualname.replace('::', '.')} is a first-order backward op: double backward (create_graph=True through a "
+                "lycoris op, then differentiating again) is not supported")
+
+        register_autograd(qualname, backward, setup_context=lambda ctx, inputs, output: None)
+
+
+def _cpp_registration(qualname, backward, setup_context, save, save_outputs, nondiff_outputs) -> bool:
+    """Register the C++ Autograd kernel (csrc/autograd.cpp); False where the build lacks it."""
+    from . import _C
+
+    if not hasattr(_C, "_register_autograd"):
+        return False
+    namespace, name = qualname.split("::")
+    schema = getattr(getattr(torch.ops, namespace), name).default._schema
+    names = [a.name for a in schema.arguments]
+    save_idx = [names.index(s) for s in save]
+    tensor_idx = [i for i, a in enumerate(schema.arguments) if "Tensor" in str(a.type)]
+    absent_idx = tuple(i for i in tensor_idx if i not in save_idx)
+    single = len(schema.returns) == 1
+    run = None
+    if backward is not None:
+        def run(args, outputs, grads, need):
+            ctx = _BackwardCtx(need)
+            if absent_idx:
+                args = list(args)
+                for i in absent_idx:
+                    if args[i] is not None:
+                        args[i] = _Absent(*args[i])
+            if setup_context is not None:
+                setup_context(ctx, tuple(args), outputs[0] if single else outputs)
+            result = backward(ctx, *grads)
+            return result if isinstance(result, tuple) else (result,)
+
+        run.__name__ = run.__qualname__ = f"{name}_backward"
+    _C._register_autograd(qualname, run, save_idx, list(save_outputs), list(nondiff_outputs))
+    return True
+
+
+def register_autograd(qualname: str, backward: Callable, *, setup_context: Optional[Callable] = None,
+                      save: Optional[Sequence[str]] = None, save_outputs: Sequence[int] = (),
+                      nondiff_outputs: Sequence[int] = ()) -> None:
     """Register ``backward`` / ``setup_context`` as the autograd formula of ``qualname``
-    ("lycoris::<op>"), like ``torch.library.register_autograd``."""
+    ("lycoris::<op>"), like ``torch.library.register_autograd``.
+
+    ``save``: the names of the tensor arguments ``setup_context`` saves (the C++ node keeps
+    those; ``setup_context`` sees the other tensor arguments as objects with ``dtype`` and
+    ``shape`` only). ``save_outputs`` / ``nondiff_outputs``: indices of outputs to keep /
+    without a gradient (a kept output must be non-differentiable). ``save=None``: the
+    Python kernel."""
+    if save is not None and _cpp_registration(qualname, backward, setup_context, save, save_outputs,
+                                              nondiff_outputs):
+        return
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default
     params = op._schema.arguments

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 # torch.library.register_autograd's registration with its per-call overhead removed
-from ._autograd_kernel import register_autograd
+from ._autograd_kernel import first_order_only, register_autograd
 from .reference import cast, mm32
 from .reference.lora import tucker_apply, tucker_core, tucker_rows
 
@@ -22,19 +22,6 @@ def _cast(grad, like):
     if grad is None or like is None:
         return None
     return cast(grad, like.dtype)
-
-
-def _no_double_backward(op_name):
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"lycoris.{op_name} is a first-order backward op: double backward "
-            "(create_graph=True through a lycoris op, then differentiating again) is not supported"
-        )
-
-    def setup_context(ctx, inputs, output):
-        pass
-
-    register_autograd(f"lycoris::{op_name}", backward, setup_context=setup_context)
 
 
 # --- lora ---
@@ -89,7 +76,8 @@ def _lora_merge_fwd_backward(ctx, grad):
     return grads + (g_base,) + rest
 
 
-register_autograd("lycoris::lora_merge_fwd", _lora_merge_fwd_backward, setup_context=_lora_merge_fwd_setup)
+register_autograd("lycoris::lora_merge_fwd", _lora_merge_fwd_backward, setup_context=_lora_merge_fwd_setup,
+                  save=("a1", "b1", "a2", "b2"))
 
 
 def _lora_bypass_fwd_setup(ctx, inputs, output):
@@ -112,7 +100,8 @@ def _lora_bypass_fwd_backward(ctx, grad):
     return out + ((g_base,) if len(need) > 4 else ())
 
 
-register_autograd("lycoris::lora_bypass_fwd", _lora_bypass_fwd_backward, setup_context=_lora_bypass_fwd_setup)
+register_autograd("lycoris::lora_bypass_fwd", _lora_bypass_fwd_backward, setup_context=_lora_bypass_fwd_setup,
+                  save=("x", "up", "down"))
 
 
 def _lora_tucker_fwd_setup(ctx, inputs, output):
@@ -170,7 +159,8 @@ def _lora_tucker_fwd_backward(ctx, grad):
     return tuple(None if g is None else cast(g, t.dtype) for g, t in zip(grads, saved)) + (None,)
 
 
-register_autograd("lycoris::lora_tucker_fwd", _lora_tucker_fwd_backward, setup_context=_lora_tucker_fwd_setup)
+register_autograd("lycoris::lora_tucker_fwd", _lora_tucker_fwd_backward, setup_context=_lora_tucker_fwd_setup,
+                  save=("a1", "t1", "b1", "a2", "t2", "b2"))
 # --- end lora ---
 
 # --- loha ---
@@ -192,7 +182,8 @@ def _loha_bypass_fwd_backward(ctx, grad):
     return out + ((g_base,) if len(need) > 6 else ())
 
 
-register_autograd("lycoris::loha_bypass_fwd", _loha_bypass_fwd_backward, setup_context=_loha_bypass_fwd_setup)
+register_autograd("lycoris::loha_bypass_fwd", _loha_bypass_fwd_backward, setup_context=_loha_bypass_fwd_setup,
+                  save=("x", "a1", "b1", "a2", "b2"))
 # --- end loha ---
 
 # --- lokr ---
@@ -217,7 +208,7 @@ def _lokr_full_merge_fwd_backward(ctx, grad):
 
 
 register_autograd("lycoris::lokr_full_merge_fwd", _lokr_full_merge_fwd_backward,
-                  setup_context=_lokr_full_merge_fwd_setup)
+                  setup_context=_lokr_full_merge_fwd_setup, save=("w1", "w2"))
 
 
 def _lokr_merge_fwd_setup(ctx, inputs, output):
@@ -241,7 +232,8 @@ def _lokr_merge_fwd_backward(ctx, grad):
     return grads[0], grads[1], grads[2], grads[3], None, g_base, None, None
 
 
-register_autograd("lycoris::lokr_merge_fwd", _lokr_merge_fwd_backward, setup_context=_lokr_merge_fwd_setup)
+register_autograd("lycoris::lokr_merge_fwd", _lokr_merge_fwd_backward, setup_context=_lokr_merge_fwd_setup,
+                  save=("w1a", "w1b", "w2a", "w2b"))
 
 
 def _lokr_bypass_fwd_setup(ctx, inputs, output):
@@ -266,7 +258,8 @@ def _lokr_bypass_fwd_backward(ctx, grad):
     return gx, g_w1, g_w2, None, g_base
 
 
-register_autograd("lycoris::lokr_bypass_fwd", _lokr_bypass_fwd_backward, setup_context=_lokr_bypass_fwd_setup)
+register_autograd("lycoris::lokr_bypass_fwd", _lokr_bypass_fwd_backward, setup_context=_lokr_bypass_fwd_setup,
+                  save=("x", "w1", "w2"))
 # --- end lokr ---
 
 # --- dora ---
@@ -292,7 +285,8 @@ def _dora_fwd_backward(ctx, grad_y, grad_norms):
     )
 
 
-register_autograd("lycoris::dora_fwd", _dora_fwd_backward, setup_context=_dora_fwd_setup)
+register_autograd("lycoris::dora_fwd", _dora_fwd_backward, setup_context=_dora_fwd_setup,
+                  save=("w", "dscale", "delta"), save_outputs=(1,), nondiff_outputs=(1,))
 # --- end dora ---
 
 # --- oft ---
@@ -320,7 +314,7 @@ def _oft_fwd_backward(ctx, grad):
             g_r, None, None, None)
 
 
-register_autograd("lycoris::oft_fwd", _oft_fwd_backward, setup_context=_oft_fwd_setup)
+register_autograd("lycoris::oft_fwd", _oft_fwd_backward, setup_context=_oft_fwd_setup, save=("blocks", "x", "rescale"))
 # --- end oft ---
 
 # --- boft ---
@@ -363,7 +357,7 @@ def _boft_fwd_backward(ctx, grad):
             None, None, None, g_r, None)
 
 
-register_autograd("lycoris::boft_fwd", _boft_fwd_backward, setup_context=_boft_fwd_setup)
+register_autograd("lycoris::boft_fwd", _boft_fwd_backward, setup_context=_boft_fwd_setup, save=("blocks", "x", "rescale"))
 # --- end boft ---
 
 # --- ia3 ---
@@ -382,7 +376,7 @@ def _ia3_fwd_backward(ctx, grad):
     return (_cast(gx, x) if need[0] else None, _cast(gw, w) if need[1] else None, None, None, None)
 
 
-register_autograd("lycoris::ia3_fwd", _ia3_fwd_backward, setup_context=_ia3_fwd_setup)
+register_autograd("lycoris::ia3_fwd", _ia3_fwd_backward, setup_context=_ia3_fwd_setup, save=("x", "w"))
 # --- end ia3 ---
 
 # --- add ---
@@ -411,7 +405,7 @@ def _add_scaled_backward(ctx, grad):
     return g_base, g_delta, None
 
 
-register_autograd("lycoris::add_scaled", _add_scaled_backward, setup_context=_add_scaled_setup)
+register_autograd("lycoris::add_scaled", _add_scaled_backward, setup_context=_add_scaled_setup, save=())
 # --- end add ---
 
 
@@ -420,4 +414,4 @@ for _name in (
     "lokr_full_merge_bwd", "lokr_merge_bwd", "lokr_bypass_bwd", "dora_bwd",
     "oft_bwd", "boft_bwd", "ia3_bwd",
 ):
-    _no_double_backward(_name)
+    first_order_only(f"lycoris::{_name}")

@@ -1,7 +1,7 @@
 """The host-overhead shortcuts keep every behaviour: the per-signature cache of the
 ``check_<op>`` functions (``_checks.cached``) never lets a bad call through and is
-bypassed by fake/symbolic tensors, and the lean autograd registration
-(``_autograd_kernel``) behaves like ``torch.library.register_autograd``."""
+bypassed by fake/symbolic tensors, and the C++ autograd kernel
+(``_autograd_kernel``, ``csrc/autograd.cpp``) behaves like ``torch.library.register_autograd``."""
 from __future__ import annotations
 
 import pytest
@@ -108,7 +108,7 @@ def test_lean_autograd_registration():
     with torch.no_grad():
         assert op(x, up.requires_grad_(), down, 0.5, base).grad_fn is None
     y = op(x, up, down, 0.5)  # base left out: setup_context still sees 5 inputs
-    assert type(y.grad_fn).__name__.startswith("LycorisBackwardFor_lycoris_lora_bypass_fwd")
+    assert y.grad_fn.name() == "lycoris::lora_bypass_fwdBackward"  # the C++ node (csrc/autograd.cpp)
     y.sum().backward()
     assert up.grad.shape == up.shape and down.grad is None
     xb, bb = x.clone().requires_grad_(), base.double().requires_grad_()
@@ -118,3 +118,101 @@ def test_lean_autograd_registration():
         g = op(xb, up.detach(), down, 0.5, None)
         (gx,) = torch.autograd.grad(g.sum(), xb, create_graph=True)
         gx.sum().backward()
+
+
+# --- the C++ Autograd kernel (csrc/autograd.cpp): the autograd.Function behaviours it replaces ---
+_probe_lib = None
+_seen = {}
+
+
+def _probe_op():
+    """lycoris_test::scale(x, w, k, tag) = k·x·w, registered with the C++ kernel; its backward
+    records what it was given."""
+    global _probe_lib
+    if _probe_lib is None:
+        from lycoris_ops._autograd_kernel import register_autograd
+
+        _probe_lib = torch.library.Library("lycoris_test", "DEF")
+        _probe_lib.define("scale(Tensor x, Tensor w, float k, str tag, Tensor? extra=None) -> (Tensor, Tensor)")
+        _probe_lib.impl("scale", lambda x, w, k, tag, extra=None: (k * x * w, (x * w).sum().reshape(1)),
+                        "CompositeExplicitAutograd")
+
+        def setup(ctx, inputs, output):
+            x, w, k, tag, extra = inputs
+            ctx.save_for_backward(x, w)
+            ctx.k, ctx.tag, ctx.extra, ctx.stat = k, tag, extra, output[1]
+
+        def backward(ctx, gy, gstat):
+            x, w = ctx.saved_tensors
+            _seen.update(need=ctx.needs_input_grad, tag=ctx.tag, extra=ctx.extra, stat=ctx.stat, gstat=gstat)
+            if ctx.tag == "raise":
+                raise ValueError("probe backward raised")
+            return gy * ctx.k * w, gy * ctx.k * x, None, None, None
+
+        register_autograd("lycoris_test::scale", backward, setup_context=setup, save=("x", "w"),
+                          save_outputs=(1,), nondiff_outputs=(1,))
+    return torch.ops.lycoris_test.scale
+
+
+def test_cpp_node_passes_arguments_and_needs():
+    op = _probe_op()
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    extra = torch.randn(2, 5, dtype=torch.float16)
+    y, stat = op(x, w, 2.5, "t", extra)
+    assert stat.grad_fn is None and not stat.requires_grad  # the non-differentiable output
+    (gx,) = torch.autograd.grad(y.sum(), x)  # only x asked for: the backward is told so
+    assert _seen["need"] == (True, False, False, False, False)
+    assert _seen["tag"] == "t" and torch.equal(_seen["stat"], stat)
+    # an unsaved tensor argument arrives as its dtype and shape only
+    assert _seen["extra"].dtype == torch.float16 and _seen["extra"].shape == (2, 5)
+    assert not isinstance(_seen["extra"], torch.Tensor)
+    torch.testing.assert_close(gx, 2.5 * w.detach())
+    y, _ = op(x, w, 1.0, "t")
+    y.backward(torch.ones_like(y))
+    assert _seen["need"][:2] == (True, True) and _seen["extra"] is None and _seen["gstat"] is None
+    torch.testing.assert_close(w.grad, x.detach())
+
+
+def test_cpp_node_graph_rules():
+    op = _probe_op()
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    y, _ = op(x, w, 1.0, "t")
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()  # retained: a second pass works and accumulates
+    torch.testing.assert_close(x.grad, 2 * w)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()  # the saved tensors were released
+    y, _ = op(x, w, 1.0, "t")
+    w.add_(1)  # a saved input modified in place: refused, as for any saved tensor
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    y, _ = op(x, w, 1.0, "raise")
+    with pytest.raises(ValueError, match="probe backward raised"):  # the Python error, unchanged
+        y.sum().backward()
+
+
+def test_cpp_node_keeps_only_what_it_saves():
+    import weakref
+
+    op = torch.ops.lycoris.lora_bypass_fwd
+    x, up, down, base = _lora_args()
+    up.requires_grad_()
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+        y = op(x, up, down, 0.5, base)
+    assert packed == [x.shape, up.shape, down.shape]  # saved through the hooks; base is not kept
+    ref = weakref.ref(x)
+    del x
+    assert ref() is not None  # saved by the node
+    del y
+    assert ref() is None  # freed with the graph: no reference cycle
+
+
+def test_cpp_node_refuses_forward_mode():
+    import torch.autograd.forward_ad as fwAD
+
+    x, up, down, base = _lora_args()
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        with pytest.raises(RuntimeError, match="lora_bypass_fwd has no forward-mode derivative"):
+            torch.ops.lycoris.lora_bypass_fwd(dual, up, down, 0.5, base)

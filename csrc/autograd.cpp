@@ -1,0 +1,314 @@
+// The Autograd-key kernel of the lycoris ops, in C++.
+//
+// torch.library.register_autograd (and any Python Autograd kernel) costs tens of
+// microseconds per call before the op's own kernel runs: a Python kernel behind the
+// dispatcher, an autograd.Function with its ctx, setup_context in Python. Here the
+// forward side is C++ only: check grad mode and requires_grad, redispatch below
+// autograd, and when a gradient is needed record one graph node that holds the saved
+// tensors and the scalar arguments. Python runs only in the backward: the node calls
+// the op's Python backward (lycoris_ops/autograd.py) once, with the saved arguments.
+//
+// Registered per op at run time from Python (_C._register_autograd), so the same
+// kernel also serves the probe ops of bench/host_overhead.py.
+#include <torch/extension.h>
+#include <torch/library.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+namespace lycoris {
+namespace {
+
+using torch::autograd::Edge;
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+// torch 2.11 holds graph nodes in std::shared_ptr, torch 2.13 in c10::intrusive_ptr.
+using NodePtr = std::decay_t<decltype(std::declval<const at::TensorBase&>().grad_fn())>;
+
+// What an op's node keeps and whom it calls; one per registered op, never freed.
+struct Spec {
+  std::string name;              // "lycoris::lora_bypass_fwd"
+  PyObject* backward = nullptr;  // run_backward(args, grads, need) -> grads; null: first order only
+  std::vector<bool> save_input;  // per argument: keep the tensor (else only its dtype and shape)
+  std::vector<bool> save_output;  // per output: keep it (non-differentiable outputs only)
+  std::vector<bool> differentiable_output;
+  size_t num_args = 0;
+};
+
+struct LycorisBackward final : Node {
+  const Spec* spec;
+  std::vector<c10::IValue> args;  // the forward's arguments, tensors taken out
+  std::vector<SavedVariable> saved_inputs;  // per argument (empty where not saved)
+  std::vector<SavedVariable> saved_outputs;  // per output (empty where not saved)
+  std::vector<std::pair<at::ScalarType, std::vector<c10::SymInt>>> absent;  // unsaved tensors: dtype, shape
+  std::mutex mutex;
+
+  explicit LycorisBackward(const Spec* s) : spec(s) {}
+
+  std::string name() const override {
+    return spec->name + "Backward";
+  }
+
+  void release_variables() override {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (auto& v : saved_inputs) v.reset_data();
+    for (auto& v : saved_outputs) v.reset_data();
+  }
+
+  variable_list apply(variable_list&& grads) override;
+};
+
+// N is a parameter only so that the branch not taken is never instantiated.
+template <class P, class N = LycorisBackward>
+P make_node(const Spec* spec) {
+  if constexpr (std::is_same_v<P, std::shared_ptr<Node>>) {
+    return P(new N(spec), [](auto* p) { deleteNode(p); });  // torch's iterative delete of long chains
+  } else {
+    return c10::make_intrusive<N>(spec);
+  }
+}
+
+PyObject* to_python(const c10::IValue& v) {
+  if (v.isNone()) Py_RETURN_NONE;
+  if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+  if (v.isBool()) return PyBool_FromLong(v.toBool());
+  if (v.isInt()) return PyLong_FromLongLong(v.toInt());
+  if (v.isString()) return PyUnicode_FromString(v.toStringRef().c_str());
+  if (v.isIntList()) {
+    auto list = v.toIntList();
+    PyObject* out = PyList_New(list.size());
+    for (size_t i = 0; i < list.size(); ++i) PyList_SET_ITEM(out, i, PyLong_FromLongLong(list.get(i)));
+    return out;
+  }
+  TORCH_CHECK(false, "lycoris autograd: unsupported argument kind ", v.tagKind());
+}
+
+// Owns one Python reference.
+struct PyRef {
+  PyObject* p;
+  explicit PyRef(PyObject* o) : p(o) {
+    if (!p) throw python_error();
+  }
+  ~PyRef() { Py_XDECREF(p); }
+  PyObject* release() {
+    PyObject* o = p;
+    p = nullptr;
+    return o;
+  }
+};
+
+void raise_python_error() {
+  python_error err;
+  err.persist();
+  throw std::move(err);
+}
+
+variable_list LycorisBackward::apply(variable_list&& grads) {
+  const size_t n = spec->num_args;
+  if (!spec->backward) {
+    std::string dotted = spec->name;
+    dotted.replace(dotted.find("::"), 2, ".");
+    TORCH_CHECK(false, dotted, " is a first-order backward op: double backward (create_graph=True through a lycoris op, "
+                "then differentiating again) is not supported");
+  }
+  // an output nobody used gets a zero gradient, as autograd.Function's materialize_grads does
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (!grads[i].defined() && spec->differentiable_output[i]) grads[i] = input_metadata(i).zeros_like();
+  }
+  std::vector<at::Tensor> inputs(n), outputs(spec->save_output.size());
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    for (size_t i = 0; i < n; ++i)
+      if (spec->save_input[i]) inputs[i] = saved_inputs[i].unpack();
+    for (size_t i = 0; i < outputs.size(); ++i)
+      if (spec->save_output[i]) outputs[i] = saved_outputs[i].unpack();
+  }
+  pybind11::gil_scoped_acquire gil;
+  PyRef py_args(PyTuple_New(n));
+  PyRef py_need(PyTuple_New(n));
+  size_t next_absent = 0;
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* item;
+    if (args[i].isTensor()) {  // a placeholder: the tensor argument sits in inputs / absent
+      if (spec->save_input[i]) {
+        item = THPVariable_Wrap(inputs[i]);
+      } else {  // (dtype, shape): what the Python side's setup_context may read
+        const auto& a = absent[next_absent++];
+        PyRef shape(PyTuple_New(a.second.size()));
+        for (size_t d = 0; d < a.second.size(); ++d)
+          PyTuple_SET_ITEM(shape.p, d, pybind11::cast(a.second[d]).release().ptr());
+        PyObject* dtype = reinterpret_cast<PyObject*>(torch::getTHPDtype(a.first));
+        Py_INCREF(dtype);
+        item = PyTuple_Pack(2, dtype, shape.p);
+        Py_DECREF(dtype);
+      }
+    } else {
+      item = to_python(args[i]);
+    }
+    if (!item) raise_python_error();
+    PyTuple_SET_ITEM(py_args.p, i, item);
+    PyObject* need = task_should_compute_output(i) ? Py_True : Py_False;
+    Py_INCREF(need);
+    PyTuple_SET_ITEM(py_need.p, i, need);
+  }
+  const size_t m = grads.size();
+  PyRef py_grads(PyTuple_New(m));
+  for (size_t i = 0; i < m; ++i) {
+    PyObject* g = grads[i].defined() ? THPVariable_Wrap(grads[i]) : (Py_INCREF(Py_None), Py_None);
+    PyTuple_SET_ITEM(py_grads.p, i, g);
+  }
+  PyRef py_outputs(PyTuple_New(outputs.size()));
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    PyObject* o = outputs[i].defined() ? THPVariable_Wrap(outputs[i]) : (Py_INCREF(Py_None), Py_None);
+    PyTuple_SET_ITEM(py_outputs.p, i, o);
+  }
+  PyObject* result = PyObject_CallFunctionObjArgs(spec->backward, py_args.p, py_outputs.p, py_grads.p, py_need.p, nullptr);
+  if (!result) raise_python_error();
+  PyRef owned(result);
+  TORCH_CHECK(PyTuple_Check(result) && static_cast<size_t>(PyTuple_GET_SIZE(result)) == n, spec->name,
+              ": the backward must return a tuple of ", n, " gradients (one per argument)");
+  variable_list out(n);
+  for (size_t i = 0; i < n; ++i) {
+    PyObject* g = PyTuple_GET_ITEM(result, i);
+    if (g == Py_None) continue;
+    TORCH_CHECK(THPVariable_Check(g), spec->name, ": gradient ", i, " is not a tensor");
+    if (should_compute_output(i)) out[i] = THPVariable_Unpack(g);
+  }
+  return out;
+}
+
+struct AutogradKernel final : c10::OperatorKernel {
+  const Spec* spec;
+  explicit AutogradKernel(const Spec* s) : spec(s) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const size_t n = spec->num_args;
+    auto first = stack->end() - n;
+    bool needs_grad = false;
+    if (at::GradMode::is_enabled()) {
+      for (auto it = first; it != stack->end(); ++it) {
+        if (it->isTensor()) {
+          const auto& t = it->toTensor();
+          TORCH_CHECK(!t._fw_grad(/*level=*/0).defined(), spec->name,
+                      " has no forward-mode derivative (a dual tensor was passed)");
+          needs_grad = needs_grad || t.requires_grad();
+        }
+      }
+    }
+    if (!needs_grad) {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+      return;
+    }
+    NodePtr node = make_node<NodePtr>(spec);
+    auto node_raw = static_cast<LycorisBackward*>(node.get());
+    torch::autograd::edge_list edges(n);
+    node_raw->args.assign(first, stack->end());
+    node_raw->saved_inputs.resize(n);
+    for (size_t i = 0; i < n; ++i) {
+      auto& arg = node_raw->args[i];
+      if (!arg.isTensor()) continue;
+      const at::Tensor& t = arg.toTensor();
+      edges[i] = torch::autograd::impl::gradient_edge(t);
+      if (spec->save_input[i]) {
+        node_raw->saved_inputs[i] = SavedVariable(t, /*is_output=*/false);
+      } else {
+        // sym_sizes: sizes() would specialize a symbolic shape while tracing
+        node_raw->absent.emplace_back(t.scalar_type(), t.sym_sizes().vec());
+      }
+      arg = c10::IValue(at::Tensor());  // the tensor lives in saved_inputs (or not at all)
+    }
+    node_raw->set_next_edges(std::move(edges));
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      op.redispatchBoxed(ks & c10::after_autograd_keyset, stack);
+    }
+    const size_t m = spec->differentiable_output.size();
+    node_raw->saved_outputs.resize(m);
+    auto out = stack->end() - m;
+    for (size_t i = 0; i < m; ++i, ++out) {
+      const at::Tensor& t = out->toTensor();
+      if (spec->differentiable_output[i] && t.defined() && torch::autograd::isDifferentiableType(t.scalar_type())) {
+        torch::autograd::set_history(t, node);
+      } else {
+        node_raw->add_input_metadata(Node::undefined_input());
+      }
+      if (spec->save_output[i]) node_raw->saved_outputs[i] = SavedVariable(t, /*is_output=*/false);
+    }
+  }
+};
+
+std::vector<std::unique_ptr<torch::Library>>& libraries() {
+  static std::vector<std::unique_ptr<torch::Library>> libs;
+  return libs;
+}
+
+// _C._register_autograd(qualname, backward, save_inputs, save_outputs, nondiff_outputs)
+void register_autograd(const std::string& qualname, pybind11::object backward, const std::vector<int64_t>& save_inputs,
+                       const std::vector<int64_t>& save_outputs, const std::vector<int64_t>& nondiff_outputs) {
+  auto sep = qualname.find("::");
+  TORCH_CHECK(sep != std::string::npos, "qualname must be 'namespace::op', got ", qualname);
+  std::string ns = qualname.substr(0, sep), name = qualname.substr(sep + 2);
+  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(qualname.c_str(), "");
+  const auto& schema = handle.schema();
+  auto spec = new Spec();  // lives as long as the registration (the process)
+  spec->name = qualname;
+  spec->num_args = schema.arguments().size();
+  for (const auto& a : schema.arguments()) {
+    const auto& type = a.type();
+    bool tensor = type->kind() == c10::TypeKind::TensorType ||
+                  (type->kind() == c10::TypeKind::OptionalType &&
+                   type->castRaw<c10::OptionalType>()->getElementType()->kind() == c10::TypeKind::TensorType);
+    bool plain = tensor || type->kind() == c10::TypeKind::FloatType || type->kind() == c10::TypeKind::IntType ||
+                 type->kind() == c10::TypeKind::BoolType || type->kind() == c10::TypeKind::StringType ||
+                 type->kind() == c10::TypeKind::OptionalType || type->kind() == c10::TypeKind::ListType;
+    TORCH_CHECK(plain && !a.kwarg_only(), qualname, ": argument '", a.name(), "' has a kind this kernel does not take");
+  }
+  const size_t m = schema.returns().size();
+  for (const auto& r : schema.returns())
+    TORCH_CHECK(r.type()->kind() == c10::TypeKind::TensorType, qualname, ": every return must be a Tensor");
+  spec->save_input.assign(spec->num_args, false);
+  spec->save_output.assign(m, false);
+  spec->differentiable_output.assign(m, true);
+  for (auto i : save_inputs) {
+    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < spec->num_args, qualname, ": save_inputs index ", i);
+    spec->save_input[i] = true;
+  }
+  for (auto i : nondiff_outputs) {
+    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < m, qualname, ": nondiff_outputs index ", i);
+    spec->differentiable_output[i] = false;
+  }
+  for (auto i : save_outputs) {
+    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < m, qualname, ": save_outputs index ", i);
+    // a differentiable output saved in its own node would form a reference cycle
+    TORCH_CHECK(!spec->differentiable_output[i], qualname, ": only non-differentiable outputs can be saved");
+    spec->save_output[i] = true;
+  }
+  if (!backward.is_none()) spec->backward = backward.release().ptr();
+  auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, ns, std::nullopt, __FILE__, __LINE__);
+  lib->impl(name.c_str(), torch::dispatch(c10::DispatchKey::Autograd,
+                                          torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(spec))));
+  libraries().push_back(std::move(lib));
+}
+
+}  // namespace
+
+void bind_autograd(pybind11::module_& m) {
+  m.def("_register_autograd", &register_autograd, pybind11::arg("qualname"), pybind11::arg("backward"),
+        pybind11::arg("save_inputs"), pybind11::arg("save_outputs"), pybind11::arg("nondiff_outputs"),
+        "Register the C++ Autograd kernel of an op: backward(args, outputs, grads, need) -> one gradient per "
+        "argument; save_inputs / save_outputs: indices of the tensors the node keeps; nondiff_outputs: outputs "
+        "without a gradient. backward=None: the op is first order only (its backward raises).");
+}
+
+}  // namespace lycoris
