@@ -447,7 +447,7 @@ class _AdaptedNorms(torch.autograd.Function):
     @staticmethod
     def forward(ctx, W, eps, up, down, gamma, row_axis):
         m2, P, S = _dora.lowrank_norm_terms(*_AdaptedNorms._as_rows(W, up, down, row_axis), gamma)
-        n = m2.clamp_min_(0).sqrt_().add_(eps)
+        n = m2.clamp_min(0).sqrt() + eps  # out of place: in place, the compiled CUDA graph lost up/down's grads
         ctx.save_for_backward(W, up, down, n, P, S)
         ctx.eps, ctx.gamma, ctx.row_axis = eps, gamma, row_axis
         ctx.mark_non_differentiable(P, S)
