@@ -6,10 +6,15 @@
 import os
 
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 # -g0: no debug info; it halves the build.
 extra_compile_args = {"cxx": ["-O2", "-g0", "-std=c++17"]}
+# With a CUDA torch and CUDA's toolkit, csrc/launch.cpp also gets its replaying CUDA
+# kernel (host C++ only: nothing is compiled by nvcc). LYCORIS_CUDA_LAUNCH=0 leaves it out.
+cuda_launch = bool(torch.version.cuda) and CUDA_HOME is not None and os.environ.get("LYCORIS_CUDA_LAUNCH", "1") != "0"
+Extension = CUDAExtension if cuda_launch else CppExtension
 
 setup(
     name="lycoris_ops",
@@ -25,10 +30,11 @@ setup(
         "bench": ["numpy", "matplotlib"],
     },
     ext_modules=[
-        CppExtension(
+        Extension(
             "lycoris_ops._C",
-            ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/module.cpp"],
+            ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/launch.cpp", "csrc/module.cpp"],
             include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")],
+            define_macros=[("LYCORIS_CUDA_LAUNCH", None)] if cuda_launch else [],
             extra_compile_args=extra_compile_args,
         )
     ],

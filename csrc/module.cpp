@@ -1,6 +1,7 @@
 // The Python module lycoris_ops._C: importing it runs the TORCH_LIBRARY block
 // of ops.cpp (same shared object), exposes the schema table in its order, and
-// the registration of the C++ Autograd kernel (autograd.cpp).
+// the registrations of the C++ Autograd kernel (autograd.cpp) and, where CUDA's
+// headers were found at build time, of the replaying CUDA kernel (launch.cpp).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,6 +12,7 @@
 
 namespace lycoris {
 void bind_autograd(pybind11::module_& m);  // autograd.cpp
+void bind_launch(pybind11::module_& m);    // launch.cpp
 }
 
 PYBIND11_MODULE(_C, m) {
@@ -20,4 +22,5 @@ PYBIND11_MODULE(_C, m) {
       [] { return std::vector<std::string>(std::begin(lycoris::kSchemas), std::end(lycoris::kSchemas)); },
       "The 23 operator schemas, in registration order.");
   lycoris::bind_autograd(m);
+  lycoris::bind_launch(m);
 }

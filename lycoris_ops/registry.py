@@ -2,9 +2,13 @@
 
 CPU: the eager body (``reference/<family>.py``), or the compile tier when it is
 named. CUDA: the body chosen per call by ``select`` (a fused op set, the
-compile tier or the same eager body).
+compile tier or the same eager body), behind the C++ kernel that replays a seen
+call signature's Triton launches without Python where the build has it
+(``csrc/launch.cpp``, ``_launch_record.py``).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -34,14 +38,29 @@ def eager(op: str):
     return getattr(FAMILY[op], op)
 
 
+def replay_enabled() -> bool:
+    """Whether the CUDA key gets the C++ kernel that replays recorded launches
+    (csrc/launch.cpp): built with CUDA, and ``LYCORIS_KERNEL_REPLAY`` not ``0``."""
+    from . import _C
+
+    return hasattr(_C, "_register_cuda_kernel") and os.environ.get("LYCORIS_KERNEL_REPLAY", "1") != "0"
+
+
 def _register():
+    from . import _C
+    from ._launch_record import recorder
     from .select import cpu_kernel, cuda_kernel
 
+    replay = replay_enabled()
     for op in OP_NAMES:
         body = eager(op)
         # CPU: the eager body (routed through the choice only when `compile` is named)
         torch.library.impl(f"lycoris::{op}", "CPU")(cpu_kernel(op, body))
-        torch.library.impl(f"lycoris::{op}", "CUDA")(cuda_kernel(op, body))
+        cuda = cuda_kernel(op, body)
+        if replay:  # C++: a seen signature replays its launches; others call `cuda`
+            _C._register_cuda_kernel(f"lycoris::{op}", cuda, recorder(op, cuda, cuda._lycoris_state.tier_of))
+        else:
+            torch.library.impl(f"lycoris::{op}", "CUDA")(cuda)
 
 
 _register()

@@ -251,6 +251,10 @@ class _Kernel:
         self.meta[key] = (tier, device)
         return fn
 
+    def tier_of(self, *args) -> Optional[str]:
+        """The tier that serves these arguments now (None before their first call)."""
+        return self.meta.get(self.key_of(*args), (None,))[0]
+
     def failed(self, key: tuple, args: tuple):
         """Called from the kernel's ``except``: demote the failing tier and rerun, or re-raise."""
         exc = sys.exc_info()[1]
@@ -279,6 +283,11 @@ def {op}({params}):
         return _f({names})
     except Exception:
         return _failed(_k, ({names},))
+"""
+
+_KEY_TEMPLATE = """
+def {op}_key({params}):
+    return ({key},)
 """
 
 _CPU_TEMPLATE = """
@@ -332,6 +341,8 @@ def kernel(op: str, eager: Callable, check=_AUTO) -> Callable:
     fn.__doc__ = f"lycoris.{op} on any device: the per-call backend choice (lycoris_ops.select)."
     fn._lycoris_state = state
     state.fn = fn
+    exec(_KEY_TEMPLATE.format(op=op, params=params, key=key), ns)
+    state.key_of = ns[f"{op}_key"]
     return fn
 
 
@@ -385,6 +396,10 @@ def clear() -> None:
         state.cache.clear()
         state.meta.clear()
     _route[0] = None
+    from . import _C
+
+    if hasattr(_C, "_clear_launch_plans"):  # the C++ CUDA kernel's replay plans (csrc/launch.cpp)
+        _C._clear_launch_plans()
 
 
 def reset() -> None:

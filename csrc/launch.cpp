@@ -1,0 +1,446 @@
+// The CUDA-key kernel of the lycoris ops: a call whose signature was seen before
+// replays the launches recorded for it, in C++, without entering Python.
+//
+// The Python CUDA kernel (lycoris_ops/select.py: backend choice, tuning, the Triton
+// op set) costs tens of microseconds of host time per call. Here a call's signature
+// (per tensor: dtype, device, sizes, strides, 16-byte alignment; every scalar by
+// value) keys a plan. The first calls of a signature run the Python kernel; the third
+// runs it under lycoris_ops/_launch_record.py, which returns a plan when everything the
+// call did on the GPU was allocations and Triton launches: the allocations to make,
+// the outputs as views of them, and per launch the CUfunction, grid, block, shared
+// memory and each parameter (a pointer into an input or an allocation at a byte
+// offset, or constant bytes). Later calls allocate and launch from the plan on the
+// current stream. A signature whose call did anything else (a torch op, another
+// backend, the eager sentinel) keeps calling Python.
+//
+// Built only where CUDA's headers are (setup.py defines LYCORIS_CUDA_LAUNCH); elsewhere
+// the CUDA key keeps the Python kernel.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#ifdef LYCORIS_CUDA_LAUNCH
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <dlfcn.h>
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace lycoris {
+namespace {
+
+// cuLaunchKernel, looked up in the driver torch already loaded (no link to libcuda).
+using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
+                         void**);
+
+LaunchFn launch_fn() {
+  static LaunchFn fn = [] {
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    TORCH_CHECK(lib, "lycoris: libcuda.so.1 not found");
+    auto f = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
+    TORCH_CHECK(f, "lycoris: cuLaunchKernel not found in libcuda.so.1");
+    return f;
+  }();
+  return fn;
+}
+
+enum ParamKind : int { kInput = 0, kAlloc = 1, kConst = 2, kNull = 3 };
+
+struct Param {
+  int kind;
+  int64_t index;  // input argument / allocation
+  int64_t value;  // byte offset (pointers) or the constant's bits
+  int64_t nbytes;
+};
+
+struct Launch {
+  void* function;
+  unsigned grid[3];
+  unsigned threads;
+  unsigned shared;
+  std::vector<Param> params;
+};
+
+struct Alloc {
+  std::vector<int64_t> sizes, strides;
+  at::ScalarType dtype;
+  bool zero;
+};
+
+struct Output {
+  int kind;  // kAlloc (a view of allocation `index`)
+  int64_t index, offset;
+  std::vector<int64_t> sizes, strides;
+};
+
+struct Plan {
+  int device;
+  std::vector<Alloc> allocs;
+  std::vector<Output> outputs;
+  std::vector<Launch> launches;
+};
+
+struct Entry {
+  int calls = 0;
+  std::shared_ptr<const Plan> plan;  // null: not (yet) replayable
+  bool python_only = false;
+};
+
+struct KeyHash {
+  size_t operator()(const std::vector<int64_t>& k) const noexcept {
+    size_t h = k.size();
+    for (int64_t v : k) h ^= std::hash<int64_t>()(v) + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
+    return h;
+  }
+};
+
+constexpr int kRecordAt = 3;  // the call of a signature that is recorded (tuning and JIT done by then)
+constexpr size_t kMaxKeys = 4096;
+
+struct OpState {
+  std::string name;
+  size_t num_args = 0;
+  std::vector<bool> dtype_arg;  // ScalarType arguments (an int in the IValue, a torch.dtype in Python)
+  PyObject* python_kernel = nullptr;
+  PyObject* recorder = nullptr;
+  std::mutex mutex;
+  std::unordered_map<std::vector<int64_t>, Entry, KeyHash> entries;
+  std::unordered_map<std::string, int64_t> strings;  // interned str arguments
+};
+
+std::vector<OpState*>& op_states() {
+  static std::vector<OpState*> states;
+  return states;
+}
+
+void key_of(OpState& st, const torch::jit::Stack& stack, size_t first, std::vector<int64_t>& key) {
+  key.clear();
+  for (size_t i = first; i < stack.size(); ++i) {
+    const auto& v = stack[i];
+    if (v.isTensor()) {
+      const auto& t = v.toTensor();
+      key.push_back(1000 + static_cast<int64_t>(t.scalar_type()));
+      key.push_back(t.device().index());
+      key.push_back((reinterpret_cast<uintptr_t>(t.data_ptr()) & 15) == 0);
+      key.push_back(t.dim());
+      for (auto s : t.sizes()) key.push_back(s);
+      for (auto s : t.strides()) key.push_back(s);
+    } else if (v.isNone()) {
+      key.push_back(-1);
+    } else if (v.isDouble()) {
+      double d = v.toDouble();
+      int64_t bits;
+      std::memcpy(&bits, &d, sizeof bits);
+      key.push_back(-2);
+      key.push_back(bits);
+    } else if (v.isBool()) {
+      key.push_back(-3);
+      key.push_back(v.toBool());
+    } else if (v.isInt()) {
+      key.push_back(-4);
+      key.push_back(v.toInt());
+    } else if (v.isString()) {
+      const std::string& s = v.toStringRef();
+      auto it = st.strings.find(s);
+      int64_t id = it != st.strings.end() ? it->second : (st.strings[s] = static_cast<int64_t>(st.strings.size()));
+      key.push_back(-5);
+      key.push_back(id);
+    } else if (v.isIntList()) {
+      auto l = v.toIntList();
+      key.push_back(-6);
+      key.push_back(static_cast<int64_t>(l.size()));
+      for (size_t j = 0; j < l.size(); ++j) key.push_back(l.get(j));
+    } else {
+      key.push_back(-7);  // unknown kind: never replayed (see below)
+    }
+  }
+}
+
+struct PyRef {
+  PyObject* p;
+  explicit PyRef(PyObject* o) : p(o) {
+    if (!p) {
+      python_error err;
+      err.persist();
+      throw std::move(err);
+    }
+  }
+  ~PyRef() { Py_XDECREF(p); }
+};
+
+PyObject* arg_to_python(const OpState& st, size_t i, const c10::IValue& v) {
+  if (v.isTensor()) return THPVariable_Wrap(v.toTensor());
+  if (v.isNone()) Py_RETURN_NONE;
+  if (st.dtype_arg[i]) {
+    PyObject* d = reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<at::ScalarType>(v.toInt())));
+    Py_INCREF(d);
+    return d;
+  }
+  if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
+  if (v.isBool()) return PyBool_FromLong(v.toBool());
+  if (v.isInt()) return PyLong_FromLongLong(v.toInt());
+  if (v.isString()) return PyUnicode_FromString(v.toStringRef().c_str());
+  if (v.isIntList()) {
+    auto list = v.toIntList();
+    PyObject* out = PyList_New(list.size());
+    for (size_t j = 0; j < list.size(); ++j) PyList_SET_ITEM(out, j, PyLong_FromLongLong(list.get(j)));
+    return out;
+  }
+  TORCH_CHECK(false, st.name, ": unsupported argument kind ", v.tagKind());
+}
+
+void push_result(PyObject* r, torch::jit::Stack* stack, const std::string& name) {
+  if (THPVariable_Check(r)) {
+    stack->emplace_back(THPVariable_Unpack(r));
+    return;
+  }
+  TORCH_CHECK(PyTuple_Check(r), name, ": the kernel must return a tensor or a tuple of tensors");
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r); ++i) {
+    PyObject* t = PyTuple_GET_ITEM(r, i);
+    TORCH_CHECK(THPVariable_Check(t), name, ": output ", i, " is not a tensor");
+    stack->emplace_back(THPVariable_Unpack(t));
+  }
+}
+
+std::vector<int64_t> int_list(PyObject* o) {
+  std::vector<int64_t> out;
+  PyRef seq(PySequence_Fast(o, "expected a sequence"));
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq.p); ++i)
+    out.push_back(PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq.p, i)));
+  return out;
+}
+
+// (device, allocs, outputs, launches) from _launch_record.py's plan()
+std::shared_ptr<const Plan> parse_plan(PyObject* o) {
+  auto plan = std::make_shared<Plan>();
+  plan->device = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(o, 0)));
+  PyObject* allocs = PyTuple_GET_ITEM(o, 1);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(allocs); ++i) {
+    PyObject* a = PyList_GET_ITEM(allocs, i);
+    PyObject* dt = PyTuple_GET_ITEM(a, 2);
+    TORCH_CHECK(THPDtype_Check(dt), "plan: allocation dtype");
+    plan->allocs.push_back({int_list(PyTuple_GET_ITEM(a, 0)), int_list(PyTuple_GET_ITEM(a, 1)),
+                            reinterpret_cast<THPDtype*>(dt)->scalar_type, PyObject_IsTrue(PyTuple_GET_ITEM(a, 3)) == 1});
+  }
+  PyObject* outs = PyTuple_GET_ITEM(o, 2);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outs); ++i) {
+    PyObject* x = PyList_GET_ITEM(outs, i);
+    plan->outputs.push_back({kAlloc, PyLong_AsLongLong(PyTuple_GET_ITEM(x, 0)), PyLong_AsLongLong(PyTuple_GET_ITEM(x, 1)),
+                             int_list(PyTuple_GET_ITEM(x, 2)), int_list(PyTuple_GET_ITEM(x, 3))});
+  }
+  PyObject* launches = PyTuple_GET_ITEM(o, 3);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(launches); ++i) {
+    PyObject* l = PyList_GET_ITEM(launches, i);
+    Launch launch;
+    launch.function = reinterpret_cast<void*>(PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(l, 0)));
+    for (int d = 0; d < 3; ++d) launch.grid[d] = static_cast<unsigned>(PyLong_AsLong(PyTuple_GET_ITEM(l, 1 + d)));
+    launch.threads = static_cast<unsigned>(PyLong_AsLong(PyTuple_GET_ITEM(l, 4)));
+    launch.shared = static_cast<unsigned>(PyLong_AsLong(PyTuple_GET_ITEM(l, 5)));
+    PyObject* params = PyTuple_GET_ITEM(l, 6);
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(params); ++j) {
+      PyObject* p = PyList_GET_ITEM(params, j);
+      Param param;
+      param.kind = static_cast<int>(PyLong_AsLong(PyTuple_GET_ITEM(p, 0)));
+      param.index = PyLong_AsLongLong(PyTuple_GET_ITEM(p, 1));
+      param.value = PyLong_AsLongLong(PyTuple_GET_ITEM(p, 2));
+      param.nbytes = PyLong_AsLongLong(PyTuple_GET_ITEM(p, 3));
+      TORCH_CHECK(param.nbytes > 0 && param.nbytes <= 8, "plan: parameter size");
+      launch.params.push_back(param);
+    }
+    plan->launches.push_back(std::move(launch));
+  }
+  if (PyErr_Occurred()) {
+    python_error err;
+    err.persist();
+    throw std::move(err);
+  }
+  return plan;
+}
+
+void replay(const Plan& plan, torch::jit::Stack* stack, size_t first, size_t num_args) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(plan.device));
+  auto options = at::TensorOptions().device(at::kCUDA, plan.device);
+  std::vector<at::Tensor> allocs;
+  allocs.reserve(plan.allocs.size());
+  for (const auto& a : plan.allocs) {
+    allocs.push_back(at::empty_strided(a.sizes, a.strides, options.dtype(a.dtype)));
+    if (a.zero) allocs.back().zero_();
+  }
+  std::vector<char*> inputs(num_args, nullptr);
+  for (size_t i = 0; i < num_args; ++i) {
+    const auto& v = (*stack)[first + i];
+    if (v.isTensor()) inputs[i] = static_cast<char*>(v.toTensor().data_ptr());
+  }
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(plan.device)).stream();
+  LaunchFn launch = launch_fn();
+  uint64_t slots[64];
+  void* params[64];
+  for (const auto& l : plan.launches) {
+    TORCH_CHECK(l.params.size() <= 64, "lycoris: too many kernel parameters");
+    for (size_t j = 0; j < l.params.size(); ++j) {
+      const Param& p = l.params[j];
+      uint64_t bits = 0;
+      switch (p.kind) {
+        case kInput:
+          bits = reinterpret_cast<uint64_t>(inputs[p.index] + p.value);
+          break;
+        case kAlloc:
+          bits = reinterpret_cast<uint64_t>(static_cast<char*>(allocs[p.index].data_ptr()) + p.value);
+          break;
+        case kConst:
+          bits = static_cast<uint64_t>(p.value);
+          break;
+        default:
+          bits = 0;
+      }
+      slots[j] = bits;  // little endian: a 4-byte parameter is the low half
+      params[j] = &slots[j];
+    }
+    int rc = launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared, stream, params, nullptr);
+    TORCH_CHECK(rc == 0, "lycoris: cuLaunchKernel failed with CUresult ", rc);
+  }
+  stack->erase(stack->begin() + first, stack->end());
+  for (const auto& o : plan.outputs) {
+    const at::Tensor& a = allocs[o.index];
+    if (o.offset == 0 && a.sizes().equals(o.sizes) && a.strides().equals(o.strides)) {
+      stack->emplace_back(a);
+    } else {
+      stack->emplace_back(a.as_strided(o.sizes, o.strides, o.offset));
+    }
+  }
+}
+
+struct CudaKernel final : c10::OperatorKernel {
+  OpState* st;
+  explicit CudaKernel(OpState* s) : st(s) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+    const size_t n = st->num_args, first = stack->size() - n;
+    thread_local std::vector<int64_t> key;
+    std::shared_ptr<const Plan> plan;
+    bool record = false, cacheable = true;
+    {
+      std::lock_guard<std::mutex> lock(st->mutex);
+      key_of(*st, *stack, first, key);
+      for (auto v : key) cacheable = cacheable && v != -7;
+      if (cacheable) {
+        auto it = st->entries.find(key);
+        if (it == st->entries.end()) {
+          if (st->entries.size() >= kMaxKeys) st->entries.clear();
+          it = st->entries.emplace(key, Entry()).first;
+        }
+        Entry& e = it->second;
+        if (e.plan) {
+          plan = e.plan;
+        } else if (!e.python_only && e.calls < kRecordAt && ++e.calls == kRecordAt) {
+          record = st->recorder != nullptr;
+        }
+      }
+    }
+    if (plan) {
+      replay(*plan, stack, first, n);
+      return;
+    }
+    pybind11::gil_scoped_acquire gil;
+    PyRef args(PyTuple_New(n));
+    for (size_t i = 0; i < n; ++i) PyTuple_SET_ITEM(args.p, i, arg_to_python(*st, i, (*stack)[first + i]));
+    PyRef result(PyObject_Call(record ? st->recorder : st->python_kernel, args.p, nullptr));
+    PyObject* out = result.p;
+    std::shared_ptr<const Plan> recorded;
+    if (record) {  // (outputs, plan or None)
+      TORCH_CHECK(PyTuple_Check(out) && PyTuple_GET_SIZE(out) == 2, st->name, ": recorder result");
+      PyObject* p = PyTuple_GET_ITEM(out, 1);
+      if (p != Py_None) recorded = parse_plan(p);
+      out = PyTuple_GET_ITEM(out, 0);
+    }
+    stack->erase(stack->begin() + first, stack->end());
+    push_result(out, stack, st->name);
+    if (record) {
+      std::lock_guard<std::mutex> lock(st->mutex);
+      auto it = st->entries.find(key);
+      if (it != st->entries.end()) {
+        it->second.plan = recorded;
+        it->second.python_only = !recorded;
+      }
+    }
+  }
+};
+
+std::vector<std::unique_ptr<torch::Library>>& libraries() {
+  static std::vector<std::unique_ptr<torch::Library>> libs;
+  return libs;
+}
+
+void register_cuda_kernel(const std::string& qualname, pybind11::object python_kernel, pybind11::object recorder) {
+  auto sep = qualname.find("::");
+  TORCH_CHECK(sep != std::string::npos, "qualname must be 'namespace::op', got ", qualname);
+  auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(qualname.c_str(), "");
+  auto st = new OpState();  // lives as long as the registration (the process)
+  st->name = qualname;
+  st->num_args = handle.schema().arguments().size();
+  for (const auto& a : handle.schema().arguments()) {
+    auto type = a.real_type();  // type() says int for a ScalarType
+    if (type->kind() == c10::TypeKind::OptionalType) type = type->castRaw<c10::OptionalType>()->getElementType();
+    st->dtype_arg.push_back(type->kind() == c10::TypeKind::ScalarTypeType);
+  }
+  st->python_kernel = python_kernel.release().ptr();
+  if (!recorder.is_none()) st->recorder = recorder.release().ptr();
+  op_states().push_back(st);
+  auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, qualname.substr(0, sep), std::nullopt,
+                                              __FILE__, __LINE__);
+  lib->impl(qualname.substr(sep + 2).c_str(),
+            torch::dispatch(c10::DispatchKey::CUDA,
+                            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(st))));
+  libraries().push_back(std::move(lib));
+}
+
+void clear_launch_plans() {
+  for (auto* st : op_states()) {
+    std::lock_guard<std::mutex> lock(st->mutex);
+    st->entries.clear();
+  }
+}
+
+pybind11::tuple launch_plan_stats(const std::string& qualname) {
+  for (auto* st : op_states()) {
+    if (st->name != qualname) continue;
+    std::lock_guard<std::mutex> lock(st->mutex);
+    int64_t plans = 0, python_only = 0;
+    for (const auto& kv : st->entries) {
+      plans += kv.second.plan != nullptr;
+      python_only += kv.second.python_only;
+    }
+    return pybind11::make_tuple(static_cast<int64_t>(st->entries.size()), plans, python_only);
+  }
+  return pybind11::make_tuple(0, 0, 0);
+}
+
+}  // namespace
+
+void bind_launch(pybind11::module_& m) {
+  m.def("_register_cuda_kernel", &register_cuda_kernel, pybind11::arg("qualname"), pybind11::arg("python_kernel"),
+        pybind11::arg("recorder"),
+        "Register the C++ CUDA kernel of an op: replays recorded launches, else calls python_kernel(*args); "
+        "recorder(*args) -> (outputs, plan or None) runs at a signature's third call.");
+  m.def("_clear_launch_plans", &clear_launch_plans, "Forget every recorded plan (after a backend change).");
+  m.def("_launch_plan_stats", &launch_plan_stats, pybind11::arg("qualname"),
+        "(signatures seen, signatures replayed from a plan, signatures that stay in Python) of an op.");
+}
+
+}  // namespace lycoris
+
+#else  // no CUDA headers at build time: the CUDA key keeps the Python kernel
+
+namespace lycoris {
+void bind_launch(pybind11::module_& m) {}
+}  // namespace lycoris
+
+#endif

@@ -1,0 +1,217 @@
+"""Recording one CUDA call of an op as a launch plan that ``csrc/launch.cpp`` replays.
+
+The C++ CUDA kernel calls :func:`recorder`'s function at the third call of a call
+signature (tuning and Triton's JIT are done by then). It runs the op's Python CUDA
+kernel once while it watches two things: every aten op the call dispatches (a
+``TorchDispatchMode``: only allocations, zero fills of them and views are allowed)
+and every Triton launch (``CompiledKernel.run``, through which both Triton's JIT
+path and ``FastJIT`` launch). The plan it returns says what a later call with the
+same signature must do: the allocations, the outputs as views of them, and per
+launch the CUfunction, grid, block, shared memory and parameters, each a pointer
+into an input or an allocation at a byte offset, or constant bytes. Anything it
+cannot express (a torch op that computes, a launch it cannot pack, a pointer to
+memory the call did not get or make, another backend than Triton) gives no plan:
+that signature keeps calling Python.
+"""
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["recorder", "plan_of"]
+
+_ALLOC_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::new_empty",
+              "aten::new_empty_strided"}
+_ZERO_ALLOC_OPS = {"aten::zeros", "aten::zeros_like", "aten::new_zeros"}
+_ZERO_FILL_OPS = {"aten::zero_"}
+_HARMLESS = {"aten::detach", "aten::alias", "aten::lift_fresh"}
+
+#: (size in bytes, struct format) of each Triton scalar parameter type
+_SCALARS = {"i1": (1, "b"), "i8": (1, "b"), "u1": (1, "B"), "u8": (1, "B"), "i16": (2, "h"), "u16": (2, "H"),
+            "i32": (4, "i"), "u32": (4, "I"), "i64": (8, "q"), "u64": (8, "Q"), "fp32": (4, "f"), "f32": (4, "f"),
+            "fp64": (8, "d"), "f64": (8, "d")}
+
+
+def _is_view(func) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+class _Watch(TorchDispatchMode):
+    """The aten ops of the recorded call: allocations kept, anything that computes noted."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocs = []  # (tensor, zero-filled)
+        self.refusal: Optional[str] = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._schema.name
+        if name in _ALLOC_OPS or name in _ZERO_ALLOC_OPS:
+            self.allocs.append([out, name in _ZERO_ALLOC_OPS])
+        elif name in _ZERO_FILL_OPS:
+            for a in self.allocs:  # zeroing a whole fresh allocation: part of the plan
+                t = a[0]
+                if t.data_ptr() == out.data_ptr() and t.untyped_storage().nbytes() == out.untyped_storage().nbytes() \
+                        and out.is_contiguous() and out.numel() * out.element_size() == t.untyped_storage().nbytes():
+                    a[1] = True
+                    break
+            else:
+                self.refusal = self.refusal or f"{name} of a part of a tensor"
+        elif not (_is_view(func) or name in _HARMLESS):
+            self.refusal = self.refusal or name
+        return out
+
+
+_local = threading.local()
+
+
+def _install_launch_watch():
+    """Make ``CompiledKernel.run`` report launches made in a recording thread (once per process)."""
+    from triton.compiler.compiler import CompiledKernel
+
+    prop = CompiledKernel.__dict__.get("run")
+    if not isinstance(prop, property):
+        raise RuntimeError("triton's CompiledKernel.run is not a property")
+    if getattr(prop.fget, "_lycoris_watch", False):
+        return
+    fget = prop.fget
+
+    def run(self):
+        launcher = fget(self)
+        launches = getattr(_local, "launches", None)
+        if launches is None:
+            return launcher
+
+        def watched(gx, gy, gz, stream, function, *rest):
+            launches.append((self, launcher, gx, gy, gz, stream, function, rest))
+            return launcher(gx, gy, gz, stream, function, *rest)
+        return watched
+
+    run._lycoris_watch = True
+    CompiledKernel.run = property(run)
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to one past its last element."""
+    if t.numel() == 0:
+        return 0
+    return (sum((s - 1) * st for s, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _pointer(ptr: int, inputs, allocs):
+    """(kind, index, byte offset) of a device address: inside an input argument (0) or an allocation (1)."""
+    for i, t in inputs:
+        start = t.data_ptr()
+        if start <= ptr < start + max(_extent(t), 1):
+            return 0, i, ptr - start
+    for j, (t, _) in enumerate(allocs):
+        start = t.untyped_storage().data_ptr()
+        if start <= ptr < start + max(t.untyped_storage().nbytes(), 1):
+            return 1, j, ptr - start
+    return None
+
+
+def plan_of(args, outputs, watch: _Watch, launches, device: torch.device):
+    """The plan tuple csrc/launch.cpp parses, or (None, why)."""
+    if watch.refusal:
+        return None, f"the call ran {watch.refusal}"
+    inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    allocs = watch.allocs
+    for t, _ in allocs:
+        if t.storage_offset() != 0 or t.device != device:
+            return None, "an allocation off the device or with an offset"
+    alloc_plan = [(list(t.shape), list(t.stride()), t.dtype, bool(zero)) for t, zero in allocs]
+    out_plan = []
+    for o in (outputs if isinstance(outputs, tuple) else (outputs,)):
+        for j, (t, _) in enumerate(allocs):
+            if o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
+                out_plan.append((j, o.storage_offset(), list(o.shape), list(o.stride())))
+                break
+        else:
+            return None, "an output that is not an allocation of the call"
+    launch_plan = []
+    for kernel, launcher, gx, gy, gz, stream, function, rest in launches:
+        if stream != torch.cuda.current_stream(device).cuda_stream:
+            return None, "a launch on another stream"
+        if getattr(launcher, "num_ctas", 1) != 1 or getattr(launcher, "launch_cooperative_grid", False) \
+                or getattr(launcher, "launch_pdl", False):
+            return None, "a cluster, cooperative or PDL launch"
+        if getattr(launcher, "global_scratch_size", 0) or getattr(launcher, "profile_scratch_size", 0):
+            return None, "a launch with global or profile scratch"
+        kargs = rest[4:]  # after packed_metadata, launch_metadata, enter and exit hooks
+        types = list(kernel.src.signature.values())
+        if len(types) != len(kargs):
+            return None, f"{kernel.name}: {len(kargs)} arguments for {len(types)} parameters"
+        params = []
+        for ty, a in zip(types, kargs):
+            if ty == "constexpr":
+                continue
+            if isinstance(ty, str) and ty.startswith("*"):
+                if a is None:
+                    params.append((3, 0, 0, 8))
+                    continue
+                ptr = a.data_ptr() if isinstance(a, torch.Tensor) else None
+                where = None if ptr is None else _pointer(ptr, inputs, allocs)
+                if where is None:
+                    return None, f"{kernel.name}: a pointer the call did not get or make"
+                params.append((where[0], where[1], where[2], 8))
+            elif ty in _SCALARS:
+                size, fmt = _SCALARS[ty]
+                raw = struct.pack("<" + fmt, a)
+                params.append((2, 0, int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True), size))
+            else:
+                return None, f"{kernel.name}: a parameter of type {ty}"
+        params.append((3, 0, 0, 8))  # global scratch: none
+        params.append((3, 0, 0, 8))  # profile scratch: none
+        meta = kernel.metadata
+        launch_plan.append((int(function), gx, gy, gz, 32 * meta.num_warps, meta.shared, params))
+    return (device.index or 0, alloc_plan, out_plan, launch_plan), None
+
+
+#: why the last signatures got no plan, per op (diagnostics; bounded)
+refusals = {}
+#: the compiled kernels a plan launches: kept alive (their CUfunction must stay loaded)
+_kept = {}
+
+
+def recorder(op: str, kernel: Callable, tier_of: Callable) -> Callable:
+    """The function csrc/launch.cpp calls at a signature's recorded call: ``(outputs, plan or None)``.
+
+    ``kernel``: the op's Python CUDA kernel; ``tier_of(*args)``: the backend tier
+    that served these arguments (a plan is made for the ``triton`` tier only)."""
+
+    def record(*args):
+        try:
+            _install_launch_watch()
+        except Exception as exc:  # noqa: BLE001 - an unknown Triton: no plans, calls stay in Python
+            refusals[op] = f"launches cannot be watched: {exc}"
+            return kernel(*args), None
+        watch = _Watch()
+        _local.launches = launches = []
+        try:
+            with watch:
+                out = kernel(*args)
+        finally:
+            _local.launches = None
+        if tier_of(*args) != "triton":
+            refusals[op] = "not served by the triton tier"
+            return out, None
+        # the op sets launch on the first tensor argument's device (triton/_common.device_guard)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        plan, why = plan_of(args, out, watch, launches, device)
+        if plan is None:
+            if len(refusals) > 256:
+                refusals.clear()
+            refusals[op] = why
+        else:
+            for k, *_ in launches:
+                _kept.setdefault(id(k), k)
+        return out, plan
+
+    record.__name__ = record.__qualname__ = f"record_{op}"
+    return record
