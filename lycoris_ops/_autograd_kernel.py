@@ -84,7 +84,7 @@ def _cpp_registration(qualname, backward, setup_context, save, save_outputs, non
     single = len(schema.returns) == 1
     run = None
     if backward is not None:
-        def run(args, outputs, grads, need):
+        def run_backward(args, outputs, grads, need):
             ctx = _BackwardCtx(need)
             if absent_idx:
                 args = list(args)
@@ -96,7 +96,8 @@ def _cpp_registration(qualname, backward, setup_context, save, save_outputs, non
             result = backward(ctx, *grads)
             return result if isinstance(result, tuple) else (result,)
 
-        run.__name__ = run.__qualname__ = f"{name}_backward"
+        run_backward.__name__ = run_backward.__qualname__ = f"{name}_backward"
+        run = run_backward
     _C._register_autograd(qualname, run, save_idx, list(save_outputs), list(nondiff_outputs))
     return True
 

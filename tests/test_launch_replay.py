@@ -13,7 +13,7 @@ import torch
 
 import lycoris_ops
 from lycoris_ops import _C, _launch_record, registry
-from lycoris_ops.testing import REL_TOL, Case, cases, rel_err
+from lycoris_ops.testing import REL_TOL, cases, rel_err
 
 REPLAY = torch.cuda.is_available() and registry.replay_enabled()
 needs_replay = pytest.mark.skipif(not REPLAY, reason="needs CUDA and _C built with its CUDA launch path")
