@@ -13,7 +13,7 @@ one-op ``autograd.Function``. ``--layers`` times instead the forward+backward of
 adapter layers (a plain ``nn.Linear``, ``lycoris_ops.nn`` LoRA and DoRA, PEFT's DoRA when
 PEFT is installed), best of five rounds.
 
-    python bench/host_overhead.py [--device cpu|cuda] [--calls 3000]
+    python bench/host_overhead.py [--device cpu|cuda] [--calls 3000] [--layers | --plans]
 """
 import argparse
 import time
@@ -76,10 +76,14 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--layers", action="store_true", help="adapter layers' forward+backward instead")
+    ap.add_argument("--plans", action="store_true",
+                    help="which call signatures of every op's test cases get a C++ replay plan (CUDA)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if args.layers:
         return layers(dev, args.calls)
+    if args.plans:
+        return plans()
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
 
@@ -149,6 +153,27 @@ def main():
 def _no_grad(fn, *args):
     with torch.no_grad():
         return fn(*args)
+
+
+def plans():
+    """Every op's bf16 test cases called four times each on CUDA (the third call of a
+    signature is recorded), then per op: signatures seen, replayed from a plan, kept in
+    Python, and the last reason a signature got no plan (csrc/launch.cpp)."""
+    from lycoris_ops import OP_NAMES, _C, _launch_record, registry
+    from lycoris_ops.testing import cases
+
+    if not (torch.cuda.is_available() and registry.replay_enabled()):
+        print("no replay: needs CUDA and _C built with its CUDA launch path (LYCORIS_KERNEL_REPLAY not 0)")
+        return
+    for case in cases():
+        if case.tensors():
+            run = case.to(device="cuda", dtype=torch.bfloat16)
+            for _ in range(4):
+                run.to()()
+    print("op                     seen  replayed  python  why not")
+    for op in OP_NAMES:
+        seen, planned, python = _C._launch_plan_stats(f"lycoris::{op}")
+        print(f"  {op:20s} {seen:5d} {planned:9d} {python:7d}  {_launch_record.refusals.get(op, '')}")
 
 
 def layers(dev, calls, rounds=5):
