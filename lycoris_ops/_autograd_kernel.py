@@ -19,6 +19,7 @@ kwarg-only or tensor-list arguments (none here) use torch's own registration.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -29,6 +30,11 @@ __all__ = ["register_autograd", "first_order_only"]
 
 #: the FRAGMENT libraries holding the registrations (kept alive with the process)
 _libs = {}
+
+
+#: ``LYCORIS_AUTOGRAD_KERNEL=python`` (read at import): every op gets the Python kernel, for
+#: compiled autograd (``torch._dynamo.compiled_autograd``), which the C++ node does not support.
+_PYTHON_KERNEL_ONLY = os.environ.get("LYCORIS_AUTOGRAD_KERNEL", "cpp") == "python"
 
 
 class _BackwardCtx:
@@ -60,7 +66,7 @@ class _Absent:
 
 def first_order_only(qualname: str) -> None:
     """Register ``qualname`` as first order: differentiating through it raises."""
-    if not _cpp_registration(qualname, None, None, (), (), ()):
+    if _PYTHON_KERNEL_ONLY or not _cpp_registration(qualname, None, None, (), (), ()):
         def backward(ctx, *grads):
             raise RuntimeError(
                 f"{qualname.replace('::', '.')} is a first-order backward op: double backward (create_graph=True through a "
@@ -113,6 +119,8 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Optio
     ``shape`` only). ``save_outputs`` / ``nondiff_outputs``: indices of outputs to keep /
     without a gradient (a kept output must be non-differentiable). ``save=None``: the
     Python kernel."""
+    if save is not None and _PYTHON_KERNEL_ONLY:
+        save = None
     if save is not None and _cpp_registration(qualname, backward, setup_context, save, save_outputs,
                                               nondiff_outputs):
         return
