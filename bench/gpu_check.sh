@@ -131,7 +131,8 @@ if [ "$what" != tests ] && [ "${LYCORIS_HOST_PROFILE:-}" != skip ]; then  # host
   timeout 180 $py bench/host_profile.py --calls 2000 --top 0 >"$work/host_profile.log" 2>&1
   echo "host_profile: exit $?" >>"$work/status"
   echo "== host time per call, replay plans (bench/host_overhead.py)"
-  { timeout 120 $py bench/host_overhead.py --calls 3000 && timeout 180 $py bench/host_overhead.py --plans; } \
+  { timeout 120 $py bench/host_overhead.py --calls 3000 && timeout 120 $py bench/host_overhead.py --ops --calls 2000 \
+    && timeout 180 $py bench/host_overhead.py --plans; } \
     >"$work/host_overhead.log" 2>&1
   echo "host_overhead: exit $?" >>"$work/status"
 fi

@@ -13,7 +13,7 @@ one-op ``autograd.Function``. ``--layers`` times instead the forward+backward of
 adapter layers (a plain ``nn.Linear``, ``lycoris_ops.nn`` LoRA and DoRA, PEFT's DoRA when
 PEFT is installed), best of five rounds.
 
-    python bench/host_overhead.py [--device cpu|cuda] [--calls 3000] [--layers | --plans]
+    python bench/host_overhead.py [--device cpu|cuda] [--calls 3000] [--layers | --plans | --ops]
 """
 import argparse
 import time
@@ -78,12 +78,15 @@ def main():
     ap.add_argument("--layers", action="store_true", help="adapter layers' forward+backward instead")
     ap.add_argument("--plans", action="store_true",
                     help="which call signatures of every op's test cases get a C++ replay plan (CUDA)")
+    ap.add_argument("--ops", action="store_true", help="host time per call of every op (its first test case)")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if args.layers:
         return layers(dev, args.calls)
     if args.plans:
         return plans()
+    if args.ops:
+        return ops(dev, args.calls)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
 
@@ -153,6 +156,29 @@ def main():
 def _no_grad(fn, *args):
     with torch.no_grad():
         return fn(*args)
+
+
+def ops(dev, calls):
+    """Host time per call of each of the 23 ops on its first (tiny) test case, bf16 on
+    CUDA (fp32 on CPU), no gradient, next to one torch.add in the same process."""
+    from lycoris_ops import OP_NAMES
+    from lycoris_ops.testing import cases
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    first = {}
+    for case in cases():
+        if case.tensors() and case.op not in first:
+            first[case.op] = case.to(device=dev, dtype=dtype)
+    a, b = torch.randn(4, 4, device=dev), torch.randn(4, 4, device=dev)
+    ref = per_call_us(lambda: torch.add(a, b, alpha=0.5), calls, sync)
+    print(f"host us/call on {dev} (torch {torch.__version__}, {calls} calls each, best of 5 rounds, no grad)")
+    print(f"  {'torch.add':22s} {ref:8.1f} us")
+    with torch.no_grad():
+        for op in OP_NAMES:
+            if op in first:
+                us = per_call_us(first[op], calls, sync)
+                print(f"  {op:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)  {first[op].id}")
 
 
 def plans():
