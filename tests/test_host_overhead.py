@@ -245,3 +245,27 @@ def test_compiled_autograd_needs_the_python_kernel(kernel):
                          timeout=600)
     last = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else out.stderr[-2000:]
     assert last == ("refused True" if kernel == "cpp" else "ok True"), last
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "checkpoint_reentrant", "torch.func.grad"])
+def test_cpp_node_under_checkpoint_and_torch_func(how):
+    """Activation checkpointing (both forms) and torch.func.grad through the C++ node."""
+    from torch.utils.checkpoint import checkpoint
+
+    op = torch.ops.lycoris.lora_bypass_fwd
+    g = torch.Generator().manual_seed(3)
+    x, up, down = (torch.randn(s, generator=g).requires_grad_() for s in ((4, 6), (5, 2), (2, 6)))
+
+    def f(x, up, down):
+        return op(torch.tanh(x), up, down, 0.5).square().sum()
+
+    want = torch.autograd.grad(f(x, up, down), (x, up, down))
+    if how == "checkpoint":
+        got = torch.autograd.grad(checkpoint(f, x, up, down, use_reentrant=False), (x, up, down))
+    elif how == "checkpoint_reentrant":
+        checkpoint(f, x, up, down, use_reentrant=True).backward()
+        got = (x.grad, up.grad, down.grad)
+    else:
+        got = torch.func.grad(f, argnums=(0, 1, 2))(x.detach(), up.detach(), down.detach())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
