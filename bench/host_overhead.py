@@ -56,9 +56,9 @@ def probe_ops():
     return P.noop, P.noop_torch_ag, P.noop_lycoris_py, P.noop_lycoris_ag
 
 
-def per_call_us(fn, calls, sync, rounds=5):
+def per_call_us(fn, calls, sync, rounds=5, warmup=200):
     """Best of ``rounds`` rounds of ``calls / rounds`` calls (the machines are shared)."""
-    for _ in range(200):
+    for _ in range(warmup):
         fn()
     sync()
     n, best = max(1, calls // rounds), float("inf")
@@ -221,18 +221,7 @@ def layers(dev, calls, rounds=5):
     print(f"host us per forward+backward on {dev} (torch {torch.__version__}, best of {rounds} rounds)")
     for name, layer in rows:
         layer = layer.to(dev)
-        fn = lambda: layer(x).sum().backward()  # noqa: E731
-        n = max(1, calls // rounds)
-        for _ in range(min(n, 50)):
-            fn()
-        sync()
-        best = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            sync()
-            best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        best = per_call_us(lambda: layer(x).sum().backward(), calls, sync, rounds, warmup=50)
         print(f"  {name:45s} {best:8.1f} us")
 
 

@@ -10,10 +10,8 @@
 //
 // Registered per op at run time from Python (_C._register_autograd), so the same
 // kernel also serves the probe ops of bench/host_overhead.py.
-#include <torch/extension.h>
-#include <torch/library.h>
-#include <torch/csrc/DynamicTypes.h>
-#include <torch/csrc/Exceptions.h>
+#include "python_bridge.h"
+
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -42,6 +40,7 @@ struct Spec {
   std::vector<bool> save_input;  // per argument: keep the tensor (else only its dtype and shape)
   std::vector<bool> save_output;  // per output: keep it (non-differentiable outputs only)
   std::vector<bool> differentiable_output;
+  std::vector<bool> dtype_arg;  // ScalarType arguments (a torch.dtype in Python)
   size_t num_args = 0;
 };
 
@@ -76,41 +75,6 @@ P make_node(const Spec* spec) {
   } else {
     return c10::make_intrusive<N>(spec);
   }
-}
-
-PyObject* to_python(const c10::IValue& v) {
-  if (v.isNone()) Py_RETURN_NONE;
-  if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
-  if (v.isBool()) return PyBool_FromLong(v.toBool());
-  if (v.isInt()) return PyLong_FromLongLong(v.toInt());
-  if (v.isString()) return PyUnicode_FromString(v.toStringRef().c_str());
-  if (v.isIntList()) {
-    auto list = v.toIntList();
-    PyObject* out = PyList_New(list.size());
-    for (size_t i = 0; i < list.size(); ++i) PyList_SET_ITEM(out, i, PyLong_FromLongLong(list.get(i)));
-    return out;
-  }
-  TORCH_CHECK(false, "lycoris autograd: unsupported argument kind ", v.tagKind());
-}
-
-// Owns one Python reference.
-struct PyRef {
-  PyObject* p;
-  explicit PyRef(PyObject* o) : p(o) {
-    if (!p) throw python_error();
-  }
-  ~PyRef() { Py_XDECREF(p); }
-  PyObject* release() {
-    PyObject* o = p;
-    p = nullptr;
-    return o;
-  }
-};
-
-void raise_python_error() {
-  python_error err;
-  err.persist();
-  throw std::move(err);
 }
 
 variable_list LycorisBackward::apply(variable_list&& grads) {
@@ -153,7 +117,7 @@ variable_list LycorisBackward::apply(variable_list&& grads) {
         Py_DECREF(dtype);
       }
     } else {
-      item = to_python(args[i]);
+      item = scalar_to_python(args[i], spec->dtype_arg[i]);
     }
     if (!item) raise_python_error();
     PyTuple_SET_ITEM(py_args.p, i, item);
@@ -248,17 +212,9 @@ struct AutogradKernel final : c10::OperatorKernel {
   }
 };
 
-std::vector<std::unique_ptr<torch::Library>>& libraries() {
-  static std::vector<std::unique_ptr<torch::Library>> libs;
-  return libs;
-}
-
 // _C._register_autograd(qualname, backward, save_inputs, save_outputs, nondiff_outputs)
 void register_autograd(const std::string& qualname, pybind11::object backward, const std::vector<int64_t>& save_inputs,
                        const std::vector<int64_t>& save_outputs, const std::vector<int64_t>& nondiff_outputs) {
-  auto sep = qualname.find("::");
-  TORCH_CHECK(sep != std::string::npos, "qualname must be 'namespace::op', got ", qualname);
-  std::string ns = qualname.substr(0, sep), name = qualname.substr(sep + 2);
   auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(qualname.c_str(), "");
   const auto& schema = handle.schema();
   auto spec = new Spec();  // lives as long as the registration (the process)
@@ -274,6 +230,7 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
                  type->kind() == c10::TypeKind::OptionalType || type->kind() == c10::TypeKind::ListType;
     TORCH_CHECK(plain && !a.kwarg_only(), qualname, ": argument '", a.name(), "' has a kind this kernel does not take");
   }
+  spec->dtype_arg = dtype_arguments(schema);
   const size_t m = schema.returns().size();
   for (const auto& r : schema.returns())
     TORCH_CHECK(r.type()->kind() == c10::TypeKind::TensorType, qualname, ": every return must be a Tensor");
@@ -295,10 +252,8 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
     spec->save_output[i] = true;
   }
   if (!backward.is_none()) spec->backward = backward.release().ptr();
-  auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, ns, std::nullopt, __FILE__, __LINE__);
-  lib->impl(name.c_str(), torch::dispatch(c10::DispatchKey::Autograd,
-                                          torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(spec))));
-  libraries().push_back(std::move(lib));
+  register_kernel(qualname, c10::DispatchKey::Autograd,
+                  torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(spec)));
 }
 
 }  // namespace

@@ -23,9 +23,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <dlfcn.h>
 #include <torch/csrc/Dtype.h>
-#include <torch/csrc/DynamicTypes.h>
-#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+
+#include "python_bridge.h"
 
 #include <cstring>
 #include <memory>
@@ -164,37 +164,8 @@ void key_of(OpState& st, const torch::jit::Stack& stack, size_t first, std::vect
   }
 }
 
-struct PyRef {
-  PyObject* p;
-  explicit PyRef(PyObject* o) : p(o) {
-    if (!p) {
-      python_error err;
-      err.persist();
-      throw std::move(err);
-    }
-  }
-  ~PyRef() { Py_XDECREF(p); }
-};
-
 PyObject* arg_to_python(const OpState& st, size_t i, const c10::IValue& v) {
-  if (v.isTensor()) return THPVariable_Wrap(v.toTensor());
-  if (v.isNone()) Py_RETURN_NONE;
-  if (st.dtype_arg[i]) {
-    PyObject* d = reinterpret_cast<PyObject*>(torch::getTHPDtype(static_cast<at::ScalarType>(v.toInt())));
-    Py_INCREF(d);
-    return d;
-  }
-  if (v.isDouble()) return PyFloat_FromDouble(v.toDouble());
-  if (v.isBool()) return PyBool_FromLong(v.toBool());
-  if (v.isInt()) return PyLong_FromLongLong(v.toInt());
-  if (v.isString()) return PyUnicode_FromString(v.toStringRef().c_str());
-  if (v.isIntList()) {
-    auto list = v.toIntList();
-    PyObject* out = PyList_New(list.size());
-    for (size_t j = 0; j < list.size(); ++j) PyList_SET_ITEM(out, j, PyLong_FromLongLong(list.get(j)));
-    return out;
-  }
-  TORCH_CHECK(false, st.name, ": unsupported argument kind ", v.tagKind());
+  return v.isTensor() ? THPVariable_Wrap(v.toTensor()) : scalar_to_python(v, st.dtype_arg[i]);
 }
 
 void push_result(PyObject* r, torch::jit::Stack* stack, const std::string& name) {
@@ -257,11 +228,7 @@ std::shared_ptr<const Plan> parse_plan(PyObject* o) {
     }
     plan->launches.push_back(std::move(launch));
   }
-  if (PyErr_Occurred()) {
-    python_error err;
-    err.persist();
-    throw std::move(err);
-  }
+  if (PyErr_Occurred()) raise_python_error();
   return plan;
 }
 
@@ -374,32 +341,17 @@ struct CudaKernel final : c10::OperatorKernel {
   }
 };
 
-std::vector<std::unique_ptr<torch::Library>>& libraries() {
-  static std::vector<std::unique_ptr<torch::Library>> libs;
-  return libs;
-}
-
 void register_cuda_kernel(const std::string& qualname, pybind11::object python_kernel, pybind11::object recorder) {
-  auto sep = qualname.find("::");
-  TORCH_CHECK(sep != std::string::npos, "qualname must be 'namespace::op', got ", qualname);
   auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(qualname.c_str(), "");
   auto st = new OpState();  // lives as long as the registration (the process)
   st->name = qualname;
   st->num_args = handle.schema().arguments().size();
-  for (const auto& a : handle.schema().arguments()) {
-    auto type = a.real_type();  // type() says int for a ScalarType
-    if (type->kind() == c10::TypeKind::OptionalType) type = type->castRaw<c10::OptionalType>()->getElementType();
-    st->dtype_arg.push_back(type->kind() == c10::TypeKind::ScalarTypeType);
-  }
+  st->dtype_arg = dtype_arguments(handle.schema());
   st->python_kernel = python_kernel.release().ptr();
   if (!recorder.is_none()) st->recorder = recorder.release().ptr();
   op_states().push_back(st);
-  auto lib = std::make_unique<torch::Library>(torch::Library::FRAGMENT, qualname.substr(0, sep), std::nullopt,
-                                              __FILE__, __LINE__);
-  lib->impl(qualname.substr(sep + 2).c_str(),
-            torch::dispatch(c10::DispatchKey::CUDA,
-                            torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(st))));
-  libraries().push_back(std::move(lib));
+  register_kernel(qualname, c10::DispatchKey::CUDA,
+                  torch::CppFunction::makeFromBoxedFunctor(std::make_unique<CudaKernel>(st)));
 }
 
 void clear_launch_plans() {

@@ -133,21 +133,23 @@ def _probe_op():
         from lycoris_ops._autograd_kernel import register_autograd
 
         _probe_lib = torch.library.Library("lycoris_test", "DEF")
-        _probe_lib.define("scale(Tensor x, Tensor w, float k, str tag, Tensor? extra=None) -> (Tensor, Tensor)")
-        _probe_lib.impl("scale", lambda x, w, k, tag, extra=None: (k * x * w, (x * w).sum().reshape(1)),
+        _probe_lib.define("scale(Tensor x, Tensor w, float k, str tag, Tensor? extra=None, ScalarType? dt=None)"
+                          " -> (Tensor, Tensor)")
+        _probe_lib.impl("scale", lambda x, w, k, tag, extra=None, dt=None: (k * x * w, (x * w).sum().reshape(1)),
                         "CompositeExplicitAutograd")
 
         def setup(ctx, inputs, output):
-            x, w, k, tag, extra = inputs
+            x, w, k, tag, extra, dt = inputs
             ctx.save_for_backward(x, w)
-            ctx.k, ctx.tag, ctx.extra, ctx.stat = k, tag, extra, output[1]
+            ctx.k, ctx.tag, ctx.extra, ctx.stat, ctx.dt = k, tag, extra, output[1], dt
 
         def backward(ctx, gy, gstat):
             x, w = ctx.saved_tensors
-            _seen.update(need=ctx.needs_input_grad, tag=ctx.tag, extra=ctx.extra, stat=ctx.stat, gstat=gstat)
+            _seen.update(need=ctx.needs_input_grad, tag=ctx.tag, extra=ctx.extra, stat=ctx.stat, gstat=gstat,
+                         dt=ctx.dt)
             if ctx.tag == "raise":
                 raise ValueError("probe backward raised")
-            return gy * ctx.k * w, gy * ctx.k * x, None, None, None
+            return gy * ctx.k * w, gy * ctx.k * x, None, None, None, None
 
         register_autograd("lycoris_test::scale", backward, setup_context=setup, save=("x", "w"),
                           save_outputs=(1,), nondiff_outputs=(1,))
@@ -158,11 +160,11 @@ def test_cpp_node_passes_arguments_and_needs():
     op = _probe_op()
     x, w = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
     extra = torch.randn(2, 5, dtype=torch.float16)
-    y, stat = op(x, w, 2.5, "t", extra)
+    y, stat = op(x, w, 2.5, "t", extra, torch.bfloat16)
     assert stat.grad_fn is None and not stat.requires_grad  # the non-differentiable output
     (gx,) = torch.autograd.grad(y.sum(), x)  # only x asked for: the backward is told so
-    assert _seen["need"] == (True, False, False, False, False)
-    assert _seen["tag"] == "t" and torch.equal(_seen["stat"], stat)
+    assert _seen["need"] == (True, False, False, False, False, False)
+    assert _seen["tag"] == "t" and torch.equal(_seen["stat"], stat) and _seen["dt"] is torch.bfloat16
     # an unsaved tensor argument arrives as its dtype and shape only
     assert _seen["extra"].dtype == torch.float16 and _seen["extra"].shape == (2, 5)
     assert not isinstance(_seen["extra"], torch.Tensor)

@@ -13,7 +13,7 @@ import torch
 
 import lycoris_ops
 from lycoris_ops import _C, _launch_record, registry
-from lycoris_ops.testing import REL_TOL, cases, rel_err
+from lycoris_ops.testing import cases, check_bf16_against_eager
 
 REPLAY = torch.cuda.is_available() and registry.replay_enabled()
 needs_replay = pytest.mark.skipif(not REPLAY, reason="needs CUDA and _C built with its CUDA launch path")
@@ -65,21 +65,8 @@ def test_replayed_calls_match_eager(case):
     made); every result against the eager body."""
     torch.manual_seed(0)
     base = case.to(device="cuda", dtype=torch.bfloat16)
-    eager = registry.eager(case.op)
     for _ in range(5):
-        run = base.to()  # same geometry, new buffers
-        for a in run.tensors():
-            if a.is_floating_point():
-                a.normal_()
-        want, got = eager(*run.args), run()
-        want = want if isinstance(want, tuple) else (want,)
-        got = got if isinstance(got, tuple) else (got,)
-        for w, g in zip(want, got):
-            assert g.shape == w.shape and g.dtype == w.dtype and g.stride() == w.stride() or g.numel() == 0
-            if w.numel():
-                err = rel_err(g, w)
-                assert err <= 4 * REL_TOL[torch.bfloat16] or (g.double() - w.double()).abs().max() <= 1e-2, \
-                    f"{case.op}: rel err {err:.3e}"
+        check_bf16_against_eager(base.to())  # same geometry, new buffers
     seen, planned, python_only = _C._launch_plan_stats(f"lycoris::{case.op}")
     assert seen >= 1 and planned + python_only >= 1  # the third call decided
 

@@ -14,7 +14,7 @@ triton = pytest.importorskip("triton")
 
 from lycoris_ops.reference import add as REF_ADD  # noqa: E402
 from lycoris_ops.reference import ia3 as REF_IA3  # noqa: E402
-from lycoris_ops.testing import REL_TOL, Case, cases, make, rel_err  # noqa: E402
+from lycoris_ops.testing import REL_TOL, Case, cases, check_bf16_against_eager, make, rel_err  # noqa: E402
 from lycoris_ops.testing import add as CASES_ADD  # noqa: E402
 from lycoris_ops.testing import ia3 as CASES_IA3  # noqa: E402
 from lycoris_ops.triton import add as TA  # noqa: E402
@@ -320,22 +320,9 @@ def test_repeated_calls_through_direct_launches(case):
     """Every op called three times on CUDA (bf16): the JIT path, then the cached direct
     launch with fresh data, then operands at unaligned addresses (a new specialization);
     each result against the eager body."""
-    from lycoris_ops import registry
-
     torch.manual_seed(0)
     base = case.to(device="cuda", dtype=torch.bfloat16)
-    eager = registry.eager(case.op)
     fresh = lambda c: c.to()  # noqa: E731  (same geometry, new buffers)
     for run in (base, fresh(base), Case(base.op, tuple(_misaligned(a) if isinstance(a, torch.Tensor)
                                                        and a.numel() else a for a in base.args), base.id)):
-        for a in run.tensors():
-            if a.is_floating_point():
-                a.normal_()
-        want, got = eager(*run.args), run()
-        want = want if isinstance(want, tuple) else (want,)
-        got = got if isinstance(got, tuple) else (got,)
-        for w, g in zip(want, got):
-            if isinstance(w, torch.Tensor) and w.numel():  # loose: bf16 vs bf16, garbage fails
-                err = rel_err(g, w)
-                assert err <= 4 * REL_TOL[torch.bfloat16] or (g.double() - w.double()).abs().max() <= 1e-2, \
-                    f"{case.op}: rel err {err:.3e}"
+        check_bf16_against_eager(run)

@@ -66,6 +66,25 @@ def make(shape: Sequence[int], dtype=torch.float32, device="cpu", *, gen: torch.
     return t.requires_grad_(requires_grad)
 
 
+def check_bf16_against_eager(run: "Case") -> None:
+    """Refill ``run``'s floating tensors (normal), call the op and its eager body on them
+    and compare every non-empty output, loosely (bf16 against bf16: garbage fails)."""
+    from ..registry import eager
+
+    for a in run.tensors():
+        if a.is_floating_point():
+            a.normal_()
+    want, got = eager(run.op)(*run.args), run()
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    for w, g in zip(want, got):
+        if isinstance(w, torch.Tensor) and w.numel():
+            assert g.shape == w.shape and g.dtype == w.dtype, f"{run.op}: {g.shape}/{g.dtype} vs {w.shape}/{w.dtype}"
+            err = rel_err(g, w)
+            assert err <= 4 * REL_TOL[torch.bfloat16] or (g.double() - w.double()).abs().max() <= 1e-2, \
+                f"{run.op}: rel err {err:.3e}"
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """Relative Frobenius distance ||a - e|| / max(||e||, tiny), computed in fp64."""
     a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
