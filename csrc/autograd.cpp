@@ -26,7 +26,6 @@
 namespace lycoris {
 namespace {
 
-using torch::autograd::Edge;
 using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
@@ -36,7 +35,7 @@ using NodePtr = std::decay_t<decltype(std::declval<const at::TensorBase&>().grad
 // What an op's node keeps and whom it calls; one per registered op, never freed.
 struct Spec {
   std::string name;              // "lycoris::lora_bypass_fwd"
-  PyObject* backward = nullptr;  // run_backward(args, grads, need) -> grads; null: first order only
+  PyObject* backward = nullptr;  // backward(args, outputs, grads, need) -> grads; null: first order only
   std::vector<bool> save_input;  // per argument: keep the tensor (else only its dtype and shape)
   std::vector<bool> save_output;  // per output: keep it (non-differentiable outputs only)
   std::vector<bool> differentiable_output;
@@ -220,6 +219,7 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
   auto spec = new Spec();  // lives as long as the registration (the process)
   spec->name = qualname;
   spec->num_args = schema.arguments().size();
+  std::vector<bool> tensor_arg;
   for (const auto& a : schema.arguments()) {
     const auto& type = a.type();
     bool tensor = type->kind() == c10::TypeKind::TensorType ||
@@ -229,6 +229,7 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
                  type->kind() == c10::TypeKind::BoolType || type->kind() == c10::TypeKind::StringType ||
                  type->kind() == c10::TypeKind::OptionalType || type->kind() == c10::TypeKind::ListType;
     TORCH_CHECK(plain && !a.kwarg_only(), qualname, ": argument '", a.name(), "' has a kind this kernel does not take");
+    tensor_arg.push_back(tensor);
   }
   spec->dtype_arg = dtype_arguments(schema);
   const size_t m = schema.returns().size();
@@ -238,7 +239,8 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
   spec->save_output.assign(m, false);
   spec->differentiable_output.assign(m, true);
   for (auto i : save_inputs) {
-    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < spec->num_args, qualname, ": save_inputs index ", i);
+    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < spec->num_args && tensor_arg[i], qualname,
+                ": save_inputs index ", i, " is not a tensor argument");
     spec->save_input[i] = true;
   }
   for (auto i : nondiff_outputs) {

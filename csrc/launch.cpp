@@ -75,8 +75,7 @@ struct Alloc {
   bool zero;
 };
 
-struct Output {
-  int kind;  // kAlloc (a view of allocation `index`)
+struct Output {  // a view of allocation `index`
   int64_t index, offset;
   std::vector<int64_t> sizes, strides;
 };
@@ -121,7 +120,8 @@ std::vector<OpState*>& op_states() {
   return states;
 }
 
-void key_of(OpState& st, const torch::jit::Stack& stack, size_t first, std::vector<int64_t>& key) {
+// The call's signature in `key`; false where an argument has a kind the key cannot hold.
+bool key_of(OpState& st, const torch::jit::Stack& stack, size_t first, std::vector<int64_t>& key) {
   key.clear();
   for (size_t i = first; i < stack.size(); ++i) {
     const auto& v = stack[i];
@@ -159,9 +159,10 @@ void key_of(OpState& st, const torch::jit::Stack& stack, size_t first, std::vect
       key.push_back(static_cast<int64_t>(l.size()));
       for (size_t j = 0; j < l.size(); ++j) key.push_back(l.get(j));
     } else {
-      key.push_back(-7);  // unknown kind: never replayed (see below)
+      return false;
     }
   }
+  return true;
 }
 
 PyObject* arg_to_python(const OpState& st, size_t i, const c10::IValue& v) {
@@ -204,7 +205,7 @@ std::shared_ptr<const Plan> parse_plan(PyObject* o) {
   PyObject* outs = PyTuple_GET_ITEM(o, 2);
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outs); ++i) {
     PyObject* x = PyList_GET_ITEM(outs, i);
-    plan->outputs.push_back({kAlloc, PyLong_AsLongLong(PyTuple_GET_ITEM(x, 0)), PyLong_AsLongLong(PyTuple_GET_ITEM(x, 1)),
+    plan->outputs.push_back({PyLong_AsLongLong(PyTuple_GET_ITEM(x, 0)), PyLong_AsLongLong(PyTuple_GET_ITEM(x, 1)),
                              int_list(PyTuple_GET_ITEM(x, 2)), int_list(PyTuple_GET_ITEM(x, 3))});
   }
   PyObject* launches = PyTuple_GET_ITEM(o, 3);
@@ -291,14 +292,13 @@ struct CudaKernel final : c10::OperatorKernel {
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
     const size_t n = st->num_args, first = stack->size() - n;
-    thread_local std::vector<int64_t> key;
+    thread_local std::vector<int64_t> key;  // reused: no allocation per call
+    std::vector<int64_t> recorded_key;  // a copy: a nested op call in Python reuses `key`
     std::shared_ptr<const Plan> plan;
-    bool record = false, cacheable = true;
+    bool record = false;
     {
       std::lock_guard<std::mutex> lock(st->mutex);
-      key_of(*st, *stack, first, key);
-      for (auto v : key) cacheable = cacheable && v != -7;
-      if (cacheable) {
+      if (key_of(*st, *stack, first, key)) {
         auto it = st->entries.find(key);
         if (it == st->entries.end()) {
           if (st->entries.size() >= kMaxKeys) st->entries.clear();
@@ -309,6 +309,7 @@ struct CudaKernel final : c10::OperatorKernel {
           plan = e.plan;
         } else if (!e.python_only && e.calls < kRecordAt && ++e.calls == kRecordAt) {
           record = st->recorder != nullptr;
+          if (record) recorded_key = key;
         }
       }
     }
@@ -332,7 +333,7 @@ struct CudaKernel final : c10::OperatorKernel {
     push_result(out, stack, st->name);
     if (record) {
       std::lock_guard<std::mutex> lock(st->mutex);
-      auto it = st->entries.find(key);
+      auto it = st->entries.find(recorded_key);
       if (it != st->entries.end()) {
         it->second.plan = recorded;
         it->second.python_only = !recorded;

@@ -77,9 +77,9 @@ def first_order_only(qualname: str) -> None:
 
 def _cpp_registration(qualname, backward, setup_context, save, save_outputs, nondiff_outputs) -> bool:
     """Register the C++ Autograd kernel (csrc/autograd.cpp); False where the build lacks it."""
-    from . import _C
+    from . import _C as lycoris_C  # (the module's _C is torch._C)
 
-    if not hasattr(_C, "_register_autograd"):
+    if not hasattr(lycoris_C, "_register_autograd"):
         return False
     namespace, name = qualname.split("::")
     schema = getattr(getattr(torch.ops, namespace), name).default._schema
@@ -104,7 +104,7 @@ def _cpp_registration(qualname, backward, setup_context, save, save_outputs, non
 
         run_backward.__name__ = run_backward.__qualname__ = f"{name}_backward"
         run = run_backward
-    _C._register_autograd(qualname, run, save_idx, list(save_outputs), list(nondiff_outputs))
+    lycoris_C._register_autograd(qualname, run, save_idx, list(save_outputs), list(nondiff_outputs))
     return True
 
 
@@ -119,10 +119,8 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Optio
     ``shape`` only). ``save_outputs`` / ``nondiff_outputs``: indices of outputs to keep /
     without a gradient (a kept output must be non-differentiable). ``save=None``: the
     Python kernel."""
-    if save is not None and _PYTHON_KERNEL_ONLY:
-        save = None
-    if save is not None and _cpp_registration(qualname, backward, setup_context, save, save_outputs,
-                                              nondiff_outputs):
+    if save is not None and not _PYTHON_KERNEL_ONLY and _cpp_registration(
+            qualname, backward, setup_context, save, save_outputs, nondiff_outputs):
         return
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default

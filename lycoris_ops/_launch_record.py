@@ -30,6 +30,10 @@ _ZERO_ALLOC_OPS = {"aten::zeros", "aten::zeros_like", "aten::new_zeros"}
 _ZERO_FILL_OPS = {"aten::zero_"}
 _HARMLESS = {"aten::detach", "aten::alias", "aten::lift_fresh"}
 
+#: a plan parameter's kind (csrc/launch.cpp's ParamKind): a pointer into an input argument or
+#: an allocation at a byte offset, constant bytes, a null pointer
+_INPUT, _ALLOC, _CONST, _NULL = 0, 1, 2, 3
+
 #: (size in bytes, struct format) of each Triton scalar parameter type
 _SCALARS = {"i1": (1, "b"), "i8": (1, "b"), "u1": (1, "B"), "u8": (1, "B"), "i16": (2, "h"), "u16": (2, "H"),
             "i32": (4, "i"), "u32": (4, "I"), "i64": (8, "q"), "u64": (8, "Q"), "fp32": (4, "f"), "f32": (4, "f"),
@@ -56,8 +60,8 @@ class _Watch(TorchDispatchMode):
         elif name in _ZERO_FILL_OPS:
             for a in self.allocs:  # zeroing a whole fresh allocation: part of the plan
                 t = a[0]
-                if t.data_ptr() == out.data_ptr() and t.untyped_storage().nbytes() == out.untyped_storage().nbytes() \
-                        and out.is_contiguous() and out.numel() * out.element_size() == t.untyped_storage().nbytes():
+                if t.data_ptr() == out.data_ptr() and out.is_contiguous() \
+                        and out.numel() * out.element_size() == t.untyped_storage().nbytes():
                     a[1] = True
                     break
             else:
@@ -104,15 +108,15 @@ def _extent(t: torch.Tensor) -> int:
 
 
 def _pointer(ptr: int, inputs, allocs):
-    """(kind, index, byte offset) of a device address: inside an input argument (0) or an allocation (1)."""
+    """(kind, index, byte offset) of a device address: inside an input argument or an allocation."""
     for i, t in inputs:
         start = t.data_ptr()
         if start <= ptr < start + max(_extent(t), 1):
-            return 0, i, ptr - start
+            return _INPUT, i, ptr - start
     for j, (t, _) in enumerate(allocs):
         start = t.untyped_storage().data_ptr()
         if start <= ptr < start + max(t.untyped_storage().nbytes(), 1):
-            return 1, j, ptr - start
+            return _ALLOC, j, ptr - start
     return None
 
 
@@ -153,7 +157,7 @@ def plan_of(args, outputs, watch: _Watch, launches, device: torch.device):
                 continue
             if isinstance(ty, str) and ty.startswith("*"):
                 if a is None:
-                    params.append((3, 0, 0, 8))
+                    params.append((_NULL, 0, 0, 8))
                     continue
                 ptr = a.data_ptr() if isinstance(a, torch.Tensor) else None
                 where = None if ptr is None else _pointer(ptr, inputs, allocs)
@@ -163,17 +167,17 @@ def plan_of(args, outputs, watch: _Watch, launches, device: torch.device):
             elif ty in _SCALARS:
                 size, fmt = _SCALARS[ty]
                 raw = struct.pack("<" + fmt, a)
-                params.append((2, 0, int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True), size))
+                params.append((_CONST, 0, int.from_bytes(raw.ljust(8, b"\0"), "little", signed=True), size))
             else:
                 return None, f"{kernel.name}: a parameter of type {ty}"
-        params.append((3, 0, 0, 8))  # global scratch: none
-        params.append((3, 0, 0, 8))  # profile scratch: none
+        params.append((_NULL, 0, 0, 8))  # global scratch: none
+        params.append((_NULL, 0, 0, 8))  # profile scratch: none
         meta = kernel.metadata
         launch_plan.append((int(function), gx, gy, gz, 32 * meta.num_warps, meta.shared, params))
     return (device.index or 0, alloc_plan, out_plan, launch_plan), None
 
 
-#: why the last signatures got no plan, per op (diagnostics; bounded)
+#: why the last signature of each op got no plan (diagnostics)
 refusals = {}
 #: the compiled kernels a plan launches: kept alive (their CUfunction must stay loaded)
 _kept = {}
@@ -192,12 +196,13 @@ def recorder(op: str, kernel: Callable, tier_of: Callable) -> Callable:
             refusals[op] = f"launches cannot be watched: {exc}"
             return kernel(*args), None
         watch = _Watch()
+        outer = getattr(_local, "launches", None)  # a recording this one is nested in (then refused: an op call)
         _local.launches = launches = []
         try:
             with watch:
                 out = kernel(*args)
         finally:
-            _local.launches = None
+            _local.launches = outer
         if tier_of(*args) != "triton":
             refusals[op] = "not served by the triton tier"
             return out, None
@@ -205,8 +210,6 @@ def recorder(op: str, kernel: Callable, tier_of: Callable) -> Callable:
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
         plan, why = plan_of(args, out, watch, launches, device)
         if plan is None:
-            if len(refusals) > 256:
-                refusals.clear()
             refusals[op] = why
         else:
             for k, *_ in launches:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from . import OP_NAMES, reference
+from . import OP_NAMES, _C
 from .reference import add, boft, dora, ia3, lokr, lora, loha, oft
 
 #: op name -> family module of reference/ (and of triton/, tilelang/, plans/)
@@ -41,13 +41,10 @@ def eager(op: str):
 def replay_enabled() -> bool:
     """Whether the CUDA key gets the C++ kernel that replays recorded launches
     (csrc/launch.cpp): built with CUDA, and ``LYCORIS_KERNEL_REPLAY`` not ``0``."""
-    from . import _C
-
     return hasattr(_C, "_register_cuda_kernel") and os.environ.get("LYCORIS_KERNEL_REPLAY", "1") != "0"
 
 
 def _register():
-    from . import _C
     from ._launch_record import recorder
     from .select import cpu_kernel, cuda_kernel
 
