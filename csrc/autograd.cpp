@@ -7,6 +7,11 @@
 // autograd, and when a gradient is needed record one graph node that holds the saved
 // tensors and the scalar arguments. Python runs only in the backward: the node calls
 // the op's Python backward (lycoris_ops/autograd.py) once, with the saved arguments.
+// Ops whose backward is one call of their *_bwd op (the bypass ops, the LoKr merges,
+// IA3) register that call instead (a "direct" backward): the node calls the *_bwd op
+// through the dispatcher and never takes the GIL. On CUDA the autograd engine runs
+// the backward on its device thread, and there the GIL hand-over from the Python main
+// thread is most of a small op's backward host time.
 //
 // Registered per op at run time from Python (_C._register_autograd), so the same
 // kernel also serves the probe ops of bench/host_overhead.py.
@@ -19,6 +24,7 @@
 
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -32,6 +38,16 @@ using torch::autograd::variable_list;
 // torch 2.11 holds graph nodes in std::shared_ptr, torch 2.13 in c10::intrusive_ptr.
 using NodePtr = std::decay_t<decltype(std::declval<const at::TensorBase&>().grad_fn())>;
 
+// A backward that is one call of the op's *_bwd op, with the incoming gradient, saved
+// tensors and scalar arguments; its outputs are the gradients of some arguments, and
+// one argument (the bypass ops' base) may get the incoming gradient itself.
+struct DirectBackward {
+  std::optional<c10::OperatorHandle> op;  // the *_bwd op
+  std::vector<int64_t> args;     // per argument of the *_bwd op: -1 the gradient, else a forward argument
+  std::vector<int64_t> targets;  // per output of the *_bwd op: the forward argument it is the gradient of, or -1
+  int64_t passthrough = -1;      // the forward argument whose gradient is the incoming one (in its dtype), or -1
+};
+
 // What an op's node keeps and whom it calls; one per registered op, never freed.
 struct Spec {
   std::string name;              // "lycoris::lora_bypass_fwd"
@@ -41,6 +57,7 @@ struct Spec {
   std::vector<bool> differentiable_output;
   std::vector<bool> dtype_arg;  // ScalarType arguments (a torch.dtype in Python)
   size_t num_args = 0;
+  std::unique_ptr<DirectBackward> direct;  // set: the backward never enters Python
 };
 
 struct LycorisBackward final : Node {
@@ -49,6 +66,7 @@ struct LycorisBackward final : Node {
   std::vector<SavedVariable> saved_inputs;  // per argument (empty where not saved)
   std::vector<SavedVariable> saved_outputs;  // per output (empty where not saved)
   std::vector<std::pair<at::ScalarType, std::vector<c10::SymInt>>> absent;  // unsaved tensors: dtype, shape
+  at::ScalarType passthrough_dtype = at::ScalarType::Undefined;  // a direct backward's passthrough argument
   std::mutex mutex;
 
   explicit LycorisBackward(const Spec* s) : spec(s) {}
@@ -64,6 +82,9 @@ struct LycorisBackward final : Node {
   }
 
   variable_list apply(variable_list&& grads) override;
+
+ private:
+  variable_list apply_direct(const at::Tensor& grad, std::vector<at::Tensor>& inputs);
 };
 
 // N is a parameter only so that the branch not taken is never instantiated.
@@ -96,6 +117,7 @@ variable_list LycorisBackward::apply(variable_list&& grads) {
     for (size_t i = 0; i < outputs.size(); ++i)
       if (spec->save_output[i]) outputs[i] = saved_outputs[i].unpack();
   }
+  if (spec->direct) return apply_direct(grads[0], inputs);
   pybind11::gil_scoped_acquire gil;
   PyRef py_args(PyTuple_New(n));
   PyRef py_need(PyTuple_New(n));
@@ -150,6 +172,38 @@ variable_list LycorisBackward::apply(variable_list&& grads) {
   return out;
 }
 
+variable_list LycorisBackward::apply_direct(const at::Tensor& grad, std::vector<at::Tensor>& inputs) {
+  const DirectBackward& d = *spec->direct;
+  variable_list out(spec->num_args);
+  bool any = false;
+  for (auto t : d.targets) any = any || (t >= 0 && task_should_compute_output(t));
+  if (any) {
+    torch::jit::Stack stack;
+    stack.reserve(d.args.size());
+    for (auto src : d.args) {
+      if (src < 0) {
+        stack.emplace_back(grad);
+      } else if (args[src].isTensor()) {  // a tensor argument: saved (checked at registration)
+        stack.emplace_back(inputs[src]);
+      } else {
+        stack.emplace_back(args[src]);
+      }
+    }
+    d.op->callBoxed(stack);
+    for (size_t k = 0; k < d.targets.size(); ++k) {
+      const auto t = d.targets[k];
+      if (t < 0 || !should_compute_output(t)) continue;
+      at::Tensor g = stack[k].toTensor();
+      if (g.defined() && g.scalar_type() != inputs[t].scalar_type()) g = g.to(inputs[t].scalar_type());
+      out[t] = std::move(g);
+    }
+  }
+  if (d.passthrough >= 0 && should_compute_output(d.passthrough)) {
+    out[d.passthrough] = grad.scalar_type() == passthrough_dtype ? grad : grad.to(passthrough_dtype);
+  }
+  return out;
+}
+
 struct AutogradKernel final : c10::OperatorKernel {
   const Spec* spec;
   explicit AutogradKernel(const Spec* s) : spec(s) {}
@@ -189,6 +243,8 @@ struct AutogradKernel final : c10::OperatorKernel {
         // sym_sizes: sizes() would specialize a symbolic shape while tracing
         node_raw->absent.emplace_back(t.scalar_type(), t.sym_sizes().vec());
       }
+      if (spec->direct && static_cast<int64_t>(i) == spec->direct->passthrough)
+        node_raw->passthrough_dtype = t.scalar_type();
       arg = c10::IValue(at::Tensor());  // the tensor lives in saved_inputs (or not at all)
     }
     node_raw->set_next_edges(std::move(edges));
@@ -211,9 +267,43 @@ struct AutogradKernel final : c10::OperatorKernel {
   }
 };
 
-// _C._register_autograd(qualname, backward, save_inputs, save_outputs, nondiff_outputs)
+// The direct backward of `spec`'s op, checked against both schemas.
+std::unique_ptr<DirectBackward> make_direct(const Spec& spec, const std::vector<bool>& tensor_arg,
+                                            const std::string& bwd_qualname, const std::vector<int64_t>& args,
+                                            const std::vector<int64_t>& targets, int64_t passthrough) {
+  const auto& name = spec.name;
+  auto d = std::make_unique<DirectBackward>();
+  d->op = c10::Dispatcher::singleton().findSchemaOrThrow(bwd_qualname.c_str(), "");
+  const auto& schema = d->op->schema();
+  TORCH_CHECK(spec.differentiable_output.size() == 1, name, ": a direct backward needs an op with one output");
+  TORCH_CHECK(args.size() == schema.arguments().size(), name, ": the direct backward passes ", args.size(),
+              " arguments, ", bwd_qualname, " takes ", schema.arguments().size());
+  TORCH_CHECK(targets.size() == schema.returns().size(), name, ": the direct backward maps ", targets.size(),
+              " outputs, ", bwd_qualname, " returns ", schema.returns().size());
+  const int64_t n = static_cast<int64_t>(spec.num_args);
+  for (auto src : args) {
+    TORCH_CHECK(src >= -1 && src < n, name, ": direct backward argument index ", src);
+    TORCH_CHECK(src < 0 || !tensor_arg[src] || spec.save_input[src], name,
+                ": the direct backward passes tensor argument ", src, ", which the node does not save");
+  }
+  for (auto t : targets) {
+    TORCH_CHECK(t >= -1 && t < n && (t < 0 || spec.save_input[t]), name, ": direct backward output target ", t,
+                " is not a saved tensor argument");
+  }
+  TORCH_CHECK(passthrough >= -1 && passthrough < n && (passthrough < 0 || tensor_arg[passthrough]), name,
+              ": direct backward passthrough ", passthrough, " is not a tensor argument");
+  d->args = args;
+  d->targets = targets;
+  d->passthrough = passthrough;
+  return d;
+}
+
+// _C._register_autograd(qualname, backward, save_inputs, save_outputs, nondiff_outputs[, direct_op, direct_args,
+// direct_targets, direct_passthrough])
 void register_autograd(const std::string& qualname, pybind11::object backward, const std::vector<int64_t>& save_inputs,
-                       const std::vector<int64_t>& save_outputs, const std::vector<int64_t>& nondiff_outputs) {
+                       const std::vector<int64_t>& save_outputs, const std::vector<int64_t>& nondiff_outputs,
+                       const std::string& direct_op, const std::vector<int64_t>& direct_args,
+                       const std::vector<int64_t>& direct_targets, int64_t direct_passthrough) {
   auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(qualname.c_str(), "");
   const auto& schema = handle.schema();
   auto spec = new Spec();  // lives as long as the registration (the process)
@@ -253,6 +343,10 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
     TORCH_CHECK(!spec->differentiable_output[i], qualname, ": only non-differentiable outputs can be saved");
     spec->save_output[i] = true;
   }
+  if (!direct_op.empty()) {
+    TORCH_CHECK(!backward.is_none(), qualname, ": a direct backward also needs the Python backward");
+    spec->direct = make_direct(*spec, tensor_arg, direct_op, direct_args, direct_targets, direct_passthrough);
+  }
   if (!backward.is_none()) spec->backward = backward.release().ptr();
   register_kernel(qualname, c10::DispatchKey::Autograd,
                   torch::CppFunction::makeFromBoxedFunctor(std::make_unique<AutogradKernel>(spec)));
@@ -263,9 +357,14 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
 void bind_autograd(pybind11::module_& m) {
   m.def("_register_autograd", &register_autograd, pybind11::arg("qualname"), pybind11::arg("backward"),
         pybind11::arg("save_inputs"), pybind11::arg("save_outputs"), pybind11::arg("nondiff_outputs"),
+        pybind11::arg("direct_op") = "", pybind11::arg("direct_args") = std::vector<int64_t>{},
+        pybind11::arg("direct_targets") = std::vector<int64_t>{}, pybind11::arg("direct_passthrough") = -1,
         "Register the C++ Autograd kernel of an op: backward(args, outputs, grads, need) -> one gradient per "
         "argument; save_inputs / save_outputs: indices of the tensors the node keeps; nondiff_outputs: outputs "
-        "without a gradient. backward=None: the op is first order only (its backward raises).");
+        "without a gradient. backward=None: the op is first order only (its backward raises). direct_op: the "
+        "backward is that op's call instead (no Python): direct_args per argument of it -1 (the gradient) or a "
+        "forward argument; direct_targets per output of it the forward argument it is the gradient of (or -1); "
+        "direct_passthrough the forward argument whose gradient is the incoming one (or -1).");
 }
 
 }  // namespace lycoris

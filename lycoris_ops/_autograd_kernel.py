@@ -10,6 +10,10 @@ and when a gradient is needed one graph node keeps the tensors named in ``save``
 others only as their dtype and shape) and the scalar arguments. Python runs once, in
 the backward: ``setup_context(ctx, inputs, output)`` on the saved arguments, then
 ``backward(ctx, *grads)``, with ``ctx.needs_input_grad`` what this backward pass needs.
+An op whose backward is one call of its ``*_bwd`` op also names that call
+(``direct=BwdCall(...)``): then the node makes the call itself and Python does not run
+in the backward either (the Python ``backward`` stays the formula of record: the
+``LYCORIS_AUTOGRAD_KERNEL=python`` kernel runs it).
 
 An op registered without ``save`` (or where the C++ registration is missing) gets the
 Python kernel below: the same contract specialized once per op (no gradient needed:
@@ -20,13 +24,27 @@ kwarg-only or tensor-list arguments (none here) use torch's own registration.
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import _C
 from torch._library.utils import is_tensorlist_like_type
 
-__all__ = ["register_autograd", "first_order_only"]
+__all__ = ["register_autograd", "first_order_only", "BwdCall"]
+
+
+class BwdCall(NamedTuple):
+    """A backward that is one call of ``op``: ``args`` names, per argument of ``op``, the
+    forward argument passed (``"grad"``: the incoming gradient); ``grads`` names, per output
+    of ``op``, the forward argument it is the gradient of (None: dropped); ``passthrough``
+    names the forward argument whose gradient is the incoming one, in its own dtype (a
+    bypass op's ``base``). Each gradient is computed only when needed and comes back in
+    its argument's dtype."""
+
+    op: str
+    args: Sequence[str]
+    grads: Sequence[Optional[str]]
+    passthrough: Optional[str] = None
 
 #: the FRAGMENT libraries holding the registrations (kept alive with the process)
 _libs = {}
@@ -75,7 +93,8 @@ def first_order_only(qualname: str) -> None:
         register_autograd(qualname, backward, setup_context=lambda ctx, inputs, output: None)
 
 
-def _cpp_registration(qualname, backward, setup_context, save, save_outputs, nondiff_outputs) -> bool:
+def _cpp_registration(qualname, backward, setup_context, save, save_outputs, nondiff_outputs,
+                      direct: Optional[BwdCall] = None) -> bool:
     """Register the C++ Autograd kernel (csrc/autograd.cpp); False where the build lacks it."""
     from . import _C as lycoris_C  # (the module's _C is torch._C)
 
@@ -104,23 +123,29 @@ def _cpp_registration(qualname, backward, setup_context, save, save_outputs, non
 
         run_backward.__name__ = run_backward.__qualname__ = f"{name}_backward"
         run = run_backward
-    lycoris_C._register_autograd(qualname, run, save_idx, list(save_outputs), list(nondiff_outputs))
+    extra = {}
+    if direct is not None:
+        index = {**{a: i for i, a in enumerate(names)}, "grad": -1, None: -1}
+        extra = dict(direct_op=direct.op, direct_args=[index[a] for a in direct.args],
+                     direct_targets=[index[g] for g in direct.grads], direct_passthrough=index[direct.passthrough])
+    lycoris_C._register_autograd(qualname, run, save_idx, list(save_outputs), list(nondiff_outputs), **extra)
     return True
 
 
 def register_autograd(qualname: str, backward: Callable, *, setup_context: Optional[Callable] = None,
                       save: Optional[Sequence[str]] = None, save_outputs: Sequence[int] = (),
-                      nondiff_outputs: Sequence[int] = ()) -> None:
+                      nondiff_outputs: Sequence[int] = (), direct: Optional[BwdCall] = None) -> None:
     """Register ``backward`` / ``setup_context`` as the autograd formula of ``qualname``
     ("lycoris::<op>"), like ``torch.library.register_autograd``.
 
     ``save``: the names of the tensor arguments ``setup_context`` saves (the C++ node keeps
     those; ``setup_context`` sees the other tensor arguments as objects with ``dtype`` and
     ``shape`` only). ``save_outputs`` / ``nondiff_outputs``: indices of outputs to keep /
-    without a gradient (a kept output must be non-differentiable). ``save=None``: the
-    Python kernel."""
+    without a gradient (a kept output must be non-differentiable). ``direct``: the same
+    backward as one call of a ``*_bwd`` op (``BwdCall``), made by the C++ node without
+    Python. ``save=None``: the Python kernel."""
     if save is not None and not _PYTHON_KERNEL_ONLY and _cpp_registration(
-            qualname, backward, setup_context, save, save_outputs, nondiff_outputs):
+            qualname, backward, setup_context, save, save_outputs, nondiff_outputs, direct):
         return
     namespace, name = qualname.split("::")
     op = getattr(getattr(torch.ops, namespace), name).default

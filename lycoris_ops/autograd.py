@@ -2,7 +2,8 @@
 
 Each forward op's backward calls its ``*_bwd`` op (``lora_merge_fwd`` in mode
 ``sum``, ``lora_tucker_fwd`` and ``add_scaled`` differentiate through their own
-rules, OPS.md §2). The ``*_bwd`` ops are first-order only: differentiating
+rules, OPS.md §2). Where that is the whole backward, ``direct=BwdCall(...)`` states
+the same call for the C++ node, which then makes it without entering Python. The ``*_bwd`` ops are first-order only: differentiating
 through one raises a clear error instead of returning a silent zero.
 """
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 # torch.library.register_autograd's registration with its per-call overhead removed
-from ._autograd_kernel import first_order_only, register_autograd
+from ._autograd_kernel import BwdCall, first_order_only, register_autograd
 from .reference import cast, mm32
 from .reference.lora import tucker_apply, tucker_core, tucker_rows
 
@@ -101,7 +102,9 @@ def _lora_bypass_fwd_backward(ctx, grad):
 
 
 register_autograd("lycoris::lora_bypass_fwd", _lora_bypass_fwd_backward, setup_context=_lora_bypass_fwd_setup,
-                  save=("x", "up", "down"))
+                  save=("x", "up", "down"),
+                  direct=BwdCall("lycoris::lora_bypass_bwd", ("grad", "x", "up", "down", "gamma"),
+                                 ("x", "up", "down"), "base"))
 
 
 def _lora_tucker_fwd_setup(ctx, inputs, output):
@@ -183,7 +186,9 @@ def _loha_bypass_fwd_backward(ctx, grad):
 
 
 register_autograd("lycoris::loha_bypass_fwd", _loha_bypass_fwd_backward, setup_context=_loha_bypass_fwd_setup,
-                  save=("x", "a1", "b1", "a2", "b2"))
+                  save=("x", "a1", "b1", "a2", "b2"),
+                  direct=BwdCall("lycoris::loha_bypass_bwd", ("grad", "x", "a1", "b1", "a2", "b2", "gamma"),
+                                 ("x", "a1", "b1", "a2", "b2"), "base"))
 # --- end loha ---
 
 # --- lokr ---
@@ -208,7 +213,8 @@ def _lokr_full_merge_fwd_backward(ctx, grad):
 
 
 register_autograd("lycoris::lokr_full_merge_fwd", _lokr_full_merge_fwd_backward,
-                  setup_context=_lokr_full_merge_fwd_setup, save=("w1", "w2"))
+                  setup_context=_lokr_full_merge_fwd_setup, save=("w1", "w2"),
+                  direct=BwdCall("lycoris::lokr_full_merge_bwd", ("grad", "w1", "w2", "gamma"), ("w1", "w2"), "base"))
 
 
 def _lokr_merge_fwd_setup(ctx, inputs, output):
@@ -233,7 +239,9 @@ def _lokr_merge_fwd_backward(ctx, grad):
 
 
 register_autograd("lycoris::lokr_merge_fwd", _lokr_merge_fwd_backward, setup_context=_lokr_merge_fwd_setup,
-                  save=("w1a", "w1b", "w2a", "w2b"))
+                  save=("w1a", "w1b", "w2a", "w2b"),
+                  direct=BwdCall("lycoris::lokr_merge_bwd", ("grad", "w1a", "w1b", "w2a", "w2b", "shape", "gamma"),
+                                 ("w1a", "w1b", "w2a", "w2b"), "base"))
 
 
 def _lokr_bypass_fwd_setup(ctx, inputs, output):
@@ -259,7 +267,9 @@ def _lokr_bypass_fwd_backward(ctx, grad):
 
 
 register_autograd("lycoris::lokr_bypass_fwd", _lokr_bypass_fwd_backward, setup_context=_lokr_bypass_fwd_setup,
-                  save=("x", "w1", "w2"))
+                  save=("x", "w1", "w2"),
+                  direct=BwdCall("lycoris::lokr_bypass_bwd", ("grad", "x", "w1", "w2", "gamma"), ("x", "w1", "w2"),
+                                 "base"))
 # --- end lokr ---
 
 # --- dora ---
@@ -376,7 +386,8 @@ def _ia3_fwd_backward(ctx, grad):
     return (_cast(gx, x) if need[0] else None, _cast(gw, w) if need[1] else None, None, None, None)
 
 
-register_autograd("lycoris::ia3_fwd", _ia3_fwd_backward, setup_context=_ia3_fwd_setup, save=("x", "w"))
+register_autograd("lycoris::ia3_fwd", _ia3_fwd_backward, setup_context=_ia3_fwd_setup, save=("x", "w"),
+                  direct=BwdCall("lycoris::ia3_bwd", ("grad", "x", "w", "channel_axis", "alpha", "gamma"), ("x", "w")))
 # --- end ia3 ---
 
 # --- add ---

@@ -271,3 +271,146 @@ def test_cpp_node_under_checkpoint_and_torch_func(how):
         got = torch.func.grad(f, argnums=(0, 1, 2))(x.detach(), up.detach(), down.detach())
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+# --- the direct backward: the C++ node calls the *_bwd op itself (no Python) ---
+_direct_lib = None
+_direct_calls = []
+
+
+def _direct_op():
+    """lycoris_test::dfwd(x, w, k, base) = k·x·w + base, whose backward is one call of
+    lycoris_test::dbwd (which returns w's gradient in fp64, to be cast back). The Python
+    backward registered beside it raises: a passing backward went through C++."""
+    global _direct_lib
+    if _direct_lib is None:
+        from lycoris_ops._autograd_kernel import BwdCall, first_order_only, register_autograd
+
+        _direct_lib = torch.library.Library("lycoris_test", "FRAGMENT")
+        _direct_lib.define("dfwd(Tensor x, Tensor w, float k, Tensor? base=None) -> Tensor")
+        _direct_lib.define("dbwd(Tensor grad, Tensor x, Tensor w, float k) -> (Tensor, Tensor)")
+        _direct_lib.impl("dfwd", lambda x, w, k, base=None: k * x * w + (0 if base is None else base.to(x.dtype)),
+                         "CompositeExplicitAutograd")
+
+        def dbwd(grad, x, w, k):
+            _direct_calls.append(k)
+            return k * grad * w, (k * grad * x).double()
+
+        _direct_lib.impl("dbwd", dbwd, "CompositeExplicitAutograd")
+        first_order_only("lycoris_test::dbwd")
+
+        def python_backward(ctx, grad):
+            raise AssertionError("the Python backward ran")
+
+        register_autograd("lycoris_test::dfwd", python_backward, setup_context=lambda ctx, inputs, output: None,
+                          save=("x", "w"),
+                          direct=BwdCall("lycoris_test::dbwd", ("grad", "x", "w", "k"), ("x", "w"), "base"))
+    return torch.ops.lycoris_test.dfwd
+
+
+def test_direct_backward_gradients_needs_and_dtypes():
+    op = _direct_op()
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+    base = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    y = op(x, w, 1.5, base)
+    assert y.grad_fn.name() == "lycoris_test::dfwdBackward"
+    _direct_calls.clear()
+    y.backward(torch.ones_like(y))
+    assert _direct_calls == [1.5]
+    torch.testing.assert_close(x.grad, 1.5 * w.detach())
+    assert w.grad.dtype == torch.float32  # dbwd's fp64 result, cast to w's dtype
+    torch.testing.assert_close(w.grad, 1.5 * x.detach())
+    assert base.grad.dtype == torch.float64 and torch.equal(base.grad, torch.ones_like(base))
+    # only base needs a gradient: the *_bwd op is not called
+    _direct_calls.clear()
+    (gb,) = torch.autograd.grad(op(x.detach(), w.detach(), 1.5, base).sum(), base)
+    assert _direct_calls == [] and torch.equal(gb, torch.ones_like(base))
+    # only w: the call happens, x's gradient is dropped
+    (gw,) = torch.autograd.grad(op(x.detach(), w, 2.0).sum(), w)
+    torch.testing.assert_close(gw, 2.0 * x.detach())
+
+
+def test_direct_backward_graph_rules():
+    op = _direct_op()
+    x, w = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4)
+    y = op(x, w, 1.0)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, 2 * w)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.sum().backward()
+    packed = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+        y = op(x, w, 1.0, torch.zeros(3, 4))
+    assert len(packed) == 2  # x and w, not base
+    with pytest.raises(RuntimeError, match="double backward"):  # the *_bwd op is first order only
+        (gx,) = torch.autograd.grad(op(x, w, 1.0).square().sum(), x, create_graph=True)
+        gx.sum().backward()
+
+
+def test_direct_backward_registration_is_checked():
+    from lycoris_ops import _C as lycoris_C
+
+    _direct_op()
+    lib = torch.library.Library("lycoris_test", "FRAGMENT")
+    lib.define("dfwd_bad(Tensor x, Tensor w, float k, Tensor? base=None) -> Tensor")
+    fn = lambda *a: None  # noqa: E731
+    with pytest.raises(RuntimeError, match="does not save"):  # w passed but not saved
+        lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0], [], [], direct_op="lycoris_test::dbwd",
+                                     direct_args=[-1, 0, 1, 2], direct_targets=[0, -1], direct_passthrough=3)
+    with pytest.raises(RuntimeError, match="takes 4"):
+        lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0, 1], [], [], direct_op="lycoris_test::dbwd",
+                                     direct_args=[-1, 0, 1], direct_targets=[0, 1], direct_passthrough=3)
+    with pytest.raises(RuntimeError, match="not a saved tensor argument"):
+        lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0, 1], [], [], direct_op="lycoris_test::dbwd",
+                                     direct_args=[-1, 0, 1, 2], direct_targets=[0, 3], direct_passthrough=-1)
+    with pytest.raises(RuntimeError, match="passthrough 2 is not a tensor argument"):
+        lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0, 1], [], [], direct_op="lycoris_test::dbwd",
+                                     direct_args=[-1, 0, 1, 2], direct_targets=[0, 1], direct_passthrough=2)
+
+
+_DIRECT_OPS_GRADS = """
+import sys, torch, lycoris_ops
+L = torch.ops.lycoris
+g = torch.Generator().manual_seed(7)
+def r(*s, dtype=torch.float32):
+    return torch.randn(*s, generator=g).to(dtype).requires_grad_()
+cases = {
+    "lora_bypass_fwd": (L.lora_bypass_fwd, (r(5, 7), r(6, 3), r(3, 7), 0.5, r(5, 6, dtype=torch.float64))),
+    "loha_bypass_fwd": (L.loha_bypass_fwd, (r(5, 7), r(6, 3), r(3, 7), r(6, 3), r(3, 7), 0.5, r(5, 6))),
+    "lokr_bypass_fwd": (L.lokr_bypass_fwd, (r(5, 6), r(2, 3), r(4, 2), 0.5, r(5, 8))),
+    "lokr_full_merge_fwd": (L.lokr_full_merge_fwd, (r(2, 3), r(4, 2), r(8, 6, dtype=torch.float64), 0.5)),
+    "lokr_merge_fwd": (L.lokr_merge_fwd, (r(2, 2), r(2, 3), r(4, 2), None, [2, 3, 4, 2], r(8, 6), 0.5)),
+    "ia3_fwd": (L.ia3_fwd, (r(5, 6, dtype=torch.bfloat16), r(6), 1, 1.0, 0.5)),
+}
+out = {}
+for name, (op, args) in cases.items():
+    y = op(*args)
+    y.backward(torch.randn(y.shape, generator=g).to(y.dtype))
+    out[name] = [a.grad for a in args if isinstance(a, torch.Tensor)]
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_direct_backward_matches_the_python_formula(tmp_path):
+    """The six ops with a direct backward: the C++ call gives the gradients (values and
+    dtypes) the Python formula of record gives (LYCORIS_AUTOGRAD_KERNEL=python)."""
+    import os
+    import subprocess
+    import sys
+
+    got = {}
+    for kernel in ("cpp", "python"):
+        path = tmp_path / f"{kernel}.pt"
+        out = subprocess.run([sys.executable, "-c", _DIRECT_OPS_GRADS, str(path)],
+                             env=dict(os.environ, LYCORIS_AUTOGRAD_KERNEL=kernel), capture_output=True, text=True,
+                             timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        got[kernel] = torch.load(path)
+    assert len(got["cpp"]) == 6
+    for name, grads in got["cpp"].items():
+        want = got["python"][name]
+        assert len(grads) == len(want) >= 2, name
+        for a, b in zip(grads, want):
+            assert a.dtype == b.dtype, name
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
