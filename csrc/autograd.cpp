@@ -22,6 +22,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/autograd/saved_variable.h>
 
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -47,6 +48,9 @@ struct DirectBackward {
   std::vector<int64_t> targets;  // per output of the *_bwd op: the forward argument it is the gradient of, or -1
   int64_t passthrough = -1;      // the forward argument whose gradient is the incoming one (in its dtype), or -1
 };
+
+// Off: every node runs its Python backward (bench/host_overhead.py's A/B rows, tests).
+std::atomic<bool> direct_enabled{true};
 
 // What an op's node keeps and whom it calls; one per registered op, never freed.
 struct Spec {
@@ -117,7 +121,7 @@ variable_list LycorisBackward::apply(variable_list&& grads) {
     for (size_t i = 0; i < outputs.size(); ++i)
       if (spec->save_output[i]) outputs[i] = saved_outputs[i].unpack();
   }
-  if (spec->direct) return apply_direct(grads[0], inputs);
+  if (spec->direct && direct_enabled.load(std::memory_order_relaxed)) return apply_direct(grads[0], inputs);
   pybind11::gil_scoped_acquire gil;
   PyRef py_args(PyTuple_New(n));
   PyRef py_need(PyTuple_New(n));
@@ -355,6 +359,10 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
 }  // namespace
 
 void bind_autograd(pybind11::module_& m) {
+  m.def(
+      "_set_direct_backward", [](bool on) { return direct_enabled.exchange(on); }, pybind11::arg("enabled"),
+      "Whether nodes with a direct backward make the *_bwd call in C++ (default) or run the Python backward; "
+      "returns the previous setting.");
   m.def("_register_autograd", &register_autograd, pybind11::arg("qualname"), pybind11::arg("backward"),
         pybind11::arg("save_inputs"), pybind11::arg("save_outputs"), pybind11::arg("nondiff_outputs"),
         pybind11::arg("direct_op") = "", pybind11::arg("direct_args") = std::vector<int64_t>{},
