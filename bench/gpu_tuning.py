@@ -13,7 +13,9 @@ Phases, each in its own process, sharing one fresh ``LYCORIS_KERNEL_CACHE_DIR``:
    miss: the shortlist is compiled, checked against the eager body and timed — then
    runs with the picked config. Per key: wall time of that first call (target
    <= 2 s per (op, shape bucket) on an H200; Triton compiles included unless its
-   cache is warm), the winner, the agreement with eager.
+   cache is warm), the winner, the agreement with eager, and the precompile
+   (``plans/precompile.py``: kernels compiled by forked children / kernels captured,
+   children, seconds).
 2. ``warm``: the same calls in a fresh process: must time nothing
    (``tune.stats()``: tuned 0, timer calls 0) and answer every key from the table,
    with the same results. With ``--compare-default`` it also times each tuned config
@@ -67,7 +69,7 @@ def worker(opts) -> int:
 
     import lycoris_ops  # noqa: F401  (registers the ops)
     from lycoris_ops import registry, scope, select
-    from lycoris_ops.plans import tune
+    from lycoris_ops.plans import precompile, tune
 
     logging.basicConfig(level=logging.INFO if opts.verbose else logging.WARNING, format="  %(message)s")
     tune.set_tuning(True)
@@ -107,6 +109,7 @@ def worker(opts) -> int:
                             continue
                         ref_fn = getattr(registry.FAMILY[op], op)
                         before = tune.stats()
+                        pre_before = precompile.stats()
                         _sync()
                         t0 = time.perf_counter()
                         if opts.via_ops:
@@ -118,6 +121,7 @@ def worker(opts) -> int:
                         _sync()
                         first_s = time.perf_counter() - t0
                         after = tune.stats()
+                        pre = {k: v - pre_before[k] for k, v in precompile.stats().items()}
                         ref = ref_fn(*full)
                         bad = tune._mismatch(out, ref)
                         row = dict(op=op, layer=f"{layer.out_features}x{layer.in_features}:r{layer.rank}", T=T,
@@ -128,7 +132,11 @@ def worker(opts) -> int:
                                    tune_s=round(after["tune_s"] - before["tune_s"], 3),
                                    winner=None if kw is None else ("eager" if tune.is_eager(kw) else
                                                                    {k: str(v) for k, v in kw.items()}),
-                                   ok=bad is None, why=bad)
+                                   ok=bad is None, why=bad,
+                                   # kernels compiled by forked children before the first calls
+                                   pre_captured=pre["captured"], pre_kernels=pre["compiled"],
+                                   pre_children=pre["children"], pre_failures=pre["failures"],
+                                   pre_s=round(pre["seconds"], 3))
                         if opts.compare_default and kw is not None:
                             t_tuned = _time_best(lambda: ref_fn(*full) if tune.is_eager(kw)
                                                  else pm.launch(op, *full, **kw))
@@ -163,6 +171,9 @@ def _line(r) -> str:
     s = (f"{r['op']:20s} {r['layer']:>16s} T={r['T']:<6d} {r['dtype']:9s} first {r['first_s']:7.3f}s "
          f"tuned={r['tuned']} timer={r['timer_calls']} hits={r['table_hits']} "
          f"{'ok' if r['ok'] else 'MISMATCH ' + str(r['why'])}")
+    if r.get("pre_captured"):
+        s += (f"  precompile {r['pre_kernels']}/{r['pre_captured']} kernels in {r['pre_children']} processes "
+              f"{r['pre_s']:.2f}s" + (f" ({r['pre_failures']} failed)" if r["pre_failures"] else ""))
     if "tuned_ms" in r:
         s += f"  tuned {r['tuned_ms']:.4f} ms vs default {r['default_ms']:.4f} ms ({r['default_ms'] / max(r['tuned_ms'], 1e-9):.2f}x)"
     return s
@@ -241,7 +252,7 @@ def main(argv=None) -> int:
           f"{len(slow)} keys above the {opts.cold_target:.1f} s target")
     for r in slow:
         print(f"  slow cold key: {r['op']} {r['layer']} T={r['T']} {r['dtype']}: {r['first_s']:.2f} s "
-              f"(tuning {r['tune_s']:.2f} s)")
+              f"(tuning {r['tune_s']:.2f} s, precompile {r.get('pre_s', 0):.2f} s)")
     print(f"warm: {len(warm['rows'])} calls, tuned={ws.get('tuned')}, timer_calls={ws.get('timer_calls')}, "
           f"table_hits={ws.get('table_hits')}")
     if opts.compare_default:

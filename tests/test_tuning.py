@@ -17,7 +17,7 @@ import torch
 
 import lycoris_ops  # noqa: F401  (registers the ops)
 from lycoris_ops import dispatch
-from lycoris_ops.plans import cost, device, tune
+from lycoris_ops.plans import cost, device, precompile, tune
 from lycoris_ops.plans.store import JsonTable
 
 EAGER = tune.SENTINEL_EAGER
@@ -230,9 +230,12 @@ def test_budget_skips_lower_ranked_candidates(tmp_path):
 
 @pytest.fixture
 def parallel_warm(monkeypatch):
-    """The worker-thread first calls (CUDA-only in production) turned on for CPU runs."""
+    """The worker-thread first calls (CUDA-only in production) turned on for CPU runs,
+    without the forked precompile before them (its capture would run the candidates once
+    more on the calling thread; ``test_precompile.py`` covers it)."""
     monkeypatch.setattr(tune, "_parallel_ok", lambda dev_id: True)
     monkeypatch.setenv(tune.ENV_THREADS, "4")
+    monkeypatch.setenv(precompile.ENV_PROCS, "0")
 
 
 def test_parallel_first_calls_overlap_and_check(tmp_path, parallel_warm):

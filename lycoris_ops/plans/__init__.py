@@ -7,6 +7,8 @@
   quantization, pipelining) and the shortlist builder.
 * ``tune.py``: keys, bucketing, the table, the timer, the capture / compile guards,
   ``select_config``, ``warmup`` and the CLI (``python -m lycoris_ops.plans.tune``).
+* ``precompile.py``: a cold key's Triton kernels compiled in forked child processes
+  before the tuner's first calls (which then load them from Triton's cache).
 * ``<family>.py`` (the families of ``lycoris_ops/triton/``): ``plan_<op>`` (candidates
   + scores -> ``tune.Plan``), ``<op>_kwargs(<schema args>)`` (the tuned launcher
   keyword arguments, or ``SENTINEL_EAGER``), ``launch(op, *args, **kw)``,

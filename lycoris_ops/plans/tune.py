@@ -15,7 +15,12 @@ Flow of ``select_config(op, backend, key_parts, candidates, run_candidate)``:
    threads (``LYCORIS_KERNEL_TUNE_THREADS``, default 8; 0 or 1: one after the
    other, and then, once the warm-ups exceed the budget, ``LYCORIS_KERNEL_TUNE_BUDGET``
    seconds (default 1.5; ``warmup`` and the CLI: none), only the planner's first
-   two fused candidates and eager are still tried), then three rounds, each the median of a few calls timed
+   two fused candidates and eager are still tried); before those threads start, the
+   Triton kernels the first calls would compile are compiled in forked child processes
+   (``precompile.py``; ``LYCORIS_KERNEL_TUNE_PROCS``, default ``min(8, CPUs - 1)``; 0 or
+   1: none), so the threads only load them from Triton's cache (threads hold the GIL
+   through Triton's front end: processes overlap the compiles, threads do not),
+   then three rounds, each the median of a few calls timed
    alone with CUDA events after an L2 flush (device time: the GPU is held busy while they are
    enqueued, see ``cuda_timer``); a candidate more than twice as slow as the leader after round one
    is dropped; the score is the best round. The winner is memoized and stored as
@@ -269,7 +274,8 @@ _budget: List[Optional[float]] = [None]  # None: read LYCORIS_KERNEL_TUNE_BUDGET
 ENV_THREADS = "LYCORIS_KERNEL_TUNE_THREADS"
 #: worker threads that run a cold key's fused candidates' first calls (their launches,
 #: output checks and the GIL-free parts of the compile overlap; Triton's front end holds
-#: the GIL, so the compiles themselves overlap little)
+#: the GIL, so the compiles themselves overlap little: ``precompile.py`` runs them first in
+#: child processes, ``LYCORIS_KERNEL_TUNE_PROCS``)
 DEFAULT_THREADS = 8
 _worker = threading.local()
 #: output bytes the concurrent first calls of one cold key may hold at once (fewer
@@ -595,6 +601,13 @@ def _time_candidates(cands: Sequence[Candidate], run: Callable[[Candidate], Any]
         threads = min(threads, max(1, PARALLEL_SCRATCH_BYTES // max(out_bytes, 1)))
     parallel = threads > 1 and len(fused) > 1
     if parallel:  # every fused candidate's first call at once: the compiles overlap
+        from . import precompile
+
+        # their kernels compiled in child processes first: the first calls then load them from disk
+        pre = precompile.precompile([lambda c=cands[i]: run(c) for i in fused])
+        if pre is not None:
+            log.debug("lycoris_ops tune: precompiled %d of %d kernels in %d processes (%d failed), %.2f s",
+                      pre.compiled, pre.captured, pre.children, pre.failures, pre.seconds)
         oom = _warm_parallel(cands, fused, run, ref, threads, errors) or oom
     fused_seen = 0
     for i, c in enumerate(cands):
