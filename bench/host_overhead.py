@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import lycoris_ops  # noqa: F401
 from lycoris_ops._autograd_kernel import register_autograd as lycoris_register_autograd
+from lycoris_ops import _C as lycoris_C
 
 _PROBE_SCHEMA = "(Tensor x, Tensor up, Tensor down, float gamma, Tensor? base=None) -> Tensor"
 _probe_lib = None
@@ -105,6 +106,13 @@ def main():
     def op_fwd_bwd():
         op(x, upg, downg, 0.5, base).sum().backward()
 
+    def op_fwd_bwd_python_backward():  # the C++ node runs the Python backward (no direct *_bwd call)
+        previous = lycoris_C._set_direct_backward(False)
+        try:
+            op_fwd_bwd()
+        finally:
+            lycoris_C._set_direct_backward(previous)
+
     def probe_fwd_bwd(probe):  # the framework's floor: a no-op kernel, backward returns None
         def run():
             torch.autograd.grad(probe(x, upg, downg, 0.5, base).float().sum() * 0, (upg,), allow_unused=True)
@@ -140,17 +148,22 @@ def main():
         ("probe + lycoris C++ autograd, need grad", lambda: lycoris_ag(x, upg, downg, 0.5, base)),
         ("eager LoRA formula, forward+backward", eager_fwd_bwd),
         ("lycoris.lora_bypass_fwd, forward+backward", op_fwd_bwd),
+        ("lycoris.lora_bypass_fwd, f+b, Python backward", op_fwd_bwd_python_backward),
         ("probe + torch register_autograd, f+b", probe_fwd_bwd(torch_ag)),
         ("probe + lycoris Python autograd, f+b", probe_fwd_bwd(lycoris_py)),
         ("probe + lycoris C++ autograd, f+b", probe_fwd_bwd(lycoris_ag)),
         ("plain autograd.Function (t*1), f+b", function_fwd_bwd),
     ]
     ref = None
+    seen = {}
     print(f"host us/call on {dev} (torch {torch.__version__}, {args.calls} calls each)")
     for name, fn in rows:
-        us = per_call_us(fn, args.calls, sync)
+        us = seen[name] = per_call_us(fn, args.calls, sync)
         ref = ref or us
         print(f"  {name:45s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)")
+    eager = seen["eager LoRA formula, forward+backward"]
+    print(f"forward+backward x eager formula: {seen['lycoris.lora_bypass_fwd, forward+backward'] / eager:.2f} "
+          f"(Python backward: {seen['lycoris.lora_bypass_fwd, f+b, Python backward'] / eager:.2f})")
 
 
 def _no_grad(fn, *args):
