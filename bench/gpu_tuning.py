@@ -85,6 +85,7 @@ def worker(opts) -> int:
         _process_startup(dev)
         print(f"  process start-up (CUDA context, cuBLAS, Triton's driver and one trivial kernel): "
               f"{time.perf_counter() - t0:.2f} s, paid once per process, not counted in any key", flush=True)
+    jit = _watch_triton_compiles()
     layers = [tune.parse_layer(s, opts.rank) for s in opts.shapes.split(",") if s.strip()]
     tokens = [int(t) for t in opts.tokens.split(",") if t.strip()]
     ops_filter = {o.strip() for o in opts.ops.split(",") if o.strip()}
@@ -110,6 +111,7 @@ def worker(opts) -> int:
                         ref_fn = getattr(registry.FAMILY[op], op)
                         before = tune.stats()
                         pre_before = precompile.stats()
+                        jit_before = dict(jit)
                         _sync()
                         t0 = time.perf_counter()
                         if opts.via_ops:
@@ -122,6 +124,7 @@ def worker(opts) -> int:
                         first_s = time.perf_counter() - t0
                         after = tune.stats()
                         pre = {k: v - pre_before[k] for k, v in precompile.stats().items()}
+                        jit_key = {k: v - jit_before[k] for k, v in jit.items()}
                         ref = ref_fn(*full)
                         bad = tune._mismatch(out, ref)
                         row = dict(op=op, layer=f"{layer.out_features}x{layer.in_features}:r{layer.rank}", T=T,
@@ -136,7 +139,10 @@ def worker(opts) -> int:
                                    # kernels compiled by forked children before the first calls
                                    pre_captured=pre["captured"], pre_kernels=pre["compiled"],
                                    pre_children=pre["children"], pre_failures=pre["failures"],
-                                   pre_s=round(pre["seconds"], 3))
+                                   pre_s=round(pre["seconds"], 3),
+                                   # Triton in this process: kernels compiled here, their seconds, loaded from disk
+                                   jit_compiles=jit_key["compiles"], jit_compile_s=round(jit_key["compile_s"], 3),
+                                   jit_loads=jit_key["loads"])
                         if opts.compare_default and kw is not None:
                             t_tuned = _time_best(lambda: ref_fn(*full) if tune.is_eager(kw)
                                                  else pm.launch(op, *full, **kw))
@@ -147,6 +153,29 @@ def worker(opts) -> int:
                         del out, ref
     print("RESULT " + json.dumps({"rows": results, "stats": tune.stats(), "table": tune.table_path()}), flush=True)
     return 0
+
+
+def _watch_triton_compiles() -> dict:
+    """Counts of this process's Triton compiles (and their seconds) and of kernels loaded
+    from Triton's disk cache, kept up to date by a compile listener (forked precompile
+    children clear it)."""
+    counts = {"compiles": 0, "compile_s": 0.0, "loads": 0}
+    try:
+        from triton import knobs
+    except ImportError:
+        return counts
+
+    def listener(*, src, metadata, metadata_group, times, cache_hit, **_):
+        if cache_hit:
+            counts["loads"] += 1
+            return
+        counts["compiles"] += 1
+        us = getattr(times, "ir_initialization", 0) + getattr(times, "store_results", 0)
+        us += sum(t for _, t in getattr(times, "lowering_stages", ()))
+        counts["compile_s"] += us / 1e6
+
+    knobs.compilation.listener = listener
+    return counts
 
 
 def _process_startup(dev) -> None:
@@ -174,6 +203,10 @@ def _line(r) -> str:
     if r.get("pre_captured"):
         s += (f"  precompile {r['pre_kernels']}/{r['pre_captured']} kernels in {r['pre_children']} processes "
               f"{r['pre_s']:.2f}s" + (f" ({r['pre_failures']} failed)" if r["pre_failures"] else ""))
+    if r.get("jit_compiles") or r.get("jit_loads"):
+        s += f"  here: {r['jit_compiles']} compiles {r['jit_compile_s']:.2f}s, {r['jit_loads']} loads"
+    s += f"  tuning {r['tune_s']:.2f}s"
+
     if "tuned_ms" in r:
         s += f"  tuned {r['tuned_ms']:.4f} ms vs default {r['default_ms']:.4f} ms ({r['default_ms'] / max(r['tuned_ms'], 1e-9):.2f}x)"
     return s
