@@ -113,6 +113,12 @@ def worker(opts) -> int:
                         pre_before = precompile.stats()
                         jit_before = dict(jit)
                         _sync()
+                        profiler = None
+                        if op in opts.profile.split(","):
+                            import cProfile
+
+                            profiler = cProfile.Profile()
+                            profiler.enable()
                         t0 = time.perf_counter()
                         if opts.via_ops:
                             out = getattr(torch.ops.lycoris, op)(*full)
@@ -122,6 +128,12 @@ def worker(opts) -> int:
                             out = ref_fn(*full) if tune.is_eager(kw) else pm.launch(op, *full, **kw)
                         _sync()
                         first_s = time.perf_counter() - t0
+                        if profiler is not None:
+                            import pstats
+
+                            profiler.disable()
+                            print(f"  profile of {op}'s cold first call ({first_s:.2f} s), top 30 cumulative:")
+                            pstats.Stats(profiler, stream=sys.stdout).sort_stats("cumulative").print_stats(30)
                         after = tune.stats()
                         pre = {k: v - pre_before[k] for k, v in precompile.stats().items()}
                         jit_key = {k: v - jit_before[k] for k, v in jit.items()}
@@ -239,6 +251,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cache-dir", default=None, help="table directory (default: a fresh temporary one)")
     ap.add_argument("--compare-default", action="store_true", help="warm phase: tuned vs the fixed default tile")
     ap.add_argument("--via-ops", action="store_true", help="call torch.ops.lycoris.<op> instead of the glue")
+    ap.add_argument("--profile", default="", help="comma-separated ops whose cold first call is cProfiled")
     ap.add_argument("--cold-target", type=float, default=2.0, help="seconds per cold key (reported)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a dry run of the script itself under TRITON_INTERPRET=1 (tiny shapes)")
@@ -251,6 +264,8 @@ def main(argv=None) -> int:
     if opts.phase is not None:
         if opts.phase == "cold":
             opts.compare_default = False
+        else:
+            opts.profile = ""
         return worker(opts)
 
     cache = opts.cache_dir or tempfile.mkdtemp(prefix="lycoris_tuning_")
@@ -262,7 +277,7 @@ def main(argv=None) -> int:
                    "--dtypes", opts.dtypes, "--families", opts.families, "--ops", opts.ops, "--device", opts.device]
     passthrough += ["--via-ops"] * opts.via_ops + ["-v"] * opts.verbose
     print(f"table directory: {cache}")
-    cold = _run_phase("cold", passthrough, env)
+    cold = _run_phase("cold", passthrough + ["--profile", opts.profile], env)
     warm = _run_phase("warm", passthrough + ["--compare-default"] * opts.compare_default, env)
 
     failures = []

@@ -13,7 +13,7 @@ one-op ``autograd.Function``. ``--layers`` times instead the forward+backward of
 adapter layers (a plain ``nn.Linear``, ``lycoris_ops.nn`` LoRA and DoRA, PEFT's DoRA when
 PEFT is installed), best of five rounds.
 
-    python bench/host_overhead.py [--device cpu|cuda] [--calls 3000] [--layers | --plans | --ops]
+    python bench/host_overhead.py [--device cpu|cuda] [--calls 3000] [--layers | --plans | --ops | --fb]
 """
 import argparse
 import time
@@ -80,6 +80,8 @@ def main():
     ap.add_argument("--plans", action="store_true",
                     help="which call signatures of every op's test cases get a C++ replay plan (CUDA)")
     ap.add_argument("--ops", action="store_true", help="host time per call of every op (its first test case)")
+    ap.add_argument("--fb", action="store_true",
+                    help="forward+backward of the bypass ops: direct C++ backward, Python backward, eager formula")
     args = ap.parse_args()
     dev = torch.device(args.device)
     if args.layers:
@@ -88,6 +90,8 @@ def main():
         return plans()
     if args.ops:
         return ops(dev, args.calls)
+    if args.fb:
+        return forward_backward(dev, args.calls)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
 
@@ -213,6 +217,69 @@ def plans():
     for op in OP_NAMES:
         seen, planned, python = _C._launch_plan_stats(f"lycoris::{op}")
         print(f"  {op:20s} {seen:5d} {planned:9d} {python:7d}  {_launch_record.refusals.get(op, '')}")
+
+
+def forward_backward(dev, calls, rounds=7):
+    """Forward+backward host time of the three bypass ops next to their eager formulas, on
+    tiny tensors, every variant once per round (rounds interleaved, so a drift of the
+    shared host hits all alike; best round each): ours with the direct C++ backward, ours
+    with the Python backward (``_C._set_direct_backward(False)``), the eager formula."""
+    L = torch.ops.lycoris
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    g = torch.Generator().manual_seed(0)
+
+    def t(*shape, grad=False):
+        return torch.randn(*shape, generator=g).to(dev).requires_grad_(grad)
+
+    x, base = t(16, 64), t(16, 64)
+    up, down = t(64, 8, grad=True), t(8, 64, grad=True)
+    a1, b1, a2, b2 = t(64, 8, grad=True), t(8, 64, grad=True), t(64, 8, grad=True), t(8, 64, grad=True)
+    w1, w2 = t(4, 4, grad=True), t(16, 16, grad=True)
+    forms = {
+        "lora_bypass": (lambda: L.lora_bypass_fwd(x, up, down, 0.5, base),
+                        lambda: base + 0.5 * F.linear(F.linear(x, down), up)),
+        "loha_bypass": (lambda: L.loha_bypass_fwd(x, a1, b1, a2, b2, 0.5, base),
+                        lambda: base + 0.5 * F.linear(x, (a1 @ b1) * (a2 @ b2))),
+        "lokr_bypass": (lambda: L.lokr_bypass_fwd(x, w1, w2, 0.5, base),
+                        lambda: base + 0.5 * F.linear(x, torch.kron(w1, w2))),
+    }
+
+    def fb(f):
+        return lambda: f().sum().backward()
+
+    def python_backward(f):
+        def run():
+            previous = lycoris_C._set_direct_backward(False)
+            try:
+                f().sum().backward()
+            finally:
+                lycoris_C._set_direct_backward(previous)
+        return run
+
+    variants = {}
+    for name, (ours, eager) in forms.items():
+        variants[(name, "direct")] = fb(ours)
+        variants[(name, "python")] = python_backward(ours)
+        variants[(name, "eager")] = fb(eager)
+    best = {k: float("inf") for k in variants}
+    for fn in variants.values():  # warm: tuning, JIT, replay plans
+        for _ in range(20):
+            fn()
+    sync()
+    n = max(1, calls // rounds)
+    for _ in range(rounds):
+        for k, fn in variants.items():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            sync()
+            best[k] = min(best[k], (time.perf_counter() - t0) / n * 1e6)
+    print(f"host us per forward+backward on {dev} (torch {torch.__version__}, {rounds} interleaved rounds of {n}, "
+          f"best each)")
+    print(f"  {'op':14s} {'eager':>8s} {'ours':>8s} {'x eager':>8s} {'Python bwd':>11s} {'x eager':>8s}")
+    for name in forms:
+        e, d, p = best[(name, "eager")], best[(name, "direct")], best[(name, "python")]
+        print(f"  {name:14s} {e:8.1f} {d:8.1f} {d / e:8.2f} {p:11.1f} {p / e:8.2f}")
 
 
 def layers(dev, calls, rounds=5):
