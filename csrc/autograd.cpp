@@ -363,7 +363,7 @@ void bind_autograd(pybind11::module_& m) {
       "_set_direct_backward", [](bool on) { return direct_enabled.exchange(on); }, pybind11::arg("enabled"),
       "Whether nodes with a direct backward make the *_bwd call in C++ (default) or run the Python backward; "
       "returns the previous setting.");
-  m.def("_register_autograd", &register_autograd, pybind11::arg("qualname"), pybind11::arg("backward"),
+  m.def("_register_autograd", value_errors(&register_autograd), pybind11::arg("qualname"), pybind11::arg("backward"),
         pybind11::arg("save_inputs"), pybind11::arg("save_outputs"), pybind11::arg("nondiff_outputs"),
         pybind11::arg("direct_op") = "", pybind11::arg("direct_args") = std::vector<int64_t>{},
         pybind11::arg("direct_targets") = std::vector<int64_t>{}, pybind11::arg("direct_passthrough") = -1,

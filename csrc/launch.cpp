@@ -379,7 +379,7 @@ pybind11::tuple launch_plan_stats(const std::string& qualname) {
 }  // namespace
 
 void bind_launch(pybind11::module_& m) {
-  m.def("_register_cuda_kernel", &register_cuda_kernel, pybind11::arg("qualname"), pybind11::arg("python_kernel"),
+  m.def("_register_cuda_kernel", value_errors(&register_cuda_kernel), pybind11::arg("qualname"), pybind11::arg("python_kernel"),
         pybind11::arg("recorder"),
         "Register the C++ CUDA kernel of an op: replays recorded launches, else calls python_kernel(*args); "
         "recorder(*args) -> (outputs, plan or None) runs at a signature's third call.");

@@ -64,6 +64,20 @@ inline PyObject* scalar_to_python(const c10::IValue& v, bool is_dtype) {
   TORCH_CHECK(false, "lycoris: unsupported argument kind ", v.tagKind());
 }
 
+// A registration function bound with pybind11, its c10::Error (a TORCH_CHECK) raised as
+// a Python ValueError through pybind11's own exception type: on torch 2.11 (H200 machine)
+// a c10::Error leaving a pybind11 function of this module crashed the process.
+template <class... Args>
+auto value_errors(void (*f)(Args...)) {
+  return [f](Args... args) {
+    try {
+      f(std::forward<Args>(args)...);
+    } catch (const c10::Error& e) {
+      throw pybind11::value_error(e.what_without_backtrace());
+    }
+  };
+}
+
 // Registers `kernel` for `qualname` ("namespace::op") and `key`; the registration lives
 // as long as the process (the libraries are kept here).
 inline void register_kernel(const std::string& qualname, c10::DispatchKey key, torch::CppFunction kernel) {

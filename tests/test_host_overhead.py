@@ -355,16 +355,16 @@ def test_direct_backward_registration_is_checked():
     lib = torch.library.Library("lycoris_test", "FRAGMENT")
     lib.define("dfwd_bad(Tensor x, Tensor w, float k, Tensor? base=None) -> Tensor")
     fn = lambda *a: None  # noqa: E731
-    with pytest.raises(RuntimeError, match="does not save"):  # w passed but not saved
+    with pytest.raises(ValueError, match="does not save"):  # w passed but not saved
         lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0], [], [], direct_op="lycoris_test::dbwd",
                                      direct_args=[-1, 0, 1, 2], direct_targets=[0, -1], direct_passthrough=3)
-    with pytest.raises(RuntimeError, match="takes 4"):
+    with pytest.raises(ValueError, match="takes 4"):
         lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0, 1], [], [], direct_op="lycoris_test::dbwd",
                                      direct_args=[-1, 0, 1], direct_targets=[0, 1], direct_passthrough=3)
-    with pytest.raises(RuntimeError, match="not a saved tensor argument"):
+    with pytest.raises(ValueError, match="not a saved tensor argument"):
         lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0, 1], [], [], direct_op="lycoris_test::dbwd",
                                      direct_args=[-1, 0, 1, 2], direct_targets=[0, 3], direct_passthrough=-1)
-    with pytest.raises(RuntimeError, match="passthrough 2 is not a tensor argument"):
+    with pytest.raises(ValueError, match="passthrough 2 is not a tensor argument"):
         lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0, 1], [], [], direct_op="lycoris_test::dbwd",
                                      direct_args=[-1, 0, 1, 2], direct_targets=[0, 1], direct_passthrough=2)
 
