@@ -17,7 +17,9 @@ holds the GIL, so threads barely overlap the compiles; processes do.
    ``LYCORIS_KERNEL_TUNE_PROCS`` forked children (default ``min(8, CPUs - 1)``; 0 or
    1: no precompile), round robin, with the same ``triton.compile`` call
    ``JITFunction._do_compile`` makes (same source, target and options: same cache
-   entry). A child never touches CUDA and leaves with ``os._exit``.
+   entry), then builds the kernel's host launcher (Triton 3.6 compiles one per
+   signature with the host C compiler; also cached on disk). A child never touches
+   CUDA and leaves with ``os._exit``.
 
 Nothing here is required for correctness: a kernel a child did not compile (failed,
 killed at the deadline, never captured) is compiled by its first call as before.
@@ -78,6 +80,19 @@ class Kernel:
         import triton
 
         return triton.compile(self.source(), target=self.target, options=dict(self.options))
+
+
+def _build_launcher(compiled) -> None:
+    """The host-side launcher of ``compiled``, as its first launch would make it. Triton 3.6
+    builds a C launcher per kernel signature with the host compiler (about 0.1 s, cached on
+    disk by its source): built here, the parent only loads it. Triton 3.7 has one generic
+    launcher: nothing is built. Optional: a failure leaves it to the first launch."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception:
+        pass
 
 
 @dataclass
@@ -211,9 +226,11 @@ def _child(kernels: Sequence[Kernel]) -> None:
         failed = 0
         for k in kernels:
             try:
-                k.compile()
+                compiled = k.compile()
             except Exception:
                 failed += 1
+                continue
+            _build_launcher(compiled)
         status = 1 if failed else 0
     finally:
         os._exit(status)
