@@ -279,23 +279,24 @@ std::unique_ptr<DirectBackward> make_direct(const Spec& spec, const std::vector<
   auto d = std::make_unique<DirectBackward>();
   d->op = c10::Dispatcher::singleton().findSchemaOrThrow(bwd_qualname.c_str(), "");
   const auto& schema = d->op->schema();
-  TORCH_CHECK(spec.differentiable_output.size() == 1, name, ": a direct backward needs an op with one output");
-  TORCH_CHECK(args.size() == schema.arguments().size(), name, ": the direct backward passes ", args.size(),
-              " arguments, ", bwd_qualname, " takes ", schema.arguments().size());
-  TORCH_CHECK(targets.size() == schema.returns().size(), name, ": the direct backward maps ", targets.size(),
-              " outputs, ", bwd_qualname, " returns ", schema.returns().size());
+  LYCORIS_REGISTRATION_CHECK(spec.differentiable_output.size() == 1, name,
+                             ": a direct backward needs an op with one output");
+  LYCORIS_REGISTRATION_CHECK(args.size() == schema.arguments().size(), name, ": the direct backward passes ",
+                             args.size(), " arguments, ", bwd_qualname, " takes ", schema.arguments().size());
+  LYCORIS_REGISTRATION_CHECK(targets.size() == schema.returns().size(), name, ": the direct backward maps ",
+                             targets.size(), " outputs, ", bwd_qualname, " returns ", schema.returns().size());
   const int64_t n = static_cast<int64_t>(spec.num_args);
   for (auto src : args) {
-    TORCH_CHECK(src >= -1 && src < n, name, ": direct backward argument index ", src);
-    TORCH_CHECK(src < 0 || !tensor_arg[src] || spec.save_input[src], name,
-                ": the direct backward passes tensor argument ", src, ", which the node does not save");
+    LYCORIS_REGISTRATION_CHECK(src >= -1 && src < n, name, ": direct backward argument index ", src);
+    LYCORIS_REGISTRATION_CHECK(src < 0 || !tensor_arg[src] || spec.save_input[src], name,
+                               ": the direct backward passes tensor argument ", src, ", which the node does not save");
   }
   for (auto t : targets) {
-    TORCH_CHECK(t >= -1 && t < n && (t < 0 || spec.save_input[t]), name, ": direct backward output target ", t,
-                " is not a saved tensor argument");
+    LYCORIS_REGISTRATION_CHECK(t >= -1 && t < n && (t < 0 || spec.save_input[t]), name,
+                               ": direct backward output target ", t, " is not a saved tensor argument");
   }
-  TORCH_CHECK(passthrough >= -1 && passthrough < n && (passthrough < 0 || tensor_arg[passthrough]), name,
-              ": direct backward passthrough ", passthrough, " is not a tensor argument");
+  LYCORIS_REGISTRATION_CHECK(passthrough >= -1 && passthrough < n && (passthrough < 0 || tensor_arg[passthrough]),
+                             name, ": direct backward passthrough ", passthrough, " is not a tensor argument");
   d->args = args;
   d->targets = targets;
   d->passthrough = passthrough;
@@ -322,33 +323,37 @@ void register_autograd(const std::string& qualname, pybind11::object backward, c
     bool plain = tensor || type->kind() == c10::TypeKind::FloatType || type->kind() == c10::TypeKind::IntType ||
                  type->kind() == c10::TypeKind::BoolType || type->kind() == c10::TypeKind::StringType ||
                  type->kind() == c10::TypeKind::OptionalType || type->kind() == c10::TypeKind::ListType;
-    TORCH_CHECK(plain && !a.kwarg_only(), qualname, ": argument '", a.name(), "' has a kind this kernel does not take");
+    LYCORIS_REGISTRATION_CHECK(plain && !a.kwarg_only(), qualname, ": argument '", a.name(),
+                               "' has a kind this kernel does not take");
     tensor_arg.push_back(tensor);
   }
   spec->dtype_arg = dtype_arguments(schema);
   const size_t m = schema.returns().size();
   for (const auto& r : schema.returns())
-    TORCH_CHECK(r.type()->kind() == c10::TypeKind::TensorType, qualname, ": every return must be a Tensor");
+    LYCORIS_REGISTRATION_CHECK(r.type()->kind() == c10::TypeKind::TensorType, qualname,
+                               ": every return must be a Tensor");
   spec->save_input.assign(spec->num_args, false);
   spec->save_output.assign(m, false);
   spec->differentiable_output.assign(m, true);
   for (auto i : save_inputs) {
-    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < spec->num_args && tensor_arg[i], qualname,
-                ": save_inputs index ", i, " is not a tensor argument");
+    LYCORIS_REGISTRATION_CHECK(i >= 0 && static_cast<size_t>(i) < spec->num_args && tensor_arg[i], qualname,
+                               ": save_inputs index ", i, " is not a tensor argument");
     spec->save_input[i] = true;
   }
   for (auto i : nondiff_outputs) {
-    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < m, qualname, ": nondiff_outputs index ", i);
+    LYCORIS_REGISTRATION_CHECK(i >= 0 && static_cast<size_t>(i) < m, qualname, ": nondiff_outputs index ", i);
     spec->differentiable_output[i] = false;
   }
   for (auto i : save_outputs) {
-    TORCH_CHECK(i >= 0 && static_cast<size_t>(i) < m, qualname, ": save_outputs index ", i);
+    LYCORIS_REGISTRATION_CHECK(i >= 0 && static_cast<size_t>(i) < m, qualname, ": save_outputs index ", i);
     // a differentiable output saved in its own node would form a reference cycle
-    TORCH_CHECK(!spec->differentiable_output[i], qualname, ": only non-differentiable outputs can be saved");
+    LYCORIS_REGISTRATION_CHECK(!spec->differentiable_output[i], qualname,
+                               ": only non-differentiable outputs can be saved");
     spec->save_output[i] = true;
   }
   if (!direct_op.empty()) {
-    TORCH_CHECK(!backward.is_none(), qualname, ": a direct backward also needs the Python backward");
+    LYCORIS_REGISTRATION_CHECK(!backward.is_none(), qualname,
+                               ": a direct backward also needs the Python backward");
     spec->direct = make_direct(*spec, tensor_arg, direct_op, direct_args, direct_targets, direct_passthrough);
   }
   if (!backward.is_none()) spec->backward = backward.release().ptr();
