@@ -57,7 +57,7 @@ finish() {  # pack and summarize, also when an outer timeout stops the script
   echo; echo "== summary"
   [ -f "$work/e2e.log" ] && grep -A40 "^E2E" "$work/e2e.log" | head -30
   [ -f "$work/host_profile.log" ] && grep -A2 "^== lora_bypass_fwd  \|^torch.add" "$work/host_profile.log"
-  [ -f "$work/host_overhead.log" ] && grep "torch.add  \|lora_bypass_fwd  \|forward+backward" "$work/host_overhead.log"
+  [ -f "$work/host_overhead.log" ] && grep "torch.add  \|lora_bypass_fwd  \|forward+backward\|_bypass   " "$work/host_overhead.log"
   [ -f "$work/bench.log" ] && tail -45 "$work/bench.log"
   cat "$work/status"
   ! grep -qv "exit 0" "$work/status"
@@ -132,7 +132,7 @@ if [ "$what" != tests ] && [ "${LYCORIS_HOST_PROFILE:-}" != skip ]; then  # host
   echo "host_profile: exit $?" >>"$work/status"
   echo "== host time per call, replay plans (bench/host_overhead.py)"
   { timeout 120 $py bench/host_overhead.py --calls 3000 && timeout 120 $py bench/host_overhead.py --ops --calls 2000 \
-    && timeout 180 $py bench/host_overhead.py --plans; } \
+    && timeout 120 $py bench/host_overhead.py --fb --calls 2100 && timeout 240 $py bench/host_overhead.py --plans; } \
     >"$work/host_overhead.log" 2>&1
   echo "host_overhead: exit $?" >>"$work/status"
 fi
