@@ -126,6 +126,9 @@ def _cpp_registration(qualname, backward, setup_context, save, save_outputs, non
     extra = {}
     if direct is not None:
         index = {**{a: i for i, a in enumerate(names)}, "grad": -1, None: -1}
+        unknown = [a for a in (*direct.args, *direct.grads, direct.passthrough) if a not in index]
+        if unknown:
+            raise ValueError(f"{qualname}: direct backward names {unknown} are not arguments of the op ({names})")
         extra = dict(direct_op=direct.op, direct_args=[index[a] for a in direct.args],
                      direct_targets=[index[g] for g in direct.grads], direct_passthrough=index[direct.passthrough])
     lycoris_C._register_autograd(qualname, run, save_idx, list(save_outputs), list(nondiff_outputs), **extra)

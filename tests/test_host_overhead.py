@@ -350,6 +350,7 @@ def test_direct_backward_graph_rules():
 
 def test_direct_backward_registration_is_checked():
     from lycoris_ops import _C as lycoris_C
+    from lycoris_ops._autograd_kernel import BwdCall, register_autograd
 
     _direct_op()
     lib = torch.library.Library("lycoris_test", "FRAGMENT")
@@ -367,6 +368,9 @@ def test_direct_backward_registration_is_checked():
     with pytest.raises(ValueError, match="passthrough 2 is not a tensor argument"):
         lycoris_C._register_autograd("lycoris_test::dfwd_bad", fn, [0, 1], [], [], direct_op="lycoris_test::dbwd",
                                      direct_args=[-1, 0, 1, 2], direct_targets=[0, 1], direct_passthrough=2)
+    with pytest.raises(ValueError, match=r"names \['wx'\] are not arguments"):
+        register_autograd("lycoris_test::dfwd_bad", fn, save=("x", "w"),
+                          direct=BwdCall("lycoris_test::dbwd", ("grad", "x", "wx", "k"), ("x", "w"), "base"))
 
 
 def _direct_cases():
