@@ -3,18 +3,44 @@
     pip install torch==2.13.0            # first and alone: see README
     pip install --no-build-isolation -e ".[test]"
 """
+import glob
 import os
 
 from setuptools import find_packages, setup
 import torch
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension
+
+
+def cuda_runtime_include():
+    """A folder with CUDA's runtime headers (cuda_runtime_api.h and the crt/ headers it
+    includes): CUDA_HOME's, an installed toolkit's under /usr/local, or the nvidia pip
+    package's that a CUDA torch wheel installs. None: not found."""
+    folders = [os.path.join(CUDA_HOME, "include")] if CUDA_HOME else []
+    folders += sorted(glob.glob("/usr/local/cuda*/include"), reverse=True)
+    try:
+        import nvidia
+
+        for base in nvidia.__path__:
+            folders += sorted(glob.glob(os.path.join(base, "*", "include")))
+    except ImportError:
+        pass
+    needed = ("cuda_runtime_api.h", os.path.join("crt", "host_defines.h"))
+    return next((d for d in folders if all(os.path.exists(os.path.join(d, f)) for f in needed)), None)
+
 
 # -g0: no debug info; it halves the build.
 extra_compile_args = {"cxx": ["-O2", "-g0", "-std=c++17"]}
-# With a CUDA torch and CUDA's toolkit, csrc/launch.cpp also gets its replaying CUDA
-# kernel (host C++ only: nothing is compiled by nvcc). LYCORIS_CUDA_LAUNCH=0 leaves it out.
-cuda_launch = bool(torch.version.cuda) and CUDA_HOME is not None and os.environ.get("LYCORIS_CUDA_LAUNCH", "1") != "0"
-Extension = CUDAExtension if cuda_launch else CppExtension
+# With a CUDA torch and CUDA's runtime headers, csrc/launch.cpp also gets its replaying
+# CUDA kernel: host C++ only (nothing for nvcc), linked to torch's c10_cuda. Without the
+# headers (a CUDA_HOME guessed from an nvcc wrapper, say) it is left out, with a note.
+# LYCORIS_CUDA_LAUNCH=0 leaves it out.
+cuda_include = None
+if torch.version.cuda and os.environ.get("LYCORIS_CUDA_LAUNCH", "1") != "0":
+    cuda_include = cuda_runtime_include()
+    if cuda_include is None:
+        print("lycoris_ops: CUDA's runtime headers not found (CUDA_HOME or the nvidia pip package): building "
+              "without the C++ CUDA launch path (csrc/launch.cpp); the ops run, with more host time per call")
+cuda_launch = cuda_include is not None
 
 setup(
     name="lycoris_ops",
@@ -30,11 +56,13 @@ setup(
         "bench": ["numpy", "matplotlib"],
     },
     ext_modules=[
-        Extension(
+        CppExtension(
             "lycoris_ops._C",
             ["csrc/ops.cpp", "csrc/autograd.cpp", "csrc/launch.cpp", "csrc/module.cpp"],
-            include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")],
+            include_dirs=[os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")]
+            + ([cuda_include] if cuda_launch else []),
             define_macros=[("LYCORIS_CUDA_LAUNCH", None)] if cuda_launch else [],
+            libraries=["c10_cuda"] if cuda_launch else [],
             extra_compile_args=extra_compile_args,
         )
     ],
