@@ -175,10 +175,11 @@ def o_tucker(a, t, b):
 @pytest.mark.parametrize("Kk,block_m", [(5, 32), (9, 16), (1, 16)], ids=["k5-4rows", "k9-1row", "k1"])
 def test_tucker(dtype, two, Kk, block_m):
     """Rows (o, κ) with κ padded to a power of two: several o per program (Kk 5),
-    one o per program (Kk 9), no padding (Kk 1); O, I not multiples of the tile."""
+    one o per program (Kk 9), no padding (Kk 1); O, I not multiples of the tile; the
+    a·t core in its own kernel (columns (q, κ), transposed a, non-contiguous t)."""
     g = gen(5)
     a1 = mk_t((O, 4), dtype, g)  # LoHa passes a transposed "up"
-    t1 = mk((4, 3, Kk), dtype, g)
+    t1 = mk((4, 3, Kk), dtype, g, nc=two)
     b1 = mk((3, I), dtype, g, nc=True)
     a2, t2, b2 = (mk((O, 6), dtype, g), mk((6, 6, Kk), dtype, g), mk((6, I), torch.float32, g)) if two else (None,) * 3
     cd = cd_of(a1, t1, b1, a2, t2, b2)
@@ -233,6 +234,8 @@ def _compile_all(dtype_names):
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
              dict(TWO=False, GROUP_O=8, BO=128, KKP=1, BI=128, BR1=64, BR2=16, **com),
              ("s_at1k", "s_b1i", "s_at2k", "s_b2i", "s_yk"), 8),
+            (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn), dict(BO=64, BN=64, BR=32, **com),
+             ("s_ap", "s_tk", "s_atk"), 4),
         ]
         for fn, pointers, cx, ones, warps in jobs:
             div16 = [p.name for p in fn.params if p.name.startswith("s_") and p.name not in ones]
@@ -243,7 +246,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 6, out
+    assert out.count("ok ") == 7, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

@@ -16,9 +16,11 @@ row ``o`` is one contiguous run of ``BI·Kk`` elements (the (O, I, Kk) layout).
 (A tile per κ stored with stride Kk, the previous design, wrote 2-byte elements
 Kk apart: 34× its memory floor on an H200.)
 
-``AT`` (O·R'·Kk elements, a fraction of the output) is one small GEMM on the
-host side before the launch; its operands keep any strides (LoHa passes a
-transposed "up").
+``AT`` (O·R'·Kk elements, a fraction of the output) is one small kernel launch
+before (``_core_kernel``: a GEMM over the columns (q, κ) of t, fp32 accumulated and
+stored in the compute dtype); its operands keep any strides (LoHa passes a
+transposed "up"). A Triton kernel rather than torch's GEMM: then the whole op is
+Triton launches, which the C++ CUDA kernel replays (csrc/launch.cpp) without Python.
 
 Limit: padded ranks ``pow2(R, ≥16) <= 128`` (``supported``; the scope table
 allows R <= 64). fp16 / bf16 / fp32 only.
@@ -34,7 +36,6 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
 from ._fusedkit import compute_dtype, view_key
-from ..reference.lora import tucker_core
 
 __all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "lora_tucker_fwd", "tucker_fwd"]
 
@@ -61,6 +62,48 @@ def _chain(at_ptr, b_ptr, offs_o, offs_k, mask_m, offs_i, mask_i, R, s_ato, s_at
     b = tl.load(b_ptr + offs_q[:, None] * s_bq + offs_i[None, :] * s_bi,
                 mask=mask_q[:, None] & mask_i[None, :], other=0.0)
     return tl.dot(at.to(CD).to(DOT), b.to(CD).to(DOT), input_precision="ieee")
+
+
+@triton.jit
+def _core_kernel(a_ptr, t_ptr, at_ptr, O, R, RB, KK,
+                 s_ao, s_ap, s_tp, s_tq, s_tk, s_ato, s_atq, s_atk,
+                 CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+                 BO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+    """AT[o, q, κ] = Σ_p a[o, p]·t[p, q, κ] over a (BO, BN) tile of rows o and columns
+    n = (q, κ); one dot over all R ranks (BR = R padded), fp32 accumulated, rounded once
+    to at's dtype (the compute dtype: reference ``tucker_core``'s rounding)."""
+    offs_o = tl.program_id(0) * BO + tl.arange(0, BO)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    if IDX64:
+        offs_o = offs_o.to(tl.int64)
+    offs_p = tl.arange(0, BR)
+    q = offs_n // KK
+    k = offs_n % KK
+    mask_o = offs_o < O
+    mask_n = offs_n < RB * KK
+    mask_p = offs_p < R
+    a = tl.load(a_ptr + offs_o[:, None] * s_ao + offs_p[None, :] * s_ap,
+                mask=mask_o[:, None] & mask_p[None, :], other=0.0)
+    t = tl.load(t_ptr + offs_p[:, None] * s_tp + q[None, :] * s_tq + k[None, :] * s_tk,
+                mask=mask_p[:, None] & mask_n[None, :], other=0.0)
+    acc = tl.dot(a.to(CD).to(DOT), t.to(CD).to(DOT), input_precision="ieee")
+    tl.store(at_ptr + offs_o[:, None] * s_ato + q[None, :] * s_atq + k[None, :] * s_atk,
+             acc.to(at_ptr.dtype.element_ty), mask=mask_o[:, None] & mask_n[None, :])
+
+
+#: the core kernel's tile: rows o, columns (q, κ)
+CORE_BO, CORE_BN = 64, 64
+
+
+def core_product(a, t, compute):
+    """``AT = a·t`` (O, R', Kk) in the compute dtype, one launch (``_core_kernel``)."""
+    O, (R, RB, KK) = a.shape[0], t.shape
+    at = torch.empty((O, RB, KK), device=a.device, dtype=compute)
+    grid = (cdiv(O, CORE_BO), cdiv(RB * KK, CORE_BN))
+    fast(_core_kernel)[grid](a, t, at, O, R, RB, KK, *a.stride(), *t.stride(), *at.stride(),
+                             CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=needs_idx64(*view_key(a, t, at)),
+                             BO=CORE_BO, BN=CORE_BN, BR=_p16(R), num_warps=4)
+    return at
 
 
 @triton.jit
@@ -150,8 +193,8 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
     y = torch.empty((O, I, Kk), device=a1.device, dtype=a1.dtype)
     if y.numel() == 0:
         return y
-    at1 = tucker_core(a1, t1, compute)
-    at2 = tucker_core(a2, t2, compute) if two else at1
+    at1 = core_product(a1, t1, compute)
+    at2 = core_product(a2, t2, compute) if two else at1
     if not two:
         b2 = b1
     ranks = (t1.shape[1],) + ((t2.shape[1],) if two else ())
