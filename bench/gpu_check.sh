@@ -2,12 +2,14 @@
 # The GPU check, in one call: build, GPU tests, tuner check, per-op benchmark, end-to-end
 # benchmark; a short table last.
 #
-#   bash bench/gpu_check.sh [all|tests|bench] [bench.py args...]
+#   bash bench/gpu_check.sh [all|tests|bench|verify] [bench.py args...]
 #
 # Stages: "tests" = the tuner check (empty table, then a fresh process that must not time),
 # the GPU test suite, the backend sweep; "bench" = bench.py and bench/e2e.py. With two or
 # more GPUs: bench.py on GPU 0 while e2e (then the tests) run on GPU 1, so a benchmark
-# never shares its GPU; with one GPU, one after the other. Stopped early (an outer
+# never shares its GPU; with one GPU, one after the other. "verify" (fits one 10-minute
+# device call): the tuner check at the small and large bench token counts, the GPU suite
+# and the host-time stage, no backend sweep, no benchmark. Stopped early (an outer
 # timeout), the script still packs what it has and prints the summary.
 #
 # Runs on a CUDA machine (the device tool's H200: torch 2.11, triton 3.6).
@@ -24,6 +26,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}; shift || true
+if [ "$what" = verify ]; then
+  LYCORIS_BACKENDS_ARGS=skip
+  LYCORIS_TUNING_ARGS=${LYCORIS_TUNING_ARGS:---shapes 3072x3072:r32,4096x4096:r64 --tokens 8192,32768}
+  LYCORIS_TESTS_SECONDS=${LYCORIS_TESTS_SECONDS:-300}
+fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 final=${OUT:-bench/out}; mkdir -p "$final"
 work=$(mktemp -d)  # everything lives here until packed: the device returns few files
@@ -111,7 +118,7 @@ e2e_lane() {  # $1: CUDA_VISIBLE_DEVICES
   echo "e2e: exit $rc" >>"$work/status"
 }
 
-if [ "$ngpu" -ge 2 ] && [ "$what" != tests ]; then
+if [ "$ngpu" -ge 2 ] && [ "$what" != tests ] && [ "$what" != verify ]; then
   echo "== two lanes: per-op benchmark on GPU 0; e2e$([ "$what" = all ] && echo ", then tests") on GPU 1"
   (bench_lane 0 "$@") >"$work/bench_lane.log" 2>&1 &
   bench_pid=$!
@@ -120,16 +127,18 @@ if [ "$ngpu" -ge 2 ] && [ "$what" != tests ]; then
   wait $bench_pid
   cat "$work/bench_lane.log"
 else
-  if [ "$what" = all ] || [ "$what" = tests ]; then tests_lane "${CUDA_VISIBLE_DEVICES:-0}"; fi
+  if [ "$what" = all ] || [ "$what" = tests ] || [ "$what" = verify ]; then tests_lane "${CUDA_VISIBLE_DEVICES:-0}"; fi
   if [ "$what" = all ] || [ "$what" = bench ]; then
     bench_lane "${CUDA_VISIBLE_DEVICES:-0}" "$@"; e2e_lane "${CUDA_VISIBLE_DEVICES:-0}"
   fi
 fi
 
 if [ "$what" != tests ] && [ "${LYCORIS_HOST_PROFILE:-}" != skip ]; then  # host time per layer, GPUs idle
-  echo "== host time per layer (bench/host_profile.py)"
-  timeout 180 $py bench/host_profile.py --calls 2000 --top 0 >"$work/host_profile.log" 2>&1
-  echo "host_profile: exit $?" >>"$work/status"
+  if [ "$what" != verify ]; then
+    echo "== host time per layer (bench/host_profile.py)"
+    timeout 180 $py bench/host_profile.py --calls 2000 --top 0 >"$work/host_profile.log" 2>&1
+    echo "host_profile: exit $?" >>"$work/status"
+  fi
   echo "== host time per call, replay plans (bench/host_overhead.py)"
   { timeout 120 $py bench/host_overhead.py --calls 3000 && timeout 120 $py bench/host_overhead.py --ops --calls 2000 \
     && timeout 120 $py bench/host_overhead.py --fb --calls 2100 && timeout 240 $py bench/host_overhead.py --plans; } \
