@@ -9,7 +9,7 @@
 # more GPUs: bench.py on GPU 0 while e2e (then the tests) run on GPU 1, so a benchmark
 # never shares its GPU; with one GPU, one after the other. "verify" (fits one 10-minute
 # device call): the tuner check at the small and large bench token counts, the GPU suite
-# and the host-time stage, no backend sweep, no benchmark. Stopped early (an outer
+# and host_overhead.py (per call, --ops, --fb); no sweep, benchmark, host_profile or --plans. Stopped early (an outer
 # timeout), the script still packs what it has and prints the summary.
 #
 # Runs on a CUDA machine (the device tool's H200: torch 2.11, triton 3.6).
@@ -30,6 +30,7 @@ if [ "$what" = verify ]; then
   LYCORIS_BACKENDS_ARGS=skip
   LYCORIS_TUNING_ARGS=${LYCORIS_TUNING_ARGS:---shapes 3072x3072:r32,4096x4096:r64 --tokens 8192,32768}
   LYCORIS_TESTS_SECONDS=${LYCORIS_TESTS_SECONDS:-300}
+  LYCORIS_TUNING_SECONDS=${LYCORIS_TUNING_SECONDS:-200}
 fi
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 final=${OUT:-bench/out}; mkdir -p "$final"
@@ -141,7 +142,8 @@ if [ "$what" != tests ] && [ "${LYCORIS_HOST_PROFILE:-}" != skip ]; then  # host
   fi
   echo "== host time per call, replay plans (bench/host_overhead.py)"
   { timeout 120 $py bench/host_overhead.py --calls 3000 && timeout 120 $py bench/host_overhead.py --ops --calls 2000 \
-    && timeout 120 $py bench/host_overhead.py --fb --calls 2100 && timeout 240 $py bench/host_overhead.py --plans; } \
+    && timeout 120 $py bench/host_overhead.py --fb --calls 2100 \
+    && { [ "$what" = verify ] || timeout 240 $py bench/host_overhead.py --plans; }; } \
     >"$work/host_overhead.log" 2>&1
   echo "host_overhead: exit $?" >>"$work/status"
 fi
