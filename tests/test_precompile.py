@@ -370,3 +370,16 @@ def test_gpu_cold_key_compiled_by_children(tmp_path):
     assert out["tune"]["tuned"] >= 1 and pre["children"] >= 1 and pre["failures"] == 0, out
     assert out["compiles"] >= 1 and out["misses"] == 0, out
     assert out["mismatch"] is None, out
+
+
+def test_fork_limit_follows_the_parents_memory(monkeypatch):
+    """Forks cost in proportion to the parent's anonymous memory: a small process gets
+    every child it asks for, a large one fewer, a very large one none (threads only)."""
+    assert precompile.fork_limit(0.0) >= precompile.MAX_DEFAULT_PROCS
+    assert precompile.fork_limit(1.0) >= precompile.MAX_DEFAULT_PROCS
+    assert 2 <= precompile.fork_limit(8.0) < precompile.MAX_DEFAULT_PROCS
+    assert precompile.fork_limit(64.0) < 2
+    assert precompile.anon_gib() >= 0.0
+    ran = []
+    monkeypatch.setattr(precompile, "anon_gib", lambda: 64.0)
+    assert precompile.precompile([lambda: ran.append(1)], procs=8) is None and ran == []

@@ -49,8 +49,15 @@ __all__ = ["ENV_PROCS", "Kernel", "Report", "tune_procs", "capturing", "capture"
 ENV_PROCS = "LYCORIS_KERNEL_TUNE_PROCS"
 #: most children by default (each compiles its share one kernel after the other)
 MAX_DEFAULT_PROCS = 8
-#: seconds the parent waits for all children before killing the rest
-TIMEOUT_S = 60.0
+#: seconds the parent waits for all children before killing the rest (their kernels are
+#: then compiled by the first calls, as without precompile)
+TIMEOUT_S = 30.0
+#: fork costs time in proportion to the parent's anonymous memory (page tables copied, then
+#: torn down at the child's exit): about 0.02-0.03 s per GiB per child on the CPU machine
+#: (4 forks: 0.26 s at 2 GiB, 0.68 s at 8 GiB). Children are limited so that their forks
+#: cost at most FORK_BUDGET_S together; fewer than 2: no precompile.
+FORK_S_PER_GIB = 0.025
+FORK_BUDGET_S = 0.5
 #: seconds between two polls of the children's exit
 POLL_S = 0.002
 
@@ -280,11 +287,34 @@ def compile_forked(kernels: Sequence[Kernel], procs: int, timeout_s: float = TIM
     return children, failures
 
 
+def anon_gib() -> float:
+    """This process's anonymous resident memory in GiB (``RssAnon``; 0 where unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / (1 << 20)  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def fork_limit(gib: Optional[float] = None) -> int:
+    """Most children whose forks together stay within ``FORK_BUDGET_S`` for a parent with
+    ``gib`` GiB of anonymous memory (default: this process's)."""
+    gib = anon_gib() if gib is None else gib
+    per_fork = FORK_S_PER_GIB * gib
+    return 1 << 16 if per_fork <= 0 else int(FORK_BUDGET_S / per_fork)
+
+
 def precompile(runs: Sequence[Callable[[], Any]], procs: Optional[int] = None) -> Optional[Report]:
     """Compile what ``runs`` (the fused candidates' first calls) would compile, in forked
     children, when that is at least two kernels not yet on disk. None when disabled
-    (``procs``, default ``tune_procs()``, below 2, or no ``os.fork``)."""
+    (``procs``, default ``tune_procs()``, below 2, or no ``os.fork``) or when forking this
+    process would cost more than it saves (``fork_limit``: a parent with a large memory
+    footprint, a training process holding tens of GiB, keeps the threads-only path)."""
     procs = tune_procs() if procs is None else procs
+    procs = min(procs, fork_limit())
     if procs < 2 or not hasattr(os, "fork"):
         return None
     t0 = time.perf_counter()
