@@ -1,0 +1,85 @@
+"""The TileLang tier's measured step-down: each TileLang op function against the op's
+eager body, timed once per (device, op, operand size buckets, dtypes, flags).
+
+The TileLang kernels have one launch configuration each (fixed in
+``tilelang/<family>.py``), so the shortlist is that kernel (``{}``) and
+``SENTINEL_EAGER``. The tuner does the rest as for Triton (``tune.select_config``):
+best of three device-time rounds after a check against eager, the winner memoized and
+stored in ``tuning.json`` under backend ``tilelang`` with the kernel file's source
+hash as version (an edited kernel is timed again), nothing timed while compiling,
+exporting or capturing a CUDA graph (the kernel then runs, not stored),
+``LYCORIS_KERNEL_TUNE=off``: the kernel. Where eager wins, the op runs its eager body
+at that shape: the TileLang tier never runs a kernel a measurement showed slower.
+
+Key: per tensor argument its dtype, rank and bucketed element count (``tune.bucket``:
+the token count of an activation and the size of a weight land in one bucket with
+their neighbours, which is enough for a two-way choice); per other argument its value,
+except floats (γ, scales: they do not change the cost).
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, Sequence, Tuple
+
+import torch
+
+from . import tune
+
+__all__ = ["BACKEND", "KERNEL", "key_parts", "run"]
+
+BACKEND = "tilelang"
+#: the shortlist entry of the TileLang kernel (its fixed configuration)
+KERNEL: Dict[str, Any] = {}
+_front = tune.Front()
+_eager: Dict[str, Callable] = {}
+
+
+def key_parts(args: Sequence[Any]) -> Tuple[Tuple[str, Any], ...]:
+    """The key parts of one call (see the module docstring)."""
+    parts = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            parts.append((f"t{i}", (str(a.dtype).replace("torch.", ""), a.dim(), tune.bucket(a.numel()))))
+        elif isinstance(a, float):
+            continue
+        elif isinstance(a, (list, tuple)):
+            parts.append((f"a{i}", tuple(a)))
+        else:
+            parts.append((f"a{i}", a))
+    return tuple(parts)
+
+
+def _exact(op: str, args) -> tuple:
+    """The front-cache key: exact shapes and dtypes, the non-float arguments."""
+    out = [op]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append((a.shape, a.dtype, a.device))
+        elif not isinstance(a, float):
+            out.append(tuple(a) if isinstance(a, list) else a)
+    return tuple(out)
+
+
+def _eager_body(op: str) -> Callable:
+    fn = _eager.get(op)
+    if fn is None:
+        from .. import registry
+
+        fn = _eager[op] = getattr(registry.FAMILY[op], op)
+    return fn
+
+
+def run(op: str, kernel: Callable, args: Sequence[Any]):
+    """``kernel(*args)`` (the TileLang op function, validated in-scope arguments), or the
+    op's eager body where eager won this shape's timing."""
+    fk = _exact(op, args)
+    choice = _front.get(fk)
+    if choice is None:
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        eager = _eager_body(op)
+        choice = tune.select_config(
+            op, BACKEND, key_parts(args), [KERNEL, tune.SENTINEL_EAGER],
+            lambda c: eager(*args) if tune.is_eager(c) else kernel(*args),
+            device=device, version=tune.source_version(sys.modules[kernel.__module__]),
+            reference=lambda: eager(*args), front=(_front, fk))
+    return _eager_body(op)(*args) if tune.is_eager(choice) else kernel(*args)

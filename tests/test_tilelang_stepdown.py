@@ -1,0 +1,97 @@
+"""The TileLang tier's measured step-down (lycoris_ops/plans/tilelang.py): each TileLang
+op function against the op's eager body, timed once per key by the tuner, eager used
+where it won. CPU: a stand-in kernel and a fake timer (TileLang kernels need a GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lycoris_ops  # noqa: F401  (registers the ops)
+from lycoris_ops import dispatch
+from lycoris_ops.plans import tilelang as tl_pick, tune
+from lycoris_ops.reference.add import add_scaled as eager_add_scaled
+
+
+@pytest.fixture(autouse=True)
+def _fresh(tmp_path, monkeypatch):
+    monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.delenv(dispatch.ENV_TUNE, raising=False)
+    tune.clear()
+    tune.set_tuning(None)
+    yield
+    tune.set_timer(None)
+    tune.clear()
+    tune.set_tuning(None)
+
+
+def _kernel(calls):
+    """A stand-in TileLang op function: the right values, its calls counted."""
+    def add_scaled(base, delta, gamma):
+        calls.append(base.shape)
+        return eager_add_scaled(base, delta, gamma)
+    add_scaled.__module__ = __name__  # the version hashes this file
+    return add_scaled
+
+
+def _timer(kernel_s, eager_s, seen):
+    def timer(fn, c):
+        seen.append("eager" if tune.is_eager(c) else "kernel")
+        fn()
+        return eager_s if tune.is_eager(c) else kernel_s
+    return timer
+
+
+@pytest.mark.parametrize("kernel_wins", [True, False])
+def test_the_faster_runs_and_the_choice_is_kept(kernel_wins):
+    calls, seen = [], []
+    tune.set_timer(_timer(1.0, 2.0, seen) if kernel_wins else _timer(2.0, 1.0, seen))
+    kernel = _kernel(calls)
+    base, delta = torch.randn(33, 17), torch.randn(33, 17)
+    got = tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+    torch.testing.assert_close(got, eager_add_scaled(base, delta, 0.5))
+    assert set(seen) == {"kernel", "eager"}  # both timed, once per key
+    n_timed, n_calls = len(seen), len(calls)
+    for gamma in (0.5, -2.0):  # another gamma: the same key (floats are not in it)
+        got = tl_pick.run("add_scaled", kernel, (base, delta, gamma))
+        torch.testing.assert_close(got, eager_add_scaled(base, delta, gamma))
+    assert len(seen) == n_timed  # not timed again
+    assert len(calls) == n_calls + (2 if kernel_wins else 0)  # eager won: the kernel no longer runs
+    rows = tune.table().rows
+    (key, row), = [(k, r) for k, r in rows.items() if "|tilelang|add_scaled|" in k]
+    assert (row["config"] == tl_pick.KERNEL) if kernel_wins else tune.is_eager(row["config"])
+
+
+def test_keys_bucket_sizes_and_keep_flags():
+    a = tl_pick.key_parts((torch.zeros(1000, 8), torch.zeros(8, dtype=torch.bfloat16), 1, 0.3, "sum", None, [2, 3]))
+    b = tl_pick.key_parts((torch.zeros(1020, 8), torch.zeros(8, dtype=torch.bfloat16), 1, 0.9, "sum", None, [2, 3]))
+    c = tl_pick.key_parts((torch.zeros(3000, 8), torch.zeros(8, dtype=torch.bfloat16), 1, 0.3, "sum", None, [2, 3]))
+    assert a == b and a != c  # 8000 and 8160 elements share the bucket 8192; 24000 does not
+    assert ("t1", ("bfloat16", 1, 8)) in a and ("a4", "sum") in a and ("a6", (2, 3)) in a
+    assert not any(k == "a3" for k, _ in a)  # the float
+
+
+def test_tuning_off_and_guards_take_the_kernel(monkeypatch):
+    calls = []
+    kernel = _kernel(calls)
+    base, delta = torch.randn(5, 7), torch.randn(5, 7)
+    tune.set_timer(_timer(2.0, 1.0, []))  # eager would win a timing
+    tune.set_tuning(False)
+    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    assert len(calls) == 1  # no timing: the kernel
+    tune.set_tuning(None)
+    tune.clear()
+    monkeypatch.setattr(tune, "unsafe_to_time", lambda: True)  # compiling / capturing
+    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    assert len(calls) == 2 and not tune.table().rows  # the kernel, nothing stored
+
+
+def test_every_tilelang_op_goes_through_the_step_down():
+    pytest.importorskip("tilelang")
+    import inspect
+
+    from lycoris_ops import OP_NAMES
+    from lycoris_ops.tilelang import ops
+
+    for op in OP_NAMES:
+        src = inspect.getsource(getattr(ops, op))
+        assert f'_tl_pick.run("{op}",' in src, op
