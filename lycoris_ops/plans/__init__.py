@@ -9,6 +9,8 @@
   ``select_config``, ``warmup`` and the CLI (``python -m lycoris_ops.plans.tune``).
 * ``precompile.py``: a cold key's Triton kernels compiled in forked child processes
   before the tuner's first calls (which then load them from Triton's cache).
+* ``tilelang.py``: the TileLang op set's step-down: each TileLang kernel (one fixed
+  configuration) timed against the op's eager body once per shape bucket.
 * ``<family>.py`` (the families of ``lycoris_ops/triton/``): ``plan_<op>`` (candidates
   + scores -> ``tune.Plan``), ``<op>_kwargs(<schema args>)`` (the tuned launcher
   keyword arguments, or ``SENTINEL_EAGER``), ``launch(op, *args, **kw)``,
