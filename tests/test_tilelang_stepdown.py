@@ -8,7 +8,7 @@ import torch
 
 import lycoris_ops  # noqa: F401  (registers the ops)
 from lycoris_ops import dispatch
-from lycoris_ops.plans import tilelang as tl_pick, tune
+from lycoris_ops.plans import precompile, tilelang as tl_pick, tune
 from lycoris_ops.reference.add import add_scaled as eager_add_scaled
 
 
@@ -16,6 +16,7 @@ from lycoris_ops.reference.add import add_scaled as eager_add_scaled
 def _fresh(tmp_path, monkeypatch):
     monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path / "cache"))
     monkeypatch.delenv(dispatch.ENV_TUNE, raising=False)
+    monkeypatch.setenv(precompile.ENV_PROCS, "0")  # the stand-in kernels build nothing (see the last tests)
     tune.clear()
     tune.set_tuning(None)
     yield
@@ -95,3 +96,63 @@ def test_every_tilelang_op_goes_through_the_step_down():
     for op in OP_NAMES:
         src = inspect.getsource(getattr(ops, op))
         assert f'_tl_pick.run("{op}",' in src, op
+
+
+def test_capture_lists_the_kernels_a_call_would_build():
+    pytest.importorskip("tilelang")
+    from lycoris_ops.tilelang import _common as C
+    from lycoris_ops.tilelang.add import add_kernel
+
+    def op_function():
+        for vec in (4, 8, 4):  # two distinct kernels, one asked twice
+            C.kernel(add_kernel, "sm_90a", "float16", "float16", "float16", vec)(None, None, None)
+        return "ran"
+
+    built = C.stats()["kernels"]
+    with C.capturing() as pending:
+        assert op_function() == "ran"  # the launches did nothing
+    assert [p.args for p in pending] == [("float16", "float16", "float16", 4), ("float16", "float16", "float16", 8)]
+    assert C.stats()["kernels"] == built  # nothing was built
+
+
+_FORKED_BUILD = """
+import os, sys
+import lycoris_ops
+from lycoris_ops.plans import tilelang as tl_pick
+from lycoris_ops.tilelang import _common as C
+from lycoris_ops.tilelang.add import add_kernel
+
+specs = [("float16", "float16", "float16", 4), ("bfloat16", "bfloat16", "bfloat16", 8)]
+
+def op_function():
+    for a in specs:
+        C.kernel(add_kernel, "sm_90a", *a)(None, None, None)
+
+cache = os.environ["TILELANG_CACHE_DIR"]
+def files():
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(cache) for f in fs)
+
+assert tl_pick.precompile_call(op_function, ()) == 2
+st = tl_pick.stats()
+after_children = files()
+for a in specs:  # the parent: both load from the disk cache the children filled
+    C.kernel(add_kernel, "sm_90a", *a)
+print("children", st["children"], "failures", st["failures"], "files", len(after_children) > 0,
+      "parent wrote", len(set(files()) - set(after_children)))
+"""
+
+
+def test_children_build_what_the_call_then_loads(tmp_path):
+    """Two TileLang kernels built for sm_90a in two forked children (no GPU: nvcc only);
+    the parent's build of the same kernels then writes nothing new to the disk cache."""
+    pytest.importorskip("tilelang")
+    if not hasattr(__import__("os"), "fork"):
+        pytest.skip("POSIX only")
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tl"), LYCORIS_KERNEL_TUNE_PROCS="2")
+    out = subprocess.run([sys.executable, "-c", _FORKED_BUILD], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "children 2 failures 0 files True parent wrote 0", out.stdout

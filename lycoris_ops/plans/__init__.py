@@ -10,7 +10,8 @@
 * ``precompile.py``: a cold key's Triton kernels compiled in forked child processes
   before the tuner's first calls (which then load them from Triton's cache).
 * ``tilelang.py``: the TileLang op set's step-down: each TileLang kernel (one fixed
-  configuration) timed against the op's eager body once per shape bucket.
+  configuration) timed against the op's eager body once per shape bucket; the kernels
+  of a first call built in forked children (``precompile.compile_forked``).
 * ``<family>.py`` (the families of ``lycoris_ops/triton/``): ``plan_<op>`` (candidates
   + scores -> ``tune.Plan``), ``<op>_kwargs(<schema args>)`` (the tuned launcher
   keyword arguments, or ``SENTINEL_EAGER``), ``launch(op, *args, **kw)``,

@@ -88,6 +88,10 @@ class Kernel:
 
         return triton.compile(self.source(), target=self.target, options=dict(self.options))
 
+    def build(self):
+        """What a child does: compile, then the host launcher."""
+        _build_launcher(self.compile())
+
 
 def _build_launcher(compiled) -> None:
     """The host-side launcher of ``compiled``, as its first launch would make it. Triton 3.6
@@ -217,11 +221,14 @@ def on_disk(kernel: Kernel) -> bool:
 
 
 def _child(kernels: Sequence[Kernel]) -> None:
-    """A forked child: compile ``kernels`` (into Triton's on-disk cache) and leave at once,
-    status 1 if one failed; no atexit handlers, no CUDA."""
+    """A forked child: build ``kernels`` (into Triton's / TileLang's on-disk cache) and
+    leave at once, status 1 if one failed; no atexit handlers, no CUDA."""
     status = 1
     try:
-        from triton import knobs
+        try:
+            from triton import knobs
+        except ImportError:  # TileLang jobs without Triton installed
+            knobs = None
 
         # the parent's objects are not this process's to finalize (a CUDA tensor in a cycle),
         # nor its Python handlers (a trainer's checkpoint on SIGTERM, a profiler's compile
@@ -229,15 +236,14 @@ def _child(kernels: Sequence[Kernel]) -> None:
         gc.disable()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
-        knobs.compilation.listener = None
+        if knobs is not None:
+            knobs.compilation.listener = None
         failed = 0
-        for k in kernels:
+        for k in kernels:  # a job: build() (Kernel; tilelang/_common.Pending), else compile()
             try:
-                compiled = k.compile()
+                (getattr(k, "build", None) or k.compile)()
             except Exception:
                 failed += 1
-                continue
-            _build_launcher(compiled)
         status = 1 if failed else 0
     finally:
         os._exit(status)

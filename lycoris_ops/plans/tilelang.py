@@ -11,6 +11,13 @@ exporting or capturing a CUDA graph (the kernel then runs, not stored),
 ``LYCORIS_KERNEL_TUNE=off``: the kernel. Where eager wins, the op runs its eager body
 at that shape: the TileLang tier never runs a kernel a measurement showed slower.
 
+Before the first call of an exact signature builds anything, the TileLang kernels it
+would build (``tilelang/_common.capturing``) are built at once in forked child
+processes (``precompile.compile_forked``, as for Triton's cold keys; same
+``LYCORIS_KERNEL_TUNE_PROCS`` and memory limit) into TileLang's disk cache, so the call
+only loads them: a TileLang compile takes 3-10 s on the H200's host and an op's first
+call builds up to six.
+
 Key: per tensor argument its dtype, rank and bucketed element count (``tune.bucket``:
 the token count of an activation and the size of a weight land in one bucket with
 their neighbours, which is enough for a two-way choice); per other argument its value,
@@ -18,20 +25,60 @@ except floats (γ, scales: they do not change the cost).
 """
 from __future__ import annotations
 
+import logging
+import os
 import sys
+import time
 from typing import Any, Callable, Dict, Sequence, Tuple
 
 import torch
 
-from . import tune
+from . import precompile, tune
 
-__all__ = ["BACKEND", "KERNEL", "key_parts", "run"]
+__all__ = ["BACKEND", "KERNEL", "key_parts", "run", "precompile_call", "stats"]
+
+log = logging.getLogger("lycoris_ops.tune")
 
 BACKEND = "tilelang"
 #: the shortlist entry of the TileLang kernel (its fixed configuration)
 KERNEL: Dict[str, Any] = {}
 _front = tune.Front()
 _eager: Dict[str, Callable] = {}
+#: seconds the parent waits for the TileLang compile children before killing the rest
+TIMEOUT_S = 120.0
+_totals = {"calls": 0, "kernels": 0, "children": 0, "failures": 0, "seconds": 0.0}
+
+
+def stats() -> Dict[str, float]:
+    """Totals of this process's TileLang precompiles (first calls that built kernels in
+    children, kernels, children, failed or killed children, seconds)."""
+    return dict(_totals)
+
+
+def precompile_call(kernel: Callable, args: Sequence[Any]) -> int:
+    """Build the TileLang kernels ``kernel(*args)`` would build, in forked children (when
+    at least two, enabled, and not while compiling / capturing). Returns how many."""
+    procs = min(precompile.tune_procs(), precompile.fork_limit())
+    if procs < 2 or not hasattr(os, "fork") or tune.unsafe_to_time():
+        return 0
+    from ..tilelang import _common
+
+    t0 = time.perf_counter()
+    with torch.no_grad(), _common.capturing() as pending:
+        try:
+            kernel(*args)  # nothing is built or launched: the kernels are listed
+        except Exception:
+            pass  # the real call reports it
+    if len(pending) < 2:
+        return 0
+    children, failures = precompile.compile_forked(pending, procs, timeout_s=TIMEOUT_S)
+    spent = time.perf_counter() - t0
+    for k, v in (("calls", 1), ("kernels", len(pending)), ("children", children), ("failures", failures),
+                 ("seconds", spent)):
+        _totals[k] += v
+    log.info("lycoris_ops tilelang: %d kernels built in %d processes (%d failed), %.2f s", len(pending), children,
+             failures, spent)
+    return len(pending)
 
 
 def key_parts(args: Sequence[Any]) -> Tuple[Tuple[str, Any], ...]:
@@ -75,6 +122,7 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
     fk = _exact(op, args)
     choice = _front.get(fk)
     if choice is None:
+        precompile_call(kernel, args)
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         eager = _eager_body(op)
         choice = tune.select_config(

@@ -12,6 +12,10 @@ inside the builders, not key entries.
 
 ``compile_only(builder, arch, *args)`` compiles without caching or running
 (the CI check: nvcc on PATH, no GPU needed).
+
+``capturing()`` (for ``plans/tilelang.py``'s precompile): while active on a thread,
+``kernel`` records each kernel it would build there and returns a stand-in whose
+launch does nothing, so an op function run once lists the kernels of its first call.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 __all__ = [
     "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "target_of", "kernel", "compile_only",
     "clear", "stats", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
+    "capturing", "Pending",
 ]
 
 EXECUTION_BACKEND = "tvm_ffi"
@@ -42,6 +47,35 @@ _kernels: Dict[Tuple, object] = {}
 #: kernels built in this process and the seconds spent building them (a compile, or a
 #: load from TileLang's disk cache: the cost a warm cache leaves)
 _stats = {"kernels": 0, "build_s": 0.0}
+_capture = threading.local()
+
+
+class Pending:
+    """A kernel ``kernel`` would build: ``compile()`` builds it (into TileLang's disk cache)."""
+
+    def __init__(self, builder: Callable, arch: str, args: tuple):
+        self.builder, self.arch, self.args = builder, arch, args
+
+    def compile(self):
+        return compile_only(self.builder, self.arch, *self.args)
+
+
+def _no_launch(*args, **kwargs):
+    return None
+
+
+class capturing:
+    """``with capturing() as pending:`` kernels this thread's ``kernel`` calls would build
+    are listed in ``pending`` (once each) instead of built; their launches do nothing."""
+
+    def __enter__(self):
+        self.pending, self._seen = [], set()
+        _capture.active = self
+        return self.pending
+
+    def __exit__(self, *exc):
+        _capture.active = None
+        return False
 
 
 def tl():
@@ -93,6 +127,12 @@ def kernel(builder: Callable, arch: str, *args):
     key = (builder.__module__, builder.__qualname__, arch, args)
     k = _kernels.get(key)
     if k is None:
+        cap = getattr(_capture, "active", None)
+        if cap is not None:
+            if key not in cap._seen:
+                cap._seen.add(key)
+                cap.pending.append(Pending(builder, arch, args))
+            return _no_launch
         with _lock:
             k = _kernels.get(key)
             if k is None:
