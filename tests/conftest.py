@@ -6,7 +6,26 @@ interpreted or not, so the compile-only checks run in subprocesses).
 """
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def fresh_tuner(tmp_path, monkeypatch):
+    """The tuner as a new process sees it: an empty table under ``tmp_path``,
+    ``LYCORIS_KERNEL_TUNE`` unset, nothing memoized, no fake timer (all restored after)."""
+    from lycoris_ops import dispatch
+    from lycoris_ops.plans import tune
+
+    monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path / "cache"))
+    monkeypatch.delenv(dispatch.ENV_TUNE, raising=False)
+    tune.clear()
+    tune.set_tuning(None)
+    previous = tune.set_timer(None)
+    yield
+    tune.set_timer(previous)
+    tune.clear()
+    tune.set_tuning(None)

@@ -29,14 +29,8 @@ no_fork = pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX only (os.for
 
 
 @pytest.fixture(autouse=True)
-def _fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.delenv(dispatch.ENV_TUNE, raising=False)
-    tune.clear()
-    tune.set_tuning(None)
+def _fresh(fresh_tuner):
     yield
-    tune.clear()
-    tune.set_tuning(None)
 
 
 def _gpu_target():

@@ -7,22 +7,14 @@ import pytest
 import torch
 
 import lycoris_ops  # noqa: F401  (registers the ops)
-from lycoris_ops import dispatch
 from lycoris_ops.plans import precompile, tilelang as tl_pick, tune
 from lycoris_ops.reference.add import add_scaled as eager_add_scaled
 
 
 @pytest.fixture(autouse=True)
-def _fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.delenv(dispatch.ENV_TUNE, raising=False)
+def _fresh(fresh_tuner, monkeypatch):
     monkeypatch.setenv(precompile.ENV_PROCS, "0")  # the stand-in kernels build nothing (see the last tests)
-    tune.clear()
-    tune.set_tuning(None)
     yield
-    tune.set_timer(None)
-    tune.clear()
-    tune.set_tuning(None)
 
 
 def _kernel(calls):

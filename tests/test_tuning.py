@@ -27,17 +27,9 @@ C = {"block": 256, "num_warps": 8}
 
 
 @pytest.fixture(autouse=True)
-def _fresh(tmp_path, monkeypatch):
-    monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path / "cache"))
-    monkeypatch.delenv(dispatch.ENV_TUNE, raising=False)
-    tune.clear()
-    tune.set_tuning(None)
-    prev = tune.set_timer(None)
+def _fresh(fresh_tuner):
     device.clear()
     yield
-    tune.set_timer(prev)
-    tune.clear()
-    tune.set_tuning(None)
     device.clear()
 
 
