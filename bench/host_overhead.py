@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import lycoris_ops  # noqa: F401
-from lycoris_ops._autograd_kernel import register_autograd as lycoris_register_autograd
-from lycoris_ops import _C as lycoris_C
+from lycoris_ops._autograd_kernel import direct_backward, register_autograd as lycoris_register_autograd
 
 _PROBE_SCHEMA = "(Tensor x, Tensor up, Tensor down, float gamma, Tensor? base=None) -> Tensor"
 _probe_lib = None
@@ -111,11 +110,8 @@ def main():
         op(x, upg, downg, 0.5, base).sum().backward()
 
     def op_fwd_bwd_python_backward():  # the C++ node runs the Python backward (no direct *_bwd call)
-        previous = lycoris_C._set_direct_backward(False)
-        try:
+        with direct_backward(False):
             op_fwd_bwd()
-        finally:
-            lycoris_C._set_direct_backward(previous)
 
     def probe_fwd_bwd(probe):  # the framework's floor: a no-op kernel, backward returns None
         def run():
@@ -223,7 +219,7 @@ def forward_backward(dev, calls, rounds=7):
     """Forward+backward host time of the three bypass ops next to their eager formulas, on
     tiny tensors, every variant once per round (rounds interleaved, so a drift of the
     shared host hits all alike; best round each): ours with the direct C++ backward, ours
-    with the Python backward (``_C._set_direct_backward(False)``), the eager formula."""
+    with the Python backward (``direct_backward(False)``), the eager formula."""
     L = torch.ops.lycoris
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
@@ -249,11 +245,8 @@ def forward_backward(dev, calls, rounds=7):
 
     def python_backward(f):
         def run():
-            previous = lycoris_C._set_direct_backward(False)
-            try:
+            with direct_backward(False):
                 f().sum().backward()
-            finally:
-                lycoris_C._set_direct_backward(previous)
         return run
 
     variants = {}

@@ -23,6 +23,7 @@ kwarg-only or tensor-list arguments (none here) use torch's own registration.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -30,7 +31,7 @@ import torch
 from torch import _C
 from torch._library.utils import is_tensorlist_like_type
 
-__all__ = ["register_autograd", "first_order_only", "BwdCall"]
+__all__ = ["register_autograd", "first_order_only", "BwdCall", "direct_backward"]
 
 
 class BwdCall(NamedTuple):
@@ -45,6 +46,19 @@ class BwdCall(NamedTuple):
     args: Sequence[str]
     grads: Sequence[Optional[str]]
     passthrough: Optional[str] = None
+
+@contextlib.contextmanager
+def direct_backward(enabled: bool):
+    """Within the block, nodes with a direct backward make the ``*_bwd`` call in C++
+    (``enabled``) or run the Python backward (the A/B of bench/host_overhead.py, tests)."""
+    from . import _C as lycoris_C
+
+    previous = lycoris_C._set_direct_backward(enabled)
+    try:
+        yield
+    finally:
+        lycoris_C._set_direct_backward(previous)
+
 
 #: the FRAGMENT libraries holding the registrations (kept alive with the process)
 _libs = {}

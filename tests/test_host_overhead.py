@@ -396,7 +396,7 @@ def test_direct_backward_matches_the_python_formula(name):
     of the Python formula of record, for every subset of needed inputs."""
     import itertools
 
-    from lycoris_ops import _C as lycoris_C
+    from lycoris_ops._autograd_kernel import direct_backward
 
     op, args = _direct_cases()[name]
     where = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -407,13 +407,10 @@ def test_direct_backward_matches_the_python_formula(name):
             for direct in (True, False):
                 call = [a.clone().requires_grad_(i in need) if isinstance(a, torch.Tensor) else a
                         for i, a in enumerate(args)]
-                previous = lycoris_C._set_direct_backward(direct)
-                try:
+                with direct_backward(direct):
                     y = op(*call)
                     grad_out = torch.randn_like(y) if grad_out is None else grad_out
                     got[direct] = torch.autograd.grad(y, [call[i] for i in need], grad_out)
-                finally:
-                    lycoris_C._set_direct_backward(previous)
             for a, b in zip(got[True], got[False]):
                 assert a.dtype == b.dtype, (name, need)
                 torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} {need}")

@@ -142,12 +142,12 @@ def test_capture_runs_as_worker_without_grad_and_swallows_errors():
 # ----------------------------------------------------------------------------- children
 
 class _Job:
-    """A stand-in kernel: ``compile`` writes this process's pid to a file (or raises, or hangs)."""
+    """A stand-in kernel: ``build`` writes this process's pid to a file (or raises, or hangs)."""
 
     def __init__(self, path, action="ok"):
         self.path, self.action = path, action
 
-    def compile(self):
+    def build(self):
         if self.action == "raise":
             raise RuntimeError("compile error")
         if self.action == "hang":

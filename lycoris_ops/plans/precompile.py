@@ -239,9 +239,9 @@ def _child(kernels: Sequence[Kernel]) -> None:
         if knobs is not None:
             knobs.compilation.listener = None
         failed = 0
-        for k in kernels:  # a job: build() (Kernel; tilelang/_common.Pending), else compile()
+        for k in kernels:  # a job: anything with build() (Kernel; tilelang/_common.Pending)
             try:
-                (getattr(k, "build", None) or k.compile)()
+                k.build()
             except Exception:
                 failed += 1
         status = 1 if failed else 0
@@ -250,7 +250,7 @@ def _child(kernels: Sequence[Kernel]) -> None:
 
 
 def compile_forked(kernels: Sequence[Kernel], procs: int, timeout_s: float = TIMEOUT_S) -> Tuple[int, int]:
-    """Compile ``kernels`` in up to ``procs`` forked children (round robin) and wait for
+    """Build ``kernels`` (``build()`` each) in up to ``procs`` forked children (round robin) and wait for
     them, killing those still running after ``timeout_s``. Returns (children, failed or
     killed children). A share whose fork fails (no memory, no process slot) is left to
     the first calls."""
@@ -313,15 +313,22 @@ def fork_limit(gib: Optional[float] = None) -> int:
     return 1 << 16 if per_fork <= 0 else int(FORK_BUDGET_S / per_fork)
 
 
+def usable_procs(procs: Optional[int] = None) -> int:
+    """Children a precompile may fork: ``procs`` (default ``tune_procs()``) within
+    ``fork_limit()`` (a parent with a large memory footprint, a training process holding
+    tens of GiB, gets fewer or none); 0 without ``os.fork``. Below 2: no precompile."""
+    if not hasattr(os, "fork"):
+        return 0
+    return min(tune_procs() if procs is None else procs, fork_limit())
+
+
 def precompile(runs: Sequence[Callable[[], Any]], procs: Optional[int] = None) -> Optional[Report]:
     """Compile what ``runs`` (the fused candidates' first calls) would compile, in forked
-    children, when that is at least two kernels not yet on disk. None when disabled
-    (``procs``, default ``tune_procs()``, below 2, or no ``os.fork``) or when forking this
-    process would cost more than it saves (``fork_limit``: a parent with a large memory
-    footprint, a training process holding tens of GiB, keeps the threads-only path)."""
-    procs = tune_procs() if procs is None else procs
-    procs = min(procs, fork_limit())
-    if procs < 2 or not hasattr(os, "fork"):
+    children, when that is at least two kernels not yet on disk. None when
+    ``usable_procs(procs)`` is below 2 (disabled, or forking this process would cost more
+    than it saves)."""
+    procs = usable_procs(procs)
+    if procs < 2:
         return None
     t0 = time.perf_counter()
     report = Report()

@@ -26,7 +26,6 @@ except floats (γ, scales: they do not change the cost).
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from typing import Any, Callable, Dict, Sequence, Tuple
@@ -34,6 +33,7 @@ from typing import Any, Callable, Dict, Sequence, Tuple
 import torch
 
 from . import precompile, tune
+from .. import registry
 
 __all__ = ["BACKEND", "KERNEL", "key_parts", "run", "precompile_call", "stats"]
 
@@ -43,7 +43,6 @@ BACKEND = "tilelang"
 #: the shortlist entry of the TileLang kernel (its fixed configuration)
 KERNEL: Dict[str, Any] = {}
 _front = tune.Front()
-_eager: Dict[str, Callable] = {}
 #: seconds the parent waits for the TileLang compile children before killing the rest
 TIMEOUT_S = 120.0
 _totals = {"calls": 0, "kernels": 0, "children": 0, "failures": 0, "seconds": 0.0}
@@ -58,8 +57,8 @@ def stats() -> Dict[str, float]:
 def precompile_call(kernel: Callable, args: Sequence[Any]) -> int:
     """Build the TileLang kernels ``kernel(*args)`` would build, in forked children (when
     at least two, enabled, and not while compiling / capturing). Returns how many."""
-    procs = min(precompile.tune_procs(), precompile.fork_limit())
-    if procs < 2 or not hasattr(os, "fork") or tune.unsafe_to_time():
+    procs = precompile.usable_procs()
+    if procs < 2 or tune.unsafe_to_time():
         return 0
     from ..tilelang import _common
 
@@ -107,15 +106,6 @@ def _exact(op: str, args) -> tuple:
     return tuple(out)
 
 
-def _eager_body(op: str) -> Callable:
-    fn = _eager.get(op)
-    if fn is None:
-        from .. import registry
-
-        fn = _eager[op] = getattr(registry.FAMILY[op], op)
-    return fn
-
-
 def run(op: str, kernel: Callable, args: Sequence[Any]):
     """``kernel(*args)`` (the TileLang op function, validated in-scope arguments), or the
     op's eager body where eager won this shape's timing."""
@@ -124,10 +114,10 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
     if choice is None:
         precompile_call(kernel, args)
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        eager = _eager_body(op)
+        eager = registry.eager(op)
         choice = tune.select_config(
             op, BACKEND, key_parts(args), [KERNEL, tune.SENTINEL_EAGER],
             lambda c: eager(*args) if tune.is_eager(c) else kernel(*args),
             device=device, version=tune.source_version(sys.modules[kernel.__module__]),
             reference=lambda: eager(*args), front=(_front, fk))
-    return _eager_body(op)(*args) if tune.is_eager(choice) else kernel(*args)
+    return registry.eager(op)(*args) if tune.is_eager(choice) else kernel(*args)

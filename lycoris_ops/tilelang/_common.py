@@ -51,13 +51,13 @@ _capture = threading.local()
 
 
 class Pending:
-    """A kernel ``kernel`` would build: ``compile()`` builds it (into TileLang's disk cache)."""
+    """A kernel ``kernel`` would build: ``build()`` builds it (into TileLang's disk cache)."""
 
     def __init__(self, builder: Callable, arch: str, args: tuple):
         self.builder, self.arch, self.args = builder, arch, args
 
-    def compile(self):
-        return compile_only(self.builder, self.arch, *self.args)
+    def build(self):
+        compile_only(self.builder, self.arch, *self.args)
 
 
 def _no_launch(*args, **kwargs):
