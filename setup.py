@@ -38,8 +38,8 @@ cuda_include = None
 if torch.version.cuda and os.environ.get("LYCORIS_CUDA_LAUNCH", "1") != "0":
     cuda_include = cuda_runtime_include()
     if cuda_include is None:
-        print("lycoris_ops: CUDA's runtime headers not found (CUDA_HOME or the nvidia pip package): building "
-              "without the C++ CUDA launch path (csrc/launch.cpp); the ops run, with more host time per call")
+        print("lycoris_ops: CUDA's runtime headers not found (CUDA_HOME, /usr/local/cuda*, the nvidia pip package): "
+              "building without the C++ CUDA launch path (csrc/launch.cpp); the ops run, with more host time per call")
 cuda_launch = cuda_include is not None
 
 setup(
