@@ -54,7 +54,8 @@ MAX_DEFAULT_PROCS = 8
 TIMEOUT_S = 30.0
 #: fork costs time in proportion to the parent's anonymous memory (page tables copied, then
 #: torn down at the child's exit): about 0.02-0.03 s per GiB per child on the CPU machine
-#: (4 forks: 0.26 s at 2 GiB, 0.68 s at 8 GiB). Children are limited so that their forks
+#: (bench/compile_children.py --forks: 4 forks 0.24 s at 2 GiB, 0.74 s at 8 GiB; bench/RESULTS.md
+#: 15:45). Children are limited so that their forks
 #: cost at most FORK_BUDGET_S together; fewer than 2: no precompile.
 FORK_S_PER_GIB = 0.025
 FORK_BUDGET_S = 0.5
