@@ -84,6 +84,74 @@ def test_twin_split_k():
     compare("lora_merge_bwd", (Gw, up, torch.randn(r, 300, generator=g), 1.1), torch.float32)
 
 
+#: non-default tiles of the four tuned ops (plans/lora.py: ``tl_plan_*``): at the sizes below
+#: every tile is partial somewhere
+TILE_CFGS = {
+    "lora_bypass_fwd": dict(BT=128, BO=64, BK=32, stages=3, threads=256),
+    "lora_bypass_bwd": dict(BT=128, BI=64, BK=32, stages=3, threads=256, sBM=128, sBK=32),
+    "lora_merge_fwd": dict(BM=64, BN=64, BK=16, stages=3, threads=128),
+    "lora_merge_bwd": dict(BM=128, BK=32, stages=3, threads=256),
+}
+
+
+def _tile_case(op, dtype, device="cpu"):
+    """(args) of ``op`` at odd sizes with a non-contiguous activation / gradient."""
+    g = torch.Generator().manual_seed(11)
+
+    def m(*s, scale=1.0):
+        return (torch.randn(*s, generator=g) * scale).to(dtype).to(device)
+
+    T, I, O, r = 150, 45, 77, 5
+    x = m(I, T).t()  # non-contiguous
+    up, down = m(O, r, scale=r ** -0.5), m(r, I, scale=I ** -0.5)
+    return {
+        "lora_bypass_fwd": (x, up, down, 0.7, m(T, O)),
+        "lora_bypass_bwd": (m(O, T).t(), x, up, down, -0.6),
+        "lora_merge_fwd": (up, down, None, None, m(O, I), 1.3, "plain", None),
+        "lora_merge_bwd": (m(I, O).t(), up, down, 0.9),
+    }[op]
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.parametrize("op", sorted(TILE_CFGS))
+def test_twin_tile_configs(op):
+    """The launchers honour a tuned ``cfg`` (tile sizes; threads and stages are GPU-only)."""
+    args = _tile_case(op, torch.float32)
+    fn = getattr(lora, op.split("_", 1)[1])
+    got = harness.outs(fn(*args, cfg=TILE_CFGS[op]))
+    want = harness.outs(getattr(REF, op)(*args))
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (op, k)
+        assert harness.rel_err(a, b) <= harness.REL_TOL[torch.float32], (op, k, harness.rel_err(a, b))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_h200_shortlists_compile_sm90a(monkeypatch):
+    """Every tile config the TileLang models shortlist for an H200 at the first bench shape
+    (T=8192, 3072x3072, r=32, bf16) compiles for sm_90a: the kernels a cold key builds."""
+    from lycoris_ops.plans import device, lora as plans_lora, tilelang as tl_pick
+
+    monkeypatch.setattr(lora, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(lora, "num_sms", lambda d: 132)
+    dev = device.synthetic()
+    bf = torch.bfloat16
+    T, I, O, R = 8192, 3072, 3072, 32
+    x, up, down = torch.empty(T, I, dtype=bf), torch.empty(O, R, dtype=bf), torch.empty(R, I, dtype=bf)
+    g, w = torch.empty(T, O, dtype=bf), torch.empty(O, I, dtype=bf)
+    calls = {"lora_bypass_fwd": (lora.bypass_fwd, (x, up, down, 1.0, None)),
+             "lora_bypass_bwd": (lora.bypass_bwd, (g, x, up, down, 1.0)),
+             "lora_merge_fwd": (lora.merge_fwd, (up, down, None, None, w, 1.0, "plain", None)),
+             "lora_merge_bwd": (lora.merge_bwd, (w, up, down, 1.0))}
+    with _common.capturing() as pending:
+        for op, (fn, args) in calls.items():
+            for c in plans_lora.TILELANG[op][0](dev, *args).candidates[:-1]:
+                tl_pick._call(fn, args, c)
+    assert len(pending) >= 8
+    for p in pending:
+        k = _common.compile_only(p.builder, p.arch, *p.args)
+        assert "__global__" in k.get_kernel_source(), (p.builder.__name__, p.args)
+
+
 # ----------------------------------------------------------------------------- 3. GPU
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
@@ -110,3 +178,16 @@ def test_gpu_parity(dtype, r):
     R = min(r, 64)
     compare("lora_tucker_fwd", (m(48, R), m(R, R, 9), m(R, 40), None, None, None, 0.7), dtype)
     compare("lora_tucker_fwd", (m(R, 48).t(), m(R, R, 9), m(R, 40), m(48, R), m(R, R, 9), m(R, 40), 0.7), dtype)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("op", sorted(TILE_CFGS))
+def test_gpu_tile_configs(op):
+    """Each tuned op with a non-default tile config (two warpgroups, 3 stages) on the GPU, bf16."""
+    args = _tile_case(op, torch.bfloat16, "cuda")
+    fn = getattr(lora, op.split("_", 1)[1])
+    got = harness.outs(fn(*args, cfg=TILE_CFGS[op]))
+    want = harness.outs(getattr(REF, op)(*args))
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert a.dtype == b.dtype and a.shape == b.shape, (op, k)
+        assert harness.rel_err(a, b) <= harness.REL_TOL[torch.bfloat16], (op, k, harness.rel_err(a, b))

@@ -148,3 +148,104 @@ def test_children_build_what_the_call_then_loads(tmp_path):
     out = subprocess.run([sys.executable, "-c", _FORKED_BUILD], env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "children 2 failures 0 files True parent wrote 0", out.stdout
+
+
+# ----------------------------------------------------------------------------- tile configs
+
+def _planned_kernel(calls):
+    """A stand-in TileLang op function with a ``cfg``: the right values, its configs recorded."""
+    from lycoris_ops.reference.lora import lora_bypass_fwd as eager_fwd
+
+    def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
+        calls.append(cfg)
+        return eager_fwd(x, up, down, gamma, base)
+    bypass_fwd.__module__ = __name__
+    return bypass_fwd
+
+
+def test_tile_configs_are_timed_and_the_winner_runs(monkeypatch):
+    """A model's shortlist (tile configs, the fixed default ``{}``, eager): all timed once,
+    built first in one precompile of every config, the fastest stored and run with
+    ``cfg=``; a fresh process takes it from the table without planning or timing."""
+    small, big = dict(BT=64, BO=64), dict(BT=128, BO=256)
+    shortlist = [small, tl_pick.KERNEL, big, tune.SENTINEL_EAGER]
+    planned, built = [], []
+    monkeypatch.setattr(tl_pick, "candidates", lambda op, args: planned.append(op) or list(shortlist))
+    monkeypatch.setattr(tl_pick, "precompile_call", lambda kernel, args, cands=(): built.append(list(cands)) or 0)
+    cost = {str(small): 3.0, str(tl_pick.KERNEL): 2.0, str(big): 1.0, tune.SENTINEL_EAGER: 4.0}
+    seen = []
+
+    def timer(fn, c):
+        seen.append(c)
+        fn()
+        return cost[str(c)]
+
+    tune.set_timer(timer)
+    calls = []
+    kernel = _planned_kernel(calls)
+    g = torch.Generator().manual_seed(3)
+    x, up, down = torch.randn(40, 24, generator=g), torch.randn(16, 4, generator=g), torch.randn(4, 24, generator=g)
+    from lycoris_ops.reference.lora import lora_bypass_fwd as eager_fwd
+
+    got = tl_pick.run("lora_bypass_fwd", kernel, (x, up, down, 0.5, None))
+    torch.testing.assert_close(got, eager_fwd(x, up, down, 0.5, None))
+    assert planned == ["lora_bypass_fwd"] and built == [shortlist]  # every config listed for the children
+    assert {str(c) for c in seen} == set(cost)  # each candidate timed
+    assert calls[-1] == big  # the winner runs with its config
+    (row,) = [r for k, r in tune.table().rows.items() if "|tilelang|lora_bypass_fwd|" in k]
+    assert row["config"] == big
+    n_timed = len(seen)
+    tune.clear(tables=True)  # a fresh process: the table file stays
+    calls.clear()
+    tl_pick.run("lora_bypass_fwd", kernel, (x, up, down, 0.5, None))
+    assert len(seen) == n_timed and planned == ["lora_bypass_fwd"]  # no timing, no planning
+    assert calls == [big] and built[-1] == [big]  # the stored winner's kernels only
+
+
+def test_tuning_off_takes_the_models_first_pick(monkeypatch):
+    first = dict(BT=128, BO=64)
+    monkeypatch.setattr(tl_pick, "candidates", lambda op, args: [first, tl_pick.KERNEL, tune.SENTINEL_EAGER])
+    tune.set_timer(lambda fn, c: 1.0)
+    tune.set_tuning(False)
+    calls = []
+    x, up, down = torch.randn(8, 6), torch.randn(5, 2), torch.randn(2, 6)
+    tl_pick.run("lora_bypass_fwd", _planned_kernel(calls), (x, up, down, 1.0, None))
+    assert calls == [first]
+
+
+def test_planned_ops_key_on_their_weight_sizes():
+    """Two layers whose weights fall in one size bucket get separate tile choices."""
+    x = torch.zeros(64, 3072)
+    a = tl_pick.key_parts((x, torch.zeros(3072, 32), torch.zeros(32, 3072), 1.0, None), "lora_bypass_fwd")
+    b = tl_pick.key_parts((x, torch.zeros(3000, 32), torch.zeros(32, 3072), 1.0, None), "lora_bypass_fwd")
+    assert a != b
+    assert tl_pick.key_parts((x, torch.zeros(3072, 32)), "add_scaled") == tl_pick.key_parts(
+        (x, torch.zeros(3000, 32)), "add_scaled")  # no model: buckets only
+
+
+def test_lora_shortlists_for_an_h200():
+    """The TileLang LoRA models on an H200's facts at the bench shapes: tile configs (the
+    fixed default among them), eager last, every config legal for the kernels (threads a
+    multiple of 128, two warpgroups only with 128-row tiles, stages 2-4)."""
+    from lycoris_ops.plans import device, lora as plans_lora
+    from lycoris_ops.tilelang import lora as tl_lora
+
+    dev = device.synthetic()
+    bf = torch.bfloat16
+    for T, I, O, R in ((8192, 3072, 3072, 32), (32768, 4096, 4096, 64)):
+        x, up, down = torch.empty(T, I, dtype=bf), torch.empty(O, R, dtype=bf), torch.empty(R, I, dtype=bf)
+        g, w = torch.empty(T, O, dtype=bf), torch.empty(O, I, dtype=bf)
+        for op, args, default, rows in (
+                ("lora_bypass_fwd", (x, up, down, 1.0, None), tl_lora.BYPASS_FWD, "BT"),
+                ("lora_bypass_bwd", (g, x, up, down, 1.0), tl_lora.BYPASS_BWD, "BT"),
+                ("lora_merge_fwd", (up, down, None, None, w, 1.0, "plain", None), tl_lora.MERGE_FWD, "BM"),
+                ("lora_merge_bwd", (w, up, down, 1.0), tl_lora.MERGE_BWD, "BM")):
+            plan = plans_lora.TILELANG[op][0](dev, *args)
+            cands = list(plan.candidates)
+            assert tune.is_eager(cands[-1]) and default in cands, (op, cands)
+            assert 3 <= len(cands) <= plans_lora.TL_N + 2, (op, cands)
+            assert all(p > 0 for p in plan.predicted[:-1])
+            for c in cands[:-1]:
+                assert set(c) == set(default), (op, c)
+                assert c["threads"] in (0, 128) or (c["threads"] == 256 and c[rows] >= 128), (op, c)
+                assert 2 <= c["stages"] <= 4, (op, c)

@@ -23,6 +23,7 @@ Models (per program, compute dtype size e, padded rank rp = pow2(r) >= 16):
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
@@ -83,12 +84,12 @@ def _with_anchors(plan, anchors, work, dev: DeviceFacts):
 
 # =============================================================================== models
 
-def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
-                    has_base: bool, *, default=None, n: int = 5):
+def _bypass_fwd_model(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
+                      has_base: bool):
+    """(work(cfg), eager seconds) of ``lora_bypass_fwd``; cfg in the Triton launcher's names."""
     e, ex, eo = esize(compute), esize(x_dtype), esize(out_dtype)
     rp = p2(R, 16)
     tc = compute != torch.float32
-    bts = [b for b in (16, 32, 64, 128) if b <= max(16, p2(T))]
 
     def work(c):
         bt, bi, bo = c["block_t"], c["block_i"], c["block_o"]
@@ -105,12 +106,19 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                     regs=bt * rp // 2, smem=max(bt * bi + rp * bi, bo * rp) * e, dram=dram,
                     mma=2.0 * T * I * rp * split + 2.0 * T * O * rp, tc=tc, mma_tile=bt * rp * max(bi, bo))
 
-    cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, o_split=os_, num_warps=w, num_stages=s)
-            for bt in bts for bi in (32, 64, 128, 256) for bo in (64, 128, 256) for os_ in (0, 1)
-            for w in WARPS for s in dev.stages]
     eager = eager_time(dev, [(T * I * ex + R * I * e + T * R * 4, 2.0 * T * I * R), (T * R * (4 + e), 0),
                              (T * R * e + O * R * e + T * O * 4, 2.0 * T * O * R),
                              (T * O * (4 + eo) + (T * O * eo if has_base else 0), 0)], tc=tc)
+    return work, eager
+
+
+def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
+                    has_base: bool, *, default=None, n: int = 5):
+    work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
+    bts = [b for b in (16, 32, 64, 128) if b <= max(16, p2(T))]
+    cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, o_split=os_, num_warps=w, num_stages=s)
+            for bt in bts for bi in (32, 64, 128, 256) for bo in (64, 128, 256) for os_ in (0, 1)
+            for w in WARPS for s in dev.stages]
     plan = make_plan("lora_bypass_fwd", rank(cfgs, work, dev), tile_axes=("block_t", "block_i", "block_o"),
                      n=max(2, n - 1 - len(FWD_ANCHORS)), default=default, default_s=predict(work, default, dev),
                      eager_s=eager)
@@ -158,18 +166,22 @@ def plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, o
         return _skinny_work(dev, c, O, I, I, O, R, eg, e, eo, e, tc)
 
     ranked = rank(_skinny_configs(dev, R, tc), work, dev)
-    eager = eager_time(dev, [(O * I * eg + I * R * e + O * R * 4, 2.0 * O * I * R), (O * R * (4 + eo), 0),
-                             (O * I * eg + O * R * e + I * R * 4, 2.0 * O * I * R), (I * R * (4 + eo), 0)], tc=tc)
     return make_plan("lora_merge_bwd", ranked, tile_axes=("block_m", "block_k", "block_r"), n=n,
-                     default=default, default_s=predict(work, default, dev), eager_s=eager)
+                     default=default, default_s=predict(work, default, dev),
+                     eager_s=_merge_bwd_eager(dev, O, I, R, e, eg, eo, tc))
 
 
-def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
-                    default=None, n: int = 5):
+def _merge_bwd_eager(dev: DeviceFacts, O: int, I: int, R: int, e: int, eg: int, eo: int, tc: bool) -> float:
+    return eager_time(dev, [(O * I * eg + I * R * e + O * R * 4, 2.0 * O * I * R), (O * R * (4 + eo), 0),
+                            (O * I * eg + O * R * e + I * R * 4, 2.0 * O * I * R), (I * R * (4 + eo), 0)], tc=tc)
+
+
+def _bypass_bwd_model(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype):
+    """(tok(cfg), red(skinny cfg), eager seconds) of ``lora_bypass_bwd``: the token kernel and
+    the skinny pair reduction, configs in the Triton launcher's names."""
     e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
     rp = p2(R, 16)
     tc = compute != torch.float32
-    bts = [b for b in (16, 32, 64, 128) if b <= max(16, p2(T))]
 
     def tok(c):
         bt, bi, bo = c["block_t"], c["block_i"], c["block_o"]
@@ -188,13 +200,25 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                     smem=max(bt * bi + rp * bi, bt * bo + bo * rp) * e, dram=dram,
                     mma=4.0 * T * I * rp + 2.0 * T * O * rp * split, tc=tc, mma_tile=bt * rp * max(bi, bo))
 
+    def red(c):  # g_up (O rows, K = T) and g_down (I rows, K = T)
+        return _skinny_work(dev, c, O, T, I, T, R, max(eg, ex), e, e, e, tc)
+
+    eager = eager_time(dev, [(T * I * ex + R * I * e, 2.0 * T * I * R), (T * O * eg + O * R * e, 2.0 * T * O * R),
+                             (T * R * e + R * I * e + T * I * 4, 2.0 * T * I * R), (T * I * (4 + ex), 0),
+                             (T * O * eg + T * R * e, 2.0 * T * O * R), (T * I * ex + T * R * e, 2.0 * T * I * R)],
+                       tc=tc)
+    return tok, red, eager
+
+
+def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
+                    default=None, n: int = 5):
+    tok, red, eager = _bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
+    tc = compute != torch.float32
+    bts = [b for b in (16, 32, 64, 128) if b <= max(16, p2(T))]
     tok_cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, i_split=isp, num_warps=w, num_stages=s)
                 for bt in bts for bi in (32, 64, 128, 256) for bo in (32, 64, 128, 256) for isp in (0, 1)
                 for w in WARPS for s in dev.stages]
     tok_rank = rank(tok_cfgs, tok, dev)
-    # reduction: g_up (O rows, K = T) and g_down (I rows, K = T)
-    def red(c):
-        return _skinny_work(dev, c, O, T, I, T, R, max(eg, ex), e, e, e, tc)
 
     def both(c):
         a, b = tok(c), red(c["red"]) if c.get("red") else None
@@ -208,18 +232,15 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     r_of = {id(c): t for t, c in red_rank}
     combos = sorted(((t_of[id(a)] + r_of[id(b)], {**a, "red": b}) for a in toks for b in reds),
                     key=lambda x: x[0])
-    eager = eager_time(dev, [(T * I * ex + R * I * e, 2.0 * T * I * R), (T * O * eg + O * R * e, 2.0 * T * O * R),
-                             (T * R * e + R * I * e + T * I * 4, 2.0 * T * I * R), (T * I * (4 + ex), 0),
-                             (T * O * eg + T * R * e, 2.0 * T * O * R), (T * I * ex + T * R * e, 2.0 * T * I * R)],
-                       tc=tc)
     plan = make_plan("lora_bypass_bwd", combos, n=max(2, n - 1 - len(BWD_ANCHORS)), default=default,
                      default_s=predict(both, default, dev), eager_s=eager)
     red0 = reds[0] if reds else None
     return _with_anchors(plan, [{**a, "red": red0} for a in BWD_ANCHORS] if red0 else [], both, dev)
 
 
-def plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
-                   base_dtype, *, default=None, n: int = 5):
+def _merge_fwd_model(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
+                     base_dtype):
+    """(work(cfg), eager seconds, the larger rank) of ``lora_merge_fwd``; Triton names."""
     e, eo, eb = esize(compute), esize(out_dtype), esize(base_dtype)
     tc = compute != torch.float32
     two = 1 if mode == "plain" else 2
@@ -237,14 +258,159 @@ def plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str
                     mma_tile=bo * bi * br,
                     inflight=bo * bi * (eo + eb) // 2 + (bo + bi) * br * e)
 
+    eager = eager_time(dev, [(O * rmax * e + rmax * I * e + O * I * 4, two * 2.0 * O * I * rmax)] * two
+                       + [(O * I * (4 + 4), 0)] * (two - 1) + [(O * I * (4 + eb + eo), 0)], tc=tc)
+    return work, eager, rmax
+
+
+def plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
+                   base_dtype, *, default=None, n: int = 5):
+    work, eager, rmax = _merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
     brs = [b for b in (16, 32, 64) if b <= max(16, p2(rmax))]
     cfgs = [dict(block_o=bo, block_i=bi, block_r=br, num_warps=w, num_stages=s)
             for bo in (32, 64, 128, 256) for bi in (32, 64, 128, 256) for br in brs for w in WARPS
             for s in dev.stages if bo * bi <= 128 * 256]
-    eager = eager_time(dev, [(O * rmax * e + rmax * I * e + O * I * 4, two * 2.0 * O * I * rmax)] * two
-                       + [(O * I * (4 + 4), 0)] * (two - 1) + [(O * I * (4 + eb + eo), 0)], tc=tc)
     return make_plan("lora_merge_fwd", rank(cfgs, work, dev), tile_axes=("block_o", "block_i", "block_r"), n=n,
                      default=default, default_s=predict(work, default, dev), eager_s=eager)
+
+
+# =============================================================================== TileLang models
+
+#: TileLang threads per program: one or two warpgroups (sm_90's WGMMA issues per 128 threads;
+#: two only with 128-row tiles, one warpgroup per 64 rows)
+TL_THREADS = (128, 256)
+#: tile candidates of a TileLang shortlist besides its fixed default and eager: each is a
+#: TileLang compile (3-10 s on the H200 host, built in parallel children before the timing:
+#: ``plans/tilelang.py``), so fewer than Triton's
+TL_N = 3
+
+
+def _tl_module():
+    return importlib.import_module("lycoris_ops.tilelang.lora")
+
+
+def _tl_stages(dev: DeviceFacts):
+    return tuple(s for s in dev.stages if 2 <= s <= 4) or (2,)
+
+
+def _tl_threads(bm: int):
+    return [t for t in TL_THREADS if t == 128 or bm >= 128]
+
+
+def _tl_plan(op, cfgs, work, dev, default, eager, axes, n):
+    return make_plan(op, rank(cfgs, work, dev), tile_axes=axes, n=n, default=default,
+                     default_s=predict(work, default, dev), eager_s=eager)
+
+
+def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
+                       has_base: bool, *, n: int = TL_N):
+    """``tilelang/lora.py: bypass_fwd_kernel``'s shortlist: (BT token rows, BO output
+    columns, BK reduction step, stages, threads), the Triton model with its names mapped
+    (BK = block_i, one O range split as the launcher's ``_per``)."""
+    work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
+
+    def tl_work(c):
+        return work(dict(block_t=c["BT"], block_i=c["BK"], block_o=c["BO"], o_split=0,
+                         num_warps=c["threads"] // 32, num_stages=c["stages"]))
+
+    cfgs = [dict(BT=bt, BO=bo, BK=bk, stages=s, threads=th) for bt in (64, 128) for bo in (64, 128, 256)
+            for bk in (32, 64, 128) for s in _tl_stages(dev) for th in _tl_threads(bt)]
+    return _tl_plan("lora_bypass_fwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_FWD), eager, ("BT", "BO", "BK"), n)
+
+
+def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
+                       n: int = TL_N):
+    """``tilelang/lora.py: bypass_bwd``'s shortlist: the token kernel (BT, BI, BK, stages,
+    threads) with the skinny pair's best (sBM, sBK) for the tokens."""
+    tok, red, eager = _bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
+    rp = p2(R, 16)
+
+    def tl_red(c):
+        return red(dict(block_m=c["sBM"], block_k=c["sBK"], block_r=0, split=0, num_warps=4, num_stages=2,
+                        reduce_block=1024))
+
+    def tl_work(c):
+        threads = c["threads"] or (256 if rp >= 128 else 128)
+        a = tok(dict(block_t=c["BT"], block_i=c["BI"], block_o=c["BK"], i_split=0, num_warps=threads // 32,
+                     num_stages=c["stages"]))
+        b = tl_red(c)
+        return None if a is None or b is None else [a] + b
+
+    reds = rank([dict(sBM=bm, sBK=bk) for bm in (64, 128) for bk in (32, 64, 128)], tl_red, dev)
+    red0 = reds[0][1] if reds else dict(sBM=64, sBK=64)
+    cfgs = [dict(BT=bt, BI=bi, BK=bk, stages=s, threads=th, **red0) for bt in (64, 128) for bi in (64, 128, 256)
+            for bk in (32, 64, 128) for s in _tl_stages(dev) for th in _tl_threads(bt)]
+    return _tl_plan("lora_bypass_bwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_BWD), eager, ("BT", "BI", "BK"),
+                    n)
+
+
+def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
+                      base_dtype, *, n: int = TL_N):
+    """``tilelang/lora.py: gemm_kernel``'s shortlist for the merge: (BM, BN output tile, BK
+    rank step up to the padded rank, stages, threads)."""
+    work, eager, rmax = _merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
+    kcap = max(16, p2(rmax))
+
+    def tl_work(c):
+        return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=min(c["BK"], kcap), num_warps=c["threads"] // 32,
+                         num_stages=c["stages"]))
+
+    cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=th) for bm in (64, 128) for bn in (64, 128, 256)
+            for bk in (16, 32, 64) if bk <= kcap for s in _tl_stages(dev) for th in _tl_threads(bm)]
+    return _tl_plan("lora_merge_fwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_FWD), eager, ("BM", "BN", "BK"), n)
+
+
+def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, out_dtype, *, n: int = TL_N):
+    """``tilelang/lora.py: skinny_kernel``'s shortlist for the pair G·downᵀ, Gᵀ·up: (BM
+    rows, BK reduction step, stages, threads)."""
+    e, eg, eo = esize(compute), esize(g_dtype), esize(out_dtype)
+    tc = compute != torch.float32
+
+    def tl_work(c):
+        return _skinny_work(dev, dict(block_m=c["BM"], block_k=c["BK"], block_r=0, split=0,
+                                      num_warps=c["threads"] // 32, num_stages=c["stages"], reduce_block=1024),
+                            O, I, I, O, R, eg, e, eo, e, tc)
+
+    cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in (64, 128) for bk in (32, 64, 128)
+            for s in _tl_stages(dev) for th in _tl_threads(bm)]
+    return _tl_plan("lora_merge_bwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_BWD),
+                    _merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
+
+
+def _bypass_fwd_tl(dev, x, up, down, gamma, base=None):
+    T, I = x.shape
+    O, R = up.shape
+    return tl_plan_bypass_fwd(dev, T, I, O, R, compute_dtype(x.dtype, up.dtype, down.dtype), x.dtype,
+                              x.dtype if base is None else base.dtype, base is not None)
+
+
+def _bypass_bwd_tl(dev, grad, x, up, down, gamma):
+    T, I = x.shape
+    O, R = up.shape
+    return tl_plan_bypass_bwd(dev, T, I, O, R, compute_dtype(x.dtype, up.dtype, down.dtype), x.dtype, grad.dtype)
+
+
+def _merge_fwd_tl(dev, a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
+    plain = mode == "plain"
+    compute = compute_dtype(a1.dtype, b1.dtype) if plain else compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    return tl_plan_merge_fwd(dev, a1.shape[0], b1.shape[1], a1.shape[1], 0 if plain else a2.shape[1], mode, compute,
+                             a1.dtype if out_dtype is None else out_dtype, None if base is None else base.dtype)
+
+
+def _merge_bwd_tl(dev, grad, up, down, gamma):
+    return tl_plan_merge_bwd(dev, up.shape[0], down.shape[1], up.shape[1], compute_dtype(up.dtype, down.dtype),
+                             grad.dtype, up.dtype)
+
+
+#: op -> (the TileLang shortlist of a call: f(DeviceFacts, *schema args) -> Plan, the exact
+#: sizes its tuning key adds: f(*schema args) -> tuple); read by ``plans/tilelang.py``
+TILELANG = {
+    "lora_bypass_fwd": (_bypass_fwd_tl, lambda x, up, down, *a: (x.shape[1], up.shape[0], up.shape[1])),
+    "lora_bypass_bwd": (_bypass_bwd_tl, lambda g, x, up, down, *a: (x.shape[1], up.shape[0], up.shape[1])),
+    "lora_merge_fwd": (_merge_fwd_tl, lambda a1, b1, a2, b2, *a: (tuple(a1.shape), tuple(b1.shape),
+                                                                  None if a2 is None else tuple(a2.shape))),
+    "lora_merge_bwd": (_merge_bwd_tl, lambda g, up, down, *a: (tuple(up.shape), tuple(down.shape))),
+}
 
 
 def launch(op: str, *args, **kw):

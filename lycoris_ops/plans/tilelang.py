@@ -1,15 +1,23 @@
-"""The TileLang tier's measured step-down: each TileLang op function against the op's
-eager body, timed once per (device, op, operand size buckets, dtypes, flags).
+"""The TileLang tier's tile selection and measured step-down: each TileLang op function
+against the op's eager body (and, where its family has a TileLang model, against other
+tile configs), timed once per (device, op, operand size buckets, dtypes, flags).
 
-The TileLang kernels have one launch configuration each (fixed in
-``tilelang/<family>.py``), so the shortlist is that kernel (``{}``) and
-``SENTINEL_EAGER``. The tuner does the rest as for Triton (``tune.select_config``):
-best of three device-time rounds after a check against eager, the winner memoized and
-stored in ``tuning.json`` under backend ``tilelang`` with the kernel file's source
-hash as version (an edited kernel is timed again), nothing timed while compiling,
-exporting or capturing a CUDA graph (the kernel then runs, not stored),
-``LYCORIS_KERNEL_TUNE=off``: the kernel. Where eager wins, the op runs its eager body
-at that shape: the TileLang tier never runs a kernel a measurement showed slower.
+The shortlist of a call:
+* ops with a TileLang model (``TILELANG`` of ``plans/<family>.py``: the LoRA family's
+  four ops): the model's best tile configs (tile shape, pipeline stages, threads; the
+  cost model of the family's Triton kernels with the names mapped), the kernel's fixed
+  default (``{}`` keys of ``tilelang/<family>.py``) and ``SENTINEL_EAGER``; the op
+  function gets the winner as ``cfg=``;
+* the other ops: their one launch configuration (``{}``) and ``SENTINEL_EAGER``.
+
+The tuner does the rest as for Triton (``tune.select_config``): best of three
+device-time rounds after a check against eager, the winner memoized and stored in
+``tuning.json`` under backend ``tilelang`` with the kernel file's source hash as version
+(an edited kernel is timed again), nothing timed while compiling, exporting or capturing
+a CUDA graph (the planner's first pick then runs, not stored), ``LYCORIS_KERNEL_TUNE=off``:
+the planner's first pick (a kernel config, never eager). Where eager wins, the op runs
+its eager body at that shape: the TileLang tier never runs a kernel a measurement
+showed slower.
 
 Before the first call of an exact signature builds anything, the TileLang kernels it
 would build (``tilelang/_common.capturing``) are built at once in forked child
@@ -21,7 +29,8 @@ call builds up to six.
 Key: per tensor argument its dtype, rank and bucketed element count (``tune.bucket``:
 the token count of an activation and the size of a weight land in one bucket with
 their neighbours, which is enough for a two-way choice); per other argument its value,
-except floats (γ, scales: they do not change the cost).
+except floats (γ, scales: they do not change the cost); for ops with a model also the
+exact weight sizes (a tile choice is per layer shape).
 """
 from __future__ import annotations
 
@@ -29,6 +38,8 @@ import logging
 import sys
 import time
 from typing import Any, Callable, Dict, Sequence, Tuple
+
+import importlib
 
 import torch
 
@@ -54,9 +65,38 @@ def stats() -> Dict[str, float]:
     return dict(_totals)
 
 
-def precompile_call(kernel: Callable, args: Sequence[Any]) -> int:
-    """Build the TileLang kernels ``kernel(*args)`` would build, in forked children (when
-    at least two, enabled, and not while compiling / capturing). Returns how many."""
+#: the families whose plans/<family>.py has TileLang models (``TILELANG``)
+MODEL_FAMILIES = ("lora",)
+_models: Dict[str, Tuple[Callable, Callable]] = {}
+
+
+def models() -> Dict[str, Tuple[Callable, Callable]]:
+    """op -> (shortlist of a call: f(DeviceFacts, *args) -> Plan, exact sizes: f(*args))."""
+    if not _models:
+        for family in MODEL_FAMILIES:
+            _models.update(importlib.import_module(f"{__package__}.{family}").TILELANG)
+    return _models
+
+
+def candidates(op: str, args: Sequence[Any]):
+    """The shortlist of this call: the model's (CUDA operands, op with a model), else the
+    kernel's one configuration and eager."""
+    model = models().get(op)
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    if model is None or device.type != "cuda":
+        return [KERNEL, tune.SENTINEL_EAGER]
+    from .device import facts
+    return model[0](facts(device), *args)
+
+
+def _call(kernel: Callable, args: Sequence[Any], c):
+    return kernel(*args, cfg=c) if c else kernel(*args)
+
+
+def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] = (KERNEL,)) -> int:
+    """Build the TileLang kernels ``kernel(*args)`` would build with each candidate config of
+    ``cands``, in forked children (when at least two, enabled, and not while compiling /
+    capturing). Returns how many."""
     procs = precompile.usable_procs()
     if procs < 2 or tune.unsafe_to_time():
         return 0
@@ -64,10 +104,13 @@ def precompile_call(kernel: Callable, args: Sequence[Any]) -> int:
 
     t0 = time.perf_counter()
     with torch.no_grad(), _common.capturing() as pending:
-        try:
-            kernel(*args)  # nothing is built or launched: the kernels are listed
-        except Exception:
-            pass  # the real call reports it
+        for c in cands:
+            if tune.is_eager(c):
+                continue
+            try:
+                _call(kernel, args, c)  # nothing is built or launched: the kernels are listed
+            except Exception:
+                pass  # the real call reports it
     if len(pending) < 2:
         return 0
     children, failures = precompile.compile_forked(pending, procs, timeout_s=TIMEOUT_S)
@@ -80,9 +123,12 @@ def precompile_call(kernel: Callable, args: Sequence[Any]) -> int:
     return len(pending)
 
 
-def key_parts(args: Sequence[Any]) -> Tuple[Tuple[str, Any], ...]:
+def key_parts(args: Sequence[Any], op: str = "") -> Tuple[Tuple[str, Any], ...]:
     """The key parts of one call (see the module docstring)."""
     parts = []
+    model = models().get(op) if op else None
+    if model is not None:
+        parts.append(("sizes", model[1](*args)))
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor):
             parts.append((f"t{i}", (str(a.dtype).replace("torch.", ""), a.dim(), tune.bucket(a.numel()))))
@@ -112,12 +158,21 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
     fk = _exact(op, args)
     choice = _front.get(fk)
     if choice is None:
-        precompile_call(kernel, args)
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         eager = registry.eager(op)
+        shortlist = []
+
+        def cands():  # planned on a miss only (a table hit plans nothing)
+            if not shortlist:
+                shortlist.extend(candidates(op, args))
+                precompile_call(kernel, args, shortlist)
+            return shortlist
+
         choice = tune.select_config(
-            op, BACKEND, key_parts(args), [KERNEL, tune.SENTINEL_EAGER],
-            lambda c: eager(*args) if tune.is_eager(c) else kernel(*args),
+            op, BACKEND, key_parts(args, op), cands,
+            lambda c: eager(*args) if tune.is_eager(c) else _call(kernel, args, c),
             device=device, version=tune.source_version(sys.modules[kernel.__module__]),
             reference=lambda: eager(*args), front=(_front, fk))
-    return registry.eager(op)(*args) if tune.is_eager(choice) else kernel(*args)
+        if not shortlist and not tune.is_eager(choice):  # a stored or memoized choice: its kernels only
+            precompile_call(kernel, args, [choice])
+    return registry.eager(op)(*args) if tune.is_eager(choice) else _call(kernel, args, choice)

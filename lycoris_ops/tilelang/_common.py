@@ -126,13 +126,13 @@ def kernel(builder: Callable, arch: str, *args):
     by (builder, arch, args)."""
     key = (builder.__module__, builder.__qualname__, arch, args)
     k = _kernels.get(key)
+    cap = getattr(_capture, "active", None)
+    if cap is not None:  # listing, not launching (a kernel built already needs no build)
+        if k is None and key not in cap._seen:
+            cap._seen.add(key)
+            cap.pending.append(Pending(builder, arch, args))
+        return _no_launch
     if k is None:
-        cap = getattr(_capture, "active", None)
-        if cap is not None:
-            if key not in cap._seen:
-                cap._seen.add(key)
-                cap.pending.append(Pending(builder, arch, args))
-            return _no_launch
         with _lock:
             k = _kernels.get(key)
             if k is None:

@@ -355,22 +355,36 @@ def _tl(dtype: torch.dtype) -> str:
     return tl_dtype(dtype)
 
 
-def bypass_fwd(x, up, down, gamma, base=None):
+#: The fixed launch configs: the ``{}`` candidate of the tuner (``plans/tilelang.py``). A
+#: tuned ``cfg`` (the shortlists of ``plans/lora.py``: ``tl_plan_*``) overrides any key.
+BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=2, threads=128)
+#: token kernel (BT, BI, BK, stages, threads; threads 0: by rank) + the skinny pair (sBM, sBK)
+BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
+MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
+MERGE_BWD = dict(BM=64, BK=64, stages=2, threads=128)
+
+
+def _cfg(default: dict, cfg) -> dict:
+    return default if not cfg else {**default, **cfg}
+
+
+def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
     T_, I = x.shape
     O, r = up.shape
+    p = _cfg(BYPASS_FWD, cfg)
     c = compute_dtype(x, up, down)
     odt = x.dtype if base is None else base.dtype
     y = torch.empty((T_, O), device=x.device, dtype=odt)
-    BT, BO = 64, 128
+    BT, BO = p["BT"], p["BO"]
     per = _per(cdiv(O, BO), cdiv(T_, BT), x.device)
     k = kernel(bypass_fwd_kernel, arch_of(x.device), I, O, r, _tl(c),
-               None if base is None else _tl(base.dtype), _tl(odt))
+               None if base is None else _tl(base.dtype), _tl(odt), BT, BO, p["BK"], p["stages"], p["threads"])
     b = dummy(x.device, torch.float32) if base is None else aligned(base.contiguous())
     k(prep(x, c), prep(up, c), prep(down, c), b, y, float(gamma), per)
     return y
 
 
-def skinny(a, b, r, a_km, b_nk, out_t, gamma, out_dtype, compute, K=None, BM=64, BK=64):
+def skinny(a, b, r, a_km, b_nk, out_t, gamma, out_dtype, compute, K=None, BM=64, BK=64, stages=2, threads=128):
     """Launch ``skinny_kernel``: returns the (M, r) or (r, M) result in ``out_dtype``.
     a, b are already prepared (compute dtype, contiguous); K None: dynamic K
     (taken from the operands)."""
@@ -386,12 +400,13 @@ def skinny(a, b, r, a_km, b_nk, out_t, gamma, out_dtype, compute, K=None, BM=64,
     dt = _tl(compute)
     if ns == 1:
         out = torch.empty((r, M) if out_t else (M, r), device=dev, dtype=out_dtype)
-        k = kernel(skinny_kernel, arch, M, K, NB, r, a_km, b_nk, out_t, True, dt, _tl(out_dtype), BM, BK)
+        k = kernel(skinny_kernel, arch, M, K, NB, r, a_km, b_nk, out_t, True, dt, _tl(out_dtype), BM, BK, stages,
+                   threads)
         k(a, b, out, float(gamma), kper, 1)
         return out
     Mp = mt * BM
     part = torch.empty((ns * Mp, Rp), device=dev, dtype=torch.float32)
-    k = kernel(skinny_kernel, arch, M, K, NB, r, a_km, b_nk, out_t, False, dt, "float32", BM, BK)
+    k = kernel(skinny_kernel, arch, M, K, NB, r, a_km, b_nk, out_t, False, dt, "float32", BM, BK, stages, threads)
     k(a, b, part, float(gamma), kper, ns)
     s = part.view(ns, Mp, Rp).sum(0)[:M, :r]
     if out_t:
@@ -399,26 +414,29 @@ def skinny(a, b, r, a_km, b_nk, out_t, gamma, out_dtype, compute, K=None, BM=64,
     return fresh(s, out_dtype)
 
 
-def bypass_bwd(grad, x, up, down, gamma):
+def bypass_bwd(grad, x, up, down, gamma, cfg=None):
     T_, I = x.shape
     O, r = up.shape
+    p = _cfg(BYPASS_BWD, cfg)
     c = compute_dtype(x, up, down)
     Rp = pad_rank(r)
     dev = x.device
     g, xc, u, d = prep(grad, c), prep(x, c), prep(up, c), prep(down, c)
     ws = torch.empty((2, T_, Rp), device=dev, dtype=c)
     gx = torch.empty((T_, I), device=dev, dtype=x.dtype)
-    BT, BI = 64, 128
+    BT, BI = p["BT"], p["BI"]
     per = _per(cdiv(I, BI), cdiv(T_, BT), dev)
-    k = kernel(bypass_bwd_tok_kernel, arch_of(dev), I, O, r, _tl(c), _tl(x.dtype))
+    k = kernel(bypass_bwd_tok_kernel, arch_of(dev), I, O, r, _tl(c), _tl(x.dtype), BT, p["BK"], BI, p["stages"],
+               p["threads"] or None)
     k(g, xc, u, d, ws[0], ws[1], gx, float(gamma), per)
-    g_up = skinny(g, ws[0], r, True, False, False, gamma, up.dtype, c)      # γ·Gᵀ·h   (O, r)
-    g_down = skinny(xc, ws[1], r, True, False, True, gamma, down.dtype, c)  # γ·(xᵀ·q)ᵀ (r, I)
+    sk = dict(BM=p["sBM"], BK=p["sBK"])
+    g_up = skinny(g, ws[0], r, True, False, False, gamma, up.dtype, c, **sk)      # γ·Gᵀ·h   (O, r)
+    g_down = skinny(xc, ws[1], r, True, False, True, gamma, down.dtype, c, **sk)  # γ·(xᵀ·q)ᵀ (r, I)
     return gx, g_up, g_down
 
 
 def gemm(a, b, a2, b2, base, gamma, mode, out_dtype, compute, a_km=False, b_nk=False,
-         dyn_m=False, dyn_k=False, BM=128, BN=128, BK=64):
+         dyn_m=False, dyn_k=False, BM=128, BN=128, BK=64, stages=2, threads=256):
     """Launch ``gemm_kernel`` on prepared operands; returns Y (M, N) in ``out_dtype``."""
     M = a.shape[1] if a_km else a.shape[0]
     K1 = a.shape[0] if a_km else a.shape[1]
@@ -428,14 +446,14 @@ def gemm(a, b, a2, b2, base, gamma, mode, out_dtype, compute, a_km=False, b_nk=F
     y = torch.empty((M, N), device=dev, dtype=out_dtype)
     bk = BK if dyn_k else min(BK, pad_rank(K1 if K2 is None else max(K1, K2)))  # no T in the key
     k = kernel(gemm_kernel, arch_of(dev), None if dyn_m else M, N, None if dyn_k else K1, K2, mode, a_km, b_nk,
-               _tl(compute), None if base is None else _tl(base.dtype), _tl(out_dtype), BM, BN, bk)
+               _tl(compute), None if base is None else _tl(base.dtype), _tl(out_dtype), BM, BN, bk, stages, threads)
     dm = dummy(dev, compute)
     k(a, b, dm if a2 is None else a2, dm if b2 is None else b2,
       dummy(dev, torch.float32) if base is None else base, y, float(gamma))
     return y
 
 
-def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
+def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
     if mode == "plain":
         a2 = b2 = None
         c = compute_dtype(a1, b1)
@@ -443,15 +461,16 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
         c = compute_dtype(a1, b1, a2, b2)
     odt = out_dtype or a1.dtype
     return gemm(prep(a1, c), prep(b1, c), None if a2 is None else prep(a2, c), None if b2 is None else prep(b2, c),
-                None if base is None else aligned(base.contiguous()), gamma, mode, odt, c)
+                None if base is None else aligned(base.contiguous()), gamma, mode, odt, c, **_cfg(MERGE_FWD, cfg))
 
 
-def merge_bwd(grad, up, down, gamma):
+def merge_bwd(grad, up, down, gamma, cfg=None):
+    p = _cfg(MERGE_BWD, cfg)
     c = compute_dtype(up, down)
     g, u, d = prep(grad, c), prep(up, c), prep(down, c)
     r = up.shape[1]
-    g_up = skinny(g, d, r, False, True, False, gamma, up.dtype, c, K=g.shape[1])     # γ·G·downᵀ (O, r)
-    g_down = skinny(g, u, r, True, False, True, gamma, down.dtype, c, K=g.shape[0])  # γ·(Gᵀ·up)ᵀ (r, I)
+    g_up = skinny(g, d, r, False, True, False, gamma, up.dtype, c, K=g.shape[1], **p)     # γ·G·downᵀ (O, r)
+    g_down = skinny(g, u, r, True, False, True, gamma, down.dtype, c, K=g.shape[0], **p)  # γ·(Gᵀ·up)ᵀ (r, I)
     return g_up, g_down
 
 
