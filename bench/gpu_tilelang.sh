@@ -5,6 +5,11 @@
 # second process pays); then the per-op benchmark with the TileLang column.
 #
 #   LYCORIS_TILELANG_SITE=/tmp/tl bash bench/gpu_tilelang.sh [bench.py args...]
+#   LYCORIS_TILELANG_SITE=/tmp/tl bash bench/gpu_tilelang.sh tune [gpu_tilelang_tune.py args...]
+#
+# "tune" (one 10-minute call): the build, bench/registration_errors.py, the GPU tests of
+# the tuned tile configs, then bench/gpu_tilelang_tune.py (cold / warm TileLang tuning,
+# winners against the fixed configs) instead of the sweep and the benchmark.
 #
 # TileLang is not installed on the device machine: install its wheels into a folder first
 # (see bench/gpu_check.sh and ../shared/TOOLCHAIN.md) and pass it as LYCORIS_TILELANG_SITE.
@@ -26,6 +31,19 @@ ngpu=$($py -c "import torch; print(torch.cuda.device_count())")
 sweep_gpu=$([ "$ngpu" -ge 2 ] && echo 1 || echo 0)
 commit=${LYCORIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 groups="lora loha lokr dora,ia3,add oft boft"
+
+if [ "${1:-}" = tune ]; then
+  shift
+  echo "== registration errors"; timeout 120 $py bench/registration_errors.py
+  echo "== GPU tests of the tuned tile configs"
+  timeout -s INT "${LYCORIS_TESTS_SECONDS:-120}" $py -m pytest -q -p no:cacheprovider tests/test_tilelang_lora.py \
+    -k "gpu_tile_configs" 2>&1 | tail -5
+  echo "== TileLang tuning (bench/gpu_tilelang_tune.py $*)"
+  timeout -s INT "${LYCORIS_TUNE_SECONDS:-400}" $py bench/gpu_tilelang_tune.py "$@" 2>&1 | tee "$out/tilelang_tune.log" \
+    | grep -v '^{'
+  tar czf "$final/results.tgz" -C "$out" . 2>/dev/null
+  exit 0
+fi
 
 finish() {
   trap - EXIT TERM INT

@@ -1,0 +1,191 @@
+"""GPU check of the TileLang tier's tuner (plans/tilelang.py): cold first calls with an empty
+tuning table and an empty TileLang disk cache, a fresh process that must neither time nor
+compile, and the tuned tile configs against the kernels' fixed defaults and eager.
+
+    LYCORIS_TILELANG_SITE=/tmp/tl PYTHONPATH=/tmp/tl python bench/gpu_tilelang_tune.py
+    python bench/gpu_tilelang_tune.py --shapes 3072x3072:r32 --tokens 8192 --ops lora_bypass_fwd
+
+Phases, each a fresh process, sharing one fresh ``LYCORIS_KERNEL_CACHE_DIR`` and
+``TILELANG_CACHE_DIR``; every call goes through ``torch.ops.lycoris.<op>`` with
+``LYCORIS_KERNEL_BACKEND=tilelang`` (the planners' warm-up samples, ``plans/<family>.py:
+samples``):
+
+1. ``cold``: per (op, layer, tokens) the wall time of the first call (the kernels built in
+   forked children, then every shortlisted config and eager timed), TileLang kernels
+   built or loaded in this process and their seconds, the tuner's timer calls, the winner
+   (the stored row), and the result against the eager body.
+2. ``warm``: the same calls: tuned 0, timer calls 0; per key the first-call wall time and
+   the TileLang build seconds (loads from the disk cache only).
+3. in the warm process, ``--compare``: for the ops with a TileLang model, the stored
+   winner against the kernel's fixed default config and eager (best of 5 CUDA-event
+   rounds, L2 flushed: ``tune.cuda_timer``).
+
+Exit status 0 when every result equals eager and the warm process timed nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+FAMILIES = ("lora", "tucker", "loha", "lokr", "dora", "oft", "boft", "ia3", "add")
+
+
+def _best(fn, rounds: int = 5) -> float:
+    from lycoris_ops.plans import tune
+
+    fn()
+    torch.cuda.synchronize()
+    return min(tune.cuda_timer(fn) for _ in range(rounds))
+
+
+def worker(opts) -> int:
+    import lycoris_ops  # noqa: F401  (registers the ops)
+    from lycoris_ops import registry
+    from lycoris_ops.plans import tilelang as tl_pick, tune
+    from lycoris_ops.tilelang import _common
+
+    tune.set_tuning(True)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.ones(1, device=dev).add_(1)
+    torch.cuda.synchronize()
+    layers = [tune.parse_layer(s, opts.rank) for s in opts.shapes.split(",") if s.strip()]
+    tokens = [int(t) for t in opts.tokens.split(",") if t.strip()]
+    only = {o.strip() for o in opts.ops.split(",") if o.strip()}
+    L = torch.ops.lycoris
+    results, bad = [], 0
+    for fam in opts.families.split(","):
+        pm = importlib.import_module(f"lycoris_ops.plans.{fam}")
+        for layer in layers:
+            for T in tokens:
+                gen = torch.Generator(device="cuda")
+                gen.manual_seed(0)
+                for op, args in pm.samples(layer, T, torch.bfloat16, dev, gen):
+                    if only and op not in only:
+                        continue
+                    st0, tl0, pre0 = tune.stats(), _common.stats(), tl_pick.stats()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    try:
+                        out = getattr(L, op)(*args)
+                        torch.cuda.synchronize()
+                        err = None
+                    except Exception as exc:  # reported, the run goes on
+                        out, err = None, f"{type(exc).__name__}: {str(exc)[:160]}"
+                    first = time.perf_counter() - t0
+                    st, tl, pre = tune.stats(), _common.stats(), tl_pick.stats()
+                    ok = err is None
+                    if ok:
+                        want = getattr(registry.FAMILY[op], op)(*args)
+                        got = out if isinstance(out, (tuple, list)) else (out,)
+                        want = want if isinstance(want, (tuple, list)) else (want,)
+                        for g, w in zip(got, want):
+                            if g is None or w is None:
+                                continue
+                            d = (g.float() - w.float()).norm() / w.float().norm().clamp_min(1e-12)
+                            ok = ok and bool(d <= 4e-2)
+                    bad += not ok
+                    winner = tl_pick._front.get(tl_pick._exact(op, args))  # this call's pick (or None)
+                    rec = dict(op=op, layer=f"{layer.out_features}x{layer.in_features}:r{layer.rank}", T=T,
+                               first_s=round(first, 3), tuned=st["tuned"] - st0["tuned"],
+                               timer=st["timer_calls"] - st0["timer_calls"], built=tl["kernels"] - tl0["kernels"],
+                               build_s=round(tl["build_s"] - tl0["build_s"], 2),
+                               children=pre["children"] - pre0["children"], winner=winner,
+                               ok=ok, error=err)
+                    if opts.compare and ok and op in tl_pick.models() and isinstance(winner, dict):
+                        kernel = _op_function(op)
+                        win = winner
+                        eager = registry.eager(op)
+                        rec["ms_winner"] = round(_best(lambda: tl_pick._call(kernel, args, win)) * 1e3, 4)
+                        rec["ms_default"] = round(_best(lambda: kernel(*args)) * 1e3, 4)
+                        rec["ms_eager"] = round(_best(lambda: eager(*args)) * 1e3, 4)
+                    results.append(rec)
+                    print(json.dumps(rec), flush=True)
+    stats = tune.stats()
+    print(json.dumps({"summary": True, "tuned": stats["tuned"], "timer_calls": stats["timer_calls"],
+                      "table_hits": stats["table_hits"], "bad": bad}), flush=True)
+    return 1 if bad else 0
+
+
+def _op_function(op: str):
+    """The TileLang op set's launcher of ``op`` (the function ``plans/tilelang.run`` calls)."""
+    from lycoris_ops.tilelang import lora as tl_lora
+
+    return {"lora_bypass_fwd": tl_lora.bypass_fwd, "lora_bypass_bwd": tl_lora.bypass_bwd,
+            "lora_merge_fwd": tl_lora.merge_fwd, "lora_merge_bwd": tl_lora.merge_bwd}[op]
+
+
+def _run_phase(phase: str, argv, env) -> list:
+    p = subprocess.run([sys.executable, __file__, "--phase", phase, *argv], env=env, capture_output=True, text=True)
+    recs = []
+    for line in p.stdout.splitlines():
+        if line.startswith("{"):
+            recs.append(json.loads(line))
+    if p.returncode not in (0, 1):
+        print(f"{phase}: exit {p.returncode}\n{p.stderr[-3000:]}")
+    return recs
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="3072x3072:r32,4096x4096:r64")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--tokens", default="8192")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--ops", default="")
+    ap.add_argument("--compare", action="store_true", help="warm phase: winner vs the fixed default and eager")
+    ap.add_argument("--phase", default=None, choices=["cold", "warm"])
+    opts = ap.parse_args(argv)
+    if opts.phase:
+        return worker(opts)
+    if not torch.cuda.is_available():
+        print("no GPU")
+        return 2
+    tmp = tempfile.mkdtemp(prefix="lycoris_tl_tune_")
+    env = dict(os.environ, LYCORIS_KERNEL_BACKEND="tilelang", LYCORIS_KERNEL_CACHE_DIR=os.path.join(tmp, "table"),
+               TILELANG_CACHE_DIR=os.path.join(tmp, "tilelang"))
+    env.pop("LYCORIS_KERNEL_TUNE", None)
+    base = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--compare"]
+    cold = _run_phase("cold", base, env)
+    warm = _run_phase("warm", base + (["--compare"] if opts.compare else []), env)
+    print(f"\n{'op':22s} {'layer':14s} {'T':>6s} {'cold s':>7s} {'built':>5s} {'kids':>4s} {'timed':>5s}  "
+          f"{'warm s':>7s} {'load s':>6s} {'t':>2s}  winner")
+    wk = {(r["op"], r["layer"], r["T"]): r for r in warm if "op" in r}
+    for r in cold:
+        if "op" not in r:
+            continue
+        w = wk.get((r["op"], r["layer"], r["T"]), {})
+        win = r["winner"] if isinstance(r["winner"], str) or r["winner"] is None else (
+            ",".join(f"{k}={v}" for k, v in r["winner"].items()) or "the fixed config")
+        print(f"{r['op']:22s} {r['layer']:14s} {r['T']:6d} {r['first_s']:7.2f} {r['built']:5d} {r['children']:4d} "
+              f"{r['timer']:5d}  {w.get('first_s', float('nan')):7.2f} {w.get('build_s', float('nan')):6.2f} "
+              f"{w.get('timer', -1):2d}  {win}{'' if r['ok'] else '  NOT OK ' + str(r['error'])}")
+    cmp_rows = [r for r in warm if "ms_winner" in r]
+    if cmp_rows:
+        print(f"\n{'tuned vs default (warm)':22s} {'layer':14s} {'T':>6s} {'winner ms':>9s} {'default':>9s} "
+              f"{'eager':>9s} {'def/win':>7s} {'eag/win':>7s}")
+        for r in cmp_rows:
+            print(f"{r['op']:22s} {r['layer']:14s} {r['T']:6d} {r['ms_winner']:9.4f} {r['ms_default']:9.4f} "
+                  f"{r['ms_eager']:9.4f} {r['ms_default'] / r['ms_winner']:7.2f} {r['ms_eager'] / r['ms_winner']:7.2f}")
+    cs = [r for r in cold if "op" in r]
+    ws = [r for r in warm if "summary" in r]
+    over = [r for r in cs if r["first_s"] > 10.0]
+    print(f"\ncold: {len(cs)} calls, max first call {max((r['first_s'] for r in cs), default=0):.2f} s, "
+          f"{len(over)} over 10 s; not ok: {sum(not r['ok'] for r in cs)}")
+    if ws:
+        print(f"warm: tuned={ws[0]['tuned']} timer_calls={ws[0]['timer_calls']} table_hits={ws[0]['table_hits']} "
+              f"max first call {max((r['first_s'] for r in warm if 'op' in r), default=0):.2f} s")
+    good = bool(ws) and ws[0]["tuned"] == 0 and ws[0]["timer_calls"] == 0 and all(r["ok"] for r in cs)
+    print("PASS" if good else "FAIL")
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
