@@ -123,13 +123,21 @@ def _op_function(op: str):
 
 
 def _run_phase(phase: str, argv, env) -> list:
-    p = subprocess.run([sys.executable, __file__, "--phase", phase, *argv], env=env, capture_output=True, text=True)
+    """Run one phase in a fresh process; its records, each also printed as it arrives (a
+    run stopped early still shows what it measured)."""
+    p = subprocess.Popen([sys.executable, __file__, "--phase", phase, *argv], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     recs = []
-    for line in p.stdout.splitlines():
+    for line in p.stdout:
         if line.startswith("{"):
-            recs.append(json.loads(line))
-    if p.returncode not in (0, 1):
-        print(f"{phase}: exit {p.returncode}\n{p.stderr[-3000:]}")
+            r = json.loads(line)
+            recs.append(r)
+            if "op" in r:
+                print(f"  {phase} {r['op']:20s} {r['layer']} T={r['T']} first {r['first_s']:.2f} s built {r['built']} "
+                      f"({r['build_s']} s) children {r['children']} timed {r['timer']} ok {r['ok']}", flush=True)
+    err = p.stderr.read()
+    if p.wait() not in (0, 1):
+        print(f"{phase}: exit {p.returncode}\n{err[-3000:]}")
     return recs
 
 
