@@ -41,6 +41,8 @@ CASES = {
     "probe: TORCH_CHECK constant": "print(_C._error_path_probe(3))",
     "probe: std::runtime_error": "print(_C._error_path_probe(4))",
     "probe: TORCH_CHECK formatted": "print(_C._error_path_probe(5))",
+    "probe: value_error(lycoris::text)": "print(_C._error_path_probe(6))",
+    "probe: LYCORIS_CHECK formatted": "print(_C._error_path_probe(7))",
     "valid direct registration": (
         "_C._register_autograd('lycoris_regcheck::f', fn, [0, 1], [], [], direct_op='lycoris_regcheck::b', "
         "direct_args=[-1, 0, 1, 2], direct_targets=[0, 1], direct_passthrough=3)"),
@@ -79,6 +81,10 @@ def backtrace(call: str) -> None:
     print("\n".join(lines[:30]))
 
 
+#: c10::str of a number (streams): the H200 crash itself, shown, not counted as a failure
+DIAGNOSTIC = {"probe: c10::str, no throw", "probe: value_error(c10::str)", "probe: TORCH_CHECK formatted"}
+
+
 def main() -> int:
     bad = 0
     crashed = []
@@ -87,10 +93,11 @@ def main() -> int:
         code = PRELUDE + f"try:\n    {call}\n    print('no error')\nexcept Exception as e:\n" \
                          f"    print(type(e).__name__ + ': ' + str(e)[:100])\n"
         r = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], capture_output=True, text=True)
-        bad += r.returncode != 0
-        if r.returncode < 0:
+        bad += r.returncode != 0 and name not in DIAGNOSTIC
+        if r.returncode < 0 and name not in DIAGNOSTIC:
             crashed.append(call)
-        print(f"{name:42s} exit {r.returncode:4d}  {r.stdout.strip()[-120:]}")
+        note = "  (diagnostic)" if name in DIAGNOSTIC else ""
+        print(f"{name:42s} exit {r.returncode:4d}  {r.stdout.strip()[-120:]}{note}")
     if crashed:
         backtrace(crashed[0])
     return 1 if bad else 0

@@ -106,7 +106,7 @@ variable_list LycorisBackward::apply(variable_list&& grads) {
   if (!spec->backward) {
     std::string dotted = spec->name;
     dotted.replace(dotted.find("::"), 2, ".");
-    TORCH_CHECK(false, dotted, " is a first-order backward op: double backward (create_graph=True through a lycoris op, "
+    LYCORIS_CHECK(false, dotted, " is a first-order backward op: double backward (create_graph=True through a lycoris op, "
                 "then differentiating again) is not supported");
   }
   // an output nobody used gets a zero gradient, as autograd.Function's materialize_grads does
@@ -164,13 +164,13 @@ variable_list LycorisBackward::apply(variable_list&& grads) {
   PyObject* result = PyObject_CallFunctionObjArgs(spec->backward, py_args.p, py_outputs.p, py_grads.p, py_need.p, nullptr);
   if (!result) raise_python_error();
   PyRef owned(result);
-  TORCH_CHECK(PyTuple_Check(result) && static_cast<size_t>(PyTuple_GET_SIZE(result)) == n, spec->name,
+  LYCORIS_CHECK(PyTuple_Check(result) && static_cast<size_t>(PyTuple_GET_SIZE(result)) == n, spec->name,
               ": the backward must return a tuple of ", n, " gradients (one per argument)");
   variable_list out(n);
   for (size_t i = 0; i < n; ++i) {
     PyObject* g = PyTuple_GET_ITEM(result, i);
     if (g == Py_None) continue;
-    TORCH_CHECK(THPVariable_Check(g), spec->name, ": gradient ", i, " is not a tensor");
+    LYCORIS_CHECK(THPVariable_Check(g), spec->name, ": gradient ", i, " is not a tensor");
     if (should_compute_output(i)) out[i] = THPVariable_Unpack(g);
   }
   return out;
@@ -220,7 +220,7 @@ struct AutogradKernel final : c10::OperatorKernel {
       for (auto it = first; it != stack->end(); ++it) {
         if (it->isTensor()) {
           const auto& t = it->toTensor();
-          TORCH_CHECK(!t._fw_grad(/*level=*/0).defined(), spec->name,
+          LYCORIS_CHECK(!t._fw_grad(/*level=*/0).defined(), spec->name,
                       " has no forward-mode derivative (a dual tensor was passed)");
           needs_grad = needs_grad || t.requires_grad();
         }

@@ -44,9 +44,9 @@ using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned
 LaunchFn launch_fn() {
   static LaunchFn fn = [] {
     void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    TORCH_CHECK(lib, "lycoris: libcuda.so.1 not found");
+    LYCORIS_CHECK(lib, "lycoris: libcuda.so.1 not found");
     auto f = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
-    TORCH_CHECK(f, "lycoris: cuLaunchKernel not found in libcuda.so.1");
+    LYCORIS_CHECK(f, "lycoris: cuLaunchKernel not found in libcuda.so.1");
     return f;
   }();
   return fn;
@@ -174,10 +174,10 @@ void push_result(PyObject* r, torch::jit::Stack* stack, const std::string& name)
     stack->emplace_back(THPVariable_Unpack(r));
     return;
   }
-  TORCH_CHECK(PyTuple_Check(r), name, ": the kernel must return a tensor or a tuple of tensors");
+  LYCORIS_CHECK(PyTuple_Check(r), name, ": the kernel must return a tensor or a tuple of tensors");
   for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(r); ++i) {
     PyObject* t = PyTuple_GET_ITEM(r, i);
-    TORCH_CHECK(THPVariable_Check(t), name, ": output ", i, " is not a tensor");
+    LYCORIS_CHECK(THPVariable_Check(t), name, ": output ", i, " is not a tensor");
     stack->emplace_back(THPVariable_Unpack(t));
   }
 }
@@ -198,7 +198,7 @@ std::shared_ptr<const Plan> parse_plan(PyObject* o) {
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(allocs); ++i) {
     PyObject* a = PyList_GET_ITEM(allocs, i);
     PyObject* dt = PyTuple_GET_ITEM(a, 2);
-    TORCH_CHECK(THPDtype_Check(dt), "plan: allocation dtype");
+    LYCORIS_CHECK(THPDtype_Check(dt), "plan: allocation dtype");
     plan->allocs.push_back({int_list(PyTuple_GET_ITEM(a, 0)), int_list(PyTuple_GET_ITEM(a, 1)),
                             reinterpret_cast<THPDtype*>(dt)->scalar_type, PyObject_IsTrue(PyTuple_GET_ITEM(a, 3)) == 1});
   }
@@ -224,7 +224,7 @@ std::shared_ptr<const Plan> parse_plan(PyObject* o) {
       param.index = PyLong_AsLongLong(PyTuple_GET_ITEM(p, 1));
       param.value = PyLong_AsLongLong(PyTuple_GET_ITEM(p, 2));
       param.nbytes = PyLong_AsLongLong(PyTuple_GET_ITEM(p, 3));
-      TORCH_CHECK(param.nbytes > 0 && param.nbytes <= 8, "plan: parameter size");
+      LYCORIS_CHECK(param.nbytes > 0 && param.nbytes <= 8, "plan: parameter size");
       launch.params.push_back(param);
     }
     plan->launches.push_back(std::move(launch));
@@ -252,7 +252,7 @@ void replay(const Plan& plan, torch::jit::Stack* stack, size_t first, size_t num
   uint64_t slots[64];
   void* params[64];
   for (const auto& l : plan.launches) {
-    TORCH_CHECK(l.params.size() <= 64, "lycoris: too many kernel parameters");
+    LYCORIS_CHECK(l.params.size() <= 64, "lycoris: too many kernel parameters");
     for (size_t j = 0; j < l.params.size(); ++j) {
       const Param& p = l.params[j];
       uint64_t bits = 0;
@@ -273,7 +273,7 @@ void replay(const Plan& plan, torch::jit::Stack* stack, size_t first, size_t num
       params[j] = &slots[j];
     }
     int rc = launch(l.function, l.grid[0], l.grid[1], l.grid[2], l.threads, 1, 1, l.shared, stream, params, nullptr);
-    TORCH_CHECK(rc == 0, "lycoris: cuLaunchKernel failed with CUresult ", rc);
+    LYCORIS_CHECK(rc == 0, "lycoris: cuLaunchKernel failed with CUresult ", rc);
   }
   stack->erase(stack->begin() + first, stack->end());
   for (const auto& o : plan.outputs) {
@@ -324,7 +324,7 @@ struct CudaKernel final : c10::OperatorKernel {
     PyObject* out = result.p;
     std::shared_ptr<const Plan> recorded;
     if (record) {  // (outputs, plan or None)
-      TORCH_CHECK(PyTuple_Check(out) && PyTuple_GET_SIZE(out) == 2, st->name, ": recorder result");
+      LYCORIS_CHECK(PyTuple_Check(out) && PyTuple_GET_SIZE(out) == 2, st->name, ": recorder result");
       PyObject* p = PyTuple_GET_ITEM(out, 1);
       if (p != Py_None) recorded = parse_plan(p);
       out = PyTuple_GET_ITEM(out, 0);

@@ -13,6 +13,7 @@
 #include <c10/util/StringUtil.h>
 
 #include "schemas.h"
+#include "text.h"
 
 namespace lycoris {
 void bind_autograd(pybind11::module_& m);  // autograd.cpp
@@ -26,7 +27,8 @@ PYBIND11_MODULE(_C, m) {
       [] { return std::vector<std::string>(std::begin(lycoris::kSchemas), std::end(lycoris::kSchemas)); },
       "The 23 operator schemas, in registration order.");
   // Which C++ error paths reach Python on this build and machine (bench/registration_errors.py):
-  // on the H200 (torch 2.11) errors raised in our own registration code killed the process.
+  // on the H200 (torch 2.11) kinds 1, 2 and 5 (an integer through c10::str's stream) killed the
+  // process; 6 and 7 are what this extension's checks do instead (text.h).
   m.def(
       "_error_path_probe",
       [](int64_t kind) -> std::string {
@@ -37,6 +39,8 @@ PYBIND11_MODULE(_C, m) {
           case 3: TORCH_CHECK(false, "a constant message");
           case 4: throw std::runtime_error("a constant message");
           case 5: TORCH_CHECK(false, "formatted ", kind, " ", std::string("string"));
+          case 6: throw pybind11::value_error(lycoris::text("formatted ", kind, " ", 0.5, " ", std::string("string")));
+          case 7: LYCORIS_CHECK(false, "formatted ", kind, " ", std::string("string"));
           default: return "no error";
         }
       },

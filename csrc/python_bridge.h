@@ -8,6 +8,8 @@
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/Exceptions.h>
 
+#include "text.h"
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -61,16 +63,14 @@ inline PyObject* scalar_to_python(const c10::IValue& v, bool is_dtype) {
     for (size_t i = 0; i < list.size(); ++i) PyList_SET_ITEM(out, i, PyLong_FromLongLong(list.get(i)));
     return out;
   }
-  TORCH_CHECK(false, "lycoris: unsupported argument kind ", v.tagKind());
+  LYCORIS_CHECK(false, "lycoris: unsupported argument kind ", v.tagKind());
 }
 
-// A registration check: a Python ValueError through pybind11's own exception type. Not
-// TORCH_CHECK: on the H200 machine (torch 2.11) a failed TORCH_CHECK of this module's code
-// that left a pybind11-bound function killed the process (SIGSEGV), while a c10::Error
-// raised inside libtorch (findSchemaOrThrow) came through; not understood yet.
+// A registration check: a Python ValueError through pybind11's own exception type, the
+// message built without streams (text.h).
 #define LYCORIS_REGISTRATION_CHECK(cond, ...) \
   do {                                         \
-    if (!(cond)) throw pybind11::value_error(c10::str(__VA_ARGS__)); \
+    if (!(cond)) throw pybind11::value_error(::lycoris::text(__VA_ARGS__)); \
   } while (0)
 
 // A registration function bound with pybind11, a c10::Error from libtorch (an unknown

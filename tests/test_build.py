@@ -48,3 +48,22 @@ def test_cmake_library_loads_with_load_library(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "lycoris::lora_bypass_fwd(Tensor x, Tensor up, Tensor down, float gamma, Tensor? base=None) -> Tensor" in out.stdout
     assert "lycoris::add_scaled(Tensor base, Tensor delta, float gamma) -> Tensor" in out.stdout
+
+
+def test_extension_errors_with_numbers_reach_python():
+    """Our C++ checks format numbers without streams (csrc/text.h): on the H200 an integer
+    through c10::str's stream in this extension killed the process. Each kind runs in a
+    fresh process, so a crash fails the test instead of the session."""
+    code = textwrap.dedent("""
+        from lycoris_ops import _C
+        for kind, exc in ((6, ValueError), (7, RuntimeError), (0, ValueError), (4, RuntimeError)):
+            try:
+                _C._error_path_probe(kind)
+            except exc as e:
+                print(kind, str(e).splitlines()[0])
+        print(_C._error_path_probe(99))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:5] == ["6 formatted 6 0.500000 string", "7 formatted 7 string",
+                                          "0 a constant message", "4 a constant message", "no error"], out.stdout
