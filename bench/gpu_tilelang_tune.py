@@ -71,6 +71,7 @@ def worker(opts) -> int:
                     if only and op not in only:
                         continue
                     st0, tl0, pre0 = tune.stats(), _common.stats(), tl_pick.stats()
+                    keys0 = set(tune.table().rows)
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     try:
@@ -93,17 +94,22 @@ def worker(opts) -> int:
                             ok = ok and bool(d <= 4e-2)
                     bad += not ok
                     winner = tl_pick._front.get(tl_pick._exact(op, args))  # this call's pick (or None)
+                    new = [r for k, r in tune.table().rows.items() if k not in keys0 and "|tilelang|" in k]
+                    times = {(lab or "fixed"): ms for lab, ms in (new[0].get("times", {}) if new else {}).items()}
                     rec = dict(op=op, layer=f"{layer.out_features}x{layer.in_features}:r{layer.rank}", T=T,
                                first_s=round(first, 3), tuned=st["tuned"] - st0["tuned"],
                                timer=st["timer_calls"] - st0["timer_calls"], built=tl["kernels"] - tl0["kernels"],
                                build_s=round(tl["build_s"] - tl0["build_s"], 2),
-                               children=pre["children"] - pre0["children"], winner=winner,
+                               children=pre["children"] - pre0["children"], winner=winner, times=times,
+                               failed=new[0].get("failed") if new else None,
                                ok=ok, error=err)
-                    if opts.compare and ok and op in tl_pick.models() and isinstance(winner, dict):
+                    if opts.compare and ok and op in tl_pick.models() and winner is not None:
                         kernel = _op_function(op)
                         win = winner
                         eager = registry.eager(op)
-                        rec["ms_winner"] = round(_best(lambda: tl_pick._call(kernel, args, win)) * 1e3, 4)
+                        run_win = (lambda: eager(*args)) if tune.is_eager(win) else (
+                            lambda: tl_pick._call(kernel, args, win))
+                        rec["ms_winner"] = round(_best(run_win) * 1e3, 4)
                         rec["ms_default"] = round(_best(lambda: kernel(*args)) * 1e3, 4)
                         rec["ms_eager"] = round(_best(lambda: eager(*args)) * 1e3, 4)
                     results.append(rec)
@@ -175,6 +181,17 @@ def main(argv=None) -> int:
         print(f"{r['op']:22s} {r['layer']:14s} {r['T']:6d} {r['first_s']:7.2f} {r['built']:5d} {r['children']:4d} "
               f"{r['timer']:5d}  {w.get('first_s', float('nan')):7.2f} {w.get('build_s', float('nan')):6.2f} "
               f"{w.get('timer', -1):2d}  {win}{'' if r['ok'] else '  NOT OK ' + str(r['error'])}")
+    timed = [r for r in cold if r.get("times")]
+    if timed:
+        print("\ncandidates timed on the cold call (ms, best of three; 'fixed' = the kernel's fixed config)")
+        for r in timed:
+            t = r["times"]
+            tiles = {k: v for k, v in t.items() if k not in ("fixed", "eager")}
+            best_tile = min(tiles.items(), key=lambda kv: kv[1]) if tiles else None
+            print(f"  {r['op']:20s} {r['layer']} T={r['T']}: fixed {t.get('fixed', float('nan')):.4f}  eager "
+                  f"{t.get('eager', float('nan')):.4f}" + (f"  best tile {best_tile[1]:.4f} [{best_tile[0]}]"
+                                                          if best_tile else "")
+                  + (f"  failed: {r['failed']}" if r.get("failed") else ""))
     cmp_rows = [r for r in warm if "ms_winner" in r]
     if cmp_rows:
         print(f"\n{'tuned vs default (warm)':22s} {'layer':14s} {'T':>6s} {'winner ms':>9s} {'default':>9s} "
