@@ -8,7 +8,7 @@
 #   LYCORIS_TILELANG_SITE=/tmp/tl bash bench/gpu_tilelang.sh tune [gpu_tilelang_tune.py args...]
 #
 # "tune" (one 10-minute call): the build, bench/registration_errors.py, the GPU tests of
-# the tuned tile configs, then bench/gpu_tilelang_tune.py (cold / warm TileLang tuning,
+# the tuned tile configs (or LYCORIS_TESTS: pytest arguments), then bench/gpu_tilelang_tune.py (cold / warm TileLang tuning,
 # winners against the fixed configs) instead of the sweep and the benchmark.
 #
 # TileLang is not installed on the device machine: install its wheels into a folder first
@@ -37,8 +37,8 @@ if [ "${1:-}" = tune ]; then
   echo "== registration errors"; timeout 120 $py bench/registration_errors.py
   if [ "${LYCORIS_TESTS_SECONDS:-120}" != 0 ]; then
     echo "== GPU tests of the tuned tile configs"
-    timeout -s INT "${LYCORIS_TESTS_SECONDS:-120}" $py -m pytest -q -p no:cacheprovider tests/test_tilelang_lora.py \
-      -k "gpu_tile_configs" 2>&1 | tail -5
+    timeout -s INT "${LYCORIS_TESTS_SECONDS:-120}" $py -m pytest -q -p no:cacheprovider \
+      ${LYCORIS_TESTS:-tests/test_tilelang_lora.py -k gpu_tile_configs} 2>&1 | tail -5
   fi
   echo "== TileLang tuning (bench/gpu_tilelang_tune.py $*)"
   timeout -s INT "${LYCORIS_TUNE_SECONDS:-400}" $py bench/gpu_tilelang_tune.py "$@" 2>&1 | tee "$out/tilelang_tune.log"
