@@ -88,9 +88,9 @@ def test_twin_split_k():
 #: every tile is partial somewhere
 TILE_CFGS = {
     "lora_bypass_fwd": dict(BT=128, BO=64, BK=32, stages=3, threads=256),
-    "lora_bypass_bwd": dict(BT=128, BI=64, BK=32, stages=3, threads=256, sBM=128, sBK=32),
+    "lora_bypass_bwd": dict(BT=128, BI=64, BK=32, stages=3, threads=256, sBM=64, sBK=32),
     "lora_merge_fwd": dict(BM=64, BN=64, BK=16, stages=3, threads=128),
-    "lora_merge_bwd": dict(BM=128, BK=32, stages=3, threads=256),
+    "lora_merge_bwd": dict(BM=64, BK=32, stages=3, threads=128),
 }
 
 
