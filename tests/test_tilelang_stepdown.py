@@ -249,3 +249,5 @@ def test_lora_shortlists_for_an_h200():
                 assert set(c) == set(default), (op, c)
                 assert c["threads"] in (0, 128) or (c["threads"] == 256 and c[rows] >= 128), (op, c)
                 assert 2 <= c["stages"] <= 4, (op, c)
+                if op.endswith("_bwd"):  # the spaces that compiled on the H200 (plans/lora.py)
+                    assert c["stages"] == 2 and c["threads"] in (0, 128), (op, c)

@@ -297,9 +297,15 @@ def _tl_threads(bm: int):
     return [t for t in TL_THREADS if t == 128 or bm >= 128]
 
 
-#: skinny-kernel row tiles measured correct on the H200 (bench/RESULTS.md 2026-11-30 16:50: 128-row
-#: tiles gave wrong gradients there, correct on the CPU twin)
-TL_SKINNY_BM = (64,)
+#: The skinny kernel's and the LoRA backward token kernel's configs are limited to what
+#: compiled on the H200 (bench/RESULTS.md 2026-11-30 16:40): with the skinny kernel's
+#: runtime K-loop length, 3 stages fail in TileLang's pipeliner ("Downcast from tirx.Sub to
+#: ir.IntImm") and 256 threads in its WGMMA layout ("Not a canonical GMMA_MN layout"); the
+#: token kernel with 128-row tiles, 256 threads and 3 stages failed too (which of the three,
+#: not measured). Both compile for sm_90a here (nvcc only): the failures are TileLang's
+#: lowering on the GPU machine, so these spaces stay at the fixed stages / threads.
+TL_SKINNY = dict(BM=(64,), BK=(32, 64), stages=(2,), threads=(128,))
+TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(0,))
 
 
 def _tl_plan(op, cfgs, work, dev, default, eager, axes, n):
@@ -347,10 +353,10 @@ def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
         b = tl_red(c)
         return None if a is None or b is None else [a] + b
 
-    reds = rank([dict(sBM=bm, sBK=bk) for bm in TL_SKINNY_BM for bk in (32, 64, 128)], tl_red, dev)
+    reds = rank([dict(sBM=bm, sBK=bk) for bm in TL_SKINNY["BM"] for bk in TL_SKINNY["BK"]], tl_red, dev)
     red0 = reds[0][1] if reds else dict(sBM=64, sBK=64)
-    cfgs = [dict(BT=bt, BI=bi, BK=bk, stages=s, threads=th, **red0) for bt in (64, 128) for bi in (64, 128, 256)
-            for bk in (32, 64, 128) for s in _tl_stages(dev) for th in _tl_threads(bt)]
+    cfgs = [dict(BT=bt, BI=bi, BK=bk, stages=s, threads=th, **red0) for bt in TL_TOKEN["BT"] for bi in TL_TOKEN["BI"]
+            for bk in TL_TOKEN["BK"] for s in TL_TOKEN["stages"] for th in TL_TOKEN["threads"]]
     return _tl_plan("lora_bypass_bwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_BWD), eager, ("BT", "BI", "BK"),
                     n)
 
@@ -382,8 +388,8 @@ def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype
                                       num_warps=c["threads"] // 32, num_stages=c["stages"], reduce_block=1024),
                             O, I, I, O, R, eg, e, eo, e, tc)
 
-    cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in TL_SKINNY_BM for bk in (32, 64, 128)
-            for s in _tl_stages(dev) for th in _tl_threads(bm)]
+    cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in TL_SKINNY["BM"] for bk in TL_SKINNY["BK"]
+            for s in TL_SKINNY["stages"] for th in TL_SKINNY["threads"]]
     return _tl_plan("lora_merge_bwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_BWD),
                     _merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
 
