@@ -842,3 +842,14 @@ def test_parallel_threads_bounded_by_output_size(tmp_path, parallel_warm, monkey
 
     _select(timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6}), run=run)
     assert seen and not any(seen)
+
+
+def test_a_noise_sized_lead_keeps_the_planners_earlier_candidate():
+    """Timings within TIE_MARGIN of the fastest are a tie, won by the earlier candidate (the
+    fixed default sits first or second); a clear lead still wins."""
+    near = tune.TIE_MARGIN * 0.995
+    t = FakeTimer({"block=64,num_warps=4": near * 1e-6, "block=128,num_warps=8": 1e-6, EAGER: 5e-6})
+    assert _select(timer=t) == A
+    far = tune.TIE_MARGIN * 1.05
+    t = FakeTimer({"block=64,num_warps=4": far * 1e-6, "block=128,num_warps=8": 1e-6, EAGER: 5e-6})
+    assert _select(key=(("dtype", "bfloat16"), ("T", 4096)), timer=t) == B  # another key: timed afresh
