@@ -152,6 +152,59 @@ def test_h200_shortlists_compile_sm90a(monkeypatch):
         assert "__global__" in k.get_kernel_source(), (p.builder.__name__, p.args)
 
 
+def _space_corners():
+    """(op, cfg): per TileLang LoRA tile space (plans/lora.py), every combination of its
+    row tile, stages and threads, each with the largest and the smallest other tiles."""
+    from lycoris_ops.plans import lora as P
+
+    out = []
+    for op, sp, row, others in (("lora_bypass_fwd", P.TL_BYPASS_FWD, "BT", ("BO", "BK")),
+                                ("lora_merge_fwd", P.TL_MERGE_FWD, "BM", ("BN", "BK"))):
+        for r in sp[row]:
+            for st in sp["stages"]:
+                for th in P._tl_threads(r):
+                    for pick in (max, min):
+                        out.append((op, {row: r, "stages": st, "threads": th, **{k: pick(sp[k]) for k in others}}))
+    tok, sk = P.TL_TOKEN, P.TL_SKINNY
+    for pick in (max, min):
+        out.append(("lora_bypass_bwd", dict(BT=pick(tok["BT"]), BI=pick(tok["BI"]), BK=pick(tok["BK"]),
+                                            stages=pick(tok["stages"]), threads=pick(tok["threads"]),
+                                            sBM=pick(sk["BM"]), sBK=pick(sk["BK"]))))
+        out.append(("lora_merge_bwd", dict(BM=pick(sk["BM"]), BK=pick(sk["BK"]), stages=pick(sk["stages"]),
+                                           threads=pick(sk["threads"]))))
+    return out
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_tile_space_corners_compile_sm90a(monkeypatch):
+    """Every corner of the TileLang LoRA tile spaces compiles for sm_90a at the first bench
+    shape: TileLang's lowering rejects some combinations (3 stages over a runtime K loop,
+    256 threads with a transposed operand), and those fail here as on the H200."""
+    monkeypatch.setattr(lora, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(lora, "num_sms", lambda d: 132)
+    from lycoris_ops.plans import tilelang as tl_pick
+
+    bf = torch.bfloat16
+    T, I, O, R = 8192, 3072, 3072, 32
+    x, up, down = torch.empty(T, I, dtype=bf), torch.empty(O, R, dtype=bf), torch.empty(R, I, dtype=bf)
+    g, w = torch.empty(T, O, dtype=bf), torch.empty(O, I, dtype=bf)
+    calls = {"lora_bypass_fwd": (lora.bypass_fwd, (x, up, down, 1.0, None)),
+             "lora_bypass_bwd": (lora.bypass_bwd, (g, x, up, down, 1.0)),
+             "lora_merge_fwd": (lora.merge_fwd, (up, down, None, None, w, 1.0, "plain", None)),
+             "lora_merge_bwd": (lora.merge_bwd, (w, up, down, 1.0))}
+    failed = []
+    for op, cfg in _space_corners():
+        fn, args = calls[op]
+        with _common.capturing() as pending:
+            tl_pick._call(fn, args, cfg)
+        for p in pending:
+            try:
+                _common.compile_only(p.builder, p.arch, *p.args)
+            except Exception as exc:  # collected: one report of every failing corner
+                failed.append((op, cfg, p.builder.__name__, str(exc).splitlines()[0][:120]))
+    assert not failed, failed
+
+
 # ----------------------------------------------------------------------------- 3. GPU
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")

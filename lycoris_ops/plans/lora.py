@@ -289,8 +289,8 @@ def _tl_module():
     return importlib.import_module("lycoris_ops.tilelang.lora")
 
 
-def _tl_stages(dev: DeviceFacts):
-    return tuple(s for s in dev.stages if 2 <= s <= 4) or (2,)
+def _tl_stages(dev: DeviceFacts, space: dict):
+    return tuple(s for s in dev.stages if s in space["stages"]) or space["stages"][:1]
 
 
 def _tl_threads(bm: int):
@@ -306,6 +306,10 @@ def _tl_threads(bm: int):
 #: lowering on the GPU machine, so these spaces stay at the fixed stages / threads.
 TL_SKINNY = dict(BM=(64,), BK=(32, 64), stages=(2,), threads=(128,))
 TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(0,))
+#: the forwards' spaces (threads 256 only with 128-row tiles: ``_tl_threads``; stages also
+#: within the device's pipeline depths)
+TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(2, 3, 4), threads=TL_THREADS)
+TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2, 3, 4), threads=TL_THREADS)
 
 
 def _tl_plan(op, cfgs, work, dev, default, eager, axes, n):
@@ -330,8 +334,9 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
         return work(dict(block_t=c["BT"], block_i=c["BK"], block_o=c["BO"], o_split=0,
                          num_warps=c["threads"] // 32, num_stages=c["stages"]))
 
-    cfgs = [dict(BT=bt, BO=bo, BK=bk, stages=s, threads=th) for bt in (64, 128) for bo in (64, 128, 256)
-            for bk in (32, 64, 128) for s in _tl_stages(dev) for th in _tl_threads(bt)]
+    sp = TL_BYPASS_FWD
+    cfgs = [dict(BT=bt, BO=bo, BK=bk, stages=s, threads=th) for bt in sp["BT"] for bo in sp["BO"]
+            for bk in sp["BK"] for s in _tl_stages(dev, sp) for th in _tl_threads(bt)]
     return _tl_plan("lora_bypass_fwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_FWD), eager, ("BT", "BO", "BK"), n)
 
 
@@ -372,8 +377,9 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
         return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=min(c["BK"], kcap), num_warps=c["threads"] // 32,
                          num_stages=c["stages"]))
 
-    cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=th) for bm in (64, 128) for bn in (64, 128, 256)
-            for bk in (16, 32, 64) if bk <= kcap for s in _tl_stages(dev) for th in _tl_threads(bm)]
+    sp = TL_MERGE_FWD
+    cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bn in sp["BN"]
+            for bk in sp["BK"] if bk <= kcap for s in _tl_stages(dev, sp) for th in _tl_threads(bm)]
     return _tl_plan("lora_merge_fwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_FWD), eager, ("BM", "BN", "BK"), n)
 
 
