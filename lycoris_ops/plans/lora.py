@@ -297,13 +297,12 @@ def _tl_threads(bm: int):
     return [t for t in TL_THREADS if t == 128 or bm >= 128]
 
 
-#: The skinny kernel's and the LoRA backward token kernel's configs are limited to what
-#: compiled on the H200 (bench/RESULTS.md 2026-11-30 16:40): with the skinny kernel's
-#: runtime K-loop length, 3 stages fail in TileLang's pipeliner ("Downcast from tirx.Sub to
-#: ir.IntImm") and 256 threads in its WGMMA layout ("Not a canonical GMMA_MN layout"); the
-#: token kernel with 128-row tiles, 256 threads and 3 stages failed too (which of the three,
-#: not measured). Both compile for sm_90a here (nvcc only): the failures are TileLang's
-#: lowering on the GPU machine, so these spaces stay at the fixed stages / threads.
+#: The skinny kernel's and the LoRA backward token kernel's spaces stay at their fixed
+#: stages and threads: TileLang's lowering rejects 3 stages over the skinny kernel's runtime
+#: K-loop length ("Downcast from tirx.Sub to ir.IntImm") and the token kernel with 128-row
+#: tiles and 256 threads ("Not a canonical GMMA_MN layout") — compile errors, on the H200
+#: (bench/RESULTS.md 2026-11-30 16:03-16:43) as with nvcc alone here. Every corner of every
+#: space below compiles for sm_90a (tests/test_tilelang_lora.py: test_tile_space_corners_*).
 TL_SKINNY = dict(BM=(64,), BK=(32, 64), stages=(2,), threads=(128,))
 TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(0,))
 #: the forwards' spaces (threads 256 only with 128-row tiles: ``_tl_threads``; stages also
