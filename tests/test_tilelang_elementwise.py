@@ -105,6 +105,69 @@ def test_ia3(shape, axis, dtype):
         check(gw, rw, dtype, "ia3_bwd gw")
 
 
+#: non-default configs inside the TileLang spaces of plans/add.py and plans/ia3.py (``TL_SPACE``)
+ADD_CFGS = [dict(BV=128, threads=256), dict(BV=1024, threads=128)]
+IA3_CFGS = [dict(vecs=256, threads=256), dict(vecs=2048, threads=128)]
+
+
+@pytest.mark.parametrize("cfg", ADD_CFGS, ids=["bv128-t256", "bv1024-t128"])
+def test_add_scaled_tile_configs(cfg):
+    """The launcher honours a tuned ``cfg``; a tail tile and a non-contiguous delta."""
+    g = _gen(5)
+    dtype = DTYPES[-1]
+    base, delta = rnd(301, 7, dtype=dtype, gen=g), rnd(7, 301, dtype=dtype, gen=g).t()
+    out = add.add_scaled(base, delta, -0.7, cfg=cfg)
+    b, d = d64(base, delta)
+    check(out, R_ADD.add_scaled(b, d, -0.7), dtype, f"add_scaled {cfg}")
+
+
+@pytest.mark.parametrize("cfg", IA3_CFGS, ids=["v256-t256", "v2048-t128"])
+@pytest.mark.parametrize("shape,axis", [((131, 40), -1), ((3, 5, 9, 7), 1)], ids=["cols", "rows"])
+def test_ia3_tile_configs(shape, axis, cfg):
+    g = _gen(6)
+    dtype = DTYPES[-1]
+    x, grad = rnd(*shape, dtype=dtype, gen=g), rnd(*shape, dtype=dtype, gen=g)
+    w = rnd(shape[axis], dtype=dtype, gen=g)
+    x6, w6, g6 = d64(x, w, grad)
+    check(ia3.ia3_fwd(x, w, axis, 1.0, 0.5, cfg=cfg), R_IA3.ia3_fwd(x6, w6, axis, 1.0, 0.5), dtype, "ia3_fwd")
+    gx, gw = ia3.ia3_bwd(grad, x, w, axis, 1.0, 0.5, cfg=cfg)
+    rx, rw = R_IA3.ia3_bwd(g6, x6, w6, axis, 1.0, 0.5)
+    check(gx, rx, dtype, "ia3_bwd gx")
+    check(gw, rw, dtype, "ia3_bwd gw")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_tile_space_corners_compile_sm90a(monkeypatch):
+    """Every (tile, threads) of add_scaled's TileLang space and the extremes of IA3's (both
+    layouts, forward and backward) compile for sm_90a: the kernels a tuned key may build."""
+    from lycoris_ops.plans import add as plans_add, ia3 as plans_ia3, tilelang as tl_pick
+
+    for mod in (add, ia3):
+        monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(ia3, "num_sms", lambda d: 132)
+    bf = torch.bfloat16
+    sp_a, sp_i = plans_add.TL_SPACE, plans_ia3.TL_SPACE
+    w = torch.empty(3072, 3072, dtype=bf)
+    calls = [(add.add_scaled, (w, w, 1.0), dict(BV=b, threads=t)) for b in sp_a["BV"] for t in sp_a["threads"]]
+    for shape, axis in (((8192, 3072), -1), ((16, 320, 32, 32), 1)):
+        x, v = torch.empty(shape, dtype=bf), torch.empty(shape[axis], dtype=bf)
+        for vecs in (min(sp_i["vecs"]), max(sp_i["vecs"])):
+            for t in sp_i["threads"]:
+                calls.append((ia3.ia3_fwd, (x, v, axis, 1.0, 1.0), dict(vecs=vecs, threads=t)))
+                calls.append((ia3.ia3_bwd, (x, x, v, axis, 1.0, 1.0), dict(vecs=vecs, threads=t)))
+    with _common.capturing() as pending:
+        for fn, args, cfg in calls:
+            tl_pick._call(fn, args, cfg)
+    assert len(pending) >= 16
+    failed = []
+    for p in pending:
+        try:
+            _common.compile_only(p.builder, p.arch, *p.args)
+        except Exception as exc:  # collected: one report of every failing config
+            failed.append((p.builder.__name__, p.args, str(exc).splitlines()[0][:120]))
+    assert not failed, failed
+
+
 DORA_CASES = [(0, False), (0, True), (1, False), (1, True)]
 
 

@@ -251,3 +251,23 @@ def test_lora_shortlists_for_an_h200():
                 assert 2 <= c["stages"] <= 4, (op, c)
                 if op.endswith("_bwd"):  # the spaces that compiled on the H200 (plans/lora.py)
                     assert c["stages"] == 2 and c["threads"] in (0, 128), (op, c)
+
+
+def test_elementwise_shortlists_for_an_h200():
+    """add_scaled and IA3: the fixed config first, eager last, configs inside TL_SPACE; IA3's
+    key keeps the token rows bucketed (a new token count is not a new key)."""
+    from lycoris_ops.plans import add as plans_add, device, ia3 as plans_ia3
+
+    dev = device.synthetic()
+    bf = torch.bfloat16
+    w = torch.empty(3072, 3072, dtype=bf)
+    x, v = torch.empty(8192, 3072, dtype=bf), torch.empty(3072, dtype=bf)
+    for mod, op, args, fixed in ((plans_add, "add_scaled", (w, w, 1.0), dict(BV=256, threads=128)),
+                                 (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
+                                 (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128))):
+        cands = list(mod.TILELANG[op][0](dev, *args).candidates)
+        assert cands[0] == fixed and tune.is_eager(cands[-1]) and 3 <= len(cands) <= mod.TL_N + 2, (op, cands)
+        for c in cands[1:-1]:
+            assert all(c[k] in mod.TL_SPACE[k] for k in c), (op, c)
+    a = tl_pick.key_parts((x, v, -1, 1.0, 1.0), "ia3_fwd")
+    assert a[0] == ("sizes", (3072, 3072, False))  # (N, C, layout): the 8192 rows only in t0's bucket

@@ -10,10 +10,11 @@ and whether each operand is one contiguous run (strided views read slower).
 from __future__ import annotations
 
 import functools
+import importlib
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, make_plan, predict, rank
+from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, predict, rank
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -31,7 +32,8 @@ def version() -> str:
     return tune.source_version(_tl())
 
 
-def plan_add_scaled(dev: DeviceFacts, numel: int, base_dtype, delta_dtype, *, default=None, n: int = 5):
+def _model(dev: DeviceFacts, numel: int, base_dtype, delta_dtype):
+    """(work(cfg), eager seconds) of ``add_scaled``; cfg in the Triton launcher's names."""
     eb, ed = esize(base_dtype), esize(delta_dtype)
 
     def work(c):
@@ -42,10 +44,42 @@ def plan_add_scaled(dev: DeviceFacts, numel: int, base_dtype, delta_dtype, *, de
         return Work(grid=cdiv(numel, block), warps=w, regs=3 * block, dram=numel * (2 * eb + ed),
                     inflight=block * (eb + ed))
 
+    return work, eager_time(dev, [(numel * (ed + 4), 0), (numel * (eb + 4 + 4), 0), (numel * (4 + eb), 0)])
+
+
+def plan_add_scaled(dev: DeviceFacts, numel: int, base_dtype, delta_dtype, *, default=None, n: int = 5):
+    work, eager = _model(dev, numel, base_dtype, delta_dtype)
     cfgs = [dict(block=b, num_warps=w) for b in (256, 512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)]
-    eager = eager_time(dev, [(numel * (ed + 4), 0), (numel * (eb + 4 + 4), 0), (numel * (4 + eb), 0)])
     return make_plan("add_scaled", rank(cfgs, work, dev), tile_axes=("block",), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
+
+
+# =============================================================================== TileLang model
+
+#: ``tilelang/add.py``'s kernel: 16-byte vectors per tile and threads (every combination
+#: compiles for sm_90a: tests/test_tilelang_elementwise.py)
+TL_SPACE = dict(BV=(128, 256, 512, 1024), threads=(128, 256))
+TL_N = 3
+
+
+def _add_tl(dev, base, delta, gamma, n: int = TL_N):
+    """The TileLang shortlist of one call: the fixed config first, then the model's best, eager."""
+    tl = importlib.import_module("lycoris_ops.tilelang.add")
+    numel = base.numel()
+    vec = tl.vec_width(numel, base.dtype, delta.dtype)
+    work, eager = _model(dev, numel, base.dtype, delta.dtype)
+
+    def tl_work(c):
+        return work(dict(block=c["BV"] * vec, num_warps=c["threads"] // 32))
+
+    default = dict(tl.ADD)
+    cfgs = [dict(BV=b, threads=t) for b in TL_SPACE["BV"] for t in TL_SPACE["threads"]]
+    return fixed_first(make_plan("add_scaled", rank(cfgs, tl_work, dev), tile_axes=("BV",), n=n, default=default,
+                                 default_s=predict(tl_work, default, dev), eager_s=eager), default)
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``
+TILELANG = {"add_scaled": (_add_tl, lambda base, delta, *a: (base.numel(),))}
 
 
 def launch(op: str, *args, **kw):

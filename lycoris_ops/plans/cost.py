@@ -38,7 +38,7 @@ from .device import DeviceFacts
 
 __all__ = ["Work", "Estimate", "estimate", "total", "once_or_each", "eager_time", "pow2_between", "rank", "shortlist",
            "LAUNCH_S", "EAGER_LAUNCH_S", "make_plan", "make_shared_plan", "COMPILE_BUDGET", "MIN_FUSED",
-           "STREAM_TILE_MAX", "predict", "cdiv", "p2", "gemm_reads", "esize"]
+           "STREAM_TILE_MAX", "predict", "fixed_first", "cdiv", "p2", "gemm_reads", "esize"]
 
 #: host + launch overhead of one kernel launch (s)
 LAUNCH_S = 3e-6
@@ -385,6 +385,16 @@ def make_shared_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, kernels: 
     picked.append(SENTINEL_EAGER)
     predicted.append(eager_s if eager_s is not None else math.inf)
     return Plan(op, picked, predicted)
+
+
+def fixed_first(plan, fixed: dict):
+    """``plan`` with the kernel's fixed config moved first: the TileLang shortlists'
+    untimed pick (TUNE=off, capture, tracing) is the configuration the GPU parity tests run,
+    not the model's guess."""
+    i = plan.candidates.index(fixed)
+    plan.candidates.insert(0, plan.candidates.pop(i))
+    plan.predicted.insert(0, plan.predicted.pop(i))
+    return plan
 
 
 def predict(work: Callable[[dict], object], cfg: Optional[dict], dev: DeviceFacts) -> Optional[float]:

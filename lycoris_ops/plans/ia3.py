@@ -13,12 +13,13 @@ M, exact N, the row kind, dtypes.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank
+from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, p2, predict, rank
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -66,7 +67,8 @@ def _sector(bn, N, e):
     return max(1.0, 32.0 / max(run, 1))
 
 
-def plan_ia3_fwd(dev: DeviceFacts, M: int, N: int, C: int, x_dtype, w_dtype, *, default=None, n: int = 5):
+def _fwd_model(dev: DeviceFacts, M: int, N: int, C: int, x_dtype, w_dtype):
+    """(work(cfg), eager seconds) of ``ia3_fwd``; cfg in the Triton launcher's names."""
     ex, ew = esize(x_dtype), esize(w_dtype)
     eo = esize(torch.promote_types(x_dtype, w_dtype))
 
@@ -77,14 +79,18 @@ def plan_ia3_fwd(dev: DeviceFacts, M: int, N: int, C: int, x_dtype, w_dtype, *, 
         return Work(grid=cdiv(M, bm) * cdiv(N, bn), warps=w, regs=2 * bm * bn,
                     dram=M * N * (ex + eo) * _sector(bn, N, ex) + C * ew, inflight=bm * bn * ex)
 
+    return work, eager_time(dev, [(C * (ew + 4), 0), (M * N * (ex + 4), 0), (M * N * (4 + eo), 0)])
+
+
+def plan_ia3_fwd(dev: DeviceFacts, M: int, N: int, C: int, x_dtype, w_dtype, *, default=None, n: int = 5):
+    work, eager = _fwd_model(dev, M, N, C, x_dtype, w_dtype)
     cfgs = [dict(block_m=bm, block_n=bn, split=0, num_warps=w) for bm, bn in _tiles(M, N) for w in (2, 4, 8)]
-    eager = eager_time(dev, [(C * (ew + 4), 0), (M * N * (ex + 4), 0), (M * N * (4 + eo), 0)])
     return make_plan("ia3_fwd", rank(cfgs, work, dev), tile_axes=("block_m", "block_n"), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
 
 
-def plan_ia3_bwd(dev: DeviceFacts, M: int, N: int, C: int, ch_rows: bool, x_dtype, w_dtype, g_dtype, *,
-                 default=None, n: int = 5):
+def _bwd_model(dev: DeviceFacts, M: int, N: int, C: int, ch_rows: bool, x_dtype, w_dtype, g_dtype):
+    """(work(cfg), eager seconds) of ``ia3_bwd``; cfg in the Triton launcher's names."""
     ex, ew, eg = esize(x_dtype), esize(w_dtype), esize(g_dtype)
     A = M // max(C, 1) if ch_rows else M
 
@@ -106,11 +112,64 @@ def plan_ia3_bwd(dev: DeviceFacts, M: int, N: int, C: int, ch_rows: bool, x_dtyp
             works.append(Work(grid=cdiv(C, min(p2(C), 256)), warps=4, dram=part + C * ew, inflight=4096))
         return works
 
+    return work, eager_time(dev, [(C * (ew + 4), 0), (M * N * (eg + 4), 0), (M * N * (4 + 4 + ex), 0),
+                                  (M * N * (eg + ex + 8), 0), (M * N * (4 + 4), 0), (C * (4 + ew), 0)])
+
+
+def plan_ia3_bwd(dev: DeviceFacts, M: int, N: int, C: int, ch_rows: bool, x_dtype, w_dtype, g_dtype, *,
+                 default=None, n: int = 5):
+    work, eager = _bwd_model(dev, M, N, C, ch_rows, x_dtype, w_dtype, g_dtype)
     cfgs = [dict(block_m=bm, block_n=bn, split=0, num_warps=w) for bm, bn in _tiles(M, N) for w in (2, 4, 8)]
-    eager = eager_time(dev, [(C * (ew + 4), 0), (M * N * (eg + 4), 0), (M * N * (4 + 4 + ex), 0),
-                             (M * N * (eg + ex + 8), 0), (M * N * (4 + 4), 0), (C * (4 + ew), 0)])
     return make_plan("ia3_bwd", rank(cfgs, work, dev), tile_axes=("block_m", "block_n"), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
+
+
+# =============================================================================== TileLang models
+
+#: ``tilelang/ia3.py``'s streaming kernels: vectors per tile (rows x a minor extent of up to 32
+#: 16-byte vectors) and threads; every combination compiles for sm_90a
+#: (tests/test_tilelang_elementwise.py)
+TL_SPACE = dict(vecs=(256, 512, 1024, 2048), threads=(128, 256))
+TL_N = 3
+
+
+def _tl_mapped(work, M: int, N: int, x_dtype, ch_rows: bool):
+    """The Triton model's work of a TileLang config: its tile (rows x vectors) in elements."""
+    tl = importlib.import_module("lycoris_ops.tilelang.ia3")
+    vec = tl._vec(N, x_dtype)
+
+    def tl_work(c):
+        bm, bn = tl._tile(N // vec, c["vecs"])
+        return work(dict(block_m=bm, block_n=bn * vec, split=0, num_warps=c["threads"] // 32))
+    return tl_work
+
+
+def _tl_plan(op, work, eager, dev, n):
+    default = dict(importlib.import_module("lycoris_ops.tilelang.ia3").IA3)
+    cfgs = [dict(vecs=v, threads=t) for v in TL_SPACE["vecs"] for t in TL_SPACE["threads"]]
+    return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=("vecs",), n=n, default=default,
+                                 default_s=predict(work, default, dev), eager_s=eager), default)
+
+
+def _fwd_tl(dev, x, w, channel_axis, alpha, gamma, n: int = TL_N):
+    M, N, C, ch_rows = geometry(x.shape, channel_axis)
+    work, eager = _fwd_model(dev, M, N, C, x.dtype, w.dtype)
+    return _tl_plan("ia3_fwd", _tl_mapped(work, M, N, x.dtype, ch_rows), eager, dev, n)
+
+
+def _bwd_tl(dev, grad, x, w, channel_axis, alpha, gamma, n: int = TL_N):
+    M, N, C, ch_rows = geometry(x.shape, channel_axis)
+    work, eager = _bwd_model(dev, M, N, C, ch_rows, x.dtype, w.dtype, grad.dtype)
+    return _tl_plan("ia3_bwd", _tl_mapped(work, M, N, x.dtype, ch_rows), eager, dev, n)
+
+
+def _sizes(x, w, channel_axis, *a):
+    """The channel geometry (N, C, layout); the token rows M stay bucketed (key_parts)."""
+    return tuple(geometry(x.shape, channel_axis)[1:])
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``
+TILELANG = {"ia3_fwd": (_fwd_tl, _sizes), "ia3_bwd": (_bwd_tl, lambda g, x, w, ax, *a: _sizes(x, w, ax))}
 
 
 def launch(op: str, *args, **kw):

@@ -29,7 +29,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist
+from .cost import Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan, p2, predict, rank, shortlist
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -312,14 +312,8 @@ TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2,
 
 
 def _tl_plan(op, cfgs, work, dev, default, eager, axes, n):
-    """``make_plan`` with the kernel's fixed config first: an untimed pick (TUNE=off, capture,
-    tracing) takes the configuration the GPU parity tests run, not the model's guess."""
-    plan = make_plan(op, rank(cfgs, work, dev), tile_axes=axes, n=n, default=default,
-                     default_s=predict(work, default, dev), eager_s=eager)
-    i = plan.candidates.index(default)
-    plan.candidates.insert(0, plan.candidates.pop(i))
-    plan.predicted.insert(0, plan.predicted.pop(i))
-    return plan
+    return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=axes, n=n, default=default,
+                                 default_s=predict(work, default, dev), eager_s=eager), default)
 
 
 def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,

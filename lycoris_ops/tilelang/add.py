@@ -21,15 +21,18 @@ __all__ = ["add_kernel", "add_scaled", "vec_width", "compile_specs"]
 _THREADS = 128
 _BV = 256  # vectors per tile (2 per thread)
 _I32_LIMIT = 2**31 - 2**17
+#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (plans/add.py:
+#: ``tl_plan_add_scaled``) overrides BV (vectors per tile) and threads
+ADD = dict(BV=_BV, threads=_THREADS)
 
 
-def add_kernel(bd: str, dd: str, od: str, VEC: int, BV: int = _BV, cpu: bool = False):
+def add_kernel(bd: str, dd: str, od: str, VEC: int, BV: int = _BV, threads_: int = _THREADS, cpu: bool = False):
     """``O = B + γ·D`` over (NV, VEC) views; fp32 math, one rounding."""
     import tilelang.language as T
 
     NV = T.dynamic("NV")
     par = T.grid if cpu else T.Parallel
-    threads = 1 if cpu else _THREADS
+    threads = 1 if cpu else threads_
 
     @T.prim_func
     def add_scaled_kernel(B: T.Tensor((NV, VEC), bd), D: T.Tensor((NV, VEC), dd), O: T.Tensor((NV, VEC), od),
@@ -52,8 +55,9 @@ def vec_width(numel: int, *dtypes: torch.dtype) -> int:
     return 1
 
 
-def add_scaled(base: torch.Tensor, delta: torch.Tensor, gamma: float) -> torch.Tensor:
+def add_scaled(base: torch.Tensor, delta: torch.Tensor, gamma: float, cfg=None) -> torch.Tensor:
     """``base + γ·delta`` in base's shape and dtype (fresh, contiguous)."""
+    p = ADD if not cfg else {**ADD, **cfg}
     out = torch.empty(base.shape, device=base.device, dtype=base.dtype)
     n = out.numel()
     if n == 0:
@@ -65,7 +69,8 @@ def add_scaled(base: torch.Tensor, delta: torch.Tensor, gamma: float) -> torch.T
         return out
     b = aligned(base.reshape(-1).contiguous()).view(nv, vec)
     d = aligned(delta.reshape(-1).contiguous()).view(nv, vec)
-    k = kernel(add_kernel, arch_of(base.device), tl_dtype(base.dtype), tl_dtype(delta.dtype), tl_dtype(out.dtype), vec)
+    k = kernel(add_kernel, arch_of(base.device), tl_dtype(base.dtype), tl_dtype(delta.dtype), tl_dtype(out.dtype), vec,
+               p["BV"], p["threads"])
     k(b, d, out.view(nv, vec), float(gamma))
     return out
 

@@ -33,21 +33,26 @@ __all__ = ["ia3_fwd_kernel", "ia3_bwd_kernel", "colsum_kernel", "ia3_fwd", "ia3_
 
 _THREADS = 128
 _TILE_VECS = 512  # vectors per tile (4 per thread)
+#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (plans/ia3.py:
+#: ``tl_plan_*``) overrides the vectors per tile and the threads of the streaming kernel
+IA3 = dict(vecs=_TILE_VECS, threads=_THREADS)
 
 
-def _tile(nv: int):
-    """(rows, vectors) of a tile whose minor extent covers ``nv`` vectors (at most 32)."""
+def _tile(nv: int, vecs: int = _TILE_VECS):
+    """(rows, vectors) of a tile of ``vecs`` vectors whose minor extent covers ``nv`` vectors
+    (at most 32)."""
     bv = min(32, next_pow2(max(nv, 1)))
-    return max(1, _TILE_VECS // bv), bv
+    return max(1, vecs // bv), bv
 
 
-def ia3_fwd_kernel(xd: str, wd: str, yd: str, ch_rows: bool, VEC: int, BM: int, BN: int, cpu: bool = False):
+def ia3_fwd_kernel(xd: str, wd: str, yd: str, ch_rows: bool, VEC: int, BM: int, BN: int, threads_: int = _THREADS,
+                   cpu: bool = False):
     """y = x·(α + γ·w[c]). ch_rows=False: x (A, CV, VEC), w (CV, VEC), tile BM rows x BN vectors.
     ch_rows=True: x (A, C, BV, VEC), w (C,), tile BM channels x BN vectors, one a per program."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
-    threads = 1 if cpu else _THREADS
+    threads = 1 if cpu else threads_
     if not ch_rows:
         A, CV = T.dynamic("A CV")
 
@@ -85,7 +90,7 @@ def ia3_fwd_kernel(xd: str, wd: str, yd: str, ch_rows: bool, VEC: int, BM: int, 
 
 
 def ia3_bwd_kernel(gd: str, xd: str, wd: str, ch_rows: bool, direct: bool, VEC: int, BM: int, BN: int,
-                   cpu: bool = False):
+                   threads_: int = _THREADS, cpu: bool = False):
     """gx = G·(α + γ·w[c]) and Σ G·x per channel over this program's share.
 
     ch_rows=False: x, G (A, CV, VEC); program (channel-vector tile, split s) walks
@@ -97,7 +102,7 @@ def ia3_bwd_kernel(gd: str, xd: str, wd: str, ch_rows: bool, direct: bool, VEC: 
 
     par = T.grid if cpu else T.Parallel
     alloc = T.alloc_local if cpu else T.alloc_fragment
-    threads = 1 if cpu else _THREADS
+    threads = 1 if cpu else threads_
     if not ch_rows:
         A, CV, K, C = T.dynamic("A CV K C")
 
@@ -201,8 +206,9 @@ def _geometry(shape, channel_axis):
     return A, shape[ax], B
 
 
-def ia3_fwd(x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, gamma: float) -> torch.Tensor:
+def ia3_fwd(x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, gamma: float, cfg=None) -> torch.Tensor:
     """``y = x·(α + γ·w[c])``; x's shape, dtype ``promote_types(x, w)``, contiguous."""
+    p = IA3 if not cfg else {**IA3, **cfg}
     y = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, w.dtype))
     if y.numel() == 0:
         return y
@@ -213,13 +219,13 @@ def ia3_fwd(x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, g
     dts = (tl_dtype(x.dtype), tl_dtype(w.dtype), tl_dtype(y.dtype))
     if B == 1:
         vec = _vec(C, x.dtype, y.dtype)
-        bm, bn = _tile(C // vec)
-        k = kernel(ia3_fwd_kernel, arch, *dts, False, vec, bm, bn)
+        bm, bn = _tile(C // vec, p["vecs"])
+        k = kernel(ia3_fwd_kernel, arch, *dts, False, vec, bm, bn, p["threads"])
         k(xc.view(A, C // vec, vec), wc.view(C // vec, vec), y.view(A, C // vec, vec), float(alpha), float(gamma))
     else:
         vec = _vec(B, x.dtype, y.dtype)
-        bn_, bm_ = _tile(B // vec)  # (rows = channels, vectors)
-        k = kernel(ia3_fwd_kernel, arch, *dts, True, vec, bn_, bm_)
+        bn_, bm_ = _tile(B // vec, p["vecs"])  # (rows = channels, vectors)
+        k = kernel(ia3_fwd_kernel, arch, *dts, True, vec, bn_, bm_, p["threads"])
         k(xc.view(A, C, B // vec, vec), wc, y.view(A, C, B // vec, vec), float(alpha), float(gamma))
     return y
 
@@ -232,8 +238,10 @@ def _split(tiles: int, other: int, device: torch.device) -> tuple:
     return cdiv(tiles, tps), tps
 
 
-def ia3_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, gamma: float):
+def ia3_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, gamma: float,
+            cfg=None):
     """``gx = G·(α + γ·w[c])`` (x's dtype) and ``gw[c] = γ·Σ G·x`` (w's dtype and shape)."""
+    p = IA3 if not cfg else {**IA3, **cfg}
     gx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     gw = torch.empty(w.shape, device=w.device, dtype=w.dtype)
     if x.numel() == 0:
@@ -249,23 +257,23 @@ def ia3_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, channel_axis: 
     if B == 1:
         vec = _vec(C, x.dtype, grad.dtype)
         cv = C // vec
-        bm, bn = _tile(cv)
+        bm, bn = _tile(cv, p["vecs"])
         ctiles = cdiv(cv, bn)
         nsplit, tps = _split(cdiv(A, bm), ctiles, x.device)
         direct = nsplit == 1
         part = torch.empty((1 if direct else nsplit, C), device=x.device, dtype=torch.float32)
-        k = kernel(ia3_bwd_kernel, arch, *dts, False, direct, vec, bm, bn)
+        k = kernel(ia3_bwd_kernel, arch, *dts, False, direct, vec, bm, bn, p["threads"])
         k(gc.view(A, cv, vec), xc.view(A, cv, vec), wc.view(cv, vec), gx.view(A, cv, vec), part, gwv,
           float(alpha), float(gamma), tps)
     else:
         vec = _vec(B, x.dtype, grad.dtype)
         bv = B // vec
-        bm, bn = _tile(bv)  # bm channels, bn vectors
+        bm, bn = _tile(bv, p["vecs"])  # bm channels, bn vectors
         ctiles = cdiv(C, bm)
         nsplit, tps = _split(cdiv(bv, bn), A * ctiles, x.device)
         direct = nsplit * A == 1
         part = torch.empty((A * nsplit, C), device=x.device, dtype=torch.float32)
-        k = kernel(ia3_bwd_kernel, arch, *dts, True, direct, vec, bm, bn)
+        k = kernel(ia3_bwd_kernel, arch, *dts, True, direct, vec, bm, bn, p["threads"])
         k(gc.view(A, C, bv, vec), xc.view(A, C, bv, vec), wc, gx.view(A, C, bv, vec), part, gwv,
           float(alpha), float(gamma), tps, nsplit)
     if not direct:
