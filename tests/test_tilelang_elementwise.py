@@ -136,15 +136,38 @@ def test_ia3_tile_configs(shape, axis, cfg):
     check(gw, rw, dtype, "ia3_bwd gw")
 
 
+DORA_CFGS = [dict(vecs=256, threads=256), dict(vecs=2048, threads=128)]
+
+
+@pytest.mark.parametrize("cfg", DORA_CFGS, ids=["v256-t256", "v2048-t128"])
+@pytest.mark.parametrize("row_axis", [0, 1])
+def test_dora_tile_configs(row_axis, cfg):
+    """DoRA's launchers honour a tuned ``cfg``: odd sizes, with delta, against the eager body."""
+    g = _gen(7)
+    dtype = DTYPES[-1]
+    w, delta, grad = rnd(37, 45, dtype=dtype, gen=g), rnd(37, 45, dtype=dtype, gen=g, scale=0.1), rnd(37, 45, dtype=dtype, gen=g)
+    ds = rnd(w.shape[row_axis], dtype=torch.float32, gen=g).abs() + 0.5
+    y, n = dora.dora_fwd(w, ds, 0.8, row_axis, delta, cfg=cfg)
+    ry, rn = R_DORA.dora_fwd(w, ds, 0.8, row_axis, delta)
+    check(y, ry, dtype, f"dora_fwd y {cfg}")
+    check(n, rn, torch.float32, f"dora_fwd norms {cfg}")
+    gm, gd = dora.dora_bwd(grad, w, ds, rn, 0.8, row_axis, delta, cfg=cfg)
+    rm, rd = R_DORA.dora_bwd(grad, w, ds, rn, 0.8, row_axis, delta)
+    check(gm, rm, dtype, f"dora_bwd g_M {cfg}")
+    check(gd, rd, dtype, f"dora_bwd g_dscale {cfg}")
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 def test_tile_space_corners_compile_sm90a(monkeypatch):
-    """Every (tile, threads) of add_scaled's TileLang space and the extremes of IA3's (both
-    layouts, forward and backward) compile for sm_90a: the kernels a tuned key may build."""
-    from lycoris_ops.plans import add as plans_add, ia3 as plans_ia3, tilelang as tl_pick
+    """Every (tile, threads) of add_scaled's TileLang space and the extremes of IA3's and
+    DoRA's (both layouts, forward and backward) compile for sm_90a: the kernels a tuned key
+    may build."""
+    from lycoris_ops.plans import add as plans_add, dora as plans_dora, ia3 as plans_ia3, tilelang as tl_pick
 
-    for mod in (add, ia3):
+    for mod in (add, ia3, dora):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(ia3, "num_sms", lambda d: 132)
+    monkeypatch.setattr(dora, "num_sms", lambda d: 132)
     bf = torch.bfloat16
     sp_a, sp_i = plans_add.TL_SPACE, plans_ia3.TL_SPACE
     w = torch.empty(3072, 3072, dtype=bf)
@@ -155,6 +178,13 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
             for t in sp_i["threads"]:
                 calls.append((ia3.ia3_fwd, (x, v, axis, 1.0, 1.0), dict(vecs=vecs, threads=t)))
                 calls.append((ia3.ia3_bwd, (x, x, v, axis, 1.0, 1.0), dict(vecs=vecs, threads=t)))
+    sp_d = plans_dora.TL_SPACE
+    ds = torch.empty(3072, dtype=bf)
+    for row_axis in (0, 1):
+        for vecs in (min(sp_d["vecs"]), max(sp_d["vecs"])):
+            for t in sp_d["threads"]:
+                calls.append((dora.dora_fwd, (w, ds, 1.0, row_axis, w), dict(vecs=vecs, threads=t)))
+                calls.append((dora.dora_bwd, (w, w, ds, ds.float(), 1.0, row_axis, None), dict(vecs=vecs, threads=t)))
     with _common.capturing() as pending:
         for fn, args, cfg in calls:
             tl_pick._call(fn, args, cfg)

@@ -254,9 +254,9 @@ def test_lora_shortlists_for_an_h200():
 
 
 def test_elementwise_shortlists_for_an_h200():
-    """add_scaled and IA3: the fixed config first, eager last, configs inside TL_SPACE; IA3's
+    """add_scaled, IA3 and DoRA: the fixed config first, eager last, configs inside TL_SPACE; IA3's
     key keeps the token rows bucketed (a new token count is not a new key)."""
-    from lycoris_ops.plans import add as plans_add, device, ia3 as plans_ia3
+    from lycoris_ops.plans import add as plans_add, device, dora as plans_dora, ia3 as plans_ia3
 
     dev = device.synthetic()
     bf = torch.bfloat16
@@ -264,7 +264,9 @@ def test_elementwise_shortlists_for_an_h200():
     x, v = torch.empty(8192, 3072, dtype=bf), torch.empty(3072, dtype=bf)
     for mod, op, args, fixed in ((plans_add, "add_scaled", (w, w, 1.0), dict(BV=256, threads=128)),
                                  (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
-                                 (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128))):
+                                 (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
+                                 (plans_dora, "dora_fwd", (w, v, 1.0, 0, None), dict(vecs=512, threads=128)),
+                                 (plans_dora, "dora_bwd", (w, w, v, v.float(), 1.0, 1, w), dict(vecs=512, threads=128))):
         cands = list(mod.TILELANG[op][0](dev, *args).candidates)
         assert cands[0] == fixed and tune.is_eager(cands[-1]) and 3 <= len(cands) <= mod.TL_N + 2, (op, cands)
         for c in cands[1:-1]:

@@ -33,16 +33,19 @@ __all__ = ["dora_fwd_kernel", "dora_bwd_kernel", "dora_fwd", "dora_bwd", "compil
 
 _THREADS = 128
 _TILE_VECS = 512
+#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (plans/dora.py:
+#: ``TILELANG``) overrides the vectors per tile and the threads
+DORA = dict(vecs=_TILE_VECS, threads=_THREADS)
 
 
 def dora_fwd_kernel(wd: str, dd: str, sd: str, cols: bool, has_delta: bool, VEC: int, BR: int, BC: int,
-                    cpu: bool = False):
+                    threads_: int = _THREADS, cpu: bool = False):
     """y = s·M and norms n (fp32) for M = W (+ D); see the module docstring."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
     alloc = T.alloc_local if cpu else T.alloc_fragment
-    threads = 1 if cpu else _THREADS
+    threads = 1 if cpu else threads_
     R0, R1V, NR = T.dynamic("R0 R1V NR")
     NV = BC * VEC
 
@@ -111,13 +114,13 @@ def dora_fwd_kernel(wd: str, dd: str, sd: str, cols: bool, has_delta: bool, VEC:
 
 
 def dora_bwd_kernel(gd: str, wd: str, dd: str, sd: str, nd: str, cols: bool, has_delta: bool, VEC: int, BR: int,
-                    BC: int, cpu: bool = False):
+                    BC: int, threads_: int = _THREADS, cpu: bool = False):
     """g_M = s·G − coef·M and g_dscale = mult·ρ/n; see the module docstring."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
     alloc = T.alloc_local if cpu else T.alloc_fragment
-    threads = 1 if cpu else _THREADS
+    threads = 1 if cpu else threads_
     R0, R1V, NR = T.dynamic("R0 R1V NR")
     NV = BC * VEC
 
@@ -219,23 +222,28 @@ def _vec(n: int, *dtypes: torch.dtype) -> int:
     return 1
 
 
-def plan(R0: int, R1: int, row_axis: int, vec: int, device: torch.device):
-    """(BR, BC) of the tiling (see the module docstring)."""
+def plan(R0: int, R1: int, row_axis: int, vec: int, device: torch.device, vecs: int = _TILE_VECS):
+    """(BR, BC) of the tiling of about ``vecs`` vectors (see the module docstring)."""
+    return tiling(R0, R1, row_axis, vec, num_sms(device), vecs)
+
+
+def tiling(R0: int, R1: int, row_axis: int, vec: int, sms: int, vecs: int = _TILE_VECS):
+    """``plan`` on a GPU of ``sms`` SMs (also the planner's model: plans/dora.py)."""
     r1v = R1 // vec
     if row_axis == 0:
         bc = min(128, next_pow2(r1v))
-        return max(1, _TILE_VECS // bc), bc
-    sms = num_sms(device)
+        return max(1, vecs // bc), bc
     bc = 1
     for cand in (16, 8, 4, 2):
         if cdiv(r1v, cand) >= sms:
             bc = cand
             break
-    return max(1, min(_TILE_VECS // bc, next_pow2(R0))), bc
+    return max(1, min(vecs // bc, next_pow2(R0))), bc
 
 
-def dora_fwd(w, dscale, mult, row_axis, delta=None):
+def dora_fwd(w, dscale, mult, row_axis, delta=None, cfg=None):
     """DoRA forward (see ``reference.dora.dora_fwd``): one kernel. Returns (y, norms)."""
+    p = DORA if not cfg else {**DORA, **cfg}
     R0, R1 = w.shape
     rows = w.shape[row_axis]
     y = torch.empty(w.shape, device=w.device, dtype=w.dtype)
@@ -245,19 +253,20 @@ def dora_fwd(w, dscale, mult, row_axis, delta=None):
         return y, norms
     dts = [w.dtype] + ([] if delta is None else [delta.dtype])
     vec = _vec(R1, *dts)
-    br, bc = plan(R0, R1, row_axis, vec, w.device)
+    br, bc = plan(R0, R1, row_axis, vec, w.device, p["vecs"])
     wc = aligned(w.contiguous())
     dc = wc if delta is None else aligned(delta.contiguous())
     sc = aligned(dscale.reshape(-1).contiguous())
     k = kernel(dora_fwd_kernel, arch_of(w.device), tl_dtype(w.dtype), tl_dtype(dc.dtype), tl_dtype(dscale.dtype),
-               row_axis == 1, delta is not None, vec, br, bc)
+               row_axis == 1, delta is not None, vec, br, bc, p["threads"])
     v3 = (R0, R1 // vec, vec)
     k(wc.view(v3), dc.view(v3), sc, y.view(v3), norms, float(mult), float(torch.finfo(dscale.dtype).eps))
     return y, norms
 
 
-def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None):
+def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None, cfg=None):
     """DoRA backward (see ``reference.dora.dora_bwd``): one kernel. Returns (g_M, g_dscale)."""
+    p = DORA if not cfg else {**DORA, **cfg}
     R0, R1 = w.shape
     rows = w.shape[row_axis]
     g_m = torch.empty(w.shape, device=w.device, dtype=w.dtype)
@@ -267,14 +276,15 @@ def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None):
         return g_m, g_d
     dts = [w.dtype, grad.dtype] + ([] if delta is None else [delta.dtype])
     vec = _vec(R1, *dts)
-    br, bc = plan(R0, R1, row_axis, vec, w.device)
+    br, bc = plan(R0, R1, row_axis, vec, w.device, p["vecs"])
     wc = aligned(w.contiguous())
     dc = wc if delta is None else aligned(delta.contiguous())
     gc = aligned(grad.contiguous())
     sc = aligned(dscale.reshape(-1).contiguous())
     nc = aligned(norms.contiguous())
     k = kernel(dora_bwd_kernel, arch_of(w.device), tl_dtype(grad.dtype), tl_dtype(w.dtype), tl_dtype(dc.dtype),
-               tl_dtype(dscale.dtype), tl_dtype(norms.dtype), row_axis == 1, delta is not None, vec, br, bc)
+               tl_dtype(dscale.dtype), tl_dtype(norms.dtype), row_axis == 1, delta is not None, vec, br, bc,
+               p["threads"])
     v3 = (R0, R1 // vec, vec)
     k(gc.view(v3), wc.view(v3), dc.view(v3), sc, nc, g_m.view(v3), g_d, float(mult))
     return g_m, g_d
