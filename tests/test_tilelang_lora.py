@@ -116,13 +116,33 @@ def _tile_case(op, dtype, device="cpu"):
 @pytest.mark.parametrize("op", sorted(TILE_CFGS))
 def test_twin_tile_configs(op):
     """The launchers honour a tuned ``cfg`` (tile sizes; threads and stages are GPU-only)."""
-    args = _tile_case(op, torch.float32)
+    _check_tile_config(op, torch.float32, "cpu")
+
+
+def _check_tile_config(op, dtype, device):
+    """``op``'s launcher with ``TILE_CFGS[op]`` against the eager body."""
+    args = _tile_case(op, dtype, device)
     fn = getattr(lora, op.split("_", 1)[1])
     got = harness.outs(fn(*args, cfg=TILE_CFGS[op]))
     want = harness.outs(getattr(REF, op)(*args))
     for k, (a, b) in enumerate(zip(got, want)):
         assert a.dtype == b.dtype and a.shape == b.shape, (op, k)
-        assert harness.rel_err(a, b) <= harness.REL_TOL[torch.float32], (op, k, harness.rel_err(a, b))
+        assert harness.rel_err(a, b) <= harness.REL_TOL[dtype], (op, k, harness.rel_err(a, b))
+
+
+def _sm90a_bench_calls(monkeypatch):
+    """op -> (launcher, args) at the first bench shape (T=8192, 3072x3072, r=32, bf16), the
+    launchers seeing an H200 (sm_90a, 132 SMs) so that capturing lists its kernels."""
+    monkeypatch.setattr(lora, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(lora, "num_sms", lambda d: 132)
+    bf = torch.bfloat16
+    T, I, O, R = 8192, 3072, 3072, 32
+    x, up, down = torch.empty(T, I, dtype=bf), torch.empty(O, R, dtype=bf), torch.empty(R, I, dtype=bf)
+    g, w = torch.empty(T, O, dtype=bf), torch.empty(O, I, dtype=bf)
+    return {"lora_bypass_fwd": (lora.bypass_fwd, (x, up, down, 1.0, None)),
+            "lora_bypass_bwd": (lora.bypass_bwd, (g, x, up, down, 1.0)),
+            "lora_merge_fwd": (lora.merge_fwd, (up, down, None, None, w, 1.0, "plain", None)),
+            "lora_merge_bwd": (lora.merge_bwd, (w, up, down, 1.0))}
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
@@ -131,17 +151,8 @@ def test_h200_shortlists_compile_sm90a(monkeypatch):
     (T=8192, 3072x3072, r=32, bf16) compiles for sm_90a: the kernels a cold key builds."""
     from lycoris_ops.plans import device, lora as plans_lora, tilelang as tl_pick
 
-    monkeypatch.setattr(lora, "arch_of", lambda d: "sm_90a")
-    monkeypatch.setattr(lora, "num_sms", lambda d: 132)
+    calls = _sm90a_bench_calls(monkeypatch)
     dev = device.synthetic()
-    bf = torch.bfloat16
-    T, I, O, R = 8192, 3072, 3072, 32
-    x, up, down = torch.empty(T, I, dtype=bf), torch.empty(O, R, dtype=bf), torch.empty(R, I, dtype=bf)
-    g, w = torch.empty(T, O, dtype=bf), torch.empty(O, I, dtype=bf)
-    calls = {"lora_bypass_fwd": (lora.bypass_fwd, (x, up, down, 1.0, None)),
-             "lora_bypass_bwd": (lora.bypass_bwd, (g, x, up, down, 1.0)),
-             "lora_merge_fwd": (lora.merge_fwd, (up, down, None, None, w, 1.0, "plain", None)),
-             "lora_merge_bwd": (lora.merge_bwd, (w, up, down, 1.0))}
     with _common.capturing() as pending:
         for op, (fn, args) in calls.items():
             for c in plans_lora.TILELANG[op][0](dev, *args).candidates[:-1]:
@@ -180,18 +191,9 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     """Every corner of the TileLang LoRA tile spaces compiles for sm_90a at the first bench
     shape: TileLang's lowering rejects some combinations (3 stages over a runtime K loop,
     256 threads with a transposed operand), and those fail here as on the H200."""
-    monkeypatch.setattr(lora, "arch_of", lambda d: "sm_90a")
-    monkeypatch.setattr(lora, "num_sms", lambda d: 132)
     from lycoris_ops.plans import tilelang as tl_pick
 
-    bf = torch.bfloat16
-    T, I, O, R = 8192, 3072, 3072, 32
-    x, up, down = torch.empty(T, I, dtype=bf), torch.empty(O, R, dtype=bf), torch.empty(R, I, dtype=bf)
-    g, w = torch.empty(T, O, dtype=bf), torch.empty(O, I, dtype=bf)
-    calls = {"lora_bypass_fwd": (lora.bypass_fwd, (x, up, down, 1.0, None)),
-             "lora_bypass_bwd": (lora.bypass_bwd, (g, x, up, down, 1.0)),
-             "lora_merge_fwd": (lora.merge_fwd, (up, down, None, None, w, 1.0, "plain", None)),
-             "lora_merge_bwd": (lora.merge_bwd, (w, up, down, 1.0))}
+    calls = _sm90a_bench_calls(monkeypatch)
     failed = []
     for op, cfg in _space_corners():
         fn, args = calls[op]
@@ -238,10 +240,4 @@ def test_gpu_parity(dtype, r):
 def test_gpu_tile_configs(op):
     """Each tuned op with a non-default tile config on the GPU, bf16 (the forward's: two
     warpgroups, 3 stages)."""
-    args = _tile_case(op, torch.bfloat16, "cuda")
-    fn = getattr(lora, op.split("_", 1)[1])
-    got = harness.outs(fn(*args, cfg=TILE_CFGS[op]))
-    want = harness.outs(getattr(REF, op)(*args))
-    for k, (a, b) in enumerate(zip(got, want)):
-        assert a.dtype == b.dtype and a.shape == b.shape, (op, k)
-        assert harness.rel_err(a, b) <= harness.REL_TOL[torch.bfloat16], (op, k, harness.rel_err(a, b))
+    _check_tile_config(op, torch.bfloat16, "cuda")
