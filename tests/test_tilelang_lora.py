@@ -130,6 +130,62 @@ def _check_tile_config(op, dtype, device):
         assert harness.rel_err(a, b) <= harness.REL_TOL[dtype], (op, k, harness.rel_err(a, b))
 
 
+TUCKER_CFGS = [dict(BO=128, BI=64, threads=256), dict(BO=64, BI=256, threads=128)]
+
+
+def _tucker_case(dtype, device, two):
+    g = torch.Generator().manual_seed(12)
+
+    def m(*s):
+        return (torch.randn(*s, generator=g) * 0.3).to(dtype).to(device)
+
+    O, I, Kk, r = 70, 45, 9, 5
+    chain = (m(r, O).t(), m(r, r, Kk), m(r, I))  # a transposed a1 (as LoHa passes it)
+    return chain + ((m(O, r), m(r, r, Kk), m(r, I)) if two else (None, None, None)) + (0.7,)
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.parametrize("cfg", TUCKER_CFGS, ids=["bo128-t256", "bi256"])
+@pytest.mark.parametrize("two", [False, True], ids=["1chain", "2chains"])
+def test_twin_tucker_tile_configs(two, cfg):
+    args = _tucker_case(torch.float32, "cpu", two)
+    got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
+    assert got.shape == want.shape and harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("cfg", TUCKER_CFGS, ids=["bo128-t256", "bi256"])
+def test_gpu_tucker_tile_configs(cfg):
+    args = _tucker_case(torch.bfloat16, "cuda", True)
+    got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
+    assert harness.rel_err(got, want) <= harness.REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
+    """Every (BO, threads) of the tucker TileLang space with the widest and narrowest BI, one
+    and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32)."""
+    from lycoris_ops.plans import tilelang as tl_pick, tucker as plans_tucker
+
+    monkeypatch.setattr(tucker, "arch_of", lambda d: "sm_90a")
+    sp = plans_tucker.TL_SPACE
+    bf = torch.bfloat16
+    a, t, b = torch.empty(3072, 32, dtype=bf), torch.empty(32, 32, 9, dtype=bf), torch.empty(32, 3072, dtype=bf)
+    with _common.capturing() as pending:
+        for chains in ((a, t, b, None, None, None), (a, t, b, a, t, b)):
+            for bo in sp["BO"]:
+                for th in [t_ for t_ in sp["threads"] if t_ == 128 or bo >= 128]:
+                    for bi in (min(sp["BI"]), max(sp["BI"])):
+                        tl_pick._call(tucker.tucker_fwd, chains + (1.0,), dict(BO=bo, BI=bi, threads=th))
+    failed = []
+    for p in pending:
+        try:
+            _common.compile_only(p.builder, p.arch, *p.args)
+        except Exception as exc:  # collected: one report of every failing corner
+            failed.append((p.args[-3:], str(exc).splitlines()[0][:120]))
+    assert len(pending) == 12 and not failed, failed
+
+
 def _sm90a_bench_calls(monkeypatch):
     """op -> (launcher, args) at the first bench shape (T=8192, 3072x3072, r=32, bf16), the
     launchers seeing an H200 (sm_90a, 132 SMs) so that capturing lists its kernels."""

@@ -254,9 +254,10 @@ def test_lora_shortlists_for_an_h200():
 
 
 def test_elementwise_shortlists_for_an_h200():
-    """add_scaled, IA3 and DoRA: the fixed config first, eager last, configs inside TL_SPACE; IA3's
+    """add_scaled, IA3, DoRA and the tucker rebuild: the fixed config first, eager last, configs inside TL_SPACE; IA3's
     key keeps the token rows bucketed (a new token count is not a new key)."""
     from lycoris_ops.plans import add as plans_add, device, dora as plans_dora, ia3 as plans_ia3
+    from lycoris_ops.plans import tucker as plans_tucker
 
     dev = device.synthetic()
     bf = torch.bfloat16
@@ -266,7 +267,11 @@ def test_elementwise_shortlists_for_an_h200():
                                  (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
                                  (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
                                  (plans_dora, "dora_fwd", (w, v, 1.0, 0, None), dict(vecs=512, threads=128)),
-                                 (plans_dora, "dora_bwd", (w, w, v, v.float(), 1.0, 1, w), dict(vecs=512, threads=128))):
+                                 (plans_dora, "dora_bwd", (w, w, v, v.float(), 1.0, 1, w), dict(vecs=512, threads=128)),
+                                 (plans_tucker, "lora_tucker_fwd",
+                                  (torch.empty(3072, 32, dtype=bf), torch.empty(32, 32, 9, dtype=bf),
+                                   torch.empty(32, 3072, dtype=bf), None, None, None, 1.0),
+                                  dict(BO=64, BI=64, threads=128))):
         cands = list(mod.TILELANG[op][0](dev, *args).candidates)
         assert cands[0] == fixed and tune.is_eager(cands[-1]) and 3 <= len(cands) <= mod.TL_N + 2, (op, cands)
         for c in cands[1:-1]:

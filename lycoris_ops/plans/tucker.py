@@ -11,12 +11,13 @@ padding wastes dot work (not bytes). Key: exact O, I, Kk and ranks, dtypes.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank
+from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, p2, predict, rank
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -71,6 +72,55 @@ def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, o
                        + [(O * I * Kk * (4 + eo), 0)], tc=tc)
     return make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("block_m", "block_i"), n=n,
                      default=default, default_s=predict(work, default, dev), eager_s=eager)
+
+
+# =============================================================================== TileLang model
+
+#: ``tilelang/tucker.py``'s kernel: output tile (BO rows x BI columns per kernel position)
+#: and threads (256 only with 128-row tiles); the corners compile for sm_90a
+#: (tests/test_tilelang_lora.py)
+TL_SPACE = dict(BO=(64, 128), BI=(64, 128, 256), threads=(128, 256))
+TL_N = 3
+
+
+def _tl_plan(dev: DeviceFacts, a1, t1, b1, a2, t2, b2, gamma, n: int = TL_N):
+    """The TileLang shortlist: fixed config first, the model's best, eager. Model: program =
+    (κ, I tile, O tile); per chain a (BO x Rap)·(Rap x Rbp) dot, rounded, then (BO x Rbp)·(Rbp
+    x BI); the output written once (κ-strided, so a tile's stores are BI·Kk apart), the
+    factors read per program from L2."""
+    tl = importlib.import_module("lycoris_ops.tilelang.tucker")
+    two = a2 is not None
+    chains = 2 if two else 1
+    O, I, Kk = int(a1.shape[0]), int(b1.shape[1]), int(t1.shape[2])
+    ranks = [int(t1.shape[0]), int(t1.shape[1])] + ([int(t2.shape[0]), int(t2.shape[1])] if two else [])
+    compute = compute_dtype(*(t.dtype for t in (a1, t1, b1, a2, t2, b2) if t is not None))
+    e, eo = esize(compute), esize(a1.dtype)
+    rpa, rpb = max(p2(r, 16) for r in ranks[0::2]), max(p2(r, 16) for r in ranks[1::2])
+
+    def work(c):
+        bo, bi = c["BO"], c["BI"]
+        n_o, n_i = cdiv(O, bo), cdiv(I, bi)
+        return Work(grid=Kk * n_o * n_i, warps=c["threads"] // 32, acc=chains * (bo * bi + bo * rpb),
+                    smem=chains * (bo * rpa + rpa * rpb + bo * rpb + rpb * bi) * e,
+                    dram=O * I * Kk * eo * 2 + chains * (O * rpa + rpb * I) * e * min(Kk, 8),
+                    mma=chains * 2.0 * Kk * n_o * n_i * (bo * rpa * rpb + bo * rpb * bi), tc=True,
+                    mma_tile=bo * bi * rpb, inflight=bo * bi * eo)
+
+    default = dict(tl.TUCKER)
+    cfgs = [dict(BO=bo, BI=bi, threads=t) for bo in TL_SPACE["BO"] for bi in TL_SPACE["BI"] for t in TL_SPACE["threads"]
+            if t == 128 or bo >= 128]
+    R = max(ranks)
+    eager = eager_time(dev, [(O * R * e + R * R * Kk * e + O * R * Kk * 4, 2.0 * O * R * R * Kk),
+                             (O * R * Kk * (4 + e), 0), (O * R * Kk * e + R * I * e + O * I * Kk * 4,
+                                                         2.0 * O * I * R * Kk), (O * I * Kk * (4 + 4), 0)] * chains
+                       + [(O * I * Kk * (4 + eo), 0)])
+    return fixed_first(make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("BO", "BI"), n=n,
+                                 default=default, default_s=predict(work, default, dev), eager_s=eager), default)
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``
+TILELANG = {"lora_tucker_fwd": (_tl_plan, lambda a1, t1, b1, a2, t2, b2, *a: (
+    tuple(a1.shape), tuple(t1.shape), tuple(b1.shape), None if t2 is None else tuple(t2.shape)))}
 
 
 def launch(op: str, *args, **kw):

@@ -26,6 +26,9 @@ from .lora import _scopes, compute_dtype, pad_rank, prep
 __all__ = ["tucker_kernel", "tucker_fwd", "compile_specs"]
 
 _ACC = "float32"
+#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (plans/tucker.py:
+#: ``TILELANG``) overrides the output tile (BO x BI) and the threads
+TUCKER = dict(BO=64, BI=64, threads=128)
 
 
 def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str, odt: str,
@@ -84,7 +87,8 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
     return tucker
 
 
-def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
+def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
+    p = TUCKER if not cfg else {**TUCKER, **cfg}
     c = compute_dtype(a1, t1, b1, a2, t2, b2)
     O, R1a = a1.shape
     R1b, I = b1.shape
@@ -100,7 +104,8 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
         z = torch.zeros(1, device=dev, dtype=c)
         args += [z, z, z]
         R2a = R2b = None
-    k = kernel(tucker_kernel, arch_of(dev), O, I, Kk, R1a, R1b, R2a, R2b, tl_dtype(c), tl_dtype(a1.dtype))
+    k = kernel(tucker_kernel, arch_of(dev), O, I, Kk, R1a, R1b, R2a, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
+               p["BI"], p["threads"])
     k(*args, y, float(gamma))
     return y
 
