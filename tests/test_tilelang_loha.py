@@ -81,6 +81,82 @@ def test_twin_materialized_and_split(monkeypatch):
     compare("loha_merge_bwd", (torch.randn(O2, I2, generator=g), *f2, 0.9), torch.float32)
 
 
+#: non-default configs inside plans/loha.py's TileLang spaces (TL_GEMM, TL_GRADS)
+GEMM_CFG = dict(BM=64, BN=256, BK=32, stages=3, threads=128)
+GRADS_CFG = dict(BO=128, BI=32)
+
+
+def _tile_cases(dtype, device):
+    g = torch.Generator().manual_seed(4)
+
+    def m(*s):
+        return torch.randn(*s, generator=g).to(dtype).to(device)
+
+    T, I, O, r, O2, I2 = 11, 19, 37, 5, 150, 140
+    f = (m(O, r), m(r, I), m(O, r), m(r, I))
+    x = m(I, T).t()  # non-contiguous
+    f2 = (m(O2, r), m(r, I2), m(O2, r), m(r, I2))
+    return [("loha_bypass_fwd", (x, *f, 0.8, m(T, O)), GEMM_CFG), ("loha_bypass_bwd", (m(T, O), x, *f, -0.7), GEMM_CFG),
+            ("loha_merge_bwd", (m(O2, I2), *f2, 0.9), GRADS_CFG)]
+
+
+def _check_tile_configs(dtype, device, monkeypatch):
+    monkeypatch.setattr(loha, "REGEN_BUDGET", -1)  # the materialized path, whose GEMM the config tiles
+    for op, args, cfg in _tile_cases(dtype, device):
+        got = harness.outs(getattr(loha, op.split("_", 1)[1])(*args, cfg=cfg))
+        want = harness.outs(getattr(REF, op)(*args))
+        for k, (a, b) in enumerate(zip(got, want)):
+            assert a.dtype == b.dtype and a.shape == b.shape, (op, k)
+            assert harness.rel_err(a, b) <= harness.REL_TOL[dtype], (op, k, harness.rel_err(a, b))
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+def test_twin_tile_configs(monkeypatch):
+    """The launchers honour a tuned ``cfg`` (the GEMM tile, the gradient kernels' tile)."""
+    _check_tile_configs(torch.float32, "cpu", monkeypatch)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+def test_gpu_tile_configs(monkeypatch):
+    _check_tile_configs(torch.bfloat16, "cuda", monkeypatch)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_tile_space_corners_compile_sm90a(monkeypatch):
+    """The corners of plans/loha.py's TileLang spaces compile for sm_90a at the first bench
+    shape: the GEMM (row tile x stages x threads, the widest tiles) of both bypass ops,
+    the gradient kernels at the extremes of their tile."""
+    from lycoris_ops.plans import loha as plans_loha, tilelang as tl_pick
+    from lycoris_ops.tilelang import lora as tl_lora
+
+    for mod in (loha, tl_lora):
+        monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(loha, "num_sms", lambda d: 132)
+    bf = torch.bfloat16
+    x, a, b = torch.empty(8192, 3072, dtype=bf), torch.empty(3072, 32, dtype=bf), torch.empty(32, 3072, dtype=bf)
+    w = torch.empty(3072, 3072, dtype=bf)
+    sp, gp = plans_loha.TL_GEMM, plans_loha.TL_GRADS
+    calls = []
+    for bm in sp["BM"]:
+        for th in [t for t in sp["threads"] if t == 128 or bm >= 128]:
+            for st in sp["stages"]:
+                cfg = dict(BM=bm, BN=max(sp["BN"]), BK=max(sp["BK"]), stages=st, threads=th)
+                calls += [(loha.bypass_fwd, (x, a, b, a, b, 1.0, None), cfg), (loha.bypass_bwd, (x, x, a, b, a, b, 1.0), cfg)]
+    for bo in (min(gp["BO"]), max(gp["BO"])):
+        for bi in (min(gp["BI"]), max(gp["BI"])):
+            calls.append((loha.merge_bwd, (w, a, b, a, b, 1.0), dict(BO=bo, BI=bi)))
+    with _common.capturing() as pending:
+        for fn, args, cfg in calls:
+            tl_pick._call(fn, args, cfg)
+    failed = []
+    for p in pending:
+        try:
+            _common.compile_only(p.builder, p.arch, *p.args)
+        except Exception as exc:  # collected: one report of every failing corner
+            failed.append((p.builder.__name__, p.args[-6:], str(exc).splitlines()[0][:120]))
+    assert len(pending) >= 12 and not failed, failed
+
+
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,r", [(torch.bfloat16, 16), (torch.float16, 128), (torch.bfloat16, 5)],
                          ids=["bf16-r16", "fp16-r128", "bf16-r5"])

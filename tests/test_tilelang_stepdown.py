@@ -254,15 +254,16 @@ def test_lora_shortlists_for_an_h200():
 
 
 def test_elementwise_shortlists_for_an_h200():
-    """add_scaled, IA3, DoRA and the tucker rebuild: the fixed config first, eager last, configs inside TL_SPACE; IA3's
+    """add_scaled, IA3, DoRA, the tucker rebuild and LoHa: the fixed config first, eager last, configs inside TL_SPACE; IA3's
     key keeps the token rows bucketed (a new token count is not a new key)."""
     from lycoris_ops.plans import add as plans_add, device, dora as plans_dora, ia3 as plans_ia3
-    from lycoris_ops.plans import tucker as plans_tucker
+    from lycoris_ops.plans import loha as plans_loha, tucker as plans_tucker
 
     dev = device.synthetic()
     bf = torch.bfloat16
     w = torch.empty(3072, 3072, dtype=bf)
     x, v = torch.empty(8192, 3072, dtype=bf), torch.empty(3072, dtype=bf)
+    lh = (torch.empty(3072, 32, dtype=bf), torch.empty(32, 3072, dtype=bf)) * 2
     for mod, op, args, fixed in ((plans_add, "add_scaled", (w, w, 1.0), dict(BV=256, threads=128)),
                                  (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
                                  (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
@@ -271,10 +272,14 @@ def test_elementwise_shortlists_for_an_h200():
                                  (plans_tucker, "lora_tucker_fwd",
                                   (torch.empty(3072, 32, dtype=bf), torch.empty(32, 32, 9, dtype=bf),
                                    torch.empty(32, 3072, dtype=bf), None, None, None, 1.0),
-                                  dict(BO=64, BI=64, threads=128))):
+                                  dict(BO=64, BI=64, threads=128)),
+                                 (plans_loha, "loha_bypass_fwd", (x, *lh, 1.0, None),
+                                  dict(BM=128, BN=128, BK=64, stages=2, threads=256)),
+                                 (plans_loha, "loha_merge_bwd", (w, *lh, 1.0), dict(BO=64, BI=64))):
         cands = list(mod.TILELANG[op][0](dev, *args).candidates)
         assert cands[0] == fixed and tune.is_eager(cands[-1]) and 3 <= len(cands) <= mod.TL_N + 2, (op, cands)
+        space = getattr(mod, "TL_SPACE", None) or (mod.TL_GRADS if op == "loha_merge_bwd" else mod.TL_GEMM)
         for c in cands[1:-1]:
-            assert all(c[k] in mod.TL_SPACE[k] for k in c), (op, c)
+            assert all(c[k] in space[k] for k in c), (op, c)
     a = tl_pick.key_parts((x, v, -1, 1.0, 1.0), "ia3_fwd")
     assert a[0] == ("sizes", (3072, 3072, False))  # (N, C, layout): the 8192 rows only in t0's bucket

@@ -22,13 +22,14 @@ two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
 from __future__ import annotations
 
 import functools
+import importlib
 
 import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (DEFAULT_MARGIN, Work, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2,
-                   predict, rank)
+from .cost import (DEFAULT_MARGIN, Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan,
+                   make_shared_plan, p2, predict, rank)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -189,6 +190,101 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     plan.candidates = [c if tune.is_eager(c) else {"cfg": c, "grad_cfg": grad_cfg, "gw_cfg": gw_cfg}
                        for c in plan.candidates]
     return plan
+
+
+# =============================================================================== TileLang models
+
+#: ``tilelang/loha.py``: the bypass ops' large GEMM of the materialized path (x·ΔWᵀ, G·ΔW;
+#: lora.gemm_kernel, dynamic token rows; 256 threads only with 128-row tiles) and the
+#: merge backward's gradient kernels (BO x BI); the corners compile for sm_90a
+#: (tests/test_tilelang_loha.py)
+TL_GEMM = dict(BM=(64, 128), BN=(64, 128, 256), BK=(32, 64), stages=(2, 3), threads=(128, 256))
+TL_GRADS = dict(BO=(32, 64, 128), BI=(32, 64, 128))
+TL_N = 3
+
+
+def _tl_loha():
+    return importlib.import_module("lycoris_ops.tilelang.loha")
+
+
+def _tl_gemm_plan(op, dev: DeviceFacts, M: int, N: int, K: int, e: int, eo: int, eager: float, n: int):
+    """The shortlist of a (M x N, K) GEMM tile: operands re-read once per tile row / column
+    beyond what L2 keeps (``gemm_reads``), the output written once."""
+    def work(c):
+        bm, bn, bk = c["BM"], c["BN"], c["BK"]
+        return Work(grid=cdiv(M, bm) * cdiv(N, bn), warps=c["threads"] // 32, stages=c["stages"], acc=bm * bn,
+                    smem=(bm + bn) * bk * e, dram=gemm_reads(M * K * e, cdiv(N, bn), dev)
+                    + gemm_reads(N * K * e, cdiv(M, bm), dev) + M * N * eo, mma=2.0 * M * N * K, tc=True,
+                    mma_tile=bm * bn * bk)
+
+    sp = TL_GEMM
+    default = dict(_tl_loha().APPLY_GEMM)
+    cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=t) for bm in sp["BM"] for bn in sp["BN"] for bk in sp["BK"]
+            for s in sp["stages"] if s in dev.stages for t in sp["threads"] if t == 128 or bm >= 128]
+    return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=("BM", "BN", "BK"), n=n, default=default,
+                                 default_s=predict(work, default, dev), eager_s=eager), default)
+
+
+def _tl_bypass_fwd(dev, x, a1, b1, a2, b2, gamma, base=None, n: int = TL_N):
+    T, I = x.shape
+    O, R = a1.shape
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    e = esize(compute)
+    eo = esize(x.dtype if base is None else base.dtype)
+    eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * 12, 0),
+                             (T * I * e + O * I * e + T * O * 4, 2.0 * T * O * I), (T * O * (4 + eo), 0)])
+    return _tl_gemm_plan("loha_bypass_fwd", dev, T, O, I, e, eo, eager, n)
+
+
+def _tl_bypass_bwd(dev, grad, x, a1, b1, a2, b2, gamma, n: int = TL_N):
+    T, I = x.shape
+    O, R = a1.shape
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    e = esize(compute)
+    eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * 12, 0),
+                             (T * O * e + O * I * e + T * I * 4, 2.0 * T * O * I),
+                             (T * O * e + T * I * e + O * I * 4, 2.0 * T * O * I), (O * I * 4 * 6, 8.0 * O * I * R)])
+    return _tl_gemm_plan("loha_bypass_bwd", dev, T, I, O, e, esize(x.dtype), eager, n)
+
+
+def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
+    """The gradient kernels' tile: per job G read once per program row, the two P tiles
+    regenerated (2 dots over the padded rank) and the E·B product (1 dot)."""
+    O, R = a1.shape
+    I = b1.shape[1]
+    compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    e, eg = esize(compute), esize(grad.dtype)
+    rp = p2(R, 16)
+
+    def work(c):
+        bo, bi = c["BO"], c["BI"]
+        warps = 8 if rp >= 128 else 4
+        return [Work(grid=cdiv(O, bo) * max(1, cdiv(2 * dev.sm_count, cdiv(O, bo))), warps=warps, acc=2 * bo * rp + 2 * bo * bi,
+                     smem=(bo * bi + 2 * (bo + bi) * rp) * e, dram=O * I * eg + gemm_reads(2 * R * I * e, cdiv(O, bo), dev),
+                     mma=3 * 2.0 * 2 * O * I * rp, tc=True, mma_tile=bo * bi * rp),
+                Work(grid=cdiv(I, bi) * max(1, cdiv(2 * dev.sm_count, cdiv(I, bi))), warps=warps,
+                     acc=2 * bi * rp + 2 * bo * bi, smem=(bo * bi + 2 * (bo + bi) * rp) * e,
+                     dram=O * I * eg + gemm_reads(2 * O * R * e, cdiv(I, bi), dev), mma=3 * 2.0 * 2 * O * I * rp,
+                     tc=True, mma_tile=bo * bi * rp)]
+
+    default = dict(_tl_loha().GRADS)
+    cfgs = [dict(BO=bo, BI=bi) for bo in TL_GRADS["BO"] for bi in TL_GRADS["BI"]]
+    eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * (eg + 12), 0),
+                             (O * I * 4 * 2 + I * R * e * 2, 4.0 * O * I * R), (O * I * 4 * 2 + O * R * e * 2, 4.0 * O * I * R)])
+    return fixed_first(make_plan("loha_merge_bwd", rank(cfgs, work, dev), tile_axes=("BO", "BI"), n=n,
+                                 default=default, default_s=predict(work, default, dev), eager_s=eager), default)
+
+
+def _weights(a1, b1, a2, b2):
+    return (tuple(a1.shape), tuple(b1.shape), tuple(a2.shape), tuple(b2.shape))
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``
+TILELANG = {
+    "loha_bypass_fwd": (_tl_bypass_fwd, lambda x, a1, b1, a2, b2, *a: _weights(a1, b1, a2, b2)),
+    "loha_bypass_bwd": (_tl_bypass_bwd, lambda g, x, a1, b1, a2, b2, *a: _weights(a1, b1, a2, b2)),
+    "loha_merge_bwd": (_tl_merge_bwd, lambda g, a1, b1, a2, b2, *a: _weights(a1, b1, a2, b2)),
+}
 
 
 def launch(op: str, *args, **kw):

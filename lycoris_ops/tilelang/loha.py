@@ -47,6 +47,11 @@ _ACC = "float32"
 #: regenerate ΔW inside the apply kernel while (token tiles - 1)·Rp stays below this
 REGEN_BUDGET = 160
 _BT = 64
+#: the fixed launch configs (the tuner's ``{}`` candidate). A tuned ``cfg`` (plans/loha.py:
+#: ``TILELANG``) overrides: for the bypass ops, the tile of the large GEMM of the materialized
+#: path (x·ΔWᵀ, G·ΔW); for ``loha_merge_bwd``, the gradient kernels' BO x BI tile
+APPLY_GEMM = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
+GRADS = dict(BO=64, BI=64)
 
 
 def hada_apply_kernel(trans: bool, N: int, K: int, r: int, dt: str, bdt, odt: str,
@@ -262,7 +267,11 @@ def _delta(f, c):
     return gemm(f[0], f[1], f[2], f[3], None, 1.0, "hada", c, c)
 
 
-def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
+def _cfg(default: dict, cfg) -> dict:
+    return default if not cfg else {**default, **cfg}
+
+
+def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg=None):
     c = compute_dtype(x, a1, b1, a2, b2)
     odt = x.dtype if base is None else base.dtype
     f = tuple(prep(t, c) for t in (a1, b1, a2, b2))
@@ -270,10 +279,11 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
     bs = None if base is None else aligned(base.contiguous())
     if _regen(x.shape[0], a1.shape[1]):
         return _apply(False, xc, f, bs, gamma, odt, c, a1.shape[0])
-    return gemm(xc, _delta(f, c), None, None, bs, gamma, "plain", odt, c, b_nk=True, dyn_m=True)
+    return gemm(xc, _delta(f, c), None, None, bs, gamma, "plain", odt, c, b_nk=True, dyn_m=True,
+                **_cfg(APPLY_GEMM, cfg))
 
 
-def _grads(gw, f, gamma, dtypes, c):
+def _grads(gw, f, gamma, dtypes, c, BO=64, BI=64):
     """loha_merge_bwd on prepared operands: gw (O, I), f = (a1, b1, a2, b2)."""
     O, I = gw.shape
     r = f[0].shape[1]
@@ -281,18 +291,17 @@ def _grads(gw, f, gamma, dtypes, c):
     arch = arch_of(dev)
     dt = tl_dtype(c)
     Rp = pad_rank(r)
-    BO = BI = 64
     outs = []
     # g_a1, g_a2: reduction over I
     ns, per = _split(cdiv(I, BI), cdiv(O, BO), dev)
     if ns == 1:
         ga = [torch.empty((O, r), device=dev, dtype=dtypes[0]), torch.empty((O, r), device=dev, dtype=dtypes[2])]
-        k = kernel(hada_grad_a_kernel, arch, O, I, r, dt, tl_dtype(dtypes[0]), tl_dtype(dtypes[2]), True)
+        k = kernel(hada_grad_a_kernel, arch, O, I, r, dt, tl_dtype(dtypes[0]), tl_dtype(dtypes[2]), True, BO, BI)
         k(gw, *f, ga[0], ga[1], float(gamma), per, 1)
     else:
         Op = cdiv(O, BO) * BO
         pa = torch.empty((2, ns * Op, Rp), device=dev, dtype=torch.float32)
-        k = kernel(hada_grad_a_kernel, arch, O, I, r, dt, "float32", "float32", False)
+        k = kernel(hada_grad_a_kernel, arch, O, I, r, dt, "float32", "float32", False, BO, BI)
         k(gw, *f, pa[0], pa[1], float(gamma), per, ns)
         s = pa.view(2, ns, Op, Rp).sum(1)[:, :O, :r]
         ga = [fresh(s[0], dtypes[0]),
@@ -301,12 +310,12 @@ def _grads(gw, f, gamma, dtypes, c):
     ns, per = _split(cdiv(O, BO), cdiv(I, BI), dev)
     if ns == 1:
         gb = [torch.empty((r, I), device=dev, dtype=dtypes[1]), torch.empty((r, I), device=dev, dtype=dtypes[3])]
-        k = kernel(hada_grad_b_kernel, arch, O, I, r, dt, tl_dtype(dtypes[1]), tl_dtype(dtypes[3]), True)
+        k = kernel(hada_grad_b_kernel, arch, O, I, r, dt, tl_dtype(dtypes[1]), tl_dtype(dtypes[3]), True, BO, BI)
         k(gw, *f, gb[0], gb[1], float(gamma), per, 1)
     else:
         Ip = cdiv(I, BI) * BI
         pb = torch.empty((2, ns * Rp, Ip), device=dev, dtype=torch.float32)
-        k = kernel(hada_grad_b_kernel, arch, O, I, r, dt, "float32", "float32", False)
+        k = kernel(hada_grad_b_kernel, arch, O, I, r, dt, "float32", "float32", False, BO, BI)
         k(gw, *f, pb[0], pb[1], float(gamma), per, ns)
         s = pb.view(2, ns, Rp, Ip).sum(1)[:, :r, :I]
         gb = [fresh(s[0], dtypes[1]),
@@ -315,13 +324,13 @@ def _grads(gw, f, gamma, dtypes, c):
     return outs
 
 
-def merge_bwd(grad, a1, b1, a2, b2, gamma):
+def merge_bwd(grad, a1, b1, a2, b2, gamma, cfg=None):
     c = compute_dtype(a1, b1, a2, b2)
     f = tuple(prep(t, c) for t in (a1, b1, a2, b2))
-    return _grads(prep(grad, c), f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c)
+    return _grads(prep(grad, c), f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c, **_cfg(GRADS, cfg))
 
 
-def bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
+def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg=None):
     c = compute_dtype(x, a1, b1, a2, b2)
     f = tuple(prep(t, c) for t in (a1, b1, a2, b2))
     g, xc = prep(grad, c), prep(x, c)
@@ -329,7 +338,7 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
     if _regen(x.shape[0], a1.shape[1]):
         gx = _apply(True, g, f, None, gamma, x.dtype, c, I)
     else:
-        gx = gemm(g, _delta(f, c), None, None, None, gamma, "plain", x.dtype, c, dyn_m=True)
+        gx = gemm(g, _delta(f, c), None, None, None, gamma, "plain", x.dtype, c, dyn_m=True, **_cfg(APPLY_GEMM, cfg))
     gw = gemm(g, xc, None, None, None, 1.0, "plain", c, c, a_km=True, dyn_k=True)  # round(Gᵀ·x) (O, I)
     return (gx,) + _grads(gw, f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c)
 
