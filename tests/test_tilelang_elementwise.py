@@ -23,6 +23,7 @@ from lycoris_ops.reference import dora as R_DORA  # noqa: E402
 from lycoris_ops.reference import ia3 as R_IA3  # noqa: E402
 from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.tilelang import _common, add, dora, ia3  # noqa: E402
+import tilelang_harness as harness  # noqa: E402
 from tilelang_harness import IDS, MATRIX, NVCC  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -189,12 +190,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
         for fn, args, cfg in calls:
             tl_pick._call(fn, args, cfg)
     assert len(pending) >= 16
-    failed = []
-    for p in pending:
-        try:
-            _common.compile_only(p.builder, p.arch, *p.args)
-        except Exception as exc:  # collected: one report of every failing config
-            failed.append((p.builder.__name__, p.args, str(exc).splitlines()[0][:120]))
+    failed = harness.compile_failures(pending)
     assert not failed, failed
 
 

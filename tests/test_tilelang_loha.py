@@ -148,12 +148,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     with _common.capturing() as pending:
         for fn, args, cfg in calls:
             tl_pick._call(fn, args, cfg)
-    failed = []
-    for p in pending:
-        try:
-            _common.compile_only(p.builder, p.arch, *p.args)
-        except Exception as exc:  # collected: one report of every failing corner
-            failed.append((p.builder.__name__, p.args[-6:], str(exc).splitlines()[0][:120]))
+    failed = harness.compile_failures(pending)
     assert len(pending) >= 12 and not failed, failed
 
 

@@ -177,12 +177,7 @@ def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
                 for th in [t_ for t_ in sp["threads"] if t_ == 128 or bo >= 128]:
                     for bi in (min(sp["BI"]), max(sp["BI"])):
                         tl_pick._call(tucker.tucker_fwd, chains + (1.0,), dict(BO=bo, BI=bi, threads=th))
-    failed = []
-    for p in pending:
-        try:
-            _common.compile_only(p.builder, p.arch, *p.args)
-        except Exception as exc:  # collected: one report of every failing corner
-            failed.append((p.args[-3:], str(exc).splitlines()[0][:120]))
+    failed = harness.compile_failures(pending)
     assert len(pending) == 12 and not failed, failed
 
 
@@ -250,16 +245,11 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     from lycoris_ops.plans import tilelang as tl_pick
 
     calls = _sm90a_bench_calls(monkeypatch)
-    failed = []
-    for op, cfg in _space_corners():
-        fn, args = calls[op]
-        with _common.capturing() as pending:
+    with _common.capturing() as pending:
+        for op, cfg in _space_corners():
+            fn, args = calls[op]
             tl_pick._call(fn, args, cfg)
-        for p in pending:
-            try:
-                _common.compile_only(p.builder, p.arch, *p.args)
-            except Exception as exc:  # collected: one report of every failing corner
-                failed.append((op, cfg, p.builder.__name__, str(exc).splitlines()[0][:120]))
+    failed = harness.compile_failures(pending)
     assert not failed, failed
 
 

@@ -31,3 +31,17 @@ def compare(opset, reference, op, args, dtype, tol=None):
         assert all(g.data_ptr() != a.data_ptr() for a in args if isinstance(a, torch.Tensor) and a.numel())
         err = rel_err(g, w)
         assert err <= (tol or REL_TOL[dtype]), f"{op} output {k}: rel err {err:.3e}"
+
+
+def compile_failures(pending):
+    """Compile each captured kernel (``_common.capturing``) for its arch; one line per kernel
+    that fails (builder, its last arguments, the error), so a test reports them all at once."""
+    from lycoris_ops.tilelang import _common
+
+    failed = []
+    for p in pending:
+        try:
+            _common.compile_only(p.builder, p.arch, *p.args)
+        except Exception as exc:  # collected, not raised: every failing config in one report
+            failed.append((p.builder.__name__, p.args[-6:], str(exc).splitlines()[0][:120]))
+    return failed
