@@ -17,6 +17,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
+from lycoris_ops.plans.cost import tl_threads  # noqa: E402
 from lycoris_ops.reference import loha as REF  # noqa: E402
 from lycoris_ops.testing import loha as CASES  # noqa: E402
 from lycoris_ops.tilelang import _common, loha, ops  # noqa: E402
@@ -138,7 +139,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     sp, gp = plans_loha.TL_GEMM, plans_loha.TL_GRADS
     calls = []
     for bm in sp["BM"]:
-        for th in [t for t in sp["threads"] if t == 128 or bm >= 128]:
+        for th in tl_threads(sp["threads"], bm):
             for st in sp["stages"]:
                 cfg = dict(BM=bm, BN=max(sp["BN"]), BK=max(sp["BK"]), stages=st, threads=th)
                 calls += [(loha.bypass_fwd, (x, a, b, a, b, 1.0, None), cfg), (loha.bypass_bwd, (x, x, a, b, a, b, 1.0), cfg)]

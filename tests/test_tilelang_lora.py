@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("tilelang")
 
+from lycoris_ops.plans.cost import tl_threads  # noqa: E402
 from lycoris_ops.reference import lora as REF  # noqa: E402
 from lycoris_ops.testing import lora as CASES  # noqa: E402
 from lycoris_ops.tilelang import _common, lora, ops, tucker  # noqa: E402
@@ -174,7 +175,7 @@ def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
     with _common.capturing() as pending:
         for chains in ((a, t, b, None, None, None), (a, t, b, a, t, b)):
             for bo in sp["BO"]:
-                for th in [t_ for t_ in sp["threads"] if t_ == 128 or bo >= 128]:
+                for th in tl_threads(sp["threads"], bo):
                     for bi in (min(sp["BI"]), max(sp["BI"])):
                         tl_pick._call(tucker.tucker_fwd, chains + (1.0,), dict(BO=bo, BI=bi, threads=th))
     failed = harness.compile_failures(pending)
@@ -224,7 +225,7 @@ def _space_corners():
                                 ("lora_merge_fwd", P.TL_MERGE_FWD, "BM", ("BN", "BK"))):
         for r in sp[row]:
             for st in sp["stages"]:
-                for th in P._tl_threads(r):
+                for th in tl_threads(sp["threads"], r):
                     for pick in (max, min):
                         out.append((op, {row: r, "stages": st, "threads": th, **{k: pick(sp[k]) for k in others}}))
     tok, sk = P.TL_TOKEN, P.TL_SKINNY

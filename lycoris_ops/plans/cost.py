@@ -38,7 +38,7 @@ from .device import DeviceFacts
 
 __all__ = ["Work", "Estimate", "estimate", "total", "once_or_each", "eager_time", "pow2_between", "rank", "shortlist",
            "LAUNCH_S", "EAGER_LAUNCH_S", "make_plan", "make_shared_plan", "COMPILE_BUDGET", "MIN_FUSED",
-           "STREAM_TILE_MAX", "predict", "fixed_first", "cdiv", "p2", "gemm_reads", "esize"]
+           "STREAM_TILE_MAX", "predict", "fixed_first", "tl_stages", "tl_threads", "cdiv", "p2", "gemm_reads", "esize"]
 
 #: host + launch overhead of one kernel launch (s)
 LAUNCH_S = 3e-6
@@ -385,6 +385,17 @@ def make_shared_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, kernels: 
     picked.append(SENTINEL_EAGER)
     predicted.append(eager_s if eager_s is not None else math.inf)
     return Plan(op, picked, predicted)
+
+
+def tl_stages(dev: DeviceFacts, options: Sequence[int]) -> Tuple[int, ...]:
+    """The pipeline depths of a TileLang space the device can use (at least the first)."""
+    return tuple(s for s in dev.stages if s in options) or tuple(options[:1])
+
+
+def tl_threads(options: Sequence[int], rows: int) -> List[int]:
+    """The threads of a TileLang space usable with a ``rows``-row tile: sm_90's WGMMA issues
+    per 128-thread warpgroup, one warpgroup per 64 rows, so 256 threads only with 128 rows."""
+    return [t for t in options if t == 128 or rows >= 128]
 
 
 def fixed_first(plan, fixed: dict):

@@ -29,7 +29,7 @@ import torch
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
 from .cost import (DEFAULT_MARGIN, Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan,
-                   make_shared_plan, p2, predict, rank)
+                   make_shared_plan, p2, predict, rank, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -220,7 +220,7 @@ def _tl_gemm_plan(op, dev: DeviceFacts, M: int, N: int, K: int, e: int, eo: int,
     sp = TL_GEMM
     default = dict(_tl_loha().APPLY_GEMM)
     cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=t) for bm in sp["BM"] for bn in sp["BN"] for bk in sp["BK"]
-            for s in sp["stages"] if s in dev.stages for t in sp["threads"] if t == 128 or bm >= 128]
+            for s in tl_stages(dev, sp["stages"]) for t in tl_threads(sp["threads"], bm)]
     return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=("BM", "BN", "BK"), n=n, default=default,
                                  default_s=predict(work, default, dev), eager_s=eager), default)
 

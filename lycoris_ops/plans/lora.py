@@ -29,7 +29,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan, p2, predict, rank, shortlist
+from .cost import (Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan, p2, predict, rank, shortlist,
+                   tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -289,14 +290,6 @@ def _tl_module():
     return importlib.import_module("lycoris_ops.tilelang.lora")
 
 
-def _tl_stages(dev: DeviceFacts, space: dict):
-    return tuple(s for s in dev.stages if s in space["stages"]) or space["stages"][:1]
-
-
-def _tl_threads(bm: int):
-    return [t for t in TL_THREADS if t == 128 or bm >= 128]
-
-
 #: The skinny kernel's and the LoRA backward token kernel's spaces stay at their fixed
 #: stages and threads: TileLang's lowering rejects 3 stages over the skinny kernel's runtime
 #: K-loop length ("Downcast from tirx.Sub to ir.IntImm") and the token kernel with 128-row
@@ -305,7 +298,7 @@ def _tl_threads(bm: int):
 #: space below compiles for sm_90a (tests/test_tilelang_lora.py: test_tile_space_corners_*).
 TL_SKINNY = dict(BM=(64,), BK=(32, 64), stages=(2,), threads=(128,))
 TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(0,))
-#: the forwards' spaces (threads 256 only with 128-row tiles: ``_tl_threads``; stages also
+#: the forwards' spaces (threads 256 only with 128-row tiles: ``cost.tl_threads``; stages also
 #: within the device's pipeline depths)
 TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(2, 3, 4), threads=TL_THREADS)
 TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2, 3, 4), threads=TL_THREADS)
@@ -329,7 +322,7 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
 
     sp = TL_BYPASS_FWD
     cfgs = [dict(BT=bt, BO=bo, BK=bk, stages=s, threads=th) for bt in sp["BT"] for bo in sp["BO"]
-            for bk in sp["BK"] for s in _tl_stages(dev, sp) for th in _tl_threads(bt)]
+            for bk in sp["BK"] for s in tl_stages(dev, sp["stages"]) for th in tl_threads(sp["threads"], bt)]
     return _tl_plan("lora_bypass_fwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_FWD), eager, ("BT", "BO", "BK"), n)
 
 
@@ -372,7 +365,7 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
 
     sp = TL_MERGE_FWD
     cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bn in sp["BN"]
-            for bk in sp["BK"] if bk <= kcap for s in _tl_stages(dev, sp) for th in _tl_threads(bm)]
+            for bk in sp["BK"] if bk <= kcap for s in tl_stages(dev, sp["stages"]) for th in tl_threads(sp["threads"], bm)]
     return _tl_plan("lora_merge_fwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_FWD), eager, ("BM", "BN", "BK"), n)
 
 

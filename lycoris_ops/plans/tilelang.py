@@ -34,12 +34,11 @@ exact weight sizes (a tile choice is per layer shape).
 """
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import time
 from typing import Any, Callable, Dict, Sequence, Tuple
-
-import importlib
 
 import torch
 

@@ -17,7 +17,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, p2, predict, rank
+from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, p2, predict, rank, tl_threads
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -107,8 +107,8 @@ def _tl_plan(dev: DeviceFacts, a1, t1, b1, a2, t2, b2, gamma, n: int = TL_N):
                     mma_tile=bo * bi * rpb, inflight=bo * bi * eo)
 
     default = dict(tl.TUCKER)
-    cfgs = [dict(BO=bo, BI=bi, threads=t) for bo in TL_SPACE["BO"] for bi in TL_SPACE["BI"] for t in TL_SPACE["threads"]
-            if t == 128 or bo >= 128]
+    cfgs = [dict(BO=bo, BI=bi, threads=t) for bo in TL_SPACE["BO"] for bi in TL_SPACE["BI"]
+            for t in tl_threads(TL_SPACE["threads"], bo)]
     R = max(ranks)
     eager = eager_time(dev, [(O * R * e + R * R * Kk * e + O * R * Kk * 4, 2.0 * O * R * R * Kk),
                              (O * R * Kk * (4 + e), 0), (O * R * Kk * e + R * I * e + O * I * Kk * 4,

@@ -29,7 +29,7 @@ import torch
 __all__ = [
     "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "target_of", "kernel", "compile_only",
     "clear", "stats", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
-    "capturing", "Pending",
+    "capturing", "Pending", "launch_config",
 ]
 
 EXECUTION_BACKEND = "tvm_ffi"
@@ -76,6 +76,12 @@ class capturing:
     def __exit__(self, *exc):
         _capture.active = None
         return False
+
+
+def launch_config(fixed: dict, cfg) -> dict:
+    """A launcher's parameters: its ``fixed`` config with a tuned ``cfg``'s keys over it
+    (``cfg`` None or ``{}``: the fixed one; plans/tilelang.py passes the tuner's pick)."""
+    return fixed if not cfg else {**fixed, **cfg}
 
 
 def tl():

@@ -14,7 +14,7 @@ non-contiguous or misaligned operands are read from a contiguous copy.
 
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, tl_dtype
 
 __all__ = ["add_kernel", "add_scaled", "vec_width", "compile_specs"]
 
@@ -57,7 +57,7 @@ def vec_width(numel: int, *dtypes: torch.dtype) -> int:
 
 def add_scaled(base: torch.Tensor, delta: torch.Tensor, gamma: float, cfg=None) -> torch.Tensor:
     """``base + γ·delta`` in base's shape and dtype (fresh, contiguous)."""
-    p = ADD if not cfg else {**ADD, **cfg}
+    p = launch_config(ADD, cfg)
     out = torch.empty(base.shape, device=base.device, dtype=base.dtype)
     n = out.numel()
     if n == 0:

@@ -27,7 +27,7 @@ mostly from L2):
 """
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, next_pow2, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype
 
 __all__ = ["dora_fwd_kernel", "dora_bwd_kernel", "dora_fwd", "dora_bwd", "compile_specs"]
 
@@ -243,7 +243,7 @@ def tiling(R0: int, R1: int, row_axis: int, vec: int, sms: int, vecs: int = _TIL
 
 def dora_fwd(w, dscale, mult, row_axis, delta=None, cfg=None):
     """DoRA forward (see ``reference.dora.dora_fwd``): one kernel. Returns (y, norms)."""
-    p = DORA if not cfg else {**DORA, **cfg}
+    p = launch_config(DORA, cfg)
     R0, R1 = w.shape
     rows = w.shape[row_axis]
     y = torch.empty(w.shape, device=w.device, dtype=w.dtype)
@@ -266,7 +266,7 @@ def dora_fwd(w, dscale, mult, row_axis, delta=None, cfg=None):
 
 def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None, cfg=None):
     """DoRA backward (see ``reference.dora.dora_bwd``): one kernel. Returns (g_M, g_dscale)."""
-    p = DORA if not cfg else {**DORA, **cfg}
+    p = launch_config(DORA, cfg)
     R0, R1 = w.shape
     rows = w.shape[row_axis]
     g_m = torch.empty(w.shape, device=w.device, dtype=w.dtype)

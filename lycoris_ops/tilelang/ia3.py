@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, next_pow2, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype
 
 __all__ = ["ia3_fwd_kernel", "ia3_bwd_kernel", "colsum_kernel", "ia3_fwd", "ia3_bwd", "compile_specs"]
 
@@ -208,7 +208,7 @@ def _geometry(shape, channel_axis):
 
 def ia3_fwd(x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, gamma: float, cfg=None) -> torch.Tensor:
     """``y = x·(α + γ·w[c])``; x's shape, dtype ``promote_types(x, w)``, contiguous."""
-    p = IA3 if not cfg else {**IA3, **cfg}
+    p = launch_config(IA3, cfg)
     y = torch.empty(x.shape, device=x.device, dtype=torch.promote_types(x.dtype, w.dtype))
     if y.numel() == 0:
         return y
@@ -241,7 +241,7 @@ def _split(tiles: int, other: int, device: torch.device) -> tuple:
 def ia3_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, gamma: float,
             cfg=None):
     """``gx = G·(α + γ·w[c])`` (x's dtype) and ``gw[c] = γ·Σ G·x`` (w's dtype and shape)."""
-    p = IA3 if not cfg else {**IA3, **cfg}
+    p = launch_config(IA3, cfg)
     gx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     gw = torch.empty(w.shape, device=w.device, dtype=w.dtype)
     if x.numel() == 0:

@@ -37,7 +37,7 @@ contiguous on the host when they are not already.
 """
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 
 __all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel",
@@ -267,10 +267,6 @@ def _delta(f, c):
     return gemm(f[0], f[1], f[2], f[3], None, 1.0, "hada", c, c)
 
 
-def _cfg(default: dict, cfg) -> dict:
-    return default if not cfg else {**default, **cfg}
-
-
 def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg=None):
     c = compute_dtype(x, a1, b1, a2, b2)
     odt = x.dtype if base is None else base.dtype
@@ -280,7 +276,7 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg=None):
     if _regen(x.shape[0], a1.shape[1]):
         return _apply(False, xc, f, bs, gamma, odt, c, a1.shape[0])
     return gemm(xc, _delta(f, c), None, None, bs, gamma, "plain", odt, c, b_nk=True, dyn_m=True,
-                **_cfg(APPLY_GEMM, cfg))
+                **launch_config(APPLY_GEMM, cfg))
 
 
 def _grads(gw, f, gamma, dtypes, c, BO=64, BI=64):
@@ -327,7 +323,7 @@ def _grads(gw, f, gamma, dtypes, c, BO=64, BI=64):
 def merge_bwd(grad, a1, b1, a2, b2, gamma, cfg=None):
     c = compute_dtype(a1, b1, a2, b2)
     f = tuple(prep(t, c) for t in (a1, b1, a2, b2))
-    return _grads(prep(grad, c), f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c, **_cfg(GRADS, cfg))
+    return _grads(prep(grad, c), f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c, **launch_config(GRADS, cfg))
 
 
 def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg=None):
@@ -338,7 +334,7 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg=None):
     if _regen(x.shape[0], a1.shape[1]):
         gx = _apply(True, g, f, None, gamma, x.dtype, c, I)
     else:
-        gx = gemm(g, _delta(f, c), None, None, None, gamma, "plain", x.dtype, c, dyn_m=True, **_cfg(APPLY_GEMM, cfg))
+        gx = gemm(g, _delta(f, c), None, None, None, gamma, "plain", x.dtype, c, dyn_m=True, **launch_config(APPLY_GEMM, cfg))
     gw = gemm(g, xc, None, None, None, 1.0, "plain", c, c, a_km=True, dyn_k=True)  # round(Gᵀ·x) (O, I)
     return (gx,) + _grads(gw, f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c)
 

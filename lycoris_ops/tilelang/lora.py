@@ -53,7 +53,7 @@ compact row-major buffers).
 
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, next_pow2, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype
 from .._checks import promote_dtypes
 
 __all__ = [
@@ -364,14 +364,10 @@ MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
 MERGE_BWD = dict(BM=64, BK=64, stages=2, threads=128)
 
 
-def _cfg(default: dict, cfg) -> dict:
-    return default if not cfg else {**default, **cfg}
-
-
 def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
     T_, I = x.shape
     O, r = up.shape
-    p = _cfg(BYPASS_FWD, cfg)
+    p = launch_config(BYPASS_FWD, cfg)
     c = compute_dtype(x, up, down)
     odt = x.dtype if base is None else base.dtype
     y = torch.empty((T_, O), device=x.device, dtype=odt)
@@ -417,7 +413,7 @@ def skinny(a, b, r, a_km, b_nk, out_t, gamma, out_dtype, compute, K=None, BM=64,
 def bypass_bwd(grad, x, up, down, gamma, cfg=None):
     T_, I = x.shape
     O, r = up.shape
-    p = _cfg(BYPASS_BWD, cfg)
+    p = launch_config(BYPASS_BWD, cfg)
     c = compute_dtype(x, up, down)
     Rp = pad_rank(r)
     dev = x.device
@@ -461,11 +457,11 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
         c = compute_dtype(a1, b1, a2, b2)
     odt = out_dtype or a1.dtype
     return gemm(prep(a1, c), prep(b1, c), None if a2 is None else prep(a2, c), None if b2 is None else prep(b2, c),
-                None if base is None else aligned(base.contiguous()), gamma, mode, odt, c, **_cfg(MERGE_FWD, cfg))
+                None if base is None else aligned(base.contiguous()), gamma, mode, odt, c, **launch_config(MERGE_FWD, cfg))
 
 
 def merge_bwd(grad, up, down, gamma, cfg=None):
-    p = _cfg(MERGE_BWD, cfg)
+    p = launch_config(MERGE_BWD, cfg)
     c = compute_dtype(up, down)
     g, u, d = prep(grad, c), prep(up, c), prep(down, c)
     r = up.shape[1]

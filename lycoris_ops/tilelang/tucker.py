@@ -20,7 +20,7 @@ Operands are cast to the compute dtype and made contiguous on the host
 """
 import torch
 
-from ._common import arch_of, kernel, tl_dtype
+from ._common import arch_of, kernel, launch_config, tl_dtype
 from .lora import _scopes, compute_dtype, pad_rank, prep
 
 __all__ = ["tucker_kernel", "tucker_fwd", "compile_specs"]
@@ -88,7 +88,7 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
 
 
 def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
-    p = TUCKER if not cfg else {**TUCKER, **cfg}
+    p = launch_config(TUCKER, cfg)
     c = compute_dtype(a1, t1, b1, a2, t2, b2)
     O, R1a = a1.shape
     R1b, I = b1.shape
