@@ -133,7 +133,7 @@ TL_SPACE = dict(vecs=(256, 512, 1024, 2048), threads=(128, 256))
 TL_N = 3
 
 
-def _tl_mapped(work, M: int, N: int, x_dtype, ch_rows: bool):
+def _tl_mapped(work, N: int, x_dtype):
     """The Triton model's work of a TileLang config: its tile (rows x vectors) in elements."""
     tl = importlib.import_module("lycoris_ops.tilelang.ia3")
     vec = tl._vec(N, x_dtype)
@@ -154,13 +154,13 @@ def _tl_plan(op, work, eager, dev, n):
 def _fwd_tl(dev, x, w, channel_axis, alpha, gamma, n: int = TL_N):
     M, N, C, ch_rows = geometry(x.shape, channel_axis)
     work, eager = _fwd_model(dev, M, N, C, x.dtype, w.dtype)
-    return _tl_plan("ia3_fwd", _tl_mapped(work, M, N, x.dtype, ch_rows), eager, dev, n)
+    return _tl_plan("ia3_fwd", _tl_mapped(work, N, x.dtype), eager, dev, n)
 
 
 def _bwd_tl(dev, grad, x, w, channel_axis, alpha, gamma, n: int = TL_N):
     M, N, C, ch_rows = geometry(x.shape, channel_axis)
     work, eager = _bwd_model(dev, M, N, C, ch_rows, x.dtype, w.dtype, grad.dtype)
-    return _tl_plan("ia3_bwd", _tl_mapped(work, M, N, x.dtype, ch_rows), eager, dev, n)
+    return _tl_plan("ia3_bwd", _tl_mapped(work, N, x.dtype), eager, dev, n)
 
 
 def _sizes(x, w, channel_axis, *a):
