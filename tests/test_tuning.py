@@ -778,6 +778,27 @@ def test_family_planners(family):
             json.dumps(plan.candidates)  # rows must be JSON
 
 
+@pytest.mark.parametrize("T,O,I,R", [(8192, 3072, 3072, 32), (8192, 4096, 4096, 64), (64, 3072, 3072, 32)])
+def test_loha_bypass_bwd_shortlist_holds_the_default_gemms(T, O, I, R):
+    """The launcher's fixed default gx tiles come with its own GW tiles (only the small merge
+    backward's tiles are shared): on the H200 every candidate shared a model-picked GW tile that
+    was 3x slower than the default's, and the tuner chose eager over a default that beat it."""
+    from lycoris_ops.plans import loha as m
+
+    TL, bf = m._tl(), torch.bfloat16
+    default = {"cfg": m._apply_default(TL, T, R, bf), "grad_cfg": m.as_dict(TL.default_grad_cfg(R, bf)),
+               "gw_cfg": m._gw_default(TL, O, R, bf)}
+    plan = m.plan_bypass_bwd(device.synthetic(), T, I, O, R, bf, bf, bf, default=default)
+    mine = [c for c in plan.candidates if not tune.is_eager(c) and c["cfg"] == default["cfg"]]
+    assert len(mine) == 1 and mine[0]["gw_cfg"] == default["gw_cfg"], plan.candidates
+    # spelled out, the default's tiles are the launch made without kwargs: same grids and meta
+    view = (((1,), (1,)),) * 6
+    got = TL._bypass_bwd_plan(T, O, I, R, view, bf, None, TL.ApplyCfg(**mine[0]["cfg"]),
+                              TL.ApplyCfg(**mine[0]["gw_cfg"]))
+    want = TL._bypass_bwd_plan(T, O, I, R, view, bf, None, TL.ApplyCfg(), None)
+    assert got == want
+
+
 @pytest.mark.parametrize("layer", [tune.Layer(64, 32, 4), tune.Layer(96, 48, 8)])
 def test_warmup_samples_are_valid_calls(layer):
     import importlib

@@ -10,8 +10,8 @@ O·I written, then a plain GEMM reading it). The GEMM is scored with a grouped
 tile order (operands re-read once per 8 tiles when they exceed half of L2).
 The backward runs gx (T x I, K = O) and GW = Gᵀ·x (O x I, K = T), then the two
 merge-backward jobs on GW with ``grad_cfg``. Its shortlist (``cost.make_shared_plan``)
-varies the gx GEMM only: GW's tiles (``gw_cfg``: the launcher default's when the model
-puts it within ``DEFAULT_MARGIN`` of the best, else the model's best) and ``grad_cfg``
+varies the gx GEMM only: GW's tiles (``gw_cfg``: the launcher default's; the model's pick,
+a small tile over the long K = T, measured 3x slower on the H200) and ``grad_cfg``
 (the model's best, split or not) are one config shared by every candidate, so a cold
 key compiles ΔW's, GW's and the merge-backward kernels once (4-6) plus one gx GEMM
 per candidate, within ``COMPILE_BUDGET``.
@@ -28,7 +28,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (DEFAULT_MARGIN, Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan,
+from .cost import (Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan,
                    make_shared_plan, p2, predict, rank, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
@@ -152,14 +152,15 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
 
     default = default or {}
     d_cfg, d_grad = default.get("cfg"), default.get("grad_cfg")
-    # GW's tiles: one config for every candidate (the default's unless the model predicts a gain > DEFAULT_MARGIN)
-    w_rank = rank([c for c in _apply_configs(dev, O, R, tc) if c["strategy"] == "materialize"], gw_works, dev)
-    d_gw = None if d_cfg is None else {**d_cfg, "strategy": "materialize"}
-    t_dgw = predict(gw_works, d_gw, dev)
-    if d_gw is not None and (not w_rank or (t_dgw is not None and t_dgw <= DEFAULT_MARGIN * w_rank[0][0])):
-        gw_cfg, t_gw = d_gw, t_dgw or 0.0
+    # GW's tiles: one config for every candidate, the launcher's own (the model ranks GW only when
+    # there is no default): on the H200 its pick, a 32x64 tile over K = T = 8192 at 3072^2, measured
+    # 3x slower than the default's, made every candidate lose to eager while the default launch won
+    d_gw = default.get("gw_cfg") or (None if d_cfg is None else {**d_cfg, "strategy": "materialize"})
+    if d_gw is not None:
+        gw_cfg, t_gw = d_gw, predict(gw_works, d_gw, dev) or 0.0
     else:
-        gw_cfg, t_gw = (w_rank[0][1], w_rank[0][0]) if w_rank else (d_gw, 0.0)
+        w_rank = rank([c for c in _apply_configs(dev, O, R, tc) if c["strategy"] == "materialize"], gw_works, dev)
+        gw_cfg, t_gw = (w_rank[0][1], w_rank[0][0]) if w_rank else (None, 0.0)
     # merge backward: the model's best, split (+2 reduce launches) or not
     r_rank = rank([{**c, "split": sp} for c in _grad_configs(dev, tc) for sp in (0, 1)], grads, dev)
     grad_cfg, t_grad = (r_rank[0][1], r_rank[0][0]) if r_rank else (d_grad, predict(grads, d_grad, dev) or 0.0)
@@ -299,6 +300,14 @@ def launch(op: str, *args, **kw):
 _F_BFWD, _F_BBWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front()
 
 
+def _gw_default(TL, O, R, compute):
+    """The tiles ``bypass_bwd`` gives the GW = Gᵀ·x GEMM (M = O rows, plain) when called without
+    ``gw_cfg`` or ``cfg``, spelled out."""
+    d = TL.default_apply_cfg(O, 1, 1, R, compute, False)
+    return as_dict(TL.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k, strategy="materialize",
+                               num_warps=d.num_warps, num_stages=TL.ApplyCfg().num_stages))
+
+
 def _apply_default(TL, M, R, compute):
     """``ApplyCfg()`` with the launcher's automatic choices spelled out (strategy, tiles)."""
     auto = getattr(TL, "_regen", None)
@@ -354,7 +363,8 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
     TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "g": grad.dtype, "w": a1.dtype})
-    default = {"cfg": _apply_default(TL, T, R, compute), "grad_cfg": as_dict(TL.default_grad_cfg(R, compute))}
+    default = {"cfg": _apply_default(TL, T, R, compute), "grad_cfg": as_dict(TL.default_grad_cfg(R, compute)),
+               "gw_cfg": _gw_default(TL, O, R, compute)}
     return tune.pick(
         "loha_bypass_bwd", BACKEND, key,
         lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype, default=default),
