@@ -705,8 +705,12 @@ def test_shared_plan_structure_budget_and_default():
 
 #: distinct Triton compilations of a cold key's shortlist (plans/compiles.py counts them through the
 #: real launchers), for the keys that were over the 2 s cold-tuning target on the H200
-COLD_KEY_COMPILES = {"oft_fwd": 4, "oft_bwd": 5, "boft_fwd": 7, "boft_bwd": 8, "loha_bypass_bwd": 8,
+COLD_KEY_COMPILES = {"oft_fwd": 4, "oft_bwd": 5, "boft_fwd": 7, "boft_bwd": 8, "loha_bypass_bwd": 10,
                      "lokr_merge_bwd": 8}
+#: over cost.COMPILE_BUDGET on purpose: loha_bypass_bwd's shortlist holds the launcher's default
+#: as a whole (its merge backward splits: + 2 reduce kernels), which the H200 measured faster than
+#: the model's shared picks (RESULTS.md, 2026-12-01)
+OVER_BUDGET = {"loha_bypass_bwd"}
 
 
 @pytest.mark.parametrize("shape,tokens", [("4096x4096:r64", 32768), ("3072x3072:r32", 8192)])
@@ -716,7 +720,7 @@ def test_cold_key_compile_budget(shape, tokens):
     candidates (the planner's first, eager last). Fails when a shortlist is widened."""
     from lycoris_ops.plans import compiles
 
-    assert max(COLD_KEY_COMPILES.values()) <= cost.COMPILE_BUDGET
+    assert max(v for k, v in COLD_KEY_COMPILES.items() if k not in OVER_BUDGET) <= cost.COMPILE_BUDGET
     for op, bound in COLD_KEY_COMPILES.items():
         r = compiles.count(op, shape, tokens)
         assert not r.failed, (op, r.failed)
@@ -779,10 +783,10 @@ def test_family_planners(family):
 
 
 @pytest.mark.parametrize("T,O,I,R", [(8192, 3072, 3072, 32), (8192, 4096, 4096, 64), (64, 3072, 3072, 32)])
-def test_loha_bypass_bwd_shortlist_holds_the_default_gemms(T, O, I, R):
-    """The launcher's fixed default gx tiles come with its own GW tiles (only the small merge
-    backward's tiles are shared): on the H200 every candidate shared a model-picked GW tile that
-    was 3x slower than the default's, and the tuner chose eager over a default that beat it."""
+def test_loha_bypass_bwd_shortlist_holds_the_default_launch(T, O, I, R):
+    """The launcher's fixed default launch is a candidate as a whole (gx, GW and merge-backward
+    tiles): on the H200 every candidate shared a model-picked GW tile and merge-backward split
+    that made them slower than the default, and the tuner chose eager over a default that beat it."""
     from lycoris_ops.plans import loha as m
 
     TL, bf = m._tl(), torch.bfloat16
@@ -790,7 +794,7 @@ def test_loha_bypass_bwd_shortlist_holds_the_default_gemms(T, O, I, R):
                "gw_cfg": m._gw_default(TL, O, R, bf)}
     plan = m.plan_bypass_bwd(device.synthetic(), T, I, O, R, bf, bf, bf, default=default)
     mine = [c for c in plan.candidates if not tune.is_eager(c) and c["cfg"] == default["cfg"]]
-    assert len(mine) == 1 and mine[0]["gw_cfg"] == default["gw_cfg"], plan.candidates
+    assert mine == [default], plan.candidates  # the whole default launch: gx, GW and merge-backward tiles
     # spelled out, the default's tiles are the launch made without kwargs: same grids and meta
     view = (((1,), (1,)),) * 6
     got = TL._bypass_bwd_plan(T, O, I, R, view, bf, None, TL.ApplyCfg(**mine[0]["cfg"]),

@@ -10,11 +10,12 @@ O·I written, then a plain GEMM reading it). The GEMM is scored with a grouped
 tile order (operands re-read once per 8 tiles when they exceed half of L2).
 The backward runs gx (T x I, K = O) and GW = Gᵀ·x (O x I, K = T), then the two
 merge-backward jobs on GW with ``grad_cfg``. Its shortlist (``cost.make_shared_plan``)
-varies the gx GEMM only: GW's tiles (``gw_cfg``: the launcher default's; the model's pick,
-a small tile over the long K = T, measured 3x slower on the H200) and ``grad_cfg``
-(the model's best, split or not) are one config shared by every candidate, so a cold
-key compiles ΔW's, GW's and the merge-backward kernels once (4-6) plus one gx GEMM
-per candidate, within ``COMPILE_BUDGET``.
+varies the gx GEMM only: GW's tiles (``gw_cfg``) and ``grad_cfg`` are the launcher
+default's, shared by every candidate (the model's picks for these two untimed parts,
+a small GW tile over the long K = T and a one-split merge backward, made every candidate
+slower than the default launch on the H200), so a cold key compiles ΔW's, GW's and
+the merge-backward kernels once (4-6) plus one gx GEMM per candidate: up to 10
+kernels, two over ``COMPILE_BUDGET`` (built in parallel children: about 1.2 s cold).
 
 Merge backward (per job, rows M over N): regenerate P1, P2 tiles and form the
 two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
@@ -161,9 +162,14 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     else:
         w_rank = rank([c for c in _apply_configs(dev, O, R, tc) if c["strategy"] == "materialize"], gw_works, dev)
         gw_cfg, t_gw = (w_rank[0][1], w_rank[0][0]) if w_rank else (None, 0.0)
-    # merge backward: the model's best, split (+2 reduce launches) or not
-    r_rank = rank([{**c, "split": sp} for c in _grad_configs(dev, tc) for sp in (0, 1)], grads, dev)
-    grad_cfg, t_grad = (r_rank[0][1], r_rank[0][0]) if r_rank else (d_grad, predict(grads, d_grad, dev) or 0.0)
+    # merge backward: the launcher default's too (the model's best, split or not, only without a
+    # default): untimed here, and the H200 runs showed a model pick (32x128, one split) costing
+    # more than the whole default backward at 3072^2, T=8192
+    if d_grad is not None:
+        grad_cfg, t_grad = d_grad, predict(grads, d_grad, dev) or 0.0
+    else:
+        r_rank = rank([{**c, "split": sp} for c in _grad_configs(dev, tc) for sp in (0, 1)], grads, dev)
+        grad_cfg, t_grad = (r_rank[0][1], r_rank[0][0]) if r_rank else (None, 0.0)
     rp = p2(R, 16)
     split_grad = grad_cfg is not None and (grad_cfg.get("split") or 0) != 1
     shared = {("gw",) + tuple(sorted((gw_cfg or {}).items())), ("grad", "a"), ("grad", "b")}
