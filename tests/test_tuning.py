@@ -790,8 +790,7 @@ def test_loha_bypass_bwd_shortlist_holds_the_default_launch(T, O, I, R):
     from lycoris_ops.plans import loha as m
 
     TL, bf = m._tl(), torch.bfloat16
-    default = {"cfg": m._apply_default(TL, T, R, bf), "grad_cfg": m.as_dict(TL.default_grad_cfg(R, bf)),
-               "gw_cfg": m._gw_default(TL, O, R, bf)}
+    default = m._bypass_bwd_default(TL, T, O, R, bf)
     plan = m.plan_bypass_bwd(device.synthetic(), T, I, O, R, bf, bf, bf, default=default)
     mine = [c for c in plan.candidates if not tune.is_eager(c) and c["cfg"] == default["cfg"]]
     assert mine == [default], plan.candidates  # the whole default launch: gx, GW and merge-backward tiles

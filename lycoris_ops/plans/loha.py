@@ -15,7 +15,7 @@ default's, shared by every candidate (the model's picks for these two untimed pa
 a small GW tile over the long K = T and a one-split merge backward, made every candidate
 slower than the default launch on the H200), so a cold key compiles ΔW's, GW's and
 the merge-backward kernels once (4-6) plus one gx GEMM per candidate: up to 10
-kernels, two over ``COMPILE_BUDGET`` (built in parallel children: about 1.2 s cold).
+kernels, two over ``COMPILE_BUDGET`` (built in parallel children: 1.2-2.0 s cold on the H200).
 
 Merge backward (per job, rows M over N): regenerate P1, P2 tiles and form the
 two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
@@ -306,12 +306,12 @@ def launch(op: str, *args, **kw):
 _F_BFWD, _F_BBWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front()
 
 
-def _gw_default(TL, O, R, compute):
-    """The tiles ``bypass_bwd`` gives the GW = Gᵀ·x GEMM (M = O rows, plain) when called without
-    ``gw_cfg`` or ``cfg``, spelled out."""
-    d = TL.default_apply_cfg(O, 1, 1, R, compute, False)
-    return as_dict(TL.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k, strategy="materialize",
-                               num_warps=d.num_warps, num_stages=TL.ApplyCfg().num_stages))
+def _bypass_bwd_default(TL, T, O, R, compute):
+    """The tiles ``bypass_bwd`` runs with when called without ``cfg``, ``grad_cfg`` and
+    ``gw_cfg``, spelled out: gx's (T token rows), GW = Gᵀ·x's (O rows, plain) and the merge
+    backward's."""
+    return {"cfg": _apply_default(TL, T, R, compute), "grad_cfg": as_dict(TL.default_grad_cfg(R, compute)),
+            "gw_cfg": _spelled(TL, O, R, compute, regen=False)}
 
 
 def _apply_default(TL, M, R, compute):
@@ -322,6 +322,11 @@ def _apply_default(TL, M, R, compute):
     else:
         bm = TL.default_apply_cfg(M, 1, 1, R, compute, True).block_m
         regen = p2(R, 16) <= MAX_HADA_RANK and cdiv(M, bm) <= TL.ApplyCfg().regen_max_tiles
+    return _spelled(TL, M, R, compute, regen)
+
+
+def _spelled(TL, M, R, compute, regen: bool):
+    """The launcher's automatic tiles for M rows and a given strategy, as an explicit config."""
     d = TL.default_apply_cfg(M, 1, 1, R, compute, regen)
     return as_dict(TL.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k,
                                strategy="regen" if regen else "materialize", num_warps=d.num_warps,
@@ -369,8 +374,7 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
     TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "g": grad.dtype, "w": a1.dtype})
-    default = {"cfg": _apply_default(TL, T, R, compute), "grad_cfg": as_dict(TL.default_grad_cfg(R, compute)),
-               "gw_cfg": _gw_default(TL, O, R, compute)}
+    default = _bypass_bwd_default(TL, T, O, R, compute)
     return tune.pick(
         "loha_bypass_bwd", BACKEND, key,
         lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype, default=default),
