@@ -80,3 +80,82 @@ def test_boft(m, nb, s, shape, axis, has_rs, diff, dtype):
     assert gx.dtype == x.dtype and gb.dtype == blocks.dtype and gb.shape == blocks.shape
     check(gx, rx, dtype, "boft_bwd gx")
     check(gb, rb, dtype, "boft_bwd g_blocks")
+
+
+#: non-default (forward, backward) configs inside plans/oft.py's TileLang spaces (BOFT shares them)
+TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
+             (dict(BT=64, threads=128), dict(BT=128, threads=256))]
+
+
+@pytest.mark.parametrize("fwd_cfg,bwd_cfg", TILE_CFGS, ids=["bt256-bt32", "bt64-bt128"])
+@pytest.mark.parametrize("m,nb,s,shape,axis", [(3, 4, 4, (300, 16), -1), (2, 4, 4, (2, 16, 9, 17), 1)],
+                         ids=["cl", "cf"])
+def test_tile_configs(m, nb, s, shape, axis, fwd_cfg, bwd_cfg):
+    """The launchers honour a tuned ``cfg`` on every stage (several tiles per program, a
+    tail tile, both layouts); on a GPU the real kernels, else the CPU twins."""
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(12)
+    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
+    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV)
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
+    check(boft.boft_fwd(blocks, x, axis, 0.9, 0.7, rescale, True, cfg=fwd_cfg),
+          R_BOFT.boft_fwd(b6, x6, axis, 0.9, 0.7, r6, True), dtype, f"boft_fwd {fwd_cfg}")
+    gx, gb = boft.boft_bwd(grad, blocks, x, axis, 0.9, 0.7, cfg=bwd_cfg)
+    rx, rb = R_BOFT.boft_bwd(g6, b6, x6, axis, 0.9, 0.7)
+    check(gx, rx, dtype, f"boft_bwd gx {bwd_cfg}")
+    check(gb, rb, dtype, f"boft_bwd g_blocks {bwd_cfg}")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_tile_space_corners_compile_sm90a(monkeypatch):
+    """The corners of the legal TileLang spaces of boft_fwd / boft_bwd (smallest and largest
+    BT, each with its threads; the permuted channel map, fp32 GEMMs) compile for sm_90a at
+    32- and 64-channel groups."""
+    from lycoris_ops.plans import device, oft as plans_oft
+    from lycoris_ops.tilelang import oft
+    from tilelang_harness import bt_corners, compile_calls
+
+    for mod in (boft, oft):
+        monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(oft, "num_sms", lambda d: 132)
+    dev = device.synthetic()
+    bf = torch.bfloat16
+    x = torch.empty(8192, 3072, dtype=bf)
+    calls = []
+    for m, s in ((4, 8), (2, 64)):
+        blocks = torch.empty(m, 3072 // s, s, s)
+        GP = boft.boft_groups(s, 3072 // s)[0]
+        for bwd in (False, True):
+            cfgs = plans_oft.tl_configs(dev, GP, 4, bwd)
+            for c in bt_corners(cfgs):
+                calls.append((boft.boft_bwd, (x, blocks, x, -1, 1.0, 1.0), c) if bwd
+                            else (boft.boft_fwd, (blocks, x, -1, 1.0, 1.0, None, False), c))
+    captured, failed = compile_calls(calls)
+    assert captured >= 12 and not failed, failed
+
+
+def test_shortlists_for_an_h200():
+    """boft_fwd / boft_bwd: the fixed config first, eager last, at most TL_N legal model
+    configs (fp32 GEMMs: no BT = 128 backward at 64-channel groups), JSON-serializable."""
+    import json
+
+    from lycoris_ops.plans import boft as plans_boft, device, oft as plans_oft, tilelang as tl_pick, tune
+    from lycoris_ops.tilelang import oft
+
+    dev = device.synthetic()
+    for m, s in ((4, 8), (2, 64)):
+        for dt in (torch.bfloat16, torch.float32):
+            blocks, x = torch.empty(m, 3072 // s, s, s), torch.empty(8192, 3072, dtype=dt)
+            GP = boft.boft_groups(s, 3072 // s)[0]
+            for op, args, fixed, bwd in (("boft_fwd", (blocks, x, -1, 1.0, 1.0, None, False), oft.APPLY, False),
+                                         ("boft_bwd", (x, blocks, x, -1, 1.0, 1.0), oft.STREAM, True)):
+                cands = list(plans_boft.TILELANG[op][0](dev, *args).candidates)
+                assert cands[0] == fixed and tune.is_eager(cands[-1]), (op, cands)
+                assert 3 <= len(cands) <= plans_oft.TL_N + 2 and len(set(map(str, cands))) == len(cands), (op, cands)
+                for c in cands[1:-1]:
+                    assert c in plans_oft.tl_configs(dev, GP, 4, bwd), (op, s, dt, c)
+                json.dumps(cands)
+    a = tl_pick.key_parts((torch.empty(4, 384, 8, 8), torch.empty(8192, 3072), -1, 1.0, 1.0, None, False), "boft_fwd")
+    assert a[0] == ("sizes", (4, 384, 8, False))  # the positions only in x's bucket

@@ -109,3 +109,80 @@ def test_cayley_kernel_blocks():
             assert rel_err(blk.T if trans else blk, want[k]) < 1e-6
             mask[grp, b * S:(b + 1) * S, b * S:(b + 1) * S] = True
         assert f[~mask].abs().max().item() == 0.0
+
+
+#: non-default (apply, stream) configs inside plans/oft.py's TileLang spaces (TL_APPLY, TL_STREAM)
+TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
+             (dict(BT=64, threads=128), dict(BT=128, threads=256))]
+
+
+@pytest.mark.parametrize("fwd_cfg,bwd_cfg", TILE_CFGS, ids=["bt256-bt32", "bt64-bt128"])
+@pytest.mark.parametrize("K,S,shape,weight", [(7, 5, (300, 35), False), (7, 5, (2, 35, 9, 17), False)],
+                         ids=["cl", "cf"])
+def test_tile_configs(K, S, shape, weight, fwd_cfg, bwd_cfg):
+    """The launchers honour a tuned ``cfg`` (positions per tile, threads): several tiles per
+    program and a tail tile, both layouts; on a GPU the real kernels, else the CPU twins."""
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(11)
+    blocks = (0.2 * torch.randn(K, S, S, generator=g)).to(DEV)
+    rescale = (torch.rand(K * S, 1, generator=g) + 0.5).to(DEV)
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
+    check(oft.oft_fwd(blocks, x, rescale, 0.8, True, weight, cfg=fwd_cfg),
+          R_OFT.oft_fwd(b6, x6, r6, 0.8, True, weight), dtype, f"oft_fwd {fwd_cfg}")
+    got = oft.oft_bwd(grad, blocks, x, rescale, 0.8, True, weight, cfg=bwd_cfg)
+    for what, a, b in zip(("gx", "g_blocks", "g_rescale"), got, R_OFT.oft_bwd(g6, b6, x6, r6, 0.8, True, weight)):
+        check(a, b, dtype, f"oft_bwd {what} {bwd_cfg}")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_tile_space_corners_compile_sm90a(monkeypatch):
+    """The corners of plans/oft.py's legal TileLang spaces (smallest and largest BT, each
+    with its threads) compile for sm_90a: 16-bit and fp32 (TF32 split) GEMMs, 32- and
+    64-channel groups; the largest tiles are the ones shared memory and registers allow."""
+    from lycoris_ops.plans import device, oft as plans_oft
+    from tilelang_harness import bt_corners, compile_calls
+
+    monkeypatch.setattr(oft, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(oft, "num_sms", lambda d: 132)
+    dev = device.synthetic()
+    calls = []
+    for S, dt in ((32, torch.bfloat16), (64, torch.bfloat16), (64, torch.float32)):
+        blocks, x = torch.empty(3072 // S, S, S), torch.empty(8192, 3072, dtype=dt)
+        GP = oft.group_plan(S)[0]
+        for bwd in (False, True):
+            cfgs = plans_oft.tl_configs(dev, GP, 2 if dt != torch.float32 else 4, bwd)
+            for c in bt_corners(cfgs):
+                calls.append((oft.oft_bwd, (x, blocks, x, None, 1.0, False, False), c) if bwd
+                            else (oft.oft_fwd, (blocks, x, None, 1.0, False, False), c))
+    captured, failed = compile_calls(calls)
+    assert captured >= 16 and not failed, failed
+
+
+def test_shortlists_for_an_h200():
+    """oft_fwd / oft_bwd: the fixed config first, eager last, at most TL_N model configs, all
+    legal (inside the space, fitting shared memory: the fp32 backward's 64-channel groups
+    never get BT = 128), JSON-serializable; the key keeps the positions bucketed."""
+    import json
+
+    from lycoris_ops.plans import device, oft as plans_oft, tilelang as tl_pick, tune
+
+    dev = device.synthetic()
+    for S in (16, 64):
+        for dt in (torch.bfloat16, torch.float32):
+            blocks, x = torch.empty(3072 // S, S, S), torch.empty(8192, 3072, dtype=dt)
+            GP, csize = oft.group_plan(S)[0], 2 if dt != torch.float32 else 4
+            for op, args, fixed, bwd in (("oft_fwd", (blocks, x, None, 1.0, False, False), oft.APPLY, False),
+                                         ("oft_bwd", (x, blocks, x, None, 1.0, False, False), oft.STREAM, True)):
+                cands = list(plans_oft.TILELANG[op][0](dev, *args).candidates)
+                assert cands[0] == fixed and tune.is_eager(cands[-1]), (op, cands)
+                assert 3 <= len(cands) <= plans_oft.TL_N + 2 and len(set(map(str, cands))) == len(cands), (op, cands)
+                for c in cands[1:-1]:
+                    assert c in plans_oft.tl_configs(dev, GP, csize, bwd), (op, S, dt, c)
+                json.dumps(cands)
+    blocks = torch.empty(192, 16, 16)
+    a = tl_pick.key_parts((blocks, torch.empty(8192, 3072), None, 1.0, False, False), "oft_fwd")
+    assert a[0] == ("sizes", (192, 16, False))  # the positions only in x's bucket
+    fp32_s64 = plans_oft.tl_configs(dev, 64, 4, True)
+    assert fp32_s64 and all(c["BT"] < 128 for c in fp32_s64)

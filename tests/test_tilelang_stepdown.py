@@ -254,16 +254,19 @@ def test_lora_shortlists_for_an_h200():
 
 
 def test_elementwise_shortlists_for_an_h200():
-    """add_scaled, IA3, DoRA, the tucker rebuild and LoHa: the fixed config first, eager last, configs inside TL_SPACE; IA3's
+    """add_scaled, IA3, DoRA, the tucker rebuild, LoHa, diag-OFT and BOFT: the fixed config first, eager last, configs inside TL_SPACE; IA3's
     key keeps the token rows bucketed (a new token count is not a new key)."""
     from lycoris_ops.plans import add as plans_add, device, dora as plans_dora, ia3 as plans_ia3
-    from lycoris_ops.plans import loha as plans_loha, tucker as plans_tucker
+    from lycoris_ops.plans import boft as plans_boft, loha as plans_loha, oft as plans_oft, tucker as plans_tucker
 
     dev = device.synthetic()
     bf = torch.bfloat16
     w = torch.empty(3072, 3072, dtype=bf)
     x, v = torch.empty(8192, 3072, dtype=bf), torch.empty(3072, dtype=bf)
     lh = (torch.empty(3072, 32, dtype=bf), torch.empty(32, 3072, dtype=bf)) * 2
+    ob, bb = torch.empty(96, 32, 32), torch.empty(4, 384, 8, 8)
+    streaming = {"oft_fwd": plans_oft.TL_APPLY, "oft_bwd": plans_oft.TL_STREAM, "boft_fwd": plans_oft.TL_APPLY,
+                 "boft_bwd": plans_oft.TL_STREAM}  # the streaming spaces diag-OFT and BOFT share
     for mod, op, args, fixed in ((plans_add, "add_scaled", (w, w, 1.0), dict(BV=256, threads=128)),
                                  (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
                                  (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
@@ -275,10 +278,15 @@ def test_elementwise_shortlists_for_an_h200():
                                   dict(BO=64, BI=64, threads=128)),
                                  (plans_loha, "loha_bypass_fwd", (x, *lh, 1.0, None),
                                   dict(BM=128, BN=128, BK=64, stages=2, threads=256)),
-                                 (plans_loha, "loha_merge_bwd", (w, *lh, 1.0), dict(BO=64, BI=64))):
+                                 (plans_loha, "loha_merge_bwd", (w, *lh, 1.0), dict(BO=64, BI=64)),
+                                 (plans_oft, "oft_fwd", (ob, x, None, 1.0, False, False), dict(BT=128, threads=128)),
+                                 (plans_oft, "oft_bwd", (x, ob, x, None, 1.0, False, False), dict(BT=64, threads=128)),
+                                 (plans_boft, "boft_fwd", (bb, x, -1, 1.0, 1.0, None, False), dict(BT=128, threads=128)),
+                                 (plans_boft, "boft_bwd", (x, bb, x, -1, 1.0, 1.0), dict(BT=64, threads=128))):
         cands = list(mod.TILELANG[op][0](dev, *args).candidates)
         assert cands[0] == fixed and tune.is_eager(cands[-1]) and 3 <= len(cands) <= mod.TL_N + 2, (op, cands)
-        space = getattr(mod, "TL_SPACE", None) or (mod.TL_GRADS if op == "loha_merge_bwd" else mod.TL_GEMM)
+        space = (getattr(mod, "TL_SPACE", None) or streaming.get(op)
+                 or (mod.TL_GRADS if op == "loha_merge_bwd" else mod.TL_GEMM))
         for c in cands[1:-1]:
             assert all(c[k] in space[k] for k in c), (op, c)
     a = tl_pick.key_parts((x, v, -1, 1.0, 1.0), "ia3_fwd")

@@ -45,3 +45,21 @@ def compile_failures(pending):
         except Exception as exc:  # collected, not raised: every failing config in one report
             failed.append((p.builder.__name__, p.args[-6:], str(exc).splitlines()[0][:120]))
     return failed
+
+
+def bt_corners(cfgs):
+    """The configs of ``cfgs`` at its smallest and largest positions per tile (BT)."""
+    bts = (min(c["BT"] for c in cfgs), max(c["BT"] for c in cfgs))
+    return [c for c in cfgs if c["BT"] in bts]
+
+
+def compile_calls(calls):
+    """Run each (op function, args, cfg) under ``_common.capturing`` (kernels built, nothing
+    launched) and compile every captured kernel: (kernels captured, ``compile_failures``)."""
+    from lycoris_ops.plans import tilelang as tl_pick
+    from lycoris_ops.tilelang import _common
+
+    with _common.capturing() as pending:
+        for fn, args, cfg in calls:
+            tl_pick._call(fn, args, cfg)
+    return len(pending), compile_failures(pending)

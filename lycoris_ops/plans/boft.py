@@ -20,15 +20,20 @@ segments (``max_group``), so the Cayley, group-matrix and chain launches compile
 once per key and the candidates differ in the streaming kernels' tiles, warps and
 stages (streamed tiles of at most ``STREAM_TILE_MAX`` fp32 elements);
 one segment: 2 + 5 compiles forward, 3 + 5 backward.
+
+TileLang (``TILELANG``): the per-stage streaming kernels' tile and threads in
+plans/oft.py's spaces, scored by the model above with one stage per segment.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
 from .cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
 from .device import DeviceFacts, facts
+from .oft import TL_N, tl_plan
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
@@ -65,10 +70,11 @@ def segments(m: int, nb: int, s: int, npos: int, sm: int, max_group: int, bp: in
     return out, n_tiles
 
 
-def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
+def _model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, seen=None):
+    """(work of a Triton config, eager seconds); ``seen``: drop configs whose launch signature
+    an earlier config had (None: score every config)."""
     C = nb * s
     SP = 2 * p2(s // 2)
-    seen = {}
     # the Cayley factors of every block (one launch, the same for every config)
     nbb = max(1, 2048 // (SP * SP))
     cayley = Work(grid=cdiv(m * nb, nbb), warps=4, acc=3 * nbb * SP * SP, dram=m * nb * (s * s * eb + SP * SP * 4),
@@ -81,7 +87,7 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
         f_tiles = cdiv(npos, fbp)
         cw = _tl().chain_warps(c.get("chain_warps", 0), segs[0][1])
         sig = (tuple(segs), bp, fbp if bwd else 0, c["num_warps"], c["num_stages"], cw)
-        if seen.setdefault(sig, id(c)) != id(c):
+        if seen is not None and seen.setdefault(sig, id(c)) != id(c):
             return None
         # the group matrices J of every segment (one launch; stages gathered, one IEEE dot each)
         GP0 = segs[0][1]
@@ -115,6 +121,17 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
                                   fma=n_groups * L * (L + 1) * 2.0 * GP ** 3, inflight=GP * GP * 4, tc=False))
         return works
 
+    per_stage = [(nb * s * s * (eb + 4) * 3, nb * 4.0 * s ** 3), (npos * C * 4 * 2, 2.0 * npos * C * s),
+                 (npos * C * 4 * 2, 0)]
+    steps = [(npos * C * (ex + 4), 0)] + per_stage * m + [(npos * C * (4 + ex), 0)]
+    return work, eager_time(dev, steps * 3 if bwd else steps, tc=False)
+
+
+def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
+    SP = 2 * p2(s // 2)
+    seen = {}
+    work, eager = _model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, seen)
+
     def structure(c):  # the segments: (stages, group rows) each; they decide every auxiliary launch
         return tuple((L, GP) for L, GP, _, _ in segments(m, nb, s, npos, dev.sm_count, c["max_group"], 64)[0]), \
             c.get("chain_warps", 0)
@@ -146,16 +163,11 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
                  num_stages=st, dot_prec="tf32x3", chain_warps=0)
             for g in (16, 32, 64) for bp in bps for w in (4, 8) for st in (1, 2, 3)]
     cfgs = [c for c in cfgs if compiles_ok(c)]
-    per_stage = [(nb * s * s * (eb + 4) * 3, nb * 4.0 * s ** 3), (npos * C * 4 * 2, 2.0 * npos * C * s),
-                 (npos * C * 4 * 2, 0)]
-    steps = [(npos * C * (ex + 4), 0)] + per_stage * m + [(npos * C * (4 + ex), 0)]
-    if bwd:
-        steps = steps * 3
     ranked = rank(cfgs, work, dev)
     seen.clear()
     return make_shared_plan(op, ranked, kernels=kernels, structure=structure,
                             tile_axes=("bwd_block_p" if bwd else "block_p", "num_warps"), n=n, default=default,
-                            default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=False))
+                            default_s=predict(work, default, dev), eager_s=eager)
 
 
 def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
@@ -176,6 +188,55 @@ def _geom(blocks, x, axis):
             npos *= int(sz)
     m, nb, s = (int(v) for v in blocks.shape[:3])
     return m, nb, s, npos, x.stride(ax) == 1
+
+
+# =============================================================================== TileLang models
+
+#: ``tilelang/boft.py`` runs diag-OFT's streaming kernels once per stage (fp32 GEMMs): its
+#: spaces and legality are plans/oft.py's (TL_APPLY for boft_fwd, TL_STREAM for boft_bwd's
+#: stream launches; the backward's forward replay keeps the fixed apply config)
+
+
+def _tl_boft():
+    return importlib.import_module("lycoris_ops.tilelang.boft")
+
+
+def _tl_model(dev, blocks, x, axis, bwd):
+    """The Triton model's work of a TileLang config (names mapped: one stage per segment,
+    ``max_group`` = one butterfly pair of blocks; BT -> the streamed tile, threads -> warps;
+    the backward's forward passes at the fixed apply tile) and eager; the group width GP."""
+    m, nb, s, npos, _ = _geom(blocks, x, axis)
+    work, eager = _model(dev, m, nb, s, npos, not _tl_sizes(blocks, x, axis)[3], bwd, esize(x.dtype),
+                         esize(blocks.dtype))
+    fixed_bt = importlib.import_module("lycoris_ops.tilelang.oft").APPLY["BT"]
+
+    def tl_work(c):
+        return work(dict(max_group=2 * p2(s // 2), block_p=fixed_bt if bwd else c["BT"], bwd_block_p=c["BT"],
+                         split=0, num_warps=c["threads"] // 32, num_stages=1, dot_prec="tf32x3", chain_warps=0))
+    return tl_work, eager, _tl_boft().boft_groups(s, nb)[0]
+
+
+def _fwd_tl(dev, blocks, x, axis, cscale, scale, rescale, diff, n: int = TL_N):
+    work, eager, GP = _tl_model(dev, blocks, x, axis, False)
+    return tl_plan("boft_fwd", dev, work, eager, GP, 4, False, n)  # fp32 GEMMs: 4-byte operands
+
+
+def _bwd_tl(dev, grad, blocks, x, axis, cscale, scale, n: int = TL_N):
+    work, eager, GP = _tl_model(dev, blocks, x, axis, True)
+    return tl_plan("boft_bwd", dev, work, eager, GP, 4, True, n)
+
+
+def _tl_sizes(blocks, x, axis, *a):
+    """(m, nb, s, channels-first layout); the positions stay bucketed (key_parts)."""
+    m, nb, s, _, _ = _geom(blocks, x, axis)
+    post = 1
+    for sz in x.shape[axis % x.dim() + 1:]:
+        post *= int(sz)
+    return m, nb, s, post != 1
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``
+TILELANG = {"boft_fwd": (_fwd_tl, _tl_sizes), "boft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
 def launch(op: str, *args, **kw):

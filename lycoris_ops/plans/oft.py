@@ -18,14 +18,21 @@ factors in registers, so each costs a full compile (0.5-1 s, sm_90): at most 4
 fused candidates, streamed tiles of at most ``STREAM_TILE_MAX`` fp32 elements;
 the backward's candidates share the first one's channel group (NB), so the
 chain kernel (its config = NB) compiles once per key: 1 + 4 compiles.
+
+TileLang (``TILELANG``, ``plans/tilelang.py``): the streaming kernel's positions per tile
+and threads (TL_APPLY, TL_STREAM; shared with BOFT), scored by the model above with the
+names mapped; only configs whose tiles fit shared memory and registers at the op's group
+width; the fixed config first. A cold key builds at most TL_N + 1 streaming kernels.
 """
 from __future__ import annotations
 
 import functools
+import importlib
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
+from .cost import (SMEM_MARGIN, STREAM_TILE_MAX, Work, cdiv, eager_time, esize, fixed_first, make_plan,
+                   make_shared_plan, p2, predict, rank, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -57,15 +64,16 @@ def _sector(run_bytes):
     return max(1.0, 32.0 / max(run_bytes, 1))
 
 
-def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
+def _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen=None):
+    """(work of a Triton config, eager seconds); ``seen``: drop configs whose launch signature
+    an earlier config had (None: score every config)."""
     C = K * S
-    seen = {}
 
     def work(c):
         bp = c["bwd_block_p"] if bwd else c["block_p"]
         SP, NB, GP, n_groups, n_tiles, split = _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos)
         sig = (NB, bp, c["num_warps"], c["num_stages"])
-        if seen.setdefault(sig, id(c)) != id(c):
+        if seen is not None and seen.setdefault(sig, id(c)) != id(c):
             return None
         grid = n_groups * split
         sector = _sector((GP if c_contig else bp) * ex)
@@ -82,6 +90,15 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
                               dram=split * n_groups * GP * GP * 4 + 2 * C * S * eb, fma=n_groups * NB * 8.0 * SP ** 3,
                               inflight=GP * GP * 4))
         return works
+
+    steps = [(K * S * S * (eb + 4), 0), (K * S * S * 4 * 4, K * 4.0 * S ** 3), (npos * C * (ex + 4), 0),
+             (npos * C * 4 * 2, 2.0 * npos * C * S), (npos * C * (4 + ex), 0)]
+    return work, eager_time(dev, steps * 2 if bwd else steps, tc=False)
+
+
+def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
+    seen = {}
+    work, eager = _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen)
 
     def geometry(c):  # (NB, positions per tile) of the streaming kernel
         bp = c["bwd_block_p"] if bwd else c["block_p"]
@@ -101,15 +118,11 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
                  bwd_block_p=bp if bwd else 64, chain_warps=4)
             for bp in (bps[:3] if bwd else bps) for g in (0, 32, 64) for w in (4, 8) for s in (1, 2, 3)]
     cfgs = [c for c in cfgs if compiles_ok(c)]
-    steps = [(K * S * S * (eb + 4), 0), (K * S * S * 4 * 4, K * 4.0 * S ** 3), (npos * C * (ex + 4), 0),
-             (npos * C * 4 * 2, 2.0 * npos * C * S), (npos * C * (4 + ex), 0)]
-    if bwd:
-        steps = steps * 2
     ranked = rank(cfgs, work, dev)
     seen.clear()
     return make_shared_plan(op, ranked, kernels=kernels, structure=(lambda c: geometry(c)[0]) if bwd else None,
                             tile_axes=("bwd_block_p" if bwd else "block_p", "group"), n=n, default=default,
-                            default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=False))
+                            default_s=predict(work, default, dev), eager_s=eager)
 
 
 def plan_oft_fwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
@@ -120,6 +133,96 @@ def plan_oft_fwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_
 def plan_oft_bwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
                  default=None, n: int = 4):
     return _plan("oft_bwd", dev, K, S, npos, c_contig, True, esize(x_dtype), esize(blocks_dtype), default, n)
+
+
+# =============================================================================== TileLang models
+
+#: ``tilelang/oft.py``'s streaming kernels (shared with BOFT): positions per tile (BT) and
+#: threads of the forward's apply kernel (TL_APPLY) and of the backward's stream kernel
+#: (TL_STREAM); 256 threads only with 128-row tiles (the gx / y GEMM's warpgroups); a config
+#: must fit the block's shared memory (``tl_legal``). The corners compile for sm_90a
+#: (tests/test_tilelang_oft.py)
+TL_APPLY = dict(BT=(64, 128, 256), threads=(128, 256))
+TL_STREAM = dict(BT=(32, 64, 128), threads=(128, 256))
+TL_N = 3
+#: fp32 accumulator registers per thread a TileLang config may hold (the (BT x GP) tile,
+#: plus the backward's GP x GP partial): beyond it the fragment spills
+TL_ACC_PER_THREAD = 128
+
+
+def _tl_oft():
+    return importlib.import_module("lycoris_ops.tilelang.oft")
+
+
+def tl_legal(dev: DeviceFacts, c: dict, GP: int, csize: int, bwd: bool) -> bool:
+    """Whether the TileLang config ``c`` fits one block: the kernel's shared memory (with the
+    planners' margin for the compiler's scratch) and its accumulator registers."""
+    TLO = _tl_oft()
+    smem = (TLO.stream_smem if bwd else TLO.apply_smem)(GP, c["BT"], csize)
+    acc = c["BT"] * GP + (GP * GP if bwd else 0)
+    return smem * SMEM_MARGIN <= dev.smem_per_block and acc <= TL_ACC_PER_THREAD * c["threads"]
+
+
+def tl_configs(dev: DeviceFacts, GP: int, csize: int, bwd: bool) -> list:
+    """The legal configs of TL_STREAM (bwd) or TL_APPLY for groups of GP channels."""
+    sp = TL_STREAM if bwd else TL_APPLY
+    cfgs = [dict(BT=bt, threads=t) for bt in sp["BT"] for t in tl_threads(sp["threads"], bt)]
+    return [c for c in cfgs if tl_legal(dev, c, GP, csize, bwd)]
+
+
+def tl_plan(op: str, dev: DeviceFacts, work, eager: float, GP: int, csize: int, bwd: bool, n: int):
+    """The shortlist of a streaming kernel: the fixed config first, the model's best legal
+    configs, eager (oft_* and boft_*)."""
+    TLO = _tl_oft()
+    default = dict(TLO.STREAM if bwd else TLO.APPLY)
+    return fixed_first(make_plan(op, rank(tl_configs(dev, GP, csize, bwd), work, dev), tile_axes=("BT",), n=n,
+                                 default=default, default_s=predict(work, default, dev), eager_s=eager), default)
+
+
+def _tl_shape(blocks, x, weight):
+    """(K, S, npos, channels-first layout) as ``tilelang/oft.py`` sees x (contiguous)."""
+    ax = 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
+    post = 1
+    for sz in x.shape[ax + 1:]:
+        post *= int(sz)
+    npos = x.numel() // max(1, int(x.shape[ax]))
+    return int(blocks.shape[0]), int(blocks.shape[1]), npos, post != 1
+
+
+def _tl_model(dev, K, S, npos, cf, bwd, ex, eb):
+    """The Triton model's work of a TileLang config (names mapped: BT -> the streamed tile,
+    threads -> warps, the group -> ``group``; no pipelined loop: one stage) and eager."""
+    GP = _tl_oft().group_plan(S)[0]
+    work, eager = _model(dev, K, S, npos, not cf, bwd, ex, eb)
+
+    def tl_work(c):
+        return work(dict(block_p=c["BT"], bwd_block_p=c["BT"], group=GP, split=0, num_warps=c["threads"] // 32,
+                         num_stages=1, dot_prec="tf32x3", chain_warps=4))
+    return tl_work, eager, GP
+
+
+def _fwd_tl(dev, blocks, x, rescale, cscale, shift, weight, n: int = TL_N):
+    K, S, npos, cf = _tl_shape(blocks, x, weight)
+    work, eager, GP = _tl_model(dev, K, S, npos, cf, False, esize(x.dtype), esize(blocks.dtype))
+    csize = esize(_tl_oft().gemm_dtype(x.dtype))
+    return tl_plan("oft_fwd", dev, work, eager, GP, csize, False, n)
+
+
+def _bwd_tl(dev, grad, blocks, x, rescale, cscale, shift, weight, n: int = TL_N):
+    K, S, npos, cf = _tl_shape(blocks, x, weight)
+    work, eager, GP = _tl_model(dev, K, S, npos, cf, True, esize(x.dtype), esize(blocks.dtype))
+    csize = esize(_tl_oft().gemm_dtype(x.dtype, grad.dtype))
+    return tl_plan("oft_bwd", dev, work, eager, GP, csize, True, n)
+
+
+def _tl_sizes(blocks, x, rescale, cscale, shift, weight):
+    """(K, S, channels-first layout); the positions stay bucketed (key_parts)."""
+    K, S, _, cf = _tl_shape(blocks, x, weight)
+    return K, S, cf
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``
+TILELANG = {"oft_fwd": (_fwd_tl, _tl_sizes), "oft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
 def geometry(x, weight: bool):

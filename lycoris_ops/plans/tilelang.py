@@ -4,7 +4,7 @@ tile configs), timed once per (device, op, operand size buckets, dtypes, flags).
 
 The shortlist of a call:
 * ops with a TileLang model (``TILELANG`` of ``plans/<family>.py``: the LoRA family's
-  four ops, the tucker rebuild, LoHa's three, ``add_scaled``, IA3 and DoRA: 13 of the 23): the kernel's fixed config first
+  four ops, the tucker rebuild, LoHa's three, ``add_scaled``, IA3, DoRA, diag-OFT's and BOFT's two each: 17 of the 23): the kernel's fixed config first
   (the untimed pick), the model's best tile configs (tile shape, pipeline stages,
   threads; the cost model of the family's Triton kernels with the names mapped) and
   ``SENTINEL_EAGER``; the op function gets the winner as ``cfg=``;
@@ -65,7 +65,7 @@ def stats() -> Dict[str, float]:
 
 
 #: the families whose plans/<family>.py has TileLang models (``TILELANG``)
-MODEL_FAMILIES = ("lora", "tucker", "loha", "add", "ia3", "dora")
+MODEL_FAMILIES = ("lora", "tucker", "loha", "add", "ia3", "dora", "oft", "boft")
 _models: Dict[str, Tuple[Callable, Callable]] = {}
 
 

@@ -23,12 +23,16 @@ to fp32 (TF32 hi + lo split, ~fp32 accuracy):
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
+Tile configs: the streaming kernels' positions per tile and threads come from oft.py's
+``APPLY`` / ``STREAM``, or a tuned ``cfg`` over them (plans/boft.py: ``TILELANG``).
+
 Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 """
 import torch
 
-from ._common import aligned, arch_of, kernel, tl_dtype
-from .oft import _BT_BWD, _BT_FWD, apply_kernel, bwd_stream_kernel, cayley_kernel, chain_kernel, position_view, tiling
+from ._common import aligned, arch_of, kernel, launch_config, tl_dtype
+from .oft import (_BT_BWD, _BT_FWD, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel, chain_kernel,
+                  position_view, tiling)
 from .oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "compile_specs"]
@@ -61,8 +65,9 @@ def _cayley(bc, rs, m, nb, s, NB, GP, gps, trans, cscale, scale, arch):
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch)
 
 
-def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff):
-    """BOFT forward (OPS.md §2.6.1, see ``reference.boft.boft_fwd``): 1 + m launches."""
+def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=None):
+    """BOFT forward (OPS.md §2.6.1, see ``reference.boft.boft_fwd``): 1 + m launches; ``cfg``:
+    the apply kernels' tuned {BT, threads} over oft's ``APPLY`` (every stage the same)."""
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
         return y
@@ -71,23 +76,26 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff):
     bc = aligned(blocks.contiguous())
     rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
     fh, fl = _cayley(bc, rs, m, nb, s, NB, GP, gps, False, cscale, scale, arch)
-    nsplit, tps = tiling(cf, pre, post, _BT_FWD, gps, x.device)
+    p = launch_config(APPLY, cfg)
+    nsplit, tps = tiling(cf, pre, post, p["BT"], gps, x.device)
     xd = tl_dtype(x.dtype)
     scratch = [torch.empty(xv.shape, device=x.device, dtype=torch.float32) for _ in range(min(m - 1, 2))]
     src = xv
     for i in range(m):
         last = i == m - 1
         dst = y.view(xv.shape) if last else scratch[i % 2]
-        k = kernel(apply_kernel, arch, tl_dtype(src.dtype), tl_dtype(dst.dtype), xd, _F32, GP, GC, _BT_FWD, cf, True,
-                   bool(diff) and last)
+        k = kernel(apply_kernel, arch, tl_dtype(src.dtype), tl_dtype(dst.dtype), xd, _F32, GP, GC, p["BT"], cf, True,
+                   bool(diff) and last, p["threads"])
         k(src, xv, fh, fl, dst, i * gps, (s // 2) << i, nsplit, tps)
         src = dst
     return y
 
 
-def boft_bwd(grad, blocks, x, axis, cscale, scale):
+def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
     """BOFT backward of the plain chain (OPS.md §2.6.2): returns gx (x's shape and dtype)
-    and g_blocks (blocks' shape and dtype)."""
+    and g_blocks (blocks' shape and dtype). ``cfg``: the stream kernels' tuned {BT, threads}
+    over oft's ``STREAM``; the forward replay keeps ``APPLY`` (its kernels are the forward's
+    fixed ones, so a tuned key builds one kernel per candidate)."""
     gx = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     g_blocks = torch.empty(blocks.shape, device=x.device, dtype=blocks.dtype)
     if x.numel() == 0:
@@ -102,22 +110,24 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale):
     xd = tl_dtype(x.dtype)
     # forward replay: stage inputs u^0 = x, u^1 … u^{m-1} (fp32)
     fh, fl = _cayley(bc, None, m, nb, s, NB, GP, gps, False, cscale, scale, arch)
-    nsplit_f, tps_f = tiling(cf, pre, post, _BT_FWD, gps, dev)
+    nsplit_f, tps_f = tiling(cf, pre, post, APPLY["BT"], gps, dev)
     us = [xv]
     for i in range(m - 1):
         dst = torch.empty(xv.shape, device=dev, dtype=torch.float32)
-        k = kernel(apply_kernel, arch, tl_dtype(us[-1].dtype), _F32, xd, _F32, GP, GC, _BT_FWD, cf, True, False)
+        k = kernel(apply_kernel, arch, tl_dtype(us[-1].dtype), _F32, xd, _F32, GP, GC, APPLY["BT"], cf, True, False,
+                   APPLY["threads"])
         k(us[-1], xv, fh, fl, dst, i * gps, (s // 2) << i, nsplit_f, tps_f)
         us.append(dst)
     # backward through the stages
     th, tl_ = _cayley(bc, None, m, nb, s, NB, GP, gps, True, cscale, scale, arch)
-    nsplit, tps = tiling(cf, pre, post, _BT_BWD, gps, dev)
+    p = launch_config(STREAM, cfg)
+    nsplit, tps = tiling(cf, pre, post, p["BT"], gps, dev)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
     g = gv
     for i in reversed(range(m)):
         dst = gx.view(xv.shape) if i == 0 else torch.empty(xv.shape, device=dev, dtype=torch.float32)
         k = kernel(bwd_stream_kernel, arch, tl_dtype(g.dtype), tl_dtype(us[i].dtype), tl_dtype(dst.dtype), _F32,
-                   GP, GC, _BT_BWD, cf, True)
+                   GP, GC, p["BT"], cf, True, p["threads"])
         k(g, us[i], th, tl_, dst, part, i * gps, (s // 2) << i, tps)
         g = dst
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(blocks.dtype), s, NB, GP, True, False)

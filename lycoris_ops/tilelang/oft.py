@@ -41,7 +41,9 @@ Layouts: x is seen as (pre, C, post) around the rotated axis. post = 1
 reads x as (pre, C, post) (weights (C, L): pre = 1; conv activations
 (N, C, *spatial)) and walks (pre index, post tile) pairs. Operands are read
 contiguous (a non-contiguous input is copied first). Every size is a
-``T.dynamic`` variable: one compiled kernel per (dtypes, S, layout, flags).
+``T.dynamic`` variable: one compiled kernel per (dtypes, S, layout, flags, tile
+config). The streaming kernels' positions per tile (BT) and threads are ``APPLY`` /
+``STREAM``, or a tuned ``cfg`` over them (plans/oft.py: ``TILELANG``).
 
 Scope: S <= 64 (``scope.py``: "block" <= 64 for tilelang); fp16 / bf16 / fp32.
 """
@@ -49,17 +51,27 @@ import math
 
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype
 
 __all__ = [
     "cayley_kernel", "apply_kernel", "bwd_stream_kernel", "chain_kernel",
-    "group_plan", "gemm_dtype", "oft_fwd", "oft_bwd", "compile_specs", "MAX_BLOCK",
+    "group_plan", "gemm_dtype", "oft_fwd", "oft_bwd", "compile_specs", "MAX_BLOCK", "APPLY", "STREAM",
+    "apply_smem", "stream_smem",
 ]
 
 MAX_BLOCK = 64
 _THREADS = 128
 _BT_FWD = 128
 _BT_BWD = 64
+#: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
+#: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
+#: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
+#: kernel (the Cayley and chain kernels are per group, tiny: fixed)
+APPLY = dict(BT=_BT_FWD, threads=_THREADS)
+STREAM = dict(BT=_BT_BWD, threads=_THREADS)
+#: the fp32 partials' dtype: a name in the kernels' annotations (pyflakes reads a string
+#: literal there as a forward reference)
+_F32 = "float32"
 
 
 # --------------------------------------------------------------------------- kernel helpers
@@ -221,20 +233,21 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
 
 
 def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int, cf: bool, has_perm: bool,
-                 diff: bool, cpu: bool = False):
+                 diff: bool, threads_: int = _THREADS, cpu: bool = False):
     """Y = F·X per group and position (row-vector form ``y = x·Fᵀ``), optional − X0.
 
     CL (cf=False): X, Y, X0 (NP, C). CF: (PRE, C, NP) with tiles of one pre index.
     Group g of this launch uses F pair [goff + g]; channel of slot l is
     π(g·GC + l) (has_perm, ``kappa``) else g·GC + l. Program (g, split) walks
-    tiles split·tps … split·tps + tps − 1.
+    tiles split·tps … split·tps + tps − 1; ``threads_`` threads per program (the GEMM's
+    warpgroups: 256 needs BT >= 128 on sm_90).
     """
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
-    threads = 1 if cpu else _THREADS
+    threads = 1 if cpu else threads_
     split = cdt == "float32"
     PRE, C, NP, NG = T.dynamic("PRE C NP NG")
     xshape = (PRE, C, NP) if cf else (NP, C)
@@ -292,19 +305,19 @@ def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int
 
 
 def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT: int, cf: bool, has_perm: bool,
-                      cpu: bool = False):
+                      threads_: int = _THREADS, cpu: bool = False):
     """gx = G·F (row-vector form, from the Fᵀ pair) and fp32 partials P = Σ Gᵀ·X.
 
     Layouts, groups, channel map and tiling as ``apply_kernel``. P (NS, NGP, GP, GP):
     program (g, split) writes P[split, goff + g] = Σ over its tiles of
-    ``P[i, j] = Σ_t g[t, i]·x[t, j]``.
+    ``P[i, j] = Σ_t g[t, i]·x[t, j]``; ``threads_`` threads per program.
     """
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
-    threads = 1 if cpu else _THREADS
+    threads = 1 if cpu else threads_
     split = cdt == "float32"
     PRE, C, NP, NG, NS, NGP = T.dynamic("PRE C NP NG NS NGP")
     xshape = (PRE, C, NP) if cf else (NP, C)
@@ -313,7 +326,7 @@ def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT
     @T.prim_func
     def oft_bwd_stream(G: T.Tensor(xshape, gd), X: T.Tensor(xshape, xd), FH: T.Tensor((NG, GP, GP), cdt),
                        FL: T.Tensor((NG, GP, GP), cdt), GX: T.Tensor(xshape, gxd),
-                       P: T.Tensor((NS, NGP, GP, GP), "float32"), goff: T.int32, kappa: T.int32, tps: T.int32):
+                       P: T.Tensor((NS, NGP, GP, GP), _F32), goff: T.int32, kappa: T.int32, tps: T.int32):
         with T.Kernel(T.ceildiv(C, GC), NS, threads=threads) as (g, sp):
             chs = alloc_s((GP,), "int32")
             Fh = alloc_s((GP, GP), cdt)
@@ -386,7 +399,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     build_system, gauss_jordan = _cayley_macros(T, par, S, NB, GP)
 
     @T.prim_func
-    def oft_chain(P: T.Tensor((NS, NG, GP, GP), "float32"), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
+    def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
                   GB: T.Tensor((KB, S, S), bd), GR: T.Tensor((NGR,), bd), cscale: T.float32, fcoef: T.float32):
         with T.Kernel(NG, threads=threads) as g:
             A = alloc_s((GP, GP), "float32")
@@ -449,6 +462,18 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
 
 # --------------------------------------------------------------------------- host side
 
+def apply_smem(GP: int, BT: int, csize: int) -> int:
+    """Shared-memory bytes of ``apply_kernel`` (GEMM operands of ``csize`` bytes): the channel
+    map, the F pair (GP x GP each), the X pair and the fp32 output stage (BT x GP each)."""
+    return 4 * GP + 2 * GP * GP * csize + 2 * BT * GP * csize + 4 * BT * GP
+
+
+def stream_smem(GP: int, BT: int, csize: int) -> int:
+    """Shared-memory bytes of ``bwd_stream_kernel``: the channel map, the Fᵀ pair, the G pair,
+    the Gᵀ and Xᵀ pairs and the fp32 gx stage."""
+    return 4 * GP + 2 * GP * GP * csize + 6 * BT * GP * csize + 4 * BT * GP
+
+
 def group_plan(S: int):
     """(GP, NB, GC): group width (power of two >= 32, >= S), blocks per group, used channels."""
     gp = 32 if S <= 32 else 64
@@ -500,8 +525,9 @@ def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_
     return fh, fl
 
 
-def oft_fwd(blocks, x, rescale, cscale, shift, weight):
-    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): Cayley + apply kernels."""
+def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
+    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): Cayley + apply kernels;
+    ``cfg``: the apply kernel's tuned {BT, threads} over ``APPLY``."""
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
         return y
@@ -516,16 +542,18 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight):
     bc = aligned(blocks.contiguous())
     rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
     fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, False, cscale, 1.0 if shift else 0.0, 0, 0, ng, arch)
-    nsplit, tps = tiling(cf, pre, post, _BT_FWD, ng, x.device)
+    p = launch_config(APPLY, cfg)
+    nsplit, tps = tiling(cf, pre, post, p["BT"], ng, x.device)
     k = kernel(apply_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, GC,
-               _BT_FWD, cf, False, False)
+               p["BT"], cf, False, False, p["threads"])
     yv = y.view(xv.shape)
     k(xv, xv, fh, fl, yv, 0, 0, nsplit, tps)
     return y
 
 
-def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight):
-    """Diag-OFT backward (OPS.md §2.5.2): Cayley (Fᵀ) + stream + chain kernels.
+def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
+    """Diag-OFT backward (OPS.md §2.5.2): Cayley (Fᵀ) + stream + chain kernels; ``cfg``: the
+    stream kernel's tuned {BT, threads} over ``STREAM``.
 
     Returns gx (x's shape and dtype), g_blocks (blocks' shape and dtype), g_rescale
     ((K·S,) in blocks' dtype, or an empty (0,) tensor when rescale is None)."""
@@ -550,10 +578,11 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight):
     bc = aligned(blocks.contiguous())
     rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
     fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, True, cscale, 1.0 if shift else 0.0, 0, 0, ng, arch)
-    nsplit, tps = tiling(cf, pre, post, _BT_BWD, ng, dev)
+    p = launch_config(STREAM, cfg)
+    nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
     ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt),
-                GP, GC, _BT_BWD, cf, False)
+                GP, GC, p["BT"], cf, False, p["threads"])
     ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
     rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None)
