@@ -67,14 +67,16 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
             T.copy(A1[o0, 0], a1s)
             T.copy(T1[kk, 0:P1a, 0:P1b], t1s)
             T.copy(B1[0, i0], b1s)
-            T.gemm(a1s, t1s, f1, clear_accum=True)
+            # a·t is BO x (rank <= 64): warps split its rows only (FullRow); with 256 threads the
+            # default split halves a 16-wide rank, a B layout sm_90's wgmma rejects
+            T.gemm(a1s, t1s, f1, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
             T.copy(f1, at1)  # a·t rounded to the compute dtype
             T.gemm(at1, b1s, c1, clear_accum=True)
             if two:
                 T.copy(A2[o0, 0], a2s)
                 T.copy(T2[kk, 0:P2a, 0:P2b], t2s)
                 T.copy(B2[0, i0], b2s)
-                T.gemm(a2s, t2s, f2, clear_accum=True)
+                T.gemm(a2s, t2s, f2, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
                 T.copy(f2, at2)
                 T.gemm(at2, b2s, c2, clear_accum=True)
             for i, j in par(BO, BI):
