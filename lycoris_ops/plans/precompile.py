@@ -14,7 +14,7 @@ holds the GIL, so threads barely overlap the compiles; processes do.
    (``FastJIT`` keeps nothing: the launch returns None). Calls from other threads go
    to the hook installed before (if any);
 2. the kernels not already in Triton's on-disk cache are compiled by up to
-   ``LYCORIS_KERNEL_TUNE_PROCS`` forked children (default ``min(8, CPUs - 1)``; 0 or
+   ``LYCORIS_KERNEL_TUNE_PROCS`` forked children (default ``min(12, CPUs - 1)``; 0 or
    1: no precompile), round robin, with the same ``triton.compile`` call
    ``JITFunction._do_compile`` makes (same source, target and options: same cache
    entry), then builds the kernel's host launcher (Triton 3.6 compiles one per
@@ -47,8 +47,10 @@ __all__ = ["ENV_PROCS", "Kernel", "Report", "tune_procs", "capturing", "capture"
            "stats"]
 
 ENV_PROCS = "LYCORIS_KERNEL_TUNE_PROCS"
-#: most children by default (each compiles its share one kernel after the other)
-MAX_DEFAULT_PROCS = 8
+#: most children by default (each compiles its share one kernel after the other). 12: the
+#: largest cold keys build 10-11 kernels (Triton's loha_bypass_bwd, TileLang's boft_bwd),
+#: which 8 children built in two rounds (the H200's 2.01 s and 23 s first calls)
+MAX_DEFAULT_PROCS = 12
 #: seconds the parent waits for all children before killing the rest (their kernels are
 #: then compiled by the first calls, as without precompile)
 TIMEOUT_S = 30.0
@@ -122,7 +124,7 @@ class Report:
 
 def tune_procs() -> int:
     """Child processes that compile a cold key's kernels (``LYCORIS_KERNEL_TUNE_PROCS``;
-    default ``min(8, CPUs this process may use - 1)``; 0/1: no precompile)."""
+    default ``min(12, CPUs this process may use - 1)``; 0/1: no precompile)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

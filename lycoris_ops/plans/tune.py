@@ -17,7 +17,7 @@ Flow of ``select_config(op, backend, key_parts, candidates, run_candidate)``:
    seconds (default 1.5; ``warmup`` and the CLI: none), only the planner's first
    two fused candidates and eager are still tried); before those threads start, the
    Triton kernels the first calls would compile are compiled in forked child processes
-   (``precompile.py``; ``LYCORIS_KERNEL_TUNE_PROCS``, default ``min(8, CPUs - 1)``; 0 or
+   (``precompile.py``; ``LYCORIS_KERNEL_TUNE_PROCS``, default ``min(12, CPUs - 1)``; 0 or
    1: none), so the threads only load them from Triton's cache (threads hold the GIL
    through Triton's front end: processes overlap the compiles, threads do not),
    then three rounds, each the median of a few calls timed
