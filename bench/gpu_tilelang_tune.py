@@ -123,7 +123,7 @@ def worker(opts) -> int:
 def _op_function(op: str):
     """The TileLang op set's launcher of ``op`` (the function ``plans/tilelang.run`` calls)."""
     from lycoris_ops.tilelang import add as tl_add, dora as tl_dora, ia3 as tl_ia3, loha as tl_loha, lora as tl_lora
-    from lycoris_ops.tilelang import boft as tl_boft, oft as tl_oft, tucker as tl_tucker
+    from lycoris_ops.tilelang import boft as tl_boft, lokr as tl_lokr, oft as tl_oft, tucker as tl_tucker
 
     return {"lora_bypass_fwd": tl_lora.bypass_fwd, "lora_bypass_bwd": tl_lora.bypass_bwd,
             "lora_merge_fwd": tl_lora.merge_fwd, "lora_merge_bwd": tl_lora.merge_bwd,
@@ -131,7 +131,10 @@ def _op_function(op: str):
             "ia3_bwd": tl_ia3.ia3_bwd, "dora_fwd": tl_dora.dora_fwd, "dora_bwd": tl_dora.dora_bwd,
             "loha_bypass_fwd": tl_loha.bypass_fwd, "loha_bypass_bwd": tl_loha.bypass_bwd,
             "loha_merge_bwd": tl_loha.merge_bwd, "oft_fwd": tl_oft.oft_fwd, "oft_bwd": tl_oft.oft_bwd,
-            "boft_fwd": tl_boft.boft_fwd, "boft_bwd": tl_boft.boft_bwd}[op]
+            "boft_fwd": tl_boft.boft_fwd, "boft_bwd": tl_boft.boft_bwd,
+            "lokr_full_merge_fwd": tl_lokr.full_merge_fwd, "lokr_full_merge_bwd": tl_lokr.full_merge_bwd,
+            "lokr_merge_fwd": tl_lokr.merge_fwd, "lokr_merge_bwd": tl_lokr.merge_bwd,
+            "lokr_bypass_fwd": tl_lokr.bypass_fwd, "lokr_bypass_bwd": tl_lokr.bypass_bwd}[op]
 
 
 def _run_phase(phase: str, argv, env) -> list:

@@ -9,8 +9,13 @@
    by side, the fp32 intermediate carried as a hi + lo pair) and its backward
    in fp16.
 3. On a GPU (skipped here): the op set against the eager bodies in fp16/bf16.
+4. Tuned launch configs (plans/lokr.py's ``TILELANG``): the launchers at non-default
+   configs against the eager bodies (GPU, else CPU twins), the fixed configs as the
+   default launch, the corners of the legal spaces compiled for sm_90a, the shortlists
+   and legality rules on an H200's facts.
 """
 import inspect
+from unittest import mock
 
 import pytest
 import torch
@@ -98,3 +103,207 @@ def test_gpu_parity(dtype, dims):
     compare("lokr_merge_fwd", (*f, [a, b, c, d], m(a * c, b * d), 0.5), dtype)
     compare("lokr_merge_bwd", (m(a * c, b * d), *f, [a, b, c, d], 0.5), dtype)
     compare("lokr_merge_fwd", (f[0], f[1], w2, None, [a, b, c, d], None, 0.5, torch.float32), dtype)
+
+
+# --------------------------------------------------------------------------- tuned launch configs (plans/lokr.py)
+
+#: (merge forward, merge backward, bypass) configs inside plans/lokr.py's TileLang spaces, none the fixed one
+TILE_CFGS = [(dict(BM=32, BN=64, threads=256), dict(elems=2048, threads=256), dict(rows=64, threads=256)),
+             (dict(BM=64, BN=128, threads=128), dict(elems=8192, threads=128), dict(rows=256, threads=128)),
+             (dict(BM=16, BN=256, threads=256), dict(elems=8192, threads=256), dict(rows=256, threads=256))]
+#: the trailing builder arguments a config becomes (tilelang/lokr.py's launchers)
+CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems", "threads"),
+            "kron_grad2_kernel": ("elems", "threads"), "kron_apply_kernel": ("rows", "threads"),
+            "kron_wgrad1_kernel": ("rows", "threads"), "kron_wgrad2_kernel": ("rows", "threads")}
+
+
+def _listed(fn, args, cfg):
+    """The kernels ``fn(*args, cfg=cfg)`` builds: (builder, arguments), built before or not."""
+    with mock.patch.object(_common, "_kernels", {}), _common.capturing() as pending:
+        fn(*args, cfg=cfg)
+    return pending
+
+
+def _with_cfg(op, cfg, args, dtype):
+    """The launcher of ``op`` run with ``cfg`` against the eager body; every lokr kernel it
+    builds carries the config (a launcher that drops ``cfg`` builds the fixed one)."""
+    import functools
+    import types
+
+    fn = getattr(lokr, op[len("lokr_"):])
+    mine = [p for p in _listed(fn, args, cfg) if p.builder.__module__ == lokr.__name__]
+    assert mine, (op, cfg)
+    for p in mine:
+        names = CFG_ARGS[p.builder.__name__]
+        assert p.args[-len(names):] == tuple(cfg[k] for k in names), (op, p.builder.__name__, p.args)
+    harness.compare(types.SimpleNamespace(**{op: functools.partial(fn, cfg=cfg)}), REF, op, args, dtype)
+
+
+@pytest.mark.parametrize("kron_cfg,grad_cfg,bypass_cfg", TILE_CFGS, ids=["small-tiles", "big-tiles", "wide-256"])
+def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
+    """The six launchers honour a tuned ``cfg`` (odd sizes: tail tiles on both output axes,
+    several gradient tiles or one partial one, split and direct w_2 gradients, token tails
+    and split token reductions); on a GPU the real kernels (bf16), else the CPU twins (fp32)."""
+    dev = "cuda" if GPU else "cpu"
+    dtype = torch.bfloat16 if GPU else torch.float32
+    g = torch.Generator().manual_seed(21)
+
+    def m(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=g)).to(dtype).to(dev)
+
+    a, b, c, d = 3, 2, 37, 150  # output 111 x 300; w2's gradient tiles 16/64 x 128 of 37 x 150
+    w1, w2 = m(a, b), m(c, d, scale=0.1)
+    G, W = m(a * c, b * d), m(a * c, b * d)
+    f = (m(a, 3), m(3, b), m(c, 5, scale=0.3), m(5, d, scale=0.3))
+    _with_cfg("lokr_full_merge_fwd", kron_cfg, (w1, w2, W, 0.7), dtype)
+    _with_cfg("lokr_merge_fwd", kron_cfg, (f[0], f[1], w2, None, [a, b, c, d], None, 0.7), dtype)
+    _with_cfg("lokr_full_merge_bwd", grad_cfg, (G, w1, w2, 0.7), dtype)
+    _with_cfg("lokr_merge_bwd", grad_cfg, (G, *f, [a, b, c, d], 0.7), dtype)
+    for (a, b, c, d) in ((3, 5, 7, 4), (20, 3, 5, 33)):  # padded factors 16; and 32 / 16 / 16 / 64
+        w1, w2 = m(a, b, scale=b ** -0.5), m(c, d, scale=d ** -0.5)
+        for T in (1, 150):
+            x = m(T, b * d)
+            _with_cfg("lokr_bypass_fwd", bypass_cfg, (x, w1, w2, 0.7, m(T, a * c)), dtype)
+            _with_cfg("lokr_bypass_bwd", bypass_cfg, (m(T, a * c), x, w1, w2, 0.7), dtype)
+
+
+def test_the_fixed_configs_are_the_default_launch():
+    """cfg None, ``{}`` and the spelled-out fixed config build the same kernels (the shortlist's
+    untimed first pick is the launch the parity tests run), and the fixed configs are the
+    builders' own defaults."""
+    from lycoris_ops.plans import lokr as plans_lokr
+
+    defaults = {name: inspect.signature(getattr(lokr, name)).parameters for name in CFG_ARGS}
+    for name, keys in CFG_ARGS.items():
+        fixed = {"kron_kernel": lokr.KRON, "kron_grad1_kernel": lokr.GRADS, "kron_grad2_kernel": lokr.GRADS}.get(
+            name, lokr.BYPASS)
+        spelled = [defaults[name]["max_threads" if k == "threads" and "max_threads" in defaults[name] else k].default
+                   for k in keys]
+        assert spelled == [fixed[k] for k in keys], name
+    g = torch.Generator().manual_seed(3)
+    w1, w2, x = torch.randn(3, 5, generator=g), torch.randn(7, 4, generator=g), torch.randn(9, 20, generator=g)
+    G, y = torch.randn(21, 20, generator=g), torch.randn(9, 21, generator=g)
+    f = (torch.randn(3, 2, generator=g), torch.randn(2, 5, generator=g), w2, None, [3, 5, 7, 4])
+    calls = {"lokr_full_merge_fwd": (w1, w2, None, 1.0), "lokr_full_merge_bwd": (G, w1, w2, 1.0),
+             "lokr_merge_fwd": (*f, None, 1.0), "lokr_merge_bwd": (G, *f, 1.0),
+             "lokr_bypass_fwd": (x, w1, w2, 1.0), "lokr_bypass_bwd": (y, x, w1, w2, 1.0)}
+    for op, args in calls.items():
+        fn = getattr(lokr, op[len("lokr_"):])
+        built = [[(p.builder.__name__, p.args) for p in _listed(fn, args, cfg)]
+                 for cfg in (None, {}, plans_lokr.tl_fixed(op))]
+        assert built[0] and built[0] == built[1] == built[2], (op, built)
+
+
+def _corners(cfgs, key):
+    """The configs at the smallest and the largest value of ``key``."""
+    ends = (min(map(key, cfgs)), max(map(key, cfgs)))
+    return [c for c in cfgs if key(c) in ends]
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.parametrize("op", ["lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_bypass_fwd", "lokr_bypass_bwd"])
+def test_tile_space_corners_compile_sm90a(monkeypatch, op):
+    """The corners of plans/lokr.py's legal TileLang spaces compile for sm_90a (bf16): the
+    smallest and largest merge tiles, gradient tiles and token rows, each with its threads,
+    at the bench layers' factors (3072: 48 x 48 (x) 64 x 64; 4096 as 128 x 128 (x) 32 x 32, the
+    bypass kernels' two warpgroups) and at 128-wide factors (gradient tiles of 16-64 x 128;
+    the bypass's whole 128 x 128 factors with 256 threads). The merges' factored forms
+    build the same kernels with fp32 sides."""
+    from lycoris_ops.plans import device, lokr as plans_lokr
+    from tilelang_harness import compile_calls
+
+    monkeypatch.setattr(lokr, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    dev = device.synthetic()
+    bf = torch.bfloat16
+    key = {"lokr_full_merge_fwd": lambda c: c["BM"] * c["BN"], "lokr_full_merge_bwd": lambda c: c["elems"]}.get(
+        op, lambda c: c["rows"])
+    fn = getattr(lokr, op[len("lokr_"):])
+    shapes = {"lokr_full_merge_fwd": [((48, 48, 64, 64), 0)], "lokr_full_merge_bwd": [((48, 48, 64, 64), 0),
+                                                                                       ((2, 2, 128, 128), 0)]}.get(
+        op, [((48, 48, 64, 64), 8192), ((128, 128, 32, 32), 8192), ((128, 128, 128, 128), 1024)])
+    calls = []
+    for (a, b, c, d), T in shapes:
+        w1, w2, W = torch.empty(a, b, dtype=bf), torch.empty(c, d, dtype=bf), torch.empty(a * c, b * d, dtype=bf)
+        x, y = torch.empty(T, b * d, dtype=bf), torch.empty(T, a * c, dtype=bf)
+        args = {"lokr_full_merge_fwd": (w1, w2, W, 1.0), "lokr_full_merge_bwd": (W, w1, w2, 1.0),
+                "lokr_bypass_fwd": (x, w1, w2, 1.0, y), "lokr_bypass_bwd": (y, x, w1, w2, 1.0)}[op]
+        cfgs = plans_lokr.tl_configs(dev, op, (a, b, c, d), 2)
+        assert cfgs, (op, a, b, c, d)
+        calls += [(fn, args, cfg) for cfg in _corners(cfgs, key)]
+    if op == "lokr_bypass_bwd":  # the 4096 layer's backward with both warpgroups on every GEMM of 128 rows
+        assert any(cfg["threads"] == 256 for _, _, cfg in calls)
+    captured, failed = compile_calls(calls)
+    assert captured >= len(calls) and not failed, failed
+
+
+def _h200_args(dims, T, dt):
+    """Schema arguments of the six ops on LoKr factors dims = (a, b, c, d) (factored merges:
+    a rank-8 w2), T tokens."""
+    a, b, c, d = dims
+    w1, w2, W = torch.empty(a, b, dtype=dt), torch.empty(c, d, dtype=dt), torch.empty(a * c, b * d, dtype=dt)
+    x, y = torch.empty(T, b * d, dtype=dt), torch.empty(T, a * c, dtype=dt)
+    f = (w1, None, torch.empty(c, 8, dtype=dt), torch.empty(8, d, dtype=dt), list(dims))
+    return {"lokr_full_merge_fwd": (w1, w2, W, 1.0), "lokr_full_merge_bwd": (W, w1, w2, 1.0),
+            "lokr_merge_fwd": (*f, W, 1.0), "lokr_merge_bwd": (W, *f, 1.0),
+            "lokr_bypass_fwd": (x, w1, w2, 1.0, y), "lokr_bypass_bwd": (y, x, w1, w2, 1.0)}
+
+
+def test_shortlists_for_an_h200():
+    """The six ops at the bench layers' factors on an H200's facts: the fixed config first,
+    eager last, 1..TL_N model configs, all legal and distinct, JSON-serializable; the key's
+    exact sizes are the factors (and ranks), never the token count."""
+    import json
+
+    from lycoris_ops.plans import device, lokr as plans_lokr, tilelang as tl_pick, tune
+
+    dev = device.synthetic()
+    fixed = {"lokr_full_merge_fwd": lokr.KRON, "lokr_merge_fwd": lokr.KRON, "lokr_full_merge_bwd": lokr.GRADS,
+             "lokr_merge_bwd": lokr.GRADS, "lokr_bypass_fwd": lokr.BYPASS, "lokr_bypass_bwd": lokr.BYPASS}
+    assert set(plans_lokr.TILELANG) == set(OPS) and set(OPS) <= set(tl_pick.models())
+    for dims in ((48, 48, 64, 64), (64, 64, 64, 64), (128, 128, 32, 32)):
+        for dt in (torch.bfloat16, torch.float16):
+            calls, other_t = _h200_args(dims, 8192, dt), _h200_args(dims, 8000, dt)
+            for op, args in calls.items():
+                cands = list(plans_lokr.TILELANG[op][0](dev, *args).candidates)
+                assert cands[0] == fixed[op] and tune.is_eager(cands[-1]), (op, dims, cands)
+                assert 3 <= len(cands) <= plans_lokr.TL_N + 2 and len(set(map(str, cands))) == len(cands), (op, cands)
+                legal = plans_lokr.tl_configs(dev, op, dims, 2)
+                for c in cands[1:-1]:
+                    assert c in legal, (op, dims, dt, c)
+                json.dumps(cands)
+                sizes = tl_pick.key_parts(args, op)[0]
+                assert sizes == tl_pick.key_parts(other_t[op], op)[0], op  # the token count only in the buckets
+                assert sizes[0] == "sizes" and sizes[1][:4] == dims, (op, sizes)
+    k = _h200_args((48, 48, 64, 64), 3, torch.bfloat16)["lokr_bypass_fwd"]
+    k4 = _h200_args((48, 48, 64, 64), 4, torch.bfloat16)["lokr_bypass_fwd"]
+    assert tl_pick.key_parts(k, "lokr_bypass_fwd") == tl_pick.key_parts(k4, "lokr_bypass_fwd")  # one token bucket
+    swapped = _h200_args((64, 64, 48, 48), 3, torch.bfloat16)["lokr_bypass_fwd"]  # same sizes, other factors
+    assert tl_pick.key_parts(k, "lokr_bypass_fwd") != tl_pick.key_parts(swapped, "lokr_bypass_fwd")
+
+
+def test_tile_space_legality():
+    """plans/lokr.py's legality rules on an H200: merge tiles of 2048-8192 elements no larger
+    than the output; one config per distinct gradient tile; the bypass's 256 threads only
+    where every GEMM of a kernel has 128 rows, its fp32 fragments within the registers and its
+    tiles within shared memory."""
+    from lycoris_ops.plans import device, lokr as plans_lokr
+
+    dev = device.synthetic()
+    kron = plans_lokr.tl_configs(dev, "lokr_full_merge_fwd", (48, 48, 64, 64), 2)
+    assert len(kron) == 13 and all(2048 <= c["BM"] * c["BN"] <= 8192 for c in kron)  # 7 tiles x 2 threads - fixed
+    assert plans_lokr.tl_configs(dev, "lokr_full_merge_fwd", (3, 5, 7, 4), 2) == [
+        dict(BM=32, BN=64, threads=128), dict(BM=32, BN=64, threads=256)]  # output 21 x 20
+    # c = d = 64: elems 4096 and 8192 give one 64 x 64 tile; 4096 / 128 threads is the fixed config
+    assert plans_lokr.tl_configs(dev, "lokr_full_merge_bwd", (48, 48, 64, 64), 2) == [
+        dict(elems=2048, threads=128), dict(elems=2048, threads=256), dict(elems=4096, threads=256)]
+    assert plans_lokr.tl_configs(dev, "lokr_merge_bwd", (9, 9, 8, 8), 2) == []  # an 8 x 8 tile: nothing to tune
+    fwd_3072 = plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (48, 48, 64, 64), 2)
+    assert fwd_3072 == [dict(rows=64, threads=128)]  # 64-row w1 GEMM: no 256; rows 256: 256 fp32 a thread
+    fwd_4096 = plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (128, 128, 32, 32), 2)
+    assert dict(rows=64, threads=256) in fwd_4096 and dict(rows=256, threads=256) in fwd_4096
+    for c in fwd_4096:
+        (_, (_, bt), threads), = plans_lokr.tl_kernels("lokr_bypass_fwd", (128, 128, 32, 32), c)
+        assert threads == c["threads"] and bt == max(1, c["rows"] // 128), c
+    assert plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (128,) * 4, 2) == [dict(rows=64, threads=256)]
+    assert plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (128,) * 4, 4) == []  # fp32 128 x 128 factors: smem

@@ -254,10 +254,11 @@ def test_lora_shortlists_for_an_h200():
 
 
 def test_elementwise_shortlists_for_an_h200():
-    """add_scaled, IA3, DoRA, the tucker rebuild, LoHa, diag-OFT and BOFT: the fixed config first, eager last, configs inside TL_SPACE; IA3's
+    """add_scaled, IA3, DoRA, the tucker rebuild, LoHa, LoKr, diag-OFT and BOFT: the fixed config first, eager last, configs inside TL_SPACE; IA3's
     key keeps the token rows bucketed (a new token count is not a new key)."""
     from lycoris_ops.plans import add as plans_add, device, dora as plans_dora, ia3 as plans_ia3
-    from lycoris_ops.plans import boft as plans_boft, loha as plans_loha, oft as plans_oft, tucker as plans_tucker
+    from lycoris_ops.plans import boft as plans_boft, loha as plans_loha, lokr as plans_lokr, oft as plans_oft
+    from lycoris_ops.plans import tucker as plans_tucker
 
     dev = device.synthetic()
     bf = torch.bfloat16
@@ -267,6 +268,12 @@ def test_elementwise_shortlists_for_an_h200():
     ob, bb = torch.empty(96, 32, 32), torch.empty(4, 384, 8, 8)
     streaming = {"oft_fwd": plans_oft.TL_APPLY, "oft_bwd": plans_oft.TL_STREAM, "boft_fwd": plans_oft.TL_APPLY,
                  "boft_bwd": plans_oft.TL_STREAM}  # the streaming spaces diag-OFT and BOFT share
+    kw1, kw2 = torch.empty(48, 48, dtype=bf), torch.empty(64, 64, dtype=bf)  # LoKr: the 3072 bench layer's factors
+    kf = (kw1, None, torch.empty(64, 8, dtype=bf), torch.empty(8, 64, dtype=bf), [48, 48, 64, 64])
+    kron, grads, byp = dict(BM=32, BN=128, threads=128), dict(elems=4096, threads=128), dict(rows=128, threads=128)
+    spaces = {**streaming, "lokr_full_merge_fwd": plans_lokr.TL_KRON, "lokr_merge_fwd": plans_lokr.TL_KRON,
+              "lokr_full_merge_bwd": plans_lokr.TL_GRADS, "lokr_merge_bwd": plans_lokr.TL_GRADS,
+              "lokr_bypass_fwd": plans_lokr.TL_BYPASS, "lokr_bypass_bwd": plans_lokr.TL_BYPASS}
     for mod, op, args, fixed in ((plans_add, "add_scaled", (w, w, 1.0), dict(BV=256, threads=128)),
                                  (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
                                  (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
@@ -282,10 +289,16 @@ def test_elementwise_shortlists_for_an_h200():
                                  (plans_oft, "oft_fwd", (ob, x, None, 1.0, False, False), dict(BT=128, threads=128)),
                                  (plans_oft, "oft_bwd", (x, ob, x, None, 1.0, False, False), dict(BT=64, threads=128)),
                                  (plans_boft, "boft_fwd", (bb, x, -1, 1.0, 1.0, None, False), dict(BT=128, threads=128)),
-                                 (plans_boft, "boft_bwd", (x, bb, x, -1, 1.0, 1.0), dict(BT=64, threads=128))):
+                                 (plans_boft, "boft_bwd", (x, bb, x, -1, 1.0, 1.0), dict(BT=64, threads=128)),
+                                 (plans_lokr, "lokr_full_merge_fwd", (kw1, kw2, w, 1.0), kron),
+                                 (plans_lokr, "lokr_full_merge_bwd", (w, kw1, kw2, 1.0), grads),
+                                 (plans_lokr, "lokr_merge_fwd", (*kf, w, 1.0), kron),
+                                 (plans_lokr, "lokr_merge_bwd", (w, *kf, 1.0), grads),
+                                 (plans_lokr, "lokr_bypass_fwd", (x, kw1, kw2, 1.0, x), byp),
+                                 (plans_lokr, "lokr_bypass_bwd", (x, x, kw1, kw2, 1.0), byp)):
         cands = list(mod.TILELANG[op][0](dev, *args).candidates)
         assert cands[0] == fixed and tune.is_eager(cands[-1]) and 3 <= len(cands) <= mod.TL_N + 2, (op, cands)
-        space = (getattr(mod, "TL_SPACE", None) or streaming.get(op)
+        space = (getattr(mod, "TL_SPACE", None) or spaces.get(op)
                  or (mod.TL_GRADS if op == "loha_merge_bwd" else mod.TL_GEMM))
         for c in cands[1:-1]:
             assert all(c[k] in space[k] for k in c), (op, c)

@@ -15,17 +15,26 @@ Bypass forward: program = (block_t tokens, block_c of c): Z = X·w2ᵀ
 ``swap`` runs the transposed contraction. Register tile bt·pow2(b)·bc <= 16384.
 Bypass backward: persistent programs over token tiles, one pass (gx, g_w1,
 g_w2) or two (``passes``), fp32 partials per program + reduce launches.
+
+TileLang (``TILELANG``, ``plans/tilelang.py``): ``tilelang/lokr.py``'s merge output tile
+(TL_KRON), gradient tile (TL_GRADS) and bypass token rows (TL_BYPASS), each with its
+threads, scored by the models above with the names mapped; only configs that build kernels
+of their own and fit shared memory and registers (``tl_configs``); the fixed config first.
 """
 from __future__ import annotations
 
 import functools
+import importlib
+import itertools
 
 import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict, rank
+from .cost import (SMEM_MARGIN, Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan, make_shared_plan,
+                   p2, predict, rank)
 from .device import DeviceFacts, facts
+from .oft import TL_ACC_PER_THREAD
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
@@ -98,23 +107,29 @@ def _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, grad):
     return works
 
 
-def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: int, r2: int, compute, out_dtype,
-               base_dtype, *, grad: bool = False, default=None, n: int = 5):
-    """``lokr_(full_)merge_fwd`` (grad False; out/base dtypes) or ``..._bwd`` (grad True; out = G)."""
-    e, eo, eb = esize(compute), esize(out_dtype), esize(base_dtype)
-    tc = compute != torch.float32
-
-    def work(cfg):
-        return _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, grad)
-
+def _merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, grad):
+    """Predicted seconds of the eager merge (sides, kron, scale and base; the backward's two
+    contractions and factor chains)."""
+    e = esize(compute)
     O, I = a * c, b * d
     steps = [((a + b) * max(r1, 1) * e + a * b * 4, 2.0 * a * b * r1), ((c + d) * max(r2, 1) * e + c * d * 4,
                                                                          2.0 * c * d * r2),
              (O * I * 4 + (a * b + c * d) * 4, 0), (O * I * (4 + eo + eb), 0)]
     if grad:
         steps += [(O * I * (eo + 4) * 2, 2.0 * O * I)] * 2 + [((a * b + c * d) * 8, 0)] * 4
+    return eager_time(dev, steps, tc=compute != torch.float32)
+
+
+def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: int, r2: int, compute, out_dtype,
+               base_dtype, *, grad: bool = False, default=None, n: int = 5):
+    """``lokr_(full_)merge_fwd`` (grad False; out/base dtypes) or ``..._bwd`` (grad True; out = G)."""
+    e, eo, eb = esize(compute), esize(out_dtype), esize(base_dtype)
+
+    def work(cfg):
+        return _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, grad)
+
     ranked = rank(_merge_configs(dev, a, b, c, d, r1, r2, grad), work, dev)
-    eager_s = eager_time(dev, steps, tc=tc)
+    eager_s = _merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, grad)
     if not grad:
         return make_plan(op, ranked, tile_axes=("swap", "block_m", "block_n"), n=n, default=default,
                          default_s=predict(work, default, dev), eager_s=eager_s)
@@ -147,8 +162,9 @@ def _fwd_cost(a, b, c, d, split):
     return b * c * (d + (2 if split else 1) * a)
 
 
-def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
-                    has_base: bool, *, default=None, n: int = 5):
+def _fwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
+               has_base: bool):
+    """(work of a config, eager seconds) of ``lokr_bypass_fwd``."""
     e, ex, eo = esize(compute), esize(x_dtype), esize(out_dtype)
     tc = compute != torch.float32
     split = compute != torch.float32
@@ -166,14 +182,20 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
                     dram=gemm_reads(T * b * d * ex, n_c, dev) + T * a * c * eo * (2 if has_base else 1)
                     + (a * b + c * d) * e, mma=mma, tc=tc)
 
+    steps = [(T * b * d * ex + c * d * e + T * b * c * 4, 2.0 * T * b * c * d), (T * b * c * 8, 0),
+             (T * b * c * 4 + a * b * 4 + T * a * c * 4, 2.0 * T * a * b * c), (T * a * c * (4 + eo), 0)]
+    return work, eager_time(dev, steps, tc=tc)
+
+
+def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
+                    has_base: bool, *, default=None, n: int = 5):
+    work, eager_s = _fwd_model(dev, T, a, b, c, d, compute, x_dtype, out_dtype, has_base)
     cfgs = [dict(block_t=bt, block_d=bd, block_c=bc, block_a=min(_p16(c if sw else a), 64), split=True, swap=sw,
                  num_warps=w, num_stages=s)
             for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
             for bc in (16, 32, 64, 128) for bd in (16, 64) for w in (4, 8) for s in (1, 2)]
-    steps = [(T * b * d * ex + c * d * e + T * b * c * 4, 2.0 * T * b * c * d), (T * b * c * 8, 0),
-             (T * b * c * 4 + a * b * 4 + T * a * c * 4, 2.0 * T * a * b * c), (T * a * c * (4 + eo), 0)]
     return make_plan("lokr_bypass_fwd", rank(cfgs, work, dev), tile_axes=("swap", "block_t", "block_c", "block_d"),
-                     n=n, default=default, default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=tc))
+                     n=n, default=default, default_s=predict(work, default, dev), eager_s=eager_s)
 
 
 def _bwd_cost(a, b, c, d, split):
@@ -186,39 +208,282 @@ def _bwd_live(bt, ba, bb, bc, bd, passes):
     return tiles + (ba * bb + bc * bd if passes == 1 else max(ba * bb, bc * bd))
 
 
-def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, g_dtype, *,
-                    default=None, n: int = 5):
+def _bwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, g_dtype):
+    """(work of a config, eager seconds) of ``lokr_bypass_bwd``. ``work(cfg, live)``: ``live``
+    the fp32 elements a program keeps in registers (None: the Triton kernel's, at most BWD_LIVE)."""
     e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
     tc = compute != torch.float32
     split = compute != torch.float32
 
-    def work(cfg):
+    def work(cfg, live=None):
         A, B, C, D = (c, d, a, b) if cfg["swap"] else (a, b, c, d)
         bt, passes = cfg["block_t"], cfg["passes"]
-        live = _bwd_live(bt, _p16(A), _p16(B), _p16(C), _p16(D), passes)
-        if live > BWD_LIVE:
-            return None
+        if live is None:
+            live = _bwd_live(bt, _p16(A), _p16(B), _p16(C), _p16(D), passes)
+            if live > BWD_LIVE:
+                return None
         n_tiles = cdiv(T, bt)
         progs = max(1, min(dev.sm_count, n_tiles))
         part = progs * (A * B + C * D) * 4 if progs > 1 else 0
         works = [Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
                       dram=(T * a * c * eg + T * b * d * ex) * passes + T * b * d * ex + part,
-                      mma=T * 2.0 * _bwd_cost(A, B, C, D, split) * (1.1 if passes == 2 else 1.0), tc=tc,
+                      mma=T * 2.0 * _bwd_cost(A, B, C, D, split) * (1.1 if passes > 1 else 1.0), tc=tc,
                       launches=passes, inflight=bt * (_p16(A) * _p16(C) * eg + _p16(B) * _p16(D) * ex))]
         if part:
             works.append(Work(grid=cdiv(A * B + C * D, 2048), warps=4, dram=part + (A * B + C * D) * e,
                               inflight=8192, launches=2))
         return works
 
-    cfgs = [dict(block_t=bt, passes=p, programs=0, split=True, swap=sw, num_warps=w, num_stages=s)
-            for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T)) for p in (1, 2)
-            for w in (4, 8) for s in (1, 2)]
     O, I = a * c, b * d
     steps = [(T * O * eg + c * d * e + T * a * d * 4, 2.0 * T * O * d)] * 4 + [(T * (O + I) * 8, 0)] * 3 \
         + [(T * I * (4 + ex), 0)]
-    return make_plan("lokr_bypass_bwd", rank(cfgs, work, dev), tile_axes=("swap", "block_t", "passes"), n=n,
-                     default=default, default_s=predict(work, default, dev), eager_s=eager_time(dev, steps, tc=tc))
+    return work, eager_time(dev, steps, tc=tc)
 
+
+def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, g_dtype, *,
+                    default=None, n: int = 5):
+    work, eager_s = _bwd_model(dev, T, a, b, c, d, compute, x_dtype, g_dtype)
+    cfgs = [dict(block_t=bt, passes=p, programs=0, split=True, swap=sw, num_warps=w, num_stages=s)
+            for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T)) for p in (1, 2)
+            for w in (4, 8) for s in (1, 2)]
+    return make_plan("lokr_bypass_bwd", rank(cfgs, work, dev), tile_axes=("swap", "block_t", "passes"), n=n,
+                     default=default, default_s=predict(work, default, dev), eager_s=eager_s)
+
+
+
+# =============================================================================== TileLang models
+
+#: ``tilelang/lokr.py``'s launch configs: the Kronecker build's (BM x BN) output tile and threads
+#: (TL_KRON, tiles of TL_KRON_TILE elements: the merge forwards), the gradient kernels' most
+#: tile elements and threads (TL_GRADS: the merge backwards), the bypass kernels' most token
+#: rows per program and most threads (TL_BYPASS; a kernel takes 256 only where its GEMMs have
+#: >= 128 rows: ``tilelang/lokr._threads``). ``tl_configs`` keeps a config when it builds
+#: kernels of its own (not the fixed config's, not an earlier config's) that fit
+#: (``tl_fits``); the corners compile for sm_90a (tests/test_tilelang_lokr.py)
+TL_KRON = dict(BM=(16, 32, 64), BN=(64, 128, 256), threads=(128, 256))
+TL_KRON_TILE = (2048, 8192)
+TL_GRADS = dict(elems=(2048, 4096, 8192), threads=(128, 256))
+TL_BYPASS = dict(rows=(64, 128, 256), threads=(128, 256))
+TL_N = 3
+#: fp32 elements a gradient-kernel thread owns at least (one 16-byte vector)
+TL_GRAD_MIN_PER_THREAD = 4
+#: op -> (its space, the name of its fixed config in tilelang/lokr.py, the shortlist's tile axes)
+_TL_SPACES = {
+    "lokr_full_merge_fwd": (TL_KRON, "KRON", ("BM", "BN")), "lokr_merge_fwd": (TL_KRON, "KRON", ("BM", "BN")),
+    "lokr_full_merge_bwd": (TL_GRADS, "GRADS", ("elems",)), "lokr_merge_bwd": (TL_GRADS, "GRADS", ("elems",)),
+    "lokr_bypass_fwd": (TL_BYPASS, "BYPASS", ("rows",)), "lokr_bypass_bwd": (TL_BYPASS, "BYPASS", ("rows",)),
+}
+
+
+def _tl_lokr():
+    return importlib.import_module("lycoris_ops.tilelang.lokr")
+
+
+def tl_fixed(op: str) -> dict:
+    """The fixed config of ``op``'s TileLang launcher (a copy)."""
+    return dict(getattr(_tl_lokr(), _TL_SPACES[op][1]))
+
+
+def _bypass_kernels(op: str, dims) -> list:
+    """(kernel, its factor dims) of a bypass op: the backward's gx is kron_apply with (G, w1ᵀ, w2ᵀ)."""
+    a, b, c, d = dims
+    if op == "lokr_bypass_fwd":
+        return [("apply", dims)]
+    return [("apply", (b, a, d, c)), ("wgrad1", dims), ("wgrad2", dims)]
+
+
+def tl_kernels(op: str, dims, cfg: dict) -> tuple:
+    """What ``cfg`` builds for ``op`` on factors dims = (a, b, c, d): per kernel (kind, tile,
+    threads); a bypass kernel's tile is (its factor dims, tokens per program step)."""
+    L = _tl_lokr()
+    a, b, c, d = dims
+    if op.endswith("merge_fwd"):
+        return (("kron", (cfg["BM"], cfg["BN"]), cfg["threads"]),)
+    if op.endswith("merge_bwd"):
+        return (("grads", L._grad_tile(c, d, cfg["elems"]), cfg["threads"]),)
+    geometry = {"apply": L.apply_geometry, "wgrad1": L.wgrad1_geometry, "wgrad2": L.wgrad2_geometry}
+    out = []
+    for kind, kd in _bypass_kernels(op, dims):
+        bt, threads = geometry[kind](*kd, cfg["rows"], cfg["threads"])
+        out.append((kind, (kd, bt), threads))
+    return tuple(out)
+
+
+def bypass_footprint(kind: str, dims, bt: int) -> tuple:
+    """(shared-memory elements, fp32 fragment elements) of a bypass kernel on factors dims at
+    bt tokens per step: ``tilelang/lokr.py``'s allocations (padded dims)."""
+    Ap, Bp, Cp, Dp = (_p16(n) for n in dims)
+    if kind == "apply":  # xs, w1s, w2s, zs | z, y
+        return bt * Bp * Dp + Ap * Bp + Cp * Dp + Bp * bt * Cp, bt * Bp * Cp + Ap * bt * Cp
+    if kind == "wgrad1":  # xs, w2s, gs, zs | z, g1
+        return bt * Bp * Dp + Cp * Dp + Ap * bt * Cp + Bp * bt * Cp, bt * Bp * Cp + Ap * Bp
+    return Bp * bt * Dp + Ap * Bp + bt * Ap * Cp + bt * Ap * Dp, Ap * bt * Dp + Cp * Dp  # wgrad2: xs, w1s, gs, ps | p, g2
+
+
+def tl_fits(dev: DeviceFacts, kind: str, tile, threads: int, dims, csize: int) -> bool:
+    """Whether one kernel of a TileLang config fits: the merge tile within TL_KRON_TILE and no
+    larger than the output (a power of two up; the smallest of each axis always), a gradient
+    tile of at least TL_GRAD_MIN_PER_THREAD elements a thread; a bypass kernel's shared memory
+    (csize-byte operands, the planners' margin) and every kernel's fp32 fragments within
+    TL_ACC_PER_THREAD registers a thread."""
+    a, b, c, d = dims
+    if kind == "kron":
+        (bm, bn), acc = tile, tile[0] * tile[1]
+        if not (TL_KRON_TILE[0] <= acc <= TL_KRON_TILE[1] and bm <= max(16, p2(a * c)) and bn <= max(64, p2(b * d))):
+            return False
+    elif kind == "grads":
+        acc = tile[0] * tile[1]
+        if acc < TL_GRAD_MIN_PER_THREAD * threads:
+            return False
+    else:
+        smem, acc = bypass_footprint(kind, *tile)
+        if smem * csize * SMEM_MARGIN > dev.smem_per_block:
+            return False
+    return acc <= TL_ACC_PER_THREAD * threads
+
+
+def tl_configs(dev: DeviceFacts, op: str, dims, csize: int) -> list:
+    """The legal configs of ``op``'s space on factors dims = (a, b, c, d), csize-byte GEMM
+    operands: the first of each distinct kernel set, none the fixed config's; each kernel fits
+    (``tl_fits``) or is one the fixed config builds too (it runs anyway)."""
+    space = _TL_SPACES[op][0]
+    fixed = tl_kernels(op, dims, tl_fixed(op))
+    seen = {fixed}
+    out = []
+    for values in itertools.product(*space.values()):
+        cfg = dict(zip(space, values))
+        kernels = tl_kernels(op, dims, cfg)
+        if kernels in seen or not all(k in fixed or tl_fits(dev, *k, dims, csize) for k in kernels):
+            continue
+        seen.add(kernels)
+        out.append(cfg)
+    return out
+
+
+def _tl_plan(op: str, dev: DeviceFacts, dims, csize: int, work, eager: float, n: int):
+    """The shortlist: the fixed config first, the model's best legal configs, eager."""
+    fixed = tl_fixed(op)
+    return fixed_first(make_plan(op, rank(tl_configs(dev, op, dims, csize), work, dev), tile_axes=_TL_SPACES[op][2],
+                                 n=n, default=fixed, default_s=predict(work, fixed, dev), eager_s=eager), fixed)
+
+
+def _tl_kron(op, dev, dims, r1, r2, compute, out_dtype, base, n):
+    """kron_kernel through the Triton merge model, names mapped: the whole product is the tile
+    factor and a 1 x 1 loop factor (a program per output tile, no split); threads -> warps,
+    one stage. Eager: the Triton planner's."""
+    e, eo, eb = esize(compute), esize(out_dtype), esize(None if base is None else base.dtype)
+    a, b, c, d = dims
+
+    def work(k):
+        return _merge_works(dev, dict(block_m=k["BM"], block_n=k["BN"], block_r=16, block_rl=16, swap=False,
+                                      num_warps=k["threads"] // 32, num_stages=1), 1, 1, a * c, b * d, 0, 0, e, eo,
+                            eb, False)
+
+    return _tl_plan(op, dev, dims, e, work, _merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, False), n)
+
+
+def _tl_grads(op, dev, dims, r1, r2, compute, g_dtype, n):
+    """kron_grad2 is the Triton merge backward's program (a tile of w2 = the gradient tile, a
+    split of the a·b loop entries; threads -> warps, one stage); kron_grad1 reads G once more,
+    a program per w1 entry."""
+    e, eg = esize(compute), esize(g_dtype)
+    a, b, c, d = dims
+
+    def work(k):
+        (_, (bc, bd), threads), = tl_kernels(op, dims, k)
+        cfg = dict(block_m=bc, block_n=bd, block_r=16, block_rl=16, swap=False, num_warps=threads // 32, num_stages=1)
+        return [Work(grid=a * b, warps=threads // 32, acc=bc * bd, dram=a * b * c * d * eg + c * d * e,
+                     fma=2.0 * a * b * c * d, inflight=bc * bd * eg)] + _merge_works(dev, cfg, a, b, c, d, 0, 0, e,
+                                                                                     eg, 0, True)
+
+    return _tl_plan(op, dev, dims, e, work, _merge_eager(dev, a, b, c, d, r1, r2, compute, eg, 0, True), n)
+
+
+def _tl_apply_cfg(dims, bt: int, threads: int) -> dict:
+    """The Triton forward bypass config of kron_apply's program: bt tokens, whole padded
+    factors (block_a, block_c, block_d), no swap; threads -> warps, one stage."""
+    Ap, _, Cp, Dp = (_p16(n) for n in dims)
+    return dict(block_t=bt, block_c=Cp, block_d=Dp, block_a=Ap, split=True, swap=False, num_warps=threads // 32,
+                num_stages=1)
+
+
+def _tl_dims(w1, w2) -> tuple:
+    return tuple(int(s) for s in (*w1.shape, *w2.shape))
+
+
+def _full_merge_fwd_tl(dev, w1, w2, base, gamma, out_dtype=None, n: int = TL_N):
+    return _tl_kron("lokr_full_merge_fwd", dev, _tl_dims(w1, w2), 0, 0, compute_dtype(w1.dtype, w2.dtype),
+                    w2.dtype if out_dtype is None else out_dtype, base, n)
+
+
+def _full_merge_bwd_tl(dev, grad, w1, w2, gamma, n: int = TL_N):
+    return _tl_grads("lokr_full_merge_bwd", dev, _tl_dims(w1, w2), 0, 0, compute_dtype(w1.dtype, w2.dtype),
+                     grad.dtype, n)
+
+
+def _tl_factored(w1a, w1b, w2a, w2b, shape) -> tuple:
+    """(a, b, c, d, r1, r2) of a factored merge (rank 0: a whole factor)."""
+    return (*(int(s) for s in shape), *_ranks(w1b, w1a, w2b, w2a))
+
+
+def _merge_fwd_tl(dev, w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, n: int = TL_N):
+    a, b, c, d, r1, r2 = _tl_factored(w1a, w1b, w2a, w2b, shape)
+    compute = compute_dtype(*(t.dtype for t in (w1a, w1b, w2a, w2b) if t is not None))
+    return _tl_kron("lokr_merge_fwd", dev, (a, b, c, d), r1, r2, compute, w2a.dtype if out_dtype is None else out_dtype,
+                    base, n)
+
+
+def _merge_bwd_tl(dev, grad, w1a, w1b, w2a, w2b, shape, gamma, n: int = TL_N):
+    a, b, c, d, r1, r2 = _tl_factored(w1a, w1b, w2a, w2b, shape)
+    compute = compute_dtype(*(t.dtype for t in (w1a, w1b, w2a, w2b) if t is not None))
+    return _tl_grads("lokr_merge_bwd", dev, (a, b, c, d), r1, r2, compute, grad.dtype, n)
+
+
+def _bypass_fwd_tl(dev, x, w1, w2, gamma, base=None, n: int = TL_N):
+    """kron_apply through the Triton forward bypass model (``_tl_apply_cfg``)."""
+    dims, compute = _tl_dims(w1, w2), compute_dtype(x.dtype, w1.dtype, w2.dtype)
+    work, eager = _fwd_model(dev, int(x.shape[0]), *dims, compute, x.dtype, x.dtype if base is None else base.dtype,
+                             base is not None)
+
+    def tl_work(k):
+        (_, (kd, bt), threads), = tl_kernels("lokr_bypass_fwd", dims, k)
+        return work(_tl_apply_cfg(kd, bt, threads))
+
+    return _tl_plan("lokr_bypass_fwd", dev, dims, esize(compute), tl_work, eager, n)
+
+
+def _bypass_bwd_tl(dev, grad, x, w1, w2, gamma, n: int = TL_N):
+    """gx's kron_apply through the forward bypass model (G in, roles transposed), the two
+    weight-gradient kernels as the Triton backward's two passes over the tokens (their larger
+    fp32 fragments live, the more threads; its gx share is counted once more, the same for
+    every config). Eager: the Triton planner's."""
+    T, dims = int(x.shape[0]), _tl_dims(w1, w2)
+    a, b, c, d = dims
+    compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
+    gx_work, _ = _fwd_model(dev, T, b, a, d, c, compute, grad.dtype, x.dtype, False)
+    wg_work, eager = _bwd_model(dev, T, a, b, c, d, compute, x.dtype, grad.dtype)
+
+    def tl_work(k):
+        (_, (kd, bt), threads), (_, (_, bt1), th1), (_, (_, bt2), th2) = tl_kernels("lokr_bypass_bwd", dims, k)
+        gx = gx_work(_tl_apply_cfg(kd, bt, threads))
+        live = max(bypass_footprint("wgrad1", dims, bt1)[1], bypass_footprint("wgrad2", dims, bt2)[1])
+        wg = wg_work(dict(block_t=bt1, passes=2, swap=False, num_warps=max(th1, th2) // 32, num_stages=1), live=live)
+        return None if gx is None or wg is None else [gx] + wg
+
+    return _tl_plan("lokr_bypass_bwd", dev, dims, esize(compute), tl_work, eager, n)
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key: the factor
+#: shapes (and ranks); the token count stays bucketed); ``plans/tilelang.py``
+TILELANG = {
+    "lokr_full_merge_fwd": (_full_merge_fwd_tl, lambda w1, w2, *a: _tl_dims(w1, w2)),
+    "lokr_full_merge_bwd": (_full_merge_bwd_tl, lambda g, w1, w2, *a: _tl_dims(w1, w2)),
+    "lokr_merge_fwd": (_merge_fwd_tl, lambda w1a, w1b, w2a, w2b, shape, *a: _tl_factored(w1a, w1b, w2a, w2b, shape)),
+    "lokr_merge_bwd": (_merge_bwd_tl, lambda g, w1a, w1b, w2a, w2b, shape, *a: _tl_factored(w1a, w1b, w2a, w2b,
+                                                                                              shape)),
+    "lokr_bypass_fwd": (_bypass_fwd_tl, lambda x, w1, w2, *a: _tl_dims(w1, w2)),
+    "lokr_bypass_bwd": (_bypass_bwd_tl, lambda g, x, w1, w2, *a: _tl_dims(w1, w2)),
+}
 
 def _full_merge_fwd(w1, w2, base, gamma, out_dtype=None, **kw):
     (a, b), (c, d) = w1.shape, w2.shape

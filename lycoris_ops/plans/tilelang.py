@@ -4,11 +4,12 @@ tile configs), timed once per (device, op, operand size buckets, dtypes, flags).
 
 The shortlist of a call:
 * ops with a TileLang model (``TILELANG`` of ``plans/<family>.py``: the LoRA family's
-  four ops, the tucker rebuild, LoHa's three, ``add_scaled``, IA3, DoRA, diag-OFT's and BOFT's two each: 17 of the 23): the kernel's fixed config first
+  four ops, the tucker rebuild, LoHa's three, LoKr's six, ``add_scaled``, IA3, DoRA, diag-OFT's and BOFT's two each: 23 of the 23): the kernel's fixed config first
   (the untimed pick), the model's best tile configs (tile shape, pipeline stages,
   threads; the cost model of the family's Triton kernels with the names mapped) and
   ``SENTINEL_EAGER``; the op function gets the winner as ``cfg=``;
-* the other ops: their one launch configuration (``{}``) and ``SENTINEL_EAGER``.
+* calls without a model (an op outside ``MODEL_FAMILIES``, operands off CUDA): the
+  kernel's one launch configuration (``{}``) and ``SENTINEL_EAGER``.
 
 The tuner does the rest as for Triton (``tune.select_config``): best of three
 device-time rounds after a check against eager, the winner memoized and stored in
@@ -65,7 +66,7 @@ def stats() -> Dict[str, float]:
 
 
 #: the families whose plans/<family>.py has TileLang models (``TILELANG``)
-MODEL_FAMILIES = ("lora", "tucker", "loha", "add", "ia3", "dora", "oft", "boft")
+MODEL_FAMILIES = ("lora", "tucker", "loha", "lokr", "add", "ia3", "dora", "oft", "boft")
 _models: Dict[str, Tuple[Callable, Callable]] = {}
 
 

@@ -44,13 +44,19 @@ Bypass (tensor cores; per token ``Y_t = γ·w1·X_t·w2ᵀ``, X_t = x_t as (b, d
 Padded sizes Ap..Dp are powers of two >= 16 (``T.copy`` zero-fills the pad);
 the bypass keeps whole padded factors in shared memory, hence the scope cap
 (every factor dim <= 128, ``scope.py``). The token count is ``T.dynamic``.
+
+Launch configs: each launcher runs its fixed config (``KRON``, ``GRADS``, ``BYPASS``) with
+a tuned ``cfg`` (plans/lokr.py: ``TILELANG``) merged over it (``launch_config``): the
+merge's output tile, the gradient kernels' tile size and threads, the bypass kernels'
+token rows per program and their most threads. No kernel has a ``T.Pipelined`` loop.
+
 fp32 calls of the GEMM-based ops (bypass, factored merges) step down
 (TF32); the whole-factor merges take fp32 (exact). Operands are cast to the
 compute dtype and made contiguous on the host when needed.
 """
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, next_pow2, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 
 __all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_kernel",
@@ -59,18 +65,49 @@ __all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_
            "compile_specs"]
 
 _ACC = "float32"
+#: the fixed launch configs (the tuner's untimed pick). kron_kernel: its (BM x BN) output
+#: tile and threads; the gradient kernels: the most fp32 elements of their tile and threads;
+#: the bypass kernels: the most token rows (BTt·padded factor dim) of a program and the
+#: most threads (fewer where the program's smallest GEMM cannot feed that many warps)
+KRON = dict(BM=32, BN=128, threads=128)
+GRADS = dict(elems=4096, threads=128)
+BYPASS = dict(rows=128, threads=128)
 
 
-def _threads(*mn) -> int:
+def _threads(*mn, most: int = 128) -> int:
     """Threads for a program whose smallest ``T.gemm`` output is (M, N): each warp must own
-    at least 16 rows x 8 columns, at most 4 warps."""
-    w = min(4, min((m // 16) * (n // 8) for m, n in mn))
+    at least 16 rows x 8 columns, at most ``most`` threads; more than one warpgroup only
+    when every GEMM has >= 128 rows (sm_90's WGMMA: one warpgroup per 64 rows)."""
+    w = min(most // 32, min((m // 16) * (n // 8) for m, n in mn))
+    if w > 4 and min(m for m, _ in mn) < 128:
+        w = 4
     return 32 * max(1, w)
 
 
-def _tok_tile(p: int, q: int) -> int:
-    """Tokens per program so that p·BTt and q·BTt stay <= 128."""
-    return max(1, 128 // max(p, q))
+def _tok_tile(p: int, q: int, rows: int = 128) -> int:
+    """Tokens per program so that p·BTt and q·BTt stay <= rows."""
+    return max(1, rows // max(p, q))
+
+
+def apply_geometry(a: int, b: int, c: int, d: int, rows: int = 128, most: int = 128):
+    """(tokens per program, threads) of ``kron_apply_kernel``."""
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt = _tok_tile(Bp, Cp, rows)
+    return BTt, _threads((BTt * Bp, Cp), (Ap, BTt * Cp), most=most)
+
+
+def wgrad1_geometry(a: int, b: int, c: int, d: int, rows: int = 128, most: int = 128):
+    """(tokens per program step, threads) of ``kron_wgrad1_kernel``."""
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt = _tok_tile(Bp, Cp, rows)
+    return BTt, _threads((BTt * Bp, Cp), (Ap, Bp), most=most)
+
+
+def wgrad2_geometry(a: int, b: int, c: int, d: int, rows: int = 128, most: int = 128):
+    """(tokens per program step, threads) of ``kron_wgrad2_kernel``."""
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt = _tok_tile(Ap, Dp, rows)
+    return BTt, _threads((Ap, BTt * Dp), (Cp, Dp), most=most)
 
 
 # --------------------------------------------------------------------------- merges
@@ -105,20 +142,20 @@ def kron_kernel(a: int, b: int, c: int, d: int, w1d: str, w2d: str, bdt, odt: st
     return kron
 
 
-def _grad_tile(p: int, q: int):
-    """(rows, cols) of an fp32 tile covering a (p, q) block, at most 4096 elements."""
+def _grad_tile(p: int, q: int, elems: int = 4096):
+    """(rows, cols) of an fp32 tile covering a (p, q) block, at most ``elems`` elements."""
     bq = min(128, next_pow2(max(q, 1)))
-    bp = max(1, min(next_pow2(max(p, 1)), 4096 // bq))
+    bp = max(1, min(next_pow2(max(p, 1)), elems // bq))
     return bp, bq
 
 
 def kron_grad1_kernel(a: int, b: int, c: int, d: int, gd: str, w2d: str, odt: str,
-                      threads: int = 128, cpu: bool = False):
+                      elems: int = 4096, threads: int = 128, cpu: bool = False):
     """``GW1[u, v] = γ·Σ_ij G[u·c+i, v·d+j]·W2[i, j]``; program = (v, u)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
-    BC, BD = _grad_tile(c, d)
+    BC, BD = _grad_tile(c, d, elems)
     nc, nd = cdiv(c, BC), cdiv(d, BD)
 
     @T.prim_func
@@ -144,14 +181,14 @@ def kron_grad1_kernel(a: int, b: int, c: int, d: int, gd: str, w2d: str, odt: st
 
 
 def kron_grad2_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, odt: str, direct: bool,
-                      threads: int = 128, cpu: bool = False):
+                      elems: int = 4096, threads: int = 128, cpu: bool = False):
     """``GW2[i, j] = γ·Σ_uv G[u·c+i, v·d+j]·W1[u, v]``; program = (w2 tile, split of the
     a·b pairs, ``kper`` each). direct: Out (c, d) in odt; else fp32 partials
     (nsplit·Cq, Dq) with Cq, Dq = c, d rounded up to the tile."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
-    BC, BD = _grad_tile(c, d)
+    BC, BD = _grad_tile(c, d, elems)
     Cq, Dq = cdiv(c, BC) * BC, cdiv(d, BD) * BD
     oshape = (c, d) if direct else (T.dynamic("P"), Dq)
     odt = odt if direct else _ACC
@@ -184,14 +221,13 @@ def kron_grad2_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, odt: st
 # --------------------------------------------------------------------------- bypass
 
 def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
-                      cpu: bool = False):
+                      rows: int = 128, max_threads: int = 128, cpu: bool = False):
     """``Y[t] = γ·W1·X[t]·W2ᵀ (+ base[t])``: X (T, b, d), W1 (a, b), W2 (c, d), Y (T, a, c)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
-    BTt = _tok_tile(Bp, Cp)
-    threads = _threads((BTt * Bp, Cp), (Ap, BTt * Cp))
+    BTt, threads = apply_geometry(a, b, c, d, rows, max_threads)
     Tn = T.dynamic("T")
     has_base = bdt is not None
     bsh = (Tn, a, c) if has_base else (1,)
@@ -232,15 +268,14 @@ def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
 
 
 def kron_wgrad1_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
-                       cpu: bool = False):
+                       rows: int = 128, max_threads: int = 128, cpu: bool = False):
     """``g_w1 (a, b) = γ·Σ_t G_t·(X_t·W2ᵀ)ᵀ``; G (T, a, c), X (T, b, d). Program = split s of
     the token tiles (``kper`` each). direct: Out (a, b); else fp32 partials (nsplit·Ap, Bp)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
-    BTt = _tok_tile(Bp, Cp)
-    threads = _threads((BTt * Bp, Cp), (Ap, Bp))
+    BTt, threads = wgrad1_geometry(a, b, c, d, rows, max_threads)
     Tn = T.dynamic("T")
     oshape = (a, b) if direct else (T.dynamic("P"), Bp)
     odt = odt if direct else _ACC
@@ -280,15 +315,14 @@ def kron_wgrad1_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
 
 
 def kron_wgrad2_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
-                       cpu: bool = False):
+                       rows: int = 128, max_threads: int = 128, cpu: bool = False):
     """``g_w2 (c, d) = γ·Σ_t G_tᵀ·(W1·X_t)``; G (T, a, c), X (T, b, d). Program = split s of
     the token tiles. direct: Out (c, d); else fp32 partials (nsplit·Cp, Dp)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
-    BTt = _tok_tile(Ap, Dp)
-    threads = _threads((Ap, BTt * Dp), (Cp, Dp))
+    BTt, threads = wgrad2_geometry(a, b, c, d, rows, max_threads)
     Tn = T.dynamic("T")
     oshape = (c, d) if direct else (T.dynamic("P"), Dp)
     odt = odt if direct else _ACC
@@ -329,28 +363,33 @@ def kron_wgrad2_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
 
 # --------------------------------------------------------------------------- launchers
 
-def _split(tiles: int, other: int, device) -> tuple:
-    """(nsplit, tiles per split) so that other·nsplit programs fill the GPU about twice."""
-    want = max(1, cdiv(2 * num_sms(device), max(other, 1)))
+def split_of(tiles: int, other: int, sms: int) -> tuple:
+    """(nsplit, tiles per split) so that other·nsplit programs fill ``sms`` SMs about twice."""
+    want = max(1, cdiv(2 * sms, max(other, 1)))
     ns = max(1, min(want, tiles))
     per = cdiv(tiles, ns)
     return cdiv(tiles, per), per
 
 
-def _kron(w1, w2, base, gamma, odt):
+def _split(tiles: int, other: int, device) -> tuple:
+    return split_of(tiles, other, num_sms(device))
+
+
+def _kron(w1, w2, base, gamma, odt, cfg=None):
     a, b = w1.shape
     c, d = w2.shape
     dev = w1.device
+    p = launch_config(KRON, cfg)
     y = torch.empty((a * c, b * d), device=dev, dtype=odt)
     k = kernel(kron_kernel, arch_of(dev), a, b, c, d, tl_dtype(w1.dtype), tl_dtype(w2.dtype),
-               None if base is None else tl_dtype(base.dtype), tl_dtype(odt))
+               None if base is None else tl_dtype(base.dtype), tl_dtype(odt), p["BM"], p["BN"], p["threads"])
     k(w1, w2, dummy(dev, torch.float32) if base is None else aligned(base.contiguous()), y, float(gamma))
     return y
 
 
-def full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
+def full_merge_fwd(w1, w2, base, gamma, out_dtype=None, cfg=None):
     c = compute_dtype(w1, w2)
-    return _kron(prep(w1, c), prep(w2, c), base, gamma, out_dtype or w2.dtype)
+    return _kron(prep(w1, c), prep(w2, c), base, gamma, out_dtype or w2.dtype, cfg)
 
 
 def _side(wa, wb, c):
@@ -360,46 +399,49 @@ def _side(wa, wb, c):
     return gemm(prep(wa, c), prep(wb, c), None, None, None, 1.0, "plain", torch.float32, c)
 
 
-def merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
+def merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, cfg=None):
     c = compute_dtype(w1a, w1b, w2a, w2b)
-    return _kron(_side(w1a, w1b, c), _side(w2a, w2b, c), base, gamma, out_dtype or w2a.dtype)
+    return _kron(_side(w1a, w1b, c), _side(w2a, w2b, c), base, gamma, out_dtype or w2a.dtype, cfg)
 
 
-def _grads(g, w1, w2, gamma, d1, d2):
+def _grads(g, w1, w2, gamma, d1, d2, cfg=None):
     """(g_w1 in d1, g_w2 in d2) of γ·kron(w1, w2); g, w1, w2 prepared."""
     a, b = w1.shape
     c, d = w2.shape
     dev = g.device
     arch = arch_of(dev)
     gd = tl_dtype(g.dtype)
+    p = launch_config(GRADS, cfg)
+    tile = (p["elems"], p["threads"])
     g_w1 = torch.empty((a, b), device=dev, dtype=d1)
-    kernel(kron_grad1_kernel, arch, a, b, c, d, gd, tl_dtype(w2.dtype), tl_dtype(d1))(g, w2, g_w1, float(gamma))
-    BC, BD = _grad_tile(c, d)
+    kernel(kron_grad1_kernel, arch, a, b, c, d, gd, tl_dtype(w2.dtype), tl_dtype(d1), *tile)(
+        g, w2, g_w1, float(gamma))
+    BC, BD = _grad_tile(c, d, p["elems"])
     ns, per = _split(a * b, cdiv(c, BC) * cdiv(d, BD), dev)
     if ns == 1:
         g_w2 = torch.empty((c, d), device=dev, dtype=d2)
-        kernel(kron_grad2_kernel, arch, a, b, c, d, gd, tl_dtype(w1.dtype), tl_dtype(d2), True)(
+        kernel(kron_grad2_kernel, arch, a, b, c, d, gd, tl_dtype(w1.dtype), tl_dtype(d2), True, *tile)(
             g, w1, g_w2, float(gamma), per, 1)
     else:
         Cq, Dq = cdiv(c, BC) * BC, cdiv(d, BD) * BD
         part = torch.empty((ns * Cq, Dq), device=dev, dtype=torch.float32)
-        kernel(kron_grad2_kernel, arch, a, b, c, d, gd, tl_dtype(w1.dtype), "float32", False)(
+        kernel(kron_grad2_kernel, arch, a, b, c, d, gd, tl_dtype(w1.dtype), "float32", False, *tile)(
             g, w1, part, float(gamma), per, ns)
         g_w2 = fresh(part.view(ns, Cq, Dq).sum(0)[:c, :d], d2)
     return g_w1, g_w2
 
 
-def full_merge_bwd(grad, w1, w2, gamma):
+def full_merge_bwd(grad, w1, w2, gamma, cfg=None):
     c = compute_dtype(w1, w2)
-    return _grads(prep(grad, c), prep(w1, c), prep(w2, c), gamma, w1.dtype, w2.dtype)
+    return _grads(prep(grad, c), prep(w1, c), prep(w2, c), gamma, w1.dtype, w2.dtype, cfg)
 
 
-def merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
+def merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, cfg=None):
     c = compute_dtype(w1a, w1b, w2a, w2b)
     s1, s2 = _side(w1a, w1b, c), _side(w2a, w2b, c)
     f32 = torch.float32
     g_w1, g_w2 = _grads(prep(grad, c), s1, s2, gamma,
-                        w1a.dtype if w1b is None else f32, w2a.dtype if w2b is None else f32)
+                        w1a.dtype if w1b is None else f32, w2a.dtype if w2b is None else f32, cfg)
     outs = []
     for g_w, wa, wb in ((g_w1, w1a, w1b), (g_w2, w2a, w2b)):
         if wb is None:
@@ -411,29 +453,30 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
     return tuple(outs)
 
 
-def _apply(x3, w1, w2, base3, gamma, odt):
+def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
     T_ = x3.shape[0]
     a, b = w1.shape
     c, d = w2.shape
     dev = x3.device
+    p = launch_config(BYPASS, cfg)
     y = torch.empty((T_, a * c), device=dev, dtype=odt)
     k = kernel(kron_apply_kernel, arch_of(dev), a, b, c, d, tl_dtype(x3.dtype),
-               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt))
+               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"])
     k(x3, w1, w2, dummy(dev, torch.float32) if base3 is None else base3, y.view(T_, a, c), float(gamma))
     return y
 
 
-def bypass_fwd(x, w1, w2, gamma, base=None):
+def bypass_fwd(x, w1, w2, gamma, base=None, cfg=None):
     c = compute_dtype(x, w1, w2)
     a, b = w1.shape
     cc, d = w2.shape
     T_ = x.shape[0]
     odt = x.dtype if base is None else base.dtype
     b3 = None if base is None else aligned(base.contiguous()).view(T_, a, cc)
-    return _apply(prep(x, c).view(T_, b, d), prep(w1, c), prep(w2, c), b3, gamma, odt)
+    return _apply(prep(x, c).view(T_, b, d), prep(w1, c), prep(w2, c), b3, gamma, odt, cfg)
 
 
-def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt):
+def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt, cfg=None):
     """Launch a kron_wgrad kernel with a token split; returns the gradient in odt."""
     T_ = g3.shape[0]
     a, c = g3.shape[1:]
@@ -441,20 +484,22 @@ def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt):
     dev = g3.device
     arch = arch_of(dev)
     dt = tl_dtype(g3.dtype)
-    tiles = cdiv(T_, _tok_tile(p, q))
+    cf = launch_config(BYPASS, cfg)
+    launch = (cf["rows"], cf["threads"])
+    tiles = cdiv(T_, _tok_tile(p, q, cf["rows"]))
     ns, per = _split(tiles, 1, dev)
     if ns == 1:
         out = torch.empty(out_shape, device=dev, dtype=odt)
-        kernel(builder, arch, a, b, c, d, dt, tl_dtype(odt), True)(g3, x3, w, out, float(gamma), per, 1)
+        kernel(builder, arch, a, b, c, d, dt, tl_dtype(odt), True, *launch)(g3, x3, w, out, float(gamma), per, 1)
         return out
     P0, P1 = pads
     part = torch.empty((ns * P0, P1), device=dev, dtype=torch.float32)
-    kernel(builder, arch, a, b, c, d, dt, "float32", False)(g3, x3, w, part, float(gamma), per, ns)
+    kernel(builder, arch, a, b, c, d, dt, "float32", False, *launch)(g3, x3, w, part, float(gamma), per, ns)
     r0, r1 = out_shape
     return fresh(part.view(ns, P0, P1).sum(0)[:r0, :r1], odt)
 
 
-def bypass_bwd(grad, x, w1, w2, gamma):
+def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
     c = compute_dtype(x, w1, w2)
     a, b = w1.shape
     cc, d = w2.shape
@@ -462,10 +507,10 @@ def bypass_bwd(grad, x, w1, w2, gamma):
     g3 = prep(grad, c).view(T_, a, cc)
     x3 = prep(x, c).view(T_, b, d)
     w1c, w2c = prep(w1, c), prep(w2, c)
-    gx = _apply(g3, aligned(w1c.t().contiguous()), aligned(w2c.t().contiguous()), None, gamma, x.dtype)
+    gx = _apply(g3, aligned(w1c.t().contiguous()), aligned(w2c.t().contiguous()), None, gamma, x.dtype, cfg)
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, cc, d))
-    g_w1 = _wgrad(kron_wgrad1_kernel, g3, x3, w2c, (a, b), (Ap, Bp), Bp, Cp, gamma, w1.dtype)
-    g_w2 = _wgrad(kron_wgrad2_kernel, g3, x3, w1c, (cc, d), (Cp, Dp), Ap, Dp, gamma, w2.dtype)
+    g_w1 = _wgrad(kron_wgrad1_kernel, g3, x3, w2c, (a, b), (Ap, Bp), Bp, Cp, gamma, w1.dtype, cfg)
+    g_w2 = _wgrad(kron_wgrad2_kernel, g3, x3, w1c, (cc, d), (Cp, Dp), Ap, Dp, gamma, w2.dtype, cfg)
     return gx, g_w1, g_w2
 
 
