@@ -139,13 +139,10 @@ def _with_cfg(op, cfg, args, dtype):
     harness.compare(types.SimpleNamespace(**{op: functools.partial(fn, cfg=cfg)}), REF, op, args, dtype)
 
 
-@pytest.mark.parametrize("kron_cfg,grad_cfg,bypass_cfg", TILE_CFGS, ids=["small-tiles", "big-tiles", "wide-256"])
-def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
-    """The six launchers honour a tuned ``cfg`` (odd sizes: tail tiles on both output axes,
+def _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, dev):
+    """(op, cfg, args) of the six launchers at odd sizes: tail tiles on both output axes,
     several gradient tiles or one partial one, split and direct w_2 gradients, token tails
-    and split token reductions); on a GPU the real kernels (bf16), else the CPU twins (fp32)."""
-    dev = "cuda" if GPU else "cpu"
-    dtype = torch.bfloat16 if GPU else torch.float32
+    and split token reductions."""
     g = torch.Generator().manual_seed(21)
 
     def m(*s, scale=1.0):
@@ -155,16 +152,43 @@ def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
     w1, w2 = m(a, b), m(c, d, scale=0.1)
     G, W = m(a * c, b * d), m(a * c, b * d)
     f = (m(a, 3), m(3, b), m(c, 5, scale=0.3), m(5, d, scale=0.3))
-    _with_cfg("lokr_full_merge_fwd", kron_cfg, (w1, w2, W, 0.7), dtype)
-    _with_cfg("lokr_merge_fwd", kron_cfg, (f[0], f[1], w2, None, [a, b, c, d], None, 0.7), dtype)
-    _with_cfg("lokr_full_merge_bwd", grad_cfg, (G, w1, w2, 0.7), dtype)
-    _with_cfg("lokr_merge_bwd", grad_cfg, (G, *f, [a, b, c, d], 0.7), dtype)
+    cases = [("lokr_full_merge_fwd", kron_cfg, (w1, w2, W, 0.7)),
+             ("lokr_merge_fwd", kron_cfg, (f[0], f[1], w2, None, [a, b, c, d], None, 0.7)),
+             ("lokr_full_merge_bwd", grad_cfg, (G, w1, w2, 0.7)),
+             ("lokr_merge_bwd", grad_cfg, (G, *f, [a, b, c, d], 0.7))]
     for (a, b, c, d) in ((3, 5, 7, 4), (20, 3, 5, 33)):  # padded factors 16; and 32 / 16 / 16 / 64
         w1, w2 = m(a, b, scale=b ** -0.5), m(c, d, scale=d ** -0.5)
         for T in (1, 150):
             x = m(T, b * d)
-            _with_cfg("lokr_bypass_fwd", bypass_cfg, (x, w1, w2, 0.7, m(T, a * c)), dtype)
-            _with_cfg("lokr_bypass_bwd", bypass_cfg, (m(T, a * c), x, w1, w2, 0.7), dtype)
+            cases += [("lokr_bypass_fwd", bypass_cfg, (x, w1, w2, 0.7, m(T, a * c))),
+                      ("lokr_bypass_bwd", bypass_cfg, (m(T, a * c), x, w1, w2, 0.7))]
+    return cases
+
+
+@pytest.mark.parametrize("kron_cfg,grad_cfg,bypass_cfg", TILE_CFGS, ids=["small-tiles", "big-tiles", "wide-256"])
+def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
+    """The six launchers honour a tuned ``cfg`` at odd sizes (``_tile_config_cases``); on a
+    GPU the real kernels (bf16), else the CPU twins (fp32)."""
+    dtype = torch.bfloat16 if GPU else torch.float32
+    for op, cfg, args in _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, "cuda" if GPU else "cpu"):
+        _with_cfg(op, cfg, args, dtype)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.parametrize("cfgs", [({}, {}, {}), TILE_CFGS[2]], ids=["fixed", "wide-256"])
+def test_tile_config_cases_compile_sm90a(monkeypatch, cfgs):
+    """The kernels of test_tile_configs' odd sizes compile for sm_90a (bf16), the fixed
+    configs too: the H200 found the Kronecker build's W1 gather at d = 150 ('__pack_bfloat162'
+    is undefined), which the bench-shape corners never reach."""
+    from lycoris_ops.tilelang import lora as tl_lora
+
+    for mod in (lokr, tl_lora):
+        monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    calls = [(getattr(lokr, op[len("lokr_"):]), args, cfg)
+             for op, cfg, args in _tile_config_cases(*cfgs, torch.bfloat16, "cpu")]
+    captured, failed = harness.compile_calls(calls)
+    assert captured >= 20 and not failed, failed
 
 
 def test_the_fixed_configs_are_the_default_launch():

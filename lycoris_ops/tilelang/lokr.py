@@ -123,18 +123,29 @@ def kron_kernel(a: int, b: int, c: int, d: int, w1d: str, w2d: str, bdt, odt: st
     bsh = (M, N) if has_base else (1,)
     bdt = bdt or _ACC
 
+    # the W1 entries one tile touches, staged in fp32: read straight from global memory, the
+    # vectorizer packs two 16-bit gathers with __pack_bfloat162, which TileLang's bf16
+    # header lacks (nvcc error at d = 150)
+    RA, RB = min(a, cdiv(BM, c) + 1), min(b, cdiv(BN, d) + 1)
+
     @T.prim_func
     def kron(W1: T.Tensor((a, b), w1d), W2: T.Tensor((c, d), w2d), Base: T.Tensor(bsh, bdt),
              Y: T.Tensor((M, N), odt), gamma: T.float32):
         with T.Kernel(T.ceildiv(N, BN), T.ceildiv(M, BM), threads=nthreads(threads)) as (bn, bm):
             acc = frag((BM, BN), _ACC)
+            w1s = shared((RA, RB), _ACC)
             m0 = bm * BM
             n0 = bn * BN
+            r0 = m0 // c
+            q0 = n0 // d
+            for p, q in par(RA, RB):
+                if r0 + p < a and q0 + q < b:
+                    w1s[p, q] = T.cast(W1[r0 + p, q0 + q], _ACC) * gamma
             for i, j in par(BM, BN):
                 m = m0 + i
                 n = n0 + j
                 if m < M and n < N:
-                    acc[i, j] = T.cast(W1[m // c, n // d], _ACC) * T.cast(W2[m % c, n % d], _ACC) * gamma
+                    acc[i, j] = w1s[m // c - r0, n // d - q0] * T.cast(W2[m % c, n % d], _ACC)
                     if has_base:
                         acc[i, j] = acc[i, j] + T.cast(Base[m, n], _ACC)
             T.copy(acc, Y[m0, n0])
