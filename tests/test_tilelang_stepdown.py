@@ -304,3 +304,41 @@ def test_elementwise_shortlists_for_an_h200():
             assert all(c[k] in space[k] for k in c), (op, c)
     a = tl_pick.key_parts((x, v, -1, 1.0, 1.0), "ia3_fwd")
     assert a[0] == ("sizes", (3072, 3072, False))  # (N, C, layout): the 8192 rows only in t0's bucket
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["tune-off", "capturing"])
+def test_a_kernel_tilelang_cannot_build_runs_eager(monkeypatch, caplog, guarded):
+    """A config whose kernel TileLang refuses (its lowering or nvcc: the H200 met both) is
+    not an error for the caller: the untimed pick (TUNE=off, or while compiling / capturing)
+    steps down to the eager body, logs once, and never tries that build again; the op
+    function itself raises BuildError naming the builder and arch."""
+    import logging
+
+    from lycoris_ops.tilelang import _common, add as tl_add
+
+    tries = []
+
+    def refuse(builder, arch, *args, **kw):
+        tries.append(builder.__name__)
+        raise RuntimeError("Compilation error:\nkernel.cu(27): error: identifier \"__pack_bfloat162\" is undefined")
+
+    monkeypatch.setattr(_common, "compile_only", refuse)
+    monkeypatch.setattr(_common, "_kernels", {})
+    monkeypatch.setattr(_common, "_failed", {})
+    monkeypatch.setattr(tl_pick, "_build_warned", set())
+    if guarded:
+        monkeypatch.setattr(tune, "unsafe_to_time", lambda: True)
+    else:
+        tune.set_tuning(False)
+    base, delta = torch.randn(33, 17), torch.randn(33, 17)
+    with caplog.at_level(logging.WARNING, logger="lycoris_ops.tune"):
+        for gamma in (0.5, -2.0, 0.5):
+            got = tl_pick.run("add_scaled", tl_add.add_scaled, (base, delta, gamma))
+            torch.testing.assert_close(got, eager_add_scaled(base, delta, gamma))
+    assert len(tries) == 1, tries  # one build attempt: the failure is remembered
+    assert sum("add_scaled runs its eager body" in r.getMessage() for r in caplog.records) == 1
+    assert "__pack_bfloat162" in caplog.text
+    with pytest.raises(_common.BuildError, match=r"could not build .* for c: RuntimeError: .*__pack_bfloat162"):
+        tl_add.add_scaled(base, delta, 0.5)
+    assert len(tries) == 1
+    assert not tune.table().rows  # nothing stored

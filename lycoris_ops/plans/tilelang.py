@@ -45,6 +45,7 @@ import torch
 
 from . import precompile, tune
 from .. import registry
+from ..tilelang._common import BuildError
 
 __all__ = ["BACKEND", "KERNEL", "key_parts", "run", "precompile_call", "stats"]
 
@@ -54,6 +55,8 @@ BACKEND = "tilelang"
 #: the shortlist entry of the TileLang kernel (its fixed configuration)
 KERNEL: Dict[str, Any] = {}
 _front = tune.Front()
+#: ops whose step-down for a kernel TileLang could not build was logged (once each)
+_build_warned: set = set()
 #: seconds the parent waits for the TileLang compile children before killing the rest
 TIMEOUT_S = 120.0
 _totals = {"calls": 0, "kernels": 0, "children": 0, "failures": 0, "seconds": 0.0}
@@ -154,7 +157,9 @@ def _exact(op: str, args) -> tuple:
 
 def run(op: str, kernel: Callable, args: Sequence[Any]):
     """``kernel(*args)`` (the TileLang op function, validated in-scope arguments), or the
-    op's eager body where eager won this shape's timing."""
+    op's eager body where eager won this shape's timing or where TileLang could not build
+    the chosen config's kernel (``BuildError``: TUNE=off, a guarded first pick, a stored
+    row; logged once per op; a timed key never picks such a config)."""
     fk = _exact(op, args)
     choice = _front.get(fk)
     if choice is None:
@@ -175,4 +180,13 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
             reference=lambda: eager(*args), front=(_front, fk))
         if not shortlist and not tune.is_eager(choice):  # a stored or memoized choice: its kernels only
             precompile_call(kernel, args, [choice])
-    return registry.eager(op)(*args) if tune.is_eager(choice) else _call(kernel, args, choice)
+    if tune.is_eager(choice):
+        return registry.eager(op)(*args)
+    try:
+        return _call(kernel, args, choice)
+    except BuildError as exc:  # a kernel TileLang cannot build: this signature runs eager from now on
+        _front[fk] = tune.SENTINEL_EAGER
+        if op not in _build_warned:
+            _build_warned.add(op)
+            log.warning("lycoris_ops tilelang: %s runs its eager body here: %s", op, exc)
+        return registry.eager(op)(*args)

@@ -20,6 +20,7 @@ launch does nothing, so an op function run once lists the kernels of its first c
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 from typing import Callable, Dict, Tuple
@@ -29,7 +30,7 @@ import torch
 __all__ = [
     "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "target_of", "kernel", "compile_only",
     "clear", "stats", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
-    "capturing", "Pending", "launch_config",
+    "capturing", "Pending", "launch_config", "BuildError",
 ]
 
 EXECUTION_BACKEND = "tvm_ffi"
@@ -48,6 +49,14 @@ _kernels: Dict[Tuple, object] = {}
 #: load from TileLang's disk cache: the cost a warm cache leaves)
 _stats = {"kernels": 0, "build_s": 0.0}
 _capture = threading.local()
+#: (builder, arch, args) -> the BuildError of a kernel TileLang could not build: raised again
+#: without a second attempt (a failed build costs seconds)
+_failed: Dict[Tuple, "BuildError"] = {}
+
+
+class BuildError(RuntimeError):
+    """TileLang could not build a kernel (its lowering or nvcc refused it): the op set's
+    caller (``plans/tilelang.run``) steps down to the op's eager body."""
 
 
 class Pending:
@@ -142,12 +151,27 @@ def kernel(builder: Callable, arch: str, *args):
         with _lock:
             k = _kernels.get(key)
             if k is None:
+                if key in _failed:
+                    raise _failed[key]
                 t0 = time.perf_counter()
-                k = compile_only(builder, arch, *args)
+                try:
+                    k = compile_only(builder, arch, *args)
+                except Exception as exc:
+                    _failed[key] = BuildError(f"TileLang could not build {builder.__qualname__}{args} for {arch}: "
+                                              f"{type(exc).__name__}: {_first_error(str(exc))}")
+                    raise _failed[key] from exc
                 _stats["kernels"] += 1
                 _stats["build_s"] += time.perf_counter() - t0
                 _kernels[key] = k
     return k
+
+
+def _first_error(text: str) -> str:
+    """The line of a compiler's output that says what failed (nvcc's ``file(line): error: …``),
+    else its first non-empty line; at most 300 characters."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    said = [ln for ln in lines if re.search(r"error:\s*\S", ln, re.IGNORECASE)]
+    return (said or lines or [""])[0][:300]
 
 
 def stats() -> Dict[str, float]:
@@ -159,6 +183,7 @@ def clear() -> None:
     """Forget the compiled kernels of this process."""
     with _lock:
         _kernels.clear()
+        _failed.clear()
 
 
 def cdiv(a: int, b: int) -> int:
