@@ -1,0 +1,89 @@
+"""Compile, for a GPU arch and without a GPU, every TileLang kernel that the op test-case
+tables (``lycoris_ops.testing``: odd sizes, every layout and flag) build with the fixed
+launch configs: the kernels a user's first call builds under ``LYCORIS_KERNEL_TUNE=off``.
+
+The GPU tests run only a few sizes per op; TileLang's lowering and nvcc have refused
+kernels at sizes no test used (LoKr's Kronecker build at d = 150, bench/RESULTS.md
+2026-12-01). This sweep compiles them all; each failure is printed with the compiler's
+error line. No GPU needed (nvcc on PATH); about 30 minutes on 2 cores (321 kernels).
+
+    python bench/tilelang_compile_sweep.py [--arch sm_90a] [--procs 2] [--dtypes bf16,fp16]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import multiprocessing
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+MODULES = ("lora", "loha", "lokr", "tucker", "dora", "ia3", "add", "oft", "boft")
+
+
+def pending_kernels(arch: str, dtypes):
+    """(builder, arch, args) of every distinct kernel the in-scope test cases build."""
+    import lycoris_ops  # noqa: F401  (registers the ops)
+    from gpu_tilelang_tune import _op_function
+    from lycoris_ops import scope, testing
+    from lycoris_ops.plans import tilelang as tl_pick
+    from lycoris_ops.tilelang import _common
+
+    for name in MODULES:  # the launchers see a GPU of this arch (132 SMs: an H200's split choices)
+        mod = importlib.import_module(f"lycoris_ops.tilelang.{name}")
+        if hasattr(mod, "arch_of"):
+            mod.arch_of = lambda d: arch
+        if hasattr(mod, "num_sms"):
+            mod.num_sms = lambda d: 132
+    calls = [(c.op, c.id, c.args) for dt in dtypes for c in testing.cases(dtype=dt)
+             if scope.supported(c.op, "tilelang", c.args)]
+    with _common.capturing() as pending:
+        for op, cid, args in calls:
+            try:
+                tl_pick._call(_op_function(op), args, {})
+            except Exception as exc:  # a launcher that fails before any build
+                print(f"LAUNCH ERROR {op}:{cid}: {type(exc).__name__}: {exc}", flush=True)
+    print(f"{len(calls)} in-scope cases, {len(pending)} distinct kernels", flush=True)
+    return [(p.builder, p.arch, p.args) for p in pending]
+
+
+def _compile(item):
+    from lycoris_ops.tilelang import _common
+
+    builder, arch, args = item
+    t0 = time.perf_counter()
+    try:
+        _common.compile_only(builder, arch, *args)
+        return builder.__name__, args, None, time.perf_counter() - t0
+    except Exception as exc:
+        return builder.__name__, args, _common._first_error(str(exc)), time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 2)))
+    ap.add_argument("--dtypes", default="bf16,fp16")
+    opts = ap.parse_args(argv)
+    items = pending_kernels(opts.arch, [DTYPES[d] for d in opts.dtypes.split(",")])
+    t0, failed, slowest = time.perf_counter(), [], (0.0, "")
+    with multiprocessing.get_context("fork").Pool(opts.procs) as pool:
+        for i, (name, args, err, s) in enumerate(pool.imap_unordered(_compile, items), 1):
+            slowest = max(slowest, (s, f"{name}{args}"))
+            if err is not None:
+                failed.append(name)
+                print(f"FAIL {name}{args}: {err}", flush=True)
+            if i % 25 == 0:
+                print(f"[{i}/{len(items)}] {time.perf_counter() - t0:.0f} s", flush=True)
+    print(f"{len(items)} kernels for {opts.arch} in {time.perf_counter() - t0:.0f} s, {len(failed)} failed; "
+          f"slowest {slowest[0]:.1f} s: {slowest[1]}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
