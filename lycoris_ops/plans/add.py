@@ -14,7 +14,7 @@ import importlib
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, predict, rank
+from .cost import Work, cdiv, eager_time, esize, make_plan, predict, rank, tl_shortlist
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -74,8 +74,7 @@ def _add_tl(dev, base, delta, gamma, n: int = TL_N):
 
     default = dict(tl.ADD)
     cfgs = [dict(BV=b, threads=t) for b in TL_SPACE["BV"] for t in TL_SPACE["threads"]]
-    return fixed_first(make_plan("add_scaled", rank(cfgs, tl_work, dev), tile_axes=("BV",), n=n, default=default,
-                                 default_s=predict(tl_work, default, dev), eager_s=eager), default)
+    return tl_shortlist("add_scaled", cfgs, tl_work, dev, default, eager, ("BV",), n)
 
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``

@@ -408,6 +408,13 @@ def fixed_first(plan, fixed: dict):
     return plan
 
 
+def tl_shortlist(op: str, cfgs, work, dev: DeviceFacts, fixed: dict, eager_s: float, tile_axes, n: int):
+    """A TileLang shortlist: the kernel's fixed config first, then the model's best of ``cfgs``
+    (``work`` scores them, ``tile_axes`` keep the picks diverse), eager where it could win."""
+    return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=tile_axes, n=n, default=fixed,
+                                 default_s=predict(work, fixed, dev), eager_s=eager_s), fixed)
+
+
 def predict(work: Callable[[dict], object], cfg: Optional[dict], dev: DeviceFacts) -> Optional[float]:
     """Predicted seconds of one config through a planner's ``work`` function (None: illegal
     or no config)."""

@@ -19,7 +19,7 @@ import importlib
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, p2, predict, rank
+from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank, tl_shortlist
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -150,8 +150,7 @@ def _tl_plan(op, dev, w, row_axis, delta, g_dtype, n: int = TL_N):
     steps = [(R * NC * (ew + ed + 4), 0), (R * NC * 4, 0), (R * 16, 0), (R * NC * (4 + 4), 0), (R * NC * (4 + ew), 0)]
     if g_dtype is not None:
         steps += [(R * NC * (eg + 4 + 4), 0), (R * NC * 4 * 3, 0), (R * NC * (4 + 4), 0)]
-    return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=("vecs",), n=n, default=default,
-                                 default_s=predict(work, default, dev), eager_s=eager_time(dev, steps)), default)
+    return tl_shortlist(op, cfgs, work, dev, default, eager_time(dev, steps), ("vecs",), n)
 
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``

@@ -19,7 +19,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, p2, predict, rank
+from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank, tl_shortlist
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -147,8 +147,7 @@ def _tl_mapped(work, N: int, x_dtype):
 def _tl_plan(op, work, eager, dev, n):
     default = dict(importlib.import_module("lycoris_ops.tilelang.ia3").IA3)
     cfgs = [dict(vecs=v, threads=t) for v in TL_SPACE["vecs"] for t in TL_SPACE["threads"]]
-    return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=("vecs",), n=n, default=default,
-                                 default_s=predict(work, default, dev), eager_s=eager), default)
+    return tl_shortlist(op, cfgs, work, dev, default, eager, ("vecs",), n)
 
 
 def _fwd_tl(dev, x, w, channel_axis, alpha, gamma, n: int = TL_N):

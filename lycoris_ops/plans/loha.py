@@ -29,8 +29,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan,
-                   make_shared_plan, p2, predict, rank, tl_stages, tl_threads)
+from .cost import (Work, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict, rank,
+                   tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -228,8 +228,7 @@ def _tl_gemm_plan(op, dev: DeviceFacts, M: int, N: int, K: int, e: int, eo: int,
     default = dict(_tl_loha().APPLY_GEMM)
     cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=t) for bm in sp["BM"] for bn in sp["BN"] for bk in sp["BK"]
             for s in tl_stages(dev, sp["stages"]) for t in tl_threads(sp["threads"], bm)]
-    return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=("BM", "BN", "BK"), n=n, default=default,
-                                 default_s=predict(work, default, dev), eager_s=eager), default)
+    return tl_shortlist(op, cfgs, work, dev, default, eager, ("BM", "BN", "BK"), n)
 
 
 def _tl_bypass_fwd(dev, x, a1, b1, a2, b2, gamma, base=None, n: int = TL_N):
@@ -278,8 +277,7 @@ def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
     cfgs = [dict(BO=bo, BI=bi) for bo in TL_GRADS["BO"] for bi in TL_GRADS["BI"]]
     eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * (eg + 12), 0),
                              (O * I * 4 * 2 + I * R * e * 2, 4.0 * O * I * R), (O * I * 4 * 2 + O * R * e * 2, 4.0 * O * I * R)])
-    return fixed_first(make_plan("loha_merge_bwd", rank(cfgs, work, dev), tile_axes=("BO", "BI"), n=n,
-                                 default=default, default_s=predict(work, default, dev), eager_s=eager), default)
+    return tl_shortlist("loha_merge_bwd", cfgs, work, dev, default, eager, ("BO", "BI"), n)
 
 
 def _weights(a1, b1, a2, b2):

@@ -31,8 +31,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (SMEM_MARGIN, Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan, make_shared_plan,
-                   p2, predict, rank)
+from .cost import (SMEM_MARGIN, Work, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict,
+                   rank, tl_shortlist)
 from .device import DeviceFacts, facts
 from .oft import TL_ACC_PER_THREAD
 
@@ -362,9 +362,7 @@ def tl_configs(dev: DeviceFacts, op: str, dims, csize: int) -> list:
 
 def _tl_plan(op: str, dev: DeviceFacts, dims, csize: int, work, eager: float, n: int):
     """The shortlist: the fixed config first, the model's best legal configs, eager."""
-    fixed = tl_fixed(op)
-    return fixed_first(make_plan(op, rank(tl_configs(dev, op, dims, csize), work, dev), tile_axes=_TL_SPACES[op][2],
-                                 n=n, default=fixed, default_s=predict(work, fixed, dev), eager_s=eager), fixed)
+    return tl_shortlist(op, tl_configs(dev, op, dims, csize), work, dev, tl_fixed(op), eager, _TL_SPACES[op][2], n)
 
 
 def _tl_kron(op, dev, dims, r1, r2, compute, out_dtype, base, n):

@@ -29,7 +29,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (Work, cdiv, eager_time, esize, fixed_first, gemm_reads, make_plan, p2, predict, rank, shortlist,
+from .cost import (Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist, tl_shortlist,
                    tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
@@ -304,11 +304,6 @@ TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(
 TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2, 3, 4), threads=TL_THREADS)
 
 
-def _tl_plan(op, cfgs, work, dev, default, eager, axes, n):
-    return fixed_first(make_plan(op, rank(cfgs, work, dev), tile_axes=axes, n=n, default=default,
-                                 default_s=predict(work, default, dev), eager_s=eager), default)
-
-
 def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
                        has_base: bool, *, n: int = TL_N):
     """``tilelang/lora.py: bypass_fwd_kernel``'s shortlist: (BT token rows, BO output
@@ -323,7 +318,7 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     sp = TL_BYPASS_FWD
     cfgs = [dict(BT=bt, BO=bo, BK=bk, stages=s, threads=th) for bt in sp["BT"] for bo in sp["BO"]
             for bk in sp["BK"] for s in tl_stages(dev, sp["stages"]) for th in tl_threads(sp["threads"], bt)]
-    return _tl_plan("lora_bypass_fwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_FWD), eager, ("BT", "BO", "BK"), n)
+    return tl_shortlist("lora_bypass_fwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_FWD), eager, ("BT", "BO", "BK"), n)
 
 
 def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
@@ -348,7 +343,7 @@ def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     red0 = reds[0][1] if reds else dict(sBM=64, sBK=64)
     cfgs = [dict(BT=bt, BI=bi, BK=bk, stages=s, threads=th, **red0) for bt in TL_TOKEN["BT"] for bi in TL_TOKEN["BI"]
             for bk in TL_TOKEN["BK"] for s in TL_TOKEN["stages"] for th in TL_TOKEN["threads"]]
-    return _tl_plan("lora_bypass_bwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_BWD), eager, ("BT", "BI", "BK"),
+    return tl_shortlist("lora_bypass_bwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_BWD), eager, ("BT", "BI", "BK"),
                     n)
 
 
@@ -366,7 +361,7 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
     sp = TL_MERGE_FWD
     cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bn in sp["BN"]
             for bk in sp["BK"] if bk <= kcap for s in tl_stages(dev, sp["stages"]) for th in tl_threads(sp["threads"], bm)]
-    return _tl_plan("lora_merge_fwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_FWD), eager, ("BM", "BN", "BK"), n)
+    return tl_shortlist("lora_merge_fwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_FWD), eager, ("BM", "BN", "BK"), n)
 
 
 def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, out_dtype, *, n: int = TL_N):
@@ -382,7 +377,7 @@ def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype
 
     cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in TL_SKINNY["BM"] for bk in TL_SKINNY["BK"]
             for s in TL_SKINNY["stages"] for th in TL_SKINNY["threads"]]
-    return _tl_plan("lora_merge_bwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_BWD),
+    return tl_shortlist("lora_merge_bwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_BWD),
                     _merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
 
 

@@ -31,8 +31,8 @@ import importlib
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import (SMEM_MARGIN, STREAM_TILE_MAX, Work, cdiv, eager_time, esize, fixed_first, make_plan,
-                   make_shared_plan, p2, predict, rank, tl_threads)
+from .cost import (SMEM_MARGIN, STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank,
+                   tl_shortlist, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -175,8 +175,7 @@ def tl_plan(op: str, dev: DeviceFacts, work, eager: float, GP: int, csize: int, 
     configs, eager (oft_* and boft_*)."""
     TLO = _tl_oft()
     default = dict(TLO.STREAM if bwd else TLO.APPLY)
-    return fixed_first(make_plan(op, rank(tl_configs(dev, GP, csize, bwd), work, dev), tile_axes=("BT",), n=n,
-                                 default=default, default_s=predict(work, default, dev), eager_s=eager), default)
+    return tl_shortlist(op, tl_configs(dev, GP, csize, bwd), work, dev, default, eager, ("BT",), n)
 
 
 def _tl_shape(blocks, x, weight):

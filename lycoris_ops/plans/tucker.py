@@ -17,7 +17,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import Work, cdiv, eager_time, esize, fixed_first, make_plan, p2, predict, rank, tl_threads
+from .cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank, tl_shortlist, tl_threads
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -114,8 +114,7 @@ def _tl_plan(dev: DeviceFacts, a1, t1, b1, a2, t2, b2, gamma, n: int = TL_N):
                              (O * R * Kk * (4 + e), 0), (O * R * Kk * e + R * I * e + O * I * Kk * 4,
                                                          2.0 * O * I * R * Kk), (O * I * Kk * (4 + 4), 0)] * chains
                        + [(O * I * Kk * (4 + eo), 0)])
-    return fixed_first(make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("BO", "BI"), n=n,
-                                 default=default, default_s=predict(work, default, dev), eager_s=eager), default)
+    return tl_shortlist("lora_tucker_fwd", cfgs, work, dev, default, eager, ("BO", "BI"), n)
 
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``
