@@ -33,7 +33,7 @@ from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
 from .cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
 from .device import DeviceFacts, facts
-from .oft import TL_N, tl_plan
+from .oft import TL_N, tl_channels_first, tl_plan
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
@@ -229,10 +229,7 @@ def _bwd_tl(dev, grad, blocks, x, axis, cscale, scale, n: int = TL_N):
 def _tl_sizes(blocks, x, axis, *a):
     """(m, nb, s, channels-first layout); the positions stay bucketed (key_parts)."""
     m, nb, s, _, _ = _geom(blocks, x, axis)
-    post = 1
-    for sz in x.shape[axis % x.dim() + 1:]:
-        post *= int(sz)
-    return m, nb, s, post != 1
+    return m, nb, s, tl_channels_first(x, axis % x.dim())
 
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``plans/tilelang.py``

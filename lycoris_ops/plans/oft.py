@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import math
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
@@ -178,14 +179,16 @@ def tl_plan(op: str, dev: DeviceFacts, work, eager: float, GP: int, csize: int, 
     return tl_shortlist(op, tl_configs(dev, GP, csize, bwd), work, dev, default, eager, ("BT",), n)
 
 
+def tl_channels_first(x, ax: int) -> bool:
+    """Whether ``tilelang/oft.py`` (and BOFT) reads x as channels first: x is seen as
+    (pre, C, post) around the rotated axis ``ax``, channels first when post != 1."""
+    return math.prod(int(s) for s in x.shape[ax + 1:]) != 1
+
+
 def _tl_shape(blocks, x, weight):
     """(K, S, npos, channels-first layout) as ``tilelang/oft.py`` sees x (contiguous)."""
-    ax = 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
-    post = 1
-    for sz in x.shape[ax + 1:]:
-        post *= int(sz)
-    npos = x.numel() // max(1, int(x.shape[ax]))
-    return int(blocks.shape[0]), int(blocks.shape[1]), npos, post != 1
+    cf = tl_channels_first(x, rotated_axis(x, weight))
+    return int(blocks.shape[0]), int(blocks.shape[1]), geometry(x, weight)[0], cf
 
 
 def _tl_model(dev, K, S, npos, cf, bwd, ex, eb):
@@ -224,9 +227,15 @@ def _tl_sizes(blocks, x, rescale, cscale, shift, weight):
 TILELANG = {"oft_fwd": (_fwd_tl, _tl_sizes), "oft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
+def rotated_axis(x, weight: bool) -> int:
+    """The axis of x that diag-OFT rotates: 0 for a weight, else the channels (dim 1 of an
+    (N, C, *spatial) activation, the last of a (..., C) one)."""
+    return 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
+
+
 def geometry(x, weight: bool):
     """(npos, c_contig) of x around its rotated axis (see triton/oft.py)."""
-    ax = 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
+    ax = rotated_axis(x, weight)
     npos = 1
     for i, s in enumerate(x.shape):
         if i != ax:
