@@ -374,16 +374,12 @@ def kron_wgrad2_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
 
 # --------------------------------------------------------------------------- launchers
 
-def split_of(tiles: int, other: int, sms: int) -> tuple:
-    """(nsplit, tiles per split) so that other·nsplit programs fill ``sms`` SMs about twice."""
-    want = max(1, cdiv(2 * sms, max(other, 1)))
+def _split(tiles: int, other: int, device) -> tuple:
+    """(nsplit, tiles per split) so that other·nsplit programs fill the GPU about twice."""
+    want = max(1, cdiv(2 * num_sms(device), max(other, 1)))
     ns = max(1, min(want, tiles))
     per = cdiv(tiles, ns)
     return cdiv(tiles, per), per
-
-
-def _split(tiles: int, other: int, device) -> tuple:
-    return split_of(tiles, other, num_sms(device))
 
 
 def _kron(w1, w2, base, gamma, odt, cfg=None):
