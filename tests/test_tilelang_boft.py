@@ -115,7 +115,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     32- and 64-channel groups."""
     from lycoris_ops.plans import device, oft as plans_oft
     from lycoris_ops.tilelang import oft
-    from tilelang_harness import bt_corners, compile_calls
+    from tilelang_harness import compile_calls, corners
 
     for mod in (boft, oft):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
@@ -129,7 +129,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
         GP = boft.boft_groups(s, 3072 // s)[0]
         for bwd in (False, True):
             cfgs = plans_oft.tl_configs(dev, GP, 4, bwd)
-            for c in bt_corners(cfgs):
+            for c in corners(cfgs):
                 calls.append((boft.boft_bwd, (x, blocks, x, -1, 1.0, 1.0), c) if bwd
                             else (boft.boft_fwd, (blocks, x, -1, 1.0, 1.0, None, False), c))
     captured, failed = compile_calls(calls)

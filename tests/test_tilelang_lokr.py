@@ -218,12 +218,6 @@ def test_the_fixed_configs_are_the_default_launch():
         assert built[0] and built[0] == built[1] == built[2], (op, built)
 
 
-def _corners(cfgs, key):
-    """The configs at the smallest and the largest value of ``key``."""
-    ends = (min(map(key, cfgs)), max(map(key, cfgs)))
-    return [c for c in cfgs if key(c) in ends]
-
-
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 @pytest.mark.parametrize("op", ["lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_bypass_fwd", "lokr_bypass_bwd"])
 def test_tile_space_corners_compile_sm90a(monkeypatch, op):
@@ -234,7 +228,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch, op):
     the bypass's whole 128 x 128 factors with 256 threads). The merges' factored forms
     build the same kernels with fp32 sides."""
     from lycoris_ops.plans import device, lokr as plans_lokr
-    from tilelang_harness import compile_calls
+    from tilelang_harness import compile_calls, corners
 
     monkeypatch.setattr(lokr, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
@@ -254,7 +248,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch, op):
                 "lokr_bypass_fwd": (x, w1, w2, 1.0, y), "lokr_bypass_bwd": (y, x, w1, w2, 1.0)}[op]
         cfgs = plans_lokr.tl_configs(dev, op, (a, b, c, d), 2)
         assert cfgs, (op, a, b, c, d)
-        calls += [(fn, args, cfg) for cfg in _corners(cfgs, key)]
+        calls += [(fn, args, cfg) for cfg in corners(cfgs, key)]
     if op == "lokr_bypass_bwd":  # the 4096 layer's backward with both warpgroups on every GEMM of 128 rows
         assert any(cfg["threads"] == 256 for _, _, cfg in calls)
     captured, failed = compile_calls(calls)

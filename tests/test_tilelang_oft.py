@@ -142,7 +142,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     with its threads) compile for sm_90a: 16-bit and fp32 (TF32 split) GEMMs, 32- and
     64-channel groups; the largest tiles are the ones shared memory and registers allow."""
     from lycoris_ops.plans import device, oft as plans_oft
-    from tilelang_harness import bt_corners, compile_calls
+    from tilelang_harness import compile_calls, corners
 
     monkeypatch.setattr(oft, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(oft, "num_sms", lambda d: 132)
@@ -153,7 +153,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
         GP = oft.group_plan(S)[0]
         for bwd in (False, True):
             cfgs = plans_oft.tl_configs(dev, GP, 2 if dt != torch.float32 else 4, bwd)
-            for c in bt_corners(cfgs):
+            for c in corners(cfgs):
                 calls.append((oft.oft_bwd, (x, blocks, x, None, 1.0, False, False), c) if bwd
                             else (oft.oft_fwd, (blocks, x, None, 1.0, False, False), c))
     captured, failed = compile_calls(calls)

@@ -47,10 +47,11 @@ def compile_failures(pending):
     return failed
 
 
-def bt_corners(cfgs):
-    """The configs of ``cfgs`` at its smallest and largest positions per tile (BT)."""
-    bts = (min(c["BT"] for c in cfgs), max(c["BT"] for c in cfgs))
-    return [c for c in cfgs if c["BT"] in bts]
+def corners(cfgs, key=lambda c: c["BT"]):
+    """The configs of ``cfgs`` at the smallest and the largest value of ``key`` (default: the
+    positions per tile, BT)."""
+    ends = (min(map(key, cfgs)), max(map(key, cfgs)))
+    return [c for c in cfgs if key(c) in ends]
 
 
 def compile_calls(calls):
