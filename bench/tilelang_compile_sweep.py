@@ -5,7 +5,8 @@ launch configs: the kernels a user's first call builds under ``LYCORIS_KERNEL_TU
 The GPU tests run only a few sizes per op; TileLang's lowering and nvcc have refused
 kernels at sizes no test used (LoKr's Kronecker build at d = 150, bench/RESULTS.md
 2026-12-01). This sweep compiles them all; each failure is printed with the compiler's
-error line. No GPU needed (nvcc on PATH); about 30 minutes on 2 cores (321 kernels).
+error line. No GPU needed (nvcc on PATH); a long run with an empty TileLang cache (hundreds of
+kernels, several seconds each).
 
     python bench/tilelang_compile_sweep.py [--arch sm_90a] [--procs 2] [--dtypes bf16,fp16]
 """
