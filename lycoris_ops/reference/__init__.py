@@ -18,6 +18,19 @@ _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.b
 _HALF = (torch.float16, torch.bfloat16)
 
 
+_AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
+
+
+def recording(*tensors) -> bool:
+    """True where autograd records an op on these tensors: grad mode on, one of them
+    requires grad, and the call is not below the autograd keys. Inside an op's kernel
+    (our autograd and torch.library's redispatch below them) the inputs still say
+    ``requires_grad`` but nothing is recorded: there the 16-bit tensor-core paths below
+    are taken, not the fp32 upcast a recorded (double-backward) product needs."""
+    return (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+            and not torch._C._dispatch_tls_is_dispatch_key_excluded(_AUTOGRAD))
+
+
 def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` accumulated and returned in float32 (float64 stays float64).
 
@@ -32,7 +45,7 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a.double() @ b.double()
     if (_MM_OUT_DTYPE and a.dtype == b.dtype and a.dtype in _HALF and a.is_cuda
             and a.dim() == b.dim() and a.dim() in (2, 3)
-            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))):
+            and not recording(a, b)):
         if a.dim() == 2:
             return torch.mm(a, b, out_dtype=torch.float32)
         if a.shape[0] == b.shape[0]:
@@ -64,8 +77,7 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
             and (a.shape[1] <= GEMM_EPILOGUE_SHORT_K
                  or (a.shape[1] <= GEMM_EPILOGUE_MAX_K and a.shape[0] * b.shape[1] >= GEMM_EPILOGUE_MIN_OUT))
             and (base is None or (base.dtype == out_dtype and base.shape == (a.shape[0], b.shape[1])))
-            and not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad
-                                                  or (base is not None and base.requires_grad)))):
+            and not recording(a, b, base)):
         if base is not None:
             return torch.addmm(base, a, b, alpha=alpha)
         if alpha == 1.0:
