@@ -519,6 +519,9 @@ def run_peer(args, spec_list, cfgs, budget) -> dict:
     if not args.no_host:
         cmd.append("--host")
     env = dict(os.environ)
+    # lycoris-lora keeps its own tuning table (another format) at the same default path as
+    # ours (~/.cache/lycoris_kernels/tuning.json): each library would overwrite the other's
+    env["LYCORIS_KERNEL_CACHE_DIR"] = os.path.join(os.path.abspath(args.out), "peer-cache")
     if args.peer_path:
         env["PYTHONPATH"] = args.peer_path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if os.path.exists(path):
