@@ -7,14 +7,14 @@ is accumulated in fp32 and rounded to the compute dtype (the eager chain's
 rounding), the second product accumulates in fp32, γ and the hadamard are fp32,
 one rounding at the store.
 
-The output is written once, coalesced: it is the GEMM ``C[(o, κ), i] =
-Σ_q AT[o, q, κ]·b[q, i]`` with rows ``(o, κ)``. A program owns ``BO`` output
-rows ``o`` with all their ``Kk`` kernel positions (padded to a power of two,
-``KKP``) and ``BI`` columns ``i``: one dot of (BO·KKP, R') × (R', BI) per chain,
-then the tile is re-laid out in registers as (BO, BI, KKP) so that each output
-row ``o`` is one contiguous run of ``BI·Kk`` elements (the (O, I, Kk) layout).
-(A tile per κ stored with stride Kk, the previous design, wrote 2-byte elements
-Kk apart: 34× its memory floor on an H200.)
+The output is written once, coalesced, and with no re-layout: a program owns ``BO``
+output rows o (a loop) and ``BI`` columns i, and per o computes the (BI, KKP) tile
+``Σ_q bᵀ[i, q]·AT[o, q, κ]`` (κ padded to a dot's width ``KKP``, at least 16): its
+accumulator is (i, κ)-major, exactly the order of y's contiguous run of row o, so
+it is stored as it is. (Two earlier designs: a tile per κ stored with stride Kk
+wrote 2-byte elements Kk apart, 34× its memory floor on an H200; rows (o, κ) by
+columns i, re-laid out in registers to (o, i, κ), cost 1.4× eager torch's einsum at
+4096×4096×9, r64.)
 
 ``AT`` (O·R'·Kk elements, a fraction of the output) is one small kernel launch
 before (``_core_kernel``: a GEMM over the columns (q, κ) of t, fp32 accumulated and
@@ -49,19 +49,6 @@ def _p16(n: int) -> int:
 def supported(*ranks: int) -> bool:
     """Whether the kernel takes these tucker ranks (t's two leading dims, both chains)."""
     return all(_p16(r) <= MAX_TUCKER_RANK for r in ranks)
-
-
-@triton.jit
-def _chain(at_ptr, b_ptr, offs_o, offs_k, mask_m, offs_i, mask_i, R, s_ato, s_atq, s_atk, s_bq, s_bi,
-           CD: tl.constexpr, DOT: tl.constexpr, BR: tl.constexpr):
-    """fp32 (BO·KKP, BI) tile of Σ_q AT[o, q, κ]·b[q, i] over the rows (o, κ)."""
-    offs_q = tl.arange(0, BR)
-    mask_q = offs_q < R
-    at = tl.load(at_ptr + offs_o[:, None] * s_ato + offs_q[None, :] * s_atq + offs_k[:, None] * s_atk,
-                 mask=mask_m[:, None] & mask_q[None, :], other=0.0)
-    b = tl.load(b_ptr + offs_q[:, None] * s_bq + offs_i[None, :] * s_bi,
-                mask=mask_q[:, None] & mask_i[None, :], other=0.0)
-    return tl.dot(at.to(CD).to(DOT), b.to(CD).to(DOT), input_precision="ieee")
 
 
 @triton.jit
@@ -107,6 +94,15 @@ def core_product(a, t, compute):
 
 
 @triton.jit
+def _at_tile(at_ptr, o, valid, offs_q, mask_q, offs_k, mask_k, s_ato, s_atq, s_atk, CD: tl.constexpr,
+             DOT: tl.constexpr):
+    """AT[o, q, κ] of one output row o as a (BR, KKP) dot operand (zeros past R, Kk, O)."""
+    at = tl.load(at_ptr + o * s_ato + offs_q[:, None] * s_atq + offs_k[None, :] * s_atk,
+                 mask=valid & mask_q[:, None] & mask_k[None, :], other=0.0)
+    return at.to(CD).to(DOT)
+
+
+@triton.jit
 def _tucker_kernel(
     at1_ptr, b1_ptr, at2_ptr, b2_ptr, y_ptr,
     O, I, KK, R1, R2, gamma,
@@ -116,6 +112,10 @@ def _tucker_kernel(
     TWO: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr, GROUP_O: tl.constexpr,
     BO: tl.constexpr, KKP: tl.constexpr, BI: tl.constexpr, BR1: tl.constexpr, BR2: tl.constexpr,
 ):
+    """BO output rows o (a loop) x BI columns i: per o, Y[o, i, κ] = γ·Σ_q bᵀ[i, q]·AT[o, q, κ]
+    as one (BI, BR) x (BR, KKP) dot per chain. The accumulator is (i, κ)-major, the
+    order of y's (I, Kk) run of row o, so it is stored as it is: no re-layout, and
+    the bᵀ tiles are loaded once per program."""
     pid = tl.program_id(0)
     n_o = tl.cdiv(O, BO)
     n_i = tl.cdiv(I, BI)
@@ -124,34 +124,39 @@ def _tucker_kernel(
     gsize = tl.minimum(n_o - first, GROUP_O)
     pid_o = first + (pid % group) % gsize
     pid_i = (pid % group) // gsize
-    rows = tl.arange(0, BO * KKP)  # row r = (o_local, κ) = (r // KKP, r % KKP)
-    offs_o = pid_o * BO + rows // KKP
-    offs_k = rows % KKP
     offs_i = pid_i * BI + tl.arange(0, BI)
     if IDX64:
-        offs_o = offs_o.to(tl.int64)
         offs_i = offs_i.to(tl.int64)
-    mask_m = (offs_o < O) & (offs_k < KK)
     mask_i = offs_i < I
-    acc = _chain(at1_ptr, b1_ptr, offs_o, offs_k, mask_m, offs_i, mask_i, R1,
-                 s_at1o, s_at1q, s_at1k, s_b1q, s_b1i, CD, DOT, BR1) * gamma
+    offs_k = tl.arange(0, KKP)
+    mask_k = offs_k < KK
+    q1 = tl.arange(0, BR1)
+    mq1 = q1 < R1
+    bt1 = tl.load(b1_ptr + offs_i[:, None] * s_b1i + q1[None, :] * s_b1q,
+                  mask=mask_i[:, None] & mq1[None, :], other=0.0).to(CD).to(DOT)
+    q2 = tl.arange(0, BR2)
+    mq2 = q2 < R2
     if TWO:
-        acc = acc * _chain(at2_ptr, b2_ptr, offs_o, offs_k, mask_m, offs_i, mask_i, R2,
-                           s_at2o, s_at2q, s_at2k, s_b2q, s_b2i, CD, DOT, BR2)
-    # (BO·KKP, BI) -> (BO, BI, KKP): each o's (i, κ) run is contiguous in y
-    tile = tl.permute(tl.reshape(acc, (BO, KKP, BI)), (0, 2, 1))
-    o3 = pid_o * BO + tl.arange(0, BO)
-    i3 = offs_i
-    k3 = tl.arange(0, KKP)
+        bt2 = tl.load(b2_ptr + offs_i[:, None] * s_b2i + q2[None, :] * s_b2q,
+                      mask=mask_i[:, None] & mq2[None, :], other=0.0).to(CD).to(DOT)
+    y_tile = y_ptr + offs_i[:, None] * s_yi + offs_k[None, :] * s_yk
+    mask_y = mask_i[:, None] & mask_k[None, :]
+    o0 = pid_o * BO
     if IDX64:
-        o3 = o3.to(tl.int64)
-    ptrs = y_ptr + o3[:, None, None] * s_yo + i3[None, :, None] * s_yi + k3[None, None, :] * s_yk
-    mask = (o3 < O)[:, None, None] & mask_i[None, :, None] & (k3 < KK)[None, None, :]
-    tl.store(ptrs, tile.to(y_ptr.dtype.element_ty), mask=mask)
+        o0 = o0.to(tl.int64)
+    for oo in range(0, BO):
+        o = o0 + oo
+        valid = o < O
+        acc = tl.dot(bt1, _at_tile(at1_ptr, o, valid, q1, mq1, offs_k, mask_k, s_at1o, s_at1q, s_at1k, CD, DOT),
+                     input_precision="ieee") * gamma
+        if TWO:
+            acc = acc * tl.dot(bt2, _at_tile(at2_ptr, o, valid, q2, mq2, offs_k, mask_k, s_at2o, s_at2q, s_at2k,
+                                             CD, DOT), input_precision="ieee")
+        tl.store(y_tile + o * s_yo, acc.to(y_ptr.dtype.element_ty), mask=valid & mask_y)
 
 
 class TuckerCfg(NamedTuple):
-    block_m: int = 0   # rows (o, κ) per program: BO = max(1, block_m // KKP) output rows o
+    block_o: int = 0   # output rows o per program (a loop; each o one dot per chain)
     block_i: int = 0
     group_o: int = 8
     num_warps: int = 0
@@ -160,26 +165,24 @@ class TuckerCfg(NamedTuple):
 
 def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     if compute == torch.float32:  # IEEE fp32 dots (FMA): smaller tiles
-        return TuckerCfg(block_m=64, block_i=64, num_warps=4)
-    return TuckerCfg(block_m=128, block_i=64 if two or _p16(rmax) > 64 else 128, num_warps=8)
+        return TuckerCfg(block_o=16, block_i=64, num_warps=4)
+    return TuckerCfg(block_o=16, block_i=64 if two or _p16(rmax) > 64 else 128, num_warps=4)
 
 
-def tile_rows(block_m: int, Kk: int):
-    """(BO, KKP): output rows o per program and the padded kernel positions."""
-    kkp = next_pow2(max(1, Kk))
-    return max(1, block_m // kkp), kkp
+def kk_padded(Kk: int) -> int:
+    """The kernel positions padded to a dot's width (a power of two, at least 16)."""
+    return max(16, next_pow2(max(1, Kk)))
 
 
 @functools.lru_cache(maxsize=4096)
 def _plan(O, I, Kk, ranks, views, compute, cfg: TuckerCfg):
     two = len(ranks) == 2
     d = default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
-    bm, bi = cfg.block_m or d.block_m, cfg.block_i or d.block_i
-    bo, kkp = tile_rows(bm, Kk)
+    bo, bi = cfg.block_o or d.block_o, cfg.block_i or d.block_i
     br = [_p16(r) for r in ranks] + [16]
     meta = dict(TWO=two, CD=tl_dtype(compute), DOT=dot_dtype(compute),
                 IDX64=needs_idx64(*[v for v in views if v is not None]), GROUP_O=cfg.group_o,
-                BO=bo, KKP=kkp, BI=bi, BR1=br[0], BR2=br[1],
+                BO=bo, KKP=kk_padded(Kk), BI=bi, BR1=br[0], BR2=br[1],
                 num_warps=cfg.num_warps or d.num_warps, num_stages=cfg.num_stages)
     return (cdiv(O, bo) * cdiv(I, bi),), meta
 
