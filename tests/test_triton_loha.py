@@ -172,21 +172,19 @@ def o_tucker(a, t, b):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("two", [False, True], ids=["one", "hada"])
-@pytest.mark.parametrize("Kk,block_o,block_e", [(5, 4, 32), (9, 1, 64), (1, 3, 16), (17, 2, 64)],
-                         ids=["k5-4rows", "k9-1row", "k1", "k17"])
-def test_tucker(dtype, two, Kk, block_o, block_e):
-    """Chunks of each row's (i, κ) run that start and end inside a column (I·Kk = 23·Kk is
-    no multiple of the chunk), κ padded to a dot's width (16, or 32 for Kk 17); several o
-    per program, the last program's o past O (O = 19 is no multiple of 4, 3 or 2), one o
-    per program; the a·t core in its own kernel (columns (q, κ), transposed a,
-    non-contiguous t)."""
+@pytest.mark.parametrize("Kk,block_o", [(5, 4), (9, 1), (1, 3), (17, 2)], ids=["k5-4rows", "k9-1row", "k1", "k17"])
+def test_tucker(dtype, two, Kk, block_o):
+    """Columns (i, κ) with κ padded to a dot's width (16, or 32 for Kk 17): several o per
+    program, the last program's o past O (O = 19 is no multiple of 4, 3 or 2), one o per
+    program; O, I not multiples of the tile; the a·t core in its own kernel (columns
+    (q, κ), transposed a, non-contiguous t)."""
     g = gen(5)
     a1 = mk_t((O, 4), dtype, g)  # LoHa passes a transposed "up"
     t1 = mk((4, 3, Kk), dtype, g, nc=two)
     b1 = mk((3, I), dtype, g, nc=True)
     a2, t2, b2 = (mk((O, 6), dtype, g), mk((6, 6, Kk), dtype, g), mk((6, I), torch.float32, g)) if two else (None,) * 3
     cd = cd_of(a1, t1, b1, a2, t2, b2)
-    y = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, TT.TuckerCfg(block_o=block_o, block_e=block_e))
+    y = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, TT.TuckerCfg(block_o=block_o, block_i=16))
     assert y.shape == (O, I, Kk) and y.dtype == dtype and y.is_contiguous()
     want = GAMMA * o_tucker(d64(a1, cd), d64(t1, cd), d64(b1, cd))
     if two:
@@ -232,11 +230,11 @@ def _compile_all(dtype_names):
                                         o2_ptr="fp32"),
              dict(BM=64, BN=64, BR=64, **com), ("s_gn", "s_a1r", "s_b1n", "s_a2r", "s_b2n", "s_o1r", "s_o2r"), 8),
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
-             dict(TWO=True, GROUP_O=8, BO=8, BE=512, KKP=32, BI=32, BR1=32, BR2=32, **com),
-             ("s_at1k", "s_b1i", "s_at2k", "s_b2i"), 8),
+             dict(TWO=True, GROUP_O=8, BO=8, KKP=32, BI=64, BR1=32, BR2=32, **com),
+             ("s_at1k", "s_b1i", "s_at2k", "s_b2i", "s_yk"), 8),
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
-             dict(TWO=False, GROUP_O=8, BO=16, BE=1024, KKP=16, BI=128, BR1=64, BR2=16, **com),
-             ("s_at1k", "s_b1i", "s_at2k", "s_b2i"), 8),
+             dict(TWO=False, GROUP_O=8, BO=16, KKP=16, BI=128, BR1=64, BR2=16, **com),
+             ("s_at1k", "s_b1i", "s_at2k", "s_b2i", "s_yk"), 8),
             (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn), dict(BO=64, BN=64, BR=32, **com),
              ("s_ap", "s_tk", "s_atk"), 4),
         ]

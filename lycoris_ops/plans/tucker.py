@@ -2,12 +2,11 @@
 (``lycoris_ops/triton/tucker.py``): ``lora_tucker_fwd``.
 
 A first kernel builds ``AT = a·t`` (O, R', Kk); then the main kernel's program owns
-``block_o`` output rows o (a loop) by one chunk of ``block_e`` elements of each row's
-(i, κ) run: per o, one dot of (BI, R') × (R', KKP) per chain over the BI columns the
-chunk touches (KKP: Kk padded to a power of two, at least 16), gathered through shared
-memory into the chunk's order and stored contiguously. Write-bound for small ranks:
-O·I·Kk outputs; the KKP and BI padding waste dot work (not bytes); AT is re-read from
-L2 once per chunk. Key: exact O, I, Kk and ranks, dtypes.
+``block_o`` output rows o (a loop) by ``block_i`` columns i: per o, one dot of
+(block_i, R') × (R', KKP) per chain (KKP: Kk padded to a power of two, at least 16),
+stored as it is, one contiguous run of ``block_i·Kk`` elements. Write-bound for small
+ranks: O·I·Kk outputs; the KKP padding wastes dot work (not bytes); AT is re-read from
+L2 once per column tile. Key: exact O, I, Kk and ranks, dtypes.
 """
 from __future__ import annotations
 
@@ -45,32 +44,30 @@ def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, o
     rps = [p2(r, 16) for r in ranks]
     ra, rb = max(ranks[0::2]), max(rps[1::2])
     kkp = max(16, p2(Kk))
-    TL = _tl()
 
     def work(c):
-        bo, be = c["block_o"], c["block_e"]
-        bi = TL.columns(be, Kk)
-        if bi > 256 or (not tc and bi > 64):  # the bᵀ tile stays in registers (IEEE fp32: FMA dots)
+        bo, bi = c["block_o"], c["block_i"]
+        if not tc and bi > 64:  # IEEE fp32 dots on FMA units: the bᵀ tile stays in registers
             return None
-        n_o, n_e = cdiv(O, bo), cdiv(I * Kk, be)
+        n_o, n_i = cdiv(O, bo), cdiv(I, bi)
         prep = Work(grid=cdiv(O, 64) * cdiv(rb * Kk, 64), dram=chains * (O * ra + ra * rb * Kk + O * rb * Kk) * e,
                     mma=chains * 2.0 * O * ra * rb * Kk, tc=tc, name="a.t")
-        main = Work(grid=n_o * n_e, warps=c["num_warps"], stages=c["num_stages"],
+        main = Work(grid=n_o * n_i, warps=c["num_warps"], stages=c["num_stages"],
                     acc=chains * bi * kkp, regs=chains * (bi * rb + rb * kkp) // 2,
-                    smem=bi * kkp * 4 + chains * rb * kkp * e,  # the gather goes through shared memory
+                    smem=chains * rb * kkp * e,
                     dram=O * I * Kk * eo + chains * (O * rb * Kk * e + rb * I * e * min(n_o, 8)),
-                    mma=chains * 2.0 * O * n_e * bi * rb * kkp, tc=tc, inflight=be * eo * 2,
+                    mma=chains * 2.0 * O * bi * n_i * rb * kkp, tc=tc, inflight=bi * Kk * eo * 2,
                     mma_tile=bi * kkp * rb)
         return [main, prep]
 
-    cfgs = [dict(block_o=bo, block_e=be, group_o=8, num_warps=w, num_stages=s)
-            for bo in (4, 8, 16, 32) for be in (256, 512, 1024, 2048) for w in (4, 8) for s in (1, 2, 3)]
+    cfgs = [dict(block_o=bo, block_i=bi, group_o=8, num_warps=w, num_stages=s)
+            for bo in (4, 8, 16, 32) for bi in (32, 64, 128, 256) for w in (4, 8) for s in (1, 2, 3)]
     R = max(ranks)
     eager = eager_time(dev, [(O * R * e + R * R * Kk * e + O * R * Kk * 4, 2.0 * O * R * R * Kk),
                              (O * R * Kk * (4 + e), 0), (O * R * Kk * e + R * I * e + O * I * Kk * 4,
                                                          2.0 * O * I * R * Kk), (O * I * Kk * (4 + 4), 0)] * chains
                        + [(O * I * Kk * (4 + eo), 0)], tc=tc)
-    return make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("block_o", "block_e"), n=n,
+    return make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("block_o", "block_i"), n=n,
                      default=default, default_s=predict(work, default, dev), eager_s=eager)
 
 
@@ -149,7 +146,7 @@ def tucker_fwd_kwargs(a1, t1, b1, a2, t2, b2, gamma):
     TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "Kk": Kk, "ranks": ranks}, flags={"out": a1.dtype})
     d = TL.default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
-    default = as_dict(TL.TuckerCfg(block_o=d.block_o, block_e=d.block_e, num_warps=d.num_warps))
+    default = as_dict(TL.TuckerCfg(block_o=d.block_o, block_i=d.block_i, num_warps=d.num_warps))
     return tune.pick(
         "lora_tucker_fwd", BACKEND, key,
         lambda: plan_tucker_fwd(facts(dev), O, I, Kk, ranks, compute, a1.dtype, default=default),

@@ -7,15 +7,14 @@ is accumulated in fp32 and rounded to the compute dtype (the eager chain's
 rounding), the second product accumulates in fp32, γ and the hadamard are fp32,
 one rounding at the store.
 
-The output is written once, with vector stores: a program owns ``BO`` output rows o
-(a loop) and one chunk of ``BE`` elements of each row's contiguous (i, κ) run (I·Kk
-elements). Per o it computes the (BI, KKP) tile ``Σ_q bᵀ[i, q]·AT[o, q, κ]`` of the
-``BI`` columns the chunk touches (κ padded to a dot's width ``KKP``, at least 16),
-gathers the chunk out of it (``tl.gather``, through shared memory) and stores BE
-contiguous elements. (Earlier designs: a tile per κ stored with stride Kk, 34× its
-memory floor on an H200; rows (o, κ) by columns i re-laid out to (o, i, κ), and the
-(i, κ) tile stored as it is - rows Kk elements apart, so one unaligned 2-byte store
-per element - both about 1.4× eager torch's einsum at 4096×4096×9, r64.)
+The output is written once, coalesced, and with no re-layout: a program owns ``BO``
+output rows o (a loop) and ``BI`` columns i, and per o computes the (BI, KKP) tile
+``Σ_q bᵀ[i, q]·AT[o, q, κ]`` (κ padded to a dot's width ``KKP``, at least 16): its
+accumulator is (i, κ)-major, exactly the order of y's contiguous run of row o, so
+it is stored as it is. (Two earlier designs: a tile per κ stored with stride Kk
+wrote 2-byte elements Kk apart, 34× its memory floor on an H200; rows (o, κ) by
+columns i, re-laid out in registers to (o, i, κ), cost 1.4× eager torch's einsum at
+4096×4096×9, r64.)
 
 ``AT`` (O·R'·Kk elements, a fraction of the output) is one small kernel launch
 before (``_core_kernel``: a GEMM over the columns (q, κ) of t, fp32 accumulated and
@@ -109,32 +108,26 @@ def _tucker_kernel(
     O, I, KK, R1, R2, gamma,
     s_at1o, s_at1q, s_at1k, s_b1q, s_b1i,
     s_at2o, s_at2q, s_at2k, s_b2q, s_b2i,
-    s_yo,
+    s_yo, s_yi, s_yk,
     TWO: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr, GROUP_O: tl.constexpr,
-    BO: tl.constexpr, BE: tl.constexpr, KKP: tl.constexpr, BI: tl.constexpr, BR1: tl.constexpr,
-    BR2: tl.constexpr,
+    BO: tl.constexpr, KKP: tl.constexpr, BI: tl.constexpr, BR1: tl.constexpr, BR2: tl.constexpr,
 ):
-    """BO output rows o (a loop) x one chunk of BE elements of each row's contiguous
-    (i, κ) run of y. Per o: the (BI, KKP) tile Σ_q bᵀ[i, q]·AT[o, q, κ] of the BI
-    columns i the chunk touches (one dot per chain, κ padded), gathered into the
-    chunk's order and stored as BE contiguous elements (vector stores: a (i, κ) tile
-    stored as it is writes rows Kk elements apart, unaligned, one element at a time)."""
+    """BO output rows o (a loop) x BI columns i: per o, Y[o, i, κ] = γ·Σ_q bᵀ[i, q]·AT[o, q, κ]
+    as one (BI, BR) x (BR, KKP) dot per chain. The accumulator is (i, κ)-major, the
+    order of y's (I, Kk) run of row o, so it is stored as it is: no re-layout, and
+    the bᵀ tiles are loaded once per program."""
     pid = tl.program_id(0)
     n_o = tl.cdiv(O, BO)
-    n_e = tl.cdiv(I * KK, BE)
-    group = GROUP_O * n_e
+    n_i = tl.cdiv(I, BI)
+    group = GROUP_O * n_i
     first = (pid // group) * GROUP_O
     gsize = tl.minimum(n_o - first, GROUP_O)
     pid_o = first + (pid % group) % gsize
-    pid_e = (pid % group) // gsize
-    offs_e = pid_e * BE + tl.arange(0, BE)
+    pid_i = (pid % group) // gsize
+    offs_i = pid_i * BI + tl.arange(0, BI)
     if IDX64:
-        offs_e = offs_e.to(tl.int64)
-    mask_e = offs_e < I * KK
-    i0 = (pid_e * BE) // KK
-    offs_i = i0 + tl.arange(0, BI)  # BI >= (BE - 1) // KK + 2 (the host's choice): every column of the chunk
+        offs_i = offs_i.to(tl.int64)
     mask_i = offs_i < I
-    gather_at = (offs_e // KK - i0) * KKP + offs_e % KK  # the chunk's element in the flat (BI, KKP) tile
     offs_k = tl.arange(0, KKP)
     mask_k = offs_k < KK
     q1 = tl.arange(0, BR1)
@@ -146,6 +139,8 @@ def _tucker_kernel(
     if TWO:
         bt2 = tl.load(b2_ptr + offs_i[:, None] * s_b2i + q2[None, :] * s_b2q,
                       mask=mask_i[:, None] & mq2[None, :], other=0.0).to(CD).to(DOT)
+    y_tile = y_ptr + offs_i[:, None] * s_yi + offs_k[None, :] * s_yk
+    mask_y = mask_i[:, None] & mask_k[None, :]
     o0 = pid_o * BO
     if IDX64:
         o0 = o0.to(tl.int64)
@@ -157,13 +152,12 @@ def _tucker_kernel(
         if TWO:
             acc = acc * tl.dot(bt2, _at_tile(at2_ptr, o, valid, q2, mq2, offs_k, mask_k, s_at2o, s_at2q, s_at2k,
                                              CD, DOT), input_precision="ieee")
-        run = tl.gather(tl.reshape(acc, (BI * KKP,)), gather_at, 0)
-        tl.store(y_ptr + o * s_yo + offs_e, run.to(y_ptr.dtype.element_ty), mask=valid & mask_e)
+        tl.store(y_tile + o * s_yo, acc.to(y_ptr.dtype.element_ty), mask=valid & mask_y)
 
 
 class TuckerCfg(NamedTuple):
     block_o: int = 0   # output rows o per program (a loop; each o one dot per chain)
-    block_e: int = 0   # elements of a row's (i, κ) run per program (a power of two)
+    block_i: int = 0
     group_o: int = 8
     num_warps: int = 0
     num_stages: int = 2
@@ -171,13 +165,8 @@ class TuckerCfg(NamedTuple):
 
 def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     if compute == torch.float32:  # IEEE fp32 dots (FMA): smaller tiles
-        return TuckerCfg(block_o=16, block_e=256, num_warps=4)
-    return TuckerCfg(block_o=16, block_e=512 if two or _p16(rmax) > 64 else 1024, num_warps=4)
-
-
-def columns(block_e: int, Kk: int) -> int:
-    """BI: the columns i a chunk of ``block_e`` run elements can touch, as a power of two."""
-    return next_pow2((block_e - 1) // max(1, Kk) + 2)
+        return TuckerCfg(block_o=16, block_i=64, num_warps=4)
+    return TuckerCfg(block_o=16, block_i=64 if two or _p16(rmax) > 64 else 128, num_warps=4)
 
 
 def kk_padded(Kk: int) -> int:
@@ -189,13 +178,13 @@ def kk_padded(Kk: int) -> int:
 def _plan(O, I, Kk, ranks, views, compute, cfg: TuckerCfg):
     two = len(ranks) == 2
     d = default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
-    bo, be = cfg.block_o or d.block_o, cfg.block_e or d.block_e
+    bo, bi = cfg.block_o or d.block_o, cfg.block_i or d.block_i
     br = [_p16(r) for r in ranks] + [16]
     meta = dict(TWO=two, CD=tl_dtype(compute), DOT=dot_dtype(compute),
                 IDX64=needs_idx64(*[v for v in views if v is not None]), GROUP_O=cfg.group_o,
-                BO=bo, BE=be, KKP=kk_padded(Kk), BI=columns(be, Kk), BR1=br[0], BR2=br[1],
+                BO=bo, KKP=kk_padded(Kk), BI=bi, BR1=br[0], BR2=br[1],
                 num_warps=cfg.num_warps or d.num_warps, num_stages=cfg.num_stages)
-    return (cdiv(O, bo) * cdiv(I * Kk, be),), meta
+    return (cdiv(O, bo) * cdiv(I, bi),), meta
 
 
 def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
@@ -215,7 +204,7 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
     grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2, b2, y), compute, cfg or TuckerCfg())
     fast(_tucker_kernel)[grid](
         at1, b1, at2, b2, y, O, I, Kk, t1.shape[1], t2.shape[1] if two else t1.shape[1], gamma,
-        *at1.stride(), *b1.stride(), *at2.stride(), *b2.stride(), y.stride(0), **meta)
+        *at1.stride(), *b1.stride(), *at2.stride(), *b2.stride(), *y.stride(), **meta)
     return y
 
 
