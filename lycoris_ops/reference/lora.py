@@ -261,6 +261,10 @@ def lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
     """
     ((_, dt),) = check_lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma)
     c = C.compute_dtype("lora_tucker_fwd", a1=a1, t1=t1, b1=b1, a2=a2, t2=t2, b2=b2)
+    if a2 is None:  # γ and the rounding in the GEMM's epilogue (one cuBLAS call on CUDA), then (o, κ, i) -> (o, i, κ)
+        O, Kk, I = a1.shape[0], t1.shape[2], b1.shape[1]
+        rows = gemm_epilogue(tucker_rows(tucker_core(a1, t1, c)), cast(b1, c), dt, gamma)
+        return rows.reshape(O, Kk, I).permute(0, 2, 1).contiguous()
     y = _tucker_chain(a1, t1, b1, c) * gamma
     if a2 is not None:
         y = y * _tucker_chain(a2, t2, b2, c)
