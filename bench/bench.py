@@ -68,7 +68,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -703,6 +703,7 @@ def cold_lines(b: Bench, cfgs) -> List[str]:
 def extra_lines(b: Bench, cfgs) -> List[str]:
     lines = []
     no_peer = set()
+    same: Dict[Tuple[str, str], List[str]] = {}  # (column, error) -> the cells: one line each, not one per cell
     for (spec, sh, d), cell in b.cells.items():
         pf = cell["cols"].get("peft")
         if pf:
@@ -719,9 +720,12 @@ def extra_lines(b: Bench, cfgs) -> List[str]:
             if err and n == "peer" and err.startswith("no matching"):
                 no_peer.add(spec)
             elif err and n != "peft":
-                lines.append(f"{n} {spec} {sh} {d}: {err}"[:200])
+                same.setdefault((n, err), []).append(f"{spec} {sh} {d}")
             if n == "peer" and c.get("match") is False:
                 lines.append(f"peer {spec} {sh} {d}: {c.get('note')}")
+    for (n, err), where in same.items():
+        lines.append(f"{n} {where[0]}: {err}"[:200] if len(where) == 1
+                     else f"{n}, {len(where)} cells ({where[0]} ... {where[-1]}): {err}"[:200])
     if no_peer:
         lines.append(f"peer: lycoris-lora has no functional API for {', '.join(sorted(no_peer))}")
     tiers = set()
