@@ -84,9 +84,12 @@ OFT_LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", OFT_LAYOUTS, ids=[c[0] for c in OFT_LAYOUTS])
-def test_oft(dtype, layout):
+def test_oft(dtype, layout, dot_prec):
+    """Every layout, dtype and flag rotation; ``split16`` (16-bit F terms against 16-bit x
+    and G) must match the fp64 oracle as tightly as the fp32 dots (fp32 x: not split)."""
     cid, K, S, xshape, weight, nc = layout
     gen = torch.Generator().manual_seed(K * 100 + S * 10 + len(xshape))
     i = [torch.float32, torch.float16, torch.bfloat16].index(dtype)
@@ -98,7 +101,7 @@ def test_oft(dtype, layout):
     x = _make(xshape, dtype, gen, nc=nc)
     rescale = (torch.rand(K * S, 1, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32) if with_rs else None
     grad = _make(xshape, dtype, gen)
-    cfg = OftCfg(block_p=16, bwd_block_p=16, split=2)  # loop and split the positions
+    cfg = OftCfg(block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec)  # loop and split the positions
 
     y = TO.oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=cfg)
     y0, g0 = _oft_oracle(blocks, x, rescale, cscale, shift, weight, grad)
@@ -244,10 +247,13 @@ _COMPILE = textwrap.dedent("""
         print("ok", kernel.__name__, flush=True)
 
     bf = {n: "*bf16" for n in ("x_ptr", "y_ptr", "g_ptr", "gx_ptr", "u_ptr", "x0_ptr")}
-    build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=1, IDX64=False, NB=8, SP=4, BLOCK_P=128,
-                                  DOT_PREC="tf32x3"), bf)
-    build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=64,
-                                  DOT_PREC="tf32x3"), bf)
+    import triton.language as tl
+    fp32_dots = dict(DOT_PREC="tf32x3", SPLIT=False, DOT=tl.float32)
+    split16 = dict(DOT_PREC="tf32x3", SPLIT=True, DOT=tl.bfloat16)  # O.dot_mode("split16", bf16) on a GPU
+    build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=1, IDX64=False, NB=8, SP=4, BLOCK_P=128, **fp32_dots), bf)
+    build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=32, BLOCK_P=128, **split16), bf)
+    build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=64, **fp32_dots), bf)
+    build(O._oft_bwd_stream, dict(HAS_RESCALE=False, MODE=1, IDX64=False, NB=2, SP=16, BLOCK_P=64, **split16), bf)
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=8), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
     build(B._boft_cayley, dict(NBB=2, SP=32), {"blocks_ptr": "*bf16"})
     build(B._boft_segmat, dict(HP=16, SP=32, NB=2), num_warps=16)
@@ -264,4 +270,4 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 8
+    assert r.stdout.count("ok ") == 10

@@ -121,9 +121,25 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
     cfgs = [c for c in cfgs if compiles_ok(c)]
     ranked = rank(cfgs, work, dev)
     seen.clear()
-    return make_shared_plan(op, ranked, kernels=kernels, structure=(lambda c: geometry(c)[0]) if bwd else None,
+    plan = make_shared_plan(op, ranked, kernels=kernels, structure=(lambda c: geometry(c)[0]) if bwd else None,
                             tile_axes=("bwd_block_p" if bwd else "block_p", "group"), n=n, default=default,
                             default_s=predict(work, default, dev), eager_s=eager)
+    return with_split16(plan, ex)
+
+
+def with_split16(plan, ex: int):
+    """16-bit streams (``ex`` bytes per x element): the plan's first config again with
+    ``dot_prec=triton.oft.SPLIT16`` (three 16-bit dots instead of tf32x3), before eager. Timed, never predicted: the model does not
+    separate the two dot modes (same tensor-core work, no per-tile split of x)."""
+    cands = plan.candidates
+    if ex != 2 or not cands or not isinstance(cands[0], dict):
+        return plan
+    twin = dict(cands[0], dot_prec=_tl().SPLIT16)
+    if twin not in cands:
+        at = len(cands) - 1 if cands[-1] == tune.SENTINEL_EAGER else len(cands)
+        cands.insert(at, twin)
+        plan.predicted.insert(at, plan.predicted[0])
+    return plan
 
 
 def plan_oft_fwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,

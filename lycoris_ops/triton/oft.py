@@ -34,7 +34,11 @@ Passes:
 
 Dots: the streaming dots on fp32 tiles use ``input_precision`` from the config
 (default ``"tf32x3"``: tensor cores at ~fp32 accuracy, ~1e-6 relative); the
-Cayley algebra uses IEEE fp32.
+Cayley algebra uses IEEE fp32. ``dot_prec="split16"`` with 16-bit operands: x
+(and G) are exact in their 16-bit dtype, so F is split once per program into
+three 16-bit terms and each tile takes three 16-bit dots (``dot_split16``), and
+the backward's G·xᵀ one, all exact products with fp32 accumulation, instead of
+tf32x3's split of both operands on every tile.
 
 Layout: any strides. Pre and post dims are each collapsed to one strided run;
 an x / grad whose pre or post dims do not collapse (rare) is read from a
@@ -54,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, collapse_one, device_guard, fast, needs_idx64, next_pow2, num_sms
+from ._common import cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, block_diag, cayley_grad, skew_system
 
 __all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view"]
@@ -114,18 +118,50 @@ def _oft_f(m, rho, shift, GP: tl.constexpr):
 
 
 @triton.jit
+def split16(f, D: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr):
+    """fp32 ``f`` as three terms of the 16-bit dtype D, f ≈ f0 + f1 + f2 (each the rounding
+    of what the earlier ones left: 24 significant bits in bf16), as dot operands of dtype
+    DOT (D itself; fp32 under the interpreter, whose bf16 dots are wrong: exact). Not
+    SPLIT: (f, f, f), unused."""
+    if SPLIT:
+        t0 = f.to(D)
+        r = f - t0.to(tl.float32)
+        t1 = r.to(D)
+        f2 = (r - t1.to(tl.float32)).to(D).to(DOT)
+        f0 = t0.to(DOT)
+        f1 = t1.to(DOT)
+    else:
+        f0 = f
+        f1 = f
+        f2 = f
+    return f0, f1, f2
+
+
+@triton.jit
+def dot_split16(f0, f1, f2, x):
+    """``(f0 + f1 + f2)·x`` for a 16-bit x: three 16-bit tensor-core dots, fp32 accumulated,
+    smallest term first. Every product of two 16-bit values is exact in fp32, so this is
+    the fp32 product F·x to fp32 accumulation (no per-tile split of x: it is exact)."""
+    acc = tl.dot(f2, x)
+    acc = tl.dot(f1, x, acc)
+    return tl.dot(f0, x, acc)
+
+
+@triton.jit
 def _oft_fwd_kernel(
     blocks_ptr, sbk, sbp, sbq, rs_ptr, srs,
     x_ptr, sx_pre, sx_c, sx_post, y_ptr, sy_pre, sy_c, sy_post,
     K, S, NPOS, POST, n_tiles, n_split, cscale, shift,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
                                             HAS_RESCALE, NB, SP)
     f = _oft_f(m, rho, shift, GP)
+    f0, f1, f2 = split16(f, x_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit x: three terms of F (dot_split16)
     if IDX64:
         ch = ch.to(tl.int64)
     for t in range(tl.program_id(1), n_tiles, n_split):
@@ -134,8 +170,11 @@ def _oft_fwd_kernel(
             p = p.to(tl.int64)
         mask = ch_valid[:, None] & (p < NPOS)[None, :]
         xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
-        x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-        y = tl.dot(f, x, input_precision=DOT_PREC)
+        if SPLIT:
+            y = dot_split16(f0, f1, f2, tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT))
+        else:
+            x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+            y = tl.dot(f, x, input_precision=DOT_PREC)
         yo = ch[:, None] * sy_c + pos_offsets(p, POST, sy_pre, sy_post, MODE)[None, :]
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -147,6 +186,7 @@ def _oft_bwd_stream(
     K, S, NPOS, POST, n_tiles, n_split, n_groups, cscale, shift,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
@@ -154,6 +194,8 @@ def _oft_bwd_stream(
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
                                             HAS_RESCALE, NB, SP)
     ft = tl.trans(_oft_f(m, rho, shift, GP))
+    # G and x of one 16-bit dtype: Fᵀ in three terms; the products of G·xᵀ are exact in fp32
+    f0, f1, f2 = split16(ft, g_ptr.dtype.element_ty, DOT, SPLIT)
     if IDX64:
         ch = ch.to(tl.int64)
     acc = tl.zeros((GP, GP), dtype=tl.float32)
@@ -163,13 +205,19 @@ def _oft_bwd_stream(
             p = p.to(tl.int64)
         mask = ch_valid[:, None] & (p < NPOS)[None, :]
         go = ch[:, None] * sg_c + pos_offsets(p, POST, sg_pre, sg_post, MODE)[None, :]
-        gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
         xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
-        x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-        gx = tl.dot(ft, gg, input_precision=DOT_PREC)
         oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
+        if SPLIT:
+            gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(DOT)
+            x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT)
+            gx = dot_split16(f0, f1, f2, gg)
+            acc = tl.dot(gg, tl.trans(x), acc)
+        else:
+            gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+            gx = tl.dot(ft, gg, input_precision=DOT_PREC)
+            acc = tl.dot(gg, tl.trans(x), acc, input_precision=DOT_PREC)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
-        acc = tl.dot(gg, tl.trans(x), acc, input_precision=DOT_PREC)
     l = tl.arange(0, GP)
     base = (sp * n_groups + g).to(tl.int64) * (GP * GP)
     tl.store(part_ptr + base + l[:, None] * GP + l[None, :], acc)
@@ -214,7 +262,7 @@ class OftCfg(NamedTuple):
     rows per program (>= 16; 0 = automatic: 32 when the channels are contiguous
     in memory, else 16), ``split``: programs per group along the positions
     (0 = automatic, to fill the GPU), ``dot_prec``: input_precision of the
-    streaming fp32 dots."""
+    streaming fp32 dots, or ``"split16"`` (16-bit operands: ``dot_split16``)."""
     block_p: int = 128
     group: int = 0
     split: int = 0
@@ -268,6 +316,19 @@ def _plan(K, S, npos, c_contig, n_sm, bwd, cfg: OftCfg):
     return NB, SP, n_groups, n_tiles, split, bp
 
 
+#: ``dot_prec`` of the 16-bit split (``dot_split16``): taken where the streamed operands are
+#: 16-bit (x, and G of x's dtype in the backward); fp32 operands use "tf32x3"
+SPLIT16 = "split16"
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def dot_mode(dot_prec: str, stream_dtype) -> dict:
+    """The stream kernels' dot constexprs (DOT_PREC, SPLIT) for a config's ``dot_prec``."""
+    if dot_prec == SPLIT16 and stream_dtype in _HALF:
+        return dict(DOT_PREC="tf32x3", SPLIT=True, DOT=dot_dtype(stream_dtype))
+    return dict(DOT_PREC="tf32x3" if dot_prec == SPLIT16 else dot_prec, SPLIT=False, DOT=tl.float32)
+
+
 def _oft_axis(x, weight):
     return 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
 
@@ -301,7 +362,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = N
             x, a, xs[1], b, y, ya, ys[1], yb,
             K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            DOT_PREC=cfg.dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            **dot_mode(cfg.dot_prec, x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -334,7 +395,8 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCf
             grad, ga, gs[1], gb, x, xa, xs[1], xb, gx, oa, os_[1], ob, part,
             K, S, pre * post, post, n_tiles, split, n_groups, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            DOT_PREC=cfg.dot_prec, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            **dot_mode(cfg.dot_prec, x.dtype if grad.dtype == x.dtype else torch.float32),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fast(_oft_bwd_chain)[(n_groups,)](
             blocks, *blocks.stride(), rs, rs.stride(0), part, g_blocks, g_rescale,
             K, S, split, n_groups, float(cscale),
