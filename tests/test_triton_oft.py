@@ -182,9 +182,12 @@ BOFT_LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
-def test_boft(dtype, layout):
+def test_boft(dtype, layout, dot_prec):
+    """``split16`` runs on x and G where they are the stream (the first segment forward,
+    a one-segment backward) and tf32x3 on the fp32 scratch of other segments."""
     cid, m, nb, s, xshape, axis, max_group = layout
     gen = torch.Generator().manual_seed(m * 1000 + nb * 100 + s)
     i = [torch.float32, torch.float16, torch.bfloat16].index(dtype)
@@ -197,7 +200,7 @@ def test_boft(dtype, layout):
     C = nb * s
     rescale = (torch.rand(C, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32) if with_rs else None
     grad = _make(xshape, dtype, gen)
-    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2)
+    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec)
 
     y = TB.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=cfg)
     y0, (gx0, gb0) = _boft_oracle(blocks, x, axis, cscale, scale, rescale, diff, grad)
@@ -258,8 +261,11 @@ _COMPILE = textwrap.dedent("""
     build(B._boft_cayley, dict(NBB=2, SP=32), {"blocks_ptr": "*bf16"})
     build(B._boft_segmat, dict(HP=16, SP=32, NB=2), num_warps=16)
     build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, MODE=1, IDX64=False,
-                                HP=2, SP=4, NB=8, BLOCK_P=128, DOT_PREC="tf32x3"), bf)
-    build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=16, SP=32, NB=1, BLOCK_P=64, DOT_PREC="tf32x3"), bf)
+                                HP=2, SP=4, NB=8, BLOCK_P=128, **fp32_dots), bf)
+    build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=True, DIFF_LOAD=False, MODE=0, IDX64=False,
+                                HP=4, SP=8, NB=4, BLOCK_P=128, **split16), bf)
+    build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=16, SP=32, NB=1, BLOCK_P=64, **fp32_dots), bf)
+    build(B._boft_seg_bwd, dict(MODE=1, IDX64=False, HP=4, SP=8, NB=4, BLOCK_P=64, **split16), bf)
     build(B._boft_chain, dict(HP=4, SP=8, NB=4), {"gb_ptr": "*bf16"})
 """)
 
@@ -270,4 +276,4 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 10
+    assert r.stdout.count("ok ") == 12

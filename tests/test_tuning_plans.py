@@ -93,17 +93,24 @@ def test_warmup_direct_path(monkeypatch):
     assert tune.stats()["tuned"] == 2 and len(tune.table().rows) == 2
 
 
+@pytest.mark.parametrize("family", ["oft", "boft"])
 @pytest.mark.parametrize("bwd", [False, True], ids=["fwd", "bwd"])
-def test_oft_split16_twin_only_for_16bit_streams(bwd):
+def test_split16_twin_only_for_16bit_streams(family, bwd):
     """A 16-bit x gets the first config's ``split16`` twin (timed, one more compile) before
     eager; the untimed pick stays the first config; fp32 x gets none (it would not split)."""
+    from lycoris_ops.plans import boft as PB
     from lycoris_ops.plans import oft as P
     from lycoris_ops.triton.oft import SPLIT16
 
     dev = device.synthetic()
-    plan_of = P.plan_oft_bwd if bwd else P.plan_oft_fwd
+    if family == "oft":
+        plan_of = lambda xd: (P.plan_oft_bwd if bwd else P.plan_oft_fwd)(dev, 96, 32, 8192, True, xd,  # noqa: E731
+                                                                          torch.float32)
+    else:
+        plan_of = lambda xd: (PB.plan_boft_bwd if bwd else PB.plan_boft_fwd)(dev, 4, 96, 8, 8192, True, xd,  # noqa: E731
+                                                                             torch.float32)
     for x_dtype, want in ((torch.bfloat16, 1), (torch.float16, 1), (torch.float32, 0)):
-        plan = plan_of(dev, 96, 32, 8192, True, x_dtype, torch.float32)
+        plan = plan_of(x_dtype)
         fused = [c for c in plan.candidates if isinstance(c, dict)]
         split = [c for c in fused if c["dot_prec"] == SPLIT16]
         assert len(split) == want and plan.candidates[-1] == tune.SENTINEL_EAGER

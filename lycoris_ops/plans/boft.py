@@ -33,7 +33,7 @@ from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
 from .cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
 from .device import DeviceFacts, facts
-from .oft import TL_N, tl_channels_first, tl_plan
+from .oft import TL_N, tl_channels_first, tl_plan, with_split16
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
@@ -165,9 +165,12 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
     cfgs = [c for c in cfgs if compiles_ok(c)]
     ranked = rank(cfgs, work, dev)
     seen.clear()
-    return make_shared_plan(op, ranked, kernels=kernels, structure=structure,
-                            tile_axes=("bwd_block_p" if bwd else "block_p", "num_warps"), n=n, default=default,
+    # a 16-bit backward's split16 twin takes the place of the model's last pick: within COMPILE_BUDGET
+    plan = make_shared_plan(op, ranked, kernels=kernels, structure=structure,
+                            tile_axes=("bwd_block_p" if bwd else "block_p", "num_warps"),
+                            n=n - 1 if bwd and ex == 2 else n, default=default,
                             default_s=predict(work, default, dev), eager_s=eager)
+    return with_split16(plan, ex)
 
 
 def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,

@@ -57,7 +57,11 @@ matrix elements per thread (``chain_warps`` = 0: GP²/256 warps, at least 4),
 which keeps its unrolled FMA dots, and their compile, small.
 
 Dots: streaming dots use ``input_precision`` from the config (default
-``"tf32x3"``, ~fp32 accuracy); the stage algebra uses IEEE fp32.
+``"tf32x3"``, ~fp32 accuracy); the stage algebra uses IEEE fp32. ``dot_prec=
+"split16"``: where a streaming kernel's operands are x and G themselves (16-bit:
+the first segment's forward; the backward of a one-segment butterfly), the group
+matrix is split into three 16-bit terms (``oft.dot_split16``); fp32 scratch
+operands keep tf32x3.
 
 Layout: x is seen as (pre, C, post) around the channel axis (axis 0: weight;
 last: channels last; other: (N, C, *spatial)); any strides, pre and post dims
@@ -79,7 +83,7 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
-from .oft import pos_mode, pos_offsets, positions_view
+from .oft import dot_mode, dot_split16, pos_mode, pos_offsets, positions_view, split16
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 
@@ -206,6 +210,7 @@ def _boft_seg_fwd(
     HAS_RESCALE: tl.constexpr, DIFF_FOLD: tl.constexpr, DIFF_LOAD: tl.constexpr,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
@@ -218,6 +223,7 @@ def _boft_seg_fwd(
         w = rho[:, None] * w
     if DIFF_FOLD:
         w = w - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
+    w0, w1, w2 = split16(w, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
     if IDX64:
         ch = ch.to(tl.int64)
     for t in range(tl.program_id(1), n_tiles, n_split):
@@ -226,8 +232,11 @@ def _boft_seg_fwd(
             p = p.to(tl.int64)
         mask = ch_valid[:, None] & (p < NPOS)[None, :]
         uo = ch[:, None] * su_c + pos_offsets(p, POST, su_pre, su_post, MODE)[None, :]
-        u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(tl.float32)
-        y = tl.dot(w, u, input_precision=DOT_PREC)
+        if SPLIT:
+            y = dot_split16(w0, w1, w2, tl.load(u_ptr + uo, mask=mask, other=0.0).to(DOT))
+        else:
+            u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(tl.float32)
+            y = tl.dot(w, u, input_precision=DOT_PREC)
         if DIFF_LOAD:
             xo = ch[:, None] * s0_c + pos_offsets(p, POST, s0_pre, s0_post, MODE)[None, :]
             y -= tl.load(x0_ptr + xo, mask=mask, other=0.0).to(tl.float32)
@@ -242,6 +251,7 @@ def _boft_seg_bwd(
     NPOS, POST, n_tiles, n_split, n_groups, a, L, half,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
@@ -249,6 +259,8 @@ def _boft_seg_bwd(
     base = _group_base(g, a, L, half)
     e = tl.arange(0, GP)
     jt = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])  # Jᵀ
+    # G and u of one 16-bit dtype (one segment: grad and x): oft.dot_split16, exact G·uᵀ products
+    j0, j1, j2 = split16(jt, g_ptr.dtype.element_ty, DOT, SPLIT)
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
     if IDX64:
         ch = ch.to(tl.int64)
@@ -259,13 +271,19 @@ def _boft_seg_bwd(
             p = p.to(tl.int64)
         mask = ch_valid[:, None] & (p < NPOS)[None, :]
         go = ch[:, None] * sg_c + pos_offsets(p, POST, sg_pre, sg_post, MODE)[None, :]
-        gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
         uo = ch[:, None] * su_c + pos_offsets(p, POST, su_pre, su_post, MODE)[None, :]
-        u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(tl.float32)
-        gx = tl.dot(jt, gg, input_precision=DOT_PREC)
         oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
+        if SPLIT:
+            gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(DOT)
+            u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(DOT)
+            gx = dot_split16(j0, j1, j2, gg)
+            acc = tl.dot(gg, tl.trans(u), acc)
+        else:
+            gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(tl.float32)
+            gx = tl.dot(jt, gg, input_precision=DOT_PREC)
+            acc = tl.dot(gg, tl.trans(u), acc, input_precision=DOT_PREC)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
-        acc = tl.dot(gg, tl.trans(u), acc, input_precision=DOT_PREC)
     off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
     tl.store(part_ptr + off + e[:, None] * GP + e[None, :], acc)
 
@@ -321,7 +339,7 @@ class BoftCfg(NamedTuple):
     """Launch parameters: ``max_group``: largest channel group a segment may use
     (decides how many stages are fused; a single stage always runs),
     ``block_p``/``bwd_block_p``: positions per tile, ``split``: programs per group
-    along the positions (0 = automatic, to fill the GPU), ``dot_prec``:
+    along the positions (0 = automatic, to fill the GPU), ``dot_prec`` (or ``"split16"``):
     input_precision of the streaming fp32 dots, ``chain_warps``: warps of the group-matrix
     and chain launches (0 = automatic: GP²/256, at least 4)."""
     max_group: int = 32
@@ -427,8 +445,8 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     mode, xa, xb = pos_mode(pre, post, xs)
     _, ya, yb = pos_mode(pre, post, ys)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()))
-    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, DOT_PREC=cfg.dot_prec,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     buf = None
     bs = _buf_strides(pre, C, post, mode)
     if len(segs) > 1:
@@ -448,7 +466,8 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
                 x, xa, xs[1], xb,
                 npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2,
                 HAS_RESCALE=last and rescale is not None, DIFF_FOLD=first and last and diff,
-                DIFF_LOAD=(not first) and last and diff, NB=sg.NB, **common)
+                DIFF_LOAD=(not first) and last and diff, NB=sg.NB,
+                **dot_mode(cfg.dot_prec, x.dtype if first else torch.float32), **common)
     return y
 
 
@@ -478,8 +497,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
                         (tuple(gx.shape), gx.stride()))
     half = s // 2
-    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, DOT_PREC=cfg.dot_prec,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with device_guard(x):
         mbuf = _cayley_scratch(blocks, cscale, SP)
         jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
@@ -494,7 +512,8 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
             fast(_boft_seg_fwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, jbuf, 0, *inputs[-1], buf, *os_, x, xa, xs[1], xb,
                 npos, post, f_tiles, sg.split, sg.a, sg.L, half,
-                HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=fbp, **common)
+                HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=fbp,
+                **dot_mode(cfg.dot_prec, x.dtype if idx == 0 else torch.float32), **common)
             inputs.append((buf,) + os_)
         g_in = (grad, ga, gs[1], gb)
         gbuf = torch.empty((pre, C, post), device=dev, dtype=torch.float32) if len(segs) > 1 else None
@@ -505,8 +524,9 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
             part = torch.empty((sg.split, sg.n_groups, GP, GP), device=dev, dtype=torch.float32)
             fast(_boft_seg_bwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *g_in, *inputs[idx], *out, part,
-                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half,
-                NB=sg.NB, BLOCK_P=bp, **common)
+                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, NB=sg.NB, BLOCK_P=bp,
+                **dot_mode(cfg.dot_prec, g_in[0].dtype if g_in[0].dtype == inputs[idx][0].dtype else torch.float32),
+                **common)
             fast(_boft_chain)[(sg.n_groups,)](
                 mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
                 float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=chain_warps(cfg.chain_warps, GP))
