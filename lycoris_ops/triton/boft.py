@@ -83,7 +83,7 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
-from .oft import dot_mode, dot_split16, pos_mode, pos_offsets, positions_view, split16
+from .oft import bwd_tile, dot_mode, dot_split16, pos_mode, pos_offsets, positions_view, split16
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 
@@ -273,16 +273,7 @@ def _boft_seg_bwd(
         go = ch[:, None] * sg_c + pos_offsets(p, POST, sg_pre, sg_post, MODE)[None, :]
         uo = ch[:, None] * su_c + pos_offsets(p, POST, su_pre, su_post, MODE)[None, :]
         oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
-        if SPLIT:
-            gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(DOT)
-            u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(DOT)
-            gx = dot_split16(j0, j1, j2, gg)
-            acc = tl.dot(gg, tl.trans(u), acc)
-        else:
-            gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(tl.float32)
-            gx = tl.dot(jt, gg, input_precision=DOT_PREC)
-            acc = tl.dot(gg, tl.trans(u), acc, input_precision=DOT_PREC)
+        gx, acc = bwd_tile(g_ptr, go, u_ptr, uo, mask, jt, j0, j1, j2, acc, SPLIT, DOT, DOT_PREC)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
     off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
     tl.store(part_ptr + off + e[:, None] * GP + e[None, :], acc)

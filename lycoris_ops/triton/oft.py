@@ -148,6 +148,20 @@ def dot_split16(f0, f1, f2, x):
 
 
 @triton.jit
+def bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT: tl.constexpr, DOT: tl.constexpr,
+             DOT_PREC: tl.constexpr):
+    """One position tile of a backward stream (diag-OFT and BOFT): ``(gx, acc)`` with
+    gx = Fᵀ·G and acc + G·xᵀ (fp32), split16 (f0..f2 the terms of Fᵀ) or fp32 dots."""
+    if SPLIT:
+        gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(DOT)
+        x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT)
+        return dot_split16(f0, f1, f2, gg), tl.dot(gg, tl.trans(x), acc)
+    gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+    return tl.dot(ft, gg, input_precision=DOT_PREC), tl.dot(gg, tl.trans(x), acc, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _oft_fwd_kernel(
     blocks_ptr, sbk, sbp, sbq, rs_ptr, srs,
     x_ptr, sx_pre, sx_c, sx_post, y_ptr, sy_pre, sy_c, sy_post,
@@ -207,16 +221,7 @@ def _oft_bwd_stream(
         go = ch[:, None] * sg_c + pos_offsets(p, POST, sg_pre, sg_post, MODE)[None, :]
         xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
         oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
-        if SPLIT:
-            gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(DOT)
-            x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT)
-            gx = dot_split16(f0, f1, f2, gg)
-            acc = tl.dot(gg, tl.trans(x), acc)
-        else:
-            gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
-            x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-            gx = tl.dot(ft, gg, input_precision=DOT_PREC)
-            acc = tl.dot(gg, tl.trans(x), acc, input_precision=DOT_PREC)
+        gx, acc = bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT, DOT, DOT_PREC)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
     l = tl.arange(0, GP)
     base = (sp * n_groups + g).to(tl.int64) * (GP * GP)
