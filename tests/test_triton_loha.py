@@ -106,6 +106,29 @@ def test_bypass(dtype, strategy):
         close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+def test_bypass_bwd_vendor_gemms(dtype):
+    """``vendor=True``: gx and GW by torch's GEMM (the eager body's rounding), ΔW and the
+    factor gradients by the Triton kernels; non-contiguous G and x, odd sizes."""
+    from lycoris_ops.reference import loha as RL
+
+    g = gen(11)
+    x = mk((T, I), dtype, g, nc=True)
+    a1, b1, a2, b2 = factors(dtype, g)
+    grad = mk((T, O), dtype, g, nc=True)
+    cd = cd_of(x, a1, b1, a2, b2)
+    ops64 = [d64(t, cd) for t in (x, a1, b1, a2, b2)]
+    ps = [t.clone().requires_grad_() for t in ops64]
+    o_bypass(*ps, GAMMA).backward(d64(grad, cd))
+    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, TH.ApplyCfg(strategy="materialize", **SMALL),
+                        TH.GradCfg(block_m=16, block_n=16, split=2), None, vendor=True)
+    ref = RL.loha_bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA)
+    for name, gt, p, src, r in zip(("gx", "g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (x, a1, b1, a2, b2), ref):
+        assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
+        close(gt, p.grad, REL_TOL[dtype], f"vendor bwd {name}")
+        close(gt, r.double(), REL_TOL[dtype], f"vendor bwd {name} vs the eager body")
+
+
 def test_bypass_promotion_ops_and_large_rank():
     """fp32 factors with an fp16 x compute in fp16 (base's dtype sets the output);
     the op-set entries; a padded rank > 128 goes through ``materialize``."""

@@ -56,7 +56,7 @@ def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
             continue
         done.add(case.op)
         got = pm.KWARGS[case.op](*args)
-        assert tune.is_eager(got) or (isinstance(got, dict) and set(got) <= {"cfg", "grad_cfg", "gw_cfg"}), got
+        assert tune.is_eager(got) or (isinstance(got, dict) and set(got) <= {"cfg", "grad_cfg", "gw_cfg", "vendor"}), got
         # the exact-argument front cache answers the next call
         assert pm.KWARGS[case.op](*args) is got
         # plans.tuned: the op-set entry point (picked config or eager), equal to eager
@@ -117,3 +117,21 @@ def test_split16_twin_only_for_16bit_streams(family, bwd):
         assert fused[0]["dot_prec"] == "tf32x3" and len(plan.predicted) == len(plan.candidates)
         if want:
             assert split[0] == dict(fused[0], dot_prec=SPLIT16)
+
+
+def test_loha_bypass_bwd_vendor_candidate_at_large_16bit_shapes():
+    """The vendor-GEMM twin (cuBLAS for the two T·O·I GEMMs) is offered where both are long
+    (16-bit compute, T·O·I >= VENDOR_MIN_MACS), before eager and never first."""
+    from lycoris_ops.plans import loha as P
+    from lycoris_ops.triton import loha as TL
+
+    dev = device.synthetic()
+    for T, D, R, dt, want in ((32768, 4096, 64, torch.bfloat16, 1), (8192, 3072, 32, torch.float16, 1),
+                              (64, 256, 8, torch.bfloat16, 0), (8192, 3072, 32, torch.float32, 0)):
+        d = P._bypass_bwd_default(TL, T, D, R, dt)
+        plan = P.plan_bypass_bwd(dev, T, D, D, R, dt, dt, dt, default=d)
+        vendor = [c for c in plan.candidates if isinstance(c, dict) and c.get("vendor")]
+        assert len(vendor) == want and plan.candidates[-1] == tune.SENTINEL_EAGER
+        assert not plan.candidates[0].get("vendor") and len(plan.predicted) == len(plan.candidates)
+        if want:
+            assert vendor[0]["cfg"]["strategy"] == "materialize"

@@ -196,7 +196,19 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                             default_s=None if t_d is None else t_d + fixed, eager_s=eager)
     plan.candidates = [c if tune.is_eager(c) else {"cfg": c, "grad_cfg": grad_cfg, "gw_cfg": gw_cfg}
                        for c in plan.candidates]
+    if tc and T * O * I >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+        # the two T·O·I GEMMs by cuBLAS, the rest fused (triton/loha.bypass_bwd(vendor=True)): timed
+        # against eager, never the untimed pick; its ΔW tile kernel is the first candidate's
+        first = plan.candidates[0]
+        at = len(plan.candidates) - 1 if tune.is_eager(plan.candidates[-1]) else len(plan.candidates)
+        plan.candidates.insert(at, {**first, "cfg": {**first["cfg"], "strategy": "materialize"}, "vendor": True})
+        plan.predicted.insert(at, plan.predicted[0])
     return plan
+
+
+#: the backward's vendor-GEMM candidate from this many multiply-adds per large GEMM (T·O·I):
+#: where both big GEMMs are long enough for cuBLAS to beat the fused ones (the tuner then times it)
+VENDOR_MIN_MACS = 1 << 32
 
 
 # =============================================================================== TileLang models
@@ -381,7 +393,8 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
         device=dev, version=version(),
         resolve=lambda c: {"cfg": TL.ApplyCfg(**c["cfg"]),
                            "grad_cfg": None if c.get("grad_cfg") is None else TL.GradCfg(**c["grad_cfg"]),
-                           "gw_cfg": None if c.get("gw_cfg") is None else TL.ApplyCfg(**c["gw_cfg"])},
+                           "gw_cfg": None if c.get("gw_cfg") is None else TL.ApplyCfg(**c["gw_cfg"]),
+                           **({"vendor": True} if c.get("vendor") else {})},
         front=(_F_BBWD, fk))
 
 

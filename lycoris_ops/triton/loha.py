@@ -411,15 +411,28 @@ def _bypass_bwd_plan(T, O, I, R, views, compute, device, cfg: ApplyCfg, gw_cfg: 
 
 
 def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
-               grad_cfg: Optional[GradCfg] = None, gw_cfg: Optional[ApplyCfg] = None):
+               grad_cfg: Optional[GradCfg] = None, gw_cfg: Optional[ApplyCfg] = None, vendor: bool = False):
     """(gx (T, I) in x's dtype, g_a1, g_b1, g_a2, g_b2 in their inputs' dtypes).
 
     ``cfg``: the gx GEMM (and ΔW materialization); ``gw_cfg``: the GW = Gᵀ·x GEMM's tiles
-    (None: ``cfg``'s; its strategy is ignored: GW reads x); ``grad_cfg``: the merge backward."""
+    (None: ``cfg``'s; its strategy is ignored: GW reads x); ``grad_cfg``: the merge backward.
+    ``vendor``: the two large GEMMs (gx = γ·G·ΔW, GW = Gᵀ·x, each T·O·I) by torch's GEMM
+    (cuBLAS) exactly as the eager body rounds them, ΔW materialized and the factor gradients
+    by the Triton kernels: where cuBLAS beats the fused GEMMs and the eager body's fp32
+    elementwise passes cost more than these kernels (a tuner candidate at large shapes)."""
     T, I = x.shape
     O, R = a1.shape
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     dev = x.device
+    if vendor:
+        from ..reference import cast, gemm_epilogue, mm32
+
+        g = cast(grad, compute)
+        idx64 = needs_idx64(*view_key(grad, x, a1, b1, a2, b2))
+        dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg or ApplyCfg())
+        gx = gemm_epilogue(g, dw, x.dtype, gamma).contiguous()
+        gw = mm32(g.t(), cast(x, compute)).to(compute)
+        return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg)
     gx = torch.empty((T, I), device=dev, dtype=x.dtype)
     gw = torch.empty((O, I), device=dev, dtype=compute)
     idx64, regen, (grid, meta), (grid_w, meta_w) = _bypass_bwd_plan(
