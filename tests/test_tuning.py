@@ -429,7 +429,7 @@ def test_corrupt_table_warns_once_and_is_replaced(tmp_path):
     assert len(_rows(tmp_path)) == 2  # replaced by a valid table
 
 
-@pytest.mark.parametrize("content", ["[1, 2]", '{"version": 1, "rows": 7}', ""])
+@pytest.mark.parametrize("content", ["7", '{"version": 1, "rows": 7}', ""])
 def test_other_corrupt_shapes(tmp_path, content):
     os.makedirs(tmp_path / "cache")
     (tmp_path / "cache" / "tuning.json").write_text(content)
@@ -455,10 +455,32 @@ def test_foreign_version_rows_ignored(tmp_path):
 
 def test_older_version_replaced(tmp_path):
     os.makedirs(tmp_path / "cache")
-    (tmp_path / "cache" / "tuning.json").write_text(json.dumps([{"key": ["x"], "plan": [1]}]))  # ref's list
-    with pytest.warns(RuntimeWarning):
+    (tmp_path / "cache" / "tuning.json").write_text(json.dumps({"version": tune.TABLE_VERSION - 1, "rows": {}}))
+    with pytest.warns(RuntimeWarning, match="format version"):
         _select(timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6}))
     assert len(_rows(tmp_path)) == 1
+
+
+def test_lycoris_lora_table_left_alone(tmp_path):
+    """lycoris-lora keeps its tuning table (a JSON list) at the same default path: it is left
+    as it is, ours lives beside it (tuning.lycoris_ops.json), one warning names both, and a
+    second process finds our rows there without timing."""
+    os.makedirs(tmp_path / "cache")
+    theirs = json.dumps([{"key": ["NVIDIA H200", "lora_fwd", [4096]], "plan": [128, 64, 4]}])
+    (tmp_path / "cache" / "tuning.json").write_text(theirs)
+    timings = {"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6}
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert _select(timer=FakeTimer(timings)) == A
+        assert _select(key=(("T", 1),), timer=FakeTimer(timings)) == A
+    msgs = [str(x.message) for x in w if "another program's table" in str(x.message)]
+    assert len(msgs) == 1 and "tuning.lycoris_ops.json" in msgs[0]
+    assert (tmp_path / "cache" / "tuning.json").read_text() == theirs
+    with open(tmp_path / "cache" / "tuning.lycoris_ops.json") as f:
+        assert len(json.load(f)["rows"]) == 2
+    tune.clear()  # a fresh process: the table is read again, from the sibling
+    t = FakeTimer(timings)
+    assert _select(timer=t) == A and not t.calls
 
 
 def test_unwritable_dir_keeps_working(tmp_path, monkeypatch):

@@ -13,6 +13,10 @@ A corrupt file, or one of another format version, is ignored with ONE warning
 per path and reason (never an exception): its rows are not used. A corrupt or
 older-version file is replaced by the next write; a file of a *newer* version
 (a newer lycoris_ops) is left alone and this process keeps its rows in memory.
+A *foreign* file - a JSON list, the format of lycoris-lora's own tuning table,
+which defaults to the same ``~/.cache/lycoris_kernels/tuning.json`` - is left
+alone too: this table then lives beside it, in ``<name>.lycoris_ops.json``
+(``sibling``), read and written there, with one warning naming both paths.
 A table that cannot be written (read-only directory, full disk) warns once and
 keeps working from memory. Pure standard library: no torch here.
 """
@@ -59,6 +63,8 @@ def read_json_table(path: str, version: int, section: str) -> Tuple[Dict[str, di
         data = json.loads(text)
     except ValueError as exc:
         return {}, f"corrupt: not JSON ({exc})", None
+    if isinstance(data, list):
+        return {}, FOREIGN, None
     if not isinstance(data, dict):
         return {}, "corrupt: not a JSON object", None
     found = data.get("version")
@@ -68,6 +74,17 @@ def read_json_table(path: str, version: int, section: str) -> Tuple[Dict[str, di
     if not isinstance(rows, dict):
         return {}, f"corrupt: no '{section}' object", found
     return {str(k): v for k, v in rows.items() if isinstance(v, dict)}, None, found
+
+
+#: ``read_json_table``'s problem for a JSON list: another program's table (lycoris-lora's format)
+FOREIGN = "foreign"
+
+
+def sibling(path: str) -> str:
+    """Where a table lives when ``path`` holds another program's table: ``tuning.json`` ->
+    ``tuning.lycoris_ops.json``."""
+    root, ext = os.path.splitext(path)
+    return f"{root}.lycoris_ops{ext or '.json'}"
 
 
 @contextlib.contextmanager
@@ -116,6 +133,8 @@ class JsonTable:
     def _report(self, problem: Optional[str], found) -> None:
         if problem is None:
             return
+        if problem == FOREIGN:
+            return  # _read moved to the sibling file and said so
         if problem == "version":
             _warn_once(self.path, "version",
                        f"lycoris_ops: ignoring the {self.what} {self.path}: format version {found!r}, "
@@ -123,12 +142,25 @@ class JsonTable:
         else:
             _warn_once(self.path, "corrupt", f"lycoris_ops: ignoring the {self.what} {self.path} ({problem})")
 
+    def _read(self):
+        """``read_json_table`` of this table's file; a foreign file at ``path`` moves the table
+        to ``sibling(path)`` (once, with one warning) and reads that instead."""
+        rows, problem, found = read_json_table(self.path, self.version, self.section)
+        if problem == FOREIGN:
+            foreign, self.path = self.path, sibling(self.path)
+            _warn_once(foreign, FOREIGN,
+                       f"lycoris_ops: {foreign} holds another program's table (a JSON list: lycoris-lora "
+                       f"keeps its tuning table at the same default path); it is left alone and this "
+                       f"{self.what} is kept in {self.path}. Set LYCORIS_KERNEL_CACHE_DIR to separate them.")
+            rows, problem, found = read_json_table(self.path, self.version, self.section)
+        return rows, problem, found
+
     @property
     def rows(self) -> Dict[str, dict]:
         if self._rows is None:
             with self._mutex:
                 if self._rows is None:
-                    rows, problem, found = read_json_table(self.path, self.version, self.section)
+                    rows, problem, found = self._read()
                     self._report(problem, found)
                     rows.update(self._own)
                     self._rows = rows
@@ -157,11 +189,13 @@ class JsonTable:
             if not self._own or not self.writable:
                 return False
             directory = os.path.dirname(self.path)
-            tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
+            tmp = None
             try:
                 os.makedirs(directory, exist_ok=True)
                 with _locked(self.path, self.lock):
-                    disk, problem, found = read_json_table(self.path, self.version, self.section)
+                    # a foreign file written since this process read the table moves it aside too
+                    disk, problem, found = self._read()
+                    tmp = f"{self.path}.tmp.{os.getpid()}.{threading.get_ident()}"
                     if problem == "version" and isinstance(found, int) and not isinstance(found, bool) \
                             and found > self.version:
                         _warn_once(self.path, "newer",
@@ -184,8 +218,9 @@ class JsonTable:
                         self._rows.update(merged)
                 return True
             except OSError as exc:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
                 _warn_once(self.path, "write",
                            f"lycoris_ops: cannot write the {self.what} {self.path} ({exc}); "
                            "results are kept in memory only")

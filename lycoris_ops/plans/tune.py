@@ -990,7 +990,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         os.environ[dispatch.ENV_CACHE_DIR] = a.cache_dir
     if a.show:
         rows = table().rows
-        print(f"{table_path()}: {len(rows)} rows")
+        print(f"{table().path}: {len(rows)} rows")  # the sibling file where another program's table sits at the path
         for k, row in sorted(rows.items()):
             print(f"  {k} -> {_label(row.get('config'))} {row.get('ms')} ms")
         return 0
