@@ -408,6 +408,17 @@ def fixed_first(plan, fixed: dict):
     return plan
 
 
+def add_before_eager(plan, cand) -> None:
+    """Put ``cand`` into ``plan`` just before its eager sentinel (at the end without one),
+    predicted as the plan's first candidate: a variant the model cannot separate from it,
+    decided by timing alone (never the untimed pick)."""
+    from .tune import is_eager
+
+    at = len(plan.candidates) - 1 if plan.candidates and is_eager(plan.candidates[-1]) else len(plan.candidates)
+    plan.candidates.insert(at, cand)
+    plan.predicted.insert(at, plan.predicted[0])
+
+
 def tl_shortlist(op: str, cfgs, work, dev: DeviceFacts, fixed: dict, eager_s: float, tile_axes, n: int):
     """A TileLang shortlist: the kernel's fixed config first, then the model's best of ``cfgs``
     (``work`` scores them, ``tile_axes`` keep the picks diverse), eager where it could win."""

@@ -29,8 +29,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (Work, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict, rank,
-                   tl_shortlist, tl_stages, tl_threads)
+from .cost import (Work, add_before_eager, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2,
+                   predict, rank, tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -200,9 +200,7 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
         # the two T·O·I GEMMs by cuBLAS, the rest fused (triton/loha.bypass_bwd(vendor=True)): timed
         # against eager, never the untimed pick; its ΔW tile kernel is the first candidate's
         first = plan.candidates[0]
-        at = len(plan.candidates) - 1 if tune.is_eager(plan.candidates[-1]) else len(plan.candidates)
-        plan.candidates.insert(at, {**first, "cfg": {**first["cfg"], "strategy": "materialize"}, "vendor": True})
-        plan.predicted.insert(at, plan.predicted[0])
+        add_before_eager(plan, {**first, "cfg": {**first["cfg"], "strategy": "materialize"}, "vendor": True})
     return plan
 
 

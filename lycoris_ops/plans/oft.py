@@ -32,8 +32,8 @@ import math
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import (SMEM_MARGIN, STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank,
-                   tl_shortlist, tl_threads)
+from .cost import (SMEM_MARGIN, STREAM_TILE_MAX, Work, add_before_eager, cdiv, eager_time, esize, make_shared_plan,
+                   p2, predict, rank, tl_shortlist, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -136,9 +136,7 @@ def with_split16(plan, ex: int):
         return plan
     twin = dict(cands[0], dot_prec=_tl().SPLIT16)
     if twin not in cands:
-        at = len(cands) - 1 if cands[-1] == tune.SENTINEL_EAGER else len(cands)
-        cands.insert(at, twin)
-        plan.predicted.insert(at, plan.predicted[0])
+        add_before_eager(plan, twin)
     return plan
 
 

@@ -43,7 +43,7 @@ def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, o
     chains = 2 if two else 1
     rps = [p2(r, 16) for r in ranks]
     ra, rb = max(ranks[0::2]), max(rps[1::2])
-    kkp = max(16, p2(Kk))
+    kkp = _tl().kk_padded(Kk)
 
     def work(c):
         bo, bi = c["block_o"], c["block_i"]

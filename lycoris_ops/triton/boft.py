@@ -458,7 +458,7 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
                 npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2,
                 HAS_RESCALE=last and rescale is not None, DIFF_FOLD=first and last and diff,
                 DIFF_LOAD=(not first) and last and diff, NB=sg.NB,
-                **dot_mode(cfg.dot_prec, x.dtype if first else torch.float32), **common)
+                **dot_mode(cfg.dot_prec, src[0]), **common)
     return y
 
 
@@ -504,7 +504,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, jbuf, 0, *inputs[-1], buf, *os_, x, xa, xs[1], xb,
                 npos, post, f_tiles, sg.split, sg.a, sg.L, half,
                 HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=fbp,
-                **dot_mode(cfg.dot_prec, x.dtype if idx == 0 else torch.float32), **common)
+                **dot_mode(cfg.dot_prec, inputs[-1][0]), **common)
             inputs.append((buf,) + os_)
         g_in = (grad, ga, gs[1], gb)
         gbuf = torch.empty((pre, C, post), device=dev, dtype=torch.float32) if len(segs) > 1 else None
@@ -516,8 +516,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
             fast(_boft_seg_bwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *g_in, *inputs[idx], *out, part,
                 npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, NB=sg.NB, BLOCK_P=bp,
-                **dot_mode(cfg.dot_prec, g_in[0].dtype if g_in[0].dtype == inputs[idx][0].dtype else torch.float32),
-                **common)
+                **dot_mode(cfg.dot_prec, g_in[0], inputs[idx][0]), **common)
             fast(_boft_chain)[(sg.n_groups,)](
                 mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
                 float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=chain_warps(cfg.chain_warps, GP))

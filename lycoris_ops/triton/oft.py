@@ -327,10 +327,12 @@ SPLIT16 = "split16"
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def dot_mode(dot_prec: str, stream_dtype) -> dict:
-    """The stream kernels' dot constexprs (DOT_PREC, SPLIT) for a config's ``dot_prec``."""
-    if dot_prec == SPLIT16 and stream_dtype in _HALF:
-        return dict(DOT_PREC="tf32x3", SPLIT=True, DOT=dot_dtype(stream_dtype))
+def dot_mode(dot_prec: str, *streams: torch.Tensor) -> dict:
+    """The stream kernels' dot constexprs (DOT_PREC, SPLIT, DOT) for a config's ``dot_prec``
+    and the tensors a kernel streams: split16 where they are all of one 16-bit dtype."""
+    dt = streams[0].dtype
+    if dot_prec == SPLIT16 and dt in _HALF and all(t.dtype == dt for t in streams):
+        return dict(DOT_PREC="tf32x3", SPLIT=True, DOT=dot_dtype(dt))
     return dict(DOT_PREC="tf32x3" if dot_prec == SPLIT16 else dot_prec, SPLIT=False, DOT=tl.float32)
 
 
@@ -367,7 +369,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = N
             x, a, xs[1], b, y, ya, ys[1], yb,
             K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            **dot_mode(cfg.dot_prec, x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -400,8 +402,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCf
             grad, ga, gs[1], gb, x, xa, xs[1], xb, gx, oa, os_[1], ob, part,
             K, S, pre * post, post, n_tiles, split, n_groups, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, x.dtype if grad.dtype == x.dtype else torch.float32),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            **dot_mode(cfg.dot_prec, grad, x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fast(_oft_bwd_chain)[(n_groups,)](
             blocks, *blocks.stride(), rs, rs.stride(0), part, g_blocks, g_rescale,
             K, S, split, n_groups, float(cscale),
