@@ -254,12 +254,12 @@ def _compile_all(dtype_names):
              dict(BM=64, BN=64, BR=64, **com), ("s_gn", "s_a1r", "s_b1n", "s_a2r", "s_b2n", "s_o1r", "s_o2r"), 8),
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
              dict(TWO=True, GROUP_O=8, BO=8, KKP=32, BI=64, BR1=32, BR2=32, **com),
-             ("s_at1k", "s_b1i", "s_at2k", "s_b2i", "s_yk"), 8),
+             ("s_b1i", "s_b2i", "s_yk"), 8),
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
              dict(TWO=False, GROUP_O=8, BO=16, KKP=16, BI=128, BR1=64, BR2=16, **com),
-             ("s_at1k", "s_b1i", "s_at2k", "s_b2i", "s_yk"), 8),
-            (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn), dict(BO=64, BN=64, BR=32, **com),
-             ("s_ap", "s_tk", "s_atk"), 4),
+             ("s_b1i", "s_b2i", "s_yk"), 8),
+            (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn), dict(BO=64, BN=64, BR=32, BRB=32, KKP=16, **com),
+             ("s_ap", "s_tk"), 4),
         ]
         for fn, pointers, cx, ones, warps in jobs:
             div16 = [p.name for p in fn.params if p.name.startswith("s_") and p.name not in ones]

@@ -50,12 +50,12 @@ def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, o
         if not tc and bi > 64:  # IEEE fp32 dots on FMA units: the bᵀ tile stays in registers
             return None
         n_o, n_i = cdiv(O, bo), cdiv(I, bi)
-        prep = Work(grid=cdiv(O, 64) * cdiv(rb * Kk, 64), dram=chains * (O * ra + ra * rb * Kk + O * rb * Kk) * e,
+        prep = Work(grid=cdiv(O, 64) * cdiv(rb * kkp, 64), dram=chains * (O * ra + ra * rb * Kk + O * rb * kkp) * e,
                     mma=chains * 2.0 * O * ra * rb * Kk, tc=tc, name="a.t")
         main = Work(grid=n_o * n_i, warps=c["num_warps"], stages=c["num_stages"],
                     acc=chains * bi * kkp, regs=chains * (bi * rb + rb * kkp) // 2,
                     smem=chains * rb * kkp * e,
-                    dram=O * I * Kk * eo + chains * (O * rb * Kk * e + rb * I * e * min(n_o, 8)),
+                    dram=O * I * Kk * eo + chains * (O * rb * kkp * e + rb * I * e * min(n_o, 8)),
                     mma=chains * 2.0 * O * bi * n_i * rb * kkp, tc=tc, inflight=bi * Kk * eo * 2,
                     mma_tile=bi * kkp * rb)
         return [main, prep]

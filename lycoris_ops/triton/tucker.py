@@ -19,7 +19,10 @@ columns i, re-laid out in registers to (o, i, κ), cost 1.4× eager torch's eins
 ``AT`` (O·R'·Kk elements, a fraction of the output) is one small kernel launch
 before (``_core_kernel``: a GEMM over the columns (q, κ) of t, fp32 accumulated and
 stored in the compute dtype); its operands keep any strides (LoHa passes a
-transposed "up"). A Triton kernel rather than torch's GEMM: then the whole op is
+transposed "up"). AT is stored zero-padded to the main kernel's dot shape
+(O, R' → pow2, Kk → KKP): each o's operand is then one aligned contiguous block,
+read with vector loads and no masks (with Kk = 9 unpadded, those loads were
+2-byte gathers of 9-element runs, re-read by every column tile). A Triton kernel rather than torch's GEMM: then the whole op is
 Triton launches, which the C++ CUDA kernel replays (csrc/launch.cpp) without Python.
 
 Limit: padded ranks ``pow2(R, ≥16) <= 128`` (``supported``; the scope table
@@ -53,29 +56,29 @@ def supported(*ranks: int) -> bool:
 
 @triton.jit
 def _core_kernel(a_ptr, t_ptr, at_ptr, O, R, RB, KK,
-                 s_ao, s_ap, s_tp, s_tq, s_tk, s_ato, s_atq, s_atk,
+                 s_ao, s_ap, s_tp, s_tq, s_tk,
                  CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
-                 BO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr):
+                 BO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BRB: tl.constexpr, KKP: tl.constexpr):
     """AT[o, q, κ] = Σ_p a[o, p]·t[p, q, κ] over a (BO, BN) tile of rows o and columns
-    n = (q, κ); one dot over all R ranks (BR = R padded), fp32 accumulated, rounded once
-    to at's dtype (the compute dtype: reference ``tucker_core``'s rounding)."""
+    n = (q, κ) of the padded (O, BRB, KKP) buffer (zeros past R', Kk); one dot over all
+    R ranks (BR = R padded), fp32 accumulated, rounded once to at's dtype (the compute
+    dtype: reference ``tucker_core``'s rounding)."""
     offs_o = tl.program_id(0) * BO + tl.arange(0, BO)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     if IDX64:
         offs_o = offs_o.to(tl.int64)
     offs_p = tl.arange(0, BR)
-    q = offs_n // KK
-    k = offs_n % KK
+    q = offs_n // KKP
+    k = offs_n % KKP
     mask_o = offs_o < O
-    mask_n = offs_n < RB * KK
     mask_p = offs_p < R
     a = tl.load(a_ptr + offs_o[:, None] * s_ao + offs_p[None, :] * s_ap,
                 mask=mask_o[:, None] & mask_p[None, :], other=0.0)
     t = tl.load(t_ptr + offs_p[:, None] * s_tp + q[None, :] * s_tq + k[None, :] * s_tk,
-                mask=mask_p[:, None] & mask_n[None, :], other=0.0)
+                mask=mask_p[:, None] & ((q < RB) & (k < KK))[None, :], other=0.0)
     acc = tl.dot(a.to(CD).to(DOT), t.to(CD).to(DOT), input_precision="ieee")
-    tl.store(at_ptr + offs_o[:, None] * s_ato + q[None, :] * s_atq + k[None, :] * s_atk,
-             acc.to(at_ptr.dtype.element_ty), mask=mask_o[:, None] & mask_n[None, :])
+    tl.store(at_ptr + offs_o[:, None] * (BRB * KKP) + offs_n[None, :],
+             acc.to(at_ptr.dtype.element_ty), mask=mask_o[:, None] & (offs_n < BRB * KKP)[None, :])
 
 
 #: the core kernel's tile: rows o, columns (q, κ)
@@ -83,22 +86,25 @@ CORE_BO, CORE_BN = 64, 64
 
 
 def core_product(a, t, compute):
-    """``AT = a·t`` (O, R', Kk) in the compute dtype, one launch (``_core_kernel``)."""
+    """``AT = a·t`` as a zero-padded (O, BRB, KKP) buffer in the compute dtype (BRB = R'
+    and KKP = Kk padded to the main kernel's dot widths), one launch (``_core_kernel``):
+    the main kernel then reads each row o's (BRB, KKP) operand as one aligned,
+    unmasked block."""
     O, (R, RB, KK) = a.shape[0], t.shape
-    at = torch.empty((O, RB, KK), device=a.device, dtype=compute)
-    grid = (cdiv(O, CORE_BO), cdiv(RB * KK, CORE_BN))
-    fast(_core_kernel)[grid](a, t, at, O, R, RB, KK, *a.stride(), *t.stride(), *at.stride(),
+    brb, kkp = _p16(RB), kk_padded(KK)
+    at = torch.empty((O, brb, kkp), device=a.device, dtype=compute)
+    grid = (cdiv(O, CORE_BO), cdiv(brb * kkp, CORE_BN))
+    fast(_core_kernel)[grid](a, t, at, O, R, RB, KK, *a.stride(), *t.stride(),
                              CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=needs_idx64(*view_key(a, t, at)),
-                             BO=CORE_BO, BN=CORE_BN, BR=_p16(R), num_warps=4)
+                             BO=CORE_BO, BN=CORE_BN, BR=_p16(R), BRB=brb, KKP=kkp, num_warps=4)
     return at
 
 
 @triton.jit
-def _at_tile(at_ptr, o, valid, offs_q, mask_q, offs_k, mask_k, s_ato, s_atq, s_atk, CD: tl.constexpr,
-             DOT: tl.constexpr):
-    """AT[o, q, κ] of one output row o as a (BR, KKP) dot operand (zeros past R, Kk, O)."""
-    at = tl.load(at_ptr + o * s_ato + offs_q[:, None] * s_atq + offs_k[None, :] * s_atk,
-                 mask=valid & mask_q[:, None] & mask_k[None, :], other=0.0)
+def _at_tile(at_ptr, o, valid, BR: tl.constexpr, KKP: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr):
+    """Row o of the padded AT buffer as a (BR, KKP) dot operand: one contiguous block."""
+    offs = tl.arange(0, BR)[:, None] * KKP + tl.arange(0, KKP)[None, :]
+    at = tl.load(at_ptr + o * (BR * KKP) + offs, mask=valid, other=0.0)
     return at.to(CD).to(DOT)
 
 
@@ -106,8 +112,7 @@ def _at_tile(at_ptr, o, valid, offs_q, mask_q, offs_k, mask_k, s_ato, s_atq, s_a
 def _tucker_kernel(
     at1_ptr, b1_ptr, at2_ptr, b2_ptr, y_ptr,
     O, I, KK, R1, R2, gamma,
-    s_at1o, s_at1q, s_at1k, s_b1q, s_b1i,
-    s_at2o, s_at2q, s_at2k, s_b2q, s_b2i,
+    s_b1q, s_b1i, s_b2q, s_b2i,
     s_yo, s_yi, s_yk,
     TWO: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr, GROUP_O: tl.constexpr,
     BO: tl.constexpr, KKP: tl.constexpr, BI: tl.constexpr, BR1: tl.constexpr, BR2: tl.constexpr,
@@ -147,11 +152,9 @@ def _tucker_kernel(
     for oo in range(0, BO):
         o = o0 + oo
         valid = o < O
-        acc = tl.dot(bt1, _at_tile(at1_ptr, o, valid, q1, mq1, offs_k, mask_k, s_at1o, s_at1q, s_at1k, CD, DOT),
-                     input_precision="ieee") * gamma
+        acc = tl.dot(bt1, _at_tile(at1_ptr, o, valid, BR1, KKP, CD, DOT), input_precision="ieee") * gamma
         if TWO:
-            acc = acc * tl.dot(bt2, _at_tile(at2_ptr, o, valid, q2, mq2, offs_k, mask_k, s_at2o, s_at2q, s_at2k,
-                                             CD, DOT), input_precision="ieee")
+            acc = acc * tl.dot(bt2, _at_tile(at2_ptr, o, valid, BR2, KKP, CD, DOT), input_precision="ieee")
         tl.store(y_tile + o * s_yo, acc.to(y_ptr.dtype.element_ty), mask=valid & mask_y)
 
 
@@ -166,7 +169,11 @@ class TuckerCfg(NamedTuple):
 def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     if compute == torch.float32:  # IEEE fp32 dots (FMA): smaller tiles
         return TuckerCfg(block_o=16, block_i=64, num_warps=4)
-    return TuckerCfg(block_o=16, block_i=64 if two or _p16(rmax) > 64 else 128, num_warps=4)
+    if two or _p16(rmax) > 64:
+        return TuckerCfg(block_o=16, block_i=64, num_warps=4)
+    # H200, 4096x4096x9 r64 bf16 (device sweep of 2026-12-01): 32x128, 3 stages 0.232 ms;
+    # the old 16x128, 2 stages 0.248 ms
+    return TuckerCfg(block_o=32, block_i=128, num_warps=4, num_stages=3)
 
 
 def kk_padded(Kk: int) -> int:
@@ -204,7 +211,7 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
     grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2, b2, y), compute, cfg or TuckerCfg())
     fast(_tucker_kernel)[grid](
         at1, b1, at2, b2, y, O, I, Kk, t1.shape[1], t2.shape[1] if two else t1.shape[1], gamma,
-        *at1.stride(), *b1.stride(), *at2.stride(), *b2.stride(), *y.stride(), **meta)
+        *b1.stride(), *b2.stride(), *y.stride(), **meta)
     return y
 
 
