@@ -179,6 +179,9 @@ BOFT_LAYOUTS = [
     ("linear_s2_fused", 3, 4, 2, (3, 8), -1, None),
     ("conv_s6", 3, 4, 6, (2, 24, 3), 1, None),
     ("weight_segments", 3, 4, 4, (16, 7), 0, 4),
+    # s/2 = 3 < HP = 4: the packed scratch between segments has pad slots (never written)
+    ("conv_s6_segments", 3, 4, 6, (2, 24, 3), 1, 8),
+    ("linear_s6_segments", 3, 4, 6, (5, 24), -1, 8),
 ]
 
 
@@ -266,6 +269,11 @@ _COMPILE = textwrap.dedent("""
                                 HP=4, SP=8, NB=4, BLOCK_P=128, **split16), bf)
     build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=16, SP=32, NB=1, BLOCK_P=64, **fp32_dots), bf)
     build(B._boft_seg_bwd, dict(MODE=1, IDX64=False, HP=4, SP=8, NB=4, BLOCK_P=64, **split16), bf)
+    # the packed scratch between segments (fp32 in, fp32 or bf16 out)
+    build(B._boft_seg_fwd, dict(HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, MODE=0, IDX64=False,
+                                HP=16, SP=32, NB=2, BLOCK_P=64, IN_PACKED=True, OUT_PACKED=True, **fp32_dots))
+    build(B._boft_seg_bwd, dict(MODE=0, IDX64=True, HP=8, SP=16, NB=4, BLOCK_P=64, G_PACKED=True, U_PACKED=True,
+                                OUT_PACKED=True, **fp32_dots))
     build(B._boft_chain, dict(HP=4, SP=8, NB=4), {"gb_ptr": "*bf16"})
 """)
 
@@ -276,4 +284,4 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 12
+    assert r.stdout.count("ok ") == 14

@@ -34,8 +34,8 @@ Passes (after the two stage-algebra launches):
 ``boft_fwd``
   * one segment: ONE kernel — x read once, y written once, rescale and diff
     folded into the group matrix (``W = diag(ρ)·J − diff·I``).
-  * n segments: n kernels over one fp32 scratch of x's size (updated in place;
-    the last segment applies rescale and reads x again for diff).
+  * n segments: n kernels; between them fp32 scratch (two buffers in turn), the
+    last segment applies rescale and reads x again for diff.
 ``boft_bwd`` (the plain chain, no rescale / diff; OPS.md §2.6.2) — no replay of
   stage prefixes: with one segment, ONE streaming kernel reads G and x once,
   writes ``gx = Jᵀ·G`` and accumulates ``Pg = Σ G·Xᵀ`` (gs×gs per group, fp32
@@ -63,6 +63,15 @@ the first segment's forward; the backward of a one-segment butterfly), the group
 matrix is split into three 16-bit terms (``oft.dot_split16``); fp32 scratch
 operands keep tf32x3.
 
+Packed scratch: every fp32 buffer between segments (forward, the backward's kept
+segment inputs and its gradient) is written by its producer in the *consumer's*
+layout: one row per position, the consumer's groups one after the other, each its
+GP local slots (l = tb·HP + low) in order. The consumer then reads a group's tile
+as contiguous runs masked along positions only, so its loads vectorize; the
+producer scatters (``_packed_slot``). With x's own channel order, a group's
+channels are runs of s/2 (12 at s = 24) κ apart: masked gathers that Triton issues
+element by element.
+
 Layout: x is seen as (pre, C, post) around the channel axis (axis 0: weight;
 last: channels last; other: (N, C, *spatial)); any strides, pre and post dims
 each collapsed to one strided run (else a contiguous copy).
@@ -83,7 +92,7 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
-from .oft import bwd_tile, dot_mode, dot_split16, pos_mode, pos_offsets, positions_view, split16
+from .oft import bwd_dots, dot_mode, dot_split16, pos_mode, pos_offsets, positions_view, split16
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 
@@ -104,7 +113,7 @@ CAYLEY_ELEMS = 2048
 # specialized (``do_not_specialize``): Triton would otherwise compile a separate
 # variant for a == 1 (a constant) and a == 0 (divisible by 16).
 
-_NOSPEC = ["a", "L", "n_split"]
+_NOSPEC = ["a", "L", "n_split", "a2", "L2", "gp2"]
 
 
 @triton.jit
@@ -202,16 +211,69 @@ def _boft_segmat(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale,
         tl.store(j_ptr + off + e[:, None] * GP + e[None, :], j)
 
 
+@triton.jit
+def _packed_slot(ch, half, a2, L2, gp2, HP: tl.constexpr):
+    """Where channel ch lives in segment (a2, L2)'s packed scratch: group g2's run of gp2
+    slots, local index l2 = tb·HP + low (the inverse of ``_group_channels``)."""
+    j = ch // half
+    low = ch - j * half
+    g2 = ((j >> (a2 + L2)) << a2) | (j & ((1 << a2) - 1))
+    return g2 * gp2 + ((j >> a2) & ((1 << L2) - 1)) * HP + low
+
+
+@triton.jit
+def _stream_offsets(c_off, p, POST, s_pre, s_post, MODE: tl.constexpr, PACKED: tl.constexpr):
+    """(GP, BLOCK_P) element offsets: a (pre, C, post) tensor (c_off = ch·s_c), or a packed
+    scratch (c_off = the slot, positions s_pre apart)."""
+    if PACKED:
+        pos = p * s_pre
+    else:
+        pos = pos_offsets(p, POST, s_pre, s_post, MODE)
+    return c_off[:, None] + pos[None, :]
+
+
+@triton.jit
+def _load_stream(ptr, off, ch_valid, pm, TO: tl.constexpr, PACKED: tl.constexpr):
+    """A (GP, BLOCK_P) tile as TO. Packed: contiguous runs masked along positions only (so the
+    loads vectorize), the never-written pad slots then zeroed."""
+    if PACKED:
+        v = tl.load(ptr + off, mask=pm[None, :], other=0.0)
+        v = tl.where(ch_valid[:, None], v, 0.0)
+    else:
+        v = tl.load(ptr + off, mask=ch_valid[:, None] & pm[None, :], other=0.0)
+    return v.to(TO)
+
+
+@triton.jit
+def _channel_offsets(g, ch, s_c, half, a2, L2, gp2, HP: tl.constexpr, GP: tl.constexpr, PACKED: tl.constexpr,
+                     OWN: tl.constexpr):
+    """Per local channel: its offset in a (pre, C, post) tensor (ch·s_c), or its slot in a
+    packed scratch: this group's own run (OWN: the segment's input), or the slot in the
+    next segment's layout (a2, L2, gp2) for an output."""
+    if PACKED:
+        if OWN:
+            off = g * GP + tl.arange(0, GP)
+        else:
+            off = _packed_slot(ch, half, a2, L2, gp2, HP)
+    else:
+        off = ch * s_c
+    return off
+
+
 @triton.jit(do_not_specialize=_NOSPEC)
 def _boft_seg_fwd(
     j_ptr, sjg, sjr, rs_ptr, srs,
     u_ptr, su_pre, su_c, su_post, y_ptr, sy_pre, sy_c, sy_post, x0_ptr, s0_pre, s0_c, s0_post,
-    NPOS, POST, n_tiles, n_split, a, L, half,
+    NPOS, POST, n_tiles, n_split, a, L, half, a2, L2, gp2,
     HAS_RESCALE: tl.constexpr, DIFF_FOLD: tl.constexpr, DIFF_LOAD: tl.constexpr,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
+    IN_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
 ):
+    """One segment on group g: y = J·u per position tile. u is x (pre, C, post) or the packed
+    scratch the previous segment wrote in this segment's layout; y is the output or the
+    packed scratch in the next segment's layout (a2, L2, gp2)."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     base = _group_base(g, a, L, half)
@@ -226,21 +288,27 @@ def _boft_seg_fwd(
     w0, w1, w2 = split16(w, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
     if IDX64:
         ch = ch.to(tl.int64)
+    u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, HP, GP, IN_PACKED, True)
+    y_c = _channel_offsets(g, ch, sy_c, half, a2, L2, gp2, HP, GP, OUT_PACKED, False)
+    if IDX64:
+        u_c = u_c.to(tl.int64)
+        y_c = y_c.to(tl.int64)
     for t in range(tl.program_id(1), n_tiles, n_split):
         p = t * BLOCK_P + tl.arange(0, BLOCK_P)
         if IDX64:
             p = p.to(tl.int64)
-        mask = ch_valid[:, None] & (p < NPOS)[None, :]
-        uo = ch[:, None] * su_c + pos_offsets(p, POST, su_pre, su_post, MODE)[None, :]
+        pm = p < NPOS
+        u = _load_stream(u_ptr, _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED), ch_valid, pm,
+                         DOT, IN_PACKED)
         if SPLIT:
-            y = dot_split16(w0, w1, w2, tl.load(u_ptr + uo, mask=mask, other=0.0).to(DOT))
+            y = dot_split16(w0, w1, w2, u)
         else:
-            u = tl.load(u_ptr + uo, mask=mask, other=0.0).to(tl.float32)
             y = tl.dot(w, u, input_precision=DOT_PREC)
+        mask = ch_valid[:, None] & pm[None, :]
         if DIFF_LOAD:
             xo = ch[:, None] * s0_c + pos_offsets(p, POST, s0_pre, s0_post, MODE)[None, :]
             y -= tl.load(x0_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-        yo = ch[:, None] * sy_c + pos_offsets(p, POST, sy_pre, sy_post, MODE)[None, :]
+        yo = _stream_offsets(y_c, p, POST, sy_pre, sy_post, MODE, OUT_PACKED)
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -248,11 +316,15 @@ def _boft_seg_fwd(
 def _boft_seg_bwd(
     j_ptr, sjg, sjr,
     g_ptr, sg_pre, sg_c, sg_post, u_ptr, su_pre, su_c, su_post, gx_ptr, so_pre, so_c, so_post, part_ptr,
-    NPOS, POST, n_tiles, n_split, n_groups, a, L, half,
+    NPOS, POST, n_tiles, n_split, n_groups, a, L, half, a2, L2, gp2,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
+    G_PACKED: tl.constexpr = False, U_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
 ):
+    """One segment's backward on group g: gx = Jᵀ·G per tile and the partial Σ G·uᵀ of this
+    program's positions. G and u: user tensors or packed scratch in this segment's layout;
+    gx: the user's gx or packed scratch in the previous segment's layout (a2, L2, gp2)."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     sp = tl.program_id(1)
@@ -264,17 +336,26 @@ def _boft_seg_bwd(
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
     if IDX64:
         ch = ch.to(tl.int64)
+    g_c = _channel_offsets(g, ch, sg_c, half, a2, L2, gp2, HP, GP, G_PACKED, True)
+    u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, HP, GP, U_PACKED, True)
+    o_c = _channel_offsets(g, ch, so_c, half, a2, L2, gp2, HP, GP, OUT_PACKED, False)
+    if IDX64:
+        g_c = g_c.to(tl.int64)
+        u_c = u_c.to(tl.int64)
+        o_c = o_c.to(tl.int64)
     acc = tl.zeros((GP, GP), dtype=tl.float32)
     for t in range(sp, n_tiles, n_split):
         p = t * BLOCK_P + tl.arange(0, BLOCK_P)
         if IDX64:
             p = p.to(tl.int64)
-        mask = ch_valid[:, None] & (p < NPOS)[None, :]
-        go = ch[:, None] * sg_c + pos_offsets(p, POST, sg_pre, sg_post, MODE)[None, :]
-        uo = ch[:, None] * su_c + pos_offsets(p, POST, su_pre, su_post, MODE)[None, :]
-        oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
-        gx, acc = bwd_tile(g_ptr, go, u_ptr, uo, mask, jt, j0, j1, j2, acc, SPLIT, DOT, DOT_PREC)
-        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+        pm = p < NPOS
+        gg = _load_stream(g_ptr, _stream_offsets(g_c, p, POST, sg_pre, sg_post, MODE, G_PACKED), ch_valid, pm,
+                          DOT, G_PACKED)
+        uu = _load_stream(u_ptr, _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, U_PACKED), ch_valid, pm,
+                          DOT, U_PACKED)
+        gx, acc = bwd_dots(gg, uu, jt, j0, j1, j2, acc, SPLIT, DOT_PREC)
+        oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED)
+        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=ch_valid[:, None] & pm[None, :])
     off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
     tl.store(part_ptr + off + e[:, None] * GP + e[None, :], acc)
 
@@ -435,13 +516,14 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     ys = (C * post, post, 1)
     mode, xa, xb = pos_mode(pre, post, xs)
     _, ya, yb = pos_mode(pre, post, ys)
-    idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()))
+    gps, widths = _packed_widths(segs, SP)
+    idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()),
+                        ((npos, max(widths)), (max(widths), 1)))
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, num_warps=cfg.num_warps,
                   num_stages=cfg.num_stages)
-    buf = None
-    bs = _buf_strides(pre, C, post, mode)
-    if len(segs) > 1:
-        buf = torch.empty((pre, C, post), device=x.device, dtype=torch.float32)
+    # between segments: packed fp32 scratch in the consumer's layout, two buffers in turn
+    bufs = [torch.empty(npos * max(widths[1:]), device=x.device, dtype=torch.float32)
+            for _ in range(min(2, len(segs) - 1))]
     with device_guard(x):
         mbuf = _cayley_scratch(blocks, cscale, SP)
         jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
@@ -450,16 +532,24 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
         GPJ = jbuf.shape[-1]
         for idx, sg in enumerate(segs):
             first, last = idx == 0, idx == len(segs) - 1
-            src = (x, xa, xs[1], xb) if first else (buf,) + bs
-            dst = (y, ya, ys[1], yb) if last else (buf,) + bs
+            src = (x, xa, xs[1], xb) if first else (bufs[(idx - 1) % len(bufs)], widths[idx], 0, 0)
+            dst = (y, ya, ys[1], yb) if last else (bufs[idx % len(bufs)], widths[idx + 1], 0, 0)
+            nxt = (0, 0, 0) if last else (segs[idx + 1].a, segs[idx + 1].L, gps[idx + 1])
             fast(_boft_seg_fwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *((rs, srs) if last else (jbuf, 0)), *src, *dst,
                 x, xa, xs[1], xb,
-                npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2,
+                npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2, *nxt,
                 HAS_RESCALE=last and rescale is not None, DIFF_FOLD=first and last and diff,
-                DIFF_LOAD=(not first) and last and diff, NB=sg.NB,
+                DIFF_LOAD=(not first) and last and diff, NB=sg.NB, IN_PACKED=not first, OUT_PACKED=not last,
                 **dot_mode(cfg.dot_prec, src[0]), **common)
     return y
+
+
+def _packed_widths(segs, SP):
+    """Per segment: its group width GP and the row width (n_groups·GP) of its packed input
+    scratch (one row per position; pad slots of a group are never written)."""
+    gps = [sg.NB * SP for sg in segs]
+    return gps, [sg.n_groups * gp for sg, gp in zip(segs, gps)]
 
 
 def _buf_strides(pre, C, post, mode):
@@ -484,9 +574,10 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     grad, _, _, gs = positions_view(grad, ax)
     mode, xa, xb = pos_mode(pre, post, xs)
     _, ga, gb = pos_mode(pre, post, gs)
-    os_ = _buf_strides(pre, C, post, mode)  # gx and every scratch are contiguous (pre, C, post)
+    os_ = _buf_strides(pre, C, post, mode)  # gx: contiguous (pre, C, post)
+    gps, widths = _packed_widths(segs, SP)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
-                        (tuple(gx.shape), gx.stride()))
+                        (tuple(gx.shape), gx.stride()), ((npos, max(widths)), (max(widths), 1)))
     half = s // 2
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with device_guard(x):
@@ -495,27 +586,37 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                                         chain_warps(cfg.chain_warps, segs[0].NB * SP))
         GPJ = jbuf.shape[-1]
         # segment inputs (computed once; x itself for the first segment), by the forward's
-        # streaming kernel at block_p (the same compiled kernels as boft_fwd's passes)
+        # streaming kernel at block_p (the same compiled kernels as boft_fwd's passes), each
+        # packed in its segment's layout
         _, _, fbp, f_tiles, fsegs = _plan(m, nb, s, npos, num_sms(x.device), False, cfg)
         inputs = [(x, xa, xs[1], xb)]
         for idx, sg in enumerate(fsegs[:-1]):
-            buf = torch.empty((pre, C, post), device=dev, dtype=torch.float32)
+            buf = torch.empty(npos * widths[idx + 1], device=dev, dtype=torch.float32)
             fast(_boft_seg_fwd)[(sg.n_groups, sg.split)](
-                jbuf[idx * g_full:], GPJ * GPJ, GPJ, jbuf, 0, *inputs[-1], buf, *os_, x, xa, xs[1], xb,
-                npos, post, f_tiles, sg.split, sg.a, sg.L, half,
+                jbuf[idx * g_full:], GPJ * GPJ, GPJ, jbuf, 0, *inputs[-1], buf, widths[idx + 1], 0, 0,
+                x, xa, xs[1], xb, npos, post, f_tiles, sg.split, sg.a, sg.L, half,
+                fsegs[idx + 1].a, fsegs[idx + 1].L, gps[idx + 1],
                 HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=fbp,
-                **dot_mode(cfg.dot_prec, inputs[-1][0]), **common)
-            inputs.append((buf,) + os_)
+                IN_PACKED=idx > 0, OUT_PACKED=True, **dot_mode(cfg.dot_prec, inputs[-1][0]), **common)
+            inputs.append((buf, widths[idx + 1], 0, 0))
         g_in = (grad, ga, gs[1], gb)
-        gbuf = torch.empty((pre, C, post), device=dev, dtype=torch.float32) if len(segs) > 1 else None
-        for idx in range(len(segs) - 1, -1, -1):
+        last = len(segs) - 1
+        # the gradient between segments: packed in the previous segment's layout, two buffers in turn
+        gbufs = [torch.empty(npos * max(widths[:-1]), device=dev, dtype=torch.float32)
+                 for _ in range(min(2, last))]
+        for idx in range(last, -1, -1):
             sg = segs[idx]
-            GP = sg.NB * SP
-            out = (gx,) + os_ if idx == 0 else (gbuf,) + os_
+            GP = gps[idx]
+            if idx == 0:
+                out, prev = (gx,) + os_, (0, 0, 0)
+            else:
+                out, prev = (gbufs[idx % len(gbufs)], widths[idx - 1], 0, 0), (segs[idx - 1].a, segs[idx - 1].L,
+                                                                              gps[idx - 1])
             part = torch.empty((sg.split, sg.n_groups, GP, GP), device=dev, dtype=torch.float32)
             fast(_boft_seg_bwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *g_in, *inputs[idx], *out, part,
-                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, NB=sg.NB, BLOCK_P=bp,
+                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, *prev, NB=sg.NB, BLOCK_P=bp,
+                G_PACKED=idx < last, U_PACKED=idx > 0, OUT_PACKED=idx > 0,
                 **dot_mode(cfg.dot_prec, g_in[0], inputs[idx][0]), **common)
             fast(_boft_chain)[(sg.n_groups,)](
                 mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,

@@ -148,17 +148,29 @@ def dot_split16(f0, f1, f2, x):
 
 
 @triton.jit
+def bwd_dots(gg, x, ft, f0, f1, f2, acc, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The dots of one backward position tile: ``(Fᵀ·G, acc + G·xᵀ)`` (fp32), split16 (gg and
+    x already of the 16-bit dot dtype, f0..f2 the terms of Fᵀ) or fp32 dots."""
+    if SPLIT:
+        gx = dot_split16(f0, f1, f2, gg)
+        acc = tl.dot(gg, tl.trans(x), acc)
+    else:
+        gx = tl.dot(ft, gg, input_precision=DOT_PREC)
+        acc = tl.dot(gg, tl.trans(x), acc, input_precision=DOT_PREC)
+    return gx, acc
+
+
+@triton.jit
 def bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT: tl.constexpr, DOT: tl.constexpr,
              DOT_PREC: tl.constexpr):
-    """One position tile of a backward stream (diag-OFT and BOFT): ``(gx, acc)`` with
-    gx = Fᵀ·G and acc + G·xᵀ (fp32), split16 (f0..f2 the terms of Fᵀ) or fp32 dots."""
+    """One position tile of a backward stream (diag-OFT): loads G and x, then ``bwd_dots``."""
     if SPLIT:
         gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(DOT)
         x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT)
-        return dot_split16(f0, f1, f2, gg), tl.dot(gg, tl.trans(x), acc)
-    gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-    return tl.dot(ft, gg, input_precision=DOT_PREC), tl.dot(gg, tl.trans(x), acc, input_precision=DOT_PREC)
+    else:
+        gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+    return bwd_dots(gg, x, ft, f0, f1, f2, acc, SPLIT, DOT_PREC)
 
 
 @triton.jit
