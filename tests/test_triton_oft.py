@@ -185,12 +185,13 @@ BOFT_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16])
+@pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16, TO.BF16X3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
 def test_boft(dtype, layout, dot_prec):
     """``split16`` runs on x and G where they are the stream (the first segment forward,
-    a one-segment backward) and tf32x3 on the fp32 scratch of other segments."""
+    a one-segment backward) and tf32x3 on the fp32 scratch of other segments; ``bf16x3``
+    the same split16, and three bf16 dots on the scratch (fp32 x: tf32x3 throughout)."""
     cid, m, nb, s, xshape, axis, max_group = layout
     gen = torch.Generator().manual_seed(m * 1000 + nb * 100 + s)
     i = [torch.float32, torch.float16, torch.bfloat16].index(dtype)
@@ -215,6 +216,25 @@ def test_boft(dtype, layout, dot_prec):
     assert gb.shape == blocks.shape and gb.dtype == blocks.dtype
     assert rel_err(gx, gx0) < _tol(dtype)
     assert rel_err(gb, gb0) < 1e-4
+
+
+def test_boft_bf16x3_takes_its_own_dots():
+    """bf16x3 on the fp32 scratch is a different rounding from tf32x3 (so the X3 path ran),
+    within 2^-12 of it; fp32 x keeps tf32x3 bit for bit."""
+    assert TO.dot_mode(TO.BF16X3, torch.empty(1, dtype=torch.float32))["X3"] is True
+    assert TO.dot_mode(TO.BF16X3, torch.empty(1, dtype=torch.bfloat16))["SPLIT"] is True
+    gen = torch.Generator().manual_seed(7)
+    blocks = _make((3, 4, 4, 4), torch.float32, gen, scale=0.4)
+    grads = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        x = _make((16, 7), dtype, gen)
+        grad = _make((16, 7), dtype, gen)
+        for prec in ("tf32x3", TO.BF16X3):
+            cfg = BoftCfg(max_group=4, block_p=16, bwd_block_p=16, split=2, dot_prec=prec)
+            grads[dtype, prec] = TB.boft_bwd(grad, blocks, x, 0, 0.7, 0.6, cfg=cfg)[1]
+    d16 = rel_err(grads[torch.bfloat16, TO.BF16X3], grads[torch.bfloat16, "tf32x3"])
+    assert 0 < d16 < 2 ** -12
+    assert torch.equal(grads[torch.float32, TO.BF16X3], grads[torch.float32, "tf32x3"])
 
 
 def test_boft_plan_segments():
@@ -274,6 +294,11 @@ _COMPILE = textwrap.dedent("""
                                 HP=16, SP=32, NB=2, BLOCK_P=64, IN_PACKED=True, OUT_PACKED=True, **fp32_dots))
     build(B._boft_seg_bwd, dict(MODE=0, IDX64=True, HP=8, SP=16, NB=4, BLOCK_P=64, G_PACKED=True, U_PACKED=True,
                                 OUT_PACKED=True, **fp32_dots))
+    x3 = dict(DOT_PREC="tf32x3", SPLIT=False, DOT=tl.bfloat16, X3=True)  # O.dot_mode("bf16x3", fp32) on a GPU
+    build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, MODE=0, IDX64=False,
+                                HP=16, SP=32, NB=2, BLOCK_P=64, IN_PACKED=True, OUT_PACKED=False, **x3), bf)
+    build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=16, SP=32, NB=2, BLOCK_P=32, G_PACKED=False, U_PACKED=True,
+                                OUT_PACKED=True, **x3), bf)
     build(B._boft_chain, dict(HP=4, SP=8, NB=4), {"gb_ptr": "*bf16"})
 """)
 
@@ -284,4 +309,4 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 14
+    assert r.stdout.count("ok ") == 16

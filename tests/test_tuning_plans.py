@@ -119,6 +119,23 @@ def test_split16_twin_only_for_16bit_streams(family, bwd):
             assert split[0] == dict(fused[0], dot_prec=SPLIT16)
 
 
+@pytest.mark.parametrize("bwd", [False, True], ids=["fwd", "bwd"])
+def test_boft_bf16x3_twin_only_when_everything_is_16bit(bwd):
+    """BOFT with x and blocks 16-bit gets the first config's ``bf16x3`` twin in place of
+    split16 (same compile count); 16-bit x with fp32 blocks keeps split16 (g_blocks fp32)."""
+    from lycoris_ops.plans import boft as PB
+    from lycoris_ops.triton.oft import BF16X3, SPLIT16
+
+    dev = device.synthetic()
+    plan_of = PB.plan_boft_bwd if bwd else PB.plan_boft_fwd
+    for blocks_dtype, want in ((torch.bfloat16, BF16X3), (torch.float32, SPLIT16)):
+        plan = plan_of(dev, 8, 128, 32, 32768, True, torch.bfloat16, blocks_dtype)
+        fused = [c for c in plan.candidates if isinstance(c, dict)]
+        assert [c["dot_prec"] for c in fused].count(want) == 1
+        assert {c["dot_prec"] for c in fused} == {"tf32x3", want}
+        assert fused[-1] == dict(fused[0], dot_prec=want) and plan.candidates[-1] == tune.SENTINEL_EAGER
+
+
 def test_loha_bypass_bwd_vendor_candidate_at_large_16bit_shapes():
     """The vendor-GEMM twin (cuBLAS for the two T·O·I GEMMs) is offered where both are long
     (16-bit compute, T·O·I >= VENDOR_MIN_MACS), before eager and never first."""

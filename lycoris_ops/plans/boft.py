@@ -165,12 +165,14 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
     cfgs = [c for c in cfgs if compiles_ok(c)]
     ranked = rank(cfgs, work, dev)
     seen.clear()
-    # a 16-bit backward's split16 twin takes the place of the model's last pick: within COMPILE_BUDGET
+    # a 16-bit backward's split16 / bf16x3 twin takes the place of the model's last pick: within COMPILE_BUDGET
     plan = make_shared_plan(op, ranked, kernels=kernels, structure=structure,
                             tile_axes=("bwd_block_p" if bwd else "block_p", "num_warps"),
                             n=n - 1 if bwd and ex == 2 else n, default=default,
                             default_s=predict(work, default, dev), eager_s=eager)
-    return with_split16(plan, ex)
+    # x and blocks 16-bit (so y, gx and g_blocks too): bf16x3 on the fp32 scratch, split16 on x
+    # and G (triton/oft.BF16X3); blocks fp32: split16 only (g_blocks keeps fp32 accuracy)
+    return with_split16(plan, ex, _tl().BF16X3 if eb == 2 else "")
 
 
 def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,

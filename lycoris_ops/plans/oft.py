@@ -127,14 +127,14 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
     return with_split16(plan, ex)
 
 
-def with_split16(plan, ex: int):
+def with_split16(plan, ex: int, dot_prec: str = ""):
     """16-bit streams (``ex`` bytes per x element): the plan's first config again with
-    ``dot_prec=triton.oft.SPLIT16`` (three 16-bit dots instead of tf32x3), before eager. Timed, never predicted: the model does not
-    separate the two dot modes (same tensor-core work, no per-tile split of x)."""
+    ``dot_prec=triton.oft.SPLIT16`` (three 16-bit dots instead of tf32x3; or the ``dot_prec``
+    given), before eager. Timed, never predicted: the model does not separate the dot modes."""
     cands = plan.candidates
     if ex != 2 or not cands or not isinstance(cands[0], dict):
         return plan
-    twin = dict(cands[0], dot_prec=_tl().SPLIT16)
+    twin = dict(cands[0], dot_prec=dot_prec or _tl().SPLIT16)
     if twin not in cands:
         add_before_eager(plan, twin)
     return plan

@@ -52,8 +52,8 @@ Passes (after the two stage-algebra launches):
 
 Compile cost: the stage/segment indices (a, L) and the split are runtime
 integers never specialized (``do_not_specialize``), so one compiled kernel
-serves every segment of a call; the IEEE (GP, GP) algebra runs with about 8
-matrix elements per thread (``chain_warps`` = 0: GP²/256 warps, at least 4),
+serves every segment of a call; the IEEE (GP, GP) algebra runs with about 16
+matrix elements per thread (``chain_warps`` = 0: GP²/512 warps, 4 to 8),
 which keeps its unrolled FMA dots, and their compile, small.
 
 Dots: streaming dots use ``input_precision`` from the config (default
@@ -61,7 +61,13 @@ Dots: streaming dots use ``input_precision`` from the config (default
 "split16"``: where a streaming kernel's operands are x and G themselves (16-bit:
 the first segment's forward; the backward of a one-segment butterfly), the group
 matrix is split into three 16-bit terms (``oft.dot_split16``); fp32 scratch
-operands keep tf32x3.
+operands keep tf32x3. ``dot_prec="bf16x3"`` (16-bit x only): the same split16 on
+16-bit streams, and on fp32 scratch three bf16 dots of hi/lo splits (``oft.dot_x3``:
+~2^-16 relative, an order below a 16-bit output's rounding; half of tf32x3's
+tensor-core work). On an H200 at 32768×4096, s = 32, m = 8 (bf16), Triton's own
+``input_precision="bf16x3"`` (the same three dots) took forward+backward from 9.05
+to 5.53 ms; written out here so that it runs, and is tested, under the interpreter
+and on Triton versions without it.
 
 Packed scratch: every fp32 buffer between segments (forward, the backward's kept
 segment inputs and its gradient) is written by its producer in the *consumer's*
@@ -92,7 +98,7 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
-from .oft import bwd_dots, dot_mode, dot_split16, pos_mode, pos_offsets, positions_view, split16
+from .oft import BF16X3, _HALF, bwd_dots, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets, positions_view, split16
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 
@@ -268,7 +274,7 @@ def _boft_seg_fwd(
     HAS_RESCALE: tl.constexpr, DIFF_FOLD: tl.constexpr, DIFF_LOAD: tl.constexpr,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
     IN_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
 ):
     """One segment on group g: y = J·u per position tile. u is x (pre, C, post) or the packed
@@ -286,6 +292,8 @@ def _boft_seg_fwd(
     if DIFF_FOLD:
         w = w - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
     w0, w1, w2 = split16(w, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
+    if X3:  # fp32 u: bf16 hi/lo of J once, of u per tile (oft.dot_x3)
+        w0, w1 = hilo(w, DOT)
     if IDX64:
         ch = ch.to(tl.int64)
     u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, HP, GP, IN_PACKED, True)
@@ -298,10 +306,16 @@ def _boft_seg_fwd(
         if IDX64:
             p = p.to(tl.int64)
         pm = p < NPOS
-        u = _load_stream(u_ptr, _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED), ch_valid, pm,
-                         DOT, IN_PACKED)
+        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED)
+        if SPLIT:
+            u = _load_stream(u_ptr, uo, ch_valid, pm, DOT, IN_PACKED)
+        else:
+            u = _load_stream(u_ptr, uo, ch_valid, pm, tl.float32, IN_PACKED)
         if SPLIT:
             y = dot_split16(w0, w1, w2, u)
+        elif X3:
+            uh, ul = hilo(u, DOT)
+            y = dot_x3(w0, w1, uh, ul, tl.zeros((GP, BLOCK_P), dtype=tl.float32))
         else:
             y = tl.dot(w, u, input_precision=DOT_PREC)
         mask = ch_valid[:, None] & pm[None, :]
@@ -319,7 +333,7 @@ def _boft_seg_bwd(
     NPOS, POST, n_tiles, n_split, n_groups, a, L, half, a2, L2, gp2,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
     G_PACKED: tl.constexpr = False, U_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
 ):
     """One segment's backward on group g: gx = Jᵀ·G per tile and the partial Σ G·uᵀ of this
@@ -333,6 +347,8 @@ def _boft_seg_bwd(
     jt = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])  # Jᵀ
     # G and u of one 16-bit dtype (one segment: grad and x): oft.dot_split16, exact G·uᵀ products
     j0, j1, j2 = split16(jt, g_ptr.dtype.element_ty, DOT, SPLIT)
+    if X3:  # an fp32 stream: bf16 hi/lo of Jᵀ once (oft.bwd_dots)
+        j0, j1 = hilo(jt, DOT)
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
     if IDX64:
         ch = ch.to(tl.int64)
@@ -349,11 +365,15 @@ def _boft_seg_bwd(
         if IDX64:
             p = p.to(tl.int64)
         pm = p < NPOS
-        gg = _load_stream(g_ptr, _stream_offsets(g_c, p, POST, sg_pre, sg_post, MODE, G_PACKED), ch_valid, pm,
-                          DOT, G_PACKED)
-        uu = _load_stream(u_ptr, _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, U_PACKED), ch_valid, pm,
-                          DOT, U_PACKED)
-        gx, acc = bwd_dots(gg, uu, jt, j0, j1, j2, acc, SPLIT, DOT_PREC)
+        go = _stream_offsets(g_c, p, POST, sg_pre, sg_post, MODE, G_PACKED)
+        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, U_PACKED)
+        if SPLIT:
+            gg = _load_stream(g_ptr, go, ch_valid, pm, DOT, G_PACKED)
+            uu = _load_stream(u_ptr, uo, ch_valid, pm, DOT, U_PACKED)
+        else:
+            gg = _load_stream(g_ptr, go, ch_valid, pm, tl.float32, G_PACKED)
+            uu = _load_stream(u_ptr, uo, ch_valid, pm, tl.float32, U_PACKED)
+        gx, acc = bwd_dots(gg, uu, jt, j0, j1, j2, acc, SPLIT, DOT_PREC, X3, DOT)
         oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=ch_valid[:, None] & pm[None, :])
     off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
@@ -413,7 +433,7 @@ class BoftCfg(NamedTuple):
     ``block_p``/``bwd_block_p``: positions per tile, ``split``: programs per group
     along the positions (0 = automatic, to fill the GPU), ``dot_prec`` (or ``"split16"``):
     input_precision of the streaming fp32 dots, ``chain_warps``: warps of the group-matrix
-    and chain launches (0 = automatic: GP²/256, at least 4)."""
+    and chain launches (0 = automatic: GP²/512, 4 to 8)."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -430,9 +450,10 @@ def default_boft_cfg() -> BoftCfg:
 
 def chain_warps(requested: int, GP: int) -> int:
     """Warps of the (GP, GP) IEEE stage-algebra launches (``requested``: a config's
-    ``chain_warps``, 0 = auto): about 8 matrix elements per thread (fewer per thread also
-    keeps the unrolled FMA dots, and the compile, small). The planner models the same."""
-    return requested or max(4, min(16, GP * GP // 256))
+    ``chain_warps``, 0 = auto): about 16 matrix elements per thread, 4 to 8 warps (H200,
+    GP = 64: 8 warps took the group-matrix launch from ~0.2 to ~0.1 ms against 16 warps;
+    forward 1.22 -> 0.92 ms at 8192×3072, s = 24, m = 8). The planner models the same."""
+    return requested or max(4, min(8, GP * GP // 512))
 
 
 class _Seg(NamedTuple):
@@ -511,6 +532,7 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
         return y
+    prec = _dot_prec(cfg, x)
     C = nb * s
     npos = pre * post
     ys = (C * post, post, 1)
@@ -541,8 +563,14 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
                 npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2, *nxt,
                 HAS_RESCALE=last and rescale is not None, DIFF_FOLD=first and last and diff,
                 DIFF_LOAD=(not first) and last and diff, NB=sg.NB, IN_PACKED=not first, OUT_PACKED=not last,
-                **dot_mode(cfg.dot_prec, src[0]), **common)
+                **dot_mode(prec, src[0]), **common)
     return y
+
+
+def _dot_prec(cfg, x):
+    """The config's dot precision; bf16x3 only for a 16-bit x (its ~2^-16 error is below a
+    16-bit output's rounding, not an fp32 one's): tf32x3 for fp32."""
+    return cfg.dot_prec if cfg.dot_prec != BF16X3 or x.dtype in _HALF else "tf32x3"
 
 
 def _packed_widths(segs, SP):
@@ -569,6 +597,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     g_blocks = torch.empty(blocks.shape, device=dev, dtype=blocks.dtype)
     if blocks.numel() == 0:
         return gx, g_blocks
+    prec = _dot_prec(cfg, x)
     C = nb * s
     npos = pre * post
     grad, _, _, gs = positions_view(grad, ax)
@@ -597,7 +626,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                 x, xa, xs[1], xb, npos, post, f_tiles, sg.split, sg.a, sg.L, half,
                 fsegs[idx + 1].a, fsegs[idx + 1].L, gps[idx + 1],
                 HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=fbp,
-                IN_PACKED=idx > 0, OUT_PACKED=True, **dot_mode(cfg.dot_prec, inputs[-1][0]), **common)
+                IN_PACKED=idx > 0, OUT_PACKED=True, **dot_mode(prec, inputs[-1][0]), **common)
             inputs.append((buf, widths[idx + 1], 0, 0))
         g_in = (grad, ga, gs[1], gb)
         last = len(segs) - 1
@@ -617,7 +646,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *g_in, *inputs[idx], *out, part,
                 npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, *prev, NB=sg.NB, BLOCK_P=bp,
                 G_PACKED=idx < last, U_PACKED=idx > 0, OUT_PACKED=idx > 0,
-                **dot_mode(cfg.dot_prec, g_in[0], inputs[idx][0]), **common)
+                **dot_mode(prec, g_in[0], inputs[idx][0]), **common)
             fast(_boft_chain)[(sg.n_groups,)](
                 mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
                 float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=chain_warps(cfg.chain_warps, GP))

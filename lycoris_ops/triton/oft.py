@@ -148,12 +148,37 @@ def dot_split16(f0, f1, f2, x):
 
 
 @triton.jit
-def bwd_dots(gg, x, ft, f0, f1, f2, acc, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The dots of one backward position tile: ``(Fᵀ·G, acc + G·xᵀ)`` (fp32), split16 (gg and
-    x already of the 16-bit dot dtype, f0..f2 the terms of Fᵀ) or fp32 dots."""
+def hilo(f, DOT: tl.constexpr):
+    """fp32 ``f`` as bf16 ``hi + lo`` (16 significant bits; bf16 keeps fp32's range), as dot
+    operands of dtype DOT (bf16; fp32 under the interpreter: the same values)."""
+    h = f.to(tl.bfloat16)
+    lo = (f - h.to(tl.float32)).to(tl.bfloat16)
+    return h.to(DOT), lo.to(DOT)
+
+
+@triton.jit
+def dot_x3(ah, al, bh, bl, acc):
+    """``acc + (ah + al)·(bh + bl)`` without ``al·bl``: three bf16 tensor-core dots, fp32
+    accumulated, small terms first (relative error ~2^-16, against tf32x3's six tf32 dots)."""
+    acc = tl.dot(al, bh, acc)
+    acc = tl.dot(ah, bl, acc)
+    return tl.dot(ah, bh, acc)
+
+
+@triton.jit
+def bwd_dots(gg, x, ft, f0, f1, f2, acc, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, X3: tl.constexpr = False,
+             DOT: tl.constexpr = tl.float32):
+    """The dots of one backward position tile: ``(Fᵀ·G, acc + G·xᵀ)`` (fp32): split16 (gg and
+    x already of the 16-bit dot dtype, f0..f2 the terms of Fᵀ), bf16x3 (X3: fp32 gg and x
+    split per tile, f0/f1 the hi/lo of Fᵀ) or fp32 dots."""
     if SPLIT:
         gx = dot_split16(f0, f1, f2, gg)
         acc = tl.dot(gg, tl.trans(x), acc)
+    elif X3:
+        gh, gl = hilo(gg, DOT)
+        xh, xl = hilo(x, DOT)
+        gx = dot_x3(f0, f1, gh, gl, tl.zeros(gg.shape, dtype=tl.float32))
+        acc = dot_x3(gh, gl, tl.trans(xh), tl.trans(xl), acc)
     else:
         gx = tl.dot(ft, gg, input_precision=DOT_PREC)
         acc = tl.dot(gg, tl.trans(x), acc, input_precision=DOT_PREC)
@@ -336,6 +361,10 @@ def _plan(K, S, npos, c_contig, n_sm, bwd, cfg: OftCfg):
 #: ``dot_prec`` of the 16-bit split (``dot_split16``): taken where the streamed operands are
 #: 16-bit (x, and G of x's dtype in the backward); fp32 operands use "tf32x3"
 SPLIT16 = "split16"
+#: ``dot_prec`` of the 16-bit-output BOFT configs: fp32 scratch operands take three bf16 dots
+#: (``dot_x3``, ~2^-16 relative, an order below a 16-bit output's rounding); 16-bit streams
+#: take split16
+BF16X3 = "bf16x3"
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -343,8 +372,10 @@ def dot_mode(dot_prec: str, *streams: torch.Tensor) -> dict:
     """The stream kernels' dot constexprs (DOT_PREC, SPLIT, DOT) for a config's ``dot_prec``
     and the tensors a kernel streams: split16 where they are all of one 16-bit dtype."""
     dt = streams[0].dtype
-    if dot_prec == SPLIT16 and dt in _HALF and all(t.dtype == dt for t in streams):
+    if dot_prec in (SPLIT16, BF16X3) and dt in _HALF and all(t.dtype == dt for t in streams):
         return dict(DOT_PREC="tf32x3", SPLIT=True, DOT=dot_dtype(dt))
+    if dot_prec == BF16X3:
+        return dict(DOT_PREC="tf32x3", SPLIT=False, DOT=dot_dtype(torch.bfloat16), X3=True)
     return dict(DOT_PREC="tf32x3" if dot_prec == SPLIT16 else dot_prec, SPLIT=False, DOT=tl.float32)
 
 
