@@ -113,10 +113,14 @@ def test_split16_twin_only_for_16bit_streams(family, bwd):
         plan = plan_of(x_dtype)
         fused = [c for c in plan.candidates if isinstance(c, dict)]
         split = [c for c in fused if c["dot_prec"] == SPLIT16]
-        assert len(split) == want and plan.candidates[-1] == tune.SENTINEL_EAGER
+        wide = [c for c in split if family == "oft" and bwd and c["group"] == P.WIDE_GROUP]
+        assert len(split) - len(wide) == want and plan.candidates[-1] == tune.SENTINEL_EAGER
+        assert len(wide) == (want if family == "oft" and bwd else 0)  # the 16-bit backward's second twin
         assert fused[0]["dot_prec"] == "tf32x3" and len(plan.predicted) == len(plan.candidates)
         if want:
             assert split[0] == dict(fused[0], dot_prec=SPLIT16)
+        if wide:
+            assert wide[0] == dict(fused[0], dot_prec=SPLIT16, group=P.WIDE_GROUP, num_stages=3)
 
 
 @pytest.mark.parametrize("bwd", [False, True], ids=["fwd", "bwd"])
