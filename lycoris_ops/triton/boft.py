@@ -98,7 +98,8 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
-from .oft import BF16X3, _HALF, bwd_dots, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets, positions_view, split16
+from .oft import (BF16X3, _HALF, bwd_dots, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets,
+                  positions_view, split16)
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 

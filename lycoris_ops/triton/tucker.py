@@ -22,8 +22,9 @@ stored in the compute dtype); its operands keep any strides (LoHa passes a
 transposed "up"). AT is stored zero-padded to the main kernel's dot shape
 (O, R' → pow2, Kk → KKP): each o's operand is then one aligned contiguous block,
 read with vector loads and no masks (with Kk = 9 unpadded, those loads were
-2-byte gathers of 9-element runs, re-read by every column tile). A Triton kernel rather than torch's GEMM: then the whole op is
-Triton launches, which the C++ CUDA kernel replays (csrc/launch.cpp) without Python.
+2-byte gathers of 9-element runs, re-read by every column tile). A Triton kernel
+rather than torch's GEMM: then the whole op is Triton launches, which the C++ CUDA
+kernel replays (csrc/launch.cpp) without Python.
 
 Limit: padded ranks ``pow2(R, ≥16) <= 128`` (``supported``; the scope table
 allows R <= 64). fp16 / bf16 / fp32 only.
