@@ -171,6 +171,26 @@ def test_merge_bwd(dtype, split):
         close(gt, p.grad, REL_TOL[dtype], f"merge bwd {name}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+def test_merge_bwd_vendor_gemms(dtype):
+    """``vendor=True``: E1, E2 by one Triton pass (P regenerated), the four contractions by
+    torch's GEMM - the eager body's rounding; non-contiguous G, a transposed factor, odd sizes."""
+    from lycoris_ops.reference import loha as RL
+
+    g = gen(12)
+    a1, b1, a2, b2 = factors(dtype, g)  # strided, non-contiguous, column-major, plain
+    grad = mk((O, I), dtype, g, nc=True)
+    cd = cd_of(a1, b1, a2, b2)
+    ps = [d64(t, cd).requires_grad_() for t in (a1, b1, a2, b2)]
+    (GAMMA * o_delta(*ps)).backward(d64(grad, cd))
+    got = TH.merge_bwd(grad, a1, b1, a2, b2, GAMMA, vendor=True)
+    ref = RL.loha_merge_bwd(grad, a1, b1, a2, b2, GAMMA)
+    for name, gt, p, src, r in zip(("g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (a1, b1, a2, b2), ref):
+        assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
+        close(gt, p.grad, REL_TOL[dtype], f"vendor merge bwd {name}")
+        close(gt, r.double(), REL_TOL[dtype], f"vendor merge bwd {name} vs the eager body")
+
+
 def test_merge_bwd_op_mixed_dtypes():
     """Factors of mixed fp32/bf16 compute in bf16; each gradient in its input's dtype."""
     g = gen(4)
@@ -249,6 +269,8 @@ def _compile_all(dtype_names):
                                                **com), ("s_xk", "s_a1r", "s_yn"), 8),
             (TH._hada_tile_kernel, dict(a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, d_ptr=dn),
              dict(BN=64, BK=64, BR=32, **com), ("s_a1r", "s_b1k", "s_a2r", "s_b2k", "s_dk"), 4),
+            (TH._hada_e_kernel, dict(g_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, e1_ptr=dn, e2_ptr=dn),
+             dict(BN=64, BK=64, BR=32, **com), ("s_gk", "s_a1r", "s_b1k", "s_a2r", "s_b2k", "s_ek"), 4),
             (TH._hada_grad_kernel, dict(g_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, o1_ptr="fp32",
                                         o2_ptr="fp32"),
              dict(BM=64, BN=64, BR=64, **com), ("s_gn", "s_a1r", "s_b1n", "s_a2r", "s_b2n", "s_o1r", "s_o2r"), 8),
@@ -270,7 +292,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 7, out
+    assert out.count("ok ") == 8, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

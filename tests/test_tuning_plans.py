@@ -21,6 +21,7 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter t
 from lycoris_ops import dispatch, scope, select, testing  # noqa: E402
 from lycoris_ops import plans  # noqa: E402
 from lycoris_ops.plans import device, tune  # noqa: E402
+from lycoris_ops.plans._glue import as_dict  # noqa: E402
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
@@ -156,3 +157,24 @@ def test_loha_bypass_bwd_vendor_candidate_at_large_16bit_shapes():
         assert not plan.candidates[0].get("vendor") and len(plan.predicted) == len(plan.candidates)
         if want:
             assert vendor[0]["cfg"]["strategy"] == "materialize"
+
+
+def test_loha_merge_bwd_vendor_candidate():
+    """The merge backward's vendor twin (one E pass, four cuBLAS contractions): 16-bit compute
+    from MERGE_VENDOR_MIN_MACS multiply-adds per contraction, the first config plus
+    ``vendor``, before eager and never first; its launch kwargs carry ``vendor``."""
+    from lycoris_ops.plans import loha as P
+    from lycoris_ops.triton import loha as TL
+
+    dev = device.synthetic()
+    for D, R, dt, want in ((4096, 64, torch.bfloat16, 1), (3072, 32, torch.float16, 1), (256, 8, torch.bfloat16, 0),
+                           (3072, 32, torch.float32, 0)):
+        plan = P.plan_merge_bwd(dev, D, D, R, dt, dt, default=as_dict(TL.default_grad_cfg(R, dt)))
+        vendor = [c for c in plan.candidates if isinstance(c, dict) and c.get("vendor")]
+        assert len(vendor) == want and plan.candidates[-1] == tune.SENTINEL_EAGER
+        assert not plan.candidates[0].get("vendor") and len(plan.predicted) == len(plan.candidates)
+        if want:
+            assert vendor[0] == {**plan.candidates[0], "vendor": True}
+            kw = P._merge_bwd_launch(TL, vendor[0])
+            assert kw["vendor"] is True and isinstance(kw["cfg"], TL.GradCfg)
+            assert "vendor" not in P._merge_bwd_launch(TL, plan.candidates[0])

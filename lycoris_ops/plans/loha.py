@@ -133,8 +133,17 @@ def plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, *
 
     eager = eager_time(dev, [((O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * (eg + 12), 0)] * 4
                        + [(O * I * e + I * R * e + O * R * 4, 2.0 * O * I * R)] * 4, tc=tc)
-    return make_plan("loha_merge_bwd", rank(_grad_configs(dev, tc), work, dev), tile_axes=("block_m", "block_n"),
+    plan = make_plan("loha_merge_bwd", rank(_grad_configs(dev, tc), work, dev), tile_axes=("block_m", "block_n"),
                      n=n, default=default, default_s=predict(work, default, dev), eager_s=eager)
+    if tc and O * I * R >= MERGE_VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+        # E1, E2 by one Triton pass, the four contractions by cuBLAS (triton/loha.merge_bwd(vendor=True)):
+        # the fused jobs regenerate P1, P2 twice; timed against eager, never the untimed pick
+        add_before_eager(plan, {**plan.candidates[0], "vendor": True})
+    return plan
+
+
+#: the merge backward's vendor-GEMM candidate from this many multiply-adds per contraction (O·I·R)
+MERGE_VENDOR_MIN_MACS = 1 << 26
 
 
 def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
@@ -416,7 +425,13 @@ def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
                                default=as_dict(TL.default_grad_cfg(R, compute))),
         lambda kw: launch("loha_merge_bwd", grad, a1, b1, a2, b2, gamma, **kw),
         lambda: reference_module(FAMILY).loha_merge_bwd(grad, a1, b1, a2, b2, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.GradCfg(**c)}, front=(_F_MBWD, fk))
+        device=dev, version=version(), resolve=lambda c: _merge_bwd_launch(TL, c), front=(_F_MBWD, fk))
+
+
+def _merge_bwd_launch(TL, c):
+    """Launcher kwargs of a merge-backward candidate: its GradCfg, and ``vendor`` when set."""
+    cfg = TL.GradCfg(**{k: v for k, v in c.items() if k != "vendor"})
+    return {"cfg": cfg, "vendor": True} if c.get("vendor") else {"cfg": cfg}
 
 
 def samples(layer, T: int, dtype, device, gen):

@@ -29,7 +29,8 @@ Passes per op
     padded rank > 128): ΔW (O, I) built once in the compute dtype (1 launch),
     then a GEMM with γ and base in the epilogue (1 launch) - the regenerating
     kernel repeats the ΔW work per token tile (≈ 2r/BM extra flops).
-``loha_merge_bwd``: 2 launches (g_a job, g_b job), + 1 reduce each when split.
+``loha_merge_bwd``: 2 launches (g_a job, g_b job), + 1 reduce each when split; or
+    (``vendor``) one pass writing E1, E2 (``_hada_e_kernel``) and four torch GEMMs.
 ``loha_bypass_bwd``: gx = γ·G·ΔW (ΔW regenerated as (b·a)ᵀ tiles, or the
     materialized ΔW: +1 launch), GW = round(Gᵀ·x) (O, I) (1 GEMM launch, the
     only intermediate), then the two merge-backward launches on GW (+ reduces).
@@ -136,22 +137,10 @@ def _hada_apply_kernel(
 
 
 @triton.jit
-def _hada_tile_kernel(
-    a1_ptr, b1_ptr, a2_ptr, b2_ptr, d_ptr, N, K, R,
-    s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, s_dn, s_dk,
-    CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
-):
-    """D[n, k] = round((A1·B1)[n, k]·(A2·B2)[n, k]) (rank looped)."""
-    pid = tl.program_id(0)
-    n_k = tl.cdiv(K, BK)
-    offs_n = (pid // n_k) * BN + tl.arange(0, BN)
-    offs_k = (pid % n_k) * BK + tl.arange(0, BK)
-    if IDX64:
-        offs_n = offs_n.to(tl.int64)
-        offs_k = offs_k.to(tl.int64)
-    mask_n = offs_n < N
-    mask_k = offs_k < K
+def _hada_products(a1_ptr, b1_ptr, a2_ptr, b2_ptr, offs_n, offs_k, mask_n, mask_k, R,
+                   s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k,
+                   CD: tl.constexpr, DOT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """(P1, P2) = (A1·B1, A2·B2) on one (BN, BK) tile, fp32, the rank looped BR at a time."""
     p1 = tl.zeros((BN, BK), dtype=tl.float32)
     p2 = tl.zeros((BN, BK), dtype=tl.float32)
     for r0 in range(0, R, BR):
@@ -165,8 +154,54 @@ def _hada_tile_kernel(
         a2 = tl.load(a2_ptr + offs_n[:, None] * s_a2n + offs_r[None, :] * s_a2r, mask=mnr, other=0.0)
         b2 = tl.load(b2_ptr + offs_r[:, None] * s_b2r + offs_k[None, :] * s_b2k, mask=mrk, other=0.0)
         p2 = tl.dot(a2.to(CD).to(DOT), b2.to(CD).to(DOT), p2, input_precision="ieee")
+    return p1, p2
+
+
+@triton.jit
+def _tile_offsets(N, K, IDX64: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BK)
+    offs_n = (pid // n_k) * BN + tl.arange(0, BN)
+    offs_k = (pid % n_k) * BK + tl.arange(0, BK)
+    if IDX64:
+        offs_n = offs_n.to(tl.int64)
+        offs_k = offs_k.to(tl.int64)
+    return offs_n, offs_k, offs_n < N, offs_k < K
+
+
+@triton.jit
+def _hada_tile_kernel(
+    a1_ptr, b1_ptr, a2_ptr, b2_ptr, d_ptr, N, K, R,
+    s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, s_dn, s_dk,
+    CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):
+    """D[n, k] = round((A1·B1)[n, k]·(A2·B2)[n, k]) (rank looped)."""
+    offs_n, offs_k, mask_n, mask_k = _tile_offsets(N, K, IDX64, BN, BK)
+    p1, p2 = _hada_products(a1_ptr, b1_ptr, a2_ptr, b2_ptr, offs_n, offs_k, mask_n, mask_k, R,
+                            s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, CD, DOT, BN, BK, BR)
     tl.store(d_ptr + offs_n[:, None] * s_dn + offs_k[None, :] * s_dk, (p1 * p2).to(d_ptr.dtype.element_ty),
              mask=mask_n[:, None] & mask_k[None, :])
+
+
+@triton.jit
+def _hada_e_kernel(
+    g_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, e1_ptr, e2_ptr, N, K, R, gamma,
+    s_gn, s_gk, s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, s_en, s_ek,
+    CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
+):
+    """E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1) (N, K) in the compute dtype, P regenerated:
+    the merge backward's one pass over G when torch's GEMMs do the four contractions."""
+    offs_n, offs_k, mask_n, mask_k = _tile_offsets(N, K, IDX64, BN, BK)
+    p1, p2 = _hada_products(a1_ptr, b1_ptr, a2_ptr, b2_ptr, offs_n, offs_k, mask_n, mask_k, R,
+                            s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, CD, DOT, BN, BK, BR)
+    mask = mask_n[:, None] & mask_k[None, :]
+    g = tl.load(g_ptr + offs_n[:, None] * s_gn + offs_k[None, :] * s_gk, mask=mask, other=0.0)
+    gs = g.to(CD).to(tl.float32) * gamma
+    eo = offs_n[:, None] * s_en + offs_k[None, :] * s_ek
+    tl.store(e1_ptr + eo, (gs * p2).to(e1_ptr.dtype.element_ty), mask=mask)
+    tl.store(e2_ptr + eo, (gs * p1).to(e2_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -377,13 +412,43 @@ def _merge_bwd_idx64(views):
     return needs_idx64(*views)
 
 
-def merge_bwd(grad, a1, b1, a2, b2, gamma, compute=None, cfg: Optional[GradCfg] = None):
-    """(g_a1, g_b1, g_a2, g_b2) of ``γ·(a1·b1)⊙(a2·b2)``, each in its input's dtype."""
+#: the E pass's tile (``_hada_e_kernel``): rows, columns, rank step
+E_TILE = (64, 64, 32)
+
+
+def _merge_bwd_vendor(grad, a1, b1, a2, b2, gamma, compute, idx64):
+    """E1, E2 from one Triton pass over G (P regenerated), then the four contractions by
+    torch's GEMM (cuBLAS on CUDA) exactly as ``reference.loha._hada_grads`` does them."""
+    from ..reference import cast, mm32
+
+    O, R = a1.shape
+    I = b1.shape[1]
+    e1 = torch.empty((O, I), device=grad.device, dtype=compute)
+    e2 = torch.empty((O, I), device=grad.device, dtype=compute)
+    bn, bk, br = E_TILE
+    fast(_hada_e_kernel)[(cdiv(O, bn) * cdiv(I, bk),)](
+        grad, a1, b1, a2, b2, e1, e2, O, I, R, gamma, *grad.stride(), *a1.stride(), *b1.stride(),
+        *a2.stride(), *b2.stride(), *e1.stride(), CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=idx64,
+        BN=bn, BK=bk, BR=min(br, _p16(R)), num_warps=4, num_stages=2)
+    a1c, b1c, a2c, b2c = cast(a1, compute), cast(b1, compute), cast(a2, compute), cast(b2, compute)
+    return (mm32(e1, b1c.t()).to(a1.dtype).contiguous(), mm32(a1c.t(), e1).to(b1.dtype).contiguous(),
+            mm32(e2, b2c.t()).to(a2.dtype).contiguous(), mm32(a2c.t(), e2).to(b2.dtype).contiguous())
+
+
+def merge_bwd(grad, a1, b1, a2, b2, gamma, compute=None, cfg: Optional[GradCfg] = None, vendor: bool = False):
+    """(g_a1, g_b1, g_a2, g_b2) of ``γ·(a1·b1)⊙(a2·b2)``, each in its input's dtype.
+
+    ``vendor``: E1, E2 materialized by one Triton pass and the four contractions by torch's
+    GEMM (``_merge_bwd_vendor``; a tuner candidate) instead of the two fused jobs, which
+    regenerate P1 and P2 in each."""
     O, R = a1.shape
     I = b1.shape[1]
     if compute is None:
         compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     dev = grad.device
+    if vendor and O and I and R:
+        return _merge_bwd_vendor(grad, a1, b1, a2, b2, gamma, compute,
+                                 _merge_bwd_idx64(view_key(grad, a1, b1, a2, b2)))
     outs = tuple(torch.empty(t.shape, device=dev, dtype=t.dtype) for t in (a1, b1, a2, b2))
     if O == 0 or I == 0 or R == 0:
         return tuple(o.zero_() for o in outs)
