@@ -114,6 +114,20 @@ def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, id
         TWO=out2 is not None, IDX64=idx64, BS=8, BE=be, num_warps=4)
 
 
+@triton.jit
+def tile_2d(M, N, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """(offs_m, offs_n, mask_m, mask_n) of program 0-axis id's (BM, BN) output tile, the
+    tiles row-major over (cdiv(M, BM), cdiv(N, BN)); int64 offsets under IDX64."""
+    pid = tl.program_id(0)
+    n_n = tl.cdiv(N, BN)
+    offs_m = (pid // n_n) * BM + tl.arange(0, BM)
+    offs_n = (pid % n_n) * BN + tl.arange(0, BN)
+    if IDX64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
 @triton.jit(do_not_specialize=["SX", "SY"])
 def _mm_kernel(
     x_ptr, y_ptr, o_ptr, M, N, K, SX, SY, alpha,
@@ -124,15 +138,7 @@ def _mm_kernel(
     """o = α·(Σ_s x[s])·(Σ_s y[s]) in fp32 (IEEE dot); an operand flagged ``*_CD``
     is rounded to the compute dtype first (a factor), otherwise it is an fp32
     partial stack that is summed unrounded."""
-    pid = tl.program_id(0)
-    n_n = tl.cdiv(N, BN)
-    offs_m = (pid // n_n) * BM + tl.arange(0, BM)
-    offs_n = (pid % n_n) * BN + tl.arange(0, BN)
-    if IDX64:
-        offs_m = offs_m.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = tile_2d(M, N, IDX64, BM, BN)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)

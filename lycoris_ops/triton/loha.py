@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
-from ._fusedkit import compute_dtype, reduce_launch, split_count, view_key
+from ._fusedkit import compute_dtype, reduce_launch, split_count, tile_2d, view_key
 
 __all__ = [
     "ApplyCfg", "GradCfg", "MAX_HADA_RANK", "supported",
@@ -158,18 +158,6 @@ def _hada_products(a1_ptr, b1_ptr, a2_ptr, b2_ptr, offs_n, offs_k, mask_n, mask_
 
 
 @triton.jit
-def _tile_offsets(N, K, IDX64: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid = tl.program_id(0)
-    n_k = tl.cdiv(K, BK)
-    offs_n = (pid // n_k) * BN + tl.arange(0, BN)
-    offs_k = (pid % n_k) * BK + tl.arange(0, BK)
-    if IDX64:
-        offs_n = offs_n.to(tl.int64)
-        offs_k = offs_k.to(tl.int64)
-    return offs_n, offs_k, offs_n < N, offs_k < K
-
-
-@triton.jit
 def _hada_tile_kernel(
     a1_ptr, b1_ptr, a2_ptr, b2_ptr, d_ptr, N, K, R,
     s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, s_dn, s_dk,
@@ -177,7 +165,7 @@ def _hada_tile_kernel(
     BN: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr,
 ):
     """D[n, k] = round((A1·B1)[n, k]·(A2·B2)[n, k]) (rank looped)."""
-    offs_n, offs_k, mask_n, mask_k = _tile_offsets(N, K, IDX64, BN, BK)
+    offs_n, offs_k, mask_n, mask_k = tile_2d(N, K, IDX64, BN, BK)
     p1, p2 = _hada_products(a1_ptr, b1_ptr, a2_ptr, b2_ptr, offs_n, offs_k, mask_n, mask_k, R,
                             s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, CD, DOT, BN, BK, BR)
     tl.store(d_ptr + offs_n[:, None] * s_dn + offs_k[None, :] * s_dk, (p1 * p2).to(d_ptr.dtype.element_ty),
@@ -193,7 +181,7 @@ def _hada_e_kernel(
 ):
     """E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1) (N, K) in the compute dtype, P regenerated:
     the merge backward's one pass over G when torch's GEMMs do the four contractions."""
-    offs_n, offs_k, mask_n, mask_k = _tile_offsets(N, K, IDX64, BN, BK)
+    offs_n, offs_k, mask_n, mask_k = tile_2d(N, K, IDX64, BN, BK)
     p1, p2 = _hada_products(a1_ptr, b1_ptr, a2_ptr, b2_ptr, offs_n, offs_k, mask_n, mask_k, R,
                             s_a1n, s_a1r, s_b1r, s_b1k, s_a2n, s_a2r, s_b2r, s_b2k, CD, DOT, BN, BK, BR)
     mask = mask_n[:, None] & mask_k[None, :]

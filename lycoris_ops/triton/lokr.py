@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
-from ._fusedkit import compute_dtype, dot_wide, mm_launch, reduce_launch, split_count, view_key
+from ._fusedkit import compute_dtype, dot_wide, mm_launch, reduce_launch, split_count, tile_2d, view_key
 
 __all__ = [
     "MergeCfg", "BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass",
@@ -135,16 +135,8 @@ def _kron_merge_kernel(
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BRL: tl.constexpr,
 ):
     """out[(M, m), (N, n)] = (L[M, N]·T[m, n])·γ (+ base); T tile fixed per program."""
-    pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    n_tn = tl.cdiv(N1, BN)
-    offs_m = (pid // n_tn) * BM + tl.arange(0, BM)
-    offs_n = (pid % n_tn) * BN + tl.arange(0, BN)
-    if IDX64:
-        offs_m = offs_m.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-    mask_m = offs_m < M1
-    mask_n = offs_n < N1
+    offs_m, offs_n, mask_m, mask_n = tile_2d(M1, N1, IDX64, BM, BN)
     mask = mask_m[:, None] & mask_n[None, :]
     tile = _side_tile(ta_ptr, tb_ptr, offs_m, offs_n, mask_m, mask_n, RT, s_tam, s_tar, s_tbr, s_tbn,
                       FACT_T, CD, DOT, BM, BN, BR)
@@ -178,14 +170,7 @@ def _kron_grad_kernel(
     g_T[m, n] = γ·Σ_{M,N} G·L[M, N] (per split program)."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    n_tn = tl.cdiv(N1, BN)
-    offs_m = (pid // n_tn) * BM + tl.arange(0, BM)
-    offs_n = (pid % n_tn) * BN + tl.arange(0, BN)
-    if IDX64:
-        offs_m = offs_m.to(tl.int64)
-        offs_n = offs_n.to(tl.int64)
-    mask_m = offs_m < M1
-    mask_n = offs_n < N1
+    offs_m, offs_n, mask_m, mask_n = tile_2d(M1, N1, IDX64, BM, BN)
     mask = mask_m[:, None] & mask_n[None, :]
     tile = _side_tile(ta_ptr, tb_ptr, offs_m, offs_n, mask_m, mask_n, RT, s_tam, s_tar, s_tbr, s_tbn,
                       FACT_T, CD, DOT, BM, BN, BR)
