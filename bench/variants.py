@@ -1,0 +1,173 @@
+"""A/B of launch variants of one kernel family, in one process (the tuner's shortlist aside).
+
+    python bench/variants.py tucker|boft|oft [--shapes small,large] [--profile] [--smoke]
+
+Each variant is one config of the family's Triton launcher, called directly (no tuner,
+no op dispatch): device time per call (``timing.DeviceTimer``: L2 flushed, launch gaps
+hidden, median), its ratio to the first variant ("base") of the same shape, and the
+relative difference of its result from base's (a variant that changes the numerics
+shows it here). ``--profile`` (boft): torch.profiler's device time per kernel of one
+forward and one backward at base. Ratios within one run are what to compare; the
+machines are shared. On CPU (``--smoke``: tiny sizes, Triton's interpreter) it only
+checks that every variant still runs.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing as T  # noqa: E402
+
+SHAPES = {  # family -> shape name -> geometry
+    "tucker": {"small": dict(D=3072, R=32, Kk=9), "large": dict(D=4096, R=64, Kk=9), "smoke": dict(D=40, R=5, Kk=9)},
+    "boft": {"small": dict(P=8192, D=3072, s=24), "large": dict(P=32768, D=4096, s=32),
+             "smoke": dict(P=24, D=48, s=6)},
+    "oft": {"small": dict(P=8192, D=3072, S=32), "large": dict(P=32768, D=4096, S=32), "smoke": dict(P=40, D=64, S=8)},
+}
+
+
+def _rand(gen, shape, dtype, dev, scale=1.0):
+    return (torch.randn(shape, generator=gen, device=gen.device) * scale).to(dev, dtype)
+
+
+def tucker(geo, dtype, dev, gen):
+    from lycoris_ops.reference import lora as RL
+    from lycoris_ops.triton import tucker as TT
+
+    D, R, Kk = geo["D"], geo["R"], geo["Kk"]
+    a, t, b = _rand(gen, (D, R), dtype, dev, 0.1), _rand(gen, (R, R, Kk), dtype, dev, 0.1), _rand(gen, (R, D), dtype,
+                                                                                                   dev, 0.1)
+    Cfg = TT.TuckerCfg
+    rows = [("default", lambda c=None: TT.tucker_fwd(a, t, b, None, None, None, 0.75, c))]
+    for bo, bi, st in ((16, 128, 2), (32, 64, 2), (32, 128, 3), (8, 256, 3)):
+        c = Cfg(block_o=bo, block_i=bi, num_warps=4, num_stages=st)
+        rows.append((f"{bo}x{bi} s{st}", lambda c=c: TT.tucker_fwd(a, t, b, None, None, None, 0.75, c)))
+    rows.append(("eager body", lambda: RL.lora_tucker_fwd(a, t, b, None, None, None, 0.75)))
+    rows.append(("einsum (a view)", lambda: 0.75 * torch.einsum("op,pqk,qi->oik", a, t, b)))
+    return {"fwd": rows}
+
+
+def boft(geo, dtype, dev, gen):
+    from lycoris_ops.triton import boft as TB
+    from lycoris_ops.triton.oft import BF16X3, SPLIT16
+
+    P, D, s = geo["P"], geo["D"], geo["s"]
+    nb = D // s
+    m = int(math.log2(nb)) + 1
+    blocks = _rand(gen, (m, nb, s, s), dtype, dev, 0.02)
+    x, g = _rand(gen, (P, D), dtype, dev), _rand(gen, (P, D), dtype, dev)
+    small = P < 4096  # smoke: tiles the interpreter runs quickly
+    base = TB.BoftCfg(max_group=16 if small else 64, block_p=16 if small else 64, bwd_block_p=16 if small else 32,
+                      num_warps=4, num_stages=2 if small else 3)
+    variants = [("base tf32x3", {}), ("split16", dict(dot_prec=SPLIT16)), ("bf16x3", dict(dot_prec=BF16X3)),
+                ("chain_warps 8", dict(chain_warps=8)), ("chain_warps 16", dict(chain_warps=16)),
+                ("max_group /2", dict(max_group=base.max_group // 2))]
+    out = {"fwd": [], "bwd": []}
+    for name, kw in variants:
+        c = base._replace(**kw)
+        out["fwd"].append((name, lambda c=c: TB.boft_fwd(blocks, x, -1, 1.0, 1.0, None, True, cfg=c)))
+        out["bwd"].append((name, lambda c=c: TB.boft_bwd(g, blocks, x, -1, 1.0, 1.0, cfg=c)[1]))
+    return out
+
+
+def oft(geo, dtype, dev, gen):
+    from lycoris_ops.triton import oft as TO
+
+    P, D, S = geo["P"], geo["D"], geo["S"]
+    blocks = _rand(gen, (D // S, S, S), dtype, dev, 0.02)
+    x, g = _rand(gen, (P, D), dtype, dev), _rand(gen, (P, D), dtype, dev)
+    small = P < 4096
+    base = TO.OftCfg(block_p=16 if small else 128, bwd_block_p=16 if small else 64, num_warps=4, num_stages=2,
+                     dot_prec=TO.SPLIT16)
+    variants = [("base split16", {}), ("tf32x3", dict(dot_prec="tf32x3")), ("group 64", dict(group=64)),
+                ("group 64 s3", dict(group=64, num_stages=3)), ("block_p x2", dict(block_p=2 * base.block_p)),
+                ("8 warps", dict(num_warps=8))]
+    out = {"fwd": [], "bwd": []}
+    for name, kw in variants:
+        c = base._replace(**kw)
+        out["fwd"].append((name, lambda c=c: TO.oft_fwd(blocks, x, None, 1.0, True, False, cfg=c)))
+        out["bwd"].append((name, lambda c=c: TO.oft_bwd(g, blocks, x, None, 1.0, True, False, cfg=c)[0]))
+    return out
+
+
+FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft}
+
+
+def _rel(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def profile_boft(geo, dtype, dev, gen, reps=5):
+    """Device ms per kernel name of one boft forward and one backward at the launcher default."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from lycoris_ops.triton import boft as TB
+
+    P, D, s = geo["P"], geo["D"], geo["s"]
+    nb = D // s
+    m = int(math.log2(nb)) + 1
+    blocks, x, g = _rand(gen, (m, nb, s, s), dtype, dev, 0.02), _rand(gen, (P, D), dtype, dev), _rand(gen, (P, D),
+                                                                                                     dtype, dev)
+    for phase, fn in (("fwd", lambda: TB.boft_fwd(blocks, x, -1, 1.0, 1.0, None, True)),
+                      ("bwd", lambda: TB.boft_bwd(g, blocks, x, -1, 1.0, 1.0))):
+        fn()
+        T.sync(dev)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            T.sync(dev)
+        per = defaultdict(float)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                per[e.name[:48]] += (getattr(e, "device_time", 0) or e.cuda_time) / reps / 1e3
+        print(f"  profile {phase}: " + ", ".join(f"{k} {v:.3f}" for k, v in sorted(per.items(), key=lambda kv: -kv[1])))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("family", choices=sorted(FAMILIES))
+    ap.add_argument("--shapes", default="small,large")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--profile", action="store_true", help="boft: device time per kernel at the default config")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: every variant runs (no timing claims)")
+    a = ap.parse_args(argv)
+    if a.smoke:  # before anything imports triton
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dev = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
+    if dev.type == "cpu" and not a.smoke:
+        print("variants.py: no CUDA device (use --smoke for the CPU check)")
+        return 0
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[a.dtype]
+    if a.smoke and dtype == torch.bfloat16:
+        dtype, a.dtype = torch.float16, "fp16"  # the interpreter's bf16 dots are wrong (TOOLCHAIN.md)
+    timer = T.DeviceTimer(dev, min_reps=1 if a.smoke else 5, max_reps=1 if a.smoke else 40, warmup=0 if a.smoke else 2)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    for shape in (["smoke"] if a.smoke else a.shapes.split(",")):
+        geo = SHAPES[a.family][shape]
+        print(f"== {a.family} {shape} {geo} {a.dtype}" + ("" if dev.type == "cuda" else " (CPU smoke)"), flush=True)
+        for phase, rows in FAMILIES[a.family](geo, dtype, dev, gen).items():
+            ref = rows[0][1]()
+            t0 = None
+            for name, fn in rows:
+                try:
+                    d = _rel(fn(), ref)
+                    ms = timer.time(fn)["median_ms"]
+                except Exception as exc:  # a variant out of resources reports, the others still run
+                    print(f"  {phase} {name:16s} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    continue
+                t0 = t0 or ms
+                print(f"  {phase} {name:16s} {ms:9.4f} ms  x{ms / t0:5.2f} of base   rel diff {d:.1e}", flush=True)
+        if a.profile and a.family == "boft" and dev.type == "cuda":
+            profile_boft(geo, dtype, dev, gen)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
