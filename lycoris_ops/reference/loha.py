@@ -40,8 +40,13 @@ def _hada_grads(gw, p1, p2, a1, b1, a2, b2, gamma, c):
     and the fp32 products p1, p2. ``E1 = γ·G⊙P2`` and ``E2 = γ·G⊙P1`` are
     rounded to the compute dtype before the second contraction."""
     gs = cast(gw, p1.dtype) * gamma
-    e1 = (gs * p2).to(c)
-    e2 = (gs * p1).to(c)
+    return hada_contractions((gs * p2).to(c), (gs * p1).to(c), a1, b1, a2, b2, c)
+
+
+def hada_contractions(e1, e2, a1, b1, a2, b2, c):
+    """``(E1·b1ᵀ, a1ᵀ·E1, E2·b2ᵀ, a2ᵀ·E2)`` from the rounded E1, E2 (compute dtype ``c``):
+    fp32-accumulated GEMMs, each rounded once to its factor's dtype (also the Triton merge
+    backward's ``vendor`` path, after its fused E pass)."""
     a1c, b1c, a2c, b2c = cast(a1, c), cast(b1, c), cast(a2, c), cast(b2, c)
     return (mm32(e1, b1c.t()).to(a1.dtype).contiguous(),
             mm32(a1c.t(), e1).to(b1.dtype).contiguous(),

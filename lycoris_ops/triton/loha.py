@@ -406,8 +406,8 @@ E_TILE = (64, 64, 32)
 
 def _merge_bwd_vendor(grad, a1, b1, a2, b2, gamma, compute, idx64):
     """E1, E2 from one Triton pass over G (P regenerated), then the four contractions by
-    torch's GEMM (cuBLAS on CUDA) exactly as ``reference.loha._hada_grads`` does them."""
-    from ..reference import cast, mm32
+    torch's GEMM (cuBLAS on CUDA): ``reference.loha.hada_contractions``, the eager body's."""
+    from ..reference.loha import hada_contractions
 
     O, R = a1.shape
     I = b1.shape[1]
@@ -418,9 +418,7 @@ def _merge_bwd_vendor(grad, a1, b1, a2, b2, gamma, compute, idx64):
         grad, a1, b1, a2, b2, e1, e2, O, I, R, gamma, *grad.stride(), *a1.stride(), *b1.stride(),
         *a2.stride(), *b2.stride(), *e1.stride(), CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=idx64,
         BN=bn, BK=bk, BR=min(br, _p16(R)), num_warps=4, num_stages=2)
-    a1c, b1c, a2c, b2c = cast(a1, compute), cast(b1, compute), cast(a2, compute), cast(b2, compute)
-    return (mm32(e1, b1c.t()).to(a1.dtype).contiguous(), mm32(a1c.t(), e1).to(b1.dtype).contiguous(),
-            mm32(e2, b2c.t()).to(a2.dtype).contiguous(), mm32(a2c.t(), e2).to(b2.dtype).contiguous())
+    return hada_contractions(e1, e2, a1, b1, a2, b2, compute)
 
 
 def merge_bwd(grad, a1, b1, a2, b2, gamma, compute=None, cfg: Optional[GradCfg] = None, vendor: bool = False):
