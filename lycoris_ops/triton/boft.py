@@ -309,16 +309,14 @@ def _boft_seg_fwd(
         pm = p < NPOS
         uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED)
         if SPLIT:
-            u = _load_stream(u_ptr, uo, ch_valid, pm, DOT, IN_PACKED)
+            y = dot_split16(w0, w1, w2, _load_stream(u_ptr, uo, ch_valid, pm, DOT, IN_PACKED))
         else:
             u = _load_stream(u_ptr, uo, ch_valid, pm, tl.float32, IN_PACKED)
-        if SPLIT:
-            y = dot_split16(w0, w1, w2, u)
-        elif X3:
-            uh, ul = hilo(u, DOT)
-            y = dot_x3(w0, w1, uh, ul, tl.zeros((GP, BLOCK_P), dtype=tl.float32))
-        else:
-            y = tl.dot(w, u, input_precision=DOT_PREC)
+            if X3:
+                uh, ul = hilo(u, DOT)
+                y = dot_x3(w0, w1, uh, ul, tl.zeros((GP, BLOCK_P), dtype=tl.float32))
+            else:
+                y = tl.dot(w, u, input_precision=DOT_PREC)
         mask = ch_valid[:, None] & pm[None, :]
         if DIFF_LOAD:
             xo = ch[:, None] * s0_c + pos_offsets(p, POST, s0_pre, s0_post, MODE)[None, :]
@@ -432,9 +430,10 @@ class BoftCfg(NamedTuple):
     """Launch parameters: ``max_group``: largest channel group a segment may use
     (decides how many stages are fused; a single stage always runs),
     ``block_p``/``bwd_block_p``: positions per tile, ``split``: programs per group
-    along the positions (0 = automatic, to fill the GPU), ``dot_prec`` (or ``"split16"``):
-    input_precision of the streaming fp32 dots, ``chain_warps``: warps of the group-matrix
-    and chain launches (0 = automatic: GP²/512, 4 to 8)."""
+    along the positions (0 = automatic, to fill the GPU), ``dot_prec``: input_precision of
+    the streaming fp32 dots, or ``"split16"`` / ``"bf16x3"`` (see the module docstring),
+    ``chain_warps``: warps of the group-matrix and chain launches (0 = automatic: GP²/512,
+    4 to 8)."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -574,11 +573,13 @@ def _dot_prec(cfg, x):
     return cfg.dot_prec if cfg.dot_prec != BF16X3 or x.dtype in _HALF else "tf32x3"
 
 
+@functools.lru_cache(maxsize=4096)
 def _packed_widths(segs, SP):
     """Per segment: its group width GP and the row width (n_groups·GP) of its packed input
-    scratch (one row per position; pad slots of a group are never written)."""
-    gps = [sg.NB * SP for sg in segs]
-    return gps, [sg.n_groups * gp for sg, gp in zip(segs, gps)]
+    scratch (one row per position; pad slots of a group are never written). Cached with
+    ``_plan``'s segments: the launchers ask on every call."""
+    gps = tuple(sg.NB * SP for sg in segs)
+    return gps, tuple(sg.n_groups * gp for sg, gp in zip(segs, gps))
 
 
 def _buf_strides(pre, C, post, mode):
