@@ -62,13 +62,24 @@ def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, o
 
     cfgs = [dict(block_o=bo, block_i=bi, group_o=8, num_warps=w, num_stages=s)
             for bo in (4, 8, 16, 32) for bi in (32, 64, 128, 256) for w in (4, 8) for s in (1, 2, 3)]
-    R = max(ranks)
-    eager = eager_time(dev, [(O * R * e + R * R * Kk * e + O * R * Kk * 4, 2.0 * O * R * R * Kk),
-                             (O * R * Kk * (4 + e), 0), (O * R * Kk * e + R * I * e + O * I * Kk * 4,
-                                                         2.0 * O * I * R * Kk), (O * I * Kk * (4 + 4), 0)] * chains
-                       + [(O * I * Kk * (4 + eo), 0)], tc=tc)
+    eager = eager_tucker(dev, O, I, Kk, max(ranks), chains, e, eo, tc)
     return make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("block_o", "block_i"), n=n,
                      default=default, default_s=predict(work, default, dev), eager_s=eager)
+
+
+def eager_tucker(dev: DeviceFacts, O: int, I: int, Kk: int, R: int, chains: int, e: int, eo: int,
+                 tc: bool) -> float:
+    """The eager body's time (``reference.lora.lora_tucker_fwd``). One chain: AT = a·t (a GEMM,
+    rounded), AT's rows (o, κ) copied out, one GEMM of (O·Kk, R)·(R, I) with γ and the rounding
+    in its epilogue, then the (o, κ, i) -> (o, i, κ) copy the contiguous output needs. Two
+    chains: each chain's GEMM in fp32 through a permuted view, the product, the cast."""
+    core = [(O * R * e + R * R * Kk * e + O * R * Kk * (4 + e), 2.0 * O * R * R * Kk), (2 * O * R * Kk * e, 0)]
+    out = O * I * Kk
+    if chains == 1:
+        return eager_time(dev, core + [(O * R * Kk * e + R * I * e + out * eo, 2.0 * out * R),
+                                       (2 * out * eo, 0)], tc=tc)
+    chain = core + [(O * R * Kk * e + R * I * e + out * 4, 2.0 * out * R)]
+    return eager_time(dev, chain * 2 + [(out * 4 * 3, 0), (out * (4 + 4), 0), (out * (4 + eo), 0)], tc=tc)
 
 
 # =============================================================================== TileLang model
@@ -106,11 +117,7 @@ def _tl_plan(dev: DeviceFacts, a1, t1, b1, a2, t2, b2, gamma, n: int = TL_N):
     default = dict(tl.TUCKER)
     cfgs = [dict(BO=bo, BI=bi, threads=t) for bo in TL_SPACE["BO"] for bi in TL_SPACE["BI"]
             for t in tl_threads(TL_SPACE["threads"], bo)]
-    R = max(ranks)
-    eager = eager_time(dev, [(O * R * e + R * R * Kk * e + O * R * Kk * 4, 2.0 * O * R * R * Kk),
-                             (O * R * Kk * (4 + e), 0), (O * R * Kk * e + R * I * e + O * I * Kk * 4,
-                                                         2.0 * O * I * R * Kk), (O * I * Kk * (4 + 4), 0)] * chains
-                       + [(O * I * Kk * (4 + eo), 0)])
+    eager = eager_tucker(dev, O, I, Kk, max(ranks), chains, e, eo, True)
     return tl_shortlist("lora_tucker_fwd", cfgs, work, dev, default, eager, ("BO", "BI"), n)
 
 
@@ -146,7 +153,8 @@ def tucker_fwd_kwargs(a1, t1, b1, a2, t2, b2, gamma):
     TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "Kk": Kk, "ranks": ranks}, flags={"out": a1.dtype})
     d = TL.default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
-    default = as_dict(TL.TuckerCfg(block_o=d.block_o, block_i=d.block_i, num_warps=d.num_warps))
+    default = as_dict(TL.TuckerCfg(block_o=d.block_o, block_i=d.block_i, num_warps=d.num_warps,
+                                   num_stages=d.num_stages))
     return tune.pick(
         "lora_tucker_fwd", BACKEND, key,
         lambda: plan_tucker_fwd(facts(dev), O, I, Kk, ranks, compute, a1.dtype, default=default),

@@ -164,18 +164,18 @@ class TuckerCfg(NamedTuple):
     block_i: int = 0
     group_o: int = 8
     num_warps: int = 0
-    num_stages: int = 2
+    num_stages: int = 0  # 0: the default config's
 
 
 def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     if compute == torch.float32:  # IEEE fp32 dots (FMA): smaller tiles
-        return TuckerCfg(block_o=16, block_i=64, num_warps=4)
+        return TuckerCfg(block_o=16, block_i=64, num_warps=4, num_stages=2)
     if two or _p16(rmax) > 64:
-        return TuckerCfg(block_o=16, block_i=64, num_warps=4)
-    # H200, 4096x4096x9 r64 bf16 (device sweep of 2026-12-01): 32x128 0.232 ms at 3 stages,
-    # 0.259 at 2; 16x128, 2 stages 0.248 ms. The launch's stages are the config's own
-    # (TuckerCfg.num_stages, 2 unless tuned), not this default's
-    return TuckerCfg(block_o=32, block_i=128, num_warps=4)
+        return TuckerCfg(block_o=16, block_i=64, num_warps=4, num_stages=2)
+    # H200, bench/variants.py tucker (2026-12-01 11:07): 32x128 at 3 stages 0.233 ms at
+    # 4096x4096x9 r64 bf16 and 0.108 at 3072 r32, against 0.263 / 0.117 at 2 stages and
+    # einsum's 0.251 / 0.148
+    return TuckerCfg(block_o=32, block_i=128, num_warps=4, num_stages=3)
 
 
 def kk_padded(Kk: int) -> int:
@@ -192,7 +192,7 @@ def _plan(O, I, Kk, ranks, views, compute, cfg: TuckerCfg):
     meta = dict(TWO=two, CD=tl_dtype(compute), DOT=dot_dtype(compute),
                 IDX64=needs_idx64(*[v for v in views if v is not None]), GROUP_O=cfg.group_o,
                 BO=bo, KKP=kk_padded(Kk), BI=bi, BR1=br[0], BR2=br[1],
-                num_warps=cfg.num_warps or d.num_warps, num_stages=cfg.num_stages)
+                num_warps=cfg.num_warps or d.num_warps, num_stages=cfg.num_stages or d.num_stages)
     return (cdiv(O, bo) * cdiv(I, bi),), meta
 
 
