@@ -28,7 +28,8 @@ _ALLOC_OPS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::n
               "aten::new_empty_strided"}
 _ZERO_ALLOC_OPS = {"aten::zeros", "aten::zeros_like", "aten::new_zeros"}
 _ZERO_FILL_OPS = {"aten::zero_"}
-_HARMLESS = {"aten::detach", "aten::alias", "aten::lift_fresh"}
+_HARMLESS = {"aten::detach", "aten::alias", "aten::lift_fresh",
+             "aten::promote_types", "aten::result_type"}  # dtype arithmetic: no tensor is touched
 
 #: a plan parameter's kind (csrc/launch.cpp's ParamKind): a pointer into an input argument or
 #: an allocation at a byte offset, constant bytes, a null pointer

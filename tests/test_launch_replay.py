@@ -28,8 +28,9 @@ def _watched(fn):
 
 def test_recorder_allows_allocations_zero_fills_and_views_only():
     x = torch.randn(6, 4)
-    watch, out = _watched(lambda: (torch.empty(3, 4), torch.zeros(5), torch.empty(8).zero_(), x.t()[1:]))
-    assert watch.refusal is None
+    watch, out = _watched(lambda: (torch.empty(3, 4), torch.zeros(5), torch.empty(8).zero_(), x.t()[1:],
+                                   torch.promote_types(x.dtype, torch.float16), torch.result_type(x, 2)))
+    assert watch.refusal is None  # dtype arithmetic touches no tensor
     assert [(tuple(t.shape), z) for t, z in watch.allocs] == [((3, 4), False), ((5,), True), ((8,), True)]
     watch, _ = _watched(lambda: torch.empty(8)[2:].zero_())  # a part: the plan cannot say so
     assert watch.refusal and "part" in watch.refusal
