@@ -79,6 +79,9 @@ def main():
     ap.add_argument("--plans", action="store_true",
                     help="which call signatures of every op's test cases get a C++ replay plan (CUDA)")
     ap.add_argument("--ops", action="store_true", help="host time per call of every op (its first test case)")
+    ap.add_argument("--specs", action="store_true",
+                    help="the benchmark's tiny host specs (inputs requiring grad, as bench.py times them): host "
+                         "time, replay plans and why not, the tuner's pick (CUDA)")
     ap.add_argument("--fb", action="store_true",
                     help="forward+backward of the bypass ops: direct C++ backward, Python backward, eager formula")
     args = ap.parse_args()
@@ -89,6 +92,8 @@ def main():
         return plans()
     if args.ops:
         return ops(dev, args.calls)
+    if args.specs:
+        return specs(dev, args.calls)
     if args.fb:
         return forward_backward(dev, args.calls)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -213,6 +218,45 @@ def plans():
     for op in OP_NAMES:
         seen, planned, python = _C._launch_plan_stats(f"lycoris::{op}")
         print(f"  {op:20s} {seen:5d} {planned:9d} {python:7d}  {_launch_record.refusals.get(op, '')}")
+
+
+def specs(dev, calls):
+    """bench.py's host section, one row per spec: the op's forward on the tiny geometry with
+    inputs that require grad (as the benchmark calls it), its host time next to torch.add's,
+    whether its signature replays from a C++ plan (and the recorder's reason when not), and
+    the tuner's pick for the key (rows of the tuning table this process wrote)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import specs as S  # noqa: E402
+
+    from lycoris_ops import _C, _launch_record
+    from lycoris_ops.plans import tune
+
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    geo, gen = S.SHAPES["tiny"], torch.Generator(device=dev).manual_seed(0)
+    a, b = torch.randn(geo.N, geo.D, device=dev), torch.randn(geo.N, geo.D, device=dev)
+    ref = per_call_us(lambda: torch.add(a, b), calls, sync)
+    replay = dev.type == "cuda" and hasattr(_C, "_launch_plan_stats")
+    print(f"host us/call, bench specs at N{geo.N} D{geo.D} r{geo.r} {dtype} (inputs require grad); "
+          f"torch.add {ref:.1f} us")
+    print(f"  {'spec':18s} {'us':>7s} {'/add':>5s}  seen replayed python  why not / tuner's pick")
+    for spec in S.SPECS:
+        inp = spec.build(geo, dtype, dev, gen)
+        ts = [t.requires_grad_(k in spec.grads) for k, t in inp.items()]
+        us = per_call_us(lambda: spec.ours(*ts), calls, sync)
+        stats = _C._launch_plan_stats(f"lycoris::{spec.op}") if replay else ("-", "-", "-")
+        why = _launch_record.refusals.get(spec.op, "")
+        picks = [f"{k.split('|')[2]}={_pick_label(r.get('config'))}" for k, r in tune.table().rows.items()
+                 if f"|{spec.op}|" in k]
+        print(f"  {spec.name:18s} {us:7.1f} {us / ref:5.2f}  {stats[0]:>4} {stats[1]:>8} {stats[2]:>6}  "
+              f"{why} {'; '.join(picks)}")
+
+
+def _pick_label(c):
+    return c if isinstance(c, str) else ",".join(f"{k}={v}" for k, v in (c or {}).items())
 
 
 def forward_backward(dev, calls, rounds=7):
