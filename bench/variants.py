@@ -87,9 +87,7 @@ def oft(geo, dtype, dev, gen):
                      dot_prec=TO.SPLIT16)
     variants = [("base split16", {}), ("tf32x3", dict(dot_prec="tf32x3")), ("group 64", dict(group=64)),
                 ("group 64 s3", dict(group=64, num_stages=3)), ("block_p x2", dict(block_p=2 * base.block_p)),
-                ("8 warps", dict(num_warps=8)), ("3 stages", dict(num_stages=3)),
-                ("split16x2", dict(dot_prec=TO.SPLIT16X2)), ("split16x2 s3", dict(dot_prec=TO.SPLIT16X2, num_stages=3)),
-                ("split16x2 group 64 s3", dict(dot_prec=TO.SPLIT16X2, group=64, num_stages=3))]
+                ("8 warps", dict(num_warps=8))]
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
         c = base._replace(**kw)

@@ -118,20 +118,16 @@ def _oft_f(m, rho, shift, GP: tl.constexpr):
 
 
 @triton.jit
-def split16(f, D: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr, TERMS: tl.constexpr = 3):
+def split16(f, D: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr):
     """fp32 ``f`` as three terms of the 16-bit dtype D, f ≈ f0 + f1 + f2 (each the rounding
     of what the earlier ones left: 24 significant bits in bf16), as dot operands of dtype
-    DOT (D itself; fp32 under the interpreter, whose bf16 dots are wrong: exact). TERMS 2:
-    f0 + f1 only (16 bits in bf16, 22 in fp16: an order below a 16-bit output's rounding),
-    f2 = f1 unused. Not SPLIT: (f, f, f), unused."""
+    DOT (D itself; fp32 under the interpreter, whose bf16 dots are wrong: exact). Not
+    SPLIT: (f, f, f), unused."""
     if SPLIT:
         t0 = f.to(D)
         r = f - t0.to(tl.float32)
         t1 = r.to(D)
-        if TERMS == 3:
-            f2 = (r - t1.to(tl.float32)).to(D).to(DOT)
-        else:
-            f2 = t1.to(DOT)
+        f2 = (r - t1.to(tl.float32)).to(D).to(DOT)
         f0 = t0.to(DOT)
         f1 = t1.to(DOT)
     else:
@@ -142,16 +138,12 @@ def split16(f, D: tl.constexpr, DOT: tl.constexpr, SPLIT: tl.constexpr, TERMS: t
 
 
 @triton.jit
-def dot_split16(f0, f1, f2, x, TERMS: tl.constexpr = 3):
+def dot_split16(f0, f1, f2, x):
     """``(f0 + f1 + f2)·x`` for a 16-bit x: three 16-bit tensor-core dots, fp32 accumulated,
     smallest term first. Every product of two 16-bit values is exact in fp32, so this is
-    the fp32 product F·x to fp32 accumulation (no per-tile split of x: it is exact).
-    TERMS 2: ``(f0 + f1)·x``, two dots."""
-    if TERMS == 3:
-        acc = tl.dot(f2, x)
-        acc = tl.dot(f1, x, acc)
-    else:
-        acc = tl.dot(f1, x)
+    the fp32 product F·x to fp32 accumulation (no per-tile split of x: it is exact)."""
+    acc = tl.dot(f2, x)
+    acc = tl.dot(f1, x, acc)
     return tl.dot(f0, x, acc)
 
 
@@ -175,12 +167,12 @@ def dot_x3(ah, al, bh, bl, acc):
 
 @triton.jit
 def bwd_dots(gg, x, ft, f0, f1, f2, acc, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, X3: tl.constexpr = False,
-             DOT: tl.constexpr = tl.float32, TERMS: tl.constexpr = 3):
+             DOT: tl.constexpr = tl.float32):
     """The dots of one backward position tile: ``(Fᵀ·G, acc + G·xᵀ)`` (fp32): split16 (gg and
     x already of the 16-bit dot dtype, f0..f2 the terms of Fᵀ), bf16x3 (X3: fp32 gg and x
     split per tile, f0/f1 the hi/lo of Fᵀ) or fp32 dots."""
     if SPLIT:
-        gx = dot_split16(f0, f1, f2, gg, TERMS)
+        gx = dot_split16(f0, f1, f2, gg)
         acc = tl.dot(gg, tl.trans(x), acc)
     elif X3:
         gh, gl = hilo(gg, DOT)
@@ -195,7 +187,7 @@ def bwd_dots(gg, x, ft, f0, f1, f2, acc, SPLIT: tl.constexpr, DOT_PREC: tl.const
 
 @triton.jit
 def bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT: tl.constexpr, DOT: tl.constexpr,
-             DOT_PREC: tl.constexpr, TERMS: tl.constexpr = 3):
+             DOT_PREC: tl.constexpr):
     """One position tile of a backward stream (diag-OFT): loads G and x, then ``bwd_dots``."""
     if SPLIT:
         gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(DOT)
@@ -203,7 +195,7 @@ def bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT: tl.constexp
     else:
         gg = tl.load(g_ptr + go, mask=mask, other=0.0).to(tl.float32)
         x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-    return bwd_dots(gg, x, ft, f0, f1, f2, acc, SPLIT, DOT_PREC, TERMS=TERMS)
+    return bwd_dots(gg, x, ft, f0, f1, f2, acc, SPLIT, DOT_PREC)
 
 
 @triton.jit
@@ -213,14 +205,14 @@ def _oft_fwd_kernel(
     K, S, NPOS, POST, n_tiles, n_split, cscale, shift,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, TERMS: tl.constexpr = 3,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
                                             HAS_RESCALE, NB, SP)
     f = _oft_f(m, rho, shift, GP)
-    f0, f1, f2 = split16(f, x_ptr.dtype.element_ty, DOT, SPLIT, TERMS)  # 16-bit x: terms of F (dot_split16)
+    f0, f1, f2 = split16(f, x_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit x: three terms of F (dot_split16)
     if IDX64:
         ch = ch.to(tl.int64)
     for t in range(tl.program_id(1), n_tiles, n_split):
@@ -230,7 +222,7 @@ def _oft_fwd_kernel(
         mask = ch_valid[:, None] & (p < NPOS)[None, :]
         xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
         if SPLIT:
-            y = dot_split16(f0, f1, f2, tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT), TERMS)
+            y = dot_split16(f0, f1, f2, tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT))
         else:
             x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
             y = tl.dot(f, x, input_precision=DOT_PREC)
@@ -245,7 +237,7 @@ def _oft_bwd_stream(
     K, S, NPOS, POST, n_tiles, n_split, n_groups, cscale, shift,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, TERMS: tl.constexpr = 3,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
@@ -254,7 +246,7 @@ def _oft_bwd_stream(
                                             HAS_RESCALE, NB, SP)
     ft = tl.trans(_oft_f(m, rho, shift, GP))
     # G and x of one 16-bit dtype: Fᵀ in three terms; the products of G·xᵀ are exact in fp32
-    f0, f1, f2 = split16(ft, g_ptr.dtype.element_ty, DOT, SPLIT, TERMS)
+    f0, f1, f2 = split16(ft, g_ptr.dtype.element_ty, DOT, SPLIT)
     if IDX64:
         ch = ch.to(tl.int64)
     acc = tl.zeros((GP, GP), dtype=tl.float32)
@@ -266,7 +258,7 @@ def _oft_bwd_stream(
         go = ch[:, None] * sg_c + pos_offsets(p, POST, sg_pre, sg_post, MODE)[None, :]
         xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
         oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
-        gx, acc = bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT, DOT, DOT_PREC, TERMS)
+        gx, acc = bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT, DOT, DOT_PREC)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
     l = tl.arange(0, GP)
     base = (sp * n_groups + g).to(tl.int64) * (GP * GP)
@@ -312,8 +304,7 @@ class OftCfg(NamedTuple):
     rows per program (>= 16; 0 = automatic: 32 when the channels are contiguous
     in memory, else 16), ``split``: programs per group along the positions
     (0 = automatic, to fill the GPU), ``dot_prec``: input_precision of the
-    streaming fp32 dots, or ``"split16"`` / ``"split16x2"`` (16-bit operands: ``dot_split16``
-    with F in three / two terms)."""
+    streaming fp32 dots, or ``"split16"`` (16-bit operands: ``dot_split16``)."""
     block_p: int = 128
     group: int = 0
     split: int = 0
@@ -370,9 +361,6 @@ def _plan(K, S, npos, c_contig, n_sm, bwd, cfg: OftCfg):
 #: ``dot_prec`` of the 16-bit split (``dot_split16``): taken where the streamed operands are
 #: 16-bit (x, and G of x's dtype in the backward); fp32 operands use "tf32x3"
 SPLIT16 = "split16"
-#: ``dot_prec`` of split16 with F in two 16-bit terms (two dots per tile; diag-OFT only): F
-#: to 16 significant bits in bf16 (22 in fp16), an order below the 16-bit output's rounding
-SPLIT16X2 = "split16x2"
 #: ``dot_prec`` of the 16-bit-output BOFT configs: fp32 scratch operands take three bf16 dots
 #: (``dot_x3``, ~2^-16 relative, an order below a 16-bit output's rounding); 16-bit streams
 #: take split16
@@ -384,13 +372,11 @@ def dot_mode(dot_prec: str, *streams: torch.Tensor) -> dict:
     """The stream kernels' dot constexprs (DOT_PREC, SPLIT, DOT) for a config's ``dot_prec``
     and the tensors a kernel streams: split16 where they are all of one 16-bit dtype."""
     dt = streams[0].dtype
-    if dot_prec in (SPLIT16, SPLIT16X2, BF16X3) and dt in _HALF and all(t.dtype == dt for t in streams):
-        if dot_prec == SPLIT16X2:
-            return dict(DOT_PREC="tf32x3", SPLIT=True, DOT=dot_dtype(dt), TERMS=2)
+    if dot_prec in (SPLIT16, BF16X3) and dt in _HALF and all(t.dtype == dt for t in streams):
         return dict(DOT_PREC="tf32x3", SPLIT=True, DOT=dot_dtype(dt))
     if dot_prec == BF16X3:
         return dict(DOT_PREC="tf32x3", SPLIT=False, DOT=dot_dtype(torch.bfloat16), X3=True)
-    return dict(DOT_PREC="tf32x3" if dot_prec in (SPLIT16, SPLIT16X2) else dot_prec, SPLIT=False, DOT=tl.float32)
+    return dict(DOT_PREC="tf32x3" if dot_prec == SPLIT16 else dot_prec, SPLIT=False, DOT=tl.float32)
 
 
 def _oft_axis(x, weight):
