@@ -236,7 +236,7 @@ def specs(dev, calls):
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    geo, gen = S.SHAPES["tiny"], torch.Generator(device=dev).manual_seed(0)
+    geo, gen = S.SHAPES["tiny"], torch.Generator().manual_seed(0)  # specs draw on the CPU, then move
     a, b = torch.randn(geo.N, geo.D, device=dev), torch.randn(geo.N, geo.D, device=dev)
     ref = per_call_us(lambda: torch.add(a, b), calls, sync)
     replay = dev.type == "cuda" and hasattr(_C, "_launch_plan_stats")

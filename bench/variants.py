@@ -28,7 +28,9 @@ SHAPES = {  # family -> shape name -> geometry
     "tucker": {"small": dict(D=3072, R=32, Kk=9), "large": dict(D=4096, R=64, Kk=9), "smoke": dict(D=40, R=5, Kk=9)},
     "boft": {"small": dict(P=8192, D=3072, s=24), "large": dict(P=32768, D=4096, s=32),
              "smoke": dict(P=24, D=48, s=6)},
-    "oft": {"small": dict(P=8192, D=3072, S=32), "large": dict(P=32768, D=4096, S=32), "smoke": dict(P=40, D=64, S=8)},
+    # "tile": one position tile per program at the large width: the fixed part (Cayley rebuild, launch)
+    "oft": {"small": dict(P=8192, D=3072, S=32), "large": dict(P=32768, D=4096, S=32), "smoke": dict(P=40, D=64, S=8),
+            "tile": dict(P=640, D=4096, S=32)},
 }
 
 
@@ -82,7 +84,7 @@ def oft(geo, dtype, dev, gen):
     P, D, S = geo["P"], geo["D"], geo["S"]
     blocks = _rand(gen, (D // S, S, S), dtype, dev, 0.02)
     x, g = _rand(gen, (P, D), dtype, dev), _rand(gen, (P, D), dtype, dev)
-    small = P < 4096
+    small = D < 1024  # smoke sizes (the "tile" shape keeps the real tiles)
     base = TO.OftCfg(block_p=16 if small else 128, bwd_block_p=16 if small else 64, num_warps=4, num_stages=2,
                      dot_prec=TO.SPLIT16)
     variants = [("base split16", {}), ("tf32x3", dict(dot_prec="tf32x3")), ("group 64", dict(group=64)),
