@@ -230,6 +230,7 @@ def specs(dev, calls):
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import specs as S  # noqa: E402
+    import timing as T  # noqa: E402
 
     from lycoris_ops import _C, _launch_record
     from lycoris_ops.plans import tune
@@ -238,7 +239,7 @@ def specs(dev, calls):
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     geo, gen = S.SHAPES["tiny"], torch.Generator().manual_seed(0)  # specs draw on the CPU, then move
     a, b = torch.randn(geo.N, geo.D, device=dev), torch.randn(geo.N, geo.D, device=dev)
-    ref = per_call_us(lambda: torch.add(a, b), calls, sync)
+    ref = T.host_time(lambda: torch.add(a, b), dev, n=50, rounds=max(5, calls // 50)) * 1e6
     replay = dev.type == "cuda" and hasattr(_C, "_launch_plan_stats")
     print(f"host us/call, bench specs at N{geo.N} D{geo.D} r{geo.r} {dtype} (inputs require grad); "
           f"torch.add {ref:.1f} us")
@@ -246,7 +247,9 @@ def specs(dev, calls):
     for spec in S.SPECS:
         inp = spec.build(geo, dtype, dev, gen)
         ts = [t.requires_grad_(k in spec.grads) for k, t in inp.items()]
-        us = per_call_us(lambda: spec.ours(*ts), calls, sync)
+        # bench.py's measure: 50 calls a round, few enough that the launch queue never fills
+        # (thousands back to back time the GPU for a multi-launch op, not the host)
+        us = T.host_time(lambda: spec.ours(*ts), dev, n=50, rounds=max(5, calls // 50)) * 1e6
         stats = _C._launch_plan_stats(f"lycoris::{spec.op}") if replay else ("-", "-", "-")
         why = _launch_record.refusals.get(spec.op, "")
         picks = [f"{k.split('|')[2]}={_pick_label(r.get('config'))}" for k, r in tune.table().rows.items()
