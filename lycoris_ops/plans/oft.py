@@ -51,13 +51,13 @@ def version() -> str:
     return tune.source_version(_tl(), triton_module("_cayley"))
 
 
-def _group(K, S, c_contig, group, sm, bp, npos):
+def _group(K, S, c_contig, group, sm, bp, npos, bwd):
     SP = p2(S)
     want = group or (32 if c_contig else 16)
     NB = max(1, max(16, want) // SP)
     n_groups = cdiv(K, NB)
     n_tiles = cdiv(npos, bp)
-    split = max(1, min(cdiv(4 * sm, max(1, n_groups)), n_tiles))
+    split = max(1, min(_tl().auto_split(n_groups, sm, bwd), n_tiles))  # the launcher's own rule
     return SP, NB, NB * SP, n_groups, n_tiles, split
 
 
@@ -72,7 +72,7 @@ def _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen=None):
 
     def work(c):
         bp = c["bwd_block_p"] if bwd else c["block_p"]
-        SP, NB, GP, n_groups, n_tiles, split = _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos)
+        SP, NB, GP, n_groups, n_tiles, split = _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd)
         sig = (NB, bp, c["num_warps"], c["num_stages"])
         if seen is not None and seen.setdefault(sig, id(c)) != id(c):
             return None
@@ -103,7 +103,7 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
 
     def geometry(c):  # (NB, positions per tile) of the streaming kernel
         bp = c["bwd_block_p"] if bwd else c["block_p"]
-        return _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos)[1], bp
+        return _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd)[1], bp
 
     def compiles_ok(c):  # streamed tiles (x; G and x in the backward) within STREAM_TILE_MAX
         NB, bp = geometry(c)

@@ -61,7 +61,7 @@ import triton.language as tl
 from ._common import cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, block_diag, cayley_grad, skew_system
 
-__all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view"]
+__all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view", "auto_split"]
 
 #: largest block size S the kernels take (padded to a power of two)
 MAX_BLOCK = 64
@@ -353,9 +353,22 @@ def _plan(K, S, npos, c_contig, n_sm, bwd, cfg: OftCfg):
     n_groups = cdiv(K, NB)
     bp = cfg.bwd_block_p if bwd else cfg.block_p
     n_tiles = cdiv(npos, bp)
-    split = cfg.split or max(1, cdiv(4 * n_sm, max(1, n_groups)))
-    split = max(1, min(split, n_tiles))
+    split = max(1, min(cfg.split or auto_split(n_groups, n_sm, bwd), n_tiles))
     return NB, SP, n_groups, n_tiles, split, bp
+
+
+#: resident stream programs per SM (H200, 32-row groups, 16-bit x: bench/variants.py oft,
+#: 2026-12-01 11:31): the forward's 4, the backward's 3 (its GP x GP accumulator)
+WAVE_FWD, WAVE_BWD = 4, 3
+
+
+def auto_split(n_groups: int, n_sm: int, bwd: bool) -> int:
+    """Programs per channel group along the positions: as many as fill ONE wave of resident
+    programs. Every program first rebuilds its group's Cayley factor (tens of microseconds
+    of serial Gauss-Jordan steps with the memory idle), so a second, partial wave pays that
+    again: at 32768x4096, S 32, bf16, 5 programs per group (640, a wave and a fifth) took
+    0.216 ms forward and 4 (512) 0.206; the backward 0.484 at 5 and 0.406 at 3."""
+    return max(1, ((WAVE_BWD if bwd else WAVE_FWD) * n_sm) // max(1, n_groups))
 
 
 #: ``dot_prec`` of the 16-bit split (``dot_split16``): taken where the streamed operands are
