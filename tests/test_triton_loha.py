@@ -106,6 +106,26 @@ def test_bypass(dtype, strategy):
         close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name}")
 
 
+@pytest.mark.parametrize("with_base", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+def test_bypass_fwd_vendor_gemm(dtype, with_base):
+    """``vendor=True``: ΔW by the tile kernel, then the eager body's GEMM (γ and base in its
+    epilogue); non-contiguous x and base, odd sizes; against the fp64 oracle and the eager body."""
+    from lycoris_ops.reference import loha as RL
+
+    g = gen(13)
+    x = mk((T, I), dtype, g, nc=True)
+    a1, b1, a2, b2 = factors(dtype, g)
+    base = mk((T, O), dtype, g, nc=True) if with_base else None
+    cd = cd_of(x, a1, b1, a2, b2)
+    got = TH.bypass_fwd(x, a1, b1, a2, b2, GAMMA, base, TH.ApplyCfg(strategy="materialize", **SMALL), vendor=True)
+    ref = RL.loha_bypass_fwd(x, a1, b1, a2, b2, GAMMA, base)
+    want = o_bypass(*[d64(t, cd) for t in (x, a1, b1, a2, b2)], GAMMA, None if base is None else d64(base, torch.float64))
+    assert got.shape == (T, O) and got.dtype == ref.dtype and got.is_contiguous()
+    close(got, want, REL_TOL[dtype], "vendor bypass fwd")
+    close(got, ref.double(), REL_TOL[dtype], "vendor bypass fwd vs the eager body")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 def test_bypass_bwd_vendor_gemms(dtype):
     """``vendor=True``: gx and GW by torch's GEMM (the eager body's rounding), ΔW and the
@@ -120,13 +140,14 @@ def test_bypass_bwd_vendor_gemms(dtype):
     ops64 = [d64(t, cd) for t in (x, a1, b1, a2, b2)]
     ps = [t.clone().requires_grad_() for t in ops64]
     o_bypass(*ps, GAMMA).backward(d64(grad, cd))
-    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, TH.ApplyCfg(strategy="materialize", **SMALL),
-                        TH.GradCfg(block_m=16, block_n=16, split=2), None, vendor=True)
     ref = RL.loha_bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA)
-    for name, gt, p, src, r in zip(("gx", "g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (x, a1, b1, a2, b2), ref):
-        assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
-        close(gt, p.grad, REL_TOL[dtype], f"vendor bwd {name}")
-        close(gt, r.double(), REL_TOL[dtype], f"vendor bwd {name} vs the eager body")
+    for merge_vendor in (False, True):  # the factor gradients by the fused jobs / the merge's vendor path
+        got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, TH.ApplyCfg(strategy="materialize", **SMALL),
+                            TH.GradCfg(block_m=16, block_n=16, split=2), None, vendor=True, merge_vendor=merge_vendor)
+        for name, gt, p, src, r in zip(("gx", "g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (x, a1, b1, a2, b2), ref):
+            assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
+            close(gt, p.grad, REL_TOL[dtype], f"vendor bwd {name} (merge vendor {merge_vendor})")
+            close(gt, r.double(), REL_TOL[dtype], f"vendor bwd {name} vs the eager body")
 
 
 def test_bypass_promotion_ops_and_large_rank():

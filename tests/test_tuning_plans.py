@@ -57,7 +57,7 @@ def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
             continue
         done.add(case.op)
         got = pm.KWARGS[case.op](*args)
-        assert tune.is_eager(got) or (isinstance(got, dict) and set(got) <= {"cfg", "grad_cfg", "gw_cfg", "vendor"}), got
+        assert tune.is_eager(got) or (isinstance(got, dict) and set(got) <= {"cfg", "grad_cfg", "gw_cfg", "vendor", "merge_vendor"}), got
         # the exact-argument front cache answers the next call
         assert pm.KWARGS[case.op](*args) is got
         # plans.tuned: the op-set entry point (picked config or eager), equal to eager
@@ -152,11 +152,39 @@ def test_loha_bypass_bwd_vendor_candidate_at_large_16bit_shapes():
                               (64, 256, 8, torch.bfloat16, 0), (8192, 3072, 32, torch.float32, 0)):
         d = P._bypass_bwd_default(TL, T, D, R, dt)
         plan = P.plan_bypass_bwd(dev, T, D, D, R, dt, dt, dt, default=d)
-        vendor = [c for c in plan.candidates if isinstance(c, dict) and c.get("vendor")]
+        vendor = [c for c in plan.candidates if isinstance(c, dict) and c.get("vendor") and not c.get("merge_vendor")]
         assert len(vendor) == want and plan.candidates[-1] == tune.SENTINEL_EAGER
         assert not plan.candidates[0].get("vendor") and len(plan.predicted) == len(plan.candidates)
         if want:
             assert vendor[0]["cfg"]["strategy"] == "materialize"
+
+
+def test_loha_bypass_vendor_candidates_at_large_16bit_shapes():
+    """The forward's vendor twin (ΔW by the tile kernel, the T·O·I GEMM by cuBLAS) where that
+    GEMM is long (16-bit, T·O·I >= VENDOR_MIN_MACS), materializing, before eager and never
+    first, its launch kwargs carrying ``vendor``; the backward's second vendor twin also takes
+    the merge's vendor path where O·I·R >= MERGE_VENDOR_MIN_MACS."""
+    from lycoris_ops.plans import loha as P
+    from lycoris_ops.triton import loha as TL
+
+    dev = device.synthetic()
+    for T, D, R, dt, want, want_merge in ((32768, 4096, 64, torch.bfloat16, 1, 1), (8192, 3072, 32, torch.float16, 1, 1),
+                                          (8192, 1024, 8, torch.bfloat16, 1, 0), (64, 256, 8, torch.bfloat16, 0, 0),
+                                          (8192, 3072, 32, torch.float32, 0, 0)):
+        plan = P.plan_bypass_fwd(dev, T, D, D, R, dt, dt, dt, True, default=P._apply_default(TL, T, R, dt))
+        vendor = [c for c in plan.candidates if isinstance(c, dict) and c.get("vendor")]
+        assert len(vendor) == want and plan.candidates[-1] == tune.SENTINEL_EAGER
+        assert not plan.candidates[0].get("vendor") and len(plan.predicted) == len(plan.candidates)
+        if want:
+            assert vendor[0]["strategy"] == "materialize"
+            kw = P._bypass_fwd_launch(TL, vendor[0])
+            assert kw["vendor"] is True and kw["cfg"].strategy == "materialize"
+            assert "vendor" not in P._bypass_fwd_launch(TL, plan.candidates[0])
+        d = P._bypass_bwd_default(TL, T, D, R, dt)
+        bwd = P.plan_bypass_bwd(dev, T, D, D, R, dt, dt, dt, default=d)
+        merge = [c for c in bwd.candidates if isinstance(c, dict) and c.get("merge_vendor")]
+        assert len(merge) == want_merge and all(c["vendor"] for c in merge)
+        assert bwd.candidates[-1] == tune.SENTINEL_EAGER and len(bwd.predicted) == len(bwd.candidates)
 
 
 def test_loha_merge_bwd_vendor_candidate():

@@ -95,9 +95,14 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     eager = eager_time(dev, [(2 * (O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * 12, 0),
                        (O * I * (4 + e), 0), (T * I * ex + O * I * e + T * O * 4, 2.0 * T * O * I),
                        (T * O * (4 + eo) * (2 if has_base else 1), 0)], tc=tc)
-    return make_plan("loha_bypass_fwd", rank(_apply_configs(dev, T, R, tc), work, dev),
+    plan = make_plan("loha_bypass_fwd", rank(_apply_configs(dev, T, R, tc), work, dev),
                      tile_axes=("strategy", "block_m", "block_n", "block_k"), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
+    if tc and T * O * I >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+        # ΔW by the tile kernel, the T·O·I GEMM by cuBLAS (triton/loha.bypass_fwd(vendor=True)):
+        # timed against eager, never the untimed pick
+        add_before_eager(plan, {**plan.candidates[0], "strategy": "materialize", "vendor": True})
+    return plan
 
 
 def _grad_configs(dev: DeviceFacts, tc: bool):
@@ -209,7 +214,10 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
         # the two T·O·I GEMMs by cuBLAS, the rest fused (triton/loha.bypass_bwd(vendor=True)): timed
         # against eager, never the untimed pick; its ΔW tile kernel is the first candidate's
         first = plan.candidates[0]
-        add_before_eager(plan, {**first, "cfg": {**first["cfg"], "strategy": "materialize"}, "vendor": True})
+        vendor = {**first, "cfg": {**first["cfg"], "strategy": "materialize"}, "vendor": True}
+        add_before_eager(plan, vendor)
+        if O * I * R >= MERGE_VENDOR_MIN_MACS:  # and the factor gradients by the merge's vendor path
+            add_before_eager(plan, {**vendor, "merge_vendor": True})
     return plan
 
 
@@ -373,7 +381,13 @@ def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
                                 default=_apply_default(TL, T, R, compute)),
         lambda kw: launch("loha_bypass_fwd", x, a1, b1, a2, b2, gamma, base, **kw),
         lambda: reference_module(FAMILY).loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.ApplyCfg(**c)}, front=(_F_BFWD, fk))
+        device=dev, version=version(), resolve=lambda c: _bypass_fwd_launch(TL, c), front=(_F_BFWD, fk))
+
+
+def _bypass_fwd_launch(TL, c):
+    """Launcher kwargs of a bypass-forward candidate: its ApplyCfg, and ``vendor`` when set."""
+    cfg = TL.ApplyCfg(**{k: v for k, v in c.items() if k != "vendor"})
+    return {"cfg": cfg, "vendor": True} if c.get("vendor") else {"cfg": cfg}
 
 
 def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
@@ -401,7 +415,8 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
         resolve=lambda c: {"cfg": TL.ApplyCfg(**c["cfg"]),
                            "grad_cfg": None if c.get("grad_cfg") is None else TL.GradCfg(**c["grad_cfg"]),
                            "gw_cfg": None if c.get("gw_cfg") is None else TL.ApplyCfg(**c["gw_cfg"]),
-                           **({"vendor": True} if c.get("vendor") else {})},
+                           **({"vendor": True} if c.get("vendor") else {}),
+                           **({"merge_vendor": True} if c.get("merge_vendor") else {})},
         front=(_F_BBWD, fk))
 
 

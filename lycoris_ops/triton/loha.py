@@ -28,13 +28,16 @@ Passes per op
     launch, ΔW never reaches memory. ``materialize`` (many token tiles, or a
     padded rank > 128): ΔW (O, I) built once in the compute dtype (1 launch),
     then a GEMM with γ and base in the epilogue (1 launch) - the regenerating
-    kernel repeats the ΔW work per token tile (≈ 2r/BM extra flops).
+    kernel repeats the ΔW work per token tile (≈ 2r/BM extra flops). ``vendor``:
+    the materialized ΔW, then the eager body's cuBLAS GEMM (γ, base, rounding in
+    its epilogue).
 ``loha_merge_bwd``: 2 launches (g_a job, g_b job), + 1 reduce each when split; or
     (``vendor``) one pass writing E1, E2 (``_hada_e_kernel``) and four torch GEMMs.
 ``loha_bypass_bwd``: gx = γ·G·ΔW (ΔW regenerated as (b·a)ᵀ tiles, or the
     materialized ΔW: +1 launch), GW = round(Gᵀ·x) (O, I) (1 GEMM launch, the
     only intermediate), then the two merge-backward launches on GW (+ reduces).
-    G is read twice (gx, GW), x once.
+    G is read twice (gx, GW), x once. ``vendor``: the two large GEMMs by torch's
+    (cuBLAS), ΔW by the tile kernel; ``merge_vendor``: the merge backward's vendor path.
 
 Limits: the regenerating kernels (bypass regen, merge backward) hold the whole
 padded rank: ``pow2(r, ≥16) <= 128`` (``supported``); the bypass ops fall back
@@ -335,15 +338,27 @@ def _bypass_fwd_plan(T, O, I, R, views, has_base, compute, device, cfg: ApplyCfg
     return regen, idx64, grid, meta
 
 
-def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg: Optional[ApplyCfg] = None):
-    """``Y = γ·x·ΔWᵀ (+ base)``, ΔW = round((a1·b1)⊙(a2·b2)); output (T, O)."""
+def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg: Optional[ApplyCfg] = None, vendor: bool = False):
+    """``Y = γ·x·ΔWᵀ (+ base)``, ΔW = round((a1·b1)⊙(a2·b2)); output (T, O).
+
+    ``vendor``: ΔW materialized by the Triton tile kernel, then the eager body's GEMM (one
+    cuBLAS call with γ, the base add and the rounding in its epilogue on CUDA) instead of
+    the fused one: where cuBLAS beats the fused GEMM and the eager body's fp32 rebuild of ΔW
+    costs more than the tile kernel (a tuner candidate at large shapes)."""
     T, I = x.shape
     O, R = a1.shape
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
-    y = torch.empty((T, O), device=x.device, dtype=x.dtype if base is None else base.dtype)
+    out_dtype = x.dtype if base is None else base.dtype
+    cfg = cfg or ApplyCfg()
+    if vendor and T and O and I and R:
+        from ..reference import cast, gemm_epilogue
+
+        idx64 = needs_idx64(*[v for v in view_key(x, a1, b1, a2, b2, base) if v is not None])
+        dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg)
+        return gemm_epilogue(cast(x, compute), dw.t(), out_dtype, gamma, base).contiguous()
+    y = torch.empty((T, O), device=x.device, dtype=out_dtype)
     if y.numel() == 0:
         return y
-    cfg = cfg or ApplyCfg()
     regen, idx64, grid, meta = _bypass_fwd_plan(
         T, O, I, R, view_key(x, a1, b1, a2, b2, base), base is not None, compute, x.device, cfg)
     bb = y if base is None else base
@@ -462,7 +477,8 @@ def _bypass_bwd_plan(T, O, I, R, views, compute, device, cfg: ApplyCfg, gw_cfg: 
 
 
 def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
-               grad_cfg: Optional[GradCfg] = None, gw_cfg: Optional[ApplyCfg] = None, vendor: bool = False):
+               grad_cfg: Optional[GradCfg] = None, gw_cfg: Optional[ApplyCfg] = None, vendor: bool = False,
+               merge_vendor: bool = False):
     """(gx (T, I) in x's dtype, g_a1, g_b1, g_a2, g_b2 in their inputs' dtypes).
 
     ``cfg``: the gx GEMM (and ΔW materialization); ``gw_cfg``: the GW = Gᵀ·x GEMM's tiles
@@ -470,7 +486,9 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
     ``vendor``: the two large GEMMs (gx = γ·G·ΔW, GW = Gᵀ·x, each T·O·I) by torch's GEMM
     (cuBLAS) exactly as the eager body rounds them, ΔW materialized and the factor gradients
     by the Triton kernels: where cuBLAS beats the fused GEMMs and the eager body's fp32
-    elementwise passes cost more than these kernels (a tuner candidate at large shapes)."""
+    elementwise passes cost more than these kernels (a tuner candidate at large shapes).
+    ``merge_vendor``: the factor gradients by ``merge_bwd(vendor=True)`` (its four
+    contractions by torch's GEMM)."""
     T, I = x.shape
     O, R = a1.shape
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
@@ -483,7 +501,7 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
         dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg or ApplyCfg())
         gx = gemm_epilogue(g, dw, x.dtype, gamma).contiguous()
         gw = mm32(g.t(), cast(x, compute)).to(compute)
-        return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg)
+        return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg, vendor=merge_vendor)
     gx = torch.empty((T, I), device=dev, dtype=x.dtype)
     gw = torch.empty((O, I), device=dev, dtype=compute)
     idx64, regen, (grid, meta), (grid_w, meta_w) = _bypass_bwd_plan(
@@ -508,7 +526,7 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
         fast(_hada_apply_kernel)[grid_w](
             grad, x, x, x, x, gw, gw, O, I, T, R, 1.0, grad.stride(1), grad.stride(0),
             x.stride(1), x.stride(0), 0, 0, 0, 0, 0, 0, 0, 0, gw.stride(0), gw.stride(1), **meta_w)
-    return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg)
+    return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg, vendor=merge_vendor)
 
 
 # =============================================================================== op set (schema signatures)
