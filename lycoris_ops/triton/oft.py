@@ -10,7 +10,8 @@ Geometry: x is seen as (pre, C, post) with C = K·S the rotated axis; the
 *positions* are the pre·post (column / token / pixel) indices. A program owns a
 *group* of NB consecutive blocks (GP = NB·SP channel rows, SP = S padded to a
 power of two, NB chosen so GP >= 16 for ``tl.dot`` — 32 when the channels are
-the contiguous axis, for coalescing) and a share of the positions.
+the contiguous axis, for coalescing) and a share of the positions (as many shares
+per group as fill one wave of resident programs: ``auto_split``).
 
 Cayley in registers: every program rebuilds the fp32 Cayley factors of its
 blocks from the fp32-upcast raw blocks (batched Gauss–Jordan, SP steps,
@@ -303,8 +304,9 @@ class OftCfg(NamedTuple):
     """Launch parameters: ``block_p`` positions per tile, ``group``: minimum channel
     rows per program (>= 16; 0 = automatic: 32 when the channels are contiguous
     in memory, else 16), ``split``: programs per group along the positions
-    (0 = automatic, to fill the GPU), ``dot_prec``: input_precision of the
-    streaming fp32 dots, or ``"split16"`` (16-bit operands: ``dot_split16``)."""
+    (0 = automatic: one wave of resident programs, ``auto_split``), ``dot_prec``:
+    input_precision of the streaming fp32 dots, or ``"split16"`` (16-bit operands:
+    ``dot_split16``)."""
     block_p: int = 128
     group: int = 0
     split: int = 0
