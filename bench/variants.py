@@ -89,7 +89,8 @@ def oft(geo, dtype, dev, gen):
                      dot_prec=TO.SPLIT16)
     variants = [("base split16", {}), ("tf32x3", dict(dot_prec="tf32x3")), ("group 64", dict(group=64)),
                 ("group 64 s3", dict(group=64, num_stages=3)), ("block_p x2", dict(block_p=2 * base.block_p)),
-                ("8 warps", dict(num_warps=8))] + [(f"split {n}", dict(split=n)) for n in (2, 3, 4)]
+                ("8 warps", dict(num_warps=8))] + [(f"split {n}", dict(split=n)) for n in (2, 3, 4)] + \
+        [("gj aug", dict(gj_aug=True)), ("gj aug group 64 s3", dict(gj_aug=True, group=64, num_stages=3))]
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
         c = base._replace(**kw)

@@ -300,6 +300,12 @@ def _key(blocks, x, rescale, weight, extra):
     return K, S, npos, c_contig, key
 
 
+
+def _default_cfg(TL) -> dict:
+    """The launcher's default config as a candidate (``gj_aug`` is an A/B switch of
+    bench/variants.py, not a tuned axis)."""
+    return {k: v for k, v in as_dict(TL.OftCfg()).items() if k != "gj_aug"}
+
 def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
     """Launcher kwargs for ``triton.oft.oft_fwd`` (or SENTINEL_EAGER)."""
     dev = x.device
@@ -313,7 +319,7 @@ def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
     TL = _tl()
     return tune.pick(
         "oft_fwd", BACKEND, key,
-        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.OftCfg())),
+        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=_default_cfg(TL)),
         lambda kw: launch("oft_fwd", blocks, x, rescale, cscale, shift, weight, **kw),
         lambda: reference_module(FAMILY).oft_fwd(blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_FWD, fk))
@@ -332,7 +338,7 @@ def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
     TL = _tl()
     return tune.pick(
         "oft_bwd", BACKEND, key,
-        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.OftCfg())),
+        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=_default_cfg(TL)),
         lambda kw: launch("oft_bwd", grad, blocks, x, rescale, cscale, shift, weight, **kw),
         lambda: reference_module(FAMILY).oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_BWD, fk))
