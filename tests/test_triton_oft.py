@@ -242,6 +242,26 @@ def test_boft(dtype, layout, dot_prec):
     assert rel_err(gb, gb0) < 1e-4
 
 
+@pytest.mark.parametrize("layout", [BOFT_LAYOUTS[2], BOFT_LAYOUTS[3]], ids=lambda c: c[0])
+def test_boft_gj_aug_same_result(layout):
+    """``gj_aug`` in the Cayley launch: the same bits under the interpreter (on a GPU within
+    fp32 rounding), forward and backward."""
+    cid, m, nb, s, xshape, axis, max_group = layout
+    gen = torch.Generator().manual_seed(9)
+    blocks = _make((m, nb, s, s), torch.float32, gen, scale=0.4)
+    x = _make(xshape, torch.bfloat16, gen)
+    grad = _make(xshape, torch.bfloat16, gen)
+    base = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2)
+    outs = [(TB.boft_fwd(blocks, x, axis, 0.7, 0.6, None, True, cfg=c),) + TB.boft_bwd(grad, blocks, x, axis, 0.7, 0.6,
+                                                                                       cfg=c)
+            for c in (base, base._replace(gj_aug=True))]
+    for a, b in zip(*outs):
+        if DEV == "cpu":
+            assert torch.equal(a, b)
+        else:
+            assert rel_err(a, b) < 1e-6
+
+
 def test_boft_bf16x3_takes_its_own_dots():
     """bf16x3 on the fp32 scratch is a different rounding from tf32x3 (so the X3 path ran),
     within 2^-12 of it; fp32 x keeps tf32x3 bit for bit."""
@@ -312,6 +332,7 @@ _COMPILE = textwrap.dedent("""
                                   **split16), bf)
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=1, SP=32, AUG=True), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
     build(B._boft_cayley, dict(NBB=2, SP=32), {"blocks_ptr": "*bf16"})
+    build(B._boft_cayley, dict(NBB=2, SP=32, AUG=True), {"blocks_ptr": "*bf16"})
     build(B._boft_segmat, dict(HP=16, SP=32, NB=2), num_warps=16)
     build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, MODE=1, IDX64=False,
                                 HP=2, SP=4, NB=8, BLOCK_P=128, **fp32_dots), bf)
@@ -339,4 +360,4 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 19
+    assert r.stdout.count("ok ") == 20

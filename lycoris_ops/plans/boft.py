@@ -251,6 +251,12 @@ def launch(op: str, *args, **kw):
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
+
+def _default_cfg(TL) -> dict:
+    """The launcher's default config as a candidate (``gj_aug`` is an A/B switch of
+    bench/variants.py, not a tuned axis)."""
+    return {k: v for k, v in as_dict(TL.BoftCfg()).items() if k != "gj_aug"}
+
 def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
     """Launcher kwargs for ``triton.boft.boft_fwd`` (or SENTINEL_EAGER)."""
     dev = x.device
@@ -268,7 +274,7 @@ def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
     return tune.pick(
         "boft_fwd", BACKEND, key,
         lambda: plan_boft_fwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_dict(TL.BoftCfg())),
+                              default=_default_cfg(TL)),
         lambda kw: launch("boft_fwd", blocks, x, axis, cscale, scale, rescale, diff, **kw),
         lambda: reference_module(FAMILY).boft_fwd(blocks, x, axis, cscale, scale, rescale, diff),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_FWD, fk))
@@ -290,7 +296,7 @@ def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
     return tune.pick(
         "boft_bwd", BACKEND, key,
         lambda: plan_boft_bwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_dict(TL.BoftCfg())),
+                              default=_default_cfg(TL)),
         lambda kw: launch("boft_bwd", grad, blocks, x, axis, cscale, scale, **kw),
         lambda: reference_module(FAMILY).boft_bwd(grad, blocks, x, axis, cscale, scale),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_BWD, fk))
