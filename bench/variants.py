@@ -70,7 +70,8 @@ def boft(geo, dtype, dev, gen):
     variants = [("base tf32x3", {}), ("split16", dict(dot_prec=SPLIT16)), ("bf16x3", dict(dot_prec=BF16X3)),
                 ("chain_warps 8", dict(chain_warps=8)), ("chain_warps 16", dict(chain_warps=16)),
                 ("max_group /2", dict(max_group=base.max_group // 2)), ("gj aug", dict(gj_aug=True)),
-                ("bf16x3 gj aug", dict(dot_prec=BF16X3, gj_aug=True))]
+                ("bf16x3 gj aug", dict(dot_prec=BF16X3, gj_aug=True))] + \
+        [(f"bf16x3 split {n}", dict(dot_prec=BF16X3, split=n)) for n in (2, 4, 6)]
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
         c = base._replace(**kw)
