@@ -235,7 +235,6 @@ def specs(dev, calls):
     from lycoris_ops import _C, _launch_record
     from lycoris_ops.plans import tune
 
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     geo, gen = S.SHAPES["tiny"], torch.Generator().manual_seed(0)  # specs draw on the CPU, then move
     a, b = torch.randn(geo.N, geo.D, device=dev), torch.randn(geo.N, geo.D, device=dev)

@@ -30,7 +30,7 @@ import functools
 import importlib
 
 from . import tune
-from ._glue import as_dict, rand, reference_module, triton_module
+from ._glue import as_candidate, rand, reference_module, triton_module
 from .cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
 from .device import DeviceFacts, facts
 from .oft import TL_N, tl_channels_first, tl_plan, with_split16
@@ -251,12 +251,6 @@ def launch(op: str, *args, **kw):
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
-
-def _default_cfg(TL) -> dict:
-    """The launcher's default config as a candidate (``gj_aug`` is an A/B switch of
-    bench/variants.py, not a tuned axis)."""
-    return {k: v for k, v in as_dict(TL.BoftCfg()).items() if k != "gj_aug"}
-
 def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
     """Launcher kwargs for ``triton.boft.boft_fwd`` (or SENTINEL_EAGER)."""
     dev = x.device
@@ -274,7 +268,7 @@ def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
     return tune.pick(
         "boft_fwd", BACKEND, key,
         lambda: plan_boft_fwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=_default_cfg(TL)),
+                              default=as_candidate(TL.BoftCfg(), "gj_aug")),
         lambda kw: launch("boft_fwd", blocks, x, axis, cscale, scale, rescale, diff, **kw),
         lambda: reference_module(FAMILY).boft_fwd(blocks, x, axis, cscale, scale, rescale, diff),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_FWD, fk))
@@ -296,7 +290,7 @@ def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
     return tune.pick(
         "boft_bwd", BACKEND, key,
         lambda: plan_boft_bwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=_default_cfg(TL)),
+                              default=as_candidate(TL.BoftCfg(), "gj_aug")),
         lambda kw: launch("boft_bwd", grad, blocks, x, axis, cscale, scale, **kw),
         lambda: reference_module(FAMILY).boft_bwd(grad, blocks, x, axis, cscale, scale),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_BWD, fk))
