@@ -143,6 +143,7 @@ if [ "$what" != tests ] && [ "${LYCORIS_HOST_PROFILE:-}" != skip ]; then  # host
   echo "== host time per call, replay plans (bench/host_overhead.py)"
   { timeout 120 $py bench/host_overhead.py --calls 3000 && timeout 120 $py bench/host_overhead.py --ops --calls 2000 \
     && timeout 120 $py bench/host_overhead.py --fb --calls 2100 \
+    && timeout 120 $py bench/host_overhead.py --specs --calls 500 \
     && { [ "$what" = verify ] || timeout 240 $py bench/host_overhead.py --plans; }; } \
     >"$work/host_overhead.log" 2>&1
   echo "host_overhead: exit $?" >>"$work/status"

@@ -13,7 +13,7 @@ one-op ``autograd.Function``. ``--layers`` times instead the forward+backward of
 adapter layers (a plain ``nn.Linear``, ``lycoris_ops.nn`` LoRA and DoRA, PEFT's DoRA when
 PEFT is installed), best of five rounds.
 
-    python bench/host_overhead.py [--device cpu|cuda] [--calls 3000] [--layers | --plans | --ops | --fb]
+    python bench/host_overhead.py [--device cpu|cuda] [--calls 3000] [--layers | --plans | --ops | --specs | --fb]
 """
 import argparse
 import time
@@ -56,18 +56,33 @@ def probe_ops():
     return P.noop, P.noop_torch_ag, P.noop_lycoris_py, P.noop_lycoris_ag
 
 
-def per_call_us(fn, calls, sync, rounds=5, warmup=200):
-    """Best of ``rounds`` rounds of ``calls / rounds`` calls (the machines are shared)."""
+#: calls enqueued back to back between two (untimed) drains of the GPU: few enough launches
+#: in flight that the launch queue never fills (a full queue blocks the host, and the
+#: timing would then be the GPU's pace, not the host's)
+CHUNK = 32
+
+
+def per_call_us(fn, calls, sync, rounds=5, warmup=200, chunk=CHUNK):
+    """Host microseconds per call: best of ``rounds`` rounds of ``calls / rounds`` calls (the
+    machines are shared), each round timed in chunks of ``chunk`` calls with the GPU drained,
+    untimed, before each chunk: a call whose kernels outlast its host time (BOFT's Cayley
+    launch, a backward's several kernels) is still timed on the host."""
     for _ in range(warmup):
         fn()
     sync()
     n, best = max(1, calls // rounds), float("inf")
     for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        sync()
-        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+        spent, done = 0.0, 0
+        while done < n:
+            k = min(chunk, n - done)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                fn()
+            spent += time.perf_counter() - t0
+            done += k
+        best = min(best, spent / n * 1e6)
+    sync()
     return best
 
 
