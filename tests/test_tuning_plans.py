@@ -177,9 +177,9 @@ def test_loha_bypass_vendor_candidates_at_large_16bit_shapes():
         assert not plan.candidates[0].get("vendor") and len(plan.predicted) == len(plan.candidates)
         if want:
             assert vendor[0]["strategy"] == "materialize"
-            kw = P._bypass_fwd_launch(TL, vendor[0])
+            kw = P._vendor_launch(TL.ApplyCfg, vendor[0])
             assert kw["vendor"] is True and kw["cfg"].strategy == "materialize"
-            assert "vendor" not in P._bypass_fwd_launch(TL, plan.candidates[0])
+            assert "vendor" not in P._vendor_launch(TL.ApplyCfg, plan.candidates[0])
         d = P._bypass_bwd_default(TL, T, D, R, dt)
         bwd = P.plan_bypass_bwd(dev, T, D, D, R, dt, dt, dt, default=d)
         merge = [c for c in bwd.candidates if isinstance(c, dict) and c.get("merge_vendor")]
@@ -203,6 +203,6 @@ def test_loha_merge_bwd_vendor_candidate():
         assert not plan.candidates[0].get("vendor") and len(plan.predicted) == len(plan.candidates)
         if want:
             assert vendor[0] == {**plan.candidates[0], "vendor": True}
-            kw = P._merge_bwd_launch(TL, vendor[0])
+            kw = P._vendor_launch(TL.GradCfg, vendor[0])
             assert kw["vendor"] is True and isinstance(kw["cfg"], TL.GradCfg)
-            assert "vendor" not in P._merge_bwd_launch(TL, plan.candidates[0])
+            assert "vendor" not in P._vendor_launch(TL.GradCfg, plan.candidates[0])

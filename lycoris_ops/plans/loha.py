@@ -381,13 +381,7 @@ def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
                                 default=_apply_default(TL, T, R, compute)),
         lambda kw: launch("loha_bypass_fwd", x, a1, b1, a2, b2, gamma, base, **kw),
         lambda: reference_module(FAMILY).loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
-        device=dev, version=version(), resolve=lambda c: _bypass_fwd_launch(TL, c), front=(_F_BFWD, fk))
-
-
-def _bypass_fwd_launch(TL, c):
-    """Launcher kwargs of a bypass-forward candidate: its ApplyCfg, and ``vendor`` when set."""
-    cfg = TL.ApplyCfg(**{k: v for k, v in c.items() if k != "vendor"})
-    return {"cfg": cfg, "vendor": True} if c.get("vendor") else {"cfg": cfg}
+        device=dev, version=version(), resolve=lambda c: _vendor_launch(TL.ApplyCfg, c), front=(_F_BFWD, fk))
 
 
 def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
@@ -440,12 +434,13 @@ def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
                                default=as_dict(TL.default_grad_cfg(R, compute))),
         lambda kw: launch("loha_merge_bwd", grad, a1, b1, a2, b2, gamma, **kw),
         lambda: reference_module(FAMILY).loha_merge_bwd(grad, a1, b1, a2, b2, gamma),
-        device=dev, version=version(), resolve=lambda c: _merge_bwd_launch(TL, c), front=(_F_MBWD, fk))
+        device=dev, version=version(), resolve=lambda c: _vendor_launch(TL.GradCfg, c), front=(_F_MBWD, fk))
 
 
-def _merge_bwd_launch(TL, c):
-    """Launcher kwargs of a merge-backward candidate: its GradCfg, and ``vendor`` when set."""
-    cfg = TL.GradCfg(**{k: v for k, v in c.items() if k != "vendor"})
+def _vendor_launch(cfg_type, c):
+    """Launcher kwargs of a candidate of the bypass forward (``ApplyCfg``) or the merge
+    backward (``GradCfg``): its config, and ``vendor`` when set."""
+    cfg = cfg_type(**{k: v for k, v in c.items() if k != "vendor"})
     return {"cfg": cfg, "vendor": True} if c.get("vendor") else {"cfg": cfg}
 
 

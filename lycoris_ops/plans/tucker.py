@@ -153,8 +153,7 @@ def tucker_fwd_kwargs(a1, t1, b1, a2, t2, b2, gamma):
     TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "Kk": Kk, "ranks": ranks}, flags={"out": a1.dtype})
     d = TL.default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
-    default = as_dict(TL.TuckerCfg(block_o=d.block_o, block_i=d.block_i, num_warps=d.num_warps,
-                                   num_stages=d.num_stages))
+    default = as_dict(d)
     return tune.pick(
         "lora_tucker_fwd", BACKEND, key,
         lambda: plan_tucker_fwd(facts(dev), O, I, Kk, ranks, compute, a1.dtype, default=default),
