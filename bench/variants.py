@@ -69,8 +69,7 @@ def boft(geo, dtype, dev, gen):
                       num_warps=4, num_stages=2 if small else 3)
     variants = [("base tf32x3", {}), ("split16", dict(dot_prec=SPLIT16)), ("bf16x3", dict(dot_prec=BF16X3)),
                 ("chain_warps 8", dict(chain_warps=8)), ("chain_warps 16", dict(chain_warps=16)),
-                ("max_group /2", dict(max_group=base.max_group // 2)), ("gj aug", dict(gj_aug=True)),
-                ("bf16x3 gj aug", dict(dot_prec=BF16X3, gj_aug=True))] + \
+                ("max_group /2", dict(max_group=base.max_group // 2))] + \
         [(f"bf16x3 split {n}", dict(dot_prec=BF16X3, split=n)) for n in (2, 4, 6)]
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
@@ -91,8 +90,7 @@ def oft(geo, dtype, dev, gen):
                      dot_prec=TO.SPLIT16)
     variants = [("base split16", {}), ("tf32x3", dict(dot_prec="tf32x3")), ("group 64", dict(group=64)),
                 ("group 64 s3", dict(group=64, num_stages=3)), ("block_p x2", dict(block_p=2 * base.block_p)),
-                ("8 warps", dict(num_warps=8))] + [(f"split {n}", dict(split=n)) for n in (2, 3, 4)] + \
-        [("gj aug", dict(gj_aug=True)), ("gj aug group 64 s3", dict(gj_aug=True, group=64, num_stages=3))]
+                ("8 warps", dict(num_warps=8))] + [(f"split {n}", dict(split=n)) for n in (2, 3, 4)]
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
         c = base._replace(**kw)

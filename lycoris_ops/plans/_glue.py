@@ -20,13 +20,6 @@ def as_dict(cfg) -> Optional[Dict[str, Any]]:
     return dict(cfg)
 
 
-def as_candidate(cfg, *switches: str) -> Optional[Dict[str, Any]]:
-    """``as_dict(cfg)`` without the named fields: A/B switches of bench/variants.py that are
-    not tuned axes (the stored candidates never carry them)."""
-    d = as_dict(cfg)
-    return None if d is None else {k: v for k, v in d.items() if k not in switches}
-
-
 _triton_modules: Dict[str, Any] = {}
 
 

@@ -30,7 +30,7 @@ import functools
 import importlib
 
 from . import tune
-from ._glue import as_candidate, rand, reference_module, triton_module
+from ._glue import as_dict, rand, reference_module, triton_module
 from .cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
 from .device import DeviceFacts, facts
 from .oft import TL_N, tl_channels_first, tl_plan, with_split16
@@ -268,7 +268,7 @@ def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
     return tune.pick(
         "boft_fwd", BACKEND, key,
         lambda: plan_boft_fwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_candidate(TL.BoftCfg(), "gj_aug")),
+                              default=as_dict(TL.BoftCfg())),
         lambda kw: launch("boft_fwd", blocks, x, axis, cscale, scale, rescale, diff, **kw),
         lambda: reference_module(FAMILY).boft_fwd(blocks, x, axis, cscale, scale, rescale, diff),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_FWD, fk))
@@ -290,7 +290,7 @@ def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
     return tune.pick(
         "boft_bwd", BACKEND, key,
         lambda: plan_boft_bwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_candidate(TL.BoftCfg(), "gj_aug")),
+                              default=as_dict(TL.BoftCfg())),
         lambda kw: launch("boft_bwd", grad, blocks, x, axis, cscale, scale, **kw),
         lambda: reference_module(FAMILY).boft_bwd(grad, blocks, x, axis, cscale, scale),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_BWD, fk))

@@ -31,7 +31,7 @@ import importlib
 import math
 
 from . import tune
-from ._glue import as_candidate, rand, reference_module, triton_module
+from ._glue import as_dict, rand, reference_module, triton_module
 from .cost import (SMEM_MARGIN, STREAM_TILE_MAX, Work, add_before_eager, cdiv, eager_time, esize, make_shared_plan,
                    p2, predict, rank, tl_shortlist, tl_threads)
 from .device import DeviceFacts, facts
@@ -314,7 +314,7 @@ def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
     return tune.pick(
         "oft_fwd", BACKEND, key,
         lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype,
-                               default=as_candidate(TL.OftCfg(), "gj_aug")),
+                               default=as_dict(TL.OftCfg())),
         lambda kw: launch("oft_fwd", blocks, x, rescale, cscale, shift, weight, **kw),
         lambda: reference_module(FAMILY).oft_fwd(blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_FWD, fk))
@@ -334,7 +334,7 @@ def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
     return tune.pick(
         "oft_bwd", BACKEND, key,
         lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype,
-                               default=as_candidate(TL.OftCfg(), "gj_aug")),
+                               default=as_dict(TL.OftCfg())),
         lambda kw: launch("oft_bwd", grad, blocks, x, rescale, cscale, shift, weight, **kw),
         lambda: reference_module(FAMILY).oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_BWD, fk))

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["skew_system", "batched_inverse", "batched_inverse_aug", "block_diag", "cayley_grad"]
+__all__ = ["skew_system", "batched_inverse", "block_diag", "cayley_grad"]
 
 
 @triton.jit
@@ -61,30 +61,6 @@ def batched_inverse(a, NB: tl.constexpr, SP: tl.constexpr):
         inv = inv - f[:, :, None] * row_i[:, None, :]
         a = tl.where(r3 == k, row_a[:, None, :], a)
         inv = tl.where(r3 == k, row_i[:, None, :], inv)
-    return inv
-
-
-@triton.jit
-def batched_inverse_aug(a, NB: tl.constexpr, SP: tl.constexpr):
-    """``batched_inverse`` on the augmented matrix [A | I] (columns interleaved: A's column j
-    at 2j, the inverse's at 2j+1): the same operations in the same order (the same bits),
-    but each step extracts the pivot row of both halves in ONE reduction across rows, the
-    one that crosses warps, instead of two; SP steps."""
-    p = tl.arange(0, SP)
-    q = tl.arange(0, 2 * SP)
-    r3 = p[None, :, None]
-    c3 = q[None, None, :]
-    eye = tl.where(r3 == p[None, None, :], 1.0, 0.0) + tl.zeros((NB, SP, SP), dtype=tl.float32)
-    aug = tl.reshape(tl.join(a, eye), (NB, SP, 2 * SP))
-    for k in range(SP):
-        row = tl.sum(tl.where(r3 == k, aug, 0.0), axis=1)              # (NB, 2SP): [A | inv][n, k, :]
-        col = tl.sum(tl.where(c3 == 2 * k, aug, 0.0), axis=2)          # (NB, SP): A[n, :, k]
-        piv = tl.sum(tl.where(q[None, :] == 2 * k, row, 0.0), axis=1)  # (NB,)
-        row = row * (1.0 / piv)[:, None]
-        f = tl.where(p[None, :] == k, 0.0, col)                        # eliminate every other row
-        aug = aug - f[:, :, None] * row[:, None, :]
-        aug = tl.where(r3 == k, row[:, None, :], aug)
-    _, inv = tl.split(tl.reshape(aug, (NB, SP, SP, 2)))
     return inv
 
 

@@ -97,7 +97,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
-from ._cayley import batched_inverse, batched_inverse_aug, skew_system
+from ._cayley import batched_inverse, skew_system
 from .oft import (BF16X3, _HALF, bwd_dots, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets,
                   positions_view, split16)
 
@@ -142,7 +142,7 @@ def _group_channels(base, a, L, half, HP: tl.constexpr, GP: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n_blk"])
 def _boft_cayley(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, n_blk, nb, s, cscale,
-                 NBB: tl.constexpr, SP: tl.constexpr, AUG: tl.constexpr = False):
+                 NBB: tl.constexpr, SP: tl.constexpr):
     """M = (I − Q)⁻¹ (fp32, SP×SP, identity padding) of NBB consecutive blocks
     j = i·nb + β of all stages, stored to the (m, nb, SP, SP) scratch."""
     j = tl.program_id(0) * NBB + tl.arange(0, NBB)
@@ -155,10 +155,7 @@ def _boft_cayley(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, n_blk, nb, s, cscale,
     boff = (i * sb0 + beta * sb1)[:, None, None]
     bb = tl.load(blocks_ptr + boff + p3 * sb2 + q3 * sb3, mask=valid3, other=0.0).to(tl.float32)
     bt = tl.load(blocks_ptr + boff + q3 * sb2 + p3 * sb3, mask=valid3, other=0.0).to(tl.float32)
-    if AUG:  # oft.OftCfg.gj_aug: the same bits, one cross-warp reduction per step instead of two
-        m = batched_inverse_aug(skew_system(bb, bt, cscale, valid3, NBB, SP), NBB, SP)
-    else:
-        m = batched_inverse(skew_system(bb, bt, cscale, valid3, NBB, SP), NBB, SP)
+    m = batched_inverse(skew_system(bb, bt, cscale, valid3, NBB, SP), NBB, SP)
     tl.store(m_ptr + (j3 * SP + p3) * SP + q3, m, mask=(j3 < n_blk) & (p3 < SP) & (q3 < SP))
 
 
@@ -436,8 +433,7 @@ class BoftCfg(NamedTuple):
     along the positions (0 = automatic, to fill the GPU), ``dot_prec``: input_precision of
     the streaming fp32 dots, or ``"split16"`` / ``"bf16x3"`` (see the module docstring),
     ``chain_warps``: warps of the group-matrix and chain launches (0 = automatic: GP²/512,
-    4 to 8), ``gj_aug``: the Cayley launch by ``batched_inverse_aug`` (same result; an A/B
-    variant of bench/variants.py, not yet measured)."""
+    4 to 8)."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -446,7 +442,6 @@ class BoftCfg(NamedTuple):
     num_stages: int = 2
     dot_prec: str = "tf32x3"
     chain_warps: int = 0
-    gj_aug: bool = False
 
 
 def default_boft_cfg() -> BoftCfg:
@@ -503,14 +498,14 @@ def _prep(blocks, x, axis, cfg, bwd):
     return m, nb, s, ax, x, pre, post, xs, _plan(m, nb, s, pre * post, num_sms(x.device), bwd, cfg)
 
 
-def _cayley_scratch(blocks, cscale, SP, aug=False):
+def _cayley_scratch(blocks, cscale, SP):
     """M = (I − Q)⁻¹ of every block of every stage: (m, nb, SP, SP) fp32, one launch."""
     m, nb, s = blocks.shape[0], blocks.shape[1], blocks.shape[2]
     n_blk = m * nb
     mbuf = torch.empty((m, nb, SP, SP), device=blocks.device, dtype=torch.float32)
     nbb = max(1, CAYLEY_ELEMS // (SP * SP))
     fast(_boft_cayley)[(cdiv(n_blk, nbb),)](blocks, *blocks.stride(), mbuf, n_blk, nb, s, float(cscale),
-                                      NBB=nbb, SP=SP, **({"AUG": True} if aug else {}), num_warps=4)
+                                      NBB=nbb, SP=SP, num_warps=4)
     return mbuf
 
 
@@ -552,7 +547,7 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     bufs = [torch.empty(npos * max(widths[1:]), device=x.device, dtype=torch.float32)
             for _ in range(min(2, len(segs) - 1))]
     with device_guard(x):
-        mbuf = _cayley_scratch(blocks, cscale, SP, cfg.gj_aug)
+        mbuf = _cayley_scratch(blocks, cscale, SP)
         jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
                                         chain_warps(cfg.chain_warps, segs[0].NB * SP))
         rs, srs = (rescale.reshape(-1), rescale.reshape(-1).stride(0)) if rescale is not None else (jbuf, 0)
@@ -617,7 +612,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     half = s // 2
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with device_guard(x):
-        mbuf = _cayley_scratch(blocks, cscale, SP, cfg.gj_aug)
+        mbuf = _cayley_scratch(blocks, cscale, SP)
         jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
                                         chain_warps(cfg.chain_warps, segs[0].NB * SP))
         GPJ = jbuf.shape[-1]

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms
-from ._cayley import batched_inverse, batched_inverse_aug, block_diag, cayley_grad, skew_system
+from ._cayley import batched_inverse, block_diag, cayley_grad, skew_system
 
 __all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view", "auto_split"]
 
@@ -84,7 +84,7 @@ def pos_offsets(p, POST, s_pre, s_post, MODE: tl.constexpr):
 
 @triton.jit
 def _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
-               HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr, AUG: tl.constexpr = False):
+               HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr):
     """Channel rows of group g and its Cayley factor M (block-diagonal (GP, GP)).
     Returns (ch, ch_valid, rho, M, same): ``same`` marks the entries (l, l') of one real block."""
     GP: tl.constexpr = NB * SP
@@ -101,10 +101,7 @@ def _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
     valid = (p3 < S) & (q3 < S) & (k3 < K)
     bb = tl.load(blocks_ptr + k3 * sbk + p3 * sbp + q3 * sbq, mask=valid, other=0.0).to(tl.float32)
     bt = tl.load(blocks_ptr + k3 * sbk + q3 * sbp + p3 * sbq, mask=valid, other=0.0).to(tl.float32)
-    if AUG:  # the same bits, one cross-warp reduction per elimination step instead of two
-        m3 = batched_inverse_aug(skew_system(bb, bt, cscale, valid, NB, SP), NB, SP)
-    else:
-        m3 = batched_inverse(skew_system(bb, bt, cscale, valid, NB, SP), NB, SP)
+    m3 = batched_inverse(skew_system(bb, bt, cscale, valid, NB, SP), NB, SP)
     m = block_diag(m3, NB, SP)
     if HAS_RESCALE:
         rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
@@ -210,12 +207,12 @@ def _oft_fwd_kernel(
     K, S, NPOS, POST, n_tiles, n_split, cscale, shift,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, AUG: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
-                                            HAS_RESCALE, NB, SP, AUG)
+                                            HAS_RESCALE, NB, SP)
     f = _oft_f(m, rho, shift, GP)
     f0, f1, f2 = split16(f, x_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit x: three terms of F (dot_split16)
     if IDX64:
@@ -242,13 +239,13 @@ def _oft_bwd_stream(
     K, S, NPOS, POST, n_tiles, n_split, n_groups, cscale, shift,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, AUG: tl.constexpr = False,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     sp = tl.program_id(1)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
-                                            HAS_RESCALE, NB, SP, AUG)
+                                            HAS_RESCALE, NB, SP)
     ft = tl.trans(_oft_f(m, rho, shift, GP))
     # G and x of one 16-bit dtype: Fᵀ in three terms; the products of G·xᵀ are exact in fp32
     f0, f1, f2 = split16(ft, g_ptr.dtype.element_ty, DOT, SPLIT)
@@ -276,12 +273,12 @@ def _oft_bwd_stream(
 def _oft_bwd_chain(
     blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, part_ptr, gb_ptr, gr_ptr,
     K, S, n_split, n_groups, cscale,
-    HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr, AUG: tl.constexpr = False,
+    HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
-                                            HAS_RESCALE, NB, SP, AUG)
+                                            HAS_RESCALE, NB, SP)
     l = tl.arange(0, GP)
     pp = tl.zeros((GP, GP), dtype=tl.float32)
     for sp in range(n_split):
@@ -310,8 +307,7 @@ class OftCfg(NamedTuple):
     in memory, else 16), ``split``: programs per group along the positions
     (0 = automatic: one wave of resident programs, ``auto_split``), ``dot_prec``:
     input_precision of the streaming fp32 dots, or ``"split16"`` (16-bit operands:
-    ``dot_split16``), ``gj_aug``: the Cayley rebuild by ``batched_inverse_aug`` (same
-    result; fewer cross-warp reductions per step; an A/B variant, not yet measured)."""
+    ``dot_split16``)."""
     block_p: int = 128
     group: int = 0
     split: int = 0
@@ -320,7 +316,6 @@ class OftCfg(NamedTuple):
     dot_prec: str = "tf32x3"
     bwd_block_p: int = 64
     chain_warps: int = 4
-    gj_aug: bool = False
 
 
 def default_oft_cfg() -> OftCfg:
@@ -400,11 +395,6 @@ def dot_mode(dot_prec: str, *streams: torch.Tensor) -> dict:
     return dict(DOT_PREC="tf32x3" if dot_prec == SPLIT16 else dot_prec, SPLIT=False, DOT=tl.float32)
 
 
-def _aug(cfg: OftCfg) -> dict:
-    """The kernels' AUG constexpr, passed only when set (the default keeps its compiled kernels)."""
-    return {"AUG": True} if cfg.gj_aug else {}
-
-
 def _oft_axis(x, weight):
     return 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
 
@@ -438,7 +428,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = N
             x, a, xs[1], b, y, ya, ys[1], yb,
             K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, x), **_aug(cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            **dot_mode(cfg.dot_prec, x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -471,9 +461,9 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCf
             grad, ga, gs[1], gb, x, xa, xs[1], xb, gx, oa, os_[1], ob, part,
             K, S, pre * post, post, n_tiles, split, n_groups, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, grad, x), **_aug(cfg), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            **dot_mode(cfg.dot_prec, grad, x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         fast(_oft_bwd_chain)[(n_groups,)](
             blocks, *blocks.stride(), rs, rs.stride(0), part, g_blocks, g_rescale,
             K, S, split, n_groups, float(cscale),
-            HAS_RESCALE=rescale is not None, NB=NB, SP=SP, **_aug(cfg), num_warps=cfg.chain_warps)
+            HAS_RESCALE=rescale is not None, NB=NB, SP=SP, num_warps=cfg.chain_warps)
     return gx, g_blocks, g_rescale
