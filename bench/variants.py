@@ -70,7 +70,11 @@ def boft(geo, dtype, dev, gen):
     variants = [("base tf32x3", {}), ("split16", dict(dot_prec=SPLIT16)), ("bf16x3", dict(dot_prec=BF16X3)),
                 ("chain_warps 8", dict(chain_warps=8)), ("chain_warps 16", dict(chain_warps=16)),
                 ("max_group /2", dict(max_group=base.max_group // 2))] + \
-        [(f"bf16x3 split {n}", dict(dot_prec=BF16X3, split=n)) for n in (2, 4, 6)]
+        [(f"bf16x3 split {n}", dict(dot_prec=BF16X3, split=n)) for n in (4, 6, 9)] + \
+        [("bf16x3 max_group x2", dict(dot_prec=BF16X3, max_group=2 * base.max_group)),
+         ("bf16x3 bwd_block_p x2", dict(dot_prec=BF16X3, bwd_block_p=2 * base.bwd_block_p)),
+         ("bf16x3 block_p x2", dict(dot_prec=BF16X3, block_p=2 * base.block_p)),
+         ("bf16x3 4 stages", dict(dot_prec=BF16X3, num_stages=4))]
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
         c = base._replace(**kw)

@@ -311,3 +311,30 @@ def test_oft_boft_kernels_compile_sm90():
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("ok ") == 16
 
+
+@pytest.mark.parametrize("n_sm", [1, 7, 132])
+def test_auto_split_is_one_wave_and_the_planners_model_it(n_sm):
+    """The automatic position split keeps a group's programs within one wave of resident
+    programs (at least one per group), and plans/oft and plans/boft score the split the
+    launchers will take (a model with its own rule would rank configs by a launch that
+    never runs)."""
+    from lycoris_ops.plans import boft as PB
+    from lycoris_ops.plans import oft as PO
+
+    for n_groups in (1, 5, 64, 128, 1000):
+        for split in (TO.auto_split(n_groups, n_sm, False), TO.auto_split(n_groups, n_sm, True),
+                      TB.auto_split(n_groups, n_sm)):
+            assert split >= 1 and (split == 1 or n_groups * split <= max(TO.WAVE_FWD, TB.WAVE) * n_sm)
+    for K, S, npos, c_contig in ((128, 32, 32768, True), (96, 32, 8192, True), (40, 6, 999, False)):
+        for bwd in (False, True):
+            cfg = OftCfg()
+            _, _, n_groups, n_tiles, split, _ = TO._plan(K, S, npos, c_contig, n_sm, bwd, cfg)
+            bp = cfg.bwd_block_p if bwd else cfg.block_p
+            assert PO._group(K, S, c_contig, cfg.group, n_sm, bp, npos, bwd)[3:] == (n_groups, n_tiles, split)
+    for m, nb, s, npos, max_group in ((8, 128, 24, 8192, 64), (8, 128, 32, 32768, 32), (3, 4, 6, 77, 16)):
+        for bwd in (False, True):
+            cfg = BoftCfg(max_group=max_group)
+            bp = cfg.bwd_block_p if bwd else cfg.block_p
+            model, _ = PB.segments(m, nb, s, npos, n_sm, max_group, bp)
+            launch = TB._plan(m, nb, s, npos, n_sm, bwd, cfg)[4]
+            assert [(g, sp) for _, _, g, sp in model] == [(sg.n_groups, sg.split) for sg in launch]

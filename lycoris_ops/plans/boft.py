@@ -64,7 +64,7 @@ def segments(m: int, nb: int, s: int, npos: int, sm: int, max_group: int, bp: in
         L = min(lmax, m - a)
         GP = max(16, (1 << L) * HP)
         n_groups = C // (half << L)
-        split = max(1, min(cdiv(4 * sm, max(1, n_groups)), n_tiles))
+        split = max(1, min(_tl().auto_split(n_groups, sm), n_tiles))  # the launcher's own rule
         out.append((L, GP, n_groups, split))
         a += L
     return out, n_tiles
@@ -106,7 +106,7 @@ def _model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, seen=None):
                                   smem=GP * bp * e_in, dram=npos * C * (e_in + e_out) * sector, mma=dots))
             else:
                 if not last:  # segment input kept for the backward
-                    fsplit = max(1, min(cdiv(4 * dev.sm_count, max(1, n_groups)), f_tiles))
+                    fsplit = max(1, min(_tl().auto_split(n_groups, dev.sm_count), f_tiles))
                     fsector = max(1.0, 32.0 / max((GP if c_contig else fbp) * min(e_in, 4), 1))
                     works.append(Work(grid=n_groups * fsplit, warps=c["num_warps"], stages=c["num_stages"],
                                       acc=GP * fbp + GP * GP, smem=GP * fbp * e_in,

@@ -430,7 +430,7 @@ class BoftCfg(NamedTuple):
     """Launch parameters: ``max_group``: largest channel group a segment may use
     (decides how many stages are fused; a single stage always runs),
     ``block_p``/``bwd_block_p``: positions per tile, ``split``: programs per group
-    along the positions (0 = automatic, to fill the GPU), ``dot_prec``: input_precision of
+    along the positions (0 = automatic: one wave, ``auto_split``), ``dot_prec``: input_precision of
     the streaming fp32 dots, or ``"split16"`` / ``"bf16x3"`` (see the module docstring),
     ``chain_warps``: warps of the group-matrix and chain launches (0 = automatic: GP²/512,
     4 to 8)."""
@@ -454,6 +454,18 @@ def chain_warps(requested: int, GP: int) -> int:
     GP = 64: 8 warps took the group-matrix launch from ~0.2 to ~0.1 ms against 16 warps;
     forward 1.22 -> 0.92 ms at 8192×3072, s = 24, m = 8). The planner models the same."""
     return requested or max(4, min(8, GP * GP // 512))
+
+
+#: resident streaming programs per SM that the automatic split aims at (``auto_split``)
+WAVE = 3
+
+
+def auto_split(n_groups: int, n_sm: int) -> int:
+    """Programs per channel group along the positions: one wave of about ``WAVE`` resident
+    programs per SM. H200, bf16x3, max_group 64 (64 groups): the split of 9 (a 4-per-SM
+    wave, rounded up) took the backward 3.52 -> 2.90 ms at 6 (32768×4096, s 32) and 1.66
+    -> 1.49 at 8192×3072, s 24; the forward 1.75 -> 1.49 and 0.84 -> 0.77."""
+    return max(1, (WAVE * n_sm) // max(1, n_groups))
 
 
 class _Seg(NamedTuple):
@@ -483,7 +495,7 @@ def _plan(m, nb, s, npos, n_sm, bwd, cfg: BoftCfg):
         L = min(lmax, m - a)
         GP = max(16, (1 << L) * HP)
         n_groups = C // (half << L)
-        split = cfg.split or max(1, cdiv(4 * n_sm, max(1, n_groups)))
+        split = cfg.split or auto_split(n_groups, n_sm)
         segs.append(_Seg(a, L, GP // SP, n_groups, max(1, min(split, n_tiles))))
         a += L
     return HP, SP, bp, n_tiles, tuple(segs)
