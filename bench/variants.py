@@ -1,6 +1,6 @@
 """A/B of launch variants of one kernel family, in one process (the tuner's shortlist aside).
 
-    python bench/variants.py tucker|boft|oft [--shapes small,large] [--profile] [--smoke]
+    python bench/variants.py tucker|boft|oft|lokr [--shapes small,large] [--profile] [--smoke]
 
 Each variant is one config of the family's Triton launcher, called directly (no tuner,
 no op dispatch): device time per call (``timing.DeviceTimer``: L2 flushed, launch gaps
@@ -31,6 +31,7 @@ SHAPES = {  # family -> shape name -> geometry
     # "tile": one position tile per program at the large width: the fixed part (Cayley rebuild, launch)
     "oft": {"small": dict(P=8192, D=3072, S=32), "large": dict(P=32768, D=4096, S=32), "smoke": dict(P=40, D=64, S=8),
             "tile": dict(P=640, D=4096, S=32)},
+    "lokr": {"small": dict(T=8192, a=48, c=64), "large": dict(T=32768, a=64, c=64), "smoke": dict(T=24, a=6, c=5)},
 }
 
 
@@ -103,7 +104,29 @@ def oft(geo, dtype, dev, gen):
     return out
 
 
-FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft}
+def lokr(geo, dtype, dev, gen):
+    """The LoKr bypass backward's pass structures (gx, g_w1, g_w2: in one, two or three
+    launches), and the forward kernel on G with transposed factors (gx alone: what a
+    three-pass backward's first launch could be)."""
+    from lycoris_ops.triton import lokr as TK
+
+    T, a, c = geo["T"], geo["a"], geo["c"]
+    x, g = _rand(gen, (T, a * c), dtype, dev), _rand(gen, (T, a * c), dtype, dev)
+    w1, w2 = _rand(gen, (a, a), dtype, dev, a ** -0.5), _rand(gen, (c, c), dtype, dev, c ** -0.5)
+    Cfg = TK.BypassBwdCfg
+    rows = [("launcher default", lambda: TK.bypass_bwd(g, x, w1, w2, 0.75)[1])]  # compared by g_w1
+    for passes in (1, 2, 3):
+        for bt in (2, 8):
+            for w in (4, 8):
+                c_ = Cfg(block_t=bt, passes=passes, num_warps=w)
+                rows.append((f"passes {passes} bt {bt} w{w}", lambda c_=c_: TK.bypass_bwd(g, x, w1, w2, 0.75, c_)[1]))
+    out = {"bwd": rows}  # g_w1 of each
+    out["gx"] = [("bwd 3-pass gx launch", lambda: TK.bypass_bwd(g, x, w1, w2, 0.75, Cfg(passes=3))[0]),
+                 ("fwd kernel on G", lambda: TK.bypass_fwd(g, w1.t(), w2.t(), 0.75))]
+    return out
+
+
+FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft, "lokr": lokr}
 
 
 def _rel(a, b):
