@@ -169,12 +169,15 @@ def test_bypass(dtype, case):
     grad = mk((T, a * c), dtype, g, nc=True)
     ps = [d64(t, cd).requires_grad_() for t in (x, w1, w2)]
     o_bypass(*ps, GAMMA).backward(d64(grad, cd))
-    for passes in (1, 2, 3) if dtype == torch.float16 else (0,):
-        cfg = TK.BypassBwdCfg(swap=swap, passes=passes, programs=2, block_d=16 if passes else 0)
+    # gx_fwd: gx by the forward kernel on G with transposed factors, the factor gradients alone
+    structures = [(1, False), (2, False), (3, False), (1, True), (2, True)] if dtype == torch.float16 else \
+        [(0, False), (0, True)]
+    for passes, gx_fwd in structures:
+        cfg = TK.BypassBwdCfg(swap=swap, passes=passes, programs=2, block_d=16 if passes else 0, gx_fwd=gx_fwd)
         got = TK.bypass_bwd(grad, x, w1, w2, GAMMA, cfg)
         for name, gt, p, src in zip(("gx", "g_w1", "g_w2"), got, ps, (x, w1, w2)):
             assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
-            close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name} (passes={passes})")
+            close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name} (passes={passes}, gx_fwd={gx_fwd})")
 
 
 def test_bypass_promotion_and_ops():
@@ -197,6 +200,11 @@ def test_bypass_promotion_and_ops():
     o_bypass(*ps, GAMMA).backward(d64(grad, cd))
     for gt, p in zip((gx, g1, g2), ps):
         close(gt, p.grad, REL_TOL[cd], "bwd")
+    # gx by the forward kernel on the fp32 G (computed in fp32), cast to x's bf16
+    got = TK.bypass_bwd(grad, x, w1, w2, GAMMA, TK.BypassBwdCfg(gx_fwd=True))
+    assert [t.dtype for t in got] == [torch.bfloat16, torch.float32, torch.float32]
+    for gt, p in zip(got, ps):
+        close(gt, p.grad, REL_TOL[cd], "bwd gx_fwd")
 
 
 @pytest.mark.parametrize("two", [False, True], ids=["one", "two"])

@@ -361,7 +361,11 @@ class BypassFwdCfg(NamedTuple):
 class BypassBwdCfg(NamedTuple):
     """``passes``: 1 (gx, g_w1, g_w2 in one read of G and x), 2 ((gx, g_w1) then
     g_w2) or 3 (one launch each); ``block_d``: d chunk per program (grid axis 1; G is
-    read once per chunk); ``programs``: persistent programs (0: auto)."""
+    read once per chunk); ``programs``: persistent programs (0: auto). ``gx_fwd``: gx by the
+    forward kernel on G with transposed factors (``gx_t = γ·w1ᵀ·G_t·w2`` is the bypass
+    forward of G), the factor gradients then in ``passes`` launches without gx (1: both,
+    2 or 3: one each): TileLang's three plain launches took the backward 0.66 ms against
+    this kernel's 1.15 at 32768 tokens, 64x64 factors, bf16 (bench/RESULTS.md 13:42)."""
     block_t: int = 0
     block_d: int = 0
     passes: int = 0
@@ -370,6 +374,7 @@ class BypassBwdCfg(NamedTuple):
     swap: Optional[bool] = None
     num_warps: int = 0
     num_stages: int = 2
+    gx_fwd: bool = False
 
 
 def default_merge_cfg(M1: int, N1: int, M2: int, N2: int, compute: torch.dtype) -> MergeCfg:
@@ -646,8 +651,11 @@ def _bypass_bwd_plan(T, a, b, c, d, views, compute, device, cfg: BypassBwdCfg):
     meta = dict(CD=tl_dtype(compute), DOT=dot_dtype(compute), SPLIT=split,
                 IDX64=needs_idx64(*views) or progs * max(A * B * cdiv(D, bd), C * D) > 2**31 - 1,
                 BT=bt, BA=_p16(A), BB=_p16(B), BC=_p16(C), BD=bd, num_warps=nw, num_stages=cfg.num_stages)
-    flags = {1: [(True, True, True)], 2: [(True, True, False), (False, False, True)],
-             3: [(True, False, False), (False, True, False), (False, False, True)]}[passes]
+    if cfg.gx_fwd:  # gx by bypass_fwd: the factor gradients alone
+        flags = [(False, True, True)] if passes == 1 else [(False, True, False), (False, False, True)]
+    else:
+        flags = {1: [(True, True, True)], 2: [(True, True, False), (False, False, True)],
+                 3: [(True, False, False), (False, True, False), (False, False, True)]}[passes]
     return swap, (A, B, C, D), (progs, cdiv(D, bd)), per, flags, meta
 
 
@@ -658,18 +666,23 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None):
     c, d = w2.shape
     dev = x.device
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
-    gx = torch.empty((T, b * d), device=dev, dtype=x.dtype)
+    cfg = cfg or BypassBwdCfg()
     g1 = torch.empty((a, b), device=dev, dtype=w1.dtype)
     g2 = torch.empty((c, d), device=dev, dtype=w2.dtype)
-    if T == 0 or gx.numel() + g1.numel() + g2.numel() == 0 or a * c == 0 or b * d == 0:
-        return gx.zero_(), g1.zero_(), g2.zero_()
+    if T == 0 or T * b * d + g1.numel() + g2.numel() == 0 or a * c == 0 or b * d == 0:
+        return torch.zeros((T, b * d), device=dev, dtype=x.dtype), g1.zero_(), g2.zero_()
     swap, (A, B, C, D), grid, per, flags, meta = _bypass_bwd_plan(
-        T, a, b, c, d, view_key(grad, x, w1, w2), compute, dev, cfg or BypassBwdCfg())
+        T, a, b, c, d, view_key(grad, x, w1, w2), compute, dev, cfg)
     progs, n_j = grid
     if swap:
         w1_, w2_, o1, o2 = w2, w1, g2, g1
     else:
         w1_, w2_, o1, o2 = w1, w2, g1, g2
+    if cfg.gx_fwd:
+        gx = bypass_fwd(grad, w1.t(), w2.t(), gamma)  # (T, b·d) in grad's dtype
+        gx = gx if gx.dtype == x.dtype else gx.to(x.dtype)
+    else:
+        gx = torch.empty((T, b * d), device=dev, dtype=x.dtype)
     sg = _x3(grad, a, c, swap)
     sx = _x3(x, b, d, swap)
     so = _x3(gx, b, d, swap)
