@@ -45,6 +45,9 @@ Passes (launches) per op
     partials (one per program) are summed by one reduce launch each (none with a
     single program). ``passes=2`` / ``3`` split (gx, g_w1) and g_w2 (or all three)
     into separate launches to relieve registers (G and x read 2-3 times).
+    ``gx_fwd=True``: gx by the forward kernel on G with transposed factors
+    (``gX_t = γ·w1ᵀ·G_t·w2`` is ``lokr_bypass_fwd(G, w1ᵀ, w2ᵀ)``), then the factor
+    gradients alone in one launch (``passes=1``) or one each.
 
 Limits (scope): the bypass kernels keep whole padded factor dims in registers:
 ``pow2(max(a, b, c, d), ≥16) <= 128`` (``supported_bypass``); the merges have
