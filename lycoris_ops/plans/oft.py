@@ -313,8 +313,7 @@ def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
     TL = _tl()
     return tune.pick(
         "oft_fwd", BACKEND, key,
-        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype,
-                               default=as_dict(TL.OftCfg())),
+        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.OftCfg())),
         lambda kw: launch("oft_fwd", blocks, x, rescale, cscale, shift, weight, **kw),
         lambda: reference_module(FAMILY).oft_fwd(blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_FWD, fk))
@@ -333,8 +332,7 @@ def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
     TL = _tl()
     return tune.pick(
         "oft_bwd", BACKEND, key,
-        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype,
-                               default=as_dict(TL.OftCfg())),
+        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.OftCfg())),
         lambda kw: launch("oft_bwd", grad, blocks, x, rescale, cscale, shift, weight, **kw),
         lambda: reference_module(FAMILY).oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_BWD, fk))

@@ -99,7 +99,7 @@ import triton.language as tl
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
 from .oft import (BF16X3, _HALF, bwd_dots, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets,
-                  positions_view, split16)
+                  positions_view, split16, wave_split)
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 
@@ -465,7 +465,7 @@ def auto_split(n_groups: int, n_sm: int) -> int:
     programs per SM. H200, bf16x3, max_group 64 (64 groups): the split of 9 (a 4-per-SM
     wave, rounded up) took the backward 3.52 -> 2.90 ms at 6 (32768×4096, s 32) and 1.66
     -> 1.49 at 8192×3072, s 24; the forward 1.75 -> 1.49 and 0.84 -> 0.77."""
-    return max(1, (WAVE * n_sm) // max(1, n_groups))
+    return wave_split(n_groups, n_sm, WAVE)
 
 
 class _Seg(NamedTuple):

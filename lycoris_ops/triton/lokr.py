@@ -682,8 +682,7 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None):
     else:
         w1_, w2_, o1, o2 = w1, w2, g1, g2
     if cfg.gx_fwd:
-        gx = bypass_fwd(grad, w1.t(), w2.t(), gamma)  # (T, b·d) in grad's dtype
-        gx = gx if gx.dtype == x.dtype else gx.to(x.dtype)
+        gx = bypass_fwd(grad, w1.t(), w2.t(), gamma).to(x.dtype)  # (T, b·d), computed in grad's dtype
     else:
         gx = torch.empty((T, b * d), device=dev, dtype=x.dtype)
     sg = _x3(grad, a, c, swap)

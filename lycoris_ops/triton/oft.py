@@ -101,8 +101,7 @@ def _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
     valid = (p3 < S) & (q3 < S) & (k3 < K)
     bb = tl.load(blocks_ptr + k3 * sbk + p3 * sbp + q3 * sbq, mask=valid, other=0.0).to(tl.float32)
     bt = tl.load(blocks_ptr + k3 * sbk + q3 * sbp + p3 * sbq, mask=valid, other=0.0).to(tl.float32)
-    m3 = batched_inverse(skew_system(bb, bt, cscale, valid, NB, SP), NB, SP)
-    m = block_diag(m3, NB, SP)
+    m = block_diag(batched_inverse(skew_system(bb, bt, cscale, valid, NB, SP), NB, SP), NB, SP)
     if HAS_RESCALE:
         rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
     else:
@@ -371,7 +370,13 @@ def auto_split(n_groups: int, n_sm: int, bwd: bool) -> int:
     of serial Gauss-Jordan steps with the memory idle), so a second, partial wave pays that
     again: at 32768x4096, S 32, bf16, 5 programs per group (640, a wave and a fifth) took
     0.216 ms forward and 4 (512) 0.206; the backward 0.484 at 5 and 0.406 at 3."""
-    return max(1, ((WAVE_BWD if bwd else WAVE_FWD) * n_sm) // max(1, n_groups))
+    return wave_split(n_groups, n_sm, WAVE_BWD if bwd else WAVE_FWD)
+
+
+def wave_split(n_groups: int, n_sm: int, per_sm: int) -> int:
+    """Programs per group such that all groups' programs fit one wave of ``per_sm`` resident
+    programs per SM (at least one per group); BOFT's streaming kernels use it too."""
+    return max(1, (per_sm * n_sm) // max(1, n_groups))
 
 
 #: ``dot_prec`` of the 16-bit split (``dot_split16``): taken where the streamed operands are
