@@ -114,12 +114,18 @@ def lokr(geo, dtype, dev, gen):
     x, g = _rand(gen, (T, a * c), dtype, dev), _rand(gen, (T, a * c), dtype, dev)
     w1, w2 = _rand(gen, (a, a), dtype, dev, a ** -0.5), _rand(gen, (c, c), dtype, dev, c ** -0.5)
     Cfg = TK.BypassBwdCfg
+    n_sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
     rows = [("launcher default", lambda: TK.bypass_bwd(g, x, w1, w2, 0.75)[1])]  # compared by g_w1
-    for passes in (1, 2, 3):
-        for bt in (2, 8):
-            for w in (4, 8):
-                c_ = Cfg(block_t=bt, passes=passes, num_warps=w)
-                rows.append((f"passes {passes} bt {bt} w{w}", lambda c_=c_: TK.bypass_bwd(g, x, w1, w2, 0.75, c_)[1]))
+    # one pass: tokens per program x warps x stages x programs (one or two per SM; 0 = one)
+    vs = [dict(passes=1, block_t=bt, num_warps=w, num_stages=s, programs=pr)
+          for bt in (1, 2, 4) for w in (4, 8) for s in (1, 2) for pr in (0, 2 * n_sm) if bt < 4 or (s, pr) == (2, 0)]
+    vs += [dict(passes=p, block_t=2, num_warps=4, gx_fwd=gf) for p in (2, 3) for gf in (False, True)]
+    vs += [dict(passes=1, block_t=bt, num_warps=4, gx_fwd=True) for bt in (1, 2)]
+    for v in vs:
+        c_ = Cfg(**v)
+        name = (f"p{v['passes']} bt{v['block_t']} w{v['num_warps']} s{v.get('num_stages', 2)}"
+                + (" 2/SM" if v.get("programs") else "") + (" gxfwd" if v.get("gx_fwd") else ""))
+        rows.append((name, lambda c_=c_: TK.bypass_bwd(g, x, w1, w2, 0.75, c_)[1]))
     out = {"bwd": rows}  # g_w1 of each
     out["gx"] = [("bwd 3-pass gx launch", lambda: TK.bypass_bwd(g, x, w1, w2, 0.75, Cfg(passes=3))[0]),
                  ("fwd kernel on G", lambda: TK.bypass_fwd(g, w1.t(), w2.t(), 0.75))]
@@ -190,10 +196,10 @@ def main(argv=None) -> int:
                     d = _rel(fn(), ref)
                     ms = timer.time(fn)["median_ms"]
                 except Exception as exc:  # a variant out of resources reports, the others still run
-                    print(f"  {phase} {name:16s} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
+                    print(f"  {phase} {name:22s} failed: {type(exc).__name__}: {str(exc)[:120]}", flush=True)
                     continue
                 t0 = t0 or ms
-                print(f"  {phase} {name:16s} {ms:9.4f} ms  x{ms / t0:5.2f} of base   rel diff {d:.1e}", flush=True)
+                print(f"  {phase} {name:22s} {ms:9.4f} ms  x{ms / t0:5.2f} of base   rel diff {d:.1e}", flush=True)
         if a.profile and a.family == "boft" and dev.type == "cuda":
             profile_boft(geo, dtype, dev, gen)
     return 0
