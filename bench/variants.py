@@ -105,9 +105,8 @@ def oft(geo, dtype, dev, gen):
 
 
 def lokr(geo, dtype, dev, gen):
-    """The LoKr bypass backward's pass structures (gx, g_w1, g_w2: in one, two or three
-    launches), and the forward kernel on G with transposed factors (gx alone: what a
-    three-pass backward's first launch could be)."""
+    """The LoKr bypass backward: one pass (gx, g_w1, g_w2 in one launch) over tokens per
+    program x warps x stages x one or two persistent programs per SM; two and three passes."""
     from lycoris_ops.triton import lokr as TK
 
     T, a, c = geo["T"], geo["a"], geo["c"]
@@ -116,20 +115,15 @@ def lokr(geo, dtype, dev, gen):
     Cfg = TK.BypassBwdCfg
     n_sm = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 2
     rows = [("launcher default", lambda: TK.bypass_bwd(g, x, w1, w2, 0.75)[1])]  # compared by g_w1
-    # one pass: tokens per program x warps x stages x programs (one or two per SM; 0 = one)
-    vs = [dict(passes=1, block_t=bt, num_warps=w, num_stages=s, programs=pr)
-          for bt in (1, 2, 4) for w in (4, 8) for s in (1, 2) for pr in (0, 2 * n_sm) if bt < 4 or (s, pr) == (2, 0)]
-    vs += [dict(passes=p, block_t=2, num_warps=4, gx_fwd=gf) for p in (2, 3) for gf in (False, True)]
-    vs += [dict(passes=1, block_t=bt, num_warps=4, gx_fwd=True) for bt in (1, 2)]
+    vs = [dict(passes=1, block_t=bt, num_warps=w, num_stages=s, programs=k * n_sm)
+          for bt in (1, 2, 4) for w in (4, 8) for s in (1, 2) for k in (1, 2) if bt < 4 or (s, k) == (2, 1)]
+    vs += [dict(passes=p, block_t=2, num_warps=4, programs=2 * n_sm) for p in (2, 3)]
     for v in vs:
         c_ = Cfg(**v)
         name = (f"p{v['passes']} bt{v['block_t']} w{v['num_warps']} s{v.get('num_stages', 2)}"
-                + (" 2/SM" if v.get("programs") else "") + (" gxfwd" if v.get("gx_fwd") else ""))
+                + f" {v['programs'] // n_sm}/SM")
         rows.append((name, lambda c_=c_: TK.bypass_bwd(g, x, w1, w2, 0.75, c_)[1]))
-    out = {"bwd": rows}  # g_w1 of each
-    out["gx"] = [("bwd 3-pass gx launch", lambda: TK.bypass_bwd(g, x, w1, w2, 0.75, Cfg(passes=3))[0]),
-                 ("fwd kernel on G", lambda: TK.bypass_fwd(g, w1.t(), w2.t(), 0.75))]
-    return out
+    return {"bwd": rows}  # g_w1 of each
 
 
 FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft, "lokr": lokr}

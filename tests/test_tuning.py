@@ -728,11 +728,9 @@ def test_shared_plan_structure_budget_and_default():
 #: distinct Triton compilations of a cold key's shortlist (plans/compiles.py counts them through the
 #: real launchers), for the keys that were over the 2 s cold-tuning target on the H200
 #: diag-OFT and BOFT: + 1 each for the first config's split16 twin (plans/oft.with_split16, 16-bit streams);
-#: oft_bwd + 2 more for the wide-group split16 twin (plans/oft._with_wide_split16: its stream and chain);
-#: lokr_bypass_bwd: its gx_fwd candidates launch the forward kernel on G (+ 1) and their own
-#: factor-gradient-only kernels
+#: oft_bwd + 2 more for the wide-group split16 twin (plans/oft._with_wide_split16: its stream and chain)
 COLD_KEY_COMPILES = {"oft_fwd": 5, "oft_bwd": 8, "boft_fwd": 8, "boft_bwd": 8, "loha_bypass_bwd": 11,
-                     "lokr_merge_bwd": 8, "lokr_bypass_bwd": 8}
+                     "lokr_merge_bwd": 8}
 #: over cost.COMPILE_BUDGET on purpose: loha_bypass_bwd's shortlist holds the launcher's default
 #: as a whole (its merge backward splits: + 2 reduce kernels), which the H200 measured faster than
 #: the model's shared picks (RESULTS.md, 2026-12-01), and at 16-bit large shapes a vendor twin

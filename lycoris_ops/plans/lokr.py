@@ -31,8 +31,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (SMEM_MARGIN, Work, add_before_eager, cdiv, eager_time, esize, gemm_reads, make_plan,
-                   make_shared_plan, p2, predict, rank, tl_shortlist)
+from .cost import (SMEM_MARGIN, Work, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict,
+                   rank, tl_shortlist)
 from .device import DeviceFacts, facts
 from .oft import TL_ACC_PER_THREAD
 
@@ -223,23 +223,14 @@ def _bwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute
             if live > BWD_LIVE:
                 return None
         n_tiles = cdiv(T, bt)
-        progs = max(1, min(dev.sm_count, n_tiles))
+        per_sm = 2 if cfg["num_warps"] == 4 else 1  # triton/lokr.bwd_programs
+        progs = max(1, min(cfg.get("programs") or per_sm * dev.sm_count, n_tiles))
+        progs = cdiv(n_tiles, cdiv(n_tiles, progs))  # the launcher's even spread of the tiles
         part = progs * (A * B + C * D) * 4 if progs > 1 else 0
-        inflight = bt * (_p16(A) * _p16(C) * eg + _p16(B) * _p16(D) * ex)
-        cost = _bwd_cost(A, B, C, D, split)
-        if cfg.get("gx_fwd"):  # gx by the forward kernel on G, then the factor gradients alone
-            gx_cost = A * C * D + (2 if split else 1) * B * A * D  # H = G_t·w2, then w1ᵀ·H
-            works = [Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
-                          dram=T * a * c * eg + T * b * d * ex, mma=T * 2.0 * gx_cost, tc=tc, inflight=inflight),
-                     Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
-                          dram=(T * a * c * eg + T * b * d * ex) * min(passes, 2) + part,
-                          mma=T * 2.0 * (cost - gx_cost) * (1.1 if passes > 1 else 1.0), tc=tc,
-                          launches=min(passes, 2), inflight=inflight)]
-        else:
-            works = [Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
-                          dram=(T * a * c * eg + T * b * d * ex) * passes + T * b * d * ex + part,
-                          mma=T * 2.0 * cost * (1.1 if passes > 1 else 1.0), tc=tc,
-                          launches=passes, inflight=inflight)]
+        works = [Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
+                      dram=(T * a * c * eg + T * b * d * ex) * passes + T * b * d * ex + part,
+                      mma=T * 2.0 * _bwd_cost(A, B, C, D, split) * (1.1 if passes > 1 else 1.0), tc=tc,
+                      launches=passes, inflight=bt * (_p16(A) * _p16(C) * eg + _p16(B) * _p16(D) * ex))]
         if part:
             works.append(Work(grid=cdiv(A * B + C * D, 2048), warps=4, dram=part + (A * B + C * D) * e,
                               inflight=8192, launches=2))
@@ -254,20 +245,15 @@ def _bwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute
 def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, g_dtype, *,
                     default=None, n: int = 5):
     work, eager_s = _bwd_model(dev, T, a, b, c, d, compute, x_dtype, g_dtype)
-    cfgs = [dict(block_t=bt, passes=p, programs=0, split=True, swap=sw, num_warps=w, num_stages=s, gx_fwd=g)
-            for g in (False, True) for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
-            for p in (1, 2) for w in (4, 8) for s in (1, 2)]
-    ranked = rank(cfgs, work, dev)
-    plan = make_plan("lokr_bypass_bwd", ranked, tile_axes=("gx_fwd", "swap", "block_t", "passes"), n=n,
+    # 16-bit: 4 warps only (8 were 1.5-3x slower at every setting the H200 timed, which
+    # the model cannot see: triton/lokr.bwd_programs); programs 0 = the launcher's two per
+    # SM at 4 warps, sm_count = one
+    warps = (4, 8) if compute == torch.float32 else (4,)
+    cfgs = [dict(block_t=bt, passes=p, programs=pr, split=True, swap=sw, num_warps=w, num_stages=s)
+            for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
+            for p in (1, 2) for w in warps for s in (1, 2) for pr in ((0, dev.sm_count) if w == 4 else (0,))]
+    return make_plan("lokr_bypass_bwd", rank(cfgs, work, dev), tile_axes=("swap", "block_t", "passes"), n=n,
                      default=default, default_s=predict(work, default, dev), eager_s=eager_s)
-    # gx by the forward kernel: always timed (a 16-bit H200 measurement of the same three-launch
-    # structure in TileLang beat the one-kernel backward 1.75x; the model has not seen it run)
-    if not any(isinstance(c, dict) and c.get("gx_fwd") for c in plan.candidates):
-        best = next((c for _, c in ranked if c["gx_fwd"]), None)
-        if best is not None:
-            add_before_eager(plan, best)
-    return plan
-
 
 
 # =============================================================================== TileLang models
@@ -484,7 +470,8 @@ def _bypass_bwd_tl(dev, grad, x, w1, w2, gamma, n: int = TL_N):
         (_, (kd, bt), threads), (_, (_, bt1), th1), (_, (_, bt2), th2) = tl_kernels("lokr_bypass_bwd", dims, k)
         gx = gx_work(_tl_apply_cfg(kd, bt, threads))
         live = max(bypass_footprint("wgrad1", dims, bt1)[1], bypass_footprint("wgrad2", dims, bt2)[1])
-        wg = wg_work(dict(block_t=bt1, passes=2, swap=False, num_warps=max(th1, th2) // 32, num_stages=1), live=live)
+        wg = wg_work(dict(block_t=bt1, passes=2, swap=False, num_warps=max(th1, th2) // 32, num_stages=1,
+                          programs=dev.sm_count), live=live)
         return None if gx is None or wg is None else [gx] + wg
 
     return _tl_plan("lokr_bypass_bwd", dev, dims, esize(compute), tl_work, eager, n)

@@ -45,9 +45,6 @@ Passes (launches) per op
     partials (one per program) are summed by one reduce launch each (none with a
     single program). ``passes=2`` / ``3`` split (gx, g_w1) and g_w2 (or all three)
     into separate launches to relieve registers (G and x read 2-3 times).
-    ``gx_fwd=True``: gx by the forward kernel on G with transposed factors
-    (``gX_t = γ·w1ᵀ·G_t·w2`` is ``lokr_bypass_fwd(G, w1ᵀ, w2ᵀ)``), then the factor
-    gradients alone in one launch (``passes=1``) or one each.
 
 Limits (scope): the bypass kernels keep whole padded factor dims in registers:
 ``pow2(max(a, b, c, d), ≥16) <= 128`` (``supported_bypass``); the merges have
@@ -364,11 +361,7 @@ class BypassFwdCfg(NamedTuple):
 class BypassBwdCfg(NamedTuple):
     """``passes``: 1 (gx, g_w1, g_w2 in one read of G and x), 2 ((gx, g_w1) then
     g_w2) or 3 (one launch each); ``block_d``: d chunk per program (grid axis 1; G is
-    read once per chunk); ``programs``: persistent programs (0: auto). ``gx_fwd``: gx by the
-    forward kernel on G with transposed factors (``gx_t = γ·w1ᵀ·G_t·w2`` is the bypass
-    forward of G), the factor gradients then in ``passes`` launches without gx (1: both,
-    2 or 3: one each): TileLang's three plain launches took the backward 0.66 ms against
-    this kernel's 1.15 at 32768 tokens, 64x64 factors, bf16 (bench/RESULTS.md 13:42)."""
+    read once per chunk); ``programs``: persistent programs (0: auto, ``bwd_programs``)."""
     block_t: int = 0
     block_d: int = 0
     passes: int = 0
@@ -377,7 +370,6 @@ class BypassBwdCfg(NamedTuple):
     swap: Optional[bool] = None
     num_warps: int = 0
     num_stages: int = 2
-    gx_fwd: bool = False
 
 
 def default_merge_cfg(M1: int, N1: int, M2: int, N2: int, compute: torch.dtype) -> MergeCfg:
@@ -413,9 +405,10 @@ def _bwd_tiles(ba, bb, bc, bd):
 def default_bypass_bwd_cfg(T, A, B, C, D, compute) -> BypassBwdCfg:
     """Register model (ptxas -v, sm_90): one pass (G and x read once; G once per d
     chunk) with the widest d chunk whose tiles plus both accumulators stay within
-    32768 fp32 elements at 8 warps (8192 for IEEE fp32 dots); else 2 passes (3 for
-    fp32) with 64-wide (32) chunks. More tokens per program while the per-token
-    tiles stay <= 12288 (4096)."""
+    32768 fp32 elements (8192 for IEEE fp32 dots); else 2 passes (3 for fp32) with
+    64-wide (32) chunks. More tokens per program while the per-token tiles stay
+    <= 12288 (4096). 16-bit dots: 4 warps (28672 such elements, 64x64 factors, took
+    248 registers a thread, no spill; see ``bwd_programs`` for 8); fp32: 8."""
     f32 = compute == torch.float32
     budget, tb = (8192, 4096) if f32 else (32768, 12288)
     ba, bb, bc = _p16(A), _p16(B), _p16(C)
@@ -430,8 +423,16 @@ def default_bypass_bwd_cfg(T, A, B, C, D, compute) -> BypassBwdCfg:
     bt = 1
     while bt < 16 and 2 * bt * tiles <= tb and bt < next_pow2(max(T, 1)):
         bt *= 2
-    return BypassBwdCfg(block_t=bt, block_d=bd, passes=passes,
-                        num_warps=8 if f32 or bt * tiles + ba * bb + bc * bd > 8192 else 4)
+    return BypassBwdCfg(block_t=bt, block_d=bd, passes=passes, num_warps=8 if f32 else 4)
+
+
+def bwd_programs(num_warps: int, device, n_tiles: int) -> int:
+    """Persistent programs of the bypass backward: two per SM at 4 warps (at most 255
+    registers a thread: two fit one SM's register file), else one. H200, bf16, 64x64
+    factors, one pass (bench/variants.py lokr, RESULTS 2026-12-01 15:50): two 4-warp
+    programs per SM took 0.39 ms at 32768 tokens against 0.61 with one and 1.15 with one
+    8-warp program (8 warps: 1.5-3x slower at every tokens/stages/programs setting)."""
+    return max(1, min(split_count(1, device, n_tiles, per_sm=2 if num_warps == 4 else 1), n_tiles))
 
 
 # =============================================================================== merges
@@ -646,19 +647,15 @@ def _bypass_bwd_plan(T, a, b, c, d, views, compute, device, cfg: BypassBwdCfg):
     passes = cfg.passes or dflt.passes
     bd = cfg.block_d or dflt.block_d
     n_tiles = cdiv(T, bt)
-    progs = cfg.programs or split_count(1, device, n_tiles, per_sm=1)
-    progs = max(1, min(progs, n_tiles))
+    nw = cfg.num_warps or dflt.num_warps
+    progs = max(1, min(cfg.programs or bwd_programs(nw, device, n_tiles), n_tiles))
     per = cdiv(n_tiles, progs)
     progs = cdiv(n_tiles, per)
-    nw = cfg.num_warps or dflt.num_warps
     meta = dict(CD=tl_dtype(compute), DOT=dot_dtype(compute), SPLIT=split,
                 IDX64=needs_idx64(*views) or progs * max(A * B * cdiv(D, bd), C * D) > 2**31 - 1,
                 BT=bt, BA=_p16(A), BB=_p16(B), BC=_p16(C), BD=bd, num_warps=nw, num_stages=cfg.num_stages)
-    if cfg.gx_fwd:  # gx by bypass_fwd: the factor gradients alone
-        flags = [(False, True, True)] if passes == 1 else [(False, True, False), (False, False, True)]
-    else:
-        flags = {1: [(True, True, True)], 2: [(True, True, False), (False, False, True)],
-                 3: [(True, False, False), (False, True, False), (False, False, True)]}[passes]
+    flags = {1: [(True, True, True)], 2: [(True, True, False), (False, False, True)],
+             3: [(True, False, False), (False, True, False), (False, False, True)]}[passes]
     return swap, (A, B, C, D), (progs, cdiv(D, bd)), per, flags, meta
 
 
@@ -681,10 +678,7 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None):
         w1_, w2_, o1, o2 = w2, w1, g2, g1
     else:
         w1_, w2_, o1, o2 = w1, w2, g1, g2
-    if cfg.gx_fwd:
-        gx = bypass_fwd(grad, w1.t(), w2.t(), gamma).to(x.dtype)  # (T, b·d), computed in grad's dtype
-    else:
-        gx = torch.empty((T, b * d), device=dev, dtype=x.dtype)
+    gx = torch.empty((T, b * d), device=dev, dtype=x.dtype)
     sg = _x3(grad, a, c, swap)
     sx = _x3(x, b, d, swap)
     so = _x3(gx, b, d, swap)
