@@ -118,10 +118,13 @@ def lokr(geo, dtype, dev, gen):
     vs = [dict(passes=1, block_t=bt, num_warps=w, num_stages=s, programs=k * n_sm)
           for bt in (1, 2, 4) for w in (4, 8) for s in (1, 2) for k in (1, 2) if bt < 4 or (s, k) == (2, 1)]
     vs += [dict(passes=p, block_t=2, num_warps=4, programs=2 * n_sm) for p in (2, 3)]
+    # the fp32 intermediates H = G_t·w2 and P = w1·X_t rounded to 16 bits (as eager's are) instead
+    # of hi/lo split: 5 dots a token tile instead of 8
+    vs += [dict(passes=1, block_t=bt, num_warps=4, programs=2 * n_sm, split=False) for bt in (1, 2)]
     for v in vs:
         c_ = Cfg(**v)
         name = (f"p{v['passes']} bt{v['block_t']} w{v['num_warps']} s{v.get('num_stages', 2)}"
-                + f" {v['programs'] // n_sm}/SM")
+                + f" {v['programs'] // n_sm}/SM" + (" nosplit" if v.get("split") is False else ""))
         rows.append((name, lambda c_=c_: TK.bypass_bwd(g, x, w1, w2, 0.75, c_)[1]))
     return {"bwd": rows}  # g_w1 of each
 
