@@ -429,7 +429,7 @@ def default_bypass_bwd_cfg(T, A, B, C, D, compute) -> BypassBwdCfg:
 def bwd_programs(num_warps: int, device, n_tiles: int) -> int:
     """Persistent programs of the bypass backward: two per SM at 4 warps (at most 255
     registers a thread: two fit one SM's register file), else one. H200, bf16, 64x64
-    factors, one pass (bench/variants.py lokr, RESULTS 2026-12-01 15:50): two 4-warp
+    factors, one pass (bench/variants.py lokr, RESULTS 2026-12-01 15:30-16:00): two 4-warp
     programs per SM took 0.39 ms at 32768 tokens against 0.61 with one and 1.15 with one
     8-warp program (8 warps: 1.5-3x slower at every tokens/stages/programs setting)."""
     return max(1, min(split_count(1, device, n_tiles, per_sm=2 if num_warps == 4 else 1), n_tiles))
