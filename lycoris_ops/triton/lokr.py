@@ -361,7 +361,10 @@ class BypassFwdCfg(NamedTuple):
 class BypassBwdCfg(NamedTuple):
     """``passes``: 1 (gx, g_w1, g_w2 in one read of G and x), 2 ((gx, g_w1) then
     g_w2) or 3 (one launch each); ``block_d``: d chunk per program (grid axis 1; G is
-    read once per chunk); ``programs``: persistent programs (0: auto, ``bwd_programs``)."""
+    read once per chunk); ``programs``: persistent programs (0: auto, ``bwd_programs``);
+    ``split`` (16-bit compute): the fp32 intermediates H = G_t·w2 and P = w1·X_t enter
+    their second dots as hi/lo 16-bit pairs (unrounded); False rounds them to 16 bits, as
+    eager does (5 dots a token tile instead of 8)."""
     block_t: int = 0
     block_d: int = 0
     passes: int = 0
