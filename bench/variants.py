@@ -75,7 +75,8 @@ def boft(geo, dtype, dev, gen):
         [("bf16x3 max_group x2", dict(dot_prec=BF16X3, max_group=2 * base.max_group)),
          ("bf16x3 bwd_block_p x2", dict(dot_prec=BF16X3, bwd_block_p=2 * base.bwd_block_p)),
          ("bf16x3 block_p x2", dict(dot_prec=BF16X3, block_p=2 * base.block_p)),
-         ("bf16x3 4 stages", dict(dot_prec=BF16X3, num_stages=4))]
+         ("bf16x3 4 stages", dict(dot_prec=BF16X3, num_stages=4)),
+         ("bf16x3 8 warps", dict(dot_prec=BF16X3, num_warps=8))]
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
         c = base._replace(**kw)
