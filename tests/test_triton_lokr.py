@@ -187,9 +187,8 @@ def test_bypass_bwd_programs_and_the_planners_model(n_sm, monkeypatch):
     grid the launcher takes, for the automatic count and an explicit one."""
     from lycoris_ops.plans import device as PD
     from lycoris_ops.plans import lokr as PL
-    from lycoris_ops.triton import _fusedkit
 
-    monkeypatch.setattr(_fusedkit, "num_sms", lambda device: n_sm)
+    monkeypatch.setattr(TK, "num_sms", lambda device: n_sm)
     TK._bypass_bwd_plan.cache_clear()  # cached per call signature: another n_sm's grids
     dev = PD.synthetic(sm_count=n_sm)
     a = b = c = d = 64

@@ -205,10 +205,9 @@ def _bwd_cost(a, b, c, d, split):
 
 def reduce_work(n_partials: int, n_out: int, dev: DeviceFacts, out_size: int) -> Work:
     """``triton/_fusedkit.reduce_launch`` summing ``n_partials`` fp32 partials of ``n_out``
-    elements: its grid (BE elements a program, about one program per SM) and its in-flight
-    bytes (8 partial rows of BE a step)."""
-    per_sm = n_out // dev.sm_count
-    be = max(64, min(512, 1 << max(0, per_sm.bit_length() - 1)))
+    elements: its grid (``reduce_block`` elements a program) and its in-flight bytes (8
+    partial rows of that width a step)."""
+    be = triton_module("_fusedkit").reduce_block(n_out, dev.sm_count)
     return Work(grid=cdiv(n_out, be), warps=4, dram=n_partials * n_out * 4 + n_out * out_size,
                 inflight=8 * be * 4, name="reduce")
 
@@ -235,9 +234,7 @@ def _bwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute
             if live > BWD_LIVE:
                 return None
         n_tiles = cdiv(T, bt)
-        per_sm = 2 if cfg["num_warps"] == 4 else 1  # triton/lokr.bwd_programs
-        progs = max(1, min(cfg.get("programs") or per_sm * dev.sm_count, n_tiles))
-        progs = cdiv(n_tiles, cdiv(n_tiles, progs))  # the launcher's even spread of the tiles
+        progs = _tl().bwd_grid(cfg.get("programs", 0), cfg["num_warps"], dev.sm_count, n_tiles)[0]
         part = progs * (A * B + C * D) * 4 if progs > 1 else 0
         works = [Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
                       dram=(T * a * c * eg + T * b * d * ex) * passes + T * b * d * ex + part,
@@ -257,7 +254,7 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
                     default=None, n: int = 5):
     work, eager_s = _bwd_model(dev, T, a, b, c, d, compute, x_dtype, g_dtype)
     # 16-bit: 4 warps only (8 were 1.5-3x slower at every setting the H200 timed, which
-    # the model cannot see: triton/lokr.bwd_programs); programs 0 = the launcher's two per
+    # the model cannot see: triton/lokr.bwd_grid); programs 0 = the launcher's two per
     # SM at 4 warps, sm_count = one. split False: H and P rounded to 16 bits as eager rounds
     # them (5 dots a tile instead of 8: 0.28 against 0.39 ms at 32768 tokens, 64x64, bf16);
     # the default keeps them unrounded, and the tuner checks every candidate against eager

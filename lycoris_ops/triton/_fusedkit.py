@@ -101,12 +101,17 @@ def _reduce_kernel(
                  mask=mask_e)
 
 
+def reduce_block(n_out: int, n_sm: int) -> int:
+    """Output elements per program of ``reduce_launch`` (the planners model the same)."""
+    per_sm = n_out // n_sm
+    return max(64, min(512, 1 << max(0, per_sm.bit_length() - 1)))
+
+
 def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, idx64):
     """out1 (, out2) = α·Σ_s part[s(, j)] with explicit strides (elements). The tile
     width follows the output size only (one compiled variant per shape, whatever the
     calling kernel's config), about one program per SM."""
-    per_sm = (M * N) // num_sms(part.device)
-    be = max(64, min(512, 1 << max(0, per_sm.bit_length() - 1)))
+    be = reduce_block(M * N, num_sms(part.device))
     o2 = out1 if out2 is None else out2
     o2s = o1s if out2 is None else o2s
     fast(_reduce_kernel)[(cdiv(M * N, be),)](

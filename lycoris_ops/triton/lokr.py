@@ -59,7 +59,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
+from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype
 from ._fusedkit import compute_dtype, dot_wide, mm_launch, reduce_launch, split_count, tile_2d, view_key
 
 __all__ = [
@@ -361,7 +361,7 @@ class BypassFwdCfg(NamedTuple):
 class BypassBwdCfg(NamedTuple):
     """``passes``: 1 (gx, g_w1, g_w2 in one read of G and x), 2 ((gx, g_w1) then
     g_w2) or 3 (one launch each); ``block_d``: d chunk per program (grid axis 1; G is
-    read once per chunk); ``programs``: persistent programs (0: auto, ``bwd_programs``);
+    read once per chunk); ``programs``: persistent programs (0: auto, ``bwd_grid``);
     ``split`` (16-bit compute): the fp32 intermediates H = G_t·w2 and P = w1·X_t enter
     their second dots as hi/lo 16-bit pairs (unrounded); False rounds them to 16 bits, as
     eager does (5 dots a token tile instead of 8)."""
@@ -411,7 +411,7 @@ def default_bypass_bwd_cfg(T, A, B, C, D, compute) -> BypassBwdCfg:
     32768 fp32 elements (8192 for IEEE fp32 dots); else 2 passes (3 for fp32) with
     64-wide (32) chunks. More tokens per program while the per-token tiles stay
     <= 12288 (4096). 16-bit dots: 4 warps (28672 such elements, 64x64 factors, took
-    248 registers a thread, no spill; see ``bwd_programs`` for 8); fp32: 8."""
+    248 registers a thread, no spill; see ``bwd_grid`` for 8); fp32: 8."""
     f32 = compute == torch.float32
     budget, tb = (8192, 4096) if f32 else (32768, 12288)
     ba, bb, bc = _p16(A), _p16(B), _p16(C)
@@ -429,13 +429,17 @@ def default_bypass_bwd_cfg(T, A, B, C, D, compute) -> BypassBwdCfg:
     return BypassBwdCfg(block_t=bt, block_d=bd, passes=passes, num_warps=8 if f32 else 4)
 
 
-def bwd_programs(num_warps: int, device, n_tiles: int) -> int:
-    """Persistent programs of the bypass backward: two per SM at 4 warps (at most 255
-    registers a thread: two fit one SM's register file), else one. H200, bf16, 64x64
-    factors, one pass (bench/variants.py lokr, RESULTS 2026-12-01 15:30-16:00): two 4-warp
-    programs per SM took 0.39 ms at 32768 tokens against 0.61 with one and 1.15 with one
-    8-warp program (8 warps: 1.5-3x slower at every tokens/stages/programs setting)."""
-    return max(1, min(split_count(1, device, n_tiles, per_sm=2 if num_warps == 4 else 1), n_tiles))
+def bwd_grid(programs: int, num_warps: int, n_sm: int, n_tiles: int):
+    """(persistent programs, token tiles each) of the bypass backward; ``programs`` 0:
+    two per SM at 4 warps (at most 255 registers a thread: two fit one SM's register
+    file), else one; then the tiles spread evenly. H200, bf16, 64x64 factors, one pass
+    (bench/variants.py lokr, RESULTS 2026-12-01 15:30-16:00): two 4-warp programs per SM
+    took 0.39 ms at 32768 tokens against 0.61 with one and 1.15 with one 8-warp program
+    (8 warps: 1.5-3x slower at every tokens/stages/programs setting). plans/lokr models
+    this grid."""
+    progs = max(1, min(programs or (2 if num_warps == 4 else 1) * n_sm, n_tiles))
+    per = cdiv(n_tiles, progs)
+    return cdiv(n_tiles, per), per
 
 
 # =============================================================================== merges
@@ -651,9 +655,7 @@ def _bypass_bwd_plan(T, a, b, c, d, views, compute, device, cfg: BypassBwdCfg):
     bd = cfg.block_d or dflt.block_d
     n_tiles = cdiv(T, bt)
     nw = cfg.num_warps or dflt.num_warps
-    progs = max(1, min(cfg.programs or bwd_programs(nw, device, n_tiles), n_tiles))
-    per = cdiv(n_tiles, progs)
-    progs = cdiv(n_tiles, per)
+    progs, per = bwd_grid(cfg.programs, nw, num_sms(device), n_tiles)
     meta = dict(CD=tl_dtype(compute), DOT=dot_dtype(compute), SPLIT=split,
                 IDX64=needs_idx64(*views) or progs * max(A * B * cdiv(D, bd), C * D) > 2**31 - 1,
                 BT=bt, BA=_p16(A), BB=_p16(B), BC=_p16(C), BD=bd, num_warps=nw, num_stages=cfg.num_stages)
@@ -669,19 +671,18 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None):
     c, d = w2.shape
     dev = x.device
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
-    cfg = cfg or BypassBwdCfg()
+    gx = torch.empty((T, b * d), device=dev, dtype=x.dtype)
     g1 = torch.empty((a, b), device=dev, dtype=w1.dtype)
     g2 = torch.empty((c, d), device=dev, dtype=w2.dtype)
-    if T == 0 or T * b * d + g1.numel() + g2.numel() == 0 or a * c == 0 or b * d == 0:
-        return torch.zeros((T, b * d), device=dev, dtype=x.dtype), g1.zero_(), g2.zero_()
+    if T == 0 or gx.numel() + g1.numel() + g2.numel() == 0 or a * c == 0 or b * d == 0:
+        return gx.zero_(), g1.zero_(), g2.zero_()
     swap, (A, B, C, D), grid, per, flags, meta = _bypass_bwd_plan(
-        T, a, b, c, d, view_key(grad, x, w1, w2), compute, dev, cfg)
+        T, a, b, c, d, view_key(grad, x, w1, w2), compute, dev, cfg or BypassBwdCfg())
     progs, n_j = grid
     if swap:
         w1_, w2_, o1, o2 = w2, w1, g2, g1
     else:
         w1_, w2_, o1, o2 = w1, w2, g1, g2
-    gx = torch.empty((T, b * d), device=dev, dtype=x.dtype)
     sg = _x3(grad, a, c, swap)
     sx = _x3(x, b, d, swap)
     so = _x3(gx, b, d, swap)
