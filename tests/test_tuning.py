@@ -754,6 +754,19 @@ def test_cold_key_compile_budget(shape, tokens):
         assert all(r.per_candidate), r.summary()  # every fused candidate launches kernels
 
 
+def test_compile_count_with_the_direct_launcher_on(monkeypatch):
+    """``python -m lycoris_ops.plans.compiles --compile`` runs without the interpreter, where
+    ``fast(kernel)`` launches directly (and would look for a CUDA device): counting still
+    records every candidate's kernels, and leaves the direct launcher as it found it."""
+    from lycoris_ops.plans import compiles
+    from lycoris_ops.triton import _common
+
+    monkeypatch.setattr(_common, "_INTERPRETED", [False])
+    r = compiles.count("lokr_bypass_bwd", "4096x4096:r64", 32768)
+    assert not r.failed and all(r.per_candidate) and r.n_distinct >= 1, r.summary()
+    assert _common._INTERPRETED == [False]
+
+
 FAMILY_PLANS = {
     "lora": lambda m, dev, bf: [
         m.plan_bypass_fwd(dev, 4096, 4096, 4096, 16, bf, bf, bf, False),

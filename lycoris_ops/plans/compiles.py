@@ -127,19 +127,25 @@ def _identity(kernel, args, kwargs) -> Launch:
 
 @contextlib.contextmanager
 def _intercept(sink: List[Launch]):
-    """``kernel[grid](...)`` records the launch's compile identity and launches nothing."""
+    """``kernel[grid](...)`` records the launch's compile identity and launches nothing
+    (also through ``fast(kernel)``, whose direct launcher is turned off meanwhile: it would
+    look for a CUDA device)."""
     from triton.runtime.jit import KernelInterface
 
-    original = KernelInterface.__getitem__
+    from ..triton import _common
+
+    original, direct = KernelInterface.__getitem__, _common._INTERPRETED[0]
 
     def getitem(self, grid):
         return lambda *args, **kwargs: sink.append(_identity(self, args, dict(kwargs)))
 
     KernelInterface.__getitem__ = getitem
+    _common._INTERPRETED[0] = True  # FastJIT then goes through kernel[grid]
     try:
         yield
     finally:
         KernelInterface.__getitem__ = original
+        _common._INTERPRETED[0] = direct
 
 
 @contextlib.contextmanager
