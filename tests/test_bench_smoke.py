@@ -9,6 +9,8 @@ import glob
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -59,6 +61,21 @@ def test_bench_scripts_compile(script):
     path = os.path.join(BENCH, script)
     with open(path, encoding="utf-8") as f:
         compile(f.read(), path, "exec")
+
+
+def test_ptxas_lokr_smoke():
+    """``bench/ptxas_lokr.py --smoke`` (the interpreter off, as the script needs): one LoKr
+    backward config built for sm_90 and its ptxas register report read back."""
+    from lycoris_ops.triton._common import ptxas_path
+
+    if ptxas_path(90) is None:
+        pytest.skip("triton's ptxas is unavailable")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "ptxas_lokr.py"), "--smoke", "--a", "16", "--c", "16"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    m = re.search(r"tokens 1 warps 4 stages 1: (\d+) registers, spill stores (\d+) B", proc.stdout)
+    assert m and 0 < int(m[1]) <= 255 and int(m[2]) == 0, proc.stdout
 
 
 @pytest.mark.parametrize("family", ["tucker", "boft", "oft", "lokr"])

@@ -35,7 +35,7 @@ import torch
 from . import tune
 from .device import DeviceFacts, synthetic
 
-__all__ = ["Launch", "Report", "count", "compile_seconds", "SLOW_OPS", "main"]
+__all__ = ["Launch", "Report", "count", "compile_seconds", "build", "ptxas_usage", "SLOW_OPS", "main"]
 
 _LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg", "enable_fp_fusion", "launch_cooperative_grid",
                    "launch_pdl")
@@ -243,6 +243,13 @@ def compile_seconds(launch: Launch, arch: int = 90) -> float:
     Triton's ptxas; no GPU)."""
     import time
 
+    t0 = time.perf_counter()
+    build(launch, arch)
+    return time.perf_counter() - t0
+
+
+def build(launch: Launch, arch: int = 90):
+    """Triton's compiled kernel of ``launch`` for ``sm_<arch>`` (see ``compile_seconds``)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
@@ -263,9 +270,34 @@ def compile_seconds(launch: Launch, arch: int = 90) -> float:
             signature[p.name] = ty
             if attr not in ("None", ""):
                 attrs[(i,)] = backend.parse_attr(attr)
-    t0 = time.perf_counter()
-    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=dict(launch.options))
-    return time.perf_counter() - t0
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target,
+                          options=dict(launch.options))
+
+
+def ptxas_usage(compiled, arch: int = 90) -> Dict[str, int]:
+    """Registers a thread, spill store / load bytes (``ptxas -v`` on the kernel's PTX, with
+    Triton's ptxas) and shared-memory bytes of a ``build`` result."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = get_ptxas(arch) if "arch" in inspect.signature(get_ptxas).parameters else get_ptxas()
+    path = getattr(tool, "path", None) or tool[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = f"{tmp}/k.ptx"
+        with open(src, "w") as f:
+            f.write(compiled.asm["ptx"])
+        out = subprocess.run([path, "-v", f"--gpu-name=sm_{arch}a", src, "-o", f"{tmp}/k.o"],
+                             capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+
+    def num(pattern):
+        m = re.search(pattern, log)
+        return int(m.group(1)) if m else 0
+    return {"registers": num(r"Used (\d+) registers"), "spill_stores": num(r"(\d+) bytes spill stores"),
+            "spill_loads": num(r"(\d+) bytes spill loads"), "shared": int(compiled.metadata.shared)}
 
 
 #: the keys over the 2 s cold-tuning target on the H200 (T=32768, 4096x4096, r=64, bf16)
