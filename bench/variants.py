@@ -94,13 +94,23 @@ def oft(geo, dtype, dev, gen):
     small = D < 1024  # smoke sizes (the "tile" shape keeps the real tiles)
     base = TO.OftCfg(block_p=16 if small else 128, bwd_block_p=16 if small else 64, num_warps=4, num_stages=2,
                      dot_prec=TO.SPLIT16)
-    variants = [("base split16", {}), ("tf32x3", dict(dot_prec="tf32x3")), ("group 64", dict(group=64)),
-                ("group 64 s3", dict(group=64, num_stages=3)), ("block_p x2", dict(block_p=2 * base.block_p)),
-                ("8 warps", dict(num_warps=8))] + [(f"split {n}", dict(split=n)) for n in (2, 3, 4)]
+    nm = dict(neumann=True)  # the Cayley factor by _cayley.neumann_inverse (8-12 dots, no serial elimination)
+    fwd = [("base split16", {}), ("neumann", nm), ("pos_rows", dict(pos_rows=True)),
+           ("neumann pos_rows", dict(nm, pos_rows=True)), ("neumann group 64", dict(nm, group=64)),
+           ("neumann s3", dict(nm, num_stages=3)), ("neumann block_p x2", dict(nm, block_p=2 * base.block_p)),
+           ("neumann 8 warps", dict(nm, num_warps=8)), ("neumann pos_rows 8 warps", dict(nm, pos_rows=True, num_warps=8)),
+           ("neumann pos_rows bp x2", dict(nm, pos_rows=True, block_p=2 * base.block_p)),
+           ("neumann pos_rows s3", dict(nm, pos_rows=True, num_stages=3))] + \
+        [(f"neumann split {n}", dict(nm, split=n)) for n in (2, 3, 6, 8)]
+    bwd = [("base split16", {}), ("neumann", nm), ("group 64 s3", dict(group=64, num_stages=3)),
+           ("neumann group 64 s3", dict(nm, group=64, num_stages=3))] + \
+        [(f"neumann group 64 s3 split {n}", dict(nm, group=64, num_stages=3, split=n)) for n in (4, 6)]
     out = {"fwd": [], "bwd": []}
-    for name, kw in variants:
+    for name, kw in fwd:
         c = base._replace(**kw)
         out["fwd"].append((name, lambda c=c: TO.oft_fwd(blocks, x, None, 1.0, True, False, cfg=c)))
+    for name, kw in bwd:
+        c = base._replace(**kw)
         out["bwd"].append((name, lambda c=c: TO.oft_bwd(g, blocks, x, None, 1.0, True, False, cfg=c)[0]))
     return out
 

@@ -120,6 +120,38 @@ def test_oft(dtype, layout, dot_prec):
         assert rel_err(gr, g0[2]) < 1e-4
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the diverging series of the fallback cases (interpreter)
+@pytest.mark.parametrize("pos_rows", [False, True])
+@pytest.mark.parametrize("scale", [0.02, 1.0], ids=["neumann", "gj_fallback"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", OFT_LAYOUTS[:3], ids=[c[0] for c in OFT_LAYOUTS[:3]])
+def test_oft_neumann_and_pos_rows(dtype, layout, scale, pos_rows):
+    """``neumann=True``: the Cayley factor by ``_cayley.neumann_inverse`` (scale 0.02: its
+    series converges) or by its Gauss–Jordan fallback (scale 1.0: ‖Q‖₂ > 1, the series
+    diverges); ``pos_rows``: the forward's (positions, channels) tiles. Both against the
+    fp64 oracle, forward and backward, with rescale and shift."""
+    cid, K, S, xshape, weight, nc = layout
+    gen = torch.Generator().manual_seed(K * 31 + S + int(100 * scale) + 7 * pos_rows)
+    cscale = 0.8
+    blocks = _make((K, S, S), torch.float32, gen, scale=scale)
+    q = cscale * (blocks - blocks.transpose(1, 2)).double().cpu()
+    spectral = torch.linalg.matrix_norm(q, ord=2)
+    # which side each case takes: every block inside the series' reach, or none
+    assert bool((spectral < 0.5).all()) if scale < 0.1 else bool((spectral > 1.0).all())
+    x = _make(xshape, dtype, gen, nc=nc)
+    rescale = (torch.rand(K * S, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32)
+    grad = _make(xshape, dtype, gen)
+    dot_prec = TO.SPLIT16 if dtype != torch.float32 else "tf32x3"
+    cfg = OftCfg(block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec, neumann=True, pos_rows=pos_rows)
+    y = TO.oft_fwd(blocks, x, rescale, cscale, True, weight, cfg=cfg)
+    y0, g0 = _oft_oracle(blocks, x, rescale, cscale, True, weight, grad)
+    assert rel_err(y, y0) < _tol(dtype)
+    gx, gb, gr = TO.oft_bwd(grad, blocks, x, rescale, cscale, True, weight, cfg=cfg)
+    assert rel_err(gx, g0[0]) < _tol(dtype)
+    assert rel_err(gb, g0[1]) < 1e-4
+    assert rel_err(gr, g0[2]) < 1e-4
+
+
 def test_oft_16bit_blocks_default_cfg():
     """bf16 (strided) blocks are upcast to fp32 before the Cayley solve; default launch config."""
     gen = torch.Generator().manual_seed(7)
@@ -259,6 +291,8 @@ _COMPILE = textwrap.dedent("""
 
     FLOATS = {"cscale", "scale", "shift"}
     def build(kernel, consts, ptrs={}, num_warps=4):
+        # constexpr parameters left out take their defaults (else they would compile as runtime ints)
+        consts = {**{q.name: q.default for q in kernel.params if q.is_constexpr and q.has_default}, **consts}
         sig = {}
         for n in kernel.arg_names:
             if n in consts:
@@ -278,9 +312,14 @@ _COMPILE = textwrap.dedent("""
     split16 = dict(DOT_PREC="tf32x3", SPLIT=True, DOT=tl.bfloat16)  # O.dot_mode("split16", bf16) on a GPU
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=1, IDX64=False, NB=8, SP=4, BLOCK_P=128, **fp32_dots), bf)
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=32, BLOCK_P=128, **split16), bf)
+    build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=32, BLOCK_P=128, NEUMANN=True,
+                                  POS_ROWS=True, **split16), bf)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=64, **fp32_dots), bf)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=False, MODE=1, IDX64=False, NB=2, SP=16, BLOCK_P=64, **split16), bf)
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=8), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
+    build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=2, SP=32, BLOCK_P=64, NEUMANN=True,
+                                  **split16), bf)
+    build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=32, NEUMANN=True), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
     build(B._boft_cayley, dict(NBB=2, SP=32), {"blocks_ptr": "*bf16"})
     build(B._boft_segmat, dict(HP=16, SP=32, NB=2), num_warps=16)
     build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, MODE=1, IDX64=False,
@@ -309,7 +348,7 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 16
+    assert r.stdout.count("ok ") == 19
 
 
 @pytest.mark.parametrize("n_sm", [1, 7, 132])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["skew_system", "batched_inverse", "block_diag", "cayley_grad"]
+__all__ = ["skew_system", "batched_inverse", "block_diag", "cayley_grad", "neumann_inverse", "cayley_m"]
 
 
 @triton.jit
@@ -62,6 +62,62 @@ def batched_inverse(a, NB: tl.constexpr, SP: tl.constexpr):
         a = tl.where(r3 == k, row_a[:, None, :], a)
         inv = tl.where(r3 == k, row_i[:, None, :], inv)
     return inv
+
+
+#: ``neumann_inverse`` stops once the next factor's ‖P‖_F² is at most this (‖P‖_F <= 2⁻²⁴: the
+#: tail it leaves out is below fp32's rounding of the result) ...
+NEUMANN_TOL2 = tl.constexpr(2.0 ** -48)
+#: ... or after this many squarings (terms up to N^(2^(steps+1)); ρ(N) up to ~0.9), when
+#: ``cayley_m`` falls back to Gauss–Jordan
+NEUMANN_MAX_STEPS = tl.constexpr(6)
+
+
+@triton.jit
+def neumann_inverse(q, GP: tl.constexpr):
+    """``(M, e)`` with ``M = (I − Q)⁻¹`` for a skew-symmetric (GP, GP) fp32 Q, by fp32 dots
+    instead of Gauss–Jordan's GP serial elimination steps, and ``e`` the squared Frobenius
+    norm of the first factor left out (``e <= NEUMANN_TOL2``: M is fp32-accurate; else it
+    is not, and the caller solves again).
+
+    ``(I − Q)(I + Q) = I + N`` with ``N = QᵀQ = −Q²`` symmetric positive semidefinite, so
+    ``M = (I + Q)·(I + N)⁻¹`` and ``(I + N)⁻¹ = Π_j (I + P_j)`` with ``P_0 = −N``,
+    ``P_{j+1} = P_j²``: after the factors up to P_j the rest is ``P_{j+1}·(I + N)⁻¹``, whose
+    norm is at most ‖P_{j+1}‖_F (‖(I + N)⁻¹‖₂ <= 1): a rigorous, computed stopping rule that
+    converges quadratically whenever ‖Q‖₂ < 1. Everything is a polynomial in Q, so a
+    block-diagonal Q gives a block-diagonal M (the off-block zeros stay exact)."""
+    l = tl.arange(0, GP)
+    eye = tl.where(l[:, None] == l[None, :], 1.0, 0.0)
+    n = -tl.dot(q, q, input_precision="ieee")
+    x = eye - n
+    p = tl.dot(n, n, input_precision="ieee")
+    e = tl.sum(tl.sum(p * p, axis=1), axis=0)
+    j = 0
+    while (e > NEUMANN_TOL2) & (j < NEUMANN_MAX_STEPS):
+        x = x + tl.dot(x, p, input_precision="ieee")
+        p = tl.dot(p, p, input_precision="ieee")
+        e = tl.sum(tl.sum(p * p, axis=1), axis=0)
+        j += 1
+    return tl.dot(eye + q, x, input_precision="ieee"), e
+
+
+@triton.jit
+def cayley_m(b, bt, cscale, valid, NB: tl.constexpr, SP: tl.constexpr, NEUMANN: tl.constexpr):
+    """The block-diagonal (NB·SP, NB·SP) ``M = (I − Q)⁻¹`` of a batch of raw blocks (see
+    ``skew_system``): Gauss–Jordan per block, or (NEUMANN) ``neumann_inverse`` of the
+    block-diagonal Q, with Gauss–Jordan only where that has not converged (a uniform
+    branch: one side per program)."""
+    a = skew_system(b, bt, cscale, valid, NB, SP)
+    if NEUMANN:
+        p = tl.arange(0, SP)
+        eye3 = (p[:, None] == p[None, :])[None, :, :]
+        m, e = neumann_inverse(block_diag(tl.where(eye3, 1.0, 0.0) - a, NB, SP), NB * SP)
+        if e <= NEUMANN_TOL2:  # (written so that a diverged, NaN e falls back too)
+            m = m
+        else:
+            m = block_diag(batched_inverse(a, NB, SP), NB, SP)
+    else:
+        m = block_diag(batched_inverse(a, NB, SP), NB, SP)
+    return m
 
 
 @triton.jit

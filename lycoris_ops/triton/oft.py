@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms
-from ._cayley import batched_inverse, block_diag, cayley_grad, skew_system
+from ._cayley import cayley_grad, cayley_m
 
 __all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view", "auto_split"]
 
@@ -84,8 +84,8 @@ def pos_offsets(p, POST, s_pre, s_post, MODE: tl.constexpr):
 
 @triton.jit
 def _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
-               HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr):
-    """Channel rows of group g and its Cayley factor M (block-diagonal (GP, GP)).
+               HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr, NEUMANN: tl.constexpr = False):
+    """Channel rows of group g and its Cayley factor M (block-diagonal (GP, GP); ``cayley_m``).
     Returns (ch, ch_valid, rho, M, same): ``same`` marks the entries (l, l') of one real block."""
     GP: tl.constexpr = NB * SP
     l = tl.arange(0, GP)
@@ -101,7 +101,7 @@ def _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
     valid = (p3 < S) & (q3 < S) & (k3 < K)
     bb = tl.load(blocks_ptr + k3 * sbk + p3 * sbp + q3 * sbq, mask=valid, other=0.0).to(tl.float32)
     bt = tl.load(blocks_ptr + k3 * sbk + q3 * sbp + p3 * sbq, mask=valid, other=0.0).to(tl.float32)
-    m = block_diag(batched_inverse(skew_system(bb, bt, cscale, valid, NB, SP), NB, SP), NB, SP)
+    m = cayley_m(bb, bt, cscale, valid, NB, SP, NEUMANN)
     if HAS_RESCALE:
         rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
     else:
@@ -206,13 +206,16 @@ def _oft_fwd_kernel(
     K, S, NPOS, POST, n_tiles, n_split, cscale, shift,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, NEUMANN: tl.constexpr = False,
+    POS_ROWS: tl.constexpr = False,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
-                                            HAS_RESCALE, NB, SP)
+                                            HAS_RESCALE, NB, SP, NEUMANN)
     f = _oft_f(m, rho, shift, GP)
+    if POS_ROWS:  # tiles (positions, channels): Yᵀ = Xᵀ·Fᵀ, the positions as the dot's M
+        f = tl.trans(f)
     f0, f1, f2 = split16(f, x_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit x: three terms of F (dot_split16)
     if IDX64:
         ch = ch.to(tl.int64)
@@ -220,14 +223,24 @@ def _oft_fwd_kernel(
         p = t * BLOCK_P + tl.arange(0, BLOCK_P)
         if IDX64:
             p = p.to(tl.int64)
-        mask = ch_valid[:, None] & (p < NPOS)[None, :]
-        xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
-        if SPLIT:
-            y = dot_split16(f0, f1, f2, tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT))
+        if POS_ROWS:
+            mask = (p < NPOS)[:, None] & ch_valid[None, :]
+            xo = pos_offsets(p, POST, sx_pre, sx_post, MODE)[:, None] + ch[None, :] * sx_c
+            yo = pos_offsets(p, POST, sy_pre, sy_post, MODE)[:, None] + ch[None, :] * sy_c
+            if SPLIT:
+                xt = tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT)
+                y = tl.dot(xt, f0, tl.dot(xt, f1, tl.dot(xt, f2)))
+            else:
+                y = tl.dot(tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32), f, input_precision=DOT_PREC)
         else:
-            x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-            y = tl.dot(f, x, input_precision=DOT_PREC)
-        yo = ch[:, None] * sy_c + pos_offsets(p, POST, sy_pre, sy_post, MODE)[None, :]
+            mask = ch_valid[:, None] & (p < NPOS)[None, :]
+            xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
+            yo = ch[:, None] * sy_c + pos_offsets(p, POST, sy_pre, sy_post, MODE)[None, :]
+            if SPLIT:
+                y = dot_split16(f0, f1, f2, tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT))
+            else:
+                x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+                y = tl.dot(f, x, input_precision=DOT_PREC)
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -238,13 +251,13 @@ def _oft_bwd_stream(
     K, S, NPOS, POST, n_tiles, n_split, n_groups, cscale, shift,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
-    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32,
+    SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, NEUMANN: tl.constexpr = False,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     sp = tl.program_id(1)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
-                                            HAS_RESCALE, NB, SP)
+                                            HAS_RESCALE, NB, SP, NEUMANN)
     ft = tl.trans(_oft_f(m, rho, shift, GP))
     # G and x of one 16-bit dtype: Fᵀ in three terms; the products of G·xᵀ are exact in fp32
     f0, f1, f2 = split16(ft, g_ptr.dtype.element_ty, DOT, SPLIT)
@@ -272,12 +285,12 @@ def _oft_bwd_stream(
 def _oft_bwd_chain(
     blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, part_ptr, gb_ptr, gr_ptr,
     K, S, n_split, n_groups, cscale,
-    HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr,
+    HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr, NEUMANN: tl.constexpr = False,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
-                                            HAS_RESCALE, NB, SP)
+                                            HAS_RESCALE, NB, SP, NEUMANN)
     l = tl.arange(0, GP)
     pp = tl.zeros((GP, GP), dtype=tl.float32)
     for sp in range(n_split):
@@ -306,7 +319,9 @@ class OftCfg(NamedTuple):
     in memory, else 16), ``split``: programs per group along the positions
     (0 = automatic: one wave of resident programs, ``auto_split``), ``dot_prec``:
     input_precision of the streaming fp32 dots, or ``"split16"`` (16-bit operands:
-    ``dot_split16``)."""
+    ``dot_split16``), ``neumann``: the Cayley factor by ``_cayley.neumann_inverse`` where
+    ‖Q‖ allows (8 dots instead of S serial elimination steps), ``pos_rows`` (forward):
+    tiles of (positions, channels), the positions as the dot's M."""
     block_p: int = 128
     group: int = 0
     split: int = 0
@@ -315,6 +330,8 @@ class OftCfg(NamedTuple):
     dot_prec: str = "tf32x3"
     bwd_block_p: int = 64
     chain_warps: int = 4
+    neumann: bool = False
+    pos_rows: bool = False
 
 
 def default_oft_cfg() -> OftCfg:
@@ -433,7 +450,8 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = N
             x, a, xs[1], b, y, ya, ys[1], yb,
             K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            **dot_mode(cfg.dot_prec, x), NEUMANN=cfg.neumann, POS_ROWS=cfg.pos_rows,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
@@ -466,9 +484,10 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCf
             grad, ga, gs[1], gb, x, xa, xs[1], xb, gx, oa, os_[1], ob, part,
             K, S, pre * post, post, n_tiles, split, n_groups, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, grad, x), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            **dot_mode(cfg.dot_prec, grad, x), NEUMANN=cfg.neumann, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
         fast(_oft_bwd_chain)[(n_groups,)](
             blocks, *blocks.stride(), rs, rs.stride(0), part, g_blocks, g_rescale,
             K, S, split, n_groups, float(cscale),
-            HAS_RESCALE=rescale is not None, NB=NB, SP=SP, num_warps=cfg.chain_warps)
+            HAS_RESCALE=rescale is not None, NB=NB, SP=SP, NEUMANN=cfg.neumann, num_warps=cfg.chain_warps)
     return gx, g_blocks, g_rescale
