@@ -94,17 +94,18 @@ def oft(geo, dtype, dev, gen):
     small = D < 1024  # smoke sizes (the "tile" shape keeps the real tiles)
     base = TO.OftCfg(block_p=16 if small else 128, bwd_block_p=16 if small else 64, num_warps=4, num_stages=2,
                      dot_prec=TO.SPLIT16)
-    nm = dict(neumann=True)  # the Cayley factor by _cayley.neumann_inverse (8-12 dots, no serial elimination)
-    fwd = [("base split16", {}), ("neumann", nm), ("pos_rows", dict(pos_rows=True)),
-           ("neumann pos_rows", dict(nm, pos_rows=True)), ("neumann group 64", dict(nm, group=64)),
-           ("neumann s3", dict(nm, num_stages=3)), ("neumann block_p x2", dict(nm, block_p=2 * base.block_p)),
-           ("neumann 8 warps", dict(nm, num_warps=8)), ("neumann pos_rows 8 warps", dict(nm, pos_rows=True, num_warps=8)),
-           ("neumann pos_rows bp x2", dict(nm, pos_rows=True, block_p=2 * base.block_p)),
-           ("neumann pos_rows s3", dict(nm, pos_rows=True, num_stages=3))] + \
-        [(f"neumann split {n}", dict(nm, split=n)) for n in (2, 3, 6, 8)]
+    nm = dict(neumann=True)  # the Cayley factor by _cayley.neumann_inverse (dots, no serial elimination)
+    # stages and tile: the positions in flight per program; split 2: one wave at the two programs
+    # per SM that neumann's registers leave (ptxas: 243 a thread against the default's 74)
+    fwd = [("base split16", {}), ("s3", dict(num_stages=3)), ("s4", dict(num_stages=4)),
+           ("block_p x2 s3", dict(block_p=2 * base.block_p, num_stages=3)), ("block_p /2 s4", dict(
+               block_p=base.block_p // 2, num_stages=4)), ("neumann", nm), ("neumann s3", dict(nm, num_stages=3)),
+           ("neumann s4", dict(nm, num_stages=4))] + \
+        [(f"neumann split 2 s{st}", dict(nm, split=2, num_stages=st)) for st in (3, 4, 6)] + \
+        [("neumann split 2 bp x2 s4", dict(nm, split=2, block_p=2 * base.block_p, num_stages=4)),
+         ("neumann split 3 s4", dict(nm, split=3, num_stages=4))]
     bwd = [("base split16", {}), ("neumann", nm), ("group 64 s3", dict(group=64, num_stages=3)),
-           ("neumann group 64 s3", dict(nm, group=64, num_stages=3))] + \
-        [(f"neumann group 64 s3 split {n}", dict(nm, group=64, num_stages=3, split=n)) for n in (4, 6)]
+           ("s3", dict(num_stages=3)), ("group 64 s4", dict(group=64, num_stages=4))]
     out = {"fwd": [], "bwd": []}
     for name, kw in fwd:
         c = base._replace(**kw)

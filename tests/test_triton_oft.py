@@ -121,17 +121,15 @@ def test_oft(dtype, layout, dot_prec):
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the diverging series of the fallback cases (interpreter)
-@pytest.mark.parametrize("pos_rows", [False, True])
 @pytest.mark.parametrize("scale", [0.02, 1.0], ids=["neumann", "gj_fallback"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", OFT_LAYOUTS[:3], ids=[c[0] for c in OFT_LAYOUTS[:3]])
-def test_oft_neumann_and_pos_rows(dtype, layout, scale, pos_rows):
+def test_oft_neumann(dtype, layout, scale):
     """``neumann=True``: the Cayley factor by ``_cayley.neumann_inverse`` (scale 0.02: its
     series converges) or by its Gauss–Jordan fallback (scale 1.0: ‖Q‖₂ > 1, the series
-    diverges); ``pos_rows``: the forward's (positions, channels) tiles. Both against the
-    fp64 oracle, forward and backward, with rescale and shift."""
+    diverges), against the fp64 oracle, forward and backward, with rescale and shift."""
     cid, K, S, xshape, weight, nc = layout
-    gen = torch.Generator().manual_seed(K * 31 + S + int(100 * scale) + 7 * pos_rows)
+    gen = torch.Generator().manual_seed(K * 31 + S + int(100 * scale))
     cscale = 0.8
     blocks = _make((K, S, S), torch.float32, gen, scale=scale)
     q = cscale * (blocks - blocks.transpose(1, 2)).double().cpu()
@@ -142,7 +140,7 @@ def test_oft_neumann_and_pos_rows(dtype, layout, scale, pos_rows):
     rescale = (torch.rand(K * S, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32)
     grad = _make(xshape, dtype, gen)
     dot_prec = TO.SPLIT16 if dtype != torch.float32 else "tf32x3"
-    cfg = OftCfg(block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec, neumann=True, pos_rows=pos_rows)
+    cfg = OftCfg(block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec, neumann=True)
     y = TO.oft_fwd(blocks, x, rescale, cscale, True, weight, cfg=cfg)
     y0, g0 = _oft_oracle(blocks, x, rescale, cscale, True, weight, grad)
     assert rel_err(y, y0) < _tol(dtype)
@@ -313,7 +311,7 @@ _COMPILE = textwrap.dedent("""
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=1, IDX64=False, NB=8, SP=4, BLOCK_P=128, **fp32_dots), bf)
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=32, BLOCK_P=128, **split16), bf)
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=32, BLOCK_P=128, NEUMANN=True,
-                                  POS_ROWS=True, **split16), bf)
+                                  **split16), bf)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=64, **fp32_dots), bf)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=False, MODE=1, IDX64=False, NB=2, SP=16, BLOCK_P=64, **split16), bf)
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=8), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
@@ -362,14 +360,16 @@ def test_auto_split_is_one_wave_and_the_planners_model_it(n_sm):
 
     for n_groups in (1, 5, 64, 128, 1000):
         for split in (TO.auto_split(n_groups, n_sm, False), TO.auto_split(n_groups, n_sm, True),
-                      TB.auto_split(n_groups, n_sm)):
+                      TO.auto_split(n_groups, n_sm, False, True), TB.auto_split(n_groups, n_sm)):
             assert split >= 1 and (split == 1 or n_groups * split <= max(TO.WAVE_FWD, TB.WAVE) * n_sm)
     for K, S, npos, c_contig in ((128, 32, 32768, True), (96, 32, 8192, True), (40, 6, 999, False)):
-        for bwd in (False, True):
-            cfg = OftCfg()
+        for bwd, cfg in ((False, OftCfg()), (True, OftCfg()), (False, TO.FWD_CFG), (True, OftCfg(neumann=True))):
             _, _, n_groups, n_tiles, split, _ = TO._plan(K, S, npos, c_contig, n_sm, bwd, cfg)
             bp = cfg.bwd_block_p if bwd else cfg.block_p
-            assert PO._group(K, S, c_contig, cfg.group, n_sm, bp, npos, bwd)[3:] == (n_groups, n_tiles, split)
+            assert PO._group(K, S, c_contig, cfg.group, n_sm, bp, npos, bwd, cfg.neumann)[3:] == \
+                (n_groups, n_tiles, split)
+            if cfg.neumann and n_sm == 132 and (K, npos) == (128, 32768):
+                assert split == 2  # one wave of two programs per SM (the registers of its dots)
     for m, nb, s, npos, max_group in ((8, 128, 24, 8192, 64), (8, 128, 32, 32768, 32), (3, 4, 6, 77, 16)):
         for bwd in (False, True):
             cfg = BoftCfg(max_group=max_group)

@@ -206,3 +206,25 @@ def test_loha_merge_bwd_vendor_candidate():
             kw = P._vendor_launch(TL.GradCfg, vendor[0])
             assert kw["vendor"] is True and isinstance(kw["cfg"], TL.GradCfg)
             assert "vendor" not in P._vendor_launch(TL.GradCfg, plan.candidates[0])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_oft_forward_shortlist_times_the_neumann_rebuild(x_dtype):
+    """The diag-OFT forward's shortlist holds a config with the Cayley factor by
+    ``neumann_inverse`` (the launcher's default FWD_CFG, or the first config's twin when the
+    plan starts elsewhere), and Gauss-Jordan configs beside it; the backward offers none
+    (measured slower there: its registers halve the resident stream programs)."""
+    from lycoris_ops.plans import oft as P
+    from lycoris_ops.plans._glue import as_dict
+    from lycoris_ops.triton.oft import FWD_CFG
+
+    dev = device.synthetic()
+    with_default = P.plan_oft_fwd(dev, 128, 32, 32768, True, x_dtype, torch.float32, default=as_dict(FWD_CFG))
+    fused = [c for c in with_default.candidates if isinstance(c, dict)]
+    assert fused[0] == as_dict(FWD_CFG) and any(not c.get("neumann") for c in fused)
+    bare = P.plan_oft_fwd(dev, 128, 32, 32768, True, x_dtype, torch.float32)
+    fused = [c for c in bare.candidates if isinstance(c, dict)]
+    assert not fused[0].get("neumann") and dict(fused[0], neumann=True, num_stages=3) in fused
+    assert bare.candidates[-1] == tune.SENTINEL_EAGER and len(bare.predicted) == len(bare.candidates)
+    bwd = P.plan_oft_bwd(dev, 128, 32, 32768, True, x_dtype, torch.float32)
+    assert not any(isinstance(c, dict) and c.get("neumann") for c in bwd.candidates)

@@ -70,14 +70,17 @@ NEUMANN_TOL2 = tl.constexpr(2.0 ** -48)
 #: ... or after this many squarings (terms up to N^(2^(steps+1)); ρ(N) up to ~0.9), when
 #: ``cayley_m`` falls back to Gauss–Jordan
 NEUMANN_MAX_STEPS = tl.constexpr(6)
+#: the series' dots: tensor cores at ~fp32 accuracy. "ieee" (FMA) dots of 32x32 fp32 tiles
+#: take 255 registers a thread and cap a streaming program's residency (ptxas, sm_90)
+NEUMANN_PREC = tl.constexpr("tf32x3")
 
 
 @triton.jit
 def neumann_inverse(q, GP: tl.constexpr):
     """``(M, e)`` with ``M = (I − Q)⁻¹`` for a skew-symmetric (GP, GP) fp32 Q, by fp32 dots
     instead of Gauss–Jordan's GP serial elimination steps, and ``e`` the squared Frobenius
-    norm of the first factor left out (``e <= NEUMANN_TOL2``: M is fp32-accurate; else it
-    is not, and the caller solves again).
+    norm of the first factor left out (``e <= NEUMANN_TOL2``: M is as accurate as the
+    tf32x3 dots, ~fp32; else it is not, and the caller solves again).
 
     ``(I − Q)(I + Q) = I + N`` with ``N = QᵀQ = −Q²`` symmetric positive semidefinite, so
     ``M = (I + Q)·(I + N)⁻¹`` and ``(I + N)⁻¹ = Π_j (I + P_j)`` with ``P_0 = −N``,
@@ -87,17 +90,17 @@ def neumann_inverse(q, GP: tl.constexpr):
     block-diagonal Q gives a block-diagonal M (the off-block zeros stay exact)."""
     l = tl.arange(0, GP)
     eye = tl.where(l[:, None] == l[None, :], 1.0, 0.0)
-    n = -tl.dot(q, q, input_precision="ieee")
+    n = -tl.dot(q, q, input_precision=NEUMANN_PREC)
     x = eye - n
-    p = tl.dot(n, n, input_precision="ieee")
+    p = tl.dot(n, n, input_precision=NEUMANN_PREC)
     e = tl.sum(tl.sum(p * p, axis=1), axis=0)
     j = 0
     while (e > NEUMANN_TOL2) & (j < NEUMANN_MAX_STEPS):
-        x = x + tl.dot(x, p, input_precision="ieee")
-        p = tl.dot(p, p, input_precision="ieee")
+        x = x + tl.dot(x, p, input_precision=NEUMANN_PREC)
+        p = tl.dot(p, p, input_precision=NEUMANN_PREC)
         e = tl.sum(tl.sum(p * p, axis=1), axis=0)
         j += 1
-    return tl.dot(eye + q, x, input_precision="ieee"), e
+    return tl.dot(eye + q, x, input_precision=NEUMANN_PREC), e
 
 
 @triton.jit

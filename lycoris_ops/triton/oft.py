@@ -14,9 +14,12 @@ the contiguous axis, for coalescing) and a share of the positions (as many share
 per group as fill one wave of resident programs: ``auto_split``).
 
 Cayley in registers: every program rebuilds the fp32 Cayley factors of its
-blocks from the fp32-upcast raw blocks (batched Gauss–Jordan, SP steps,
-``_cayley.py``) before it streams; R is never written to memory and no scratch
-holds it. The position loop amortizes the rebuild.
+blocks from the fp32-upcast raw blocks before it streams (``_cayley.cayley_m``:
+batched Gauss–Jordan, SP serial steps; or, ``neumann`` and the forward's default,
+a product series of a few tf32x3 dots with a computed stopping rule, Gauss–Jordan
+only where it does not converge); R is never written to memory and no scratch
+holds it. The position loop amortizes the rebuild; the memory idles during it,
+which is why the forward's default takes the series (half the rebuild time).
 
 Passes:
 
@@ -62,7 +65,7 @@ import triton.language as tl
 from ._common import cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import cayley_grad, cayley_m
 
-__all__ = ["OftCfg", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view", "auto_split"]
+__all__ = ["OftCfg", "FWD_CFG", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view", "auto_split"]
 
 #: largest block size S the kernels take (padded to a power of two)
 MAX_BLOCK = 64
@@ -207,15 +210,12 @@ def _oft_fwd_kernel(
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, NEUMANN: tl.constexpr = False,
-    POS_ROWS: tl.constexpr = False,
 ):
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
                                             HAS_RESCALE, NB, SP, NEUMANN)
     f = _oft_f(m, rho, shift, GP)
-    if POS_ROWS:  # tiles (positions, channels): Yᵀ = Xᵀ·Fᵀ, the positions as the dot's M
-        f = tl.trans(f)
     f0, f1, f2 = split16(f, x_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit x: three terms of F (dot_split16)
     if IDX64:
         ch = ch.to(tl.int64)
@@ -223,24 +223,14 @@ def _oft_fwd_kernel(
         p = t * BLOCK_P + tl.arange(0, BLOCK_P)
         if IDX64:
             p = p.to(tl.int64)
-        if POS_ROWS:
-            mask = (p < NPOS)[:, None] & ch_valid[None, :]
-            xo = pos_offsets(p, POST, sx_pre, sx_post, MODE)[:, None] + ch[None, :] * sx_c
-            yo = pos_offsets(p, POST, sy_pre, sy_post, MODE)[:, None] + ch[None, :] * sy_c
-            if SPLIT:
-                xt = tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT)
-                y = tl.dot(xt, f0, tl.dot(xt, f1, tl.dot(xt, f2)))
-            else:
-                y = tl.dot(tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32), f, input_precision=DOT_PREC)
+        mask = ch_valid[:, None] & (p < NPOS)[None, :]
+        xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
+        if SPLIT:
+            y = dot_split16(f0, f1, f2, tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT))
         else:
-            mask = ch_valid[:, None] & (p < NPOS)[None, :]
-            xo = ch[:, None] * sx_c + pos_offsets(p, POST, sx_pre, sx_post, MODE)[None, :]
-            yo = ch[:, None] * sy_c + pos_offsets(p, POST, sy_pre, sy_post, MODE)[None, :]
-            if SPLIT:
-                y = dot_split16(f0, f1, f2, tl.load(x_ptr + xo, mask=mask, other=0.0).to(DOT))
-            else:
-                x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-                y = tl.dot(f, x, input_precision=DOT_PREC)
+            x = tl.load(x_ptr + xo, mask=mask, other=0.0).to(tl.float32)
+            y = tl.dot(f, x, input_precision=DOT_PREC)
+        yo = ch[:, None] * sy_c + pos_offsets(p, POST, sy_pre, sy_post, MODE)[None, :]
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -320,8 +310,7 @@ class OftCfg(NamedTuple):
     (0 = automatic: one wave of resident programs, ``auto_split``), ``dot_prec``:
     input_precision of the streaming fp32 dots, or ``"split16"`` (16-bit operands:
     ``dot_split16``), ``neumann``: the Cayley factor by ``_cayley.neumann_inverse`` where
-    ‖Q‖ allows (8 dots instead of S serial elimination steps), ``pos_rows`` (forward):
-    tiles of (positions, channels), the positions as the dot's M."""
+    ‖Q‖ allows (a few dots instead of S serial elimination steps; ``_cayley.cayley_m``)."""
     block_p: int = 128
     group: int = 0
     split: int = 0
@@ -331,11 +320,18 @@ class OftCfg(NamedTuple):
     bwd_block_p: int = 64
     chain_warps: int = 4
     neumann: bool = False
-    pos_rows: bool = False
 
 
 def default_oft_cfg() -> OftCfg:
     return OftCfg()
+
+
+#: the forward launcher's default: the Cayley factor by ``neumann_inverse`` (the rebuild every
+#: program does before it streams: 0.020 ms against Gauss-Jordan's 0.041 at one tile a
+#: program), one wave of its two programs per SM (WAVE_NEUMANN), 3 stages, split16 dots at
+#: 16 bits (fp32 x: tf32x3). H200, S 32, bf16: 32768x4096 0.165 ms against 0.205, 8192x3072
+#: 0.042 against 0.067 (bench/variants.py oft, RESULTS 2026-12-01 17:45-18:40)
+FWD_CFG = OftCfg(num_stages=3, dot_prec="split16", neumann=True)
 
 
 def positions_view(t: torch.Tensor, ax: int):
@@ -372,22 +368,24 @@ def _plan(K, S, npos, c_contig, n_sm, bwd, cfg: OftCfg):
     n_groups = cdiv(K, NB)
     bp = cfg.bwd_block_p if bwd else cfg.block_p
     n_tiles = cdiv(npos, bp)
-    split = max(1, min(cfg.split or auto_split(n_groups, n_sm, bwd), n_tiles))
+    split = max(1, min(cfg.split or auto_split(n_groups, n_sm, bwd, cfg.neumann), n_tiles))
     return NB, SP, n_groups, n_tiles, split, bp
 
 
 #: resident stream programs per SM (H200, 32-row groups, 16-bit x: bench/variants.py oft,
-#: 2026-12-01 11:31): the forward's 4, the backward's 3 (its GP x GP accumulator)
-WAVE_FWD, WAVE_BWD = 4, 3
+#: 2026-12-01 11:31): the forward's 4, the backward's 3 (its GP x GP accumulator); 2 with
+#: ``neumann`` (its tf32x3 dots of 32x32 fp32 tiles: 243 registers a thread, ptxas sm_90)
+WAVE_FWD, WAVE_BWD, WAVE_NEUMANN = 4, 3, 2
 
 
-def auto_split(n_groups: int, n_sm: int, bwd: bool) -> int:
+def auto_split(n_groups: int, n_sm: int, bwd: bool, neumann: bool = False) -> int:
     """Programs per channel group along the positions: as many as fill ONE wave of resident
-    programs. Every program first rebuilds its group's Cayley factor (tens of microseconds
-    of serial Gauss-Jordan steps with the memory idle), so a second, partial wave pays that
-    again: at 32768x4096, S 32, bf16, 5 programs per group (640, a wave and a fifth) took
-    0.216 ms forward and 4 (512) 0.206; the backward 0.484 at 5 and 0.406 at 3."""
-    return wave_split(n_groups, n_sm, WAVE_BWD if bwd else WAVE_FWD)
+    programs. Every program first rebuilds its group's Cayley factor with the memory idle,
+    so a second, partial wave pays that again: at 32768x4096, S 32, bf16, 5 programs per
+    group (640, a wave and a fifth) took 0.216 ms forward and 4 (512) 0.206; the backward
+    0.484 at 5 and 0.406 at 3; ``neumann`` (two resident programs) 0.239 at 4 per group,
+    0.165 at 2."""
+    return wave_split(n_groups, n_sm, WAVE_NEUMANN if neumann else (WAVE_BWD if bwd else WAVE_FWD))
 
 
 def wave_split(n_groups: int, n_sm: int, per_sm: int) -> int:
@@ -434,7 +432,7 @@ def _prep(blocks, x, rescale, weight, cfg, bwd):
 
 def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = None):
     """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): one kernel."""
-    cfg = cfg or OftCfg()
+    cfg = cfg or FWD_CFG
     K, S, ax, x, pre, post, xs, (NB, SP, n_groups, n_tiles, split, bp), rs = _prep(blocks, x, rescale, weight,
                                                                                   cfg, False)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
@@ -450,7 +448,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = N
             x, a, xs[1], b, y, ya, ys[1], yb,
             K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, x), NEUMANN=cfg.neumann, POS_ROWS=cfg.pos_rows,
+            **dot_mode(cfg.dot_prec, x), NEUMANN=cfg.neumann,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
