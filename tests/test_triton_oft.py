@@ -140,7 +140,7 @@ def test_oft_neumann(dtype, layout, scale):
     rescale = (torch.rand(K * S, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32)
     grad = _make(xshape, dtype, gen)
     dot_prec = TO.SPLIT16 if dtype != torch.float32 else "tf32x3"
-    cfg = OftCfg(block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec, neumann=True)
+    cfg = OftCfg(block_p=16, bwd_block_p=16, split=2, num_stages=3, dot_prec=dot_prec, neumann=True)  # FWD_CFG stages
     y = TO.oft_fwd(blocks, x, rescale, cscale, True, weight, cfg=cfg)
     y0, g0 = _oft_oracle(blocks, x, rescale, cscale, True, weight, grad)
     assert rel_err(y, y0) < _tol(dtype)

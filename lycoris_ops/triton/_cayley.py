@@ -70,17 +70,19 @@ NEUMANN_TOL2 = tl.constexpr(2.0 ** -48)
 #: ... or after this many squarings (terms up to N^(2^(steps+1)); ρ(N) up to ~0.9), when
 #: ``cayley_m`` falls back to Gauss–Jordan
 NEUMANN_MAX_STEPS = tl.constexpr(6)
-#: the series' dots: tensor cores at ~fp32 accuracy. "ieee" (FMA) dots of 32x32 fp32 tiles
-#: take 255 registers a thread and cap a streaming program's residency (ptxas, sm_90)
-NEUMANN_PREC = tl.constexpr("tf32x3")
+#: the series' dots: "ieee" (FMA, fp32). They take 255 registers a thread (ptxas, sm_90) and
+#: cap a streaming program's residency at two per SM; "tf32x3" takes 243 (the same two) and
+#: gave wrong streams on the H200 (Triton 3.6) in the (N, C, H, W) layout at 16 bits: not
+#: understood, not used
+NEUMANN_PREC = tl.constexpr("ieee")
 
 
 @triton.jit
 def neumann_inverse(q, GP: tl.constexpr):
     """``(M, e)`` with ``M = (I − Q)⁻¹`` for a skew-symmetric (GP, GP) fp32 Q, by fp32 dots
     instead of Gauss–Jordan's GP serial elimination steps, and ``e`` the squared Frobenius
-    norm of the first factor left out (``e <= NEUMANN_TOL2``: M is as accurate as the
-    tf32x3 dots, ~fp32; else it is not, and the caller solves again).
+    norm of the first factor left out (``e <= NEUMANN_TOL2``: M is fp32-accurate; else it
+    is not, and the caller solves again).
 
     ``(I − Q)(I + Q) = I + N`` with ``N = QᵀQ = −Q²`` symmetric positive semidefinite, so
     ``M = (I + Q)·(I + N)⁻¹`` and ``(I + N)⁻¹ = Π_j (I + P_j)`` with ``P_0 = −N``,

@@ -16,7 +16,7 @@ per group as fill one wave of resident programs: ``auto_split``).
 Cayley in registers: every program rebuilds the fp32 Cayley factors of its
 blocks from the fp32-upcast raw blocks before it streams (``_cayley.cayley_m``:
 batched Gauss–Jordan, SP serial steps; or, ``neumann`` and the forward's default,
-a product series of a few tf32x3 dots with a computed stopping rule, Gauss–Jordan
+a product series of a few fp32 dots with a computed stopping rule, Gauss–Jordan
 only where it does not converge); R is never written to memory and no scratch
 holds it. The position loop amortizes the rebuild; the memory idles during it,
 which is why the forward's default takes the series (half the rebuild time).
@@ -374,7 +374,7 @@ def _plan(K, S, npos, c_contig, n_sm, bwd, cfg: OftCfg):
 
 #: resident stream programs per SM (H200, 32-row groups, 16-bit x: bench/variants.py oft,
 #: 2026-12-01 11:31): the forward's 4, the backward's 3 (its GP x GP accumulator); 2 with
-#: ``neumann`` (its tf32x3 dots of 32x32 fp32 tiles: 243 registers a thread, ptxas sm_90)
+#: ``neumann`` (its fp32 dots of 32x32 tiles: 255 registers a thread, ptxas sm_90)
 WAVE_FWD, WAVE_BWD, WAVE_NEUMANN = 4, 3, 2
 
 
