@@ -103,7 +103,12 @@ def oft(geo, dtype, dev, gen):
            ("neumann s4", dict(nm, num_stages=4))] + \
         [(f"neumann split 2 s{st}", dict(nm, split=2, num_stages=st)) for st in (3, 4, 6)] + \
         [("neumann split 2 bp x2 s4", dict(nm, split=2, block_p=2 * base.block_p, num_stages=4)),
-         ("neumann split 3 s4", dict(nm, split=3, num_stages=4))]
+         ("neumann split 3 s4", dict(nm, split=3, num_stages=4))] + \
+        [(f"neumann bp /{d} s{st}", dict(nm, block_p=base.block_p // d, num_stages=st)) for d, st in
+         ((2, 3), (2, 4), (4, 6))] + \
+        [("neumann w2 split 4 s3", dict(nm, num_warps=2, split=4, num_stages=3)),  # 4 two-warp programs / SM
+         ("neumann w2 split 4 bp /2 s4", dict(nm, num_warps=2, split=4, block_p=base.block_p // 2, num_stages=4)),
+         ("neumann w8 split 1 s3", dict(nm, num_warps=8, split=1, num_stages=3))]
     bwd = [("base split16", {}), ("neumann", nm), ("group 64 s3", dict(group=64, num_stages=3)),
            ("s3", dict(num_stages=3)), ("group 64 s4", dict(group=64, num_stages=4))]
     out = {"fwd": [], "bwd": []}
