@@ -1,6 +1,6 @@
 """A/B of launch variants of one kernel family, in one process (the tuner's shortlist aside).
 
-    python bench/variants.py tucker|boft|oft|lokr [--shapes small,large] [--profile] [--smoke]
+    python bench/variants.py tucker|boft|oft|lokr [--shapes small,large] [--phases fwd,bwd] [--profile] [--smoke]
 
 Each variant is one config of the family's Triton launcher, called directly (no tuner,
 no op dispatch): device time per call (``timing.DeviceTimer``: L2 flushed, launch gaps
@@ -143,7 +143,18 @@ def lokr(geo, dtype, dev, gen):
         name = (f"p{v['passes']} bt{v['block_t']} w{v['num_warps']} s{v.get('num_stages', 2)}"
                 + f" {v['programs'] // n_sm}/SM" + (" nosplit" if v.get("split") is False else ""))
         rows.append((name, lambda c_=c_: TK.bypass_bwd(g, x, w1, w2, 0.75, c_)[1]))
-    return {"bwd": rows}  # g_w1 of each
+    # the forward: Z = X_t·w2ᵀ unrounded (hi/lo pair, the default) or rounded to 16 bits
+    # (split False, as eager rounds it); warps, stages and tokens per program around the
+    # default (0 = the launcher's automatic value)
+    F = TK.BypassFwdCfg
+    fwd = [("launcher default", lambda: TK.bypass_fwd(x, w1, w2, 0.75))]
+    for name, kw in (("nosplit", dict(split=False)), ("s1", dict(num_stages=1)),
+                     ("nosplit s1", dict(split=False, num_stages=1)), ("nosplit 4 warps", dict(split=False, num_warps=4)),
+                     ("nosplit bt2 4 warps", dict(split=False, block_t=2, num_warps=4)),
+                     ("nosplit bt8", dict(split=False, block_t=8))):
+        c_ = F(**kw)
+        fwd.append((name, lambda c_=c_: TK.bypass_fwd(x, w1, w2, 0.75, cfg=c_)))
+    return {"bwd": rows, "fwd": fwd}  # g_w1 of each backward
 
 
 FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft, "lokr": lokr}
@@ -185,6 +196,7 @@ def main(argv=None) -> int:
     ap.add_argument("family", choices=sorted(FAMILIES))
     ap.add_argument("--shapes", default="small,large")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--phases", default="fwd,bwd", help="which of the family's phases to time")
     ap.add_argument("--profile", action="store_true", help="boft: device time per kernel at the default config")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny sizes: every variant runs (no timing claims)")
     a = ap.parse_args(argv)
@@ -203,6 +215,8 @@ def main(argv=None) -> int:
         geo = SHAPES[a.family][shape]
         print(f"== {a.family} {shape} {geo} {a.dtype}" + ("" if dev.type == "cuda" else " (CPU smoke)"), flush=True)
         for phase, rows in FAMILIES[a.family](geo, dtype, dev, gen).items():
+            if phase not in a.phases.split(","):
+                continue
             ref = rows[0][1]()
             t0 = None
             for name, fn in rows:

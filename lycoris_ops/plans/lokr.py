@@ -176,7 +176,7 @@ def _fwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute
         if bc > max(16, min(128, _p16(C))) or bd > _p16(D) or ba > _p16(A) or bt * BB * bc > REG_TILE:
             return None
         n_t, n_c = cdiv(T, bt), cdiv(C, bc)
-        mma = T * 2.0 * _fwd_cost(A, B, C, D, split)
+        mma = T * 2.0 * _fwd_cost(A, B, C, D, split and cfg.get("split", True))
         return Work(grid=n_t * n_c, warps=cfg["num_warps"], stages=cfg["num_stages"],
                     acc=bt * BB * bc + bt * ba * bc, smem=(bt * BB * bd * ex + bd * bc * e),
                     dram=gemm_reads(T * b * d * ex, n_c, dev) + T * a * c * eo * (2 if has_base else 1)
@@ -190,10 +190,14 @@ def _fwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute
 def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
                     has_base: bool, *, default=None, n: int = 5):
     work, eager_s = _fwd_model(dev, T, a, b, c, d, compute, x_dtype, out_dtype, has_base)
-    cfgs = [dict(block_t=bt, block_d=bd, block_c=bc, block_a=min(_p16(c if sw else a), 64), split=True, swap=sw,
+    # split False (16-bit): Z = X_t·w2ᵀ rounded to 16 bits before w1·Z, where eager rounds it
+    # (one dot instead of the hi/lo pair's two); the default keeps Z unrounded, and the
+    # tuner checks every candidate against eager
+    splits = (True,) if compute == torch.float32 else (True, False)
+    cfgs = [dict(block_t=bt, block_d=bd, block_c=bc, block_a=min(_p16(c if sw else a), 64), split=sp, swap=sw,
                  num_warps=w, num_stages=s)
             for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
-            for bc in (16, 32, 64, 128) for bd in (16, 64) for w in (4, 8) for s in (1, 2)]
+            for bc in (16, 32, 64, 128) for bd in (16, 64) for w in (4, 8) for s in (1, 2) for sp in splits]
     return make_plan("lokr_bypass_fwd", rank(cfgs, work, dev), tile_axes=("swap", "block_t", "block_c", "block_d"),
                      n=n, default=default, default_s=predict(work, default, dev), eager_s=eager_s)
 
