@@ -149,7 +149,8 @@ def lokr(geo, dtype, dev, gen):
     F = TK.BypassFwdCfg
     fwd = [("launcher default", lambda: TK.bypass_fwd(x, w1, w2, 0.75))]
     for name, kw in (("nosplit", dict(split=False)), ("s1", dict(num_stages=1)),
-                     ("nosplit s1", dict(split=False, num_stages=1)), ("nosplit 4 warps", dict(split=False, num_warps=4)),
+                     ("nosplit s1", dict(split=False, num_stages=1)),
+                     ("nosplit 4 warps", dict(split=False, num_warps=4)),
                      ("nosplit bt2 4 warps", dict(split=False, block_t=2, num_warps=4)),
                      ("nosplit bt8", dict(split=False, block_t=8))):
         c_ = F(**kw)

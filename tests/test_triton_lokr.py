@@ -165,6 +165,10 @@ def test_bypass(dtype, case):
     assert y.shape == (T, a * c) and y.dtype == dtype and y.is_contiguous()
     close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, d64(base, torch.float64)),
           REL_TOL[dtype], "bypass fwd")
+    if dtype != torch.float32:  # split False: Z = X_t·w2ᵀ rounded to 16 bits (as eager rounds it)
+        y = TK.bypass_fwd(x, w1, w2, GAMMA, base, TK.BypassFwdCfg(swap=swap, split=False))
+        close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, d64(base, torch.float64)),
+              REL_TOL[dtype], "bypass fwd (split=False)")
 
     grad = mk((T, a * c), dtype, g, nc=True)
     ps = [d64(t, cd).requires_grad_() for t in (x, w1, w2)]

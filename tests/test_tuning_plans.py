@@ -228,3 +228,18 @@ def test_oft_forward_shortlist_times_the_neumann_rebuild(x_dtype):
     assert bare.candidates[-1] == tune.SENTINEL_EAGER and len(bare.predicted) == len(bare.candidates)
     bwd = P.plan_oft_bwd(dev, 128, 32, 32768, True, x_dtype, torch.float32)
     assert not any(isinstance(c, dict) and c.get("neumann") for c in bwd.candidates)
+
+
+def test_lokr_bypass_shortlists_offer_rounded_intermediates_at_16_bits():
+    """The LoKr bypass forward and backward shortlists hold ``split=False`` candidates (the
+    fp32 intermediates rounded to 16 bits where eager rounds them) at 16-bit compute only;
+    the first config keeps them unrounded when it is the launcher's default."""
+    from lycoris_ops.plans import lokr as P
+
+    dev = device.synthetic()
+    bf, f32 = torch.bfloat16, torch.float32
+    for plan_of in (lambda cd: P.plan_bypass_fwd(dev, 32768, 64, 64, 64, 64, cd, cd, cd, False),
+                    lambda cd: P.plan_bypass_bwd(dev, 32768, 64, 64, 64, 64, cd, cd, cd)):
+        fused = [c for c in plan_of(bf).candidates if isinstance(c, dict)]
+        assert any(c["split"] is False for c in fused), fused
+        assert all(c["split"] is True for c in plan_of(f32).candidates if isinstance(c, dict))
