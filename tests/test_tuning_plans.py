@@ -238,8 +238,16 @@ def test_lokr_bypass_shortlists_offer_rounded_intermediates_at_16_bits():
 
     dev = device.synthetic()
     bf, f32 = torch.bfloat16, torch.float32
-    for plan_of in (lambda cd: P.plan_bypass_fwd(dev, 32768, 64, 64, 64, 64, cd, cd, cd, False),
+    from lycoris_ops.plans._glue import as_dict
+    from lycoris_ops.triton import lokr as TK
+
+    for plan_of in (lambda cd: P.plan_bypass_fwd(dev, 32768, 64, 64, 64, 64, cd, cd, cd, True,
+                                                 default=as_dict(TK.BypassFwdCfg())),
                     lambda cd: P.plan_bypass_bwd(dev, 32768, 64, 64, 64, 64, cd, cd, cd)):
         fused = [c for c in plan_of(bf).candidates if isinstance(c, dict)]
         assert any(c["split"] is False for c in fused), fused
         assert all(c["split"] is True for c in plan_of(f32).candidates if isinstance(c, dict))
+    # the forward's twin goes second (timed even past a cold key's tune budget), the default first
+    plan = P.plan_bypass_fwd(dev, 32768, 64, 64, 64, 64, bf, bf, bf, True, default=as_dict(TK.BypassFwdCfg()))
+    assert plan.candidates[0] == as_dict(TK.BypassFwdCfg()) and plan.candidates[1]["split"] is False
+    assert len(plan.predicted) == len(plan.candidates) and plan.candidates[-1] == tune.SENTINEL_EAGER

@@ -419,6 +419,14 @@ def add_before_eager(plan, cand) -> None:
     plan.predicted.insert(at, plan.predicted[0])
 
 
+def add_second(plan, cand, predicted: float) -> None:
+    """Put ``cand`` right after the plan's first candidate: the planner's first two are timed
+    even when a cold key's compiles overrun the tune budget (``tune.tune_budget``), which a
+    variant placed before eager may not be. The first (the untimed pick) stays first."""
+    plan.candidates.insert(1, cand)
+    plan.predicted.insert(1, predicted)
+
+
 def tl_shortlist(op: str, cfgs, work, dev: DeviceFacts, fixed: dict, eager_s: float, tile_axes, n: int):
     """A TileLang shortlist: the kernel's fixed config first, then the model's best of ``cfgs``
     (``work`` scores them, ``tile_axes`` keep the picks diverse), eager where it could win."""
