@@ -9,6 +9,11 @@ Gauss–Jordan, ~4·S³ flops per block, repeated per program), then streams
 tiles: counted as 3 tensor-core passes). The backward also accumulates
 P = Σ G·Xᵀ (a second dot per tile) into fp32 partials, then a tiny chain launch.
 
+The forward launcher's default (``triton/oft.FWD_CFG``) rebuilds by the Neumann series
+of ``_cayley.neumann_inverse`` instead (``neumann``: its registers leave two resident
+programs a SM, and the split follows: ``auto_split``); the shortlist always holds one
+such config and Gauss-Jordan ones beside it (``_with_neumann``), decided by timing.
+
 Model: x (and G) read once, y (gx) written once; registers = the GP x block_p
 tile + the GP x GP factor. Key: exact K, S, bucketed positions, channel
 contiguity, rescale present, dtypes.
