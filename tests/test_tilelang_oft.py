@@ -44,8 +44,9 @@ def test_kernels_compile(arch, dtype):
     for builder, args in oft.compile_specs(dtype):
         src = _common.compile_only(builder, arch, *args).get_kernel_source()
         assert "__global__" in src, (builder.__name__, args)
-        if arch == "sm_90a" and builder is oft.apply_kernel and args[3] != "float32":
-            assert "wgmma" in src, "the 16-bit apply GEMM should lower to wgmma on sm_90a"
+        cdt = {oft.apply_kernel: 3, oft.apply_direct_kernel: 2}.get(builder)
+        if arch == "sm_90a" and cdt is not None and args[cdt] != "float32":
+            assert "wgmma" in src, f"the 16-bit {builder.__name__} GEMM should lower to wgmma on sm_90a"
 
 
 # (K, S, x shape, weight, with rescale, shift): channels last, weight rows, conv channels;
@@ -57,6 +58,10 @@ CASES = [
     (7, 5, (2, 35, 3, 5), False, False, True),
     (3, 19, (21, 57), False, True, False),
     (2, 40, (80, 9), True, False, True),
+    # S divides the 32-wide group, channels last: the direct apply (T.copy tiles); 72 channels
+    # leave the last group partial and 37 positions the last tile
+    (9, 8, (37, 72), False, True, True),
+    (4, 16, (50, 64), False, False, False),
 ]
 
 

@@ -27,6 +27,9 @@ Kernel families:
     dtype — x's own 16-bit dtype (exact), else fp32 split into TF32 hi + lo —
     then ``acc = X·F_hiᵀ + X·F_loᵀ (+ X_lo·F_hiᵀ)`` in an fp32 fragment, staged
     through shared memory and stored once (optionally ``− x0`` for BOFT's diff).
+``apply_direct_kernel`` (same grid): diag-OFT's forward where nothing needs the gather
+    (channels last, GC = GP, 16-bit x): the x tile by ``T.copy`` in a ``T.Pipelined``
+    loop and the output by ``T.copy`` from the fragment (``direct_apply`` decides).
 ``bwd_stream_kernel`` (same grid): per tile ``gx = G·F`` (as ``G·(Fᵀ)ᵀ`` with
     the Fᵀ pair) stored, and ``P += Gᵀ·X`` (dL/dF, fp32 fragment) over the
     program's positions; the partial P of each (split, group) goes to a small
@@ -51,10 +54,10 @@ import math
 
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype
+from ._common import CPU_ARCH, aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype
 
 __all__ = [
-    "cayley_kernel", "apply_kernel", "bwd_stream_kernel", "chain_kernel",
+    "cayley_kernel", "apply_kernel", "apply_direct_kernel", "bwd_stream_kernel", "chain_kernel", "direct_apply",
     "group_plan", "gemm_dtype", "oft_fwd", "oft_bwd", "compile_specs", "MAX_BLOCK", "APPLY", "STREAM",
     "apply_smem", "stream_smem",
 ]
@@ -63,6 +66,9 @@ MAX_BLOCK = 64
 _THREADS = 128
 _BT_FWD = 128
 _BT_BWD = 64
+#: pipeline depth of ``apply_direct_kernel``'s x tiles: 2 on sm_90a (TMA); 1 elsewhere, where
+#: TileLang 0.1.15's cp.async pipeline of a predicated (partial) tile does not compile
+_DIRECT_STAGES = 2
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
@@ -302,6 +308,42 @@ def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int
                                 Y[p0 + t, chs[l]] = T.cast(Ys[t, l], yd)
 
     return oft_apply
+
+
+def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
+                        stages: int = 1, cpu: bool = False):
+    """``apply_kernel`` where nothing needs a gather: channels last, the identity channel map,
+    every group's GP channels used (GC = GP, S divides GP), no diff, and x already in the
+    GEMM dtype (16-bit; the CPU twin's exact fp32 GEMM too). The (BT, GP) x tile goes to
+    shared memory by ``T.copy`` in a ``T.Pipelined`` loop (async copies, ``stages`` deep)
+    instead of element by element through the channel map, and the fp32 fragment is stored
+    by ``T.copy`` (one rounding), out-of-range rows and channels predicated by T.copy.
+    X, Y (NP, C); group g uses F pair [g]; program (g, split) walks tiles split·tps …"""
+    import tilelang.language as T
+
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    alloc_f = T.alloc_local if cpu else T.alloc_fragment
+    threads = 1 if cpu else threads_
+    C, NP, NG = T.dynamic("C NP NG")
+
+    @T.prim_func
+    def oft_apply_direct(X: T.Tensor((NP, C), xd), FH: T.Tensor((NG, GP, GP), cdt), FL: T.Tensor((NG, GP, GP), cdt),
+                         Y: T.Tensor((NP, C), yd), nsplit: T.int32, tps: T.int32):
+        with T.Kernel(T.ceildiv(C, GP), nsplit, threads=threads) as (g, sp):
+            Fh = alloc_s((GP, GP), cdt)
+            Fl = alloc_s((GP, GP), cdt)
+            Xs = alloc_s((BT, GP), cdt)
+            acc = alloc_f((BT, GP), "float32")
+            T.copy(FH[g, 0, 0], Fh)
+            T.copy(FL[g, 0, 0], Fl)
+            for tt in T.Pipelined(tps, num_stages=stages):
+                T.copy(X[(sp * tps + tt) * BT, g * GP], Xs)
+                T.clear(acc)
+                T.gemm(Xs, Fh, acc, transpose_B=True)
+                T.gemm(Xs, Fl, acc, transpose_B=True)
+                T.copy(acc, Y[(sp * tps + tt) * BT, g * GP])
+
+    return oft_apply_direct
 
 
 def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT: int, cf: bool, has_perm: bool,
@@ -544,11 +586,23 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, False, cscale, 1.0 if shift else 0.0, 0, 0, ng, arch)
     p = launch_config(APPLY, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, x.device)
+    yv = y.view(xv.shape)
+    if direct_apply(cf, GP, GC, x.dtype, cdt, arch):
+        k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
+                   p["threads"], _DIRECT_STAGES if arch == "sm_90a" else 1)
+        k(xv, fh, fl, yv, nsplit, tps)
+        return y
     k = kernel(apply_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, GC,
                p["BT"], cf, False, False, p["threads"])
-    yv = y.view(xv.shape)
     k(xv, xv, fh, fl, yv, 0, 0, nsplit, tps)
     return y
+
+
+def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str) -> bool:
+    """Whether diag-OFT's forward takes ``apply_direct_kernel``: channels last, every group
+    slot a channel, x in the GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is
+    exact fp32, so it takes it at fp32 too)."""
+    return not cf and GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
 
 
 def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
@@ -598,6 +652,7 @@ def compile_specs(dtype: torch.dtype):
         (cayley_kernel, (d, d, d, 5, 6, 32, False, True, False, False)),
         (apply_kernel, (d, d, d, d, 32, 30, _BT_FWD, False, False, False)),
         (apply_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_FWD, True, False, False)),
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD)),
         (bwd_stream_kernel, (d, d, d, d, 32, 30, _BT_BWD, False, False)),
         (bwd_stream_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_BWD, True, False)),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
