@@ -30,6 +30,7 @@ Kernel families:
 ``apply_direct_kernel`` (same grid): diag-OFT's forward where nothing needs the gather
     (channels last, GC = GP, 16-bit x): the x tile by ``T.copy`` in a ``T.Pipelined``
     loop and the output by ``T.copy`` from the fragment (``direct_apply`` decides).
+``stream_direct_kernel``: the backward stream's twin of the same conditions.
 ``bwd_stream_kernel`` (same grid): per tile ``gx = G·F`` (as ``G·(Fᵀ)ᵀ`` with
     the Fᵀ pair) stored, and ``P += Gᵀ·X`` (dL/dF, fp32 fragment) over the
     program's positions; the partial P of each (split, group) goes to a small
@@ -57,7 +58,8 @@ import torch
 from ._common import CPU_ARCH, aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype
 
 __all__ = [
-    "cayley_kernel", "apply_kernel", "apply_direct_kernel", "bwd_stream_kernel", "chain_kernel", "direct_apply",
+    "cayley_kernel", "apply_kernel", "apply_direct_kernel", "bwd_stream_kernel", "stream_direct_kernel",
+    "chain_kernel", "direct_apply",
     "group_plan", "gemm_dtype", "oft_fwd", "oft_bwd", "compile_specs", "MAX_BLOCK", "APPLY", "STREAM",
     "apply_smem", "stream_smem",
 ]
@@ -423,6 +425,47 @@ def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT
     return oft_bwd_stream
 
 
+def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
+                         stages: int = 1, cpu: bool = False):
+    """``bwd_stream_kernel`` where nothing needs a gather (as ``apply_direct_kernel``: channels
+    last, GC = GP, G and x in the 16-bit GEMM dtype; the CPU twin at fp32): the G and x tiles
+    by ``T.copy`` in a ``T.Pipelined`` loop (one copy each: ``P += Gᵀ·X`` reads them
+    transposed, ``transpose_A``), gx stored by ``T.copy``. Rows past the positions load as
+    zeros (T.copy's predicate), so they add nothing to P."""
+    import tilelang.language as T
+
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    alloc_f = T.alloc_local if cpu else T.alloc_fragment
+    threads = 1 if cpu else threads_
+    C, NP, NG, NS, NGP = T.dynamic("C NP NG NS NGP")
+
+    @T.prim_func
+    def oft_stream_direct(G: T.Tensor((NP, C), gd), X: T.Tensor((NP, C), xd), FH: T.Tensor((NG, GP, GP), cdt),
+                          FL: T.Tensor((NG, GP, GP), cdt), GX: T.Tensor((NP, C), gxd),
+                          P: T.Tensor((NS, NGP, GP, GP), _F32), tps: T.int32):
+        with T.Kernel(T.ceildiv(C, GP), NS, threads=threads) as (g, sp):
+            Fh = alloc_s((GP, GP), cdt)
+            Fl = alloc_s((GP, GP), cdt)
+            Gs = alloc_s((BT, GP), cdt)
+            Xs = alloc_s((BT, GP), cdt)
+            acc = alloc_f((BT, GP), "float32")
+            accp = alloc_f((GP, GP), "float32")
+            T.copy(FH[g, 0, 0], Fh)
+            T.copy(FL[g, 0, 0], Fl)
+            T.clear(accp)
+            for tt in T.Pipelined(tps, num_stages=stages):
+                T.copy(G[(sp * tps + tt) * BT, g * GP], Gs)
+                T.copy(X[(sp * tps + tt) * BT, g * GP], Xs)
+                T.clear(acc)
+                T.gemm(Gs, Fh, acc, transpose_B=True)
+                T.gemm(Gs, Fl, acc, transpose_B=True)
+                T.gemm(Gs, Xs, accp, transpose_A=True)
+                T.copy(acc, GX[(sp * tps + tt) * BT, g * GP])
+            T.copy(accp, P[sp, g, 0, 0])
+
+    return oft_stream_direct
+
+
 def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool, cpu: bool = False):
     """Cayley-chain backward per group from the fp32 partials P (NS, NG, GP, GP).
 
@@ -599,7 +642,8 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
 
 
 def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str) -> bool:
-    """Whether diag-OFT's forward takes ``apply_direct_kernel``: channels last, every group
+    """Whether diag-OFT's forward takes ``apply_direct_kernel`` (and its backward, with G of x's
+    dtype, ``stream_direct_kernel``): channels last, every group
     slot a channel, x in the GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is
     exact fp32, so it takes it at fp32 too)."""
     return not cf and GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
@@ -635,9 +679,14 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     p = launch_config(STREAM, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
-    ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt),
-                GP, GC, p["BT"], cf, False, p["threads"])
-    ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
+    if direct_apply(cf, GP, GC, x.dtype, cdt, arch) and grad.dtype == x.dtype:
+        ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
+                    tl_dtype(cdt), GP, p["BT"], p["threads"], _DIRECT_STAGES if arch == "sm_90a" else 1)
+        ks(gv, xv, fh, fl, gx.view(xv.shape), part, tps)
+    else:
+        ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
+                    tl_dtype(cdt), GP, GC, p["BT"], cf, False, p["threads"])
+        ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
     rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None)
     gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
@@ -655,5 +704,6 @@ def compile_specs(dtype: torch.dtype):
         (apply_direct_kernel, (d, d, d, 32, _BT_FWD)),
         (bwd_stream_kernel, (d, d, d, d, 32, 30, _BT_BWD, False, False)),
         (bwd_stream_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_BWD, True, False)),
+        (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD)),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
     ]
