@@ -421,8 +421,10 @@ def add_before_eager(plan, cand) -> None:
 
 def add_second(plan, cand, predicted: float) -> None:
     """Put ``cand`` right after the plan's first candidate: the planner's first two are timed
-    even when a cold key's compiles overrun the tune budget (``tune.tune_budget``), which a
-    variant placed before eager may not be. The first (the untimed pick) stays first."""
+    even on the tuner's sequential path (one thread: outputs over half of
+    ``tune.PARALLEL_SCRATCH_BYTES``) once a cold key's compiles overrun the tune budget
+    (``tune.tune_budget``), which a variant placed before eager may not be. The first (the
+    untimed pick) stays first."""
     plan.candidates.insert(1, cand)
     plan.predicted.insert(1, predicted)
 

@@ -203,8 +203,8 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
                      n=n, default=default, default_s=predict(work, default, dev), eager_s=eager_s)
     if len(splits) > 1 and not any(isinstance(c, dict) and c["split"] is False for c in plan.candidates):
         # the model ties the two where memory bounds the tile: time the twin of its best config,
-        # second, so that a cold key's tune budget never skips it (H200, 32768 tokens, 64x64,
-        # bf16: 0.165 ms against 0.367 for the default and 0.230 for the best unrounded tile)
+        # second, where the sequential path's tune budget never skips it (H200, 32768 tokens,
+        # 64x64, bf16, no base: 0.165 ms against 0.367 for the launcher default)
         best, t = next(((c, t) for c, t in zip(plan.candidates, plan.predicted)
                         if isinstance(c, dict) and math.isfinite(t)), (None, math.inf))
         if best is not None:
