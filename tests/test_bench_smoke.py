@@ -63,18 +63,24 @@ def test_bench_scripts_compile(script):
         compile(f.read(), path, "exec")
 
 
-def test_ptxas_lokr_smoke():
-    """``bench/ptxas_lokr.py --smoke`` (the interpreter off, as the script needs): one LoKr
-    backward config built for sm_90 and its ptxas register report read back."""
+@pytest.mark.parametrize("family,args,pattern", [
+    ("lokr", ["--a", "16", "--c", "16"], r"tokens 1 warps 4 stages 1: _bypass_bwd_kernel (\d+) registers, "
+                                          r"spill stores (\d+) B"),
+    ("oft", ["--tokens", "256", "--width", "64"], r"fwd neumann stages 3: _oft_fwd_kernel (\d+) registers, "
+                                                   r"spill stores (\d+) B"),
+])
+def test_ptxas_smoke(family, args, pattern):
+    """``bench/ptxas.py <family> --smoke`` (the interpreter off, as the script needs): one
+    config of the family built for sm_90 and its ptxas register report read back."""
     from lycoris_ops.triton._common import ptxas_path
 
     if ptxas_path(90) is None:
         pytest.skip("triton's ptxas is unavailable")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "ptxas_lokr.py"), "--smoke", "--a", "16", "--c", "16"],
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "ptxas.py"), family, "--smoke", *args],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    m = re.search(r"tokens 1 warps 4 stages 1: (\d+) registers, spill stores (\d+) B", proc.stdout)
+    m = re.search(pattern, proc.stdout)
     assert m and 0 < int(m[1]) <= 255 and int(m[2]) == 0, proc.stdout
 
 

@@ -1,0 +1,104 @@
+"""Registers, spills and shared memory of a Triton kernel family's launch configs, as ptxas
+reports them for sm_90 - on this host, no GPU (Triton's ptxas; the interpreter off).
+
+    python bench/ptxas.py lokr [--tokens 32768] [--a 64] [--c 64] [--dtype bf16] [--smoke]
+    python bench/ptxas.py oft [--tokens 32768] [--width 4096] [--block 32] [--dtype bf16] [--smoke]
+
+``lokr``: the LoKr bypass backward, one line per (tokens per program, warps, stages, one
+pass) at 64x64 factors by default: what the register model of
+``triton/lokr.default_bypass_bwd_cfg`` and plans/lokr is checked against (bench/RESULTS.md,
+2026-12-01 15:30-16:00).
+``oft``: the diag-OFT forward stream and the backward's stream and chain kernels, with the
+Cayley factor by Gauss-Jordan or by the Neumann series (``neumann``), at 2 and 3 stages:
+the series' registers decide the resident programs a SM (``triton/oft.WAVE_NEUMANN``;
+RESULTS 2026-12-01 17:30-18:10).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def _report(sink, name: str, kernels=None) -> None:
+    from lycoris_ops.plans import compiles
+
+    for launch in dict.fromkeys(sink):
+        short = launch.kernel.rsplit(".", 1)[-1]
+        if kernels is None or short in kernels:
+            u = compiles.ptxas_usage(compiles.build(launch))
+            print(f"  {name}: {short} {u['registers']} registers, spill stores {u['spill_stores']} B, "
+                  f"loads {u['spill_loads']} B, shared {u['shared']} B", flush=True)
+
+
+def lokr(args, dtype) -> None:
+    import torch
+
+    from lycoris_ops.plans import compiles
+    from lycoris_ops.triton import lokr as TK
+
+    T, a, c = args.tokens, args.a, args.c
+    meta = torch.device("meta")
+    x, g = (torch.empty(T, a * c, device=meta, dtype=dtype) for _ in range(2))
+    w1, w2 = torch.empty(a, a, device=meta, dtype=dtype), torch.empty(c, c, device=meta, dtype=dtype)
+    print(f"lokr_bypass_bwd kernel, {T} tokens, {a}x{a} (x) {c}x{c}, {args.dtype}, sm_90, one pass")
+    configs = [(1, 4, 1)] if args.smoke else itertools.product((1, 2, 4), (4, 8), (1, 2))
+    for bt, warps, stages in configs:
+        sink: list = []
+        cfg = TK.BypassBwdCfg(block_t=bt, passes=1, num_warps=warps, num_stages=stages, programs=132)
+        with compiles._intercept(sink):
+            TK.bypass_bwd(g, x, w1, w2, 1.0, cfg)
+        _report(sink, f"tokens {bt} warps {warps} stages {stages}", {"_bypass_bwd_kernel"})
+
+
+def oft(args, dtype) -> None:
+    import torch
+
+    from lycoris_ops.plans import compiles
+    from lycoris_ops.triton import oft as TO
+
+    P, D, S = args.tokens, args.width, args.block
+    meta = torch.device("meta")
+    x, g = (torch.empty(P, D, device=meta, dtype=dtype) for _ in range(2))
+    blocks = torch.empty(D // S, S, S, device=meta, dtype=dtype)
+    print(f"diag-OFT kernels, {P} positions x {D} channels, blocks of {S}, {args.dtype}, sm_90, split16")
+    configs = [(True, 3)] if args.smoke else itertools.product((False, True), (2, 3))
+    for neumann, stages in configs:
+        cfg = TO.OftCfg(num_stages=stages, dot_prec=TO.SPLIT16, neumann=neumann)
+        name = f"{'neumann' if neumann else 'gauss-jordan'} stages {stages}"
+        for phase, call in (("fwd", lambda: TO.oft_fwd(blocks, x, None, 1.0, True, False, cfg=cfg)),
+                            ("bwd", lambda: TO.oft_bwd(g, blocks, x, None, 1.0, True, False, cfg=cfg))):
+            if args.smoke and phase == "bwd":
+                continue
+            sink: list = []
+            with compiles._intercept(sink):
+                call()
+            _report(sink, f"{phase} {name}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("family", choices=("lokr", "oft"))
+    ap.add_argument("--tokens", type=int, default=32768, help="tokens (lokr) or positions (oft)")
+    ap.add_argument("--a", type=int, default=64, help="lokr: w1 is a x a")
+    ap.add_argument("--c", type=int, default=64, help="lokr: w2 is c x c")
+    ap.add_argument("--width", type=int, default=4096, help="oft: channels")
+    ap.add_argument("--block", type=int, default=32, help="oft: block size S")
+    ap.add_argument("--dtype", default="bf16", choices=DTYPES)
+    ap.add_argument("--smoke", action="store_true", help="one config: the CI check")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        print("ptxas.py: unset TRITON_INTERPRET (it compiles for sm_90)")
+        return 1
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    {"lokr": lokr, "oft": oft}[args.family](args, dtype)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
