@@ -22,21 +22,25 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["skew_system", "batched_inverse", "block_diag", "cayley_grad", "neumann_inverse", "cayley_m"]
+__all__ = ["skew_q", "skew_system", "batched_inverse", "block_diag", "cayley_grad", "neumann_inverse", "cayley_m"]
+
+
+@triton.jit
+def skew_q(b, bt, cscale, valid):
+    """``Q = cscale·(B − Bᵀ)`` of a batch (NB, SP, SP), 0 outside ``valid``.
+
+    ``b`` holds B[n, p, q] and ``bt`` holds B[n, q, p] (both fp32, 0 where
+    masked); ``valid`` (NB, SP, SP) marks the real entries."""
+    return tl.where(valid, cscale * (b - bt), 0.0)
 
 
 @triton.jit
 def skew_system(b, bt, cscale, valid, NB: tl.constexpr, SP: tl.constexpr):
-    """``A = I − cscale·(B − Bᵀ)`` of a batch (NB, SP, SP).
-
-    ``b`` holds B[n, p, q] and ``bt`` holds B[n, q, p] (both fp32, 0 where
-    masked); ``valid`` (NB, SP, SP) marks the real entries. Padding becomes the
-    identity, so the padded system stays invertible and its inverse is I there.
-    """
+    """``A = I − Q`` of a batch (NB, SP, SP) (``skew_q``). Padding becomes the identity,
+    so the padded system stays invertible and its inverse is I there."""
     p = tl.arange(0, SP)
     eye = (p[:, None] == p[None, :])[None, :, :]
-    q = tl.where(valid, cscale * (b - bt), 0.0)
-    return tl.where(eye, 1.0, 0.0) - q
+    return tl.where(eye, 1.0, 0.0) - skew_q(b, bt, cscale, valid)
 
 
 @triton.jit
@@ -113,9 +117,7 @@ def cayley_m(b, bt, cscale, valid, NB: tl.constexpr, SP: tl.constexpr, NEUMANN: 
     branch: one side per program)."""
     a = skew_system(b, bt, cscale, valid, NB, SP)
     if NEUMANN:
-        p = tl.arange(0, SP)
-        eye3 = (p[:, None] == p[None, :])[None, :, :]
-        m, e = neumann_inverse(block_diag(tl.where(eye3, 1.0, 0.0) - a, NB, SP), NB * SP)
+        m, e = neumann_inverse(block_diag(skew_q(b, bt, cscale, valid), NB, SP), NB * SP)
         if e <= NEUMANN_TOL2:  # (written so that a diverged, NaN e falls back too)
             m = m
         else:
