@@ -68,8 +68,8 @@ MAX_BLOCK = 64
 _THREADS = 128
 _BT_FWD = 128
 _BT_BWD = 64
-#: pipeline depth of ``apply_direct_kernel``'s x tiles: 2 on sm_90a (TMA); 1 elsewhere, where
-#: TileLang 0.1.15's cp.async pipeline of a predicated (partial) tile does not compile
+#: pipeline depth of the direct kernels' tiles (``apply_direct_kernel``, ``stream_direct_kernel``)
+#: on sm_90a (TMA); 1 elsewhere (``direct_stages``)
 _DIRECT_STAGES = 2
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
@@ -632,7 +632,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     yv = y.view(xv.shape)
     if direct_apply(cf, GP, GC, x.dtype, cdt, arch):
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
-                   p["threads"], _DIRECT_STAGES if arch == "sm_90a" else 1)
+                   p["threads"], direct_stages(arch))
         k(xv, fh, fl, yv, nsplit, tps)
         return y
     k = kernel(apply_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, GC,
@@ -642,11 +642,18 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
 
 
 def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str) -> bool:
-    """Whether diag-OFT's forward takes ``apply_direct_kernel`` (and its backward, with G of x's
-    dtype, ``stream_direct_kernel``): channels last, every group
-    slot a channel, x in the GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is
-    exact fp32, so it takes it at fp32 too)."""
+    """Whether diag-OFT's forward takes ``apply_direct_kernel`` (and its backward, with G of
+    x's dtype, ``stream_direct_kernel``): channels last, every group slot a channel, x in the
+    GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is exact fp32, so it takes
+    it at fp32 too)."""
     return not cf and GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
+
+
+def direct_stages(arch: str) -> int:
+    """The direct kernels' pipeline depth on ``arch``: ``_DIRECT_STAGES`` on sm_90a; 1
+    elsewhere, where TileLang 0.1.15's cp.async pipeline of a predicated (partial) tile does
+    not compile (sm_80)."""
+    return _DIRECT_STAGES if arch == "sm_90a" else 1
 
 
 def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
@@ -681,7 +688,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
     if direct_apply(cf, GP, GC, x.dtype, cdt, arch) and grad.dtype == x.dtype:
         ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
-                    tl_dtype(cdt), GP, p["BT"], p["threads"], _DIRECT_STAGES if arch == "sm_90a" else 1)
+                    tl_dtype(cdt), GP, p["BT"], p["threads"], direct_stages(arch))
         ks(gv, xv, fh, fl, gx.view(xv.shape), part, tps)
     else:
         ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
