@@ -145,13 +145,12 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf):
     split = cdt == "float32"
 
     @T.macro
-    def load_slab(src, dst_hi, dst_lo, chs, p0, a, C, lim, g, transposed):
+    def load_slab(src, dst_hi, dst_lo, chs, p0, a, rows, nch, transposed):
         # dst[t, l] (transposed: dst[l, t]) <- src at position p0 + t (CF: (a, ·, p0 + t)),
         # channel chs[l]; 0 outside; fp32: TF32 hi in dst_hi, remainder in dst_lo
         if cf:
             for l, t in par(GP, BT):
-                v = T.if_then_else((p0 + t < lim) and (l < GC) and (g * GC + l < C),
-                                   T.cast(src[a, chs[l], p0 + t], "float32"), 0.0)
+                v = T.if_then_else(t < rows and l < nch, T.cast(src[a, chs[l], p0 + t], "float32"), 0.0)
                 if split:
                     if transposed:
                         dst_hi[l, t] = _tf32_hi(T, v)
@@ -166,8 +165,7 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf):
                         dst_hi[t, l] = T.cast(v, cdt)
         else:
             for t, l in par(BT, GP):
-                v = T.if_then_else((p0 + t < lim) and (l < GC) and (g * GC + l < C),
-                                   T.cast(src[p0 + t, chs[l]], "float32"), 0.0)
+                v = T.if_then_else(t < rows and l < nch, T.cast(src[p0 + t, chs[l]], "float32"), 0.0)
                 if split:
                     if transposed:
                         dst_hi[l, t] = _tf32_hi(T, v)
@@ -273,21 +271,28 @@ def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int
             Xl = alloc_s((BT, GP), cdt)
             Ys = alloc_s((BT, GP), "float32")
             acc = alloc_f((BT, GP), "float32")
+            nch = T.alloc_var("int32")
+            a = T.alloc_var("int32")
+            p0 = T.alloc_var("int32")
+            rows = T.alloc_var("int32")
+            nch = T.min(GC, C - g * GC)  # the group's channels in range
+            a = 0
             for l in par(GP):
-                chs[l] = T.if_then_else(l < GC and g * GC + l < C, _perm(g * GC + l, kappa, has_perm), 0)
+                chs[l] = T.if_then_else(l < nch, _perm(g * GC + l, kappa, has_perm), 0)
             for i, j in par(GP, GP):
                 Fh[i, j] = FH[goff + g, i, j]
                 Fl[i, j] = FL[goff + g, i, j]
             for tt in T.serial(tps):
+                # the tile's coordinates in scalar variables: index expressions of the slab
+                # loops stay simple (TileLang's passes take several times longer otherwise)
                 if cf:
                     a = (sp * tps + tt) // T.ceildiv(NP, BT)
                     p0 = ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT
-                    lim = T.if_then_else(a < PRE, NP, 0)
+                    rows = T.if_then_else(a < PRE, T.min(BT, NP - p0), 0)
                 else:
-                    a = 0
                     p0 = (sp * tps + tt) * BT
-                    lim = NP
-                load_slab(X, Xh, Xl, chs, p0, a, C, lim, g, False)
+                    rows = T.min(BT, NP - p0)
+                load_slab(X, Xh, Xl, chs, p0, a, rows, nch, False)
                 T.clear(acc)
                 T.gemm(Xh, Fh, acc, transpose_B=True)
                 T.gemm(Xh, Fl, acc, transpose_B=True)
@@ -296,14 +301,14 @@ def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int
                 T.copy(acc, Ys)
                 if cf:
                     for l, t in par(GP, BT):
-                        if (p0 + t < lim) and (l < GC) and (g * GC + l < C):
+                        if t < rows and l < nch:
                             if diff:
                                 Y[a, chs[l], p0 + t] = T.cast(Ys[t, l] - T.cast(X0[a, chs[l], p0 + t], "float32"), yd)
                             else:
                                 Y[a, chs[l], p0 + t] = T.cast(Ys[t, l], yd)
                 else:
                     for t, l in par(BT, GP):
-                        if (p0 + t < lim) and (l < GC) and (g * GC + l < C):
+                        if t < rows and l < nch:
                             if diff:
                                 Y[p0 + t, chs[l]] = T.cast(Ys[t, l] - T.cast(X0[p0 + t, chs[l]], "float32"), yd)
                             else:
@@ -384,24 +389,31 @@ def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT
             Ys = alloc_s((BT, GP), "float32")
             acc = alloc_f((BT, GP), "float32")
             accp = alloc_f((GP, GP), "float32")
+            nch = T.alloc_var("int32")
+            a = T.alloc_var("int32")
+            p0 = T.alloc_var("int32")
+            rows = T.alloc_var("int32")
+            nch = T.min(GC, C - g * GC)  # the group's channels in range
+            a = 0
             for l in par(GP):
-                chs[l] = T.if_then_else(l < GC and g * GC + l < C, _perm(g * GC + l, kappa, has_perm), 0)
+                chs[l] = T.if_then_else(l < nch, _perm(g * GC + l, kappa, has_perm), 0)
             for i, j in par(GP, GP):
                 Fh[i, j] = FH[goff + g, i, j]
                 Fl[i, j] = FL[goff + g, i, j]
             T.clear(accp)
             for tt in T.serial(tps):
+                # the tile's coordinates in scalar variables: index expressions of the slab
+                # loops stay simple (TileLang's passes take several times longer otherwise)
                 if cf:
                     a = (sp * tps + tt) // T.ceildiv(NP, BT)
                     p0 = ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT
-                    lim = T.if_then_else(a < PRE, NP, 0)
+                    rows = T.if_then_else(a < PRE, T.min(BT, NP - p0), 0)
                 else:
-                    a = 0
                     p0 = (sp * tps + tt) * BT
-                    lim = NP
-                load_slab(G, Gh, Gl, chs, p0, a, C, lim, g, False)
-                load_slab(G, Gth, Gtl, chs, p0, a, C, lim, g, True)
-                load_slab(X, Xth, Xtl, chs, p0, a, C, lim, g, True)
+                    rows = T.min(BT, NP - p0)
+                load_slab(G, Gh, Gl, chs, p0, a, rows, nch, False)
+                load_slab(G, Gth, Gtl, chs, p0, a, rows, nch, True)
+                load_slab(X, Xth, Xtl, chs, p0, a, rows, nch, True)
                 T.clear(acc)
                 T.gemm(Gh, Fh, acc, transpose_B=True)
                 T.gemm(Gh, Fl, acc, transpose_B=True)
@@ -413,11 +425,11 @@ def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT
                 T.copy(acc, Ys)
                 if cf:
                     for l, t in par(GP, BT):
-                        if (p0 + t < lim) and (l < GC) and (g * GC + l < C):
+                        if t < rows and l < nch:
                             GX[a, chs[l], p0 + t] = T.cast(Ys[t, l], gxd)
                 else:
                     for t, l in par(BT, GP):
-                        if (p0 + t < lim) and (l < GC) and (g * GC + l < C):
+                        if t < rows and l < nch:
                             GX[p0 + t, chs[l]] = T.cast(Ys[t, l], gxd)
             for i, j in par(GP, GP):
                 P[sp, goff + g, i, j] = accp[i, j]
