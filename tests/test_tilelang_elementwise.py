@@ -60,6 +60,20 @@ def test_kernels_compile(family, arch, dtype):
         assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_gpu_builds_drop_the_line_info_sections(tmp_path, monkeypatch):
+    """TileLang always passes nvcc ``-lineinfo``; ``GPU_PASS_CONFIGS`` has ptxas drop the PTX
+    text and line tables that embeds (4x the cubin, compiled again as a C array into the disk
+    cache's library). The library in TileLang's cache holds the kernel without them."""
+    monkeypatch.setenv("TILELANG_CACHE_DIR", str(tmp_path))
+    _common.compile_only(add.add_kernel, "sm_90a", "float16", "float32", "float16", 2, 64, 64)  # built by no other test
+    libs = list(tmp_path.rglob("executable.so"))
+    assert len(libs) == 1, libs
+    blob = libs[0].read_bytes()
+    assert b"add_scaled_kernel" in blob and b".text.add_scaled_kernel" in blob  # the cubin is in it
+    assert b".nv_debug_ptx_txt" not in blob and b".nv_debug_line_sass" not in blob
+
+
 # ----------------------------------------------------------------------------- 2. numerics
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[IDS[d] for d in DTYPES])

@@ -34,6 +34,11 @@ __all__ = [
 ]
 
 EXECUTION_BACKEND = "tvm_ffi"
+#: pass configs of a GPU build. TileLang always passes nvcc ``-lineinfo``, which embeds the
+#: kernel's PTX text and line tables in the cubin (about 4x its size); the cubin is then
+#: written into a C array and compiled by the host compiler for the disk cache, seconds
+#: per kernel. ptxas drops those sections (the kernel code is byte-identical).
+GPU_PASS_CONFIGS = {"tl.device_compile_flags": ["-Xptxas", "--suppress-debug-info"]}
 #: pseudo-arch of the CPU twins (see ``arch_of``)
 CPU_ARCH = "c"
 
@@ -133,7 +138,7 @@ def compile_only(builder: Callable, arch: str, *args, backend: str = EXECUTION_B
         return tl().compile(builder(*args, cpu=True), target="c", execution_backend="cython",
                             pass_configs={"tirx.disable_vectorize": True})
     func = builder(*args)
-    return tl().compile(func, target=target_of(arch), execution_backend=backend)
+    return tl().compile(func, target=target_of(arch), execution_backend=backend, pass_configs=GPU_PASS_CONFIGS)
 
 
 def kernel(builder: Callable, arch: str, *args):
