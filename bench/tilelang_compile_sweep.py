@@ -9,6 +9,11 @@ error line. No GPU needed (nvcc on PATH); a long run with an empty TileLang cach
 kernels, several seconds each).
 
     python bench/tilelang_compile_sweep.py [--arch sm_90a] [--procs 2] [--dtypes bf16,fp16]
+        [--ops oft_fwd,boft] [--top 10]
+
+``--ops`` keeps the cases of ops whose names start with one of the given prefixes;
+``--top`` lists the slowest kernels (seconds in one process each: TileLang's lowering,
+nvcc and the disk-cache export; with --procs > 1 they share the cores).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODULES = ("lora", "loha", "lokr", "tucker", "dora", "ia3", "add", "oft", "boft")
 
 
-def pending_kernels(arch: str, dtypes):
+def pending_kernels(arch: str, dtypes, ops=()):
     """(builder, arch, args) of every distinct kernel the in-scope test cases build."""
     import lycoris_ops  # noqa: F401  (registers the ops)
     from gpu_tilelang_tune import _op_function
@@ -42,7 +47,7 @@ def pending_kernels(arch: str, dtypes):
         if hasattr(mod, "num_sms"):
             mod.num_sms = lambda d: 132
     calls = [(c.op, c.id, c.args) for dt in dtypes for c in testing.cases(dtype=dt)
-             if scope.supported(c.op, "tilelang", c.args)]
+             if scope.supported(c.op, "tilelang", c.args) and (not ops or c.op.startswith(tuple(ops)))]
     with _common.capturing() as pending:
         for op, cid, args in calls:
             try:
@@ -70,19 +75,29 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--procs", type=int, default=max(1, (os.cpu_count() or 2)))
     ap.add_argument("--dtypes", default="bf16,fp16")
+    ap.add_argument("--ops", default="", help="comma-separated op-name prefixes (default: every op)")
+    ap.add_argument("--top", type=int, default=0, help="list the N slowest kernels")
     opts = ap.parse_args(argv)
-    items = pending_kernels(opts.arch, [DTYPES[d] for d in opts.dtypes.split(",")])
-    t0, failed, slowest = time.perf_counter(), [], (0.0, "")
+    items = pending_kernels(opts.arch, [DTYPES[d] for d in opts.dtypes.split(",")],
+                            [o for o in opts.ops.split(",") if o])
+    t0, failed, times = time.perf_counter(), [], []
     with multiprocessing.get_context("fork").Pool(opts.procs) as pool:
         for i, (name, args, err, s) in enumerate(pool.imap_unordered(_compile, items), 1):
-            slowest = max(slowest, (s, f"{name}{args}"))
+            times.append((s, f"{name}{args}"))
             if err is not None:
                 failed.append(name)
                 print(f"FAIL {name}{args}: {err}", flush=True)
             if i % 25 == 0:
                 print(f"[{i}/{len(items)}] {time.perf_counter() - t0:.0f} s", flush=True)
+    times.sort(reverse=True)
+    slowest = times[0] if times else (0.0, "")
     print(f"{len(items)} kernels for {opts.arch} in {time.perf_counter() - t0:.0f} s, {len(failed)} failed; "
           f"slowest {slowest[0]:.1f} s: {slowest[1]}")
+    if times:
+        mid = times[len(times) // 2][0]
+        print(f"per kernel: median {mid:.1f} s, max {slowest[0]:.1f} s")
+    for s, what in times[:opts.top]:
+        print(f"  {s:6.1f} s  {what}")
     return 1 if failed else 0
 
 
