@@ -152,12 +152,13 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf):
             for l, t in par(GP, BT):
                 v = T.if_then_else(t < rows and l < nch, T.cast(src[a, chs[l], p0 + t], "float32"), 0.0)
                 if split:
+                    h = _tf32_hi(T, v)
                     if transposed:
-                        dst_hi[l, t] = _tf32_hi(T, v)
-                        dst_lo[l, t] = v - _tf32_hi(T, v)
+                        dst_hi[l, t] = h
+                        dst_lo[l, t] = v - h
                     else:
-                        dst_hi[t, l] = _tf32_hi(T, v)
-                        dst_lo[t, l] = v - _tf32_hi(T, v)
+                        dst_hi[t, l] = h
+                        dst_lo[t, l] = v - h
                 else:
                     if transposed:
                         dst_hi[l, t] = T.cast(v, cdt)
@@ -167,12 +168,13 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf):
             for t, l in par(BT, GP):
                 v = T.if_then_else(t < rows and l < nch, T.cast(src[p0 + t, chs[l]], "float32"), 0.0)
                 if split:
+                    h = _tf32_hi(T, v)
                     if transposed:
-                        dst_hi[l, t] = _tf32_hi(T, v)
-                        dst_lo[l, t] = v - _tf32_hi(T, v)
+                        dst_hi[l, t] = h
+                        dst_lo[l, t] = v - h
                     else:
-                        dst_hi[t, l] = _tf32_hi(T, v)
-                        dst_lo[t, l] = v - _tf32_hi(T, v)
+                        dst_hi[t, l] = h
+                        dst_lo[t, l] = v - h
                 else:
                     if transposed:
                         dst_hi[l, t] = T.cast(v, cdt)
