@@ -16,7 +16,8 @@
 # Optional, carried beside the repo (ignored by git):
 #   .whl/      lycoris-lora 4.1.3 + toml wheels (the peer column of the benchmark)
 #   TileLang:  a folder on PYTHONPATH holding tilelang, apache-tvm-ffi, torch-c-dlpack-ext
-#              and z3-solver (pass it as LYCORIS_TILELANG_SITE=/path)
+#              and z3-solver (pass it as LYCORIS_TILELANG_SITE=/path), or .tlsite/tl.tar.xz
+#              from bench/pack_tilelang.sh (unpacked into /tmp/tl)
 # Environment (all optional): LYCORIS_TESTS (pytest targets), LYCORIS_TESTS_SECONDS (the
 # suite is interrupted after this, its summary still printed), LYCORIS_TUNING_ARGS,
 # LYCORIS_BACKENDS_ARGS (empty: skip the sweep if "skip"), LYCORIS_E2E_ARGS ("skip": no e2e),
@@ -38,6 +39,9 @@ work=$(mktemp -d)  # everything lives here until packed: the device returns few 
 out=$work/out; mkdir -p "$out"
 py=${PYTHON:-python3}
 
+if [ -z "${LYCORIS_TILELANG_SITE:-}" ] && [ -f .tlsite/tl.tar.xz ]; then  # bench/pack_tilelang.sh
+  mkdir -p /tmp/tl && tar -C /tmp/tl -xJf .tlsite/tl.tar.xz && export LYCORIS_TILELANG_SITE=/tmp/tl
+fi
 if [ -n "${LYCORIS_TILELANG_SITE:-}" ]; then export PYTHONPATH="$LYCORIS_TILELANG_SITE${PYTHONPATH:+:$PYTHONPATH}"; fi
 if compgen -G ".whl/*.whl" >/dev/null; then
   $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer_site .whl/*.whl >/dev/null 2>&1 \

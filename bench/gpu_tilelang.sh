@@ -11,8 +11,9 @@
 # the tuned tile configs (or LYCORIS_TESTS: pytest arguments), then bench/gpu_tilelang_tune.py (cold / warm TileLang tuning,
 # winners against the fixed configs) instead of the sweep and the benchmark.
 #
-# TileLang is not installed on the device machine: install its wheels into a folder first
-# (see bench/gpu_check.sh and ../shared/TOOLCHAIN.md) and pass it as LYCORIS_TILELANG_SITE.
+# TileLang is not installed on the device machine: carry .tlsite (bench/pack_tilelang.sh packs
+# it; unpacked into /tmp/tl here), or install its wheels into a folder first (see
+# ../shared/TOOLCHAIN.md) and pass it as LYCORIS_TILELANG_SITE.
 # The sweep runs family groups as parallel processes on GPU 1 when there are two GPUs (on
 # GPU 0 otherwise): TileLang's compiles are CPU-bound. The benchmark runs on GPU 0.
 # Environment: LYCORIS_SWEEP_SECONDS (per sweep process, default 240),
@@ -23,6 +24,9 @@ export PYTHONUNBUFFERED=1
 final=${OUT:-bench/out}; mkdir -p "$final"
 work=$(mktemp -d); out=$work/out; mkdir -p "$out"
 py=${PYTHON:-python3}
+if [ -z "${LYCORIS_TILELANG_SITE:-}" ] && [ -f .tlsite/tl.tar.xz ]; then  # bench/pack_tilelang.sh
+  mkdir -p /tmp/tl && tar -C /tmp/tl -xJf .tlsite/tl.tar.xz && export LYCORIS_TILELANG_SITE=/tmp/tl
+fi
 [ -n "${LYCORIS_TILELANG_SITE:-}" ] && export PYTHONPATH="$LYCORIS_TILELANG_SITE${PYTHONPATH:+:$PYTHONPATH}"
 export TILELANG_CACHE_DIR=$work/tilelang-cache   # empty: the first sweep compiles everything
 MAX_JOBS=16 $py -m pip install -q --no-build-isolation --no-deps -e . >"$work/build.log" 2>&1 || { tail -30 "$work/build.log"; exit 1; }
@@ -76,6 +80,7 @@ if [ "$ngpu" -ge 2 ]; then
   wait $bench_pid
 else
   sweep cold; sweep warm
-  CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
+  # its own empty TileLang cache: the cold first-call column must not reuse the sweeps' kernels
+  TILELANG_CACHE_DIR=$work/tilelang-cache-bench CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
     --commit "$commit" "$@" >"$work/bench.log" 2>&1
 fi
