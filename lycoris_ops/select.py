@@ -196,6 +196,17 @@ def _compiled(eager: Callable) -> Callable:
     return fn
 
 
+def _contiguous(out):
+    """The op's outputs as its fake promises them: fresh and contiguous. Inductor on CUDA
+    may pad an output's rows (19 fp32 columns stored with stride 20), which a compiled
+    graph calling the op then rejects against the fake's strides."""
+    if isinstance(out, torch.Tensor):
+        return out if out.is_contiguous() else out.contiguous()
+    if isinstance(out, tuple):
+        return tuple(_contiguous(o) for o in out)
+    return out
+
+
 def _compile_runner(eager: Callable, device: torch.device) -> Callable:
     """The compile tier for one cache key: eager until the first compile may start
     (not while compiling/capturing), the compiled body after."""
@@ -208,7 +219,7 @@ def _compile_runner(eager: Callable, device: torch.device) -> Callable:
         with torch.no_grad():  # below autograd already; keep AOTAutograd from building a joint graph
             out = compiled(*args)
         warm[0] = True
-        return out
+        return _contiguous(out)
 
     return run
 

@@ -531,6 +531,33 @@ def test_compile_not_started_while_compiling_or_capturing(mocks, fake_compile, m
     assert fake_compile["calls"] == 2
 
 
+def test_compile_tier_returns_contiguous_outputs(mocks, monkeypatch):
+    """Inductor on CUDA can pad an output's row stride (19 -> 20); the tier hands back what
+    the fake promises, contiguous, so a compiled graph's stride assertion holds."""
+    def padded(t):
+        store = t.new_zeros(t.shape[0], t.shape[1] + 1)
+        store[:, : t.shape[1]] = t
+        return store[:, : t.shape[1]]
+
+    def compile_(fn):
+        def compiled(*args):
+            out = fn(*args)
+            return tuple(padded(o) for o in out) if isinstance(out, tuple) else padded(out)
+        return compiled
+    monkeypatch.setattr(select, "_torch_compile", compile_)
+    dispatch.set_backend("compile")
+    b, d = bd((5, 19))
+    out = select.kernel("add_scaled", _fresh_body(), check=None)(b, d, 2.0)
+    assert out.is_contiguous() and out.stride() == (19, 1)
+    torch.testing.assert_close(out, b + 2 * d)
+
+    def pair(base, delta, gamma):
+        return base + gamma * delta, base - delta
+    outs = select.kernel("add_scaled", pair, check=None)(b, d, 2.0)
+    assert isinstance(outs, tuple) and all(o.is_contiguous() for o in outs)
+    torch.testing.assert_close(outs[1], b - d)
+
+
 def test_compile_failure_demotes_the_tier(mocks, monkeypatch):
     def compile_(fn):
         def compiled(*args):
