@@ -150,6 +150,36 @@ def test_children_build_what_the_call_then_loads(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "children 2 failures 0 files True parent wrote 0", out.stdout
 
 
+def test_a_cold_shortlist_keeps_what_one_round_of_children_builds(monkeypatch):
+    """A child builds its share one kernel after the other: a config whose new kernels would
+    take the count past the children is left out (the first config and eager stay)."""
+    from lycoris_ops.tilelang import _common as C
+    from lycoris_ops.tilelang.add import add_kernel
+
+    vecs = {None: (4, 8), "a": (4, 16), "b": (32, 64), "c": (2,), "big": (1, 2, 4, 8, 16)}
+
+    def op_function(cfg=None):
+        for v in vecs[cfg["v"] if cfg else None]:
+            C.kernel(add_kernel, "sm_90a", "float16", "float16", "float16", v)(None, None, None)
+
+    monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 3)
+    forked = []
+    monkeypatch.setattr(precompile, "compile_forked",
+                        lambda ks, procs, timeout_s=0: forked.append([p.args[-1] for p in ks]) or (len(ks), 0))
+    a, b, c, big = ({"v": k} for k in ("a", "b", "c", "big"))
+    kept = []
+    n = tl_pick.precompile_call(op_function, (), [tl_pick.KERNEL, a, b, c, tune.SENTINEL_EAGER], kept=kept)
+    # {}: 4, 8; a: + 16 (3 kernels); b: + 32, 64 (5 > 3) out; c: + 2 (4 > 3) out
+    assert kept == [tl_pick.KERNEL, a, tune.SENTINEL_EAGER] and forked == [[4, 8, 16]] and n == 3
+    kept.clear()
+    tl_pick.precompile_call(op_function, (), [big, a, tune.SENTINEL_EAGER], kept=kept)
+    assert kept == [big, tune.SENTINEL_EAGER] and forked[-1] == [1, 2, 4, 8, 16]  # the first stays
+    kept.clear()
+    monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 0)  # no children: nothing left out
+    tl_pick.precompile_call(op_function, (), [tl_pick.KERNEL, a, b, tune.SENTINEL_EAGER], kept=kept)
+    assert kept == [tl_pick.KERNEL, a, b, tune.SENTINEL_EAGER] and len(forked) == 2
+
+
 # ----------------------------------------------------------------------------- tile configs
 
 def _planned_kernel(calls):
@@ -171,7 +201,12 @@ def test_tile_configs_are_timed_and_the_winner_runs(monkeypatch):
     shortlist = [small, tl_pick.KERNEL, big, tune.SENTINEL_EAGER]
     planned, built = [], []
     monkeypatch.setattr(tl_pick, "candidates", lambda op, args: planned.append(op) or list(shortlist))
-    monkeypatch.setattr(tl_pick, "precompile_call", lambda kernel, args, cands=(): built.append(list(cands)) or 0)
+    def precompile_call(kernel, args, cands=(), kept=None):
+        built.append(list(cands))
+        if kept is not None:
+            kept.extend(cands)
+        return 0
+    monkeypatch.setattr(tl_pick, "precompile_call", precompile_call)
     cost = {str(small): 3.0, str(tl_pick.KERNEL): 2.0, str(big): 1.0, tune.SENTINEL_EAGER: 4.0}
     seen = []
 

@@ -25,7 +25,9 @@ would build (``tilelang/_common.capturing``) are built at once in forked child
 processes (``precompile.compile_forked``, as for Triton's cold keys; same
 ``LYCORIS_KERNEL_TUNE_PROCS`` and memory limit) into TileLang's disk cache, so the call
 only loads them: a TileLang compile takes 3-10 s on the H200's host and an op's first
-call builds up to six.
+call builds up to 14. A child builds its share one after the other, so a cold shortlist
+keeps only the configs whose kernels fit one round of children (the fixed config and
+eager always).
 
 Key: per tensor argument its dtype, rank and bucketed element count (``tune.bucket``:
 the token count of an activation and the size of a weight land in one bucket with
@@ -39,7 +41,7 @@ import importlib
 import logging
 import sys
 import time
-from typing import Any, Callable, Dict, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -96,24 +98,48 @@ def _call(kernel: Callable, args: Sequence[Any], c):
     return kernel(*args, cfg=c) if c else kernel(*args)
 
 
-def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] = (KERNEL,)) -> int:
+def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] = (KERNEL,),
+                    kept: Optional[List[Any]] = None) -> int:
     """Build the TileLang kernels ``kernel(*args)`` would build with each candidate config of
     ``cands``, in forked children (when at least two, enabled, and not while compiling /
-    capturing). Returns how many."""
+    capturing). Returns how many.
+
+    ``kept`` (a list): receives the candidates whose kernels fit ONE round of children, in
+    order (the first fused candidate and eager always): a candidate whose new kernels would
+    take the count past the children is left out of the shortlist. A child builds its share
+    one kernel after the other, so a second round doubles a cold call (the H200 host:
+    boft_bwd's 14 kernels on 12 children, 13.1 s)."""
     procs = precompile.usable_procs()
     if procs < 2 or tune.unsafe_to_time():
+        if kept is not None:
+            kept.extend(cands)
         return 0
     from ..tilelang import _common
 
     t0 = time.perf_counter()
-    with torch.no_grad(), _common.capturing() as pending:
+    pending, seen, dropped = [], set(), []
+    with torch.no_grad():
         for c in cands:
             if tune.is_eager(c):
+                if kept is not None:
+                    kept.append(c)
                 continue
-            try:
-                _call(kernel, args, c)  # nothing is built or launched: the kernels are listed
-            except Exception:
-                pass  # the real call reports it
+            with _common.capturing() as listed:
+                try:
+                    _call(kernel, args, c)  # nothing is built or launched: the kernels are listed
+                except Exception:
+                    pass  # the real call reports it
+            new = [p for p in listed if p.key not in seen]
+            if kept is not None and pending and len(pending) + len(new) > procs:
+                dropped.append(c)
+                continue
+            seen.update(p.key for p in new)
+            pending.extend(new)
+            if kept is not None:
+                kept.append(c)
+    if dropped:
+        log.info("lycoris_ops tilelang: %d configs left out of a cold shortlist (one round of %d children): %s",
+                 len(dropped), procs, dropped)
     if len(pending) < 2:
         return 0
     children, failures = precompile.compile_forked(pending, procs, timeout_s=TIMEOUT_S)
@@ -169,8 +195,7 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
 
         def cands():  # planned on a miss only (a table hit plans nothing)
             if not shortlist:
-                shortlist.extend(candidates(op, args))
-                precompile_call(kernel, args, shortlist)
+                precompile_call(kernel, args, candidates(op, args), kept=shortlist)
             return shortlist
 
         choice = tune.select_config(

@@ -69,6 +69,7 @@ class Pending:
 
     def __init__(self, builder: Callable, arch: str, args: tuple):
         self.builder, self.arch, self.args = builder, arch, args
+        self.key = (builder.__module__, builder.__qualname__, arch, args)  # ``kernel``'s cache key
 
     def build(self):
         compile_only(self.builder, self.arch, *self.args)
