@@ -16,7 +16,9 @@
 # ../shared/TOOLCHAIN.md) and pass it as LYCORIS_TILELANG_SITE.
 # The sweep runs family groups as parallel processes on GPU 1 when there are two GPUs (on
 # GPU 0 otherwise): TileLang's compiles are CPU-bound. The benchmark runs on GPU 0.
-# Environment: LYCORIS_SWEEP_SECONDS (per sweep process, default 240),
+# Environment: LYCORIS_SWEEP_GROUPS (families, default all six groups), LYCORIS_SWEEP_WARM (0: no
+# second sweep), LYCORIS_TESTS (pytest
+# arguments run after the sweeps, LYCORIS_TESTS_SECONDS, default 120), LYCORIS_SWEEP_SECONDS (per sweep process, default 240),
 # LYCORIS_BENCH_SECONDS (default 400), LYCORIS_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -34,7 +36,7 @@ $py -c "import torch, tilelang, lycoris_ops as L; print('torch', torch.__version
 ngpu=$($py -c "import torch; print(torch.cuda.device_count())")
 sweep_gpu=$([ "$ngpu" -ge 2 ] && echo 1 || echo 0)
 commit=${LYCORIS_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-groups="lora loha lokr dora,ia3,add oft boft"
+groups=${LYCORIS_SWEEP_GROUPS:-"lora loha lokr dora,ia3,add oft boft"}
 
 if [ "${1:-}" = tune ]; then
   shift
@@ -56,10 +58,19 @@ finish() {
   tar czf "$final/results.tgz" -C "$out" . && echo "packed: $final/results.tgz"
   echo; echo "== summary"
   for f in "$work"/sweep-*.log; do echo "-- $(basename "$f" .log)"; grep -E "case runs|ran as|kernels built|FAIL|DEMOTED|stopped|all equal" "$f" | head -8; done
+  [ -f "$work/tests.log" ] && { echo "-- GPU tests"; tail -3 "$work/tests.log"; }
   [ -f "$work/bench.log" ] && tail -40 "$work/bench.log"
 }
 trap finish EXIT
 trap 'pkill -TERM -P $$ 2>/dev/null; finish' TERM INT
+
+gpu_tests() {  # LYCORIS_TESTS (pytest arguments), after the sweeps: their kernels are in the cache
+  [ -n "${LYCORIS_TESTS:-}" ] || return 0
+  echo "== GPU tests: $LYCORIS_TESTS"
+  (export CUDA_VISIBLE_DEVICES=$sweep_gpu
+   eval "timeout -s INT ${LYCORIS_TESTS_SECONDS:-120} $py -m pytest -q -p no:cacheprovider $LYCORIS_TESTS") 2>&1 \
+    | tee "$work/tests.log" | tail -5
+}
 
 sweep() {  # $1: cold|warm
   local pids=() g
@@ -76,10 +87,10 @@ if [ "$ngpu" -ge 2 ]; then
   (TILELANG_CACHE_DIR=$work/tilelang-cache-bench CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
      --commit "$commit" "$@" >"$work/bench.log" 2>&1) &
   bench_pid=$!
-  sweep cold; sweep warm
+  sweep cold; [ "${LYCORIS_SWEEP_WARM:-1}" = 0 ] || sweep warm; gpu_tests
   wait $bench_pid
 else
-  sweep cold; sweep warm
+  sweep cold; [ "${LYCORIS_SWEEP_WARM:-1}" = 0 ] || sweep warm; gpu_tests
   # its own empty TileLang cache: the cold first-call column must not reuse the sweeps' kernels
   TILELANG_CACHE_DIR=$work/tilelang-cache-bench CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
     --commit "$commit" "$@" >"$work/bench.log" 2>&1

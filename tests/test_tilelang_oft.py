@@ -45,7 +45,8 @@ def test_kernels_compile(arch, dtype):
         src = _common.compile_only(builder, arch, *args).get_kernel_source()
         assert "__global__" in src, (builder.__name__, args)
         cdt = {oft.apply_kernel: 3, oft.apply_direct_kernel: 2}.get(builder)
-        if arch == "sm_90a" and cdt is not None and args[cdt] != "float32":
+        cf_direct = builder is oft.apply_direct_kernel and len(args) > 7 and args[7]  # (GP, BT) = (32, ·): mma
+        if arch == "sm_90a" and cdt is not None and args[cdt] != "float32" and not cf_direct:
             assert "wgmma" in src, f"the 16-bit {builder.__name__} GEMM should lower to wgmma on sm_90a"
 
 
@@ -62,6 +63,10 @@ CASES = [
     # leave the last group partial and 37 positions the last tile
     (9, 8, (37, 72), False, True, True),
     (4, 16, (50, 64), False, False, False),
+    # the same, channels first: weight rows (72 channels, 37 columns: a partial last group and
+    # tail tile) and conv activations (3 pre indices): the channels-first direct kernels
+    (9, 8, (72, 37), True, True, True),
+    (4, 16, (3, 64, 5, 7), False, False, True),
 ]
 
 
@@ -90,6 +95,25 @@ def test_oft(K, S, shape, weight, has_rs, shift, dtype):
     check(gb, rb, dtype, "oft_bwd g_blocks")
     if has_rs:
         check(gr, rr, dtype, "oft_bwd g_rescale")
+
+
+@pytest.mark.parametrize("shape,weight", [((37, 72), False), ((72, 37), True)], ids=["cl", "cf"])
+def test_direct_kernels_store_through_shared_memory(shape, weight, monkeypatch):
+    """``DIRECT_STAGE_OUT`` (the output tile stored through shared memory): the same values,
+    both layouts, a partial last group and a tail tile (bench/tilelang_oft_variants.py times it)."""
+    monkeypatch.setattr(oft, "DIRECT_STAGE_OUT", True)
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(17)
+    blocks = (0.2 * torch.randn(9, 8, 8, generator=g)).to(DEV)
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    b6, x6, g6 = d64(blocks, x, grad)
+    check(oft.oft_fwd(blocks, x, None, 0.8, True, weight), R_OFT.oft_fwd(b6, x6, None, 0.8, True, weight), dtype,
+          "oft_fwd")
+    got = oft.oft_bwd(grad, blocks, x, None, 0.8, True, weight)
+    for what, a, b in zip(("gx", "g_blocks"), got, R_OFT.oft_bwd(g6, b6, x6, None, 0.8, True, weight)):
+        check(a, b, dtype, f"oft_bwd {what}")
+    assert any(k[1] == "apply_direct_kernel" and k[3][-1] is True for k in _common._kernels)
 
 
 def test_cayley_kernel_blocks():
@@ -153,16 +177,19 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     monkeypatch.setattr(oft, "num_sms", lambda d: 132)
     dev = device.synthetic()
     calls = []
-    for S, dt in ((32, torch.bfloat16), (64, torch.bfloat16), (64, torch.float32)):
-        blocks, x = torch.empty(3072 // S, S, S), torch.empty(8192, 3072, dtype=dt)
+    # (S, dtype, weight layout): channels last, and a bf16 weight (channels first, direct kernels)
+    for S, dt, w in ((32, torch.bfloat16, False), (64, torch.bfloat16, False), (64, torch.float32, False),
+                     (32, torch.bfloat16, True)):
+        blocks = torch.empty(3072 // S, S, S)
+        x = torch.empty((3072, 4096) if w else (8192, 3072), dtype=dt)
         GP = oft.group_plan(S)[0]
         for bwd in (False, True):
             cfgs = plans_oft.tl_configs(dev, GP, 2 if dt != torch.float32 else 4, bwd)
             for c in corners(cfgs):
-                calls.append((oft.oft_bwd, (x, blocks, x, None, 1.0, False, False), c) if bwd
-                            else (oft.oft_fwd, (blocks, x, None, 1.0, False, False), c))
+                calls.append((oft.oft_bwd, (x, blocks, x, None, 1.0, False, w), c) if bwd
+                            else (oft.oft_fwd, (blocks, x, None, 1.0, False, w), c))
     captured, failed = compile_calls(calls)
-    assert captured >= 16 and not failed, failed
+    assert captured >= 20 and not failed, failed
 
 
 def test_shortlists_for_an_h200():

@@ -71,6 +71,9 @@ _BT_BWD = 64
 #: pipeline depth of the direct kernels' tiles (``apply_direct_kernel``, ``stream_direct_kernel``)
 #: on sm_90a (TMA); 1 elsewhere (``direct_stages``)
 _DIRECT_STAGES = 2
+#: the direct kernels store their fp32 tile through shared memory (whole rows, TMA on sm_90a)
+#: instead of from the GEMM fragment (bench/tilelang_oft_variants.py times both)
+DIRECT_STAGE_OUT = False
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
@@ -326,20 +329,57 @@ def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int
 
 
 def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
-                        stages: int = 1, cpu: bool = False):
-    """``apply_kernel`` where nothing needs a gather: channels last, the identity channel map,
-    every group's GP channels used (GC = GP, S divides GP), no diff, and x already in the
-    GEMM dtype (16-bit; the CPU twin's exact fp32 GEMM too). The (BT, GP) x tile goes to
-    shared memory by ``T.copy`` in a ``T.Pipelined`` loop (async copies, ``stages`` deep)
-    instead of element by element through the channel map, and the fp32 fragment is stored
-    by ``T.copy`` (one rounding), out-of-range rows and channels predicated by T.copy.
-    X, Y (NP, C); group g uses F pair [g]; program (g, split) walks tiles split·tps …"""
+                        stages: int = 1, cf: bool = False, stage_out: bool = False, cpu: bool = False):
+    """``apply_kernel`` where nothing needs a gather: the identity channel map, every group's
+    GP channels used (GC = GP, S divides GP), no diff, and x already in the GEMM dtype
+    (16-bit; the CPU twin's exact fp32 GEMM too). The x tile goes to shared memory by
+    ``T.copy`` in a ``T.Pipelined`` loop (async copies, ``stages`` deep) instead of element
+    by element through the channel map, and the fp32 fragment is stored by ``T.copy`` (one
+    rounding), out-of-range positions and channels predicated by T.copy.
+    Channels last: X, Y (NP, C), tile (BT, GP), ``acc = X·Fᵀ``. Channels first (``cf``):
+    X, Y (PRE, C, NP), tile (GP, BT) of one pre index (a weight's rows are its channels),
+    ``acc = F·X`` (the same product per position, no transposed operand).
+    Group g uses F pair [g]; program (g, split) walks tiles split·tps … split·tps + tps − 1."""
     import tilelang.language as T
 
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
     threads = 1 if cpu else threads_
     C, NP, NG = T.dynamic("C NP NG")
+
+    if cf:
+        PRE = T.dynamic("PRE")
+
+        @T.prim_func
+        def oft_apply_direct_cf(X: T.Tensor((PRE, C, NP), xd), FH: T.Tensor((NG, GP, GP), cdt),
+                                FL: T.Tensor((NG, GP, GP), cdt), Y: T.Tensor((PRE, C, NP), yd), nsplit: T.int32,
+                                tps: T.int32):
+            with T.Kernel(T.ceildiv(C, GP), nsplit, threads=threads) as (g, sp):
+                Fh = alloc_s((GP, GP), cdt)
+                Fl = alloc_s((GP, GP), cdt)
+                Xs = alloc_s((GP, BT), cdt)
+                acc = alloc_f((GP, BT), "float32")
+                Ys = alloc_s((GP, BT) if stage_out else (1, 1), yd)
+                T.copy(FH[g, 0, 0], Fh)
+                T.copy(FL[g, 0, 0], Fl)
+                for tt in T.Pipelined(tps, num_stages=stages):
+                    # tile -> (pre index, first position); past the last tile the pre index is out
+                    # of range and T.copy's predicate skips the whole tile
+                    T.copy(X[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
+                             ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT],
+                           Xs)
+                    T.clear(acc)
+                    T.gemm(Fh, Xs, acc)
+                    T.gemm(Fl, Xs, acc)
+                    if stage_out:  # through shared memory: whole-row stores instead of fragment pairs
+                        T.copy(acc, Ys)
+                        T.copy(Ys, Y[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
+                                     ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT])
+                    else:
+                        T.copy(acc, Y[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
+                                      ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT])
+
+        return oft_apply_direct_cf
 
     @T.prim_func
     def oft_apply_direct(X: T.Tensor((NP, C), xd), FH: T.Tensor((NG, GP, GP), cdt), FL: T.Tensor((NG, GP, GP), cdt),
@@ -349,6 +389,7 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
             Fl = alloc_s((GP, GP), cdt)
             Xs = alloc_s((BT, GP), cdt)
             acc = alloc_f((BT, GP), "float32")
+            Ys = alloc_s((BT, GP) if stage_out else (1, 1), yd)
             T.copy(FH[g, 0, 0], Fh)
             T.copy(FL[g, 0, 0], Fl)
             for tt in T.Pipelined(tps, num_stages=stages):
@@ -356,7 +397,11 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
                 T.clear(acc)
                 T.gemm(Xs, Fh, acc, transpose_B=True)
                 T.gemm(Xs, Fl, acc, transpose_B=True)
-                T.copy(acc, Y[(sp * tps + tt) * BT, g * GP])
+                if stage_out:  # through shared memory: whole-row stores instead of fragment pairs
+                    T.copy(acc, Ys)
+                    T.copy(Ys, Y[(sp * tps + tt) * BT, g * GP])
+                else:
+                    T.copy(acc, Y[(sp * tps + tt) * BT, g * GP])
 
     return oft_apply_direct
 
@@ -434,18 +479,61 @@ def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT
 
 
 def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
-                         stages: int = 1, cpu: bool = False):
-    """``bwd_stream_kernel`` where nothing needs a gather (as ``apply_direct_kernel``: channels
-    last, GC = GP, G and x in the 16-bit GEMM dtype; the CPU twin at fp32): the G and x tiles
-    by ``T.copy`` in a ``T.Pipelined`` loop (one copy each: ``P += Gᵀ·X`` reads them
-    transposed, ``transpose_A``), gx stored by ``T.copy``. Rows past the positions load as
-    zeros (T.copy's predicate), so they add nothing to P."""
+                         stages: int = 1, cf: bool = False, stage_out: bool = False, cpu: bool = False):
+    """``bwd_stream_kernel`` where nothing needs a gather (as ``apply_direct_kernel``: GC = GP,
+    G and x in the 16-bit GEMM dtype; the CPU twin at fp32): the G and x tiles by ``T.copy``
+    in a ``T.Pipelined`` loop, gx stored by ``T.copy``. Positions past the end load as zeros
+    (T.copy's predicate), so they add nothing to P.
+    Channels last: tiles (BT, GP), ``gx = G·(Fᵀ)ᵀ``, ``P += Gᵀ·X`` (``transpose_A``).
+    Channels first (``cf``, (PRE, C, NP)): tiles (GP, BT), ``gx = Fᵀ·G``, ``P += G·Xᵀ``."""
     import tilelang.language as T
 
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
     threads = 1 if cpu else threads_
     C, NP, NG, NS, NGP = T.dynamic("C NP NG NS NGP")
+
+    if cf:
+        PRE = T.dynamic("PRE")
+
+        @T.prim_func
+        def oft_stream_direct_cf(G: T.Tensor((PRE, C, NP), gd), X: T.Tensor((PRE, C, NP), xd),
+                                 FH: T.Tensor((NG, GP, GP), cdt), FL: T.Tensor((NG, GP, GP), cdt),
+                                 GX: T.Tensor((PRE, C, NP), gxd), P: T.Tensor((NS, NGP, GP, GP), _F32),
+                                 tps: T.int32):
+            with T.Kernel(T.ceildiv(C, GP), NS, threads=threads) as (g, sp):
+                Fh = alloc_s((GP, GP), cdt)
+                Fl = alloc_s((GP, GP), cdt)
+                Gs = alloc_s((GP, BT), cdt)
+                Xs = alloc_s((GP, BT), cdt)
+                acc = alloc_f((GP, BT), "float32")
+                accp = alloc_f((GP, GP), "float32")
+                Ys = alloc_s((GP, BT) if stage_out else (1, 1), gxd)
+                T.copy(FH[g, 0, 0], Fh)
+                T.copy(FL[g, 0, 0], Fl)
+                T.clear(accp)
+                for tt in T.Pipelined(tps, num_stages=stages):
+                    # tile -> (pre index, first position), as in apply_direct_kernel
+                    T.copy(G[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
+                             ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT],
+                           Gs)
+                    T.copy(X[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
+                             ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT],
+                           Xs)
+                    T.clear(acc)
+                    T.gemm(Fh, Gs, acc)
+                    T.gemm(Fl, Gs, acc)
+                    T.gemm(Gs, Xs, accp, transpose_B=True)
+                    if stage_out:
+                        T.copy(acc, Ys)
+                        T.copy(Ys, GX[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
+                                      ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT])
+                    else:
+                        T.copy(acc, GX[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
+                                       ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT])
+                T.copy(accp, P[sp, g, 0, 0])
+
+        return oft_stream_direct_cf
 
     @T.prim_func
     def oft_stream_direct(G: T.Tensor((NP, C), gd), X: T.Tensor((NP, C), xd), FH: T.Tensor((NG, GP, GP), cdt),
@@ -458,6 +546,7 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
             Xs = alloc_s((BT, GP), cdt)
             acc = alloc_f((BT, GP), "float32")
             accp = alloc_f((GP, GP), "float32")
+            Ys = alloc_s((BT, GP) if stage_out else (1, 1), gxd)
             T.copy(FH[g, 0, 0], Fh)
             T.copy(FL[g, 0, 0], Fl)
             T.clear(accp)
@@ -468,7 +557,11 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
                 T.gemm(Gs, Fh, acc, transpose_B=True)
                 T.gemm(Gs, Fl, acc, transpose_B=True)
                 T.gemm(Gs, Xs, accp, transpose_A=True)
-                T.copy(acc, GX[(sp * tps + tt) * BT, g * GP])
+                if stage_out:
+                    T.copy(acc, Ys)
+                    T.copy(Ys, GX[(sp * tps + tt) * BT, g * GP])
+                else:
+                    T.copy(acc, GX[(sp * tps + tt) * BT, g * GP])
             T.copy(accp, P[sp, g, 0, 0])
 
     return oft_stream_direct
@@ -640,7 +733,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     yv = y.view(xv.shape)
     if direct_apply(cf, GP, GC, x.dtype, cdt, arch):
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
-                   p["threads"], direct_stages(arch))
+                   p["threads"], direct_stages(arch), cf, DIRECT_STAGE_OUT)
         k(xv, fh, fl, yv, nsplit, tps)
         return y
     k = kernel(apply_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, GC,
@@ -651,10 +744,10 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
 
 def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str) -> bool:
     """Whether diag-OFT's forward takes ``apply_direct_kernel`` (and its backward, with G of
-    x's dtype, ``stream_direct_kernel``): channels last, every group slot a channel, x in the
-    GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is exact fp32, so it takes
-    it at fp32 too)."""
-    return not cf and GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
+    x's dtype, ``stream_direct_kernel``), in either layout (``cf``): every group slot a
+    channel, x in the GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is exact
+    fp32, so it takes it at fp32 too)."""
+    return GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
 
 
 def direct_stages(arch: str) -> int:
@@ -696,7 +789,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
     if direct_apply(cf, GP, GC, x.dtype, cdt, arch) and grad.dtype == x.dtype:
         ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
-                    tl_dtype(cdt), GP, p["BT"], p["threads"], direct_stages(arch))
+                    tl_dtype(cdt), GP, p["BT"], p["threads"], direct_stages(arch), cf, DIRECT_STAGE_OUT)
         ks(gv, xv, fh, fl, gx.view(xv.shape), part, tps)
     else:
         ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
@@ -717,8 +810,10 @@ def compile_specs(dtype: torch.dtype):
         (apply_kernel, (d, d, d, d, 32, 30, _BT_FWD, False, False, False)),
         (apply_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_FWD, True, False, False)),
         (apply_direct_kernel, (d, d, d, 32, _BT_FWD)),
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, True)),
         (bwd_stream_kernel, (d, d, d, d, 32, 30, _BT_BWD, False, False)),
         (bwd_stream_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_BWD, True, False)),
         (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD)),
+        (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, True)),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
     ]
