@@ -11,9 +11,13 @@ largest relative difference of the results from the first variant's:
 * ``gather``: ``apply_kernel`` / ``bwd_stream_kernel`` (the element-wise channel-map path);
 * ``direct``: the ``T.copy`` kernels storing from the GEMM fragment;
 * ``direct+stage``: the same, the output tile stored through shared memory
-  (``DIRECT_STAGE_OUT``).
+  (``DIRECT_STAGE_OUT``: the launchers' default per layout).
 
 Ratios within one run are what to compare; the machines are shared.
+
+``--parity``: first, odd-size cases of the direct kernels (a partial last group, a tail
+tile; weight rows, conv activations, channels last) with and without the shared-memory
+store, against the fp64 reference: one line per case, ``ok`` within the dtype's tolerance.
 """
 from __future__ import annotations
 
@@ -31,19 +35,57 @@ SMOKE = {"bypass": ((300, 64), False), "merge": ((64, 300), True)}  # CPU twins,
 VARIANTS = ("gather", "direct", "direct+stage")
 
 
+#: (K, S, x shape, weight): S divides the 32-channel group (the direct kernels); 72 channels
+#: leave the last group partial, 37 positions the last tile
+PARITY = [(9, 8, (72, 37), True), (4, 16, (3, 64, 5, 7), False), (9, 8, (37, 72), False)]
+
+
+def parity(dt, dev) -> bool:
+    """The direct kernels at odd sizes, both store paths, against the fp64 reference."""
+    from lycoris_ops.reference import oft as R
+    from lycoris_ops.testing import REL_TOL, rel_err
+    from lycoris_ops.tilelang import oft
+
+    keep, good = oft.DIRECT_STAGE_OUT, True
+    gen = torch.Generator().manual_seed(1)
+    try:
+        for K, S, shape, weight in PARITY:
+            blocks = 0.2 * torch.randn(K, S, S, generator=gen)
+            rs = torch.rand(K * S, 1, generator=gen) + 0.5
+            x, g = (torch.randn(*shape, generator=gen).to(dt) for _ in range(2))
+            want = (R.oft_fwd(blocks.double(), x.double(), rs.double(), 0.8, True, weight),) + tuple(
+                R.oft_bwd(g.double(), blocks.double(), x.double(), rs.double(), 0.8, True, weight))
+            for stage in (False, True):
+                oft.DIRECT_STAGE_OUT = dict.fromkeys(("cl", "cf"), stage)
+                b, xd, gd, r = (t.to(dev) for t in (blocks, x, g, rs))
+                got = (oft.oft_fwd(b, xd, r, 0.8, True, weight),) + tuple(oft.oft_bwd(gd, b, xd, r, 0.8, True, weight))
+                errs = [rel_err(a.cpu(), w) for a, w in zip(got, want)]
+                ok = max(errs) <= REL_TOL[dt]
+                good &= ok
+                print(f"parity {str(dt)[6:]:8} {str(shape):14} {'weight' if weight else 'act':6} "
+                      f"stage={int(stage)}  y/gx/gB/gR rel err {' '.join(f'{e:.1e}' for e in errs)}  "
+                      f"{'ok' if ok else 'FAIL'}")
+    finally:
+        oft.DIRECT_STAGE_OUT = keep
+    return good
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="bypass,merge")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
     ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
+    ap.add_argument("--parity", action="store_true", help="odd-size parity of the direct kernels first")
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import oft
 
     dt = torch.float32 if args.smoke else {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     dev = torch.device("cpu" if args.smoke else "cuda")
+    if args.parity and not parity(dt, dev):
+        return 1
     timer = T.DeviceTimer(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
-    direct = oft.direct_apply
+    direct, stage_out = oft.direct_apply, oft.DIRECT_STAGE_OUT
     print(f"{'shape':8} {'variant':14} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         shape, weight = (SMOKE if args.smoke else SHAPES)[name]
@@ -55,7 +97,7 @@ def main(argv=None) -> int:
         first = None
         for v in VARIANTS:
             oft.direct_apply = direct if v != "gather" else (lambda *a: False)
-            oft.DIRECT_STAGE_OUT = v == "direct+stage"
+            oft.DIRECT_STAGE_OUT = dict.fromkeys(("cl", "cf"), v == "direct+stage")
             try:
                 fwd = lambda: oft.oft_fwd(blocks, x, None, 1.0, True, weight)  # noqa: E731
                 bwd = lambda: oft.oft_bwd(g, blocks, x, None, 1.0, True, weight)  # noqa: E731
@@ -65,7 +107,7 @@ def main(argv=None) -> int:
                 print(f"{name:8} {v:14} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             finally:
-                oft.direct_apply, oft.DIRECT_STAGE_OUT = direct, False
+                oft.direct_apply, oft.DIRECT_STAGE_OUT = direct, stage_out
             if first is None:
                 first = (tf, tb, outs)
             diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()

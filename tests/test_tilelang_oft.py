@@ -101,7 +101,7 @@ def test_oft(K, S, shape, weight, has_rs, shift, dtype):
 def test_direct_kernels_store_through_shared_memory(shape, weight, monkeypatch):
     """``DIRECT_STAGE_OUT`` (the output tile stored through shared memory): the same values,
     both layouts, a partial last group and a tail tile (bench/tilelang_oft_variants.py times it)."""
-    monkeypatch.setattr(oft, "DIRECT_STAGE_OUT", True)
+    monkeypatch.setattr(oft, "DIRECT_STAGE_OUT", {"cl": True, "cf": True})
     dtype = DTYPES[-1]
     g = torch.Generator().manual_seed(17)
     blocks = (0.2 * torch.randn(9, 8, 8, generator=g)).to(DEV)

@@ -71,9 +71,11 @@ _BT_BWD = 64
 #: pipeline depth of the direct kernels' tiles (``apply_direct_kernel``, ``stream_direct_kernel``)
 #: on sm_90a (TMA); 1 elsewhere (``direct_stages``)
 _DIRECT_STAGES = 2
-#: the direct kernels store their fp32 tile through shared memory (whole rows, TMA on sm_90a)
-#: instead of from the GEMM fragment (bench/tilelang_oft_variants.py times both)
-DIRECT_STAGE_OUT = False
+#: per layout, whether the direct kernels store their output tile through shared memory (whole
+#: rows, TMA on sm_90a) instead of from the GEMM fragment. Channels last: 2.4x faster forward,
+#: 1.5x backward on the H200 at 32768 x 4096 bf16, the same bits (bench/tilelang_oft_variants.py,
+#: bench/RESULTS.md 2026-12-02 00:00-00:15); channels first: not timed yet, so off
+DIRECT_STAGE_OUT = {"cl": True, "cf": False}
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
@@ -733,7 +735,8 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     yv = y.view(xv.shape)
     if direct_apply(cf, GP, GC, x.dtype, cdt, arch):
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
-                   p["threads"], direct_stages(arch), cf, DIRECT_STAGE_OUT)
+                   p["threads"], direct_stages(arch), cf,
+                   DIRECT_STAGE_OUT["cf" if cf else "cl"])
         k(xv, fh, fl, yv, nsplit, tps)
         return y
     k = kernel(apply_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, GC,
@@ -789,7 +792,8 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
     if direct_apply(cf, GP, GC, x.dtype, cdt, arch) and grad.dtype == x.dtype:
         ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
-                    tl_dtype(cdt), GP, p["BT"], p["threads"], direct_stages(arch), cf, DIRECT_STAGE_OUT)
+                    tl_dtype(cdt), GP, p["BT"], p["threads"], direct_stages(arch), cf,
+                   DIRECT_STAGE_OUT["cf" if cf else "cl"])
         ks(gv, xv, fh, fl, gx.view(xv.shape), part, tps)
     else:
         ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
@@ -809,11 +813,11 @@ def compile_specs(dtype: torch.dtype):
         (cayley_kernel, (d, d, d, 5, 6, 32, False, True, False, False)),
         (apply_kernel, (d, d, d, d, 32, 30, _BT_FWD, False, False, False)),
         (apply_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_FWD, True, False, False)),
-        (apply_direct_kernel, (d, d, d, 32, _BT_FWD)),
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True)),
         (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, True)),
         (bwd_stream_kernel, (d, d, d, d, 32, 30, _BT_BWD, False, False)),
         (bwd_stream_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_BWD, True, False)),
-        (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD)),
+        (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, False, True)),
         (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, True)),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
     ]
