@@ -36,8 +36,9 @@ VARIANTS = ("gather", "direct", "direct+stage")
 
 
 #: (K, S, x shape, weight): S divides the 32-channel group (the direct kernels); 72 channels
-#: leave the last group partial, 37 positions the last tile
-PARITY = [(9, 8, (72, 37), True), (4, 16, (3, 64, 5, 7), False), (9, 8, (37, 72), False)]
+#: leave the last group partial, 40 / 37 positions the last tile; rows of 16-byte multiples
+#: (the direct kernels' TMA condition), and one that is not (the gather path: 37 columns)
+PARITY = [(9, 8, (72, 40), True), (4, 16, (3, 64, 4, 6), False), (9, 8, (37, 72), False), (9, 8, (72, 37), True)]
 
 
 def parity(dt, dev) -> bool:

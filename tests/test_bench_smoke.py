@@ -112,5 +112,5 @@ def test_tilelang_oft_variants_smoke(capsys):
     spec.loader.exec_module(module)
     assert module.main(["--smoke", "--parity", "--shapes", "merge"]) == 0
     out = capsys.readouterr().out
-    assert out.count("  ok") == 6 and "FAIL" not in out and "failed" not in out, out
+    assert out.count("  ok") == 8 and "FAIL" not in out and "failed" not in out, out
     assert all(f"merge    {v}" in out for v in ("gather", "direct ", "direct+stage")), out

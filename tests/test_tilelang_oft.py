@@ -63,10 +63,12 @@ CASES = [
     # leave the last group partial and 37 positions the last tile
     (9, 8, (37, 72), False, True, True),
     (4, 16, (50, 64), False, False, False),
-    # the same, channels first: weight rows (72 channels, 37 columns: a partial last group and
-    # tail tile) and conv activations (3 pre indices): the channels-first direct kernels
-    (9, 8, (72, 37), True, True, True),
-    (4, 16, (3, 64, 5, 7), False, False, True),
+    # the same, channels first: weight rows (72 channels, 40 columns: a partial last group and
+    # tail tile) and conv activations (3 pre indices, 24 positions): the channels-first direct
+    # kernels; 37 columns (rows of 74 bytes at 16 bits: no TMA row stride) take the gather path
+    (9, 8, (72, 40), True, True, True),
+    (4, 16, (3, 64, 4, 6), False, False, True),
+    (9, 8, (72, 37), True, False, True),
 ]
 
 
@@ -97,7 +99,21 @@ def test_oft(K, S, shape, weight, has_rs, shift, dtype):
         check(gr, rr, dtype, "oft_bwd g_rescale")
 
 
-@pytest.mark.parametrize("shape,weight", [((37, 72), False), ((72, 37), True)], ids=["cl", "cf"])
+def test_direct_kernels_need_rows_of_16_bytes():
+    """The direct kernels' rows (channels last: C; channels first: the positions) must be a
+    multiple of 16 bytes (TMA descriptors; the H200 refused 74-byte rows), else the gather path."""
+    bf, f32 = torch.bfloat16, torch.float32
+    assert oft.direct_apply(True, 32, 32, bf, bf, "sm_90a", 40)
+    assert not oft.direct_apply(True, 32, 32, bf, bf, "sm_90a", 37)
+    assert oft.direct_apply(False, 32, 32, bf, bf, "sm_90a", 72)
+    assert not oft.direct_apply(False, 32, 32, bf, bf, "sm_90a", 36)  # S = 4, K = 9
+    assert not oft.direct_apply(False, 32, 30, bf, bf, "sm_90a", 72)  # a group slot without a channel
+    assert not oft.direct_apply(False, 32, 32, f32, f32, "sm_90a", 72)  # fp32: the TF32 split
+    assert oft.direct_apply(False, 32, 32, f32, f32, _common.CPU_ARCH, 36)
+    assert not oft.direct_apply(True, 32, 32, f32, f32, _common.CPU_ARCH, 37)
+
+
+@pytest.mark.parametrize("shape,weight", [((37, 72), False), ((72, 40), True)], ids=["cl", "cf"])
 def test_direct_kernels_store_through_shared_memory(shape, weight, monkeypatch):
     """``DIRECT_STAGE_OUT`` (the output tile stored through shared memory): the same values,
     both layouts, a partial last group and a tail tile (bench/tilelang_oft_variants.py times it)."""

@@ -733,7 +733,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     p = launch_config(APPLY, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, x.device)
     yv = y.view(xv.shape)
-    if direct_apply(cf, GP, GC, x.dtype, cdt, arch):
+    if direct_apply(cf, GP, GC, x.dtype, cdt, arch, post if cf else K * S):
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
                    p["threads"], direct_stages(arch), cf,
                    DIRECT_STAGE_OUT["cf" if cf else "cl"])
@@ -745,12 +745,17 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     return y
 
 
-def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str) -> bool:
+def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str,
+                 inner: int) -> bool:
     """Whether diag-OFT's forward takes ``apply_direct_kernel`` (and its backward, with G of
     x's dtype, ``stream_direct_kernel``), in either layout (``cf``): every group slot a
     channel, x in the GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is exact
-    fp32, so it takes it at fp32 too)."""
-    return GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
+    fp32, so it takes it at fp32 too), and rows of ``inner`` elements (channels last: C;
+    channels first: the positions after the channel axis) a multiple of 16 bytes: a TMA
+    descriptor (sm_90a) takes no other row stride (the H200 refused a (72, 37) bf16 weight:
+    74-byte rows), and 16-byte cp.async copies (sm_80) need it too."""
+    return (GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
+            and inner * x_dtype.itemsize % 16 == 0)
 
 
 def direct_stages(arch: str) -> int:
@@ -790,7 +795,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     p = launch_config(STREAM, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
-    if direct_apply(cf, GP, GC, x.dtype, cdt, arch) and grad.dtype == x.dtype:
+    if direct_apply(cf, GP, GC, x.dtype, cdt, arch, post if cf else C) and grad.dtype == x.dtype:
         ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
                     tl_dtype(cdt), GP, p["BT"], p["threads"], direct_stages(arch), cf,
                    DIRECT_STAGE_OUT["cf" if cf else "cl"])
