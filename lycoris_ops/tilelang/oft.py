@@ -112,6 +112,27 @@ def _perm(pos, kappa, has_perm):
     return (pos // two) * two + (pos % 2) * kappa + (pos % two) // 2
 
 
+def _direct_layout(T, cf, BT, GP):
+    """(x shape, tile shape, tile) of the direct kernels. Channels last: x (NP, C), tiles
+    (BT, GP). Channels first: x (PRE, C, NP), tiles (GP, BT) of one pre index (tile n of a
+    group: pre index n // ⌈NP/BT⌉, positions from (n mod ⌈NP/BT⌉)·BT). ``tile(buf, g, n)``
+    is the region of buf that tile n of group g covers, for ``T.copy`` (past the end, its
+    predicate skips what lies outside)."""
+    if cf:
+        PRE, C, NP = T.dynamic("PRE C NP")
+
+        def tile(buf, g, n):
+            per_row = T.ceildiv(NP, BT)
+            p0 = (n % per_row) * BT
+            return buf[n // per_row, g * GP:g * GP + GP, p0:p0 + BT]
+        return (PRE, C, NP), (GP, BT), tile, C
+    C, NP = T.dynamic("C NP")
+
+    def tile(buf, g, n):
+        return buf[n * BT, g * GP]
+    return (NP, C), (BT, GP), tile, C
+
+
 def _cayley_macros(T, par, S, NB, GP):
     """Macros of the per-group Cayley algebra (closures over the static sizes)."""
     GC = NB * S
@@ -347,63 +368,34 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
     threads = 1 if cpu else threads_
-    C, NP, NG = T.dynamic("C NP NG")
-
-    if cf:
-        PRE = T.dynamic("PRE")
-
-        @T.prim_func
-        def oft_apply_direct_cf(X: T.Tensor((PRE, C, NP), xd), FH: T.Tensor((NG, GP, GP), cdt),
-                                FL: T.Tensor((NG, GP, GP), cdt), Y: T.Tensor((PRE, C, NP), yd), nsplit: T.int32,
-                                tps: T.int32):
-            with T.Kernel(T.ceildiv(C, GP), nsplit, threads=threads) as (g, sp):
-                Fh = alloc_s((GP, GP), cdt)
-                Fl = alloc_s((GP, GP), cdt)
-                Xs = alloc_s((GP, BT), cdt)
-                acc = alloc_f((GP, BT), "float32")
-                Ys = alloc_s((GP, BT) if stage_out else (1, 1), yd)
-                T.copy(FH[g, 0, 0], Fh)
-                T.copy(FL[g, 0, 0], Fl)
-                for tt in T.Pipelined(tps, num_stages=stages):
-                    # tile -> (pre index, first position); past the last tile the pre index is out
-                    # of range and T.copy's predicate skips the whole tile
-                    T.copy(X[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
-                             ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT],
-                           Xs)
-                    T.clear(acc)
-                    T.gemm(Fh, Xs, acc)
-                    T.gemm(Fl, Xs, acc)
-                    if stage_out:  # through shared memory: whole-row stores instead of fragment pairs
-                        T.copy(acc, Ys)
-                        T.copy(Ys, Y[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
-                                     ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT])
-                    else:
-                        T.copy(acc, Y[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
-                                      ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT])
-
-        return oft_apply_direct_cf
+    xshape, tshape, tile, C = _direct_layout(T, cf, BT, GP)
+    NG = T.dynamic("NG")
 
     @T.prim_func
-    def oft_apply_direct(X: T.Tensor((NP, C), xd), FH: T.Tensor((NG, GP, GP), cdt), FL: T.Tensor((NG, GP, GP), cdt),
-                         Y: T.Tensor((NP, C), yd), nsplit: T.int32, tps: T.int32):
+    def oft_apply_direct(X: T.Tensor(xshape, xd), FH: T.Tensor((NG, GP, GP), cdt), FL: T.Tensor((NG, GP, GP), cdt),
+                         Y: T.Tensor(xshape, yd), nsplit: T.int32, tps: T.int32):
         with T.Kernel(T.ceildiv(C, GP), nsplit, threads=threads) as (g, sp):
             Fh = alloc_s((GP, GP), cdt)
             Fl = alloc_s((GP, GP), cdt)
-            Xs = alloc_s((BT, GP), cdt)
-            acc = alloc_f((BT, GP), "float32")
-            Ys = alloc_s((BT, GP) if stage_out else (1, 1), yd)
+            Xs = alloc_s(tshape, cdt)
+            acc = alloc_f(tshape, "float32")
+            Ys = alloc_s(tshape if stage_out else (1, 1), yd)
             T.copy(FH[g, 0, 0], Fh)
             T.copy(FL[g, 0, 0], Fl)
             for tt in T.Pipelined(tps, num_stages=stages):
-                T.copy(X[(sp * tps + tt) * BT, g * GP], Xs)
+                T.copy(tile(X, g, sp * tps + tt), Xs)
                 T.clear(acc)
-                T.gemm(Xs, Fh, acc, transpose_B=True)
-                T.gemm(Xs, Fl, acc, transpose_B=True)
+                if cf:  # Y = F·X per column
+                    T.gemm(Fh, Xs, acc)
+                    T.gemm(Fl, Xs, acc)
+                else:  # y = x·Fᵀ per row
+                    T.gemm(Xs, Fh, acc, transpose_B=True)
+                    T.gemm(Xs, Fl, acc, transpose_B=True)
                 if stage_out:  # through shared memory: whole-row stores instead of fragment pairs
                     T.copy(acc, Ys)
-                    T.copy(Ys, Y[(sp * tps + tt) * BT, g * GP])
+                    T.copy(Ys, tile(Y, g, sp * tps + tt))
                 else:
-                    T.copy(acc, Y[(sp * tps + tt) * BT, g * GP])
+                    T.copy(acc, tile(Y, g, sp * tps + tt))
 
     return oft_apply_direct
 
@@ -493,77 +485,41 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
     threads = 1 if cpu else threads_
-    C, NP, NG, NS, NGP = T.dynamic("C NP NG NS NGP")
-
-    if cf:
-        PRE = T.dynamic("PRE")
-
-        @T.prim_func
-        def oft_stream_direct_cf(G: T.Tensor((PRE, C, NP), gd), X: T.Tensor((PRE, C, NP), xd),
-                                 FH: T.Tensor((NG, GP, GP), cdt), FL: T.Tensor((NG, GP, GP), cdt),
-                                 GX: T.Tensor((PRE, C, NP), gxd), P: T.Tensor((NS, NGP, GP, GP), _F32),
-                                 tps: T.int32):
-            with T.Kernel(T.ceildiv(C, GP), NS, threads=threads) as (g, sp):
-                Fh = alloc_s((GP, GP), cdt)
-                Fl = alloc_s((GP, GP), cdt)
-                Gs = alloc_s((GP, BT), cdt)
-                Xs = alloc_s((GP, BT), cdt)
-                acc = alloc_f((GP, BT), "float32")
-                accp = alloc_f((GP, GP), "float32")
-                Ys = alloc_s((GP, BT) if stage_out else (1, 1), gxd)
-                T.copy(FH[g, 0, 0], Fh)
-                T.copy(FL[g, 0, 0], Fl)
-                T.clear(accp)
-                for tt in T.Pipelined(tps, num_stages=stages):
-                    # tile -> (pre index, first position), as in apply_direct_kernel
-                    T.copy(G[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
-                             ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT],
-                           Gs)
-                    T.copy(X[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
-                             ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT],
-                           Xs)
-                    T.clear(acc)
-                    T.gemm(Fh, Gs, acc)
-                    T.gemm(Fl, Gs, acc)
-                    T.gemm(Gs, Xs, accp, transpose_B=True)
-                    if stage_out:
-                        T.copy(acc, Ys)
-                        T.copy(Ys, GX[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
-                                      ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT])
-                    else:
-                        T.copy(acc, GX[(sp * tps + tt) // T.ceildiv(NP, BT), g * GP:g * GP + GP,
-                                       ((sp * tps + tt) % T.ceildiv(NP, BT)) * BT:((sp * tps + tt) % T.ceildiv(NP, BT)) * BT + BT])
-                T.copy(accp, P[sp, g, 0, 0])
-
-        return oft_stream_direct_cf
+    xshape, tshape, tile, C = _direct_layout(T, cf, BT, GP)
+    NG, NS, NGP = T.dynamic("NG NS NGP")
 
     @T.prim_func
-    def oft_stream_direct(G: T.Tensor((NP, C), gd), X: T.Tensor((NP, C), xd), FH: T.Tensor((NG, GP, GP), cdt),
-                          FL: T.Tensor((NG, GP, GP), cdt), GX: T.Tensor((NP, C), gxd),
+    def oft_stream_direct(G: T.Tensor(xshape, gd), X: T.Tensor(xshape, xd), FH: T.Tensor((NG, GP, GP), cdt),
+                          FL: T.Tensor((NG, GP, GP), cdt), GX: T.Tensor(xshape, gxd),
                           P: T.Tensor((NS, NGP, GP, GP), _F32), tps: T.int32):
         with T.Kernel(T.ceildiv(C, GP), NS, threads=threads) as (g, sp):
             Fh = alloc_s((GP, GP), cdt)
             Fl = alloc_s((GP, GP), cdt)
-            Gs = alloc_s((BT, GP), cdt)
-            Xs = alloc_s((BT, GP), cdt)
-            acc = alloc_f((BT, GP), "float32")
+            Gs = alloc_s(tshape, cdt)
+            Xs = alloc_s(tshape, cdt)
+            acc = alloc_f(tshape, "float32")
             accp = alloc_f((GP, GP), "float32")
-            Ys = alloc_s((BT, GP) if stage_out else (1, 1), gxd)
+            Ys = alloc_s(tshape if stage_out else (1, 1), gxd)
             T.copy(FH[g, 0, 0], Fh)
             T.copy(FL[g, 0, 0], Fl)
             T.clear(accp)
             for tt in T.Pipelined(tps, num_stages=stages):
-                T.copy(G[(sp * tps + tt) * BT, g * GP], Gs)
-                T.copy(X[(sp * tps + tt) * BT, g * GP], Xs)
+                T.copy(tile(G, g, sp * tps + tt), Gs)
+                T.copy(tile(X, g, sp * tps + tt), Xs)
                 T.clear(acc)
-                T.gemm(Gs, Fh, acc, transpose_B=True)
-                T.gemm(Gs, Fl, acc, transpose_B=True)
-                T.gemm(Gs, Xs, accp, transpose_A=True)
+                if cf:  # gx = Fᵀ·G per column (FH holds Fᵀ), P += G·Xᵀ
+                    T.gemm(Fh, Gs, acc)
+                    T.gemm(Fl, Gs, acc)
+                    T.gemm(Gs, Xs, accp, transpose_B=True)
+                else:  # gx = g·(Fᵀ)ᵀ per row, P += Gᵀ·X
+                    T.gemm(Gs, Fh, acc, transpose_B=True)
+                    T.gemm(Gs, Fl, acc, transpose_B=True)
+                    T.gemm(Gs, Xs, accp, transpose_A=True)
                 if stage_out:
                     T.copy(acc, Ys)
-                    T.copy(Ys, GX[(sp * tps + tt) * BT, g * GP])
+                    T.copy(Ys, tile(GX, g, sp * tps + tt))
                 else:
-                    T.copy(acc, GX[(sp * tps + tt) * BT, g * GP])
+                    T.copy(acc, tile(GX, g, sp * tps + tt))
             T.copy(accp, P[sp, g, 0, 0])
 
     return oft_stream_direct
