@@ -28,8 +28,9 @@ Kernel families:
     then ``acc = X·F_hiᵀ + X·F_loᵀ (+ X_lo·F_hiᵀ)`` in an fp32 fragment, staged
     through shared memory and stored once (optionally ``− x0`` for BOFT's diff).
 ``apply_direct_kernel`` (same grid): diag-OFT's forward where nothing needs the gather
-    (channels last, GC = GP, 16-bit x): the x tile by ``T.copy`` in a ``T.Pipelined``
-    loop and the output by ``T.copy`` from the fragment (``direct_apply`` decides).
+    (GC = GP, 16-bit x, rows of a 16-byte multiple; either layout): the x tile by ``T.copy``
+    (TMA on sm_90a) in a ``T.Pipelined`` loop, the output by ``T.copy`` from the fragment
+    or through a shared tile (``DIRECT_STAGE_OUT``; ``direct_apply`` decides the path).
 ``stream_direct_kernel``: the backward stream's twin of the same conditions.
 ``bwd_stream_kernel`` (same grid): per tile ``gx = G·F`` (as ``G·(Fᵀ)ᵀ`` with
     the Fᵀ pair) stored, and ``P += Gᵀ·X`` (dL/dF, fp32 fragment) over the
@@ -358,7 +359,8 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
     (16-bit; the CPU twin's exact fp32 GEMM too). The x tile goes to shared memory by
     ``T.copy`` in a ``T.Pipelined`` loop (async copies, ``stages`` deep) instead of element
     by element through the channel map, and the fp32 fragment is stored by ``T.copy`` (one
-    rounding), out-of-range positions and channels predicated by T.copy.
+    rounding; ``stage_out``: through a shared tile, whole rows), out-of-range positions and
+    channels predicated by T.copy.
     Channels last: X, Y (NP, C), tile (BT, GP), ``acc = X·Fᵀ``. Channels first (``cf``):
     X, Y (PRE, C, NP), tile (GP, BT) of one pre index (a weight's rows are its channels),
     ``acc = F·X`` (the same product per position, no transposed operand).
