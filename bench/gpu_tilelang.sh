@@ -16,8 +16,9 @@
 # ../shared/TOOLCHAIN.md) and pass it as LYCORIS_TILELANG_SITE.
 # The sweep runs family groups as parallel processes on GPU 1 when there are two GPUs (on
 # GPU 0 otherwise): TileLang's compiles are CPU-bound. The benchmark runs on GPU 0.
-# Environment: LYCORIS_SWEEP_GROUPS (families, default all six groups), LYCORIS_SWEEP_WARM (0: no
-# second sweep), LYCORIS_TESTS (pytest
+# Environment: LYCORIS_SWEEP_GROUPS (families, default all six groups), LYCORIS_SWEEP_DTYPES
+# (gpu_backends.py --dtypes, in the order run: "bfloat16,float16" reaches the 16-bit-only
+# kernels first), LYCORIS_SWEEP_WARM (0: no second sweep), LYCORIS_TESTS (pytest
 # arguments run after the sweeps, LYCORIS_TESTS_SECONDS, default 120), LYCORIS_SWEEP_SECONDS (per sweep process, default 240),
 # LYCORIS_BENCH_SECONDS (default 400), LYCORIS_COMMIT.
 set -uo pipefail
@@ -77,6 +78,7 @@ sweep() {  # $1: cold|warm
   for g in $groups; do
     CUDA_VISIBLE_DEVICES=$sweep_gpu timeout -s INT "${LYCORIS_SWEEP_SECONDS:-240}" $py bench/gpu_backends.py \
       --backends tilelang --families "$g" --max-seconds "$(( ${LYCORIS_SWEEP_SECONDS:-240} - 20 ))" \
+      ${LYCORIS_SWEEP_DTYPES:+--dtypes "$LYCORIS_SWEEP_DTYPES"} \
       >"$work/sweep-$1-${g//,/-}.log" 2>&1 &
     pids+=($!)
   done
