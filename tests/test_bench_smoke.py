@@ -63,6 +63,14 @@ def test_bench_scripts_compile(script):
         compile(f.read(), path, "exec")
 
 
+@pytest.mark.parametrize("script", sorted(os.path.basename(p) for p in glob.glob(os.path.join(BENCH, "*.sh"))))
+def test_bench_shell_scripts_parse(script):
+    """The GPU call's shell scripts (gpu_check.sh, gpu_tilelang.sh, pack_tilelang.sh, ...) parse
+    (``bash -n``): a syntax error would only show on the device, after its start."""
+    proc = subprocess.run(["bash", "-n", os.path.join(BENCH, script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
 @pytest.mark.parametrize("family,args,pattern", [
     ("lokr", ["--a", "16", "--c", "16"], r"tokens 1 warps 4 stages 1: _bypass_bwd_kernel (\d+) registers, "
                                           r"spill stores (\d+) B"),
