@@ -11,7 +11,9 @@ largest relative difference of the results from the first variant's:
 * ``gather``: ``apply_kernel`` / ``bwd_stream_kernel`` (the element-wise channel-map path);
 * ``direct``: the ``T.copy`` kernels storing from the GEMM fragment;
 * ``direct+stage``: the same, the output tile stored through shared memory
-  (``DIRECT_STAGE_OUT``: the launchers' default per layout).
+  (``DIRECT_STAGE_OUT``: the launchers' default per layout);
+* ``cayley only``: the Cayley launch every variant starts with (F; the backward's Fᵀ), the
+  fixed cost a small shape (the merge's 4096 positions) cannot hide.
 
 Ratios within one run are what to compare; the machines are shared.
 
@@ -114,7 +116,19 @@ def main(argv=None) -> int:
             diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
                        for a, b in zip(outs, first[2]))
             print(f"{name:8} {v:14} {tf:8.3f} {tf / first[0]:8.2f} {tb:8.3f} {tb / first[1]:8.2f} {diff:12.2e}")
+        if first is not None:  # the fixed part every variant shares: the Cayley launch (F; Fᵀ)
+            cf, cb = (timer.time(lambda t=t: cayley(oft, blocks, dt, t))["median_ms"] for t in (False, True))
+            print(f"{name:8} {'cayley only':14} {cf:8.3f} {cf / first[0]:8.2f} {cb:8.3f} {cb / first[1]:8.2f}")
     return 0
+
+
+def cayley(oft, blocks, dt, trans):
+    """The Cayley launch of ``oft_fwd`` (trans: ``oft_bwd``'s Fᵀ) alone."""
+    from lycoris_ops.tilelang._common import arch_of, cdiv
+    K, S = blocks.shape[0], blocks.shape[1]
+    GP, NB, _ = oft.group_plan(S)
+    return oft._cayley(blocks, None, oft.gemm_dtype(dt), S, NB, GP, False, False, trans, 1.0, 1.0, 0, 0,
+                       cdiv(K, NB), arch_of(blocks.device))
 
 
 if __name__ == "__main__":
