@@ -5,7 +5,7 @@
 # are over what one device call may carry, so they are installed here into a folder, trimmed
 # (z3's command-line binary and its second copy of libz3, kept as a link) and xz-packed.
 # bench/gpu_check.sh and bench/gpu_tilelang.sh unpack it into /tmp/tl when it is carried
-# (carry: [".tlsite"]; add ".tlsite/" to .git/info/exclude once).
+# (carry: [".tlsite"]; the script adds ".tlsite/" to .git/info/exclude).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 wheels=$(mktemp -d); site=$(mktemp -d)
@@ -17,6 +17,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" --p
 rm -rf "$site/bin"                                   # z3's executable: TileLang loads the library
 ln -sf libz3.so.4.15 "$site/z3/lib/libz3.so"         # libtvm_compiler needs .so.4.15, z3.py .so
 mkdir -p .tlsite
+# ignored by git (never committed; it travels only by carry)
+grep -qx '.tlsite/' .git/info/exclude 2>/dev/null || echo '.tlsite/' >> .git/info/exclude
 tar -C "$site" -cf - . | xz -T0 -9 > .tlsite/tl.tar.xz
 rm -rf "$wheels" "$site"
 ls -la .tlsite/tl.tar.xz
