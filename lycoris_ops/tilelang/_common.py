@@ -69,7 +69,7 @@ class Pending:
 
     def __init__(self, builder: Callable, arch: str, args: tuple):
         self.builder, self.arch, self.args = builder, arch, args
-        self.key = (builder.__module__, builder.__qualname__, arch, args)  # ``kernel``'s cache key
+        self.key = kernel_key(builder, arch, args)
 
     def build(self):
         compile_only(self.builder, self.arch, *self.args)
@@ -142,10 +142,15 @@ def compile_only(builder: Callable, arch: str, *args, backend: str = EXECUTION_B
     return tl().compile(func, target=target_of(arch), execution_backend=backend, pass_configs=GPU_PASS_CONFIGS)
 
 
+def kernel_key(builder: Callable, arch: str, args: tuple) -> tuple:
+    """The per-process cache key of ``kernel(builder, arch, *args)``."""
+    return builder.__module__, builder.__qualname__, arch, args
+
+
 def kernel(builder: Callable, arch: str, *args):
     """The compiled kernel of ``builder(*args)`` for ``arch``, cached per process
     by (builder, arch, args)."""
-    key = (builder.__module__, builder.__qualname__, arch, args)
+    key = kernel_key(builder, arch, args)
     k = _kernels.get(key)
     cap = getattr(_capture, "active", None)
     if cap is not None:  # listing, not launching (a kernel built already needs no build)
