@@ -114,7 +114,7 @@ def _perm(pos, kappa, has_perm):
 
 
 def _direct_layout(T, cf, BT, GP):
-    """(x shape, tile shape, tile) of the direct kernels. Channels last: x (NP, C), tiles
+    """(x shape, tile shape, tile, C) of the direct kernels. Channels last: x (NP, C), tiles
     (BT, GP). Channels first: x (PRE, C, NP), tiles (GP, BT) of one pre index (tile n of a
     group: pre index n // ⌈NP/BT⌉, positions from (n mod ⌈NP/BT⌉)·BT). ``tile(buf, g, n)``
     is the region of buf that tile n of group g covers, for ``T.copy`` (past the end, its
@@ -691,10 +691,9 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     p = launch_config(APPLY, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, x.device)
     yv = y.view(xv.shape)
-    if direct_apply(cf, GP, GC, x.dtype, cdt, arch, post if cf else K * S):
+    if direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1]):
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
-                   p["threads"], direct_stages(arch), cf,
-                   DIRECT_STAGE_OUT["cf" if cf else "cl"])
+                   p["threads"], *direct_flags(arch, cf))
         k(xv, fh, fl, yv, nsplit, tps)
         return y
     k = kernel(apply_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, GC,
@@ -708,12 +707,18 @@ def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dt
     """Whether diag-OFT's forward takes ``apply_direct_kernel`` (and its backward, with G of
     x's dtype, ``stream_direct_kernel``), in either layout (``cf``): every group slot a
     channel, x in the GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is exact
-    fp32, so it takes it at fp32 too), and rows of ``inner`` elements (channels last: C;
-    channels first: the positions after the channel axis) a multiple of 16 bytes: a TMA
-    descriptor (sm_90a) takes no other row stride (the H200 refused a (72, 37) bf16 weight:
-    74-byte rows), and 16-byte cp.async copies (sm_80) need it too."""
+    fp32, so it takes it at fp32 too), and rows of ``inner`` elements (the kernel view's last
+    axis: C channels last, the positions after the channel axis channels first) a multiple of
+    16 bytes: a TMA descriptor (sm_90a) takes no other row stride (the H200 refused a
+    (72, 37) bf16 weight: 74-byte rows), and 16-byte cp.async copies (sm_80) need it too."""
     return (GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
             and inner * x_dtype.itemsize % 16 == 0)
+
+
+def direct_flags(arch: str, cf: bool) -> tuple:
+    """The direct kernels' trailing builder arguments on ``arch``: (pipeline depth, layout,
+    store through shared memory)."""
+    return direct_stages(arch), cf, DIRECT_STAGE_OUT["cf" if cf else "cl"]
 
 
 def direct_stages(arch: str) -> int:
@@ -753,10 +758,9 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     p = launch_config(STREAM, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
-    if direct_apply(cf, GP, GC, x.dtype, cdt, arch, post if cf else C) and grad.dtype == x.dtype:
+    if direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1]) and grad.dtype == x.dtype:
         ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
-                    tl_dtype(cdt), GP, p["BT"], p["threads"], direct_stages(arch), cf,
-                   DIRECT_STAGE_OUT["cf" if cf else "cl"])
+                    tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf))
         ks(gv, xv, fh, fl, gx.view(xv.shape), part, tps)
     else:
         ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
