@@ -82,6 +82,51 @@ def test_boft(m, nb, s, shape, axis, has_rs, diff, dtype):
     check(gb, rb, dtype, "boft_bwd g_blocks")
 
 
+def test_run_groups():
+    assert boft.run_groups(32, 128, 2) == (32, 1)   # the bench's 4096 channels: runs of 16
+    assert boft.run_groups(24, 128, 2) == (48, 2)   # 3072 channels: 24-channel runs (48 bytes)
+    assert boft.run_groups(8, 16, 4) == (32, 4)
+    assert boft.run_groups(4, 4, 2) is None         # at most 16 channels a group
+    assert boft.run_groups(40, 4, 2) is None        # 20-element runs are 40 bytes; 80 channels is too many
+    assert boft.run_groups(6, 16, 2) == (48, 8)
+
+
+# (m, nb, s, x shape, with rescale, diff): channels last, shapes the run kernels take. Stage i's
+# group is GC contiguous channels while 2κ_i <= GC, else two runs κ_i apart: m = 5, s = 8 has
+# both (GC = 32, κ = 4 … 64); 37 / 21 positions leave a partial tile
+RUN_CASES = [
+    (5, 16, 8, (37, 128), True, True),
+    (3, 4, 24, (21, 96), False, False),   # GC = 48: two 24-channel runs from stage 2
+    (1, 2, 32, (5, 64), True, True),      # one stage
+]
+
+
+@pytest.mark.parametrize("runs", [True, False], ids=["runs", "gather"])
+@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", RUN_CASES,
+                         ids=[f"m{c[0]}nb{c[1]}s{c[2]}-{'rs' if c[4] else 'nors'}-{'diff' if c[5] else 'plain'}"
+                              for c in RUN_CASES])
+def test_boft_runs(m, nb, s, shape, has_rs, diff, runs, monkeypatch):
+    """The run kernels (one box per group and tile, stage values as 16-bit (hi, lo) pairs, run
+    basis in the Cayley and chain kernels) and, on the same shapes, the gather path: both
+    against the fp64 reference. The CPU twins run the run kernels at fp32 (exact GEMMs)."""
+    monkeypatch.setattr(boft, "RUNS", runs)
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(7 * m + s)
+    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
+    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV) if has_rs else None
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    taken = boft._runs_plan(x, False, s, nb, _common.arch_of(x.device), boft.APPLY["BT"], False)
+    assert (taken is not None) == runs, taken
+    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
+    y = boft.boft_fwd(blocks, x, -1, 0.9, 0.7, rescale, diff)
+    check(y, R_BOFT.boft_fwd(b6, x6, -1, 0.9, 0.7, r6, diff), dtype, "boft_fwd")
+    gx, gb = boft.boft_bwd(grad, blocks, x, -1, 0.9, 0.7)
+    rx, rb = R_BOFT.boft_bwd(g6, b6, x6, -1, 0.9, 0.7)
+    check(gx, rx, dtype, "boft_bwd gx")
+    check(gb, rb, dtype, "boft_bwd g_blocks")
+
+
 #: non-default (forward, backward) configs inside plans/oft.py's TileLang spaces (BOFT shares them)
 TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
              (dict(BT=64, threads=128), dict(BT=128, threads=256))]

@@ -21,6 +21,12 @@ to fp32 (TF32 hi + lo split, ~fp32 accuracy):
     ``P = Σ g_βᵀ·u_β`` in the permuted block basis) and ONE chain launch over
     all groups (``gR = scale·P``, ``gQ = 2Mᵀ·gR·Mᵀ``, ``gB = cscale·(gQ − gQᵀ)``).
 
+The run kernels (``stage_runs_kernel``, ``stream_runs_kernel``; channels last, 16-bit x, a
+``run_groups`` size): the same launches without the element-wise channel map. A group's
+channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matrices are stored
+in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
+dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``).
+
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
 Tile configs: the streaming kernels' positions per tile and threads come from oft.py's
@@ -30,14 +36,218 @@ Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 """
 import torch
 
-from ._common import aligned, arch_of, kernel, launch_config, tl_dtype
-from .oft import (_BT_BWD, _BT_FWD, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel, chain_kernel,
-                  position_view, tiling)
+from ._common import CPU_ARCH, aligned, arch_of, kernel, launch_config, tl_dtype
+from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel,
+                  chain_kernel, direct_stages, position_view, tiling)
 from .oft import _cayley as _oft_cayley
 
-__all__ = ["boft_fwd", "boft_bwd", "boft_groups", "compile_specs"]
+__all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_smem", "stage_runs_kernel",
+           "stream_runs_kernel", "compile_specs", "RUNS"]
 
 _F32 = "float32"
+#: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
+#: to reach the gather path with the same shapes)
+RUNS = True
+#: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, 227 KiB);
+#: a tile config over it takes the gather path
+_RUNS_SMEM = 227 * 1024
+
+
+# --------------------------------------------------------------------------- run kernels
+#
+# The channels of a BOFT group at stage i are two contiguous runs of GC/2 channels, κ_i apart
+# (or GC contiguous channels while 2κ_i <= GC). Seen as x.view(NP, C/2κ', 2, κ') with
+# κ' = max(κ_i, GC/2), a group's tile of BT positions is ONE box [p0:p0+BT, seg, 0:2,
+# j0:j0+GC/2]: one T.copy (TMA on sm_90a) in, one out. The box's row-major order is the
+# group's *run basis* (``oft._run_slot``), in which the Cayley kernel stores the group
+# matrices and the chain kernel reads the partials, so the stream needs no channel map.
+# Between stages a value is a (hi, lo) pair of x's 16-bit dtype (hi = the fp32 value rounded,
+# lo = the rest: ~2^-16 relative, far below the 16-bit output's rounding; the same bytes as
+# an fp32 scratch), and each GEMM is split in three: U_hi·F_hi + U_hi·F_lo + U_lo·F_hi.
+
+
+def stage_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages: int = 1, has_lo: bool = True,
+                      out_pair: bool = True, diff: bool = False, cpu: bool = False):
+    """One BOFT stage on the run views (see above), channels last: ``y = u·Fᵀ`` per group
+    (F pair [goff + g] in the run basis), u = U (+ UL when ``has_lo``), stored as a (hi, lo)
+    pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a view
+    (NP, C/2κ', 2, κ') of dtype d; program (g, split) walks tiles split·tps … split·tps + tps − 1."""
+    import tilelang.language as T
+
+    par = T.grid if cpu else T.Parallel
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    alloc_f = T.alloc_local if cpu else T.alloc_fragment
+    threads = 1 if cpu else threads_
+    H = GC // 2
+    NP, NSEG, KP, NG = T.dynamic("NP NSEG KP NG")
+    vshape = (NP, NSEG, 2, KP)
+    one = (1, 1, 1)
+
+    @T.prim_func
+    def boft_stage_runs(U: T.Tensor(vshape, d), UL: T.Tensor(vshape, d), X0: T.Tensor(vshape, d),
+                        FH: T.Tensor((NG, GC, GC), d), FL: T.Tensor((NG, GC, GC), d), Y: T.Tensor(vshape, d),
+                        YL: T.Tensor(vshape, d), goff: T.int32, nsplit: T.int32, tps: T.int32):
+        with T.Kernel(NSEG * KP * 2 // GC, nsplit, threads=threads) as (g, sp):
+            Fh = alloc_s((GC, GC), d)
+            Fl = alloc_s((GC, GC), d)
+            U3 = alloc_s((BT, 2, H), d)
+            UL3 = alloc_s((BT, 2, H) if has_lo else one, d)
+            X3 = alloc_s((BT, 2, H) if diff else one, d)
+            Uh = alloc_s((BT, GC), d)
+            Ul = alloc_s((BT, GC) if has_lo else (1, 1), d)
+            acc = alloc_f((BT, GC), "float32")
+            Y3 = alloc_s((BT, 2, H), d)
+            YL3 = alloc_s((BT, 2, H) if out_pair else one, d)
+            seg = T.alloc_var("int32", init=(g * GC) // (2 * KP))
+            j0 = T.alloc_var("int32", init=((g * GC) % (2 * KP)) // 2)
+            T.copy(FH[goff + g, 0, 0], Fh)
+            T.copy(FL[goff + g, 0, 0], Fl)
+            for tt in T.Pipelined(tps, num_stages=stages):
+                p0 = (sp * tps + tt) * BT
+                T.copy(U[p0:p0 + BT, seg, 0:2, j0:j0 + H], U3)
+                if has_lo:
+                    T.copy(UL[p0:p0 + BT, seg, 0:2, j0:j0 + H], UL3)
+                if diff:
+                    T.copy(X0[p0:p0 + BT, seg, 0:2, j0:j0 + H], X3)
+                for t, l in par(BT, GC):  # the box's (2, H) rows -> the GEMM's (GC,) row
+                    Uh[t, l] = U3[t, l // H, l % H]
+                    if has_lo:
+                        Ul[t, l] = UL3[t, l // H, l % H]
+                T.clear(acc)
+                T.gemm(Uh, Fh, acc, transpose_B=True)
+                T.gemm(Uh, Fl, acc, transpose_B=True)
+                if has_lo:
+                    T.gemm(Ul, Fh, acc, transpose_B=True)
+                for t, h, j in par(BT, 2, H):
+                    if diff:
+                        v = acc[t, h * H + j] - T.cast(X3[t, h, j], "float32")
+                    else:
+                        v = acc[t, h * H + j]
+                    Y3[t, h, j] = T.cast(v, d)
+                    if out_pair:
+                        YL3[t, h, j] = T.cast(v - T.cast(T.cast(v, d), "float32"), d)
+                T.copy(Y3, Y[p0:p0 + BT, seg, 0:2, j0:j0 + H])
+                if out_pair:
+                    T.copy(YL3, YL[p0:p0 + BT, seg, 0:2, j0:j0 + H])
+
+    return boft_stage_runs
+
+
+def stream_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages: int = 1, g_lo: bool = True,
+                       u_lo: bool = True, out_pair: bool = True, cpu: bool = False):
+    """The backward of one BOFT stage on the run views: ``gx = g·F`` (from the Fᵀ pair
+    [goff + g], run basis) stored as a pair GX, GXL (``out_pair``) or once in GX, and the fp32
+    partials ``P[split, goff + g] = Σ_t gᵀ·u`` over the program's positions (run basis), from
+    g = G (+ GL when ``g_lo``) and the stage input u = U (+ UL when ``u_lo``). Positions past
+    the end load as zeros (the copies' predicate) and add nothing to P."""
+    import tilelang.language as T
+
+    par = T.grid if cpu else T.Parallel
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    alloc_f = T.alloc_local if cpu else T.alloc_fragment
+    threads = 1 if cpu else threads_
+    H = GC // 2
+    NP, NSEG, KP, NG, NS, NGP = T.dynamic("NP NSEG KP NG NS NGP")
+    vshape = (NP, NSEG, 2, KP)
+    one = (1, 1, 1)
+
+    @T.prim_func
+    def boft_stream_runs(G: T.Tensor(vshape, d), GL: T.Tensor(vshape, d), U: T.Tensor(vshape, d),
+                         UL: T.Tensor(vshape, d), FH: T.Tensor((NG, GC, GC), d), FL: T.Tensor((NG, GC, GC), d),
+                         GX: T.Tensor(vshape, d), GXL: T.Tensor(vshape, d), P: T.Tensor((NS, NGP, GC, GC), _F32),
+                         goff: T.int32, tps: T.int32):
+        with T.Kernel(NSEG * KP * 2 // GC, NS, threads=threads) as (g, sp):
+            Fh = alloc_s((GC, GC), d)
+            Fl = alloc_s((GC, GC), d)
+            G3 = alloc_s((BT, 2, H), d)
+            GL3 = alloc_s((BT, 2, H) if g_lo else one, d)
+            U3 = alloc_s((BT, 2, H), d)
+            UL3 = alloc_s((BT, 2, H) if u_lo else one, d)
+            Gh = alloc_s((BT, GC), d)
+            Gl = alloc_s((BT, GC) if g_lo else (1, 1), d)
+            Uh = alloc_s((BT, GC), d)
+            Ul = alloc_s((BT, GC) if u_lo else (1, 1), d)
+            acc = alloc_f((BT, GC), "float32")
+            accp = alloc_f((GC, GC), "float32")
+            Y3 = alloc_s((BT, 2, H), d)
+            YL3 = alloc_s((BT, 2, H) if out_pair else one, d)
+            seg = T.alloc_var("int32", init=(g * GC) // (2 * KP))
+            j0 = T.alloc_var("int32", init=((g * GC) % (2 * KP)) // 2)
+            T.copy(FH[goff + g, 0, 0], Fh)
+            T.copy(FL[goff + g, 0, 0], Fl)
+            T.clear(accp)
+            for tt in T.Pipelined(tps, num_stages=stages):
+                p0 = (sp * tps + tt) * BT
+                T.copy(G[p0:p0 + BT, seg, 0:2, j0:j0 + H], G3)
+                if g_lo:
+                    T.copy(GL[p0:p0 + BT, seg, 0:2, j0:j0 + H], GL3)
+                T.copy(U[p0:p0 + BT, seg, 0:2, j0:j0 + H], U3)
+                if u_lo:
+                    T.copy(UL[p0:p0 + BT, seg, 0:2, j0:j0 + H], UL3)
+                for t, l in par(BT, GC):
+                    Gh[t, l] = G3[t, l // H, l % H]
+                    Uh[t, l] = U3[t, l // H, l % H]
+                    if g_lo:
+                        Gl[t, l] = GL3[t, l // H, l % H]
+                    if u_lo:
+                        Ul[t, l] = UL3[t, l // H, l % H]
+                T.clear(acc)
+                T.gemm(Gh, Fh, acc, transpose_B=True)
+                T.gemm(Gh, Fl, acc, transpose_B=True)
+                T.gemm(Gh, Uh, accp, transpose_A=True)
+                if g_lo:
+                    T.gemm(Gl, Fh, acc, transpose_B=True)
+                    T.gemm(Gl, Uh, accp, transpose_A=True)
+                if u_lo:
+                    T.gemm(Gh, Ul, accp, transpose_A=True)
+                for t, h, j in par(BT, 2, H):
+                    Y3[t, h, j] = T.cast(acc[t, h * H + j], d)
+                    if out_pair:
+                        YL3[t, h, j] = T.cast(acc[t, h * H + j] - T.cast(T.cast(acc[t, h * H + j], d), "float32"), d)
+                T.copy(Y3, GX[p0:p0 + BT, seg, 0:2, j0:j0 + H])
+                if out_pair:
+                    T.copy(YL3, GXL[p0:p0 + BT, seg, 0:2, j0:j0 + H])
+            T.copy(accp, P[sp, goff + g, 0, 0])
+
+    return boft_stream_runs
+
+
+def run_groups(s: int, nb: int, esize: int):
+    """(GC, NB) of the run kernels: the fewest blocks NB (a power of two dividing nb) whose
+    GC = NB·s channels are at least 32 with runs of GC/2 elements a multiple of 16 bytes (a
+    TMA box row; cp.async's 16-byte copies); None when no GC <= 64 qualifies."""
+    n = 1
+    while n <= nb and n * s <= 64:
+        if nb % n == 0 and n * s >= 32 and (n * s // 2) * esize % 16 == 0:
+            return n * s, n
+        n *= 2
+    return None
+
+
+def runs_smem(GC: int, BT: int, esize: int, stages: int, bwd: bool) -> int:
+    """Shared-memory bytes of the run kernels at their largest (lo halves present): the F
+    pair, ``stages`` copies of the loaded boxes, the GEMM operands and the output boxes."""
+    tile = BT * GC * esize
+    if bwd:
+        return 2 * GC * GC * esize + stages * 4 * tile + 4 * tile + 2 * tile
+    return 2 * GC * GC * esize + stages * 3 * tile + 2 * tile + 2 * tile
+
+
+def _runs_plan(x, cf, s, nb, arch, bt, bwd):
+    """(GC, NB) when this call takes the run kernels, else None: channels last, x 16-bit (the
+    CPU twins' exact fp32 GEMM too), a ``run_groups`` size, and a tile that fits."""
+    if not RUNS or cf or (x.dtype == torch.float32 and arch != CPU_ARCH):
+        return None
+    r = run_groups(s, nb, x.element_size())
+    if r is None or runs_smem(r[0], bt, x.element_size(), direct_stages(arch), bwd) > _RUNS_SMEM:
+        return None
+    return r
+
+
+def _run_view(t, s, i, GC):
+    """The (NP, C/2κ', 2, κ') view of a channels-last (NP, C) tensor at stage i."""
+    kp = max((s // 2) << i, GC // 2)
+    return t.view(t.shape[0], t.shape[1] // (2 * kp), 2, kp)
 
 
 def boft_groups(s: int, nb: int):
@@ -75,8 +285,12 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=None):
     arch = arch_of(x.device)
     bc = aligned(blocks.contiguous())
     rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
-    fh, fl = _cayley(bc, rs, m, nb, s, NB, GP, gps, False, cscale, scale, arch)
     p = launch_config(APPLY, cfg)
+    runs = _runs_plan(x, cf, s, nb, arch, p["BT"], False)
+    if runs is not None:
+        _fwd_runs(bc, rs, xv, y.view(xv.shape), m, nb, s, runs, cscale, scale, diff, p, arch)
+        return y
+    fh, fl = _cayley(bc, rs, m, nb, s, NB, GP, gps, False, cscale, scale, arch)
     nsplit, tps = tiling(cf, pre, post, p["BT"], gps, x.device)
     xd = tl_dtype(x.dtype)
     scratch = [torch.empty(xv.shape, device=x.device, dtype=torch.float32) for _ in range(min(m - 1, 2))]
@@ -89,6 +303,75 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=None):
         k(src, xv, fh, fl, dst, i * gps, (s // 2) << i, nsplit, tps)
         src = dst
     return y
+
+
+def _runs_cayley(bc, rs, m, nb, s, GC, NBr, trans, cscale, scale, cdt, arch):
+    """Every stage's (hi, lo) group matrices in the run basis (``_cayley`` with GP = GC)."""
+    gps = nb // NBr
+    return _oft_cayley(bc.view(m * nb, s, s), rs, cdt, s, NBr, GC, True, True, trans, cscale, scale,
+                       (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
+
+
+def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
+    """boft_fwd by the run kernels: one Cayley launch, then one launch per stage (stage 0 reads
+    x, stages between keep (hi, lo) pairs in two buffers in turn, the last stores y)."""
+    GC, NBr = runs
+    gps = nb // NBr
+    fh, fl = _runs_cayley(bc, rs, m, nb, s, GC, NBr, False, cscale, scale, xv.dtype, arch)
+    nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, xv.device)
+    pairs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(min(m - 1, 2))]
+    src = (xv, None)
+    for i in range(m):
+        last = i == m - 1
+        dst = (yv, None) if last else pairs[i % 2]
+        _launch_stage(src, xv, fh, fl, dst, i, s, GC, gps, p, arch, bool(diff) and last, nsplit, tps)
+        src = dst
+
+
+def _launch_stage(src, x0, fh, fl, dst, i, s, GC, gps, p, arch, diff, nsplit, tps):
+    """Stage i of the butterfly by ``stage_runs_kernel``; ``src`` / ``dst``: (hi, lo or None), (NP, C)."""
+    k = kernel(stage_runs_kernel, arch, tl_dtype(src[0].dtype), GC, p["BT"], p["threads"], direct_stages(arch),
+               src[1] is not None, dst[1] is not None, diff)
+    uh, ul = src[0], src[1] if src[1] is not None else src[0]
+    yh, yl = dst[0], dst[1] if dst[1] is not None else dst[0]
+    v = [_run_view(t, s, i, GC) for t in (uh, ul, x0, yh, yl)]
+    k(*v[:3], fh, fl, *v[3:], i * gps, nsplit, tps)
+
+
+def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arch):
+    """boft_bwd by the run kernels: the forward replay keeps the stage inputs as (hi, lo)
+    pairs, then per stage from the last one stream launch (gx as a pair, the last one in x's
+    dtype; partials in the run basis), then one chain launch."""
+    GC, NBr = runs
+    gps = nb // NBr
+    dev = xv.device
+    fh, fl = _runs_cayley(bc, None, m, nb, s, GC, NBr, False, cscale, scale, xv.dtype, arch)
+    nsplit_f, tps_f = tiling(False, xv.shape[0], 1, APPLY["BT"], gps, dev)
+    us = [(xv, None)]
+    for i in range(m - 1):
+        dst = tuple(torch.empty_like(xv) for _ in range(2))
+        _launch_stage(us[-1], xv, fh, fl, dst, i, s, GC, gps, APPLY, arch, False, nsplit_f, tps_f)
+        us.append(dst)
+    th, tl_ = _runs_cayley(bc, None, m, nb, s, GC, NBr, True, cscale, scale, xv.dtype, arch)
+    p = launch_config(STREAM, cfg)
+    nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)
+    part = torch.empty((nsplit, m * gps, GC, GC), device=dev, dtype=torch.float32)
+    gbuf = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(min(m - 1, 2))]
+    g = (gv, None)
+    for i in reversed(range(m)):
+        dst = (gxv, None) if i == 0 else gbuf[i % len(gbuf)]
+        u = us[i]
+        ks = kernel(stream_runs_kernel, arch, tl_dtype(xv.dtype), GC, p["BT"], p["threads"], direct_stages(arch),
+                    g[1] is not None, u[1] is not None, dst[1] is not None)
+        ops = [g[0], g[1] if g[1] is not None else g[0], u[0], u[1] if u[1] is not None else u[0],
+               dst[0], dst[1] if dst[1] is not None else dst[0]]
+        v = [_run_view(t, s, i, GC) for t in ops]
+        ks(*v[:4], th, tl_, *v[4:], part, i * gps, tps)
+        g = dst
+    bd = tl_dtype(g_blocks.dtype)
+    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GC, True, False, True)
+    kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
+       torch.empty((1,), device=dev, dtype=g_blocks.dtype), float(cscale), float(scale), gps)
 
 
 def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
@@ -108,6 +391,11 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
     bc = aligned(blocks.contiguous())
     ng = m * gps
     xd = tl_dtype(x.dtype)
+    runs = _runs_plan(x, cf, s, nb, arch, launch_config(STREAM, cfg)["BT"], True)
+    if runs is not None and grad.dtype == x.dtype and runs_smem(runs[0], APPLY["BT"], x.element_size(),
+                                                               direct_stages(arch), False) <= _RUNS_SMEM:
+        _bwd_runs(bc, gv, xv, gx.view(xv.shape), g_blocks, m, nb, s, runs, cscale, scale, cfg, arch)
+        return gx, g_blocks
     # forward replay: stage inputs u^0 = x, u^1 … u^{m-1} (fp32)
     fh, fl = _cayley(bc, None, m, nb, s, NB, GP, gps, False, cscale, scale, arch)
     nsplit_f, tps_f = tiling(cf, pre, post, APPLY["BT"], gps, dev)
@@ -132,7 +420,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
         g = dst
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(blocks.dtype), s, NB, GP, True, False)
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
-       torch.empty((1,), device=dev, dtype=blocks.dtype), float(cscale), float(scale))
+       torch.empty((1,), device=dev, dtype=blocks.dtype), float(cscale), float(scale), 1)
     return gx, g_blocks
 
 
@@ -146,4 +434,11 @@ def compile_specs(dtype: torch.dtype):
         (apply_kernel, (_F32, d, d, _F32, 32, 32, _BT_FWD, True, True, True)),
         (bwd_stream_kernel, (d, d, d, _F32, 32, 32, _BT_BWD, False, True)),
         (chain_kernel, (d, d, 4, 8, 32, True, False)),
-    ]
+        (cayley_kernel, (d, d, d, 8, 4, 32, True, True, True, False, True)),
+        (chain_kernel, (d, d, 8, 4, 32, True, False, True)),
+    ] + ([] if dtype == torch.float32 else [  # the run kernels: 16-bit streams only on a GPU
+        (stage_runs_kernel, (d, 32, _BT_FWD, _THREADS, 1, False, True, False)),
+        (stage_runs_kernel, (d, 48, _BT_FWD, _THREADS, 1, True, False, True)),
+        (stream_runs_kernel, (d, 32, _BT_BWD, _THREADS, 1, True, True, True)),
+        (stream_runs_kernel, (d, 32, _BT_BWD, _THREADS, 1, False, False, False)),
+    ])

@@ -73,10 +73,11 @@ _BT_BWD = 64
 #: on sm_90a (TMA); 1 elsewhere (``direct_stages``)
 _DIRECT_STAGES = 2
 #: per layout, whether the direct kernels store their output tile through shared memory (whole
-#: rows, TMA on sm_90a) instead of from the GEMM fragment. Channels last: 2.4x faster forward,
-#: 1.5x backward on the H200 at 32768 x 4096 bf16, the same bits (bench/tilelang_oft_variants.py,
-#: bench/RESULTS.md 2026-12-02 00:00-00:15); channels first: not timed yet, so off
-DIRECT_STAGE_OUT = {"cl": True, "cf": False}
+#: rows, TMA on sm_90a) instead of from the GEMM fragment, the same bits either way. On the H200,
+#: bf16 (bench/tilelang_oft_variants.py; bench/RESULTS.md 2026-12-02 00:00-00:15 and 01:34-01:41):
+#: channels last (32768 x 4096 activations) 2.4x faster forward, 1.5x backward; channels first
+#: (a 4096 x 4096 weight) 2.8x forward, 1.9x backward
+DIRECT_STAGE_OUT = {"cl": True, "cf": True}
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
@@ -111,6 +112,16 @@ def _perm(pos, kappa, has_perm):
         return pos
     two = 2 * kappa
     return (pos // two) * two + (pos % 2) * kappa + (pos % two) // 2
+
+
+def _run_slot(T, pos, kappa, half):
+    """BOFT's run basis (``boft.py``: the stage kernels read a group as two runs of ``half``
+    channels): the slot of stage position ``pos`` (κ = ``kappa``) in its group's tile. Channel
+    c = π(pos) in the view (·, C/2κ', 2, κ') with κ' = max(κ, half): slot = h·half + (j mod
+    half), h = ⌊(c mod 2κ')/κ'⌋, j = c mod κ' (a group is one 2κ' segment's two runs)."""
+    c = _perm(pos, kappa, True)
+    kp = T.if_then_else(kappa > half, kappa, half)
+    return ((c % (2 * kp)) // kp) * half + (c % kp) % half
 
 
 def _direct_layout(T, cf, BT, GP):
@@ -232,13 +243,15 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
 # --------------------------------------------------------------------------- kernels
 
 def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool,
-                  has_perm: bool, trans: bool, cpu: bool = False):
+                  has_perm: bool, trans: bool, runs: bool = False, cpu: bool = False):
     """Group matrices F (trans: Fᵀ) as a (hi, lo) pair in cdt, (NG, GP, GP) each.
 
     OFT (boft=False): F = diag(ρ)·Rᵀ − fcoef·I (fcoef = shift). BOFT: F = fcoef·R +
     (1 − fcoef)·I (fcoef = scale), rows scaled by ρ[π(pos)] for groups g >= g_rs
     (the last stage; π with ``kappa`` when has_perm). OFT uses g_rs = 0 and
     pos = g·GC + i. Blocks B (KB, S, S); group g holds blocks g·NB … g·NB + NB − 1.
+    ``runs`` (BOFT, GC = GP): rows and columns stored in the run basis of the group's
+    stage (``_run_slot``: stage g // gps, κ = S/2·2^stage) instead of stage positions.
     """
     import tilelang.language as T
 
@@ -252,7 +265,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     @T.prim_func
     def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
                FL: T.Tensor((NG, GP, GP), cdt), cscale: T.float32, fcoef: T.float32, g_rs: T.int32,
-               kappa: T.int32):
+               kappa: T.int32, gps: T.int32):
         with T.Kernel(NG, threads=threads) as g:
             A = alloc_s((GP, GP), "float32")
             Mi = alloc_s((GP, GP), "float32")
@@ -260,7 +273,11 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
             ri = alloc_s((GP,), "float32")
             ca = alloc_s((GP,), "float32")
             rho = alloc_s((GP,), "float32")
+            slot = alloc_s((GP if runs else 1,), "int32")
             build_system(B, A, Mi, g, cscale, KB)
+            if runs:  # the run-basis slot of each group position (an index table: simpler lowering)
+                for i in par(GP):
+                    slot[i] = _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2)
             for i in par(GP):
                 rho[i] = 1.0
                 if has_rescale:
@@ -275,7 +292,15 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
                     f = rho[i] * (2.0 * Mi[j, i] - T.if_then_else(i == j, 1.0, 0.0)) \
                         - fcoef * T.if_then_else(i == j, 1.0, 0.0)
                 fv = T.if_then_else(i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, f, 0.0)
-                if trans:
+                if runs:
+                    si, sj = slot[i], slot[j]
+                    if trans:
+                        FH[g, sj, si] = _hi_lo(T, fv, cdt)[0]
+                        FL[g, sj, si] = _hi_lo(T, fv, cdt)[1]
+                    else:
+                        FH[g, si, sj] = _hi_lo(T, fv, cdt)[0]
+                        FL[g, si, sj] = _hi_lo(T, fv, cdt)[1]
+                elif trans:
                     FH[g, j, i] = _hi_lo(T, fv, cdt)[0]
                     FL[g, j, i] = _hi_lo(T, fv, cdt)[1]
                 else:
@@ -527,8 +552,10 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
     return oft_stream_direct
 
 
-def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool, cpu: bool = False):
-    """Cayley-chain backward per group from the fp32 partials P (NS, NG, GP, GP).
+def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool, runs: bool = False,
+                 cpu: bool = False):
+    """Cayley-chain backward per group from the fp32 partials P (NS, NG, GP, GP) (``runs``:
+    BOFT's partials in the run basis of the group's stage, ``_run_slot``; stage g // gps).
 
     OFT: g_rescale[g·GC + i] = Σ_j P[i,j]·R[j,i] (has_rescale), gR = (diag(ρ)·P)ᵀ;
     BOFT: gR = fcoef·P (fcoef = scale). Then gQ = 2·Mᵀ·gR·Mᵀ and
@@ -546,7 +573,8 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
-                  GB: T.Tensor((KB, S, S), bd), GR: T.Tensor((NGR,), bd), cscale: T.float32, fcoef: T.float32):
+                  GB: T.Tensor((KB, S, S), bd), GR: T.Tensor((NGR,), bd), cscale: T.float32, fcoef: T.float32,
+                  gps: T.int32):
         with T.Kernel(NG, threads=threads) as g:
             A = alloc_s((GP, GP), "float32")
             Mi = alloc_s((GP, GP), "float32")
@@ -559,6 +587,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
             T1 = alloc_s((GP, GP), "float32")
             acc = alloc_f((GP, GP), "float32")
             accr = alloc_f((GP,), "float32")
+            slot = alloc_s((GP if runs else 1,), "int32")
             build_system(B, A, Mi, g, cscale, KB)
             for i in par(GP):
                 rho[i] = 1.0
@@ -566,9 +595,15 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
                     if i < GC and g * NB + i // S < KB:
                         rho[i] = T.cast(RS[g * GC + i], "float32")
             T.clear(acc)
+            if runs:  # the run-basis slot of each group position (an index table: simpler lowering)
+                for i in par(GP):
+                    slot[i] = _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2)
             for s in T.serial(NS):
                 for i, j in par(GP, GP):
-                    acc[i, j] += P[s, g, i, j]
+                    if runs:
+                        acc[i, j] += P[s, g, slot[i], slot[j]]
+                    else:
+                        acc[i, j] += P[s, g, i, j]
             for i, j in par(GP, GP):
                 Ps[i, j] = T.if_then_else(
                     i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
@@ -660,14 +695,15 @@ def tiling(cf: bool, pre: int, post: int, bt: int, groups: int, device) -> tuple
     return cdiv(n_tiles, tps), tps
 
 
-def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_rs, kappa, ng, arch):
-    """The (hi, lo) group matrices of ``blocks`` (contiguous), rescale ``rs`` (flat, or None)."""
+def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_rs, kappa, ng, arch, gps=0):
+    """The (hi, lo) group matrices of ``blocks`` (contiguous), rescale ``rs`` (flat, or None);
+    ``gps`` > 0: BOFT's run basis with gps groups per stage (``cayley_kernel``'s ``runs``)."""
     fh = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
     fl = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
     rsv = blocks.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
     k = kernel(cayley_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), tl_dtype(cdt), S, NB, GP, boft,
-               rs is not None, has_perm, trans)
-    k(blocks.view(-1, S, S), rsv, fh, fl, float(cscale), float(fcoef), int(g_rs), int(kappa))
+               rs is not None, has_perm, trans, gps > 0)
+    k(blocks.view(-1, S, S), rsv, fh, fl, float(cscale), float(fcoef), int(g_rs), int(kappa), max(int(gps), 1))
     return fh, fl
 
 
@@ -769,7 +805,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None)
     gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
-    kc(part, bc, rsv, g_blocks, gr, float(cscale), 1.0)
+    kc(part, bc, rsv, g_blocks, gr, float(cscale), 1.0, 1)
     return gx, g_blocks, g_rescale
 
 
