@@ -83,12 +83,12 @@ def test_boft(m, nb, s, shape, axis, has_rs, diff, dtype):
 
 
 def test_run_groups():
-    assert boft.run_groups(32, 128, 2) == (32, 1)   # the bench's 4096 channels: runs of 16
-    assert boft.run_groups(24, 128, 2) == (48, 2)   # 3072 channels: 24-channel runs (48 bytes)
-    assert boft.run_groups(8, 16, 4) == (32, 4)
-    assert boft.run_groups(4, 4, 2) is None         # at most 16 channels a group
-    assert boft.run_groups(40, 4, 2) is None        # 20-element runs are 40 bytes; 80 channels is too many
-    assert boft.run_groups(6, 16, 2) == (48, 8)
+    assert boft.run_groups(32, 128, 2) == (32, 1, 32)  # the bench's 4096 channels: runs of 16
+    assert boft.run_groups(24, 128, 2) == (48, 2, 64)  # 3072 channels: 24-channel runs, GEMMs at 64
+    assert boft.run_groups(8, 16, 4) == (32, 4, 32)
+    assert boft.run_groups(4, 4, 2) is None            # at most 16 channels a group
+    assert boft.run_groups(40, 4, 2) is None           # 20-element runs are 40 bytes; 80 channels is too many
+    assert boft.run_groups(6, 16, 2) == (48, 8, 64)
 
 
 # (m, nb, s, x shape, with rescale, diff): channels last, shapes the run kernels take. Stage i's

@@ -66,12 +66,13 @@ _RUNS_SMEM = 227 * 1024
 # an fp32 scratch), and each GEMM is split in three: U_hi·F_hi + U_hi·F_lo + U_lo·F_hi.
 
 
-def stage_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages: int = 1, has_lo: bool = True,
-                      out_pair: bool = True, diff: bool = False, cpu: bool = False):
+def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREADS, stages: int = 1,
+                      has_lo: bool = True, out_pair: bool = True, diff: bool = False, cpu: bool = False):
     """One BOFT stage on the run views (see above), channels last: ``y = u·Fᵀ`` per group
-    (F pair [goff + g] in the run basis), u = U (+ UL when ``has_lo``), stored as a (hi, lo)
-    pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a view
-    (NP, C/2κ', 2, κ') of dtype d; program (g, split) walks tiles split·tps … split·tps + tps − 1."""
+    (F pair [goff + g] in the run basis, GP x GP: the group's GC channels, zero-padded to GP,
+    a width every warp partition of T.gemm covers), u = U (+ UL when ``has_lo``), stored as a
+    (hi, lo) pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a
+    view (NP, C/2κ', 2, κ') of dtype d; program (g, split) walks tiles split·tps … split·tps + tps − 1."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
@@ -85,17 +86,17 @@ def stage_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages
 
     @T.prim_func
     def boft_stage_runs(U: T.Tensor(vshape, d), UL: T.Tensor(vshape, d), X0: T.Tensor(vshape, d),
-                        FH: T.Tensor((NG, GC, GC), d), FL: T.Tensor((NG, GC, GC), d), Y: T.Tensor(vshape, d),
+                        FH: T.Tensor((NG, GP, GP), d), FL: T.Tensor((NG, GP, GP), d), Y: T.Tensor(vshape, d),
                         YL: T.Tensor(vshape, d), goff: T.int32, nsplit: T.int32, tps: T.int32):
         with T.Kernel(NSEG * KP * 2 // GC, nsplit, threads=threads) as (g, sp):
-            Fh = alloc_s((GC, GC), d)
-            Fl = alloc_s((GC, GC), d)
+            Fh = alloc_s((GP, GP), d)
+            Fl = alloc_s((GP, GP), d)
             U3 = alloc_s((BT, 2, H), d)
             UL3 = alloc_s((BT, 2, H) if has_lo else one, d)
             X3 = alloc_s((BT, 2, H) if diff else one, d)
-            Uh = alloc_s((BT, GC), d)
-            Ul = alloc_s((BT, GC) if has_lo else (1, 1), d)
-            acc = alloc_f((BT, GC), "float32")
+            Uh = alloc_s((BT, GP), d)
+            Ul = alloc_s((BT, GP) if has_lo else (1, 1), d)
+            acc = alloc_f((BT, GP), "float32")
             Y3 = alloc_s((BT, 2, H), d)
             YL3 = alloc_s((BT, 2, H) if out_pair else one, d)
             seg = T.alloc_var("int32", init=(g * GC) // (2 * KP))
@@ -109,23 +110,24 @@ def stage_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages
                     T.copy(UL[p0:p0 + BT, seg, 0:2, j0:j0 + H], UL3)
                 if diff:
                     T.copy(X0[p0:p0 + BT, seg, 0:2, j0:j0 + H], X3)
-                for t, l in par(BT, GC):  # the box's (2, H) rows -> the GEMM's (GC,) row
-                    Uh[t, l] = U3[t, l // H, l % H]
+                for t, l in par(BT, GP):  # the box's (2, H) rows -> the GEMM's row (zeros past GC)
+                    Uh[t, l] = T.if_then_else(l < GC, U3[t, l // H, l % H], T.cast(0, d))
                     if has_lo:
-                        Ul[t, l] = UL3[t, l // H, l % H]
+                        Ul[t, l] = T.if_then_else(l < GC, UL3[t, l // H, l % H], T.cast(0, d))
                 T.clear(acc)
                 T.gemm(Uh, Fh, acc, transpose_B=True)
                 T.gemm(Uh, Fl, acc, transpose_B=True)
                 if has_lo:
                     T.gemm(Ul, Fh, acc, transpose_B=True)
-                for t, h, j in par(BT, 2, H):
-                    if diff:
-                        v = acc[t, h * H + j] - T.cast(X3[t, h, j], "float32")
-                    else:
-                        v = acc[t, h * H + j]
-                    Y3[t, h, j] = T.cast(v, d)
-                    if out_pair:
-                        YL3[t, h, j] = T.cast(v - T.cast(T.cast(v, d), "float32"), d)
+                for t, l in par(BT, GP):  # over the fragment's own shape: its layout needs no split
+                    if l < GC:
+                        if diff:
+                            v = acc[t, l] - T.cast(X3[t, l // H, l % H], "float32")
+                        else:
+                            v = acc[t, l]
+                        Y3[t, l // H, l % H] = T.cast(v, d)
+                        if out_pair:
+                            YL3[t, l // H, l % H] = T.cast(v - T.cast(T.cast(v, d), "float32"), d)
                 T.copy(Y3, Y[p0:p0 + BT, seg, 0:2, j0:j0 + H])
                 if out_pair:
                     T.copy(YL3, YL[p0:p0 + BT, seg, 0:2, j0:j0 + H])
@@ -133,10 +135,10 @@ def stage_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages
     return boft_stage_runs
 
 
-def stream_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages: int = 1, g_lo: bool = True,
-                       u_lo: bool = True, out_pair: bool = True, cpu: bool = False):
+def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREADS, stages: int = 1,
+                       g_lo: bool = True, u_lo: bool = True, out_pair: bool = True, cpu: bool = False):
     """The backward of one BOFT stage on the run views: ``gx = g·F`` (from the Fᵀ pair
-    [goff + g], run basis) stored as a pair GX, GXL (``out_pair``) or once in GX, and the fp32
+    [goff + g], run basis, GP x GP as ``stage_runs_kernel``) stored as a pair GX, GXL (``out_pair``) or once in GX, and the fp32
     partials ``P[split, goff + g] = Σ_t gᵀ·u`` over the program's positions (run basis), from
     g = G (+ GL when ``g_lo``) and the stage input u = U (+ UL when ``u_lo``). Positions past
     the end load as zeros (the copies' predicate) and add nothing to P."""
@@ -153,22 +155,22 @@ def stream_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
 
     @T.prim_func
     def boft_stream_runs(G: T.Tensor(vshape, d), GL: T.Tensor(vshape, d), U: T.Tensor(vshape, d),
-                         UL: T.Tensor(vshape, d), FH: T.Tensor((NG, GC, GC), d), FL: T.Tensor((NG, GC, GC), d),
-                         GX: T.Tensor(vshape, d), GXL: T.Tensor(vshape, d), P: T.Tensor((NS, NGP, GC, GC), _F32),
+                         UL: T.Tensor(vshape, d), FH: T.Tensor((NG, GP, GP), d), FL: T.Tensor((NG, GP, GP), d),
+                         GX: T.Tensor(vshape, d), GXL: T.Tensor(vshape, d), P: T.Tensor((NS, NGP, GP, GP), _F32),
                          goff: T.int32, tps: T.int32):
         with T.Kernel(NSEG * KP * 2 // GC, NS, threads=threads) as (g, sp):
-            Fh = alloc_s((GC, GC), d)
-            Fl = alloc_s((GC, GC), d)
+            Fh = alloc_s((GP, GP), d)
+            Fl = alloc_s((GP, GP), d)
             G3 = alloc_s((BT, 2, H), d)
             GL3 = alloc_s((BT, 2, H) if g_lo else one, d)
             U3 = alloc_s((BT, 2, H), d)
             UL3 = alloc_s((BT, 2, H) if u_lo else one, d)
-            Gh = alloc_s((BT, GC), d)
-            Gl = alloc_s((BT, GC) if g_lo else (1, 1), d)
-            Uh = alloc_s((BT, GC), d)
-            Ul = alloc_s((BT, GC) if u_lo else (1, 1), d)
-            acc = alloc_f((BT, GC), "float32")
-            accp = alloc_f((GC, GC), "float32")
+            Gh = alloc_s((BT, GP), d)
+            Gl = alloc_s((BT, GP) if g_lo else (1, 1), d)
+            Uh = alloc_s((BT, GP), d)
+            Ul = alloc_s((BT, GP) if u_lo else (1, 1), d)
+            acc = alloc_f((BT, GP), "float32")
+            accp = alloc_f((GP, GP), "float32")
             Y3 = alloc_s((BT, 2, H), d)
             YL3 = alloc_s((BT, 2, H) if out_pair else one, d)
             seg = T.alloc_var("int32", init=(g * GC) // (2 * KP))
@@ -184,13 +186,13 @@ def stream_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
                 T.copy(U[p0:p0 + BT, seg, 0:2, j0:j0 + H], U3)
                 if u_lo:
                     T.copy(UL[p0:p0 + BT, seg, 0:2, j0:j0 + H], UL3)
-                for t, l in par(BT, GC):
-                    Gh[t, l] = G3[t, l // H, l % H]
-                    Uh[t, l] = U3[t, l // H, l % H]
+                for t, l in par(BT, GP):  # zeros past GC
+                    Gh[t, l] = T.if_then_else(l < GC, G3[t, l // H, l % H], T.cast(0, d))
+                    Uh[t, l] = T.if_then_else(l < GC, U3[t, l // H, l % H], T.cast(0, d))
                     if g_lo:
-                        Gl[t, l] = GL3[t, l // H, l % H]
+                        Gl[t, l] = T.if_then_else(l < GC, GL3[t, l // H, l % H], T.cast(0, d))
                     if u_lo:
-                        Ul[t, l] = UL3[t, l // H, l % H]
+                        Ul[t, l] = T.if_then_else(l < GC, UL3[t, l // H, l % H], T.cast(0, d))
                 T.clear(acc)
                 T.gemm(Gh, Fh, acc, transpose_B=True)
                 T.gemm(Gh, Fl, acc, transpose_B=True)
@@ -200,10 +202,11 @@ def stream_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
                     T.gemm(Gl, Uh, accp, transpose_A=True)
                 if u_lo:
                     T.gemm(Gh, Ul, accp, transpose_A=True)
-                for t, h, j in par(BT, 2, H):
-                    Y3[t, h, j] = T.cast(acc[t, h * H + j], d)
-                    if out_pair:
-                        YL3[t, h, j] = T.cast(acc[t, h * H + j] - T.cast(T.cast(acc[t, h * H + j], d), "float32"), d)
+                for t, l in par(BT, GP):  # over the fragment's own shape: its layout needs no split
+                    if l < GC:
+                        Y3[t, l // H, l % H] = T.cast(acc[t, l], d)
+                        if out_pair:
+                            YL3[t, l // H, l % H] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
                 T.copy(Y3, GX[p0:p0 + BT, seg, 0:2, j0:j0 + H])
                 if out_pair:
                     T.copy(YL3, GXL[p0:p0 + BT, seg, 0:2, j0:j0 + H])
@@ -213,33 +216,35 @@ def stream_runs_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
 
 
 def run_groups(s: int, nb: int, esize: int):
-    """(GC, NB) of the run kernels: the fewest blocks NB (a power of two dividing nb) whose
+    """(GC, NB, GP) of the run kernels: the fewest blocks NB (a power of two dividing nb) whose
     GC = NB·s channels are at least 32 with runs of GC/2 elements a multiple of 16 bytes (a
-    TMA box row; cp.async's 16-byte copies); None when no GC <= 64 qualifies."""
+    TMA box row; cp.async's 16-byte copies), and GP the power of two >= GC the GEMMs run at
+    (T.gemm has no warp partition of 4 or 8 warps for a 48 x 48 tile); None when no GC <= 64
+    qualifies."""
     n = 1
     while n <= nb and n * s <= 64:
         if nb % n == 0 and n * s >= 32 and (n * s // 2) * esize % 16 == 0:
-            return n * s, n
+            return n * s, n, 32 if n * s <= 32 else 64
         n *= 2
     return None
 
 
-def runs_smem(GC: int, BT: int, esize: int, stages: int, bwd: bool) -> int:
+def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool) -> int:
     """Shared-memory bytes of the run kernels at their largest (lo halves present): the F
     pair, ``stages`` copies of the loaded boxes, the GEMM operands and the output boxes."""
-    tile = BT * GC * esize
+    box, op = BT * GC * esize, BT * GP * esize
     if bwd:
-        return 2 * GC * GC * esize + stages * 4 * tile + 4 * tile + 2 * tile
-    return 2 * GC * GC * esize + stages * 3 * tile + 2 * tile + 2 * tile
+        return 2 * GP * GP * esize + stages * 4 * box + 4 * op + 2 * box
+    return 2 * GP * GP * esize + stages * 3 * box + 2 * op + 2 * box
 
 
 def _runs_plan(x, cf, s, nb, arch, bt, bwd):
-    """(GC, NB) when this call takes the run kernels, else None: channels last, x 16-bit (the
-    CPU twins' exact fp32 GEMM too), a ``run_groups`` size, and a tile that fits."""
+    """(GC, NB, GP) when this call takes the run kernels, else None: channels last, x 16-bit
+    (the CPU twins' exact fp32 GEMM too), a ``run_groups`` size, and a tile that fits."""
     if not RUNS or cf or (x.dtype == torch.float32 and arch != CPU_ARCH):
         return None
     r = run_groups(s, nb, x.element_size())
-    if r is None or runs_smem(r[0], bt, x.element_size(), direct_stages(arch), bwd) > _RUNS_SMEM:
+    if r is None or runs_smem(r[0], r[2], bt, x.element_size(), direct_stages(arch), bwd) > _RUNS_SMEM:
         return None
     return r
 
@@ -305,32 +310,33 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=None):
     return y
 
 
-def _runs_cayley(bc, rs, m, nb, s, GC, NBr, trans, cscale, scale, cdt, arch):
-    """Every stage's (hi, lo) group matrices in the run basis (``_cayley`` with GP = GC)."""
+def _runs_cayley(bc, rs, m, nb, s, runs, trans, cscale, scale, cdt, arch):
+    """Every stage's (hi, lo) group matrices in the run basis, (m·gps, GP, GP)."""
+    GC, NBr, GP = runs
     gps = nb // NBr
-    return _oft_cayley(bc.view(m * nb, s, s), rs, cdt, s, NBr, GC, True, True, trans, cscale, scale,
+    return _oft_cayley(bc.view(m * nb, s, s), rs, cdt, s, NBr, GP, True, True, trans, cscale, scale,
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
 
 
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     """boft_fwd by the run kernels: one Cayley launch, then one launch per stage (stage 0 reads
     x, stages between keep (hi, lo) pairs in two buffers in turn, the last stores y)."""
-    GC, NBr = runs
-    gps = nb // NBr
-    fh, fl = _runs_cayley(bc, rs, m, nb, s, GC, NBr, False, cscale, scale, xv.dtype, arch)
+    gps = nb // runs[1]
+    fh, fl = _runs_cayley(bc, rs, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, xv.device)
     pairs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(min(m - 1, 2))]
     src = (xv, None)
     for i in range(m):
         last = i == m - 1
         dst = (yv, None) if last else pairs[i % 2]
-        _launch_stage(src, xv, fh, fl, dst, i, s, GC, gps, p, arch, bool(diff) and last, nsplit, tps)
+        _launch_stage(src, xv, fh, fl, dst, i, s, runs, gps, p, arch, bool(diff) and last, nsplit, tps)
         src = dst
 
 
-def _launch_stage(src, x0, fh, fl, dst, i, s, GC, gps, p, arch, diff, nsplit, tps):
+def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff, nsplit, tps):
     """Stage i of the butterfly by ``stage_runs_kernel``; ``src`` / ``dst``: (hi, lo or None), (NP, C)."""
-    k = kernel(stage_runs_kernel, arch, tl_dtype(src[0].dtype), GC, p["BT"], p["threads"], direct_stages(arch),
+    GC, _, GP = runs
+    k = kernel(stage_runs_kernel, arch, tl_dtype(src[0].dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
                src[1] is not None, dst[1] is not None, diff)
     uh, ul = src[0], src[1] if src[1] is not None else src[0]
     yh, yl = dst[0], dst[1] if dst[1] is not None else dst[0]
@@ -342,26 +348,26 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     """boft_bwd by the run kernels: the forward replay keeps the stage inputs as (hi, lo)
     pairs, then per stage from the last one stream launch (gx as a pair, the last one in x's
     dtype; partials in the run basis), then one chain launch."""
-    GC, NBr = runs
+    GC, NBr, GP = runs
     gps = nb // NBr
     dev = xv.device
-    fh, fl = _runs_cayley(bc, None, m, nb, s, GC, NBr, False, cscale, scale, xv.dtype, arch)
+    fh, fl = _runs_cayley(bc, None, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     nsplit_f, tps_f = tiling(False, xv.shape[0], 1, APPLY["BT"], gps, dev)
     us = [(xv, None)]
     for i in range(m - 1):
         dst = tuple(torch.empty_like(xv) for _ in range(2))
-        _launch_stage(us[-1], xv, fh, fl, dst, i, s, GC, gps, APPLY, arch, False, nsplit_f, tps_f)
+        _launch_stage(us[-1], xv, fh, fl, dst, i, s, runs, gps, APPLY, arch, False, nsplit_f, tps_f)
         us.append(dst)
-    th, tl_ = _runs_cayley(bc, None, m, nb, s, GC, NBr, True, cscale, scale, xv.dtype, arch)
+    th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, True, cscale, scale, xv.dtype, arch)
     p = launch_config(STREAM, cfg)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)
-    part = torch.empty((nsplit, m * gps, GC, GC), device=dev, dtype=torch.float32)
+    part = torch.empty((nsplit, m * gps, GP, GP), device=dev, dtype=torch.float32)
     gbuf = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(min(m - 1, 2))]
     g = (gv, None)
     for i in reversed(range(m)):
         dst = (gxv, None) if i == 0 else gbuf[i % len(gbuf)]
         u = us[i]
-        ks = kernel(stream_runs_kernel, arch, tl_dtype(xv.dtype), GC, p["BT"], p["threads"], direct_stages(arch),
+        ks = kernel(stream_runs_kernel, arch, tl_dtype(xv.dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
                     g[1] is not None, u[1] is not None, dst[1] is not None)
         ops = [g[0], g[1] if g[1] is not None else g[0], u[0], u[1] if u[1] is not None else u[0],
                dst[0], dst[1] if dst[1] is not None else dst[0]]
@@ -369,7 +375,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         ks(*v[:4], th, tl_, *v[4:], part, i * gps, tps)
         g = dst
     bd = tl_dtype(g_blocks.dtype)
-    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GC, True, False, True)
+    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True)
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=g_blocks.dtype), float(cscale), float(scale), gps)
 
@@ -392,7 +398,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
     ng = m * gps
     xd = tl_dtype(x.dtype)
     runs = _runs_plan(x, cf, s, nb, arch, launch_config(STREAM, cfg)["BT"], True)
-    if runs is not None and grad.dtype == x.dtype and runs_smem(runs[0], APPLY["BT"], x.element_size(),
+    if runs is not None and grad.dtype == x.dtype and runs_smem(runs[0], runs[2], APPLY["BT"], x.element_size(),
                                                                direct_stages(arch), False) <= _RUNS_SMEM:
         _bwd_runs(bc, gv, xv, gx.view(xv.shape), g_blocks, m, nb, s, runs, cscale, scale, cfg, arch)
         return gx, g_blocks
@@ -437,8 +443,8 @@ def compile_specs(dtype: torch.dtype):
         (cayley_kernel, (d, d, d, 8, 4, 32, True, True, True, False, True)),
         (chain_kernel, (d, d, 8, 4, 32, True, False, True)),
     ] + ([] if dtype == torch.float32 else [  # the run kernels: 16-bit streams only on a GPU
-        (stage_runs_kernel, (d, 32, _BT_FWD, _THREADS, 1, False, True, False)),
-        (stage_runs_kernel, (d, 48, _BT_FWD, _THREADS, 1, True, False, True)),
-        (stream_runs_kernel, (d, 32, _BT_BWD, _THREADS, 1, True, True, True)),
-        (stream_runs_kernel, (d, 32, _BT_BWD, _THREADS, 1, False, False, False)),
+        (stage_runs_kernel, (d, 32, 32, _BT_FWD, _THREADS, 1, False, True, False)),
+        (stage_runs_kernel, (d, 48, 64, _BT_FWD, _THREADS, 1, True, False, True)),
+        (stream_runs_kernel, (d, 32, 32, _BT_BWD, _THREADS, 1, True, True, True)),
+        (stream_runs_kernel, (d, 48, 64, _BT_BWD, _THREADS, 1, False, False, False)),
     ])

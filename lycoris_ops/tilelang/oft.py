@@ -250,8 +250,9 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     (1 − fcoef)·I (fcoef = scale), rows scaled by ρ[π(pos)] for groups g >= g_rs
     (the last stage; π with ``kappa`` when has_perm). OFT uses g_rs = 0 and
     pos = g·GC + i. Blocks B (KB, S, S); group g holds blocks g·NB … g·NB + NB − 1.
-    ``runs`` (BOFT, GC = GP): rows and columns stored in the run basis of the group's
-    stage (``_run_slot``: stage g // gps, κ = S/2·2^stage) instead of stage positions.
+    ``runs`` (BOFT): rows and columns stored in the run basis of the group's stage
+    (``_run_slot``: stage g // gps, κ = S/2·2^stage) instead of stage positions; the
+    padding slots GC … GP − 1 stay where they are (zeros).
     """
     import tilelang.language as T
 
@@ -275,9 +276,9 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
             rho = alloc_s((GP,), "float32")
             slot = alloc_s((GP if runs else 1,), "int32")
             build_system(B, A, Mi, g, cscale, KB)
-            if runs:  # the run-basis slot of each group position (an index table: simpler lowering)
+            if runs:  # the run-basis slot of each group position (an index table: simpler lowering); padding: itself
                 for i in par(GP):
-                    slot[i] = _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2)
+                    slot[i] = T.if_then_else(i < GC, _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2), i)
             for i in par(GP):
                 rho[i] = 1.0
                 if has_rescale:
@@ -595,9 +596,9 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
                     if i < GC and g * NB + i // S < KB:
                         rho[i] = T.cast(RS[g * GC + i], "float32")
             T.clear(acc)
-            if runs:  # the run-basis slot of each group position (an index table: simpler lowering)
+            if runs:  # the run-basis slot of each group position (an index table: simpler lowering); padding: itself
                 for i in par(GP):
-                    slot[i] = _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2)
+                    slot[i] = T.if_then_else(i < GC, _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2), i)
             for s in T.serial(NS):
                 for i, j in par(GP, GP):
                     if runs:
