@@ -293,20 +293,11 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
                     f = rho[i] * (2.0 * Mi[j, i] - T.if_then_else(i == j, 1.0, 0.0)) \
                         - fcoef * T.if_then_else(i == j, 1.0, 0.0)
                 fv = T.if_then_else(i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, f, 0.0)
-                if runs:
-                    si, sj = slot[i], slot[j]
-                    if trans:
-                        FH[g, sj, si] = _hi_lo(T, fv, cdt)[0]
-                        FL[g, sj, si] = _hi_lo(T, fv, cdt)[1]
-                    else:
-                        FH[g, si, sj] = _hi_lo(T, fv, cdt)[0]
-                        FL[g, si, sj] = _hi_lo(T, fv, cdt)[1]
-                elif trans:
-                    FH[g, j, i] = _hi_lo(T, fv, cdt)[0]
-                    FL[g, j, i] = _hi_lo(T, fv, cdt)[1]
-                else:
-                    FH[g, i, j] = _hi_lo(T, fv, cdt)[0]
-                    FL[g, i, j] = _hi_lo(T, fv, cdt)[1]
+                r, c = (slot[i], slot[j]) if runs else (i, j)
+                if trans:
+                    r, c = c, r
+                FH[g, r, c] = _hi_lo(T, fv, cdt)[0]
+                FL[g, r, c] = _hi_lo(T, fv, cdt)[1]
 
     return cayley
 
