@@ -197,9 +197,12 @@ def _geom(blocks, x, axis):
 
 # =============================================================================== TileLang models
 
-#: ``tilelang/boft.py`` runs diag-OFT's streaming kernels once per stage (fp32 GEMMs): its
-#: spaces and legality are plans/oft.py's (TL_APPLY for boft_fwd, TL_STREAM for boft_bwd's
-#: stream launches; the backward's forward replay keeps the fixed apply config)
+#: ``tilelang/boft.py`` runs one kernel per stage: its run kernels (channels last, 16-bit x)
+#: or diag-OFT's gather kernels (fp32 GEMMs) otherwise. The spaces and legality are
+#: plans/oft.py's for the gather kernels (TL_APPLY for boft_fwd, TL_STREAM for boft_bwd's
+#: stream launches; the backward's forward replay keeps the fixed apply config), the larger of
+#: the two footprints; a config whose run kernel would not fit takes the gather kernels
+#: (``tilelang.boft.runs_smem``)
 
 
 def _tl_boft():
