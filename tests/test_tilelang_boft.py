@@ -91,6 +91,18 @@ def test_run_groups():
     assert boft.run_groups(6, 16, 2) == (48, 8, 64)
 
 
+def test_runs_plan():
+    """Which calls take the run kernels: channels last, 16-bit x on a GPU (fp32 there would
+    mean TF32 GEMMs; the CPU twins' fp32 GEMMs are exact), and a tile that fits in shared memory."""
+    x = torch.empty(64, 4096, dtype=torch.bfloat16)
+    assert boft._runs_plan(x, False, 32, 128, "sm_90a", 128, True) == (32, 1, 32)
+    assert boft.runs_smem(32, 32, 256, 2, 2, True) > 227 * 1024
+    assert boft._runs_plan(x, False, 32, 128, "sm_90a", 256, True) is None  # the gather kernels instead
+    assert boft._runs_plan(x, True, 32, 128, "sm_90a", 64, True) is None    # channels first
+    assert boft._runs_plan(x.float(), False, 32, 128, "sm_90a", 64, True) is None
+    assert boft._runs_plan(x.float(), False, 32, 128, _common.CPU_ARCH, 64, True) == (32, 1, 32)
+
+
 # (m, nb, s, x shape, with rescale, diff): channels last, shapes the run kernels take. Stage i's
 # group is GC contiguous channels while 2κ_i <= GC, else two runs κ_i apart: m = 5, s = 8 has
 # both (GC = 32, κ = 4 … 64); 37 / 21 positions leave a partial tile
