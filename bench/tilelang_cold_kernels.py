@@ -1,8 +1,9 @@
 """How many TileLang kernels a cold key's shortlist builds, per candidate config, without a GPU:
 
-    python bench/tilelang_cold_kernels.py [--procs 12]
+    python bench/tilelang_cold_kernels.py [--procs 12] [--small]
 
-For BOFT (32768 x 4096, s = 32, m = 8) and the LoRA bypass (32768 x 4096, r = 64), bf16, the
+For BOFT (32768 x 4096, s = 32, m = 8) and the LoRA bypass (32768 x 4096, r = 64), bf16
+(``--small``: the small bench shape, 8192 x 3072, s = 24, r = 32), the
 TileLang shortlist plans/<family>.py gives an H200 (``device.synthetic()``) is run under
 ``tilelang._common.capturing`` (nothing built or launched; CPU tensors), and each config's
 kernels, and the new ones among them, are listed. ``--procs``: the children of one
@@ -20,12 +21,13 @@ import torch
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--procs", type=int, default=12)
+    ap.add_argument("--small", action="store_true", help="8192 x 3072 (BOFT s = 24, LoRA r = 32)")
     args = ap.parse_args(argv)
     from lycoris_ops.plans import boft as plans_boft, device, lora as plans_lora, tune
     from lycoris_ops.tilelang import _common, boft, lora
 
     dev, bf = device.synthetic(), torch.bfloat16
-    m, nb, s, N, D, r = 8, 128, 32, 32768, 4096, 64
+    m, nb, s, N, D, r = (8, 128, 24, 8192, 3072, 32) if args.small else (8, 128, 32, 32768, 4096, 64)
     blocks, x = torch.zeros(m, nb, s, s, dtype=bf), torch.zeros(N, nb * s, dtype=bf)
     up, down = torch.zeros(D, r, dtype=bf), torch.zeros(r, D, dtype=bf)
     calls = [("boft_fwd", plans_boft, boft.boft_fwd, (blocks, x, -1, 1.0, 1.0, None, False)),

@@ -216,3 +216,21 @@ def test_shortlists_for_an_h200():
                 json.dumps(cands)
     a = tl_pick.key_parts((torch.empty(4, 384, 8, 8), torch.empty(8192, 3072), -1, 1.0, 1.0, None, False), "boft_fwd")
     assert a[0] == ("sizes", (4, 384, 8, False))  # the positions only in x's bucket
+
+
+def test_shortlist_keeps_run_tiles():
+    """Where the run kernels take the call (the small bench shape: 48-channel groups), the
+    TileLang shortlist holds only tiles whose run kernels fit in shared memory: a larger one
+    would build and run the gather kernels (the BT = 256 forward did, before)."""
+    from lycoris_ops.plans import boft as plans_boft, device, tune
+    from lycoris_ops.tilelang import oft
+
+    dev = device.synthetic()
+    blocks, x = torch.empty(8, 128, 24, 24), torch.empty(8192, 3072, dtype=torch.bfloat16)
+    for op, args, fixed, bwd in (("boft_fwd", (blocks, x, -1, 1.0, 1.0, None, False), oft.APPLY, False),
+                                 ("boft_bwd", (x, blocks, x, -1, 1.0, 1.0), oft.STREAM, True)):
+        cands = [c for c in plans_boft.TILELANG[op][0](dev, *args).candidates if not tune.is_eager(c)]
+        assert len(cands) >= 2, (op, cands)
+        for c in cands:
+            bt = {**fixed, **c}["BT"]
+            assert boft._runs_plan(x, False, 24, 128, "sm_90a", bt, bwd) is not None, (op, c)

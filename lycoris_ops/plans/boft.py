@@ -224,14 +224,31 @@ def _tl_model(dev, blocks, x, axis, bwd):
     return tl_work, eager, _tl_boft().boft_groups(s, nb)[0]
 
 
+def _tl_run_fits(dev, blocks, x, axis, bwd: bool):
+    """Where the run kernels take the call (``tilelang.boft._runs_plan``: channels last, 16-bit
+    x, a ``run_groups`` size), a config filter: only tiles whose run kernels fit in shared
+    memory. A larger tile would build and run the gather kernels instead (6x slower at
+    32768 x 4096, bench/RESULTS.md 2026-12-02 02:06, and slower to build: a cold key's time)."""
+    TB = _tl_boft()
+    m, nb, s, cf = _tl_sizes(blocks, x, axis)
+    runs = None if cf or esize(x.dtype) == 4 else TB.run_groups(s, nb, esize(x.dtype))
+    if runs is None:
+        return None
+    stages = importlib.import_module("lycoris_ops.tilelang.oft").direct_stages(
+        "sm_90a" if dev.capability == (9, 0) else dev.arch)
+    limit = min(dev.smem_per_block, TB._RUNS_SMEM)
+    return lambda c: TB.runs_smem(runs[0], runs[2], c["BT"], esize(x.dtype), stages, bwd) <= limit
+
+
 def _fwd_tl(dev, blocks, x, axis, cscale, scale, rescale, diff, n: int = TL_N):
     work, eager, GP = _tl_model(dev, blocks, x, axis, False)
-    return tl_plan("boft_fwd", dev, work, eager, GP, 4, False, n)  # fp32 GEMMs: 4-byte operands
+    return tl_plan("boft_fwd", dev, work, eager, GP, 4, False, n,  # gather kernels' fp32 GEMMs: 4-byte operands
+                   _tl_run_fits(dev, blocks, x, axis, False))
 
 
 def _bwd_tl(dev, grad, blocks, x, axis, cscale, scale, n: int = TL_N):
     work, eager, GP = _tl_model(dev, blocks, x, axis, True)
-    return tl_plan("boft_bwd", dev, work, eager, GP, 4, True, n)
+    return tl_plan("boft_bwd", dev, work, eager, GP, 4, True, n, _tl_run_fits(dev, blocks, x, axis, True))
 
 
 def _tl_sizes(blocks, x, axis, *a):

@@ -231,12 +231,13 @@ def tl_configs(dev: DeviceFacts, GP: int, csize: int, bwd: bool) -> list:
     return [c for c in cfgs if tl_legal(dev, c, GP, csize, bwd)]
 
 
-def tl_plan(op: str, dev: DeviceFacts, work, eager: float, GP: int, csize: int, bwd: bool, n: int):
+def tl_plan(op: str, dev: DeviceFacts, work, eager: float, GP: int, csize: int, bwd: bool, n: int, keep=None):
     """The shortlist of a streaming kernel: the fixed config first, the model's best legal
-    configs, eager (oft_* and boft_*)."""
+    configs (``keep``: only those it accepts), eager (oft_* and boft_*)."""
     TLO = _tl_oft()
     default = dict(TLO.STREAM if bwd else TLO.APPLY)
-    return tl_shortlist(op, tl_configs(dev, GP, csize, bwd), work, dev, default, eager, ("BT",), n)
+    cfgs = [c for c in tl_configs(dev, GP, csize, bwd) if keep is None or keep(c)]
+    return tl_shortlist(op, cfgs, work, dev, default, eager, ("BT",), n)
 
 
 def tl_channels_first(x, ax: int) -> bool:
