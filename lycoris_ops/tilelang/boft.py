@@ -34,6 +34,8 @@ Tile configs: the streaming kernels' positions per tile and threads come from of
 
 Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 """
+import functools
+
 import torch
 
 from ._common import CPU_ARCH, aligned, arch_of, kernel, launch_config, tl_dtype
@@ -41,15 +43,16 @@ from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_s
                   chain_kernel, direct_stages, position_view, tiling)
 from .oft import _cayley as _oft_cayley
 
-__all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_smem", "stage_runs_kernel",
+__all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_smem", "smem_limit", "stage_runs_kernel",
            "stream_runs_kernel", "compile_specs", "RUNS"]
 
 _F32 = "float32"
 #: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
 #: to reach the gather path with the same shapes)
 RUNS = True
-#: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, 227 KiB);
-#: a tile config over it takes the gather path
+#: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, 227 KiB;
+#: less where the device's own limit is lower, ``smem_limit``); a tile config over it takes
+#: the gather path
 _RUNS_SMEM = 227 * 1024
 
 
@@ -238,13 +241,27 @@ def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool) -> 
     return 2 * GP * GP * esize + stages * 3 * box + 2 * op + 2 * box
 
 
+@functools.lru_cache(maxsize=None)
+def _optin_smem(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or _RUNS_SMEM)
+
+
+def smem_limit(device: torch.device) -> int:
+    """The run kernels' shared-memory budget on ``device``: ``_RUNS_SMEM``, or the device's
+    opt-in per-block maximum where that is lower (163 KiB on sm_80); CPU twins: ``_RUNS_SMEM``."""
+    if device.type != "cuda":
+        return _RUNS_SMEM
+    return min(_RUNS_SMEM, _optin_smem(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 def _runs_plan(x, cf, s, nb, arch, bt, bwd):
     """(GC, NB, GP) when this call takes the run kernels, else None: channels last, x 16-bit
     (the CPU twins' exact fp32 GEMM too), a ``run_groups`` size, and a tile that fits."""
     if not RUNS or cf or (x.dtype == torch.float32 and arch != CPU_ARCH):
         return None
     r = run_groups(s, nb, x.element_size())
-    if r is None or runs_smem(r[0], r[2], bt, x.element_size(), direct_stages(arch), bwd) > _RUNS_SMEM:
+    if r is None or runs_smem(r[0], r[2], bt, x.element_size(), direct_stages(arch), bwd) > smem_limit(x.device):
         return None
     return r
 
@@ -399,7 +416,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
     xd = tl_dtype(x.dtype)
     runs = _runs_plan(x, cf, s, nb, arch, launch_config(STREAM, cfg)["BT"], True)
     if runs is not None and grad.dtype == x.dtype and runs_smem(runs[0], runs[2], APPLY["BT"], x.element_size(),
-                                                               direct_stages(arch), False) <= _RUNS_SMEM:
+                                                               direct_stages(arch), False) <= smem_limit(dev):
         _bwd_runs(bc, gv, xv, gx.view(xv.shape), g_blocks, m, nb, s, runs, cscale, scale, cfg, arch)
         return gx, g_blocks
     # forward replay: stage inputs u^0 = x, u^1 … u^{m-1} (fp32)
