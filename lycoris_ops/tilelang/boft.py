@@ -350,14 +350,18 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
         src = dst
 
 
+def _halves(pair):
+    """(hi, lo) of a stage value (hi, lo or None); a value without lo passes hi again as the
+    placeholder of the operand its kernel variant never touches."""
+    return pair[0], pair[1] if pair[1] is not None else pair[0]
+
+
 def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff, nsplit, tps):
     """Stage i of the butterfly by ``stage_runs_kernel``; ``src`` / ``dst``: (hi, lo or None), (NP, C)."""
     GC, _, GP = runs
     k = kernel(stage_runs_kernel, arch, tl_dtype(src[0].dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
                src[1] is not None, dst[1] is not None, diff)
-    uh, ul = src[0], src[1] if src[1] is not None else src[0]
-    yh, yl = dst[0], dst[1] if dst[1] is not None else dst[0]
-    v = [_run_view(t, s, i, GC) for t in (uh, ul, x0, yh, yl)]
+    v = [_run_view(t, s, i, GC) for t in (*_halves(src), x0, *_halves(dst))]
     k(*v[:3], fh, fl, *v[3:], i * gps, nsplit, tps)
 
 
@@ -386,9 +390,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         u = us[i]
         ks = kernel(stream_runs_kernel, arch, tl_dtype(xv.dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
                     g[1] is not None, u[1] is not None, dst[1] is not None)
-        ops = [g[0], g[1] if g[1] is not None else g[0], u[0], u[1] if u[1] is not None else u[0],
-               dst[0], dst[1] if dst[1] is not None else dst[0]]
-        v = [_run_view(t, s, i, GC) for t in ops]
+        v = [_run_view(t, s, i, GC) for t in (*_halves(g), *_halves(u), *_halves(dst))]
         ks(*v[:4], th, tl_, *v[4:], part, i * gps, tps)
         g = dst
     bd = tl_dtype(g_blocks.dtype)
