@@ -234,3 +234,31 @@ def test_shortlist_keeps_run_tiles():
         for c in cands:
             bt = {**fixed, **c}["BT"]
             assert boft._runs_plan(x, False, 24, 128, "sm_90a", bt, bwd) is not None, (op, c)
+
+
+# (m, nb, s, x shape, with rescale, diff): shapes where boft_fwd pairs stages (``PAIRS``)
+PAIR_CASES = [
+    (3, 4, 32, (37, 128), True, True),    # stages (0, 1) paired, stage 2 alone (rescale, diff)
+    (2, 4, 32, (21, 128), True, True),    # one pair, the last stages: rescale and diff in it
+    (5, 16, 8, (19, 128), False, False),  # stages 0, 1 alone (κ < GC/2), (2, 3) paired, 4 alone
+]
+
+
+@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", PAIR_CASES,
+                         ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in PAIR_CASES])
+def test_boft_pairs(m, nb, s, shape, has_rs, diff, monkeypatch):
+    """The forward's stage pairs (two stages a launch on a four-run box, the pair's matrices in
+    the box basis) against the fp64 reference, and which stages pair."""
+    monkeypatch.setattr(boft, "PAIRS", True)
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(11 * m + s)
+    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
+    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV) if has_rs else None
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    runs = boft.run_groups(s, nb, x.element_size())
+    arch = _common.arch_of(x.device)
+    paired = [i for i in range(m) if boft._pair_at(i, m, s, runs, boft.APPLY, x.element_size(), arch, x.device)]
+    assert paired and (s != 8 or paired[0] == 2), paired
+    b6, x6, r6 = d64(blocks, x, rescale)
+    check(boft.boft_fwd(blocks, x, -1, 0.9, 0.7, rescale, diff), R_BOFT.boft_fwd(b6, x6, -1, 0.9, 0.7, r6, diff),
+          dtype, "boft_fwd (pairs)")

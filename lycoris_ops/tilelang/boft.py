@@ -25,7 +25,8 @@ The run kernels (``stage_runs_kernel``, ``stream_runs_kernel``; channels last, 1
 ``run_groups`` size): the same launches without the element-wise channel map. A group's
 channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matrices are stored
 in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
-dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``).
+dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). ``PAIRS``
+(off until timed on a GPU): the forward applies two stages per launch on a four-run box.
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
@@ -44,12 +45,16 @@ from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_s
 from .oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_smem", "smem_limit", "stage_runs_kernel",
-           "stream_runs_kernel", "compile_specs", "RUNS"]
+           "stream_runs_kernel", "compile_specs", "RUNS", "PAIRS"]
 
 _F32 = "float32"
 #: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
 #: to reach the gather path with the same shapes)
 RUNS = True
+#: whether boft_fwd's run path applies two stages per launch where it can (``_pair_at``): half
+#: the passes over the activations. Written and checked on the CPU twins, not yet timed on a
+#: GPU: off until it is
+PAIRS = False
 #: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, 227 KiB;
 #: less where the device's own limit is lower, ``smem_limit``); a tile config over it takes
 #: the gather path
@@ -70,50 +75,60 @@ _RUNS_SMEM = 227 * 1024
 
 
 def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREADS, stages: int = 1,
-                      has_lo: bool = True, out_pair: bool = True, diff: bool = False, cpu: bool = False):
+                      has_lo: bool = True, out_pair: bool = True, diff: bool = False, R: int = 2,
+                      cpu: bool = False):
     """One BOFT stage on the run views (see above), channels last: ``y = u·Fᵀ`` per group
     (F pair [goff + g] in the run basis, GP x GP: the group's GC channels, zero-padded to GP,
     a width every warp partition of T.gemm covers), u = U (+ UL when ``has_lo``), stored as a
     (hi, lo) pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a
-    view (NP, C/2κ', 2, κ') of dtype d; program (g, split) walks tiles split·tps … split·tps + tps − 1."""
+    view (NP, C/Rκ', R, κ') of dtype d; a box is R runs of GC/R channels. ``R = 4``: a stage
+    PAIR (``PAIRS``), ``y = (u·F1ᵀ)·F2ᵀ`` with F2 the pair [goff + NGS + g] (NGS: F's groups per
+    launch), the first product kept as a 16-bit (hi, lo) pair in shared memory. Program
+    (g, split) walks tiles split·tps … split·tps + tps − 1."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
     threads = 1 if cpu else threads_
-    H = GC // 2
+    two = R == 4
+    H = GC // R
     NP, NSEG, KP, NG = T.dynamic("NP NSEG KP NG")
-    vshape = (NP, NSEG, 2, KP)
+    vshape = (NP, NSEG, R, KP)
     one = (1, 1, 1)
 
     @T.prim_func
     def boft_stage_runs(U: T.Tensor(vshape, d), UL: T.Tensor(vshape, d), X0: T.Tensor(vshape, d),
                         FH: T.Tensor((NG, GP, GP), d), FL: T.Tensor((NG, GP, GP), d), Y: T.Tensor(vshape, d),
                         YL: T.Tensor(vshape, d), goff: T.int32, nsplit: T.int32, tps: T.int32):
-        with T.Kernel(NSEG * KP * 2 // GC, nsplit, threads=threads) as (g, sp):
+        with T.Kernel(NSEG * KP * R // GC, nsplit, threads=threads) as (g, sp):
             Fh = alloc_s((GP, GP), d)
             Fl = alloc_s((GP, GP), d)
-            U3 = alloc_s((BT, 2, H), d)
-            UL3 = alloc_s((BT, 2, H) if has_lo else one, d)
-            X3 = alloc_s((BT, 2, H) if diff else one, d)
+            F2h = alloc_s((GP, GP) if two else (1, 1), d)
+            F2l = alloc_s((GP, GP) if two else (1, 1), d)
+            U3 = alloc_s((BT, R, H), d)
+            UL3 = alloc_s((BT, R, H) if has_lo else one, d)
+            X3 = alloc_s((BT, R, H) if diff else one, d)
             Uh = alloc_s((BT, GP), d)
-            Ul = alloc_s((BT, GP) if has_lo else (1, 1), d)
+            Ul = alloc_s((BT, GP) if has_lo or two else (1, 1), d)
             acc = alloc_f((BT, GP), "float32")
-            Y3 = alloc_s((BT, 2, H), d)
-            YL3 = alloc_s((BT, 2, H) if out_pair else one, d)
-            seg = T.alloc_var("int32", init=(g * GC) // (2 * KP))
-            j0 = T.alloc_var("int32", init=((g * GC) % (2 * KP)) // 2)
+            Y3 = alloc_s((BT, R, H), d)
+            YL3 = alloc_s((BT, R, H) if out_pair else one, d)
+            seg = T.alloc_var("int32", init=(g * GC) // (R * KP))
+            j0 = T.alloc_var("int32", init=((g * GC) % (R * KP)) // R)
             T.copy(FH[goff + g, 0, 0], Fh)
             T.copy(FL[goff + g, 0, 0], Fl)
+            if two:
+                T.copy(FH[goff + NSEG * KP * R // GC + g, 0, 0], F2h)
+                T.copy(FL[goff + NSEG * KP * R // GC + g, 0, 0], F2l)
             for tt in T.Pipelined(tps, num_stages=stages):
                 p0 = (sp * tps + tt) * BT
-                T.copy(U[p0:p0 + BT, seg, 0:2, j0:j0 + H], U3)
+                T.copy(U[p0:p0 + BT, seg, 0:R, j0:j0 + H], U3)
                 if has_lo:
-                    T.copy(UL[p0:p0 + BT, seg, 0:2, j0:j0 + H], UL3)
+                    T.copy(UL[p0:p0 + BT, seg, 0:R, j0:j0 + H], UL3)
                 if diff:
-                    T.copy(X0[p0:p0 + BT, seg, 0:2, j0:j0 + H], X3)
-                for t, l in par(BT, GP):  # the box's (2, H) rows -> the GEMM's row (zeros past GC)
+                    T.copy(X0[p0:p0 + BT, seg, 0:R, j0:j0 + H], X3)
+                for t, l in par(BT, GP):  # the box's (R, H) rows -> the GEMM's row (zeros past GC)
                     Uh[t, l] = T.if_then_else(l < GC, U3[t, l // H, l % H], T.cast(0, d))
                     if has_lo:
                         Ul[t, l] = T.if_then_else(l < GC, UL3[t, l // H, l % H], T.cast(0, d))
@@ -122,6 +137,14 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
                 T.gemm(Uh, Fl, acc, transpose_B=True)
                 if has_lo:
                     T.gemm(Ul, Fh, acc, transpose_B=True)
+                if two:  # the pair's second stage on the first one's (hi, lo) result
+                    for t, l in par(BT, GP):
+                        Uh[t, l] = T.cast(acc[t, l], d)
+                        Ul[t, l] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
+                    T.clear(acc)
+                    T.gemm(Uh, F2h, acc, transpose_B=True)
+                    T.gemm(Uh, F2l, acc, transpose_B=True)
+                    T.gemm(Ul, F2h, acc, transpose_B=True)
                 for t, l in par(BT, GP):  # over the fragment's own shape: its layout needs no split
                     if l < GC:
                         if diff:
@@ -131,9 +154,9 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
                         Y3[t, l // H, l % H] = T.cast(v, d)
                         if out_pair:
                             YL3[t, l // H, l % H] = T.cast(v - T.cast(T.cast(v, d), "float32"), d)
-                T.copy(Y3, Y[p0:p0 + BT, seg, 0:2, j0:j0 + H])
+                T.copy(Y3, Y[p0:p0 + BT, seg, 0:R, j0:j0 + H])
                 if out_pair:
-                    T.copy(YL3, YL[p0:p0 + BT, seg, 0:2, j0:j0 + H])
+                    T.copy(YL3, YL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
 
     return boft_stage_runs
 
@@ -335,19 +358,61 @@ def _runs_cayley(bc, rs, m, nb, s, runs, trans, cscale, scale, cdt, arch):
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
 
 
+def _pair_at(i, m, s, runs, p, esize, arch, device) -> bool:
+    """Whether boft_fwd applies stages i and i + 1 in one launch (``PAIRS``): both exist, the
+    group is unpadded (GC = GP) and its double fits a 64-wide GEMM, stage i's runs are whole
+    (κ_i >= GC/2, so the four runs of the pair's box do not overlap), and the tile fits."""
+    GC, _, GP = runs
+    if not PAIRS or i + 1 >= m or GC != GP or 2 * GC > 64 or ((s // 2) << i) < GC // 2:
+        return False
+    tile = p["BT"] * 2 * GC * esize
+    smem = 4 * (2 * GC) ** 2 * esize + direct_stages(arch) * 3 * tile + 4 * tile
+    return arch == CPU_ARCH or smem <= smem_limit(device)  # the CPU twins' buffers are local
+
+
+def _pair_matrices(f, i, s, GC, gps):
+    """The two stage matrices of the pair (i, i + 1) in the pair's box basis, (2·npg, 2GC, 2GC):
+    stage i's first (its two groups of a box on the diagonal), then stage i + 1's (its two
+    groups interleaved with them). ``f``: every stage's run-basis matrices (m·gps, GC, GC).
+    The box of pair group q is (t1, t0, j) over channels seg·4κ + t1·2κ + t0·κ + j0 + j
+    (κ = κ_i, H = GC/2, seg = ⌊qH/κ⌋, j0 = qH mod κ): stage i mixes (t0, j) at fixed t1, stage
+    i + 1 mixes (t1, j) at fixed t0."""
+    H, kappa, npg = GC // 2, (s // 2) << i, gps // 2
+    q = torch.arange(npg, device=f.device)
+    seg, j0 = (q * H) // kappa, (q * H) % kappa
+    e1 = torch.zeros((npg, 2, GC, 2, GC), device=f.device, dtype=f.dtype)
+    e2 = torch.zeros((npg, 2, 2, H, 2, 2, H), device=f.device, dtype=f.dtype)
+    for t in range(2):
+        e1[:, t, :, t, :] = f[i * gps + ((2 * seg + t) * kappa + j0) // H]
+        e2[:, :, t, :, :, t, :] = f[(i + 1) * gps + (2 * seg * kappa + t * kappa + j0) // H].view(npg, 2, H, 2, H)
+    return torch.cat([e1.view(npg, 2 * GC, 2 * GC), e2.view(npg, 2 * GC, 2 * GC)])
+
+
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     """boft_fwd by the run kernels: one Cayley launch, then one launch per stage (stage 0 reads
-    x, stages between keep (hi, lo) pairs in two buffers in turn, the last stores y)."""
-    gps = nb // runs[1]
+    x, stages between keep (hi, lo) pairs in two buffers in turn, the last stores y), or per
+    pair of stages where ``_pair_at`` allows."""
+    GC, NBr, GP = runs
+    gps = nb // NBr
     fh, fl = _runs_cayley(bc, rs, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, xv.device)
-    pairs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(min(m - 1, 2))]
-    src = (xv, None)
-    for i in range(m):
-        last = i == m - 1
-        dst = (yv, None) if last else pairs[i % 2]
-        _launch_stage(src, xv, fh, fl, dst, i, s, runs, gps, p, arch, bool(diff) and last, nsplit, tps)
-        src = dst
+    bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(min(m - 1, 2))]
+    src, i, n = (xv, None), 0, 0
+    while i < m:
+        pair = _pair_at(i, m, s, runs, p, xv.element_size(), arch, xv.device)
+        nxt = i + (2 if pair else 1)
+        dst = (yv, None) if nxt >= m else bufs[n % 2]
+        if pair:
+            k = kernel(stage_runs_kernel, arch, tl_dtype(xv.dtype), 2 * GC, 2 * GP, p["BT"], p["threads"],
+                       direct_stages(arch), src[1] is not None, dst[1] is not None, bool(diff) and nxt >= m, 4)
+            kappa = (s // 2) << i
+            v = [t.view(t.shape[0], t.shape[1] // (4 * kappa), 4, kappa) for t in (*_halves(src), xv, *_halves(dst))]
+            ph, pl = _pair_matrices(fh, i, s, GC, gps), _pair_matrices(fl, i, s, GC, gps)
+            ps, pt = tiling(False, xv.shape[0], 1, p["BT"], gps // 2, xv.device)
+            k(*v[:3], ph, pl, *v[3:], 0, ps, pt)
+        else:
+            _launch_stage(src, xv, fh, fl, dst, i, s, runs, gps, p, arch, bool(diff) and nxt >= m, nsplit, tps)
+        src, i, n = dst, nxt, n + 1
 
 
 def _halves(pair):
@@ -466,4 +531,5 @@ def compile_specs(dtype: torch.dtype):
         (stage_runs_kernel, (d, 48, 64, _BT_FWD, _THREADS, 1, True, False, True)),
         (stream_runs_kernel, (d, 32, 32, _BT_BWD, _THREADS, 1, True, True, True)),
         (stream_runs_kernel, (d, 48, 64, _BT_BWD, _THREADS, 1, False, False, False)),
+        (stage_runs_kernel, (d, 64, 64, _BT_FWD, _THREADS, 1, True, True, False, 4)),  # a stage pair
     ])
