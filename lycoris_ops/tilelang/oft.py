@@ -151,29 +151,32 @@ def _cayley_macros(T, par, S, NB, GP):
 
     @T.macro
     def build_system(B, A, Mi, g, cscale, KB):
-        # A = I − cscale·(B_k − B_kᵀ) on the group's valid block entries (identity padding), Mi = I
+        # A = I − cscale·(B_k − B_kᵀ) on the group's valid block entries (identity padding), Mi = I;
+        # one store per entry (a store then an update of A made TileLang put a barrier between
+        # them, so each thread's block loads ran one after the other)
         for i, j in par(GP, GP):
-            A[i, j] = T.if_then_else(i == j, 1.0, 0.0)
+            A[i, j] = T.if_then_else(i == j, 1.0, 0.0) - T.if_then_else(
+                i < GC and j < GC and i // S == j // S and g * NB + i // S < KB,
+                cscale * (T.cast(B[g * NB + i // S, i % S, j % S], "float32")
+                          - T.cast(B[g * NB + i // S, j % S, i % S], "float32")), 0.0)
             Mi[i, j] = T.if_then_else(i == j, 1.0, 0.0)
-            if i < GC and j < GC and i // S == j // S and g * NB + i // S < KB:
-                A[i, j] = A[i, j] - cscale * (T.cast(B[g * NB + i // S, i % S, j % S], "float32")
-                                              - T.cast(B[g * NB + i // S, j % S, i % S], "float32"))
 
     @T.macro
     def gauss_jordan(A, Mi, ra, ri, ca):
-        # Mi <- A⁻¹ (A destroyed), no pivoting; ra/ri: pivot rows of A/Mi, ca: pivot column of A
+        # Mi <- A⁻¹ (A destroyed), no pivoting; ra/ri: the pivot rows of A/Mi divided by the
+        # pivot (2·GP divisions a step, not one per entry), ca: the pivot column of A
         for kk in T.serial(GP):
             for j in par(GP):
-                ra[j] = A[kk, j]
-                ri[j] = Mi[kk, j]
+                ra[j] = A[kk, j] / A[kk, kk]
+                ri[j] = Mi[kk, j] / A[kk, kk]
                 ca[j] = A[j, kk]
             for i, j in par(GP, GP):
                 if i == kk:
-                    A[i, j] = ra[j] / ca[kk]
-                    Mi[i, j] = ri[j] / ca[kk]
+                    A[i, j] = ra[j]
+                    Mi[i, j] = ri[j]
                 else:
-                    A[i, j] = A[i, j] - (ca[i] / ca[kk]) * ra[j]
-                    Mi[i, j] = Mi[i, j] - (ca[i] / ca[kk]) * ri[j]
+                    A[i, j] = A[i, j] - ca[i] * ra[j]
+                    Mi[i, j] = Mi[i, j] - ca[i] * ri[j]
 
     return build_system, gauss_jordan
 
@@ -280,10 +283,11 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
                 for i in par(GP):
                     slot[i] = T.if_then_else(i < GC, _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2), i)
             for i in par(GP):
-                rho[i] = 1.0
-                if has_rescale:
-                    if g >= g_rs and i < GC and g * NB + i // S < KB:
-                        rho[i] = T.cast(RS[_perm((g - g_rs) * GC + i, kappa, has_perm)], "float32")
+                if has_rescale:  # one store (see build_system)
+                    rho[i] = T.if_then_else(g >= g_rs and i < GC and g * NB + i // S < KB,
+                                            T.cast(RS[_perm((g - g_rs) * GC + i, kappa, has_perm)], "float32"), 1.0)
+                else:
+                    rho[i] = 1.0
             gauss_jordan(A, Mi, ra, ri, ca)
             for i, j in par(GP, GP):
                 if boft:
@@ -582,10 +586,10 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
             slot = alloc_s((GP if runs else 1,), "int32")
             build_system(B, A, Mi, g, cscale, KB)
             for i in par(GP):
-                rho[i] = 1.0
-                if has_rescale:
-                    if i < GC and g * NB + i // S < KB:
-                        rho[i] = T.cast(RS[g * GC + i], "float32")
+                if has_rescale:  # one store (see build_system)
+                    rho[i] = T.if_then_else(i < GC and g * NB + i // S < KB, T.cast(RS[g * GC + i], "float32"), 1.0)
+                else:
+                    rho[i] = 1.0
             T.clear(acc)
             if runs:  # the run-basis slot of each group position (an index table: simpler lowering); padding: itself
                 for i in par(GP):
