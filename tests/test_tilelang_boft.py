@@ -247,18 +247,25 @@ PAIR_CASES = [
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", PAIR_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in PAIR_CASES])
 def test_boft_pairs(m, nb, s, shape, has_rs, diff, monkeypatch):
-    """The forward's stage pairs (two stages a launch on a four-run box, the pair's matrices in
-    the box basis) against the fp64 reference, and which stages pair."""
+    """Stage pairs (``PAIRS``: two stages a launch on a four-run box, the pair's matrices in the
+    box basis; the backward recomputes the pair's middle value and scatters both stages'
+    partials to their groups) against the fp64 reference, and which stages pair."""
     monkeypatch.setattr(boft, "PAIRS", True)
     dtype = DTYPES[-1]
     g = torch.Generator().manual_seed(11 * m + s)
     blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
     rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV) if has_rs else None
     x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
     runs = boft.run_groups(s, nb, x.element_size())
-    arch = _common.arch_of(x.device)
-    paired = [i for i in range(m) if boft._pair_at(i, m, s, runs, boft.APPLY, x.element_size(), arch, x.device)]
-    assert paired and (s != 8 or paired[0] == 2), paired
-    b6, x6, r6 = d64(blocks, x, rescale)
+    units = boft._units(m, s, runs, x.element_size(), _common.arch_of(x.device), x.device,
+                        [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
+    want = {3: [(0, 2), (2, 1)], 2: [(0, 2)], 5: [(0, 1), (1, 1), (2, 2), (4, 1)]}[m]
+    assert units == want, units
+    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
     check(boft.boft_fwd(blocks, x, -1, 0.9, 0.7, rescale, diff), R_BOFT.boft_fwd(b6, x6, -1, 0.9, 0.7, r6, diff),
           dtype, "boft_fwd (pairs)")
+    gx, gb = boft.boft_bwd(grad, blocks, x, -1, 0.9, 0.7)
+    rx, rb = R_BOFT.boft_bwd(g6, b6, x6, -1, 0.9, 0.7)
+    check(gx, rx, dtype, "boft_bwd gx (pairs)")
+    check(gb, rb, dtype, "boft_bwd g_blocks (pairs)")

@@ -26,7 +26,8 @@ The run kernels (``stage_runs_kernel``, ``stream_runs_kernel``; channels last, 1
 channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matrices are stored
 in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
 dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). ``PAIRS``
-(off until timed on a GPU): the forward applies two stages per launch on a four-run box.
+(off until timed on a GPU): two stages per launch on a four-run box, forward
+(``stage_runs_kernel`` with R = 4) and backward (``stream_pair_kernel``).
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
@@ -45,15 +46,15 @@ from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_s
 from .oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_smem", "smem_limit", "stage_runs_kernel",
-           "stream_runs_kernel", "compile_specs", "RUNS", "PAIRS"]
+           "stream_runs_kernel", "stream_pair_kernel", "compile_specs", "RUNS", "PAIRS"]
 
 _F32 = "float32"
 #: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
 #: to reach the gather path with the same shapes)
 RUNS = True
-#: whether boft_fwd's run path applies two stages per launch where it can (``_pair_at``): half
-#: the passes over the activations. Written and checked on the CPU twins, not yet timed on a
-#: GPU: off until it is
+#: whether the run path applies two stages per launch where it can (``_units``), forward and
+#: backward: half the passes over the activations. Written and checked on the CPU twins and
+#: built for sm_90a / sm_80, not yet timed on a GPU: off until it is
 PAIRS = False
 #: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, 227 KiB;
 #: less where the device's own limit is lower, ``smem_limit``); a tile config over it takes
@@ -241,6 +242,122 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
     return boft_stream_runs
 
 
+def stream_pair_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages: int = 1, g_lo: bool = True,
+                       u_lo: bool = True, out_pair: bool = True, cpu: bool = False):
+    """The backward of a stage PAIR (a, a + 1) on the four-run box views (``PAIRS``; GC = GP,
+    the box basis of ``_pair_matrices``): from g = G (+ GL) at the pair's output and its input
+    u = U (+ UL), per tile: v = u·E1ᵀ (stage a's output, recomputed), ``P2 += gᵀ·v`` (stage
+    a + 1's partials), g1 = g·E2 (from the E2ᵀ pair), ``P1 += g1ᵀ·u`` (stage a's), and
+    ``gx = g1·E1`` stored as a pair GX, GXL (``out_pair``) or once. EF holds [E1; E2] and ET
+    [E1ᵀ; E2ᵀ] (2·NGS, GC, GC) per (hi, lo); P (NS, 2·NGS, GC, GC): P1 then P2, box basis."""
+    import tilelang.language as T
+
+    par = T.grid if cpu else T.Parallel
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    alloc_f = T.alloc_local if cpu else T.alloc_fragment
+    threads = 1 if cpu else threads_
+    R = 4
+    H = GC // R
+    NP, NSEG, KP, NG, NS, NGP = T.dynamic("NP NSEG KP NG NS NGP")
+    vshape = (NP, NSEG, R, KP)
+    one = (1, 1, 1)
+
+    @T.prim_func
+    def boft_stream_pair(G: T.Tensor(vshape, d), GL: T.Tensor(vshape, d), U: T.Tensor(vshape, d),
+                         UL: T.Tensor(vshape, d), EFH: T.Tensor((NG, GC, GC), d), EFL: T.Tensor((NG, GC, GC), d),
+                         ETH: T.Tensor((NG, GC, GC), d), ETL: T.Tensor((NG, GC, GC), d), GX: T.Tensor(vshape, d),
+                         GXL: T.Tensor(vshape, d), P: T.Tensor((NS, NGP, GC, GC), _F32), tps: T.int32):
+        with T.Kernel(NSEG * KP * R // GC, NS, threads=threads) as (g, sp):
+            E1h = alloc_s((GC, GC), d)
+            E1l = alloc_s((GC, GC), d)
+            T1h = alloc_s((GC, GC), d)
+            T1l = alloc_s((GC, GC), d)
+            T2h = alloc_s((GC, GC), d)
+            T2l = alloc_s((GC, GC), d)
+            G3 = alloc_s((BT, R, H), d)
+            GL3 = alloc_s((BT, R, H) if g_lo else one, d)
+            U3 = alloc_s((BT, R, H), d)
+            UL3 = alloc_s((BT, R, H) if u_lo else one, d)
+            Gh = alloc_s((BT, GC), d)
+            Gl = alloc_s((BT, GC) if g_lo else (1, 1), d)
+            Uh = alloc_s((BT, GC), d)
+            Ul = alloc_s((BT, GC) if u_lo else (1, 1), d)
+            Vh = alloc_s((BT, GC), d)
+            Vl = alloc_s((BT, GC), d)
+            acc = alloc_f((BT, GC), "float32")
+            accp1 = alloc_f((GC, GC), "float32")
+            accp2 = alloc_f((GC, GC), "float32")
+            Y3 = alloc_s((BT, R, H), d)
+            YL3 = alloc_s((BT, R, H) if out_pair else one, d)
+            seg = T.alloc_var("int32", init=(g * GC) // (R * KP))
+            j0 = T.alloc_var("int32", init=((g * GC) % (R * KP)) // R)
+            T.copy(EFH[g, 0, 0], E1h)
+            T.copy(EFL[g, 0, 0], E1l)
+            T.copy(ETH[g, 0, 0], T1h)
+            T.copy(ETL[g, 0, 0], T1l)
+            T.copy(ETH[NSEG * KP * R // GC + g, 0, 0], T2h)
+            T.copy(ETL[NSEG * KP * R // GC + g, 0, 0], T2l)
+            T.clear(accp1)
+            T.clear(accp2)
+            for tt in T.Pipelined(tps, num_stages=stages):
+                p0 = (sp * tps + tt) * BT
+                T.copy(G[p0:p0 + BT, seg, 0:R, j0:j0 + H], G3)
+                if g_lo:
+                    T.copy(GL[p0:p0 + BT, seg, 0:R, j0:j0 + H], GL3)
+                T.copy(U[p0:p0 + BT, seg, 0:R, j0:j0 + H], U3)
+                if u_lo:
+                    T.copy(UL[p0:p0 + BT, seg, 0:R, j0:j0 + H], UL3)
+                for t, l in par(BT, GC):
+                    Gh[t, l] = G3[t, l // H, l % H]
+                    Uh[t, l] = U3[t, l // H, l % H]
+                    if g_lo:
+                        Gl[t, l] = GL3[t, l // H, l % H]
+                    if u_lo:
+                        Ul[t, l] = UL3[t, l // H, l % H]
+                # v = u·E1ᵀ: stage a's output, the input of stage a + 1
+                T.clear(acc)
+                T.gemm(Uh, E1h, acc, transpose_B=True)
+                T.gemm(Uh, E1l, acc, transpose_B=True)
+                if u_lo:
+                    T.gemm(Ul, E1h, acc, transpose_B=True)
+                for t, l in par(BT, GC):
+                    Vh[t, l] = T.cast(acc[t, l], d)
+                    Vl[t, l] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
+                T.gemm(Gh, Vh, accp2, transpose_A=True)
+                T.gemm(Gh, Vl, accp2, transpose_A=True)
+                if g_lo:
+                    T.gemm(Gl, Vh, accp2, transpose_A=True)
+                # g1 = g·E2 (the gradient at stage a's output), kept in Vh / Vl
+                T.clear(acc)
+                T.gemm(Gh, T2h, acc, transpose_B=True)
+                T.gemm(Gh, T2l, acc, transpose_B=True)
+                if g_lo:
+                    T.gemm(Gl, T2h, acc, transpose_B=True)
+                for t, l in par(BT, GC):
+                    Vh[t, l] = T.cast(acc[t, l], d)
+                    Vl[t, l] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
+                T.gemm(Vh, Uh, accp1, transpose_A=True)
+                T.gemm(Vl, Uh, accp1, transpose_A=True)
+                if u_lo:
+                    T.gemm(Vh, Ul, accp1, transpose_A=True)
+                # gx = g1·E1
+                T.clear(acc)
+                T.gemm(Vh, T1h, acc, transpose_B=True)
+                T.gemm(Vh, T1l, acc, transpose_B=True)
+                T.gemm(Vl, T1h, acc, transpose_B=True)
+                for t, l in par(BT, GC):
+                    Y3[t, l // H, l % H] = T.cast(acc[t, l], d)
+                    if out_pair:
+                        YL3[t, l // H, l % H] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
+                T.copy(Y3, GX[p0:p0 + BT, seg, 0:R, j0:j0 + H])
+                if out_pair:
+                    T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
+            T.copy(accp1, P[sp, g, 0, 0])
+            T.copy(accp2, P[sp, NSEG * KP * R // GC + g, 0, 0])
+
+    return boft_stream_pair
+
+
 def run_groups(s: int, nb: int, esize: int):
     """(GC, NB, GP) of the run kernels: the fewest blocks NB (a power of two dividing nb) whose
     GC = NB·s channels are at least 32 with runs of GC/2 elements a multiple of 16 bytes (a
@@ -358,16 +475,28 @@ def _runs_cayley(bc, rs, m, nb, s, runs, trans, cscale, scale, cdt, arch):
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
 
 
-def _pair_at(i, m, s, runs, p, esize, arch, device) -> bool:
-    """Whether boft_fwd applies stages i and i + 1 in one launch (``PAIRS``): both exist, the
-    group is unpadded (GC = GP) and its double fits a 64-wide GEMM, stage i's runs are whole
-    (κ_i >= GC/2, so the four runs of the pair's box do not overlap), and the tile fits."""
+def _pair_at(i, m, s, runs, bt, esize, arch, device, bwd=False) -> bool:
+    """Whether stages i and i + 1 run as one launch unit (``PAIRS``): both exist, the group is
+    unpadded (GC = GP) and its double fits a 64-wide GEMM, stage i's runs are whole
+    (κ_i >= GC/2, so the four runs of the pair's box do not overlap), and a tile of ``bt``
+    positions fits (``bwd``: ``stream_pair_kernel``'s, else the forward's)."""
     GC, _, GP = runs
     if not PAIRS or i + 1 >= m or GC != GP or 2 * GC > 64 or ((s // 2) << i) < GC // 2:
         return False
-    tile = p["BT"] * 2 * GC * esize
-    smem = 4 * (2 * GC) ** 2 * esize + direct_stages(arch) * 3 * tile + 4 * tile
+    mat, tile, st = (2 * GC) ** 2 * esize, bt * 2 * GC * esize, direct_stages(arch)
+    smem = 6 * mat + st * 4 * tile + 8 * tile if bwd else 4 * mat + st * 3 * tile + 4 * tile
     return arch == CPU_ARCH or smem <= smem_limit(device)  # the CPU twins' buffers are local
+
+
+def _units(m, s, runs, esize, arch, device, tiles):
+    """The butterfly's launch units [(first stage, 1 or 2 stages)]: a pair where ``_pair_at``
+    allows it for every (BT, bwd) in ``tiles`` (the launches that will run the units)."""
+    out, i = [], 0
+    while i < m:
+        n = 2 if all(_pair_at(i, m, s, runs, bt, esize, arch, device, bwd) for bt, bwd in tiles) else 1
+        out.append((i, n))
+        i += n
+    return out
 
 
 def _pair_matrices(f, i, s, GC, gps):
@@ -389,30 +518,53 @@ def _pair_matrices(f, i, s, GC, gps):
 
 
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
-    """boft_fwd by the run kernels: one Cayley launch, then one launch per stage (stage 0 reads
-    x, stages between keep (hi, lo) pairs in two buffers in turn, the last stores y), or per
-    pair of stages where ``_pair_at`` allows."""
-    GC, NBr, GP = runs
-    gps = nb // NBr
+    """boft_fwd by the run kernels: one Cayley launch, then one launch per unit (a stage, or a
+    pair of stages, ``_units``): the first reads x, units between keep (hi, lo) pairs in two
+    buffers in turn, the last stores y."""
+    gps = nb // runs[1]
     fh, fl = _runs_cayley(bc, rs, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
-    nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, xv.device)
-    bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(min(m - 1, 2))]
-    src, i, n = (xv, None), 0, 0
-    while i < m:
-        pair = _pair_at(i, m, s, runs, p, xv.element_size(), arch, xv.device)
-        nxt = i + (2 if pair else 1)
-        dst = (yv, None) if nxt >= m else bufs[n % 2]
-        if pair:
-            k = kernel(stage_runs_kernel, arch, tl_dtype(xv.dtype), 2 * GC, 2 * GP, p["BT"], p["threads"],
-                       direct_stages(arch), src[1] is not None, dst[1] is not None, bool(diff) and nxt >= m, 4)
-            kappa = (s // 2) << i
-            v = [t.view(t.shape[0], t.shape[1] // (4 * kappa), 4, kappa) for t in (*_halves(src), xv, *_halves(dst))]
-            ph, pl = _pair_matrices(fh, i, s, GC, gps), _pair_matrices(fl, i, s, GC, gps)
-            ps, pt = tiling(False, xv.shape[0], 1, p["BT"], gps // 2, xv.device)
-            k(*v[:3], ph, pl, *v[3:], 0, ps, pt)
-        else:
-            _launch_stage(src, xv, fh, fl, dst, i, s, runs, gps, p, arch, bool(diff) and nxt >= m, nsplit, tps)
-        src, i, n = dst, nxt, n + 1
+    bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
+    src = (xv, None)
+    units = _units(m, s, runs, xv.element_size(), arch, xv.device, [(p["BT"], False)])
+    for n, (i, k) in enumerate(units):
+        last = n == len(units) - 1
+        dst = (yv, None) if last else bufs[n % 2]
+        _launch_unit(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
+        src = dst
+
+
+def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff):
+    """Stage i (k = 1) or stages i, i + 1 (k = 2: the four-run box) by ``stage_runs_kernel``."""
+    GC, _, GP = runs
+    if k == 1:
+        nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps, x0.device)
+        return _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff, nsplit, tps)
+    kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), 2 * GC, 2 * GP, p["BT"], p["threads"],
+                  direct_stages(arch), src[1] is not None, dst[1] is not None, diff, 4)
+    v = [_pair_view(t, s, i) for t in (*_halves(src), x0, *_halves(dst))]
+    nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps // 2, x0.device)
+    kern(*v[:3], _pair_matrices(fh, i, s, GC, gps), _pair_matrices(fl, i, s, GC, gps), *v[3:], 0, nsplit, tps)
+
+
+def _pair_view(t, s, i):
+    """The (NP, C/4κ, 4, κ) view of a channels-last (NP, C) tensor for the pair (i, i + 1), κ = κ_i."""
+    kappa = (s // 2) << i
+    return t.view(t.shape[0], t.shape[1] // (4 * kappa), 4, kappa)
+
+
+def _unpair_partials(pp, part, i, s, GC, gps):
+    """Scatter a pair's partials ``pp`` (NS, 2·npg, 2GC, 2GC; box basis: stage i's then stage
+    i + 1's) into ``part`` (NS, m·gps, GC, GC), each stage group's in its run basis (the
+    inverse of ``_pair_matrices``' placement)."""
+    H, kappa, npg, ns = GC // 2, (s // 2) << i, gps // 2, pp.shape[0]
+    q = torch.arange(npg, device=pp.device)
+    seg, j0 = (q * H) // kappa, (q * H) % kappa
+    p1 = pp[:, :npg].view(ns, npg, 2, GC, 2, GC)
+    p2 = pp[:, npg:].view(ns, npg, 2, 2, H, 2, 2, H)
+    for t in range(2):
+        part[:, i * gps + ((2 * seg + t) * kappa + j0) // H] = p1[:, :, t, :, t, :]
+        part[:, (i + 1) * gps + (2 * seg * kappa + t * kappa + j0) // H] = \
+            p2[:, :, :, t, :, :, t, :].reshape(ns, npg, GC, GC)
 
 
 def _halves(pair):
@@ -431,32 +583,44 @@ def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff, nsplit, 
 
 
 def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arch):
-    """boft_bwd by the run kernels: the forward replay keeps the stage inputs as (hi, lo)
-    pairs, then per stage from the last one stream launch (gx as a pair, the last one in x's
-    dtype; partials in the run basis), then one chain launch."""
+    """boft_bwd by the run kernels: the forward replay keeps each unit's input (``_units``: a
+    stage, or a pair) as a (hi, lo) pair, then per unit from the last one stream launch (gx as
+    a pair, the last one in x's dtype; partials in the run basis of each stage group), then
+    one chain launch."""
     GC, NBr, GP = runs
     gps = nb // NBr
     dev = xv.device
+    p = launch_config(STREAM, cfg)
+    units = _units(m, s, runs, xv.element_size(), arch, dev, [(APPLY["BT"], False), (p["BT"], True)])
     fh, fl = _runs_cayley(bc, None, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
-    nsplit_f, tps_f = tiling(False, xv.shape[0], 1, APPLY["BT"], gps, dev)
     us = [(xv, None)]
-    for i in range(m - 1):
+    for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
-        _launch_stage(us[-1], xv, fh, fl, dst, i, s, runs, gps, APPLY, arch, False, nsplit_f, tps_f)
+        _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
         us.append(dst)
     th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, True, cscale, scale, xv.dtype, arch)
-    p = launch_config(STREAM, cfg)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)
     part = torch.empty((nsplit, m * gps, GP, GP), device=dev, dtype=torch.float32)
-    gbuf = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(min(m - 1, 2))]
+    gbuf = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     g = (gv, None)
-    for i in reversed(range(m)):
-        dst = (gxv, None) if i == 0 else gbuf[i % len(gbuf)]
-        u = us[i]
-        ks = kernel(stream_runs_kernel, arch, tl_dtype(xv.dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
-                    g[1] is not None, u[1] is not None, dst[1] is not None)
-        v = [_run_view(t, s, i, GC) for t in (*_halves(g), *_halves(u), *_halves(dst))]
-        ks(*v[:4], th, tl_, *v[4:], part, i * gps, tps)
+    for n in reversed(range(len(units))):
+        i, k = units[n]
+        dst = (gxv, None) if n == 0 else gbuf[n % 2]
+        u = us[n]
+        d = tl_dtype(xv.dtype)
+        if k == 1:
+            ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
+                        g[1] is not None, u[1] is not None, dst[1] is not None)
+            v = [_run_view(t, s, i, GC) for t in (*_halves(g), *_halves(u), *_halves(dst))]
+            ks(*v[:4], th, tl_, *v[4:], part, i * gps, tps)
+        else:
+            ks = kernel(stream_pair_kernel, arch, d, 2 * GC, p["BT"], p["threads"], direct_stages(arch),
+                        g[1] is not None, u[1] is not None, dst[1] is not None)
+            v = [_pair_view(t, s, i) for t in (*_halves(g), *_halves(u), *_halves(dst))]
+            pp = torch.empty((nsplit, gps, 2 * GC, 2 * GC), device=dev, dtype=torch.float32)
+            ks(*v[:4], _pair_matrices(fh, i, s, GC, gps), _pair_matrices(fl, i, s, GC, gps),
+               _pair_matrices(th, i, s, GC, gps), _pair_matrices(tl_, i, s, GC, gps), *v[4:], pp, tps)
+            _unpair_partials(pp, part, i, s, GC, gps)
         g = dst
     bd = tl_dtype(g_blocks.dtype)
     kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True)
@@ -532,4 +696,5 @@ def compile_specs(dtype: torch.dtype):
         (stream_runs_kernel, (d, 32, 32, _BT_BWD, _THREADS, 1, True, True, True)),
         (stream_runs_kernel, (d, 48, 64, _BT_BWD, _THREADS, 1, False, False, False)),
         (stage_runs_kernel, (d, 64, 64, _BT_FWD, _THREADS, 1, True, True, False, 4)),  # a stage pair
+        (stream_pair_kernel, (d, 64, _BT_BWD, _THREADS, 1, True, True, True)),
     ])
