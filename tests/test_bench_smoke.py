@@ -122,3 +122,19 @@ def test_tilelang_oft_variants_smoke(capsys):
     out = capsys.readouterr().out
     assert out.count("  ok") == 8 and "FAIL" not in out and "failed" not in out, out
     assert all(f"merge    {v}" in out for v in ("gather", "direct ", "direct+stage")), out
+
+
+def test_tilelang_boft_variants_smoke(capsys):
+    """``bench/tilelang_boft_variants.py --smoke``: the gather / runs / runs+pairs rows run and
+    agree (TileLang's CPU twins, fp32, tiny sizes), and the pairs' launch units are printed."""
+    pytest.importorskip("tilelang")
+    spec = importlib.util.spec_from_file_location("lycoris_bench_tl_boft",
+                                                  os.path.join(BENCH, "tilelang_boft_variants.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke", "--shapes", "large"]) == 0
+    out = capsys.readouterr().out
+    assert "failed" not in out and "units with pairs: [(0, 2), (2, 1)]" in out, out
+    rows = [line.split() for line in out.splitlines() if line.startswith("large ") and "m=" not in line]
+    assert [r[1] for r in rows] == ["gather", "runs", "runs+pairs"], out
+    assert all(float(r[-1]) < 1e-4 for r in rows), out

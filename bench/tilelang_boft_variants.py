@@ -1,0 +1,102 @@
+"""A/B of TileLang BOFT's launch variants, in one process, on a GPU:
+
+    python bench/tilelang_boft_variants.py [--shapes large,small] [--dtype bf16]
+
+For each bench shape (``large``: activations (32768, 4096), s = 32; ``small``: (8192, 3072),
+s = 24; m = log2(nb) + 1 stages, channels last) and each variant, ``tilelang.boft.boft_fwd``
+and ``boft_bwd`` are called directly (no tuner, no op dispatch, the fixed tile configs), and
+the table gives their device time (``timing.DeviceTimer``: L2 flushed, median), the ratio to
+the first variant, and the largest relative difference of the results (y, gx, g_blocks) from
+the first variant's:
+
+* ``gather``: diag-OFT's element-wise gather kernels once per stage (``RUNS = False``);
+* ``runs``: the run kernels, one launch per stage (the default);
+* ``runs+pairs``: the run kernels with two stages per launch where ``_units`` allows
+  (``PAIRS = True``), forward and backward.
+
+Also printed per shape: the launch units the pairs take, and the forward's bytes moved per
+variant's pass structure over the copy bandwidth (``floor``: what its passes alone cost).
+Ratios within one run are what to compare; the machines are shared.
+
+``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing as T  # noqa: E402
+
+#: name -> (positions, channels, s)
+SHAPES = {"large": (32768, 4096, 32), "small": (8192, 3072, 24)}
+SMOKE = {"large": (37, 128, 32), "small": (21, 96, 24)}
+VARIANTS = ("gather", "runs", "runs+pairs")
+
+
+def _set(boft, variant):
+    boft.RUNS = variant != "gather"
+    boft.PAIRS = variant == "runs+pairs"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default="large,small")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
+    args = ap.parse_args(argv)
+    from lycoris_ops.tilelang import _common, boft
+
+    dt = torch.float32 if args.smoke else {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    timer = T.DeviceTimer(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    keep = boft.RUNS, boft.PAIRS
+    bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
+    print(f"{'shape':6} {'variant':12} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} {'max rel diff':>12}")
+    for name in args.shapes.split(","):
+        npos, C, s = (SMOKE if args.smoke else SHAPES)[name]
+        nb = C // s
+        m = int(math.log2(nb)) + 1
+        blocks = (0.02 * torch.randn(m, nb, s, s, generator=gen, device=dev)).to(dt)
+        x = torch.randn(npos, C, generator=gen, device=dev).to(dt)
+        g = torch.randn(npos, C, generator=gen, device=dev).to(dt)
+        runs = boft.run_groups(s, nb, x.element_size())
+        if runs is not None:
+            boft.PAIRS = True
+            units = boft._units(m, s, runs, x.element_size(), _common.arch_of(dev), dev,
+                                [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
+            boft.PAIRS = keep[1]
+            print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; units with pairs: {units}")
+        first = None
+        for v in VARIANTS:
+            _set(boft, v)
+            try:
+                fwd = lambda: boft.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False)  # noqa: E731
+                bwd = lambda: boft.boft_bwd(g, blocks, x, -1, 1.0, 1.0)  # noqa: E731
+                outs = (fwd(),) + tuple(bwd())
+                tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
+            except Exception as exc:  # a variant that does not build here: say so, go on
+                print(f"{name:6} {v:12} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            finally:
+                boft.RUNS, boft.PAIRS = keep
+            if first is None:
+                first = (tf, tb, outs)
+            diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                       for a, b in zip(outs, first[2]))
+            print(f"{name:6} {v:12} {tf:8.3f} {tf / first[0]:8.2f} {tb:8.3f} {tb / first[1]:8.2f} {diff:12.2e}")
+        if bw and runs is not None:  # the forward's passes: x in, (hi, lo) pairs between, y out (4p - 2 values)
+            per_pass = npos * C * x.element_size()
+            for v, passes in (("runs", m), ("runs+pairs", len(units))):
+                moved = per_pass * (1 + 2 * (passes - 1) + 2 * (passes - 1) + 1)
+                print(f"{name:6} {v:12} forward floor of its {passes} passes: {moved / bw * 1e3:.3f} ms")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
