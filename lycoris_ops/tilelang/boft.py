@@ -262,6 +262,12 @@ def stream_pair_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
     vshape = (NP, NSEG, R, KP)
     one = (1, 1, 1)
 
+    @T.macro
+    def to_pair(src, hi, lo):  # an fp32 fragment as a 16-bit (hi, lo) pair in shared memory
+        for t, l in par(BT, GC):
+            hi[t, l] = T.cast(src[t, l], d)
+            lo[t, l] = T.cast(src[t, l] - T.cast(T.cast(src[t, l], d), "float32"), d)
+
     @T.prim_func
     def boft_stream_pair(G: T.Tensor(vshape, d), GL: T.Tensor(vshape, d), U: T.Tensor(vshape, d),
                          UL: T.Tensor(vshape, d), EFH: T.Tensor((NG, GC, GC), d), EFL: T.Tensor((NG, GC, GC), d),
@@ -320,9 +326,7 @@ def stream_pair_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
                 T.gemm(Uh, E1l, acc, transpose_B=True)
                 if u_lo:
                     T.gemm(Ul, E1h, acc, transpose_B=True)
-                for t, l in par(BT, GC):
-                    Vh[t, l] = T.cast(acc[t, l], d)
-                    Vl[t, l] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
+                to_pair(acc, Vh, Vl)
                 T.gemm(Gh, Vh, accp2, transpose_A=True)
                 T.gemm(Gh, Vl, accp2, transpose_A=True)
                 if g_lo:
@@ -333,9 +337,7 @@ def stream_pair_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
                 T.gemm(Gh, T2l, acc, transpose_B=True)
                 if g_lo:
                     T.gemm(Gl, T2h, acc, transpose_B=True)
-                for t, l in par(BT, GC):
-                    Vh[t, l] = T.cast(acc[t, l], d)
-                    Vl[t, l] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
+                to_pair(acc, Vh, Vl)
                 T.gemm(Vh, Uh, accp1, transpose_A=True)
                 T.gemm(Vl, Uh, accp1, transpose_A=True)
                 if u_lo:
