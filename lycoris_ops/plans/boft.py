@@ -225,19 +225,18 @@ def _tl_model(dev, blocks, x, axis, bwd):
 
 
 def _tl_run_fits(dev, blocks, x, axis, bwd: bool):
-    """Where the run kernels take the call (``tilelang.boft._runs_plan``: channels last, 16-bit
+    """Where the run kernels take the call (``tilelang.boft.runs_for``: channels last, 16-bit
     x, a ``run_groups`` size), a config filter: only tiles whose run kernels fit in shared
     memory. A larger tile would build and run the gather kernels instead (6x slower at
     32768 x 4096, bench/RESULTS.md 2026-12-02 02:06, and slower to build: a cold key's time)."""
     TB = _tl_boft()
     m, nb, s, cf = _tl_sizes(blocks, x, axis)
-    runs = None if cf or esize(x.dtype) == 4 else TB.run_groups(s, nb, esize(x.dtype))
+    arch = importlib.import_module("lycoris_ops.tilelang._common").arch_of_capability(dev.capability)
+    runs = TB.runs_for(x, cf, s, nb, arch)
     if runs is None:
         return None
-    stages = importlib.import_module("lycoris_ops.tilelang.oft").direct_stages(
-        "sm_90a" if dev.capability == (9, 0) else dev.arch)
-    limit = min(dev.smem_per_block, TB._RUNS_SMEM)
-    return lambda c: TB.runs_smem(runs[0], runs[2], c["BT"], esize(x.dtype), stages, bwd) <= limit
+    limit = min(dev.smem_per_block, TB.smem_limit(x.device))
+    return lambda c: TB.runs_fit(runs, c["BT"], esize(x.dtype), arch, bwd, limit)
 
 
 def _fwd_tl(dev, blocks, x, axis, cscale, scale, rescale, diff, n: int = TL_N):

@@ -28,7 +28,7 @@ from typing import Callable, Dict, Tuple
 import torch
 
 __all__ = [
-    "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "target_of", "kernel", "compile_only",
+    "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "arch_of_capability", "target_of", "kernel", "compile_only",
     "clear", "stats", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
     "capturing", "Pending", "launch_config", "BuildError",
 ]
@@ -122,7 +122,12 @@ def arch_of(device: torch.device) -> str:
     ``cpu=True`` form, fp32, compiled for TileLang's C target — tests only)."""
     if device.type == "cpu":
         return CPU_ARCH
-    major, minor = torch.cuda.get_device_capability(device)
+    return arch_of_capability(torch.cuda.get_device_capability(device))
+
+
+def arch_of_capability(capability) -> str:
+    """``arch_of`` for a compute capability (major, minor)."""
+    major, minor = capability
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 

@@ -45,7 +45,8 @@ from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_s
                   chain_kernel, direct_stages, position_view, tiling)
 from .oft import _cayley as _oft_cayley
 
-__all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_smem", "smem_limit", "stage_runs_kernel",
+__all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
+           "stage_runs_kernel",
            "stream_runs_kernel", "stream_pair_kernel", "compile_specs", "RUNS", "PAIRS"]
 
 _F32 = "float32"
@@ -397,13 +398,24 @@ def smem_limit(device: torch.device) -> int:
     return min(_RUNS_SMEM, _optin_smem(device.index if device.index is not None else torch.cuda.current_device()))
 
 
-def _runs_plan(x, cf, s, nb, arch, bt, bwd):
-    """(GC, NB, GP) when this call takes the run kernels, else None: channels last, x 16-bit
-    (the CPU twins' exact fp32 GEMM too), a ``run_groups`` size, and a tile that fits."""
+def runs_for(x, cf, s, nb, arch):
+    """(GC, NB, GP) when the run kernels can take this call at some tile, else None: channels
+    last, x 16-bit (the CPU twins' exact fp32 GEMM too), a ``run_groups`` size."""
     if not RUNS or cf or (x.dtype == torch.float32 and arch != CPU_ARCH):
         return None
-    r = run_groups(s, nb, x.element_size())
-    if r is None or runs_smem(r[0], r[2], bt, x.element_size(), direct_stages(arch), bwd) > smem_limit(x.device):
+    return run_groups(s, nb, x.element_size())
+
+
+def runs_fit(runs, bt, esize, arch, bwd, limit) -> bool:
+    """Whether a tile of ``bt`` positions of the run kernels fits ``limit`` bytes of shared memory."""
+    return runs_smem(runs[0], runs[2], bt, esize, direct_stages(arch), bwd) <= limit
+
+
+def _runs_plan(x, cf, s, nb, arch, bt, bwd):
+    """(GC, NB, GP) when this call takes the run kernels, else None: ``runs_for``, and a tile
+    of ``bt`` positions that fits the device (``smem_limit``)."""
+    r = runs_for(x, cf, s, nb, arch)
+    if r is None or not runs_fit(r, bt, x.element_size(), arch, bwd, smem_limit(x.device)):
         return None
     return r
 
@@ -648,8 +660,8 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
     ng = m * gps
     xd = tl_dtype(x.dtype)
     runs = _runs_plan(x, cf, s, nb, arch, launch_config(STREAM, cfg)["BT"], True)
-    if runs is not None and grad.dtype == x.dtype and runs_smem(runs[0], runs[2], APPLY["BT"], x.element_size(),
-                                                               direct_stages(arch), False) <= smem_limit(dev):
+    if runs is not None and grad.dtype == x.dtype and runs_fit(runs, APPLY["BT"], x.element_size(), arch, False,
+                                                               smem_limit(dev)):
         _bwd_runs(bc, gv, xv, gx.view(xv.shape), g_blocks, m, nb, s, runs, cscale, scale, cfg, arch)
         return gx, g_blocks
     # forward replay: stage inputs u^0 = x, u^1 … u^{m-1} (fp32)
