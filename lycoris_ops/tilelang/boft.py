@@ -76,6 +76,22 @@ _RUNS_SMEM = 227 * 1024
 # an fp32 scratch), and each GEMM is split in three: U_hi·F_hi + U_hi·F_lo + U_lo·F_hi.
 
 
+def _split_gemm(T):
+    """The macro ``gemm3(ah, al, bh, bl, c, a_lo, b_lo, ta, tb)``: ``c += a·b`` for 16-bit (hi, lo)
+    operands as ``ah·bh (+ ah·bl when b_lo) (+ al·bh when a_lo)`` (the lo·lo term is below the
+    pairs' accuracy); ``ta`` / ``tb``: T.gemm's transposes."""
+
+    @T.macro
+    def gemm3(ah, al, bh, bl, c, a_lo, b_lo, ta, tb):
+        T.gemm(ah, bh, c, transpose_A=ta, transpose_B=tb)
+        if b_lo:
+            T.gemm(ah, bl, c, transpose_A=ta, transpose_B=tb)
+        if a_lo:
+            T.gemm(al, bh, c, transpose_A=ta, transpose_B=tb)
+
+    return gemm3
+
+
 def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREADS, stages: int = 1,
                       has_lo: bool = True, out_pair: bool = True, diff: bool = False, R: int = 2,
                       cpu: bool = False):
@@ -95,6 +111,7 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
     threads = 1 if cpu else threads_
     two = R == 4
     H = GC // R
+    gemm3 = _split_gemm(T)
     NP, NSEG, KP, NG = T.dynamic("NP NSEG KP NG")
     vshape = (NP, NSEG, R, KP)
     one = (1, 1, 1)
@@ -135,18 +152,13 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
                     if has_lo:
                         Ul[t, l] = T.if_then_else(l < GC, UL3[t, l // H, l % H], T.cast(0, d))
                 T.clear(acc)
-                T.gemm(Uh, Fh, acc, transpose_B=True)
-                T.gemm(Uh, Fl, acc, transpose_B=True)
-                if has_lo:
-                    T.gemm(Ul, Fh, acc, transpose_B=True)
+                gemm3(Uh, Ul, Fh, Fl, acc, has_lo, True, False, True)
                 if two:  # the pair's second stage on the first one's (hi, lo) result
                     for t, l in par(BT, GP):
                         Uh[t, l] = T.cast(acc[t, l], d)
                         Ul[t, l] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
                     T.clear(acc)
-                    T.gemm(Uh, F2h, acc, transpose_B=True)
-                    T.gemm(Uh, F2l, acc, transpose_B=True)
-                    T.gemm(Ul, F2h, acc, transpose_B=True)
+                    gemm3(Uh, Ul, F2h, F2l, acc, True, True, False, True)
                 for t, l in par(BT, GP):  # over the fragment's own shape: its layout needs no split
                     if l < GC:
                         if diff:
@@ -259,6 +271,7 @@ def stream_pair_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
     threads = 1 if cpu else threads_
     R = 4
     H = GC // R
+    gemm3 = _split_gemm(T)
     NP, NSEG, KP, NG, NS, NGP = T.dynamic("NP NSEG KP NG NS NGP")
     vshape = (NP, NSEG, R, KP)
     one = (1, 1, 1)
@@ -323,31 +336,17 @@ def stream_pair_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stage
                         Ul[t, l] = UL3[t, l // H, l % H]
                 # v = u·E1ᵀ: stage a's output, the input of stage a + 1
                 T.clear(acc)
-                T.gemm(Uh, E1h, acc, transpose_B=True)
-                T.gemm(Uh, E1l, acc, transpose_B=True)
-                if u_lo:
-                    T.gemm(Ul, E1h, acc, transpose_B=True)
+                gemm3(Uh, Ul, E1h, E1l, acc, u_lo, True, False, True)
                 to_pair(acc, Vh, Vl)
-                T.gemm(Gh, Vh, accp2, transpose_A=True)
-                T.gemm(Gh, Vl, accp2, transpose_A=True)
-                if g_lo:
-                    T.gemm(Gl, Vh, accp2, transpose_A=True)
+                gemm3(Gh, Gl, Vh, Vl, accp2, g_lo, True, True, False)
                 # g1 = g·E2 (the gradient at stage a's output), kept in Vh / Vl
                 T.clear(acc)
-                T.gemm(Gh, T2h, acc, transpose_B=True)
-                T.gemm(Gh, T2l, acc, transpose_B=True)
-                if g_lo:
-                    T.gemm(Gl, T2h, acc, transpose_B=True)
+                gemm3(Gh, Gl, T2h, T2l, acc, g_lo, True, False, True)
                 to_pair(acc, Vh, Vl)
-                T.gemm(Vh, Uh, accp1, transpose_A=True)
-                T.gemm(Vl, Uh, accp1, transpose_A=True)
-                if u_lo:
-                    T.gemm(Vh, Ul, accp1, transpose_A=True)
+                gemm3(Vh, Vl, Uh, Ul, accp1, True, u_lo, True, False)
                 # gx = g1·E1
                 T.clear(acc)
-                T.gemm(Vh, T1h, acc, transpose_B=True)
-                T.gemm(Vh, T1l, acc, transpose_B=True)
-                T.gemm(Vl, T1h, acc, transpose_B=True)
+                gemm3(Vh, Vl, T1h, T1l, acc, True, True, False, True)
                 for t, l in par(BT, GC):
                     Y3[t, l // H, l % H] = T.cast(acc[t, l], d)
                     if out_pair:
