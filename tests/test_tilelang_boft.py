@@ -35,6 +35,27 @@ def d64(*ts):
     return [None if t is None else t.detach().double().cpu() for t in ts]
 
 
+def inputs(seed, m, nb, s, shape, has_rs, dtype):
+    """(blocks, rescale or None, x, grad) of a case, on DEV."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
+    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV) if has_rs else None
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    return blocks, rescale, x, grad
+
+
+def check_channels_last(blocks, rescale, x, grad, diff, dtype, what):
+    """boft_fwd / boft_bwd (axis −1, cscale 0.9, scale 0.7) against the fp64 reference."""
+    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
+    check(boft.boft_fwd(blocks, x, -1, 0.9, 0.7, rescale, diff), R_BOFT.boft_fwd(b6, x6, -1, 0.9, 0.7, r6, diff),
+          dtype, f"boft_fwd{what}")
+    gx, gb = boft.boft_bwd(grad, blocks, x, -1, 0.9, 0.7)
+    rx, rb = R_BOFT.boft_bwd(g6, b6, x6, -1, 0.9, 0.7)
+    check(gx, rx, dtype, f"boft_bwd gx{what}")
+    check(gb, rb, dtype, f"boft_bwd g_blocks{what}")
+
+
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 @pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
 def test_kernels_compile(arch, dtype):
@@ -65,11 +86,7 @@ CASES = [
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}-ax{c[4]}-{'rs' if c[5] else 'nors'}-{'diff' if c[6] else 'plain'}"
                               for c in CASES])
 def test_boft(m, nb, s, shape, axis, has_rs, diff, dtype):
-    g = torch.Generator().manual_seed(m * 100 + nb * 10 + s)
-    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
-    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV) if has_rs else None
-    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
-    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    blocks, rescale, x, grad = inputs(m * 100 + nb * 10 + s, m, nb, s, shape, has_rs, dtype)
     cscale, scale = 0.9, 0.7
     b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
     y = boft.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff)
@@ -123,20 +140,10 @@ def test_boft_runs(m, nb, s, shape, has_rs, diff, runs, monkeypatch):
     against the fp64 reference. The CPU twins run the run kernels at fp32 (exact GEMMs)."""
     monkeypatch.setattr(boft, "RUNS", runs)
     dtype = DTYPES[-1]
-    g = torch.Generator().manual_seed(7 * m + s)
-    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
-    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV) if has_rs else None
-    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
-    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    blocks, rescale, x, grad = inputs(7 * m + s, m, nb, s, shape, has_rs, dtype)
     taken = boft._runs_plan(x, False, s, nb, _common.arch_of(x.device), boft.APPLY["BT"], False)
     assert (taken is not None) == runs, taken
-    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
-    y = boft.boft_fwd(blocks, x, -1, 0.9, 0.7, rescale, diff)
-    check(y, R_BOFT.boft_fwd(b6, x6, -1, 0.9, 0.7, r6, diff), dtype, "boft_fwd")
-    gx, gb = boft.boft_bwd(grad, blocks, x, -1, 0.9, 0.7)
-    rx, rb = R_BOFT.boft_bwd(g6, b6, x6, -1, 0.9, 0.7)
-    check(gx, rx, dtype, "boft_bwd gx")
-    check(gb, rb, dtype, "boft_bwd g_blocks")
+    check_channels_last(blocks, rescale, x, grad, diff, dtype, "")
 
 
 #: non-default (forward, backward) configs inside plans/oft.py's TileLang spaces (BOFT shares them)
@@ -151,11 +158,7 @@ def test_tile_configs(m, nb, s, shape, axis, fwd_cfg, bwd_cfg):
     """The launchers honour a tuned ``cfg`` on every stage (several tiles per program, a
     tail tile, both layouts); on a GPU the real kernels, else the CPU twins."""
     dtype = DTYPES[-1]
-    g = torch.Generator().manual_seed(12)
-    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
-    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV)
-    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
-    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    blocks, rescale, x, grad = inputs(12, m, nb, s, shape, True, dtype)
     b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
     check(boft.boft_fwd(blocks, x, axis, 0.9, 0.7, rescale, True, cfg=fwd_cfg),
           R_BOFT.boft_fwd(b6, x6, axis, 0.9, 0.7, r6, True), dtype, f"boft_fwd {fwd_cfg}")
@@ -252,20 +255,10 @@ def test_boft_pairs(m, nb, s, shape, has_rs, diff, monkeypatch):
     partials to their groups) against the fp64 reference, and which stages pair."""
     monkeypatch.setattr(boft, "PAIRS", True)
     dtype = DTYPES[-1]
-    g = torch.Generator().manual_seed(11 * m + s)
-    blocks = (0.2 * torch.randn(m, nb, s, s, generator=g)).to(DEV)
-    rescale = (torch.rand(nb * s, generator=g) + 0.5).to(DEV) if has_rs else None
-    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
-    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    blocks, rescale, x, grad = inputs(11 * m + s, m, nb, s, shape, has_rs, dtype)
     runs = boft.run_groups(s, nb, x.element_size())
     units = boft._units(m, s, runs, x.element_size(), _common.arch_of(x.device), x.device,
                         [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
     want = {3: [(0, 2), (2, 1)], 2: [(0, 2)], 5: [(0, 1), (1, 1), (2, 2), (4, 1)]}[m]
     assert units == want, units
-    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
-    check(boft.boft_fwd(blocks, x, -1, 0.9, 0.7, rescale, diff), R_BOFT.boft_fwd(b6, x6, -1, 0.9, 0.7, r6, diff),
-          dtype, "boft_fwd (pairs)")
-    gx, gb = boft.boft_bwd(grad, blocks, x, -1, 0.9, 0.7)
-    rx, rb = R_BOFT.boft_bwd(g6, b6, x6, -1, 0.9, 0.7)
-    check(gx, rx, dtype, "boft_bwd gx (pairs)")
-    check(gb, rb, dtype, "boft_bwd g_blocks (pairs)")
+    check_channels_last(blocks, rescale, x, grad, diff, dtype, " (pairs)")
