@@ -178,7 +178,14 @@ def _cayley_macros(T, par, S, NB, GP):
                     A[i, j] = A[i, j] - ca[i] * ra[j]
                     Mi[i, j] = Mi[i, j] - ca[i] * ri[j]
 
-    return build_system, gauss_jordan
+    @T.macro
+    def run_slots(slot, g, gps):
+        # BOFT's run basis (``runs``): the slot of each group position, an index table (simpler
+        # lowering than the expression at each use); the padding slots are themselves
+        for i in par(GP):
+            slot[i] = T.if_then_else(i < GC, _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2), i)
+
+    return build_system, gauss_jordan, run_slots
 
 
 def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
@@ -264,7 +271,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NG = T.dynamic("KB NR NG")
-    build_system, gauss_jordan = _cayley_macros(T, par, S, NB, GP)
+    build_system, gauss_jordan, run_slots = _cayley_macros(T, par, S, NB, GP)
 
     @T.prim_func
     def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
@@ -279,9 +286,8 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
             rho = alloc_s((GP,), "float32")
             slot = alloc_s((GP if runs else 1,), "int32")
             build_system(B, A, Mi, g, cscale, KB)
-            if runs:  # the run-basis slot of each group position (an index table: simpler lowering); padding: itself
-                for i in par(GP):
-                    slot[i] = T.if_then_else(i < GC, _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2), i)
+            if runs:
+                run_slots(slot, g, gps)
             for i in par(GP):
                 if has_rescale:  # one store (see build_system)
                     rho[i] = T.if_then_else(g >= g_rs and i < GC and g * NB + i // S < KB,
@@ -565,7 +571,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, gauss_jordan = _cayley_macros(T, par, S, NB, GP)
+    build_system, gauss_jordan, run_slots = _cayley_macros(T, par, S, NB, GP)
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
@@ -591,9 +597,8 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
                 else:
                     rho[i] = 1.0
             T.clear(acc)
-            if runs:  # the run-basis slot of each group position (an index table: simpler lowering); padding: itself
-                for i in par(GP):
-                    slot[i] = T.if_then_else(i < GC, _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2), i)
+            if runs:
+                run_slots(slot, g, gps)
             for s in T.serial(NS):
                 for i, j in par(GP, GP):
                     if runs:
