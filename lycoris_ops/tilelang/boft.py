@@ -547,16 +547,19 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
 
 
 def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff):
-    """Stage i (k = 1) or stages i, i + 1 (k = 2: the four-run box) by ``stage_runs_kernel``."""
+    """Stage i (k = 1: the two-run box, the stage's run-basis matrices) or stages i, i + 1
+    (k = 2: the four-run box, ``_pair_matrices``) by ``stage_runs_kernel``; ``src`` / ``dst``:
+    (hi, lo or None), (NP, C)."""
     GC, _, GP = runs
+    kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), k * GC, k * GP, p["BT"], p["threads"],
+                  direct_stages(arch), src[1] is not None, dst[1] is not None, diff, 2 * k)
+    nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps // k, x0.device)
+    ops = (*_halves(src), x0, *_halves(dst))
     if k == 1:
-        nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps, x0.device)
-        return _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff, nsplit, tps)
-    kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), 2 * GC, 2 * GP, p["BT"], p["threads"],
-                  direct_stages(arch), src[1] is not None, dst[1] is not None, diff, 4)
-    v = [_pair_view(t, s, i) for t in (*_halves(src), x0, *_halves(dst))]
-    nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps // 2, x0.device)
-    kern(*v[:3], _pair_matrices(fh, i, s, GC, gps), _pair_matrices(fl, i, s, GC, gps), *v[3:], 0, nsplit, tps)
+        v, mats, goff = [_run_view(t, s, i, GC) for t in ops], (fh, fl), i * gps
+    else:
+        v, mats, goff = [_pair_view(t, s, i) for t in ops], [_pair_matrices(f, i, s, GC, gps) for f in (fh, fl)], 0
+    kern(*v[:3], *mats, *v[3:], goff, nsplit, tps)
 
 
 def _pair_view(t, s, i):
@@ -584,15 +587,6 @@ def _halves(pair):
     """(hi, lo) of a stage value (hi, lo or None); a value without lo passes hi again as the
     placeholder of the operand its kernel variant never touches."""
     return pair[0], pair[1] if pair[1] is not None else pair[0]
-
-
-def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff, nsplit, tps):
-    """Stage i of the butterfly by ``stage_runs_kernel``; ``src`` / ``dst``: (hi, lo or None), (NP, C)."""
-    GC, _, GP = runs
-    k = kernel(stage_runs_kernel, arch, tl_dtype(src[0].dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
-               src[1] is not None, dst[1] is not None, diff)
-    v = [_run_view(t, s, i, GC) for t in (*_halves(src), x0, *_halves(dst))]
-    k(*v[:3], fh, fl, *v[3:], i * gps, nsplit, tps)
 
 
 def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arch):
