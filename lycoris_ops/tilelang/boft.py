@@ -374,13 +374,15 @@ def run_groups(s: int, nb: int, esize: int):
     return None
 
 
-def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool) -> int:
+def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool, pair: bool = False) -> int:
     """Shared-memory bytes of the run kernels at their largest (lo halves present): the F
-    pair, ``stages`` copies of the loaded boxes, the GEMM operands and the output boxes."""
-    box, op = BT * GC * esize, BT * GP * esize
+    pairs, ``stages`` copies of the loaded boxes, the GEMM operands and the output boxes.
+    ``pair`` (``stage_runs_kernel`` with R = 4, ``stream_pair_kernel``; GC, GP the pair's
+    width): the second stage's matrices, and the backward's middle value (hi, lo)."""
+    box, op, mat = BT * GC * esize, BT * GP * esize, GP * GP * esize
     if bwd:
-        return 2 * GP * GP * esize + stages * 4 * box + 4 * op + 2 * box
-    return 2 * GP * GP * esize + stages * 3 * box + 2 * op + 2 * box
+        return (6 if pair else 2) * mat + stages * 4 * box + (6 if pair else 4) * op + 2 * box
+    return (4 if pair else 2) * mat + stages * 3 * box + 2 * op + 2 * box
 
 
 @functools.lru_cache(maxsize=None)
@@ -405,9 +407,11 @@ def runs_for(x, cf, s, nb, arch):
     return run_groups(s, nb, x.element_size())
 
 
-def runs_fit(runs, bt, esize, arch, bwd, limit) -> bool:
-    """Whether a tile of ``bt`` positions of the run kernels fits ``limit`` bytes of shared memory."""
-    return runs_smem(runs[0], runs[2], bt, esize, direct_stages(arch), bwd) <= limit
+def runs_fit(runs, bt, esize, arch, bwd, limit, pair=False) -> bool:
+    """Whether a tile of ``bt`` positions of the run kernels (``pair``: of a stage pair)
+    fits ``limit`` bytes of shared memory."""
+    k = 2 if pair else 1
+    return runs_smem(k * runs[0], k * runs[2], bt, esize, direct_stages(arch), bwd, pair) <= limit
 
 
 def _runs_plan(x, cf, s, nb, arch, bt, bwd):
@@ -496,9 +500,8 @@ def _pair_at(i, m, s, runs, bt, esize, arch, device, bwd=False) -> bool:
     GC, _, GP = runs
     if not PAIRS or i + 1 >= m or GC != GP or 2 * GC > 64 or ((s // 2) << i) < GC // 2:
         return False
-    mat, tile, st = (2 * GC) ** 2 * esize, bt * 2 * GC * esize, direct_stages(arch)
-    smem = 6 * mat + st * 4 * tile + 8 * tile if bwd else 4 * mat + st * 3 * tile + 4 * tile
-    return arch == CPU_ARCH or smem <= smem_limit(device)  # the CPU twins' buffers are local
+    # the CPU twins' buffers are local
+    return arch == CPU_ARCH or runs_fit(runs, bt, esize, arch, bwd, smem_limit(device), pair=True)
 
 
 def _units(m, s, runs, esize, arch, device, tiles):
