@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="large,small")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="the variants to time, in order")
     ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import _common, boft
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
             boft.PAIRS = keep[1]
             print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; units with pairs: {units}")
         first = None
-        for v in VARIANTS:
+        for v in args.variants.split(","):
             _set(boft, v)
             try:
                 fwd = lambda: boft.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False)  # noqa: E731

@@ -12,6 +12,8 @@ largest relative difference of the results from the first variant's:
 * ``direct``: the ``T.copy`` kernels storing from the GEMM fragment;
 * ``direct+stage``: the same, the output tile stored through shared memory
   (``DIRECT_STAGE_OUT``: the launchers' default per layout);
+* ``direct+cayley``: ``direct+stage`` with each program solving its group's Cayley
+  transform in its prologue (``FUSE_CAYLEY``: no Cayley launch, no F pair in memory);
 * ``cayley only``: the Cayley launch every variant starts with (F; the backward's Fᵀ), the
   fixed cost a small shape (the merge's 4096 positions) cannot hide.
 
@@ -19,7 +21,7 @@ Ratios within one run are what to compare; the machines are shared.
 
 ``--parity``: first, odd-size cases of the direct kernels (a partial last group, a tail
 tile; weight rows, conv activations, channels last) with and without the shared-memory
-store, against the fp64 reference: one line per case, ``ok`` within the dtype's tolerance.
+store, and with the Cayley solve fused (``FUSE_CAYLEY``), against the fp64 reference: one line per case, ``ok`` within the dtype's tolerance.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ import timing as T  # noqa: E402
 
 SHAPES = {"bypass": ((32768, 4096), False), "merge": ((4096, 4096), True)}
 SMOKE = {"bypass": ((300, 64), False), "merge": ((64, 300), True)}  # CPU twins, fp32
-VARIANTS = ("gather", "direct", "direct+stage")
+VARIANTS = ("gather", "direct", "direct+stage", "direct+cayley")
 
 
 #: (K, S, x shape, weight): S divides the 32-channel group (the direct kernels); 72 channels
@@ -49,7 +51,7 @@ def parity(dt, dev) -> bool:
     from lycoris_ops.testing import REL_TOL, rel_err
     from lycoris_ops.tilelang import oft
 
-    keep, good = oft.DIRECT_STAGE_OUT, True
+    keep, fuse, good = oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY, True
     gen = torch.Generator().manual_seed(1)
     try:
         for K, S, shape, weight in PARITY:
@@ -58,18 +60,19 @@ def parity(dt, dev) -> bool:
             x, g = (torch.randn(*shape, generator=gen).to(dt) for _ in range(2))
             want = (R.oft_fwd(blocks.double(), x.double(), rs.double(), 0.8, True, weight),) + tuple(
                 R.oft_bwd(g.double(), blocks.double(), x.double(), rs.double(), 0.8, True, weight))
-            for stage in (False, True):
+            for stage, fused in ((False, False), (True, False), (True, True)):
                 oft.DIRECT_STAGE_OUT = dict.fromkeys(("cl", "cf"), stage)
+                oft.FUSE_CAYLEY = fused
                 b, xd, gd, r = (t.to(dev) for t in (blocks, x, g, rs))
                 got = (oft.oft_fwd(b, xd, r, 0.8, True, weight),) + tuple(oft.oft_bwd(gd, b, xd, r, 0.8, True, weight))
                 errs = [rel_err(a.cpu(), w) for a, w in zip(got, want)]
                 ok = max(errs) <= REL_TOL[dt]
                 good &= ok
                 print(f"parity {str(dt)[6:]:8} {str(shape):14} {'weight' if weight else 'act':6} "
-                      f"stage={int(stage)}  y/gx/gB/gR rel err {' '.join(f'{e:.1e}' for e in errs)}  "
+                      f"stage={int(stage)} fused={int(fused)}  y/gx/gB/gR rel err {' '.join(f'{e:.1e}' for e in errs)}  "
                       f"{'ok' if ok else 'FAIL'}")
     finally:
-        oft.DIRECT_STAGE_OUT = keep
+        oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY = keep, fuse
     return good
 
 
@@ -77,6 +80,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="bypass,merge")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="the variants to time, in order")
     ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
     ap.add_argument("--parity", action="store_true", help="odd-size parity of the direct kernels first")
     args = ap.parse_args(argv)
@@ -88,7 +92,7 @@ def main(argv=None) -> int:
         return 1
     timer = T.DeviceTimer(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
-    direct, stage_out = oft.direct_apply, oft.DIRECT_STAGE_OUT
+    direct, stage_out, fuse = oft.direct_apply, oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY
     print(f"{'shape':8} {'variant':14} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         shape, weight = (SMOKE if args.smoke else SHAPES)[name]
@@ -98,9 +102,10 @@ def main(argv=None) -> int:
         x = torch.randn(shape, generator=gen, device=dev).to(dt)
         g = torch.randn(shape, generator=gen, device=dev).to(dt)
         first = None
-        for v in VARIANTS:
+        for v in args.variants.split(","):
             oft.direct_apply = direct if v != "gather" else (lambda *a: False)
-            oft.DIRECT_STAGE_OUT = dict.fromkeys(("cl", "cf"), v == "direct+stage")
+            oft.DIRECT_STAGE_OUT = dict.fromkeys(("cl", "cf"), v in ("direct+stage", "direct+cayley"))
+            oft.FUSE_CAYLEY = v == "direct+cayley"
             try:
                 fwd = lambda: oft.oft_fwd(blocks, x, None, 1.0, True, weight)  # noqa: E731
                 bwd = lambda: oft.oft_bwd(g, blocks, x, None, 1.0, True, weight)  # noqa: E731
@@ -110,7 +115,7 @@ def main(argv=None) -> int:
                 print(f"{name:8} {v:14} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             finally:
-                oft.direct_apply, oft.DIRECT_STAGE_OUT = direct, stage_out
+                oft.direct_apply, oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY = direct, stage_out, fuse
             if first is None:
                 first = (tf, tb, outs)
             diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()

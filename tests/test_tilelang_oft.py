@@ -132,6 +132,38 @@ def test_direct_kernels_store_through_shared_memory(shape, weight, monkeypatch):
     assert any(k[1] == "apply_direct_kernel" and k[3][-1] is True for k in _common._kernels)
 
 
+#: the direct-path cases of CASES (16-bit rows of 16-byte multiples; the CPU twins at fp32)
+DIRECT_CASES = [(9, 8, (37, 72), False, True, True), (4, 16, (50, 64), False, False, False),
+                (9, 8, (72, 40), True, True, True), (4, 16, (3, 64, 4, 6), False, True, False)]
+
+
+@pytest.mark.parametrize("K,S,shape,weight,has_rs,shift", DIRECT_CASES,
+                         ids=["cl-rs-shift", "cl-rot", "cf-w-rs-shift", "cf-conv-rs"])
+def test_direct_kernels_solve_cayley(K, S, shape, weight, has_rs, shift, monkeypatch):
+    """``FUSE_CAYLEY``: the direct kernels solve their group's Cayley transform in their
+    prologue (no F pair in memory): the same results as the reference, forward and backward,
+    both layouts, a partial last group, rescale and shift on and off."""
+    monkeypatch.setattr(oft, "FUSE_CAYLEY", True)
+    before = {k for k in _common._kernels if k[1] == "cayley_kernel"}
+    dtype = DTYPES[-1]
+    g = torch.Generator().manual_seed(K * 31 + S)
+    blocks = (0.2 * torch.randn(K, S, S, generator=g)).to(DEV)
+    rescale = (torch.rand(K * S, 1, generator=g) + 0.5).to(DEV) if has_rs else None
+    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
+    b6, x6, r6, g6 = d64(blocks, x, rescale, grad)
+    check(oft.oft_fwd(blocks, x, rescale, 0.8, shift, weight), R_OFT.oft_fwd(b6, x6, r6, 0.8, shift, weight), dtype,
+          "oft_fwd")
+    got = oft.oft_bwd(grad, blocks, x, rescale, 0.8, shift, weight)
+    for what, a, b in zip(("gx", "g_blocks", "g_rescale"), got, R_OFT.oft_bwd(g6, b6, x6, r6, 0.8, shift, weight)):
+        if what != "g_rescale" or has_rs:
+            check(a, b, dtype, f"oft_bwd {what}")
+    used = {k[1] for k in _common._kernels if k[1] != "cayley_kernel" and k[3][-1] == (
+        _common.tl_dtype(blocks.dtype), "float32", S, has_rs)}
+    assert used == {"apply_direct_kernel", "stream_direct_kernel"}, used
+    assert {k for k in _common._kernels if k[1] == "cayley_kernel"} == before  # no Cayley launch built
+
+
 def test_cayley_kernel_blocks():
     """The Cayley family alone: F (and Fᵀ) of each packed block equals diag(ρ)·Rᵀ − I,
     the padding and the off-block entries are exactly zero."""

@@ -78,6 +78,9 @@ _DIRECT_STAGES = 2
 #: channels last (32768 x 4096 activations) 2.4x faster forward, 1.5x backward; channels first
 #: (a 4096 x 4096 weight) 2.8x forward, 1.9x backward
 DIRECT_STAGE_OUT = {"cl": True, "cf": True}
+#: the direct kernels solve their group's Cayley transform in their prologue (no Cayley
+#: launch, F never in global memory) instead of reading the F pair ``cayley_kernel`` wrote
+FUSE_CAYLEY = False
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
@@ -185,7 +188,27 @@ def _cayley_macros(T, par, S, NB, GP):
         for i in par(GP):
             slot[i] = T.if_then_else(i < GC, _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2), i)
 
-    return build_system, gauss_jordan, run_slots
+    @T.macro
+    def load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm):
+        # ρ of the group's rows (1 where there is no rescale, or before BOFT's last stage)
+        for i in par(GP):
+            if has_rescale:  # one store (see build_system)
+                rho[i] = T.if_then_else(g >= g_rs and i < GC and g * NB + i // S < KB,
+                                        T.cast(RS[_perm((g - g_rs) * GC + i, kappa, has_perm)], "float32"), 1.0)
+            else:
+                rho[i] = 1.0
+
+    def f_entry(Mi, rho, i, j, g, fcoef, KB, boft):
+        # entry (i, j) of the group matrix F from M = (I − Q)⁻¹ (an expression; 0 off the blocks)
+        eye = T.if_then_else(i == j, 1.0, 0.0)
+        if boft:
+            f = rho[i] * (fcoef * (2.0 * Mi[i, j] - eye) + (1.0 - fcoef) * eye)
+        else:
+            f = rho[i] * (2.0 * Mi[j, i] - eye) - fcoef * eye
+        # (a Python function, not parsed: T.And where the kernels write ``and``)
+        return T.if_then_else(T.And(T.And(i < GC, j < GC), T.And(i // S == j // S, g * NB + i // S < KB)), f, 0.0)
+
+    return build_system, gauss_jordan, run_slots, load_rho, f_entry
 
 
 def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
@@ -271,7 +294,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NG = T.dynamic("KB NR NG")
-    build_system, gauss_jordan, run_slots = _cayley_macros(T, par, S, NB, GP)
+    build_system, gauss_jordan, run_slots, load_rho, f_entry = _cayley_macros(T, par, S, NB, GP)
 
     @T.prim_func
     def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
@@ -288,21 +311,10 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
             build_system(B, A, Mi, g, cscale, KB)
             if runs:
                 run_slots(slot, g, gps)
-            for i in par(GP):
-                if has_rescale:  # one store (see build_system)
-                    rho[i] = T.if_then_else(g >= g_rs and i < GC and g * NB + i // S < KB,
-                                            T.cast(RS[_perm((g - g_rs) * GC + i, kappa, has_perm)], "float32"), 1.0)
-                else:
-                    rho[i] = 1.0
+            load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
             gauss_jordan(A, Mi, ra, ri, ca)
             for i, j in par(GP, GP):
-                if boft:
-                    f = rho[i] * (fcoef * (2.0 * Mi[i, j] - T.if_then_else(i == j, 1.0, 0.0))
-                                  + (1.0 - fcoef) * T.if_then_else(i == j, 1.0, 0.0))
-                else:
-                    f = rho[i] * (2.0 * Mi[j, i] - T.if_then_else(i == j, 1.0, 0.0)) \
-                        - fcoef * T.if_then_else(i == j, 1.0, 0.0)
-                fv = T.if_then_else(i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, f, 0.0)
+                fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
                 r, c = (slot[i], slot[j]) if runs else (i, j)
                 if trans:
                     r, c = c, r
@@ -380,7 +392,8 @@ def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int
 
 
 def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
-                        stages: int = 1, cf: bool = False, stage_out: bool = False, cpu: bool = False):
+                        stages: int = 1, cf: bool = False, stage_out: bool = False, cayley: tuple = (),
+                        cpu: bool = False):
     """``apply_kernel`` where nothing needs a gather: the identity channel map, every group's
     GP channels used (GC = GP, S divides GP), no diff, and x already in the GEMM dtype
     (16-bit; the CPU twin's exact fp32 GEMM too). The x tile goes to shared memory by
@@ -391,7 +404,11 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
     Channels last: X, Y (NP, C), tile (BT, GP), ``acc = X·Fᵀ``. Channels first (``cf``):
     X, Y (PRE, C, NP), tile (GP, BT) of one pre index (a weight's rows are its channels),
     ``acc = F·X`` (the same product per position, no transposed operand).
-    Group g uses F pair [g]; program (g, split) walks tiles split·tps … split·tps + tps − 1."""
+    Group g uses F pair [g]; program (g, split) walks tiles split·tps … split·tps + tps − 1.
+    ``cayley`` = (blocks dtype, rescale dtype, S, has_rescale): each program solves its
+    group's Cayley transform itself (``cayley_kernel``'s algebra, in its prologue) from the
+    blocks B (KB, S, S), rescale RS, cscale and shift instead of reading an F pair: no
+    Cayley launch before it, and F never in global memory."""
     import tilelang.language as T
 
     alloc_s = T.alloc_local if cpu else T.alloc_shared
@@ -399,6 +416,43 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
     threads = 1 if cpu else threads_
     xshape, tshape, tile, C = _direct_layout(T, cf, BT, GP)
     NG = T.dynamic("NG")
+    group_f = _group_f_macro(T, cpu, GP, cdt, cayley, False)
+
+    @T.macro
+    def tiles(X, Y, Fh, Fl, g, sp, tps):
+        Xs = alloc_s(tshape, cdt)
+        acc = alloc_f(tshape, "float32")
+        Ys = alloc_s(tshape if stage_out else (1, 1), yd)
+        for tt in T.Pipelined(tps, num_stages=stages):
+            T.copy(tile(X, g, sp * tps + tt), Xs)
+            T.clear(acc)
+            if cf:  # Y = F·X per column
+                T.gemm(Fh, Xs, acc)
+                T.gemm(Fl, Xs, acc)
+            else:  # y = x·Fᵀ per row
+                T.gemm(Xs, Fh, acc, transpose_B=True)
+                T.gemm(Xs, Fl, acc, transpose_B=True)
+            if stage_out:  # through shared memory: whole-row stores instead of fragment pairs
+                T.copy(acc, Ys)
+                T.copy(Ys, tile(Y, g, sp * tps + tt))
+            else:
+                T.copy(acc, tile(Y, g, sp * tps + tt))
+
+    if cayley:
+        bd, rd, S, _ = cayley
+        KB, NR = T.dynamic("KB NR")
+
+        @T.prim_func
+        def oft_apply_direct_cayley(X: T.Tensor(xshape, xd), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
+                                    Y: T.Tensor(xshape, yd), nsplit: T.int32, tps: T.int32, cscale: T.float32,
+                                    fcoef: T.float32):
+            with T.Kernel(T.ceildiv(C, GP), nsplit, threads=threads) as (g, sp):
+                Fh = alloc_s((GP, GP), cdt)
+                Fl = alloc_s((GP, GP), cdt)
+                group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB)
+                tiles(X, Y, Fh, Fl, g, sp, tps)
+
+        return oft_apply_direct_cayley
 
     @T.prim_func
     def oft_apply_direct(X: T.Tensor(xshape, xd), FH: T.Tensor((NG, GP, GP), cdt), FL: T.Tensor((NG, GP, GP), cdt),
@@ -406,27 +460,45 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
         with T.Kernel(T.ceildiv(C, GP), nsplit, threads=threads) as (g, sp):
             Fh = alloc_s((GP, GP), cdt)
             Fl = alloc_s((GP, GP), cdt)
-            Xs = alloc_s(tshape, cdt)
-            acc = alloc_f(tshape, "float32")
-            Ys = alloc_s(tshape if stage_out else (1, 1), yd)
             T.copy(FH[g, 0, 0], Fh)
             T.copy(FL[g, 0, 0], Fl)
-            for tt in T.Pipelined(tps, num_stages=stages):
-                T.copy(tile(X, g, sp * tps + tt), Xs)
-                T.clear(acc)
-                if cf:  # Y = F·X per column
-                    T.gemm(Fh, Xs, acc)
-                    T.gemm(Fl, Xs, acc)
-                else:  # y = x·Fᵀ per row
-                    T.gemm(Xs, Fh, acc, transpose_B=True)
-                    T.gemm(Xs, Fl, acc, transpose_B=True)
-                if stage_out:  # through shared memory: whole-row stores instead of fragment pairs
-                    T.copy(acc, Ys)
-                    T.copy(Ys, tile(Y, g, sp * tps + tt))
-                else:
-                    T.copy(acc, tile(Y, g, sp * tps + tt))
+            tiles(X, Y, Fh, Fl, g, sp, tps)
 
     return oft_apply_direct
+
+
+def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
+    """The direct kernels' prologue when they solve the Cayley transform themselves
+    (``cayley`` = (blocks dtype, rescale dtype, S, has_rescale); None when they read an F
+    pair): diag-OFT's F (``trans``: Fᵀ) of group g as a (hi, lo) pair in shared tiles."""
+    if not cayley:
+        return None
+    _, _, S, has_rescale = cayley
+    par = T.grid if cpu else T.Parallel
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
+    build_system, gauss_jordan, _, load_rho, f_entry = _cayley_macros(T, par, S, GP // S, GP)
+
+    @T.macro
+    def group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB):
+        A = alloc_s((GP, GP), "float32")
+        Mi = alloc_s((GP, GP), "float32")
+        ra = alloc_s((GP,), "float32")
+        ri = alloc_s((GP,), "float32")
+        ca = alloc_s((GP,), "float32")
+        rho = alloc_s((GP,), "float32")
+        build_system(B, A, Mi, g, cscale, KB)
+        load_rho(RS, rho, g, 0, 0, KB, has_rescale, False)
+        gauss_jordan(A, Mi, ra, ri, ca)
+        for i, j in par(GP, GP):
+            fv = f_entry(Mi, rho, i, j, g, fcoef, KB, False)
+            if trans:
+                Fh[j, i] = _hi_lo(T, fv, cdt)[0]
+                Fl[j, i] = _hi_lo(T, fv, cdt)[1]
+            else:
+                Fh[i, j] = _hi_lo(T, fv, cdt)[0]
+                Fl[i, j] = _hi_lo(T, fv, cdt)[1]
+
+    return group_f
 
 
 def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT: int, cf: bool, has_perm: bool,
@@ -502,13 +574,15 @@ def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT
 
 
 def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
-                         stages: int = 1, cf: bool = False, stage_out: bool = False, cpu: bool = False):
+                         stages: int = 1, cf: bool = False, stage_out: bool = False, cayley: tuple = (),
+                         cpu: bool = False):
     """``bwd_stream_kernel`` where nothing needs a gather (as ``apply_direct_kernel``: GC = GP,
     G and x in the 16-bit GEMM dtype; the CPU twin at fp32): the G and x tiles by ``T.copy``
     in a ``T.Pipelined`` loop, gx stored by ``T.copy``. Positions past the end load as zeros
     (T.copy's predicate), so they add nothing to P.
     Channels last: tiles (BT, GP), ``gx = G·(Fᵀ)ᵀ``, ``P += Gᵀ·X`` (``transpose_A``).
-    Channels first (``cf``, (PRE, C, NP)): tiles (GP, BT), ``gx = Fᵀ·G``, ``P += G·Xᵀ``."""
+    Channels first (``cf``, (PRE, C, NP)): tiles (GP, BT), ``gx = Fᵀ·G``, ``P += G·Xᵀ``.
+    ``cayley``: the program solves its group's Fᵀ itself (``apply_direct_kernel``'s)."""
     import tilelang.language as T
 
     alloc_s = T.alloc_local if cpu else T.alloc_shared
@@ -516,6 +590,51 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
     threads = 1 if cpu else threads_
     xshape, tshape, tile, C = _direct_layout(T, cf, BT, GP)
     NG, NS, NGP = T.dynamic("NG NS NGP")
+    group_f = _group_f_macro(T, cpu, GP, cdt, cayley, True)
+
+    @T.macro
+    def tiles(G, X, GX, P, Fh, Fl, g, sp, tps):
+        Gs = alloc_s(tshape, cdt)
+        Xs = alloc_s(tshape, cdt)
+        acc = alloc_f(tshape, "float32")
+        accp = alloc_f((GP, GP), "float32")
+        Ys = alloc_s(tshape if stage_out else (1, 1), gxd)
+        T.clear(accp)
+        for tt in T.Pipelined(tps, num_stages=stages):
+            T.copy(tile(G, g, sp * tps + tt), Gs)
+            T.copy(tile(X, g, sp * tps + tt), Xs)
+            T.clear(acc)
+            if cf:  # gx = Fᵀ·G per column (FH holds Fᵀ), P += G·Xᵀ
+                T.gemm(Fh, Gs, acc)
+                T.gemm(Fl, Gs, acc)
+                T.gemm(Gs, Xs, accp, transpose_B=True)
+            else:  # gx = g·(Fᵀ)ᵀ per row, P += Gᵀ·X
+                T.gemm(Gs, Fh, acc, transpose_B=True)
+                T.gemm(Gs, Fl, acc, transpose_B=True)
+                T.gemm(Gs, Xs, accp, transpose_A=True)
+            if stage_out:
+                T.copy(acc, Ys)
+                T.copy(Ys, tile(GX, g, sp * tps + tt))
+            else:
+                T.copy(acc, tile(GX, g, sp * tps + tt))
+        T.copy(accp, P[sp, g, 0, 0])
+
+    if cayley:
+        bd, rd, S, _ = cayley
+        KB, NR = T.dynamic("KB NR")
+
+        @T.prim_func
+        def oft_stream_direct_cayley(G: T.Tensor(xshape, gd), X: T.Tensor(xshape, xd),
+                                     B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
+                                     GX: T.Tensor(xshape, gxd), P: T.Tensor((NS, NGP, GP, GP), _F32), tps: T.int32,
+                                     cscale: T.float32, fcoef: T.float32):
+            with T.Kernel(T.ceildiv(C, GP), NS, threads=threads) as (g, sp):
+                Fh = alloc_s((GP, GP), cdt)
+                Fl = alloc_s((GP, GP), cdt)
+                group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB)
+                tiles(G, X, GX, P, Fh, Fl, g, sp, tps)
+
+        return oft_stream_direct_cayley
 
     @T.prim_func
     def oft_stream_direct(G: T.Tensor(xshape, gd), X: T.Tensor(xshape, xd), FH: T.Tensor((NG, GP, GP), cdt),
@@ -524,32 +643,9 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
         with T.Kernel(T.ceildiv(C, GP), NS, threads=threads) as (g, sp):
             Fh = alloc_s((GP, GP), cdt)
             Fl = alloc_s((GP, GP), cdt)
-            Gs = alloc_s(tshape, cdt)
-            Xs = alloc_s(tshape, cdt)
-            acc = alloc_f(tshape, "float32")
-            accp = alloc_f((GP, GP), "float32")
-            Ys = alloc_s(tshape if stage_out else (1, 1), gxd)
             T.copy(FH[g, 0, 0], Fh)
             T.copy(FL[g, 0, 0], Fl)
-            T.clear(accp)
-            for tt in T.Pipelined(tps, num_stages=stages):
-                T.copy(tile(G, g, sp * tps + tt), Gs)
-                T.copy(tile(X, g, sp * tps + tt), Xs)
-                T.clear(acc)
-                if cf:  # gx = Fᵀ·G per column (FH holds Fᵀ), P += G·Xᵀ
-                    T.gemm(Fh, Gs, acc)
-                    T.gemm(Fl, Gs, acc)
-                    T.gemm(Gs, Xs, accp, transpose_B=True)
-                else:  # gx = g·(Fᵀ)ᵀ per row, P += Gᵀ·X
-                    T.gemm(Gs, Fh, acc, transpose_B=True)
-                    T.gemm(Gs, Fl, acc, transpose_B=True)
-                    T.gemm(Gs, Xs, accp, transpose_A=True)
-                if stage_out:
-                    T.copy(acc, Ys)
-                    T.copy(Ys, tile(GX, g, sp * tps + tt))
-                else:
-                    T.copy(acc, tile(GX, g, sp * tps + tt))
-            T.copy(accp, P[sp, g, 0, 0])
+            tiles(G, X, GX, P, Fh, Fl, g, sp, tps)
 
     return oft_stream_direct
 
@@ -571,7 +667,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, gauss_jordan, run_slots = _cayley_macros(T, par, S, NB, GP)
+    build_system, gauss_jordan, run_slots, _, _ = _cayley_macros(T, par, S, NB, GP)
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
@@ -724,11 +820,19 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     arch = arch_of(x.device)
     bc = aligned(blocks.contiguous())
     rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
-    fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, False, cscale, 1.0 if shift else 0.0, 0, 0, ng, arch)
+    fcoef = 1.0 if shift else 0.0
     p = launch_config(APPLY, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, x.device)
     yv = y.view(xv.shape)
-    if direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1]):
+    direct = direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1])
+    if direct and FUSE_CAYLEY:
+        rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
+        k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
+                   p["threads"], *direct_flags(arch, cf), _cayley_args(bc, rsv, rs is not None))
+        k(xv, bc.view(-1, S, S), rsv, yv, nsplit, tps, float(cscale), fcoef)
+        return y
+    fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, False, cscale, fcoef, 0, 0, ng, arch)
+    if direct:
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
                    p["threads"], *direct_flags(arch, cf))
         k(xv, fh, fl, yv, nsplit, tps)
@@ -737,6 +841,11 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
                p["BT"], cf, False, False, p["threads"])
     k(xv, xv, fh, fl, yv, 0, 0, nsplit, tps)
     return y
+
+
+def _cayley_args(blocks: torch.Tensor, rsv: torch.Tensor, has_rescale: bool) -> tuple:
+    """The direct kernels' ``cayley`` builder argument for these operands."""
+    return tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), blocks.shape[-1], has_rescale
 
 
 def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str,
@@ -791,19 +900,27 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     arch = arch_of(dev)
     bc = aligned(blocks.contiguous())
     rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
-    fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, True, cscale, 1.0 if shift else 0.0, 0, 0, ng, arch)
+    fcoef = 1.0 if shift else 0.0
+    rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
     p = launch_config(STREAM, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
-    if direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1]) and grad.dtype == x.dtype:
+    direct = direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1]) and grad.dtype == x.dtype
+    if direct and FUSE_CAYLEY:
+        ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
+                    tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf),
+                    _cayley_args(bc, rsv, rs is not None))
+        ks(gv, xv, bc.view(-1, S, S), rsv, gx.view(xv.shape), part, tps, float(cscale), fcoef)
+    elif direct:
+        fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, True, cscale, fcoef, 0, 0, ng, arch)
         ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
                     tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf))
         ks(gv, xv, fh, fl, gx.view(xv.shape), part, tps)
     else:
+        fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, True, cscale, fcoef, 0, 0, ng, arch)
         ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
                     tl_dtype(cdt), GP, GC, p["BT"], cf, False, p["threads"])
         ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
-    rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None)
     gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
     kc(part, bc, rsv, g_blocks, gr, float(cscale), 1.0, 1)
@@ -823,5 +940,8 @@ def compile_specs(dtype: torch.dtype):
         (bwd_stream_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_BWD, True, False)),
         (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, False, True)),
         (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, True)),
+        # FUSE_CAYLEY: the group's Cayley solve in the direct kernels' prologue
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True, ("float32", "float32", 8, True))),
+        (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, True, (d, d, 16, False))),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
     ]
