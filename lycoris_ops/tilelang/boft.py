@@ -54,8 +54,10 @@ _F32 = "float32"
 #: to reach the gather path with the same shapes)
 RUNS = True
 #: whether the run path applies two stages per launch where it can (``_units``), forward and
-#: backward: half the passes over the activations. Written and checked on the CPU twins and
-#: built for sm_90a / sm_80, not yet timed on a GPU: off until it is
+#: backward: half the passes over the activations. Off: on the H200 (bf16,
+#: bench/tilelang_boft_variants.py, bench/RESULTS.md 2026-12-02 04:06) the pairs took the
+#: large shape's forward from 3.15 to 2.90 ms (0.92x) but its backward from 7.59 to 8.35 ms
+#: (1.10x); the small shape (48-channel groups) has no pairs (0.87 / 2.60 ms either way)
 PAIRS = False
 #: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, 227 KiB;
 #: less where the device's own limit is lower, ``smem_limit``); a tile config over it takes

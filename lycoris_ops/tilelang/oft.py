@@ -79,7 +79,11 @@ _DIRECT_STAGES = 2
 #: (a 4096 x 4096 weight) 2.8x forward, 1.9x backward
 DIRECT_STAGE_OUT = {"cl": True, "cf": True}
 #: the direct kernels solve their group's Cayley transform in their prologue (no Cayley
-#: launch, F never in global memory) instead of reading the F pair ``cayley_kernel`` wrote
+#: launch, F never in global memory) instead of reading the F pair ``cayley_kernel`` wrote.
+#: Off: on the H200 (bf16, bench/tilelang_oft_variants.py, bench/RESULTS.md 2026-12-02 04:05)
+#: it is slower, every program paying the serial Gauss–Jordan before its first tile: merge
+#: (4096 x 4096 weight) 0.125 / 0.187 ms against 0.057 / 0.109 (fwd / bwd) with the 0.025 ms
+#: Cayley launch; bypass (32768 x 4096) 0.289 / 0.460 against 0.220 / 0.386
 FUSE_CAYLEY = False
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
