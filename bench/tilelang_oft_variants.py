@@ -92,7 +92,7 @@ def main(argv=None) -> int:
         return 1
     timer = T.DeviceTimer(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
-    direct, stage_out, fuse = oft.direct_apply, oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY
+    direct, stage_out, fuse, gj = oft.direct_apply, oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY, oft.GJ_PINGPONG
     print(f"{'shape':8} {'variant':14} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         shape, weight = (SMOKE if args.smoke else SHAPES)[name]
@@ -122,8 +122,17 @@ def main(argv=None) -> int:
                        for a, b in zip(outs, first[2]))
             print(f"{name:8} {v:14} {tf:8.3f} {tf / first[0]:8.2f} {tb:8.3f} {tb / first[1]:8.2f} {diff:12.2e}")
         if first is not None:  # the fixed part every variant shares: the Cayley launch (F; Fᵀ)
-            cf, cb = (timer.time(lambda t=t: cayley(oft, blocks, dt, t))["median_ms"] for t in (False, True))
-            print(f"{name:8} {'cayley only':14} {cf:8.3f} {cf / first[0]:8.2f} {cb:8.3f} {cb / first[1]:8.2f}")
+            ref = cayley(oft, blocks, dt, False)  # the default Gauss–Jordan's F pair
+            for pp in (False, True):  # GJ_PINGPONG: one barrier a Gauss–Jordan step
+                oft.GJ_PINGPONG = pp
+                try:
+                    cf, cb = (timer.time(lambda t=t: cayley(oft, blocks, dt, t))["median_ms"] for t in (False, True))
+                    diff = max(((a.float() + b.float()) - (c.float() + d.float())).abs().max().item()
+                               for (a, b), (c, d) in [(cayley(oft, blocks, dt, False), ref)])
+                finally:
+                    oft.GJ_PINGPONG = gj
+                print(f"{name:8} {'cayley only' + (' pp' if pp else ''):14} {cf:8.3f} {cf / first[0]:8.2f} "
+                      f"{cb:8.3f} {cb / first[1]:8.2f} {diff:12.2e}")
     return 0
 
 

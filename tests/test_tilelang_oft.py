@@ -164,9 +164,12 @@ def test_direct_kernels_solve_cayley(K, S, shape, weight, has_rs, shift, monkeyp
     assert {k for k in _common._kernels if k[1] == "cayley_kernel"} == before  # no Cayley launch built
 
 
-def test_cayley_kernel_blocks():
+@pytest.mark.parametrize("pingpong", [False, True], ids=["gj", "gj-pingpong"])
+def test_cayley_kernel_blocks(pingpong, monkeypatch):
     """The Cayley family alone: F (and Fᵀ) of each packed block equals diag(ρ)·Rᵀ − I,
-    the padding and the off-block entries are exactly zero."""
+    the padding and the off-block entries are exactly zero; with both Gauss–Jordan forms
+    (``GJ_PINGPONG``)."""
+    monkeypatch.setattr(oft, "GJ_PINGPONG", pingpong)
     K, S = 7, 5
     GP, NB, GC = oft.group_plan(S)
     g = torch.Generator().manual_seed(5)

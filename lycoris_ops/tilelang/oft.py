@@ -85,6 +85,9 @@ DIRECT_STAGE_OUT = {"cl": True, "cf": True}
 #: (4096 x 4096 weight) 0.125 / 0.187 ms against 0.057 / 0.109 (fwd / bwd) with the 0.025 ms
 #: Cayley launch; bypass (32768 x 4096) 0.289 / 0.460 against 0.220 / 0.386
 FUSE_CAYLEY = False
+#: the Cayley kernel's Gauss–Jordan alternates between two buffer pairs, one barrier a step
+#: instead of two (the pivot row and column copied out, then the update)
+GJ_PINGPONG = False
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
@@ -186,6 +189,27 @@ def _cayley_macros(T, par, S, NB, GP):
                     Mi[i, j] = Mi[i, j] - ca[i] * ri[j]
 
     @T.macro
+    def gj_step(A, Mi, A2, M2, kk):
+        # step kk of Gauss–Jordan from (A, Mi) into (A2, M2): nothing read is written, so the
+        # step needs the one barrier before the next step reads (A2, M2)
+        for i, j in par(GP, GP):
+            rp = 1.0 / A[kk, kk]
+            if i == kk:
+                A2[i, j] = A[kk, j] * rp
+                M2[i, j] = Mi[kk, j] * rp
+            else:
+                A2[i, j] = A[i, j] - A[i, kk] * (A[kk, j] * rp)
+                M2[i, j] = Mi[i, j] - A[i, kk] * (Mi[kk, j] * rp)
+
+    @T.macro
+    def gauss_jordan_pingpong(A, Mi, A2, M2):
+        # gauss_jordan's result (Mi <- A⁻¹, GP even) with one barrier a step instead of two:
+        # the steps alternate between the two buffer pairs
+        for k2 in T.serial(GP // 2):
+            gj_step(A, Mi, A2, M2, 2 * k2)
+            gj_step(A2, M2, A, Mi, 2 * k2 + 1)
+
+    @T.macro
     def run_slots(slot, g, gps):
         # BOFT's run basis (``runs``): the slot of each group position, an index table (simpler
         # lowering than the expression at each use); the padding slots are themselves
@@ -212,7 +236,7 @@ def _cayley_macros(T, par, S, NB, GP):
         # (a Python function, not parsed: T.And where the kernels write ``and``)
         return T.if_then_else(T.And(T.And(i < GC, j < GC), T.And(i // S == j // S, g * NB + i // S < KB)), f, 0.0)
 
-    return build_system, gauss_jordan, run_slots, load_rho, f_entry
+    return build_system, (gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, f_entry
 
 
 def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
@@ -280,7 +304,7 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
 # --------------------------------------------------------------------------- kernels
 
 def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool,
-                  has_perm: bool, trans: bool, runs: bool = False, cpu: bool = False):
+                  has_perm: bool, trans: bool, runs: bool = False, pingpong: bool = False, cpu: bool = False):
     """Group matrices F (trans: Fᵀ) as a (hi, lo) pair in cdt, (NG, GP, GP) each.
 
     OFT (boft=False): F = diag(ρ)·Rᵀ − fcoef·I (fcoef = shift). BOFT: F = fcoef·R +
@@ -289,7 +313,8 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     pos = g·GC + i. Blocks B (KB, S, S); group g holds blocks g·NB … g·NB + NB − 1.
     ``runs`` (BOFT): rows and columns stored in the run basis of the group's stage
     (``_run_slot``: stage g // gps, κ = S/2·2^stage) instead of stage positions; the
-    padding slots GC … GP − 1 stay where they are (zeros).
+    padding slots GC … GP − 1 stay where they are (zeros). ``pingpong``: Gauss–Jordan with one
+    barrier a step (two buffer pairs, ``GJ_PINGPONG``).
     """
     import tilelang.language as T
 
@@ -298,7 +323,8 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NG = T.dynamic("KB NR NG")
-    build_system, gauss_jordan, run_slots, load_rho, f_entry = _cayley_macros(T, par, S, NB, GP)
+    build_system, (gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, f_entry = _cayley_macros(
+        T, par, S, NB, GP)
 
     @T.prim_func
     def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
@@ -316,7 +342,12 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
             if runs:
                 run_slots(slot, g, gps)
             load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
-            gauss_jordan(A, Mi, ra, ri, ca)
+            if pingpong:
+                A2 = alloc_s((GP, GP), "float32")
+                M2 = alloc_s((GP, GP), "float32")
+                gauss_jordan_pingpong(A, Mi, A2, M2)
+            else:
+                gauss_jordan(A, Mi, ra, ri, ca)
             for i, j in par(GP, GP):
                 fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
                 r, c = (slot[i], slot[j]) if runs else (i, j)
@@ -480,7 +511,7 @@ def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
     _, _, S, has_rescale = cayley
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
-    build_system, gauss_jordan, _, load_rho, f_entry = _cayley_macros(T, par, S, GP // S, GP)
+    build_system, (gauss_jordan, _), _, load_rho, f_entry = _cayley_macros(T, par, S, GP // S, GP)
 
     @T.macro
     def group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB):
@@ -671,7 +702,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, gauss_jordan, run_slots, _, _ = _cayley_macros(T, par, S, NB, GP)
+    build_system, (gauss_jordan, _), run_slots, _, _ = _cayley_macros(T, par, S, NB, GP)
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
@@ -803,7 +834,7 @@ def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_
     fl = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
     rsv = blocks.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
     k = kernel(cayley_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), tl_dtype(cdt), S, NB, GP, boft,
-               rs is not None, has_perm, trans, gps > 0)
+               rs is not None, has_perm, trans, gps > 0, GJ_PINGPONG)
     k(blocks.view(-1, S, S), rsv, fh, fl, float(cscale), float(fcoef), int(g_rs), int(kappa), max(int(gps), 1))
     return fh, fl
 
@@ -936,6 +967,7 @@ def compile_specs(dtype: torch.dtype):
     d = tl_dtype(dtype)
     return [
         (cayley_kernel, (d, d, d, 5, 6, 32, False, True, False, False)),
+        (cayley_kernel, (d, d, d, 16, 4, 64, False, True, False, True, False, True)),  # GJ_PINGPONG
         (apply_kernel, (d, d, d, d, 32, 30, _BT_FWD, False, False, False)),
         (apply_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_FWD, True, False, False)),
         (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True)),
