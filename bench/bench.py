@@ -700,6 +700,43 @@ def cold_lines(b: Bench, cfgs) -> List[str]:
     return lines
 
 
+def fused_lines(b: Bench, cfgs) -> List[str]:
+    """The fused backends side by side where a cell timed both Triton and TileLang: their
+    medians, TileLang ÷ Triton, TileLang × eager, TileLang's cold first call, and issue #6's
+    targets (TileLang >= 1.0x eager, within 1.2x of Triton, cold <= 10 s)."""
+    rows, cnt = [], {"E>=1": [0, 0], "<=1.2T": [0, 0], "cold<=10s": [0, 0]}
+    for (spec, sh, d), cell in b.cells.items():
+        tr, tl, ea = (cell["cols"].get(n) for n in ("triton", "tilelang", "eager"))
+        if not (tr and tl) or _med(tl, "fwd") is None or _med(tr, "fwd") is None:
+            continue
+        part = []
+        for ph in ("fwd", "fwdbwd"):
+            t, l, e = _med(tr, ph), _med(tl, ph), _med(ea, ph)
+            if t is None or l is None:
+                part.append("    n/a      n/a    n/a    n/a")
+                continue
+            part.append(f"{T.fmt_ms(t):>7} {T.fmt_ms(l):>8} {l / t:6.2f} " + (f"{e / l:6.2f}" if e else "   n/a"))
+            cnt["<=1.2T"][0] += l <= 1.2 * t
+            cnt["<=1.2T"][1] += 1
+            if e:
+                cnt["E>=1"][0] += l <= e
+                cnt["E>=1"][1] += 1
+        r = tl.get("res") or {}
+        colds = [r.get(k) for k in ("cold_fwd_s", "cold_fwdbwd_s") if r.get(k) is not None]
+        for c in colds:
+            cnt["cold<=10s"][0] += c <= 10.0
+            cnt["cold<=10s"][1] += 1
+        cold = "/".join(f"{c:.1f}" for c in colds) or "n/a"
+        rows.append(f"{spec:<16} {sh[0].upper()} {d:<4} | " + " | ".join(part) + f" | {cold}")
+    if not rows:
+        return []
+    head = (f"{'spec':<16} cfg    | {'fwd: T':>7} {'TL':>8} {'TL/T':>6} {'TLxE':>6} | {'f+b: T':>7} {'TL':>8} "
+            f"{'TL/T':>6} {'TLxE':>6} | TL cold s")
+    tally = "; ".join(f"{k} {v[0]}/{v[1]}" for k, v in cnt.items() if v[1])
+    return ["fused backends side by side (median ms; T triton, TL tilelang; TLxE = eager/tilelang)", head,
+            "-" * len(head)] + rows + [f"tilelang targets: {tally}"]
+
+
 def extra_lines(b: Bench, cfgs) -> List[str]:
     lines = []
     no_peer = set()
@@ -764,8 +801,9 @@ def write_outputs(b: Bench, env, cfgs, args) -> List[str]:
         tail.append(f"time budget ({args.max_seconds:.0f}s) reached: not started: " + ", ".join(b.skipped[:20])
                     + (" ..." if len(b.skipped) > 20 else ""))
     tail += b.notes
+    fused = fused_lines(b, cfgs)
     summary = [head, ""] + cold_lines(b, cfgs) + [""] + host_lines(b) + [""] + extra_lines(b, cfgs) + \
-        ["", legend] + main + tail
+        ["", legend] + main + ([""] + fused if fused else []) + tail
     with open(os.path.join(args.out, "summary.md"), "w") as f:
         f.write("\n".join(summary) + "\n")
     entry = (f"\n## {env['date']} — {env['gpu']} — commit {env['commit']}\n\n"

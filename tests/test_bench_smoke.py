@@ -112,16 +112,18 @@ def test_variants_smoke(family, capsys):
 
 
 def test_tilelang_oft_variants_smoke(capsys):
-    """``bench/tilelang_oft_variants.py --smoke --parity``: the direct kernels' parity lines and
-    the gather / direct / direct+stage rows still run (TileLang's CPU twins, fp32, tiny sizes)."""
+    """``bench/tilelang_oft_variants.py --smoke --parity``: the direct kernels' parity lines (two
+    store paths, and the fused Cayley solve) and the gather / direct / direct+stage /
+    direct+cayley rows and both Cayley rows still run (TileLang's CPU twins, fp32, tiny sizes)."""
     pytest.importorskip("tilelang")
     spec = importlib.util.spec_from_file_location("lycoris_bench_tl_oft", os.path.join(BENCH, "tilelang_oft_variants.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert module.main(["--smoke", "--parity", "--shapes", "merge"]) == 0
     out = capsys.readouterr().out
-    assert out.count("  ok") == 8 and "FAIL" not in out and "failed" not in out, out
-    assert all(f"merge    {v}" in out for v in ("gather", "direct ", "direct+stage")), out
+    assert out.count("  ok") == 12 and "FAIL" not in out and "failed" not in out, out
+    assert all(f"merge    {v}" in out for v in ("gather", "direct ", "direct+stage", "direct+cayley",
+                                                 "cayley only ", "cayley only pp")), out
 
 
 def test_tilelang_boft_variants_smoke(capsys):

@@ -43,6 +43,7 @@ import torch
 from ._common import CPU_ARCH, aligned, arch_of, kernel, launch_config, tl_dtype
 from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel,
                   chain_kernel, direct_stages, position_view, tiling)
+from . import oft as _oft
 from .oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
@@ -635,7 +636,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
             _unpair_partials(pp, part, i, s, GC, gps)
         g = dst
     bd = tl_dtype(g_blocks.dtype)
-    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True)
+    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, _oft.GJ_PINGPONG)
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=g_blocks.dtype), float(cscale), float(scale), gps)
 
@@ -684,7 +685,8 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
                    GP, GC, p["BT"], cf, True, p["threads"])
         k(g, us[i], th, tl_, dst, part, i * gps, (s // 2) << i, tps)
         g = dst
-    kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(blocks.dtype), s, NB, GP, True, False)
+    kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(blocks.dtype), s, NB, GP, True, False,
+                False, _oft.GJ_PINGPONG)
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=blocks.dtype), float(cscale), float(scale), 1)
     return gx, g_blocks

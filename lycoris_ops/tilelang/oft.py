@@ -85,9 +85,11 @@ DIRECT_STAGE_OUT = {"cl": True, "cf": True}
 #: (4096 x 4096 weight) 0.125 / 0.187 ms against 0.057 / 0.109 (fwd / bwd) with the 0.025 ms
 #: Cayley launch; bypass (32768 x 4096) 0.289 / 0.460 against 0.220 / 0.386
 FUSE_CAYLEY = False
-#: the Cayley kernel's Gauss–Jordan alternates between two buffer pairs, one barrier a step
-#: instead of two (the pivot row and column copied out, then the update)
-GJ_PINGPONG = False
+#: the Cayley and chain kernels' Gauss–Jordan alternates between two buffer pairs, one barrier
+#: a step instead of two (the pivot row and column copied out, then the update). On the H200
+#: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
+#: 0.019 ms (F / Fᵀ) against 0.025 / 0.028, F within 2e-6 of the two-barrier solve's
+GJ_PINGPONG = True
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
@@ -686,13 +688,14 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
 
 
 def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool, runs: bool = False,
-                 cpu: bool = False):
+                 pingpong: bool = False, cpu: bool = False):
     """Cayley-chain backward per group from the fp32 partials P (NS, NG, GP, GP) (``runs``:
     BOFT's partials in the run basis of the group's stage, ``_run_slot``; stage g // gps).
 
     OFT: g_rescale[g·GC + i] = Σ_j P[i,j]·R[j,i] (has_rescale), gR = (diag(ρ)·P)ᵀ;
     BOFT: gR = fcoef·P (fcoef = scale). Then gQ = 2·Mᵀ·gR·Mᵀ and
-    GB[k] = cscale·(gQ − gQᵀ) on each block, in blocks' dtype.
+    GB[k] = cscale·(gQ − gQᵀ) on each block, in blocks' dtype. ``pingpong``: as
+    ``cayley_kernel``'s (``GJ_PINGPONG``).
     """
     import tilelang.language as T
 
@@ -702,7 +705,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, (gauss_jordan, _), run_slots, _, _ = _cayley_macros(T, par, S, NB, GP)
+    build_system, (gauss_jordan, gauss_jordan_pingpong), run_slots, _, _ = _cayley_macros(T, par, S, NB, GP)
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
@@ -739,7 +742,10 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
             for i, j in par(GP, GP):
                 Ps[i, j] = T.if_then_else(
                     i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
-            gauss_jordan(A, Mi, ra, ri, ca)
+            if pingpong:
+                gauss_jordan_pingpong(A, Mi, gR, T1)  # gR and T1 are free until after the solve
+            else:
+                gauss_jordan(A, Mi, ra, ri, ca)
             if boft:
                 for i, j in par(GP, GP):
                     gR[i, j] = fcoef * Ps[i, j]
@@ -956,7 +962,8 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
         ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
                     tl_dtype(cdt), GP, GC, p["BT"], cf, False, p["threads"])
         ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
-    kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None)
+    kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None,
+                False, GJ_PINGPONG)
     gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
     kc(part, bc, rsv, g_blocks, gr, float(cscale), 1.0, 1)
     return gx, g_blocks, g_rescale
@@ -980,4 +987,5 @@ def compile_specs(dtype: torch.dtype):
         (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True, ("float32", "float32", 8, True))),
         (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, True, (d, d, 16, False))),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
+        (chain_kernel, (d, d, 16, 4, 64, False, True, False, True)),  # GJ_PINGPONG
     ]
