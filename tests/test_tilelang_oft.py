@@ -159,7 +159,7 @@ def test_direct_kernels_solve_cayley(K, S, shape, weight, has_rs, shift, monkeyp
         if what != "g_rescale" or has_rs:
             check(a, b, dtype, f"oft_bwd {what}")
     used = {k[1] for k in _common._kernels if k[1] != "cayley_kernel" and k[3][-1] == (
-        _common.tl_dtype(blocks.dtype), "float32", S, has_rs)}
+        _common.tl_dtype(blocks.dtype), "float32", S, has_rs, oft.GJ_PINGPONG)}
     assert used == {"apply_direct_kernel", "stream_direct_kernel"}, used
     assert {k for k in _common._kernels if k[1] == "cayley_kernel"} == before  # no Cayley launch built
 

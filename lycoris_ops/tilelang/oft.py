@@ -157,7 +157,7 @@ def _direct_layout(T, cf, BT, GP):
     return (NP, C), (BT, GP), tile, C
 
 
-def _cayley_macros(T, par, S, NB, GP):
+def _cayley_macros(T, par, alloc_s, S, NB, GP):
     """Macros of the per-group Cayley algebra (closures over the static sizes)."""
     GC = NB * S
 
@@ -212,6 +212,20 @@ def _cayley_macros(T, par, S, NB, GP):
             gj_step(A2, M2, A, Mi, 2 * k2 + 1)
 
     @T.macro
+    def invert(A, Mi, pingpong):
+        # Mi <- A⁻¹ with its own scratch: gauss_jordan_pingpong's second buffer pair, or
+        # gauss_jordan's pivot row and column
+        if pingpong:
+            A2 = alloc_s((GP, GP), "float32")
+            M2 = alloc_s((GP, GP), "float32")
+            gauss_jordan_pingpong(A, Mi, A2, M2)
+        else:
+            ra = alloc_s((GP,), "float32")
+            ri = alloc_s((GP,), "float32")
+            ca = alloc_s((GP,), "float32")
+            gauss_jordan(A, Mi, ra, ri, ca)
+
+    @T.macro
     def run_slots(slot, g, gps):
         # BOFT's run basis (``runs``): the slot of each group position, an index table (simpler
         # lowering than the expression at each use); the padding slots are themselves
@@ -238,7 +252,7 @@ def _cayley_macros(T, par, S, NB, GP):
         # (a Python function, not parsed: T.And where the kernels write ``and``)
         return T.if_then_else(T.And(T.And(i < GC, j < GC), T.And(i // S == j // S, g * NB + i // S < KB)), f, 0.0)
 
-    return build_system, (gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, f_entry
+    return build_system, (invert, gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, f_entry
 
 
 def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
@@ -325,8 +339,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NG = T.dynamic("KB NR NG")
-    build_system, (gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, f_entry = _cayley_macros(
-        T, par, S, NB, GP)
+    build_system, (invert, _, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP)
 
     @T.prim_func
     def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
@@ -335,21 +348,13 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
         with T.Kernel(NG, threads=threads) as g:
             A = alloc_s((GP, GP), "float32")
             Mi = alloc_s((GP, GP), "float32")
-            ra = alloc_s((GP,), "float32")
-            ri = alloc_s((GP,), "float32")
-            ca = alloc_s((GP,), "float32")
             rho = alloc_s((GP,), "float32")
             slot = alloc_s((GP if runs else 1,), "int32")
             build_system(B, A, Mi, g, cscale, KB)
             if runs:
                 run_slots(slot, g, gps)
             load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
-            if pingpong:
-                A2 = alloc_s((GP, GP), "float32")
-                M2 = alloc_s((GP, GP), "float32")
-                gauss_jordan_pingpong(A, Mi, A2, M2)
-            else:
-                gauss_jordan(A, Mi, ra, ri, ca)
+            invert(A, Mi, pingpong)
             for i, j in par(GP, GP):
                 fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
                 r, c = (slot[i], slot[j]) if runs else (i, j)
@@ -442,7 +447,7 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
     X, Y (PRE, C, NP), tile (GP, BT) of one pre index (a weight's rows are its channels),
     ``acc = F·X`` (the same product per position, no transposed operand).
     Group g uses F pair [g]; program (g, split) walks tiles split·tps … split·tps + tps − 1.
-    ``cayley`` = (blocks dtype, rescale dtype, S, has_rescale): each program solves its
+    ``cayley`` = (blocks dtype, rescale dtype, S, has_rescale, pingpong): each program solves its
     group's Cayley transform itself (``cayley_kernel``'s algebra, in its prologue) from the
     blocks B (KB, S, S), rescale RS, cscale and shift instead of reading an F pair: no
     Cayley launch before it, and F never in global memory."""
@@ -476,7 +481,7 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
                 T.copy(acc, tile(Y, g, sp * tps + tt))
 
     if cayley:
-        bd, rd, S, _ = cayley
+        bd, rd, S = cayley[:3]
         KB, NR = T.dynamic("KB NR")
 
         @T.prim_func
@@ -506,26 +511,23 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
 
 def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
     """The direct kernels' prologue when they solve the Cayley transform themselves
-    (``cayley`` = (blocks dtype, rescale dtype, S, has_rescale); None when they read an F
+    (``cayley`` = (blocks dtype, rescale dtype, S, has_rescale, pingpong); None when they read an F
     pair): diag-OFT's F (``trans``: Fᵀ) of group g as a (hi, lo) pair in shared tiles."""
     if not cayley:
         return None
-    _, _, S, has_rescale = cayley
+    _, _, S, has_rescale, pingpong = cayley
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
-    build_system, (gauss_jordan, _), _, load_rho, f_entry = _cayley_macros(T, par, S, GP // S, GP)
+    build_system, (invert, _, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP)
 
     @T.macro
     def group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB):
         A = alloc_s((GP, GP), "float32")
         Mi = alloc_s((GP, GP), "float32")
-        ra = alloc_s((GP,), "float32")
-        ri = alloc_s((GP,), "float32")
-        ca = alloc_s((GP,), "float32")
         rho = alloc_s((GP,), "float32")
         build_system(B, A, Mi, g, cscale, KB)
         load_rho(RS, rho, g, 0, 0, KB, has_rescale, False)
-        gauss_jordan(A, Mi, ra, ri, ca)
+        invert(A, Mi, pingpong)
         for i, j in par(GP, GP):
             fv = f_entry(Mi, rho, i, j, g, fcoef, KB, False)
             if trans:
@@ -657,7 +659,7 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
         T.copy(accp, P[sp, g, 0, 0])
 
     if cayley:
-        bd, rd, S, _ = cayley
+        bd, rd, S = cayley[:3]
         KB, NR = T.dynamic("KB NR")
 
         @T.prim_func
@@ -705,7 +707,8 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, (gauss_jordan, gauss_jordan_pingpong), run_slots, _, _ = _cayley_macros(T, par, S, NB, GP)
+    build_system, (_, gauss_jordan, gauss_jordan_pingpong), run_slots, _, _ = _cayley_macros(
+        T, par, alloc_s, S, NB, GP)
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
@@ -886,7 +889,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
 
 def _cayley_args(blocks: torch.Tensor, rsv: torch.Tensor, has_rescale: bool) -> tuple:
     """The direct kernels' ``cayley`` builder argument for these operands."""
-    return tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), blocks.shape[-1], has_rescale
+    return tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), blocks.shape[-1], has_rescale, GJ_PINGPONG
 
 
 def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str,
@@ -984,8 +987,8 @@ def compile_specs(dtype: torch.dtype):
         (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, False, True)),
         (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, True)),
         # FUSE_CAYLEY: the group's Cayley solve in the direct kernels' prologue
-        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True, ("float32", "float32", 8, True))),
-        (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, True, (d, d, 16, False))),
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True, ("float32", "float32", 8, True, True))),
+        (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, True, (d, d, 16, False, False))),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
         (chain_kernel, (d, d, 16, 4, 64, False, True, False, True)),  # GJ_PINGPONG
     ]
