@@ -130,10 +130,15 @@ def _run_slot(T, pos, kappa, half):
     """BOFT's run basis (``boft.py``: the stage kernels read a group as two runs of ``half``
     channels): the slot of stage position ``pos`` (κ = ``kappa``) in its group's tile. Channel
     c = π(pos) in the view (·, C/2κ', 2, κ') with κ' = max(κ, half): slot = h·half + (j mod
-    half), h = ⌊(c mod 2κ')/κ'⌋, j = c mod κ' (a group is one 2κ' segment's two runs)."""
-    c = _perm(pos, kappa, True)
+    half), h = ⌊(c mod 2κ')/κ'⌋, j = c mod κ' (a group is one 2κ' segment's two runs).
+    Truncating division (every operand is >= 0): with ``//`` / ``%`` TVM cannot prove the
+    signs of these runtime values, writes each floor division as nested sign tests, and its
+    Simplify pass took about 3 s of every build of a kernel with this table."""
+    div, mod = T.truncdiv, T.truncmod
+    two = 2 * kappa
+    c = div(pos, two) * two + mod(pos, 2) * kappa + div(mod(pos, two), 2)  # π(pos), as _perm
     kp = T.if_then_else(kappa > half, kappa, half)
-    return ((c % (2 * kp)) // kp) * half + (c % kp) % half
+    return div(mod(c, 2 * kp), kp) * half + mod(mod(c, kp), half)
 
 
 def _direct_layout(T, cf, BT, GP):
@@ -230,7 +235,8 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP):
         # BOFT's run basis (``runs``): the slot of each group position, an index table (simpler
         # lowering than the expression at each use); the padding slots are themselves
         for i in par(GP):
-            slot[i] = T.if_then_else(i < GC, _run_slot(T, (g % gps) * GC + i, (S // 2) << (g // gps), GC // 2), i)
+            slot[i] = T.if_then_else(
+                i < GC, _run_slot(T, T.truncmod(g, gps) * GC + i, (S // 2) << T.truncdiv(g, gps), GC // 2), i)
 
     @T.macro
     def load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm):
