@@ -127,8 +127,8 @@ def main(argv=None) -> int:
                 oft.GJ_PINGPONG = pp
                 try:
                     cf, cb = (timer.time(lambda t=t: cayley(oft, blocks, dt, t))["median_ms"] for t in (False, True))
-                    diff = max(((a.float() + b.float()) - (c.float() + d.float())).abs().max().item()
-                               for (a, b), (c, d) in [(cayley(oft, blocks, dt, False), ref)])
+                    (fh, fl), (rh, rl) = cayley(oft, blocks, dt, False), ref
+                    diff = ((fh.float() + fl.float()) - (rh.float() + rl.float())).abs().max().item()
                 finally:
                     oft.GJ_PINGPONG = gj
                 print(f"{name:8} {'cayley only' + (' pp' if pp else ''):14} {cf:8.3f} {cf / first[0]:8.2f} "

@@ -714,7 +714,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, (_, gauss_jordan, gauss_jordan_pingpong), run_slots, _, _ = _cayley_macros(
+    build_system, (_, gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, _ = _cayley_macros(
         T, par, alloc_s, S, NB, GP)
 
     @T.prim_func
@@ -724,9 +724,6 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
         with T.Kernel(NG, threads=threads) as g:
             A = alloc_s((GP, GP), "float32")
             Mi = alloc_s((GP, GP), "float32")
-            ra = alloc_s((GP,), "float32")
-            ri = alloc_s((GP,), "float32")
-            ca = alloc_s((GP,), "float32")
             rho = alloc_s((GP,), "float32")
             Ps = alloc_s((GP, GP), "float32")
             gR = alloc_s((GP, GP), "float32")
@@ -735,11 +732,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
             accr = alloc_f((GP,), "float32")
             slot = alloc_s((GP if runs else 1,), "int32")
             build_system(B, A, Mi, g, cscale, KB)
-            for i in par(GP):
-                if has_rescale:  # one store (see build_system)
-                    rho[i] = T.if_then_else(i < GC and g * NB + i // S < KB, T.cast(RS[g * GC + i], "float32"), 1.0)
-                else:
-                    rho[i] = 1.0
+            load_rho(RS, rho, g, 0, 0, KB, has_rescale, False)
             T.clear(acc)
             if runs:
                 run_slots(slot, g, gps)
@@ -755,6 +748,9 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
             if pingpong:
                 gauss_jordan_pingpong(A, Mi, gR, T1)  # gR and T1 are free until after the solve
             else:
+                ra = alloc_s((GP,), "float32")
+                ri = alloc_s((GP,), "float32")
+                ca = alloc_s((GP,), "float32")
                 gauss_jordan(A, Mi, ra, ri, ca)
             if boft:
                 for i, j in par(GP, GP):
@@ -848,7 +844,7 @@ def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_
     ``gps`` > 0: BOFT's run basis with gps groups per stage (``cayley_kernel``'s ``runs``)."""
     fh = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
     fl = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
-    rsv = blocks.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
+    rsv = _rescale_operand(blocks, rs)
     k = kernel(cayley_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), tl_dtype(cdt), S, NB, GP, boft,
                rs is not None, has_perm, trans, gps > 0, GJ_PINGPONG)
     k(blocks.view(-1, S, S), rsv, fh, fl, float(cscale), float(fcoef), int(g_rs), int(kappa), max(int(gps), 1))
@@ -877,7 +873,7 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     yv = y.view(xv.shape)
     direct = direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1])
     if direct and FUSE_CAYLEY:
-        rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
+        rsv = _rescale_operand(bc, rs)
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
                    p["threads"], *direct_flags(arch, cf), _cayley_args(bc, rsv, rs is not None))
         k(xv, bc.view(-1, S, S), rsv, yv, nsplit, tps, float(cscale), fcoef)
@@ -892,6 +888,12 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
                p["BT"], cf, False, False, p["threads"])
     k(xv, xv, fh, fl, yv, 0, 0, nsplit, tps)
     return y
+
+
+def _rescale_operand(blocks: torch.Tensor, rs) -> torch.Tensor:
+    """The kernels' rescale operand: ``rs``, or the blocks as a placeholder when there is no
+    rescale (the kernels never read it then)."""
+    return blocks.view(-1) if rs is None else rs
 
 
 def _cayley_args(blocks: torch.Tensor, rsv: torch.Tensor, has_rescale: bool) -> tuple:
@@ -952,7 +954,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     bc = aligned(blocks.contiguous())
     rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
     fcoef = 1.0 if shift else 0.0
-    rsv = bc.view(-1) if rs is None else rs  # placeholder operand when there is no rescale
+    rsv = _rescale_operand(bc, rs)
     p = launch_config(STREAM, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
@@ -962,16 +964,16 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
                     tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf),
                     _cayley_args(bc, rsv, rs is not None))
         ks(gv, xv, bc.view(-1, S, S), rsv, gx.view(xv.shape), part, tps, float(cscale), fcoef)
-    elif direct:
-        fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, True, cscale, fcoef, 0, 0, ng, arch)
-        ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
-                    tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf))
-        ks(gv, xv, fh, fl, gx.view(xv.shape), part, tps)
     else:
         fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, True, cscale, fcoef, 0, 0, ng, arch)
-        ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
-                    tl_dtype(cdt), GP, GC, p["BT"], cf, False, p["threads"])
-        ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
+        if direct:
+            ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
+                        tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf))
+            ks(gv, xv, fh, fl, gx.view(xv.shape), part, tps)
+        else:
+            ks = kernel(bwd_stream_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
+                        tl_dtype(cdt), GP, GC, p["BT"], cf, False, p["threads"])
+            ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None,
                 False, GJ_PINGPONG)
     gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
