@@ -45,6 +45,9 @@ def dora_fwd_kernel(wd: str, dd: str, sd: str, cols: bool, has_delta: bool, VEC:
 
     par = T.grid if cpu else T.Parallel
     alloc = T.alloc_local if cpu else T.alloc_fragment
+    # the per-vector scale / coefficient in shared memory: as (BR,) fragments they pinned the
+    # second pass's layout to their few owning threads (4 of 128 did the whole pass, sm_90a)
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
     threads = 1 if cpu else threads_
     R0, R1V, NR = T.dynamic("R0 R1V NR")
     NV = BC * VEC
@@ -64,7 +67,7 @@ def dora_fwd_kernel(wd: str, dd: str, sd: str, cols: bool, has_delta: bool, VEC:
                 r0 = bx * BR
                 acc = alloc((BR, NV), "float32")
                 ss = alloc((BR,), "float32")
-                sc = alloc((BR,), "float32")
+                sc = alloc_s((BR,), "float32")
                 T.clear(acc)
                 for t in T.serial(T.ceildiv(R1V, BC)):
                     for i, j, v in par(BR, BC, VEC):
@@ -92,7 +95,7 @@ def dora_fwd_kernel(wd: str, dd: str, sd: str, cols: bool, has_delta: bool, VEC:
             c0 = bx * BC
             acc = alloc((BR, NV), "float32")
             ss = alloc((NV,), "float32")
-            sc = alloc((NV,), "float32")
+            sc = alloc_s((NV,), "float32")
             T.clear(acc)
             for t in T.serial(T.ceildiv(R0, BR)):
                 for i, j, v in par(BR, BC, VEC):
@@ -120,6 +123,9 @@ def dora_bwd_kernel(gd: str, wd: str, dd: str, sd: str, nd: str, cols: bool, has
 
     par = T.grid if cpu else T.Parallel
     alloc = T.alloc_local if cpu else T.alloc_fragment
+    # the per-vector scale / coefficient in shared memory: as (BR,) fragments they pinned the
+    # second pass's layout to their few owning threads (4 of 128 did the whole pass, sm_90a)
+    alloc_s = T.alloc_local if cpu else T.alloc_shared
     threads = 1 if cpu else threads_
     R0, R1V, NR = T.dynamic("R0 R1V NR")
     NV = BC * VEC
@@ -141,8 +147,8 @@ def dora_bwd_kernel(gd: str, wd: str, dd: str, sd: str, nd: str, cols: bool, has
                 acc_m = alloc((BR, NV), "float32")
                 rho = alloc((BR,), "float32")
                 ss = alloc((BR,), "float32")
-                sc = alloc((BR,), "float32")
-                cf = alloc((BR,), "float32")
+                sc = alloc_s((BR,), "float32")
+                cf = alloc_s((BR,), "float32")
                 T.clear(acc_r)
                 T.clear(acc_m)
                 for t in T.serial(T.ceildiv(R1V, BC)):
@@ -181,8 +187,8 @@ def dora_bwd_kernel(gd: str, wd: str, dd: str, sd: str, nd: str, cols: bool, has
             acc_m = alloc((BR, NV), "float32")
             rho = alloc((NV,), "float32")
             ss = alloc((NV,), "float32")
-            sc = alloc((NV,), "float32")
-            cf = alloc((NV,), "float32")
+            sc = alloc_s((NV,), "float32")
+            cf = alloc_s((NV,), "float32")
             T.clear(acc_r)
             T.clear(acc_m)
             for t in T.serial(T.ceildiv(R0, BR)):
