@@ -13,7 +13,10 @@ largest relative difference of the results from the first variant's:
 * ``direct+stage``: the same, the output tile stored through shared memory
   (``DIRECT_STAGE_OUT``: the launchers' default per layout);
 * ``direct+cayley``: ``direct+stage`` with each program solving its group's Cayley
-  transform in its prologue (``FUSE_CAYLEY``: no Cayley launch, no F pair in memory);
+  transform in its prologue (``FUSE_CAYLEY``: no Cayley launch, no F pair in memory), the
+  positions split for one wave (``FUSED_PER_SM``);
+* ``sN`` / ``wN``: the same with N tiles in flight (``_DIRECT_STAGES`` / ``FUSED_STAGES``)
+  / a split for N programs an SM (``SPLIT_PER_SM`` / ``FUSED_PER_SM``);
 * ``cayley only``: the Cayley launch every variant starts with (F; the backward's Fᵀ), the
   fixed cost a small shape (the merge's 4096 positions) cannot hide.
 
@@ -36,7 +39,19 @@ import timing as T  # noqa: E402
 
 SHAPES = {"bypass": ((32768, 4096), False), "merge": ((4096, 4096), True)}
 SMOKE = {"bypass": ((300, 64), False), "merge": ((64, 300), True)}  # CPU twins, fp32
-VARIANTS = ("gather", "direct", "direct+stage", "direct+cayley")
+#: variant -> the ``tilelang.oft`` module settings it times (the rest at their defaults)
+VARIANTS = {
+    "gather": dict(direct_apply=lambda *a: False),
+    "direct": dict(DIRECT_STAGE_OUT=dict(cl=False, cf=False)),
+    "direct+stage": dict(DIRECT_STAGE_OUT=dict(cl=True, cf=True)),
+    "direct s3": dict(_DIRECT_STAGES=3),
+    "direct s4 w1": dict(_DIRECT_STAGES=4, SPLIT_PER_SM=1),
+    "direct+cayley": dict(FUSE_CAYLEY=True),
+    "cayley s3": dict(FUSE_CAYLEY=True, FUSED_STAGES=3),
+    "cayley s4": dict(FUSE_CAYLEY=True, FUSED_STAGES=4),
+    "cayley w2 s3": dict(FUSE_CAYLEY=True, FUSED_STAGES=3, FUSED_PER_SM=2),
+}
+DEFAULT_VARIANTS = "direct+stage,direct s3,direct s4 w1,direct+cayley,cayley s3,cayley s4,cayley w2 s3"
 
 
 #: (K, S, x shape, weight): S divides the 32-channel group (the direct kernels); 72 channels
@@ -80,7 +95,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="bypass,merge")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="the variants to time, in order")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"the variants to time, in order, of {list(VARIANTS)}")
     ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
     ap.add_argument("--parity", action="store_true", help="odd-size parity of the direct kernels first")
     args = ap.parse_args(argv)
@@ -92,7 +107,7 @@ def main(argv=None) -> int:
         return 1
     timer = T.DeviceTimer(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
-    direct, stage_out, fuse, gj = oft.direct_apply, oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY, oft.GJ_PINGPONG
+    gj = oft.GJ_PINGPONG
     print(f"{'shape':8} {'variant':14} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         shape, weight = (SMOKE if args.smoke else SHAPES)[name]
@@ -103,9 +118,9 @@ def main(argv=None) -> int:
         g = torch.randn(shape, generator=gen, device=dev).to(dt)
         first = None
         for v in args.variants.split(","):
-            oft.direct_apply = direct if v != "gather" else (lambda *a: False)
-            oft.DIRECT_STAGE_OUT = dict.fromkeys(("cl", "cf"), v in ("direct+stage", "direct+cayley"))
-            oft.FUSE_CAYLEY = v == "direct+cayley"
+            saved = {k: getattr(oft, k) for k in VARIANTS[v]}
+            for k, val in VARIANTS[v].items():
+                setattr(oft, k, val)
             try:
                 fwd = lambda: oft.oft_fwd(blocks, x, None, 1.0, True, weight)  # noqa: E731
                 bwd = lambda: oft.oft_bwd(g, blocks, x, None, 1.0, True, weight)  # noqa: E731
@@ -115,7 +130,8 @@ def main(argv=None) -> int:
                 print(f"{name:8} {v:14} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             finally:
-                oft.direct_apply, oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY = direct, stage_out, fuse
+                for k, val in saved.items():
+                    setattr(oft, k, val)
             if first is None:
                 first = (tf, tb, outs)
             diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()

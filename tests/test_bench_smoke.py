@@ -113,17 +113,18 @@ def test_variants_smoke(family, capsys):
 
 def test_tilelang_oft_variants_smoke(capsys):
     """``bench/tilelang_oft_variants.py --smoke --parity``: the direct kernels' parity lines (two
-    store paths, and the fused Cayley solve) and the gather / direct / direct+stage /
-    direct+cayley rows and both Cayley rows still run (TileLang's CPU twins, fp32, tiny sizes)."""
+    store paths, and the fused Cayley solve) and rows of each kind of variant (the store paths,
+    the pipeline depth, the fused solve's one-wave and two-wave splits) and both Cayley rows
+    still run (TileLang's CPU twins, fp32, tiny sizes)."""
     pytest.importorskip("tilelang")
     spec = importlib.util.spec_from_file_location("lycoris_bench_tl_oft", os.path.join(BENCH, "tilelang_oft_variants.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    assert module.main(["--smoke", "--parity", "--shapes", "merge"]) == 0
+    rows = ("gather", "direct", "direct+stage", "direct s3", "direct+cayley", "cayley w2 s3")
+    assert module.main(["--smoke", "--parity", "--shapes", "merge", "--variants", ",".join(rows)]) == 0
     out = capsys.readouterr().out
     assert out.count("  ok") == 12 and "FAIL" not in out and "failed" not in out, out
-    assert all(f"merge    {v}" in out for v in ("gather", "direct ", "direct+stage", "direct+cayley",
-                                                 "cayley only ", "cayley only pp")), out
+    assert all(f"merge    {v:14}" in out for v in rows + ("cayley only", "cayley only pp")), out
 
 
 def test_tilelang_boft_variants_smoke(capsys):

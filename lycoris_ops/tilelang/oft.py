@@ -86,6 +86,14 @@ DIRECT_STAGE_OUT = {"cl": True, "cf": True}
 #: (4096 x 4096 weight) 0.125 / 0.187 ms against 0.057 / 0.109 (fwd / bwd) with the 0.025 ms
 #: Cayley launch; bypass (32768 x 4096) 0.289 / 0.460 against 0.220 / 0.386
 FUSE_CAYLEY = False
+#: the position split (``tiling``) aims at SPLIT_PER_SM programs an SM. On sm_90a a direct
+#: kernel is warp-specialized, 256 threads at 240 registers (ptxas): ONE program an SM, so
+#: this is about four waves. The fused kernels (``FUSE_CAYLEY``) instead split for one wave
+#: of FUSED_PER_SM programs an SM (every program solves its group once, then streams), with
+#: FUSED_STAGES tiles in flight (the direct kernels' ``_DIRECT_STAGES``)
+SPLIT_PER_SM = 4
+FUSED_PER_SM = 1
+FUSED_STAGES = 2
 #: the Cayley and chain kernels' Gauss–Jordan alternates between two buffer pairs, one barrier
 #: a step instead of two (the pivot row and column copied out, then the update). On the H200
 #: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
@@ -830,10 +838,15 @@ def position_view(t: torch.Tensor, ax: int):
     return tc, True, tc.view(pre, C, post)
 
 
-def tiling(cf: bool, pre: int, post: int, bt: int, groups: int, device) -> tuple:
-    """(nsplit, tiles per split) of the position tiles over ``groups`` group programs."""
+def tiling(cf: bool, pre: int, post: int, bt: int, groups: int, device, one_wave: bool = False) -> tuple:
+    """(nsplit, tiles per split) of the position tiles over ``groups`` group programs: about
+    ``SPLIT_PER_SM`` programs an SM; ``one_wave``: at most ``FUSED_PER_SM`` an SM (at least
+    one program a group)."""
     n_tiles = pre * cdiv(post, bt) if cf else cdiv(pre, bt)
-    want = max(1, cdiv(4 * num_sms(device), max(groups, 1)))
+    if one_wave:
+        want = max(1, FUSED_PER_SM * num_sms(device) // max(groups, 1))
+    else:
+        want = max(1, cdiv(SPLIT_PER_SM * num_sms(device), max(groups, 1)))
     nsplit = max(1, min(want, n_tiles))
     tps = cdiv(n_tiles, nsplit)
     return cdiv(n_tiles, tps), tps
@@ -869,13 +882,14 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     rs = None if rescale is None else aligned(rescale.reshape(-1).contiguous())
     fcoef = 1.0 if shift else 0.0
     p = launch_config(APPLY, cfg)
-    nsplit, tps = tiling(cf, pre, post, p["BT"], ng, x.device)
     yv = y.view(xv.shape)
     direct = direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1])
-    if direct and FUSE_CAYLEY:
+    fused = direct and FUSE_CAYLEY
+    nsplit, tps = tiling(cf, pre, post, p["BT"], ng, x.device, fused)
+    if fused:
         rsv = _rescale_operand(bc, rs)
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
-                   p["threads"], *direct_flags(arch, cf), _cayley_args(bc, rsv, rs is not None))
+                   p["threads"], *direct_flags(arch, cf, True), _cayley_args(bc, rsv, rs is not None))
         k(xv, bc.view(-1, S, S), rsv, yv, nsplit, tps, float(cscale), fcoef)
         return y
     fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, False, cscale, fcoef, 0, 0, ng, arch)
@@ -914,10 +928,11 @@ def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dt
             and inner * x_dtype.itemsize % 16 == 0)
 
 
-def direct_flags(arch: str, cf: bool) -> tuple:
+def direct_flags(arch: str, cf: bool, fused: bool = False) -> tuple:
     """The direct kernels' trailing builder arguments on ``arch``: (pipeline depth, layout,
-    store through shared memory)."""
-    return direct_stages(arch), cf, DIRECT_STAGE_OUT["cf" if cf else "cl"]
+    store through shared memory); ``fused``: the ``FUSE_CAYLEY`` kernels' depth."""
+    stages = (FUSED_STAGES if fused else _DIRECT_STAGES) if arch == "sm_90a" else 1
+    return stages, cf, DIRECT_STAGE_OUT["cf" if cf else "cl"]
 
 
 def direct_stages(arch: str) -> int:
@@ -956,12 +971,13 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     fcoef = 1.0 if shift else 0.0
     rsv = _rescale_operand(bc, rs)
     p = launch_config(STREAM, cfg)
-    nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev)
-    part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
     direct = direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1]) and grad.dtype == x.dtype
-    if direct and FUSE_CAYLEY:
+    fused = direct and FUSE_CAYLEY
+    nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev, fused)
+    part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
+    if fused:
         ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
-                    tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf),
+                    tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf, True),
                     _cayley_args(bc, rsv, rs is not None))
         ks(gv, xv, bc.view(-1, S, S), rsv, gx.view(xv.shape), part, tps, float(cscale), fcoef)
     else:
