@@ -3,7 +3,8 @@
     python bench/tilelang_oft_variants.py [--shapes bypass,merge] [--dtype bf16]
 
 For each shape (``bypass``: activations (32768, 4096), channels last; ``merge``: a
-(4096, 4096) weight, channels first; S = 32) and each variant, ``tilelang.oft.oft_fwd`` and
+(4096, 4096) weight, channels first; ``bypass_s`` / ``merge_s``: bench.py's small shape,
+(8192, 3072) / (3072, 3072); S = 32) and each variant, ``tilelang.oft.oft_fwd`` and
 ``oft_bwd`` are called directly (no tuner, no op dispatch), and the table gives their device
 time (``timing.DeviceTimer``: L2 flushed, median), the ratio to the first variant, and the
 largest relative difference of the results from the first variant's:
@@ -12,9 +13,9 @@ largest relative difference of the results from the first variant's:
 * ``direct``: the ``T.copy`` kernels storing from the GEMM fragment;
 * ``direct+stage``: the same, the output tile stored through shared memory
   (``DIRECT_STAGE_OUT``: the launchers' default per layout);
-* ``direct+cayley``: ``direct+stage`` with each program solving its group's Cayley
-  transform in its prologue (``FUSE_CAYLEY``: no Cayley launch, no F pair in memory), the
-  positions split for one wave (``FUSED_PER_SM``);
+* ``direct+cayley`` (the default): ``direct+stage`` with each program solving its group's
+  Cayley transform in its prologue (``FUSE_CAYLEY``: no Cayley launch, no F pair in memory),
+  the positions split for one wave (``FUSED_PER_SM``), ``FUSED_STAGES`` deep;
 * ``sN`` / ``wN``: the same with N tiles in flight (``_DIRECT_STAGES`` / ``FUSED_STAGES``)
   / a split for N programs an SM (``SPLIT_PER_SM`` / ``FUSED_PER_SM``);
 * ``cayley only``: the Cayley launch every variant starts with (F; the backward's Fᵀ), the
@@ -37,21 +38,24 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import timing as T  # noqa: E402
 
-SHAPES = {"bypass": ((32768, 4096), False), "merge": ((4096, 4096), True)}
-SMOKE = {"bypass": ((300, 64), False), "merge": ((64, 300), True)}  # CPU twins, fp32
+SHAPES = {"bypass": ((32768, 4096), False), "merge": ((4096, 4096), True),
+          "bypass_s": ((8192, 3072), False), "merge_s": ((3072, 3072), True)}
+SMOKE = {"bypass": ((300, 64), False), "merge": ((64, 300), True), "bypass_s": ((200, 64), False),
+         "merge_s": ((64, 200), True)}  # CPU twins, fp32
 #: variant -> the ``tilelang.oft`` module settings it times (the rest at their defaults)
 VARIANTS = {
     "gather": dict(direct_apply=lambda *a: False),
-    "direct": dict(DIRECT_STAGE_OUT=dict(cl=False, cf=False)),
-    "direct+stage": dict(DIRECT_STAGE_OUT=dict(cl=True, cf=True)),
-    "direct s3": dict(_DIRECT_STAGES=3),
-    "direct s4 w1": dict(_DIRECT_STAGES=4, SPLIT_PER_SM=1),
+    "direct": dict(FUSE_CAYLEY=False, DIRECT_STAGE_OUT=dict(cl=False, cf=False)),
+    "direct+stage": dict(FUSE_CAYLEY=False, DIRECT_STAGE_OUT=dict(cl=True, cf=True)),
+    "direct s3": dict(FUSE_CAYLEY=False, _DIRECT_STAGES=3),
+    "direct s4 w1": dict(FUSE_CAYLEY=False, _DIRECT_STAGES=4, SPLIT_PER_SM=1),
     "direct+cayley": dict(FUSE_CAYLEY=True),
-    "cayley s3": dict(FUSE_CAYLEY=True, FUSED_STAGES=3),
-    "cayley s4": dict(FUSE_CAYLEY=True, FUSED_STAGES=4),
-    "cayley w2 s3": dict(FUSE_CAYLEY=True, FUSED_STAGES=3, FUSED_PER_SM=2),
+    "cayley s2": dict(FUSE_CAYLEY=True, FUSED_STAGES=dict(fwd=2, bwd=2)),
+    "cayley s3": dict(FUSE_CAYLEY=True, FUSED_STAGES=dict(fwd=3, bwd=3)),
+    "cayley s4": dict(FUSE_CAYLEY=True, FUSED_STAGES=dict(fwd=4, bwd=4)),
+    "cayley w2": dict(FUSE_CAYLEY=True, FUSED_PER_SM=2),
 }
-DEFAULT_VARIANTS = "direct+stage,direct s3,direct s4 w1,direct+cayley,cayley s3,cayley s4,cayley w2 s3"
+DEFAULT_VARIANTS = "direct+stage,direct s3,direct+cayley,cayley s3,cayley w2"
 
 
 #: (K, S, x shape, weight): S divides the 32-channel group (the direct kernels); 72 channels

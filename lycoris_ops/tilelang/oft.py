@@ -81,19 +81,24 @@ _DIRECT_STAGES = 2
 DIRECT_STAGE_OUT = {"cl": True, "cf": True}
 #: the direct kernels solve their group's Cayley transform in their prologue (no Cayley
 #: launch, F never in global memory) instead of reading the F pair ``cayley_kernel`` wrote.
-#: Off: on the H200 (bf16, bench/tilelang_oft_variants.py, bench/RESULTS.md 2026-12-02 04:05)
-#: it is slower, every program paying the serial Gauss–Jordan before its first tile: merge
-#: (4096 x 4096 weight) 0.125 / 0.187 ms against 0.057 / 0.109 (fwd / bwd) with the 0.025 ms
-#: Cayley launch; bypass (32768 x 4096) 0.289 / 0.460 against 0.220 / 0.386
-FUSE_CAYLEY = False
+#: On, with the positions split for one wave and deeper pipelines (below). On the H200 (bf16,
+#: bench/tilelang_oft_variants.py, bench/RESULTS.md 2026-12-02 05:40), fwd / bwd ms against
+#: the separate Cayley launch: merge (4096 x 4096 weight) 0.033 / 0.069 against 0.049 / 0.091;
+#: bypass (32768 x 4096) 0.162 / 0.283 against 0.210 / 0.367. Split like the separate-launch
+#: kernels (about four waves, each program paying the serial solve) it was slower: 0.125 /
+#: 0.187 (merge) at 04:05
+FUSE_CAYLEY = True
 #: the position split (``tiling``) aims at SPLIT_PER_SM programs an SM. On sm_90a a direct
 #: kernel is warp-specialized, 256 threads at 240 registers (ptxas): ONE program an SM, so
 #: this is about four waves. The fused kernels (``FUSE_CAYLEY``) instead split for one wave
 #: of FUSED_PER_SM programs an SM (every program solves its group once, then streams), with
-#: FUSED_STAGES tiles in flight (the direct kernels' ``_DIRECT_STAGES``)
+#: FUSED_STAGES tiles in flight per direction (one program an SM needs more in flight than
+#: the direct kernels' ``_DIRECT_STAGES``; the H200 at 05:40: fwd 4, bwd 3 best)
 SPLIT_PER_SM = 4
 FUSED_PER_SM = 1
-FUSED_STAGES = 2
+FUSED_STAGES = dict(fwd=4, bwd=3)
+#: shared memory of one sm_90a block (bytes): the fused kernels' deeper pipelines must fit
+_SMEM_SM90A = 227 * 1024
 #: the Cayley and chain kernels' Gauss–Jordan alternates between two buffer pairs, one barrier
 #: a step instead of two (the pivot row and column copied out, then the update). On the H200
 #: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
@@ -884,12 +889,12 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
     p = launch_config(APPLY, cfg)
     yv = y.view(xv.shape)
     direct = direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1])
-    fused = direct and FUSE_CAYLEY
+    fused = fuse_cayley(direct, arch, GP, p["BT"], cdt.itemsize, False)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, x.device, fused)
     if fused:
         rsv = _rescale_operand(bc, rs)
         k = kernel(apply_direct_kernel, arch, tl_dtype(x.dtype), tl_dtype(x.dtype), tl_dtype(cdt), GP, p["BT"],
-                   p["threads"], *direct_flags(arch, cf, True), _cayley_args(bc, rsv, rs is not None))
+                   p["threads"], *direct_flags(arch, cf, "fwd"), _cayley_args(bc, rsv, rs is not None))
         k(xv, bc.view(-1, S, S), rsv, yv, nsplit, tps, float(cscale), fcoef)
         return y
     fh, fl = _cayley(bc, rs, cdt, S, NB, GP, False, False, False, cscale, fcoef, 0, 0, ng, arch)
@@ -928,11 +933,27 @@ def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dt
             and inner * x_dtype.itemsize % 16 == 0)
 
 
-def direct_flags(arch: str, cf: bool, fused: bool = False) -> tuple:
+def direct_flags(arch: str, cf: bool, fused: str = "") -> tuple:
     """The direct kernels' trailing builder arguments on ``arch``: (pipeline depth, layout,
-    store through shared memory); ``fused``: the ``FUSE_CAYLEY`` kernels' depth."""
-    stages = (FUSED_STAGES if fused else _DIRECT_STAGES) if arch == "sm_90a" else 1
+    store through shared memory); ``fused`` ("fwd" / "bwd"): the ``FUSE_CAYLEY`` kernels' depth."""
+    stages = (FUSED_STAGES[fused] if fused else _DIRECT_STAGES) if arch == "sm_90a" else 1
     return stages, cf, DIRECT_STAGE_OUT["cf" if cf else "cl"]
+
+
+def fuse_cayley(direct: bool, arch: str, GP: int, BT: int, csize: int, bwd: bool) -> bool:
+    """Whether the direct kernel solves the Cayley transform itself (``FUSE_CAYLEY``): on the
+    direct path, and on sm_90a only where its shared memory with ``FUSED_STAGES`` tiles in
+    flight fits a block: the F pair, then the larger of the Gauss–Jordan scratch (four fp32
+    GP x GP buffers; TileLang reuses it for the tiles once the solve is done) and the
+    pipelined tiles (x; the backward G and x) with the output stage."""
+    if not (direct and FUSE_CAYLEY):
+        return False
+    if arch != "sm_90a":
+        return True
+    tile = BT * GP * csize
+    stages = FUSED_STAGES["bwd" if bwd else "fwd"]
+    smem = 2 * GP * GP * csize + max(16 * GP * GP + 4 * GP, (2 if bwd else 1) * stages * tile + tile)
+    return smem <= _SMEM_SM90A
 
 
 def direct_stages(arch: str) -> int:
@@ -972,12 +993,12 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
     rsv = _rescale_operand(bc, rs)
     p = launch_config(STREAM, cfg)
     direct = direct_apply(cf, GP, GC, x.dtype, cdt, arch, xv.shape[-1]) and grad.dtype == x.dtype
-    fused = direct and FUSE_CAYLEY
+    fused = fuse_cayley(direct, arch, GP, p["BT"], cdt.itemsize, True)
     nsplit, tps = tiling(cf, pre, post, p["BT"], ng, dev, fused)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
     if fused:
         ks = kernel(stream_direct_kernel, arch, tl_dtype(grad.dtype), tl_dtype(x.dtype), tl_dtype(x.dtype),
-                    tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf, True),
+                    tl_dtype(cdt), GP, p["BT"], p["threads"], *direct_flags(arch, cf, "bwd"),
                     _cayley_args(bc, rsv, rs is not None))
         ks(gv, xv, bc.view(-1, S, S), rsv, gx.view(xv.shape), part, tps, float(cscale), fcoef)
     else:
