@@ -12,7 +12,9 @@ the first variant's:
 * ``gather``: diag-OFT's element-wise gather kernels once per stage (``RUNS = False``);
 * ``runs``: the run kernels, one launch per stage (the default);
 * ``runs+pairs``: the run kernels with two stages per launch where ``_units`` allows
-  (``PAIRS = True``), forward and backward.
+  (``PAIRS = True``), forward and backward;
+* ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
+  positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
 Also printed per shape: the launch units the pairs take, and the forward's bytes moved per
 variant's pass structure over the copy bandwidth (``floor``: what its passes alone cost).
@@ -35,22 +37,38 @@ import timing as T  # noqa: E402
 #: name -> (positions, channels, s)
 SHAPES = {"large": (32768, 4096, 32), "small": (8192, 3072, 24)}
 SMOKE = {"large": (37, 128, 32), "small": (21, 96, 24)}
-VARIANTS = ("gather", "runs", "runs+pairs")
+#: variant -> the settings it times: ``tilelang.boft``'s, and under "oft" those of
+#: ``tilelang.oft`` whose helpers the run kernels share (pipeline depth, position split)
+VARIANTS = {
+    "gather": dict(RUNS=False, PAIRS=False),
+    "runs": dict(RUNS=True, PAIRS=False),
+    "runs+pairs": dict(RUNS=True, PAIRS=True),
+    "runs s3": dict(RUNS=True, PAIRS=False, oft=dict(_DIRECT_STAGES=3)),
+    "runs s4": dict(RUNS=True, PAIRS=False, oft=dict(_DIRECT_STAGES=4)),
+    "runs s3 w1": dict(RUNS=True, PAIRS=False, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),
+}
+DEFAULT_VARIANTS = "gather,runs,runs+pairs"
 
 
-def _set(boft, variant):
-    boft.RUNS = variant != "gather"
-    boft.PAIRS = variant == "runs+pairs"
+def _set(boft, oft, variant) -> dict:
+    """Apply ``variant``'s settings; returns what to restore: {module: {name: old value}}."""
+    saved = {}
+    for mod, kv in ((boft, {k: v for k, v in VARIANTS[variant].items() if k != "oft"}),
+                    (oft, VARIANTS[variant].get("oft", {}))):
+        saved[mod] = {k: getattr(mod, k) for k in kv}
+        for k, v in kv.items():
+            setattr(mod, k, v)
+    return saved
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="large,small")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="the variants to time, in order")
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"the variants to time, in order, of {list(VARIANTS)}")
     ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
     args = ap.parse_args(argv)
-    from lycoris_ops.tilelang import _common, boft
+    from lycoris_ops.tilelang import _common, boft, oft
 
     dt = torch.float32 if args.smoke else {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -75,7 +93,7 @@ def main(argv=None) -> int:
             print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; units with pairs: {units}")
         first = None
         for v in args.variants.split(","):
-            _set(boft, v)
+            saved = _set(boft, oft, v)
             try:
                 fwd = lambda: boft.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False)  # noqa: E731
                 bwd = lambda: boft.boft_bwd(g, blocks, x, -1, 1.0, 1.0)  # noqa: E731
@@ -85,7 +103,9 @@ def main(argv=None) -> int:
                 print(f"{name:6} {v:12} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
             finally:
-                boft.RUNS, boft.PAIRS = keep
+                for mod, kv in saved.items():
+                    for k, val in kv.items():
+                        setattr(mod, k, val)
             if first is None:
                 first = (tf, tb, outs)
             diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
