@@ -137,14 +137,29 @@ DIRECT_CASES = [(9, 8, (37, 72), False, True, True), (4, 16, (50, 64), False, Fa
                 (9, 8, (72, 40), True, True, True), (4, 16, (3, 64, 4, 6), False, True, False)]
 
 
+def spy_kernels(monkeypatch) -> list:
+    """(builder name, builder args) of every kernel ``tilelang.oft``'s launchers fetch."""
+    seen, real = [], oft.kernel
+
+    def spy(builder, arch, *args):
+        seen.append((builder.__name__, args))
+        return real(builder, arch, *args)
+
+    monkeypatch.setattr(oft, "kernel", spy)
+    return seen
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "cayley-launch"])
 @pytest.mark.parametrize("K,S,shape,weight,has_rs,shift", DIRECT_CASES,
                          ids=["cl-rs-shift", "cl-rot", "cf-w-rs-shift", "cf-conv-rs"])
-def test_direct_kernels_solve_cayley(K, S, shape, weight, has_rs, shift, monkeypatch):
-    """``FUSE_CAYLEY``: the direct kernels solve their group's Cayley transform in their
-    prologue (no F pair in memory): the same results as the reference, forward and backward,
-    both layouts, a partial last group, rescale and shift on and off."""
-    monkeypatch.setattr(oft, "FUSE_CAYLEY", True)
-    before = {k for k in _common._kernels if k[1] == "cayley_kernel"}
+def test_direct_kernels_solve_cayley(K, S, shape, weight, has_rs, shift, fuse, monkeypatch):
+    """``FUSE_CAYLEY`` (the default): the direct kernels solve their group's Cayley transform
+    in their prologue (no F pair in memory, no Cayley launch); off (``fuse_cayley``'s fallback
+    where the fused pipeline would not fit): the Cayley launch, then the direct kernels read
+    the F pair. The same results as the reference either way, forward and backward, both
+    layouts, a partial last group, rescale and shift on and off."""
+    monkeypatch.setattr(oft, "FUSE_CAYLEY", fuse)
+    seen = spy_kernels(monkeypatch)
     dtype = DTYPES[-1]
     g = torch.Generator().manual_seed(K * 31 + S)
     blocks = (0.2 * torch.randn(K, S, S, generator=g)).to(DEV)
@@ -158,10 +173,41 @@ def test_direct_kernels_solve_cayley(K, S, shape, weight, has_rs, shift, monkeyp
     for what, a, b in zip(("gx", "g_blocks", "g_rescale"), got, R_OFT.oft_bwd(g6, b6, x6, r6, 0.8, shift, weight)):
         if what != "g_rescale" or has_rs:
             check(a, b, dtype, f"oft_bwd {what}")
-    used = {k[1] for k in _common._kernels if k[1] != "cayley_kernel" and k[3][-1] == (
-        _common.tl_dtype(blocks.dtype), "float32", S, has_rs, oft.GJ_PINGPONG)}
-    assert used == {"apply_direct_kernel", "stream_direct_kernel"}, used
-    assert {k for k in _common._kernels if k[1] == "cayley_kernel"} == before  # no Cayley launch built
+    names = [n for n, _ in seen]
+    assert names == (["apply_direct_kernel", "stream_direct_kernel", "chain_kernel"] if fuse else
+                     ["cayley_kernel", "apply_direct_kernel", "cayley_kernel", "stream_direct_kernel",
+                      "chain_kernel"]), names
+    solve = (_common.tl_dtype(blocks.dtype), "float32", S, has_rs, oft.GJ_PINGPONG)
+    assert all((args[-1] == solve) == fuse for n, args in seen if n.endswith("direct_kernel"))
+
+
+def test_fused_split_is_one_wave(monkeypatch):
+    """The fused kernels' position split: one wave of ``FUSED_PER_SM`` programs an SM (at least
+    one program a group, at most one a tile); the separate-launch kernels' aims at about
+    ``SPLIT_PER_SM`` an SM."""
+    monkeypatch.setattr(oft, "num_sms", lambda device: 132)
+    cpu = torch.device("cpu")
+    for groups, tiles in ((128, 32), (96, 64), (40, 256), (300, 8), (4, 2)):
+        nsplit, tps = oft.tiling(False, tiles * 128, 1, 128, groups, cpu, True)
+        assert groups * nsplit <= max(132, groups) and nsplit * tps >= tiles > (nsplit - 1) * tps
+        many, _ = oft.tiling(False, tiles * 128, 1, 128, groups, cpu)
+        assert many >= nsplit
+    assert oft.tiling(True, 1, 4096, 128, 128, cpu, True) == (1, 32)  # the merge shape: 128 groups of 32 tiles
+
+
+def test_fuse_cayley_needs_its_pipeline_to_fit(monkeypatch):
+    """``fuse_cayley``: only on the direct path with FUSE_CAYLEY; on sm_90a only where the F
+    pair plus the larger of the Gauss–Jordan scratch and the pipelined tiles fit 227 KB."""
+    assert oft.fuse_cayley(True, "sm_90a", 64, 256, 2, False)  # 16 + 4 x 32 + 32 KB
+    assert oft.fuse_cayley(True, "sm_90a", 64, 128, 2, True)  # 16 + 3 x 2 x 16 + 16 KB
+    assert not oft.fuse_cayley(False, "sm_90a", 32, 128, 2, False)
+    assert oft.fuse_cayley(True, _common.CPU_ARCH, 64, 256, 2, False)
+    monkeypatch.setattr(oft, "FUSED_STAGES", dict(fwd=8, bwd=8))
+    assert not oft.fuse_cayley(True, "sm_90a", 64, 256, 2, False)  # 16 + 8 x 32 + 32 KB > 227 KB
+    assert not oft.fuse_cayley(True, "sm_90a", 64, 128, 2, True)
+    assert oft.fuse_cayley(True, "sm_90a", 32, 64, 2, False)
+    monkeypatch.setattr(oft, "FUSE_CAYLEY", False)
+    assert not oft.fuse_cayley(True, "sm_90a", 32, 64, 2, False)
 
 
 @pytest.mark.parametrize("pingpong", [False, True], ids=["gj", "gj-pingpong"])
