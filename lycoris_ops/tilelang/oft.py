@@ -31,8 +31,10 @@ Kernel families:
 ``apply_direct_kernel`` (same grid): diag-OFT's forward where nothing needs the gather
     (GC = GP, 16-bit x, rows of a 16-byte multiple; either layout): the x tile by ``T.copy``
     (TMA on sm_90a) in a ``T.Pipelined`` loop, the output by ``T.copy`` from the fragment
-    or through a shared tile (``DIRECT_STAGE_OUT``; ``direct_apply`` decides the path).
-``stream_direct_kernel``: the backward stream's twin of the same conditions.
+    or through a shared tile (``DIRECT_STAGE_OUT``; ``direct_apply`` decides the path). By
+    default (``FUSE_CAYLEY``) each program solves its group's F in its prologue instead of
+    reading the Cayley kernel's pair: one launch, the positions split for one wave.
+``stream_direct_kernel``: the backward stream's twin of the same conditions (Fᵀ likewise).
 ``bwd_stream_kernel`` (same grid): per tile ``gx = G·F`` (as ``G·(Fᵀ)ᵀ`` with
     the Fᵀ pair) stored, and ``P += Gᵀ·X`` (dL/dF, fp32 fragment) over the
     program's positions; the partial P of each (split, group) goes to a small
@@ -870,7 +872,8 @@ def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_
 
 
 def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
-    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): Cayley + apply kernels;
+    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): one direct kernel that
+    solves the Cayley transform itself (``fuse_cayley``), else Cayley + apply kernels;
     ``cfg``: the apply kernel's tuned {BT, threads} over ``APPLY``."""
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
@@ -964,7 +967,8 @@ def direct_stages(arch: str) -> int:
 
 
 def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
-    """Diag-OFT backward (OPS.md §2.5.2): Cayley (Fᵀ) + stream + chain kernels; ``cfg``: the
+    """Diag-OFT backward (OPS.md §2.5.2): stream (solving Fᵀ itself: ``fuse_cayley``; else after a
+    Cayley (Fᵀ) launch) + chain kernels; ``cfg``: the
     stream kernel's tuned {BT, threads} over ``STREAM``.
 
     Returns gx (x's shape and dtype), g_blocks (blocks' shape and dtype), g_rescale
