@@ -127,6 +127,21 @@ def test_tilelang_oft_variants_smoke(capsys):
     assert all(f"merge    {v:14}" in out for v in rows + ("cayley only", "cayley only pp")), out
 
 
+def test_tilelang_tucker_variants_smoke(capsys):
+    """``bench/tilelang_tucker_variants.py --smoke``: both kernel forms (per κ, all κ) run for
+    one and two chains and agree (TileLang's CPU twins, fp32, tiny sizes)."""
+    pytest.importorskip("tilelang")
+    spec = importlib.util.spec_from_file_location("lycoris_bench_tl_tucker",
+                                                  os.path.join(BENCH, "tilelang_tucker_variants.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--smoke", "--shapes", "small"]) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert "failed" not in out and len(rows) == 4, out
+    assert all(float(row[-1]) < 1e-6 for row in rows), out
+
+
 def test_tilelang_boft_variants_smoke(capsys):
     """``bench/tilelang_boft_variants.py --smoke``: the gather / runs / runs+pairs rows run and
     agree (TileLang's CPU twins, fp32, tiny sizes), and the pairs' launch units are printed."""

@@ -146,29 +146,45 @@ def _tucker_case(dtype, device, two):
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
 @pytest.mark.parametrize("cfg", TUCKER_CFGS, ids=["bo128-t256", "bi256"])
 @pytest.mark.parametrize("two", [False, True], ids=["1chain", "2chains"])
-def test_twin_tucker_tile_configs(two, cfg):
+def test_twin_tucker_tile_configs(two, cfg, all_k, monkeypatch):
+    """Both kernel forms (``tucker.ALL_K``: every κ of a tile in one program, the output staged)
+    against the reference, partial tiles in O and I (70 x 45 x 9)."""
+    monkeypatch.setattr(tucker, "ALL_K", all_k)
     args = _tucker_case(torch.float32, "cpu", two)
     got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
     assert got.shape == want.shape and harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
 
 
+def test_tucker_all_k_fits():
+    """``all_k_fits``: the staged output tile plus the chains' operand tiles within _ALL_K_SMEM."""
+    assert tucker.all_k_fits(64, 64, 9, 64, 64, 2, 2, 2)  # 64 KB + 72 KB
+    assert not tucker.all_k_fits(128, 256, 9, 64, 64, 1, 2, 2)  # the staged tile alone is 576 KB
+    assert not tucker.all_k_fits(64, 64, 9, 64, 64, 2, 2, 4)  # fp32 output: 64 + 144 KB
+
+
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
 @pytest.mark.parametrize("cfg", TUCKER_CFGS, ids=["bo128-t256", "bi256"])
-def test_gpu_tucker_tile_configs(cfg):
+def test_gpu_tucker_tile_configs(cfg, all_k, monkeypatch):
+    monkeypatch.setattr(tucker, "ALL_K", all_k)
     args = _tucker_case(torch.bfloat16, "cuda", True)
     got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
     assert harness.rel_err(got, want) <= harness.REL_TOL[torch.bfloat16]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
+@pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
+def test_tucker_tile_space_corners_compile_sm90a(all_k, monkeypatch):
     """Every (BO, threads) of the tucker TileLang space with the widest and narrowest BI, one
-    and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32)."""
+    and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32); with ``ALL_K`` the
+    configs whose staging fits take the all-κ kernel."""
     from lycoris_ops.plans import tilelang as tl_pick, tucker as plans_tucker
 
     monkeypatch.setattr(tucker, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(tucker, "ALL_K", all_k)
     sp = plans_tucker.TL_SPACE
     bf = torch.bfloat16
     a, t, b = torch.empty(3072, 32, dtype=bf), torch.empty(32, 32, 9, dtype=bf), torch.empty(32, 3072, dtype=bf)
@@ -183,6 +199,7 @@ def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
         tl_pick._call(tucker.tucker_fwd, (a5, t5, b5, a5, t5, b5, 1.0), dict(BO=128, BI=64, threads=256))
     failed = harness.compile_failures(pending)
     assert len(pending) == 13 and not failed, failed
+    assert any(p.args[-1] for p in pending) == all_k  # the builder's all_k flag
 
 
 def _sm90a_bench_calls(monkeypatch):

@@ -29,14 +29,33 @@ _ACC = "float32"
 #: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (plans/tucker.py:
 #: ``TILELANG``) overrides the output tile (BO x BI) and the threads
 TUCKER = dict(BO=64, BI=64, threads=128)
+#: ``all_k``: a program computes every κ of its (O, I) tile, stages the (BO, BI·Kk) output
+#: tile in shared memory and stores whole rows, instead of one κ a program storing every
+#: Kk-th element (2-byte stores Kk·2 bytes apart: a 32-byte sector written per element).
+#: Off until timed on a GPU (``bench/tilelang_tucker_variants.py``); where on, ``all_k_fits``
+#: keeps the per-κ kernel for tiles whose staging would not fit ``_ALL_K_SMEM``
+ALL_K = False
+_ALL_K_SMEM = 160 * 1024
+
+
+def all_k_fits(BO: int, BI: int, Kk: int, pa: int, pb: int, chains: int, e: int, eo: int) -> bool:
+    """Whether the ``all_k`` kernel's shared memory (per chain the a, t, a·t and b tiles; the
+    staged output tile) fits ``_ALL_K_SMEM`` (sm_80's 163 KB block, with a margin)."""
+    return chains * (BO * pa + pa * pb + BO * pb + pb * BI) * e + BO * BI * Kk * eo <= _ALL_K_SMEM
 
 
 def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str, odt: str,
-                  BO: int = 64, BI: int = 64, threads: int = 128, cpu: bool = False):
-    """One chain (R2a None) or the hadamard of two. A (O, Ra), Tc (Kk, Ra, Rb), B (Rb, I)."""
+                  BO: int = 64, BI: int = 64, threads: int = 128, all_k: bool = False, cpu: bool = False):
+    """One chain (R2a None) or the hadamard of two. A (O, Ra), Tc (Kk, Ra, Rb), B (Rb, I).
+
+    Grid (κ, I tile, O tile), Y (O, I, Kk); ``all_k``: grid (I tile, O tile), Y seen as
+    (O, I·Kk), every κ of the tile computed in the program (module docstring, ``ALL_K``)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
+    if all_k:
+        return _tucker_all_k(T, shared, frag, par, nthreads, O, I, Kk, R1a, R1b, R2a, R2b, dt, odt, BO, BI,
+                             threads)
     two = R2a is not None
     P1a, P1b = pad_rank(R1a), pad_rank(R1b)
     P2a, P2b = (pad_rank(R2a), pad_rank(R2b)) if two else (16, 16)
@@ -89,6 +108,66 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
     return tucker
 
 
+def _tucker_all_k(T, shared, frag, par, nthreads, O, I, Kk, R1a, R1b, R2a, R2b, dt, odt, BO, BI, threads):
+    """``tucker_kernel(all_k=True)``: a and b tiles loaded once, the κ loop inside, the output
+    tile staged as (BO, BI·Kk) (κ fastest, Y's own order) and stored row by row."""
+    two = R2a is not None
+    P1a, P1b = pad_rank(R1a), pad_rank(R1b)
+    P2a, P2b = (pad_rank(R2a), pad_rank(R2b)) if two else (16, 16)
+    s2a = (O, R2a) if two else (1,)
+    s2t = (Kk, R2a, R2b) if two else (1,)
+    s2b = (R2b, I) if two else (1,)
+    W = BI * Kk
+
+    @T.macro
+    def chain(Tc, a_s, t_s, at_s, b_s, f, c, kk, pa, pb):
+        T.copy(Tc[kk, 0:pa, 0:pb], t_s)
+        T.gemm(a_s, t_s, f, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
+        T.copy(f, at_s)  # a·t rounded to the compute dtype
+        T.gemm(at_s, b_s, c, clear_accum=True)
+
+    @T.prim_func
+    def tucker_all_k(A1: T.Tensor((O, R1a), dt), T1: T.Tensor((Kk, R1a, R1b), dt), B1: T.Tensor((R1b, I), dt),
+                     A2: T.Tensor(s2a, dt), T2: T.Tensor(s2t, dt), B2: T.Tensor(s2b, dt),
+                     Y: T.Tensor((O, I * Kk), odt), gamma: T.float32):
+        with T.Kernel(T.ceildiv(I, BI), T.ceildiv(O, BO), threads=nthreads(threads)) as (bi, bo):
+            a1s = shared((BO, P1a), dt)
+            t1s = shared((P1a, P1b), dt)
+            at1 = shared((BO, P1b), dt)
+            b1s = shared((P1b, BI), dt)
+            f1 = frag((BO, P1b), _ACC)
+            c1 = frag((BO, BI), _ACC)
+            if two:
+                a2s = shared((BO, P2a), dt)
+                t2s = shared((P2a, P2b), dt)
+                at2 = shared((BO, P2b), dt)
+                b2s = shared((P2b, BI), dt)
+                f2 = frag((BO, P2b), _ACC)
+                c2 = frag((BO, BI), _ACC)
+            ys = shared((BO, W), odt)
+            o0 = bo * BO
+            i0 = bi * BI
+            T.copy(A1[o0, 0], a1s)  # the a rows and b columns of the tile, once for every κ
+            T.copy(B1[0, i0], b1s)
+            if two:
+                T.copy(A2[o0, 0], a2s)
+                T.copy(B2[0, i0], b2s)
+            for kk in T.serial(Kk):
+                chain(T1, a1s, t1s, at1, b1s, f1, c1, kk, P1a, P1b)
+                if two:
+                    chain(T2, a2s, t2s, at2, b2s, f2, c2, kk, P2a, P2b)
+                for i, j in par(BO, BI):
+                    if two:
+                        ys[i, j * Kk + kk] = T.cast(c1[i, j] * gamma * c2[i, j], odt)
+                    else:
+                        ys[i, j * Kk + kk] = T.cast(c1[i, j] * gamma, odt)
+            for i, j in par(BO, W):  # whole rows: BI·Kk consecutive elements of Y
+                if o0 + i < O and i0 * Kk + j < I * Kk:
+                    Y[o0 + i, i0 * Kk + j] = ys[i, j]
+
+    return tucker_all_k
+
+
 def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
     p = launch_config(TUCKER, cfg)
     c = compute_dtype(a1, t1, b1, a2, t2, b2)
@@ -106,13 +185,19 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
         z = torch.zeros(1, device=dev, dtype=c)
         args += [z, z, z]
         R2a = R2b = None
+    ranks = (R1a, R1b) + ((R2a, R2b) if two else ())
+    all_k = ALL_K and all_k_fits(p["BO"], p["BI"], Kk, max(pad_rank(r) for r in ranks[0::2]),
+                                 max(pad_rank(r) for r in ranks[1::2]), 2 if two else 1, c.itemsize,
+                                 y.element_size())
     k = kernel(tucker_kernel, arch_of(dev), O, I, Kk, R1a, R1b, R2a, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
-               p["BI"], p["threads"])
-    k(*args, y, float(gamma))
+               p["BI"], p["threads"], all_k)
+    k(*args, y.view(O, I * Kk) if all_k else y, float(gamma))
     return y
 
 
 def compile_specs(dtype: torch.dtype):
     """(builder, args) of the kernel family of this file at a small config (CI compile check)."""
     d = tl_dtype(dtype)
-    return [(tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d))]
+    return [(tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d)),
+            (tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d, 64, 64, 128, True)),  # ALL_K
+            (tucker_kernel, (13, 7, 9, 4, 4, None, None, d, d, 64, 64, 128, True))]
