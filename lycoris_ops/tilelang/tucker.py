@@ -48,89 +48,35 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
                   BO: int = 64, BI: int = 64, threads: int = 128, all_k: bool = False, cpu: bool = False):
     """One chain (R2a None) or the hadamard of two. A (O, Ra), Tc (Kk, Ra, Rb), B (Rb, I).
 
-    Grid (κ, I tile, O tile), Y (O, I, Kk); ``all_k``: grid (I tile, O tile), Y seen as
-    (O, I·Kk), every κ of the tile computed in the program (module docstring, ``ALL_K``)."""
+    Grid (κ, I tile, O tile), Y (O, I, Kk); ``all_k``: grid (1, I tile, O tile), Y seen as
+    (O, I·Kk), every κ of the tile computed in the program and the output tile staged as
+    (BO, BI·Kk) (κ fastest, Y's own order), then stored row by row (``ALL_K``)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
-    if all_k:
-        return _tucker_all_k(T, shared, frag, par, nthreads, O, I, Kk, R1a, R1b, R2a, R2b, dt, odt, BO, BI,
-                             threads)
     two = R2a is not None
     P1a, P1b = pad_rank(R1a), pad_rank(R1b)
     P2a, P2b = (pad_rank(R2a), pad_rank(R2b)) if two else (16, 16)
     s2a = (O, R2a) if two else (1,)
     s2t = (Kk, R2a, R2b) if two else (1,)
     s2b = (R2b, I) if two else (1,)
-
-    @T.prim_func
-    def tucker(A1: T.Tensor((O, R1a), dt), T1: T.Tensor((Kk, R1a, R1b), dt), B1: T.Tensor((R1b, I), dt),
-               A2: T.Tensor(s2a, dt), T2: T.Tensor(s2t, dt), B2: T.Tensor(s2b, dt),
-               Y: T.Tensor((O, I, Kk), odt), gamma: T.float32):
-        with T.Kernel(Kk, T.ceildiv(I, BI), T.ceildiv(O, BO), threads=nthreads(threads)) as (kk, bi, bo):
-            a1s = shared((BO, P1a), dt)
-            t1s = shared((P1a, P1b), dt)
-            at1 = shared((BO, P1b), dt)
-            b1s = shared((P1b, BI), dt)
-            f1 = frag((BO, P1b), _ACC)
-            c1 = frag((BO, BI), _ACC)
-            if two:
-                a2s = shared((BO, P2a), dt)
-                t2s = shared((P2a, P2b), dt)
-                at2 = shared((BO, P2b), dt)
-                b2s = shared((P2b, BI), dt)
-                f2 = frag((BO, P2b), _ACC)
-                c2 = frag((BO, BI), _ACC)
-            o0 = bo * BO
-            i0 = bi * BI
-            T.copy(A1[o0, 0], a1s)
-            T.copy(T1[kk, 0:P1a, 0:P1b], t1s)
-            T.copy(B1[0, i0], b1s)
-            # a·t is BO x (rank <= 64): warps split its rows only (FullRow); with 256 threads the
-            # default split halves a 16-wide rank, a B layout sm_90's wgmma rejects
-            T.gemm(a1s, t1s, f1, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-            T.copy(f1, at1)  # a·t rounded to the compute dtype
-            T.gemm(at1, b1s, c1, clear_accum=True)
-            if two:
-                T.copy(A2[o0, 0], a2s)
-                T.copy(T2[kk, 0:P2a, 0:P2b], t2s)
-                T.copy(B2[0, i0], b2s)
-                T.gemm(a2s, t2s, f2, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(f2, at2)
-                T.gemm(at2, b2s, c2, clear_accum=True)
-            for i, j in par(BO, BI):
-                if o0 + i < O and i0 + j < I:
-                    if two:
-                        Y[o0 + i, i0 + j, kk] = T.cast(c1[i, j] * gamma * c2[i, j], odt)
-                    else:
-                        Y[o0 + i, i0 + j, kk] = T.cast(c1[i, j] * gamma, odt)
-
-    return tucker
-
-
-def _tucker_all_k(T, shared, frag, par, nthreads, O, I, Kk, R1a, R1b, R2a, R2b, dt, odt, BO, BI, threads):
-    """``tucker_kernel(all_k=True)``: a and b tiles loaded once, the κ loop inside, the output
-    tile staged as (BO, BI·Kk) (κ fastest, Y's own order) and stored row by row."""
-    two = R2a is not None
-    P1a, P1b = pad_rank(R1a), pad_rank(R1b)
-    P2a, P2b = (pad_rank(R2a), pad_rank(R2b)) if two else (16, 16)
-    s2a = (O, R2a) if two else (1,)
-    s2t = (Kk, R2a, R2b) if two else (1,)
-    s2b = (R2b, I) if two else (1,)
+    KG, KL = (1, Kk) if all_k else (Kk, 1)  # κ: grid extent, then loop extent in a program
     W = BI * Kk
 
     @T.macro
-    def chain(Tc, a_s, t_s, at_s, b_s, f, c, kk, pa, pb):
-        T.copy(Tc[kk, 0:pa, 0:pb], t_s)
+    def chain(Tc, a_s, t_s, at_s, b_s, f, c, k, pa, pb):
+        T.copy(Tc[k, 0:pa, 0:pb], t_s)
+        # a·t is BO x (rank <= 64): warps split its rows only (FullRow); with 256 threads the
+        # default split halves a 16-wide rank, a B layout sm_90's wgmma rejects
         T.gemm(a_s, t_s, f, clear_accum=True, policy=T.GemmWarpPolicy.FullRow)
         T.copy(f, at_s)  # a·t rounded to the compute dtype
         T.gemm(at_s, b_s, c, clear_accum=True)
 
     @T.prim_func
-    def tucker_all_k(A1: T.Tensor((O, R1a), dt), T1: T.Tensor((Kk, R1a, R1b), dt), B1: T.Tensor((R1b, I), dt),
-                     A2: T.Tensor(s2a, dt), T2: T.Tensor(s2t, dt), B2: T.Tensor(s2b, dt),
-                     Y: T.Tensor((O, I * Kk), odt), gamma: T.float32):
-        with T.Kernel(T.ceildiv(I, BI), T.ceildiv(O, BO), threads=nthreads(threads)) as (bi, bo):
+    def tucker(A1: T.Tensor((O, R1a), dt), T1: T.Tensor((Kk, R1a, R1b), dt), B1: T.Tensor((R1b, I), dt),
+               A2: T.Tensor(s2a, dt), T2: T.Tensor(s2t, dt), B2: T.Tensor(s2b, dt),
+               Y: T.Tensor((O, I * Kk) if all_k else (O, I, Kk), odt), gamma: T.float32):
+        with T.Kernel(KG, T.ceildiv(I, BI), T.ceildiv(O, BO), threads=nthreads(threads)) as (kg, bi, bo):
             a1s = shared((BO, P1a), dt)
             t1s = shared((P1a, P1b), dt)
             at1 = shared((BO, P1b), dt)
@@ -144,28 +90,32 @@ def _tucker_all_k(T, shared, frag, par, nthreads, O, I, Kk, R1a, R1b, R2a, R2b, 
                 b2s = shared((P2b, BI), dt)
                 f2 = frag((BO, P2b), _ACC)
                 c2 = frag((BO, BI), _ACC)
-            ys = shared((BO, W), odt)
+            if all_k:
+                ys = shared((BO, W), odt)
             o0 = bo * BO
             i0 = bi * BI
-            T.copy(A1[o0, 0], a1s)  # the a rows and b columns of the tile, once for every κ
+            T.copy(A1[o0, 0], a1s)  # the a rows and b columns of the tile (all_k: once for every κ)
             T.copy(B1[0, i0], b1s)
             if two:
                 T.copy(A2[o0, 0], a2s)
                 T.copy(B2[0, i0], b2s)
-            for kk in T.serial(Kk):
-                chain(T1, a1s, t1s, at1, b1s, f1, c1, kk, P1a, P1b)
+            for kl in T.serial(KL):
+                k = kg + kl  # one of the two is 0
+                chain(T1, a1s, t1s, at1, b1s, f1, c1, k, P1a, P1b)
                 if two:
-                    chain(T2, a2s, t2s, at2, b2s, f2, c2, kk, P2a, P2b)
+                    chain(T2, a2s, t2s, at2, b2s, f2, c2, k, P2a, P2b)
                 for i, j in par(BO, BI):
-                    if two:
-                        ys[i, j * Kk + kk] = T.cast(c1[i, j] * gamma * c2[i, j], odt)
-                    else:
-                        ys[i, j * Kk + kk] = T.cast(c1[i, j] * gamma, odt)
-            for i, j in par(BO, W):  # whole rows: BI·Kk consecutive elements of Y
-                if o0 + i < O and i0 * Kk + j < I * Kk:
-                    Y[o0 + i, i0 * Kk + j] = ys[i, j]
+                    v = c1[i, j] * gamma * c2[i, j] if two else c1[i, j] * gamma
+                    if all_k:
+                        ys[i, j * Kk + k] = T.cast(v, odt)
+                    elif o0 + i < O and i0 + j < I:
+                        Y[o0 + i, i0 + j, k] = T.cast(v, odt)
+            if all_k:
+                for i, j in par(BO, W):  # whole rows: BI·Kk consecutive elements of Y
+                    if o0 + i < O and i0 * Kk + j < I * Kk:
+                        Y[o0 + i, i0 * Kk + j] = ys[i, j]
 
-    return tucker_all_k
+    return tucker
 
 
 def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
