@@ -24,7 +24,6 @@ Ratios within one run are what to compare; the machines are shared.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -50,31 +49,17 @@ VARIANTS = {
 DEFAULT_VARIANTS = "gather,runs,runs+pairs"
 
 
-def _set(boft, oft, variant) -> dict:
-    """Apply ``variant``'s settings; returns what to restore: {module: {name: old value}}."""
-    saved = {}
-    for mod, kv in ((boft, {k: v for k, v in VARIANTS[variant].items() if k != "oft"}),
-                    (oft, VARIANTS[variant].get("oft", {}))):
-        saved[mod] = {k: getattr(mod, k) for k in kv}
-        for k, v in kv.items():
-            setattr(mod, k, v)
-    return saved
+def _settings(boft, oft, variant) -> tuple:
+    """``variant``'s settings as ``timing.module_settings`` takes them."""
+    kv = VARIANTS[variant]
+    return (boft, {k: v for k, v in kv.items() if k != "oft"}), (oft, kv.get("oft", {}))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="large,small")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"the variants to time, in order, of {list(VARIANTS)}")
-    ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
-    args = ap.parse_args(argv)
+    args = T.variants_parser("large,small", VARIANTS, DEFAULT_VARIANTS).parse_args(argv)
     from lycoris_ops.tilelang import _common, boft, oft
 
-    dt = torch.float32 if args.smoke else {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    dev = torch.device("cpu" if args.smoke else "cuda")
-    timer = T.DeviceTimer(dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    keep = boft.RUNS, boft.PAIRS
+    dt, dev, timer, gen = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
     print(f"{'shape':6} {'variant':12} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
@@ -86,30 +71,24 @@ def main(argv=None) -> int:
         g = torch.randn(npos, C, generator=gen, device=dev).to(dt)
         runs = boft.run_groups(s, nb, x.element_size())
         if runs is not None:
-            boft.PAIRS = True
-            units = boft._units(m, s, runs, x.element_size(), _common.arch_of(dev), dev,
-                                [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
-            boft.PAIRS = keep[1]
+            with T.module_settings((boft, dict(PAIRS=True))):
+                units = boft._units(m, s, runs, x.element_size(), _common.arch_of(dev), dev,
+                                    [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
             print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; units with pairs: {units}")
         first = None
         for v in args.variants.split(","):
-            saved = _set(boft, oft, v)
             try:
-                fwd = lambda: boft.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False)  # noqa: E731
-                bwd = lambda: boft.boft_bwd(g, blocks, x, -1, 1.0, 1.0)  # noqa: E731
-                outs = (fwd(),) + tuple(bwd())
-                tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
+                with T.module_settings(*_settings(boft, oft, v)):
+                    fwd = lambda: boft.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False)  # noqa: E731
+                    bwd = lambda: boft.boft_bwd(g, blocks, x, -1, 1.0, 1.0)  # noqa: E731
+                    outs = (fwd(),) + tuple(bwd())
+                    tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
             except Exception as exc:  # a variant that does not build here: say so, go on
                 print(f"{name:6} {v:12} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            finally:
-                for mod, kv in saved.items():
-                    for k, val in kv.items():
-                        setattr(mod, k, val)
             if first is None:
                 first = (tf, tb, outs)
-            diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-                       for a, b in zip(outs, first[2]))
+            diff = T.max_rel_diff(outs, first[2])
             print(f"{name:6} {v:12} {tf:8.3f} {tf / first[0]:8.2f} {tb:8.3f} {tb / first[1]:8.2f} {diff:12.2e}")
         if bw and runs is not None:  # the forward's passes: x in, (hi, lo) pairs between, y out (4p - 2 values)
             per_pass = npos * C * x.element_size()

@@ -29,7 +29,6 @@ store, and with the Cayley solve fused (``FUSE_CAYLEY``), against the fp64 refer
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -70,48 +69,37 @@ def parity(dt, dev) -> bool:
     from lycoris_ops.testing import REL_TOL, rel_err
     from lycoris_ops.tilelang import oft
 
-    keep, fuse, good = oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY, True
+    good = True
     gen = torch.Generator().manual_seed(1)
-    try:
-        for K, S, shape, weight in PARITY:
-            blocks = 0.2 * torch.randn(K, S, S, generator=gen)
-            rs = torch.rand(K * S, 1, generator=gen) + 0.5
-            x, g = (torch.randn(*shape, generator=gen).to(dt) for _ in range(2))
-            want = (R.oft_fwd(blocks.double(), x.double(), rs.double(), 0.8, True, weight),) + tuple(
-                R.oft_bwd(g.double(), blocks.double(), x.double(), rs.double(), 0.8, True, weight))
-            for stage, fused in ((False, False), (True, False), (True, True)):
-                oft.DIRECT_STAGE_OUT = dict.fromkeys(("cl", "cf"), stage)
-                oft.FUSE_CAYLEY = fused
+    for K, S, shape, weight in PARITY:
+        blocks = 0.2 * torch.randn(K, S, S, generator=gen)
+        rs = torch.rand(K * S, 1, generator=gen) + 0.5
+        x, g = (torch.randn(*shape, generator=gen).to(dt) for _ in range(2))
+        want = (R.oft_fwd(blocks.double(), x.double(), rs.double(), 0.8, True, weight),) + tuple(
+            R.oft_bwd(g.double(), blocks.double(), x.double(), rs.double(), 0.8, True, weight))
+        for stage, fused in ((False, False), (True, False), (True, True)):
+            with T.module_settings((oft, dict(DIRECT_STAGE_OUT=dict.fromkeys(("cl", "cf"), stage),
+                                              FUSE_CAYLEY=fused))):
                 b, xd, gd, r = (t.to(dev) for t in (blocks, x, g, rs))
                 got = (oft.oft_fwd(b, xd, r, 0.8, True, weight),) + tuple(oft.oft_bwd(gd, b, xd, r, 0.8, True, weight))
-                errs = [rel_err(a.cpu(), w) for a, w in zip(got, want)]
-                ok = max(errs) <= REL_TOL[dt]
-                good &= ok
-                print(f"parity {str(dt)[6:]:8} {str(shape):14} {'weight' if weight else 'act':6} "
-                      f"stage={int(stage)} fused={int(fused)}  y/gx/gB/gR rel err {' '.join(f'{e:.1e}' for e in errs)}  "
-                      f"{'ok' if ok else 'FAIL'}")
-    finally:
-        oft.DIRECT_STAGE_OUT, oft.FUSE_CAYLEY = keep, fuse
+            errs = [rel_err(a.cpu(), w) for a, w in zip(got, want)]
+            ok = max(errs) <= REL_TOL[dt]
+            good &= ok
+            print(f"parity {str(dt)[6:]:8} {str(shape):14} {'weight' if weight else 'act':6} "
+                  f"stage={int(stage)} fused={int(fused)}  y/gx/gB/gR rel err {' '.join(f'{e:.1e}' for e in errs)}  "
+                  f"{'ok' if ok else 'FAIL'}")
     return good
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="bypass,merge")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"the variants to time, in order, of {list(VARIANTS)}")
-    ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
+    ap = T.variants_parser("bypass,merge", VARIANTS, DEFAULT_VARIANTS)
     ap.add_argument("--parity", action="store_true", help="odd-size parity of the direct kernels first")
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import oft
 
-    dt = torch.float32 if args.smoke else {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    dev = torch.device("cpu" if args.smoke else "cuda")
+    dt, dev, timer, gen = T.variants_device(args)
     if args.parity and not parity(dt, dev):
         return 1
-    timer = T.DeviceTimer(dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
-    gj = oft.GJ_PINGPONG
     print(f"{'shape':8} {'variant':14} {'fwd ms':>8} {'x first':>8} {'bwd ms':>8} {'x first':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         shape, weight = (SMOKE if args.smoke else SHAPES)[name]
@@ -122,35 +110,26 @@ def main(argv=None) -> int:
         g = torch.randn(shape, generator=gen, device=dev).to(dt)
         first = None
         for v in args.variants.split(","):
-            saved = {k: getattr(oft, k) for k in VARIANTS[v]}
-            for k, val in VARIANTS[v].items():
-                setattr(oft, k, val)
             try:
-                fwd = lambda: oft.oft_fwd(blocks, x, None, 1.0, True, weight)  # noqa: E731
-                bwd = lambda: oft.oft_bwd(g, blocks, x, None, 1.0, True, weight)  # noqa: E731
-                outs = (fwd(),) + tuple(bwd()[:2])
-                tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
+                with T.module_settings((oft, VARIANTS[v])):
+                    fwd = lambda: oft.oft_fwd(blocks, x, None, 1.0, True, weight)  # noqa: E731
+                    bwd = lambda: oft.oft_bwd(g, blocks, x, None, 1.0, True, weight)  # noqa: E731
+                    outs = (fwd(),) + tuple(bwd()[:2])
+                    tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
             except Exception as exc:  # a variant that does not build here: say so, go on
                 print(f"{name:8} {v:14} failed: {type(exc).__name__}: {str(exc)[:200]}")
                 continue
-            finally:
-                for k, val in saved.items():
-                    setattr(oft, k, val)
             if first is None:
                 first = (tf, tb, outs)
-            diff = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-                       for a, b in zip(outs, first[2]))
+            diff = T.max_rel_diff(outs, first[2])
             print(f"{name:8} {v:14} {tf:8.3f} {tf / first[0]:8.2f} {tb:8.3f} {tb / first[1]:8.2f} {diff:12.2e}")
         if first is not None:  # the fixed part every variant shares: the Cayley launch (F; Fᵀ)
             ref = cayley(oft, blocks, dt, False)  # the default Gauss–Jordan's F pair
             for pp in (False, True):  # GJ_PINGPONG: one barrier a Gauss–Jordan step
-                oft.GJ_PINGPONG = pp
-                try:
+                with T.module_settings((oft, dict(GJ_PINGPONG=pp))):
                     cf, cb = (timer.time(lambda t=t: cayley(oft, blocks, dt, t))["median_ms"] for t in (False, True))
                     (fh, fl), (rh, rl) = cayley(oft, blocks, dt, False), ref
                     diff = ((fh.float() + fl.float()) - (rh.float() + rl.float())).abs().max().item()
-                finally:
-                    oft.GJ_PINGPONG = gj
                 print(f"{name:8} {'cayley only' + (' pp' if pp else ''):14} {cf:8.3f} {cf / first[0]:8.2f} "
                       f"{cb:8.3f} {cb / first[1]:8.2f} {diff:12.2e}")
     return 0

@@ -18,7 +18,6 @@ Ratios within one run are what to compare; the machines are shared.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -36,20 +35,11 @@ VARIANTS = {"per-k": False, "all-k": True}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default="large,small")
-    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"the variants to time, in order, of {list(VARIANTS)}")
-    ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
-    args = ap.parse_args(argv)
+    args = T.variants_parser("large,small", VARIANTS, ",".join(VARIANTS)).parse_args(argv)
     from lycoris_ops.tilelang import tucker
 
-    dt = torch.float32 if args.smoke else {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    dev = torch.device("cpu" if args.smoke else "cuda")
-    timer = T.DeviceTimer(dev)
-    gen = torch.Generator(device=dev).manual_seed(0)
+    dt, dev, timer, gen = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
-    keep = tucker.ALL_K
     print(f"{'shape':6} {'chains':6} {'variant':8} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         D, r = (SMOKE if args.smoke else SHAPES)[name]
@@ -63,22 +53,19 @@ def main(argv=None) -> int:
             floor = D * D * KK * torch.empty((), dtype=dt).element_size() / bw * 1e3 if bw else math.nan
             first = None
             for v in args.variants.split(","):
-                tucker.ALL_K = VARIANTS[v]
                 try:
-                    fn = lambda: tucker.tucker_fwd(*ops)  # noqa: E731
-                    out = fn()
-                    t = timer.time(fn)["median_ms"]
+                    with T.module_settings((tucker, dict(ALL_K=VARIANTS[v]))):
+                        fn = lambda: tucker.tucker_fwd(*ops)  # noqa: E731
+                        out = fn()
+                        t = timer.time(fn)["median_ms"]
                 except Exception as exc:  # a variant that does not build here: say so, go on
                     print(f"{name:6} {1 + two:6} {v:8} failed: {type(exc).__name__}: {str(exc)[:200]}")
                     continue
-                finally:
-                    tucker.ALL_K = keep
                 if first is None:
                     first = (t, out)
-                diff = ((out.float() - first[1].float()).abs().max() / first[1].float().abs().max().clamp_min(1e-30))
-                print(f"{name:6} {1 + two:6} {v:8} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff.item():12.2e}")
+                diff = T.max_rel_diff((out,), (first[1],))
+                print(f"{name:6} {1 + two:6} {v:8} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff:12.2e}")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,8 @@ with a device sync on both sides (includes Triton JIT / Inductor compile / tunin
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import statistics
 import time
 from typing import Callable, List, Optional
@@ -198,3 +200,46 @@ def measure_column(fn: Callable, ts: list, grad_idx, G, timer: DeviceTimer, devi
         if res.get("grads") is not None and ref[1] is not None:
             res["grad_err"] = max((rel_err(g, r) for g, r in zip(res["grads"], ref[1])), default=0.0)
     return res
+
+
+# --------------------------------------------------------------------------- the variants scripts
+
+def variants_parser(shapes: str, variants, default: str) -> argparse.ArgumentParser:
+    """The options every ``bench/tilelang_*_variants.py`` takes: --shapes, --dtype, --variants
+    (of ``variants``, ``default`` when not given) and --smoke."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shapes", default=shapes)
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--variants", default=default, help=f"the variants to time, in order, of {list(variants)}")
+    ap.add_argument("--smoke", action="store_true", help="CPU twins at fp32, tiny sizes: the script runs")
+    return ap
+
+
+def variants_device(args) -> tuple:
+    """(dtype, device, DeviceTimer, seeded generator) of a variants script's ``args``: fp32 on
+    the CPU with --smoke, else --dtype on CUDA."""
+    dt = torch.float32 if args.smoke else {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    return dt, dev, DeviceTimer(dev), torch.Generator(device=dev).manual_seed(0)
+
+
+@contextlib.contextmanager
+def module_settings(*settings):
+    """``with module_settings((module, {name: value}), ...)``: those module attributes set for
+    the block, restored after it (also when it raises)."""
+    saved = [(mod, {k: getattr(mod, k) for k in kv}) for mod, kv in settings]
+    try:
+        for mod, kv in settings:
+            for k, v in kv.items():
+                setattr(mod, k, v)
+        yield
+    finally:
+        for mod, kv in saved:
+            for k, v in kv.items():
+                setattr(mod, k, v)
+
+
+def max_rel_diff(outs, refs) -> float:
+    """The largest ``max|a − b| / max|b|`` over pairs of tensors (a variant against the first)."""
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+               for a, b in zip(outs, refs))

@@ -17,13 +17,19 @@ import pytest
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
 
-@pytest.fixture(scope="module")
-def bench_modules():
-    """bench/bench.py loaded under its own name (``bench`` alone could resolve to the
-    bench/ directory as a namespace package); it puts bench/ on sys.path for specs/timing."""
-    spec = importlib.util.spec_from_file_location("lycoris_bench_main", os.path.join(BENCH, "bench.py"))
+def bench_script(filename: str, name: str):
+    """bench/<filename> loaded as module ``name`` (``bench`` alone could resolve to the bench/
+    directory as a namespace package); the scripts put bench/ on sys.path for specs/timing."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(BENCH, filename))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench_modules():
+    """bench/bench.py loaded under its own name (``bench_script``)."""
+    module = bench_script("bench.py", "lycoris_bench_main")
     yield module, module.S
 
 
@@ -97,9 +103,7 @@ def test_variants_smoke(family, capsys):
     """``bench/variants.py <family> --smoke``: every launch variant of the A/B script still runs
     (CPU, Triton's interpreter, tiny sizes); the numerics column shows which variants round
     differently from base (bf16x3 on BOFT's scratch does, chain_warps does not)."""
-    spec = importlib.util.spec_from_file_location("lycoris_bench_variants", os.path.join(BENCH, "variants.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_script("variants.py", "lycoris_bench_variants")
     assert module.main([family, "--smoke"]) == 0
     out = capsys.readouterr().out
     assert "failed" not in out, out
@@ -117,9 +121,7 @@ def test_tilelang_oft_variants_smoke(capsys):
     the pipeline depth, the fused solve's one-wave and two-wave splits) and both Cayley rows
     still run (TileLang's CPU twins, fp32, tiny sizes)."""
     pytest.importorskip("tilelang")
-    spec = importlib.util.spec_from_file_location("lycoris_bench_tl_oft", os.path.join(BENCH, "tilelang_oft_variants.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_script("tilelang_oft_variants.py", "lycoris_bench_tl_oft")
     rows = ("gather", "direct", "direct+stage", "direct s3", "direct+cayley", "cayley w2")
     assert module.main(["--smoke", "--parity", "--shapes", "merge", "--variants", ",".join(rows)]) == 0
     out = capsys.readouterr().out
@@ -131,10 +133,7 @@ def test_tilelang_tucker_variants_smoke(capsys):
     """``bench/tilelang_tucker_variants.py --smoke``: both kernel forms (per κ, all κ) run for
     one and two chains and agree (TileLang's CPU twins, fp32, tiny sizes)."""
     pytest.importorskip("tilelang")
-    spec = importlib.util.spec_from_file_location("lycoris_bench_tl_tucker",
-                                                  os.path.join(BENCH, "tilelang_tucker_variants.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_script("tilelang_tucker_variants.py", "lycoris_bench_tl_tucker")
     assert module.main(["--smoke", "--shapes", "small"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.startswith("small ")]  # not TileLang's log lines
@@ -146,10 +145,7 @@ def test_tilelang_boft_variants_smoke(capsys):
     """``bench/tilelang_boft_variants.py --smoke``: the gather / runs / runs+pairs rows run and
     agree (TileLang's CPU twins, fp32, tiny sizes), and the pairs' launch units are printed."""
     pytest.importorskip("tilelang")
-    spec = importlib.util.spec_from_file_location("lycoris_bench_tl_boft",
-                                                  os.path.join(BENCH, "tilelang_boft_variants.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_script("tilelang_boft_variants.py", "lycoris_bench_tl_boft")
     assert module.main(["--smoke", "--shapes", "large"]) == 0
     out = capsys.readouterr().out
     assert "failed" not in out and "units with pairs: [(0, 2), (2, 1)]" in out, out
