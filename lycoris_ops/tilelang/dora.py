@@ -24,10 +24,14 @@ mostly from L2):
 ``dora_bwd``: pass 1 ``ρ = Σ G⊙M`` and ``Σ M²``; ``g_dscale = mult·ρ/n``,
   ``coef = mult·dscale·ρ/(n²·‖M‖)`` (0 for a zero vector); pass 2
   ``g_M = s·G − coef·M``.
+
+The per-vector s and coef live in shared memory: as (BR,) fragments they pinned the second
+pass's loop layout to their few owning threads (4 of 128 threads did the whole pass, sm_90a).
 """
 import torch
 
 from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype
+from .lora import _scopes
 
 __all__ = ["dora_fwd_kernel", "dora_bwd_kernel", "dora_fwd", "dora_bwd", "compile_specs"]
 
@@ -43,12 +47,8 @@ def dora_fwd_kernel(wd: str, dd: str, sd: str, cols: bool, has_delta: bool, VEC:
     """y = s·M and norms n (fp32) for M = W (+ D); see the module docstring."""
     import tilelang.language as T
 
-    par = T.grid if cpu else T.Parallel
-    alloc = T.alloc_local if cpu else T.alloc_fragment
-    # the per-vector scale / coefficient in shared memory: as (BR,) fragments they pinned the
-    # second pass's layout to their few owning threads (4 of 128 did the whole pass, sm_90a)
-    alloc_s = T.alloc_local if cpu else T.alloc_shared
-    threads = 1 if cpu else threads_
+    alloc_s, alloc, par, nthreads = _scopes(T, cpu)
+    threads = nthreads(threads_)
     R0, R1V, NR = T.dynamic("R0 R1V NR")
     NV = BC * VEC
 
@@ -121,12 +121,8 @@ def dora_bwd_kernel(gd: str, wd: str, dd: str, sd: str, nd: str, cols: bool, has
     """g_M = s·G − coef·M and g_dscale = mult·ρ/n; see the module docstring."""
     import tilelang.language as T
 
-    par = T.grid if cpu else T.Parallel
-    alloc = T.alloc_local if cpu else T.alloc_fragment
-    # the per-vector scale / coefficient in shared memory: as (BR,) fragments they pinned the
-    # second pass's layout to their few owning threads (4 of 128 did the whole pass, sm_90a)
-    alloc_s = T.alloc_local if cpu else T.alloc_shared
-    threads = 1 if cpu else threads_
+    alloc_s, alloc, par, nthreads = _scopes(T, cpu)
+    threads = nthreads(threads_)
     R0, R1V, NR = T.dynamic("R0 R1V NR")
     NV = BC * VEC
 
