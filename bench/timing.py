@@ -1,4 +1,5 @@
-"""Timing primitives shared by bench.py and peer_lycoris.py (no lycoris_ops import).
+"""Timing primitives shared by bench.py, peer_lycoris.py and the variants scripts (no
+lycoris_ops import).
 
 Device time (``DeviceTimer.time``): CUDA events around each rep. Before each rep
 the L2 cache is flushed by reading a 256 MiB buffer (H200 L2 is 50-60 MiB; the
