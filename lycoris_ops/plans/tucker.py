@@ -87,15 +87,16 @@ def eager_tucker(dev: DeviceFacts, O: int, I: int, Kk: int, R: int, chains: int,
 #: ``tilelang/tucker.py``'s kernel: output tile (BO rows x BI columns per kernel position)
 #: and threads (256 only with 128-row tiles); the corners compile for sm_90a
 #: (tests/test_tilelang_lora.py)
-TL_SPACE = dict(BO=(64, 128), BI=(64, 128, 256), threads=(128, 256))
+TL_SPACE = dict(BO=(64, 128), BI=(32, 64, 128, 256), threads=(128, 256))
 TL_N = 3
 
 
 def _tl_plan(dev: DeviceFacts, a1, t1, b1, a2, t2, b2, gamma, n: int = TL_N):
-    """The TileLang shortlist: fixed config first, the model's best, eager. Model: program =
-    (κ, I tile, O tile); per chain a (BO x Rap)·(Rap x Rbp) dot, rounded, then (BO x Rbp)·(Rbp
-    x BI); the output written once (κ-strided, so a tile's stores are BI·Kk apart), the
-    factors read per program from L2."""
+    """The TileLang shortlist: fixed config first, the model's best, eager. Model: per chain a
+    (BO x Rap)·(Rap x Rbp) dot, rounded, then (BO x Rbp)·(Rbp x BI); the output written once,
+    the factors read per program from L2. Where ``tucker.ALL_K`` holds and the staged tile fits
+    (``all_k_fits``), program = (I tile, O tile) over every κ, the (BO, BI·Kk) output tile in
+    shared memory; else program = (κ, I tile, O tile) with κ-strided stores (a sector a store)."""
     tl = importlib.import_module("lycoris_ops.tilelang.tucker")
     two = a2 is not None
     chains = 2 if two else 1
@@ -108,11 +109,17 @@ def _tl_plan(dev: DeviceFacts, a1, t1, b1, a2, t2, b2, gamma, n: int = TL_N):
     def work(c):
         bo, bi = c["BO"], c["BI"]
         n_o, n_i = cdiv(O, bo), cdiv(I, bi)
-        return Work(grid=Kk * n_o * n_i, warps=c["threads"] // 32, acc=chains * (bo * bi + bo * rpb),
-                    smem=chains * (bo * rpa + rpa * rpb + bo * rpb + rpb * bi) * e,
-                    dram=O * I * Kk * eo * 2 + chains * (O * rpa + rpb * I) * e * min(Kk, 8),
+        all_k = tl.ALL_K and tl.all_k_fits(bo, bi, Kk, rpa, rpb, chains, e, eo)
+        per_chain = chains * (bo * rpa + rpa * rpb + bo * rpb + rpb * bi) * e
+        out = O * I * Kk * eo
+        return Work(grid=(1 if all_k else Kk) * n_o * n_i, warps=c["threads"] // 32,
+                    acc=chains * (bo * bi + bo * rpb),
+                    smem=per_chain + (bo * bi * Kk * eo if all_k else 0),
+                    # per-κ stores are 2 bytes Kk·2 apart: a 32-byte sector written per element
+                    dram=(out if all_k else out // eo * 32)
+                    + chains * (O * rpa + rpb * I) * e * (1 if all_k else min(Kk, 8)),
                     mma=chains * 2.0 * Kk * n_o * n_i * (bo * rpa * rpb + bo * rpb * bi), tc=True,
-                    mma_tile=bo * bi * rpb, inflight=bo * bi * eo)
+                    mma_tile=bo * bi * rpb, inflight=bo * bi * (Kk if all_k else 1) * eo)
 
     default = dict(tl.TUCKER)
     cfgs = [dict(BO=bo, BI=bi, threads=t) for bo in TL_SPACE["BO"] for bi in TL_SPACE["BI"]

@@ -32,9 +32,10 @@ TUCKER = dict(BO=64, BI=64, threads=128)
 #: ``all_k``: a program computes every κ of its (O, I) tile, stages the (BO, BI·Kk) output
 #: tile in shared memory and stores whole rows, instead of one κ a program storing every
 #: Kk-th element (2-byte stores Kk·2 bytes apart: a 32-byte sector written per element).
-#: Off until timed on a GPU (``bench/tilelang_tucker_variants.py``); where on, ``all_k_fits``
-#: keeps the per-κ kernel for tiles whose staging would not fit ``_ALL_K_SMEM``
-ALL_K = False
+#: On: 4.7x / 5.2x faster than per-κ at the large / small bench shape, one chain (H200, bf16,
+#: ``bench/tilelang_tucker_variants.py``, RESULTS.md 2026-12-02 06:50); ``all_k_fits`` keeps
+#: the per-κ kernel for tiles whose staging would not fit ``_ALL_K_SMEM``
+ALL_K = True
 _ALL_K_SMEM = 160 * 1024
 
 
