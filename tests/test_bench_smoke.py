@@ -152,3 +152,15 @@ def test_tilelang_boft_variants_smoke(capsys):
     rows = [line.split() for line in out.splitlines() if line.startswith("large ") and "m=" not in line]
     assert [r[1] for r in rows] == ["gather", "runs", "runs+pairs"], out
     assert all(float(r[-1]) < 1e-4 for r in rows), out
+
+
+def test_tilelang_lora_variants_smoke(capsys):
+    """``bench/tilelang_lora_variants.py --smoke``: every bypass-forward form runs and agrees
+    with the first (TileLang's CPU twins, fp32, tiny sizes)."""
+    pytest.importorskip("tilelang")
+    module = bench_script("tilelang_lora_variants.py", "lycoris_bench_tl_lora")
+    assert module.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("large ", "small "))]
+    assert "failed" not in out and len(rows) == 2 * len(module.VARIANTS), out
+    assert all(float(row.split()[-1]) < 1e-6 for row in rows), out

@@ -85,6 +85,25 @@ def test_twin_split_k():
     compare("lora_merge_bwd", (Gw, up, torch.randn(r, 300, generator=g), 1.1), torch.float32)
 
 
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
+@pytest.mark.parametrize("staged,per", [(False, 3), (True, 3), (True, 5)], ids=["plain", "staged", "staged-pipe"])
+def test_twin_bypass_fwd_forms(staged, per, with_base, monkeypatch):
+    """The forward forms (``BYPASS_FWD_FORM``: base and output through shared memory, the O
+    loop pipelined where one group holds all 5 O tiles) at partial T and O tiles; with 2 groups
+    of 3, the second group's last step redoes the last tile (the clamp)."""
+    monkeypatch.setattr(lora, "BYPASS_FWD_FORM", dict(staged=staged, pipe_o=True, ws=True))
+    monkeypatch.setattr(lora, "_per", lambda tiles, other, device: per)
+    g = torch.Generator().manual_seed(5)
+    T, I, O, r = 70, 19, 37, 5
+    x = torch.randn(I, T, generator=g).t()
+    up, down = torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)
+    base = torch.randn(T, O, generator=g) if with_base else None
+    got = lora.bypass_fwd(x, up, down, -0.9, base, cfg=dict(BT=16, BO=8, BK=16))
+    want = REF.lora_bypass_fwd(x, up, down, -0.9, base)
+    assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
+
+
 #: non-default tiles of the four tuned ops, inside the spaces of plans/lora.py (``tl_plan_*``,
 #: ``TL_SKINNY``, ``TL_TOKEN``): at the sizes below every tile is partial somewhere
 TILE_CFGS = {

@@ -144,7 +144,22 @@ def compile_only(builder: Callable, arch: str, *args, backend: str = EXECUTION_B
         return tl().compile(builder(*args, cpu=True), target="c", execution_backend="cython",
                             pass_configs={"tirx.disable_vectorize": True})
     func = builder(*args)
-    return tl().compile(func, target=target_of(arch), execution_backend=backend, pass_configs=GPU_PASS_CONFIGS)
+    configs = dict(GPU_PASS_CONFIGS)
+    if func.attrs is not None and NO_WS_ATTR in func.attrs:
+        configs["tl.disable_warp_specialized"] = True
+    return tl().compile(func, target=target_of(arch), execution_backend=backend, pass_configs=configs)
+
+
+#: the function attribute of ``without_warp_specialization``
+NO_WS_ATTR = "lycoris.no_warp_specialization"
+
+
+def without_warp_specialization(func):
+    """``func`` (a builder's prim_func) marked to compile without TileLang's producer/consumer
+    warp specialization. A warp-specialized program on sm_90a takes 256 threads at up to 240
+    registers: one program an SM. Kernels whose programs run a serial phase (a loop that is
+    not the pipelined one) want several programs an SM to hide it instead."""
+    return func.with_attr(NO_WS_ATTR, True)
 
 
 def kernel_key(builder: Callable, arch: str, args: tuple) -> tuple:

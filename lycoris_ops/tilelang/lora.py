@@ -53,7 +53,7 @@ compact row-major buffers).
 
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype, without_warp_specialization
 from .._checks import promote_dtypes
 
 __all__ = [
@@ -110,8 +110,16 @@ def _scopes(T, cpu: bool):
 
 def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                       BT: int = 64, BO: int = 128, BK: int = 64, stages: int = 2, threads: int = 128,
-                      cpu: bool = False):
-    """``Y[T, O] = γ·round(x·downᵀ)·upᵀ (+ base)``; bdt None: no base."""
+                      staged: bool = False, pipe_o: bool = False, ws: bool = True, cpu: bool = False):
+    """``Y[T, O] = γ·round(x·downᵀ)·upᵀ (+ base)``; bdt None: no base.
+
+    Program = (group of ``per`` O tiles, T tile): h = round(x·downᵀ) of the T tile once, then
+    each O tile of the group (``BYPASS_FWD_FORM``). ``staged``: the base tile is copied in
+    whole and the output tile leaves through shared memory in whole rows; a group past the
+    last O tile redoes the last one (same values: no guard). ``pipe_o`` (with ``staged``, one
+    group of every O tile): the O loop is pipelined, the next up / base tiles loading during
+    this tile's product. ``ws`` False: compiled without warp specialization (128 threads,
+    several programs an SM instead of one)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -120,17 +128,22 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
     has_base = bdt is not None
     bshape = (Tn, O) if has_base else (1,)
     bdt = bdt or _ACC
+    n_o = -(-O // BO)
 
     @T.prim_func
     def lora_bypass_fwd(X: T.Tensor((Tn, I), dt), Up: T.Tensor((O, r), dt), Down: T.Tensor((r, I), dt),
                         Base: T.Tensor(bshape, bdt), Y: T.Tensor((Tn, O), odt), gamma: T.float32, per: T.int32):
-        with T.Kernel(T.ceildiv(T.ceildiv(O, BO), per), T.ceildiv(Tn, BT), threads=nthreads(threads)) as (bo, bt):
+        with T.Kernel(T.ceildiv(n_o, per), T.ceildiv(Tn, BT), threads=nthreads(threads)) as (bo, bt):
             xs = shared((BT, BK), dt)
             ds = shared((Rp, BK), dt)
             hs = shared((BT, Rp), dt)
             us = shared((BO, Rp), dt)
             h = frag((BT, Rp), _ACC)
             y = frag((BT, BO), _ACC)
+            if staged:
+                ys = shared((BT, BO), odt)
+                if has_base:
+                    bs = shared((BT, BO), bdt)
             t0 = bt * BT
             T.clear(h)
             for k in T.Pipelined(T.ceildiv(I, BK), num_stages=stages):
@@ -138,20 +151,36 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                 T.copy(Down[0, k * BK], ds)
                 T.gemm(xs, ds, h, transpose_B=True)
             T.copy(h, hs)  # the deliberate rounding of h to the compute dtype
-            for j in T.serial(per):
-                o0 = (bo * per + j) * BO
-                if o0 < O:
+            if staged:
+                # pipe_o: one group of every O tile (per == n_o, a static extent: the pipeline's
+                # waits need one)
+                for j in (T.Pipelined(n_o, num_stages=2) if pipe_o else T.serial(per)):
+                    o0 = (j if pipe_o else T.min(bo * per + j, n_o - 1)) * BO
                     T.copy(Up[o0, 0], us)
+                    if has_base:
+                        T.copy(Base[t0, o0], bs)
                     T.gemm(hs, us, y, transpose_B=True, clear_accum=True)
                     for i, c in par(BT, BO):
                         if has_base:
-                            if t0 + i < Tn and o0 + c < O:
-                                y[i, c] = y[i, c] * gamma + T.cast(Base[t0 + i, o0 + c], _ACC)
+                            ys[i, c] = T.cast(y[i, c] * gamma + T.cast(bs[i, c], _ACC), odt)
                         else:
-                            y[i, c] = y[i, c] * gamma
-                    T.copy(y, Y[t0, o0])
+                            ys[i, c] = T.cast(y[i, c] * gamma, odt)
+                    T.copy(ys, Y[t0, o0])
+            else:
+                for j in T.serial(per):
+                    o0 = (bo * per + j) * BO
+                    if o0 < O:
+                        T.copy(Up[o0, 0], us)
+                        T.gemm(hs, us, y, transpose_B=True, clear_accum=True)
+                        for i, c in par(BT, BO):
+                            if has_base:
+                                if t0 + i < Tn and o0 + c < O:
+                                    y[i, c] = y[i, c] * gamma + T.cast(Base[t0 + i, o0 + c], _ACC)
+                            else:
+                                y[i, c] = y[i, c] * gamma
+                        T.copy(y, Y[t0, o0])
 
-    return lora_bypass_fwd
+    return lora_bypass_fwd if ws or cpu else without_warp_specialization(lora_bypass_fwd)
 
 
 def bypass_bwd_tok_kernel(I: int, O: int, r: int, dt: str, gxdt: str,
@@ -358,6 +387,10 @@ def _tl(dtype: torch.dtype) -> str:
 #: The fixed launch configs: the ``{}`` candidate of the tuner (``plans/tilelang.py``). A
 #: tuned ``cfg`` (the shortlists of ``plans/lora.py``: ``tl_plan_*``) overrides any key.
 BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=2, threads=128)
+#: ``bypass_fwd_kernel``'s form: ``staged`` (base and output tiles through shared memory),
+#: ``pipe_o`` (the O loop pipelined, where one group holds every O tile), ``ws`` (TileLang's
+#: warp specialization: one program an SM). Timed by ``bench/tilelang_lora_variants.py``
+BYPASS_FWD_FORM = dict(staged=False, pipe_o=False, ws=True)
 #: token kernel (BT, BI, BK, stages, threads; threads 0: by rank) + the skinny pair (sBM, sBK)
 BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
 MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
@@ -372,9 +405,12 @@ def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
     odt = x.dtype if base is None else base.dtype
     y = torch.empty((T_, O), device=x.device, dtype=odt)
     BT, BO = p["BT"], p["BO"]
-    per = _per(cdiv(O, BO), cdiv(T_, BT), x.device)
+    n_o = cdiv(O, BO)
+    per = _per(n_o, cdiv(T_, BT), x.device)
+    form = BYPASS_FWD_FORM
     k = kernel(bypass_fwd_kernel, arch_of(x.device), I, O, r, _tl(c),
-               None if base is None else _tl(base.dtype), _tl(odt), BT, BO, p["BK"], p["stages"], p["threads"])
+               None if base is None else _tl(base.dtype), _tl(odt), BT, BO, p["BK"], p["stages"], p["threads"],
+               form["staged"], form["staged"] and form["pipe_o"] and per == n_o, form["ws"])
     b = dummy(x.device, torch.float32) if base is None else aligned(base.contiguous())
     k(prep(x, c), prep(up, c), prep(down, c), b, y, float(gamma), per)
     return y
@@ -475,6 +511,9 @@ def compile_specs(dtype: torch.dtype):
     d = tl_dtype(dtype)
     return [
         (bypass_fwd_kernel, (45, 29, 5, d, d, d)),
+        (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 128, 64, 2, 128, True, False, False)),  # BYPASS_FWD_FORM
+        (bypass_fwd_kernel, (45, 29, 5, d, None, d, 64, 128, 64, 2, 128, True, True, False)),
+        (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 128, 64, 2, 128, True, True, True)),
         (bypass_bwd_tok_kernel, (45, 29, 5, d, d)),
         (skinny_kernel, (29, None, 16, 5, True, False, False, True, d, d)),
         (skinny_kernel, (45, 29, 5, 5, True, False, True, False, d, "float32")),

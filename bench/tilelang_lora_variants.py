@@ -1,0 +1,81 @@
+"""A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) kernel forms, in one process, on a GPU:
+
+    python bench/tilelang_lora_variants.py [--shapes large,small] [--dtype bf16] [--variants ...]
+
+For each bench shape (``large``: 32768 tokens, 4096 channels, rank 64; ``small``: 8192,
+3072, rank 32; with the base, as bench.py's ``lora_bypass``) and each variant,
+``tilelang.lora.bypass_fwd`` is called directly (no tuner, no op dispatch, the fixed tile
+config) and the table gives its device time (``timing.DeviceTimer``: L2 flushed, median),
+the ratio to the first variant, the ratio to the memory floor (x and base read once, y
+written once, over the copy bandwidth) and the largest relative difference from the first
+variant's result. The variants set ``lora.BYPASS_FWD_FORM``:
+
+* ``ws``: TileLang's producer / consumer warp specialization (256 threads, one program an
+  SM), a serial O loop whose output leaves from the registers;
+* ``no-ws``: the same program without warp specialization (128 threads, several an SM);
+* ``staged``: no warp specialization; base and output tiles through shared memory;
+* ``staged pipe``: ``staged`` with the O loop pipelined (the next up / base tiles load
+  during this tile's product);
+* ``staged pipe ws``: that with warp specialization.
+
+Ratios within one run are what to compare; the machines are shared.
+``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
+"""
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import timing as T  # noqa: E402
+
+#: name -> (tokens, channels, rank)
+SHAPES = {"large": (32768, 4096, 64), "small": (8192, 3072, 32)}
+SMOKE = {"large": (150, 45, 5), "small": (70, 37, 3)}
+#: variant -> lora.BYPASS_FWD_FORM (staged, pipelined O loop, warp specialization)
+VARIANTS = {
+    "ws": dict(staged=False, pipe_o=False, ws=True),
+    "no-ws": dict(staged=False, pipe_o=False, ws=False),
+    "staged": dict(staged=True, pipe_o=False, ws=False),
+    "staged pipe": dict(staged=True, pipe_o=True, ws=False),
+    "staged pipe ws": dict(staged=True, pipe_o=True, ws=True),
+}
+
+
+def main(argv=None) -> int:
+    args = T.variants_parser("large,small", VARIANTS, ",".join(VARIANTS)).parse_args(argv)
+    from lycoris_ops.tilelang import lora
+
+    dt, dev, timer, gen = T.variants_device(args)
+    bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
+    print(f"{'shape':6} {'variant':15} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
+    for name in args.shapes.split(","):
+        N, D, r = (SMOKE if args.smoke else SHAPES)[name]
+
+        def rnd(*shape, scale=1.0):
+            return (scale * torch.randn(*shape, generator=gen, device=dev)).to(dt)
+
+        x, up, down, base = rnd(N, D), rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5), rnd(N, D)
+        floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
+        first = None
+        for v in args.variants.split(","):
+            try:
+                with T.module_settings((lora, dict(BYPASS_FWD_FORM=VARIANTS[v]))):
+                    fn = lambda: lora.bypass_fwd(x, up, down, 0.75, base)  # noqa: E731
+                    out = fn()
+                    t = timer.time(fn)["median_ms"]
+            except Exception as exc:  # a variant that does not build here: say so, go on
+                print(f"{name:6} {v:15} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            if first is None:
+                first = (t, out)
+            diff = T.max_rel_diff((out,), (first[1],))
+            print(f"{name:6} {v:15} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff:12.2e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
