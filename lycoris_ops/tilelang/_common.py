@@ -20,6 +20,7 @@ launch does nothing, so an op function run once lists the kernels of its first c
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 import time
@@ -145,11 +146,14 @@ def compile_only(builder: Callable, arch: str, *args, backend: str = EXECUTION_B
                             pass_configs={"tirx.disable_vectorize": True})
     func = builder(*args)
     configs = dict(GPU_PASS_CONFIGS)
-    if func.attrs is not None and NO_WS_ATTR in func.attrs:
+    if not WARP_SPECIALIZE or (func.attrs is not None and NO_WS_ATTR in func.attrs):
         configs["tl.disable_warp_specialized"] = True
     return tl().compile(func, target=target_of(arch), execution_backend=backend, pass_configs=configs)
 
 
+#: False (``LYCORIS_TILELANG_WS=off`` at import): no kernel is warp-specialized - an A/B
+#: switch for benchmarks (a process compiles one way; TileLang's disk cache keys the configs)
+WARP_SPECIALIZE = os.environ.get("LYCORIS_TILELANG_WS", "auto").lower() not in ("off", "0", "false")
 #: the function attribute of ``without_warp_specialization``
 NO_WS_ATTR = "lycoris.no_warp_specialization"
 

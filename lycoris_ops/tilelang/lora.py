@@ -389,8 +389,10 @@ def _tl(dtype: torch.dtype) -> str:
 BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=2, threads=128)
 #: ``bypass_fwd_kernel``'s form: ``staged`` (base and output tiles through shared memory),
 #: ``pipe_o`` (the O loop pipelined, where one group holds every O tile), ``ws`` (TileLang's
-#: warp specialization: one program an SM). Timed by ``bench/tilelang_lora_variants.py``
-BYPASS_FWD_FORM = dict(staged=False, pipe_o=False, ws=True)
+#: warp specialization: one program an SM). All three as timed by
+#: ``bench/tilelang_lora_variants.py`` (H200, bf16, RESULTS.md 2026-12-02 07:20): 0.289 ms
+#: against 0.524 for the warp-specialized serial form at the large shape, 0.066 / 0.137 small
+BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False)
 #: token kernel (BT, BI, BK, stages, threads; threads 0: by rank) + the skinny pair (sBM, sBK)
 BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
 MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
