@@ -1,6 +1,7 @@
-"""A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) kernel forms, in one process, on a GPU:
+"""A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) and merge (``lora_merge_fwd``)
+kernel forms, in one process, on a GPU:
 
-    python bench/tilelang_lora_variants.py [--shapes large,small] [--dtype bf16] [--variants ...]
+    python bench/tilelang_lora_variants.py [--op bypass|merge] [--shapes large,small] [--variants ...]
 
 For each bench shape (``large``: 32768 tokens, 4096 channels, rank 64; ``small``: 8192,
 3072, rank 32; with the base, as bench.py's ``lora_bypass``) and each variant,
@@ -17,6 +18,11 @@ variant's result. The variants set ``lora.BYPASS_FWD_FORM``:
 * ``staged pipe``: ``staged`` with the O loop pipelined (the next up / base tiles load
   during this tile's product);
 * ``staged pipe ws``: that with warp specialization.
+
+``--op merge``: ``W + γ·P`` at (channels, channels) for P = up·down (``plain``), the
+LoHa ``hada`` and the ``sum`` of two chains, ``lora.GEMM_STAGED`` off (``regs``: the output
+leaves from the accumulator's registers) and on (``staged``: base and output tiles through
+shared memory); floor: W read, the result written.
 
 Ratios within one run are what to compare; the machines are shared.
 ``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
@@ -43,14 +49,51 @@ VARIANTS = {
     "staged pipe": dict(staged=True, pipe_o=True, ws=False),
     "staged pipe ws": dict(staged=True, pipe_o=True, ws=True),
 }
+#: merge variant -> lora.GEMM_STAGED
+MERGE_VARIANTS = {"regs": False, "staged": True}
+
+
+def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
+    print(f"{'shape':6} {'mode':6} {'variant':8} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
+    for name in args.shapes.split(","):
+        _, D, r = (SMOKE if args.smoke else SHAPES)[name]
+
+        def rnd(*shape, scale=1.0):
+            return (scale * torch.randn(*shape, generator=gen, device=dev)).to(dt)
+
+        W = rnd(D, D)
+        floor = 2 * D * D * W.element_size() / bw * 1e3 if bw else math.nan
+        for mode in ("plain", "hada", "sum"):
+            two = mode != "plain"
+            f = (rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5))
+            f2 = (rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5)) if two else (None, None)
+            first = None
+            for v in (args.variants or ",".join(MERGE_VARIANTS)).split(","):
+                try:
+                    with T.module_settings((lora, dict(GEMM_STAGED=MERGE_VARIANTS[v]))):
+                        fn = lambda: lora.merge_fwd(f[0], f[1], f2[0], f2[1], W, 0.75, mode)  # noqa: E731
+                        out = fn()
+                        t = timer.time(fn)["median_ms"]
+                except Exception as exc:  # a variant that does not build here: say so, go on
+                    print(f"{name:6} {mode:6} {v:8} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                if first is None:
+                    first = (t, out)
+                diff = T.max_rel_diff((out,), (first[1],))
+                print(f"{name:6} {mode:6} {v:8} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff:12.2e}")
 
 
 def main(argv=None) -> int:
-    args = T.variants_parser("large,small", VARIANTS, ",".join(VARIANTS)).parse_args(argv)
+    ap = T.variants_parser("large,small", VARIANTS, None)
+    ap.add_argument("--op", default="bypass", choices=("bypass", "merge"))
+    args = ap.parse_args(argv)
     from lycoris_ops.tilelang import lora
 
     dt, dev, timer, gen = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
+    if args.op == "merge":
+        merge_table(args, lora, dt, dev, timer, gen, bw)
+        return 0
     print(f"{'shape':6} {'variant':15} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         N, D, r = (SMOKE if args.smoke else SHAPES)[name]
@@ -61,7 +104,7 @@ def main(argv=None) -> int:
         x, up, down, base = rnd(N, D), rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5), rnd(N, D)
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
         first = None
-        for v in args.variants.split(","):
+        for v in (args.variants or ",".join(VARIANTS)).split(","):
             try:
                 with T.module_settings((lora, dict(BYPASS_FWD_FORM=VARIANTS[v]))):
                     fn = lambda: lora.bypass_fwd(x, up, down, 0.75, base)  # noqa: E731

@@ -104,6 +104,23 @@ def test_twin_bypass_fwd_forms(staged, per, with_base, monkeypatch):
     assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
 
 
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
+@pytest.mark.parametrize("staged", [False, True], ids=["regs", "staged"])
+def test_twin_merge_forms(staged, mode, monkeypatch):
+    """The merge's both epilogues (``GEMM_STAGED``: base and output tiles through shared
+    memory) at partial tiles, with an fp32 base under fp32 factors and without a base."""
+    monkeypatch.setattr(lora, "GEMM_STAGED", staged)
+    g = torch.Generator().manual_seed(6)
+    O, I, r = 37, 45, 5
+    f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g))
+    f2 = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)) if mode != "plain" else (None, None)
+    for base in (torch.randn(O, I, generator=g), None):
+        got = lora.merge_fwd(f[0], f[1], f2[0], f2[1], base, 0.8, mode, cfg=dict(BM=16, BN=16, BK=16))
+        want = REF.lora_merge_fwd(f[0], f[1], f2[0], f2[1], base, 0.8, mode, None)
+        assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32], (mode, base is None)
+
+
 #: non-default tiles of the four tuned ops, inside the spaces of plans/lora.py (``tl_plan_*``,
 #: ``TL_SKINNY``, ``TL_TOKEN``): at the sizes below every tile is partial somewhere
 TILE_CFGS = {

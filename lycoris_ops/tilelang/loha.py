@@ -37,7 +37,7 @@ contiguous on the host when they are not already.
 """
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype, without_warp_specialization
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 
 __all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel",
@@ -175,7 +175,8 @@ def hada_grad_a_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
                 T.copy(g1, Out1[s * Op + o0, 0])
                 T.copy(g2, Out2[s * Op + o0, 0])
 
-    return hada_grad_a
+    # warp specialization: f+b of lora_merge_hada 0.267 -> 0.180 ms without it (H200, 07:12)
+    return hada_grad_a if cpu else without_warp_specialization(hada_grad_a)
 
 
 def hada_grad_b_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct: bool,
@@ -233,7 +234,8 @@ def hada_grad_b_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
                 T.copy(g1, Out1[s * Rp, i0])
                 T.copy(g2, Out2[s * Rp, i0])
 
-    return hada_grad_b
+    # warp specialization: f+b of lora_merge_hada 0.267 -> 0.180 ms without it (H200, 07:12)
+    return hada_grad_b if cpu else without_warp_specialization(hada_grad_b)
 
 
 # --------------------------------------------------------------------------- launchers

@@ -303,10 +303,12 @@ def skinny_kernel(M: int, K, NB: int, r: int, a_km: bool, b_nk: bool, out_t: boo
 
 def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, bdt, odt: str,
                 BM: int = 128, BN: int = 128, BK: int = 64, stages: int = 2, threads: int = 256,
-                cpu: bool = False):
+                staged: bool = False, cpu: bool = False):
     """``Y (M, N) = γ·P (+ base)`` with P = A·B (plain), (A·B)⊙(A2·B2) (hada, K2 = K1)
     or A·B + A2·B2 (sum). A (M, K1) or, ``a_km``, (K1, M); B (K1, N) or,
-    ``b_nk``, (N, K1); A2 (M, K2), B2 (K2, N) row-major. M / K1 None: dynamic."""
+    ``b_nk``, (N, K1); A2 (M, K2), B2 (K2, N) row-major. M / K1 None: dynamic.
+    ``staged`` (``GEMM_STAGED``): the base tile is copied in whole and the output tile
+    leaves through shared memory (whole rows) instead of from the accumulator's registers."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -361,15 +363,29 @@ def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, b
                     T.copy(A2[m0, k * BK], A2s)
                     T.copy(B2[k * BK, n0], B2s)
                     T.gemm(A2s, B2s, acc)
-            for i, j in par(BM, BN):
+            if staged:
+                ys = shared((BM, BN), odt)
                 if has_base:
-                    if m0 + i < Md and n0 + j < N:
-                        acc[i, j] = acc[i, j] * gamma + T.cast(Base[m0 + i, n0 + j], _ACC)
-                else:
-                    acc[i, j] = acc[i, j] * gamma
-            T.copy(acc, Y[m0, n0])
+                    bs = shared((BM, BN), bdt)
+                    T.copy(Base[m0, n0], bs)
+                for i, j in par(BM, BN):
+                    if has_base:
+                        ys[i, j] = T.cast(acc[i, j] * gamma + T.cast(bs[i, j], _ACC), odt)
+                    else:
+                        ys[i, j] = T.cast(acc[i, j] * gamma, odt)
+                T.copy(ys, Y[m0, n0])
+            else:
+                for i, j in par(BM, BN):
+                    if has_base:
+                        if m0 + i < Md and n0 + j < N:
+                            acc[i, j] = acc[i, j] * gamma + T.cast(Base[m0 + i, n0 + j], _ACC)
+                    else:
+                        acc[i, j] = acc[i, j] * gamma
+                T.copy(acc, Y[m0, n0])
 
-    return gemm
+    # without warp specialization (2 consumer warpgroups + a producer, one program an SM):
+    # lora_merge_sum fwd 0.057 -> 0.045 ms, hada 0.057 -> 0.053, plain / loha / lokr level (H200, 07:12)
+    return gemm if cpu else without_warp_specialization(gemm)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -395,6 +411,9 @@ BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=2, threads=128)
 BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False)
 #: token kernel (BT, BI, BK, stages, threads; threads 0: by rank) + the skinny pair (sBM, sBK)
 BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
+#: ``gemm_kernel(staged=...)``: output (and base) tiles through shared memory. Off until timed
+#: (``bench/tilelang_lora_variants.py --op merge``)
+GEMM_STAGED = False
 MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
 MERGE_BWD = dict(BM=64, BK=64, stages=2, threads=128)
 
@@ -480,7 +499,8 @@ def gemm(a, b, a2, b2, base, gamma, mode, out_dtype, compute, a_km=False, b_nk=F
     y = torch.empty((M, N), device=dev, dtype=out_dtype)
     bk = BK if dyn_k else min(BK, pad_rank(K1 if K2 is None else max(K1, K2)))  # no T in the key
     k = kernel(gemm_kernel, arch_of(dev), None if dyn_m else M, N, None if dyn_k else K1, K2, mode, a_km, b_nk,
-               _tl(compute), None if base is None else _tl(base.dtype), _tl(out_dtype), BM, BN, bk, stages, threads)
+               _tl(compute), None if base is None else _tl(base.dtype), _tl(out_dtype), BM, BN, bk, stages, threads,
+               GEMM_STAGED)
     dm = dummy(dev, compute)
     k(a, b, dm if a2 is None else a2, dm if b2 is None else b2,
       dummy(dev, torch.float32) if base is None else base, y, float(gamma))
@@ -520,4 +540,6 @@ def compile_specs(dtype: torch.dtype):
         (skinny_kernel, (29, None, 16, 5, True, False, False, True, d, d)),
         (skinny_kernel, (45, 29, 5, 5, True, False, True, False, d, "float32")),
         (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d)),
+        (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d, 128, 128, 64, 2, 256, True)),  # staged
+        (gemm_kernel, (None, 45, 5, None, "plain", False, True, d, None, d, 128, 128, 64, 2, 256, True)),
     ]
