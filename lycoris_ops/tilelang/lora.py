@@ -412,7 +412,7 @@ BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False)
 #: token kernel (BT, BI, BK, stages, threads; threads 0: by rank) + the skinny pair (sBM, sBK)
 BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
 #: ``gemm_kernel(staged=...)``: output (and base) tiles through shared memory. On: faster in
-#: all 6 cells of ``bench/tilelang_lora_variants.py --op merge`` (H200, bf16, 07:35; large
+#: all 6 cells of ``bench/tilelang_lora_variants.py --op merge`` (H200, bf16, 07:18; large
 #: plain 0.042 -> 0.030 ms, hada 0.053 -> 0.049, sum 0.044 -> 0.035)
 GEMM_STAGED = True
 MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
