@@ -1,7 +1,7 @@
 """A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) and merge (``lora_merge_fwd``)
 kernel forms, in one process, on a GPU:
 
-    python bench/tilelang_lora_variants.py [--op bypass|merge] [--shapes large,small] [--variants ...]
+    python bench/tilelang_lora_variants.py [--op bypass|merge|lokr] [--shapes large,small] [--variants ...]
 
 For each bench shape (``large``: 32768 tokens, 4096 channels, rank 64; ``small``: 8192,
 3072, rank 32; with the base, as bench.py's ``lora_bypass``) and each variant,
@@ -23,6 +23,11 @@ variant's result. The variants set ``lora.BYPASS_FWD_FORM``:
 LoHa ``hada`` and the ``sum`` of two chains, ``lora.GEMM_STAGED`` off (``regs``: the output
 leaves from the accumulator's registers) and on (``staged``: base and output tiles through
 shared memory); floor: W read, the result written.
+
+``--op lokr``: LoKr's bypass (``tilelang.lokr``, near-square factors of the channels as
+bench.py's ``lokr_bypass``: 64 x 64 both at 4096), forward with base and the backward op,
+``lokr.APPLY_STAGED`` off (``regs``) and on (``staged``: the program's output block and
+base block through shared memory); floor: the forward's x, base read and y written.
 
 Ratios within one run are what to compare; the machines are shared.
 ``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
@@ -51,6 +56,48 @@ VARIANTS = {
 }
 #: merge variant -> lora.GEMM_STAGED
 MERGE_VARIANTS = {"regs": False, "staged": True}
+#: lokr variant -> lokr.APPLY_STAGED
+LOKR_VARIANTS = {"regs": False, "staged": True}
+
+
+def _near_square(n: int):
+    a = int(math.isqrt(n))
+    while n % a:
+        a -= 1
+    return a, n // a
+
+
+def lokr_table(args, dt, dev, timer, gen, bw) -> None:
+    from lycoris_ops.tilelang import lokr
+
+    print(f"{'shape':6} {'variant':8} {'fwd ms':>8} {'x first':>8} {'x floor':>8} {'bwd ms':>8} {'x first':>8} "
+          f"{'max rel diff':>12}")
+    for name in args.shapes.split(","):
+        N, D, _ = (SMOKE if args.smoke else SHAPES)[name]
+        a, c = _near_square(D)
+
+        def rnd(*shape, scale=1.0):
+            return (scale * torch.randn(*shape, generator=gen, device=dev)).to(dt)
+
+        x, base, G = rnd(N, D), rnd(N, D), rnd(N, D)
+        w1, w2 = rnd(a, c, scale=a ** -0.5), rnd(c, a, scale=c ** -0.5)  # (a, b), (c, d): b = c, d = a
+        floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
+        first = None
+        for v in (args.variants or ",".join(LOKR_VARIANTS)).split(","):
+            try:
+                with T.module_settings((lokr, dict(APPLY_STAGED=LOKR_VARIANTS[v]))):
+                    fwd = lambda: lokr.bypass_fwd(x, w1, w2, 0.75, base)  # noqa: E731
+                    bwd = lambda: lokr.bypass_bwd(G, x, w1, w2, 0.75)  # noqa: E731
+                    outs = (fwd(),) + tuple(bwd())
+                    tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
+            except Exception as exc:  # a variant that does not build here: say so, go on
+                print(f"{name:6} {v:8} failed: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            if first is None:
+                first = (tf, tb, outs)
+            diff = T.max_rel_diff(outs, first[2])
+            print(f"{name:6} {v:8} {tf:8.3f} {tf / first[0]:8.2f} {tf / floor:8.2f} {tb:8.3f} {tb / first[1]:8.2f} "
+                  f"{diff:12.2e}")
 
 
 def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
@@ -85,7 +132,7 @@ def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
 
 def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
-    ap.add_argument("--op", default="bypass", choices=("bypass", "merge"))
+    ap.add_argument("--op", default="bypass", choices=("bypass", "merge", "lokr"))
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import lora
 
@@ -93,6 +140,9 @@ def main(argv=None) -> int:
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
     if args.op == "merge":
         merge_table(args, lora, dt, dev, timer, gen, bw)
+        return 0
+    if args.op == "lokr":
+        lokr_table(args, dt, dev, timer, gen, bw)
         return 0
     print(f"{'shape':6} {'variant':15} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):

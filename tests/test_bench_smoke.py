@@ -169,3 +169,8 @@ def test_tilelang_lora_variants_smoke(capsys):
     rows = [line for line in out.splitlines() if line.startswith("small ")]
     assert "failed" not in out and len(rows) == 3 * len(module.MERGE_VARIANTS), out
     assert all(float(row.split()[-1]) < 1e-6 for row in rows), out
+    assert module.main(["--smoke", "--op", "lokr", "--shapes", "small"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("small ")]
+    assert "failed" not in out and len(rows) == len(module.LOKR_VARIANTS), out
+    assert all(float(row.split()[-1]) < 1e-6 for row in rows), out

@@ -115,6 +115,8 @@ TILE_CFGS = [(dict(BM=32, BN=64, threads=256), dict(elems=2048, threads=256), di
 CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems", "threads"),
             "kron_grad2_kernel": ("elems", "threads"), "kron_apply_kernel": ("rows", "threads"),
             "kron_wgrad1_kernel": ("rows", "threads"), "kron_wgrad2_kernel": ("rows", "threads")}
+#: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``)
+TRAILING = {"kron_apply_kernel": 1}
 
 
 def _listed(fn, args, cfg):
@@ -135,7 +137,8 @@ def _with_cfg(op, cfg, args, dtype):
     assert mine, (op, cfg)
     for p in mine:
         names = CFG_ARGS[p.builder.__name__]
-        assert p.args[-len(names):] == tuple(cfg[k] for k in names), (op, p.builder.__name__, p.args)
+        end = len(p.args) - TRAILING.get(p.builder.__name__, 0)
+        assert p.args[end - len(names):end] == tuple(cfg[k] for k in names), (op, p.builder.__name__, p.args)
     harness.compare(types.SimpleNamespace(**{op: functools.partial(fn, cfg=cfg)}), REF, op, args, dtype)
 
 
@@ -163,6 +166,22 @@ def _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, dev):
             cases += [("lokr_bypass_fwd", bypass_cfg, (x, w1, w2, 0.7, m(T, a * c))),
                       ("lokr_bypass_bwd", bypass_cfg, (m(T, a * c), x, w1, w2, 0.7))]
     return cases
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.parametrize("staged", [False, True], ids=["regs", "staged"])
+def test_twin_apply_forms(staged, monkeypatch):
+    """Both epilogues of ``kron_apply_kernel`` (``APPLY_STAGED``: output and base blocks through
+    shared memory) in the bypass forward and backward: padded factors, one token and a token
+    tail, two configs (2 and 16 tokens a program)."""
+    monkeypatch.setattr(lokr, "APPLY_STAGED", staged)
+    n = 0
+    for cfgs in (TILE_CFGS[0], TILE_CFGS[2]):
+        for op, cfg, args in _tile_config_cases(*cfgs, torch.float32, "cpu"):
+            if op.startswith("lokr_bypass"):
+                _with_cfg(op, cfg, args, torch.float32)
+                n += 1
+    assert n == 16
 
 
 @pytest.mark.parametrize("kron_cfg,grad_cfg,bypass_cfg", TILE_CFGS, ids=["small-tiles", "big-tiles", "wide-256"])

@@ -72,6 +72,9 @@ _ACC = "float32"
 KRON = dict(BM=32, BN=128, threads=128)
 GRADS = dict(elems=4096, threads=128)
 BYPASS = dict(rows=128, threads=128)
+#: ``kron_apply_kernel(staged=...)`` (the bypass forward and grad-x): output and base through
+#: shared memory. Off until timed (``bench/tilelang_lora_variants.py --op lokr``)
+APPLY_STAGED = False
 
 
 def _threads(*mn, most: int = 128) -> int:
@@ -232,8 +235,13 @@ def kron_grad2_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, odt: st
 # --------------------------------------------------------------------------- bypass
 
 def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
-                      rows: int = 128, max_threads: int = 128, cpu: bool = False):
-    """``Y[t] = γ·W1·X[t]·W2ᵀ (+ base[t])``: X (T, b, d), W1 (a, b), W2 (c, d), Y (T, a, c)."""
+                      rows: int = 128, max_threads: int = 128, staged: bool = False, cpu: bool = False):
+    """``Y[t] = γ·W1·X[t]·W2ᵀ (+ base[t])``: X (T, b, d), W1 (a, b), W2 (c, d), Y (T, a, c).
+
+    ``staged`` (``APPLY_STAGED``): the program's BTt·a·c output elements - one contiguous block
+    of Y - are staged in shared memory in Y's order and stored as whole rows, and the base
+    block is copied in whole, instead of the accumulator's registers storing (and reading the
+    base) element by element with a row stride of c."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -266,14 +274,28 @@ def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
             for m, i in par(BTt * Bp, Cp):  # lo term
                 zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i] - T.cast(T.cast(z[m, i], dt), _ACC), dt)
             T.gemm(w1s, zs, y)
-            for u, n in par(Ap, BTt * Cp):
-                t = t0 + n // Cp
-                i = n % Cp
-                if u < a and i < c and t < Tn:
-                    if has_base:
-                        Y[t, u, i] = T.cast(y[u, n] * gamma + T.cast(Base[t, u, i], _ACC), odt)
-                    else:
-                        Y[t, u, i] = T.cast(y[u, n] * gamma, odt)
+            if staged:
+                ys = shared((BTt, a, c), odt)
+                if has_base:
+                    bs = shared((BTt, a, c), bdt)
+                    T.copy(Base[t0:t0 + BTt, 0:a, 0:c], bs)
+                for u, n in par(Ap, BTt * Cp):
+                    if u < a and n % Cp < c:
+                        if has_base:
+                            ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma + T.cast(bs[n // Cp, u, n % Cp], _ACC),
+                                                            odt)
+                        else:
+                            ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma, odt)
+                T.copy(ys, Y[t0:t0 + BTt, 0:a, 0:c])
+            else:
+                for u, n in par(Ap, BTt * Cp):
+                    t = t0 + n // Cp
+                    i = n % Cp
+                    if u < a and i < c and t < Tn:
+                        if has_base:
+                            Y[t, u, i] = T.cast(y[u, n] * gamma + T.cast(Base[t, u, i], _ACC), odt)
+                        else:
+                            Y[t, u, i] = T.cast(y[u, n] * gamma, odt)
 
     return kron_apply
 
@@ -468,7 +490,7 @@ def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
     p = launch_config(BYPASS, cfg)
     y = torch.empty((T_, a * c), device=dev, dtype=odt)
     k = kernel(kron_apply_kernel, arch_of(dev), a, b, c, d, tl_dtype(x3.dtype),
-               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"])
+               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"], APPLY_STAGED)
     k(x3, w1, w2, dummy(dev, torch.float32) if base3 is None else base3, y.view(T_, a, c), float(gamma))
     return y
 
@@ -529,6 +551,8 @@ def compile_specs(dtype: torch.dtype):
         (kron_grad1_kernel, (3, 5, 7, 4, d, d, "float32")),
         (kron_grad2_kernel, (3, 5, 7, 4, d, "float32", "float32", False)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d)),
+        (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, True)),  # APPLY_STAGED
+        (kron_apply_kernel, (64, 64, 64, 64, d, None, d, 128, 128, True)),
         (kron_wgrad1_kernel, (3, 5, 7, 4, d, d, True)),
         (kron_wgrad2_kernel, (3, 5, 7, 4, d, "float32", False)),
     ]
