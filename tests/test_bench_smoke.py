@@ -174,3 +174,15 @@ def test_tilelang_lora_variants_smoke(capsys):
     rows = [line for line in out.splitlines() if line.startswith("small ")]
     assert "failed" not in out and len(rows) == len(module.LOKR_VARIANTS), out
     assert all(float(row.split()[-1]) < 1e-6 for row in rows), out
+
+
+def test_tilelang_ia3_variants_smoke(capsys):
+    """``bench/tilelang_ia3_variants.py --smoke``: every split of the IA3 backward runs and
+    agrees with the first (TileLang's CPU twins, fp32, tiny sizes; the splits differ there)."""
+    pytest.importorskip("tilelang")
+    module = bench_script("tilelang_ia3_variants.py", "lycoris_bench_tl_ia3")
+    assert module.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(("large ", "small "))]
+    assert "failed" not in out and len(rows) == 2 * len(module.VARIANTS), out
+    assert all(float(row.split()[-1]) < 1e-5 for row in rows), out

@@ -230,9 +230,15 @@ def ia3_fwd(x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, g
     return y
 
 
-def _split(tiles: int, other: int, device: torch.device) -> tuple:
-    """(nsplit, tiles per split) so that other·nsplit programs fill the GPU about twice."""
-    want = max(1, cdiv(2 * num_sms(device), max(other, 1)))
+#: programs per SM the backward's reduction split aims at: a program is 128 threads walking
+#: its tiles with no prefetch, so the bytes in flight on an SM scale with its programs. 2
+#: until the A/B (``bench/tilelang_ia3_variants.py``) says otherwise
+BWD_PER_SM = 2
+
+
+def _split(tiles: int, other: int, device: torch.device, per_sm: int = 2) -> tuple:
+    """(nsplit, tiles per split) so that other·nsplit programs fill the GPU ``per_sm`` times."""
+    want = max(1, cdiv(per_sm * num_sms(device), max(other, 1)))
     nsplit = max(1, min(want, tiles))
     tps = cdiv(tiles, nsplit)
     return cdiv(tiles, tps), tps
@@ -259,7 +265,7 @@ def ia3_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, channel_axis: 
         cv = C // vec
         bm, bn = _tile(cv, p["vecs"])
         ctiles = cdiv(cv, bn)
-        nsplit, tps = _split(cdiv(A, bm), ctiles, x.device)
+        nsplit, tps = _split(cdiv(A, bm), ctiles, x.device, BWD_PER_SM)
         direct = nsplit == 1
         part = torch.empty((1 if direct else nsplit, C), device=x.device, dtype=torch.float32)
         k = kernel(ia3_bwd_kernel, arch, *dts, False, direct, vec, bm, bn, p["threads"])
@@ -270,7 +276,7 @@ def ia3_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, channel_axis: 
         bv = B // vec
         bm, bn = _tile(bv, p["vecs"])  # bm channels, bn vectors
         ctiles = cdiv(C, bm)
-        nsplit, tps = _split(cdiv(bv, bn), A * ctiles, x.device)
+        nsplit, tps = _split(cdiv(bv, bn), A * ctiles, x.device, BWD_PER_SM)
         direct = nsplit * A == 1
         part = torch.empty((A * nsplit, C), device=x.device, dtype=torch.float32)
         k = kernel(ia3_bwd_kernel, arch, *dts, True, direct, vec, bm, bn, p["threads"])
