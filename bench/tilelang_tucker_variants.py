@@ -11,7 +11,9 @@ the largest relative difference of the result from the first variant's:
 
 * ``per-k``: one κ a program, every Kk-th element of Y stored (``ALL_K = False``);
 * ``all-k``: every κ of an (O, I) tile in one program, the output tile staged in shared
-  memory and stored as whole rows (``ALL_K = True``).
+  memory and stored as whole rows (``ALL_K = True``);
+* ``all-k pipe``: that with the κ loop pipelined (``ALL_K_PIPE``: the next core slices load
+  during this κ's products; compiled without warp specialization).
 
 Ratios within one run are what to compare; the machines are shared.
 ``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
@@ -31,7 +33,8 @@ import timing as T  # noqa: E402
 SHAPES = {"large": (4096, 64), "small": (3072, 32)}
 SMOKE = {"large": (70, 5), "small": (45, 3)}
 KK = 9
-VARIANTS = {"per-k": False, "all-k": True}
+VARIANTS = {"per-k": dict(ALL_K=False), "all-k": dict(ALL_K=True, ALL_K_PIPE=False),
+            "all-k pipe": dict(ALL_K=True, ALL_K_PIPE=True)}
 
 
 def main(argv=None) -> int:
@@ -54,7 +57,7 @@ def main(argv=None) -> int:
             first = None
             for v in args.variants.split(","):
                 try:
-                    with T.module_settings((tucker, dict(ALL_K=VARIANTS[v]))):
+                    with T.module_settings((tucker, VARIANTS[v])):
                         fn = lambda: tucker.tucker_fwd(*ops)  # noqa: E731
                         out = fn()
                         t = timer.time(fn)["median_ms"]

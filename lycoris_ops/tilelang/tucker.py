@@ -20,7 +20,7 @@ Operands are cast to the compute dtype and made contiguous on the host
 """
 import torch
 
-from ._common import arch_of, kernel, launch_config, tl_dtype
+from ._common import arch_of, kernel, launch_config, tl_dtype, without_warp_specialization
 from .lora import _scopes, compute_dtype, pad_rank, prep
 
 __all__ = ["tucker_kernel", "tucker_fwd", "compile_specs"]
@@ -36,6 +36,9 @@ TUCKER = dict(BO=64, BI=64, threads=128)
 #: ``bench/tilelang_tucker_variants.py``, RESULTS.md 2026-12-02 06:50); ``all_k_fits`` keeps
 #: the per-κ kernel for tiles whose staging would not fit ``_ALL_K_SMEM``
 ALL_K = True
+#: ``tucker_kernel(pipe_k=...)``: the all-κ program's κ loop pipelined. Off until timed
+#: (``bench/tilelang_tucker_variants.py``: ``all-k pipe``)
+ALL_K_PIPE = False
 _ALL_K_SMEM = 160 * 1024
 
 
@@ -46,12 +49,14 @@ def all_k_fits(BO: int, BI: int, Kk: int, pa: int, pb: int, chains: int, e: int,
 
 
 def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str, odt: str,
-                  BO: int = 64, BI: int = 64, threads: int = 128, all_k: bool = False, cpu: bool = False):
+                  BO: int = 64, BI: int = 64, threads: int = 128, all_k: bool = False, pipe_k: bool = False,
+                  cpu: bool = False):
     """One chain (R2a None) or the hadamard of two. A (O, Ra), Tc (Kk, Ra, Rb), B (Rb, I).
 
     Grid (κ, I tile, O tile), Y (O, I, Kk); ``all_k``: grid (1, I tile, O tile), Y seen as
     (O, I·Kk), every κ of the tile computed in the program and the output tile staged as
-    (BO, BI·Kk) (κ fastest, Y's own order), then stored row by row (``ALL_K``)."""
+    (BO, BI·Kk) (κ fastest, Y's own order), then stored row by row (``ALL_K``); ``pipe_k``
+    (``ALL_K_PIPE``) pipelines that κ loop: the next core slices load during this κ's products."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -100,7 +105,7 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
             if two:
                 T.copy(A2[o0, 0], a2s)
                 T.copy(B2[0, i0], b2s)
-            for kl in T.serial(KL):
+            for kl in (T.Pipelined(KL, num_stages=2) if all_k and pipe_k else T.serial(KL)):
                 k = kg + kl  # one of the two is 0
                 chain(T1, a1s, t1s, at1, b1s, f1, c1, k, P1a, P1b)
                 if two:
@@ -116,7 +121,9 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
                     if o0 + i < O and i0 * Kk + j < I * Kk:
                         Y[o0 + i, i0 * Kk + j] = ys[i, j]
 
-    return tucker
+    # pipelined, TileLang would warp-specialize it: 256 threads, one program an SM, where the
+    # all-κ program's serial products and stores want several
+    return without_warp_specialization(tucker) if pipe_k and not cpu else tucker
 
 
 def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
@@ -141,7 +148,7 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
                                  max(pad_rank(r) for r in ranks[1::2]), 2 if two else 1, c.itemsize,
                                  y.element_size())
     k = kernel(tucker_kernel, arch_of(dev), O, I, Kk, R1a, R1b, R2a, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
-               p["BI"], p["threads"], all_k)
+               p["BI"], p["threads"], all_k, all_k and ALL_K_PIPE)
     k(*args, y.view(O, I * Kk) if all_k else y, float(gamma))
     return y
 
@@ -151,4 +158,5 @@ def compile_specs(dtype: torch.dtype):
     d = tl_dtype(dtype)
     return [(tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d)),
             (tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d, 64, 64, 128, True)),  # ALL_K
-            (tucker_kernel, (13, 7, 9, 4, 4, None, None, d, d, 64, 64, 128, True))]
+            (tucker_kernel, (13, 7, 9, 4, 4, None, None, d, d, 64, 64, 128, True)),
+            (tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d, 64, 64, 128, True, True))]  # ALL_K_PIPE
