@@ -1,7 +1,7 @@
 """A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) and merge (``lora_merge_fwd``)
 kernel forms, in one process, on a GPU:
 
-    python bench/tilelang_lora_variants.py [--op bypass|merge|lokr] [--shapes large,small] [--variants ...]
+    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|lokr] [--shapes large,small] [--variants ...]
 
 For each bench shape (``large``: 32768 tokens, 4096 channels, rank 64; ``small``: 8192,
 3072, rank 32; with the base, as bench.py's ``lora_bypass``) and each variant,
@@ -18,6 +18,10 @@ variant's result. The variants set ``lora.BYPASS_FWD_FORM``:
 * ``staged pipe``: ``staged`` with the O loop pipelined (the next up / base tiles load
   during this tile's product);
 * ``staged pipe ws``: that with warp specialization.
+
+``--op bypass_bwd``: the same five forms of the backward's token kernel (``lora.BYPASS_BWD_FORM``:
+the gx = γ·q·down loop), timing the whole backward op (``lora.bypass_bwd``: the token kernel
+and the two skinny products); floor: G, x read, gx written.
 
 ``--op merge``: ``W + γ·P`` at (channels, channels) for P = up·down (``plain``), the
 LoHa ``hada`` and the ``sum`` of two chains, ``lora.GEMM_STAGED`` off (``regs``: the output
@@ -132,7 +136,7 @@ def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
 
 def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
-    ap.add_argument("--op", default="bypass", choices=("bypass", "merge", "lokr"))
+    ap.add_argument("--op", default="bypass", choices=("bypass", "bypass_bwd", "merge", "lokr"))
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import lora
 
@@ -154,10 +158,19 @@ def main(argv=None) -> int:
         x, up, down, base = rnd(N, D), rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5), rnd(N, D)
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
         first = None
+        bwd = args.op == "bypass_bwd"
         for v in (args.variants or ",".join(VARIANTS)).split(","):
+            form = VARIANTS[v]
+            if bwd:  # the same forms; the backward's pipelined loop walks I
+                setting = dict(BYPASS_BWD_FORM=dict(staged=form["staged"], pipe_i=form["pipe_o"], ws=form["ws"]))
+            else:
+                setting = dict(BYPASS_FWD_FORM=form)
             try:
-                with T.module_settings((lora, dict(BYPASS_FWD_FORM=VARIANTS[v]))):
-                    fn = lambda: lora.bypass_fwd(x, up, down, 0.75, base)  # noqa: E731
+                with T.module_settings((lora, setting)):
+                    if bwd:
+                        fn = lambda: lora.bypass_bwd(base, x, up, down, 0.75)  # noqa: E731  (base as G)
+                    else:
+                        fn = lambda: lora.bypass_fwd(x, up, down, 0.75, base)  # noqa: E731
                     out = fn()
                     t = timer.time(fn)["median_ms"]
             except Exception as exc:  # a variant that does not build here: say so, go on
@@ -165,7 +178,7 @@ def main(argv=None) -> int:
                 continue
             if first is None:
                 first = (t, out)
-            diff = T.max_rel_diff((out,), (first[1],))
+            diff = T.max_rel_diff(out if bwd else (out,), first[1] if bwd else (first[1],))
             print(f"{name:6} {v:15} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff:12.2e}")
     return 0
 

@@ -164,6 +164,11 @@ def test_tilelang_lora_variants_smoke(capsys):
     rows = [line for line in out.splitlines() if line.startswith(("large ", "small "))]
     assert "failed" not in out and len(rows) == 2 * len(module.VARIANTS), out
     assert all(float(row.split()[-1]) < 1e-6 for row in rows), out
+    assert module.main(["--smoke", "--op", "bypass_bwd", "--shapes", "small"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("small ")]
+    assert "failed" not in out and len(rows) == len(module.VARIANTS), out
+    assert all(float(row.split()[-1]) < 1e-6 for row in rows), out
     assert module.main(["--smoke", "--op", "merge", "--shapes", "small"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("small ")]

@@ -105,6 +105,23 @@ def test_twin_bypass_fwd_forms(staged, per, with_base, monkeypatch):
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.parametrize("staged,per", [(False, 3), (True, 3), (True, 5)], ids=["plain", "staged", "staged-pipe"])
+def test_twin_bypass_bwd_forms(staged, per, monkeypatch):
+    """The backward token kernel's forms (``BYPASS_BWD_FORM``, as the forward's) at partial T
+    and I tiles: 5 I tiles, in 2 groups of 3 (the clamp) or one pipelined group."""
+    monkeypatch.setattr(lora, "BYPASS_BWD_FORM", dict(staged=staged, pipe_i=True, ws=True))
+    monkeypatch.setattr(lora, "_per", lambda tiles, other, device: per)
+    g = torch.Generator().manual_seed(7)
+    T, I, O, r = 70, 37, 19, 5
+    x, G = torch.randn(I, T, generator=g).t(), torch.randn(T, O, generator=g)
+    up, down = torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)
+    got = lora.bypass_bwd(G, x, up, down, 0.6, cfg=dict(BT=16, BI=8, BK=16, sBM=16, sBK=16))
+    want = REF.lora_bypass_bwd(G, x, up, down, 0.6)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert harness.rel_err(a, b) <= harness.REL_TOL[torch.float32], k
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 @pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
 @pytest.mark.parametrize("staged", [False, True], ids=["regs", "staged"])
 def test_twin_merge_forms(staged, mode, monkeypatch):

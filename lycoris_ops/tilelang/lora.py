@@ -185,15 +185,17 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
 
 def bypass_bwd_tok_kernel(I: int, O: int, r: int, dt: str, gxdt: str,
                           BT: int = 64, BK: int = 64, BI: int = 128, stages: int = 2, threads=None,
-                          cpu: bool = False):
+                          staged: bool = False, pipe_i: bool = False, ws: bool = True, cpu: bool = False):
     """h = round(x·downᵀ), q = round(G·up) -> workspaces H, Q (T, Rp) (first I range);
-    ``gx = γ·q·down`` over the program's ``per`` I tiles."""
+    ``gx = γ·q·down`` over the program's ``per`` I tiles. ``staged`` / ``pipe_i`` / ``ws``
+    (``BYPASS_BWD_FORM``): as ``bypass_fwd_kernel``'s forms, for the gx loop."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
     Rp = pad_rank(r)
     threads = threads or (256 if Rp >= 128 else 128)  # h, q (BT, Rp) and gx (BT, BI) fp32 fragments
     Tn = T.dynamic("T")
+    n_i = -(-I // BI)
 
     @T.prim_func
     def lora_bypass_bwd_tok(Gr: T.Tensor((Tn, O), dt), X: T.Tensor((Tn, I), dt), Up: T.Tensor((O, r), dt),
@@ -227,16 +229,26 @@ def bypass_bwd_tok_kernel(I: int, O: int, r: int, dt: str, gxdt: str,
             T.copy(q, qs)  # q rounded to the compute dtype
             if bi == 0:
                 T.copy(qs, Q[t0, 0])
-            for j in T.serial(per):
-                i0 = (bi * per + j) * BI
-                if i0 < I:
+            if staged:
+                gxs = shared((BT, BI), gxdt)
+                for j in (T.Pipelined(n_i, num_stages=2) if pipe_i else T.serial(per)):
+                    i0 = (j if pipe_i else T.min(bi * per + j, n_i - 1)) * BI
                     T.copy(Down[0, i0], d2)
                     T.gemm(qs, d2, gx, clear_accum=True)
                     for a, c in par(BT, BI):
-                        gx[a, c] = gx[a, c] * gamma
-                    T.copy(gx, GX[t0, i0])
+                        gxs[a, c] = T.cast(gx[a, c] * gamma, gxdt)
+                    T.copy(gxs, GX[t0, i0])
+            else:
+                for j in T.serial(per):
+                    i0 = (bi * per + j) * BI
+                    if i0 < I:
+                        T.copy(Down[0, i0], d2)
+                        T.gemm(qs, d2, gx, clear_accum=True)
+                        for a, c in par(BT, BI):
+                            gx[a, c] = gx[a, c] * gamma
+                        T.copy(gx, GX[t0, i0])
 
-    return lora_bypass_bwd_tok
+    return lora_bypass_bwd_tok if ws or cpu else without_warp_specialization(lora_bypass_bwd_tok)
 
 
 def skinny_kernel(M: int, K, NB: int, r: int, a_km: bool, b_nk: bool, out_t: bool, direct: bool,
@@ -409,6 +421,9 @@ BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=2, threads=128)
 #: ``bench/tilelang_lora_variants.py`` (H200, bf16, RESULTS.md 2026-12-02 07:20): 0.289 ms
 #: against 0.524 for the warp-specialized serial form at the large shape, 0.066 / 0.137 small
 BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False)
+#: ``bypass_bwd_tok_kernel``'s form (``staged``, ``pipe_i``, ``ws``: as ``BYPASS_FWD_FORM``,
+#: for the gx loop). Off until timed (``bench/tilelang_lora_variants.py --op bypass_bwd``)
+BYPASS_BWD_FORM = dict(staged=False, pipe_i=False, ws=True)
 #: token kernel (BT, BI, BK, stages, threads; threads 0: by rank) + the skinny pair (sBM, sBK)
 BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
 #: ``gemm_kernel(staged=...)``: output (and base) tiles through shared memory. On: faster in
@@ -479,9 +494,11 @@ def bypass_bwd(grad, x, up, down, gamma, cfg=None):
     ws = torch.empty((2, T_, Rp), device=dev, dtype=c)
     gx = torch.empty((T_, I), device=dev, dtype=x.dtype)
     BT, BI = p["BT"], p["BI"]
-    per = _per(cdiv(I, BI), cdiv(T_, BT), dev)
+    n_i = cdiv(I, BI)
+    per = _per(n_i, cdiv(T_, BT), dev)
+    form = BYPASS_BWD_FORM
     k = kernel(bypass_bwd_tok_kernel, arch_of(dev), I, O, r, _tl(c), _tl(x.dtype), BT, p["BK"], BI, p["stages"],
-               p["threads"] or None)
+               p["threads"] or None, form["staged"], form["staged"] and form["pipe_i"] and per == n_i, form["ws"])
     k(g, xc, u, d, ws[0], ws[1], gx, float(gamma), per)
     sk = dict(BM=p["sBM"], BK=p["sBK"])
     g_up = skinny(g, ws[0], r, True, False, False, gamma, up.dtype, c, **sk)      # γ·Gᵀ·h   (O, r)
@@ -538,6 +555,8 @@ def compile_specs(dtype: torch.dtype):
         (bypass_fwd_kernel, (45, 29, 5, d, None, d, 64, 128, 64, 2, 128, True, True, False)),
         (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 128, 64, 2, 128, True, True, True)),
         (bypass_bwd_tok_kernel, (45, 29, 5, d, d)),
+        (bypass_bwd_tok_kernel, (45, 29, 5, d, d, 64, 64, 128, 2, None, True, False, False)),  # BYPASS_BWD_FORM
+        (bypass_bwd_tok_kernel, (45, 29, 5, d, d, 64, 64, 128, 2, None, True, True, False)),
         (skinny_kernel, (29, None, 16, 5, True, False, False, True, d, d)),
         (skinny_kernel, (45, 29, 5, 5, True, False, True, False, d, "float32")),
         (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d)),
