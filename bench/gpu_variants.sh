@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The TileLang kernel-form A/Bs in one device call: build, then each variants script in turn,
+# its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
+#
+#   bash bench/gpu_variants.sh [name ...]     (default: every entry of RUNS below)
+#
+# Each script times forms of one kernel family on the bench shapes (see its docstring); the
+# forms a run decides are module flags (``tilelang/*.py``) that stay off until a table here
+# says on. TileLang comes from .tlsite (bench/pack_tilelang.sh) or LYCORIS_TILELANG_SITE.
+# LYCORIS_VARIANT_SECONDS: the limit of each script (default 150); LYCORIS_VARIANT_ARGS: appended
+# to every script's arguments (``--smoke``: the CPU twins, a dry run of this script on a CPU
+# host, with LYCORIS_SKIP_BUILD=1 where the package is installed already).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+final=${OUT:-bench/out}; mkdir -p "$final"; rm -f "$final/status.txt"
+py=${PYTHON:-python3}
+if [ -z "${LYCORIS_TILELANG_SITE:-}" ] && [ -f .tlsite/tl.tar.xz ]; then
+  mkdir -p /tmp/tl && tar -C /tmp/tl -xJf .tlsite/tl.tar.xz && export LYCORIS_TILELANG_SITE=/tmp/tl
+fi
+[ -n "${LYCORIS_TILELANG_SITE:-}" ] && export PYTHONPATH="$LYCORIS_TILELANG_SITE${PYTHONPATH:+:$PYTHONPATH}"
+export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlcache}
+[ -n "${LYCORIS_SKIP_BUILD:-}" ] || MAX_JOBS=16 $py -m pip install -q --no-build-isolation --no-deps -e . >"$final/build.log" 2>&1 || { tail -30 "$final/build.log"; exit 1; }
+declare -A RUNS=(
+  [tucker]="bench/tilelang_tucker_variants.py --variants all-k,all-k\ pipe"
+  [lora_bwd]="bench/tilelang_lora_variants.py --op bypass_bwd --variants ws,staged\ pipe,staged"
+  [lokr]="bench/tilelang_lora_variants.py --op lokr"
+  [ia3]="bench/tilelang_ia3_variants.py"
+)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(tucker lora_bwd lokr ia3)
+for n in "${names[@]}"; do
+  [ -n "${RUNS[$n]:-}" ] || { echo "unknown run $n (of: ${!RUNS[*]})"; continue; }
+  eval "timeout ${LYCORIS_VARIANT_SECONDS:-150} $py ${RUNS[$n]} ${LYCORIS_VARIANT_ARGS:-}" >"$final/$n.log" 2>&1
+  echo "$n: exit $?" >>"$final/status.txt"
+done
+cat "$final/status.txt"
+for n in "${names[@]}"; do
+  echo "== $n: ${RUNS[$n]:-}"
+  grep -v -e "INFO" -e "^\s*$" "$final/$n.log" | tail -20
+done
