@@ -75,21 +75,14 @@ def main(argv=None) -> int:
                 units = boft._units(m, s, runs, x.element_size(), _common.arch_of(dev), dev,
                                     [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
             print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; units with pairs: {units}")
-        first = None
+        rows = T.VariantRows(timer)
         for v in args.variants.split(","):
-            try:
-                with T.module_settings(*_settings(boft, oft, v)):
-                    fwd = lambda: boft.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False)  # noqa: E731
-                    bwd = lambda: boft.boft_bwd(g, blocks, x, -1, 1.0, 1.0)  # noqa: E731
-                    outs = (fwd(),) + tuple(bwd())
-                    tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
-            except Exception as exc:  # a variant that does not build here: say so, go on
-                print(f"{name:6} {v:12} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            if first is None:
-                first = (tf, tb, outs)
-            diff = T.max_rel_diff(outs, first[2])
-            print(f"{name:6} {v:12} {tf:8.3f} {tf / first[0]:8.2f} {tb:8.3f} {tb / first[1]:8.2f} {diff:12.2e}")
+            res = rows.row(f"{name:6} {v:12}", _settings(boft, oft, v),
+                           lambda: boft.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False),
+                           lambda: boft.boft_bwd(g, blocks, x, -1, 1.0, 1.0))
+            if res:
+                (tf, tb), (xf, xb), diff = res
+                print(f"{name:6} {v:12} {tf:8.3f} {xf:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
         if bw and runs is not None:  # the forward's passes: x in, (hi, lo) pairs between, y out (4p - 2 values)
             per_pass = npos * C * x.element_size()
             for v, passes in (("runs", m), ("runs+pairs", len(units))):

@@ -47,20 +47,13 @@ def main(argv=None) -> int:
 
         G, x, w = rnd(N, D), rnd(N, D), rnd(D, scale=0.1)
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
-        first = None
+        rows = T.VariantRows(timer)
         for v in args.variants.split(","):
-            try:
-                with T.module_settings((ia3, dict(BWD_PER_SM=VARIANTS[v]))):
-                    fn = lambda: ia3.ia3_bwd(G, x, w, -1, 1.0, 0.5)  # noqa: E731
-                    out = fn()
-                    t = timer.time(fn)["median_ms"]
-            except Exception as exc:  # a variant that does not build here: say so, go on
-                print(f"{name:6} {v:9} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            if first is None:
-                first = (t, out)
-            diff = T.max_rel_diff(out, first[1])
-            print(f"{name:6} {v:9} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff:12.2e}")
+            res = rows.row(f"{name:6} {v:9}", [(ia3, dict(BWD_PER_SM=VARIANTS[v]))],
+                         lambda: ia3.ia3_bwd(G, x, w, -1, 1.0, 0.5))
+            if res:
+                (t,), (x1,), diff = res
+                print(f"{name:6} {v:9} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
     return 0
 
 

@@ -86,23 +86,13 @@ def lokr_table(args, dt, dev, timer, gen, bw) -> None:
         x, base, G = rnd(N, D), rnd(N, D), rnd(N, D)
         w1, w2 = rnd(a, c, scale=a ** -0.5), rnd(c, a, scale=c ** -0.5)  # (a, b), (c, d): b = c, d = a
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
-        first = None
+        rows = T.VariantRows(timer)
         for v in (args.variants or ",".join(LOKR_VARIANTS)).split(","):
-            try:
-                with T.module_settings((lokr, dict(APPLY_STAGED=LOKR_VARIANTS[v]))):
-                    fwd = lambda: lokr.bypass_fwd(x, w1, w2, 0.75, base)  # noqa: E731
-                    bwd = lambda: lokr.bypass_bwd(G, x, w1, w2, 0.75)  # noqa: E731
-                    outs = (fwd(),) + tuple(bwd())
-                    tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
-            except Exception as exc:  # a variant that does not build here: say so, go on
-                print(f"{name:6} {v:8} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            if first is None:
-                first = (tf, tb, outs)
-            diff = T.max_rel_diff(outs, first[2])
-            print(f"{name:6} {v:8} {tf:8.3f} {tf / first[0]:8.2f} {tf / floor:8.2f} {tb:8.3f} {tb / first[1]:8.2f} "
-                  f"{diff:12.2e}")
-
+            res = rows.row(f"{name:6} {v:8}", [(lokr, dict(APPLY_STAGED=LOKR_VARIANTS[v]))],
+                           lambda: lokr.bypass_fwd(x, w1, w2, 0.75, base), lambda: lokr.bypass_bwd(G, x, w1, w2, 0.75))
+            if res:
+                (tf, tb), (xf, xb), diff = res
+                print(f"{name:6} {v:8} {tf:8.3f} {xf:8.2f} {tf / floor:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
 
 def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
     print(f"{'shape':6} {'mode':6} {'variant':8} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
@@ -118,21 +108,13 @@ def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
             two = mode != "plain"
             f = (rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5))
             f2 = (rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5)) if two else (None, None)
-            first = None
+            rows = T.VariantRows(timer)
             for v in (args.variants or ",".join(MERGE_VARIANTS)).split(","):
-                try:
-                    with T.module_settings((lora, dict(GEMM_STAGED=MERGE_VARIANTS[v]))):
-                        fn = lambda: lora.merge_fwd(f[0], f[1], f2[0], f2[1], W, 0.75, mode)  # noqa: E731
-                        out = fn()
-                        t = timer.time(fn)["median_ms"]
-                except Exception as exc:  # a variant that does not build here: say so, go on
-                    print(f"{name:6} {mode:6} {v:8} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                    continue
-                if first is None:
-                    first = (t, out)
-                diff = T.max_rel_diff((out,), (first[1],))
-                print(f"{name:6} {mode:6} {v:8} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff:12.2e}")
-
+                res = rows.row(f"{name:6} {mode:6} {v:8}", [(lora, dict(GEMM_STAGED=MERGE_VARIANTS[v]))],
+                               lambda: lora.merge_fwd(f[0], f[1], f2[0], f2[1], W, 0.75, mode))
+                if res:
+                    (t,), (x1,), diff = res
+                    print(f"{name:6} {mode:6} {v:8} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
 
 def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
@@ -157,29 +139,20 @@ def main(argv=None) -> int:
 
         x, up, down, base = rnd(N, D), rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5), rnd(N, D)
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
-        first = None
+        rows = T.VariantRows(timer)
         bwd = args.op == "bypass_bwd"
         for v in (args.variants or ",".join(VARIANTS)).split(","):
             form = VARIANTS[v]
             if bwd:  # the same forms; the backward's pipelined loop walks I
                 setting = dict(BYPASS_BWD_FORM=dict(staged=form["staged"], pipe_i=form["pipe_o"], ws=form["ws"]))
+                fn = lambda: lora.bypass_bwd(base, x, up, down, 0.75)  # noqa: E731  (base as G)
             else:
                 setting = dict(BYPASS_FWD_FORM=form)
-            try:
-                with T.module_settings((lora, setting)):
-                    if bwd:
-                        fn = lambda: lora.bypass_bwd(base, x, up, down, 0.75)  # noqa: E731  (base as G)
-                    else:
-                        fn = lambda: lora.bypass_fwd(x, up, down, 0.75, base)  # noqa: E731
-                    out = fn()
-                    t = timer.time(fn)["median_ms"]
-            except Exception as exc:  # a variant that does not build here: say so, go on
-                print(f"{name:6} {v:15} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            if first is None:
-                first = (t, out)
-            diff = T.max_rel_diff(out if bwd else (out,), first[1] if bwd else (first[1],))
-            print(f"{name:6} {v:15} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff:12.2e}")
+                fn = lambda: lora.bypass_fwd(x, up, down, 0.75, base)  # noqa: E731
+            res = rows.row(f"{name:6} {v:15}", [(lora, setting)], fn)
+            if res:
+                (t,), (x1,), diff = res
+                print(f"{name:6} {v:15} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
     return 0
 
 

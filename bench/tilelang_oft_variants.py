@@ -108,30 +108,24 @@ def main(argv=None) -> int:
         blocks = (0.02 * torch.randn(K, S, S, generator=gen, device=dev)).to(dt)
         x = torch.randn(shape, generator=gen, device=dev).to(dt)
         g = torch.randn(shape, generator=gen, device=dev).to(dt)
-        first = None
+        rows = T.VariantRows(timer)
         for v in args.variants.split(","):
-            try:
-                with T.module_settings((oft, VARIANTS[v])):
-                    fwd = lambda: oft.oft_fwd(blocks, x, None, 1.0, True, weight)  # noqa: E731
-                    bwd = lambda: oft.oft_bwd(g, blocks, x, None, 1.0, True, weight)  # noqa: E731
-                    outs = (fwd(),) + tuple(bwd()[:2])
-                    tf, tb = timer.time(fwd)["median_ms"], timer.time(bwd)["median_ms"]
-            except Exception as exc:  # a variant that does not build here: say so, go on
-                print(f"{name:8} {v:14} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                continue
-            if first is None:
-                first = (tf, tb, outs)
-            diff = T.max_rel_diff(outs, first[2])
-            print(f"{name:8} {v:14} {tf:8.3f} {tf / first[0]:8.2f} {tb:8.3f} {tb / first[1]:8.2f} {diff:12.2e}")
-        if first is not None:  # the fixed part every variant shares: the Cayley launch (F; Fᵀ)
+            # the backward's first two results (g_blocks, g_x); its third is the weight's
+            res = rows.row(f"{name:8} {v:14}", [(oft, VARIANTS[v])],
+                           lambda: oft.oft_fwd(blocks, x, None, 1.0, True, weight),
+                           lambda: oft.oft_bwd(g, blocks, x, None, 1.0, True, weight)[:2])
+            if res:
+                (tf, tb), (xf, xb), diff = res
+                print(f"{name:8} {v:14} {tf:8.3f} {xf:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
+        if rows.first is not None:  # the fixed part every variant shares: the Cayley launch (F; Fᵀ)
             ref = cayley(oft, blocks, dt, False)  # the default Gauss–Jordan's F pair
             for pp in (False, True):  # GJ_PINGPONG: one barrier a Gauss–Jordan step
                 with T.module_settings((oft, dict(GJ_PINGPONG=pp))):
                     cf, cb = (timer.time(lambda t=t: cayley(oft, blocks, dt, t))["median_ms"] for t in (False, True))
                     (fh, fl), (rh, rl) = cayley(oft, blocks, dt, False), ref
                     diff = ((fh.float() + fl.float()) - (rh.float() + rl.float())).abs().max().item()
-                print(f"{name:8} {'cayley only' + (' pp' if pp else ''):14} {cf:8.3f} {cf / first[0]:8.2f} "
-                      f"{cb:8.3f} {cb / first[1]:8.2f} {diff:12.2e}")
+                print(f"{name:8} {'cayley only' + (' pp' if pp else ''):14} {cf:8.3f} {cf / rows.first[0][0]:8.2f} "
+                      f"{cb:8.3f} {cb / rows.first[0][1]:8.2f} {diff:12.2e}")
     return 0
 
 

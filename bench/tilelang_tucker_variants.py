@@ -54,20 +54,12 @@ def main(argv=None) -> int:
         for two in (False, True):
             ops = chain + (tuple(rnd(*c.shape) for c in chain) if two else (None, None, None)) + (0.75,)
             floor = D * D * KK * torch.empty((), dtype=dt).element_size() / bw * 1e3 if bw else math.nan
-            first = None
+            rows = T.VariantRows(timer)
             for v in args.variants.split(","):
-                try:
-                    with T.module_settings((tucker, VARIANTS[v])):
-                        fn = lambda: tucker.tucker_fwd(*ops)  # noqa: E731
-                        out = fn()
-                        t = timer.time(fn)["median_ms"]
-                except Exception as exc:  # a variant that does not build here: say so, go on
-                    print(f"{name:6} {1 + two:6} {v:8} failed: {type(exc).__name__}: {str(exc)[:200]}")
-                    continue
-                if first is None:
-                    first = (t, out)
-                diff = T.max_rel_diff((out,), (first[1],))
-                print(f"{name:6} {1 + two:6} {v:8} {t:8.3f} {t / first[0]:8.2f} {t / floor:8.2f} {diff:12.2e}")
+                res = rows.row(f"{name:6} {1 + two:6} {v:8}", [(tucker, VARIANTS[v])], lambda: tucker.tucker_fwd(*ops))
+                if res:
+                    (t,), (x1,), diff = res
+                    print(f"{name:6} {1 + two:6} {v:8} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
     return 0
 
 if __name__ == "__main__":

@@ -244,3 +244,36 @@ def max_rel_diff(outs, refs) -> float:
     """The largest ``max|a − b| / max|b|`` over pairs of tensors (a variant against the first)."""
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
                for a, b in zip(outs, refs))
+
+
+def _tensors(out) -> tuple:
+    """An op's result as a flat tuple of tensors (a tuple / list flattened, None dropped)."""
+    if isinstance(out, (tuple, list)):
+        return tuple(t for o in out for t in _tensors(o))
+    return () if out is None else (out,)
+
+
+class VariantRows:
+    """The rows of one variants table (one shape): each row runs ``fns`` once (their results)
+    and times them under a variant's module settings; the first row that ran is the reference
+    of the ratios and of the result differences."""
+
+    def __init__(self, timer):
+        self.timer = timer
+        self.first = None
+
+    def row(self, label: str, settings, *fns):
+        """``(ms of each fn, ratio of each to the first row, max relative difference of the
+        results from the first row's)`` under ``module_settings(*settings)``; None (and a line
+        ``label failed: ...``) where the variant does not build or run here."""
+        try:
+            with module_settings(*settings):
+                outs = tuple(t for fn in fns for t in _tensors(fn()))
+                times = [self.timer.time(fn)["median_ms"] for fn in fns]
+        except Exception as exc:  # a variant that does not build here: say so, go on
+            print(f"{label} failed: {type(exc).__name__}: {str(exc)[:200]}")
+            return None
+        if self.first is None:
+            self.first = (times, outs)
+        ratios = [t / f for t, f in zip(times, self.first[0])]
+        return times, ratios, max_rel_diff(outs, self.first[1])
