@@ -134,11 +134,7 @@ def test_tilelang_tucker_variants_smoke(capsys):
     one and two chains and agree (TileLang's CPU twins, fp32, tiny sizes)."""
     pytest.importorskip("tilelang")
     module = bench_script("tilelang_tucker_variants.py", "lycoris_bench_tl_tucker")
-    assert module.main(["--smoke", "--shapes", "small"]) == 0
-    out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.startswith("small ")]  # not TileLang's log lines
-    assert "failed" not in out and len(rows) == 2 * len(module.VARIANTS), out
-    assert all(float(row[-1]) < 1e-6 for row in rows), out
+    _agreeing_rows(capsys, module, ["--shapes", "small"], "small ", 2 * len(module.VARIANTS))
 
 
 def test_tilelang_boft_variants_smoke(capsys):
@@ -154,31 +150,26 @@ def test_tilelang_boft_variants_smoke(capsys):
     assert all(float(r[-1]) < 1e-4 for r in rows), out
 
 
+def _agreeing_rows(capsys, module, argv, prefixes, count, tol=1e-6):
+    """``module.main(["--smoke", *argv])`` exits 0 and prints ``count`` table rows starting
+    with ``prefixes``, none failed, each within ``tol`` of the first row's results."""
+    assert module.main(["--smoke", *argv]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith(prefixes)]  # not TileLang's log lines
+    assert "failed" not in out and len(rows) == count, out
+    assert all(float(row.split()[-1]) < tol for row in rows), out
+
+
 def test_tilelang_lora_variants_smoke(capsys):
-    """``bench/tilelang_lora_variants.py --smoke``: every bypass-forward form runs and agrees
-    with the first (TileLang's CPU twins, fp32, tiny sizes)."""
+    """``bench/tilelang_lora_variants.py --smoke``: every form of the bypass forward and
+    backward, the merge epilogues and LoKr's apply epilogues run and agree with the first
+    (TileLang's CPU twins, fp32, tiny sizes)."""
     pytest.importorskip("tilelang")
     module = bench_script("tilelang_lora_variants.py", "lycoris_bench_tl_lora")
-    assert module.main(["--smoke"]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith(("large ", "small "))]
-    assert "failed" not in out and len(rows) == 2 * len(module.VARIANTS), out
-    assert all(float(row.split()[-1]) < 1e-6 for row in rows), out
-    assert module.main(["--smoke", "--op", "bypass_bwd", "--shapes", "small"]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("small ")]
-    assert "failed" not in out and len(rows) == len(module.VARIANTS), out
-    assert all(float(row.split()[-1]) < 1e-6 for row in rows), out
-    assert module.main(["--smoke", "--op", "merge", "--shapes", "small"]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("small ")]
-    assert "failed" not in out and len(rows) == 3 * len(module.MERGE_VARIANTS), out
-    assert all(float(row.split()[-1]) < 1e-6 for row in rows), out
-    assert module.main(["--smoke", "--op", "lokr", "--shapes", "small"]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith("small ")]
-    assert "failed" not in out and len(rows) == len(module.LOKR_VARIANTS), out
-    assert all(float(row.split()[-1]) < 1e-6 for row in rows), out
+    _agreeing_rows(capsys, module, [], ("large ", "small "), 2 * len(module.VARIANTS))
+    _agreeing_rows(capsys, module, ["--op", "bypass_bwd", "--shapes", "small"], "small ", len(module.VARIANTS))
+    _agreeing_rows(capsys, module, ["--op", "merge", "--shapes", "small"], "small ", 3 * len(module.MERGE_VARIANTS))
+    _agreeing_rows(capsys, module, ["--op", "lokr", "--shapes", "small"], "small ", len(module.LOKR_VARIANTS))
 
 
 def test_tilelang_ia3_variants_smoke(capsys):
@@ -186,8 +177,4 @@ def test_tilelang_ia3_variants_smoke(capsys):
     agrees with the first (TileLang's CPU twins, fp32, tiny sizes; the splits differ there)."""
     pytest.importorskip("tilelang")
     module = bench_script("tilelang_ia3_variants.py", "lycoris_bench_tl_ia3")
-    assert module.main(["--smoke"]) == 0
-    out = capsys.readouterr().out
-    rows = [line for line in out.splitlines() if line.startswith(("large ", "small "))]
-    assert "failed" not in out and len(rows) == 2 * len(module.VARIANTS), out
-    assert all(float(row.split()[-1]) < 1e-5 for row in rows), out
+    _agreeing_rows(capsys, module, [], ("large ", "small "), 2 * len(module.VARIANTS), tol=1e-5)
