@@ -25,9 +25,10 @@ declare -A RUNS=(
   [tucker]="bench/tilelang_tucker_variants.py --variants all-k,all-k\ pipe"
   [lora_bwd]="bench/tilelang_lora_variants.py --op bypass_bwd --variants ws,staged\ pipe,staged"
   [lokr]="bench/tilelang_lora_variants.py --op lokr"
-  [ia3]="bench/tilelang_ia3_variants.py"
+  [ia3]="bench/tilelang_stream_variants.py --op ia3"
+  [dora]="bench/tilelang_stream_variants.py --op dora"
 )
-names=("$@"); [ ${#names[@]} -eq 0 ] && names=(tucker lora_bwd lokr ia3)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(tucker lora_bwd lokr ia3 dora)
 for n in "${names[@]}"; do
   [ -n "${RUNS[$n]:-}" ] || { echo "unknown run $n (of: ${!RUNS[*]})"; continue; }
   eval "timeout ${LYCORIS_VARIANT_SECONDS:-150} $py ${RUNS[$n]} ${LYCORIS_VARIANT_ARGS:-}" >"$final/$n.log" 2>&1

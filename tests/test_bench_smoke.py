@@ -172,9 +172,11 @@ def test_tilelang_lora_variants_smoke(capsys):
     _agreeing_rows(capsys, module, ["--op", "lokr", "--shapes", "small"], "small ", len(module.LOKR_VARIANTS))
 
 
-def test_tilelang_ia3_variants_smoke(capsys):
-    """``bench/tilelang_ia3_variants.py --smoke``: every split of the IA3 backward runs and
-    agrees with the first (TileLang's CPU twins, fp32, tiny sizes; the splits differ there)."""
+def test_tilelang_stream_variants_smoke(capsys):
+    """``bench/tilelang_stream_variants.py --smoke``: every split of the IA3 backward and every
+    DoRA row tile run and agree with the first (TileLang's CPU twins, fp32, tiny sizes; the
+    variants differ there)."""
     pytest.importorskip("tilelang")
-    module = bench_script("tilelang_ia3_variants.py", "lycoris_bench_tl_ia3")
+    module = bench_script("tilelang_stream_variants.py", "lycoris_bench_tl_stream")
     _agreeing_rows(capsys, module, [], ("large ", "small "), 2 * len(module.VARIANTS), tol=1e-5)
+    _agreeing_rows(capsys, module, ["--op", "dora"], ("large ", "small "), 2 * len(module.DORA_VARIANTS), tol=1e-5)

@@ -229,11 +229,18 @@ def plan(R0: int, R1: int, row_axis: int, vec: int, device: torch.device, vecs: 
     return tiling(R0, R1, row_axis, vec, num_sms(device), vecs)
 
 
+#: row_axis 0: the most vectors of a row one column tile takes. A program's passes walk its
+#: rows' tiles serially, each a load latency (the loop is dynamic: no prefetch), so a wider
+#: tile means fewer serial steps (512: a 4096-wide bf16 row in one step). 128 until timed
+#: (``bench/tilelang_stream_variants.py --op dora``)
+ROW_BC = 128
+
+
 def tiling(R0: int, R1: int, row_axis: int, vec: int, sms: int, vecs: int = _TILE_VECS):
     """``plan`` on a GPU of ``sms`` SMs (also the planner's model: plans/dora.py)."""
     r1v = R1 // vec
     if row_axis == 0:
-        bc = min(128, next_pow2(r1v))
+        bc = min(ROW_BC, vecs, next_pow2(r1v))
         return max(1, vecs // bc), bc
     bc = 1
     for cand in (16, 8, 4, 2):
