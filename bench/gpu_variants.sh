@@ -22,7 +22,7 @@ fi
 export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlcache}
 [ -n "${LYCORIS_SKIP_BUILD:-}" ] || MAX_JOBS=16 $py -m pip install -q --no-build-isolation --no-deps -e . >"$final/build.log" 2>&1 || { tail -30 "$final/build.log"; exit 1; }
 declare -A RUNS=(
-  [tucker]="bench/tilelang_tucker_variants.py --variants all-k,all-k\ pipe"
+  [tucker]="bench/tilelang_tucker_variants.py --variants all-k,all-k\ pipe,all-k\ pre"
   [lora_bwd]="bench/tilelang_lora_variants.py --op bypass_bwd --variants ws,staged\ pipe,staged"
   [lokr]="bench/tilelang_lora_variants.py --op lokr"
   [ia3]="bench/tilelang_stream_variants.py --op ia3"

@@ -13,7 +13,9 @@ the largest relative difference of the result from the first variant's:
 * ``all-k``: every κ of an (O, I) tile in one program, the output tile staged in shared
   memory and stored as whole rows (``ALL_K = True``);
 * ``all-k pipe``: that with the κ loop pipelined (``ALL_K_PIPE``: the next core slices load
-  during this κ's products; compiled without warp specialization).
+  during this κ's products; compiled without warp specialization);
+* ``all-k pre``: a·t precomputed for every κ by one torch matmul, then one product a κ in a
+  pipelined loop (``ALL_K_PRE``, ``tucker_pre_kernel``; the time includes the matmul).
 
 Ratios within one run are what to compare; the machines are shared.
 ``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
@@ -33,8 +35,9 @@ import timing as T  # noqa: E402
 SHAPES = {"large": (4096, 64), "small": (3072, 32)}
 SMOKE = {"large": (70, 5), "small": (45, 3)}
 KK = 9
-VARIANTS = {"per-k": dict(ALL_K=False), "all-k": dict(ALL_K=True, ALL_K_PIPE=False),
-            "all-k pipe": dict(ALL_K=True, ALL_K_PIPE=True)}
+VARIANTS = {"per-k": dict(ALL_K=False), "all-k": dict(ALL_K=True, ALL_K_PIPE=False, ALL_K_PRE=False),
+            "all-k pipe": dict(ALL_K=True, ALL_K_PIPE=True, ALL_K_PRE=False),
+            "all-k pre": dict(ALL_K=True, ALL_K_PRE=True)}
 
 
 def main(argv=None) -> int:

@@ -198,17 +198,34 @@ def _tucker_case(dtype, device, two):
     return chain + ((m(O, r), m(r, r, Kk), m(r, I)) if two else (None, None, None)) + (0.7,)
 
 
+#: TUCKER_CFGS stage past ``all_k_fits`` at fp32 (the twins' dtype): the per-κ kernel runs
+#: there in every form; bi32's staged tile (72 KB at fp32) fits
+TUCKER_TWIN_CFGS = TUCKER_CFGS + [dict(BO=64, BI=32, threads=128)]
+
+
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-@pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
-@pytest.mark.parametrize("cfg", TUCKER_CFGS, ids=["bo128-t256", "bi256"])
+@pytest.mark.parametrize("all_k", [False, True, "pipe", "pre"], ids=["per-k", "all-k", "all-k-pipe", "all-k-pre"])
+@pytest.mark.parametrize("cfg", TUCKER_TWIN_CFGS, ids=["bo128-t256", "bi256", "bi32"])
 @pytest.mark.parametrize("two", [False, True], ids=["1chain", "2chains"])
 def test_twin_tucker_tile_configs(two, cfg, all_k, monkeypatch):
-    """Both kernel forms (``tucker.ALL_K``: every κ of a tile in one program, the output staged)
-    against the reference, partial tiles in O and I (70 x 45 x 9)."""
-    monkeypatch.setattr(tucker, "ALL_K", all_k)
+    """Every kernel form (``tucker.ALL_K``: every κ of a tile in one program, the output staged;
+    ``ALL_K_PIPE``: its κ loop pipelined; ``ALL_K_PRE``: over a·t precomputed) against the
+    reference, partial tiles in O and I (70 x 45 x 9); a spy checks which kernel ran."""
+    monkeypatch.setattr(tucker, "ALL_K", bool(all_k))
+    monkeypatch.setattr(tucker, "ALL_K_PIPE", all_k == "pipe")
+    monkeypatch.setattr(tucker, "ALL_K_PRE", all_k == "pre")
+    built = []
+    real = tucker.kernel
+    monkeypatch.setattr(tucker, "kernel", lambda builder, arch, *a: built.append((builder, a)) or real(builder, arch, *a))
     args = _tucker_case(torch.float32, "cpu", two)
     got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
     assert got.shape == want.shape and harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
+    (builder, a), = built
+    staged = bool(all_k) and cfg["BI"] == 32
+    if all_k == "pre" and staged:
+        assert builder is tucker.tucker_pre_kernel
+    else:
+        assert builder is tucker.tucker_kernel and a[-2:] == (staged, staged and all_k == "pipe"), a
 
 
 def test_tucker_all_k_fits():

@@ -20,10 +20,10 @@ Operands are cast to the compute dtype and made contiguous on the host
 """
 import torch
 
-from ._common import arch_of, kernel, launch_config, tl_dtype, without_warp_specialization
+from ._common import aligned, arch_of, kernel, launch_config, tl_dtype, without_warp_specialization
 from .lora import _scopes, compute_dtype, pad_rank, prep
 
-__all__ = ["tucker_kernel", "tucker_fwd", "compile_specs"]
+__all__ = ["tucker_kernel", "tucker_pre_kernel", "tucker_fwd", "compile_specs"]
 
 _ACC = "float32"
 #: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (plans/tucker.py:
@@ -39,6 +39,10 @@ ALL_K = True
 #: ``tucker_kernel(pipe_k=...)``: the all-κ program's κ loop pipelined. Off until timed
 #: (``bench/tilelang_tucker_variants.py``: ``all-k pipe``)
 ALL_K_PIPE = False
+#: ``tucker_pre_kernel``: the all-κ program over a·t precomputed for every κ by one torch
+#: matmul (Kk·O·Rb values, 4.7 MB at the large bench shape), one product a κ instead of two.
+#: Off until timed (``bench/tilelang_tucker_variants.py``: ``all-k pre``)
+ALL_K_PRE = False
 _ALL_K_SMEM = 160 * 1024
 
 
@@ -126,6 +130,63 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
     return without_warp_specialization(tucker) if pipe_k and not cpu else tucker
 
 
+def tucker_pre_kernel(O: int, I: int, Kk: int, R1b: int, R2b, dt: str, odt: str,
+                      BO: int = 64, BI: int = 64, threads: int = 128, cpu: bool = False):
+    """The all-κ program over a·t precomputed (``ALL_K_PRE``): AT (Kk, O, Rb) = round(a·t[:, :, κ])
+    per chain, B (Rb, I); Y (O, I·Kk) = γ·AT1[κ]·B1 (⊙ AT2[κ]·B2). Grid (I tile, O tile); the
+    κ loop pipelined (the next AT tiles load during this κ's product), one product a κ and
+    chain, the (BO, BI·Kk) output tile staged in shared memory and stored as whole rows.
+    Compiled without warp specialization (several programs an SM)."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    two = R2b is not None
+    P1b = pad_rank(R1b)
+    P2b = pad_rank(R2b) if two else 16
+    s2at = (Kk, O, R2b) if two else (1,)
+    s2b = (R2b, I) if two else (1,)
+    W = BI * Kk
+
+    @T.prim_func
+    def tucker_pre(AT1: T.Tensor((Kk, O, R1b), dt), B1: T.Tensor((R1b, I), dt), AT2: T.Tensor(s2at, dt),
+                   B2: T.Tensor(s2b, dt), Y: T.Tensor((O, I * Kk), odt), gamma: T.float32):
+        with T.Kernel(T.ceildiv(I, BI), T.ceildiv(O, BO), threads=nthreads(threads)) as (bi, bo):
+            at1 = shared((BO, P1b), dt)
+            b1s = shared((P1b, BI), dt)
+            c1 = frag((BO, BI), _ACC)
+            if two:
+                at2 = shared((BO, P2b), dt)
+                b2s = shared((P2b, BI), dt)
+                c2 = frag((BO, BI), _ACC)
+            ys = shared((BO, W), odt)
+            o0 = bo * BO
+            i0 = bi * BI
+            T.copy(B1[0:P1b, i0:i0 + BI], b1s)
+            if two:
+                T.copy(B2[0:P2b, i0:i0 + BI], b2s)
+            for k in T.Pipelined(Kk, num_stages=2):
+                T.copy(AT1[k, o0:o0 + BO, 0:P1b], at1)
+                T.gemm(at1, b1s, c1, clear_accum=True)
+                if two:
+                    T.copy(AT2[k, o0:o0 + BO, 0:P2b], at2)
+                    T.gemm(at2, b2s, c2, clear_accum=True)
+                for i, j in par(BO, BI):
+                    ys[i, j * Kk + k] = T.cast(c1[i, j] * gamma * c2[i, j] if two else c1[i, j] * gamma, odt)
+            for i, j in par(BO, W):  # whole rows: BI·Kk consecutive elements of Y
+                if o0 + i < O and i0 * Kk + j < I * Kk:
+                    Y[o0 + i, i0 * Kk + j] = ys[i, j]
+
+    return tucker_pre if cpu else without_warp_specialization(tucker_pre)
+
+
+def _at(a, t, c):
+    """round(a·t[:, :, κ]) for every κ as (Kk, O, Rb), in the compute dtype ``c`` (one fp32-
+    accumulated product, rounded once, as the reference's partial product)."""
+    Ra, Rb, Kk = t.shape
+    at = torch.matmul(prep(a, c), prep(t, c).view(Ra, Rb * Kk))  # (O, Rb·Kk), κ fastest
+    return aligned(at.view(-1, Rb, Kk).permute(2, 0, 1).contiguous())
+
+
 def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
     p = launch_config(TUCKER, cfg)
     c = compute_dtype(a1, t1, b1, a2, t2, b2)
@@ -147,6 +208,12 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
     all_k = ALL_K and all_k_fits(p["BO"], p["BI"], Kk, max(pad_rank(r) for r in ranks[0::2]),
                                  max(pad_rank(r) for r in ranks[1::2]), 2 if two else 1, c.itemsize,
                                  y.element_size())
+    if all_k and ALL_K_PRE:
+        k = kernel(tucker_pre_kernel, arch_of(dev), O, I, Kk, R1b, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
+                   p["BI"], p["threads"])
+        at2 = _at(a2, t2, c) if two else args[3]
+        k(_at(a1, t1, c), args[2], at2, args[5], y.view(O, I * Kk), float(gamma))
+        return y
     k = kernel(tucker_kernel, arch_of(dev), O, I, Kk, R1a, R1b, R2a, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
                p["BI"], p["threads"], all_k, all_k and ALL_K_PIPE)
     k(*args, y.view(O, I * Kk) if all_k else y, float(gamma))
@@ -159,4 +226,6 @@ def compile_specs(dtype: torch.dtype):
     return [(tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d)),
             (tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d, 64, 64, 128, True)),  # ALL_K
             (tucker_kernel, (13, 7, 9, 4, 4, None, None, d, d, 64, 64, 128, True)),
-            (tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d, 64, 64, 128, True, True))]  # ALL_K_PIPE
+            (tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d, 64, 64, 128, True, True)),  # ALL_K_PIPE
+            (tucker_pre_kernel, (13, 7, 9, 4, 3, d, d)),  # ALL_K_PRE
+            (tucker_pre_kernel, (13, 7, 9, 4, None, d, d))]
