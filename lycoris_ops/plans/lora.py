@@ -29,8 +29,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist, tl_shortlist,
-                   tl_stages, tl_threads)
+from .cost import (SMEM_MARGIN, Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist,
+                   tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -304,14 +304,29 @@ TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(
 TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2, 3, 4), threads=TL_THREADS)
 
 
+def _tl_fits(dev: DeviceFacts, nbytes: int) -> bool:
+    """Whether a TileLang program's shared memory (all its buffers; TileLang may overlap those
+    whose lifetimes do not) fits the device's block with the planners' margin."""
+    return nbytes * SMEM_MARGIN <= dev.smem_per_block
+
+
 def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
                        has_base: bool, *, n: int = TL_N):
     """``tilelang/lora.py: bypass_fwd_kernel``'s shortlist: (BT token rows, BO output
     columns, BK reduction step, stages, threads), the Triton model with its names mapped
-    (BK = block_i, one O range split as the launcher's ``_per``)."""
+    (BK = block_i, one O range split as the launcher's ``_per``); configs whose shared memory
+    (the staged form's output and base tiles included) does not fit are left out."""
     work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
+    e, eo = esize(compute), esize(out_dtype)
+    rp = p2(R, 16)
+    staged = _tl_module().BYPASS_FWD_FORM["staged"]
 
     def tl_work(c):
+        bt, bo, bk = c["BT"], c["BO"], c["BK"]
+        smem = (c["stages"] * (bt + rp) * bk + bt * rp + 2 * bo * rp) * e
+        smem += bt * bo * (eo + (eo if has_base else 0)) if staged else 0
+        if not _tl_fits(dev, smem):
+            return None
         return work(dict(block_t=c["BT"], block_i=c["BK"], block_o=c["BO"], o_split=0,
                          num_warps=c["threads"] // 32, num_stages=c["stages"]))
 
@@ -353,8 +368,16 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
     rank step up to the padded rank, stages, threads)."""
     work, eager, rmax = _merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
     kcap = max(16, p2(rmax))
+    e, eo = esize(compute), esize(out_dtype)
+    eb = esize(base_dtype)
+    chains = 1 if mode == "plain" else 2
+    staged = _tl_module().GEMM_STAGED
 
     def tl_work(c):
+        bm, bn, bk = c["BM"], c["BN"], min(c["BK"], kcap)
+        smem = chains * c["stages"] * (bm + bn) * bk * e + (bm * bn * (eo + eb) if staged else 0)
+        if not _tl_fits(dev, smem):  # with the staged output and base tiles
+            return None
         return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=min(c["BK"], kcap), num_warps=c["threads"] // 32,
                          num_stages=c["stages"]))
 
