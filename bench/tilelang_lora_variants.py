@@ -31,7 +31,9 @@ shared memory); floor: W read, the result written.
 ``--op lokr``: LoKr's bypass (``tilelang.lokr``, near-square factors of the channels as
 bench.py's ``lokr_bypass``: 64 x 64 both at 4096), forward with base and the backward op,
 ``lokr.APPLY_STAGED`` off (``regs``) and on (``staged``: the program's output block and
-base block through shared memory); floor: the forward's x, base read and y written.
+base block through shared memory), and ``staged+pipe`` (``lokr.WGRAD_KPER``: the weight-
+gradient kernels' token loop pipelined over a static step count); floor: the forward's x,
+base read and y written.
 
 Ratios within one run are what to compare; the machines are shared.
 ``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
@@ -60,8 +62,9 @@ VARIANTS = {
 }
 #: merge variant -> lora.GEMM_STAGED
 MERGE_VARIANTS = {"regs": False, "staged": True}
-#: lokr variant -> lokr.APPLY_STAGED
-LOKR_VARIANTS = {"regs": False, "staged": True}
+#: lokr variant -> lokr settings (APPLY_STAGED, WGRAD_KPER)
+LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=()), "staged": dict(APPLY_STAGED=True, WGRAD_KPER=()),
+                 "staged+pipe": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64))}
 
 
 def _near_square(n: int):
@@ -74,7 +77,7 @@ def _near_square(n: int):
 def lokr_table(args, dt, dev, timer, gen, bw) -> None:
     from lycoris_ops.tilelang import lokr
 
-    print(f"{'shape':6} {'variant':8} {'fwd ms':>8} {'x first':>8} {'x floor':>8} {'bwd ms':>8} {'x first':>8} "
+    print(f"{'shape':6} {'variant':11} {'fwd ms':>8} {'x first':>8} {'x floor':>8} {'bwd ms':>8} {'x first':>8} "
           f"{'max rel diff':>12}")
     for name in args.shapes.split(","):
         N, D, _ = (SMOKE if args.smoke else SHAPES)[name]
@@ -88,11 +91,11 @@ def lokr_table(args, dt, dev, timer, gen, bw) -> None:
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
         rows = T.VariantRows(timer)
         for v in (args.variants or ",".join(LOKR_VARIANTS)).split(","):
-            res = rows.row(f"{name:6} {v:8}", [(lokr, dict(APPLY_STAGED=LOKR_VARIANTS[v]))],
+            res = rows.row(f"{name:6} {v:11}", [(lokr, LOKR_VARIANTS[v])],
                            lambda: lokr.bypass_fwd(x, w1, w2, 0.75, base), lambda: lokr.bypass_bwd(G, x, w1, w2, 0.75))
             if res:
                 (tf, tb), (xf, xb), diff = res
-                print(f"{name:6} {v:8} {tf:8.3f} {xf:8.2f} {tf / floor:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
+                print(f"{name:6} {v:11} {tf:8.3f} {xf:8.2f} {tf / floor:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
 
 def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
     print(f"{'shape':6} {'mode':6} {'variant':8} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")

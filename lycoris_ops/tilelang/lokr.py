@@ -56,7 +56,7 @@ compute dtype and made contiguous on the host when needed.
 """
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype
+from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype, without_warp_specialization
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 
 __all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_kernel",
@@ -75,6 +75,10 @@ BYPASS = dict(rows=128, threads=128)
 #: ``kron_apply_kernel(staged=...)`` (the bypass forward and grad-x): output and base through
 #: shared memory. Off until timed (``bench/tilelang_lora_variants.py --op lokr``)
 APPLY_STAGED = False
+#: the wgrad kernels' token loop: () the dynamic serial loop (each step's loads wait for the
+#: last step's products); else pipelined over a static step count of these (``_wgrad_split``),
+#: compiled without warp specialization. () until timed (``tilelang_lora_variants.py --op lokr``)
+WGRAD_KPER = ()
 
 
 def _threads(*mn, most: int = 128) -> int:
@@ -301,7 +305,7 @@ def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
 
 
 def kron_wgrad1_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
-                       rows: int = 128, max_threads: int = 128, cpu: bool = False):
+                       rows: int = 128, max_threads: int = 128, kper_static: int = 0, cpu: bool = False):
     """``g_w1 (a, b) = γ·Σ_t G_t·(X_t·W2ᵀ)ᵀ``; G (T, a, c), X (T, b, d). Program = split s of
     the token tiles (``kper`` each). direct: Out (a, b); else fp32 partials (nsplit·Ap, Bp)."""
     import tilelang.language as T
@@ -325,8 +329,8 @@ def kron_wgrad1_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
             g1 = frag((Ap, Bp), _ACC)
             T.copy(W2[0:Cp, 0:Dp], w2s)
             T.clear(g1)
-            for kk in T.serial(kper):
-                t0 = (s * kper + kk) * BTt
+            for kk in (T.Pipelined(kper_static, num_stages=2) if kper_static else T.serial(kper)):
+                t0 = (s * (kper_static if kper_static else kper) + kk) * BTt  # (`or` would parse as T.Or)
                 for t in T.serial(BTt):
                     T.copy(X[t0 + t, 0:Bp, 0:Dp], xs[t * Bp:(t + 1) * Bp, 0:Dp])
                     T.copy(Gr[t0 + t, 0:Ap, 0:Cp], gs[0:Ap, t * Cp:(t + 1) * Cp])
@@ -344,11 +348,11 @@ def kron_wgrad1_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
             else:
                 T.copy(g1, Out[s * Ap, 0])
 
-    return kron_wgrad1
+    return kron_wgrad1 if cpu or not kper_static else without_warp_specialization(kron_wgrad1)
 
 
 def kron_wgrad2_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
-                       rows: int = 128, max_threads: int = 128, cpu: bool = False):
+                       rows: int = 128, max_threads: int = 128, kper_static: int = 0, cpu: bool = False):
     """``g_w2 (c, d) = γ·Σ_t G_tᵀ·(W1·X_t)``; G (T, a, c), X (T, b, d). Program = split s of
     the token tiles. direct: Out (c, d); else fp32 partials (nsplit·Cp, Dp)."""
     import tilelang.language as T
@@ -372,8 +376,8 @@ def kron_wgrad2_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
             g2 = frag((Cp, Dp), _ACC)
             T.copy(W1[0:Ap, 0:Bp], w1s)
             T.clear(g2)
-            for kk in T.serial(kper):
-                t0 = (s * kper + kk) * BTt
+            for kk in (T.Pipelined(kper_static, num_stages=2) if kper_static else T.serial(kper)):
+                t0 = (s * (kper_static if kper_static else kper) + kk) * BTt  # (`or` would parse as T.Or)
                 for t in T.serial(BTt):
                     T.copy(X[t0 + t, 0:Bp, 0:Dp], xs[0:Bp, t * Dp:(t + 1) * Dp])
                     T.copy(Gr[t0 + t, 0:Ap, 0:Cp], gs[t * Ap:(t + 1) * Ap, 0:Cp])
@@ -391,7 +395,7 @@ def kron_wgrad2_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
             else:
                 T.copy(g2, Out[s * Cp, 0])
 
-    return kron_wgrad2
+    return kron_wgrad2 if cpu or not kper_static else without_warp_specialization(kron_wgrad2)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -402,6 +406,19 @@ def _split(tiles: int, other: int, device) -> tuple:
     ns = max(1, min(want, tiles))
     per = cdiv(tiles, ns)
     return cdiv(tiles, per), per
+
+
+def _wgrad_split(tiles: int, device) -> tuple:
+    """(nsplit, token tiles per split, the kernels' static step count or 0) of a wgrad launch:
+    with ``WGRAD_KPER``, the largest step count that leaves two programs an SM (else the
+    smallest), every split that many steps (tiles past the end read as zeros); else ``_split``
+    and the dynamic serial loop."""
+    if WGRAD_KPER:
+        want = 2 * num_sms(device)
+        k = next((k for k in sorted(WGRAD_KPER, reverse=True) if cdiv(tiles, k) >= want), min(WGRAD_KPER))
+        return cdiv(tiles, k), k, k
+    ns, per = _split(tiles, 1, device)
+    return ns, per, 0
 
 
 def _kron(w1, w2, base, gamma, odt, cfg=None):
@@ -516,14 +533,14 @@ def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt, cfg=None):
     cf = launch_config(BYPASS, cfg)
     launch = (cf["rows"], cf["threads"])
     tiles = cdiv(T_, _tok_tile(p, q, cf["rows"]))
-    ns, per = _split(tiles, 1, dev)
+    ns, per, static = _wgrad_split(tiles, dev)
     if ns == 1:
         out = torch.empty(out_shape, device=dev, dtype=odt)
-        kernel(builder, arch, a, b, c, d, dt, tl_dtype(odt), True, *launch)(g3, x3, w, out, float(gamma), per, 1)
+        kernel(builder, arch, a, b, c, d, dt, tl_dtype(odt), True, *launch, static)(g3, x3, w, out, float(gamma), per, 1)
         return out
     P0, P1 = pads
     part = torch.empty((ns * P0, P1), device=dev, dtype=torch.float32)
-    kernel(builder, arch, a, b, c, d, dt, "float32", False, *launch)(g3, x3, w, part, float(gamma), per, ns)
+    kernel(builder, arch, a, b, c, d, dt, "float32", False, *launch, static)(g3, x3, w, part, float(gamma), per, ns)
     r0, r1 = out_shape
     return fresh(part.view(ns, P0, P1).sum(0)[:r0, :r1], odt)
 
@@ -553,6 +570,8 @@ def compile_specs(dtype: torch.dtype):
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, True)),  # APPLY_STAGED
         (kron_apply_kernel, (64, 64, 64, 64, d, None, d, 128, 128, True)),
+        (kron_wgrad1_kernel, (5, 7, 4, 3, d, "float32", False, 128, 128, 4)),  # WGRAD_KPER
+        (kron_wgrad2_kernel, (5, 7, 4, 3, d, d, True, 128, 128, 16)),
         (kron_wgrad1_kernel, (3, 5, 7, 4, d, d, True)),
         (kron_wgrad2_kernel, (3, 5, 7, 4, d, "float32", False)),
     ]
