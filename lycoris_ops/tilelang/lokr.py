@@ -56,7 +56,8 @@ compute dtype and made contiguous on the host when needed.
 """
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype, without_warp_specialization
+from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype,
+                      without_warp_specialization)
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 
 __all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_kernel",
@@ -536,7 +537,8 @@ def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt, cfg=None):
     ns, per, static = _wgrad_split(tiles, dev)
     if ns == 1:
         out = torch.empty(out_shape, device=dev, dtype=odt)
-        kernel(builder, arch, a, b, c, d, dt, tl_dtype(odt), True, *launch, static)(g3, x3, w, out, float(gamma), per, 1)
+        k = kernel(builder, arch, a, b, c, d, dt, tl_dtype(odt), True, *launch, static)
+        k(g3, x3, w, out, float(gamma), per, 1)
         return out
     P0, P1 = pads
     part = torch.empty((ns * P0, P1), device=dev, dtype=torch.float32)

@@ -53,7 +53,8 @@ compact row-major buffers).
 
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype, without_warp_specialization
+from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype,
+                      without_warp_specialization)
 from .._checks import promote_dtypes
 
 __all__ = [
