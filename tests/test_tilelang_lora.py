@@ -216,7 +216,12 @@ def test_twin_tucker_tile_configs(two, cfg, all_k, monkeypatch):
     monkeypatch.setattr(tucker, "ALL_K_PRE", all_k == "pre")
     built = []
     real = tucker.kernel
-    monkeypatch.setattr(tucker, "kernel", lambda builder, arch, *a: built.append((builder, a)) or real(builder, arch, *a))
+
+    def spy(builder, arch, *a):
+        built.append((builder, a))
+        return real(builder, arch, *a)
+
+    monkeypatch.setattr(tucker, "kernel", spy)
     args = _tucker_case(torch.float32, "cpu", two)
     got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
     assert got.shape == want.shape and harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
