@@ -2,7 +2,8 @@
 # The TileLang kernel-form A/Bs in one device call: build, then each variants script in turn,
 # its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
 #
-#   bash bench/gpu_variants.sh [name ...]     (default: every entry of RUNS below)
+#   bash bench/gpu_variants.sh [name ...]     (default: every entry of RUNS below but boft,
+#                                              whose cold builds take about 150 s a shape)
 #
 # Each script times forms of one kernel family on the bench shapes (see its docstring); the
 # forms a run decides are module flags (``tilelang/*.py``) that stay off until a table here
@@ -27,6 +28,7 @@ declare -A RUNS=(
   [lokr]="bench/tilelang_lora_variants.py --op lokr"
   [ia3]="bench/tilelang_stream_variants.py --op ia3"
   [dora]="bench/tilelang_stream_variants.py --op dora"
+  [boft]="bench/tilelang_boft_variants.py --shapes large --variants runs,runs+fwd\ pairs"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(tucker lora_bwd lokr ia3 dora)
 for n in "${names[@]}"; do

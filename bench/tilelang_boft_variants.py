@@ -11,6 +11,7 @@ the first variant's:
 
 * ``gather``: diag-OFT's element-wise gather kernels once per stage (``RUNS = False``);
 * ``runs``: the run kernels, one launch per stage (the default);
+* ``runs+fwd pairs``: pairs in the forward only (``PAIRS_FWD``);
 * ``runs+pairs``: the run kernels with two stages per launch where ``_units`` allows
   (``PAIRS = True``), forward and backward;
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
@@ -39,12 +40,13 @@ SMOKE = {"large": (37, 128, 32), "small": (21, 96, 24)}
 #: variant -> the settings it times: ``tilelang.boft``'s, and under "oft" those of
 #: ``tilelang.oft`` whose helpers the run kernels share (pipeline depth, position split)
 VARIANTS = {
-    "gather": dict(RUNS=False, PAIRS=False),
-    "runs": dict(RUNS=True, PAIRS=False),
-    "runs+pairs": dict(RUNS=True, PAIRS=True),
-    "runs s3": dict(RUNS=True, PAIRS=False, oft=dict(_DIRECT_STAGES=3)),
-    "runs s4": dict(RUNS=True, PAIRS=False, oft=dict(_DIRECT_STAGES=4)),
-    "runs s3 w1": dict(RUNS=True, PAIRS=False, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),
+    "gather": dict(RUNS=False, PAIRS=False, PAIRS_FWD=False),
+    "runs": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False),
+    "runs+pairs": dict(RUNS=True, PAIRS=True, PAIRS_FWD=False),
+    "runs+fwd pairs": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True),
+    "runs s3": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=3)),
+    "runs s4": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=4)),
+    "runs s3 w1": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),
 }
 DEFAULT_VARIANTS = "gather,runs,runs+pairs"
 

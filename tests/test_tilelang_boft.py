@@ -262,3 +262,23 @@ def test_boft_pairs(m, nb, s, shape, has_rs, diff, monkeypatch):
     want = {3: [(0, 2), (2, 1)], 2: [(0, 2)], 5: [(0, 1), (1, 1), (2, 2), (4, 1)]}[m]
     assert units == want, units
     check_channels_last(blocks, rescale, x, grad, diff, dtype, " (pairs)")
+
+
+@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", PAIR_CASES[:1], ids=["m3nb4s32"])
+def test_boft_forward_pairs_only(m, nb, s, shape, has_rs, diff, monkeypatch):
+    """``PAIRS_FWD``: the forward pairs stages, the backward keeps one launch a stage (a spy
+    counts the forward's unit launches) and both agree with the fp64 reference."""
+    monkeypatch.setattr(boft, "PAIRS", False)
+    monkeypatch.setattr(boft, "PAIRS_FWD", True)
+    seen = []
+    real = boft._launch_unit
+
+    def spy(*a):
+        seen.append(a[6])  # k: stages in the unit
+        return real(*a)
+
+    monkeypatch.setattr(boft, "_launch_unit", spy)
+    dtype = DTYPES[-1]
+    blocks, rescale, x, grad = inputs(11 * m + s, m, nb, s, shape, has_rs, dtype)
+    check_channels_last(blocks, rescale, x, grad, diff, dtype, " (forward pairs)")
+    assert seen == [2, 1, 1, 1], seen  # forward: the pair (0, 1), stage 2; backward replay: stages 0, 1
