@@ -232,7 +232,7 @@ def ia3_fwd(x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, g
 
 #: programs per SM the backward's reduction split aims at: a program is 128 threads walking
 #: its tiles with no prefetch, so the bytes in flight on an SM scale with its programs. 2
-#: until the A/B (``bench/tilelang_ia3_variants.py``) says otherwise
+#: until the A/B (``bench/tilelang_stream_variants.py --op ia3``) says otherwise
 BWD_PER_SM = 2
 
 
