@@ -44,6 +44,27 @@ def test_kernels_compile(arch, dtype):
             assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
 
+def test_without_warp_specialization_reaches_the_compiler(monkeypatch):
+    """A prim_func marked by ``_common.without_warp_specialization`` (and every kernel under
+    ``LYCORIS_TILELANG_WS=off``: ``WARP_SPECIALIZE`` False) compiles with TileLang's
+    ``tl.disable_warp_specialized``; an unmarked one without it."""
+    seen = []
+
+    class Recorder:
+        @staticmethod
+        def compile(func, target, execution_backend, pass_configs):
+            seen.append(pass_configs)
+
+    monkeypatch.setattr(_common, "tl", lambda: Recorder)
+    args = (45, 29, 5, "float16", None, "float16", 64, 128, 64, 2, 128, True)
+    _common.compile_only(lora.bypass_fwd_kernel, "sm_90a", *args, True, False)  # ws=False: marked
+    _common.compile_only(lora.bypass_fwd_kernel, "sm_90a", *args, True, True)  # ws=True
+    monkeypatch.setattr(_common, "WARP_SPECIALIZE", False)
+    _common.compile_only(lora.bypass_fwd_kernel, "sm_90a", *args, True, True)
+    assert [c.get("tl.disable_warp_specialized", False) for c in seen] == [True, False, True]
+    assert all(c["tl.device_compile_flags"] == _common.GPU_PASS_CONFIGS["tl.device_compile_flags"] for c in seen)
+
+
 # ----------------------------------------------------------------------------- 2. CPU twins
 
 def test_opset_signatures():
