@@ -288,6 +288,26 @@ def test_lora_shortlists_for_an_h200():
                     assert c["stages"] == 2 and c["threads"] in (0, 128), (op, c)
 
 
+def test_tucker_shortlist_runs_the_all_k_program():
+    """With ``tucker.ALL_K`` on, every config the TileLang tucker shortlist offers at the bench
+    shapes stages its output tile within ``all_k_fits`` (the per-κ program, about 5x slower,
+    never reaches the timing), one and two chains."""
+    from lycoris_ops.plans import device, tucker as plans_tucker
+    from lycoris_ops.tilelang import tucker as tl_tucker
+
+    dev = device.synthetic()
+    bf = torch.bfloat16
+    assert tl_tucker.ALL_K
+    for D, r in ((3072, 32), (4096, 64)):
+        a, t, b = torch.empty(D, r, dtype=bf), torch.empty(r, r, 9, dtype=bf), torch.empty(r, D, dtype=bf)
+        for two in (False, True):
+            second = (a, t, b) if two else (None, None, None)
+            plan = plans_tucker.TILELANG["lora_tucker_fwd"][0](dev, a, t, b, *second, 1.0)
+            cands = [c for c in plan.candidates if not tune.is_eager(c)]
+            rp = max(16, r)
+            assert cands and all(tl_tucker.all_k_fits(c["BO"], c["BI"], 9, rp, rp, 1 + two, 2, 2) for c in cands), cands
+
+
 def test_elementwise_shortlists_for_an_h200():
     """add_scaled, IA3, DoRA, the tucker rebuild, LoHa, LoKr, diag-OFT and BOFT: the fixed config first, eager last, configs inside TL_SPACE; IA3's
     key keeps the token rows bucketed (a new token count is not a new key)."""
