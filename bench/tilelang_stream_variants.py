@@ -13,7 +13,8 @@ difference of the results from the first variant's.
 ``ia3.ia3_bwd``; a variant sets ``ia3.BWD_PER_SM``, the programs per SM the token split aims
 at (``per_sm N``): the streaming program walks its row tiles with no prefetch, so the bytes
 in flight on an SM grow with the programs on it, and so do the fp32 partials of the channel
-sums. Floor: G, x read, gx written.
+sums; ``pipe N``: the same with ``ia3.BWD_PIPE`` (the G and x tiles through shared memory in
+a pipelined loop). Floor: G, x read, gx written.
 
 ``--op dora`` (W (4096, 4096) / (3072, 3072), norms per row, as bench.py's ``dora``):
 ``dora.dora_fwd`` and ``dora.dora_bwd``; a variant sets ``dora.ROW_BC``, the vectors of a
@@ -37,7 +38,8 @@ import timing as T  # noqa: E402
 #: name -> (tokens, channels)
 SHAPES = {"large": (32768, 4096), "small": (8192, 3072)}
 SMOKE = {"large": (1000, 48), "small": (530, 24)}  # 16 and 9 IA3 row tiles: the splits differ
-VARIANTS = {f"per_sm {n}": n for n in (2, 4, 8, 16)}
+VARIANTS = {**{f"per_sm {n}": dict(BWD_PER_SM=n, BWD_PIPE=False) for n in (2, 4, 8, 16)},
+            **{f"pipe {n}": dict(BWD_PER_SM=n, BWD_PIPE=True) for n in (2, 4)}}
 #: DoRA: variant -> dora.ROW_BC
 DORA_VARIANTS = {f"bc {n}": n for n in (128, 256, 512)}
 #: DoRA's smoke widths (fp32, vectors of 4): 1032 channels (258 vectors: tiles of 128, 256, 512
@@ -55,7 +57,7 @@ def ia3_table(args, dt, dev, timer, gen, bw) -> None:
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
         rows = T.VariantRows(timer)
         for v in (args.variants or ",".join(VARIANTS)).split(","):
-            res = rows.row(f"{name:6} {v:9}", [(ia3, dict(BWD_PER_SM=VARIANTS[v]))],
+            res = rows.row(f"{name:6} {v:9}", [(ia3, VARIANTS[v])],
                            lambda: ia3.ia3_bwd(G, x, 0.1 * w, -1, 1.0, 0.5))
             if res:
                 (t,), (x1,), diff = res

@@ -120,6 +120,25 @@ def test_ia3(shape, axis, dtype):
         check(gw, rw, dtype, "ia3_bwd gw")
 
 
+@pytest.mark.parametrize("per_sm", [2, 16])
+@pytest.mark.parametrize("shape", [(37, 19), (1000, 48), (5, 16)], ids=["tail", "split", "direct"])
+def test_ia3_bwd_pipelined(shape, per_sm, monkeypatch):
+    """``BWD_PIPE`` (channel last): the G and x tiles through shared memory in a pipelined
+    loop, at row tails, a token split whose last split runs past the rows (per_sm 16) and one
+    direct program; fp32 weights on the 16-bit activations."""
+    monkeypatch.setattr(ia3, "BWD_PIPE", True)
+    monkeypatch.setattr(ia3, "BWD_PER_SM", per_sm)
+    g = _gen(9)
+    dtype = DTYPES[-1]
+    x, grad = rnd(*shape, dtype=dtype, gen=g), rnd(*shape, dtype=dtype, gen=g)
+    w = rnd(shape[-1], dtype=torch.float32, gen=g)
+    gx, gw = ia3.ia3_bwd(grad, x, w, -1, 1.0, 0.5)
+    x6, w6, g6 = d64(x, w, grad)
+    rx, rw = R_IA3.ia3_bwd(g6, x6, w6, -1, 1.0, 0.5)
+    check(gx, rx, dtype, "ia3_bwd gx (pipelined)")
+    check(gw, rw, dtype, "ia3_bwd gw (pipelined)")
+
+
 #: non-default configs inside the TileLang spaces of plans/add.py and plans/ia3.py (``TL_SPACE``)
 ADD_CFGS = [dict(BV=128, threads=256), dict(BV=1024, threads=128)]
 IA3_CFGS = [dict(vecs=256, threads=256), dict(vecs=2048, threads=128)]
