@@ -47,6 +47,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import specs  # noqa: E402
 import timing as T  # noqa: E402
 
 #: name -> (tokens, channels, rank)
@@ -67,13 +68,6 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=()), "staged": dict
                  "staged+pipe": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64))}
 
 
-def _near_square(n: int):
-    a = int(math.isqrt(n))
-    while n % a:
-        a -= 1
-    return a, n // a
-
-
 def lokr_table(args, dt, dev, timer, gen, bw) -> None:
     from lycoris_ops.tilelang import lokr
 
@@ -81,7 +75,7 @@ def lokr_table(args, dt, dev, timer, gen, bw) -> None:
           f"{'max rel diff':>12}")
     for name in args.shapes.split(","):
         N, D, _ = (SMOKE if args.smoke else SHAPES)[name]
-        a, c = _near_square(D)
+        a, c = specs.kron_near_square(D)  # bench.py's lokr_bypass factors
 
         def rnd(*shape, scale=1.0):
             return (scale * torch.randn(*shape, generator=gen, device=dev)).to(dt)
