@@ -91,6 +91,12 @@ class Estimate:
     parts: Dict[str, float] = field(default_factory=dict)
 
 
+def smem_fits(dev: DeviceFacts, nbytes: float) -> bool:
+    """Whether ``nbytes`` of shared memory fit one block of ``dev`` with ``SMEM_MARGIN`` (the
+    compiler adds its own scratch)."""
+    return nbytes * SMEM_MARGIN <= dev.smem_per_block
+
+
 def estimate(w: Work, dev: DeviceFacts) -> Optional[Estimate]:
     """Predicted time of ``w`` on ``dev`` (None: the config cannot run there)."""
     if w.grid <= 0:
@@ -106,8 +112,8 @@ def estimate(w: Work, dev: DeviceFacts) -> Optional[Estimate]:
     per_warp = math.ceil(regs * 32 / 256) * 256
     by_regs = dev.regs_per_sm // (w.warps * per_warp)
     smem_block = w.smem * max(1, w.stages)
-    if smem_block * SMEM_MARGIN > dev.smem_per_block:
-        return None  # (the compiler adds its own scratch: keep a margin)
+    if not smem_fits(dev, smem_block):
+        return None
     if smem_block:
         unit = dev.smem_unit
         alloc = math.ceil((smem_block + dev.smem_reserved) / unit) * unit

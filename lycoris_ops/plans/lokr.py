@@ -32,8 +32,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (SMEM_MARGIN, Work, add_second, cdiv, eager_time, esize, gemm_reads, make_plan,
-                   make_shared_plan, p2, predict, rank, tl_shortlist)
+from .cost import (Work, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict,
+                   rank, smem_fits, tl_shortlist)
 from .device import DeviceFacts, facts
 from .oft import TL_ACC_PER_THREAD
 
@@ -368,7 +368,7 @@ def tl_fits(dev: DeviceFacts, kind: str, tile, threads: int, dims, csize: int) -
             return False
     else:
         smem, acc = bypass_footprint(kind, *tile)
-        if smem * csize * SMEM_MARGIN > dev.smem_per_block:
+        if not smem_fits(dev, smem * csize):
             return False
     return acc <= TL_ACC_PER_THREAD * threads
 

@@ -29,7 +29,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (SMEM_MARGIN, Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist,
+from .cost import (Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist, smem_fits,
                    tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
@@ -304,12 +304,6 @@ TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(
 TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2, 3, 4), threads=TL_THREADS)
 
 
-def _tl_fits(dev: DeviceFacts, nbytes: int) -> bool:
-    """Whether a TileLang program's shared memory (all its buffers; TileLang may overlap those
-    whose lifetimes do not) fits the device's block with the planners' margin."""
-    return nbytes * SMEM_MARGIN <= dev.smem_per_block
-
-
 def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
                        has_base: bool, *, n: int = TL_N):
     """``tilelang/lora.py: bypass_fwd_kernel``'s shortlist: (BT token rows, BO output
@@ -325,7 +319,7 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
         bt, bo, bk = c["BT"], c["BO"], c["BK"]
         smem = (c["stages"] * (bt + rp) * bk + bt * rp + 2 * bo * rp) * e
         smem += bt * bo * (eo + (eo if has_base else 0)) if staged else 0
-        if not _tl_fits(dev, smem):
+        if not smem_fits(dev, smem):  # every buffer (TileLang may overlap those that never live together)
             return None
         return work(dict(block_t=c["BT"], block_i=c["BK"], block_o=c["BO"], o_split=0,
                          num_warps=c["threads"] // 32, num_stages=c["stages"]))
@@ -376,7 +370,7 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
     def tl_work(c):
         bm, bn, bk = c["BM"], c["BN"], min(c["BK"], kcap)
         smem = chains * c["stages"] * (bm + bn) * bk * e + (bm * bn * (eo + eb) if staged else 0)
-        if not _tl_fits(dev, smem):  # with the staged output and base tiles
+        if not smem_fits(dev, smem):  # with the staged output and base tiles
             return None
         return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=min(c["BK"], kcap), num_warps=c["threads"] // 32,
                          num_stages=c["stages"]))

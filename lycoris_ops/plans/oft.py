@@ -37,8 +37,8 @@ import math
 
 from . import tune
 from ._glue import as_dict, rand, reference_module, triton_module
-from .cost import (SMEM_MARGIN, STREAM_TILE_MAX, Work, add_before_eager, cdiv, eager_time, esize, make_shared_plan,
-                   p2, predict, rank, tl_shortlist, tl_threads)
+from .cost import (STREAM_TILE_MAX, Work, add_before_eager, cdiv, eager_time, esize, make_shared_plan, p2, predict,
+                   rank, smem_fits, tl_shortlist, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -221,7 +221,7 @@ def tl_legal(dev: DeviceFacts, c: dict, GP: int, csize: int, bwd: bool) -> bool:
     TLO = _tl_oft()
     smem = (TLO.stream_smem if bwd else TLO.apply_smem)(GP, c["BT"], csize)
     acc = c["BT"] * GP + (GP * GP if bwd else 0)
-    return smem * SMEM_MARGIN <= dev.smem_per_block and acc <= TL_ACC_PER_THREAD * c["threads"]
+    return smem_fits(dev, smem) and acc <= TL_ACC_PER_THREAD * c["threads"]
 
 
 def tl_configs(dev: DeviceFacts, GP: int, csize: int, bwd: bool) -> list:
