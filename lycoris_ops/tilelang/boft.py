@@ -64,10 +64,10 @@ PAIRS = False
 #: its own units: it replays the forward's stage inputs itself). Off until timed
 #: (``bench/tilelang_boft_variants.py``: ``runs+fwd pairs``)
 PAIRS_FWD = False
-#: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, 227 KiB;
-#: less where the device's own limit is lower, ``smem_limit``); a tile config over it takes
-#: the gather path
-_RUNS_SMEM = 227 * 1024
+#: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, as oft's
+#: fused kernels; less where the device's own limit is lower, ``smem_limit``); a tile config
+#: over it takes the gather path
+_RUNS_SMEM = _oft._SMEM_SM90A
 
 
 # --------------------------------------------------------------------------- run kernels
@@ -499,24 +499,26 @@ def _runs_cayley(bc, rs, m, nb, s, runs, trans, cscale, scale, cdt, arch):
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
 
 
-def _pair_at(i, m, s, runs, bt, esize, arch, device, bwd=False, pairs=None) -> bool:
-    """Whether stages i and i + 1 run as one launch unit (``pairs``, default ``PAIRS``): both exist, the group is
+def _pair_at(i, m, s, runs, bt, esize, arch, device, bwd=False) -> bool:
+    """Whether stages i and i + 1 can run as one launch unit: both exist, the group is
     unpadded (GC = GP) and its double fits a 64-wide GEMM, stage i's runs are whole
     (κ_i >= GC/2, so the four runs of the pair's box do not overlap), and a tile of ``bt``
     positions fits (``bwd``: ``stream_pair_kernel``'s, else the forward's)."""
     GC, _, GP = runs
-    if not (PAIRS if pairs is None else pairs) or i + 1 >= m or GC != GP or 2 * GC > 64 or ((s // 2) << i) < GC // 2:
+    if i + 1 >= m or GC != GP or 2 * GC > 64 or ((s // 2) << i) < GC // 2:
         return False
     # the CPU twins' buffers are local
     return arch == CPU_ARCH or runs_fit(runs, bt, esize, arch, bwd, smem_limit(device), pair=True)
 
 
 def _units(m, s, runs, esize, arch, device, tiles, pairs=None):
-    """The butterfly's launch units [(first stage, 1 or 2 stages)]: a pair where ``_pair_at``
-    allows it for every (BT, bwd) in ``tiles`` (the launches that will run the units)."""
+    """The butterfly's launch units [(first stage, 1 or 2 stages)]: with ``pairs`` (None:
+    ``PAIRS``), a pair where ``_pair_at`` allows it for every (BT, bwd) in ``tiles`` (the
+    launches that will run the units)."""
+    pairs = PAIRS if pairs is None else pairs
     out, i = [], 0
     while i < m:
-        n = 2 if all(_pair_at(i, m, s, runs, bt, esize, arch, device, bwd, pairs) for bt, bwd in tiles) else 1
+        n = 2 if pairs and all(_pair_at(i, m, s, runs, bt, esize, arch, device, bwd) for bt, bwd in tiles) else 1
         out.append((i, n))
         i += n
     return out
