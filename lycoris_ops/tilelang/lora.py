@@ -109,6 +109,21 @@ def _scopes(T, cpu: bool):
 
 # --------------------------------------------------------------------------- builders
 
+def _scaled_tile(T, par, rows: int, cols: int, odt: str):
+    """The staged epilogues' T.macro ``scaled(acc, gamma, out_s, base_s)``: ``out_s = round(γ·acc
+    (+ base_s))`` in ``odt`` over a (rows, cols) tile; ``base_s`` None: no base."""
+
+    @T.macro
+    def scaled(acc, gamma, out_s, base_s):
+        for i, j in par(rows, cols):
+            if base_s is None:
+                out_s[i, j] = T.cast(acc[i, j] * gamma, odt)
+            else:
+                out_s[i, j] = T.cast(acc[i, j] * gamma + T.cast(base_s[i, j], _ACC), odt)
+
+    return scaled
+
+
 def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                       BT: int = 64, BO: int = 128, BK: int = 64, stages: int = 2, threads: int = 128,
                       staged: bool = False, pipe_o: bool = False, ws: bool = True, cpu: bool = False):
@@ -130,6 +145,7 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
     bshape = (Tn, O) if has_base else (1,)
     bdt = bdt or _ACC
     n_o = -(-O // BO)
+    scaled = _scaled_tile(T, par, BT, BO, odt)
 
     @T.prim_func
     def lora_bypass_fwd(X: T.Tensor((Tn, I), dt), Up: T.Tensor((O, r), dt), Down: T.Tensor((r, I), dt),
@@ -161,11 +177,7 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                     if has_base:
                         T.copy(Base[t0, o0], bs)
                     T.gemm(hs, us, y, transpose_B=True, clear_accum=True)
-                    for i, c in par(BT, BO):
-                        if has_base:
-                            ys[i, c] = T.cast(y[i, c] * gamma + T.cast(bs[i, c], _ACC), odt)
-                        else:
-                            ys[i, c] = T.cast(y[i, c] * gamma, odt)
+                    scaled(y, gamma, ys, bs if has_base else None)
                     T.copy(ys, Y[t0, o0])
             else:
                 for j in T.serial(per):
@@ -197,6 +209,7 @@ def bypass_bwd_tok_kernel(I: int, O: int, r: int, dt: str, gxdt: str,
     threads = threads or (256 if Rp >= 128 else 128)  # h, q (BT, Rp) and gx (BT, BI) fp32 fragments
     Tn = T.dynamic("T")
     n_i = -(-I // BI)
+    scaled = _scaled_tile(T, par, BT, BI, gxdt)
 
     @T.prim_func
     def lora_bypass_bwd_tok(Gr: T.Tensor((Tn, O), dt), X: T.Tensor((Tn, I), dt), Up: T.Tensor((O, r), dt),
@@ -236,8 +249,7 @@ def bypass_bwd_tok_kernel(I: int, O: int, r: int, dt: str, gxdt: str,
                     i0 = (j if pipe_i else T.min(bi * per + j, n_i - 1)) * BI
                     T.copy(Down[0, i0], d2)
                     T.gemm(qs, d2, gx, clear_accum=True)
-                    for a, c in par(BT, BI):
-                        gxs[a, c] = T.cast(gx[a, c] * gamma, gxdt)
+                    scaled(gx, gamma, gxs, None)
                     T.copy(gxs, GX[t0, i0])
             else:
                 for j in T.serial(per):
@@ -337,6 +349,7 @@ def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, b
     has_base = bdt is not None
     bsh = (Md, N) if has_base else (1,)
     bdt = bdt or _ACC
+    scaled = _scaled_tile(T, par, BM, BN, odt)
 
     @T.prim_func
     def gemm(A: T.Tensor(ashape, dt), B: T.Tensor(bshape, dt), A2: T.Tensor(a2shape, dt), B2: T.Tensor(b2shape, dt),
@@ -381,11 +394,7 @@ def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, b
                 if has_base:
                     bs = shared((BM, BN), bdt)
                     T.copy(Base[m0, n0], bs)
-                for i, j in par(BM, BN):
-                    if has_base:
-                        ys[i, j] = T.cast(acc[i, j] * gamma + T.cast(bs[i, j], _ACC), odt)
-                    else:
-                        ys[i, j] = T.cast(acc[i, j] * gamma, odt)
+                scaled(acc, gamma, ys, bs if has_base else None)
                 T.copy(ys, Y[m0, n0])
             else:
                 for i, j in par(BM, BN):
