@@ -52,6 +52,19 @@ def all_k_fits(BO: int, BI: int, Kk: int, pa: int, pb: int, chains: int, e: int,
     return chains * (BO * pa + pa * pb + BO * pb + pb * BI) * e + BO * BI * Kk * eo <= _ALL_K_SMEM
 
 
+def _store_rows(T, par, BO: int, W: int, O: int, IK: int):
+    """The all-κ programs' T.macro ``store(ys, Y, o0, col0)``: the staged (BO, W) output tile
+    to Y (O, IK) at row o0, column col0, as whole rows (W consecutive elements of Y a row)."""
+
+    @T.macro
+    def store(ys, Y, o0, col0):
+        for i, j in par(BO, W):
+            if o0 + i < O and col0 + j < IK:
+                Y[o0 + i, col0 + j] = ys[i, j]
+
+    return store
+
+
 def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str, odt: str,
                   BO: int = 64, BI: int = 64, threads: int = 128, all_k: bool = False, pipe_k: bool = False,
                   cpu: bool = False):
@@ -72,6 +85,7 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
     s2b = (R2b, I) if two else (1,)
     KG, KL = (1, Kk) if all_k else (Kk, 1)  # κ: grid extent, then loop extent in a program
     W = BI * Kk
+    store_rows = _store_rows(T, par, BO, W, O, I * Kk)
 
     @T.macro
     def chain(Tc, a_s, t_s, at_s, b_s, f, c, k, pa, pb):
@@ -121,9 +135,7 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
                     elif o0 + i < O and i0 + j < I:
                         Y[o0 + i, i0 + j, k] = T.cast(v, odt)
             if all_k:
-                for i, j in par(BO, W):  # whole rows: BI·Kk consecutive elements of Y
-                    if o0 + i < O and i0 * Kk + j < I * Kk:
-                        Y[o0 + i, i0 * Kk + j] = ys[i, j]
+                store_rows(ys, Y, o0, i0 * Kk)
 
     # pipelined, TileLang would warp-specialize it: 256 threads, one program an SM, where the
     # all-κ program's serial products and stores want several
@@ -146,6 +158,7 @@ def tucker_pre_kernel(O: int, I: int, Kk: int, R1b: int, R2b, dt: str, odt: str,
     s2at = (Kk, O, R2b) if two else (1,)
     s2b = (R2b, I) if two else (1,)
     W = BI * Kk
+    store_rows = _store_rows(T, par, BO, W, O, I * Kk)
 
     @T.prim_func
     def tucker_pre(AT1: T.Tensor((Kk, O, R1b), dt), B1: T.Tensor((R1b, I), dt), AT2: T.Tensor(s2at, dt),
@@ -172,9 +185,7 @@ def tucker_pre_kernel(O: int, I: int, Kk: int, R1b: int, R2b, dt: str, odt: str,
                     T.gemm(at2, b2s, c2, clear_accum=True)
                 for i, j in par(BO, BI):
                     ys[i, j * Kk + k] = T.cast(c1[i, j] * gamma * c2[i, j] if two else c1[i, j] * gamma, odt)
-            for i, j in par(BO, W):  # whole rows: BI·Kk consecutive elements of Y
-                if o0 + i < O and i0 * Kk + j < I * Kk:
-                    Y[o0 + i, i0 * Kk + j] = ys[i, j]
+            store_rows(ys, Y, o0, i0 * Kk)
 
     return tucker_pre if cpu else without_warp_specialization(tucker_pre)
 
@@ -196,24 +207,20 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
     dev = a1.device
     y = torch.empty((O, I, Kk), device=dev, dtype=a1.dtype)
     two = a2 is not None
-    args = [prep(a1, c), prep(t1.permute(2, 0, 1), c), prep(b1, c)]
-    if two:
-        args += [prep(a2, c), prep(t2.permute(2, 0, 1), c), prep(b2, c)]
-        R2a, R2b = t2.shape[0], t2.shape[1]
-    else:
-        z = torch.zeros(1, device=dev, dtype=c)
-        args += [z, z, z]
-        R2a = R2b = None
+    R2a, R2b = (t2.shape[0], t2.shape[1]) if two else (None, None)
     ranks = (R1a, R1b) + ((R2a, R2b) if two else ())
     all_k = ALL_K and all_k_fits(p["BO"], p["BI"], Kk, max(pad_rank(r) for r in ranks[0::2]),
                                  max(pad_rank(r) for r in ranks[1::2]), 2 if two else 1, c.itemsize,
                                  y.element_size())
+    z = None if two else torch.zeros(1, device=dev, dtype=c)  # the absent chain's operands
     if all_k and ALL_K_PRE:
         k = kernel(tucker_pre_kernel, arch_of(dev), O, I, Kk, R1b, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
                    p["BI"], p["threads"])
-        at2 = _at(a2, t2, c) if two else args[3]
-        k(_at(a1, t1, c), args[2], at2, args[5], y.view(O, I * Kk), float(gamma))
+        second = (_at(a2, t2, c), prep(b2, c)) if two else (z, z)
+        k(_at(a1, t1, c), prep(b1, c), *second, y.view(O, I * Kk), float(gamma))
         return y
+    args = [prep(a1, c), prep(t1.permute(2, 0, 1), c), prep(b1, c)]
+    args += [prep(a2, c), prep(t2.permute(2, 0, 1), c), prep(b2, c)] if two else [z, z, z]
     k = kernel(tucker_kernel, arch_of(dev), O, I, Kk, R1a, R1b, R2a, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
                p["BI"], p["threads"], all_k, all_k and ALL_K_PIPE)
     k(*args, y.view(O, I * Kk) if all_k else y, float(gamma))
