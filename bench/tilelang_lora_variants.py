@@ -28,8 +28,8 @@ LoHa ``hada`` and the ``sum`` of two chains, ``lora.GEMM_STAGED`` off (``regs``:
 leaves from the accumulator's registers) and on (``staged``: base and output tiles through
 shared memory); floor: W read, the result written.
 
-``--op lokr``: LoKr's bypass (``tilelang.lokr``, near-square factors of the channels as
-bench.py's ``lokr_bypass``: 64 x 64 both at 4096), forward with base and the backward op,
+``--op lokr``: LoKr's bypass (``tilelang.lokr``, bench.py's ``lokr_bypass`` inputs: near-square
+factors of the channels, 64 x 64 both at 4096), forward with base and the backward op,
 ``lokr.APPLY_STAGED`` off (``regs``) and on (``staged``: the program's output block and
 base block through shared memory), and ``staged+pipe`` (``lokr.WGRAD_KPER``: the weight-
 gradient kernels' token loop pipelined over a static step count); floor: the forward's x,
@@ -68,20 +68,16 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=()), "staged": dict
                  "staged+pipe": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64))}
 
 
-def lokr_table(args, dt, dev, timer, gen, bw) -> None:
+def lokr_table(args, dt, dev, timer, bw) -> None:
     from lycoris_ops.tilelang import lokr
 
     print(f"{'shape':6} {'variant':11} {'fwd ms':>8} {'x first':>8} {'x floor':>8} {'bwd ms':>8} {'x first':>8} "
           f"{'max rel diff':>12}")
     for name in args.shapes.split(","):
-        N, D, _ = (SMOKE if args.smoke else SHAPES)[name]
-        a, c = specs.kron_near_square(D)  # bench.py's lokr_bypass factors
-
-        def rnd(*shape, scale=1.0):
-            return (scale * torch.randn(*shape, generator=gen, device=dev)).to(dt)
-
-        x, base, G = rnd(N, D), rnd(N, D), rnd(N, D)
-        w1, w2 = rnd(a, c, scale=a ** -0.5), rnd(c, a, scale=c ** -0.5)  # (a, b), (c, d): b = c, d = a
+        N, D, r = (SMOKE if args.smoke else SHAPES)[name]
+        cpu = torch.Generator().manual_seed(0)  # the spec builders draw on the CPU; G continues their stream
+        x, w1, w2, base = specs.build_lokr_bypass(specs.Geo(N, D, r), dt, dev, cpu).values()
+        G = torch.randn(N, D, generator=cpu).to(device=dev, dtype=dt)
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
         rows = T.VariantRows(timer)
         for v in (args.variants or ",".join(LOKR_VARIANTS)).split(","):
@@ -125,7 +121,7 @@ def main(argv=None) -> int:
         merge_table(args, lora, dt, dev, timer, gen, bw)
         return 0
     if args.op == "lokr":
-        lokr_table(args, dt, dev, timer, gen, bw)
+        lokr_table(args, dt, dev, timer, bw)
         return 0
     print(f"{'shape':6} {'variant':15} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):

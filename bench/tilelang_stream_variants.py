@@ -9,14 +9,14 @@ median), the ratio to the first variant, the ratio to the memory floor (the oper
 once and the results written once, over the copy bandwidth) and the largest relative
 difference of the results from the first variant's.
 
-``--op ia3`` (x (32768, 4096) / (8192, 3072), channel last, as bench.py's ``ia3``):
+``--op ia3`` (bench.py's ``ia3`` inputs: x (32768, 4096) / (8192, 3072), channel last):
 ``ia3.ia3_bwd``; a variant sets ``ia3.BWD_PER_SM``, the programs per SM the token split aims
 at (``per_sm N``): the streaming program walks its row tiles with no prefetch, so the bytes
 in flight on an SM grow with the programs on it, and so do the fp32 partials of the channel
 sums; ``pipe N``: the same with ``ia3.BWD_PIPE`` (the G and x tiles through shared memory in
 a pipelined loop). Floor: G, x read, gx written.
 
-``--op dora`` (W (4096, 4096) / (3072, 3072), norms per row, as bench.py's ``dora``):
+``--op dora`` (bench.py's ``dora`` inputs: W (4096, 4096) / (3072, 3072), norms per row):
 ``dora.dora_fwd`` and ``dora.dora_bwd``; a variant sets ``dora.ROW_BC``, the vectors of a
 row one column tile takes (``bc N``): each pass walks the program's tiles one load latency a
 step. Floor: the forward's W read and y written.
@@ -33,6 +33,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import specs  # noqa: E402
 import timing as T  # noqa: E402
 
 #: name -> (tokens, channels)
@@ -47,39 +48,42 @@ DORA_VARIANTS = {f"bc {n}": n for n in (128, 256, 512)}
 DORA_SMOKE = {"large": 1032, "small": 520}
 
 
-def ia3_table(args, dt, dev, timer, gen, bw) -> None:
+def ia3_table(args, dt, dev, timer, bw) -> None:
     from lycoris_ops.tilelang import ia3
 
     print(f"{'shape':6} {'variant':9} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         N, D = (SMOKE if args.smoke else SHAPES)[name]
-        G, x, w = (torch.randn(*s, generator=gen, device=dev).to(dt) for s in ((N, D), (N, D), (D,)))
+        cpu = torch.Generator().manual_seed(0)  # the spec builders draw on the CPU; G continues their stream
+        x, w = specs.build_ia3(specs.Geo(N, D, 1), dt, dev, cpu).values()
+        G = torch.randn(N, D, generator=cpu).to(device=dev, dtype=dt)
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
         rows = T.VariantRows(timer)
         for v in (args.variants or ",".join(VARIANTS)).split(","):
             res = rows.row(f"{name:6} {v:9}", [(ia3, VARIANTS[v])],
-                           lambda: ia3.ia3_bwd(G, x, 0.1 * w, -1, 1.0, 0.5))
+                           lambda: ia3.ia3_bwd(G, x, w, -1, specs.IA3_ALPHA, specs.IA3_GAMMA))
             if res:
                 (t,), (x1,), diff = res
                 print(f"{name:6} {v:9} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
 
 
-def dora_table(args, dt, dev, timer, gen, bw) -> None:
+def dora_table(args, dt, dev, timer, bw) -> None:
     from lycoris_ops.tilelang import dora
 
     print(f"{'shape':6} {'variant':8} {'fwd ms':>8} {'x first':>8} {'x floor':>8} {'bwd ms':>8} {'x first':>8} "
           f"{'max rel diff':>12}")
     for name in args.shapes.split(","):
         D = DORA_SMOKE[name] if args.smoke else SHAPES[name][1]
-        W = (0.02 * torch.randn(D, D, generator=gen, device=dev)).to(dt)
-        m = (W.float().norm(dim=1, keepdim=True) * 1.1).to(dt)
-        G = torch.randn(D, D, generator=gen, device=dev).to(dt)
+        cpu = torch.Generator().manual_seed(0)  # the spec builders draw on the CPU; G continues their stream
+        W, m = specs.build_dora(specs.Geo(1, D, 1), dt, dev, cpu).values()
+        G = torch.randn(D, D, generator=cpu).to(device=dev, dtype=dt)
         floor = 2 * D * D * W.element_size() / bw * 1e3 if bw else math.nan
-        norms = dora.dora_fwd(W, m, 0.9, 0)[1]
+        mult = specs.DORA_MULT
+        norms = dora.dora_fwd(W, m, mult, 0)[1]
         rows = T.VariantRows(timer)
         for v in (args.variants or ",".join(DORA_VARIANTS)).split(","):
             res = rows.row(f"{name:6} {v:8}", [(dora, dict(ROW_BC=DORA_VARIANTS[v]))],
-                           lambda: dora.dora_fwd(W, m, 0.9, 0), lambda: dora.dora_bwd(G, W, m, norms, 0.9, 0))
+                           lambda: dora.dora_fwd(W, m, mult, 0), lambda: dora.dora_bwd(G, W, m, norms, mult, 0))
             if res:
                 (tf, tb), (xf, xb), diff = res
                 print(f"{name:6} {v:8} {tf:8.3f} {xf:8.2f} {tf / floor:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
@@ -89,9 +93,9 @@ def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
     ap.add_argument("--op", default="ia3", choices=("ia3", "dora"))
     args = ap.parse_args(argv)
-    dt, dev, timer, gen = T.variants_device(args)
+    dt, dev, timer, _ = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
-    (ia3_table if args.op == "ia3" else dora_table)(args, dt, dev, timer, gen, bw)
+    (ia3_table if args.op == "ia3" else dora_table)(args, dt, dev, timer, bw)
     return 0
 
 
