@@ -231,9 +231,10 @@ def plan(R0: int, R1: int, row_axis: int, vec: int, device: torch.device, vecs: 
 
 #: row_axis 0: the most vectors of a row one column tile takes. A program's passes walk its
 #: rows' tiles serially, each a load latency (the loop is dynamic: no prefetch), so a wider
-#: tile means fewer serial steps (512: a 4096-wide bf16 row in one step). 128 until timed
-#: (``bench/tilelang_stream_variants.py --op dora``)
-ROW_BC = 128
+#: tile means fewer serial steps (512: a 4096-wide bf16 row in one step).
+#: ``bench/tilelang_stream_variants.py --op dora`` (H200, bf16, RESULTS.md 2026-12-02 09:10),
+#: 128 / 256 / 512: fwd 0.027 / 0.021 / 0.020 ms, bwd 0.043 / 0.036 / 0.036 (large)
+ROW_BC = 512
 
 
 def tiling(R0: int, R1: int, row_axis: int, vec: int, sms: int, vecs: int = _TILE_VECS):

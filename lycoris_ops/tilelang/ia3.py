@@ -251,12 +251,14 @@ def ia3_fwd(x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, g
 
 
 #: programs per SM the backward's reduction split aims at: a program is 128 threads walking
-#: its tiles with no prefetch, so the bytes in flight on an SM scale with its programs. 2
-#: until the A/B (``bench/tilelang_stream_variants.py --op ia3``) says otherwise
-BWD_PER_SM = 2
+#: its tiles, so the bytes in flight on an SM scale with its programs
+#: (``bench/tilelang_stream_variants.py --op ia3``, H200, bf16, RESULTS.md 2026-12-02 09:10:
+#: 2 / 4 / 8 / 16 programs an SM 0.510 / 0.315 / 0.321 / 0.322 ms at the large shape unpipelined;
+#: pipelined 0.212 / 0.204)
+BWD_PER_SM = 4
 #: ``ia3_bwd_kernel(pipe=...)`` (channel last): the G and x tiles through shared memory in a
-#: pipelined loop. Off until timed (``tilelang_stream_variants.py --op ia3``: ``pipe``)
-BWD_PIPE = False
+#: pipelined loop. On: 0.204 ms against 0.315 unpipelined (large), 0.045 / 0.068 (small)
+BWD_PIPE = True
 
 
 def _split(tiles: int, other: int, device: torch.device, per_sm: int = 2) -> tuple:

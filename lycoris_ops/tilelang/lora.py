@@ -432,8 +432,10 @@ BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=2, threads=128)
 #: against 0.524 for the warp-specialized serial form at the large shape, 0.066 / 0.137 small
 BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False)
 #: ``bypass_bwd_tok_kernel``'s form (``staged``, ``pipe_i``, ``ws``: as ``BYPASS_FWD_FORM``,
-#: for the gx loop). Off until timed (``bench/tilelang_lora_variants.py --op bypass_bwd``)
-BYPASS_BWD_FORM = dict(staged=False, pipe_i=False, ws=True)
+#: for the gx loop), as timed by ``bench/tilelang_lora_variants.py --op bypass_bwd`` (H200, bf16,
+#: RESULTS.md 2026-12-02 09:10): 0.514 ms against 0.715 warp-specialized at the large shape,
+#: 0.160 / 0.202 small (staged without the pipelined I loop: 0.521 / 0.159)
+BYPASS_BWD_FORM = dict(staged=True, pipe_i=True, ws=False)
 #: token kernel (BT, BI, BK, stages, threads; threads 0: by rank) + the skinny pair (sBM, sBK)
 BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
 #: ``gemm_kernel(staged=...)``: output (and base) tiles through shared memory. On: faster in

@@ -36,13 +36,14 @@ TUCKER = dict(BO=64, BI=64, threads=128)
 #: ``bench/tilelang_tucker_variants.py``, RESULTS.md 2026-12-02 06:50); ``all_k_fits`` keeps
 #: the per-κ kernel for tiles whose staging would not fit ``_ALL_K_SMEM``
 ALL_K = True
-#: ``tucker_kernel(pipe_k=...)``: the all-κ program's κ loop pipelined. Off until timed
-#: (``bench/tilelang_tucker_variants.py``: ``all-k pipe``)
+#: ``tucker_kernel(pipe_k=...)``: the all-κ program's κ loop pipelined. Off: 0.312 ms against
+#: ``ALL_K_PRE``'s 0.280 (``bench/tilelang_tucker_variants.py``, 2026-12-02 09:10)
 ALL_K_PIPE = False
 #: ``tucker_pre_kernel``: the all-κ program over a·t precomputed for every κ by one torch
 #: matmul (Kk·O·Rb values, 4.7 MB at the large bench shape), one product a κ instead of two.
-#: Off until timed (``bench/tilelang_tucker_variants.py``: ``all-k pre``)
-ALL_K_PRE = False
+#: On: ``bench/tilelang_tucker_variants.py`` (H200, bf16, RESULTS.md 2026-12-02 09:10): 0.280 ms
+#: against 0.333 for the all-κ program (0.395 / 0.537 with two chains; small 0.153 / 0.168)
+ALL_K_PRE = True
 _ALL_K_SMEM = 160 * 1024
 
 
