@@ -291,8 +291,9 @@ def _h200_args(dims, T, dt):
 
 def test_shortlists_for_an_h200():
     """The six ops at the bench layers' factors on an H200's facts: the fixed config first,
-    eager last, 1..TL_N model configs, all legal and distinct, JSON-serializable; the key's
-    exact sizes are the factors (and ranks), never the token count."""
+    eager last, 1..TL_N model configs, all legal and distinct, JSON-serializable; the bypass
+    ops also the fixed config with the other apply epilogue, second (timed, never modelled);
+    the key's exact sizes are the factors (and ranks), never the token count."""
     import json
 
     from lycoris_ops.plans import device, lokr as plans_lokr, tilelang as tl_pick, tune
@@ -307,9 +308,13 @@ def test_shortlists_for_an_h200():
             for op, args in calls.items():
                 cands = list(plans_lokr.TILELANG[op][0](dev, *args).candidates)
                 assert cands[0] == fixed[op] and tune.is_eager(cands[-1]), (op, dims, cands)
-                assert 3 <= len(cands) <= plans_lokr.TL_N + 2 and len(set(map(str, cands))) == len(cands), (op, cands)
+                twin = op.startswith("lokr_bypass")
+                assert 3 <= len(cands) <= plans_lokr.TL_N + 2 + twin, (op, cands)
+                assert len(set(map(str, cands))) == len(cands), (op, cands)
+                if twin:
+                    assert cands[1] == {**fixed[op], "staged": not lokr.APPLY_STAGED}, (op, dims, cands)
                 legal = plans_lokr.tl_configs(dev, op, dims, 2)
-                for c in cands[1:-1]:
+                for c in cands[1 + twin:-1]:
                     assert c in legal, (op, dims, dt, c)
                 json.dumps(cands)
                 sizes = tl_pick.key_parts(args, op)[0]

@@ -468,6 +468,19 @@ def _merge_bwd_tl(dev, grad, w1a, w1b, w2a, w2b, shape, gamma, n: int = TL_N):
     return _tl_grads("lokr_merge_bwd", dev, (a, b, c, d), r1, r2, compute, grad.dtype, n)
 
 
+def _with_staged_twin(plan, dev: DeviceFacts, kd, csize: int, osize: int, bsize: int):
+    """``plan`` with its fixed config's other apply epilogue (``staged`` flipped) second, where
+    the staged blocks fit: the model cannot tell the two apart and neither wins at every
+    shape (tilelang/lokr.APPLY_STAGED), so the tuner times both."""
+    L = _tl_lokr()
+    first = plan.candidates[0]
+    cf = L.launch_config(L.BYPASS, first)
+    if (L.apply_stageable(*kd, cf["rows"], cf["threads"], osize, bsize)
+            and smem_fits(dev, L.apply_smem(*kd, cf["rows"], csize, osize, bsize, True))):
+        add_second(plan, {**first, "staged": not first.get("staged", L.APPLY_STAGED)}, plan.predicted[0])
+    return plan
+
+
 def _bypass_fwd_tl(dev, x, w1, w2, gamma, base=None, n: int = TL_N):
     """kron_apply through the Triton forward bypass model (``_tl_apply_cfg``)."""
     dims, compute = _tl_dims(w1, w2), compute_dtype(x.dtype, w1.dtype, w2.dtype)
@@ -478,7 +491,9 @@ def _bypass_fwd_tl(dev, x, w1, w2, gamma, base=None, n: int = TL_N):
         (_, (kd, bt), threads), = tl_kernels("lokr_bypass_fwd", dims, k)
         return work(_tl_apply_cfg(kd, bt, threads))
 
-    return _tl_plan("lokr_bypass_fwd", dev, dims, esize(compute), tl_work, eager, n)
+    plan = _tl_plan("lokr_bypass_fwd", dev, dims, esize(compute), tl_work, eager, n)
+    out = x if base is None else base
+    return _with_staged_twin(plan, dev, dims, esize(compute), esize(out.dtype), 0 if base is None else esize(base.dtype))
 
 
 def _bypass_bwd_tl(dev, grad, x, w1, w2, gamma, n: int = TL_N):
@@ -500,7 +515,8 @@ def _bypass_bwd_tl(dev, grad, x, w1, w2, gamma, n: int = TL_N):
                           programs=dev.sm_count), live=live)
         return None if gx is None or wg is None else [gx] + wg
 
-    return _tl_plan("lokr_bypass_bwd", dev, dims, esize(compute), tl_work, eager, n)
+    plan = _tl_plan("lokr_bypass_bwd", dev, dims, esize(compute), tl_work, eager, n)
+    return _with_staged_twin(plan, dev, (b, a, d, c), esize(compute), esize(x.dtype), 0)
 
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key: the factor

@@ -229,6 +229,24 @@ def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 
 
+#: sm_90's opt-in shared memory per block: the budget the staged forms plan against
+SMEM_SM90A = 227 * 1024
+
+
+@functools.lru_cache(maxsize=None)
+def _optin_smem(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 0) or SMEM_SM90A)
+
+
+def smem_limit(device: torch.device, most: int = SMEM_SM90A) -> int:
+    """Shared-memory bytes a block may ask for on ``device``: ``most``, or the device's opt-in
+    per-block maximum where that is lower (163 KiB on sm_80); CPU twins: ``most``."""
+    if device.type != "cuda":
+        return most
+    return min(most, _optin_smem(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count

@@ -36,11 +36,11 @@ Tile configs: the streaming kernels' positions per tile and threads come from of
 
 Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 """
-import functools
 
 import torch
 
 from ._common import CPU_ARCH, aligned, arch_of, kernel, launch_config, tl_dtype
+from ._common import smem_limit as _smem_limit
 from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel,
                   chain_kernel, direct_stages, position_view, tiling)
 from . import oft as _oft
@@ -392,18 +392,9 @@ def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool, pai
     return (4 if pair else 2) * mat + stages * 3 * box + 2 * op + 2 * box
 
 
-@functools.lru_cache(maxsize=None)
-def _optin_smem(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or _RUNS_SMEM)
-
-
 def smem_limit(device: torch.device) -> int:
-    """The run kernels' shared-memory budget on ``device``: ``_RUNS_SMEM``, or the device's
-    opt-in per-block maximum where that is lower (163 KiB on sm_80); CPU twins: ``_RUNS_SMEM``."""
-    if device.type != "cuda":
-        return _RUNS_SMEM
-    return min(_RUNS_SMEM, _optin_smem(device.index if device.index is not None else torch.cuda.current_device()))
+    """The run kernels' shared-memory budget on ``device`` (``_common.smem_limit``)."""
+    return _smem_limit(device, _RUNS_SMEM)
 
 
 def runs_for(x, cf, s, nb, arch):

@@ -56,9 +56,10 @@ compute dtype and made contiguous on the host when needed.
 """
 import torch
 
-from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype,
+from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, smem_limit, tl_dtype,
                       without_warp_specialization)
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
+from ..plans.cost import SMEM_MARGIN as _SMEM_MARGIN
 
 __all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_kernel",
            "kron_wgrad1_kernel", "kron_wgrad2_kernel",
@@ -74,12 +75,16 @@ KRON = dict(BM=32, BN=128, threads=128)
 GRADS = dict(elems=4096, threads=128)
 BYPASS = dict(rows=128, threads=128)
 #: ``kron_apply_kernel(staged=...)`` (the bypass forward and grad-x): output and base through
-#: shared memory. Off until timed (``bench/tilelang_lora_variants.py --op lokr``)
-APPLY_STAGED = False
+#: shared memory, where they fit (``_apply_staged``); a tuned config's ``staged`` key overrides
+#: it (plans/lokr.py times both forms). ``bench/tilelang_lora_variants.py --op lokr`` (H200,
+#: bf16, RESULTS.md 2026-12-02 09:10), regs / staged: fwd 0.349 / 0.316 ms at the large shape
+#: but 0.078 / 0.089 at the small one; the backward 0.664 / 0.566 and 0.188 / 0.171
+APPLY_STAGED = True
 #: the wgrad kernels' token loop: () the dynamic serial loop (each step's loads wait for the
 #: last step's products); else pipelined over a static step count of these (``_wgrad_split``),
-#: compiled without warp specialization. () until timed (``tilelang_lora_variants.py --op lokr``)
-WGRAD_KPER = ()
+#: compiled without warp specialization. Same table: backward 0.524 ms against 0.566 with the
+#: dynamic loop (large), 0.172 / 0.171 (small)
+WGRAD_KPER = (4, 16, 64)
 
 
 def _threads(*mn, most: int = 128) -> int:
@@ -500,6 +505,36 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, cfg=None):
     return tuple(outs)
 
 
+def apply_smem(a: int, b: int, c: int, d: int, rows: int, esize: int, osize: int, bsize: int, staged: bool) -> int:
+    """Shared-memory bytes of ``kron_apply_kernel`` (esize-byte operands; the staged output
+    and base blocks osize / bsize bytes an element, bsize 0: no base)."""
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt = _tok_tile(Bp, Cp, rows)
+    n = (BTt * Bp * Dp + Ap * Bp + Cp * Dp + Bp * BTt * Cp) * esize
+    return n + (BTt * a * c * (osize + bsize) if staged else 0)
+
+
+def apply_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, osize: int, bsize: int) -> bool:
+    """Whether ``kron_apply_kernel``'s staged blocks copy in whole 16-byte vectors: the
+    BTt·a·c elements of the output (and base) block a multiple of the threads' one vector
+    each. TileLang fails to lay out the block copies of some other blocks (sm_90a: a = 5,
+    c = 4, 16 tokens; fp32 bases of 320 or 1664 elements), so those keep the register
+    epilogue (the bench shapes' blocks are 6144 and 8192 elements)."""
+    BTt, threads = apply_geometry(a, b, c, d, rows, most)
+    return all(BTt * a * c % (threads * 16 // size) == 0 for size in (osize, bsize) if size)
+
+
+def _apply_staged(p: dict, a, b, c, d, dt, odt, bdt, device) -> bool:
+    """The staged epilogue where the config asks for it (its ``staged`` key, else
+    ``APPLY_STAGED``), its blocks copy whole (``apply_stageable``) and fit the device's
+    shared memory (at factors of 128 and fp32 output and base they do not)."""
+    if not p.get("staged", APPLY_STAGED):
+        return False
+    esize, osize, bsize = dt.itemsize, odt.itemsize, 0 if bdt is None else bdt.itemsize
+    return (apply_stageable(a, b, c, d, p["rows"], p["threads"], osize, bsize)
+            and apply_smem(a, b, c, d, p["rows"], esize, osize, bsize, True) * _SMEM_MARGIN <= smem_limit(device))
+
+
 def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
     T_ = x3.shape[0]
     a, b = w1.shape
@@ -507,8 +542,10 @@ def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
     dev = x3.device
     p = launch_config(BYPASS, cfg)
     y = torch.empty((T_, a * c), device=dev, dtype=odt)
+    bdt = None if base3 is None else base3.dtype
+    staged = _apply_staged(p, a, b, c, d, x3.dtype, odt, bdt, dev)
     k = kernel(kron_apply_kernel, arch_of(dev), a, b, c, d, tl_dtype(x3.dtype),
-               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"], APPLY_STAGED)
+               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"], staged)
     k(x3, w1, w2, dummy(dev, torch.float32) if base3 is None else base3, y.view(T_, a, c), float(gamma))
     return y
 

@@ -59,7 +59,7 @@ import math
 
 import torch
 
-from ._common import CPU_ARCH, aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype
+from ._common import SMEM_SM90A, CPU_ARCH, aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype
 
 __all__ = [
     "cayley_kernel", "apply_kernel", "apply_direct_kernel", "bwd_stream_kernel", "stream_direct_kernel",
@@ -100,7 +100,7 @@ SPLIT_PER_SM = 4
 FUSED_PER_SM = 1
 FUSED_STAGES = dict(fwd=4, bwd=3)
 #: shared memory of one sm_90a block (bytes): the fused kernels' deeper pipelines must fit
-_SMEM_SM90A = 227 * 1024
+_SMEM_SM90A = SMEM_SM90A
 #: the Cayley and chain kernels' Gauss–Jordan alternates between two buffer pairs, one barrier
 #: a step instead of two (the pivot row and column copied out, then the update). On the H200
 #: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
