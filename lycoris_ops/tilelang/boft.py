@@ -61,9 +61,10 @@ RUNS = True
 #: (1.10x); the small shape (48-channel groups) has no pairs (0.87 / 2.60 ms either way)
 PAIRS = False
 #: pairs in the forward only (its 0.92x above without the backward's 1.10x; the backward keeps
-#: its own units: it replays the forward's stage inputs itself). Off until timed
-#: (``bench/tilelang_boft_variants.py``: ``runs+fwd pairs``)
-PAIRS_FWD = False
+#: its own units: it replays the forward's stage inputs itself). On: the H200 (bf16, large
+#: shape, RESULTS.md 2026-12-02 09:30) took the forward from 3.117 to 2.927 ms, the backward
+#: 7.535 / 7.497
+PAIRS_FWD = True
 #: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, as oft's
 #: fused kernels; less where the device's own limit is lower, ``smem_limit``); a tile config
 #: over it takes the gather path
