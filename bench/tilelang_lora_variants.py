@@ -32,8 +32,10 @@ shared memory); floor: W read, the result written.
 factors of the channels, 64 x 64 both at 4096), forward with base and the backward op,
 ``lokr.APPLY_STAGED`` off (``regs``) and on (``staged``: the program's output block and
 base block through shared memory), and ``staged+pipe`` (``lokr.WGRAD_KPER``: the weight-
-gradient kernels' token loop pipelined over a static step count); floor: the forward's x,
-base read and y written.
+gradient kernels' token loop pipelined over a static step count), ``persistent`` and
+``persist regs`` (also ``lokr.APPLY_KPER``: each apply program walks a static number of
+token tiles in a pipelined loop, the factors loaded once; staged / register epilogue);
+floor: the forward's x, base read and y written.
 
 Ratios within one run are what to compare; the machines are shared.
 ``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
@@ -64,8 +66,11 @@ VARIANTS = {
 #: merge variant -> lora.GEMM_STAGED
 MERGE_VARIANTS = {"regs": False, "staged": True}
 #: lokr variant -> lokr settings (APPLY_STAGED, WGRAD_KPER)
-LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=()), "staged": dict(APPLY_STAGED=True, WGRAD_KPER=()),
-                 "staged+pipe": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64))}
+LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
+                 "staged": dict(APPLY_STAGED=True, WGRAD_KPER=(), APPLY_KPER=()),
+                 "staged+pipe": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=()),
+                 "persistent": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64)),
+                 "persist regs": dict(APPLY_STAGED=False, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64))}
 
 
 def lokr_table(args, dt, dev, timer, bw) -> None:

@@ -80,6 +80,11 @@ BYPASS = dict(rows=128, threads=128)
 #: bf16, RESULTS.md 2026-12-02 09:10), regs / staged: fwd 0.349 / 0.316 ms at the large shape
 #: but 0.078 / 0.089 at the small one; the backward 0.664 / 0.566 and 0.188 / 0.171
 APPLY_STAGED = True
+#: ``kron_apply_kernel(kper=...)``: each program walks a static number of token tiles (the
+#: largest of these that leaves two programs an SM: ``_steps``) in a pipelined loop, the
+#: factors loaded once, instead of one tile (2 tokens at 64-wide factors) and both factors a
+#: program. () until timed (``bench/tilelang_lora_variants.py --op lokr``: ``persistent``)
+APPLY_KPER = ()
 #: the wgrad kernels' token loop: () the dynamic serial loop (each step's loads wait for the
 #: last step's products); else pipelined over a static step count of these (``_wgrad_split``),
 #: compiled without warp specialization. Same table: backward 0.524 ms against 0.566 with the
@@ -245,13 +250,19 @@ def kron_grad2_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, odt: st
 # --------------------------------------------------------------------------- bypass
 
 def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
-                      rows: int = 128, max_threads: int = 128, staged: bool = False, cpu: bool = False):
+                      rows: int = 128, max_threads: int = 128, staged: bool = False, kper: int = 0,
+                      cpu: bool = False):
     """``Y[t] = γ·W1·X[t]·W2ᵀ (+ base[t])``: X (T, b, d), W1 (a, b), W2 (c, d), Y (T, a, c).
 
     ``staged`` (``APPLY_STAGED``): the program's BTt·a·c output elements - one contiguous block
     of Y - are staged in shared memory in Y's order and stored as whole rows, and the base
     block is copied in whole, instead of the accumulator's registers storing (and reading the
-    base) element by element with a row stride of c."""
+    base) element by element with a row stride of c.
+
+    ``kper`` (``APPLY_KPER``): a program walks kper token tiles in a pipelined loop (the next
+    tile's X loads while this one multiplies; tiles past the end load zeros and store
+    nothing) with W1, W2 loaded once, instead of one tile and both factors a program; compiled
+    without warp specialization (the loop's body ends in a serial epilogue)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -262,52 +273,63 @@ def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
     bsh = (Tn, a, c) if has_base else (1,)
     bdt = bdt or _ACC
 
+    @T.macro
+    def tile(X, Base, Y, gamma, t0, xs, w1s, w2s, zs, z, y, ys, bs):
+        """One tile of BTt tokens from t0: its X rows are in xs (the caller loads them)."""
+        T.gemm(xs, w2s, z, transpose_B=True, clear_accum=True)  # Z[(t,v), i] = Σ_j X[t,v,j]·W2[i,j]
+        for m, i in par(BTt * Bp, Cp):  # hi term, tokens side by side
+            zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i], dt)
+        T.gemm(w1s, zs, y, clear_accum=True)
+        for m, i in par(BTt * Bp, Cp):  # lo term
+            zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i] - T.cast(T.cast(z[m, i], dt), _ACC), dt)
+        T.gemm(w1s, zs, y)
+        if staged:
+            if has_base:
+                T.copy(Base[t0:t0 + BTt, 0:a, 0:c], bs)
+            for u, n in par(Ap, BTt * Cp):
+                if u < a and n % Cp < c:
+                    if has_base:
+                        ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma + T.cast(bs[n // Cp, u, n % Cp], _ACC), odt)
+                    else:
+                        ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma, odt)
+            T.copy(ys, Y[t0:t0 + BTt, 0:a, 0:c])
+        else:
+            for u, n in par(Ap, BTt * Cp):
+                t = t0 + n // Cp
+                i = n % Cp
+                if u < a and i < c and t < Tn:
+                    if has_base:
+                        Y[t, u, i] = T.cast(y[u, n] * gamma + T.cast(Base[t, u, i], _ACC), odt)
+                    else:
+                        Y[t, u, i] = T.cast(y[u, n] * gamma, odt)
+
     @T.prim_func
     def kron_apply(X: T.Tensor((Tn, b, d), dt), W1: T.Tensor((a, b), dt), W2: T.Tensor((c, d), dt),
                    Base: T.Tensor(bsh, bdt), Y: T.Tensor((Tn, a, c), odt), gamma: T.float32):
-        with T.Kernel(T.ceildiv(Tn, BTt), threads=nthreads(threads)) as bt:
+        with T.Kernel(T.ceildiv(Tn, BTt * max(kper, 1)), threads=nthreads(threads)) as bt:
             xs = shared((BTt * Bp, Dp), dt)
             w1s = shared((Ap, Bp), dt)
             w2s = shared((Cp, Dp), dt)
             zs = shared((Bp, BTt * Cp), dt)
             z = frag((BTt * Bp, Cp), _ACC)
             y = frag((Ap, BTt * Cp), _ACC)
-            t0 = bt * BTt
+            ys = shared((BTt, a, c), odt) if staged else None
+            bs = shared((BTt, a, c), bdt) if staged and has_base else None
             T.copy(W1[0:Ap, 0:Bp], w1s)
             T.copy(W2[0:Cp, 0:Dp], w2s)
-            for t in T.serial(BTt):
-                T.copy(X[t0 + t, 0:Bp, 0:Dp], xs[t * Bp:(t + 1) * Bp, 0:Dp])
-            T.gemm(xs, w2s, z, transpose_B=True, clear_accum=True)  # Z[(t,v), i] = Σ_j X[t,v,j]·W2[i,j]
-            for m, i in par(BTt * Bp, Cp):  # hi term, tokens side by side
-                zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i], dt)
-            T.gemm(w1s, zs, y, clear_accum=True)
-            for m, i in par(BTt * Bp, Cp):  # lo term
-                zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i] - T.cast(T.cast(z[m, i], dt), _ACC), dt)
-            T.gemm(w1s, zs, y)
-            if staged:
-                ys = shared((BTt, a, c), odt)
-                if has_base:
-                    bs = shared((BTt, a, c), bdt)
-                    T.copy(Base[t0:t0 + BTt, 0:a, 0:c], bs)
-                for u, n in par(Ap, BTt * Cp):
-                    if u < a and n % Cp < c:
-                        if has_base:
-                            ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma + T.cast(bs[n // Cp, u, n % Cp], _ACC),
-                                                            odt)
-                        else:
-                            ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma, odt)
-                T.copy(ys, Y[t0:t0 + BTt, 0:a, 0:c])
+            if kper:
+                for kk in T.Pipelined(kper, num_stages=2):
+                    t0 = (bt * kper + kk) * BTt
+                    for t in T.serial(BTt):
+                        T.copy(X[t0 + t, 0:Bp, 0:Dp], xs[t * Bp:(t + 1) * Bp, 0:Dp])
+                    tile(X, Base, Y, gamma, t0, xs, w1s, w2s, zs, z, y, ys, bs)
             else:
-                for u, n in par(Ap, BTt * Cp):
-                    t = t0 + n // Cp
-                    i = n % Cp
-                    if u < a and i < c and t < Tn:
-                        if has_base:
-                            Y[t, u, i] = T.cast(y[u, n] * gamma + T.cast(Base[t, u, i], _ACC), odt)
-                        else:
-                            Y[t, u, i] = T.cast(y[u, n] * gamma, odt)
+                t0 = bt * BTt
+                for t in T.serial(BTt):
+                    T.copy(X[t0 + t, 0:Bp, 0:Dp], xs[t * Bp:(t + 1) * Bp, 0:Dp])
+                tile(X, Base, Y, gamma, t0, xs, w1s, w2s, zs, z, y, ys, bs)
 
-    return kron_apply
+    return kron_apply if cpu or not kper else without_warp_specialization(kron_apply)
 
 
 def kron_wgrad1_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
@@ -414,14 +436,19 @@ def _split(tiles: int, other: int, device) -> tuple:
     return cdiv(tiles, per), per
 
 
+def _steps(tiles: int, kpers, device) -> int:
+    """The static step count of a pipelined token loop: the largest of ``kpers`` that leaves
+    two programs an SM (else the smallest)."""
+    want = 2 * num_sms(device)
+    return next((k for k in sorted(kpers, reverse=True) if cdiv(tiles, k) >= want), min(kpers))
+
+
 def _wgrad_split(tiles: int, device) -> tuple:
     """(nsplit, token tiles per split, the kernels' static step count or 0) of a wgrad launch:
-    with ``WGRAD_KPER``, the largest step count that leaves two programs an SM (else the
-    smallest), every split that many steps (tiles past the end read as zeros); else ``_split``
-    and the dynamic serial loop."""
+    with ``WGRAD_KPER``, ``_steps`` of them, every split that many steps (tiles past the end
+    read as zeros); else ``_split`` and the dynamic serial loop."""
     if WGRAD_KPER:
-        want = 2 * num_sms(device)
-        k = next((k for k in sorted(WGRAD_KPER, reverse=True) if cdiv(tiles, k) >= want), min(WGRAD_KPER))
+        k = _steps(tiles, WGRAD_KPER, device)
         return cdiv(tiles, k), k, k
     ns, per = _split(tiles, 1, device)
     return ns, per, 0
@@ -544,8 +571,9 @@ def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
     y = torch.empty((T_, a * c), device=dev, dtype=odt)
     bdt = None if base3 is None else base3.dtype
     staged = _apply_staged(p, a, b, c, d, x3.dtype, odt, bdt, dev)
+    kper = _steps(cdiv(T_, apply_geometry(a, b, c, d, p["rows"], p["threads"])[0]), APPLY_KPER, dev) if APPLY_KPER else 0
     k = kernel(kron_apply_kernel, arch_of(dev), a, b, c, d, tl_dtype(x3.dtype),
-               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"], staged)
+               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"], staged, kper)
     k(x3, w1, w2, dummy(dev, torch.float32) if base3 is None else base3, y.view(T_, a, c), float(gamma))
     return y
 
@@ -609,6 +637,8 @@ def compile_specs(dtype: torch.dtype):
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, True)),  # APPLY_STAGED
         (kron_apply_kernel, (64, 64, 64, 64, d, None, d, 128, 128, True)),
+        (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, False, 4)),  # APPLY_KPER
+        (kron_apply_kernel, (64, 64, 64, 64, d, d, d, 128, 128, True, 16)),
         (kron_wgrad1_kernel, (5, 7, 4, 3, d, "float32", False, 128, 128, 4)),  # WGRAD_KPER
         (kron_wgrad2_kernel, (5, 7, 4, 3, d, d, True, 128, 128, 16)),
         (kron_wgrad1_kernel, (3, 5, 7, 4, d, d, True)),
