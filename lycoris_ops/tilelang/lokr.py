@@ -83,8 +83,10 @@ APPLY_STAGED = True
 #: ``kron_apply_kernel(kper=...)``: each program walks a static number of token tiles (the
 #: largest of these that leaves two programs an SM: ``_steps``) in a pipelined loop, the
 #: factors loaded once, instead of one tile (2 tokens at 64-wide factors) and both factors a
-#: program. () until timed (``bench/tilelang_lora_variants.py --op lokr``: ``persistent``)
-APPLY_KPER = ()
+#: program. ``bench/tilelang_lora_variants.py --op lokr`` (H200, bf16, RESULTS.md 2026-12-02
+#: 10:25), staged: fwd 0.319 -> 0.272 ms, bwd 0.522 -> 0.462 (large); 0.090 -> 0.077,
+#: 0.171 -> 0.162 (small; the register epilogue's persistent forward there: 0.072)
+APPLY_KPER = (4, 16, 64)
 #: the wgrad kernels' token loop: () the dynamic serial loop (each step's loads wait for the
 #: last step's products); else pipelined over a static step count of these (``_wgrad_split``),
 #: compiled without warp specialization. Same table: backward 0.524 ms against 0.566 with the
