@@ -470,8 +470,10 @@ def _merge_bwd_tl(dev, grad, w1a, w1b, w2a, w2b, shape, gamma, n: int = TL_N):
 
 def _with_staged_twin(plan, dev: DeviceFacts, kd, csize: int, osize: int, bsize: int):
     """``plan`` with its fixed config's other apply epilogue (``staged`` flipped) second, where
-    the staged blocks fit: the model cannot tell the two apart and neither wins at every
-    shape (tilelang/lokr.APPLY_STAGED), so the tuner times both."""
+    the staged blocks fit: the model cannot tell the two apart and neither wins the forward
+    at every shape (tilelang/lokr.APPLY_STAGED), so the tuner times both. The backward's gx
+    (no base) gets no twin: staged won it at both bench shapes, and each twin is one more
+    cold compile."""
     L = _tl_lokr()
     first = plan.candidates[0]
     cf = L.launch_config(L.BYPASS, first)
@@ -515,8 +517,7 @@ def _bypass_bwd_tl(dev, grad, x, w1, w2, gamma, n: int = TL_N):
                           programs=dev.sm_count), live=live)
         return None if gx is None or wg is None else [gx] + wg
 
-    plan = _tl_plan("lokr_bypass_bwd", dev, dims, esize(compute), tl_work, eager, n)
-    return _with_staged_twin(plan, dev, (b, a, d, c), esize(compute), esize(x.dtype), 0)
+    return _tl_plan("lokr_bypass_bwd", dev, dims, esize(compute), tl_work, eager, n)
 
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key: the factor
