@@ -97,8 +97,10 @@ def _tile_cases(dtype, device):
     f = (m(O, r), m(r, I), m(O, r), m(r, I))
     x = m(I, T).t()  # non-contiguous
     f2 = (m(O2, r), m(r, I2), m(O2, r), m(r, I2))
+    vendor = {**GEMM_CFG, "vendor": True}  # the T·O·I GEMMs by torch's, ΔW and the grads by the kernels
     return [("loha_bypass_fwd", (x, *f, 0.8, m(T, O)), GEMM_CFG), ("loha_bypass_bwd", (m(T, O), x, *f, -0.7), GEMM_CFG),
-            ("loha_merge_bwd", (m(O2, I2), *f2, 0.9), GRADS_CFG)]
+            ("loha_bypass_fwd", (x, *f, 0.8, m(T, O)), vendor), ("loha_bypass_fwd", (x, *f, 0.8, None), vendor),
+            ("loha_bypass_bwd", (m(T, O), x, *f, -0.7), vendor), ("loha_merge_bwd", (m(O2, I2), *f2, 0.9), GRADS_CFG)]
 
 
 def _check_tile_configs(dtype, device, monkeypatch):
@@ -113,7 +115,8 @@ def _check_tile_configs(dtype, device, monkeypatch):
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 def test_twin_tile_configs(monkeypatch):
-    """The launchers honour a tuned ``cfg`` (the GEMM tile, the gradient kernels' tile)."""
+    """The launchers honour a tuned ``cfg`` (the GEMM tile, the gradient kernels' tile, the
+    bypass ops' ``vendor`` form)."""
     _check_tile_configs(torch.float32, "cpu", monkeypatch)
 
 

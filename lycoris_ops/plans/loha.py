@@ -29,7 +29,7 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (Work, add_before_eager, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2,
+from .cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2,
                    predict, rank, tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
@@ -258,6 +258,16 @@ def _tl_gemm_plan(op, dev: DeviceFacts, M: int, N: int, K: int, e: int, eo: int,
     return tl_shortlist(op, cfgs, work, dev, default, eager, ("BM", "BN", "BK"), n)
 
 
+def _tl_vendor_twin(plan, macs: int):
+    """``plan`` with its fixed config's ``vendor`` form second (tilelang/loha.py: the T·O·I
+    GEMMs by cuBLAS) from VENDOR_MIN_MACS multiply-adds a GEMM, as the Triton shortlists: the
+    model does not rank cuBLAS, so the tuner times it (second: tried even when a cold key's
+    TileLang compiles overrun the tune budget; it compiles nothing the first does not)."""
+    if macs >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+        add_second(plan, {**plan.candidates[0], "vendor": True}, plan.predicted[0])
+    return plan
+
+
 def _tl_bypass_fwd(dev, x, a1, b1, a2, b2, gamma, base=None, n: int = TL_N):
     T, I = x.shape
     O, R = a1.shape
@@ -266,7 +276,7 @@ def _tl_bypass_fwd(dev, x, a1, b1, a2, b2, gamma, base=None, n: int = TL_N):
     eo = esize(x.dtype if base is None else base.dtype)
     eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * 12, 0),
                              (T * I * e + O * I * e + T * O * 4, 2.0 * T * O * I), (T * O * (4 + eo), 0)])
-    return _tl_gemm_plan("loha_bypass_fwd", dev, T, O, I, e, eo, eager, n)
+    return _tl_vendor_twin(_tl_gemm_plan("loha_bypass_fwd", dev, T, O, I, e, eo, eager, n), T * O * I)
 
 
 def _tl_bypass_bwd(dev, grad, x, a1, b1, a2, b2, gamma, n: int = TL_N):
@@ -277,7 +287,7 @@ def _tl_bypass_bwd(dev, grad, x, a1, b1, a2, b2, gamma, n: int = TL_N):
     eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * 12, 0),
                              (T * O * e + O * I * e + T * I * 4, 2.0 * T * O * I),
                              (T * O * e + T * I * e + O * I * 4, 2.0 * T * O * I), (O * I * 4 * 6, 8.0 * O * I * R)])
-    return _tl_gemm_plan("loha_bypass_bwd", dev, T, I, O, e, esize(x.dtype), eager, n)
+    return _tl_vendor_twin(_tl_gemm_plan("loha_bypass_bwd", dev, T, I, O, e, esize(x.dtype), eager, n), T * O * I)
 
 
 def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):

@@ -31,6 +31,13 @@ and ``reference/loha.py`` (same rounding points):
 ``lora.gemm_kernel`` (A read transposed, dynamic K = T), then the two
 ``loha_merge_bwd`` kernels on GW.
 
+A tuned config's ``vendor`` key (``plans/loha.py``, the Triton op set's candidate of the same
+name): the T·O·I GEMMs (the forward's x·ΔWᵀ; the backward's gx and GW) by torch's GEMM
+(cuBLAS), rounded as the eager body rounds them, ΔW and the factor gradients still by the
+kernels above. The tuner times it against the TileLang GEMMs at large shapes, where
+cuBLAS's GEMM is the faster of the two (H200, bench/RESULTS.md 2026-12-02: the TileLang
+f+b 4.96 ms against Triton's 4.68, whose tuner picked its vendor path, and eager's 4.86).
+
 fp32 operands would run as TF32: fp32 calls are outside the TileLang scope of
 these ops (``scope.py``). Operands are cast to the compute dtype and made
 contiguous on the host when they are not already.
@@ -39,6 +46,7 @@ import torch
 
 from ._common import aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype, without_warp_specialization
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
+from ..reference import gemm_epilogue, mm32
 
 __all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel",
            "bypass_fwd", "bypass_bwd", "merge_bwd", "compile_specs", "REGEN_BUDGET"]
@@ -264,6 +272,11 @@ def _apply(trans, x, f, base, gamma, odt, c, N):
     return y
 
 
+def _tiles(cf: dict) -> dict:
+    """The GEMM tile keys of a launch config (``vendor`` is not one)."""
+    return {k: v for k, v in cf.items() if k != "vendor"}
+
+
 def _delta(f, c):
     """ΔW = round((a1·b1) ⊙ (a2·b2)) (O, I) in the compute dtype (the materialized path)."""
     return gemm(f[0], f[1], f[2], f[3], None, 1.0, "hada", c, c)
@@ -275,10 +288,12 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg=None):
     f = tuple(prep(t, c) for t in (a1, b1, a2, b2))
     xc = prep(x, c)
     bs = None if base is None else aligned(base.contiguous())
+    cf = launch_config(APPLY_GEMM, cfg)
+    if cf.get("vendor") and x.shape[0]:
+        return gemm_epilogue(xc, _delta(f, c).t(), odt, gamma, bs).contiguous()
     if _regen(x.shape[0], a1.shape[1]):
         return _apply(False, xc, f, bs, gamma, odt, c, a1.shape[0])
-    return gemm(xc, _delta(f, c), None, None, bs, gamma, "plain", odt, c, b_nk=True, dyn_m=True,
-                **launch_config(APPLY_GEMM, cfg))
+    return gemm(xc, _delta(f, c), None, None, bs, gamma, "plain", odt, c, b_nk=True, dyn_m=True, **_tiles(cf))
 
 
 def _grads(gw, f, gamma, dtypes, c, BO=64, BI=64):
@@ -333,10 +348,15 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg=None):
     f = tuple(prep(t, c) for t in (a1, b1, a2, b2))
     g, xc = prep(grad, c), prep(x, c)
     I = x.shape[1]
+    cf = launch_config(APPLY_GEMM, cfg)
+    if cf.get("vendor") and x.shape[0]:
+        gx = gemm_epilogue(g, _delta(f, c), x.dtype, gamma).contiguous()
+        gw = mm32(g.t(), xc).to(c)  # round(Gᵀ·x) (O, I)
+        return (gx,) + _grads(gw, f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c)
     if _regen(x.shape[0], a1.shape[1]):
         gx = _apply(True, g, f, None, gamma, x.dtype, c, I)
     else:
-        gx = gemm(g, _delta(f, c), None, None, None, gamma, "plain", x.dtype, c, dyn_m=True, **launch_config(APPLY_GEMM, cfg))
+        gx = gemm(g, _delta(f, c), None, None, None, gamma, "plain", x.dtype, c, dyn_m=True, **_tiles(cf))
     gw = gemm(g, xc, None, None, None, 1.0, "plain", c, c, a_km=True, dyn_k=True)  # round(Gᵀ·x) (O, I)
     return (gx,) + _grads(gw, f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c)
 
