@@ -34,7 +34,8 @@ factors of the channels, 64 x 64 both at 4096), forward with base and the backwa
 base block through shared memory), and ``staged+pipe`` (``lokr.WGRAD_KPER``: the weight-
 gradient kernels' token loop pipelined over a static step count), ``persistent`` and
 ``persist regs`` (also ``lokr.APPLY_KPER``: each apply program walks a static number of
-token tiles in a pipelined loop, the factors loaded once; staged / register epilogue);
+token tiles in a pipelined loop, the factors loaded once; staged / register epilogue),
+``fused wgrads`` (also ``lokr.WGRADS_FUSED``: both weight gradients in one pass);
 floor: the forward's x, base read and y written.
 
 Ratios within one run are what to compare; the machines are shared.
@@ -70,7 +71,9 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
                  "staged": dict(APPLY_STAGED=True, WGRAD_KPER=(), APPLY_KPER=()),
                  "staged+pipe": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=()),
                  "persistent": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64)),
-                 "persist regs": dict(APPLY_STAGED=False, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64))}
+                 "persist regs": dict(APPLY_STAGED=False, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64)),
+                 "fused wgrads": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
+                                      WGRADS_FUSED=True)}
 
 
 def lokr_table(args, dt, dev, timer, bw) -> None:

@@ -62,7 +62,7 @@ from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 from ..plans.cost import SMEM_MARGIN as _SMEM_MARGIN
 
 __all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_kernel",
-           "kron_wgrad1_kernel", "kron_wgrad2_kernel",
+           "kron_wgrad1_kernel", "kron_wgrad2_kernel", "kron_wgrads_kernel",
            "full_merge_fwd", "full_merge_bwd", "merge_fwd", "merge_bwd", "bypass_fwd", "bypass_bwd",
            "compile_specs"]
 
@@ -92,6 +92,10 @@ APPLY_KPER = (4, 16, 64)
 #: compiled without warp specialization. Same table: backward 0.524 ms against 0.566 with the
 #: dynamic loop (large), 0.172 / 0.171 (small)
 WGRAD_KPER = (4, 16, 64)
+#: ``kron_wgrads_kernel``: both weight gradients in one pass over the tokens (X and G read
+#: from DRAM once, not once per gradient), its static step count from ``WGRAD_KPER``. Off
+#: until timed (``bench/tilelang_lora_variants.py --op lokr``: ``fused wgrads``)
+WGRADS_FUSED = False
 
 
 def _threads(*mn, most: int = 128) -> int:
@@ -428,6 +432,88 @@ def kron_wgrad2_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
     return kron_wgrad2 if cpu or not kper_static else without_warp_specialization(kron_wgrad2)
 
 
+def wgrads_geometry(a: int, b: int, c: int, d: int, rows: int = 128, most: int = 128):
+    """(tokens per program step, threads) of ``kron_wgrads_kernel``: half the rows of the
+    single-gradient kernels (its four fp32 fragments live at once)."""
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt = max(1, (rows // 2) // max(Ap, Bp, Cp, Dp))
+    return BTt, _threads((BTt * Bp, Cp), (Ap, Bp), (Ap, BTt * Dp), (Cp, Dp), most=most)
+
+
+def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
+                       rows: int = 128, max_threads: int = 128, kper_static: int = 4, cpu: bool = False):
+    """Both weight gradients in one pass over the tokens (``WGRADS_FUSED``): ``g_w1 (a, b) =
+    γ·Σ_t G_t·(X_t·W2ᵀ)ᵀ`` and ``g_w2 (c, d) = γ·Σ_t G_tᵀ·(W1·X_t)``, each step's X and G
+    tiles read from DRAM once (the second layout of each comes from L2) instead of once per
+    gradient kernel. Program = split s of the token tiles, ``kper_static`` steps pipelined
+    (tiles past the end read as zeros). direct: Out1 (a, b), Out2 (c, d); else fp32 partials
+    (nsplit·Ap, Bp) and (nsplit·Cp, Dp)."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt, threads = wgrads_geometry(a, b, c, d, rows, max_threads)
+    Tn = T.dynamic("T")
+    o1 = (a, b) if direct else (T.dynamic("P1"), Bp)
+    o2 = (c, d) if direct else (T.dynamic("P2"), Dp)
+    odt = odt if direct else _ACC
+    kper = kper_static
+
+    @T.prim_func
+    def kron_wgrads(Gr: T.Tensor((Tn, a, c), dt), X: T.Tensor((Tn, b, d), dt), W1: T.Tensor((a, b), dt),
+                    W2: T.Tensor((c, d), dt), Out1: T.Tensor(o1, odt), Out2: T.Tensor(o2, odt), gamma: T.float32):
+        with T.Kernel(T.ceildiv(Tn, BTt * kper), threads=nthreads(threads)) as s:
+            w1s = shared((Ap, Bp), dt)
+            w2s = shared((Cp, Dp), dt)
+            xs1 = shared((BTt * Bp, Dp), dt)  # token-stacked rows (wgrad1's Z = X·W2ᵀ)
+            gs1 = shared((Ap, BTt * Cp), dt)
+            xs2 = shared((Bp, BTt * Dp), dt)  # tokens side by side (wgrad2's P = W1·X)
+            gs2 = shared((BTt * Ap, Cp), dt)
+            zs = shared((Bp, BTt * Cp), dt)
+            ps = shared((BTt * Ap, Dp), dt)
+            z = frag((BTt * Bp, Cp), _ACC)
+            p = frag((Ap, BTt * Dp), _ACC)
+            g1 = frag((Ap, Bp), _ACC)
+            g2 = frag((Cp, Dp), _ACC)
+            T.copy(W1[0:Ap, 0:Bp], w1s)
+            T.copy(W2[0:Cp, 0:Dp], w2s)
+            T.clear(g1)
+            T.clear(g2)
+            for kk in T.Pipelined(kper, num_stages=2):
+                t0 = (s * kper + kk) * BTt
+                for t in T.serial(BTt):
+                    T.copy(X[t0 + t, 0:Bp, 0:Dp], xs1[t * Bp:(t + 1) * Bp, 0:Dp])
+                    T.copy(Gr[t0 + t, 0:Ap, 0:Cp], gs1[0:Ap, t * Cp:(t + 1) * Cp])
+                    T.copy(X[t0 + t, 0:Bp, 0:Dp], xs2[0:Bp, t * Dp:(t + 1) * Dp])
+                    T.copy(Gr[t0 + t, 0:Ap, 0:Cp], gs2[t * Ap:(t + 1) * Ap, 0:Cp])
+                T.gemm(xs1, w2s, z, transpose_B=True, clear_accum=True)  # Z[(t,v), i] = Σ_j X[t,v,j]·W2[i,j]
+                T.gemm(w1s, xs2, p, clear_accum=True)  # P[u, (t,j)] = Σ_v W1[u,v]·X[t,v,j]
+                for m, i in par(BTt * Bp, Cp):  # hi terms
+                    zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i], dt)
+                for u, n in par(Ap, BTt * Dp):
+                    ps[(n // Dp) * Ap + u, n % Dp] = T.cast(p[u, n], dt)
+                T.gemm(gs1, zs, g1, transpose_B=True)
+                T.gemm(gs2, ps, g2, transpose_A=True)
+                for m, i in par(BTt * Bp, Cp):  # lo terms
+                    zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i] - T.cast(T.cast(z[m, i], dt), _ACC), dt)
+                for u, n in par(Ap, BTt * Dp):
+                    ps[(n // Dp) * Ap + u, n % Dp] = T.cast(p[u, n] - T.cast(T.cast(p[u, n], dt), _ACC), dt)
+                T.gemm(gs1, zs, g1, transpose_B=True)
+                T.gemm(gs2, ps, g2, transpose_A=True)
+            for u, v in par(Ap, Bp):
+                g1[u, v] = g1[u, v] * gamma
+            for i, j in par(Cp, Dp):
+                g2[i, j] = g2[i, j] * gamma
+            if direct:
+                T.copy(g1, Out1[0, 0])
+                T.copy(g2, Out2[0, 0])
+            else:
+                T.copy(g1, Out1[s * Ap, 0])
+                T.copy(g2, Out2[s * Cp, 0])
+
+    return kron_wgrads if cpu else without_warp_specialization(kron_wgrads)
+
+
 # --------------------------------------------------------------------------- launchers
 
 def _split(tiles: int, other: int, device) -> tuple:
@@ -614,6 +700,33 @@ def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt, cfg=None):
     return fresh(part.view(ns, P0, P1).sum(0)[:r0, :r1], odt)
 
 
+def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None):
+    """(g_w1, g_w2) by one ``kron_wgrads_kernel`` launch: direct where one program covers the
+    tokens and both gradients share a dtype, else fp32 partials summed by torch."""
+    T_ = g3.shape[0]
+    a, c = g3.shape[1:]
+    b, d = x3.shape[1:]
+    dev = g3.device
+    if T_ == 0:
+        return torch.zeros((a, b), device=dev, dtype=dtypes[0]), torch.zeros((c, d), device=dev, dtype=dtypes[1])
+    cf = launch_config(BYPASS, cfg)
+    tiles = cdiv(T_, wgrads_geometry(a, b, c, d, cf["rows"], cf["threads"])[0])
+    k = _steps(tiles, WGRAD_KPER or (4,), dev)
+    ns = cdiv(tiles, k)
+    args = (arch_of(dev), a, b, c, d, tl_dtype(g3.dtype))
+    if ns == 1 and dtypes[0] == dtypes[1]:
+        out = (torch.empty((a, b), device=dev, dtype=dtypes[0]), torch.empty((c, d), device=dev, dtype=dtypes[1]))
+        kernel(kron_wgrads_kernel, *args, tl_dtype(dtypes[0]), True, cf["rows"], cf["threads"], k)(
+            g3, x3, w1, w2, *out, float(gamma))
+        return out
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    p1 = torch.empty((ns * Ap, Bp), device=dev, dtype=torch.float32)
+    p2 = torch.empty((ns * Cp, Dp), device=dev, dtype=torch.float32)
+    kernel(kron_wgrads_kernel, *args, "float32", False, cf["rows"], cf["threads"], k)(g3, x3, w1, w2, p1, p2,
+                                                                                     float(gamma))
+    return (fresh(p1.view(ns, Ap, Bp).sum(0)[:a, :b], dtypes[0]), fresh(p2.view(ns, Cp, Dp).sum(0)[:c, :d], dtypes[1]))
+
+
 def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
     c = compute_dtype(x, w1, w2)
     a, b = w1.shape
@@ -623,6 +736,8 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
     x3 = prep(x, c).view(T_, b, d)
     w1c, w2c = prep(w1, c), prep(w2, c)
     gx = _apply(g3, aligned(w1c.t().contiguous()), aligned(w2c.t().contiguous()), None, gamma, x.dtype, cfg)
+    if WGRADS_FUSED:
+        return (gx,) + _wgrads(g3, x3, w1c, w2c, gamma, (w1.dtype, w2.dtype), cfg)
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, cc, d))
     g_w1 = _wgrad(kron_wgrad1_kernel, g3, x3, w2c, (a, b), (Ap, Bp), Bp, Cp, gamma, w1.dtype, cfg)
     g_w2 = _wgrad(kron_wgrad2_kernel, g3, x3, w1c, (cc, d), (Cp, Dp), Ap, Dp, gamma, w2.dtype, cfg)
@@ -644,5 +759,7 @@ def compile_specs(dtype: torch.dtype):
         (kron_wgrad1_kernel, (5, 7, 4, 3, d, "float32", False, 128, 128, 4)),  # WGRAD_KPER
         (kron_wgrad2_kernel, (5, 7, 4, 3, d, d, True, 128, 128, 16)),
         (kron_wgrad1_kernel, (3, 5, 7, 4, d, d, True)),
+        (kron_wgrads_kernel, (3, 5, 7, 4, d, "float32", False, 128, 128, 4)),  # WGRADS_FUSED
+        (kron_wgrads_kernel, (64, 64, 64, 64, d, d, True, 128, 128, 16)),
         (kron_wgrad2_kernel, (3, 5, 7, 4, d, "float32", False)),
     ]
