@@ -2,8 +2,8 @@
 # The TileLang kernel-form A/Bs in one device call: build, then each variants script in turn,
 # its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
 #
-#   bash bench/gpu_variants.sh [name ...]     (default: every entry of RUNS below but boft,
-#                                              whose cold builds take about 150 s a shape)
+#   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
+#                                              lokr's fused weight gradients)
 #
 # Each script times forms of one kernel family on the bench shapes (see its docstring); the
 # forms a run decides are module flags (``tilelang/*.py``) that stay off until a table here
@@ -25,12 +25,12 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlcache}
 declare -A RUNS=(
   [tucker]="bench/tilelang_tucker_variants.py --variants all-k,all-k\ pipe,all-k\ pre"
   [lora_bwd]="bench/tilelang_lora_variants.py --op bypass_bwd --variants ws,staged\ pipe,staged"
-  [lokr]="bench/tilelang_lora_variants.py --op lokr"
+  [lokr]="bench/tilelang_lora_variants.py --op lokr --variants persistent,fused\\ wgrads"
   [ia3]="bench/tilelang_stream_variants.py --op ia3"
   [dora]="bench/tilelang_stream_variants.py --op dora"
   [boft]="bench/tilelang_boft_variants.py --shapes large --variants runs,runs+fwd\ pairs"
 )
-names=("$@"); [ ${#names[@]} -eq 0 ] && names=(tucker lora_bwd lokr ia3 dora)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(lokr)
 for n in "${names[@]}"; do
   [ -n "${RUNS[$n]:-}" ] || { echo "unknown run $n (of: ${!RUNS[*]})"; continue; }
   eval "timeout ${LYCORIS_VARIANT_SECONDS:-150} $py ${RUNS[$n]} ${LYCORIS_VARIANT_ARGS:-}" >"$final/$n.log" 2>&1
