@@ -35,7 +35,9 @@ base block through shared memory), and ``staged+pipe`` (``lokr.WGRAD_KPER``: the
 gradient kernels' token loop pipelined over a static step count), ``persistent`` and
 ``persist regs`` (also ``lokr.APPLY_KPER``: each apply program walks a static number of
 token tiles in a pipelined loop, the factors loaded once; staged / register epilogue),
-``fused wgrads`` (also ``lokr.WGRADS_FUSED``: both weight gradients in one pass);
+``fused wgrads`` (also ``lokr.WGRADS_FUSED``: both weight gradients in one pass),
+``persist split`` (``persistent`` with ``lokr.APPLY_SPLIT_BASE``: the staged epilogue's base
+add in its own loop);
 floor: the forward's x, base read and y written.
 
 Ratios within one run are what to compare; the machines are shared.
@@ -73,7 +75,9 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
                  "persistent": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64)),
                  "persist regs": dict(APPLY_STAGED=False, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64)),
                  "fused wgrads": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
-                                      WGRADS_FUSED=True)}
+                                      WGRADS_FUSED=True),
+                 "persist split": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
+                                       APPLY_SPLIT_BASE=True)}
 
 
 def lokr_table(args, dt, dev, timer, bw) -> None:

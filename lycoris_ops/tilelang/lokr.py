@@ -87,6 +87,10 @@ APPLY_STAGED = True
 #: 10:25), staged: fwd 0.319 -> 0.272 ms, bwd 0.522 -> 0.462 (large); 0.090 -> 0.077,
 #: 0.171 -> 0.162 (small; the register epilogue's persistent forward there: 0.072)
 APPLY_KPER = (4, 16, 64)
+#: ``kron_apply_kernel(split_base=...)``: the staged epilogue's base add and output write in
+#: two loops (no barrier in every step of the persistent form's epilogue; same values). Off
+#: until timed (``bench/tilelang_lora_variants.py --op lokr``: ``persist split``)
+APPLY_SPLIT_BASE = False
 #: the wgrad kernels' token loop: () the dynamic serial loop (each step's loads wait for the
 #: last step's products); else pipelined over a static step count of these (``_wgrad_split``),
 #: compiled without warp specialization. Same table: backward 0.524 ms against 0.566 with the
@@ -257,7 +261,7 @@ def kron_grad2_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, odt: st
 
 def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
                       rows: int = 128, max_threads: int = 128, staged: bool = False, kper: int = 0,
-                      cpu: bool = False):
+                      split_base: bool = False, cpu: bool = False):
     """``Y[t] = γ·W1·X[t]·W2ᵀ (+ base[t])``: X (T, b, d), W1 (a, b), W2 (c, d), Y (T, a, c).
 
     ``staged`` (``APPLY_STAGED``): the program's BTt·a·c output elements - one contiguous block
@@ -268,7 +272,13 @@ def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
     ``kper`` (``APPLY_KPER``): a program walks kper token tiles in a pipelined loop (the next
     tile's X loads while this one multiplies; tiles past the end load zeros and store
     nothing) with W1, W2 loaded once, instead of one tile and both factors a program; compiled
-    without warp specialization (the loop's body ends in a serial epilogue)."""
+    without warp specialization (the loop's body ends in a serial epilogue).
+
+    ``split_base`` (``APPLY_SPLIT_BASE``, staged with base): the base block is added into the
+    accumulator by one loop and the output block written by a second. In the persistent form
+    the single loop (read the base block, write the output block, both in shared memory) got
+    a barrier in each of its 32 steps (sm_90a, 64-wide factors: TileLang's sync planning
+    around the double-buffered base block); split, the tile has two barriers there."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -292,9 +302,15 @@ def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
         if staged:
             if has_base:
                 T.copy(Base[t0:t0 + BTt, 0:a, 0:c], bs)
+            if has_base and split_base:  # the base added in the accumulator first (see the docstring)
+                for u, n in par(Ap, BTt * Cp):
+                    if u < a and n % Cp < c:
+                        y[u, n] = y[u, n] * gamma + T.cast(bs[n // Cp, u, n % Cp], _ACC)
             for u, n in par(Ap, BTt * Cp):
                 if u < a and n % Cp < c:
-                    if has_base:
+                    if has_base and split_base:
+                        ys[n // Cp, u, n % Cp] = T.cast(y[u, n], odt)
+                    elif has_base:
                         ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma + T.cast(bs[n // Cp, u, n % Cp], _ACC), odt)
                     else:
                         ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma, odt)
@@ -661,7 +677,8 @@ def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
     staged = _apply_staged(p, a, b, c, d, x3.dtype, odt, bdt, dev)
     kper = _steps(cdiv(T_, apply_geometry(a, b, c, d, p["rows"], p["threads"])[0]), APPLY_KPER, dev) if APPLY_KPER else 0
     k = kernel(kron_apply_kernel, arch_of(dev), a, b, c, d, tl_dtype(x3.dtype),
-               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"], staged, kper)
+               None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"], staged, kper,
+               staged and base3 is not None and APPLY_SPLIT_BASE)
     k(x3, w1, w2, dummy(dev, torch.float32) if base3 is None else base3, y.view(T_, a, c), float(gamma))
     return y
 
@@ -756,6 +773,7 @@ def compile_specs(dtype: torch.dtype):
         (kron_apply_kernel, (64, 64, 64, 64, d, None, d, 128, 128, True)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, False, 4)),  # APPLY_KPER
         (kron_apply_kernel, (64, 64, 64, 64, d, d, d, 128, 128, True, 16)),
+        (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, True, 4, True)),  # APPLY_SPLIT_BASE
         (kron_wgrad1_kernel, (5, 7, 4, 3, d, "float32", False, 128, 128, 4)),  # WGRAD_KPER
         (kron_wgrad2_kernel, (5, 7, 4, 3, d, d, True, 128, 128, 16)),
         (kron_wgrad1_kernel, (3, 5, 7, 4, d, d, True)),
