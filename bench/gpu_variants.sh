@@ -3,7 +3,7 @@
 # its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
 #
 #   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
-#                                              lokr's fused weight gradients and split base add)
+#                                              lokr's fused backward forms and split base add)
 #
 # Each script times forms of one kernel family on the bench shapes (see its docstring); the
 # forms a run decides are module flags (``tilelang/*.py``) that stay off until a table here
@@ -25,7 +25,7 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlcache}
 declare -A RUNS=(
   [tucker]="bench/tilelang_tucker_variants.py --variants all-k,all-k\ pipe,all-k\ pre"
   [lora_bwd]="bench/tilelang_lora_variants.py --op bypass_bwd --variants ws,staged\ pipe,staged"
-  [lokr]="bench/tilelang_lora_variants.py --op lokr --variants persistent,fused\\ wgrads,persist\\ split"
+  [lokr]="bench/tilelang_lora_variants.py --op lokr --variants persistent,fused\\ wgrads,fused\\ bwd,persist\\ split"
   [ia3]="bench/tilelang_stream_variants.py --op ia3"
   [dora]="bench/tilelang_stream_variants.py --op dora"
   [boft]="bench/tilelang_boft_variants.py --shapes large --variants runs,runs+fwd\ pairs"

@@ -37,7 +37,8 @@ gradient kernels' token loop pipelined over a static step count), ``persistent``
 token tiles in a pipelined loop, the factors loaded once; staged / register epilogue),
 ``fused wgrads`` (also ``lokr.WGRADS_FUSED``: both weight gradients in one pass),
 ``persist split`` (``persistent`` with ``lokr.APPLY_SPLIT_BASE``: the staged epilogue's base
-add in its own loop);
+add in its own loop), ``fused bwd`` (``lokr.BWD_FUSED``: gx and both weight gradients in one
+pass over the tokens);
 floor: the forward's x, base read and y written.
 
 Ratios within one run are what to compare; the machines are shared.
@@ -77,7 +78,8 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
                  "fused wgrads": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
                                       WGRADS_FUSED=True),
                  "persist split": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
-                                       APPLY_SPLIT_BASE=True)}
+                                       APPLY_SPLIT_BASE=True),
+                 "fused bwd": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64), BWD_FUSED=True)}
 
 
 def lokr_table(args, dt, dev, timer, bw) -> None:

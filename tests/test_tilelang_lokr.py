@@ -118,7 +118,7 @@ CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems
             "kron_wgrads_kernel": ("rows", "threads")}
 #: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``, ``split_base``; the wgrad
 #: kernels: ``kper_static``)
-TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 1}
+TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 2}
 
 
 def _listed(fn, args, cfg):
@@ -174,20 +174,24 @@ def _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, dev):
                                                           (True, (2, 4, 64), (), False),
                                                           (True, (2, 4, 64), (2, 4, 64), False),
                                                           (False, (3,), (3,), False), (True, (2, 4, 64), (2,), True),
-                                                          (True, (2, 4, 64), (2, 4, 64), "split")],
-                         ids=["regs", "staged", "pipe", "persistent", "persist-regs", "fused-wgrads", "split-base"])
+                                                          (True, (2, 4, 64), (2, 4, 64), "split"),
+                                                          (True, (2, 4, 64), (2,), "bwd")],
+                         ids=["regs", "staged", "pipe", "persistent", "persist-regs", "fused-wgrads", "split-base",
+                              "fused-bwd"])
 def test_twin_apply_forms(staged, kper, apply_kper, fused, monkeypatch):
     """Both epilogues of ``kron_apply_kernel`` (``APPLY_STAGED``: output and base blocks through
     shared memory) in the bypass forward and backward, one tile a program or a static number
     of them (``APPLY_KPER``), and the wgrad kernels' pipelined token loop (``WGRAD_KPER``:
     static steps, splits past the last tile), or both weight gradients in one pass
-    (``WGRADS_FUSED``), the staged epilogue's base add split off (``APPLY_SPLIT_BASE``): padded factors, one token and a token tail, two configs (2 and 16
+    (``WGRADS_FUSED``), the staged epilogue's base add split off (``APPLY_SPLIT_BASE``), the whole backward in
+    one pass (``BWD_FUSED``): padded factors, one token and a token tail, two configs (2 and 16
     tokens a program). CPU twins at fp32; on a GPU the real kernels (bf16)."""
     monkeypatch.setattr(lokr, "APPLY_STAGED", staged)
     monkeypatch.setattr(lokr, "WGRAD_KPER", kper)
     monkeypatch.setattr(lokr, "APPLY_KPER", apply_kper)
     monkeypatch.setattr(lokr, "WGRADS_FUSED", fused is True)
     monkeypatch.setattr(lokr, "APPLY_SPLIT_BASE", fused == "split")
+    monkeypatch.setattr(lokr, "BWD_FUSED", fused == "bwd")
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     n = 0
     for cfgs in (TILE_CFGS[0], TILE_CFGS[2]):

@@ -100,6 +100,10 @@ WGRAD_KPER = (4, 16, 64)
 #: from DRAM once, not once per gradient), its static step count from ``WGRAD_KPER``. Off
 #: until timed (``bench/tilelang_lora_variants.py --op lokr``: ``fused wgrads``)
 WGRADS_FUSED = False
+#: ``kron_wgrads_kernel(gxdt=...)``: the whole backward (gx and both weight gradients) in one
+#: pass over the tokens, X and G read once. Off until timed (``tilelang_lora_variants.py --op
+#: lokr``: ``fused bwd``)
+BWD_FUSED = False
 
 
 def _threads(*mn, most: int = 128) -> int:
@@ -457,13 +461,18 @@ def wgrads_geometry(a: int, b: int, c: int, d: int, rows: int = 128, most: int =
 
 
 def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
-                       rows: int = 128, max_threads: int = 128, kper_static: int = 4, cpu: bool = False):
+                       rows: int = 128, max_threads: int = 128, kper_static: int = 4, gxdt=None,
+                       cpu: bool = False):
     """Both weight gradients in one pass over the tokens (``WGRADS_FUSED``): ``g_w1 (a, b) =
     γ·Σ_t G_t·(X_t·W2ᵀ)ᵀ`` and ``g_w2 (c, d) = γ·Σ_t G_tᵀ·(W1·X_t)``, each step's X and G
     tiles read from DRAM once (the second layout of each comes from L2) instead of once per
     gradient kernel. Program = split s of the token tiles, ``kper_static`` steps pipelined
     (tiles past the end read as zeros). direct: Out1 (a, b), Out2 (c, d); else fp32 partials
-    (nsplit·Ap, Bp) and (nsplit·Cp, Dp)."""
+    (nsplit·Ap, Bp) and (nsplit·Cp, Dp).
+
+    ``gxdt`` (``BWD_FUSED``): the same pass also writes ``GX[t] = γ·W1ᵀ·G_t·W2`` (T, b, d) in
+    that dtype (U = G_t·W2 in fp32, then W1ᵀ·hi(U) + W1ᵀ·lo(U), as ``kron_apply_kernel`` on
+    (G, W1ᵀ, W2ᵀ)): the whole backward reads X and G once."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -474,10 +483,14 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
     o2 = (c, d) if direct else (T.dynamic("P2"), Dp)
     odt = odt if direct else _ACC
     kper = kper_static
+    with_gx = gxdt is not None
+    gxsh = (Tn, b, d) if with_gx else (1,)
+    gxdt = gxdt or _ACC
 
     @T.prim_func
     def kron_wgrads(Gr: T.Tensor((Tn, a, c), dt), X: T.Tensor((Tn, b, d), dt), W1: T.Tensor((a, b), dt),
-                    W2: T.Tensor((c, d), dt), Out1: T.Tensor(o1, odt), Out2: T.Tensor(o2, odt), gamma: T.float32):
+                    W2: T.Tensor((c, d), dt), Out1: T.Tensor(o1, odt), Out2: T.Tensor(o2, odt),
+                    GX: T.Tensor(gxsh, gxdt), gamma: T.float32):
         with T.Kernel(T.ceildiv(Tn, BTt * kper), threads=nthreads(threads)) as s:
             w1s = shared((Ap, Bp), dt)
             w2s = shared((Cp, Dp), dt)
@@ -491,6 +504,9 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
             p = frag((Ap, BTt * Dp), _ACC)
             g1 = frag((Ap, Bp), _ACC)
             g2 = frag((Cp, Dp), _ACC)
+            us = shared((Ap, BTt * Dp), dt) if with_gx else None
+            uf = frag((BTt * Ap, Dp), _ACC) if with_gx else None
+            gxf = frag((Bp, BTt * Dp), _ACC) if with_gx else None
             T.copy(W1[0:Ap, 0:Bp], w1s)
             T.copy(W2[0:Cp, 0:Dp], w2s)
             T.clear(g1)
@@ -516,6 +532,19 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
                     ps[(n // Dp) * Ap + u, n % Dp] = T.cast(p[u, n] - T.cast(T.cast(p[u, n], dt), _ACC), dt)
                 T.gemm(gs1, zs, g1, transpose_B=True)
                 T.gemm(gs2, ps, g2, transpose_A=True)
+                if with_gx:
+                    T.gemm(gs2, w2s, uf, clear_accum=True)  # U[(t,u), j] = Σ_i G[t,u,i]·W2[i,j]
+                    for m, j in par(BTt * Ap, Dp):  # hi term, tokens side by side
+                        us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j], dt)
+                    T.gemm(w1s, us, gxf, transpose_A=True, clear_accum=True)  # GX[v, (t,j)] = Σ_u W1[u,v]·U
+                    for m, j in par(BTt * Ap, Dp):  # lo term
+                        us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j] - T.cast(T.cast(uf[m, j], dt), _ACC), dt)
+                    T.gemm(w1s, us, gxf, transpose_A=True)
+                    for v, n in par(Bp, BTt * Dp):
+                        tt = t0 + n // Dp
+                        j = n % Dp
+                        if v < b and j < d and tt < Tn:
+                            GX[tt, v, j] = T.cast(gxf[v, n] * gamma, gxdt)
             for u, v in par(Ap, Bp):
                 g1[u, v] = g1[u, v] * gamma
             for i, j in par(Cp, Dp):
@@ -717,31 +746,36 @@ def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt, cfg=None):
     return fresh(part.view(ns, P0, P1).sum(0)[:r0, :r1], odt)
 
 
-def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None):
+def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None, gx_dtype=None):
     """(g_w1, g_w2) by one ``kron_wgrads_kernel`` launch: direct where one program covers the
-    tokens and both gradients share a dtype, else fp32 partials summed by torch."""
+    tokens and both gradients share a dtype, else fp32 partials summed by torch. gx_dtype:
+    (gx (T, b·d) in it, g_w1, g_w2), gx from the same pass."""
     T_ = g3.shape[0]
     a, c = g3.shape[1:]
     b, d = x3.shape[1:]
     dev = g3.device
+    gx = None if gx_dtype is None else torch.empty((T_, b * d), device=dev, dtype=gx_dtype)
+    head = () if gx is None else (gx,)
     if T_ == 0:
-        return torch.zeros((a, b), device=dev, dtype=dtypes[0]), torch.zeros((c, d), device=dev, dtype=dtypes[1])
+        return head + (torch.zeros((a, b), device=dev, dtype=dtypes[0]),
+                       torch.zeros((c, d), device=dev, dtype=dtypes[1]))
     cf = launch_config(BYPASS, cfg)
     tiles = cdiv(T_, wgrads_geometry(a, b, c, d, cf["rows"], cf["threads"])[0])
     k = _steps(tiles, WGRAD_KPER or (4,), dev)
     ns = cdiv(tiles, k)
     args = (arch_of(dev), a, b, c, d, tl_dtype(g3.dtype))
+    gxa = dummy(dev, torch.float32) if gx is None else gx.view(T_, b, d)
+    tail = (cf["rows"], cf["threads"], k, None if gx is None else tl_dtype(gx_dtype))
     if ns == 1 and dtypes[0] == dtypes[1]:
         out = (torch.empty((a, b), device=dev, dtype=dtypes[0]), torch.empty((c, d), device=dev, dtype=dtypes[1]))
-        kernel(kron_wgrads_kernel, *args, tl_dtype(dtypes[0]), True, cf["rows"], cf["threads"], k)(
-            g3, x3, w1, w2, *out, float(gamma))
-        return out
+        kernel(kron_wgrads_kernel, *args, tl_dtype(dtypes[0]), True, *tail)(g3, x3, w1, w2, *out, gxa, float(gamma))
+        return head + out
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
     p1 = torch.empty((ns * Ap, Bp), device=dev, dtype=torch.float32)
     p2 = torch.empty((ns * Cp, Dp), device=dev, dtype=torch.float32)
-    kernel(kron_wgrads_kernel, *args, "float32", False, cf["rows"], cf["threads"], k)(g3, x3, w1, w2, p1, p2,
-                                                                                     float(gamma))
-    return (fresh(p1.view(ns, Ap, Bp).sum(0)[:a, :b], dtypes[0]), fresh(p2.view(ns, Cp, Dp).sum(0)[:c, :d], dtypes[1]))
+    kernel(kron_wgrads_kernel, *args, "float32", False, *tail)(g3, x3, w1, w2, p1, p2, gxa, float(gamma))
+    return head + (fresh(p1.view(ns, Ap, Bp).sum(0)[:a, :b], dtypes[0]),
+                   fresh(p2.view(ns, Cp, Dp).sum(0)[:c, :d], dtypes[1]))
 
 
 def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
@@ -752,6 +786,8 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
     g3 = prep(grad, c).view(T_, a, cc)
     x3 = prep(x, c).view(T_, b, d)
     w1c, w2c = prep(w1, c), prep(w2, c)
+    if BWD_FUSED:
+        return _wgrads(g3, x3, w1c, w2c, gamma, (w1.dtype, w2.dtype), cfg, x.dtype)
     gx = _apply(g3, aligned(w1c.t().contiguous()), aligned(w2c.t().contiguous()), None, gamma, x.dtype, cfg)
     if WGRADS_FUSED:
         return (gx,) + _wgrads(g3, x3, w1c, w2c, gamma, (w1.dtype, w2.dtype), cfg)
@@ -779,5 +815,6 @@ def compile_specs(dtype: torch.dtype):
         (kron_wgrad1_kernel, (3, 5, 7, 4, d, d, True)),
         (kron_wgrads_kernel, (3, 5, 7, 4, d, "float32", False, 128, 128, 4)),  # WGRADS_FUSED
         (kron_wgrads_kernel, (64, 64, 64, 64, d, d, True, 128, 128, 16)),
+        (kron_wgrads_kernel, (3, 5, 7, 4, d, "float32", False, 128, 128, 4, d)),  # BWD_FUSED
         (kron_wgrad2_kernel, (3, 5, 7, 4, d, "float32", False)),
     ]
