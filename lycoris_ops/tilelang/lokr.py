@@ -33,13 +33,18 @@ Bypass (tensor cores; per token ``Y_t = γ·w1·X_t·w2ᵀ``, X_t = x_t as (b, d
     dtype; two GEMMs into the same fp32 accumulator): ~16 significant bits for
     bf16, ~22 for fp16, far below the output rounding. (fp16: |Z| must stay
     below 65504.) The same kernel gives ``gx`` of the backward with
-    (G, w1ᵀ, w2ᵀ).
+    (G, w1ᵀ, w2ᵀ). ``APPLY_KPER`` (on): a program walks a static number of
+    token tiles in a pipelined loop, w1 and w2 loaded once; ``APPLY_STAGED``
+    (on where it fits): the output and base blocks go through shared memory.
 ``kron_wgrad1_kernel`` - ``g_w1 = γ·Σ_t G_t·(X_t·w2ᵀ)ᵀ``: Z as above (hi/lo),
     G tokens laid side by side (Ap, BTt·Cp), one GEMM per term over K = (t, i).
 ``kron_wgrad2_kernel`` - ``g_w2 = γ·Σ_t G_tᵀ·(w1·X_t)``: P = w1·X (X tokens
     side by side), written back token-stacked (BTt·Ap, Dp) as hi/lo; G
     token-stacked (BTt·Ap, Cp); one transposed-A GEMM per term over K = (t, u).
-    Both split the token tiles over ``nsplit`` programs (fp32 partials).
+    Both split the token tiles over ``nsplit`` programs (fp32 partials);
+    ``WGRAD_KPER`` (on): pipelined over a static step count.
+``kron_wgrads_kernel`` - both weight gradients in one pass (``WGRADS_FUSED``), and
+    with ``gxdt`` gx too (``BWD_FUSED``): X and G read once. Both off until timed.
 
 Padded sizes Ap..Dp are powers of two >= 16 (``T.copy`` zero-fills the pad);
 the bypass keeps whole padded factors in shared memory, hence the scope cap
@@ -48,7 +53,9 @@ the bypass keeps whole padded factors in shared memory, hence the scope cap
 Launch configs: each launcher runs its fixed config (``KRON``, ``GRADS``, ``BYPASS``) with
 a tuned ``cfg`` (plans/lokr.py: ``TILELANG``) merged over it (``launch_config``): the
 merge's output tile, the gradient kernels' tile size and threads, the bypass kernels'
-token rows per program and their most threads. No kernel has a ``T.Pipelined`` loop.
+token rows per program and their most threads, and (timed only) the forward apply's
+``staged`` epilogue. The bypass kernels' token loops are ``T.Pipelined`` over static step
+counts, compiled without warp specialization; the merges have no pipelined loop.
 
 fp32 calls of the GEMM-based ops (bypass, factored merges) step down
 (TF32); the whole-factor merges take fp32 (exact). Operands are cast to the
