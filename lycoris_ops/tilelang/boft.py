@@ -25,9 +25,9 @@ The run kernels (``stage_runs_kernel``, ``stream_runs_kernel``; channels last, 1
 ``run_groups`` size): the same launches without the element-wise channel map. A group's
 channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matrices are stored
 in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
-dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). ``PAIRS``
-(off until timed on a GPU): two stages per launch on a four-run box, forward
-(``stage_runs_kernel`` with R = 4) and backward (``stream_pair_kernel``).
+dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). Stage pairs:
+two stages per launch on a four-run box, forward (``stage_runs_kernel`` with R = 4; on,
+``PAIRS_FWD``) and backward (``stream_pair_kernel``; off, ``PAIRS``: slower on the H200).
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
