@@ -169,7 +169,8 @@ def test_tilelang_lora_variants_smoke(capsys):
     _agreeing_rows(capsys, module, [], ("large ", "small "), 2 * len(module.VARIANTS))
     _agreeing_rows(capsys, module, ["--op", "bypass_bwd", "--shapes", "small"], "small ", len(module.VARIANTS))
     _agreeing_rows(capsys, module, ["--op", "merge", "--shapes", "small"], "small ", 3 * len(module.MERGE_VARIANTS))
-    _agreeing_rows(capsys, module, ["--op", "lokr", "--shapes", "small"], "small ", len(module.LOKR_VARIANTS))
+    # LoKr's fused weight gradients sum the token tiles in another order (fp32: ~1e-6 apart)
+    _agreeing_rows(capsys, module, ["--op", "lokr", "--shapes", "small"], "small ", len(module.LOKR_VARIANTS), tol=1e-5)
 
 
 def test_tilelang_stream_variants_smoke(capsys):
