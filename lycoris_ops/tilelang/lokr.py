@@ -91,7 +91,7 @@ APPLY_STAGED = True
 #: largest of these that leaves two programs an SM: ``_steps``) in a pipelined loop, the
 #: factors loaded once, instead of one tile (2 tokens at 64-wide factors) and both factors a
 #: program. ``bench/tilelang_lora_variants.py --op lokr`` (H200, bf16, RESULTS.md 2026-12-02
-#: 10:25), staged: fwd 0.319 -> 0.272 ms, bwd 0.522 -> 0.462 (large); 0.090 -> 0.077,
+#: 09:50), staged: fwd 0.319 -> 0.272 ms, bwd 0.522 -> 0.462 (large); 0.090 -> 0.077,
 #: 0.171 -> 0.162 (small; the register epilogue's persistent forward there: 0.072)
 APPLY_KPER = (4, 16, 64)
 #: ``kron_apply_kernel(split_base=...)``: the staged epilogue's base add and output write in
