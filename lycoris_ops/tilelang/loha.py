@@ -34,9 +34,9 @@ and ``reference/loha.py`` (same rounding points):
 A tuned config's ``vendor`` key (``plans/loha.py``, the Triton op set's candidate of the same
 name): the T·O·I GEMMs (the forward's x·ΔWᵀ; the backward's gx and GW) by torch's GEMM
 (cuBLAS), rounded as the eager body rounds them, ΔW and the factor gradients still by the
-kernels above. The tuner times it against the TileLang GEMMs at large shapes, where
-cuBLAS's GEMM is the faster of the two (H200, bench/RESULTS.md 2026-12-02: the TileLang
-f+b 4.96 ms against Triton's 4.68, whose tuner picked its vendor path, and eager's 4.86).
+kernels above. The tuner times it against the TileLang GEMMs at large shapes (H200,
+bench/RESULTS.md 2026-12-02 09:36: TileLang's f+b 4.96 ms with its own GEMMs against
+eager's 4.86 and Triton's 4.68, whose shortlist times the same vendor form).
 
 fp32 operands would run as TF32: fp32 calls are outside the TileLang scope of
 these ops (``scope.py``). Operands are cast to the compute dtype and made
