@@ -3,7 +3,8 @@
 # its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
 #
 #   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
-#                                              lokr's fused backward forms and split base add)
+#                                              lokr's fused backward forms and split base add,
+#                                              and their GPU twin tests: lokr_tests)
 #
 # Each script times forms of one kernel family on the bench shapes (see its docstring); the
 # forms a run decides are module flags (``tilelang/*.py``) that stay off until a table here
@@ -28,9 +29,10 @@ declare -A RUNS=(
   [lokr]="bench/tilelang_lora_variants.py --op lokr --variants persistent,fused\\ wgrads,fused\\ bwd,persist\\ split"
   [ia3]="bench/tilelang_stream_variants.py --op ia3"
   [dora]="bench/tilelang_stream_variants.py --op dora"
+  [lokr_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k fused\\ or\\ split"
   [boft]="bench/tilelang_boft_variants.py --shapes large --variants runs,runs+fwd\ pairs"
 )
-names=("$@"); [ ${#names[@]} -eq 0 ] && names=(lokr)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(lokr lokr_tests)
 for n in "${names[@]}"; do
   [ -n "${RUNS[$n]:-}" ] || { echo "unknown run $n (of: ${!RUNS[*]})"; continue; }
   eval "timeout ${LYCORIS_VARIANT_SECONDS:-150} $py ${RUNS[$n]} ${LYCORIS_VARIANT_ARGS:-}" >"$final/$n.log" 2>&1
