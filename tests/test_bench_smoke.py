@@ -181,3 +181,16 @@ def test_tilelang_stream_variants_smoke(capsys):
     module = bench_script("tilelang_stream_variants.py", "lycoris_bench_tl_stream")
     _agreeing_rows(capsys, module, [], ("large ", "small "), 2 * len(module.VARIANTS), tol=1e-5)
     _agreeing_rows(capsys, module, ["--op", "dora"], ("large ", "small "), 2 * len(module.DORA_VARIANTS), tol=1e-5)
+
+
+def test_kernel_profile_smoke(capsys):
+    """``bench/kernel_profile.py --smoke``: every spec's forward (and backward op, where it has
+    one) is profiled and listed, each phase with its op rows (CPU tensors, tiny shape)."""
+    module = bench_script("kernel_profile.py", "lycoris_bench_kernel_profile")
+    names = [s.name for s in module.specs.SPECS]
+    assert module.main(["--smoke", "--specs", ",".join(names), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    heads = [line for line in out.splitlines() if line.split(" ", 1)[0] in names and " torch " in line]
+    want = sum(1 + (s.bwd is not None) for s in module.specs.SPECS)
+    assert len(heads) == want, out
+    assert all(" in " in h and (" ops," in h) for h in heads), heads

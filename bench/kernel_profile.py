@@ -1,0 +1,128 @@
+"""Where an op's device time goes, kernel by kernel, on a GPU:
+
+    python bench/kernel_profile.py --specs boft,lokr_bypass [--backend tilelang] [--shape large]
+
+For each bench spec (``specs.py``: its inputs, γ, and the backward op it registers), the op
+runs under one backend (``dispatch.use_backend``) until its tuner has picked (three warm-up
+calls), then ``torch.profiler`` records one forward and one backward op call. The table
+lists, per phase, each CUDA kernel (the TileLang / Triton kernels and torch's own: copies,
+sums, cuBLAS) with its launches, its device time and its share of the phase, then the
+phase's total against the memory floor of ``bench.py`` (bytes of the phase's inputs read
+once and outputs written once, over the copy bandwidth measured here). A phase far above
+its floor whose time sits in one kernel says which kernel to read next; one spread over
+many launches says the pass structure is the cost.
+
+``--smoke``: CPU tensors, tiny shape (the script runs; CI): the rows are CPU ops.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import specs  # noqa: E402
+import timing as T  # noqa: E402
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out]
+    return [t for t in (out or ()) if isinstance(t, torch.Tensor)]
+
+
+def _bytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def _phases(spec, inputs, G):
+    """[(name, call, bytes of its floor)]: the forward op, and the backward op where the spec
+    has one (its gradient G drawn like bench.py's)."""
+    ts = list(inputs.values())
+    out = spec.ours_all(*ts)
+    phases = [("fwd", lambda: spec.ours_all(*ts), _bytes(ts) + _bytes(out))]
+    if spec.bwd is not None:
+        op, args = spec.bwd(*ts, G, out)
+        fn = getattr(torch.ops.lycoris, op)
+        res = fn(*args)
+        phases.append(("bwd", lambda: fn(*args), _bytes([a for a in args if isinstance(a, torch.Tensor)])
+                       + _bytes(_tensors(res))))
+    return phases
+
+
+def _kernel_rows(prof, cuda: bool):
+    """(name, calls, µs) of the recorded events: on a GPU the device events (kernels, memcpy,
+    memset: their own duration), on the CPU the ops' self time."""
+    rows = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            t = e.time_range.elapsed_us()
+        else:
+            t = e.self_cpu_time_total
+        r = rows[e.name]
+        r[0] += 1
+        r[1] += t
+    return sorted(((k, c, us) for k, (c, us) in rows.items() if us > 0), key=lambda r: -r[2])
+
+
+def profile(spec, geo, dt, dev, backend, bw, top: int) -> None:
+    from lycoris_ops import dispatch
+
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    inputs = spec.build(geo, dt, dev, gen)
+    first = spec.ours_all(*inputs.values())[0]
+    G = torch.randn(first.shape, generator=gen).to(device=dev, dtype=first.dtype)
+    cuda = dev.type == "cuda"
+    acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with dispatch.use_backend(backend, strict=False):
+        phases = _phases(spec, inputs, G)
+        for _, call, _ in phases:  # the tuner picks on the first calls; time what it picked
+            for _ in range(3):
+                call()
+        if cuda:
+            torch.cuda.synchronize()
+        for name, call, nbytes in phases:
+            with torch.profiler.profile(activities=acts) as prof:
+                call()
+                if cuda:
+                    torch.cuda.synchronize()
+            rows = _kernel_rows(prof, cuda)
+            total = sum(us for _, _, us in rows) or float("nan")
+            floor = nbytes / bw * 1e6 if bw else float("nan")
+            print(f"\n{spec.name} {geo.tag} {str(dt).replace('torch.', '')} {backend} {name}: "
+                  f"{total:.1f} µs in {sum(c for _, c, _ in rows)} {'kernels' if cuda else 'ops'}, "
+                  f"floor {floor:.1f} µs ({total / floor:.2f}x)")
+            for k, c, us in rows[:top]:
+                print(f"  {us:9.1f} µs {us / total:6.1%} {c:4d}x  {k[:110]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--specs", default="boft,lokr_bypass,lora_bypass")
+    ap.add_argument("--backend", default="tilelang", help="a backend name of dispatch (tilelang, triton, ...)")
+    ap.add_argument("--shape", default="large", choices=tuple(specs.SHAPES))
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    ap.add_argument("--top", type=int, default=12, help="kernels listed per phase")
+    ap.add_argument("--smoke", action="store_true", help="CPU tensors, tiny shape: the script runs")
+    args = ap.parse_args(argv)
+    import lycoris_ops  # noqa: F401  (registers torch.ops.lycoris)
+
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    geo = specs.SHAPES["tiny" if args.smoke else args.shape]
+    dt = torch.float32 if args.smoke else specs.DTYPES[args.dtype]
+    backend = "torch" if args.smoke else args.backend
+    bw = None if args.smoke else T.copy_bandwidth(dev)
+    if bw:
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+    for name in args.specs.split(","):
+        profile(specs.BY_NAME[name], geo, dt, dev, backend, bw, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
