@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
 #                                              lokr's fused backward forms and split base add,
-#                                              and their GPU twin tests: lokr_tests)
+#                                              and their GPU twin tests: lokr_tests; ``profile``:
+#                                              device time per kernel, bench/kernel_profile.py)
 #
 # Each script times forms of one kernel family on the bench shapes (see its docstring); the
 # forms a run decides are module flags (``tilelang/*.py``) that stay off until a table here
@@ -30,6 +31,7 @@ declare -A RUNS=(
   [ia3]="bench/tilelang_stream_variants.py --op ia3"
   [dora]="bench/tilelang_stream_variants.py --op dora"
   [lokr_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k fused\\ or\\ split"
+  [profile]="bench/kernel_profile.py --specs lokr_bypass,lora_bypass,boft"
   [boft]="bench/tilelang_boft_variants.py --shapes large --variants runs,runs+fwd\ pairs"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(lokr lokr_tests)

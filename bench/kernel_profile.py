@@ -105,7 +105,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--specs", default="boft,lokr_bypass,lora_bypass")
     ap.add_argument("--backend", default="tilelang", help="a backend name of dispatch (tilelang, triton, ...)")
-    ap.add_argument("--shape", default="large", choices=tuple(specs.SHAPES))
+    ap.add_argument("--shape", "--shapes", dest="shape", default="large", choices=tuple(specs.SHAPES),
+                    help="one bench shape (--shapes: the variants scripts' spelling, gpu_variants.sh)")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--top", type=int, default=12, help="kernels listed per phase")
     ap.add_argument("--smoke", action="store_true", help="CPU tensors, tiny shape: the script runs")
