@@ -369,3 +369,27 @@ def test_tile_space_legality():
         assert threads == c["threads"] and bt == max(1, c["rows"] // 128), c
     assert plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (128,) * 4, 2) == [dict(rows=64, threads=256)]
     assert plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (128,) * 4, 4) == []  # fp32 128 x 128 factors: smem
+
+
+def test_twin_fused_bwd_staged_gx(monkeypatch):
+    """The one-pass backward (``BWD_FUSED``) where its gx block goes through shared memory
+    (16-wide factors: 4 tokens a step, 1024 elements a block) against the reference, a
+    token tail included. CPU twin at fp32; on a GPU the real kernel (bf16)."""
+    monkeypatch.setattr(lokr, "BWD_FUSED", True)
+    monkeypatch.setattr(lokr, "WGRAD_KPER", (2, 4))
+    dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
+    assert lokr.wgrads_gx_stageable(16, 16, 16, 16, 128, 128, dtype.itemsize)
+    assert not lokr.wgrads_gx_stageable(3, 5, 7, 4, 128, 128, dtype.itemsize)  # the odd cases: from registers
+    # the one-pass kernels fit sm_90's shared memory at the bench factors, not at 128 (where
+    # bypass_bwd keeps the separate kernels)
+    limit = lokr.smem_limit(torch.device("cpu")) / lokr._SMEM_MARGIN
+    assert lokr.wgrads_smem(64, 64, 64, 64, 128, 128, 2, 2) <= limit
+    assert lokr.wgrads_smem(128, 128, 64, 64, 128, 128, 2, 0) > limit
+    g = torch.Generator().manual_seed(5)
+
+    def m(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=g)).to(dtype).to(dev)
+
+    w1, w2 = m(16, 16, scale=0.25), m(16, 16, scale=0.25)
+    for T in (1, 150):
+        _with_cfg("lokr_bypass_bwd", dict(rows=128, threads=128), (m(T, 256), m(T, 256), w1, w2, 0.7), dtype)

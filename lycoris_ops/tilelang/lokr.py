@@ -74,6 +74,7 @@ __all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_
            "compile_specs"]
 
 _ACC = "float32"
+_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: the fixed launch configs (the tuner's untimed pick). kron_kernel: its (BM x BN) output
 #: tile and threads; the gradient kernels: the most fp32 elements of their tile and threads;
 #: the bypass kernels: the most token rows (BTt·padded factor dim) of a program and the
@@ -467,6 +468,28 @@ def wgrads_geometry(a: int, b: int, c: int, d: int, rows: int = 128, most: int =
     return BTt, _threads((BTt * Bp, Cp), (Ap, Bp), (Ap, BTt * Dp), (Cp, Dp), most=most)
 
 
+def wgrads_smem(a: int, b: int, c: int, d: int, rows: int, most: int, esize: int, gx_size: int = 0) -> int:
+    """Shared-memory bytes of ``kron_wgrads_kernel`` (esize-byte operands; gx_size: gx's
+    element bytes, 0: no gx): the factors, the X and G tiles in both layouts (two stages of
+    each: the pipelined loop), the hi/lo staging, and with gx its staging and block."""
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt, _ = wgrads_geometry(a, b, c, d, rows, most)
+    loads = BTt * (Bp * Dp + Ap * Cp)  # one layout of one step's X and G tiles
+    n = Ap * Bp + Cp * Dp + 2 * 2 * loads + BTt * (Bp * Cp + Ap * Dp)
+    if gx_size:
+        n += BTt * Ap * Dp
+    staged = gx_size and wgrads_gx_stageable(a, b, c, d, rows, most, gx_size)
+    return n * esize + (BTt * b * d * gx_size if staged else 0)
+
+
+def wgrads_gx_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, size: int) -> bool:
+    """Whether ``kron_wgrads_kernel``'s gx block (BTt·b·d elements of ``size`` bytes) copies in
+    whole 16-byte vectors, one a thread (as ``apply_stageable``: TileLang cannot lay out some
+    other block copies); else gx is stored from the accumulator."""
+    BTt, threads = wgrads_geometry(a, b, c, d, rows, most)
+    return BTt * b * d % (threads * 16 // size) == 0
+
+
 def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
                        rows: int = 128, max_threads: int = 128, kper_static: int = 4, gxdt=None,
                        cpu: bool = False):
@@ -479,7 +502,9 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
 
     ``gxdt`` (``BWD_FUSED``): the same pass also writes ``GX[t] = γ·W1ᵀ·G_t·W2`` (T, b, d) in
     that dtype (U = G_t·W2 in fp32, then W1ᵀ·hi(U) + W1ᵀ·lo(U), as ``kron_apply_kernel`` on
-    (G, W1ᵀ, W2ᵀ)): the whole backward reads X and G once."""
+    (G, W1ᵀ, W2ᵀ)): the whole backward reads X and G once. The gx block goes through shared
+    memory and one store where it copies whole (16-byte vectors; the CPU twin stores from the
+    accumulator)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -493,6 +518,7 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
     with_gx = gxdt is not None
     gxsh = (Tn, b, d) if with_gx else (1,)
     gxdt = gxdt or _ACC
+    gx_staged = with_gx and wgrads_gx_stageable(a, b, c, d, rows, max_threads, _ITEMSIZE[gxdt])
 
     @T.prim_func
     def kron_wgrads(Gr: T.Tensor((Tn, a, c), dt), X: T.Tensor((Tn, b, d), dt), W1: T.Tensor((a, b), dt),
@@ -514,6 +540,7 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
             us = shared((Ap, BTt * Dp), dt) if with_gx else None
             uf = frag((BTt * Ap, Dp), _ACC) if with_gx else None
             gxf = frag((Bp, BTt * Dp), _ACC) if with_gx else None
+            gxs = shared((BTt, b, d), gxdt) if gx_staged else None
             T.copy(W1[0:Ap, 0:Bp], w1s)
             T.copy(W2[0:Cp, 0:Dp], w2s)
             T.clear(g1)
@@ -547,11 +574,17 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
                     for m, j in par(BTt * Ap, Dp):  # lo term
                         us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j] - T.cast(T.cast(uf[m, j], dt), _ACC), dt)
                     T.gemm(w1s, us, gxf, transpose_A=True)
-                    for v, n in par(Bp, BTt * Dp):
-                        tt = t0 + n // Dp
-                        j = n % Dp
-                        if v < b and j < d and tt < Tn:
-                            GX[tt, v, j] = T.cast(gxf[v, n] * gamma, gxdt)
+                    if gx_staged:  # the block in GX's order in shared memory, one (TMA) store
+                        for v, n in par(Bp, BTt * Dp):
+                            if v < b and n % Dp < d:
+                                gxs[n // Dp, v, n % Dp] = T.cast(gxf[v, n] * gamma, gxdt)
+                        T.copy(gxs, GX[t0:t0 + BTt, 0:b, 0:d])
+                    else:
+                        for v, n in par(Bp, BTt * Dp):
+                            tt = t0 + n // Dp
+                            j = n % Dp
+                            if v < b and j < d and tt < Tn:
+                                GX[tt, v, j] = T.cast(gxf[v, n] * gamma, gxdt)
             for u, v in par(Ap, Bp):
                 g1[u, v] = g1[u, v] * gamma
             for i, j in par(Cp, Dp):
@@ -793,10 +826,14 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
     g3 = prep(grad, c).view(T_, a, cc)
     x3 = prep(x, c).view(T_, b, d)
     w1c, w2c = prep(w1, c), prep(w2, c)
-    if BWD_FUSED:
+    cf = launch_config(BYPASS, cfg)
+    fits = (BWD_FUSED or WGRADS_FUSED) and wgrads_smem(
+        a, b, cc, d, cf["rows"], cf["threads"], g3.element_size(), x.element_size() if BWD_FUSED else 0
+    ) * _SMEM_MARGIN <= smem_limit(x.device)  # else (factors of 128) the separate kernels
+    if BWD_FUSED and fits:
         return _wgrads(g3, x3, w1c, w2c, gamma, (w1.dtype, w2.dtype), cfg, x.dtype)
     gx = _apply(g3, aligned(w1c.t().contiguous()), aligned(w2c.t().contiguous()), None, gamma, x.dtype, cfg)
-    if WGRADS_FUSED:
+    if WGRADS_FUSED and fits:
         return (gx,) + _wgrads(g3, x3, w1c, w2c, gamma, (w1.dtype, w2.dtype), cfg)
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, cc, d))
     g_w1 = _wgrad(kron_wgrad1_kernel, g3, x3, w2c, (a, b), (Ap, Bp), Bp, Cp, gamma, w1.dtype, cfg)
