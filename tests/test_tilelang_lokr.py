@@ -393,3 +393,18 @@ def test_twin_fused_bwd_staged_gx(monkeypatch):
     w1, w2 = m(16, 16, scale=0.25), m(16, 16, scale=0.25)
     for T in (1, 150):
         _with_cfg("lokr_bypass_bwd", dict(rows=128, threads=128), (m(T, 256), m(T, 256), w1, w2, 0.7), dtype)
+
+
+def test_staged_apply_fits_its_pipeline():
+    """The staged apply epilogue only where its shared memory fits with the persistent form's
+    two stages of X and base (``apply_smem(pipelined=True)``): at 64-wide factors (the bench)
+    it runs; at 128-wide factors with a 16-bit base the two base stages would not fit sm_90's
+    227 KiB (294 KiB with the planners' margin), so the register epilogue runs there."""
+    cpu, bf = torch.device("cpu"), torch.bfloat16
+    p = dict(lokr.BYPASS)
+    assert lokr.APPLY_KPER and lokr.APPLY_STAGED
+    assert lokr._apply_staged(p, 64, 64, 64, 64, bf, bf, bf, cpu)
+    assert not lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, bf, cpu)
+    assert lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, None, cpu)  # no base: one block staged
+    assert (lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2, True, True)
+            > lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2, True, False))

@@ -705,13 +705,17 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, cfg=None):
     return tuple(outs)
 
 
-def apply_smem(a: int, b: int, c: int, d: int, rows: int, esize: int, osize: int, bsize: int, staged: bool) -> int:
+def apply_smem(a: int, b: int, c: int, d: int, rows: int, esize: int, osize: int, bsize: int, staged: bool,
+               pipelined: bool = False) -> int:
     """Shared-memory bytes of ``kron_apply_kernel`` (esize-byte operands; the staged output
-    and base blocks osize / bsize bytes an element, bsize 0: no base)."""
+    and base blocks osize / bsize bytes an element, bsize 0: no base). ``pipelined`` (the
+    persistent form, ``APPLY_KPER``): the loop's loads, X and the staged base block, are held
+    in two stages."""
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
     BTt = _tok_tile(Bp, Cp, rows)
-    n = (BTt * Bp * Dp + Ap * Bp + Cp * Dp + Bp * BTt * Cp) * esize
-    return n + (BTt * a * c * (osize + bsize) if staged else 0)
+    copies = 2 if pipelined else 1
+    n = (copies * BTt * Bp * Dp + Ap * Bp + Cp * Dp + Bp * BTt * Cp) * esize
+    return n + (BTt * a * c * (osize + copies * bsize) if staged else 0)
 
 
 def apply_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, osize: int, bsize: int) -> bool:
@@ -732,7 +736,8 @@ def _apply_staged(p: dict, a, b, c, d, dt, odt, bdt, device) -> bool:
         return False
     esize, osize, bsize = dt.itemsize, odt.itemsize, 0 if bdt is None else bdt.itemsize
     return (apply_stageable(a, b, c, d, p["rows"], p["threads"], osize, bsize)
-            and apply_smem(a, b, c, d, p["rows"], esize, osize, bsize, True) * _SMEM_MARGIN <= smem_limit(device))
+            and apply_smem(a, b, c, d, p["rows"], esize, osize, bsize, True, bool(APPLY_KPER)) * _SMEM_MARGIN
+            <= smem_limit(device))
 
 
 def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
