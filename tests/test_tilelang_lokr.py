@@ -408,3 +408,32 @@ def test_staged_apply_fits_its_pipeline():
     assert lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, None, cpu)  # no base: one block staged
     assert (lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2, True, True)
             > lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2, True, False))
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.skipif(GPU, reason="CPU hosts: on the GPU, kernels an earlier test built are cached and not captured")
+@pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-bwd"])
+def test_factor_128_kernels_fit_shared_memory(monkeypatch, fused):
+    """At the scope's largest factors (128) with a 16-bit base, every kernel the bypass
+    launchers build compiles for sm_90a within its 227 KiB of shared memory
+    (``harness.compile_failures`` reads the launch's size from the host code): the persistent
+    form's staged epilogue asked for 256 KiB there until ``apply_smem`` counted its two base
+    stages, and the fused backward kernels would ask for up to 448 KiB (they step aside)."""
+    from lycoris_ops.tilelang import _common, lora as tl_lora
+
+    for mod in (lokr, tl_lora):
+        monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
+    monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    monkeypatch.setattr(lokr, "BWD_FUSED", fused)
+    monkeypatch.setattr(lokr, "WGRADS_FUSED", fused)
+    bf = torch.bfloat16
+    x, base, w = torch.empty(300, 128 * 128, dtype=bf), torch.empty(300, 128 * 128, dtype=bf), torch.empty(128, 128, dtype=bf)
+    calls = [(lokr.bypass_fwd, (x, w, w, 0.7, base), {}), (lokr.bypass_fwd, (x, w, w, 0.7, None), {}),
+             (lokr.bypass_bwd, (base, x, w, w, 0.7), {})]
+    captured, failed = harness.compile_calls(calls)
+    assert captured >= 4 and not failed, failed
+    # the check itself: the staged epilogue with two base stages at 128 is over the limit
+    over = _common.Pending(lokr.kron_apply_kernel, "sm_90a", (128, 128, 128, 128, "bfloat16", "bfloat16", "bfloat16",
+                                                               128, 128, True, 16))
+    (why,) = harness.compile_failures([over])
+    assert "256 KiB of shared memory" in why[2], why

@@ -1,5 +1,6 @@
 """What the TileLang test files share: the compile matrix and the op-set-vs-eager check."""
 import os
+import re
 import shutil
 
 import torch
@@ -33,17 +34,40 @@ def compare(opset, reference, op, args, dtype, tol=None):
         assert err <= (tol or REL_TOL[dtype]), f"{op} output {k}: rel err {err:.3e}"
 
 
+#: the dynamic shared memory one block may ask for, by arch (the opt-in maxima)
+SMEM_LIMIT = {"sm_90a": 227 * 1024, "sm_90": 227 * 1024, "sm_80": 163 * 1024}
+
+
+def dynamic_smem(kernel) -> int:
+    """The dynamic shared memory (bytes) a compiled TileLang kernel launches with: the last
+    launch argument its host code passes (grid, block, then the shared-memory size); 0 where
+    the host code does not show one."""
+    src = kernel.get_host_source()
+    best = 0
+    for m in re.finditer(r"TVMFFIFunctionCall\(\w+, \(TVMFFIAny\*\) stack_ffi_any, (\d+),", src):
+        n = int(m.group(1))
+        slots = re.findall(r"stack_ffi_any\)\[%d\]\.v_int64\) = \(\(int64_t\)(\d+)\)" % (n - 1), src[:m.start()])
+        if slots:
+            best = max(best, int(slots[-1]))
+    return best
+
+
 def compile_failures(pending):
     """Compile each captured kernel (``_common.capturing``) for its arch; one line per kernel
-    that fails (builder, its last arguments, the error), so a test reports them all at once."""
+    that fails (builder, its last arguments, the error) or asks for more shared memory than
+    its arch's block has, so a test reports them all at once."""
     from lycoris_ops.tilelang import _common
 
     failed = []
     for p in pending:
         try:
-            _common.compile_only(p.builder, p.arch, *p.args)
+            k = _common.compile_only(p.builder, p.arch, *p.args)
         except Exception as exc:  # collected, not raised: every failing config in one report
             failed.append((p.builder.__name__, p.args[-6:], str(exc).splitlines()[0][:120]))
+            continue
+        smem, limit = dynamic_smem(k) if p.arch in SMEM_LIMIT else 0, SMEM_LIMIT.get(p.arch, 0)
+        if smem > limit:
+            failed.append((p.builder.__name__, p.args[-6:], f"{smem // 1024} KiB of shared memory > {limit // 1024}"))
     return failed
 
 
