@@ -45,7 +45,7 @@ contiguous on the host when they are not already.
 import torch
 
 from ._common import aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype, without_warp_specialization
-from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
+from .lora import _scaled_acc, _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 from ..reference import gemm_epilogue, mm32
 
 __all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel",
@@ -72,6 +72,7 @@ def hada_apply_kernel(trans: bool, N: int, K: int, r: int, dt: str, bdt, odt: st
     shared, frag, par, nthreads = _scopes(T, cpu)
     Rp = pad_rank(r)
     Tn = T.dynamic("T")
+    scale = _scaled_acc(T, par, BT, BN, Tn, N)
     has_base = bdt is not None
     bshape = (Tn, N) if has_base else (1,)
     bdt = bdt or _ACC
@@ -117,12 +118,7 @@ def hada_apply_kernel(trans: bool, N: int, K: int, r: int, dt: str, bdt, odt: st
                 for i, j in par(ptile[0], ptile[1]):
                     dws[i, j] = T.cast(p1[i, j] * p2[i, j], dt)  # the ΔW tile, rounded
                 T.gemm(xs, dws, acc, transpose_B=not trans)
-            for i, j in par(BT, BN):
-                if has_base:
-                    if t0 + i < Tn and n0 + j < N:
-                        acc[i, j] = acc[i, j] * gamma + T.cast(Base[t0 + i, n0 + j], _ACC)
-                else:
-                    acc[i, j] = acc[i, j] * gamma
+            scale(acc, gamma, Base if has_base else None, t0, n0)
             T.copy(acc, Y[t0, n0])
 
     return hada_apply

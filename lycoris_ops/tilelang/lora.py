@@ -124,6 +124,23 @@ def _scaled_tile(T, par, rows: int, cols: int, odt: str):
     return scaled
 
 
+def _scaled_acc(T, par, rows: int, cols: int, R, C):
+    """The register epilogues' T.macro ``scale(acc, gamma, Base, r0, c0)``: ``acc = γ·acc
+    (+ Base[r0 + i, c0 + j], read where inside the R x C base)`` in place over a (rows, cols)
+    tile, before one copy stores it; ``Base`` None: no base. R, C are the builder's (dynamic)
+    extents, closed over: as macro arguments TileLang would rename the kernel's own."""
+
+    @T.macro
+    def scale(acc, gamma, Base, r0, c0):
+        for i, j in par(rows, cols):
+            if Base is None:
+                acc[i, j] = acc[i, j] * gamma
+            elif r0 + i < R and c0 + j < C:
+                acc[i, j] = acc[i, j] * gamma + T.cast(Base[r0 + i, c0 + j], _ACC)
+
+    return scale
+
+
 def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                       BT: int = 64, BO: int = 128, BK: int = 64, stages: int = 2, threads: int = 128,
                       staged: bool = False, pipe_o: bool = False, ws: bool = True, cpu: bool = False):
@@ -146,6 +163,7 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
     bdt = bdt or _ACC
     n_o = -(-O // BO)
     scaled = _scaled_tile(T, par, BT, BO, odt)
+    scale = _scaled_acc(T, par, BT, BO, Tn, O)
 
     @T.prim_func
     def lora_bypass_fwd(X: T.Tensor((Tn, I), dt), Up: T.Tensor((O, r), dt), Down: T.Tensor((r, I), dt),
@@ -185,12 +203,7 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                     if o0 < O:
                         T.copy(Up[o0, 0], us)
                         T.gemm(hs, us, y, transpose_B=True, clear_accum=True)
-                        for i, c in par(BT, BO):
-                            if has_base:
-                                if t0 + i < Tn and o0 + c < O:
-                                    y[i, c] = y[i, c] * gamma + T.cast(Base[t0 + i, o0 + c], _ACC)
-                            else:
-                                y[i, c] = y[i, c] * gamma
+                        scale(y, gamma, Base if has_base else None, t0, o0)
                         T.copy(y, Y[t0, o0])
 
     return lora_bypass_fwd if ws or cpu else without_warp_specialization(lora_bypass_fwd)
@@ -350,6 +363,7 @@ def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, b
     bsh = (Md, N) if has_base else (1,)
     bdt = bdt or _ACC
     scaled = _scaled_tile(T, par, BM, BN, odt)
+    scale = _scaled_acc(T, par, BM, BN, Md, N)
 
     @T.prim_func
     def gemm(A: T.Tensor(ashape, dt), B: T.Tensor(bshape, dt), A2: T.Tensor(a2shape, dt), B2: T.Tensor(b2shape, dt),
@@ -397,12 +411,7 @@ def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, b
                 scaled(acc, gamma, ys, bs if has_base else None)
                 T.copy(ys, Y[m0, n0])
             else:
-                for i, j in par(BM, BN):
-                    if has_base:
-                        if m0 + i < Md and n0 + j < N:
-                            acc[i, j] = acc[i, j] * gamma + T.cast(Base[m0 + i, n0 + j], _ACC)
-                    else:
-                        acc[i, j] = acc[i, j] * gamma
+                scale(acc, gamma, Base if has_base else None, m0, n0)
                 T.copy(acc, Y[m0, n0])
 
     # without warp specialization (2 consumer warpgroups + a producer, one program an SM):
