@@ -271,6 +271,49 @@ def kron_grad2_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, odt: st
 
 # --------------------------------------------------------------------------- bypass
 
+def _token_blocks_store(T, par, Rp: int, Np: int, R: int, N: int, BTt: int, Tn, odt: str, staged: bool,
+                        split_base: bool = False):
+    """The T.macro ``store(acc, gamma, t0, Out, outs, Base, bs)`` of the bypass kernels: acc
+    (Rp, BTt·Np) fp32 holds BTt token blocks side by side; ``Out[t0 + t, :R, :N] = round(γ·acc
+    (+ Base))`` in odt (``Base`` None: no base). ``staged``: the base block is copied into bs
+    whole, the output block written into outs (BTt, R, N) in Out's order and stored by one
+    copy; ``split_base`` (``APPLY_SPLIT_BASE``): the base added into acc by a loop of its own
+    first. Else each element is stored (and its base read) from the registers, tokens past
+    Tn skipped. Tn and the extents are closed over (as macro arguments TileLang would rename
+    the kernel's dynamic ones)."""
+
+    @T.macro
+    def store(acc, gamma, t0, Out, outs, Base, bs):
+        if staged:
+            if Base is not None:
+                T.copy(Base[t0:t0 + BTt, 0:R, 0:N], bs)
+            if Base is not None and split_base:  # the base added in the accumulator first
+                for u, n in par(Rp, BTt * Np):
+                    if u < R and n % Np < N:
+                        acc[u, n] = acc[u, n] * gamma + T.cast(bs[n // Np, u, n % Np], _ACC)
+            for u, n in par(Rp, BTt * Np):
+                if u < R and n % Np < N:
+                    if Base is not None and split_base:
+                        outs[n // Np, u, n % Np] = T.cast(acc[u, n], odt)
+                    elif Base is not None:
+                        outs[n // Np, u, n % Np] = T.cast(acc[u, n] * gamma + T.cast(bs[n // Np, u, n % Np], _ACC),
+                                                          odt)
+                    else:
+                        outs[n // Np, u, n % Np] = T.cast(acc[u, n] * gamma, odt)
+            T.copy(outs, Out[t0:t0 + BTt, 0:R, 0:N])
+        else:
+            for u, n in par(Rp, BTt * Np):
+                t = t0 + n // Np
+                i = n % Np
+                if u < R and i < N and t < Tn:
+                    if Base is not None:
+                        Out[t, u, i] = T.cast(acc[u, n] * gamma + T.cast(Base[t, u, i], _ACC), odt)
+                    else:
+                        Out[t, u, i] = T.cast(acc[u, n] * gamma, odt)
+
+    return store
+
+
 def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
                       rows: int = 128, max_threads: int = 128, staged: bool = False, kper: int = 0,
                       split_base: bool = False, cpu: bool = False):
@@ -301,6 +344,8 @@ def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
     bsh = (Tn, a, c) if has_base else (1,)
     bdt = bdt or _ACC
 
+    store = _token_blocks_store(T, par, Ap, Cp, a, c, BTt, Tn, odt, staged, split_base)
+
     @T.macro
     def tile(X, Base, Y, gamma, t0, xs, w1s, w2s, zs, z, y, ys, bs):
         """One tile of BTt tokens from t0: its X rows are in xs (the caller loads them)."""
@@ -311,31 +356,7 @@ def kron_apply_kernel(a: int, b: int, c: int, d: int, dt: str, bdt, odt: str,
         for m, i in par(BTt * Bp, Cp):  # lo term
             zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i] - T.cast(T.cast(z[m, i], dt), _ACC), dt)
         T.gemm(w1s, zs, y)
-        if staged:
-            if has_base:
-                T.copy(Base[t0:t0 + BTt, 0:a, 0:c], bs)
-            if has_base and split_base:  # the base added in the accumulator first (see the docstring)
-                for u, n in par(Ap, BTt * Cp):
-                    if u < a and n % Cp < c:
-                        y[u, n] = y[u, n] * gamma + T.cast(bs[n // Cp, u, n % Cp], _ACC)
-            for u, n in par(Ap, BTt * Cp):
-                if u < a and n % Cp < c:
-                    if has_base and split_base:
-                        ys[n // Cp, u, n % Cp] = T.cast(y[u, n], odt)
-                    elif has_base:
-                        ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma + T.cast(bs[n // Cp, u, n % Cp], _ACC), odt)
-                    else:
-                        ys[n // Cp, u, n % Cp] = T.cast(y[u, n] * gamma, odt)
-            T.copy(ys, Y[t0:t0 + BTt, 0:a, 0:c])
-        else:
-            for u, n in par(Ap, BTt * Cp):
-                t = t0 + n // Cp
-                i = n % Cp
-                if u < a and i < c and t < Tn:
-                    if has_base:
-                        Y[t, u, i] = T.cast(y[u, n] * gamma + T.cast(Base[t, u, i], _ACC), odt)
-                    else:
-                        Y[t, u, i] = T.cast(y[u, n] * gamma, odt)
+        store(y, gamma, t0, Y, ys, Base if has_base else None, bs)
 
     @T.prim_func
     def kron_apply(X: T.Tensor((Tn, b, d), dt), W1: T.Tensor((a, b), dt), W2: T.Tensor((c, d), dt),
@@ -519,6 +540,7 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
     gxsh = (Tn, b, d) if with_gx else (1,)
     gxdt = gxdt or _ACC
     gx_staged = with_gx and wgrads_gx_stageable(a, b, c, d, rows, max_threads, _ITEMSIZE[gxdt])
+    store_gx = _token_blocks_store(T, par, Bp, Dp, b, d, BTt, Tn, gxdt, gx_staged)
 
     @T.prim_func
     def kron_wgrads(Gr: T.Tensor((Tn, a, c), dt), X: T.Tensor((Tn, b, d), dt), W1: T.Tensor((a, b), dt),
@@ -574,17 +596,7 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
                     for m, j in par(BTt * Ap, Dp):  # lo term
                         us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j] - T.cast(T.cast(uf[m, j], dt), _ACC), dt)
                     T.gemm(w1s, us, gxf, transpose_A=True)
-                    if gx_staged:  # the block in GX's order in shared memory, one (TMA) store
-                        for v, n in par(Bp, BTt * Dp):
-                            if v < b and n % Dp < d:
-                                gxs[n // Dp, v, n % Dp] = T.cast(gxf[v, n] * gamma, gxdt)
-                        T.copy(gxs, GX[t0:t0 + BTt, 0:b, 0:d])
-                    else:
-                        for v, n in par(Bp, BTt * Dp):
-                            tt = t0 + n // Dp
-                            j = n % Dp
-                            if v < b and j < d and tt < Tn:
-                                GX[tt, v, j] = T.cast(gxf[v, n] * gamma, gxdt)
+                    store_gx(gxf, gamma, t0, GX, gxs, None, None)
             for u, v in par(Ap, Bp):
                 g1[u, v] = g1[u, v] * gamma
             for i, j in par(Cp, Dp):
