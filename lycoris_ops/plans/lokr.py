@@ -477,8 +477,7 @@ def _with_staged_twin(plan, dev: DeviceFacts, kd, csize: int, osize: int, bsize:
     L = _tl_lokr()
     first = plan.candidates[0]
     cf = L.launch_config(L.BYPASS, first)
-    if (L.apply_stageable(*kd, cf["rows"], cf["threads"], osize, bsize)
-            and smem_fits(dev, L.apply_smem(*kd, cf["rows"], csize, osize, bsize, True, bool(L.APPLY_KPER)))):
+    if L.apply_staged_fits(*kd, cf["rows"], cf["threads"], csize, osize, bsize, dev.smem_per_block):
         add_second(plan, {**first, "staged": not first.get("staged", L.APPLY_STAGED)}, plan.predicted[0])
     return plan
 

@@ -74,7 +74,6 @@ __all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_
            "compile_specs"]
 
 _ACC = "float32"
-_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 #: the fixed launch configs (the tuner's untimed pick). kron_kernel: its (BM x BN) output
 #: tile and threads; the gradient kernels: the most fp32 elements of their tile and threads;
 #: the bypass kernels: the most token rows (BTt·padded factor dim) of a program and the
@@ -508,7 +507,7 @@ def wgrads_gx_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, si
     whole 16-byte vectors, one a thread (as ``apply_stageable``: TileLang cannot lay out some
     other block copies); else gx is stored from the accumulator."""
     BTt, threads = wgrads_geometry(a, b, c, d, rows, most)
-    return BTt * b * d % (threads * 16 // size) == 0
+    return _whole_vectors(BTt * b * d, threads, size)
 
 
 def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
@@ -539,7 +538,7 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
     with_gx = gxdt is not None
     gxsh = (Tn, b, d) if with_gx else (1,)
     gxdt = gxdt or _ACC
-    gx_staged = with_gx and wgrads_gx_stageable(a, b, c, d, rows, max_threads, _ITEMSIZE[gxdt])
+    gx_staged = with_gx and wgrads_gx_stageable(a, b, c, d, rows, max_threads, getattr(torch, gxdt).itemsize)
     store_gx = _token_blocks_store(T, par, Bp, Dp, b, d, BTt, Tn, gxdt, gx_staged)
 
     @T.prim_func
@@ -730,6 +729,12 @@ def apply_smem(a: int, b: int, c: int, d: int, rows: int, esize: int, osize: int
     return n + (BTt * a * c * (osize + copies * bsize) if staged else 0)
 
 
+def _whole_vectors(elems: int, threads: int, size: int) -> bool:
+    """Whether a block of ``elems`` elements of ``size`` bytes is a whole number of rounds of
+    one 16-byte vector a thread: the staged block copies TileLang lays out on every shape."""
+    return elems % (threads * 16 // size) == 0
+
+
 def apply_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, osize: int, bsize: int) -> bool:
     """Whether ``kron_apply_kernel``'s staged blocks copy in whole 16-byte vectors: the
     BTt·a·c elements of the output (and base) block a multiple of the threads' one vector
@@ -737,19 +742,25 @@ def apply_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, osize:
     c = 4, 16 tokens; fp32 bases of 320 or 1664 elements), so those keep the register
     epilogue (the bench shapes' blocks are 6144 and 8192 elements)."""
     BTt, threads = apply_geometry(a, b, c, d, rows, most)
-    return all(BTt * a * c % (threads * 16 // size) == 0 for size in (osize, bsize) if size)
+    return all(_whole_vectors(BTt * a * c, threads, size) for size in (osize, bsize) if size)
+
+
+def apply_staged_fits(a: int, b: int, c: int, d: int, rows: int, most: int, esize: int, osize: int, bsize: int,
+                      limit: int) -> bool:
+    """Whether the staged apply epilogue can run: its blocks copy whole (``apply_stageable``)
+    and the kernel (the persistent form's two stages with ``APPLY_KPER``) fits ``limit`` bytes
+    of shared memory with the planners' margin (at factors of 128 with a base it does not).
+    The launcher's check (``_apply_staged``) and the planner's (plans/lokr.py)."""
+    return (apply_stageable(a, b, c, d, rows, most, osize, bsize)
+            and apply_smem(a, b, c, d, rows, esize, osize, bsize, True, bool(APPLY_KPER)) * _SMEM_MARGIN <= limit)
 
 
 def _apply_staged(p: dict, a, b, c, d, dt, odt, bdt, device) -> bool:
     """The staged epilogue where the config asks for it (its ``staged`` key, else
-    ``APPLY_STAGED``), its blocks copy whole (``apply_stageable``) and fit the device's
-    shared memory (at factors of 128 and fp32 output and base they do not)."""
-    if not p.get("staged", APPLY_STAGED):
-        return False
-    esize, osize, bsize = dt.itemsize, odt.itemsize, 0 if bdt is None else bdt.itemsize
-    return (apply_stageable(a, b, c, d, p["rows"], p["threads"], osize, bsize)
-            and apply_smem(a, b, c, d, p["rows"], esize, osize, bsize, True, bool(APPLY_KPER)) * _SMEM_MARGIN
-            <= smem_limit(device))
+    ``APPLY_STAGED``) and it can run on ``device`` (``apply_staged_fits``)."""
+    return bool(p.get("staged", APPLY_STAGED)) and apply_staged_fits(
+        a, b, c, d, p["rows"], p["threads"], dt.itemsize, odt.itemsize, 0 if bdt is None else bdt.itemsize,
+        smem_limit(device))
 
 
 def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
