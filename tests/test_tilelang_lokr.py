@@ -170,15 +170,19 @@ def _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, dev):
     return cases
 
 
-@pytest.mark.parametrize("staged,kper,apply_kper,fused", [(False, (), (), False), (True, (), (), False),
-                                                          (True, (2, 4, 64), (), False),
-                                                          (True, (2, 4, 64), (2, 4, 64), False),
-                                                          (False, (3,), (3,), False), (True, (2, 4, 64), (2,), True),
-                                                          (True, (2, 4, 64), (2, 4, 64), "split"),
-                                                          (True, (2, 4, 64), (2,), "bwd")],
+#: the off-by-default flag each form of test_twin_apply_forms turns on (None: none)
+_FORM_FLAGS = {"wgrads": "WGRADS_FUSED", "split": "APPLY_SPLIT_BASE", "bwd": "BWD_FUSED"}
+
+
+@pytest.mark.parametrize("staged,kper,apply_kper,flag", [(False, (), (), None), (True, (), (), None),
+                                                         (True, (2, 4, 64), (), None),
+                                                         (True, (2, 4, 64), (2, 4, 64), None),
+                                                         (False, (3,), (3,), None), (True, (2, 4, 64), (2,), "wgrads"),
+                                                         (True, (2, 4, 64), (2, 4, 64), "split"),
+                                                         (True, (2, 4, 64), (2,), "bwd")],
                          ids=["regs", "staged", "pipe", "persistent", "persist-regs", "fused-wgrads", "split-base",
                               "fused-bwd"])
-def test_twin_apply_forms(staged, kper, apply_kper, fused, monkeypatch):
+def test_twin_apply_forms(staged, kper, apply_kper, flag, monkeypatch):
     """Both epilogues of ``kron_apply_kernel`` (``APPLY_STAGED``: output and base blocks through
     shared memory) in the bypass forward and backward, one tile a program or a static number
     of them (``APPLY_KPER``), and the wgrad kernels' pipelined token loop (``WGRAD_KPER``:
@@ -189,9 +193,8 @@ def test_twin_apply_forms(staged, kper, apply_kper, fused, monkeypatch):
     monkeypatch.setattr(lokr, "APPLY_STAGED", staged)
     monkeypatch.setattr(lokr, "WGRAD_KPER", kper)
     monkeypatch.setattr(lokr, "APPLY_KPER", apply_kper)
-    monkeypatch.setattr(lokr, "WGRADS_FUSED", fused is True)
-    monkeypatch.setattr(lokr, "APPLY_SPLIT_BASE", fused == "split")
-    monkeypatch.setattr(lokr, "BWD_FUSED", fused == "bwd")
+    for key, name in _FORM_FLAGS.items():
+        monkeypatch.setattr(lokr, name, flag == key)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     n = 0
     for cfgs in (TILE_CFGS[0], TILE_CFGS[2]):
