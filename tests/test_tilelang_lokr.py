@@ -170,7 +170,7 @@ def _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, dev):
     return cases
 
 
-#: the off-by-default flag each form of test_twin_apply_forms turns on (None: none)
+#: the flag each form of test_twin_apply_forms turns on, the others off (None: all three off)
 _FORM_FLAGS = {"wgrads": "WGRADS_FUSED", "split": "APPLY_SPLIT_BASE", "bwd": "BWD_FUSED"}
 
 
@@ -217,20 +217,25 @@ def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 @pytest.mark.skipif(GPU, reason="the GPU run builds these kernels for real (test_tile_configs); there, kernels an "
                                 "earlier test of the worker built for sm_90a are cached, so fewer are captured")
+@pytest.mark.parametrize("fused_bwd", [True, False], ids=["one-pass-bwd", "separate-bwd"])
 @pytest.mark.parametrize("cfgs", [({}, {}, {}), TILE_CFGS[2]], ids=["fixed", "wide-256"])
-def test_tile_config_cases_compile_sm90a(monkeypatch, cfgs):
+def test_tile_config_cases_compile_sm90a(monkeypatch, cfgs, fused_bwd):
     """The kernels of test_tile_configs' odd sizes compile for sm_90a (bf16), the fixed
     configs too: the H200 found the Kronecker build's W1 gather at d = 150 ('__pack_bfloat162'
-    is undefined), which the bench-shape corners never reach."""
+    is undefined), which the bench-shape corners never reach. Both backward forms: the
+    one-pass kernel (``BWD_FUSED``, the default) and the separate gx / weight-gradient ones."""
     from lycoris_ops.tilelang import lora as tl_lora
 
     for mod in (lokr, tl_lora):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    monkeypatch.setattr(lokr, "BWD_FUSED", fused_bwd)
+    monkeypatch.setattr(lokr, "WGRADS_FUSED", fused_bwd)
     calls = [(getattr(lokr, op[len("lokr_"):]), args, cfg)
              for op, cfg, args in _tile_config_cases(*cfgs, torch.bfloat16, "cpu")]
     captured, failed = harness.compile_calls(calls)
-    assert captured >= 20 and not failed, failed
+    # distinct kernels built: the one-pass backward is one kernel where the separate form is three
+    assert captured >= (12 if fused_bwd else 20) and not failed, failed
 
 
 def test_the_fixed_configs_are_the_default_launch():

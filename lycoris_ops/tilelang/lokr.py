@@ -44,7 +44,7 @@ Bypass (tensor cores; per token ``Y_t = γ·w1·X_t·w2ᵀ``, X_t = x_t as (b, d
     Both split the token tiles over ``nsplit`` programs (fp32 partials);
     ``WGRAD_KPER`` (on): pipelined over a static step count.
 ``kron_wgrads_kernel`` - both weight gradients in one pass (``WGRADS_FUSED``), and
-    with ``gxdt`` gx too (``BWD_FUSED``): X and G read once. Both off until timed.
+    with ``gxdt`` gx too (``BWD_FUSED``): X and G read once.
 
 Padded sizes Ap..Dp are powers of two >= 16 (``T.copy`` zero-fills the pad);
 the bypass keeps whole padded factors in shared memory, hence the scope cap
@@ -95,22 +95,25 @@ APPLY_STAGED = True
 #: 0.171 -> 0.162 (small; the register epilogue's persistent forward there: 0.072)
 APPLY_KPER = (4, 16, 64)
 #: ``kron_apply_kernel(split_base=...)``: the staged epilogue's base add and output write in
-#: two loops (no barrier in every step of the persistent form's epilogue; same values). Off
-#: until timed (``bench/tilelang_lora_variants.py --op lokr``: ``persist split``)
-APPLY_SPLIT_BASE = False
+#: two loops (no barrier in every step of the persistent form's epilogue; same values).
+#: ``bench/tilelang_lora_variants.py --op lokr`` (H200, bf16, RESULTS.md 2026-12-02 11:30):
+#: fwd 0.272 -> 0.231 ms (large), 0.077 -> 0.058 (small)
+APPLY_SPLIT_BASE = True
 #: the wgrad kernels' token loop: () the dynamic serial loop (each step's loads wait for the
 #: last step's products); else pipelined over a static step count of these (``_wgrad_split``),
 #: compiled without warp specialization. Same table: backward 0.524 ms against 0.566 with the
 #: dynamic loop (large), 0.172 / 0.171 (small)
 WGRAD_KPER = (4, 16, 64)
 #: ``kron_wgrads_kernel``: both weight gradients in one pass over the tokens (X and G read
-#: from DRAM once, not once per gradient), its static step count from ``WGRAD_KPER``. Off
-#: until timed (``bench/tilelang_lora_variants.py --op lokr``: ``fused wgrads``)
-WGRADS_FUSED = False
+#: from DRAM once, not once per gradient), its static step count from ``WGRAD_KPER``; runs
+#: where the one-pass backward does not fit but this does. Same table (11:30): bwd 0.461 ->
+#: 0.413 ms (large), 0.162 -> 0.150 (small)
+WGRADS_FUSED = True
 #: ``kron_wgrads_kernel(gxdt=...)``: the whole backward (gx and both weight gradients) in one
-#: pass over the tokens, X and G read once. Off until timed (``tilelang_lora_variants.py --op
-#: lokr``: ``fused bwd``)
-BWD_FUSED = False
+#: pass over the tokens, X and G read once, where it fits shared memory (``wgrads_smem``).
+#: Same table (11:30): bwd 0.461 -> 0.420 ms (large; fused weight gradients alone 0.413, a
+#: tie), 0.162 -> 0.142 (small, against 0.150)
+BWD_FUSED = True
 
 
 def _threads(*mn, most: int = 128) -> int:
@@ -855,13 +858,14 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
     x3 = prep(x, c).view(T_, b, d)
     w1c, w2c = prep(w1, c), prep(w2, c)
     cf = launch_config(BYPASS, cfg)
-    fits = (BWD_FUSED or WGRADS_FUSED) and wgrads_smem(
-        a, b, cc, d, cf["rows"], cf["threads"], g3.element_size(), x.element_size() if BWD_FUSED else 0
-    ) * _SMEM_MARGIN <= smem_limit(x.device)  # else (factors of 128) the separate kernels
-    if BWD_FUSED and fits:
+    def fits(gx_size: int) -> bool:  # else (factors of 128) the separate kernels
+        need = wgrads_smem(a, b, cc, d, cf["rows"], cf["threads"], g3.element_size(), gx_size)
+        return need * _SMEM_MARGIN <= smem_limit(x.device)
+
+    if BWD_FUSED and fits(x.element_size()):
         return _wgrads(g3, x3, w1c, w2c, gamma, (w1.dtype, w2.dtype), cfg, x.dtype)
     gx = _apply(g3, aligned(w1c.t().contiguous()), aligned(w2c.t().contiguous()), None, gamma, x.dtype, cfg)
-    if WGRADS_FUSED and fits:
+    if WGRADS_FUSED and fits(0):
         return (gx,) + _wgrads(g3, x3, w1c, w2c, gamma, (w1.dtype, w2.dtype), cfg)
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, cc, d))
     g_w1 = _wgrad(kron_wgrad1_kernel, g3, x3, w2c, (a, b), (Ap, Bp), Bp, Cp, gamma, w1.dtype, cfg)
