@@ -14,6 +14,11 @@ the first variant's:
 * ``runs+fwd pairs``: pairs in the forward only (``PAIRS_FWD``);
 * ``runs+pairs``: the run kernels with two stages per launch where ``_units`` allows
   (``PAIRS = True``), forward and backward;
+* ``runs+composeL``: the forward applies up to L stages a launch as ONE composed matrix
+  (``COMPOSE_FWD = L``; 2: 64-wide, 3: 128-wide at GC = 32), the backward as ``runs+fwd pairs``;
+  ``compose3 bt32`` / ``t256``: the same at tiles of 32 positions / 256 threads (the forward's
+  ``APPLY``, also the backward's replay); ``composeL bwd``: the backward's units composed
+  too (``COMPOSE_BWD = L``);
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
   positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
@@ -44,6 +49,12 @@ VARIANTS = {
     "runs": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False),
     "runs+pairs": dict(RUNS=True, PAIRS=True, PAIRS_FWD=False),
     "runs+fwd pairs": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True),
+    "runs+compose2": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=2),
+    "runs+compose3": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3),
+    "compose3 bt32": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, APPLY=dict(BT=32, threads=128)),
+    "compose3 t256": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, APPLY=dict(BT=64, threads=256)),
+    "compose2 bwd": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=2, COMPOSE_BWD=2),
+    "compose3 bwd": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, COMPOSE_BWD=3),
     "runs s3": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=3)),
     "runs s4": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=4)),
     "runs s3 w1": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),
@@ -76,7 +87,8 @@ def main(argv=None) -> int:
             with T.module_settings((boft, dict(PAIRS=True))):
                 units = boft._units(m, s, runs, x.element_size(), _common.arch_of(dev), dev,
                                     [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
-            print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; units with pairs: {units}")
+            print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; units with pairs: {units}; "
+                  f"composed (L <= 3): {boft._compose_units(m, s, runs, 3)}")
         rows = T.VariantRows(timer)
         for v in args.variants.split(","):
             res = rows.row(f"{name:6} {v:12}", _settings(boft, oft, v),
@@ -87,7 +99,8 @@ def main(argv=None) -> int:
                 print(f"{name:6} {v:12} {tf:8.3f} {xf:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
         if bw and runs is not None:  # the forward's passes: x in, (hi, lo) pairs between, y out (4p - 2 values)
             per_pass = npos * C * x.element_size()
-            for v, passes in (("runs", m), ("runs+pairs", len(units))):
+            for v, passes in (("runs", m), ("runs+pairs", len(units)),
+                              ("runs+compose3", len(boft._compose_units(m, s, runs, 3)))):
                 moved = per_pass * (1 + 2 * (passes - 1) + 2 * (passes - 1) + 1)
                 print(f"{name:6} {v:12} forward floor of its {passes} passes: {moved / bw * 1e3:.3f} ms")
     return 0

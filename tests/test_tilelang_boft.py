@@ -282,3 +282,87 @@ def test_boft_forward_pairs_only(m, nb, s, shape, has_rs, diff, monkeypatch):
     blocks, rescale, x, grad = inputs(11 * m + s, m, nb, s, shape, has_rs, dtype)
     check_channels_last(blocks, rescale, x, grad, diff, dtype, " (forward pairs)")
     assert seen == [2, 1, 1, 1], seen  # forward: the pair (0, 1), stage 2; backward replay: stages 0, 1
+
+
+# (m, nb, s, x shape, with rescale, diff, COMPOSE_FWD, the forward's units)
+COMPOSE_CASES = [
+    (3, 4, 32, (37, 128), True, True, 3, [(0, 3)]),                   # one 128-wide unit: rescale, diff
+    (5, 16, 8, (19, 128), False, True, 3, [(0, 1), (1, 1), (2, 3)]),  # κ < GC/2 first: singles, then composed
+    (4, 8, 32, (21, 256), True, False, 2, [(0, 2), (2, 2)]),          # 64-wide units
+    (4, 8, 32, (21, 256), False, False, 3, [(0, 3), (3, 1)]),         # a last single stage after a composed unit
+    (3, 4, 24, (21, 96), True, True, 3, [(0, 1), (1, 2)]),            # GC = 48 (a stage pads to 64): 96 wide
+]
+
+
+@pytest.mark.parametrize("bwd", [False, True], ids=["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,most,units", COMPOSE_CASES,
+                         ids=[f"m{c[0]}nb{c[1]}s{c[2]}-L{c[6]}" for c in COMPOSE_CASES])
+def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, monkeypatch):
+    """``COMPOSE_FWD``: the forward applies up to L consecutive stages as one matrix
+    J = E_{L-1}···E_0 on a 2^L-run box (``_composed_matrices``, built in fp64 from the gathered
+    stage matrices); ``COMPOSE_BWD`` (``bwd``): the backward's replay and stream do too, each
+    stage's partials formed from the unit's Σ gᵀ·u on the host (``_composed_partials``).
+    Which stages compose, and gx, g_blocks and y against the fp64 reference; spies count the
+    composed launches."""
+    monkeypatch.setattr(boft, "COMPOSE_FWD", most)
+    monkeypatch.setattr(boft, "COMPOSE_BWD", most if bwd else 0)
+    dtype = DTYPES[-1]
+    blocks, rescale, x, grad = inputs(13 * m + s, m, nb, s, shape, has_rs, dtype)
+    runs = boft.run_groups(s, nb, x.element_size())
+    assert boft._compose_units(m, s, runs, most) == units
+    seen = []
+    real = boft._launch_composed
+
+    def spy(*a):
+        seen.append((a[5], a[6]))  # (first stage, L)
+        return real(*a)
+
+    streamed = []
+    real_stream = boft._stream_composed
+
+    def spy_stream(*a):
+        streamed.append((a[6], a[7]))  # (first stage, L)
+        return real_stream(*a)
+
+    monkeypatch.setattr(boft, "_launch_composed", spy)
+    monkeypatch.setattr(boft, "_stream_composed", spy_stream)
+    check_channels_last(blocks, rescale, x, grad, diff, dtype, f" (composed, L <= {most})")
+    composed = [u for u in units if u[1] > 1]
+    # the forward's composed units, then (bwd) the replay's (all but the last unit) and the stream's, last first
+    bwd_units = boft._compose_units(m, s, runs, most, bwd=True)  # no 96-wide units: WGMMA takes 64 rows a time
+    assert bwd_units == ([(0, 1), (1, 1), (2, 1)] if s == 24 else units)
+    replay = [u for u in bwd_units[:-1] if u[1] > 1]
+    assert seen == composed + (replay if bwd else []), seen
+    assert streamed == ([u for u in bwd_units if u[1] > 1][::-1] if bwd else []), streamed
+
+
+def test_composed_matrices_are_the_stage_product():
+    """``_composed_matrices`` of a 3-stage unit against the product of the three stages'
+    permuted block-diagonal matrices built densely from the run-basis group matrices: applied
+    to every unit group's box of a random x, the same values as the stages one by one (fp64)."""
+    m, nb, s = 3, 8, 32
+    runs = boft.run_groups(s, nb, 4)
+    GC, gps = runs[0], nb // runs[1]
+    g = torch.Generator().manual_seed(3)
+    f = torch.randn(m * gps, GC, GC, generator=g, dtype=torch.float64)
+    hi = f.float()
+    lo = (f - hi.double()).float()
+    jh, jl = boft._composed_matrices(hi, lo, 0, 3, s, GC, gps, torch.float32)
+    C, H = nb * s, GC // 2
+    x = torch.randn(5, C, generator=g, dtype=torch.float64)
+    u = x.clone()
+    for i in range(m):  # stage i on the run view (NP, C/2κ, 2, κ): group q is the box [seg, 0:2, j0:j0+H]
+        kappa = (s // 2) << i
+        v = u.view(5, C // (2 * kappa), 2, kappa).clone()
+        for q in range(gps):
+            seg, j0 = (q * GC) // (2 * kappa), ((q * GC) % (2 * kappa)) // 2
+            box = v[:, seg, :, j0:j0 + H].reshape(5, GC)
+            v[:, seg, :, j0:j0 + H] = (box @ f[i * gps + q].T).view(5, 2, H)
+        u = v.view(5, C)
+    W, kappa = 8 * H, s // 2
+    v = x.view(5, C // (8 * kappa), 8, kappa).clone()
+    j = jh.double() + jl.double()
+    for q in range(j.shape[0]):
+        seg, j0 = (q * W) // (8 * kappa), ((q * W) % (8 * kappa)) // 8
+        v[:, seg, :, j0:j0 + H] = (v[:, seg, :, j0:j0 + H].reshape(5, W) @ j[q].T).view(5, 8, H)
+    assert torch.allclose(v.view(5, C), u, rtol=0, atol=1e-9), (v.view(5, C) - u).abs().max()

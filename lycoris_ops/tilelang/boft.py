@@ -65,6 +65,23 @@ PAIRS = False
 #: shape, RESULTS.md 2026-12-02 09:30) took the forward from 3.117 to 2.927 ms, the backward
 #: 7.535 / 7.497
 PAIRS_FWD = True
+#: the forward's stages composed: each launch applies up to this many consecutive stages as ONE
+#: matrix J = E_{L-1}···E_0 of width 2^(L-1)·GC on a 2^L-run box (``_compose_units``,
+#: ``_composed_matrices``; the product formed on the host in fp64, then split in a (hi, lo)
+#: pair), one three-term GEMM a tile where a pair takes two and a stage one; 0: off (the
+#: units of ``PAIRS_FWD``). At the bench's large shape (m = 8, GC = 32) 3 makes 3 launches of
+#: 128-wide GEMMs instead of 4 pair launches. Off until timed
+#: (``bench/tilelang_boft_variants.py``: ``runs+compose2``, ``runs+compose3``)
+COMPOSE_FWD = 0
+#: the backward's composed units (``_stream_composed``: gx = g·J and A = Σ gᵀ·u on the unit's
+#: box, the stages' partials from A on the host): the most stages a unit; 0: off (the units of
+#: ``PAIRS``). Off until timed (``bench/tilelang_boft_variants.py``: ``compose3 bwd``)
+COMPOSE_BWD = 0
+#: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
+#: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
+_COMPOSE_BWD_THREADS = 256
+#: the widest composed matrix (a 128 x 128 (hi, lo) pair is 64 KiB of shared memory)
+_COMPOSE_WIDTH = 128
 #: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, as oft's
 #: fused kernels; less where the device's own limit is lower, ``smem_limit``); a tile config
 #: over it takes the gather path
@@ -102,22 +119,24 @@ def _split_gemm(T):
 
 def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREADS, stages: int = 1,
                       has_lo: bool = True, out_pair: bool = True, diff: bool = False, R: int = 2,
-                      cpu: bool = False):
+                      second: bool = None, cpu: bool = False):
     """One BOFT stage on the run views (see above), channels last: ``y = u·Fᵀ`` per group
     (F pair [goff + g] in the run basis, GP x GP: the group's GC channels, zero-padded to GP,
     a width every warp partition of T.gemm covers), u = U (+ UL when ``has_lo``), stored as a
     (hi, lo) pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a
-    view (NP, C/Rκ', R, κ') of dtype d; a box is R runs of GC/R channels. ``R = 4``: a stage
-    PAIR (``PAIRS``), ``y = (u·F1ᵀ)·F2ᵀ`` with F2 the pair [goff + NGS + g] (NGS: F's groups per
-    launch), the first product kept as a 16-bit (hi, lo) pair in shared memory. Program
-    (g, split) walks tiles split·tps … split·tps + tps − 1."""
+    view (NP, C/Rκ', R, κ') of dtype d; a box is R runs of GC/R channels. ``second`` (default:
+    R = 4): a stage PAIR (``PAIRS``), ``y = (u·F1ᵀ)·F2ᵀ`` with F2 the pair [goff + NGS + g]
+    (NGS: F's groups per launch), the first product kept as a 16-bit (hi, lo) pair in shared
+    memory. R = 2^L without ``second``: L stages as ONE matrix F = E_{L-1}···E_0 in the box
+    basis (``COMPOSE_FWD``, ``_composed_matrices``). Program (g, split) walks tiles
+    split·tps … split·tps + tps − 1."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
     threads = 1 if cpu else threads_
-    two = R == 4
+    two = R == 4 if second is None else second
     H = GC // R
     gemm3 = _split_gemm(T)
     NP, NSEG, KP, NG = T.dynamic("NP NSEG KP NG")
@@ -184,21 +203,23 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
 
 
 def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREADS, stages: int = 1,
-                       g_lo: bool = True, u_lo: bool = True, out_pair: bool = True, cpu: bool = False):
+                       g_lo: bool = True, u_lo: bool = True, out_pair: bool = True, R: int = 2,
+                       cpu: bool = False):
     """The backward of one BOFT stage on the run views: ``gx = g·F`` (from the Fᵀ pair
     [goff + g], run basis, GP x GP as ``stage_runs_kernel``) stored as a pair GX, GXL (``out_pair``) or once in GX, and the fp32
     partials ``P[split, goff + g] = Σ_t gᵀ·u`` over the program's positions (run basis), from
     g = G (+ GL when ``g_lo``) and the stage input u = U (+ UL when ``u_lo``). Positions past
-    the end load as zeros (the copies' predicate) and add nothing to P."""
+    the end load as zeros (the copies' predicate) and add nothing to P. R = 2^L: the
+    composed unit of L stages (``COMPOSE_BWD``) on its 2^L-run box, F = Jᵀ, P in the box basis."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
     threads = 1 if cpu else threads_
-    H = GC // 2
+    H = GC // R
     NP, NSEG, KP, NG, NS, NGP = T.dynamic("NP NSEG KP NG NS NGP")
-    vshape = (NP, NSEG, 2, KP)
+    vshape = (NP, NSEG, R, KP)
     one = (1, 1, 1)
 
     @T.prim_func
@@ -206,34 +227,34 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                          UL: T.Tensor(vshape, d), FH: T.Tensor((NG, GP, GP), d), FL: T.Tensor((NG, GP, GP), d),
                          GX: T.Tensor(vshape, d), GXL: T.Tensor(vshape, d), P: T.Tensor((NS, NGP, GP, GP), _F32),
                          goff: T.int32, tps: T.int32):
-        with T.Kernel(NSEG * KP * 2 // GC, NS, threads=threads) as (g, sp):
+        with T.Kernel(NSEG * KP * R // GC, NS, threads=threads) as (g, sp):
             Fh = alloc_s((GP, GP), d)
             Fl = alloc_s((GP, GP), d)
-            G3 = alloc_s((BT, 2, H), d)
-            GL3 = alloc_s((BT, 2, H) if g_lo else one, d)
-            U3 = alloc_s((BT, 2, H), d)
-            UL3 = alloc_s((BT, 2, H) if u_lo else one, d)
+            G3 = alloc_s((BT, R, H), d)
+            GL3 = alloc_s((BT, R, H) if g_lo else one, d)
+            U3 = alloc_s((BT, R, H), d)
+            UL3 = alloc_s((BT, R, H) if u_lo else one, d)
             Gh = alloc_s((BT, GP), d)
             Gl = alloc_s((BT, GP) if g_lo else (1, 1), d)
             Uh = alloc_s((BT, GP), d)
             Ul = alloc_s((BT, GP) if u_lo else (1, 1), d)
             acc = alloc_f((BT, GP), "float32")
             accp = alloc_f((GP, GP), "float32")
-            Y3 = alloc_s((BT, 2, H), d)
-            YL3 = alloc_s((BT, 2, H) if out_pair else one, d)
-            seg = T.alloc_var("int32", init=(g * GC) // (2 * KP))
-            j0 = T.alloc_var("int32", init=((g * GC) % (2 * KP)) // 2)
+            Y3 = alloc_s((BT, R, H), d)
+            YL3 = alloc_s((BT, R, H) if out_pair else one, d)
+            seg = T.alloc_var("int32", init=(g * GC) // (R * KP))
+            j0 = T.alloc_var("int32", init=((g * GC) % (R * KP)) // R)
             T.copy(FH[goff + g, 0, 0], Fh)
             T.copy(FL[goff + g, 0, 0], Fl)
             T.clear(accp)
             for tt in T.Pipelined(tps, num_stages=stages):
                 p0 = (sp * tps + tt) * BT
-                T.copy(G[p0:p0 + BT, seg, 0:2, j0:j0 + H], G3)
+                T.copy(G[p0:p0 + BT, seg, 0:R, j0:j0 + H], G3)
                 if g_lo:
-                    T.copy(GL[p0:p0 + BT, seg, 0:2, j0:j0 + H], GL3)
-                T.copy(U[p0:p0 + BT, seg, 0:2, j0:j0 + H], U3)
+                    T.copy(GL[p0:p0 + BT, seg, 0:R, j0:j0 + H], GL3)
+                T.copy(U[p0:p0 + BT, seg, 0:R, j0:j0 + H], U3)
                 if u_lo:
-                    T.copy(UL[p0:p0 + BT, seg, 0:2, j0:j0 + H], UL3)
+                    T.copy(UL[p0:p0 + BT, seg, 0:R, j0:j0 + H], UL3)
                 for t, l in par(BT, GP):  # zeros past GC
                     Gh[t, l] = T.if_then_else(l < GC, G3[t, l // H, l % H], T.cast(0, d))
                     Uh[t, l] = T.if_then_else(l < GC, U3[t, l // H, l % H], T.cast(0, d))
@@ -255,9 +276,9 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                         Y3[t, l // H, l % H] = T.cast(acc[t, l], d)
                         if out_pair:
                             YL3[t, l // H, l % H] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
-                T.copy(Y3, GX[p0:p0 + BT, seg, 0:2, j0:j0 + H])
+                T.copy(Y3, GX[p0:p0 + BT, seg, 0:R, j0:j0 + H])
                 if out_pair:
-                    T.copy(YL3, GXL[p0:p0 + BT, seg, 0:2, j0:j0 + H])
+                    T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
             T.copy(accp, P[sp, goff + g, 0, 0])
 
     return boft_stream_runs
@@ -534,6 +555,120 @@ def _pair_matrices(f, i, s, GC, gps):
     return torch.cat([e1.view(npg, 2 * GC, 2 * GC), e2.view(npg, 2 * GC, 2 * GC)])
 
 
+def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
+    """Whether stages i … i + L − 1 can run as one composed unit: they exist, the unit's width
+    W = 2^(L-1)·GC is a multiple of 32 (a warp partition of T.gemm; 96 at the small bench
+    shape's GC = 48, which a single stage pads to 64), of 64 for the backward (its Σ gᵀ·u
+    GEMM has W rows: sm_90's WGMMA takes them 64 at a time), and at most ``_COMPOSE_WIDTH``,
+    and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the box do not overlap)."""
+    W = runs[0] << (L - 1)
+    return (i + L <= m and W % (64 if bwd else 32) == 0 and W <= _COMPOSE_WIDTH
+            and ((s // 2) << i) >= runs[0] // 2)
+
+
+def _compose_units(m, s, runs, most, bwd=False):
+    """The launch units [(first stage, L)] with up to ``most`` stages composed: from stage 0,
+    the largest L that ``_compose_at`` allows (1 always can)."""
+    out, i = [], 0
+    while i < m:
+        L = max([n for n in range(2, most + 1) if _compose_at(i, n, m, s, runs, bwd)], default=1)
+        out.append((i, L))
+        i += L
+    return out
+
+
+def _compose_bt(W, bt, esize, arch, device, bwd=False):
+    """The largest tile of ``bt`` halved (at least 16) whose composed unit of width W fits
+    shared memory (``bwd``: the stream kernel's); the CPU twins' buffers are local."""
+    while bt > 16 and arch != CPU_ARCH and runs_smem(W, W, bt, esize, direct_stages(arch), bwd) > smem_limit(device):
+        bt //= 2
+    return bt
+
+
+_COMPOSE_INDEX = {}
+
+
+def _compose_index(i, L, s, GC, GP, gps, device):
+    """Per stage k < L of the unit (i, L), the (npg, W, W) indices of E_k's entries into the
+    stage matrices flattened ((m·gps, GP, GP), run basis l = t·H + j), −1 where E_k is zero.
+    The box of unit group q is (tb, j), tb < 2^L,
+    j < H = GC/2, over channels seg·2^Lκ + tb·κ + j0 + j (κ = κ_i, seg = ⌊qH/κ⌋, j0 = qH mod κ);
+    stage i + k mixes (bit k of tb, j) at fixed other bits with group g =
+    ((seg·2^(L−k−1) + hi)·2^kκ + lo·κ + j0)/H (hi, lo: the bits above and below k). Cached per
+    unit geometry and device."""
+    key = (i, L, s, GC, GP, gps, str(device))
+    if key in _COMPOSE_INDEX:
+        return _COMPOSE_INDEX[key]
+    H, kappa, R = GC // 2, (s // 2) << i, 1 << L
+    W, npg = R * H, gps >> (L - 1)
+    q = torch.arange(npg).view(npg, 1, 1, 1, 1)
+    tb_o = torch.arange(R).view(1, R, 1, 1, 1)
+    j_o = torch.arange(H).view(1, 1, H, 1, 1)
+    tb_i = torch.arange(R).view(1, 1, 1, R, 1)
+    j_i = torch.arange(H).view(1, 1, 1, 1, H)
+    seg, j0 = (q * H) // kappa, (q * H) % kappa
+    out = []
+    for k in range(L):
+        hi, lo = tb_o >> (k + 1), tb_o & ((1 << k) - 1)
+        g = ((seg * (R >> (k + 1)) + hi) * (kappa << k) + lo * kappa + j0) // H
+        t_o, t_i = (tb_o >> k) & 1, (tb_i >> k) & 1
+        flat = (((i + k) * gps + g) * GP + t_o * H + j_o) * GP + t_i * H + j_i
+        same = ((tb_o ^ tb_i) & ~(1 << k)) == 0  # the other bits agree
+        out.append(torch.where(same, flat, -1).view(npg, W, W).to(device))
+    _COMPOSE_INDEX[key] = out
+    return out
+
+
+def _composed_stages(fh, fl, i, L, s, GC, gps):
+    """The unit (i, L)'s stage matrices E_0 … E_{L-1} per unit group (npg, W, W) in the box
+    basis, fp64: gathered from the stage matrices (fh + fl, run basis) by ``_compose_index``."""
+    f = torch.cat([fh.reshape(-1).double() + fl.reshape(-1).double(), fh.new_zeros(1, dtype=torch.float64)])
+    return [f[torch.where(idx < 0, f.numel() - 1, idx)] for idx in _compose_index(i, L, s, GC, fh.shape[-1], gps,
+                                                                                  fh.device)]
+
+
+def _product(es):
+    """E_{L-1}···E_0 of fp64 batches (bmm in fp64: no TF32 whatever the caller's matmul settings)."""
+    j = es[0]
+    for e in es[1:]:
+        j = torch.bmm(e, j)
+    return j
+
+
+def _split16(j, dtype):
+    """An fp64 matrix batch as the (hi, lo) pair of ``dtype`` the run kernels take."""
+    hi = j.to(dtype)
+    return hi, (j - hi.double()).to(dtype)
+
+
+def _composed_matrices(fh, fl, i, L, s, GC, gps, dtype):
+    """The unit (i, L)'s matrices J = E_{L-1}···E_0 per unit group (npg, W, W) in the box
+    basis, as a (hi, lo) pair of ``dtype`` (``_composed_stages``, ``_product``)."""
+    return _split16(_product(_composed_stages(fh, fl, i, L, s, GC, gps)), dtype)
+
+
+def _composed_partials(es, a, part, i, s, GC, gps):
+    """Scatter the unit's per-stage partials into ``part`` (NS, m·gps, GP, GP; split 0, the
+    other splits zero): from A = Σ gᵀ·u over the unit (fp64, (npg, W, W), box basis),
+    stage k's ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ`` (Σ g^{k+1}·(u^k)ᵀ), its
+    entries placed where ``_compose_index`` gathered E_k's from."""
+    L = len(es)
+    part[:, i * gps:(i + L) * gps].zero_()
+    flat = part[0].view(-1)
+    pre = [None] * L  # E_{k-1}···E_0
+    for k in range(1, L):
+        pre[k] = es[0] if k == 1 else torch.bmm(es[k - 1], pre[k - 1])
+    suf = None  # E_{L-1}···E_{k+1}
+    for k in reversed(range(L)):
+        pk = a if suf is None else torch.bmm(suf.transpose(1, 2), a)
+        if pre[k] is not None:
+            pk = torch.bmm(pk, pre[k].transpose(1, 2))
+        idx = _compose_index(i, L, s, GC, part.shape[-1], gps, part.device)[k]
+        keep = idx >= 0
+        flat[idx[keep]] = pk[keep].to(flat.dtype)
+        suf = es[k] if suf is None else torch.bmm(suf, es[k])
+
+
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     """boft_fwd by the run kernels: one Cayley launch, then one launch per unit (a stage, or a
     pair of stages, ``_units``): the first reads x, units between keep (hi, lo) pairs in two
@@ -542,12 +677,54 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     fh, fl = _runs_cayley(bc, rs, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     src = (xv, None)
-    units = _units(m, s, runs, xv.element_size(), arch, xv.device, [(p["BT"], False)], PAIRS or PAIRS_FWD)
+    if COMPOSE_FWD > 1:
+        units = _compose_units(m, s, runs, COMPOSE_FWD)
+    else:
+        units = _units(m, s, runs, xv.element_size(), arch, xv.device, [(p["BT"], False)], PAIRS or PAIRS_FWD)
     for n, (i, k) in enumerate(units):
         last = n == len(units) - 1
         dst = (yv, None) if last else bufs[n % 2]
-        _launch_unit(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
+        if COMPOSE_FWD > 1 and k > 1:
+            _launch_composed(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
+        else:
+            _launch_unit(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
         src = dst
+
+
+def _launch_composed(src, x0, fh, fl, dst, i, L, s, runs, gps, p, arch, diff):
+    """Stages i … i + L − 1 as one matrix (``_composed_matrices``) by ``stage_runs_kernel`` on
+    the 2^L-run box view, W = 2^(L-1)·GC wide, at the largest tile that fits (``_compose_bt``)."""
+    GC = runs[0]
+    W, R = GC << (L - 1), 1 << L
+    bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device)
+    kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, p["threads"], direct_stages(arch),
+                  src[1] is not None, dst[1] is not None, diff, R, False)
+    nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
+    kappa = (s // 2) << i
+    v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(src), x0, *_halves(dst))]
+    kern(*v[:3], *_composed_matrices(fh, fl, i, L, s, GC, gps, x0.dtype), *v[3:], 0, nsplit, tps)
+
+
+def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
+    """The backward of the composed unit (i, L) (``COMPOSE_BWD``): ``gx = g·J`` (the Jᵀ pair)
+    stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis)
+    by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that fits
+    (``_compose_bt``, ``_COMPOSE_BWD_THREADS``); the stages' partials from A on the host
+    (``_composed_partials``)."""
+    GC = runs[0]
+    W, R, x0 = GC << (L - 1), 1 << L, g[0]
+    es = _composed_stages(fh, fl, i, L, s, GC, gps)
+    jth, jtl = _split16(_product(es).transpose(1, 2).contiguous(), x0.dtype)
+    bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device, bwd=True)
+    nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
+    pg = torch.empty((nsplit, gps >> (L - 1), W, W), device=x0.device, dtype=torch.float32)
+    threads = max(p["threads"], _COMPOSE_BWD_THREADS) if W % 128 == 0 else p["threads"]  # 8 warps: no 96-row partition
+    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, threads,
+                direct_stages(arch), g[1] is not None, u[1] is not None, dst[1] is not None, R)
+    kappa = (s // 2) << i
+    v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(g), *_halves(u), *_halves(dst))]
+    ks(*v[:4], jth, jtl, *v[4:], pg, 0, tps)
+    _composed_partials(es, pg.sum(0).double(), part, i, s, GC, gps)
 
 
 def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff):
@@ -602,12 +779,18 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     gps = nb // NBr
     dev = xv.device
     p = launch_config(STREAM, cfg)
-    units = _units(m, s, runs, xv.element_size(), arch, dev, [(APPLY["BT"], False), (p["BT"], True)])
+    if COMPOSE_BWD > 1:
+        units = _compose_units(m, s, runs, COMPOSE_BWD, bwd=True)
+    else:
+        units = _units(m, s, runs, xv.element_size(), arch, dev, [(APPLY["BT"], False), (p["BT"], True)])
     fh, fl = _runs_cayley(bc, None, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     us = [(xv, None)]
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
-        _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
+        if COMPOSE_BWD > 1 and k > 1:
+            _launch_composed(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
+        else:
+            _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
         us.append(dst)
     th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, True, cscale, scale, xv.dtype, arch)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)
@@ -619,7 +802,9 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         dst = (gxv, None) if n == 0 else gbuf[n % 2]
         u = us[n]
         d = tl_dtype(xv.dtype)
-        if k == 1:
+        if COMPOSE_BWD > 1 and k > 1:
+            _stream_composed(g, u, dst, fh, fl, part, i, k, s, runs, gps, p, arch)
+        elif k == 1:
             ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
                         g[1] is not None, u[1] is not None, dst[1] is not None)
             v = [_run_view(t, s, i, GC) for t in (*_halves(g), *_halves(u), *_halves(dst))]
@@ -709,4 +894,7 @@ def compile_specs(dtype: torch.dtype):
         (stream_runs_kernel, (d, 48, 64, _BT_BWD, _THREADS, 1, False, False, False)),
         (stage_runs_kernel, (d, 64, 64, _BT_FWD, _THREADS, 1, True, True, False, 4)),  # a stage pair
         (stream_pair_kernel, (d, 64, _BT_BWD, _THREADS, 1, True, True, True)),
+        (stage_runs_kernel, (d, 128, 128, 64, _THREADS, 1, True, True, True, 8, False)),  # COMPOSE_FWD: 3 stages
+        (stage_runs_kernel, (d, 96, 96, 64, _THREADS, 1, False, True, False, 4, False)),  # 2 stages at GC = 48
+        (stream_runs_kernel, (d, 128, 128, 32, 256, 1, True, True, True, 8)),  # COMPOSE_BWD: 3 stages
     ])
