@@ -254,6 +254,7 @@ def test_boft_pairs(m, nb, s, shape, has_rs, diff, monkeypatch):
     box basis; the backward recomputes the pair's middle value and scatters both stages'
     partials to their groups) against the fp64 reference, and which stages pair."""
     monkeypatch.setattr(boft, "PAIRS", True)
+    monkeypatch.setattr(boft, "COMPOSE_FWD", 0)  # the forward's pairs, not its composed units
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(11 * m + s, m, nb, s, shape, has_rs, dtype)
     runs = boft.run_groups(s, nb, x.element_size())
@@ -270,6 +271,7 @@ def test_boft_forward_pairs_only(m, nb, s, shape, has_rs, diff, monkeypatch):
     counts the forward's unit launches) and both agree with the fp64 reference."""
     monkeypatch.setattr(boft, "PAIRS", False)
     monkeypatch.setattr(boft, "PAIRS_FWD", True)
+    monkeypatch.setattr(boft, "COMPOSE_FWD", 0)
     seen = []
     real = boft._launch_unit
 

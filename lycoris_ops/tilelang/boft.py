@@ -70,12 +70,14 @@ PAIRS_FWD = True
 #: ``_composed_matrices``; the product formed on the host in fp64, then split in a (hi, lo)
 #: pair), one three-term GEMM a tile where a pair takes two and a stage one; 0: off (the
 #: units of ``PAIRS_FWD``). At the bench's large shape (m = 8, GC = 32) 3 makes 3 launches of
-#: 128-wide GEMMs instead of 4 pair launches. Off until timed
-#: (``bench/tilelang_boft_variants.py``: ``runs+compose2``, ``runs+compose3``)
-COMPOSE_FWD = 0
+#: 128-wide GEMMs instead of 4 pair launches: on the H200 (bf16, bench/tilelang_boft_variants.py,
+#: RESULTS.md 2026-12-02 12:00) the forward went from 2.891 to 1.714 ms; the small shape
+#: (GC = 48: 96-wide pairs) stayed at 0.93-0.95 ms either way
+COMPOSE_FWD = 3
 #: the backward's composed units (``_stream_composed``: gx = g·J and A = Σ gᵀ·u on the unit's
 #: box, the stages' partials from A on the host): the most stages a unit; 0: off (the units of
-#: ``PAIRS``). Off until timed (``bench/tilelang_boft_variants.py``: ``compose3 bwd``)
+#: ``PAIRS``). Off: the same table gave the large backward 7.489 ms against 7.539 with one launch
+#: a stage (3 stages; 2: 8.131), the small one 2.646 against 2.654: no gain, so the pairs stay
 COMPOSE_BWD = 0
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
