@@ -3,9 +3,10 @@
 # its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
 #
 #   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
-#                                              BOFT's composed stages, boft, and their GPU twin
-#                                              tests, boft_tests; ``profile``: device time per
-#                                              kernel, bench/kernel_profile.py)
+#                                              BOFT's composed backward, split in two launches:
+#                                              boft, and its GPU twin tests, boft_tests;
+#                                              ``profile``: device time per kernel,
+#                                              bench/kernel_profile.py)
 #
 # Each script times forms of one kernel family on the bench shapes (see its docstring); the
 # forms a run decides are module flags (``tilelang/*.py``) that stay off until a table here
@@ -32,8 +33,8 @@ declare -A RUNS=(
   [dora]="bench/tilelang_stream_variants.py --op dora"
   [lokr_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k fused\\ or\\ split"
   [profile]="bench/kernel_profile.py --specs lokr_bypass,lora_bypass,boft"
-  [boft]="bench/tilelang_boft_variants.py --variants runs+fwd\ pairs,runs+compose3,compose3\ t256,compose2\ bwd,compose3\ bwd"
-  [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose"
+  [boft]="bench/tilelang_boft_variants.py --variants runs+compose3,compose3\ bwd,compose3\ bwd\ split,compose2\ bwd\ split"
+  [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose\ and\ split"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests)
 for n in "${names[@]}"; do

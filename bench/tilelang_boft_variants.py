@@ -18,7 +18,8 @@ the first variant's:
   (``COMPOSE_FWD = L``; 2: 64-wide, 3: 128-wide at GC = 32), the backward as ``runs+fwd pairs``;
   ``compose3 bt32`` / ``t256``: the same at tiles of 32 positions / 256 threads (the forward's
   ``APPLY``, also the backward's replay); ``composeL bwd``: the backward's units composed
-  too (``COMPOSE_BWD = L``);
+  too (``COMPOSE_BWD = L``); ``... split``: its stream as two launches, gx by the composed
+  forward kernel and the partials alone (``COMPOSE_BWD_SPLIT``);
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
   positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
@@ -55,6 +56,10 @@ VARIANTS = {
     "compose3 t256": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, APPLY=dict(BT=64, threads=256)),
     "compose2 bwd": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=2, COMPOSE_BWD=2),
     "compose3 bwd": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, COMPOSE_BWD=3),
+    "compose3 bwd split": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, COMPOSE_BWD=3,
+                               COMPOSE_BWD_SPLIT=True),
+    "compose2 bwd split": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, COMPOSE_BWD=2,
+                               COMPOSE_BWD_SPLIT=True),
     "runs s3": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=3)),
     "runs s4": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=4)),
     "runs s3 w1": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),

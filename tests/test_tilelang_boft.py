@@ -296,7 +296,7 @@ COMPOSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bwd", [False, True], ids=["fwd", "fwd+bwd"])
+@pytest.mark.parametrize("bwd", [False, True, "split"], ids=["fwd", "fwd+bwd", "fwd+bwd-split"])
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,most,units", COMPOSE_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}-L{c[6]}" for c in COMPOSE_CASES])
 def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, monkeypatch):
@@ -304,10 +304,12 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, monkeypa
     J = E_{L-1}···E_0 on a 2^L-run box (``_composed_matrices``, built in fp64 from the gathered
     stage matrices); ``COMPOSE_BWD`` (``bwd``): the backward's replay and stream do too, each
     stage's partials formed from the unit's Σ gᵀ·u on the host (``_composed_partials``).
-    Which stages compose, and gx, g_blocks and y against the fp64 reference; spies count the
-    composed launches."""
+    ``split`` (``COMPOSE_BWD_SPLIT``): the stream as two launches, gx by the forward's composed
+    kernel with Jᵀ, then the partials alone. Which stages compose, and gx, g_blocks and y
+    against the fp64 reference; spies count the composed launches."""
     monkeypatch.setattr(boft, "COMPOSE_FWD", most)
     monkeypatch.setattr(boft, "COMPOSE_BWD", most if bwd else 0)
+    monkeypatch.setattr(boft, "COMPOSE_BWD_SPLIT", bwd == "split")
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(13 * m + s, m, nb, s, shape, has_rs, dtype)
     runs = boft.run_groups(s, nb, x.element_size())
@@ -316,26 +318,29 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, monkeypa
     real = boft._launch_composed
 
     def spy(*a):
-        seen.append((a[5], a[6]))  # (first stage, L)
+        seen.append((a[4], a[5]))  # (first stage, L)
         return real(*a)
 
     streamed = []
-    real_stream = boft._stream_composed
+    name = "_stream_composed_split" if bwd == "split" else "_stream_composed"
+    real_stream = getattr(boft, name)
 
     def spy_stream(*a):
         streamed.append((a[6], a[7]))  # (first stage, L)
         return real_stream(*a)
 
     monkeypatch.setattr(boft, "_launch_composed", spy)
-    monkeypatch.setattr(boft, "_stream_composed", spy_stream)
+    monkeypatch.setattr(boft, name, spy_stream)
     check_channels_last(blocks, rescale, x, grad, diff, dtype, f" (composed, L <= {most})")
     composed = [u for u in units if u[1] > 1]
     # the forward's composed units, then (bwd) the replay's (all but the last unit) and the stream's, last first
     bwd_units = boft._compose_units(m, s, runs, most, bwd=True)  # no 96-wide units: WGMMA takes 64 rows a time
     assert bwd_units == ([(0, 1), (1, 1), (2, 1)] if s == 24 else units)
     replay = [u for u in bwd_units[:-1] if u[1] > 1]
-    assert seen == composed + (replay if bwd else []), seen
-    assert streamed == ([u for u in bwd_units if u[1] > 1][::-1] if bwd else []), streamed
+    stream = [u for u in bwd_units if u[1] > 1][::-1]
+    # the split stream's gx is a composed launch too, inside the spied stream call
+    assert seen == composed + (replay if bwd else []) + (stream if bwd == "split" else []), seen
+    assert streamed == (stream if bwd else []), streamed
 
 
 def test_composed_matrices_are_the_stage_product():

@@ -79,6 +79,10 @@ COMPOSE_FWD = 3
 #: ``PAIRS``). Off: the same table gave the large backward 7.489 ms against 7.539 with one launch
 #: a stage (3 stages; 2: 8.131), the small one 2.646 against 2.654: no gain, so the pairs stay
 COMPOSE_BWD = 0
+#: the composed backward's stream as two launches (``_stream_composed_split``): gx by the
+#: forward's composed kernel, then the partials alone. Timed only with ``COMPOSE_BWD``
+#: (``bench/tilelang_boft_variants.py``: ``compose3 bwd split``)
+COMPOSE_BWD_SPLIT = False
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
@@ -206,13 +210,14 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
 
 def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREADS, stages: int = 1,
                        g_lo: bool = True, u_lo: bool = True, out_pair: bool = True, R: int = 2,
-                       cpu: bool = False):
+                       gx: bool = True, cpu: bool = False):
     """The backward of one BOFT stage on the run views: ``gx = g·F`` (from the Fᵀ pair
     [goff + g], run basis, GP x GP as ``stage_runs_kernel``) stored as a pair GX, GXL (``out_pair``) or once in GX, and the fp32
     partials ``P[split, goff + g] = Σ_t gᵀ·u`` over the program's positions (run basis), from
     g = G (+ GL when ``g_lo``) and the stage input u = U (+ UL when ``u_lo``). Positions past
     the end load as zeros (the copies' predicate) and add nothing to P. R = 2^L: the
-    composed unit of L stages (``COMPOSE_BWD``) on its 2^L-run box, F = Jᵀ, P in the box basis."""
+    composed unit of L stages (``COMPOSE_BWD``) on its 2^L-run box, F = Jᵀ, P in the box basis.
+    Without ``gx`` (``COMPOSE_BWD_SPLIT``): the partials only (F, GX, GXL untouched)."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
@@ -230,8 +235,8 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                          GX: T.Tensor(vshape, d), GXL: T.Tensor(vshape, d), P: T.Tensor((NS, NGP, GP, GP), _F32),
                          goff: T.int32, tps: T.int32):
         with T.Kernel(NSEG * KP * R // GC, NS, threads=threads) as (g, sp):
-            Fh = alloc_s((GP, GP), d)
-            Fl = alloc_s((GP, GP), d)
+            Fh = alloc_s((GP, GP) if gx else (1, 1), d)
+            Fl = alloc_s((GP, GP) if gx else (1, 1), d)
             G3 = alloc_s((BT, R, H), d)
             GL3 = alloc_s((BT, R, H) if g_lo else one, d)
             U3 = alloc_s((BT, R, H), d)
@@ -240,14 +245,15 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
             Gl = alloc_s((BT, GP) if g_lo else (1, 1), d)
             Uh = alloc_s((BT, GP), d)
             Ul = alloc_s((BT, GP) if u_lo else (1, 1), d)
-            acc = alloc_f((BT, GP), "float32")
+            acc = alloc_f((BT, GP) if gx else (1, 1), "float32")
             accp = alloc_f((GP, GP), "float32")
-            Y3 = alloc_s((BT, R, H), d)
-            YL3 = alloc_s((BT, R, H) if out_pair else one, d)
+            Y3 = alloc_s((BT, R, H) if gx else one, d)
+            YL3 = alloc_s((BT, R, H) if out_pair and gx else one, d)
             seg = T.alloc_var("int32", init=(g * GC) // (R * KP))
             j0 = T.alloc_var("int32", init=((g * GC) % (R * KP)) // R)
-            T.copy(FH[goff + g, 0, 0], Fh)
-            T.copy(FL[goff + g, 0, 0], Fl)
+            if gx:
+                T.copy(FH[goff + g, 0, 0], Fh)
+                T.copy(FL[goff + g, 0, 0], Fl)
             T.clear(accp)
             for tt in T.Pipelined(tps, num_stages=stages):
                 p0 = (sp * tps + tt) * BT
@@ -264,23 +270,26 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                         Gl[t, l] = T.if_then_else(l < GC, GL3[t, l // H, l % H], T.cast(0, d))
                     if u_lo:
                         Ul[t, l] = T.if_then_else(l < GC, UL3[t, l // H, l % H], T.cast(0, d))
-                T.clear(acc)
-                T.gemm(Gh, Fh, acc, transpose_B=True)
-                T.gemm(Gh, Fl, acc, transpose_B=True)
+                if gx:
+                    T.clear(acc)
+                    T.gemm(Gh, Fh, acc, transpose_B=True)
+                    T.gemm(Gh, Fl, acc, transpose_B=True)
                 T.gemm(Gh, Uh, accp, transpose_A=True)
                 if g_lo:
-                    T.gemm(Gl, Fh, acc, transpose_B=True)
+                    if gx:
+                        T.gemm(Gl, Fh, acc, transpose_B=True)
                     T.gemm(Gl, Uh, accp, transpose_A=True)
                 if u_lo:
                     T.gemm(Gh, Ul, accp, transpose_A=True)
-                for t, l in par(BT, GP):  # over the fragment's own shape: its layout needs no split
-                    if l < GC:
-                        Y3[t, l // H, l % H] = T.cast(acc[t, l], d)
-                        if out_pair:
-                            YL3[t, l // H, l % H] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
-                T.copy(Y3, GX[p0:p0 + BT, seg, 0:R, j0:j0 + H])
-                if out_pair:
-                    T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
+                if gx:
+                    for t, l in par(BT, GP):  # over the fragment's own shape: its layout needs no split
+                        if l < GC:
+                            Y3[t, l // H, l % H] = T.cast(acc[t, l], d)
+                            if out_pair:
+                                YL3[t, l // H, l % H] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
+                    T.copy(Y3, GX[p0:p0 + BT, seg, 0:R, j0:j0 + H])
+                    if out_pair:
+                        T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
             T.copy(accp, P[sp, goff + g, 0, 0])
 
     return boft_stream_runs
@@ -405,12 +414,16 @@ def run_groups(s: int, nb: int, esize: int):
     return None
 
 
-def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool, pair: bool = False) -> int:
+def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool, pair: bool = False,
+              gx: bool = True) -> int:
     """Shared-memory bytes of the run kernels at their largest (lo halves present): the F
     pairs, ``stages`` copies of the loaded boxes, the GEMM operands and the output boxes.
     ``pair`` (``stage_runs_kernel`` with R = 4, ``stream_pair_kernel``; GC, GP the pair's
-    width): the second stage's matrices, and the backward's middle value (hi, lo)."""
+    width): the second stage's matrices, and the backward's middle value (hi, lo). ``gx``
+    False: the partials-only stream (no F, no output boxes)."""
     box, op, mat = BT * GC * esize, BT * GP * esize, GP * GP * esize
+    if bwd and not gx:
+        return stages * 4 * box + 4 * op
     if bwd:
         return (6 if pair else 2) * mat + stages * 4 * box + (6 if pair else 4) * op + 2 * box
     return (4 if pair else 2) * mat + stages * 3 * box + 2 * op + 2 * box
@@ -579,10 +592,12 @@ def _compose_units(m, s, runs, most, bwd=False):
     return out
 
 
-def _compose_bt(W, bt, esize, arch, device, bwd=False):
+def _compose_bt(W, bt, esize, arch, device, bwd=False, gx=True):
     """The largest tile of ``bt`` halved (at least 16) whose composed unit of width W fits
-    shared memory (``bwd``: the stream kernel's); the CPU twins' buffers are local."""
-    while bt > 16 and arch != CPU_ARCH and runs_smem(W, W, bt, esize, direct_stages(arch), bwd) > smem_limit(device):
+    shared memory (``bwd``: the stream kernel's, ``gx``: with its gx); the CPU twins' buffers
+    are local."""
+    while bt > 16 and arch != CPU_ARCH and runs_smem(W, W, bt, esize, direct_stages(arch), bwd,
+                                                     gx=gx) > smem_limit(device):
         bt //= 2
     return bt
 
@@ -687,15 +702,17 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
         last = n == len(units) - 1
         dst = (yv, None) if last else bufs[n % 2]
         if COMPOSE_FWD > 1 and k > 1:
-            _launch_composed(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
+            mats = _composed_matrices(fh, fl, i, k, s, runs[0], gps, xv.dtype)
+            _launch_composed(src, xv, mats, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
         else:
             _launch_unit(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
         src = dst
 
 
-def _launch_composed(src, x0, fh, fl, dst, i, L, s, runs, gps, p, arch, diff):
-    """Stages i … i + L − 1 as one matrix (``_composed_matrices``) by ``stage_runs_kernel`` on
-    the 2^L-run box view, W = 2^(L-1)·GC wide, at the largest tile that fits (``_compose_bt``)."""
+def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
+    """Stages i … i + L − 1 as one matrix (``mats``: its (hi, lo) pair, ``_composed_matrices``)
+    by ``stage_runs_kernel`` on the 2^L-run box view, W = 2^(L-1)·GC wide, at the largest tile
+    that fits (``_compose_bt``)."""
     GC = runs[0]
     W, R = GC << (L - 1), 1 << L
     bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device)
@@ -704,7 +721,29 @@ def _launch_composed(src, x0, fh, fl, dst, i, L, s, runs, gps, p, arch, diff):
     nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
     kappa = (s // 2) << i
     v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(src), x0, *_halves(dst))]
-    kern(*v[:3], *_composed_matrices(fh, fl, i, L, s, GC, gps, x0.dtype), *v[3:], 0, nsplit, tps)
+    kern(*v[:3], *mats, *v[3:], 0, nsplit, tps)
+
+
+def _stream_composed_split(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
+    """``_stream_composed`` as two launches (``COMPOSE_BWD_SPLIT``): gx = g·J by the forward's
+    composed kernel (``stage_runs_kernel`` with the Jᵀ pair: u·Fᵀ with F = Jᵀ), then A = Σ gᵀ·u
+    alone (``stream_runs_kernel`` without gx: no J, no gx tile, its W x W accumulator the only
+    big fragment, so tiles of 64 positions fit where the fused kernel takes 32)."""
+    GC = runs[0]
+    W, R, x0 = GC << (L - 1), 1 << L, g[0]
+    es = _composed_stages(fh, fl, i, L, s, GC, gps)
+    _launch_composed(g, x0, _split16(_product(es).transpose(1, 2).contiguous(), x0.dtype), dst, i, L, s, runs, gps,
+                     APPLY, arch, False)
+    bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device, bwd=True, gx=False)
+    nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
+    pg = torch.empty((nsplit, gps >> (L - 1), W, W), device=x0.device, dtype=torch.float32)
+    threads = max(p["threads"], _COMPOSE_BWD_THREADS) if W % 128 == 0 else p["threads"]
+    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, threads, direct_stages(arch),
+                g[1] is not None, u[1] is not None, False, R, False)
+    kappa = (s // 2) << i
+    v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(g), *_halves(u))]
+    ks(*v, x0.new_empty((1, W, W)), x0.new_empty((1, W, W)), v[0], v[0], pg, 0, tps)
+    _composed_partials(es, pg.sum(0).double(), part, i, s, GC, gps)
 
 
 def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
@@ -790,7 +829,8 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
         if COMPOSE_BWD > 1 and k > 1:
-            _launch_composed(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
+            mats = _composed_matrices(fh, fl, i, k, s, runs[0], gps, xv.dtype)
+            _launch_composed(us[-1], xv, mats, dst, i, k, s, runs, gps, APPLY, arch, False)
         else:
             _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
         us.append(dst)
@@ -805,7 +845,8 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         u = us[n]
         d = tl_dtype(xv.dtype)
         if COMPOSE_BWD > 1 and k > 1:
-            _stream_composed(g, u, dst, fh, fl, part, i, k, s, runs, gps, p, arch)
+            (_stream_composed_split if COMPOSE_BWD_SPLIT else _stream_composed)(g, u, dst, fh, fl, part, i, k, s, runs,
+                                                                                gps, p, arch)
         elif k == 1:
             ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
                         g[1] is not None, u[1] is not None, dst[1] is not None)
@@ -899,4 +940,5 @@ def compile_specs(dtype: torch.dtype):
         (stage_runs_kernel, (d, 128, 128, 64, _THREADS, 1, True, True, True, 8, False)),  # COMPOSE_FWD: 3 stages
         (stage_runs_kernel, (d, 96, 96, 64, _THREADS, 1, False, True, False, 4, False)),  # 2 stages at GC = 48
         (stream_runs_kernel, (d, 128, 128, 32, 256, 1, True, True, True, 8)),  # COMPOSE_BWD: 3 stages
+        (stream_runs_kernel, (d, 128, 128, 64, 256, 1, True, True, False, 8, False)),  # COMPOSE_BWD_SPLIT
     ])
