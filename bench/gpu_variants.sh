@@ -30,6 +30,7 @@ declare -A RUNS=(
   [lora_bwd]="bench/tilelang_lora_variants.py --op bypass_bwd --variants ws,staged\ pipe,staged"
   [lokr]="bench/tilelang_lora_variants.py --op lokr --variants persistent,fused\\ wgrads,fused\\ bwd,persist\\ split"
   [ia3]="bench/tilelang_stream_variants.py --op ia3"
+  [ia3_cf]="bench/tilelang_stream_variants.py --op ia3 --layout first --variants per_sm\ 2,per_sm\ 4,pipe\ 2,pipe\ 4"
   [dora]="bench/tilelang_stream_variants.py --op dora"
   [lokr_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k fused\\ or\\ split"
   [profile]="bench/kernel_profile.py --specs lokr_bypass,lora_bypass,boft"

@@ -14,7 +14,9 @@ difference of the results from the first variant's.
 at (``per_sm N``): the streaming program walks its row tiles with no prefetch, so the bytes
 in flight on an SM grow with the programs on it, and so do the fp32 partials of the channel
 sums; ``pipe N``: the same with ``ia3.BWD_PIPE`` (the G and x tiles through shared memory in
-a pipelined loop). Floor: G, x read, gx written.
+a pipelined loop). Floor: G, x read, gx written. ``--layout first``: the same tokens as
+(8, channels, tokens/8), channels first (axis 1, a conv's layout), which ``BWD_PER_SM`` also
+steers.
 
 ``--op dora`` (bench.py's ``dora`` inputs: W (4096, 4096) / (3072, 3072), norms per row):
 ``dora.dora_fwd`` and ``dora.dora_bwd``; a variant sets ``dora.ROW_BC``, the vectors of a
@@ -38,7 +40,7 @@ import timing as T  # noqa: E402
 
 #: name -> (tokens, channels)
 SHAPES = {"large": (32768, 4096), "small": (8192, 3072)}
-SMOKE = {"large": (1000, 48), "small": (530, 24)}  # 16 and 9 IA3 row tiles: the splits differ
+SMOKE = {"large": (1000, 48), "small": (536, 24)}  # 16 and 9 IA3 row tiles: the splits differ; 8 | tokens
 VARIANTS = {**{f"per_sm {n}": dict(BWD_PER_SM=n, BWD_PIPE=False) for n in (2, 4, 8, 16)},
             **{f"pipe {n}": dict(BWD_PER_SM=n, BWD_PIPE=True) for n in (2, 4)}}
 #: DoRA: variant -> dora.ROW_BC
@@ -57,11 +59,15 @@ def ia3_table(args, dt, dev, timer, bw) -> None:
         cpu = torch.Generator().manual_seed(0)  # the spec builders draw on the CPU; G continues their stream
         x, w = specs.build_ia3(specs.Geo(N, D, 1), dt, dev, cpu).values()
         G = torch.randn(N, D, generator=cpu).to(device=dev, dtype=dt)
+        axis = -1
+        if args.layout == "first":  # (8, D, N/8): the same values, channels first
+            x, G = (t.view(8, N // 8, D).transpose(1, 2).contiguous() for t in (x, G))
+            axis = 1
         floor = 3 * N * D * x.element_size() / bw * 1e3 if bw else math.nan
         rows = T.VariantRows(timer)
         for v in (args.variants or ",".join(VARIANTS)).split(","):
             res = rows.row(f"{name:6} {v:9}", [(ia3, VARIANTS[v])],
-                           lambda: ia3.ia3_bwd(G, x, w, -1, specs.IA3_ALPHA, specs.IA3_GAMMA))
+                           lambda: ia3.ia3_bwd(G, x, w, axis, specs.IA3_ALPHA, specs.IA3_GAMMA))
             if res:
                 (t,), (x1,), diff = res
                 print(f"{name:6} {v:9} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
@@ -92,6 +98,7 @@ def dora_table(args, dt, dev, timer, bw) -> None:
 def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
     ap.add_argument("--op", default="ia3", choices=("ia3", "dora"))
+    ap.add_argument("--layout", default="last", choices=("last", "first"), help="IA3's channel axis")
     args = ap.parse_args(argv)
     dt, dev, timer, _ = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
