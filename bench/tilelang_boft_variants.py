@@ -10,12 +10,10 @@ the first variant, and the largest relative difference of the results (y, gx, g_
 the first variant's:
 
 * ``gather``: diag-OFT's element-wise gather kernels once per stage (``RUNS = False``);
-* ``runs``: the run kernels, one launch per stage (the default);
-* ``runs+fwd pairs``: pairs in the forward only (``PAIRS_FWD``);
-* ``runs+pairs``: the run kernels with two stages per launch where ``_units`` allows
-  (``PAIRS = True``), forward and backward;
+* ``runs``: the run kernels, one launch per stage;
 * ``runs+composeL``: the forward applies up to L stages a launch as ONE composed matrix
-  (``COMPOSE_FWD = L``; 2: 64-wide, 3: 128-wide at GC = 32), the backward as ``runs+fwd pairs``;
+  (``COMPOSE_FWD = L``; 2: 64-wide, 3: 128-wide at GC = 32; 3 is the default), the backward
+  one launch a stage;
   ``compose3 bt32`` / ``t256``: the same at tiles of 32 positions / 256 threads (the forward's
   ``APPLY``, also the backward's replay); ``composeL bwd``: the backward's units composed
   too (``COMPOSE_BWD = L``); ``... split``: its stream as two launches, gx by the composed
@@ -23,7 +21,7 @@ the first variant's:
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
   positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
-Also printed per shape: the launch units the pairs take, and the forward's bytes moved per
+Also printed per shape: the forward's composed launch units, and its bytes moved per
 variant's pass structure over the copy bandwidth (``floor``: what its passes alone cost).
 Ratios within one run are what to compare; the machines are shared.
 
@@ -46,25 +44,21 @@ SMOKE = {"large": (37, 128, 32), "small": (21, 96, 24)}
 #: variant -> the settings it times: ``tilelang.boft``'s, and under "oft" those of
 #: ``tilelang.oft`` whose helpers the run kernels share (pipeline depth, position split)
 VARIANTS = {
-    "gather": dict(RUNS=False, PAIRS=False, PAIRS_FWD=False),
-    "runs": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False),
-    "runs+pairs": dict(RUNS=True, PAIRS=True, PAIRS_FWD=False),
-    "runs+fwd pairs": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True),
-    "runs+compose2": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=2),
-    "runs+compose3": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3),
-    "compose3 bt32": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, APPLY=dict(BT=32, threads=128)),
-    "compose3 t256": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, APPLY=dict(BT=64, threads=256)),
-    "compose2 bwd": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=2, COMPOSE_BWD=2),
-    "compose3 bwd": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, COMPOSE_BWD=3),
-    "compose3 bwd split": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, COMPOSE_BWD=3,
-                               COMPOSE_BWD_SPLIT=True),
-    "compose2 bwd split": dict(RUNS=True, PAIRS=False, PAIRS_FWD=True, COMPOSE_FWD=3, COMPOSE_BWD=2,
-                               COMPOSE_BWD_SPLIT=True),
-    "runs s3": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=3)),
-    "runs s4": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=4)),
-    "runs s3 w1": dict(RUNS=True, PAIRS=False, PAIRS_FWD=False, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),
+    "gather": dict(RUNS=False, COMPOSE_FWD=0, COMPOSE_BWD=0),
+    "runs": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0),
+    "runs+compose2": dict(RUNS=True, COMPOSE_FWD=2, COMPOSE_BWD=0),
+    "runs+compose3": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=0),
+    "compose3 bt32": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=0, APPLY=dict(BT=32, threads=128)),
+    "compose3 t256": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=0, APPLY=dict(BT=64, threads=256)),
+    "compose2 bwd": dict(RUNS=True, COMPOSE_FWD=2, COMPOSE_BWD=2),
+    "compose3 bwd": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3),
+    "compose3 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True),
+    "compose2 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=2, COMPOSE_BWD_SPLIT=True),
+    "runs s3": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3)),
+    "runs s4": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=4)),
+    "runs s3 w1": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),
 }
-DEFAULT_VARIANTS = "gather,runs,runs+pairs"
+DEFAULT_VARIANTS = "gather,runs,runs+compose3"
 
 
 def _settings(boft, oft, variant) -> tuple:
@@ -75,7 +69,7 @@ def _settings(boft, oft, variant) -> tuple:
 
 def main(argv=None) -> int:
     args = T.variants_parser("large,small", VARIANTS, DEFAULT_VARIANTS).parse_args(argv)
-    from lycoris_ops.tilelang import _common, boft, oft
+    from lycoris_ops.tilelang import boft, oft
 
     dt, dev, timer, gen = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
@@ -89,10 +83,7 @@ def main(argv=None) -> int:
         g = torch.randn(npos, C, generator=gen, device=dev).to(dt)
         runs = boft.run_groups(s, nb, x.element_size())
         if runs is not None:
-            with T.module_settings((boft, dict(PAIRS=True))):
-                units = boft._units(m, s, runs, x.element_size(), _common.arch_of(dev), dev,
-                                    [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
-            print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; units with pairs: {units}; "
+            print(f"{name:6} m={m} nb={nb} s={s} run groups {runs}; "
                   f"composed (L <= 3): {boft._compose_units(m, s, runs, 3)}")
         rows = T.VariantRows(timer)
         for v in args.variants.split(","):
@@ -104,8 +95,7 @@ def main(argv=None) -> int:
                 print(f"{name:6} {v:12} {tf:8.3f} {xf:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
         if bw and runs is not None:  # the forward's passes: x in, (hi, lo) pairs between, y out (4p - 2 values)
             per_pass = npos * C * x.element_size()
-            for v, passes in (("runs", m), ("runs+pairs", len(units)),
-                              ("runs+compose3", len(boft._compose_units(m, s, runs, 3)))):
+            for v, passes in (("runs", m), ("runs+compose3", len(boft._compose_units(m, s, runs, 3)))):
                 moved = per_pass * (1 + 2 * (passes - 1) + 2 * (passes - 1) + 1)
                 print(f"{name:6} {v:12} forward floor of its {passes} passes: {moved / bw * 1e3:.3f} ms")
     return 0

@@ -138,15 +138,16 @@ def test_tilelang_tucker_variants_smoke(capsys):
 
 
 def test_tilelang_boft_variants_smoke(capsys):
-    """``bench/tilelang_boft_variants.py --smoke``: the gather / runs / runs+pairs rows run and
-    agree (TileLang's CPU twins, fp32, tiny sizes), and the pairs' launch units are printed."""
+    """``bench/tilelang_boft_variants.py --smoke``: the gather / runs / runs+compose3 rows run
+    and agree (TileLang's CPU twins, fp32, tiny sizes), and the composed launch units are
+    printed."""
     pytest.importorskip("tilelang")
     module = bench_script("tilelang_boft_variants.py", "lycoris_bench_tl_boft")
     assert module.main(["--smoke", "--shapes", "large"]) == 0
     out = capsys.readouterr().out
-    assert "failed" not in out and "units with pairs: [(0, 2), (2, 1)]" in out, out
+    assert "failed" not in out and "composed (L <= 3): [(0, 3)]" in out, out
     rows = [line.split() for line in out.splitlines() if line.startswith("large ") and "m=" not in line]
-    assert [r[1] for r in rows] == ["gather", "runs", "runs+pairs"], out
+    assert [r[1] for r in rows] == ["gather", "runs", "runs+compose3"], out
     assert all(float(r[-1]) < 1e-4 for r in rows), out
 
 

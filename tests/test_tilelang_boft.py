@@ -130,15 +130,17 @@ RUN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("runs", [True, False], ids=["runs", "gather"])
+@pytest.mark.parametrize("runs,compose", [(True, 3), (True, 0), (False, 3)], ids=["runs", "runs-stages", "gather"])
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", RUN_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}-{'rs' if c[4] else 'nors'}-{'diff' if c[5] else 'plain'}"
                               for c in RUN_CASES])
-def test_boft_runs(m, nb, s, shape, has_rs, diff, runs, monkeypatch):
+def test_boft_runs(m, nb, s, shape, has_rs, diff, runs, compose, monkeypatch):
     """The run kernels (one box per group and tile, stage values as 16-bit (hi, lo) pairs, run
-    basis in the Cayley and chain kernels) and, on the same shapes, the gather path: both
-    against the fp64 reference. The CPU twins run the run kernels at fp32 (exact GEMMs)."""
+    basis in the Cayley and chain kernels; ``compose`` 0: the forward one launch a stage, its
+    last with rescale and diff) and, on the same shapes, the gather path: all against the fp64
+    reference. The CPU twins run the run kernels at fp32 (exact GEMMs)."""
     monkeypatch.setattr(boft, "RUNS", runs)
+    monkeypatch.setattr(boft, "COMPOSE_FWD", compose)
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(7 * m + s, m, nb, s, shape, has_rs, dtype)
     taken = boft._runs_plan(x, False, s, nb, _common.arch_of(x.device), boft.APPLY["BT"], False)
@@ -237,53 +239,6 @@ def test_shortlist_keeps_run_tiles():
         for c in cands:
             bt = {**fixed, **c}["BT"]
             assert boft._runs_plan(x, False, 24, 128, "sm_90a", bt, bwd) is not None, (op, c)
-
-
-# (m, nb, s, x shape, with rescale, diff): shapes where boft_fwd pairs stages (``PAIRS``)
-PAIR_CASES = [
-    (3, 4, 32, (37, 128), True, True),    # stages (0, 1) paired, stage 2 alone (rescale, diff)
-    (2, 4, 32, (21, 128), True, True),    # one pair, the last stages: rescale and diff in it
-    (5, 16, 8, (19, 128), False, False),  # stages 0, 1 alone (κ < GC/2), (2, 3) paired, 4 alone
-]
-
-
-@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", PAIR_CASES,
-                         ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in PAIR_CASES])
-def test_boft_pairs(m, nb, s, shape, has_rs, diff, monkeypatch):
-    """Stage pairs (``PAIRS``: two stages a launch on a four-run box, the pair's matrices in the
-    box basis; the backward recomputes the pair's middle value and scatters both stages'
-    partials to their groups) against the fp64 reference, and which stages pair."""
-    monkeypatch.setattr(boft, "PAIRS", True)
-    monkeypatch.setattr(boft, "COMPOSE_FWD", 0)  # the forward's pairs, not its composed units
-    dtype = DTYPES[-1]
-    blocks, rescale, x, grad = inputs(11 * m + s, m, nb, s, shape, has_rs, dtype)
-    runs = boft.run_groups(s, nb, x.element_size())
-    units = boft._units(m, s, runs, x.element_size(), _common.arch_of(x.device), x.device,
-                        [(boft.APPLY["BT"], False), (boft.STREAM["BT"], True)])
-    want = {3: [(0, 2), (2, 1)], 2: [(0, 2)], 5: [(0, 1), (1, 1), (2, 2), (4, 1)]}[m]
-    assert units == want, units
-    check_channels_last(blocks, rescale, x, grad, diff, dtype, " (pairs)")
-
-
-@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", PAIR_CASES[:1], ids=["m3nb4s32"])
-def test_boft_forward_pairs_only(m, nb, s, shape, has_rs, diff, monkeypatch):
-    """``PAIRS_FWD``: the forward pairs stages, the backward keeps one launch a stage (a spy
-    counts the forward's unit launches) and both agree with the fp64 reference."""
-    monkeypatch.setattr(boft, "PAIRS", False)
-    monkeypatch.setattr(boft, "PAIRS_FWD", True)
-    monkeypatch.setattr(boft, "COMPOSE_FWD", 0)
-    seen = []
-    real = boft._launch_unit
-
-    def spy(*a):
-        seen.append(a[6])  # k: stages in the unit
-        return real(*a)
-
-    monkeypatch.setattr(boft, "_launch_unit", spy)
-    dtype = DTYPES[-1]
-    blocks, rescale, x, grad = inputs(11 * m + s, m, nb, s, shape, has_rs, dtype)
-    check_channels_last(blocks, rescale, x, grad, diff, dtype, " (forward pairs)")
-    assert seen == [2, 1, 1, 1], seen  # forward: the pair (0, 1), stage 2; backward replay: stages 0, 1
 
 
 # (m, nb, s, x shape, with rescale, diff, COMPOSE_FWD, the forward's units)

@@ -25,9 +25,9 @@ The run kernels (``stage_runs_kernel``, ``stream_runs_kernel``; channels last, 1
 ``run_groups`` size): the same launches without the element-wise channel map. A group's
 channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matrices are stored
 in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
-dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). Stage pairs:
-two stages per launch on a four-run box, forward (``stage_runs_kernel`` with R = 4; on,
-``PAIRS_FWD``) and backward (``stream_pair_kernel``; off, ``PAIRS``: slower on the H200).
+dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). Composed
+units: up to three consecutive stages a launch as ONE matrix on a 2^L-run box, forward
+(``COMPOSE_FWD``, on) and backward (``COMPOSE_BWD``, off: no faster on the H200).
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
@@ -47,37 +47,25 @@ from . import oft as _oft
 from .oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
-           "stage_runs_kernel",
-           "stream_runs_kernel", "stream_pair_kernel", "compile_specs", "RUNS", "PAIRS"]
+           "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "RUNS", "COMPOSE_FWD", "COMPOSE_BWD"]
 
 _F32 = "float32"
 #: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
 #: to reach the gather path with the same shapes)
 RUNS = True
-#: whether the run path applies two stages per launch where it can (``_units``), forward and
-#: backward: half the passes over the activations. Off: on the H200 (bf16,
-#: bench/tilelang_boft_variants.py, bench/RESULTS.md 2026-12-02 04:06) the pairs took the
-#: large shape's forward from 3.15 to 2.90 ms (0.92x) but its backward from 7.59 to 8.35 ms
-#: (1.10x); the small shape (48-channel groups) has no pairs (0.87 / 2.60 ms either way)
-PAIRS = False
-#: pairs in the forward only (its 0.92x above without the backward's 1.10x; the backward keeps
-#: its own units: it replays the forward's stage inputs itself). On: the H200 (bf16, large
-#: shape, RESULTS.md 2026-12-02 09:30) took the forward from 3.117 to 2.927 ms, the backward
-#: 7.535 / 7.497
-PAIRS_FWD = True
 #: the forward's stages composed: each launch applies up to this many consecutive stages as ONE
 #: matrix J = E_{L-1}···E_0 of width 2^(L-1)·GC on a 2^L-run box (``_compose_units``,
 #: ``_composed_matrices``; the product formed on the host in fp64, then split in a (hi, lo)
-#: pair), one three-term GEMM a tile where a pair takes two and a stage one; 0: off (the
-#: units of ``PAIRS_FWD``). At the bench's large shape (m = 8, GC = 32) 3 makes 3 launches of
-#: 128-wide GEMMs instead of 4 pair launches: on the H200 (bf16, bench/tilelang_boft_variants.py,
-#: RESULTS.md 2026-12-02 12:00) the forward went from 2.891 to 1.714 ms; the small shape
-#: (GC = 48: 96-wide pairs) stayed at 0.93-0.95 ms either way
+#: pair), one three-term GEMM a tile; 0: off (one launch a stage). At the bench's large shape
+#: (m = 8, GC = 32) 3 makes 3 launches of 128-wide GEMMs: on the H200 (bf16,
+#: bench/tilelang_boft_variants.py, RESULTS.md 2026-12-02 12:00) the forward went from 2.891 ms
+#: (stage pairs, two matrices a launch: a form since removed; 3.117 one launch a stage) to
+#: 1.714 ms; the small shape (GC = 48: 96-wide units) stayed at 0.93-0.95 ms
 COMPOSE_FWD = 3
 #: the backward's composed units (``_stream_composed``: gx = g·J and A = Σ gᵀ·u on the unit's
-#: box, the stages' partials from A on the host): the most stages a unit; 0: off (the units of
-#: ``PAIRS``). Off: the same table gave the large backward 7.489 ms against 7.539 with one launch
-#: a stage (3 stages; 2: 8.131), the small one 2.646 against 2.654: no gain, so the pairs stay
+#: box, the stages' partials from A on the host): the most stages a unit; 0: off (one launch a
+#: stage). Off: the same table gave the large backward 7.489 ms against 7.539 with one launch
+#: a stage (3 stages; 2: 8.131), the small one 2.646 against 2.654
 COMPOSE_BWD = 0
 #: the composed backward's stream as two launches (``_stream_composed_split``): gx by the
 #: forward's composed kernel, then the partials alone. Timed only with ``COMPOSE_BWD``
@@ -125,24 +113,20 @@ def _split_gemm(T):
 
 def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREADS, stages: int = 1,
                       has_lo: bool = True, out_pair: bool = True, diff: bool = False, R: int = 2,
-                      second: bool = None, cpu: bool = False):
+                      cpu: bool = False):
     """One BOFT stage on the run views (see above), channels last: ``y = u·Fᵀ`` per group
     (F pair [goff + g] in the run basis, GP x GP: the group's GC channels, zero-padded to GP,
     a width every warp partition of T.gemm covers), u = U (+ UL when ``has_lo``), stored as a
     (hi, lo) pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a
-    view (NP, C/Rκ', R, κ') of dtype d; a box is R runs of GC/R channels. ``second`` (default:
-    R = 4): a stage PAIR (``PAIRS``), ``y = (u·F1ᵀ)·F2ᵀ`` with F2 the pair [goff + NGS + g]
-    (NGS: F's groups per launch), the first product kept as a 16-bit (hi, lo) pair in shared
-    memory. R = 2^L without ``second``: L stages as ONE matrix F = E_{L-1}···E_0 in the box
-    basis (``COMPOSE_FWD``, ``_composed_matrices``). Program (g, split) walks tiles
-    split·tps … split·tps + tps − 1."""
+    view (NP, C/Rκ', R, κ') of dtype d; a box is R runs of GC/R channels. R = 2^L: L stages as
+    ONE matrix F = E_{L-1}···E_0 in the box basis (``COMPOSE_FWD``, ``_composed_matrices``).
+    Program (g, split) walks tiles split·tps … split·tps + tps − 1."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     alloc_f = T.alloc_local if cpu else T.alloc_fragment
     threads = 1 if cpu else threads_
-    two = R == 4 if second is None else second
     H = GC // R
     gemm3 = _split_gemm(T)
     NP, NSEG, KP, NG = T.dynamic("NP NSEG KP NG")
@@ -156,13 +140,11 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
         with T.Kernel(NSEG * KP * R // GC, nsplit, threads=threads) as (g, sp):
             Fh = alloc_s((GP, GP), d)
             Fl = alloc_s((GP, GP), d)
-            F2h = alloc_s((GP, GP) if two else (1, 1), d)
-            F2l = alloc_s((GP, GP) if two else (1, 1), d)
             U3 = alloc_s((BT, R, H), d)
             UL3 = alloc_s((BT, R, H) if has_lo else one, d)
             X3 = alloc_s((BT, R, H) if diff else one, d)
             Uh = alloc_s((BT, GP), d)
-            Ul = alloc_s((BT, GP) if has_lo or two else (1, 1), d)
+            Ul = alloc_s((BT, GP) if has_lo else (1, 1), d)
             acc = alloc_f((BT, GP), "float32")
             Y3 = alloc_s((BT, R, H), d)
             YL3 = alloc_s((BT, R, H) if out_pair else one, d)
@@ -170,9 +152,6 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
             j0 = T.alloc_var("int32", init=((g * GC) % (R * KP)) // R)
             T.copy(FH[goff + g, 0, 0], Fh)
             T.copy(FL[goff + g, 0, 0], Fl)
-            if two:
-                T.copy(FH[goff + NSEG * KP * R // GC + g, 0, 0], F2h)
-                T.copy(FL[goff + NSEG * KP * R // GC + g, 0, 0], F2l)
             for tt in T.Pipelined(tps, num_stages=stages):
                 p0 = (sp * tps + tt) * BT
                 T.copy(U[p0:p0 + BT, seg, 0:R, j0:j0 + H], U3)
@@ -186,12 +165,6 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
                         Ul[t, l] = T.if_then_else(l < GC, UL3[t, l // H, l % H], T.cast(0, d))
                 T.clear(acc)
                 gemm3(Uh, Ul, Fh, Fl, acc, has_lo, True, False, True)
-                if two:  # the pair's second stage on the first one's (hi, lo) result
-                    for t, l in par(BT, GP):
-                        Uh[t, l] = T.cast(acc[t, l], d)
-                        Ul[t, l] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
-                    T.clear(acc)
-                    gemm3(Uh, Ul, F2h, F2l, acc, True, True, False, True)
                 for t, l in par(BT, GP):  # over the fragment's own shape: its layout needs no split
                     if l < GC:
                         if diff:
@@ -295,111 +268,6 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
     return boft_stream_runs
 
 
-def stream_pair_kernel(d: str, GC: int, BT: int, threads_: int = _THREADS, stages: int = 1, g_lo: bool = True,
-                       u_lo: bool = True, out_pair: bool = True, cpu: bool = False):
-    """The backward of a stage PAIR (a, a + 1) on the four-run box views (``PAIRS``; GC = GP,
-    the box basis of ``_pair_matrices``): from g = G (+ GL) at the pair's output and its input
-    u = U (+ UL), per tile: v = u·E1ᵀ (stage a's output, recomputed), ``P2 += gᵀ·v`` (stage
-    a + 1's partials), g1 = g·E2 (from the E2ᵀ pair), ``P1 += g1ᵀ·u`` (stage a's), and
-    ``gx = g1·E1`` stored as a pair GX, GXL (``out_pair``) or once. EF holds [E1; E2] and ET
-    [E1ᵀ; E2ᵀ] (2·NGS, GC, GC) per (hi, lo); P (NS, 2·NGS, GC, GC): P1 then P2, box basis."""
-    import tilelang.language as T
-
-    par = T.grid if cpu else T.Parallel
-    alloc_s = T.alloc_local if cpu else T.alloc_shared
-    alloc_f = T.alloc_local if cpu else T.alloc_fragment
-    threads = 1 if cpu else threads_
-    R = 4
-    H = GC // R
-    gemm3 = _split_gemm(T)
-    NP, NSEG, KP, NG, NS, NGP = T.dynamic("NP NSEG KP NG NS NGP")
-    vshape = (NP, NSEG, R, KP)
-    one = (1, 1, 1)
-
-    @T.macro
-    def to_pair(src, hi, lo):  # an fp32 fragment as a 16-bit (hi, lo) pair in shared memory
-        for t, l in par(BT, GC):
-            hi[t, l] = T.cast(src[t, l], d)
-            lo[t, l] = T.cast(src[t, l] - T.cast(T.cast(src[t, l], d), "float32"), d)
-
-    @T.prim_func
-    def boft_stream_pair(G: T.Tensor(vshape, d), GL: T.Tensor(vshape, d), U: T.Tensor(vshape, d),
-                         UL: T.Tensor(vshape, d), EFH: T.Tensor((NG, GC, GC), d), EFL: T.Tensor((NG, GC, GC), d),
-                         ETH: T.Tensor((NG, GC, GC), d), ETL: T.Tensor((NG, GC, GC), d), GX: T.Tensor(vshape, d),
-                         GXL: T.Tensor(vshape, d), P: T.Tensor((NS, NGP, GC, GC), _F32), tps: T.int32):
-        with T.Kernel(NSEG * KP * R // GC, NS, threads=threads) as (g, sp):
-            E1h = alloc_s((GC, GC), d)
-            E1l = alloc_s((GC, GC), d)
-            T1h = alloc_s((GC, GC), d)
-            T1l = alloc_s((GC, GC), d)
-            T2h = alloc_s((GC, GC), d)
-            T2l = alloc_s((GC, GC), d)
-            G3 = alloc_s((BT, R, H), d)
-            GL3 = alloc_s((BT, R, H) if g_lo else one, d)
-            U3 = alloc_s((BT, R, H), d)
-            UL3 = alloc_s((BT, R, H) if u_lo else one, d)
-            Gh = alloc_s((BT, GC), d)
-            Gl = alloc_s((BT, GC) if g_lo else (1, 1), d)
-            Uh = alloc_s((BT, GC), d)
-            Ul = alloc_s((BT, GC) if u_lo else (1, 1), d)
-            Vh = alloc_s((BT, GC), d)
-            Vl = alloc_s((BT, GC), d)
-            acc = alloc_f((BT, GC), "float32")
-            accp1 = alloc_f((GC, GC), "float32")
-            accp2 = alloc_f((GC, GC), "float32")
-            Y3 = alloc_s((BT, R, H), d)
-            YL3 = alloc_s((BT, R, H) if out_pair else one, d)
-            seg = T.alloc_var("int32", init=(g * GC) // (R * KP))
-            j0 = T.alloc_var("int32", init=((g * GC) % (R * KP)) // R)
-            T.copy(EFH[g, 0, 0], E1h)
-            T.copy(EFL[g, 0, 0], E1l)
-            T.copy(ETH[g, 0, 0], T1h)
-            T.copy(ETL[g, 0, 0], T1l)
-            T.copy(ETH[NSEG * KP * R // GC + g, 0, 0], T2h)
-            T.copy(ETL[NSEG * KP * R // GC + g, 0, 0], T2l)
-            T.clear(accp1)
-            T.clear(accp2)
-            for tt in T.Pipelined(tps, num_stages=stages):
-                p0 = (sp * tps + tt) * BT
-                T.copy(G[p0:p0 + BT, seg, 0:R, j0:j0 + H], G3)
-                if g_lo:
-                    T.copy(GL[p0:p0 + BT, seg, 0:R, j0:j0 + H], GL3)
-                T.copy(U[p0:p0 + BT, seg, 0:R, j0:j0 + H], U3)
-                if u_lo:
-                    T.copy(UL[p0:p0 + BT, seg, 0:R, j0:j0 + H], UL3)
-                for t, l in par(BT, GC):
-                    Gh[t, l] = G3[t, l // H, l % H]
-                    Uh[t, l] = U3[t, l // H, l % H]
-                    if g_lo:
-                        Gl[t, l] = GL3[t, l // H, l % H]
-                    if u_lo:
-                        Ul[t, l] = UL3[t, l // H, l % H]
-                # v = u·E1ᵀ: stage a's output, the input of stage a + 1
-                T.clear(acc)
-                gemm3(Uh, Ul, E1h, E1l, acc, u_lo, True, False, True)
-                to_pair(acc, Vh, Vl)
-                gemm3(Gh, Gl, Vh, Vl, accp2, g_lo, True, True, False)
-                # g1 = g·E2 (the gradient at stage a's output), kept in Vh / Vl
-                T.clear(acc)
-                gemm3(Gh, Gl, T2h, T2l, acc, g_lo, True, False, True)
-                to_pair(acc, Vh, Vl)
-                gemm3(Vh, Vl, Uh, Ul, accp1, True, u_lo, True, False)
-                # gx = g1·E1
-                T.clear(acc)
-                gemm3(Vh, Vl, T1h, T1l, acc, True, True, False, True)
-                for t, l in par(BT, GC):
-                    Y3[t, l // H, l % H] = T.cast(acc[t, l], d)
-                    if out_pair:
-                        YL3[t, l // H, l % H] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
-                T.copy(Y3, GX[p0:p0 + BT, seg, 0:R, j0:j0 + H])
-                if out_pair:
-                    T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
-            T.copy(accp1, P[sp, g, 0, 0])
-            T.copy(accp2, P[sp, NSEG * KP * R // GC + g, 0, 0])
-
-    return boft_stream_pair
-
-
 def run_groups(s: int, nb: int, esize: int):
     """(GC, NB, GP) of the run kernels: the fewest blocks NB (a power of two dividing nb) whose
     GC = NB·s channels are at least 32 with runs of GC/2 elements a multiple of 16 bytes (a
@@ -414,19 +282,16 @@ def run_groups(s: int, nb: int, esize: int):
     return None
 
 
-def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool, pair: bool = False,
-              gx: bool = True) -> int:
+def runs_smem(GC: int, GP: int, BT: int, esize: int, stages: int, bwd: bool, gx: bool = True) -> int:
     """Shared-memory bytes of the run kernels at their largest (lo halves present): the F
     pairs, ``stages`` copies of the loaded boxes, the GEMM operands and the output boxes.
-    ``pair`` (``stage_runs_kernel`` with R = 4, ``stream_pair_kernel``; GC, GP the pair's
-    width): the second stage's matrices, and the backward's middle value (hi, lo). ``gx``
-    False: the partials-only stream (no F, no output boxes)."""
+    ``gx`` False: the partials-only stream (no F, no output boxes)."""
     box, op, mat = BT * GC * esize, BT * GP * esize, GP * GP * esize
     if bwd and not gx:
         return stages * 4 * box + 4 * op
     if bwd:
-        return (6 if pair else 2) * mat + stages * 4 * box + (6 if pair else 4) * op + 2 * box
-    return (4 if pair else 2) * mat + stages * 3 * box + 2 * op + 2 * box
+        return 2 * mat + stages * 4 * box + 4 * op + 2 * box
+    return 2 * mat + stages * 3 * box + 2 * op + 2 * box
 
 
 def smem_limit(device: torch.device) -> int:
@@ -442,11 +307,9 @@ def runs_for(x, cf, s, nb, arch):
     return run_groups(s, nb, x.element_size())
 
 
-def runs_fit(runs, bt, esize, arch, bwd, limit, pair=False) -> bool:
-    """Whether a tile of ``bt`` positions of the run kernels (``pair``: of a stage pair)
-    fits ``limit`` bytes of shared memory."""
-    k = 2 if pair else 1
-    return runs_smem(k * runs[0], k * runs[2], bt, esize, direct_stages(arch), bwd, pair) <= limit
+def runs_fit(runs, bt, esize, arch, bwd, limit) -> bool:
+    """Whether a tile of ``bt`` positions of the run kernels fits ``limit`` bytes of shared memory."""
+    return runs_smem(runs[0], runs[2], bt, esize, direct_stages(arch), bwd) <= limit
 
 
 def _runs_plan(x, cf, s, nb, arch, bt, bwd):
@@ -525,49 +388,6 @@ def _runs_cayley(bc, rs, m, nb, s, runs, trans, cscale, scale, cdt, arch):
     gps = nb // NBr
     return _oft_cayley(bc.view(m * nb, s, s), rs, cdt, s, NBr, GP, True, True, trans, cscale, scale,
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
-
-
-def _pair_at(i, m, s, runs, bt, esize, arch, device, bwd=False) -> bool:
-    """Whether stages i and i + 1 can run as one launch unit: both exist, the group is
-    unpadded (GC = GP) and its double fits a 64-wide GEMM, stage i's runs are whole
-    (κ_i >= GC/2, so the four runs of the pair's box do not overlap), and a tile of ``bt``
-    positions fits (``bwd``: ``stream_pair_kernel``'s, else the forward's)."""
-    GC, _, GP = runs
-    if i + 1 >= m or GC != GP or 2 * GC > 64 or ((s // 2) << i) < GC // 2:
-        return False
-    # the CPU twins' buffers are local
-    return arch == CPU_ARCH or runs_fit(runs, bt, esize, arch, bwd, smem_limit(device), pair=True)
-
-
-def _units(m, s, runs, esize, arch, device, tiles, pairs=None):
-    """The butterfly's launch units [(first stage, 1 or 2 stages)]: with ``pairs`` (None:
-    ``PAIRS``), a pair where ``_pair_at`` allows it for every (BT, bwd) in ``tiles`` (the
-    launches that will run the units)."""
-    pairs = PAIRS if pairs is None else pairs
-    out, i = [], 0
-    while i < m:
-        n = 2 if pairs and all(_pair_at(i, m, s, runs, bt, esize, arch, device, bwd) for bt, bwd in tiles) else 1
-        out.append((i, n))
-        i += n
-    return out
-
-
-def _pair_matrices(f, i, s, GC, gps):
-    """The two stage matrices of the pair (i, i + 1) in the pair's box basis, (2·npg, 2GC, 2GC):
-    stage i's first (its two groups of a box on the diagonal), then stage i + 1's (its two
-    groups interleaved with them). ``f``: every stage's run-basis matrices (m·gps, GC, GC).
-    The box of pair group q is (t1, t0, j) over channels seg·4κ + t1·2κ + t0·κ + j0 + j
-    (κ = κ_i, H = GC/2, seg = ⌊qH/κ⌋, j0 = qH mod κ): stage i mixes (t0, j) at fixed t1, stage
-    i + 1 mixes (t1, j) at fixed t0."""
-    H, kappa, npg = GC // 2, (s // 2) << i, gps // 2
-    q = torch.arange(npg, device=f.device)
-    seg, j0 = (q * H) // kappa, (q * H) % kappa
-    e1 = torch.zeros((npg, 2, GC, 2, GC), device=f.device, dtype=f.dtype)
-    e2 = torch.zeros((npg, 2, 2, H, 2, 2, H), device=f.device, dtype=f.dtype)
-    for t in range(2):
-        e1[:, t, :, t, :] = f[i * gps + ((2 * seg + t) * kappa + j0) // H]
-        e2[:, :, t, :, :, t, :] = f[(i + 1) * gps + (2 * seg * kappa + t * kappa + j0) // H].view(npg, 2, H, 2, H)
-    return torch.cat([e1.view(npg, 2 * GC, 2 * GC), e2.view(npg, 2 * GC, 2 * GC)])
 
 
 def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
@@ -687,25 +507,22 @@ def _composed_partials(es, a, part, i, s, GC, gps):
 
 
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
-    """boft_fwd by the run kernels: one Cayley launch, then one launch per unit (a stage, or a
-    pair of stages, ``_units``): the first reads x, units between keep (hi, lo) pairs in two
-    buffers in turn, the last stores y."""
+    """boft_fwd by the run kernels: one Cayley launch, then one launch per unit (a stage, or up
+    to ``COMPOSE_FWD`` stages as one matrix, ``_compose_units``): the first reads x, units
+    between keep (hi, lo) pairs in two buffers in turn, the last stores y."""
     gps = nb // runs[1]
     fh, fl = _runs_cayley(bc, rs, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     src = (xv, None)
-    if COMPOSE_FWD > 1:
-        units = _compose_units(m, s, runs, COMPOSE_FWD)
-    else:
-        units = _units(m, s, runs, xv.element_size(), arch, xv.device, [(p["BT"], False)], PAIRS or PAIRS_FWD)
+    units = _compose_units(m, s, runs, COMPOSE_FWD)
     for n, (i, k) in enumerate(units):
         last = n == len(units) - 1
         dst = (yv, None) if last else bufs[n % 2]
-        if COMPOSE_FWD > 1 and k > 1:
+        if k > 1:
             mats = _composed_matrices(fh, fl, i, k, s, runs[0], gps, xv.dtype)
             _launch_composed(src, xv, mats, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
         else:
-            _launch_unit(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
+            _launch_stage(src, xv, fh, fl, dst, i, s, runs, gps, p, arch, bool(diff) and last)
         src = dst
 
 
@@ -717,7 +534,7 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
     W, R = GC << (L - 1), 1 << L
     bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device)
     kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, p["threads"], direct_stages(arch),
-                  src[1] is not None, dst[1] is not None, diff, R, False)
+                  src[1] is not None, dst[1] is not None, diff, R)
     nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
     kappa = (s // 2) << i
     v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(src), x0, *_halves(dst))]
@@ -768,41 +585,15 @@ def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
     _composed_partials(es, pg.sum(0).double(), part, i, s, GC, gps)
 
 
-def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff):
-    """Stage i (k = 1: the two-run box, the stage's run-basis matrices) or stages i, i + 1
-    (k = 2: the four-run box, ``_pair_matrices``) by ``stage_runs_kernel``; ``src`` / ``dst``:
-    (hi, lo or None), (NP, C)."""
+def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff):
+    """Stage i on its two-run box (the stage's run-basis matrices) by ``stage_runs_kernel``;
+    ``src`` / ``dst``: (hi, lo or None), (NP, C)."""
     GC, _, GP = runs
-    kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), k * GC, k * GP, p["BT"], p["threads"],
-                  direct_stages(arch), src[1] is not None, dst[1] is not None, diff, 2 * k)
-    nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps // k, x0.device)
-    ops = (*_halves(src), x0, *_halves(dst))
-    if k == 1:
-        v, mats, goff = [_run_view(t, s, i, GC) for t in ops], (fh, fl), i * gps
-    else:
-        v, mats, goff = [_pair_view(t, s, i) for t in ops], [_pair_matrices(f, i, s, GC, gps) for f in (fh, fl)], 0
-    kern(*v[:3], *mats, *v[3:], goff, nsplit, tps)
-
-
-def _pair_view(t, s, i):
-    """The (NP, C/4κ, 4, κ) view of a channels-last (NP, C) tensor for the pair (i, i + 1), κ = κ_i."""
-    kappa = (s // 2) << i
-    return t.view(t.shape[0], t.shape[1] // (4 * kappa), 4, kappa)
-
-
-def _unpair_partials(pp, part, i, s, GC, gps):
-    """Scatter a pair's partials ``pp`` (NS, 2·npg, 2GC, 2GC; box basis: stage i's then stage
-    i + 1's) into ``part`` (NS, m·gps, GC, GC), each stage group's in its run basis (the
-    inverse of ``_pair_matrices``' placement)."""
-    H, kappa, npg, ns = GC // 2, (s // 2) << i, gps // 2, pp.shape[0]
-    q = torch.arange(npg, device=pp.device)
-    seg, j0 = (q * H) // kappa, (q * H) % kappa
-    p1 = pp[:, :npg].view(ns, npg, 2, GC, 2, GC)
-    p2 = pp[:, npg:].view(ns, npg, 2, 2, H, 2, 2, H)
-    for t in range(2):
-        part[:, i * gps + ((2 * seg + t) * kappa + j0) // H] = p1[:, :, t, :, t, :]
-        part[:, (i + 1) * gps + (2 * seg * kappa + t * kappa + j0) // H] = \
-            p2[:, :, :, t, :, :, t, :].reshape(ns, npg, GC, GC)
+    kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), GC, GP, p["BT"], p["threads"],
+                  direct_stages(arch), src[1] is not None, dst[1] is not None, diff, 2)
+    nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps, x0.device)
+    v = [_run_view(t, s, i, GC) for t in (*_halves(src), x0, *_halves(dst))]
+    kern(*v[:3], fh, fl, *v[3:], i * gps, nsplit, tps)
 
 
 def _halves(pair):
@@ -812,27 +603,24 @@ def _halves(pair):
 
 
 def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arch):
-    """boft_bwd by the run kernels: the forward replay keeps each unit's input (``_units``: a
-    stage, or a pair) as a (hi, lo) pair, then per unit from the last one stream launch (gx as
-    a pair, the last one in x's dtype; partials in the run basis of each stage group), then
-    one chain launch."""
+    """boft_bwd by the run kernels: the forward replay keeps each unit's input (a stage, or with
+    ``COMPOSE_BWD`` up to that many composed, ``_compose_units``) as a (hi, lo) pair, then per
+    unit from the last one stream launch (gx as a pair, the last one in x's dtype; partials in
+    the run basis of each stage group), then one chain launch."""
     GC, NBr, GP = runs
     gps = nb // NBr
     dev = xv.device
     p = launch_config(STREAM, cfg)
-    if COMPOSE_BWD > 1:
-        units = _compose_units(m, s, runs, COMPOSE_BWD, bwd=True)
-    else:
-        units = _units(m, s, runs, xv.element_size(), arch, dev, [(APPLY["BT"], False), (p["BT"], True)])
+    units = _compose_units(m, s, runs, COMPOSE_BWD, bwd=True)
     fh, fl = _runs_cayley(bc, None, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     us = [(xv, None)]
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
-        if COMPOSE_BWD > 1 and k > 1:
+        if k > 1:
             mats = _composed_matrices(fh, fl, i, k, s, runs[0], gps, xv.dtype)
             _launch_composed(us[-1], xv, mats, dst, i, k, s, runs, gps, APPLY, arch, False)
         else:
-            _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
+            _launch_stage(us[-1], xv, fh, fl, dst, i, s, runs, gps, APPLY, arch, False)
         us.append(dst)
     th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, True, cscale, scale, xv.dtype, arch)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)
@@ -844,22 +632,14 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         dst = (gxv, None) if n == 0 else gbuf[n % 2]
         u = us[n]
         d = tl_dtype(xv.dtype)
-        if COMPOSE_BWD > 1 and k > 1:
+        if k > 1:
             (_stream_composed_split if COMPOSE_BWD_SPLIT else _stream_composed)(g, u, dst, fh, fl, part, i, k, s, runs,
                                                                                 gps, p, arch)
-        elif k == 1:
+        else:
             ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
                         g[1] is not None, u[1] is not None, dst[1] is not None)
             v = [_run_view(t, s, i, GC) for t in (*_halves(g), *_halves(u), *_halves(dst))]
             ks(*v[:4], th, tl_, *v[4:], part, i * gps, tps)
-        else:
-            ks = kernel(stream_pair_kernel, arch, d, 2 * GC, p["BT"], p["threads"], direct_stages(arch),
-                        g[1] is not None, u[1] is not None, dst[1] is not None)
-            v = [_pair_view(t, s, i) for t in (*_halves(g), *_halves(u), *_halves(dst))]
-            pp = torch.empty((nsplit, gps, 2 * GC, 2 * GC), device=dev, dtype=torch.float32)
-            ks(*v[:4], _pair_matrices(fh, i, s, GC, gps), _pair_matrices(fl, i, s, GC, gps),
-               _pair_matrices(th, i, s, GC, gps), _pair_matrices(tl_, i, s, GC, gps), *v[4:], pp, tps)
-            _unpair_partials(pp, part, i, s, GC, gps)
         g = dst
     bd = tl_dtype(g_blocks.dtype)
     kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, _oft.GJ_PINGPONG)
@@ -935,10 +715,8 @@ def compile_specs(dtype: torch.dtype):
         (stage_runs_kernel, (d, 48, 64, _BT_FWD, _THREADS, 1, True, False, True)),
         (stream_runs_kernel, (d, 32, 32, _BT_BWD, _THREADS, 1, True, True, True)),
         (stream_runs_kernel, (d, 48, 64, _BT_BWD, _THREADS, 1, False, False, False)),
-        (stage_runs_kernel, (d, 64, 64, _BT_FWD, _THREADS, 1, True, True, False, 4)),  # a stage pair
-        (stream_pair_kernel, (d, 64, _BT_BWD, _THREADS, 1, True, True, True)),
-        (stage_runs_kernel, (d, 128, 128, 64, _THREADS, 1, True, True, True, 8, False)),  # COMPOSE_FWD: 3 stages
-        (stage_runs_kernel, (d, 96, 96, 64, _THREADS, 1, False, True, False, 4, False)),  # 2 stages at GC = 48
+        (stage_runs_kernel, (d, 128, 128, 64, _THREADS, 1, True, True, True, 8)),  # COMPOSE_FWD: 3 stages
+        (stage_runs_kernel, (d, 96, 96, 64, _THREADS, 1, False, True, False, 4)),  # 2 stages at GC = 48
         (stream_runs_kernel, (d, 128, 128, 32, 256, 1, True, True, True, 8)),  # COMPOSE_BWD: 3 stages
         (stream_runs_kernel, (d, 128, 128, 64, 256, 1, True, True, False, 8, False)),  # COMPOSE_BWD_SPLIT
     ])
