@@ -277,15 +277,14 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, monkeypa
         return real(*a)
 
     streamed = []
-    name = "_stream_composed_split" if bwd == "split" else "_stream_composed"
-    real_stream = getattr(boft, name)
+    real_stream = boft._stream_composed
 
     def spy_stream(*a):
         streamed.append((a[6], a[7]))  # (first stage, L)
         return real_stream(*a)
 
     monkeypatch.setattr(boft, "_launch_composed", spy)
-    monkeypatch.setattr(boft, name, spy_stream)
+    monkeypatch.setattr(boft, "_stream_composed", spy_stream)
     check_channels_last(blocks, rescale, x, grad, diff, dtype, f" (composed, L <= {most})")
     composed = [u for u in units if u[1] > 1]
     # the forward's composed units, then (bwd) the replay's (all but the last unit) and the stream's, last first

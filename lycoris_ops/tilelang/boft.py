@@ -67,7 +67,7 @@ COMPOSE_FWD = 3
 #: stage). Off: the same table gave the large backward 7.489 ms against 7.539 with one launch
 #: a stage (3 stages; 2: 8.131), the small one 2.646 against 2.654
 COMPOSE_BWD = 0
-#: the composed backward's stream as two launches (``_stream_composed_split``): gx by the
+#: the composed backward's stream as two launches (``_stream_composed``): gx by the
 #: forward's composed kernel, then the partials alone. Timed only with ``COMPOSE_BWD``
 #: (``bench/tilelang_boft_variants.py``: ``compose3 bwd split``)
 COMPOSE_BWD_SPLIT = False
@@ -541,47 +541,32 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
     kern(*v[:3], *mats, *v[3:], 0, nsplit, tps)
 
 
-def _stream_composed_split(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
-    """``_stream_composed`` as two launches (``COMPOSE_BWD_SPLIT``): gx = g·J by the forward's
-    composed kernel (``stage_runs_kernel`` with the Jᵀ pair: u·Fᵀ with F = Jᵀ), then A = Σ gᵀ·u
-    alone (``stream_runs_kernel`` without gx: no J, no gx tile, its W x W accumulator the only
-    big fragment, so tiles of 64 positions fit where the fused kernel takes 32)."""
-    GC = runs[0]
-    W, R, x0 = GC << (L - 1), 1 << L, g[0]
-    es = _composed_stages(fh, fl, i, L, s, GC, gps)
-    _launch_composed(g, x0, _split16(_product(es).transpose(1, 2).contiguous(), x0.dtype), dst, i, L, s, runs, gps,
-                     APPLY, arch, False)
-    bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device, bwd=True, gx=False)
-    nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
-    pg = torch.empty((nsplit, gps >> (L - 1), W, W), device=x0.device, dtype=torch.float32)
-    threads = max(p["threads"], _COMPOSE_BWD_THREADS) if W % 128 == 0 else p["threads"]
-    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, threads, direct_stages(arch),
-                g[1] is not None, u[1] is not None, False, R, False)
-    kappa = (s // 2) << i
-    v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(g), *_halves(u))]
-    ks(*v, x0.new_empty((1, W, W)), x0.new_empty((1, W, W)), v[0], v[0], pg, 0, tps)
-    _composed_partials(es, pg.sum(0).double(), part, i, s, GC, gps)
-
-
 def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
     """The backward of the composed unit (i, L) (``COMPOSE_BWD``): ``gx = g·J`` (the Jᵀ pair)
     stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis)
     by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that fits
     (``_compose_bt``, ``_COMPOSE_BWD_THREADS``); the stages' partials from A on the host
-    (``_composed_partials``)."""
+    (``_composed_partials``). ``COMPOSE_BWD_SPLIT``: two launches, gx by the forward's composed
+    kernel (``stage_runs_kernel`` with the Jᵀ pair: u·Fᵀ with F = Jᵀ), then A alone (no J, no
+    gx tile: its W x W accumulator the only big fragment, so tiles of 64 positions fit where
+    the one-launch stream takes 32 at W = 128)."""
     GC = runs[0]
     W, R, x0 = GC << (L - 1), 1 << L, g[0]
     es = _composed_stages(fh, fl, i, L, s, GC, gps)
-    jth, jtl = _split16(_product(es).transpose(1, 2).contiguous(), x0.dtype)
-    bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device, bwd=True)
+    jt = _split16(_product(es).transpose(1, 2).contiguous(), x0.dtype)
+    split = COMPOSE_BWD_SPLIT
+    if split:
+        _launch_composed(g, x0, jt, dst, i, L, s, runs, gps, APPLY, arch, False)
+        jt, dst = (x0.new_empty((1, W, W)),) * 2, (g[0], None)  # placeholders the partials-only kernel never reads
+    bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device, bwd=True, gx=not split)
     nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
     pg = torch.empty((nsplit, gps >> (L - 1), W, W), device=x0.device, dtype=torch.float32)
     threads = max(p["threads"], _COMPOSE_BWD_THREADS) if W % 128 == 0 else p["threads"]  # 8 warps: no 96-row partition
-    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, threads,
-                direct_stages(arch), g[1] is not None, u[1] is not None, dst[1] is not None, R)
+    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, threads, direct_stages(arch),
+                g[1] is not None, u[1] is not None, dst[1] is not None, R, not split)
     kappa = (s // 2) << i
     v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(g), *_halves(u), *_halves(dst))]
-    ks(*v[:4], jth, jtl, *v[4:], pg, 0, tps)
+    ks(*v[:4], *jt, *v[4:], pg, 0, tps)
     _composed_partials(es, pg.sum(0).double(), part, i, s, GC, gps)
 
 
@@ -633,8 +618,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         u = us[n]
         d = tl_dtype(xv.dtype)
         if k > 1:
-            (_stream_composed_split if COMPOSE_BWD_SPLIT else _stream_composed)(g, u, dst, fh, fl, part, i, k, s, runs,
-                                                                                gps, p, arch)
+            _stream_composed(g, u, dst, fh, fl, part, i, k, s, runs, gps, p, arch)
         else:
             ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
                         g[1] is not None, u[1] is not None, dst[1] is not None)
