@@ -422,46 +422,47 @@ def _compose_bt(W, bt, esize, arch, device, bwd=False, gx=True):
     return bt
 
 
-_COMPOSE_INDEX = {}
+_COMPOSE_GROUPS = {}
 
 
-def _compose_index(i, L, s, GC, GP, gps, device):
-    """Per stage k < L of the unit (i, L), the (npg, W, W) indices of E_k's entries into the
-    stage matrices flattened ((m·gps, GP, GP), run basis l = t·H + j), −1 where E_k is zero.
-    The box of unit group q is (tb, j), tb < 2^L,
+def _compose_groups(i, L, s, GC, gps, device):
+    """Per stage k < L of the unit (i, L), the stage group each 2 x 2 block of E_k comes from:
+    (npg, 2^(L−k−1), 2^k) indices into the stage matrices (m·gps of them), by (unit group q,
+    the bits of tb above k, the bits below k). The box of unit group q is (tb, j), tb < 2^L,
     j < H = GC/2, over channels seg·2^Lκ + tb·κ + j0 + j (κ = κ_i, seg = ⌊qH/κ⌋, j0 = qH mod κ);
-    stage i + k mixes (bit k of tb, j) at fixed other bits with group g =
-    ((seg·2^(L−k−1) + hi)·2^kκ + lo·κ + j0)/H (hi, lo: the bits above and below k). Cached per
-    unit geometry and device."""
-    key = (i, L, s, GC, GP, gps, str(device))
-    if key in _COMPOSE_INDEX:
-        return _COMPOSE_INDEX[key]
-    H, kappa, R = GC // 2, (s // 2) << i, 1 << L
-    W, npg = R * H, gps >> (L - 1)
-    q = torch.arange(npg).view(npg, 1, 1, 1, 1)
-    tb_o = torch.arange(R).view(1, R, 1, 1, 1)
-    j_o = torch.arange(H).view(1, 1, H, 1, 1)
-    tb_i = torch.arange(R).view(1, 1, 1, R, 1)
-    j_i = torch.arange(H).view(1, 1, 1, 1, H)
-    seg, j0 = (q * H) // kappa, (q * H) % kappa
-    out = []
-    for k in range(L):
-        hi, lo = tb_o >> (k + 1), tb_o & ((1 << k) - 1)
-        g = ((seg * (R >> (k + 1)) + hi) * (kappa << k) + lo * kappa + j0) // H
-        t_o, t_i = (tb_o >> k) & 1, (tb_i >> k) & 1
-        flat = (((i + k) * gps + g) * GP + t_o * H + j_o) * GP + t_i * H + j_i
-        same = ((tb_o ^ tb_i) & ~(1 << k)) == 0  # the other bits agree
-        out.append(torch.where(same, flat, -1).view(npg, W, W).to(device))
-    _COMPOSE_INDEX[key] = out
-    return out
+    stage i + k mixes (bit k of tb, j) at fixed other bits, with the group
+    g = ((seg·2^(L−k−1) + hi)·2^kκ + lo·κ + j0)/H. Cached per unit geometry and device."""
+    key = (i, L, s, GC, gps, str(device))
+    if key not in _COMPOSE_GROUPS:
+        H, kappa, R = GC // 2, (s // 2) << i, 1 << L
+        npg = gps >> (L - 1)
+        q = torch.arange(npg).view(npg, 1, 1)
+        seg, j0 = (q * H) // kappa, (q * H) % kappa
+        out = []
+        for k in range(L):
+            hi = torch.arange(R >> (k + 1)).view(1, -1, 1)
+            lo = torch.arange(1 << k).view(1, 1, -1)
+            out.append(((i + k) * gps + ((seg * (R >> (k + 1)) + hi) * (kappa << k) + lo * kappa + j0) // H).to(device))
+        _COMPOSE_GROUPS[key] = out
+    return _COMPOSE_GROUPS[key]
 
 
 def _composed_stages(fh, fl, i, L, s, GC, gps):
     """The unit (i, L)'s stage matrices E_0 … E_{L-1} per unit group (npg, W, W) in the box
-    basis, fp64: gathered from the stage matrices (fh + fl, run basis) by ``_compose_index``."""
-    f = torch.cat([fh.reshape(-1).double() + fl.reshape(-1).double(), fh.new_zeros(1, dtype=torch.float64)])
-    return [f[torch.where(idx < 0, f.numel() - 1, idx)] for idx in _compose_index(i, L, s, GC, fh.shape[-1], gps,
-                                                                                  fh.device)]
+    basis (tb, j), fp64: E_k[(hi, t, lo, j), (hi', t', lo', j')] = δ(hi, hi')·δ(lo, lo')·
+    M[(t, j), (t', j')], M the run-basis matrix (fh + fl; its first GC rows / columns) of the
+    group ``_compose_groups`` names."""
+    H = GC // 2
+    f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
+    out = []
+    for k, grp in enumerate(_compose_groups(i, L, s, GC, gps, fh.device)):
+        npg, nhi, nlo = grp.shape
+        m = f[grp].view(npg, nhi, nlo, 2, H, 2, H)
+        eye_hi = torch.eye(nhi, dtype=f.dtype, device=f.device)
+        eye_lo = torch.eye(nlo, dtype=f.dtype, device=f.device)
+        e = torch.einsum("qabtjsk,ac,bd->qatbjcsdk", m, eye_hi, eye_lo)
+        out.append(e.reshape(npg, nhi * 2 * nlo * H, nhi * 2 * nlo * H))
+    return out
 
 
 def _product(es):
@@ -487,22 +488,25 @@ def _composed_matrices(fh, fl, i, L, s, GC, gps, dtype):
 def _composed_partials(es, a, part, i, s, GC, gps):
     """Scatter the unit's per-stage partials into ``part`` (NS, m·gps, GP, GP; split 0, the
     other splits zero): from A = Σ gᵀ·u over the unit (fp64, (npg, W, W), box basis),
-    stage k's ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ`` (Σ g^{k+1}·(u^k)ᵀ), its
-    entries placed where ``_compose_index`` gathered E_k's from."""
-    L = len(es)
+    stage k's ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ`` (Σ g^{k+1}·(u^k)ᵀ), each 2 x 2
+    block of it (the other bits equal) stored as the partial of the group ``_compose_groups``
+    names (the inverse of ``_composed_stages``' placement)."""
+    L, H = len(es), GC // 2
     part[:, i * gps:(i + L) * gps].zero_()
-    flat = part[0].view(-1)
     pre = [None] * L  # E_{k-1}···E_0
     for k in range(1, L):
         pre[k] = es[0] if k == 1 else torch.bmm(es[k - 1], pre[k - 1])
     suf = None  # E_{L-1}···E_{k+1}
+    groups = _compose_groups(i, L, s, GC, gps, part.device)
     for k in reversed(range(L)):
         pk = a if suf is None else torch.bmm(suf.transpose(1, 2), a)
         if pre[k] is not None:
             pk = torch.bmm(pk, pre[k].transpose(1, 2))
-        idx = _compose_index(i, L, s, GC, part.shape[-1], gps, part.device)[k]
-        keep = idx >= 0
-        flat[idx[keep]] = pk[keep].to(flat.dtype)
+        npg, nhi, nlo = groups[k].shape
+        blocks = pk.view(npg, nhi, 2, nlo, H, nhi, 2, nlo, H)
+        blocks = blocks.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5)  # (npg, 2, H, 2, H, nhi, nlo)
+        part[0, groups[k].reshape(-1), :GC, :GC] = blocks.permute(0, 5, 6, 1, 2, 3, 4).reshape(-1, GC, GC).to(
+            part.dtype)
         suf = es[k] if suf is None else torch.bmm(suf, es[k])
 
 
