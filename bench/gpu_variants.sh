@@ -4,7 +4,8 @@
 #
 #   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
 #                                              BOFT's composed backward, split in two launches:
-#                                              boft, and its GPU twin tests, boft_tests;
+#                                              boft, and its GPU twin tests, boft_tests; IA3's
+#                                              channels-first backward split: ia3_cf;
 #                                              ``profile``: device time per kernel,
 #                                              bench/kernel_profile.py)
 #
@@ -37,7 +38,7 @@ declare -A RUNS=(
   [boft]="bench/tilelang_boft_variants.py --variants runs+compose3,compose3\ bwd,compose3\ bwd\ split,compose2\ bwd\ split"
   [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose\ and\ split"
 )
-names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests ia3_cf)
 for n in "${names[@]}"; do
   [ -n "${RUNS[$n]:-}" ] || { echo "unknown run $n (of: ${!RUNS[*]})"; continue; }
   eval "timeout ${LYCORIS_VARIANT_SECONDS:-150} $py ${RUNS[$n]} ${LYCORIS_VARIANT_ARGS:-}" >"$final/$n.log" 2>&1
