@@ -5,7 +5,8 @@
 #   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
 #                                              BOFT's composed backward, split in two launches:
 #                                              boft, and its GPU twin tests, boft_tests; IA3's
-#                                              channels-first backward split: ia3_cf;
+#                                              channels-first backward split: ia3_cf; the
+#                                              LoRA bypass forward's x-loop depth: lora_fwd;
 #                                              ``profile``: device time per kernel,
 #                                              bench/kernel_profile.py)
 #
@@ -28,6 +29,7 @@ export TILELANG_CACHE_DIR=${TILELANG_CACHE_DIR:-/tmp/tlcache}
 [ -n "${LYCORIS_SKIP_BUILD:-}" ] || MAX_JOBS=16 $py -m pip install -q --no-build-isolation --no-deps -e . >"$final/build.log" 2>&1 || { tail -30 "$final/build.log"; exit 1; }
 declare -A RUNS=(
   [tucker]="bench/tilelang_tucker_variants.py --variants all-k,all-k\ pipe,all-k\ pre"
+  [lora_fwd]="bench/tilelang_lora_variants.py --op bypass --variants staged\ pipe,staged\ pipe\ k3,staged\ pipe\ k4"
   [lora_bwd]="bench/tilelang_lora_variants.py --op bypass_bwd --variants ws,staged\ pipe,staged"
   [lokr]="bench/tilelang_lora_variants.py --op lokr --variants persistent,fused\\ wgrads,fused\\ bwd,persist\\ split"
   [ia3]="bench/tilelang_stream_variants.py --op ia3"
@@ -38,7 +40,7 @@ declare -A RUNS=(
   [boft]="bench/tilelang_boft_variants.py --variants runs+compose3,compose3\ bwd,compose3\ bwd\ split,compose2\ bwd\ split"
   [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose\ and\ split"
 )
-names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests ia3_cf)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests ia3_cf lora_fwd)
 for n in "${names[@]}"; do
   [ -n "${RUNS[$n]:-}" ] || { echo "unknown run $n (of: ${!RUNS[*]})"; continue; }
   eval "timeout ${LYCORIS_VARIANT_SECONDS:-150} $py ${RUNS[$n]} ${LYCORIS_VARIANT_ARGS:-}" >"$final/$n.log" 2>&1

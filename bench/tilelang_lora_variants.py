@@ -17,7 +17,11 @@ variant's result. The variants set ``lora.BYPASS_FWD_FORM``:
 * ``staged``: no warp specialization; base and output tiles through shared memory;
 * ``staged pipe``: ``staged`` with the O loop pipelined (the next up / base tiles load
   during this tile's product);
-* ``staged pipe ws``: that with warp specialization.
+* ``staged pipe ws``: that with warp specialization;
+* ``staged pipe k3`` / ``k4``: ``staged pipe`` (the default form) with 3 / 4 x tiles in flight
+  in the x·downᵀ loop (``lora.BYPASS_FWD["stages"]``, 2 in the fixed config): TileLang
+  overlaps that loop's buffers with the O loop's, so the program's shared memory (88 KiB,
+  two programs an SM) does not grow; forward only.
 
 ``--op bypass_bwd``: the same five forms of the backward's token kernel (``lora.BYPASS_BWD_FORM``:
 the gx = γ·q·down loop), timing the whole backward op (``lora.bypass_bwd``: the token kernel
@@ -66,6 +70,8 @@ VARIANTS = {
     "staged": dict(staged=True, pipe_o=False, ws=False),
     "staged pipe": dict(staged=True, pipe_o=True, ws=False),
     "staged pipe ws": dict(staged=True, pipe_o=True, ws=True),
+    "staged pipe k3": dict(staged=True, pipe_o=True, ws=False, stages=3),
+    "staged pipe k4": dict(staged=True, pipe_o=True, ws=False, stages=4),
 }
 #: merge variant -> lora.GEMM_STAGED
 MERGE_VARIANTS = {"regs": False, "staged": True}
@@ -150,11 +156,17 @@ def main(argv=None) -> int:
         bwd = args.op == "bypass_bwd"
         for v in (args.variants or ",".join(VARIANTS)).split(","):
             form = VARIANTS[v]
+            if bwd and "stages" in form:
+                continue  # forward-only rows
             if bwd:  # the same forms; the backward's pipelined loop walks I
                 setting = dict(BYPASS_BWD_FORM=dict(staged=form["staged"], pipe_i=form["pipe_o"], ws=form["ws"]))
                 fn = lambda: lora.bypass_bwd(base, x, up, down, 0.75)  # noqa: E731  (base as G)
             else:
+                form = dict(form)
+                stages = form.pop("stages", None)
                 setting = dict(BYPASS_FWD_FORM=form)
+                if stages:
+                    setting["BYPASS_FWD"] = {**lora.BYPASS_FWD, "stages": stages}
                 fn = lambda: lora.bypass_fwd(x, up, down, 0.75, base)  # noqa: E731
             res = rows.row(f"{name:6} {v:15}", [(lora, setting)], fn)
             if res:
