@@ -185,10 +185,11 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                        g_lo: bool = True, u_lo: bool = True, out_pair: bool = True, R: int = 2,
                        gx: bool = True, cpu: bool = False):
     """The backward of one BOFT stage on the run views: ``gx = g·F`` (from the Fᵀ pair
-    [goff + g], run basis, GP x GP as ``stage_runs_kernel``) stored as a pair GX, GXL (``out_pair``) or once in GX, and the fp32
-    partials ``P[split, goff + g] = Σ_t gᵀ·u`` over the program's positions (run basis), from
-    g = G (+ GL when ``g_lo``) and the stage input u = U (+ UL when ``u_lo``). Positions past
-    the end load as zeros (the copies' predicate) and add nothing to P. R = 2^L: the
+    [goff + g], run basis, GP x GP as ``stage_runs_kernel``) stored as a pair GX, GXL
+    (``out_pair``) or once in GX, and the fp32 partials ``P[split, goff + g] = Σ_t gᵀ·u`` over
+    the program's positions (run basis), from g = G (+ GL when ``g_lo``) and the stage input
+    u = U (+ UL when ``u_lo``). Positions past the end load as zeros (the copies' predicate)
+    and add nothing to P. R = 2^L: the
     composed unit of L stages (``COMPOSE_BWD``) on its 2^L-run box, F = Jᵀ, P in the box basis.
     Without ``gx`` (``COMPOSE_BWD_SPLIT``): the partials only (F, GX, GXL untouched)."""
     import tilelang.language as T
@@ -259,7 +260,8 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                         if l < GC:
                             Y3[t, l // H, l % H] = T.cast(acc[t, l], d)
                             if out_pair:
-                                YL3[t, l // H, l % H] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"), d)
+                                YL3[t, l // H, l % H] = T.cast(acc[t, l] - T.cast(T.cast(acc[t, l], d), "float32"),
+                                                               d)
                     T.copy(Y3, GX[p0:p0 + BT, seg, 0:R, j0:j0 + H])
                     if out_pair:
                         T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
