@@ -29,8 +29,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (Work, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist, smem_fits,
-                   tl_shortlist, tl_stages, tl_threads)
+from .cost import (Work, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist,
+                   smem_fits, tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -309,7 +309,10 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     """``tilelang/lora.py: bypass_fwd_kernel``'s shortlist: (BT token rows, BO output
     columns, BK reduction step, stages, threads), the Triton model with its names mapped
     (BK = block_i, one O range split as the launcher's ``_per``); configs whose shared memory
-    (the staged form's output and base tiles included) does not fit are left out."""
+    (the staged form's output and base tiles included) does not fit are left out. Second:
+    the fixed config with the x·downᵀ loop at the device's deepest pipeline (the model picks
+    tiles, not depths: at both bench shapes every timed candidate ran 2 stages, and Triton's
+    winner at the large one runs 4)."""
     work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
     e, eo = esize(compute), esize(out_dtype)
     rp = p2(R, 16)
@@ -327,7 +330,12 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     sp = TL_BYPASS_FWD
     cfgs = [dict(BT=bt, BO=bo, BK=bk, stages=s, threads=th) for bt in sp["BT"] for bo in sp["BO"]
             for bk in sp["BK"] for s in tl_stages(dev, sp["stages"]) for th in tl_threads(sp["threads"], bt)]
-    return tl_shortlist("lora_bypass_fwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_FWD), eager, ("BT", "BO", "BK"), n)
+    fixed = dict(_tl_module().BYPASS_FWD)
+    plan = tl_shortlist("lora_bypass_fwd", cfgs, tl_work, dev, fixed, eager, ("BT", "BO", "BK"), n)
+    deep = {**fixed, "stages": max(tl_stages(dev, sp["stages"]))}
+    if deep not in plan.candidates and tl_work(deep) is not None:
+        add_second(plan, deep, predict(tl_work, deep, dev))
+    return plan
 
 
 def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
