@@ -39,7 +39,7 @@ Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 
 import torch
 
-from ._common import CPU_ARCH, aligned, arch_of, kernel, launch_config, tl_dtype
+from ._common import CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype
 from ._common import smem_limit as _smem_limit
 from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel,
                   chain_kernel, direct_stages, position_view, tiling)
@@ -79,7 +79,7 @@ _COMPOSE_WIDTH = 128
 #: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, as oft's
 #: fused kernels; less where the device's own limit is lower, ``smem_limit``); a tile config
 #: over it takes the gather path
-_RUNS_SMEM = _oft._SMEM_SM90A
+_RUNS_SMEM = SMEM_SM90A
 
 
 # --------------------------------------------------------------------------- run kernels
@@ -189,8 +189,8 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
     (``out_pair``) or once in GX, and the fp32 partials ``P[split, goff + g] = Σ_t gᵀ·u`` over
     the program's positions (run basis), from g = G (+ GL when ``g_lo``) and the stage input
     u = U (+ UL when ``u_lo``). Positions past the end load as zeros (the copies' predicate)
-    and add nothing to P. R = 2^L: the
-    composed unit of L stages (``COMPOSE_BWD``) on its 2^L-run box, F = Jᵀ, P in the box basis.
+    and add nothing to P. R = 2^L: the composed unit of L stages (``COMPOSE_BWD``) on its
+    2^L-run box, F = Jᵀ, P in the box basis.
     Without ``gx`` (``COMPOSE_BWD_SPLIT``): the partials only (F, GX, GXL untouched)."""
     import tilelang.language as T
 
@@ -524,12 +524,26 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     for n, (i, k) in enumerate(units):
         last = n == len(units) - 1
         dst = (yv, None) if last else bufs[n % 2]
-        if k > 1:
-            mats = _composed_matrices(fh, fl, i, k, s, runs[0], gps, xv.dtype)
-            _launch_composed(src, xv, mats, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
-        else:
-            _launch_stage(src, xv, fh, fl, dst, i, s, runs, gps, p, arch, bool(diff) and last)
+        _launch_unit(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
         src = dst
+
+
+def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff):
+    """The forward unit (i, k) of ``_compose_units``: one stage (``_launch_stage``) or k stages
+    as one matrix (``_composed_matrices``, ``_launch_composed``); ``src`` / ``dst``: (hi, lo
+    or None), (NP, C)."""
+    if k == 1:
+        _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff)
+    else:
+        mats = _composed_matrices(fh, fl, i, k, s, runs[0], gps, x0.dtype)
+        _launch_composed(src, x0, mats, dst, i, k, s, runs, gps, p, arch, diff)
+
+
+def _box_view(t, s, i, R):
+    """The (NP, C/Rκ, R, κ) view of a channels-last (NP, C) tensor whose boxes are the R runs
+    of a composed unit from stage i (κ = κ_i)."""
+    kappa = (s // 2) << i
+    return t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa)
 
 
 def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
@@ -542,8 +556,7 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
     kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, p["threads"], direct_stages(arch),
                   src[1] is not None, dst[1] is not None, diff, R)
     nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
-    kappa = (s // 2) << i
-    v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(src), x0, *_halves(dst))]
+    v = [_box_view(t, s, i, R) for t in (*_halves(src), x0, *_halves(dst))]
     kern(*v[:3], *mats, *v[3:], 0, nsplit, tps)
 
 
@@ -570,8 +583,7 @@ def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
     threads = max(p["threads"], _COMPOSE_BWD_THREADS) if W % 128 == 0 else p["threads"]  # 8 warps: no 96-row partition
     ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, threads, direct_stages(arch),
                 g[1] is not None, u[1] is not None, dst[1] is not None, R, not split)
-    kappa = (s // 2) << i
-    v = [t.view(t.shape[0], t.shape[1] // (R * kappa), R, kappa) for t in (*_halves(g), *_halves(u), *_halves(dst))]
+    v = [_box_view(t, s, i, R) for t in (*_halves(g), *_halves(u), *_halves(dst))]
     ks(*v[:4], *jt, *v[4:], pg, 0, tps)
     _composed_partials(es, pg.sum(0).double(), part, i, s, GC, gps)
 
@@ -607,11 +619,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     us = [(xv, None)]
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
-        if k > 1:
-            mats = _composed_matrices(fh, fl, i, k, s, runs[0], gps, xv.dtype)
-            _launch_composed(us[-1], xv, mats, dst, i, k, s, runs, gps, APPLY, arch, False)
-        else:
-            _launch_stage(us[-1], xv, fh, fl, dst, i, s, runs, gps, APPLY, arch, False)
+        _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
         us.append(dst)
     th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, True, cscale, scale, xv.dtype, arch)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)

@@ -99,8 +99,6 @@ FUSE_CAYLEY = True
 SPLIT_PER_SM = 4
 FUSED_PER_SM = 1
 FUSED_STAGES = dict(fwd=4, bwd=3)
-#: shared memory of one sm_90a block (bytes): the fused kernels' deeper pipelines must fit
-_SMEM_SM90A = SMEM_SM90A
 #: the Cayley and chain kernels' Gauss–Jordan alternates between two buffer pairs, one barrier
 #: a step instead of two (the pivot row and column copied out, then the update). On the H200
 #: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
@@ -956,7 +954,7 @@ def fuse_cayley(direct: bool, arch: str, GP: int, BT: int, csize: int, bwd: bool
     tile = BT * GP * csize
     stages = FUSED_STAGES["bwd" if bwd else "fwd"]
     smem = 2 * GP * GP * csize + max(16 * GP * GP + 4 * GP, (2 if bwd else 1) * stages * tile + tile)
-    return smem <= _SMEM_SM90A
+    return smem <= SMEM_SM90A  # one sm_90a block: the fused kernels' deeper pipelines must fit
 
 
 def direct_stages(arch: str) -> int:
