@@ -29,8 +29,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2,
-                   predict, rank, tl_shortlist, tl_stages, tl_threads)
+from .cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan,
+                   p2, predict, rank, tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"

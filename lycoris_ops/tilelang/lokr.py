@@ -775,7 +775,8 @@ def _apply(x3, w1, w2, base3, gamma, odt, cfg=None):
     y = torch.empty((T_, a * c), device=dev, dtype=odt)
     bdt = None if base3 is None else base3.dtype
     staged = _apply_staged(p, a, b, c, d, x3.dtype, odt, bdt, dev)
-    kper = _steps(cdiv(T_, apply_geometry(a, b, c, d, p["rows"], p["threads"])[0]), APPLY_KPER, dev) if APPLY_KPER else 0
+    tiles = cdiv(T_, apply_geometry(a, b, c, d, p["rows"], p["threads"])[0])
+    kper = _steps(tiles, APPLY_KPER, dev) if APPLY_KPER else 0
     k = kernel(kron_apply_kernel, arch_of(dev), a, b, c, d, tl_dtype(x3.dtype),
                None if base3 is None else tl_dtype(base3.dtype), tl_dtype(odt), p["rows"], p["threads"], staged, kper,
                staged and base3 is not None and APPLY_SPLIT_BASE)
@@ -858,6 +859,7 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
     x3 = prep(x, c).view(T_, b, d)
     w1c, w2c = prep(w1, c), prep(w2, c)
     cf = launch_config(BYPASS, cfg)
+
     def fits(gx_size: int) -> bool:  # else (factors of 128) the separate kernels
         need = wgrads_smem(a, b, cc, d, cf["rows"], cf["threads"], g3.element_size(), gx_size)
         return need * _SMEM_MARGIN <= smem_limit(x.device)
