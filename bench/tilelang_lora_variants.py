@@ -18,8 +18,9 @@ variant's result. The variants set ``lora.BYPASS_FWD_FORM``:
 * ``staged pipe``: ``staged`` with the O loop pipelined (the next up / base tiles load
   during this tile's product);
 * ``staged pipe ws``: that with warp specialization;
-* ``staged pipe k3`` / ``k4``: ``staged pipe`` (the default form) with 3 / 4 x tiles in flight
-  in the x·downᵀ loop (``lora.BYPASS_FWD["stages"]``, 2 in the fixed config): TileLang
+* ``staged pipe k2`` / ``k3`` / ``k4``: ``staged pipe`` (the default form) with 2 / 3 / 4 x tiles
+  in flight in the x·downᵀ loop (``lora.BYPASS_FWD["stages"]``: 4 in the fixed config since
+  2026-12-02 13:30, the other rows run that; 2 before): TileLang
   overlaps that loop's buffers with the O loop's, so the program's shared memory (88 KiB,
   two programs an SM) does not grow; forward only.
 
@@ -70,6 +71,7 @@ VARIANTS = {
     "staged": dict(staged=True, pipe_o=False, ws=False),
     "staged pipe": dict(staged=True, pipe_o=True, ws=False),
     "staged pipe ws": dict(staged=True, pipe_o=True, ws=True),
+    "staged pipe k2": dict(staged=True, pipe_o=True, ws=False, stages=2),
     "staged pipe k3": dict(staged=True, pipe_o=True, ws=False, stages=3),
     "staged pipe k4": dict(staged=True, pipe_o=True, ws=False, stages=4),
 }

@@ -279,9 +279,11 @@ def test_lora_shortlists_for_an_h200():
             cands = list(plan.candidates)
             assert tune.is_eager(cands[-1]) and cands[0] == default, (op, cands)  # untimed: the fixed config
             # the forward's second: the fixed tile with the deepest x loop (the model picks tiles, not depths)
-            deep = op == "lora_bypass_fwd"
-            assert not deep or cands[1] == {**default, "stages": 4}, (op, cands)
-            assert 3 <= len(cands) <= plans_lora.TL_N + 2 + deep, (op, cands)
+            # the forward's fixed config runs its x loop at the deepest pipeline (H200-timed);
+            # no candidate twice
+            assert op != "lora_bypass_fwd" or default["stages"] == 4, default
+            assert len({tuple(sorted(c.items())) for c in cands[:-1]}) == len(cands) - 1, (op, cands)
+            assert 3 <= len(cands) <= plans_lora.TL_N + 2, (op, cands)
             assert all(p > 0 for p in plan.predicted[:-1])
             for c in cands[:-1]:
                 assert set(c) == set(default), (op, c)
@@ -289,6 +291,20 @@ def test_lora_shortlists_for_an_h200():
                 assert 2 <= c["stages"] <= 4, (op, c)
                 if op.endswith("_bwd"):  # the spaces that compiled on the H200 (plans/lora.py)
                     assert c["stages"] == 2 and c["threads"] in (0, 128), (op, c)
+
+
+def test_lora_bypass_fwd_shortlist_times_the_deep_twin(monkeypatch):
+    """With a shallower fixed config, the LoRA bypass forward's shortlist times the fixed tile
+    at the device's deepest pipeline second (the model picks tiles, not depths)."""
+    from lycoris_ops.plans import device, lora as plans_lora
+    from lycoris_ops.tilelang import lora as tl_lora
+
+    monkeypatch.setattr(tl_lora, "BYPASS_FWD", {**tl_lora.BYPASS_FWD, "stages": 2})
+    bf = torch.bfloat16
+    x, up, down = torch.empty(8192, 3072, dtype=bf), torch.empty(3072, 32, dtype=bf), torch.empty(32, 3072, dtype=bf)
+    cands = list(plans_lora.TILELANG["lora_bypass_fwd"][0](device.synthetic(), x, up, down, 1.0, None).candidates)
+    assert cands[0] == tl_lora.BYPASS_FWD and cands[1] == {**tl_lora.BYPASS_FWD, "stages": 4}, cands
+    assert tune.is_eager(cands[-1])
 
 
 def test_tucker_shortlist_runs_the_all_k_program():

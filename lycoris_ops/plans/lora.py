@@ -312,7 +312,8 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     (the staged form's output and base tiles included) does not fit are left out. Second:
     the fixed config with the x·downᵀ loop at the device's deepest pipeline (the model picks
     tiles, not depths: at both bench shapes every timed candidate ran 2 stages, and Triton's
-    winner at the large one runs 4)."""
+    winner at the large one runs 4), where the fixed config is shallower (since the H200
+    timing of 2026-12-02 13:30 it runs 4 itself, so the twin is not added)."""
     work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
     e, eo = esize(compute), esize(out_dtype)
     rp = p2(R, 16)

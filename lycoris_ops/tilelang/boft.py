@@ -64,13 +64,15 @@ RUNS = True
 COMPOSE_FWD = 3
 #: the backward's composed units (``_stream_composed``: gx = g·J and A = Σ gᵀ·u on the unit's
 #: box, the stages' partials from A on the host): the most stages a unit; 0: off (one launch a
-#: stage). Off: the same table gave the large backward 7.489 ms against 7.539 with one launch
-#: a stage (3 stages; 2: 8.131), the small one 2.646 against 2.654
-COMPOSE_BWD = 0
+#: stage). On the H200 (bf16, bench/tilelang_boft_variants.py, RESULTS.md 2026-12-02 13:30) the
+#: large backward went from 7.699 ms (one launch a stage) to 4.537 (3 stages a unit, one launch
+#: each) and 4.315 (split, below; 2 stages: 5.224); the small shape stayed at 2.65-2.66 ms
+COMPOSE_BWD = 3
 #: the composed backward's stream as two launches (``_stream_composed``): gx by the
-#: forward's composed kernel, then the partials alone. Timed only with ``COMPOSE_BWD``
-#: (``bench/tilelang_boft_variants.py``: ``compose3 bwd split``)
-COMPOSE_BWD_SPLIT = False
+#: forward's composed kernel with Jᵀ, then the partials alone (64-position tiles, where the
+#: one-launch stream holds gx's tile beside its W x W accumulator and runs 32). Timed with
+#: ``COMPOSE_BWD`` = 3 in the same table: 4.315 ms against 4.537
+COMPOSE_BWD_SPLIT = True
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256

@@ -433,7 +433,11 @@ def _tl(dtype: torch.dtype) -> str:
 
 #: The fixed launch configs: the ``{}`` candidate of the tuner (``plans/tilelang.py``). A
 #: tuned ``cfg`` (the shortlists of ``plans/lora.py``: ``tl_plan_*``) overrides any key.
-BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=2, threads=128)
+#: ``BYPASS_FWD``'s stages: the x·downᵀ loop 4 tiles deep (on sm_90a TileLang overlaps that loop's
+#: buffers with the O loop's: 88 KiB of shared memory at 2, 3 or 4). H200, bf16,
+#: bench/tilelang_lora_variants.py (RESULTS.md 2026-12-02 13:30): 0.274 ms against 0.288 with 2
+#: at the large shape, 0.059 against 0.066 at the small one (3: 0.277 / 0.062)
+BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=4, threads=128)
 #: ``bypass_fwd_kernel``'s form: ``staged`` (base and output tiles through shared memory),
 #: ``pipe_o`` (the O loop pipelined, where one group holds every O tile), ``ws`` (TileLang's
 #: warp specialization: one program an SM). All three as timed by
