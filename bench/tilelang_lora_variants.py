@@ -1,7 +1,7 @@
 """A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) and merge (``lora_merge_fwd``)
 kernel forms, in one process, on a GPU:
 
-    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|lokr] [--shapes large,small] [--variants ...]
+    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|merge_bwd|lokr] [--shapes large,small] [--variants ...]
 
 For each bench shape (``large``: 32768 tokens, 4096 channels, rank 64; ``small``: 8192,
 3072, rank 32; with the base, as bench.py's ``lora_bypass``) and each variant,
@@ -32,6 +32,11 @@ and the two skinny products); floor: G, x read, gx written.
 LoHa ``hada`` and the ``sum`` of two chains, ``lora.GEMM_STAGED`` off (``regs``: the output
 leaves from the accumulator's registers) and on (``staged``: base and output tiles through
 shared memory); floor: W read, the result written.
+
+``--op merge_bwd``: ``lora_merge_bwd`` at (channels, channels): ``skinny`` (the two split
+skinny products, fp32 partials summed by torch) against ``pair`` (``lora.MERGE_BWD_FORM``: one
+launch, a program per row band of g_up or g_downᵀ, whole reductions; ``ws``: warp-specialized),
+64- or 128-wide K steps, 3 or 4 stages; floor: G read once.
 
 ``--op lokr``: LoKr's bypass (``tilelang.lokr``, bench.py's ``lokr_bypass`` inputs: near-square
 factors of the channels, 64 x 64 both at 4096), forward with base and the backward op,
@@ -131,9 +136,38 @@ def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
                     (t,), (x1,), diff = res
                     print(f"{name:6} {mode:6} {v:8} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
 
+#: merge_bwd variant -> lora settings (MERGE_BWD_FORM, MERGE_BWD's tile)
+MERGE_BWD_VARIANTS = {
+    "skinny": dict(MERGE_BWD_FORM=dict(pair=False, ws=False)),
+    "pair ws": dict(MERGE_BWD_FORM=dict(pair=True, ws=True), MERGE_BWD=dict(BM=64, BK=64, stages=3, threads=128)),
+    "pair": dict(MERGE_BWD_FORM=dict(pair=True, ws=False), MERGE_BWD=dict(BM=64, BK=64, stages=3, threads=128)),
+    "pair s4": dict(MERGE_BWD_FORM=dict(pair=True, ws=False), MERGE_BWD=dict(BM=64, BK=64, stages=4, threads=128)),
+    "pair k128": dict(MERGE_BWD_FORM=dict(pair=True, ws=False), MERGE_BWD=dict(BM=64, BK=128, stages=3,
+                                                                                  threads=128)),
+}
+
+
+def merge_bwd_table(args, lora, dt, dev, timer, gen, bw) -> None:
+    """``lora.merge_bwd`` (G (D, D), up (D, r), down (r, D)): the two skinny products against
+    the one-launch pair kernel; floor: G read once."""
+    print(f"{'shape':6} {'variant':13} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
+    for name in args.shapes.split(","):
+        _, D, r = (SMOKE if args.smoke else SHAPES)[name]
+        G = torch.randn(D, D, generator=gen, device=dev).to(dt)
+        up = (r ** -0.5 * torch.randn(D, r, generator=gen, device=dev)).to(dt)
+        down = (D ** -0.5 * torch.randn(r, D, generator=gen, device=dev)).to(dt)
+        floor = D * D * G.element_size() / bw * 1e3 if bw else math.nan
+        rows = T.VariantRows(timer)
+        for v in (args.variants or ",".join(MERGE_BWD_VARIANTS)).split(","):
+            res = rows.row(f"{name:6} {v:13}", [(lora, MERGE_BWD_VARIANTS[v])], lambda: lora.merge_bwd(G, up, down, 0.75))
+            if res:
+                (t,), (x1,), diff = res
+                print(f"{name:6} {v:13} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
+
+
 def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
-    ap.add_argument("--op", default="bypass", choices=("bypass", "bypass_bwd", "merge", "lokr"))
+    ap.add_argument("--op", default="bypass", choices=("bypass", "bypass_bwd", "merge", "merge_bwd", "lokr"))
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import lora
 
@@ -141,6 +175,9 @@ def main(argv=None) -> int:
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s
     if args.op == "merge":
         merge_table(args, lora, dt, dev, timer, gen, bw)
+        return 0
+    if args.op == "merge_bwd":
+        merge_bwd_table(args, lora, dt, dev, timer, gen, bw)
         return 0
     if args.op == "lokr":
         lokr_table(args, dt, dev, timer, bw)

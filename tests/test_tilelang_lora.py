@@ -106,6 +106,24 @@ def test_twin_split_k():
     compare("lora_merge_bwd", (Gw, up, torch.randn(r, 300, generator=g), 1.1), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("ws", [True, False], ids=["ws", "nows"])
+def test_twin_merge_bwd_pair(dtype, ws, monkeypatch):
+    """``lora_merge_bwd`` through the one-launch pair kernel (``MERGE_BWD_FORM``): row bands of
+    both products, partial last bands (O, I not multiples of BM), rank padding, a transposed G;
+    the CPU twin without a GPU, the real kernel on one."""
+    if GPU and dtype == torch.float32:
+        pytest.skip("fp32 is outside the TileLang scope on a GPU (it would run as TF32)")
+    monkeypatch.setattr(lora, "MERGE_BWD_FORM", dict(pair=True, ws=ws))
+    g = torch.Generator().manual_seed(5)
+    dev = "cuda" if GPU else "cpu"
+    for O, I, r in ((37, 300, 5), (130, 70, 17), (64, 64, 16)) if not GPU else ((200, 1000, 8), (3072, 517, 64)):
+        up = torch.randn(O, r, generator=g).to(dev, dtype)
+        down = torch.randn(r, I, generator=g).to(dev, dtype)
+        for G in (torch.randn(O, I, generator=g), torch.randn(I, O, generator=g).t()):
+            compare("lora_merge_bwd", (G.to(dev, dtype), up, down, -0.7), dtype)
+
+
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 @pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
 @pytest.mark.parametrize("staged,per", [(False, 3), (True, 3), (True, 5)], ids=["plain", "staged", "staged-pipe"])

@@ -39,6 +39,10 @@ the C target - the CPU twin of the tests):
     fp32 partials then, summed by one torch reduction (deterministic, no
     atomics).
 
+``merge_bwd_pair_kernel`` - ``lora_merge_bwd``'s two skinny products in one launch
+    (``MERGE_BWD_FORM``): a program per BM-row band of g_up or of g_downᵀ, whole
+    reductions, direct stores.
+
 ``gemm_kernel`` - ``Y = γ·(A·B | (A·B)⊙(A2·B2) | A·B + A2·B2) (+ base)``:
     ``lora_merge_fwd`` (rank loop tiled, no rank limit) and, with a dynamic M
     or K, the dense GEMMs of the LoHa/LoKr paths.
@@ -58,7 +62,7 @@ from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, 
 from .._checks import promote_dtypes
 
 __all__ = [
-    "bypass_fwd_kernel", "bypass_bwd_tok_kernel", "skinny_kernel", "gemm_kernel",
+    "bypass_fwd_kernel", "bypass_bwd_tok_kernel", "skinny_kernel", "merge_bwd_pair_kernel", "gemm_kernel",
     "bypass_fwd", "bypass_bwd", "merge_fwd", "merge_bwd", "skinny", "gemm", "compile_specs",
     "pad_rank", "compute_dtype", "prep", "fresh", "dummy",
 ]
@@ -339,6 +343,57 @@ def skinny_kernel(M: int, K, NB: int, r: int, a_km: bool, b_nk: bool, out_t: boo
     return skinny
 
 
+def merge_bwd_pair_kernel(O: int, I: int, r: int, dt: str, odt_up: str, odt_down: str, BM: int = 64, BK: int = 64,
+                          stages: int = 3, threads: int = 128, ws: bool = True, cpu: bool = False):
+    """``lora_merge_bwd`` in ONE launch: ``g_up = γ·G·downᵀ`` (O, r) and ``g_down = γ·upᵀ·G``
+    (r, I), each program one BM-row band of one of them, its whole reduction inside.
+
+    Programs [0, ⌈O/BM⌉) walk G's rows m0..m0+BM over I (G tile · Down tileᵀ); programs
+    [⌈O/BM⌉, ⌈O/BM⌉ + ⌈I/BM⌉) walk G's columns m0..m0+BM over O (G tileᵀ · Up tile) and
+    store the transposed (r, BM) block. No split of the reduction, so no fp32 partials, no
+    reduction and no cast launches after it (``skinny`` twice: up to six launches at the
+    bench shapes); G is read twice, as by the two skinny products, within one launch.
+    """
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    Rp = pad_rank(r)
+    mu, md = cdiv(O, BM), cdiv(I, BM)
+
+    @T.prim_func
+    def merge_bwd_pair(G: T.Tensor((O, I), dt), Up: T.Tensor((O, r), dt), Down: T.Tensor((r, I), dt),
+                       GU: T.Tensor((O, r), odt_up), GD: T.Tensor((r, I), odt_down), gamma: T.float32):
+        with T.Kernel(mu + md, threads=nthreads(threads)) as b:
+            Gs = shared((BM, BK), dt)   # g_up: G[m0 : m0+BM, k0 : k0+BK]
+            Ds = shared((Rp, BK), dt)   # Down[:, k0 : k0+BK]
+            Gt = shared((BK, BM), dt)   # g_down: G[k0 : k0+BK, m0 : m0+BM]
+            Us = shared((BK, Rp), dt)   # Up[k0 : k0+BK, :]
+            acc_u = frag((BM, Rp), _ACC)
+            acc_d = frag((BM, Rp), _ACC)
+            if b < mu:
+                m0 = b * BM
+                T.clear(acc_u)
+                for k in T.Pipelined(T.ceildiv(I, BK), num_stages=stages):
+                    T.copy(G[m0, k * BK], Gs)
+                    T.copy(Down[0, k * BK], Ds)
+                    T.gemm(Gs, Ds, acc_u, transpose_B=True)
+                for i, n in par(BM, Rp):
+                    acc_u[i, n] = acc_u[i, n] * gamma
+                T.copy(acc_u, GU[m0, 0])
+            else:
+                m0 = (b - mu) * BM
+                T.clear(acc_d)
+                for k in T.Pipelined(T.ceildiv(O, BK), num_stages=stages):
+                    T.copy(G[k * BK, m0], Gt)
+                    T.copy(Up[k * BK, 0], Us)
+                    T.gemm(Gt, Us, acc_d, transpose_A=True)
+                for i, n in par(BM, Rp):
+                    if m0 + i < I and n < r:
+                        GD[n, m0 + i] = T.cast(acc_d[i, n] * gamma, odt_down)
+
+    return merge_bwd_pair if ws or cpu else without_warp_specialization(merge_bwd_pair)
+
+
 def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, bdt, odt: str,
                 BM: int = 128, BN: int = 128, BK: int = 64, stages: int = 2, threads: int = 256,
                 staged: bool = False, cpu: bool = False):
@@ -457,6 +512,12 @@ BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
 GEMM_STAGED = True
 MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
 MERGE_BWD = dict(BM=64, BK=64, stages=2, threads=128)
+#: ``merge_bwd``'s form: ``pair`` True, one launch of ``merge_bwd_pair_kernel`` (both products,
+#: each program's whole reduction inside: no partials; ``ws``: TileLang's warp specialization,
+#: which doubles its shared memory here: 144 KiB at 64 x 64 tiles, 3 stages, one program an SM);
+#: False, ``skinny`` twice (split reductions, fp32 partials summed and cast by torch: up to six
+#: launches). Off until timed (``bench/tilelang_lora_variants.py --op merge_bwd``)
+MERGE_BWD_FORM = dict(pair=False, ws=False)
 
 
 def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
@@ -566,6 +627,14 @@ def merge_bwd(grad, up, down, gamma, cfg=None):
     c = compute_dtype(up, down)
     g, u, d = prep(grad, c), prep(up, c), prep(down, c)
     r = up.shape[1]
+    if MERGE_BWD_FORM["pair"]:
+        (O, I), dev = g.shape, g.device
+        g_up = torch.empty((O, r), device=dev, dtype=up.dtype)
+        g_down = torch.empty((r, I), device=dev, dtype=down.dtype)
+        k = kernel(merge_bwd_pair_kernel, arch_of(dev), O, I, r, _tl(c), _tl(up.dtype), _tl(down.dtype), p["BM"],
+                   p["BK"], p["stages"], p["threads"], MERGE_BWD_FORM["ws"])
+        k(g, u, d, g_up, g_down, float(gamma))
+        return g_up, g_down
     g_up = skinny(g, d, r, False, True, False, gamma, up.dtype, c, K=g.shape[1], **p)     # γ·G·downᵀ (O, r)
     g_down = skinny(g, u, r, True, False, True, gamma, down.dtype, c, K=g.shape[0], **p)  # γ·(Gᵀ·up)ᵀ (r, I)
     return g_up, g_down
@@ -584,6 +653,8 @@ def compile_specs(dtype: torch.dtype):
         (bypass_bwd_tok_kernel, (45, 29, 5, d, d, 64, 64, 128, 2, None, True, True, False)),
         (skinny_kernel, (29, None, 16, 5, True, False, False, True, d, d)),
         (skinny_kernel, (45, 29, 5, 5, True, False, True, False, d, "float32")),
+        (merge_bwd_pair_kernel, (45, 29, 5, d, d, d)),
+        (merge_bwd_pair_kernel, (45, 29, 5, d, d, d, 64, 64, 3, 128, False)),  # MERGE_BWD_FORM
         (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d)),
         (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d, 128, 128, 64, 2, 256, True)),  # staged
         (gemm_kernel, (None, 45, 5, None, "plain", False, True, d, None, d, 128, 128, 64, 2, 256, True)),
