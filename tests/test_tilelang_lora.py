@@ -106,6 +106,23 @@ def test_twin_split_k():
     compare("lora_merge_bwd", (Gw, up, torch.randn(r, 300, generator=g), 1.1), torch.float32)
 
 
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.parametrize("pair", [True, False], ids=["pair", "skinny"])
+def test_twin_merge_bwd_forms(pair, monkeypatch):
+    """Both forms of ``merge_bwd`` against eager, and the pair form's step to the skinny
+    products where no pair tile fits shared memory (rank 200: Rp = 256)."""
+    monkeypatch.setattr(lora, "MERGE_BWD_FORM", dict(pair=pair, ws=False))
+    calls = []
+    real = lora.skinny
+    monkeypatch.setattr(lora, "skinny", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = torch.Generator().manual_seed(6)
+    for O, I, r in ((70, 45, 9), (40, 33, 200)):
+        G, up, down = torch.randn(I, O, generator=g).t(), torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)
+        n = len(calls)
+        compare("lora_merge_bwd", (G, up, down, 0.8), torch.float32)
+        assert len(calls) - n == (2 if (not pair or r == 200) else 0), (pair, r)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("ws", [True, False], ids=["ws", "nows"])
 def test_twin_merge_bwd_pair(dtype, ws, monkeypatch):
@@ -367,8 +384,9 @@ def _space_corners():
         out.append(("lora_bypass_bwd", dict(BT=pick(tok["BT"]), BI=pick(tok["BI"]), BK=pick(tok["BK"]),
                                             stages=pick(tok["stages"]), threads=pick(tok["threads"]),
                                             sBM=pick(sk["BM"]), sBK=pick(sk["BK"]))))
-        out.append(("lora_merge_bwd", dict(BM=pick(sk["BM"]), BK=pick(sk["BK"]), stages=pick(sk["stages"]),
-                                           threads=pick(sk["threads"]))))
+        pr = P.TL_PAIR if lora.MERGE_BWD_FORM["pair"] else sk
+        out.append(("lora_merge_bwd", dict(BM=pick(pr["BM"]), BK=pick(pr["BK"]), stages=pick(pr["stages"]),
+                                           threads=pick(pr["threads"]))))
     return out
 
 

@@ -297,6 +297,9 @@ def _tl_module():
 #: (bench/RESULTS.md 2026-11-30 16:03-16:43) as with nvcc alone here. Every corner of every
 #: space below compiles for sm_90a (tests/test_tilelang_lora.py: test_tile_space_corners_*).
 TL_SKINNY = dict(BM=(64,), BK=(32, 64), stages=(2,), threads=(128,))
+#: ``merge_bwd_pair_kernel``'s space (static K: deeper pipelines lower; H200: 128-wide K steps
+#: and 3-4 stages won, RESULTS.md 2026-12-02 14:00)
+TL_PAIR = dict(BM=(64,), BK=(64, 128), stages=(2, 3, 4), threads=(128,))
 TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(0,))
 #: the forwards' spaces (threads 256 only with 128-row tiles: ``cost.tl_threads``; stages also
 #: within the device's pipeline depths)
@@ -391,20 +394,27 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
 
 
 def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, out_dtype, *, n: int = TL_N):
-    """``tilelang/lora.py: skinny_kernel``'s shortlist for the pair G·downᵀ, Gᵀ·up: (BM
-    rows, BK reduction step, stages, threads)."""
+    """``tilelang/lora.py: merge_bwd``'s shortlist for the pair G·downᵀ, Gᵀ·up: (BM rows, BK
+    reduction step, stages, threads). With ``MERGE_BWD_FORM["pair"]`` (one launch, a program
+    per row band, no split): the pair tiles whose shared memory fits (``pair_smem``), ranked by
+    the skinny model without a split; else ``skinny_kernel``'s space."""
     e, eg, eo = esize(compute), esize(g_dtype), esize(out_dtype)
     tc = compute != torch.float32
+    L = _tl_module()
+    pair = L.MERGE_BWD_FORM["pair"]
 
     def tl_work(c):
+        if pair and not smem_fits(dev, L.pair_smem(c["BM"], c["BK"], c["stages"], R, e, L.MERGE_BWD_FORM["ws"])):
+            return None
         return _skinny_work(dev, dict(block_m=c["BM"], block_k=c["BK"], block_r=0, split=0,
                                       num_warps=c["threads"] // 32, num_stages=c["stages"], reduce_block=1024),
                             O, I, I, O, R, eg, e, eo, e, tc)
 
-    cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in TL_SKINNY["BM"] for bk in TL_SKINNY["BK"]
-            for s in TL_SKINNY["stages"] for th in TL_SKINNY["threads"]]
-    return tl_shortlist("lora_merge_bwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_BWD),
-                    _merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
+    sp = TL_PAIR if pair else TL_SKINNY
+    cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bk in sp["BK"]
+            for s in tl_stages(dev, sp["stages"]) for th in sp["threads"]]
+    return tl_shortlist("lora_merge_bwd", cfgs, tl_work, dev, dict(L.merge_bwd_fixed()),
+                        _merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
 
 
 def _bypass_fwd_tl(dev, x, up, down, gamma, base=None):

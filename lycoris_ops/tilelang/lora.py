@@ -57,7 +57,7 @@ compact row-major buffers).
 
 import torch
 
-from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, tl_dtype,
+from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, num_sms, smem_limit, tl_dtype,
                       without_warp_specialization)
 from .._checks import promote_dtypes
 
@@ -511,13 +511,31 @@ BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
 #: plain 0.042 -> 0.030 ms, hada 0.053 -> 0.049, sum 0.044 -> 0.035)
 GEMM_STAGED = True
 MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
-MERGE_BWD = dict(BM=64, BK=64, stages=2, threads=128)
 #: ``merge_bwd``'s form: ``pair`` True, one launch of ``merge_bwd_pair_kernel`` (both products,
 #: each program's whole reduction inside: no partials; ``ws``: TileLang's warp specialization,
 #: which doubles its shared memory here: 144 KiB at 64 x 64 tiles, 3 stages, one program an SM);
 #: False, ``skinny`` twice (split reductions, fp32 partials summed and cast by torch: up to six
-#: launches). Off until timed (``bench/tilelang_lora_variants.py --op merge_bwd``)
-MERGE_BWD_FORM = dict(pair=False, ws=False)
+#: launches). H200, bf16, ``bench/tilelang_lora_variants.py --op merge_bwd`` (RESULTS.md
+#: 2026-12-02 14:00): skinny 0.065 / 0.045 ms (large / small), pair 0.024 / 0.018, warp-specialized
+#: 0.026 / 0.020, 4 stages 0.021 / 0.015, 128-wide K steps at 3 stages 0.019 / 0.013
+MERGE_BWD_FORM = dict(pair=True, ws=False)
+#: the pair kernel's tile (BM rows a band, BK a K step): 192 KiB of shared memory at rank 64
+#: (``pair_smem``); a smaller K step or fewer stages where that does not fit, else ``skinny``
+MERGE_BWD = dict(BM=64, BK=128, stages=3, threads=128)
+#: the two skinny products' tile (``MERGE_BWD_FORM["pair"]`` off, or no pair tile fits)
+MERGE_BWD_SKINNY = dict(BM=64, BK=64, stages=2, threads=128)
+
+
+def merge_bwd_fixed() -> dict:
+    """``merge_bwd``'s fixed config for the form in use (the tuner's untimed pick)."""
+    return MERGE_BWD if MERGE_BWD_FORM["pair"] else MERGE_BWD_SKINNY
+
+
+def pair_smem(BM: int, BK: int, stages: int, r: int, esize: int, ws: bool = False) -> int:
+    """Shared-memory bytes of ``merge_bwd_pair_kernel``: both branches' pipelined tiles (G and
+    a factor each; TileLang does not overlap the two branches), doubled when warp-specialized
+    (measured on the sm_90a builds)."""
+    return stages * 2 * BK * (BM + pad_rank(r)) * esize * (2 if ws else 1)
 
 
 def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
@@ -623,18 +641,24 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
 
 
 def merge_bwd(grad, up, down, gamma, cfg=None):
-    p = launch_config(MERGE_BWD, cfg)
     c = compute_dtype(up, down)
     g, u, d = prep(grad, c), prep(up, c), prep(down, c)
     r = up.shape[1]
     if MERGE_BWD_FORM["pair"]:
-        (O, I), dev = g.shape, g.device
-        g_up = torch.empty((O, r), device=dev, dtype=up.dtype)
-        g_down = torch.empty((r, I), device=dev, dtype=down.dtype)
-        k = kernel(merge_bwd_pair_kernel, arch_of(dev), O, I, r, _tl(c), _tl(up.dtype), _tl(down.dtype), p["BM"],
-                   p["BK"], p["stages"], p["threads"], MERGE_BWD_FORM["ws"])
-        k(g, u, d, g_up, g_down, float(gamma))
-        return g_up, g_down
+        p = launch_config(MERGE_BWD, cfg)
+        (O, I), dev, ws = g.shape, g.device, MERGE_BWD_FORM["ws"]
+        limit = smem_limit(dev)
+        for bk, st in ((p["BK"], p["stages"]), (64, p["stages"]), (64, 2)):
+            if pair_smem(p["BM"], bk, st, r, g.element_size(), ws) <= limit:
+                g_up = torch.empty((O, r), device=dev, dtype=up.dtype)
+                g_down = torch.empty((r, I), device=dev, dtype=down.dtype)
+                k = kernel(merge_bwd_pair_kernel, arch_of(dev), O, I, r, _tl(c), _tl(up.dtype), _tl(down.dtype),
+                           p["BM"], bk, st, p["threads"], ws)
+                k(g, u, d, g_up, g_down, float(gamma))
+                return g_up, g_down
+        p = MERGE_BWD_SKINNY  # a rank too large for any pair tile: the tuned cfg was a pair tile
+    else:
+        p = launch_config(MERGE_BWD_SKINNY, cfg)
     g_up = skinny(g, d, r, False, True, False, gamma, up.dtype, c, K=g.shape[1], **p)     # γ·G·downᵀ (O, r)
     g_down = skinny(g, u, r, True, False, True, gamma, down.dtype, c, K=g.shape[0], **p)  # γ·(Gᵀ·up)ᵀ (r, I)
     return g_up, g_down
