@@ -315,8 +315,9 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     (the staged form's output and base tiles included) does not fit are left out. Second:
     the fixed config with the x·downᵀ loop at the device's deepest pipeline (the model picks
     tiles, not depths: at both bench shapes every timed candidate ran 2 stages, and Triton's
-    winner at the large one runs 4), where the fixed config is shallower (since the H200
-    timing of 2026-12-02 13:30 it runs 4 itself, so the twin is not added)."""
+    winner at the large one runs 4), where that depth differs from the fixed config's. Since
+    the H200 timing of 2026-12-02 13:30 the fixed config runs 4 itself, so on devices with
+    cp.async (depths up to 4) no twin is added; without it the twin runs the fixed tile at 2."""
     work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
     e, eo = esize(compute), esize(out_dtype)
     rp = p2(R, 16)
