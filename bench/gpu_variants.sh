@@ -39,6 +39,8 @@ declare -A RUNS=(
   [profile]="bench/kernel_profile.py --specs lokr_bypass,lora_bypass,boft"
   [boft]="bench/tilelang_boft_variants.py --variants runs+compose3,compose3\ bwd,compose3\ bwd\ split,compose2\ bwd\ split"
   [merge_bwd]="bench/tilelang_lora_variants.py --op merge_bwd"
+  [hada_bwd]="bench/tilelang_lora_variants.py --op hada_bwd"
+  [loha_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"
   [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests ia3_cf lora_fwd)

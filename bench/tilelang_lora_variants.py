@@ -1,7 +1,7 @@
 """A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) and merge (``lora_merge_fwd``)
 kernel forms, in one process, on a GPU:
 
-    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|merge_bwd|lokr] [--shapes large,small] [--variants ...]
+    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|merge_bwd|hada_bwd|lokr] [--shapes large,small] [--variants ...]
 
 For each bench shape (``large``: 32768 tokens, 4096 channels, rank 64; ``small``: 8192,
 3072, rank 32; with the base, as bench.py's ``lora_bypass``) and each variant,
@@ -37,6 +37,11 @@ shared memory); floor: W read, the result written.
 skinny products, fp32 partials summed by torch) against ``pair`` (``lora.MERGE_BWD_FORM``: one
 launch, a program per row band of g_up or g_downᵀ, whole reductions; ``ws``: warp-specialized),
 64- or 128-wide K steps, 3 or 4 stages; floor: G read once.
+
+``--op hada_bwd``: ``loha_merge_bwd`` at (channels, channels), four factors at the shape's
+rank: ``split`` (the two split jobs, fp32 partials summed by torch) against ``pair``
+(``loha.GRADS_FORM``: one launch, a program per band of g_a or g_b, whole reductions), band
+width 64 or 32, 1 to 3 stages; floor: G read once.
 
 ``--op lokr``: LoKr's bypass (``tilelang.lokr``, bench.py's ``lokr_bypass`` inputs: near-square
 factors of the channels, 64 x 64 both at 4096), forward with base and the backward op,
@@ -165,9 +170,41 @@ def merge_bwd_table(args, lora, dt, dev, timer, gen, bw) -> None:
                 print(f"{name:6} {v:13} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
 
 
+#: hada_bwd variant -> loha settings (GRADS_FORM, GRADS_PAIR's band and depth)
+HADA_BWD_VARIANTS = {
+    "split": dict(GRADS_FORM=dict(pair=False)),
+    "pair": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=64, stages=2)),
+    "pair s1": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=64, stages=1)),
+    "pair s3": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=64, stages=3)),
+    "pair 32": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=32, stages=2)),
+    "pair 32 s3": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=32, stages=3)),
+}
+
+
+def hada_bwd_table(args, dt, dev, timer, gen, bw) -> None:
+    """``loha.merge_bwd`` (G (D, D), four factors at the shape's rank): the two split jobs
+    (fp32 partials summed by torch) against the one-launch pair kernel; floor: G read once."""
+    from lycoris_ops.tilelang import loha
+
+    print(f"{'shape':6} {'variant':13} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
+    for name in args.shapes.split(","):
+        _, D, r = (SMOKE if args.smoke else SHAPES)[name]
+        G = torch.randn(D, D, generator=gen, device=dev).to(dt)
+        f = [(s * torch.randn(*shape, generator=gen, device=dev)).to(dt)
+             for shape, s in (((D, r), r ** -0.5), ((r, D), 1.0)) * 2]
+        floor = D * D * G.element_size() / bw * 1e3 if bw else math.nan
+        rows = T.VariantRows(timer)
+        for v in (args.variants or ",".join(HADA_BWD_VARIANTS)).split(","):
+            res = rows.row(f"{name:6} {v:13}", [(loha, HADA_BWD_VARIANTS[v])], lambda: loha.merge_bwd(G, *f, 0.75))
+            if res:
+                (t,), (x1,), diff = res
+                print(f"{name:6} {v:13} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
+
+
 def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
-    ap.add_argument("--op", default="bypass", choices=("bypass", "bypass_bwd", "merge", "merge_bwd", "lokr"))
+    ap.add_argument("--op", default="bypass", choices=("bypass", "bypass_bwd", "merge", "merge_bwd", "hada_bwd",
+                                                      "lokr"))
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import lora
 
@@ -178,6 +215,9 @@ def main(argv=None) -> int:
         return 0
     if args.op == "merge_bwd":
         merge_bwd_table(args, lora, dt, dev, timer, gen, bw)
+        return 0
+    if args.op == "hada_bwd":
+        hada_bwd_table(args, dt, dev, timer, gen, bw)
         return 0
     if args.op == "lokr":
         lokr_table(args, dt, dev, timer, bw)

@@ -66,8 +66,10 @@ def test_twin_regen_fp16():
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 def test_twin_materialized_and_split(monkeypatch):
-    """ΔW materialized once (many tokens) and the split reductions of the factor grads."""
+    """ΔW materialized once (many tokens) and the split reductions of the factor grads (the
+    merge backward's two-job form)."""
     monkeypatch.setattr(loha, "REGEN_BUDGET", -1)
+    monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=False))
     g = torch.Generator().manual_seed(2)
     T, I, O, r = 11, 19, 37, 5
     f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g),
@@ -82,7 +84,56 @@ def test_twin_materialized_and_split(monkeypatch):
     compare("loha_merge_bwd", (torch.randn(O2, I2, generator=g), *f2, 0.9), torch.float32)
 
 
-#: non-default configs inside plans/loha.py's TileLang spaces (TL_GEMM, TL_GRADS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_twin_merge_bwd_pair(dtype, monkeypatch):
+    """``loha_merge_bwd`` through the one-launch pair kernel (``GRADS_FORM``): bands of both
+    gradients with partial last bands (O, I not multiples of BM), rank padding, a transposed G,
+    mixed output dtypes, 32- and 64-wide bands; the CPU twin without a GPU, the real kernel on one."""
+    if GPU and dtype == torch.float32:
+        pytest.skip("fp32 is outside the TileLang scope on a GPU (it would run as TF32)")
+    monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=True))
+    calls = []
+    real = loha.kernel
+    monkeypatch.setattr(loha, "kernel", lambda b, *a: calls.append(b.__name__) or real(b, *a))
+    g = torch.Generator().manual_seed(7)
+    dev = "cuda" if GPU else "cpu"
+    sizes = ((37, 150, 5), (130, 70, 17)) if not GPU else ((200, 1000, 8), (3072, 517, 64), (300, 260, 128))
+    for (O, I, r), bm in zip(sizes, (64, 32, 64)):
+        monkeypatch.setattr(loha, "GRADS_PAIR", dict(BM=bm, stages=2))
+        f = [torch.randn(O, r, generator=g), torch.randn(r, I, generator=g),
+             torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)]
+        f = [t.to(dev, dtype) for t in f]
+        f[3] = f[3].float()  # an fp32 factor: its gradient leaves in fp32
+        for G in (torch.randn(O, I, generator=g), torch.randn(I, O, generator=g).t()):
+            del calls[:]
+            compare("loha_merge_bwd", (G.to(dev, dtype), *f, -0.7), dtype)
+            assert calls == ["hada_grad_pair_kernel"], calls
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+def test_twin_merge_bwd_pair_steps_down(monkeypatch):
+    """Where no pair tile fits the device's shared memory, the pair form takes fewer stages,
+    then the two split jobs (fixed tile), and still matches eager."""
+    monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=True))
+    calls = []
+    real = loha.kernel
+    monkeypatch.setattr(loha, "kernel", lambda b, *a: calls.append((b.__name__, a[-1])) or real(b, *a))
+    g = torch.Generator().manual_seed(8)
+    O, I, r = 70, 90, 9  # Rp 16: BM 64 takes 57344 B at 2 stages, 43008 at 1
+    f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g),
+         torch.randn(O, r, generator=g), torch.randn(r, I, generator=g))
+    G = torch.randn(O, I, generator=g)
+    assert loha.grads_pair_smem(64, 2, r, 4) > loha.grads_pair_smem(64, 1, r, 4)
+    for limit, want in ((loha.grads_pair_smem(64, 1, r, 4), [("hada_grad_pair_kernel", 1)]),
+                        (loha.grads_pair_smem(64, 1, r, 4) - 1, ["hada_grad_a_kernel", "hada_grad_b_kernel"])):
+        monkeypatch.setattr(loha, "smem_limit", lambda dev, lim=limit: lim)
+        del calls[:]
+        compare("loha_merge_bwd", (G, *f, 1.3), torch.float32)
+        names = [c if isinstance(w, tuple) else c[0] for c, w in zip(calls, want)]
+        assert names == want and len(calls) == len(want), calls
+
+
+#: non-default configs inside plans/loha.py's TileLang spaces (TL_GEMM, TL_GRADS / TL_GRADS_PAIR)
 GEMM_CFG = dict(BM=64, BN=256, BK=32, stages=3, threads=128)
 GRADS_CFG = dict(BO=128, BI=32)
 
@@ -146,14 +197,23 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
             for st in sp["stages"]:
                 cfg = dict(BM=bm, BN=max(sp["BN"]), BK=max(sp["BK"]), stages=st, threads=th)
                 calls += [(loha.bypass_fwd, (x, a, b, a, b, 1.0, None), cfg), (loha.bypass_bwd, (x, x, a, b, a, b, 1.0), cfg)]
+    calls = [(False, *c) for c in calls]
     for bo in (min(gp["BO"]), max(gp["BO"])):
         for bi in (min(gp["BI"]), max(gp["BI"])):
-            calls.append((loha.merge_bwd, (w, a, b, a, b, 1.0), dict(BO=bo, BI=bi)))
+            calls.append((False, loha.merge_bwd, (w, a, b, a, b, 1.0), dict(BO=bo, BI=bi)))
+    # the pair form: both band widths at the deepest pipeline, and rank 128 (stages step down to fit)
+    a128, b128 = torch.empty(3072, 128, dtype=bf), torch.empty(128, 3072, dtype=bf)
+    pp = plans_loha.TL_GRADS_PAIR
+    for bm in pp["BM"]:
+        for args in ((w, a, b, a, b, 1.0), (w, a128, b128, a128, b128, 1.0)):
+            calls.append((True, loha.merge_bwd, args, dict(BM=bm, stages=max(pp["stages"]))))
     with _common.capturing() as pending:
-        for fn, args, cfg in calls:
+        for pair, fn, args, cfg in calls:
+            monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=pair))
             tl_pick._call(fn, args, cfg)
     failed = harness.compile_failures(pending)
-    assert len(pending) >= 12 and not failed, failed
+    assert len(pending) >= 16 and not failed, failed
+    assert sum(p.builder is loha.hada_grad_pair_kernel for p in pending) == 4
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")

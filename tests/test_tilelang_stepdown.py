@@ -366,7 +366,7 @@ def test_elementwise_shortlists_for_an_h200():
                                   dict(BO=64, BI=64, threads=128)),
                                  (plans_loha, "loha_bypass_fwd", (x, *lh, 1.0, None),
                                   dict(BM=128, BN=128, BK=64, stages=2, threads=256)),
-                                 (plans_loha, "loha_merge_bwd", (w, *lh, 1.0), dict(BO=64, BI=64)),
+                                 (plans_loha, "loha_merge_bwd", (w, *lh, 1.0), dict(BM=64, stages=2)),
                                  (plans_oft, "oft_fwd", (ob, x, None, 1.0, False, False), dict(BT=128, threads=128)),
                                  (plans_oft, "oft_bwd", (x, ob, x, None, 1.0, False, False), dict(BT=64, threads=128)),
                                  (plans_boft, "boft_fwd", (bb, x, -1, 1.0, 1.0, None, False), dict(BT=128, threads=128)),
@@ -384,7 +384,7 @@ def test_elementwise_shortlists_for_an_h200():
         if twin:
             assert cands[1] == {**fixed, **twin}, (op, cands)
         space = (getattr(mod, "TL_SPACE", None) or spaces.get(op)
-                 or (mod.TL_GRADS if op == "loha_merge_bwd" else mod.TL_GEMM))
+                 or (mod.TL_GRADS_PAIR if op == "loha_merge_bwd" else mod.TL_GEMM))
         for c in cands[1 + bool(twin):-1]:
             assert all(c[k] in space[k] for k in c), (op, c)
     a = tl_pick.key_parts((x, v, -1, 1.0, 1.0), "ia3_fwd")

@@ -30,7 +30,7 @@ import torch
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
 from .cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan,
-                   p2, predict, rank, tl_shortlist, tl_stages, tl_threads)
+                   p2, predict, rank, smem_fits, tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -234,6 +234,9 @@ VENDOR_MIN_MACS = 1 << 32
 #: (tests/test_tilelang_loha.py)
 TL_GEMM = dict(BM=(64, 128), BN=(64, 128, 256), BK=(32, 64), stages=(2, 3), threads=(128, 256))
 TL_GRADS = dict(BO=(32, 64, 128), BI=(32, 64, 128))
+#: ``hada_grad_pair_kernel`` (``GRADS_FORM["pair"]``): band width (= K step) and pipeline depth;
+#: the configs whose shared memory fits (``grads_pair_smem``)
+TL_GRADS_PAIR = dict(BM=(32, 64), stages=(1, 2, 3))
 TL_N = 3
 
 
@@ -292,12 +295,28 @@ def _tl_bypass_bwd(dev, grad, x, a1, b1, a2, b2, gamma, n: int = TL_N):
 
 def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
     """The gradient kernels' tile: per job G read once per program row, the two P tiles
-    regenerated (2 dots over the padded rank) and the E·B product (1 dot)."""
+    regenerated (2 dots over the padded rank) and the E·B product (1 dot). The pair form
+    (``GRADS_FORM["pair"]``): both jobs in one launch, a program per band, no split."""
     O, R = a1.shape
     I = b1.shape[1]
     compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     e, eg = esize(compute), esize(grad.dtype)
     rp = p2(R, 16)
+    L = _tl_loha()
+    eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * (eg + 12), 0),
+                             (O * I * 4 * 2 + I * R * e * 2, 4.0 * O * I * R), (O * I * 4 * 2 + O * R * e * 2, 4.0 * O * I * R)])
+    if L.GRADS_FORM["pair"]:
+        def pair_work(c):
+            bm, st = c["BM"], c["stages"]
+            if not smem_fits(dev, L.grads_pair_smem(bm, st, R, e)):
+                return None
+            return Work(grid=cdiv(O, bm) + cdiv(I, bm), warps=8 if rp >= 128 else 4, stages=st,
+                        acc=2 * bm * rp + 2 * bm * bm, smem=(bm * bm + 2 * bm * rp) * e,
+                        dram=2 * O * I * eg + 4 * (O + I) * R * e, mma=3 * 2.0 * 2 * 2 * O * I * rp, tc=True,
+                        mma_tile=bm * bm * rp)
+
+        cfgs = [dict(BM=bm, stages=st) for bm in TL_GRADS_PAIR["BM"] for st in TL_GRADS_PAIR["stages"]]
+        return tl_shortlist("loha_merge_bwd", cfgs, pair_work, dev, dict(L.grads_fixed()), eager, ("BM",), n)
 
     def work(c):
         bo, bi = c["BO"], c["BI"]
@@ -310,11 +329,8 @@ def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
                      dram=O * I * eg + gemm_reads(2 * O * R * e, cdiv(I, bi), dev), mma=3 * 2.0 * 2 * O * I * rp,
                      tc=True, mma_tile=bo * bi * rp)]
 
-    default = dict(_tl_loha().GRADS)
     cfgs = [dict(BO=bo, BI=bi) for bo in TL_GRADS["BO"] for bi in TL_GRADS["BI"]]
-    eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * (eg + 12), 0),
-                             (O * I * 4 * 2 + I * R * e * 2, 4.0 * O * I * R), (O * I * 4 * 2 + O * R * e * 2, 4.0 * O * I * R)])
-    return tl_shortlist("loha_merge_bwd", cfgs, work, dev, default, eager, ("BO", "BI"), n)
+    return tl_shortlist("loha_merge_bwd", cfgs, work, dev, dict(L.GRADS), eager, ("BO", "BI"), n)
 
 
 def _weights(a1, b1, a2, b2):

@@ -44,12 +44,13 @@ contiguous on the host when they are not already.
 """
 import torch
 
-from ._common import aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype, without_warp_specialization
+from ._common import (aligned, arch_of, cdiv, kernel, launch_config, num_sms, smem_limit, tl_dtype,
+                      without_warp_specialization)
 from .lora import _scaled_acc, _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 from ..reference import gemm_epilogue, mm32
 
-__all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel",
-           "bypass_fwd", "bypass_bwd", "merge_bwd", "compile_specs", "REGEN_BUDGET"]
+__all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel", "hada_grad_pair_kernel",
+           "bypass_fwd", "bypass_bwd", "merge_bwd", "compile_specs", "REGEN_BUDGET", "grads_fixed", "grads_pair_smem"]
 
 _ACC = "float32"
 #: regenerate ΔW inside the apply kernel while (token tiles - 1)·Rp stays below this
@@ -60,6 +61,11 @@ _BT = 64
 #: path (x·ΔWᵀ, G·ΔW); for ``loha_merge_bwd``, the gradient kernels' BO x BI tile
 APPLY_GEMM = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
 GRADS = dict(BO=64, BI=64)
+#: ``loha_merge_bwd``'s form: ``pair`` runs ``hada_grad_pair_kernel`` (one launch) where a
+#: pair tile fits shared memory (``grads_pair_smem``), else the two split jobs (``GRADS``)
+GRADS_FORM = dict(pair=True)
+#: the pair kernel's fixed config: BM-wide bands and K steps, pipeline depth
+GRADS_PAIR = dict(BM=64, stages=2)
 
 
 def hada_apply_kernel(trans: bool, N: int, K: int, r: int, dt: str, bdt, odt: str,
@@ -242,6 +248,87 @@ def hada_grad_b_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
     return hada_grad_b if cpu else without_warp_specialization(hada_grad_b)
 
 
+def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, oa2: str, ob2: str,
+                          BM: int = 64, stages: int = 2, threads=None, cpu: bool = False):
+    """``loha_merge_bwd`` in ONE launch: programs [0, ⌈O/BM⌉) are ``hada_grad_a``'s (one BM-row
+    band of g_a1, g_a2, the whole reduction over I), programs [⌈O/BM⌉, ⌈O/BM⌉ + ⌈I/BM⌉) are
+    ``hada_grad_b``'s (one BM-column band of g_b1, g_b2, the whole reduction over O); K steps
+    of BM. No split, so no fp32 partials, no torch sum and no cast launches after it (the two
+    split jobs: up to six launches at the bench shapes); G is read twice, in one launch."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    Rp = pad_rank(r)
+    threads = threads or (256 if Rp >= 128 else 128)
+    ma, mb = cdiv(O, BM), cdiv(I, BM)
+
+    @T.prim_func
+    def hada_grad_pair(Gr: T.Tensor((O, I), dt), A1: T.Tensor((O, r), dt), B1: T.Tensor((r, I), dt),
+                       A2: T.Tensor((O, r), dt), B2: T.Tensor((r, I), dt),
+                       GA1: T.Tensor((O, r), oa1), GB1: T.Tensor((r, I), ob1),
+                       GA2: T.Tensor((O, r), oa2), GB2: T.Tensor((r, I), ob2), gamma: T.float32):
+        with T.Kernel(ma + mb, threads=nthreads(threads)) as b:
+            gs = shared((BM, BM), dt)    # G[m0 : m0+BM, k0 : k0+BM] (a) or G[k0 : .., m0 : ..] (b)
+            # a fixed tile cannot share a buffer with a stepped one (the pipeline multi-buffers
+            # the stepped ones): a's fixed A rows and stepped B columns, b's fixed B and stepped A
+            a1f = shared((BM, Rp), dt)
+            a2f = shared((BM, Rp), dt)
+            b1k = shared((Rp, BM), dt)
+            b2k = shared((Rp, BM), dt)
+            b1f = shared((Rp, BM), dt)
+            b2f = shared((Rp, BM), dt)
+            a1k = shared((BM, Rp), dt)
+            a2k = shared((BM, Rp), dt)
+            e1s = shared((BM, BM), dt)
+            e2s = shared((BM, BM), dt)
+            p1 = frag((BM, BM), _ACC)
+            p2 = frag((BM, BM), _ACC)
+            ga1 = frag((BM, Rp), _ACC)
+            ga2 = frag((BM, Rp), _ACC)
+            gb1 = frag((Rp, BM), _ACC)
+            gb2 = frag((Rp, BM), _ACC)
+            if b < ma:
+                o0 = b * BM
+                T.copy(A1[o0, 0], a1f)
+                T.copy(A2[o0, 0], a2f)
+                T.clear(ga1)
+                T.clear(ga2)
+                for k in T.Pipelined(T.ceildiv(I, BM), num_stages=stages):
+                    T.copy(Gr[o0, k * BM], gs)
+                    T.copy(B1[0, k * BM], b1k)
+                    T.copy(B2[0, k * BM], b2k)
+                    T.gemm(a1f, b1k, p1, clear_accum=True)
+                    T.gemm(a2f, b2k, p2, clear_accum=True)
+                    for i, j in par(BM, BM):  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
+                        e1s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p2[i, j], dt)
+                        e2s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p1[i, j], dt)
+                    T.gemm(e1s, b1k, ga1, transpose_B=True)
+                    T.gemm(e2s, b2k, ga2, transpose_B=True)
+                T.copy(ga1, GA1[o0, 0])
+                T.copy(ga2, GA2[o0, 0])
+            else:
+                i0 = (b - ma) * BM
+                T.copy(B1[0, i0], b1f)
+                T.copy(B2[0, i0], b2f)
+                T.clear(gb1)
+                T.clear(gb2)
+                for k in T.Pipelined(T.ceildiv(O, BM), num_stages=stages):
+                    T.copy(Gr[k * BM, i0], gs)
+                    T.copy(A1[k * BM, 0], a1k)
+                    T.copy(A2[k * BM, 0], a2k)
+                    T.gemm(a1k, b1f, p1, clear_accum=True)
+                    T.gemm(a2k, b2f, p2, clear_accum=True)
+                    for i, j in par(BM, BM):
+                        e1s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p2[i, j], dt)
+                        e2s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p1[i, j], dt)
+                    T.gemm(a1k, e1s, gb1, transpose_A=True)
+                    T.gemm(a2k, e2s, gb2, transpose_A=True)
+                T.copy(gb1, GB1[0, i0])
+                T.copy(gb2, GB2[0, i0])
+
+    return hada_grad_pair if cpu else without_warp_specialization(hada_grad_pair)
+
+
 # --------------------------------------------------------------------------- launchers
 
 def _split(tiles: int, other: int, device) -> tuple:
@@ -292,15 +379,40 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg=None):
     return gemm(xc, _delta(f, c), None, None, bs, gamma, "plain", odt, c, b_nk=True, dyn_m=True, **_tiles(cf))
 
 
-def _grads(gw, f, gamma, dtypes, c, BO=64, BI=64):
-    """loha_merge_bwd on prepared operands: gw (O, I), f = (a1, b1, a2, b2)."""
+def grads_fixed() -> dict:
+    """``merge_bwd``'s fixed config for the form in use (the tuner's untimed pick)."""
+    return GRADS_PAIR if GRADS_FORM["pair"] else GRADS
+
+
+def grads_pair_smem(BM: int, stages: int, r: int, esize: int) -> int:
+    """Shared-memory bytes of ``hada_grad_pair_kernel`` (measured on the sm_90a builds): each
+    branch's fixed factor rows (4 BM×Rp tiles), E1 and E2, and per stage the G tile with both
+    branches' stepped factor tiles (TileLang does not overlap the two branches)."""
+    Rp = pad_rank(r)
+    return esize * (4 * BM * Rp + 2 * BM * BM + stages * (BM * BM + 4 * BM * Rp))
+
+
+def _grads(gw, f, gamma, dtypes, c, cfg=None):
+    """loha_merge_bwd on prepared operands: gw (O, I), f = (a1, b1, a2, b2); ``cfg`` a tuned
+    config of the form in use (None: ``grads_fixed()``)."""
     O, I = gw.shape
     r = f[0].shape[1]
     dev = gw.device
     arch = arch_of(dev)
     dt = tl_dtype(c)
+    if GRADS_FORM["pair"]:
+        p = launch_config(GRADS_PAIR, cfg)
+        limit = smem_limit(dev)
+        for st in range(p["stages"], 0, -1):
+            if grads_pair_smem(p["BM"], st, r, gw.element_size()) <= limit:
+                outs = tuple(torch.empty(t.shape, device=dev, dtype=d) for t, d in zip(f, dtypes))
+                k = kernel(hada_grad_pair_kernel, arch, O, I, r, dt, *(tl_dtype(d) for d in dtypes), p["BM"], st)
+                k(gw, *f, *outs, float(gamma))
+                return outs
+        cfg = None  # no pair tile fits (the tuned cfg was one): the split jobs' fixed tile
+    q = launch_config(GRADS, cfg)
+    BO, BI = q["BO"], q["BI"]
     Rp = pad_rank(r)
-    outs = []
     # g_a1, g_a2: reduction over I
     ns, per = _split(cdiv(I, BI), cdiv(O, BO), dev)
     if ns == 1:
@@ -329,14 +441,13 @@ def _grads(gw, f, gamma, dtypes, c, BO=64, BI=64):
         s = pb.view(2, ns, Rp, Ip).sum(1)[:, :r, :I]
         gb = [fresh(s[0], dtypes[1]),
               fresh(s[1], dtypes[3])]
-    outs = (ga[0], gb[0], ga[1], gb[1])
-    return outs
+    return ga[0], gb[0], ga[1], gb[1]
 
 
 def merge_bwd(grad, a1, b1, a2, b2, gamma, cfg=None):
     c = compute_dtype(a1, b1, a2, b2)
     f = tuple(prep(t, c) for t in (a1, b1, a2, b2))
-    return _grads(prep(grad, c), f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c, **launch_config(GRADS, cfg))
+    return _grads(prep(grad, c), f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c, cfg)
 
 
 def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg=None):
@@ -365,4 +476,5 @@ def compile_specs(dtype: torch.dtype):
         (hada_apply_kernel, (True, 45, 29, 5, d, None, d)),
         (hada_grad_a_kernel, (29, 45, 5, d, d, d, True)),
         (hada_grad_b_kernel, (29, 45, 5, d, "float32", "float32", False)),
+        (hada_grad_pair_kernel, (29, 45, 5, d, d, "float32", d, d)),  # GRADS_FORM
     ]
