@@ -107,7 +107,8 @@ def test_twin_merge_bwd_pair(dtype, monkeypatch):
         for G in (torch.randn(O, I, generator=g), torch.randn(I, O, generator=g).t()):
             del calls[:]
             compare("loha_merge_bwd", (G.to(dev, dtype), *f, -0.7), dtype)
-            assert calls == ["hada_grad_pair_kernel"], calls
+            # one build here; on a GPU the tuner times its pair configs too
+            assert set(calls) == {"hada_grad_pair_kernel"} and (GPU or len(calls) == 1), calls
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
@@ -115,11 +116,12 @@ def test_twin_merge_bwd_pair_steps_down(monkeypatch):
     """Where no pair tile fits the device's shared memory, the pair form takes fewer stages,
     then the two split jobs (fixed tile), and still matches eager."""
     monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=True))
+    monkeypatch.setattr(loha, "GRADS_PAIR", dict(BM=64, stages=2))
     calls = []
     real = loha.kernel
     monkeypatch.setattr(loha, "kernel", lambda b, *a: calls.append((b.__name__, a[-1])) or real(b, *a))
     g = torch.Generator().manual_seed(8)
-    O, I, r = 70, 90, 9  # Rp 16: BM 64 takes 57344 B at 2 stages, 43008 at 1
+    O, I, r = 70, 90, 9  # Rp 16, fp32: BM 64 takes 114688 B at 2 stages, 81920 at 1
     f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g),
          torch.randn(O, r, generator=g), torch.randn(r, I, generator=g))
     G = torch.randn(O, I, generator=g)
