@@ -40,6 +40,8 @@ declare -A RUNS=(
   [boft]="bench/tilelang_boft_variants.py --variants runs+compose3,compose3\ bwd,compose3\ bwd\ split,compose2\ bwd\ split"
   [merge_bwd]="bench/tilelang_lora_variants.py --op merge_bwd"
   [hada_bwd]="bench/tilelang_lora_variants.py --op hada_bwd"
+  [merge]="bench/tilelang_lora_variants.py --op merge --variants staged,stream,stream\\ s3,stream\\ n256,stream\\ m128"
+  [merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lora.py -k merge_stream"
   [loha_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"
   [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose"
 )

@@ -31,7 +31,10 @@ and the two skinny products); floor: G, x read, gx written.
 ``--op merge``: ``W + γ·P`` at (channels, channels) for P = up·down (``plain``), the
 LoHa ``hada`` and the ``sum`` of two chains, ``lora.GEMM_STAGED`` off (``regs``: the output
 leaves from the accumulator's registers) and on (``staged``: base and output tiles through
-shared memory); floor: W read, the result written.
+shared memory), and ``stream`` (``lora.MERGE_FWD_FORM``: ``merge_stream_kernel``, a program per
+column stripe and group of row tiles, the next base tile loading during this tile's product;
+``s3``: 3 stages, ``n256``: 256-wide stripes, ``m128``: 128-row tiles on 256 threads); floor: W
+read, the result written.
 
 ``--op merge_bwd``: ``lora_merge_bwd`` at (channels, channels): ``skinny`` (the two split
 skinny products, fp32 partials summed by torch) against ``pair`` (``lora.MERGE_BWD_FORM``: one
@@ -85,8 +88,17 @@ VARIANTS = {
     "staged pipe k3": dict(staged=True, pipe_o=True, ws=False, stages=3),
     "staged pipe k4": dict(staged=True, pipe_o=True, ws=False, stages=4),
 }
-#: merge variant -> lora.GEMM_STAGED
-MERGE_VARIANTS = {"regs": False, "staged": True}
+_GEMM = dict(MERGE_FWD_FORM=dict(stream=False))
+_STREAM = dict(MERGE_FWD_FORM=dict(stream=True))
+#: merge variant -> lora settings (GEMM_STAGED, MERGE_FWD_FORM, MERGE_STREAM)
+MERGE_VARIANTS = {
+    "regs": dict(GEMM_STAGED=False, **_GEMM),
+    "staged": dict(GEMM_STAGED=True, **_GEMM),
+    "stream": dict(MERGE_STREAM=dict(BM=64, BN=128, stages=2, threads=128), **_STREAM),
+    "stream s3": dict(MERGE_STREAM=dict(BM=64, BN=128, stages=3, threads=128), **_STREAM),
+    "stream n256": dict(MERGE_STREAM=dict(BM=64, BN=256, stages=2, threads=128), **_STREAM),
+    "stream m128": dict(MERGE_STREAM=dict(BM=128, BN=128, stages=2, threads=256), **_STREAM),
+}
 #: lokr variant -> lokr settings (APPLY_STAGED, WGRAD_KPER)
 LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
                  "staged": dict(APPLY_STAGED=True, WGRAD_KPER=(), APPLY_KPER=()),
@@ -120,7 +132,7 @@ def lokr_table(args, dt, dev, timer, bw) -> None:
                 print(f"{name:6} {v:11} {tf:8.3f} {xf:8.2f} {tf / floor:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
 
 def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
-    print(f"{'shape':6} {'mode':6} {'variant':8} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
+    print(f"{'shape':6} {'mode':6} {'variant':11} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         _, D, r = (SMOKE if args.smoke else SHAPES)[name]
 
@@ -135,11 +147,11 @@ def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
             f2 = (rnd(D, r, scale=r ** -0.5), rnd(r, D, scale=D ** -0.5)) if two else (None, None)
             rows = T.VariantRows(timer)
             for v in (args.variants or ",".join(MERGE_VARIANTS)).split(","):
-                res = rows.row(f"{name:6} {mode:6} {v:8}", [(lora, dict(GEMM_STAGED=MERGE_VARIANTS[v]))],
+                res = rows.row(f"{name:6} {mode:6} {v:11}", [(lora, MERGE_VARIANTS[v])],
                                lambda: lora.merge_fwd(f[0], f[1], f2[0], f2[1], W, 0.75, mode))
                 if res:
                     (t,), (x1,), diff = res
-                    print(f"{name:6} {mode:6} {v:8} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
+                    print(f"{name:6} {mode:6} {v:11} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
 
 #: merge_bwd variant -> lora settings (MERGE_BWD_FORM, MERGE_BWD's tile)
 MERGE_BWD_VARIANTS = {

@@ -194,6 +194,38 @@ def test_twin_merge_forms(staged, mode, monkeypatch):
         assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32], (mode, base is None)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
+def test_twin_merge_stream(mode, dtype, monkeypatch):
+    """The streamed merge (``MERGE_FWD_FORM["stream"]``: row tiles through a pipelined loop, a
+    stripe's B tiles loaded once) at partial row and column tiles, groups of 3 row tiles of 10
+    (the last group redoes the last tile), ranks 5 and 9 (sum: two different ranks), an fp32
+    base, no base, an fp32 output; the CPU twin without a GPU, the real kernel on one."""
+    if GPU and dtype == torch.float32:
+        pytest.skip("fp32 is outside the TileLang scope on a GPU (it would run as TF32)")
+    monkeypatch.setattr(lora, "MERGE_FWD_FORM", dict(stream=True))
+    monkeypatch.setattr(lora, "MERGE_STREAM", dict(BM=16, BN=32, stages=2, threads=128))
+    monkeypatch.setattr(lora, "_per", lambda tiles, other, device: 3)
+    calls = []
+    real = lora.kernel
+    monkeypatch.setattr(lora, "kernel", lambda b, *a: calls.append(b.__name__) or real(b, *a))
+    g = torch.Generator().manual_seed(9)
+    dev = "cuda" if GPU else "cpu"
+    O, I, r, r2 = 150, 70, 5, (9 if mode == "sum" else 5)
+
+    def m(*shape, dt=dtype):
+        return torch.randn(*shape, generator=g).to(dev, dt)
+
+    f, f2 = (m(O, r), m(r, I)), ((m(O, r2), m(r2, I)) if mode != "plain" else (None, None))
+    for base, odt in ((m(O, I, dt=torch.float32), None), (None, None), (m(I, O).t(), torch.float32)):
+        del calls[:]
+        got = lora.merge_fwd(f[0], f[1], f2[0], f2[1], base, 0.8, mode, odt)
+        want = REF.lora_merge_fwd(f[0], f[1], f2[0], f2[1], base, 0.8, mode, odt)
+        assert calls == ["merge_stream_kernel"], calls
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert harness.rel_err(got, want) <= harness.REL_TOL[dtype], (mode, base is None, odt)
+
+
 #: non-default tiles of the four tuned ops, inside the spaces of plans/lora.py (``tl_plan_*``,
 #: ``TL_SKINNY``, ``TL_TOKEN``): at the sizes below every tile is partial somewhere
 TILE_CFGS = {

@@ -474,6 +474,69 @@ def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, b
     return gemm if cpu else without_warp_specialization(gemm)
 
 
+def merge_stream_kernel(O: int, I: int, r1: int, r2, mode: str, dt: str, bdt, odt: str,
+                        BM: int = 64, BN: int = 128, per: int = 4, stages: int = 2, threads: int = 128,
+                        cpu: bool = False):
+    """The merge ``Y (O, I) = γ·P (+ base)`` (P as ``gemm_kernel``'s modes; A (O, r), B (r, I)
+    row-major) with the rank in one K step, streamed: program = (BN-column stripe, group of
+    ``per`` BM-row tiles). The stripe's B tiles (Rp x BN) load once; the row tiles run through
+    a pipelined loop, so the next A and base tiles load during this tile's product and store
+    (``gemm_kernel`` waits for its base tile after the product: a merge at rank <= 64 is all
+    base traffic). The last group past the last row tile redoes that tile (same values)."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    two = mode != "plain"
+    R1p = pad_rank(r1)
+    R2p = pad_rank(r2) if two else 16
+    n_m = cdiv(O, BM)
+    has_base = bdt is not None
+    bsh = (O, I) if has_base else (1,)
+    bdt = bdt or _ACC
+    a2shape = (O, r2) if two else (1,)
+    b2shape = (r2, I) if two else (1,)
+    scaled = _scaled_tile(T, par, BM, BN, odt)
+
+    @T.prim_func
+    def merge_stream(A: T.Tensor((O, r1), dt), B: T.Tensor((r1, I), dt), A2: T.Tensor(a2shape, dt),
+                     B2: T.Tensor(b2shape, dt), Base: T.Tensor(bsh, bdt), Y: T.Tensor((O, I), odt),
+                     gamma: T.float32):
+        with T.Kernel(T.ceildiv(I, BN), T.ceildiv(n_m, per), threads=nthreads(threads)) as (bn, bg):
+            Bs = shared((R1p, BN), dt)
+            As = shared((BM, R1p), dt)
+            acc = frag((BM, BN), _ACC)
+            ys = shared((BM, BN), odt)
+            if two:
+                B2s = shared((R2p, BN), dt)
+                A2s = shared((BM, R2p), dt)
+            if mode == "hada":
+                acc2 = frag((BM, BN), _ACC)
+            if has_base:
+                bs = shared((BM, BN), bdt)
+            n0 = bn * BN
+            T.copy(B[0, n0], Bs)
+            if two:
+                T.copy(B2[0, n0], B2s)
+            for j in T.Pipelined(per, num_stages=stages):
+                m0 = T.min(bg * per + j, n_m - 1) * BM
+                T.copy(A[m0, 0], As)
+                if two:
+                    T.copy(A2[m0, 0], A2s)
+                if has_base:
+                    T.copy(Base[m0, n0], bs)
+                T.gemm(As, Bs, acc, clear_accum=True)
+                if mode == "hada":
+                    T.gemm(A2s, B2s, acc2, clear_accum=True)
+                    for i, k in par(BM, BN):
+                        acc[i, k] = acc[i, k] * acc2[i, k]
+                if mode == "sum":
+                    T.gemm(A2s, B2s, acc)
+                scaled(acc, gamma, ys, bs if has_base else None)
+                T.copy(ys, Y[m0, n0])
+
+    return merge_stream if cpu else without_warp_specialization(merge_stream)
+
+
 # --------------------------------------------------------------------------- launchers
 
 def _per(tiles: int, other: int, device: torch.device) -> int:
@@ -511,6 +574,12 @@ BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
 #: plain 0.042 -> 0.030 ms, hada 0.053 -> 0.049, sum 0.044 -> 0.035)
 GEMM_STAGED = True
 MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
+#: ``merge_fwd``'s form: ``stream`` runs ``merge_stream_kernel`` (row tiles streamed through a
+#: pipelined loop, the base tiles loading during the previous tile's product) where its tile
+#: fits shared memory, else ``gemm_kernel`` (``MERGE_FWD``)
+MERGE_FWD_FORM = dict(stream=False)
+#: ``merge_stream_kernel``'s fixed config (the row tiles a program take: ``_per``)
+MERGE_STREAM = dict(BM=64, BN=128, stages=2, threads=128)
 #: ``merge_bwd``'s form: ``pair`` True, one launch of ``merge_bwd_pair_kernel`` (both products,
 #: each program's whole reduction inside: no partials; ``ws``: TileLang's warp specialization,
 #: which doubles its shared memory here: 144 KiB at 64 x 64 tiles, 3 stages, one program an SM);
@@ -629,6 +698,33 @@ def gemm(a, b, a2, b2, base, gamma, mode, out_dtype, compute, a_km=False, b_nk=F
     return y
 
 
+def stream_smem(BM: int, BN: int, stages: int, r1: int, r2, esize: int, bsize: int, osize: int) -> int:
+    """Shared-memory bytes of ``merge_stream_kernel``: the stripe's B tiles, per stage the A
+    tiles and the base tile (``bsize`` 0: no base), the output tile."""
+    rp = pad_rank(r1) + (pad_rank(r2) if r2 else 0)
+    return rp * BN * esize + stages * (BM * rp * esize + BM * BN * bsize) + BM * BN * osize
+
+
+def _stream_merge(a1, b1, a2, b2, base, gamma, mode, odt, c, cfg):
+    """``merge_stream_kernel``'s launch where its tile fits shared memory (else None): ``per``
+    row tiles a program so that the stripes x groups fill the GPU about twice."""
+    p = launch_config(MERGE_STREAM, cfg)
+    (O, r1), I = a1.shape, b1.shape[1]
+    r2 = None if a2 is None else a2.shape[1]
+    dev = a1.device
+    bsize = 0 if base is None else base.element_size()
+    if stream_smem(p["BM"], p["BN"], p["stages"], r1, r2, a1.element_size(), bsize, odt.itemsize) > smem_limit(dev):
+        return None
+    per = _per(cdiv(O, p["BM"]), cdiv(I, p["BN"]), dev)
+    y = torch.empty((O, I), device=dev, dtype=odt)
+    k = kernel(merge_stream_kernel, arch_of(dev), O, I, r1, r2, mode, _tl(c),
+               None if base is None else _tl(base.dtype), _tl(odt), p["BM"], p["BN"], per, p["stages"], p["threads"])
+    dm = dummy(dev, c)
+    k(a1, b1, dm if a2 is None else a2, dm if b2 is None else b2,
+      dummy(dev, torch.float32) if base is None else base, y, float(gamma))
+    return y
+
+
 def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
     if mode == "plain":
         a2 = b2 = None
@@ -636,6 +732,13 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
     else:
         c = compute_dtype(a1, b1, a2, b2)
     odt = out_dtype or a1.dtype
+    if MERGE_FWD_FORM["stream"] and a1.shape[0] and b1.shape[1]:
+        f = [None if t is None else prep(t, c) for t in (a1, b1, a2, b2)]
+        y = _stream_merge(*f, None if base is None else aligned(base.contiguous()), gamma, mode, odt, c,
+                          None if cfg and "BK" in cfg else cfg)  # a GEMM tile is not a stream tile
+        if y is not None:
+            return y
+        cfg = None  # no stream tile fits: the GEMM's fixed tile
     return gemm(prep(a1, c), prep(b1, c), None if a2 is None else prep(a2, c), None if b2 is None else prep(b2, c),
                 None if base is None else aligned(base.contiguous()), gamma, mode, odt, c, **launch_config(MERGE_FWD, cfg))
 
@@ -679,6 +782,7 @@ def compile_specs(dtype: torch.dtype):
         (skinny_kernel, (45, 29, 5, 5, True, False, True, False, d, "float32")),
         (merge_bwd_pair_kernel, (45, 29, 5, d, d, d)),
         (merge_bwd_pair_kernel, (45, 29, 5, d, d, d, 64, 64, 3, 128, False)),  # MERGE_BWD_FORM
+        (merge_stream_kernel, (45, 29, 5, 7, "sum", d, "float32", d)),  # MERGE_FWD_FORM
         (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d)),
         (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d, 128, 128, 64, 2, 256, True)),  # staged
         (gemm_kernel, (None, 45, 5, None, "plain", False, True, d, None, d, 128, 128, 64, 2, 256, True)),
