@@ -411,6 +411,9 @@ def _space_corners():
                 for th in tl_threads(sp["threads"], r):
                     for pick in (max, min):
                         out.append((op, {row: r, "stages": st, "threads": th, **{k: pick(sp[k]) for k in others}}))
+    ms = P.TL_MERGE_STREAM
+    for bn in ms["BN"]:
+        out.append(("lora_merge_fwd", dict(BM=max(ms["BM"]), BN=bn, stages=max(ms["stages"]), threads=max(ms["threads"]))))
     tok, sk = P.TL_TOKEN, P.TL_SKINNY
     for pick in (max, min):
         out.append(("lora_bypass_bwd", dict(BT=pick(tok["BT"]), BI=pick(tok["BI"]), BK=pick(tok["BK"]),

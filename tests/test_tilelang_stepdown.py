@@ -273,7 +273,8 @@ def test_lora_shortlists_for_an_h200():
         for op, args, default, rows in (
                 ("lora_bypass_fwd", (x, up, down, 1.0, None), tl_lora.BYPASS_FWD, "BT"),
                 ("lora_bypass_bwd", (g, x, up, down, 1.0), tl_lora.BYPASS_BWD, "BT"),
-                ("lora_merge_fwd", (up, down, None, None, w, 1.0, "plain", None), tl_lora.MERGE_FWD, "BM"),
+                ("lora_merge_fwd", (up, down, None, None, w, 1.0, "plain", None),
+                 tl_lora.MERGE_STREAM if tl_lora.MERGE_FWD_FORM["stream"] else tl_lora.MERGE_FWD, "BM"),
                 ("lora_merge_bwd", (w, up, down, 1.0), tl_lora.merge_bwd_fixed(), "BM")):
             plan = plans_lora.TILELANG[op][0](dev, *args)
             cands = list(plan.candidates)
@@ -285,6 +286,10 @@ def test_lora_shortlists_for_an_h200():
             assert len({tuple(sorted(c.items())) for c in cands[:-1]}) == len(cands) - 1, (op, cands)
             assert 3 <= len(cands) <= plans_lora.TL_N + 2, (op, cands)
             assert all(p > 0 for p in plan.predicted[:-1])
+            if op == "lora_merge_fwd" and tl_lora.MERGE_FWD_FORM["stream"]:
+                # the stream configs, then the GEMM form's fixed tile timed against them
+                assert cands[-2] == tl_lora.MERGE_FWD and "BK" not in cands[0], cands
+                cands = cands[:-2] + cands[-1:]
             for c in cands[:-1]:
                 assert set(c) == set(default), (op, c)
                 assert c["threads"] in (0, 128) or (c["threads"] == 256 and c[rows] >= 128), (op, c)

@@ -29,8 +29,8 @@ import torch
 
 from . import tune
 from ._glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from .cost import (Work, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist,
-                   smem_fits, tl_shortlist, tl_stages, tl_threads)
+from .cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict,
+                   rank, shortlist, smem_fits, tl_shortlist, tl_stages, tl_threads)
 from .device import DeviceFacts, facts
 
 BACKEND = "triton"
@@ -305,6 +305,9 @@ TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(
 #: within the device's pipeline depths)
 TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(2, 3, 4), threads=TL_THREADS)
 TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2, 3, 4), threads=TL_THREADS)
+#: ``merge_stream_kernel`` (``MERGE_FWD_FORM["stream"]``): row tile, column stripe, stages, threads;
+#: H200 (RESULTS.md 2026-12-02 16:40): 256-wide stripes, 128-row tiles and 3 stages ran slower
+TL_MERGE_STREAM = dict(BM=(64,), BN=(64, 128), stages=(2,), threads=(128,))
 
 
 def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
@@ -372,13 +375,31 @@ def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
 def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
                       base_dtype, *, n: int = TL_N):
     """``tilelang/lora.py: gemm_kernel``'s shortlist for the merge: (BM, BN output tile, BK
-    rank step up to the padded rank, stages, threads)."""
+    rank step up to the padded rank, stages, threads). With ``MERGE_FWD_FORM["stream"]``:
+    ``merge_stream_kernel``'s fixed config, the stream configs whose shared memory fits
+    (``stream_smem``; scored as a GEMM tile of the whole rank), then the GEMM form's fixed
+    config (a config with ``BK`` runs ``gemm_kernel``), timed against them."""
     work, eager, rmax = _merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
     kcap = max(16, p2(rmax))
     e, eo = esize(compute), esize(out_dtype)
     eb = esize(base_dtype)
     chains = 1 if mode == "plain" else 2
-    staged = _tl_module().GEMM_STAGED
+    L = _tl_module()
+    staged = L.GEMM_STAGED
+    if L.MERGE_FWD_FORM["stream"]:
+        def stream_work(c):
+            if not smem_fits(dev, L.stream_smem(c["BM"], c["BN"], c["stages"], R1, R2 if chains == 2 else None, e,
+                                                eb if base_dtype is not None else 0, eo)):
+                return None
+            return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=kcap, num_warps=c["threads"] // 32,
+                             num_stages=c["stages"]))
+
+        sp = TL_MERGE_STREAM
+        cfgs = [dict(BM=bm, BN=bn, stages=st, threads=th) for bm in sp["BM"] for bn in sp["BN"] for st in sp["stages"]
+                for th in sp["threads"]]
+        plan = tl_shortlist("lora_merge_fwd", cfgs, stream_work, dev, dict(L.MERGE_STREAM), eager, ("BM", "BN"), n)
+        add_before_eager(plan, dict(L.MERGE_FWD))
+        return plan
 
     def tl_work(c):
         bm, bn, bk = c["BM"], c["BN"], min(c["BK"], kcap)

@@ -577,8 +577,11 @@ MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
 #: ``merge_fwd``'s form: ``stream`` runs ``merge_stream_kernel`` (row tiles streamed through a
 #: pipelined loop, the base tiles loading during the previous tile's product) where its tile
 #: fits shared memory, else ``gemm_kernel`` (``MERGE_FWD``)
-MERGE_FWD_FORM = dict(stream=False)
-#: ``merge_stream_kernel``'s fixed config (the row tiles a program take: ``_per``)
+MERGE_FWD_FORM = dict(stream=True)
+#: ``merge_stream_kernel``'s fixed config (the row tiles a program takes: ``_per``). H200, bf16,
+#: ``bench/tilelang_lora_variants.py --op merge`` (RESULTS.md 2026-12-02 16:40), against the
+#: GEMM form's staged 128 x 128 tile: plain 0.020 / 0.021 ms (3072²) and 0.030 / 0.030 (4096²),
+#: hada 0.021 / 0.029 and 0.033 / 0.050, sum 0.020 / 0.023 and 0.033 / 0.035
 MERGE_STREAM = dict(BM=64, BN=128, stages=2, threads=128)
 #: ``merge_bwd``'s form: ``pair`` True, one launch of ``merge_bwd_pair_kernel`` (both products,
 #: each program's whole reduction inside: no partials; ``ws``: TileLang's warp specialization,
@@ -732,10 +735,10 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
     else:
         c = compute_dtype(a1, b1, a2, b2)
     odt = out_dtype or a1.dtype
-    if MERGE_FWD_FORM["stream"] and a1.shape[0] and b1.shape[1]:
+    # a tuned config with BK is a GEMM tile (the planner times the GEMM form against the stream)
+    if MERGE_FWD_FORM["stream"] and not (cfg and "BK" in cfg) and a1.shape[0] and b1.shape[1]:
         f = [None if t is None else prep(t, c) for t in (a1, b1, a2, b2)]
-        y = _stream_merge(*f, None if base is None else aligned(base.contiguous()), gamma, mode, odt, c,
-                          None if cfg and "BK" in cfg else cfg)  # a GEMM tile is not a stream tile
+        y = _stream_merge(*f, None if base is None else aligned(base.contiguous()), gamma, mode, odt, c, cfg)
         if y is not None:
             return y
         cfg = None  # no stream tile fits: the GEMM's fixed tile
