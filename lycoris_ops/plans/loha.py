@@ -235,7 +235,7 @@ VENDOR_MIN_MACS = 1 << 32
 TL_GEMM = dict(BM=(64, 128), BN=(64, 128, 256), BK=(32, 64), stages=(2, 3), threads=(128, 256))
 TL_GRADS = dict(BO=(32, 64, 128), BI=(32, 64, 128))
 #: ``hada_grad_pair_kernel`` (``GRADS_FORM["pair"]``): band width (= K step) and pipeline depth;
-#: the configs whose shared memory fits (``grads_pair_smem``). H200 (RESULTS.md 2026-12-02 16:00):
+#: the configs whose shared memory fits (``grads_pair_smem``). H200 (RESULTS.md 2026-12-02 15:29):
 #: 1 stage slower, 3 the same as 2; fewer candidates, fewer cold compiles
 TL_GRADS_PAIR = dict(BM=(32, 64), stages=(2,))
 TL_N = 3

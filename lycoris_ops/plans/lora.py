@@ -306,7 +306,7 @@ TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(
 TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(2, 3, 4), threads=TL_THREADS)
 TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2, 3, 4), threads=TL_THREADS)
 #: ``merge_stream_kernel`` (``MERGE_FWD_FORM["stream"]``): row tile, column stripe, stages, threads;
-#: H200 (RESULTS.md 2026-12-02 16:40): 256-wide stripes, 128-row tiles and 3 stages ran slower
+#: H200 (RESULTS.md 2026-12-02 15:41): 256-wide stripes, 128-row tiles and 3 stages ran slower
 TL_MERGE_STREAM = dict(BM=(64,), BN=(64, 128), stages=(2,), threads=(128,))
 
 

@@ -65,7 +65,7 @@ GRADS = dict(BO=64, BI=64)
 #: pair tile fits shared memory (``grads_pair_smem``), else the two split jobs (``GRADS``)
 GRADS_FORM = dict(pair=True)
 #: the pair kernel's fixed config: BM-wide bands and K steps, pipeline depth. H200, bf16
-#: (``bench/tilelang_lora_variants.py --op hada_bwd``, RESULTS.md 2026-12-02 16:05): 32-wide
+#: (``bench/tilelang_lora_variants.py --op hada_bwd``, RESULTS.md 2026-12-02 15:29): 32-wide
 #: bands 0.073 ms against the split jobs' 0.091 at 3072² r32 (64-wide: 0.097: 96 programs on
 #: 132 SMs), 0.125 against 0.127 at 4096² r64; a third stage changes nothing
 GRADS_PAIR = dict(BM=32, stages=2)

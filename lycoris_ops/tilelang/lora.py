@@ -579,7 +579,7 @@ MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
 #: fits shared memory, else ``gemm_kernel`` (``MERGE_FWD``)
 MERGE_FWD_FORM = dict(stream=True)
 #: ``merge_stream_kernel``'s fixed config (the row tiles a program takes: ``_per``). H200, bf16,
-#: ``bench/tilelang_lora_variants.py --op merge`` (RESULTS.md 2026-12-02 16:40), against the
+#: ``bench/tilelang_lora_variants.py --op merge`` (RESULTS.md 2026-12-02 15:41), against the
 #: GEMM form's staged 128 x 128 tile: plain 0.020 / 0.021 ms (3072²) and 0.030 / 0.030 (4096²),
 #: hada 0.021 / 0.029 and 0.033 / 0.050, sum 0.020 / 0.023 and 0.033 / 0.035
 MERGE_STREAM = dict(BM=64, BN=128, stages=2, threads=128)
