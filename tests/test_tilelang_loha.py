@@ -135,6 +135,32 @@ def test_twin_merge_bwd_pair_steps_down(monkeypatch):
         assert names == want and len(calls) == len(want), calls
 
 
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+def test_pair_form_by_size(monkeypatch):
+    """``GRADS_FORM["pair_max_elems"]``: gradients above it take the split jobs (the H200 tie at
+    4096², where the pair kernel's compile alone is ~10 s), at or below it the pair; the
+    planner shortlists the form the launcher takes."""
+    from lycoris_ops.plans import device, loha as plans_loha
+
+    assert loha.pair_form(3072, 3072) and not loha.pair_form(4096, 4096)  # the defaults: as timed
+    g = torch.Generator().manual_seed(10)
+    O, I, r = 40, 30, 6
+    f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g),
+         torch.randn(O, r, generator=g), torch.randn(r, I, generator=g))
+    G = torch.randn(O, I, generator=g)
+    calls = []
+    real = loha.kernel
+    monkeypatch.setattr(loha, "kernel", lambda b, *a: calls.append(b.__name__) or real(b, *a))
+    dev = device.synthetic()
+    for limit, want in ((O * I, ["hada_grad_pair_kernel"]), (O * I - 1, ["hada_grad_a_kernel", "hada_grad_b_kernel"])):
+        monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=True, pair_max_elems=limit))
+        del calls[:]
+        compare("loha_merge_bwd", (G, *f, 0.6), torch.float32)
+        assert calls == want, (limit, calls)
+        cands = list(plans_loha.TILELANG["loha_merge_bwd"][0](dev, G, *f, 0.6).candidates)
+        assert cands[0] == loha.grads_fixed(O, I) == (loha.GRADS_PAIR if limit == O * I else loha.GRADS), cands
+
+
 #: non-default configs inside plans/loha.py's TileLang spaces (TL_GEMM, TL_GRADS / TL_GRADS_PAIR)
 GEMM_CFG = dict(BM=64, BN=256, BK=32, stages=3, threads=128)
 GRADS_CFG = dict(BO=128, BI=32)

@@ -297,7 +297,7 @@ def _tl_bypass_bwd(dev, grad, x, a1, b1, a2, b2, gamma, n: int = TL_N):
 def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
     """The gradient kernels' tile: per job G read once per program row, the two P tiles
     regenerated (2 dots over the padded rank) and the E·B product (1 dot). The pair form
-    (``GRADS_FORM["pair"]``): both jobs in one launch, a program per band, no split."""
+    (``pair_form``: the gradient's size): both jobs in one launch, a program per band, no split."""
     O, R = a1.shape
     I = b1.shape[1]
     compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
@@ -306,7 +306,7 @@ def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
     L = _tl_loha()
     eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * (eg + 12), 0),
                              (O * I * 4 * 2 + I * R * e * 2, 4.0 * O * I * R), (O * I * 4 * 2 + O * R * e * 2, 4.0 * O * I * R)])
-    if L.GRADS_FORM["pair"]:
+    if L.pair_form(O, I):
         def pair_work(c):
             bm, st = c["BM"], c["stages"]
             if not smem_fits(dev, L.grads_pair_smem(bm, st, R, e)):
@@ -317,7 +317,7 @@ def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
                         mma_tile=bm * bm * rp)
 
         cfgs = [dict(BM=bm, stages=st) for bm in TL_GRADS_PAIR["BM"] for st in TL_GRADS_PAIR["stages"]]
-        return tl_shortlist("loha_merge_bwd", cfgs, pair_work, dev, dict(L.grads_fixed()), eager, ("BM",), n)
+        return tl_shortlist("loha_merge_bwd", cfgs, pair_work, dev, dict(L.GRADS_PAIR), eager, ("BM",), n)
 
     def work(c):
         bo, bi = c["BO"], c["BI"]

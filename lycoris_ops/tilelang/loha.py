@@ -50,7 +50,8 @@ from .lora import _scaled_acc, _scopes, compute_dtype, dummy, fresh, gemm, pad_r
 from ..reference import gemm_epilogue, mm32
 
 __all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel", "hada_grad_pair_kernel",
-           "bypass_fwd", "bypass_bwd", "merge_bwd", "compile_specs", "REGEN_BUDGET", "grads_fixed", "grads_pair_smem"]
+           "bypass_fwd", "bypass_bwd", "merge_bwd", "compile_specs", "REGEN_BUDGET", "grads_fixed",
+           "grads_pair_smem", "pair_form"]
 
 _ACC = "float32"
 #: regenerate ΔW inside the apply kernel while (token tiles - 1)·Rp stays below this
@@ -61,9 +62,13 @@ _BT = 64
 #: path (x·ΔWᵀ, G·ΔW); for ``loha_merge_bwd``, the gradient kernels' BO x BI tile
 APPLY_GEMM = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
 GRADS = dict(BO=64, BI=64)
-#: ``loha_merge_bwd``'s form: ``pair`` runs ``hada_grad_pair_kernel`` (one launch) where a
-#: pair tile fits shared memory (``grads_pair_smem``), else the two split jobs (``GRADS``)
-GRADS_FORM = dict(pair=True)
+#: ``loha_merge_bwd``'s form: ``pair`` runs ``hada_grad_pair_kernel`` (one launch) for
+#: gradients of at most ``pair_max_elems`` elements (``pair_form``) where a pair tile fits
+#: shared memory (``grads_pair_smem``), else the two split jobs (``GRADS``). H200 (RESULTS.md
+#: 2026-12-02 15:29 / 15:57): the pair wins at 3072² (0.073 ms against 0.091) and ties at 4096²
+#: (0.125 / 0.127), where its one kernel, twice a split job's code, also takes ~10 s to compile
+#: against ~5 s for each split job (built side by side): 11.9 s cold first call over the 10 s
+GRADS_FORM = dict(pair=True, pair_max_elems=3072 * 3072)
 #: the pair kernel's fixed config: BM-wide bands and K steps, pipeline depth. H200, bf16
 #: (``bench/tilelang_lora_variants.py --op hada_bwd``, RESULTS.md 2026-12-02 15:29): 32-wide
 #: bands 0.073 ms against the split jobs' 0.091 at 3072² r32 (64-wide: 0.097: 96 programs on
@@ -382,9 +387,14 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg=None):
     return gemm(xc, _delta(f, c), None, None, bs, gamma, "plain", odt, c, b_nk=True, dyn_m=True, **_tiles(cf))
 
 
-def grads_fixed() -> dict:
-    """``merge_bwd``'s fixed config for the form in use (the tuner's untimed pick)."""
-    return GRADS_PAIR if GRADS_FORM["pair"] else GRADS
+def pair_form(O: int, I: int) -> bool:
+    """Whether ``loha_merge_bwd`` on an (O, I) gradient takes the pair kernel (``GRADS_FORM``)."""
+    return GRADS_FORM["pair"] and O * I <= GRADS_FORM.get("pair_max_elems", O * I)
+
+
+def grads_fixed(O: int, I: int) -> dict:
+    """``merge_bwd``'s fixed config for the form an (O, I) gradient takes (the tuner's untimed pick)."""
+    return GRADS_PAIR if pair_form(O, I) else GRADS
 
 
 def grads_pair_smem(BM: int, stages: int, r: int, esize: int) -> int:
@@ -397,13 +407,13 @@ def grads_pair_smem(BM: int, stages: int, r: int, esize: int) -> int:
 
 def _grads(gw, f, gamma, dtypes, c, cfg=None):
     """loha_merge_bwd on prepared operands: gw (O, I), f = (a1, b1, a2, b2); ``cfg`` a tuned
-    config of the form in use (None: ``grads_fixed()``)."""
+    config of the form this gradient takes (None: ``grads_fixed(O, I)``)."""
     O, I = gw.shape
     r = f[0].shape[1]
     dev = gw.device
     arch = arch_of(dev)
     dt = tl_dtype(c)
-    if GRADS_FORM["pair"]:
+    if pair_form(O, I):
         p = launch_config(GRADS_PAIR, cfg)
         limit = smem_limit(dev)
         for st in range(p["stages"], 0, -1):
