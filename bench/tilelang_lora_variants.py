@@ -22,7 +22,11 @@ variant's result. The variants set ``lora.BYPASS_FWD_FORM``:
   in flight in the x·downᵀ loop (``lora.BYPASS_FWD["stages"]``: 4 in the fixed config since
   2026-12-02 13:30, the other rows run that; 2 before): TileLang
   overlaps that loop's buffers with the O loop's, so the program's shared memory (88 KiB,
-  two programs an SM) does not grow; forward only.
+  two programs an SM) does not grow; forward only;
+* ``staged pipe g``: the pipelined O loop also where the O tiles are split into groups
+  (``pipe_groups``: a static group size; at the small shape 3 groups of 8 O tiles, whose loop
+  is serial in the other rows); ``staged pipe 1g``: never split (``one_group``: one program a
+  token tile, the O loop pipelined); forward only.
 
 ``--op bypass_bwd``: the same five forms of the backward's token kernel (``lora.BYPASS_BWD_FORM``:
 the gx = γ·q·down loop), timing the whole backward op (``lora.bypass_bwd``: the token kernel
@@ -87,6 +91,8 @@ VARIANTS = {
     "staged pipe k2": dict(staged=True, pipe_o=True, ws=False, stages=2),
     "staged pipe k3": dict(staged=True, pipe_o=True, ws=False, stages=3),
     "staged pipe k4": dict(staged=True, pipe_o=True, ws=False, stages=4),
+    "staged pipe g": dict(staged=True, pipe_o=True, ws=False, pipe_groups=True),
+    "staged pipe 1g": dict(staged=True, pipe_o=True, ws=False, one_group=True),
 }
 _GEMM = dict(MERGE_FWD_FORM=dict(stream=False))
 _STREAM = dict(MERGE_FWD_FORM=dict(stream=True))
@@ -247,7 +253,7 @@ def main(argv=None) -> int:
         bwd = args.op == "bypass_bwd"
         for v in (args.variants or ",".join(VARIANTS)).split(","):
             form = VARIANTS[v]
-            if bwd and "stages" in form:
+            if bwd and {"stages", "pipe_groups", "one_group"} & set(form):
                 continue  # forward-only rows
             if bwd:  # the same forms; the backward's pipelined loop walks I
                 setting = dict(BYPASS_BWD_FORM=dict(staged=form["staged"], pipe_i=form["pipe_o"], ws=form["ws"]))

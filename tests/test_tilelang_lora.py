@@ -143,13 +143,21 @@ def test_twin_merge_bwd_pair(dtype, ws, monkeypatch):
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 @pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
-@pytest.mark.parametrize("staged,per", [(False, 3), (True, 3), (True, 5)], ids=["plain", "staged", "staged-pipe"])
-def test_twin_bypass_fwd_forms(staged, per, with_base, monkeypatch):
+@pytest.mark.parametrize("staged,per,extra,pipe", [(False, 3, {}, (False, 0)), (True, 3, {}, (False, 0)),
+                                                  (True, 5, {}, (True, 0)),
+                                                  (True, 3, dict(pipe_groups=True), (True, 3)),
+                                                  (True, 3, dict(one_group=True), (True, 0))],
+                         ids=["plain", "staged", "staged-pipe", "staged-pipe-groups", "one-group"])
+def test_twin_bypass_fwd_forms(staged, per, extra, pipe, with_base, monkeypatch):
     """The forward forms (``BYPASS_FWD_FORM``: base and output through shared memory, the O
-    loop pipelined where one group holds all 5 O tiles) at partial T and O tiles; with 2 groups
-    of 3, the second group's last step redoes the last tile (the clamp)."""
-    monkeypatch.setattr(lora, "BYPASS_FWD_FORM", dict(staged=staged, pipe_o=True, ws=True))
+    loop pipelined where one group holds all 5 O tiles, or in groups of a static size with
+    ``pipe_groups``; ``one_group``: never split) at partial T and O tiles; with 2 groups of 3,
+    the second group's last step redoes the last tile (the clamp)."""
+    monkeypatch.setattr(lora, "BYPASS_FWD_FORM", dict(staged=staged, pipe_o=True, ws=True, **extra))
     monkeypatch.setattr(lora, "_per", lambda tiles, other, device: per)
+    built = []
+    real = lora.kernel
+    monkeypatch.setattr(lora, "kernel", lambda b, *a: built.append(a) or real(b, *a))
     g = torch.Generator().manual_seed(5)
     T, I, O, r = 70, 19, 37, 5
     x = torch.randn(I, T, generator=g).t()
@@ -158,6 +166,7 @@ def test_twin_bypass_fwd_forms(staged, per, with_base, monkeypatch):
     got = lora.bypass_fwd(x, up, down, -0.9, base, cfg=dict(BT=16, BO=8, BK=16))
     want = REF.lora_bypass_fwd(x, up, down, -0.9, base)
     assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
+    assert built and (built[-1][-3], built[-1][-1]) == pipe, built[-1]  # (pipelined O loop, static group)
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")

@@ -147,7 +147,8 @@ def _scaled_acc(T, par, rows: int, cols: int, R, C):
 
 def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                       BT: int = 64, BO: int = 128, BK: int = 64, stages: int = 2, threads: int = 128,
-                      staged: bool = False, pipe_o: bool = False, ws: bool = True, cpu: bool = False):
+                      staged: bool = False, pipe_o: bool = False, ws: bool = True, pipe_per: int = 0,
+                      cpu: bool = False):
     """``Y[T, O] = γ·round(x·downᵀ)·upᵀ (+ base)``; bdt None: no base.
 
     Program = (group of ``per`` O tiles, T tile): h = round(x·downᵀ) of the T tile once, then
@@ -155,8 +156,9 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
     whole and the output tile leaves through shared memory in whole rows; a group past the
     last O tile redoes the last one (same values: no guard). ``pipe_o`` (with ``staged``, one
     group of every O tile): the O loop is pipelined, the next up / base tiles loading during
-    this tile's product. ``ws`` False: compiled without warp specialization (128 threads,
-    several programs an SM instead of one)."""
+    this tile's product; with ``pipe_per`` > 0, groups of that many O tiles (a static extent;
+    the last group's tiles past the last O tile redo it). ``ws`` False: compiled without warp
+    specialization (128 threads, several programs an SM instead of one)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -168,6 +170,9 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
     n_o = -(-O // BO)
     scaled = _scaled_tile(T, par, BT, BO, odt)
     scale = _scaled_acc(T, par, BT, BO, Tn, O)
+    grouped = pipe_per > 0  # (Python values here: inside the prim_func `or` / `and` build TIR)
+    all_o = pipe_o and not grouped
+    npipe = pipe_per if grouped else n_o
 
     @T.prim_func
     def lora_bypass_fwd(X: T.Tensor((Tn, I), dt), Up: T.Tensor((O, r), dt), Down: T.Tensor((r, I), dt),
@@ -191,10 +196,10 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                 T.gemm(xs, ds, h, transpose_B=True)
             T.copy(h, hs)  # the deliberate rounding of h to the compute dtype
             if staged:
-                # pipe_o: one group of every O tile (per == n_o, a static extent: the pipeline's
-                # waits need one)
-                for j in (T.Pipelined(n_o, num_stages=2) if pipe_o else T.serial(per)):
-                    o0 = (j if pipe_o else T.min(bo * per + j, n_o - 1)) * BO
+                # pipe_o: one group of every O tile (per == n_o) or groups of pipe_per: a static
+                # extent (the pipeline's waits need one)
+                for j in (T.Pipelined(npipe, num_stages=2) if pipe_o else T.serial(per)):
+                    o0 = (j if all_o else T.min(bo * (pipe_per if grouped else per) + j, n_o - 1)) * BO
                     T.copy(Up[o0, 0], us)
                     if has_base:
                         T.copy(Base[t0, o0], bs)
@@ -562,6 +567,10 @@ BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=4, threads=128)
 #: ``bench/tilelang_lora_variants.py`` (H200, bf16, RESULTS.md 2026-12-02 07:20): 0.289 ms
 #: against 0.524 for the warp-specialized serial form at the large shape, 0.066 / 0.137 small
 BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False)
+#: (untimed, off) ``pipe_groups``: the pipelined O loop also where the O tiles are split into
+#: several groups (the small bench shape: 3 groups of 8, whose loop runs serially without it);
+#: ``one_group``: never split them (one program a token tile)
+BYPASS_FWD_FORM.update(pipe_groups=False, one_group=False)
 #: ``bypass_bwd_tok_kernel``'s form (``staged``, ``pipe_i``, ``ws``: as ``BYPASS_FWD_FORM``,
 #: for the gx loop), as timed by ``bench/tilelang_lora_variants.py --op bypass_bwd`` (H200, bf16,
 #: RESULTS.md 2026-12-02 09:10): 0.514 ms against 0.715 warp-specialized at the large shape,
@@ -619,11 +628,13 @@ def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
     y = torch.empty((T_, O), device=x.device, dtype=odt)
     BT, BO = p["BT"], p["BO"]
     n_o = cdiv(O, BO)
-    per = _per(n_o, cdiv(T_, BT), x.device)
     form = BYPASS_FWD_FORM
+    per = n_o if form.get("one_group") else _per(n_o, cdiv(T_, BT), x.device)
+    pipe = form["staged"] and form["pipe_o"]
+    grouped = pipe and per != n_o and form.get("pipe_groups", False)  # a static group size: one build each
     k = kernel(bypass_fwd_kernel, arch_of(x.device), I, O, r, _tl(c),
                None if base is None else _tl(base.dtype), _tl(odt), BT, BO, p["BK"], p["stages"], p["threads"],
-               form["staged"], form["staged"] and form["pipe_o"] and per == n_o, form["ws"])
+               form["staged"], pipe and (per == n_o or grouped), form["ws"], per if grouped else 0)
     b = dummy(x.device, torch.float32) if base is None else aligned(base.contiguous())
     k(prep(x, c), prep(up, c), prep(down, c), b, y, float(gamma), per)
     return y
@@ -776,6 +787,7 @@ def compile_specs(dtype: torch.dtype):
     return [
         (bypass_fwd_kernel, (45, 29, 5, d, d, d)),
         (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 128, 64, 2, 128, True, False, False)),  # BYPASS_FWD_FORM
+        (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 16, 64, 2, 128, True, True, False, 2)),  # pipe_groups
         (bypass_fwd_kernel, (45, 29, 5, d, None, d, 64, 128, 64, 2, 128, True, True, False)),
         (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 128, 64, 2, 128, True, True, True)),
         (bypass_bwd_tok_kernel, (45, 29, 5, d, d)),
