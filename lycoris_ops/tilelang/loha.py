@@ -76,6 +76,20 @@ GRADS_FORM = dict(pair=True, pair_max_elems=3072 * 3072)
 GRADS_PAIR = dict(BM=32, stages=2)
 
 
+def _e_tiles(T, par, rows: int, cols: int, dt: str):
+    """The gradient kernels' T.macro ``e_tiles(gs, p1, p2, e1s, e2s, gamma)``: ``E1 = round(γ·G⊙P2)``,
+    ``E2 = round(γ·G⊙P1)`` over a (rows, cols) tile into shared memory (§1.3: rounded before
+    their contractions)."""
+
+    @T.macro
+    def e_tiles(gs, p1, p2, e1s, e2s, gamma):
+        for i, j in par(rows, cols):
+            e1s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p2[i, j], dt)
+            e2s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p1[i, j], dt)
+
+    return e_tiles
+
+
 def hada_apply_kernel(trans: bool, N: int, K: int, r: int, dt: str, bdt, odt: str,
                       BT: int = 64, BN: int = 64, BK: int = 64, stages: int = 2, threads: int = 128,
                       cpu: bool = False):
@@ -145,6 +159,7 @@ def hada_grad_a_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
+    e_tiles = _e_tiles(T, par, BO, BI, dt)
     Rp = pad_rank(r)
     threads = threads or (256 if Rp >= 128 else 128)  # two (BO, Rp) fp32 accumulators + P tiles
     Op = cdiv(O, BO) * BO
@@ -181,9 +196,7 @@ def hada_grad_a_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
                 T.copy(B2[0, i0], b2s)
                 T.gemm(a1s, b1s, p1, clear_accum=True)
                 T.gemm(a2s, b2s, p2, clear_accum=True)
-                for i, j in par(BO, BI):  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
-                    e1s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p2[i, j], dt)
-                    e2s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p1[i, j], dt)
+                e_tiles(gs, p1, p2, e1s, e2s, gamma)  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
                 T.gemm(e1s, b1s, g1, transpose_B=True)
                 T.gemm(e2s, b2s, g2, transpose_B=True)
             if direct:
@@ -204,6 +217,7 @@ def hada_grad_b_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
+    e_tiles = _e_tiles(T, par, BO, BI, dt)
     Rp = pad_rank(r)
     threads = threads or (256 if Rp >= 128 else 128)
     Ip = cdiv(I, BI) * BI
@@ -240,9 +254,7 @@ def hada_grad_b_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
                 T.copy(A2[o0, 0], a2s)
                 T.gemm(a1s, b1s, p1, clear_accum=True)
                 T.gemm(a2s, b2s, p2, clear_accum=True)
-                for i, j in par(BO, BI):  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
-                    e1s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p2[i, j], dt)
-                    e2s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p1[i, j], dt)
+                e_tiles(gs, p1, p2, e1s, e2s, gamma)  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
                 T.gemm(a1s, e1s, g1, transpose_A=True)
                 T.gemm(a2s, e2s, g2, transpose_A=True)
             if direct:
@@ -266,6 +278,7 @@ def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, o
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
+    e_tiles = _e_tiles(T, par, BM, BM, dt)
     Rp = pad_rank(r)
     threads = threads or (256 if Rp >= 128 else 128)
     ma, mb = cdiv(O, BM), cdiv(I, BM)
@@ -307,9 +320,7 @@ def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, o
                     T.copy(B2[0, k * BM], b2k)
                     T.gemm(a1f, b1k, p1, clear_accum=True)
                     T.gemm(a2f, b2k, p2, clear_accum=True)
-                    for i, j in par(BM, BM):  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
-                        e1s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p2[i, j], dt)
-                        e2s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p1[i, j], dt)
+                    e_tiles(gs, p1, p2, e1s, e2s, gamma)  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
                     T.gemm(e1s, b1k, ga1, transpose_B=True)
                     T.gemm(e2s, b2k, ga2, transpose_B=True)
                 T.copy(ga1, GA1[o0, 0])
@@ -326,9 +337,7 @@ def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, o
                     T.copy(A2[k * BM, 0], a2k)
                     T.gemm(a1k, b1f, p1, clear_accum=True)
                     T.gemm(a2k, b2f, p2, clear_accum=True)
-                    for i, j in par(BM, BM):
-                        e1s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p2[i, j], dt)
-                        e2s[i, j] = T.cast(T.cast(gs[i, j], _ACC) * gamma * p1[i, j], dt)
+                    e_tiles(gs, p1, p2, e1s, e2s, gamma)  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
                     T.gemm(a1k, e1s, gb1, transpose_A=True)
                     T.gemm(a2k, e2s, gb2, transpose_A=True)
                 T.copy(gb1, GB1[0, i0])
