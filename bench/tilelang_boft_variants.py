@@ -17,7 +17,8 @@ the first variant's:
   ``compose3 bt32`` / ``t256``: the same at tiles of 32 positions / 256 threads (the forward's
   ``APPLY``, also the backward's replay); ``composeL bwd``: the backward's units composed
   too (``COMPOSE_BWD = L``); ``... split``: its stream as two launches, gx by the composed
-  forward kernel and the partials alone (``COMPOSE_BWD_SPLIT``);
+  forward kernel and the partials alone (``COMPOSE_BWD_SPLIT``); ``... pad``: the backward's
+  96-wide units (small shape) composed too, their Σ gᵀ·u GEMM padded to 128 (``COMPOSE_BWD_PAD``);
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
   positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
@@ -54,6 +55,9 @@ VARIANTS = {
     "compose3 bwd": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3),
     "compose3 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True),
     "compose2 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=2, COMPOSE_BWD_SPLIT=True),
+    "compose3 bwd split pad": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
+                                   COMPOSE_BWD_PAD=True),
+    "compose3 bwd pad": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=False, COMPOSE_BWD_PAD=True),
     "runs s3": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3)),
     "runs s4": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=4)),
     "runs s3 w1": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),

@@ -47,7 +47,8 @@ from . import oft as _oft
 from .oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
-           "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "RUNS", "COMPOSE_FWD", "COMPOSE_BWD"]
+           "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "RUNS", "COMPOSE_FWD", "COMPOSE_BWD",
+           "COMPOSE_BWD_PAD"]
 
 _F32 = "float32"
 #: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
@@ -73,6 +74,10 @@ COMPOSE_BWD = 3
 #: one-launch stream holds gx's tile beside its W x W accumulator and runs 32). Timed with
 #: ``COMPOSE_BWD`` = 3 in the same table: 4.315 ms against 4.537
 COMPOSE_BWD_SPLIT = True
+#: (untimed, off) the backward composes units whose width W is a multiple of 32 but not of 64
+#: too (96 at the small bench shape's GC = 48, where it runs one launch a stage), its Σ gᵀ·u
+#: GEMM zero-padded to the next multiple of 64 (``_unit_gp``), as a single stage pads 48 to 64
+COMPOSE_BWD_PAD = False
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
@@ -398,11 +403,19 @@ def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
     """Whether stages i … i + L − 1 can run as one composed unit: they exist, the unit's width
     W = 2^(L-1)·GC is a multiple of 32 (a warp partition of T.gemm; 96 at the small bench
     shape's GC = 48, which a single stage pads to 64), of 64 for the backward (its Σ gᵀ·u
-    GEMM has W rows: sm_90's WGMMA takes them 64 at a time), and at most ``_COMPOSE_WIDTH``,
+    GEMM has W rows: sm_90's WGMMA takes them 64 at a time) unless ``COMPOSE_BWD_PAD`` pads
+    that GEMM, and its GEMM width (``_unit_gp``) at most ``_COMPOSE_WIDTH``,
     and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the box do not overlap)."""
     W = runs[0] << (L - 1)
-    return (i + L <= m and W % (64 if bwd else 32) == 0 and W <= _COMPOSE_WIDTH
+    step = 64 if bwd and not COMPOSE_BWD_PAD else 32
+    return (i + L <= m and W % step == 0 and _unit_gp(W, bwd) <= _COMPOSE_WIDTH
             and ((s // 2) << i) >= runs[0] // 2)
+
+
+def _unit_gp(W: int, bwd: bool) -> int:
+    """The GEMM width of a composed unit W wide: W, or for the backward (``COMPOSE_BWD_PAD``)
+    W rounded up to a multiple of 64 (its Σ gᵀ·u has W rows; WGMMA takes 64 at a time)."""
+    return -(-W // 64) * 64 if bwd else W
 
 
 def _compose_units(m, s, runs, most, bwd=False):
@@ -420,7 +433,7 @@ def _compose_bt(W, bt, esize, arch, device, bwd=False, gx=True):
     """The largest tile of ``bt`` halved (at least 16) whose composed unit of width W fits
     shared memory (``bwd``: the stream kernel's, ``gx``: with its gx); the CPU twins' buffers
     are local."""
-    while bt > 16 and arch != CPU_ARCH and runs_smem(W, W, bt, esize, direct_stages(arch), bwd,
+    while bt > 16 and arch != CPU_ARCH and runs_smem(W, _unit_gp(W, bwd), bt, esize, direct_stages(arch), bwd,
                                                      gx=gx) > smem_limit(device):
         bt //= 2
     return bt
@@ -573,21 +586,24 @@ def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
     the one-launch stream takes 32 at W = 128)."""
     GC = runs[0]
     W, R, x0 = GC << (L - 1), 1 << L, g[0]
+    GP = _unit_gp(W, True)  # the stream's GEMM width: W, or W zero-padded (COMPOSE_BWD_PAD)
     es = _composed_stages(fh, fl, i, L, s, GC, gps)
-    jt = _split16(_product(es).transpose(1, 2).contiguous(), x0.dtype)
+    j = _product(es).transpose(1, 2)
     split = COMPOSE_BWD_SPLIT
     if split:
-        _launch_composed(g, x0, jt, dst, i, L, s, runs, gps, APPLY, arch, False)
-        jt, dst = (x0.new_empty((1, W, W)),) * 2, (g[0], None)  # placeholders the partials-only kernel never reads
+        _launch_composed(g, x0, _split16(j.contiguous(), x0.dtype), dst, i, L, s, runs, gps, APPLY, arch, False)
+        jt, dst = (x0.new_empty((1, GP, GP)),) * 2, (g[0], None)  # placeholders the partials-only kernel never reads
+    else:
+        jt = _split16(torch.nn.functional.pad(j, (0, GP - W, 0, GP - W)).contiguous(), x0.dtype)
     bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device, bwd=True, gx=not split)
     nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
-    pg = torch.empty((nsplit, gps >> (L - 1), W, W), device=x0.device, dtype=torch.float32)
-    threads = max(p["threads"], _COMPOSE_BWD_THREADS) if W % 128 == 0 else p["threads"]  # 8 warps: no 96-row partition
-    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, W, bt, threads, direct_stages(arch),
+    pg = torch.empty((nsplit, gps >> (L - 1), GP, GP), device=x0.device, dtype=torch.float32)
+    threads = max(p["threads"], _COMPOSE_BWD_THREADS) if GP % 128 == 0 else p["threads"]  # 8 warps: no 96-row partition
+    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, GP, bt, threads, direct_stages(arch),
                 g[1] is not None, u[1] is not None, dst[1] is not None, R, not split)
     v = [_box_view(t, s, i, R) for t in (*_halves(g), *_halves(u), *_halves(dst))]
     ks(*v[:4], *jt, *v[4:], pg, 0, tps)
-    _composed_partials(es, pg.sum(0).double(), part, i, s, GC, gps)
+    _composed_partials(es, pg.sum(0)[:, :W, :W].double(), part, i, s, GC, gps)
 
 
 def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff):
@@ -719,4 +735,6 @@ def compile_specs(dtype: torch.dtype):
         (stage_runs_kernel, (d, 96, 96, 64, _THREADS, 1, False, True, False, 4)),  # 2 stages at GC = 48
         (stream_runs_kernel, (d, 128, 128, 32, 256, 1, True, True, True, 8)),  # COMPOSE_BWD: 3 stages
         (stream_runs_kernel, (d, 128, 128, 64, 256, 1, True, True, False, 8, False)),  # COMPOSE_BWD_SPLIT
+        (stream_runs_kernel, (d, 96, 128, 64, 256, 1, True, True, False, 4, False)),  # COMPOSE_BWD_PAD, split
+        (stream_runs_kernel, (d, 96, 128, 32, 256, 1, True, True, True, 4)),  # COMPOSE_BWD_PAD, one launch
     ])
