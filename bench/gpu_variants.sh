@@ -3,11 +3,11 @@
 # its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
 #
 #   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
-#                                              BOFT's composed backward, split in two launches:
-#                                              boft, and its GPU twin tests, boft_tests; IA3's
-#                                              channels-first backward split: ia3_cf; the
-#                                              LoRA bypass forward's x-loop depth: lora_fwd;
-#                                              ``profile``: device time per kernel,
+#                                              BOFT's composed backward at 96-wide units
+#                                              (COMPOSE_BWD_PAD): boft, and its GPU twin tests,
+#                                              boft_tests; the LoRA bypass forward's grouped
+#                                              pipelined O loop (pipe_groups, one_group):
+#                                              lora_fwd; ``profile``: device time per kernel,
 #                                              bench/kernel_profile.py)
 #
 # Each script times forms of one kernel family on the bench shapes (see its docstring); the
@@ -45,7 +45,7 @@ declare -A RUNS=(
   [loha_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"
   [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose"
 )
-names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests ia3_cf lora_fwd)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests lora_fwd)
 for n in "${names[@]}"; do
   [ -n "${RUNS[$n]:-}" ] || { echo "unknown run $n (of: ${!RUNS[*]})"; continue; }
   eval "timeout ${LYCORIS_VARIANT_SECONDS:-150} $py ${RUNS[$n]} ${LYCORIS_VARIANT_ARGS:-}" >"$final/$n.log" 2>&1
