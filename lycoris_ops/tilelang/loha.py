@@ -26,6 +26,10 @@ and ``reference/loha.py`` (same rounding points):
     is split over ``nsplit`` programs when the outputs alone do not fill the
     GPU (fp32 partials, one torch sum).
 
+``hada_grad_pair_kernel`` - ``loha_merge_bwd`` in one launch (``GRADS_FORM``, up to
+    3072² gradients): the programs of both kernels above side by side, a BM-wide
+    band each with its whole reduction (no split, no partials, direct stores).
+
 ``loha_bypass_bwd``: ``gx`` as above (``hada_apply_kernel`` with
 ``trans=True`` or the materialized GEMM); ``GW = round(Gᵀ·x)`` (O, I) by
 ``lora.gemm_kernel`` (A read transposed, dynamic K = T), then the two

@@ -24,7 +24,9 @@ the C target - the CPU twin of the tests):
     deliberate rounding of §1.3 rule 8), then walks its O tiles:
     ``Y = γ·h·upᵀ (+ base)`` with one rounding at the store. ``per`` is a
     runtime argument (the grid is sized on the host from T), so no T enters
-    the cache key.
+    the cache key. ``BYPASS_FWD_FORM``: the O loop pipelined where one group
+    holds every O tile (``pipe_o``), or in groups of a static size
+    (``pipe_groups``, off: untimed).
 
 ``bypass_bwd_tok_kernel`` - the token pass of ``lora_bypass_bwd``. Program =
     (token tile, range of I tiles): ``h = x·downᵀ`` and ``q = G·up`` (both
@@ -43,9 +45,15 @@ the C target - the CPU twin of the tests):
     (``MERGE_BWD_FORM``): a program per BM-row band of g_up or of g_downᵀ, whole
     reductions, direct stores.
 
+``merge_stream_kernel`` - ``lora_merge_fwd`` (``MERGE_FWD_FORM``), the whole
+    rank in one K step: a program per column stripe and group of row tiles,
+    the stripe's B tiles loaded once, the row tiles through a pipelined loop
+    (the next A and base tiles load during this tile's product and store).
+
 ``gemm_kernel`` - ``Y = γ·(A·B | (A·B)⊙(A2·B2) | A·B + A2·B2) (+ base)``:
-    ``lora_merge_fwd`` (rank loop tiled, no rank limit) and, with a dynamic M
-    or K, the dense GEMMs of the LoHa/LoKr paths.
+    ``lora_merge_fwd`` where no stream tile fits or the tuner times it faster
+    (rank loop tiled, no rank limit) and, with a dynamic M or K, the dense
+    GEMMs of the LoHa/LoKr paths.
 
 Numerics: fp32 accumulation, epilogues in fp32, one rounding per store. fp32
 operands would run as TF32 on tensor cores (sm_80+), so fp32 calls are
