@@ -235,6 +235,29 @@ def test_twin_merge_stream(mode, dtype, monkeypatch):
         assert harness.rel_err(got, want) <= harness.REL_TOL[dtype], (mode, base is None, odt)
 
 
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+def test_twin_merge_stream_steps_to_the_gemm(monkeypatch):
+    """The streamed merge where its tile does not fit shared memory (``stream_smem``), or with a
+    tuned GEMM tile (a config with ``BK``: the planner's timed GEMM form), runs ``gemm_kernel``."""
+    monkeypatch.setattr(lora, "MERGE_FWD_FORM", dict(stream=True))
+    calls = []
+    real = lora.kernel
+    monkeypatch.setattr(lora, "kernel", lambda b, *a: calls.append(b.__name__) or real(b, *a))
+    g = torch.Generator().manual_seed(11)
+    O, I, r = 70, 45, 6
+    f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g))
+    base = torch.randn(O, I, generator=g)
+    need = lora.stream_smem(64, 128, 2, r, None, 4, 4, 4)
+    want = REF.lora_merge_fwd(f[0], f[1], None, None, base, 0.8, "plain", None)
+    for limit, cfg, kern in ((need, None, "merge_stream_kernel"), (need - 1, None, "gemm_kernel"),
+                             (need, dict(BM=16, BN=16, BK=16), "gemm_kernel")):
+        monkeypatch.setattr(lora, "smem_limit", lambda dev, lim=limit: lim)
+        del calls[:]
+        got = lora.merge_fwd(f[0], f[1], None, None, base, 0.8, "plain", cfg=cfg)
+        assert calls == [kern], (limit, cfg, calls)
+        assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
+
+
 #: non-default tiles of the four tuned ops, inside the spaces of plans/lora.py (``tl_plan_*``,
 #: ``TL_SKINNY``, ``TL_TOKEN``): at the sizes below every tile is partial somewhere
 TILE_CFGS = {
