@@ -385,7 +385,10 @@ def test_elementwise_shortlists_for_an_h200():
         cands = list(mod.TILELANG[op][0](dev, *args).candidates)
         twin = timed_twins.get(op)
         assert cands[0] == fixed and tune.is_eager(cands[-1]), (op, cands)
-        assert 3 <= len(cands) <= mod.TL_N + 2 + bool(twin), (op, cands)
+        # the fused LoKr backward: no config of the space builds another kernel than the fixed one
+        # at these factors (its token step is the same at rows 64 and 128): the fixed and eager
+        least = 2 if op == "lokr_bypass_bwd" and tl_lokr.BWD_FUSED else 3
+        assert least <= len(cands) <= mod.TL_N + 2 + bool(twin), (op, cands)
         if twin:
             assert cands[1] == {**fixed, **twin}, (op, cands)
         space = (getattr(mod, "TL_SPACE", None) or spaces.get(op)

@@ -373,20 +373,31 @@ def tl_fits(dev: DeviceFacts, kind: str, tile, threads: int, dims, csize: int) -
     return acc <= TL_ACC_PER_THREAD * threads
 
 
+def tl_built(op: str, dims, cfg: dict) -> tuple:
+    """What the launcher builds for ``cfg``, to tell configs apart: ``tl_kernels``, except the
+    backward bypass with ``BWD_FUSED`` (its one pass, ``kron_wgrads_kernel``, takes its token
+    step from ``wgrads_geometry``: at 64 x 64 factors rows 64 and 128 build the same kernel)."""
+    L = _tl_lokr()
+    if op == "lokr_bypass_bwd" and L.BWD_FUSED:
+        return (("wgrads", (tuple(dims), *L.wgrads_geometry(*dims, cfg["rows"], cfg["threads"]))),)
+    return tl_kernels(op, dims, cfg)
+
+
 def tl_configs(dev: DeviceFacts, op: str, dims, csize: int) -> list:
     """The legal configs of ``op``'s space on factors dims = (a, b, c, d), csize-byte GEMM
-    operands: the first of each distinct kernel set, none the fixed config's; each kernel fits
-    (``tl_fits``) or is one the fixed config builds too (it runs anyway)."""
+    operands: the first of each distinct build (``tl_built``), none the fixed config's; each
+    kernel fits (``tl_fits``) or is one the fixed config builds too (it runs anyway)."""
     space = _TL_SPACES[op][0]
     fixed = tl_kernels(op, dims, tl_fixed(op))
-    seen = {fixed}
+    seen = {tl_built(op, dims, tl_fixed(op))}
     out = []
     for values in itertools.product(*space.values()):
         cfg = dict(zip(space, values))
         kernels = tl_kernels(op, dims, cfg)
-        if kernels in seen or not all(k in fixed or tl_fits(dev, *k, dims, csize) for k in kernels):
+        built = tl_built(op, dims, cfg)
+        if built in seen or not all(k in fixed or tl_fits(dev, *k, dims, csize) for k in kernels):
             continue
-        seen.add(kernels)
+        seen.add(built)
         out.append(cfg)
     return out
 
