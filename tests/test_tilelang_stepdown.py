@@ -435,3 +435,60 @@ def test_a_kernel_tilelang_cannot_build_runs_eager(monkeypatch, caplog, guarded)
         tl_add.add_scaled(base, delta, 0.5)
     assert len(tries) == 1
     assert not tune.table().rows  # nothing stored
+
+
+def _bench_args(large: bool) -> dict:
+    """Schema arguments of the TileLang-modelled ops at a bench shape (bf16, empty tensors)."""
+    bf = torch.bfloat16
+    T, D, r = (32768, 4096, 64) if large else (8192, 3072, 32)
+    x, w, v = torch.empty(T, D, dtype=bf), torch.empty(D, D, dtype=bf), torch.empty(D, dtype=bf)
+    up, down = torch.empty(D, r, dtype=bf), torch.empty(r, D, dtype=bf)
+    kw1, kw2 = torch.empty(*((64, 64) if large else (48, 48)), dtype=bf), torch.empty(64, 64, dtype=bf)
+    ob = torch.empty(D // 32, 32, 32)
+    bb = torch.empty(5, 256, 16, 16) if large else torch.empty(4, 384, 8, 8)
+    return {"lora_bypass_fwd": (x, up, down, 1.0, x), "lora_bypass_bwd": (x, x, up, down, 1.0),
+            "lora_merge_fwd": (up, down, None, None, w, 1.0, "plain", None), "lora_merge_bwd": (w, up, down, 1.0),
+            "loha_bypass_fwd": (x, up, down, up, down, 1.0, None), "loha_bypass_bwd": (x, x, up, down, up, down, 1.0),
+            "loha_merge_bwd": (w, up, down, up, down, 1.0), "lokr_bypass_fwd": (x, kw1, kw2, 1.0, x),
+            "lokr_bypass_bwd": (x, x, kw1, kw2, 1.0), "lokr_full_merge_fwd": (kw1, kw2, w, 1.0),
+            "lokr_full_merge_bwd": (w, kw1, kw2, 1.0), "ia3_fwd": (x, v, -1, 1.0, 1.0),
+            "ia3_bwd": (x, x, v, -1, 1.0, 1.0), "dora_fwd": (w, v, 1.0, 0, None), "add_scaled": (w, w, 1.0),
+            "oft_fwd": (ob, x, None, 1.0, False, False), "oft_bwd": (x, ob, x, None, 1.0, False, False),
+            "boft_fwd": (bb, x, -1, 1.0, 1.0, None, False), "boft_bwd": (x, bb, x, -1, 1.0, 1.0)}
+
+
+@pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
+def test_h200_shortlists_time_distinct_programs(large, monkeypatch):
+    """Every candidate of an H200 shortlist at a bench shape builds TileLang programs no other
+    candidate builds (their TIR, captured from the launcher the tuner calls): a config the
+    launcher maps onto another's program would be timed twice for nothing (the fused LoKr
+    backward's rows 64 / 128 did, 32c3170)."""
+    pytest.importorskip("tilelang")
+    import hashlib
+    import sys
+
+    from lycoris_ops.plans import device
+    from lycoris_ops.tilelang import _common, ops
+
+    for name, mod in list(sys.modules.items()):
+        if name.startswith("lycoris_ops.tilelang.") and hasattr(mod, "arch_of"):
+            monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
+            if hasattr(mod, "num_sms"):
+                monkeypatch.setattr(mod, "num_sms", lambda d: 132)
+    calls, launcher = _bench_args(large), {}
+    with monkeypatch.context() as m:  # the launcher each op function hands the tuner
+        m.setattr(tl_pick, "run", lambda op, kernel, args: launcher.__setitem__(op, kernel))
+        for op, args in calls.items():
+            getattr(ops, op)(*args)
+    dev = device.synthetic()
+    for op, args in calls.items():
+        programs = []
+        for c in tl_pick.models()[op][0](dev, *args).candidates:
+            if tune.is_eager(c):
+                continue
+            with _common.capturing() as pending:
+                tl_pick._call(launcher[op], args, c)
+            programs.append(frozenset(hashlib.sha1(p.builder(*p.args).script().encode()).hexdigest()
+                                      for p in pending))
+        assert programs and all(programs), (op, programs)
+        assert len(set(programs)) == len(programs), (op, [sorted(p) for p in programs])
