@@ -168,9 +168,12 @@ def test_tilelang_lora_variants_smoke(capsys):
     pytest.importorskip("tilelang")
     module = bench_script("tilelang_lora_variants.py", "lycoris_bench_tl_lora")
     _agreeing_rows(capsys, module, [], ("large ", "small "), 2 * len(module.VARIANTS))
-    bwd_rows = sum("stages" not in form for form in module.VARIANTS.values())  # the x-loop depths: forward only
+    # the x-loop depths and the O-loop groupings: forward only
+    bwd_rows = sum(not {"stages", "pipe_groups", "one_group"} & set(form) for form in module.VARIANTS.values())
     _agreeing_rows(capsys, module, ["--op", "bypass_bwd", "--shapes", "small"], "small ", bwd_rows)
     _agreeing_rows(capsys, module, ["--op", "merge", "--shapes", "small"], "small ", 3 * len(module.MERGE_VARIANTS))
+    _agreeing_rows(capsys, module, ["--op", "hada_bwd", "--shapes", "small"], "small ", len(module.HADA_BWD_VARIANTS),
+                   tol=1e-5)
     # LoKr's fused weight gradients sum the token tiles in another order (fp32: ~1e-6 apart)
     _agreeing_rows(capsys, module, ["--op", "lokr", "--shapes", "small"], "small ", len(module.LOKR_VARIANTS), tol=1e-5)
 
