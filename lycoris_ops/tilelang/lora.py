@@ -574,11 +574,10 @@ BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=4, threads=128)
 #: warp specialization: one program an SM). All three as timed by
 #: ``bench/tilelang_lora_variants.py`` (H200, bf16, RESULTS.md 2026-12-02 07:20): 0.289 ms
 #: against 0.524 for the warp-specialized serial form at the large shape, 0.066 / 0.137 small
-BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False)
-#: (untimed, off) ``pipe_groups``: the pipelined O loop also where the O tiles are split into
-#: several groups (the small bench shape: 3 groups of 8, whose loop runs serially without it);
-#: ``one_group``: never split them (one program a token tile)
-BYPASS_FWD_FORM.update(pipe_groups=False, one_group=False)
+#: Also (untimed, off) ``pipe_groups``: the pipelined O loop where the O tiles are split into
+#: several groups too (the small bench shape: 3 groups of 8, whose loop runs serially without
+#: it); ``one_group``: never split them (one program a token tile)
+BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False, pipe_groups=False, one_group=False)
 #: ``bypass_bwd_tok_kernel``'s form (``staged``, ``pipe_i``, ``ws``: as ``BYPASS_FWD_FORM``,
 #: for the gx loop), as timed by ``bench/tilelang_lora_variants.py --op bypass_bwd`` (H200, bf16,
 #: RESULTS.md 2026-12-02 09:10): 0.514 ms against 0.715 warp-specialized at the large shape,
@@ -754,15 +753,15 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
     else:
         c = compute_dtype(a1, b1, a2, b2)
     odt = out_dtype or a1.dtype
+    f = [None if t is None else prep(t, c) for t in (a1, b1, a2, b2)]
+    bs = None if base is None else aligned(base.contiguous())
     # a tuned config with BK is a GEMM tile (the planner times the GEMM form against the stream)
     if MERGE_FWD_FORM["stream"] and not (cfg and "BK" in cfg) and a1.shape[0] and b1.shape[1]:
-        f = [None if t is None else prep(t, c) for t in (a1, b1, a2, b2)]
-        y = _stream_merge(*f, None if base is None else aligned(base.contiguous()), gamma, mode, odt, c, cfg)
+        y = _stream_merge(*f, bs, gamma, mode, odt, c, cfg)
         if y is not None:
             return y
         cfg = None  # no stream tile fits: the GEMM's fixed tile
-    return gemm(prep(a1, c), prep(b1, c), None if a2 is None else prep(a2, c), None if b2 is None else prep(b2, c),
-                None if base is None else aligned(base.contiguous()), gamma, mode, odt, c, **launch_config(MERGE_FWD, cfg))
+    return gemm(*f, bs, gamma, mode, odt, c, **launch_config(MERGE_FWD, cfg))
 
 
 def merge_bwd(grad, up, down, gamma, cfg=None):
