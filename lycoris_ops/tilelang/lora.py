@@ -25,8 +25,8 @@ the C target - the CPU twin of the tests):
     ``Y = γ·h·upᵀ (+ base)`` with one rounding at the store. ``per`` is a
     runtime argument (the grid is sized on the host from T), so no T enters
     the cache key. ``BYPASS_FWD_FORM``: the O loop pipelined where one group
-    holds every O tile (``pipe_o``), or in groups of a static size
-    (``pipe_groups``, off: untimed).
+    holds every O tile (``pipe_o``), or in groups of a static size where the O
+    tiles are split (``pipe_groups``).
 
 ``bypass_bwd_tok_kernel`` - the token pass of ``lora_bypass_bwd``. Program =
     (token tile, range of I tiles): ``h = x·downᵀ`` and ``q = G·up`` (both
@@ -574,10 +574,11 @@ BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=4, threads=128)
 #: warp specialization: one program an SM). All three as timed by
 #: ``bench/tilelang_lora_variants.py`` (H200, bf16, RESULTS.md 2026-12-02 07:20): 0.289 ms
 #: against 0.524 for the warp-specialized serial form at the large shape, 0.066 / 0.137 small
-#: Also (untimed, off) ``pipe_groups``: the pipelined O loop where the O tiles are split into
-#: several groups too (the small bench shape: 3 groups of 8, whose loop runs serially without
-#: it); ``one_group``: never split them (one program a token tile)
-BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False, pipe_groups=False, one_group=False)
+#: ``pipe_groups``: the pipelined O loop also where the O tiles are split into groups (of a
+#: static size, one build per group size; the small bench shape: 3 groups of 8, whose loop ran
+#: serially without it): H200, bf16, RESULTS.md 2026-12-03 08:40, small 0.059 -> 0.049 ms, large
+#: unchanged at 0.275 (one group); ``one_group`` (off): never split them, 0.084 ms small
+BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False, pipe_groups=True, one_group=False)
 #: ``bypass_bwd_tok_kernel``'s form (``staged``, ``pipe_i``, ``ws``: as ``BYPASS_FWD_FORM``,
 #: for the gx loop), as timed by ``bench/tilelang_lora_variants.py --op bypass_bwd`` (H200, bf16,
 #: RESULTS.md 2026-12-02 09:10): 0.514 ms against 0.715 warp-specialized at the large shape,
