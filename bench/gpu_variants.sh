@@ -2,13 +2,11 @@
 # The TileLang kernel-form A/Bs in one device call: build, then each variants script in turn,
 # its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
 #
-#   bash bench/gpu_variants.sh [name ...]     (default: the runs whose flags are still undecided:
-#                                              BOFT's composed backward at 96-wide units
-#                                              (COMPOSE_BWD_PAD): boft, and its GPU twin tests,
-#                                              boft_tests; the LoRA bypass forward's grouped
-#                                              pipelined O loop (pipe_groups, one_group):
-#                                              lora_fwd; ``profile``: device time per kernel,
-#                                              bench/kernel_profile.py)
+#   bash bench/gpu_variants.sh [name ...]     (default: ``profile``, device time per kernel,
+#                                              bench/kernel_profile.py: no kernel-form flag is
+#                                              undecided since RESULTS.md 2026-12-03 08:40,
+#                                              which timed boft's COMPOSE_BWD_PAD and lora_fwd's
+#                                              pipe_groups / one_group)
 #
 # Each script times forms of one kernel family on the bench shapes (see its docstring); the
 # forms a run decides are module flags (``tilelang/*.py``) that stay off until a table here
@@ -45,7 +43,7 @@ declare -A RUNS=(
   [loha_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"
   [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose"
 )
-names=("$@"); [ ${#names[@]} -eq 0 ] && names=(boft boft_tests lora_fwd)
+names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)
 for n in "${names[@]}"; do
   [ -n "${RUNS[$n]:-}" ] || { echo "unknown run $n (of: ${!RUNS[*]})"; continue; }
   eval "timeout ${LYCORIS_VARIANT_SECONDS:-150} $py ${RUNS[$n]} ${LYCORIS_VARIANT_ARGS:-}" >"$final/$n.log" 2>&1

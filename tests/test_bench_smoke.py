@@ -199,3 +199,21 @@ def test_kernel_profile_smoke(capsys):
     want = sum(1 + (s.bwd is not None) for s in module.specs.SPECS)
     assert len(heads) == want, out
     assert all(" in " in h and (" ops," in h) for h in heads), heads
+
+
+def test_tilelang_build_profile_smoke(tmp_path):
+    """``bench/tilelang_build_profile.py add 0``: one real sm_90a build (nvcc), its seconds split
+    into nvcc, TileLang's passes and macro parsing; the parts stay within the total."""
+    import shutil
+    pytest.importorskip("tilelang")
+    if not shutil.which("nvcc"):
+        pytest.skip("needs nvcc on PATH")
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "tilelang_build_profile.py"), "add", "0"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    total = float(re.search(r"for sm_90a: ([\d.]+) s", out.stdout).group(1))
+    nvcc = float(re.search(r"subprocess nvcc\s+([\d.]+) s", out.stdout).group(1))
+    passes = float(re.search(r"passes \(top level\)\s+([\d.]+) s", out.stdout).group(1))
+    assert 0 < nvcc < total and 0 < passes < total and nvcc + passes <= total, out.stdout
+    assert "tl.LowerTileOp" in out.stdout, out.stdout

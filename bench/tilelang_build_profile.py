@@ -1,0 +1,86 @@
+"""Where one TileLang kernel build's seconds go, without a GPU (nvcc on PATH):
+
+    python bench/tilelang_build_profile.py lokr 14 [--arch sm_90a]
+
+builds entry N of ``lycoris_ops.tilelang.<family>.compile_specs(bf16)`` once, in a fresh
+TileLang cache (``TILELANG_CACHE_DIR`` a new temporary folder unless set), and prints the
+total, the subprocesses (nvcc, the host compiler of the disk-cache export), the top-level
+TVM passes and the seconds in TileLang's Python macro parser (``eager.ast.mutate``), each
+timed by wrapping ``subprocess.Popen``, ``tvm.ir.transform.Pass.__call__`` and
+``tilelang.language.eager.builder.mutate``. For #6's cold first calls: a cold call lasts
+about as long as its slowest kernel's build plus the timing.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import os
+import subprocess
+import tempfile
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("family", help="a lycoris_ops.tilelang module: lora, loha, lokr, ...")
+    ap.add_argument("index", type=int, help="the entry of its compile_specs(bf16)")
+    ap.add_argument("--arch", default="sm_90a")
+    args = ap.parse_args()
+    os.environ.setdefault("TILELANG_CACHE_DIR", tempfile.mkdtemp(prefix="tl-build-profile-"))
+    import torch
+    from lycoris_ops.tilelang import _common
+    _common.tl()  # TileLang's import, outside the timed build
+    from tilelang.language.eager import builder
+    from tvm.ir import transform
+
+    procs, passes, macro = [], collections.Counter(), [0.0]
+
+    class Timed(subprocess.Popen):
+        def __init__(self, *a, **k):
+            self._t0, self._cmd = time.perf_counter(), (a[0] if a else k.get("args"))
+            super().__init__(*a, **k)
+
+        def wait(self, *a, **k):
+            rc = super().wait(*a, **k)
+            procs.append((time.perf_counter() - self._t0, os.path.basename(str(list(self._cmd)[0]))))
+            return rc
+
+    subprocess.Popen = Timed
+    run_pass, depth = transform.Pass.__call__, [0]
+
+    def timed_pass(self, mod):
+        depth[0] += 1
+        t0 = time.perf_counter()
+        try:
+            return run_pass(self, mod)
+        finally:
+            depth[0] -= 1
+            if depth[0] == 0:  # top-level passes only (a Sequential's members are inside it)
+                passes[self.info.name] += time.perf_counter() - t0
+
+    transform.Pass.__call__ = timed_pass
+    mutate = builder.mutate
+
+    def timed_mutate(func):
+        t0 = time.perf_counter()
+        try:
+            return mutate(func)
+        finally:
+            macro[0] += time.perf_counter() - t0
+
+    builder.mutate = timed_mutate
+    fn, spec = importlib.import_module(f"lycoris_ops.tilelang.{args.family}").compile_specs(torch.bfloat16)[args.index]
+    t0 = time.perf_counter()
+    _common.compile_only(fn, args.arch, *spec)
+    total = time.perf_counter() - t0
+    print(f"{fn.__name__}{spec} for {args.arch}: {total:.1f} s")
+    for s, name in procs:
+        print(f"  subprocess {name:<12} {s:6.2f} s")
+    print(f"  passes (top level)      {sum(passes.values()):6.2f} s; macro parsing {macro[0]:.2f} s")
+    for name, s in passes.most_common(8):
+        print(f"    {name:<28} {s:6.2f} s")
+
+
+if __name__ == "__main__":
+    main()
