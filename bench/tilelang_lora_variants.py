@@ -60,7 +60,8 @@ token tiles in a pipelined loop, the factors loaded once; staged / register epil
 ``fused wgrads`` (also ``lokr.WGRADS_FUSED``: both weight gradients in one pass),
 ``persist split`` (``persistent`` with ``lokr.APPLY_SPLIT_BASE``: the staged epilogue's base
 add in its own loop), ``fused bwd`` (``lokr.BWD_FUSED``: gx and both weight gradients in one
-pass over the tokens);
+pass over the tokens), ``fused bwd sum8`` / ``sum32`` (also ``lokr.PARTIAL_SUM_RUN``: the
+fp32 partials summed over runs of 8 / 32 first, then over the rest);
 floor: the forward's x, base read and y written.
 
 Ratios within one run are what to compare; the machines are shared.
@@ -115,7 +116,11 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
                                       WGRADS_FUSED=True),
                  "persist split": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
                                        APPLY_SPLIT_BASE=True),
-                 "fused bwd": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64), BWD_FUSED=True)}
+                 "fused bwd": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64), BWD_FUSED=True),
+                 "fused bwd sum8": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
+                                        BWD_FUSED=True, PARTIAL_SUM_RUN=8),
+                 "fused bwd sum32": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
+                                         BWD_FUSED=True, PARTIAL_SUM_RUN=32)}
 
 
 def lokr_table(args, dt, dev, timer, bw) -> None:

@@ -472,3 +472,15 @@ def test_factor_128_kernels_fit_shared_memory(monkeypatch, fused):
                                                                128, 128, True, 16))
     (why,) = harness.compile_failures([over])
     assert "256 KiB of shared memory" in why[2], why
+
+
+@pytest.mark.parametrize("run,ns", [(0, 12), (4, 12), (4, 6), (8, 12), (3, 3)])
+def test_sum_partials_runs(run, ns, monkeypatch):
+    """``lokr._sum_partials`` (``PARTIAL_SUM_RUN``: runs of k partials summed first where k
+    divides ns and leaves two runs, else one sum) equals the plain sum of the ns partials."""
+    monkeypatch.setattr(lokr, "PARTIAL_SUM_RUN", run)
+    g = torch.Generator().manual_seed(11)
+    part = torch.randn(ns * 5, 7, generator=g)
+    got = lokr._sum_partials(part, ns, 5, 7)
+    assert got.shape == (5, 7)
+    torch.testing.assert_close(got, part.view(ns, 5, 7).double().sum(0).float(), rtol=1e-6, atol=1e-5)

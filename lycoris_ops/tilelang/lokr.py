@@ -794,6 +794,22 @@ def bypass_fwd(x, w1, w2, gamma, base=None, cfg=None):
     return _apply(prep(x, c).view(T_, b, d), prep(w1, c), prep(w2, c), b3, gamma, odt, cfg)
 
 
+#: the fp32 partials' sum (``_sum_partials``): 0, one ``sum(0)`` over the ns partials; k > 1,
+#: first over runs of k partials (ns/k times the outputs: a torch reduction over the outer
+#: dim of a (ns, 4096) view runs few programs), then over the rest. H200 (RESULTS.md
+#: 2026-12-03 09:51): one sum(0) of 512 partials of 64 x 64, twice, took 33 µs of the
+#: LoKr backward's 410
+PARTIAL_SUM_RUN = 0
+
+
+def _sum_partials(part: torch.Tensor, ns: int, P0: int, P1: int) -> torch.Tensor:
+    """Σ_s part[s] of ``part`` (ns·P0, P1) fp32, as (P0, P1) (``PARTIAL_SUM_RUN``)."""
+    k = PARTIAL_SUM_RUN
+    if k > 1 and ns >= 2 * k and ns % k == 0:
+        return part.view(ns // k, k, P0 * P1).sum(1).sum(0).view(P0, P1)
+    return part.view(ns, P0, P1).sum(0)
+
+
 def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt, cfg=None):
     """Launch a kron_wgrad kernel with a token split; returns the gradient in odt."""
     T_ = g3.shape[0]
@@ -815,7 +831,7 @@ def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt, cfg=None):
     part = torch.empty((ns * P0, P1), device=dev, dtype=torch.float32)
     kernel(builder, arch, a, b, c, d, dt, "float32", False, *launch, static)(g3, x3, w, part, float(gamma), per, ns)
     r0, r1 = out_shape
-    return fresh(part.view(ns, P0, P1).sum(0)[:r0, :r1], odt)
+    return fresh(_sum_partials(part, ns, P0, P1)[:r0, :r1], odt)
 
 
 def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None, gx_dtype=None):
@@ -846,8 +862,8 @@ def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None, gx_dtype=None):
     p1 = torch.empty((ns * Ap, Bp), device=dev, dtype=torch.float32)
     p2 = torch.empty((ns * Cp, Dp), device=dev, dtype=torch.float32)
     kernel(kron_wgrads_kernel, *args, "float32", False, *tail)(g3, x3, w1, w2, p1, p2, gxa, float(gamma))
-    return head + (fresh(p1.view(ns, Ap, Bp).sum(0)[:a, :b], dtypes[0]),
-                   fresh(p2.view(ns, Cp, Dp).sum(0)[:c, :d], dtypes[1]))
+    return head + (fresh(_sum_partials(p1, ns, Ap, Bp)[:a, :b], dtypes[0]),
+                   fresh(_sum_partials(p2, ns, Cp, Dp)[:c, :d], dtypes[1]))
 
 
 def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
