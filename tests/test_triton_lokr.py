@@ -235,11 +235,12 @@ def test_bypass_promotion_and_ops():
 
 
 @pytest.mark.parametrize("two", [False, True], ids=["one", "two"])
-@pytest.mark.parametrize("S", [1, 8, 37])
+@pytest.mark.parametrize("S", [1, 8, 37, 101])
 def test_reduce_deep_stack(S, two):
     """The split-K reduce (shared by the LoKr/LoHa backward kernels) over a partial stack
-    deeper than its tile (S = 37: four full steps of 8 and a masked fifth), odd (M, N),
-    strided partials and a transposed output."""
+    deeper than its tile (S = 37: four full steps of 8 and a masked fifth; S = 101, past
+    ``reduce_depth``'s 64: three steps of 32 and a masked fourth), odd (M, N), strided
+    partials and a transposed output."""
     from lycoris_ops.triton import _fusedkit as FK
 
     g = gen(3)
@@ -287,6 +288,8 @@ def _compile_all(dtype_names):
         jobs = [
             (FK._reduce_kernel, dict(p_ptr="fp32", o1_ptr=dn, o2_ptr=dn),
              dict(TWO=True, IDX64=dn == "bf16", BS=8, BE=64), ("s_pn", "s_1n", "s_2n"), 4),
+            (FK._reduce_kernel, dict(p_ptr="fp32", o1_ptr=dn, o2_ptr=dn),
+             dict(TWO=True, IDX64=dn == "bf16", BS=32, BE=64), ("s_pn", "s_1n", "s_2n"), 4),
             (FK._mm_kernel, dict(x_ptr="fp32", y_ptr=dn, o_ptr=dn),
              dict(X_CD=False, Y_CD=True, CD=t, IDX64=dn == "bf16", BM=32, BN=32, BK=32), ("s_xk", "s_on"), 4),
             (TK._kron_merge_kernel, dict(ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, base_ptr=dn, out_ptr=dn),
@@ -315,7 +318,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 7, out
+    assert out.count("ok ") == 8, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:
