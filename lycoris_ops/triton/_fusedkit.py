@@ -10,9 +10,10 @@
   ``|z|`` exceeds the fp16 range (65504), where the eager fp32 chain would not.
 * ``_reduce_kernel``: ``out = α·Σ_s part[s]`` for one or two fp32 partial
   matrices (split-K reductions), cast to each output's dtype.
-* ``_mm_kernel``: ``out = α·X·Y`` for small chained products where one operand
-  is an fp32 split-K partial stack (summed in-kernel) and the other a factor
-  rounded to the compute dtype; IEEE fp32 dot.
+* ``_chain_kernel`` (``_mm_tile``): both factor gradients of a factorized side,
+  ``P·wbᵀ`` and ``waᵀ·P``, in one launch, where P is an fp32 split-K partial stack
+  (summed in-kernel) and the other operand a factor rounded to the compute dtype;
+  IEEE fp32 dot.
 
 Nothing here allocates or launches on its own; the launchers live with the
 kernels that use them.
@@ -140,17 +141,24 @@ def tile_2d(M, N, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     return offs_m, offs_n, offs_m < M, offs_n < N
 
 
-@triton.jit(do_not_specialize=["SX", "SY"])
-def _mm_kernel(
-    x_ptr, y_ptr, o_ptr, M, N, K, SX, SY, alpha,
+@triton.jit
+def _mm_tile(
+    pid, x_ptr, y_ptr, o_ptr, M, N, K, SX, SY, alpha,
     s_xs, s_xm, s_xk, s_ys, s_yk, s_yn, s_om, s_on,
     X_CD: tl.constexpr, Y_CD: tl.constexpr, CD: tl.constexpr, IDX64: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """o = α·(Σ_s x[s])·(Σ_s y[s]) in fp32 (IEEE dot); an operand flagged ``*_CD``
-    is rounded to the compute dtype first (a factor), otherwise it is an fp32
-    partial stack that is summed unrounded."""
-    offs_m, offs_n, mask_m, mask_n = tile_2d(M, N, IDX64, BM, BN)
+    """Tile ``pid`` (row-major over (cdiv(M, BM), cdiv(N, BN))) of o = α·(Σ_s x[s])·(Σ_s y[s])
+    in fp32 (IEEE dot); an operand flagged ``*_CD`` is rounded to the compute dtype first
+    (a factor), otherwise it is an fp32 partial stack that is summed unrounded."""
+    n_n = tl.cdiv(N, BN)
+    offs_m = (pid // n_n) * BM + tl.arange(0, BM)
+    offs_n = (pid % n_n) * BN + tl.arange(0, BN)
+    if IDX64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
@@ -178,11 +186,38 @@ def _mm_kernel(
              (acc * alpha).to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def mm_launch(x, y, out, M, N, K, SX, SY, alpha, xs, ys, os_, x_cd, y_cd, compute, idx64,
-              block=(32, 32, 32)):
-    """out = α·(Σ x)·(Σ y); ``xs`` = (s_s, s_m, s_k), ``ys`` = (s_s, s_k, s_n), ``os_`` = (s_m, s_n)."""
+@triton.jit(do_not_specialize=["S"])
+def _chain_kernel(
+    p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, S, TILES_A,
+    s_ps, s_pm, s_pn, s_am, s_ar, s_br, s_bn, s_gam, s_gar, s_gbr, s_gbn,
+    CD: tl.constexpr, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Both factor gradients of a factorized Kronecker side w = wa·wb from the fp32 partial
+    stack P (S, M, N) of dL/dw, in one launch: g_wa = (Σ_s P)·wbᵀ (M, R) on the first
+    TILES_A programs, g_wb = waᵀ·(Σ_s P) (R, N) on the rest (one launch, not two: a launch
+    is ~5 us of host time on tiny tensors)."""
+    pid = tl.program_id(0)
+    if pid < TILES_A:
+        _mm_tile(pid, p_ptr, wb_ptr, ga_ptr, M, R, N, S, 1, 1.0,
+                 s_ps, s_pm, s_pn, 0, s_bn, s_br, s_gam, s_gar,
+                 False, True, CD, IDX64, BM, BN, BK)
+    else:
+        _mm_tile(pid - TILES_A, wa_ptr, p_ptr, gb_ptr, R, N, M, 1, S, 1.0,
+                 0, s_ar, s_am, s_ps, s_pm, s_pn, s_gbr, s_gbn,
+                 True, False, CD, IDX64, BM, BN, BK)
+
+
+def chain_launch(part, S, M, N, wa, wb, out_a, out_b, compute, idx64, block=(32, 32, 32)):
+    """out_a = (Σ_s part)·wbᵀ (M, R), out_b = waᵀ·(Σ_s part) (R, N), in the outputs' dtypes;
+    ``part`` (S, M, N) fp32 with any strides; an empty output is skipped."""
     bm, bn, bk = block
-    grid = (cdiv(M, bm) * cdiv(N, bn),)
-    fast(_mm_kernel)[grid](x, y, out, M, N, K, SX, SY, alpha, xs[0], xs[1], xs[2], ys[0], ys[1], ys[2],
-                     os_[0], os_[1], X_CD=x_cd, Y_CD=y_cd, CD=tl_dtype(compute), IDX64=idx64,
-                     BM=bm, BN=bn, BK=bk, num_warps=4)
+    R = wa.shape[1]
+    tiles_a = cdiv(M, bm) * cdiv(R, bn) if out_a.numel() else 0
+    tiles_b = cdiv(R, bm) * cdiv(N, bn) if out_b.numel() else 0
+    if tiles_a + tiles_b == 0:
+        return
+    ps = part.stride()
+    fast(_chain_kernel)[(tiles_a + tiles_b,)](
+        part, wa, wb, out_a, out_b, M, N, R, S, tiles_a, *ps, *wa.stride(), *wb.stride(),
+        *(out_a.stride() if out_a.dim() == 2 else (0, 0)), *(out_b.stride() if out_b.dim() == 2 else (0, 0)),
+        CD=tl_dtype(compute), IDX64=idx64, BM=bm, BN=bn, BK=bk, num_warps=4)

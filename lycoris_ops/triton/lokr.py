@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype
-from ._fusedkit import compute_dtype, dot_wide, mm_launch, reduce_launch, split_count, tile_2d, view_key
+from ._fusedkit import chain_launch, compute_dtype, dot_wide, reduce_launch, split_count, tile_2d, view_key
 
 __all__ = [
     "MergeCfg", "BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass",
@@ -508,17 +508,6 @@ def merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, out_dtype, cfg: Optio
     return out
 
 
-def _chain(part, S, M, N, wa, wb, out_a, out_b, compute, idx64, ps):
-    """g_wa = (Σ_s part)·wbᵀ (M, R), g_wb = waᵀ·(Σ_s part) (R, N); ``ps`` = part strides (s, m, n)."""
-    R = wa.shape[1]
-    if out_a.numel():
-        mm_launch(part, wb, out_a, M, R, N, S, 1, 1.0, ps, (0, wb.stride(1), wb.stride(0)), out_a.stride(),
-                  False, True, compute, idx64)
-    if out_b.numel():
-        mm_launch(wa, part, out_b, R, N, M, 1, S, 1.0, (0, wa.stride(1), wa.stride(0)), ps, out_b.stride(),
-                  True, False, compute, idx64)
-
-
 def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCfg] = None):
     """(g_w1a, g_w1b, g_w2a, g_w2b) of ``γ·kron(w1, w2)``; an absent b factor gives an
     empty (0,) tensor in its a partner's dtype."""
@@ -572,7 +561,7 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
         if wb is None:
             reduce_launch(part, ga, None, M, N, S, 1.0, ps[0], 0, ps[1], ps[2], ga.stride(), None, idx64)
         else:
-            _chain(part, S, M, N, wa, wb, ga, gb, compute, idx64, ps)
+            chain_launch(part, S, M, N, wa, wb, ga, gb, compute, idx64)
     return g1a, g1b, g2a, g2b
 
 
