@@ -219,12 +219,11 @@ def _bwd_cost(a, b, c, d, split):
 
 def reduce_work(n_partials: int, n_out: int, dev: DeviceFacts, out_size: int) -> Work:
     """``triton/_fusedkit.reduce_launch`` summing ``n_partials`` fp32 partials of ``n_out``
-    elements: its grid (``reduce_block`` elements a program) and its in-flight bytes
-    (``reduce_depth`` partial rows of that width a step)."""
-    kit = triton_module("_fusedkit")
-    be = kit.reduce_block(n_out, dev.sm_count)
+    elements: its grid (``reduce_block`` elements a program) and its in-flight bytes (8
+    partial rows of that width a step)."""
+    be = triton_module("_fusedkit").reduce_block(n_out, dev.sm_count)
     return Work(grid=cdiv(n_out, be), warps=4, dram=n_partials * n_out * 4 + n_out * out_size,
-                inflight=kit.reduce_depth(n_partials) * be * 4, name="reduce")
+                inflight=8 * be * 4, name="reduce")
 
 
 def _bwd_live(bt, ba, bb, bc, bd, passes, hi_lo=True):

@@ -798,8 +798,10 @@ def bypass_fwd(x, w1, w2, gamma, base=None, cfg=None):
 #: first over runs of k partials (ns/k times the outputs: a torch reduction over the outer
 #: dim of a (ns, 4096) view runs few programs), then over the rest. H200 (RESULTS.md
 #: 2026-12-03 09:51): one sum(0) of 512 partials of 64 x 64, twice, took 33 µs of the
-#: LoKr backward's 410
-PARTIAL_SUM_RUN = 0
+#: LoKr backward's 410. Runs of 8 (RESULTS.md 2026-12-03 13:35, bench/tilelang_lora_variants.py
+#: --op lokr, fused backward): large 0.422 -> 0.405 ms, small 0.142 -> 0.128; runs of 32
+#: 0.409 / 0.132
+PARTIAL_SUM_RUN = 8
 
 
 def _sum_partials(part: torch.Tensor, ns: int, P0: int, P1: int) -> torch.Tensor:

@@ -108,23 +108,16 @@ def reduce_block(n_out: int, n_sm: int) -> int:
     return max(64, min(512, 1 << max(0, per_sm.bit_length() - 1)))
 
 
-def reduce_depth(n_partials: int) -> int:
-    """Partials a ``_reduce_kernel`` step adds (its BS). The loop's loads are not pipelined,
-    so a program pays one L2 round trip a step: a persistent kernel's stack of hundreds
-    (264 on the H200) is read 32 deep (9 steps, not 33); a short stack 8 deep."""
-    return 8 if n_partials <= 64 else 32
-
-
 def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, idx64):
     """out1 (, out2) = α·Σ_s part[s(, j)] with explicit strides (elements). The tile
     width follows the output size only (one compiled variant per shape, whatever the
-    calling kernel's config), about one program per SM; the depth follows the stack."""
+    calling kernel's config), about one program per SM."""
     be = reduce_block(M * N, num_sms(part.device))
     o2 = out1 if out2 is None else out2
     o2s = o1s if out2 is None else o2s
     fast(_reduce_kernel)[(cdiv(M * N, be),)](
         part, out1, o2, M, N, S, alpha, ps, pj, pm, pn, o1s[0], o1s[1], o2s[0], o2s[1],
-        TWO=out2 is not None, IDX64=idx64, BS=reduce_depth(S), BE=be, num_warps=4)
+        TWO=out2 is not None, IDX64=idx64, BS=8, BE=be, num_warps=4)
 
 
 @triton.jit
