@@ -7,8 +7,10 @@ TileLang cache (``TILELANG_CACHE_DIR`` a new temporary folder unless set), and p
 total, the subprocesses (nvcc, the host compiler of the disk-cache export), the top-level
 TVM passes and the seconds in TileLang's Python macro parser (``eager.ast.mutate``), each
 timed by wrapping ``subprocess.Popen``, ``tvm.ir.transform.Pass.__call__`` and
-``tilelang.language.eager.builder.mutate``. For #6's cold first calls: a cold call lasts
-about as long as its slowest kernel's build plus the timing.
+``tilelang.language.eager.builder.mutate`` (whatever is installed there: with
+``_common``'s macro memo, the memo's hits and misses, also counted;
+``LYCORIS_TILELANG_MACRO_MEMO=0`` times TileLang's own). For #6's cold first calls: a cold
+call lasts about as long as its slowest kernel's build plus the timing.
 """
 from __future__ import annotations
 
@@ -77,7 +79,9 @@ def main() -> None:
     print(f"{fn.__name__}{spec} for {args.arch}: {total:.1f} s")
     for s, name in procs:
         print(f"  subprocess {name:<12} {s:6.2f} s")
-    print(f"  passes (top level)      {sum(passes.values()):6.2f} s; macro parsing {macro[0]:.2f} s")
+    memo = _common.macro_memo_stats()
+    memo = f" (memo: {memo['hits']} hits, {memo['misses']} misses)" if memo["installed"] else " (no memo)"
+    print(f"  passes (top level)      {sum(passes.values()):6.2f} s; macro parsing {macro[0]:.2f} s{memo}")
     for name, s in passes.most_common(8):
         print(f"    {name:<28} {s:6.2f} s")
 

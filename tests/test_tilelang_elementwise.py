@@ -10,6 +10,7 @@
    for TileLang's C target, driven by the same host code (``arch_of(cpu) == "c"``).
 3. The op set imports without compiling and exposes the schema signatures.
 """
+import os
 import subprocess
 import sys
 
@@ -303,3 +304,100 @@ def test_kernel_cache_no_recompile():
     k1 = _common.kernel(add.add_kernel, arch, "float32", "float32", "float32", 4)
     k2 = _common.kernel(add.add_kernel, arch, "float32", "float32", "float32", 4)
     assert k1 is k2
+
+
+# ----------------------------------------------------------------------------- 4. the macro memo (_common)
+
+MEMO_OFF = os.environ.get(_common.MACRO_MEMO_ENV, "1").strip().lower() in ("0", "off", "false", "no")
+
+
+def _memo_builder():
+    _common.tl()  # the lazy import installs it
+    from tilelang.language.eager import builder
+    return builder
+
+
+def _fill_macro(n, value):
+    T = _common.lang()
+
+    @T.macro
+    def fill(B):
+        for i in T.serial(n):
+            B[i] = value
+    return fill
+
+
+def _fill_func(n, value, kernel=None):
+    T = _common.lang()
+    fill, K = _fill_macro(n, value), kernel or T.Kernel
+
+    @T.prim_func
+    def main(B: T.Tensor((8,), "int32")):
+        with K(1) as _:
+            fill(B)
+    return main
+
+
+@pytest.mark.skipif(MEMO_OFF, reason="LYCORIS_TILELANG_MACRO_MEMO=0 in this environment")
+def test_macro_memo_installed_by_the_lazy_import():
+    builder = _memo_builder()
+    assert getattr(builder.mutate, "_lycoris_memo", False) and _common.macro_memo_stats()["installed"]
+    code = ("import lycoris_ops.tilelang._common as c\n"
+            "c.tl()\n"
+            "from tilelang.language.eager import builder, ast\n"
+            "assert not getattr(builder.mutate, '_lycoris_memo', False) and builder.mutate is ast.mutate\n"
+            "assert not c.macro_memo_stats()['installed']\n"
+            "print('ok')\n")
+    env = dict(os.environ, **{_common.MACRO_MEMO_ENV: "0"})
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(MEMO_OFF, reason="LYCORIS_TILELANG_MACRO_MEMO=0 in this environment")
+def test_macro_memo_binds_each_closure(monkeypatch):
+    """A memo hit gets the calling closure's values (not the first one's): the programs equal
+    TileLang's own mutate's, and a with-head that resolves to another object is a miss."""
+    import threading
+    builder = _memo_builder()
+    cases = [(3, 7), (5, 11), (3, 7), (6, 2)]
+    before = _common.macro_memo_stats()
+    got = [_fill_func(n, v).script() for n, v in cases]
+    assert _common.macro_memo_stats()["hits"] > before["hits"]
+    assert "range(5)" in got[1] and "= 11" in got[1] and got[0] == got[2] and got[0] != got[3]
+    threaded = [None] * 8
+    def build(i):
+        threaded[i] = _fill_func(*cases[i % 4]).script()
+    ts = [threading.Thread(target=build, args=(i,)) for i in range(8)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert threaded == got + got
+    misses = _common.macro_memo_stats()["misses"]
+    kernel = _common.lang().Kernel
+    _fill_func(3, 7, lambda *a, **k: kernel(*a, **k))  # `with K(1)` no longer a kernel launch: re-parsed
+    assert _common.macro_memo_stats()["misses"] == misses + 1
+    monkeypatch.setattr(builder, "mutate", builder.mutate.__wrapped__)  # TileLang's own
+    assert [_fill_func(n, v).script() for n, v in cases] == got
+
+
+@pytest.mark.skipif(MEMO_OFF, reason="LYCORIS_TILELANG_MACRO_MEMO=0 in this environment")
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_macro_memo_same_kernel_source(monkeypatch):
+    """A T.gemm kernel (its lowering's ldmatrix/mma macros go through the memo) built twice with
+    the memo and once without (no disk cache: each build lowers): the same CUDA source."""
+    from lycoris_ops.tilelang import lora
+    builder, tilelang = _memo_builder(), _common.tl()
+    fn, args = lora.compile_specs(torch.bfloat16)[0]  # bypass_fwd_kernel: 3 T.gemm
+    was = tilelang.is_cache_enabled()
+    tilelang.disable_cache()
+    try:
+        sources = []
+        for _ in range(2):
+            hits = _common.macro_memo_stats()["hits"]
+            sources.append(_common.compile_only(fn, "sm_90a", *args).get_kernel_source())
+            assert _common.macro_memo_stats()["hits"] - hits >= 8  # its lowerings lowered (11-23 hits; a cache load: 3)
+        monkeypatch.setattr(builder, "mutate", builder.mutate.__wrapped__)
+        sources.append(_common.compile_only(fn, "sm_90a", *args).get_kernel_source())
+    finally:
+        if was:
+            tilelang.enable_cache()
+    assert "mma" in sources[0] and sources[0] == sources[1] == sources[2]
