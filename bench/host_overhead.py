@@ -207,11 +207,30 @@ def ops(dev, calls):
     ref = per_call_us(lambda: torch.add(a, b, alpha=0.5), calls, sync)
     print(f"host us/call on {dev} (torch {torch.__version__}, {calls} calls each, best of 5 rounds, no grad)")
     print(f"  {'torch.add':22s} {ref:8.1f} us")
+    stats = getattr(__import__("lycoris_ops")._C, "_launch_plan_stats", None) if dev.type == "cuda" else None
     with torch.no_grad():
         for op in OP_NAMES:
             if op in first:
                 us = per_call_us(first[op], calls, sync)
-                print(f"  {op:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)  {first[op].id}")
+                extra = ""
+                if dev.type == "cuda":  # what one (replayed) call does: launches, allocations, plan, tier
+                    plan = stats(f"lycoris::{op}") if stats else ("-", "-", "-")
+                    extra = f"  launches {_launches(first[op])}  plan seen/replayed/python {plan}"
+                print(f"  {op:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)  {first[op].id}{extra}")
+
+
+def _launches(call) -> str:
+    """The kernel launches and allocations of one ``call()`` (torch.profiler, CPU side):
+    ``"<n> [name, ...]"``: the driver/runtime launch calls, then the device kernels' names."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+        torch.cuda.synchronize()
+    events = prof.events()
+    n = sum(e.name in ("cuLaunchKernel", "cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+            for e in events)
+    kernels = [e.name[:28] for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return f"{n} {kernels}"
 
 
 def plans():
