@@ -97,6 +97,9 @@ def main():
     ap.add_argument("--specs", action="store_true",
                     help="the benchmark's tiny host specs (inputs requiring grad, as bench.py times them): host "
                          "time, replay plans and why not, the tuner's pick (CUDA)")
+    ap.add_argument("--why", default="",
+                    help="comma-separated ops: torch.profiler's CPU events of 300 calls of each op's first test "
+                         "case (bf16, replayed), by self time: where a call's host time goes (CUDA)")
     ap.add_argument("--fb", action="store_true",
                     help="forward+backward of the bypass ops: direct C++ backward, Python backward, eager formula")
     args = ap.parse_args()
@@ -111,6 +114,8 @@ def main():
         return specs(dev, args.calls)
     if args.fb:
         return forward_backward(dev, args.calls)
+    if args.why:
+        return why(args.why.split(","))
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     g = torch.Generator().manual_seed(0)
 
@@ -231,6 +236,32 @@ def _launches(call) -> str:
             for e in events)
     kernels = [e.name[:28] for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     return f"{n} {kernels}"
+
+
+def why(names):
+    """Per op: the CPU events of 300 replayed calls (its first bf16 test case), by self time."""
+    from torch.profiler import ProfilerActivity, profile
+    from lycoris_ops.testing import cases
+
+    first = {}
+    for case in cases():
+        if case.tensors() and case.op in names and case.op not in first:
+            first[case.op] = case.to(device="cuda", dtype=torch.bfloat16)
+    for op in names:
+        call = first[op]
+        with torch.no_grad():
+            for _ in range(20):
+                call()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(300):
+                    call()
+                torch.cuda.synchronize()
+        print(f"== {op} ({call.id}): CPU events of 300 calls, us per call")
+        rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+        for e in rows:
+            print(f"  {e.key[:40]:40s} calls/op {e.count / 300:5.1f}  self {e.self_cpu_time_total / 300:7.2f}  "
+                  f"total {e.cpu_time_total / 300:7.2f}")
 
 
 def plans():
