@@ -19,8 +19,12 @@
 #include <torch/library.h>
 
 #ifdef LYCORIS_CUDA_LAUNCH
+#include <ATen/Context.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/util/SmallVector.h>
 #include <dlfcn.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -37,18 +41,30 @@
 namespace lycoris {
 namespace {
 
-// cuLaunchKernel, looked up in the driver torch already loaded (no link to libcuda).
+// cuLaunchKernel and cuMemsetD8Async, looked up in the driver torch already loaded (no
+// link to libcuda).
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*, void**,
                          void**);
+using MemsetFn = int (*)(unsigned long long, unsigned char, size_t, void*);
+
+void* driver_symbol(const char* name) {
+  static void* lib = [] {
+    void* l = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    LYCORIS_CHECK(l, "lycoris: libcuda.so.1 not found");
+    return l;
+  }();
+  void* f = dlsym(lib, name);
+  LYCORIS_CHECK(f, "lycoris: ", name, " not found in libcuda.so.1");
+  return f;
+}
 
 LaunchFn launch_fn() {
-  static LaunchFn fn = [] {
-    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    LYCORIS_CHECK(lib, "lycoris: libcuda.so.1 not found");
-    auto f = reinterpret_cast<LaunchFn>(dlsym(lib, "cuLaunchKernel"));
-    LYCORIS_CHECK(f, "lycoris: cuLaunchKernel not found in libcuda.so.1");
-    return f;
-  }();
+  static LaunchFn fn = reinterpret_cast<LaunchFn>(driver_symbol("cuLaunchKernel"));
+  return fn;
+}
+
+MemsetFn memset_fn() {
+  static MemsetFn fn = reinterpret_cast<MemsetFn>(driver_symbol("cuMemsetD8Async"));
   return fn;
 }
 
@@ -69,10 +85,11 @@ struct Launch {
   std::vector<Param> params;
 };
 
-struct Alloc {
+struct Alloc {  // a tensor of (sizes, strides, dtype) over a storage of nbytes (packed workspaces past it)
   std::vector<int64_t> sizes, strides;
   at::ScalarType dtype;
-  bool zero;
+  int64_t nbytes;
+  std::vector<std::pair<int64_t, int64_t>> zero;  // (byte offset, bytes) cleared before the launches
 };
 
 struct Output {  // a view of allocation `index`
@@ -199,8 +216,14 @@ std::shared_ptr<const Plan> parse_plan(PyObject* o) {
     PyObject* a = PyList_GET_ITEM(allocs, i);
     PyObject* dt = PyTuple_GET_ITEM(a, 2);
     LYCORIS_CHECK(THPDtype_Check(dt), "plan: allocation dtype");
-    plan->allocs.push_back({int_list(PyTuple_GET_ITEM(a, 0)), int_list(PyTuple_GET_ITEM(a, 1)),
-                            reinterpret_cast<THPDtype*>(dt)->scalar_type, PyObject_IsTrue(PyTuple_GET_ITEM(a, 3)) == 1});
+    Alloc alloc{int_list(PyTuple_GET_ITEM(a, 0)), int_list(PyTuple_GET_ITEM(a, 1)),
+                reinterpret_cast<THPDtype*>(dt)->scalar_type, PyLong_AsLongLong(PyTuple_GET_ITEM(a, 3)), {}};
+    PyObject* zero = PyTuple_GET_ITEM(a, 4);
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(zero); ++j) {
+      PyObject* z = PyList_GET_ITEM(zero, j);
+      alloc.zero.emplace_back(PyLong_AsLongLong(PyTuple_GET_ITEM(z, 0)), PyLong_AsLongLong(PyTuple_GET_ITEM(z, 1)));
+    }
+    plan->allocs.push_back(std::move(alloc));
   }
   PyObject* outs = PyTuple_GET_ITEM(o, 2);
   for (Py_ssize_t i = 0; i < PyList_GET_SIZE(outs); ++i) {
@@ -233,21 +256,45 @@ std::shared_ptr<const Plan> parse_plan(PyObject* o) {
   return plan;
 }
 
-void replay(const Plan& plan, torch::jit::Stack* stack, size_t first, size_t num_args) {
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(plan.device));
-  auto options = at::TensorOptions().device(at::kCUDA, plan.device);
-  std::vector<at::Tensor> allocs;
-  allocs.reserve(plan.allocs.size());
-  for (const auto& a : plan.allocs) {
-    allocs.push_back(at::empty_strided(a.sizes, a.strides, options.dtype(a.dtype)));
-    if (a.zero) allocs.back().zero_();
+// A plan's allocation on the current device, as at::empty_strided makes it but without the
+// dispatcher: a storage of a.nbytes from the CUDA caching allocator (so the CUDA graph pools,
+// record_stream and the memory stats see it as usual) and the tensor over it. Where torch is
+// asked to fill uninitialized memory (deterministic mode), at::empty_strided itself.
+at::Tensor allocate(const Alloc& a, c10::DeviceIndex device) {
+  auto& ctx = at::globalContext();
+  if (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) {
+    auto t = at::empty({a.nbytes}, at::TensorOptions().device(at::kCUDA, device).dtype(at::kByte));
+    return at::empty({0}, t.options().dtype(a.dtype)).set_(t.storage(), 0, a.sizes, a.strides);
   }
-  std::vector<char*> inputs(num_args, nullptr);
+  c10::Allocator* allocator = c10::cuda::CUDACachingAllocator::get();
+  auto storage = c10::make_intrusive<c10::StorageImpl>(c10::StorageImpl::use_byte_size_t(), a.nbytes,
+                                                       allocator->allocate(a.nbytes), allocator, /*resizable=*/false);
+  auto t = at::detail::make_tensor<c10::TensorImpl>(std::move(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA),
+                                                    c10::scalarTypeToTypeMeta(a.dtype));
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(a.sizes, a.strides);
+  return t;
+}
+
+void replay(const Plan& plan, torch::jit::Stack* stack, size_t first, size_t num_args) {
+  const auto device = static_cast<c10::DeviceIndex>(plan.device);
+  c10::cuda::CUDAGuard guard(device);
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
+  c10::SmallVector<at::Tensor, 8> allocs;
+  for (const auto& a : plan.allocs) {
+    allocs.push_back(allocate(a, device));
+    if (!a.zero.empty()) {
+      auto base = reinterpret_cast<unsigned long long>(allocs.back().data_ptr());
+      for (const auto& z : a.zero) {
+        int rc = memset_fn()(base + z.first, 0, static_cast<size_t>(z.second), stream);
+        LYCORIS_CHECK(rc == 0, "lycoris: cuMemsetD8Async failed with CUresult ", rc);
+      }
+    }
+  }
+  c10::SmallVector<char*, 16> inputs(num_args, nullptr);
   for (size_t i = 0; i < num_args; ++i) {
     const auto& v = (*stack)[first + i];
     if (v.isTensor()) inputs[i] = static_cast<char*>(v.toTensor().data_ptr());
   }
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(plan.device)).stream();
   LaunchFn launch = launch_fn();
   uint64_t slots[64];
   void* params[64];

@@ -8,7 +8,10 @@ and every Triton launch (``CompiledKernel.run``, through which both Triton's JIT
 path and ``FastJIT`` launch). The plan it returns says what a later call with the
 same signature must do: the allocations, the outputs as views of them, and per
 launch the CUfunction, grid, block, shared memory and parameters, each a pointer
-into an input or an allocation at a byte offset, or constant bytes. Anything it
+into an input or an allocation at a byte offset, or constant bytes. The plan makes
+as few allocations as it can: one per output, with the call's workspaces packed
+past the largest output's end (or into one allocation of their own), and none for
+what neither an output nor a launch uses. Anything it
 cannot express (a torch op that computes, a launch it cannot pack, a pointer to
 memory the call did not get or make, another backend than Triton) gives no plan:
 that signature keeps calling Python.
@@ -121,8 +124,56 @@ def _pointer(ptr: int, inputs, allocs):
     return None
 
 
+#: byte alignment of a workspace packed into another allocation (the caching allocator's own)
+PACK_ALIGN = 512
+#: workspaces (allocations of the call that no output views: partial sums, intermediates)
+#: ride past the end of the call's largest output when they take at most this many bytes
+#: or no more than that output itself; else they share one allocation of their own. Each
+#: allocation a replayed call makes costs a few microseconds of host time (allocate, free,
+#: the tensor), the same order as a launch.
+PACK_TAIL_BYTES = 1 << 16
+
+
+def _align(n: int) -> int:
+    return -(-n // PACK_ALIGN) * PACK_ALIGN
+
+
+def _layout(allocs, out_idx, used):
+    """The replay's allocations: ``(kept, where)``. ``kept``: the allocation indices that
+    stay allocations, each with its total bytes; ``where[j] = (kept position, byte offset)``
+    for every used allocation j. Unused allocations (neither an output nor a launch
+    parameter: the empty side outputs a launcher discards, say) are dropped; workspaces
+    are packed, 512-byte aligned, past the end of the largest output, or into one
+    allocation of their own."""
+    nbytes = {j: allocs[j][0].untyped_storage().nbytes() for j in used}
+    outs = [j for j in sorted(used) if j in out_idx]
+    works = [j for j in sorted(used) if j not in out_idx]
+    kept = [[j, nbytes[j]] for j in outs]
+    where = {j: (i, 0) for i, j in enumerate(outs)}
+    if works:
+        need = sum(_align(nbytes[j]) for j in works)
+        host = max(range(len(kept)), key=lambda i: kept[i][1], default=None)
+        if host is None or not (need <= PACK_TAIL_BYTES or need <= kept[host][1]):
+            host = len(kept)
+            kept.append([works[0], 0])  # the first workspace carries the pack
+        off = end = _align(kept[host][1]) if kept[host][1] else 0
+        for j in works:
+            where[j] = (host, off)
+            end = off + nbytes[j]
+            off = _align(end)
+        kept[host][1] = max(end, nbytes[kept[host][0]])
+    return kept, where
+
+
 def plan_of(args, outputs, watch: _Watch, launches, device: torch.device):
-    """The plan tuple csrc/launch.cpp parses, or (None, why)."""
+    """The plan tuple csrc/launch.cpp parses, or (None, why).
+
+    ``(device, allocations, outputs, launches)``: an allocation is ``(sizes, strides,
+    dtype, total bytes, zero ranges)`` (a tensor of that geometry over a storage of the
+    total bytes, which may hold packed workspaces past its own elements; each zero range
+    ``(byte offset, bytes)`` is cleared before the launches), an output ``(allocation,
+    element offset, sizes, strides)``, a launch ``(CUfunction, gx, gy, gz, threads, shared
+    bytes, parameters)`` with each parameter ``(kind, index, value, bytes)``."""
     if watch.refusal:
         return None, f"the call ran {watch.refusal}"
     inputs = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -130,16 +181,15 @@ def plan_of(args, outputs, watch: _Watch, launches, device: torch.device):
     for t, _ in allocs:
         if t.storage_offset() != 0 or t.device != device:
             return None, "an allocation off the device or with an offset"
-    alloc_plan = [(list(t.shape), list(t.stride()), t.dtype, bool(zero)) for t, zero in allocs]
-    out_plan = []
+    outs = []
     for o in (outputs if isinstance(outputs, tuple) else (outputs,)):
         for j, (t, _) in enumerate(allocs):
             if o.untyped_storage().data_ptr() == t.untyped_storage().data_ptr():
-                out_plan.append((j, o.storage_offset(), list(o.shape), list(o.stride())))
+                outs.append((j, o.storage_offset(), list(o.shape), list(o.stride())))
                 break
         else:
             return None, "an output that is not an allocation of the call"
-    launch_plan = []
+    raw_launches = []
     for kernel, launcher, gx, gy, gz, stream, function, rest in launches:
         if stream != torch.cuda.current_stream(device).cuda_stream:
             return None, "a launch on another stream"
@@ -174,7 +224,19 @@ def plan_of(args, outputs, watch: _Watch, launches, device: torch.device):
         params.append((_NULL, 0, 0, 8))  # global scratch: none
         params.append((_NULL, 0, 0, 8))  # profile scratch: none
         meta = kernel.metadata
-        launch_plan.append((int(function), gx, gy, gz, 32 * meta.num_warps, meta.shared, params))
+        raw_launches.append((int(function), gx, gy, gz, 32 * meta.num_warps, meta.shared, params))
+    out_idx = {o[0] for o in outs}
+    used = out_idx | {p[1] for launch in raw_launches for p in launch[6] if p[0] == _ALLOC}
+    kept, where = _layout(allocs, out_idx, used)
+    alloc_plan = []
+    for i, (j, total) in enumerate(kept):
+        t = allocs[j][0]
+        zero = [(where[k][1], allocs[k][0].untyped_storage().nbytes()) for k in sorted(used)
+                if where[k][0] == i and allocs[k][1] and allocs[k][0].numel()]
+        alloc_plan.append((list(t.shape), list(t.stride()), t.dtype, int(total), zero))
+    out_plan = [(where[j][0], off, sizes, strides) for j, off, sizes, strides in outs]
+    launch_plan = [launch[:6] + ([(k, where[i][0], where[i][1] + v, n) if k == _ALLOC else (k, i, v, n)
+                                  for k, i, v, n in launch[6]],) for launch in raw_launches]
     return (device.index or 0, alloc_plan, out_plan, launch_plan), None
 
 

@@ -45,7 +45,7 @@ def test_plan_maps_outputs_and_refuses_strangers():
     plan, why = _launch_record.plan_of((x, 0.5), out, watch, [], x.device)
     assert why is None
     device, allocs, outs, launches = plan
-    assert allocs == [([4, 6], [6, 1], torch.float32, False)] and launches == []
+    assert allocs == [([4, 6], [6, 1], torch.float32, 96, [])] and launches == []
     assert outs == [(0, 2, [4, 4], [6, 1])]  # a view of allocation 0 at element offset 2
     stranger = torch.empty(3)
     plan, why = _launch_record.plan_of((x,), stranger, _launch_record._Watch(), [], x.device)
@@ -56,6 +56,29 @@ def test_plan_maps_outputs_and_refuses_strangers():
     assert _launch_record._pointer(view.data_ptr() + 4, inputs, []) == (0, 0, 4)
     assert _launch_record._pointer(x.data_ptr(), inputs, []) is None  # before the view's first element
     assert _launch_record._pointer(watch.allocs[0][0].data_ptr() + 8, [], watch.allocs) == (1, 0, 8)
+
+
+def test_plan_drops_unused_allocations_and_packs_workspaces():
+    """One allocation per output; what no output or launch uses is not allocated; the
+    workspaces ride past the largest output's end (512-byte aligned) when small, else in
+    one allocation of their own; zero fills become byte ranges of the allocation."""
+    R = _launch_record
+    # a launcher's discarded empty side output and an unused scratch: no allocation
+    watch, out = _watched(lambda: (torch.empty(3, 4), torch.empty(0), torch.zeros(7)))
+    plan, why = R.plan_of((), out[0], watch, [], torch.device("cpu"))
+    assert why is None and plan[1] == [([3, 4], [4, 1], torch.float32, 48, [])] and plan[2] == [(0, 0, [3, 4], [4, 1])]
+    big, small, ws1, ws2 = torch.empty(64, 8), torch.empty(5, dtype=torch.float16), torch.zeros(10), torch.empty(3)
+    allocs = [[big, False], [small, False], [ws1, True], [ws2, False]]
+    kept, where = R._layout(allocs, {0, 1}, {0, 1, 2, 3})
+    assert kept == [[0, 2048 + 512 + 12], [1, 10]]  # past big's 2048 bytes: ws1 at 2048, ws2 at 2560
+    assert where == {0: (0, 0), 1: (1, 0), 2: (0, 2048), 3: (0, 2560)}
+    # too large for a tail (over PACK_TAIL_BYTES and over the largest output): one pack of their own
+    huge = torch.empty(R.PACK_TAIL_BYTES // 4 + 1)
+    kept, where = R._layout([[small, False], [huge, True], [ws2, False]], {0}, {0, 1, 2})
+    assert kept == [[0, 10], [1, R._align(huge.nbytes) + 12]] and where == {0: (0, 0), 1: (1, 0), 2: (1, R._align(huge.nbytes))}
+    # no output at all (every result a view of inputs is refused earlier): the pack stands alone
+    kept, where = R._layout([[ws1, True], [ws2, False]], set(), {0, 1})
+    assert kept == [[0, 512 + 12]] and where == {0: (0, 0), 1: (0, 512)}
 
 
 @needs_replay
