@@ -257,6 +257,23 @@ def test_reduce_deep_stack(S, two):
         assert rel_err(out2.double(), want[1]) < REL_TOL[torch.float16]
 
 
+@pytest.mark.parametrize("S,T", [(1, 37), (37, 9), (101, 101)])
+def test_reduce_pair(S, T):
+    """Two reductions of different shapes and depths in one launch (the LoKr backward's
+    two weight gradients): each against its own sum, strided partials, a transposed output."""
+    from lycoris_ops.triton import _fusedkit as FK
+
+    g = gen(4)
+    M, N, K, L = 7, 13, 5, 3
+    p = torch.randn(S, N, M, generator=g).to(DEV).transpose(1, 2)  # (S, M, N), strided
+    q = torch.randn(T, K, L, generator=g).to(DEV)
+    o = torch.empty(N, M, device=DEV, dtype=torch.bfloat16).t()
+    u = torch.empty(K, L, device=DEV, dtype=torch.float32)
+    FK.reduce_pair_launch(p, o, M, N, S, p.stride(), o.stride(), q, u, K, L, T, q.stride(), u.stride(), 0.5, False)
+    assert rel_err(o.double(), p.double().sum(0) * 0.5) < REL_TOL[torch.bfloat16]
+    assert rel_err(u.double(), q.double().sum(0) * 0.5) < REL_TOL[torch.float32]
+
+
 def test_scope_limits():
     assert TK.supported_bypass(3, 5, 128, 100)
     assert not TK.supported_bypass(3, 5, 129, 9)
@@ -288,6 +305,8 @@ def _compile_all(dtype_names):
         jobs = [
             (FK._reduce_kernel, dict(p_ptr="fp32", o1_ptr=dn, o2_ptr=dn),
              dict(TWO=True, IDX64=dn == "bf16", BS=8, BE=64), ("s_pn", "s_1n", "s_2n"), 4),
+            (FK._reduce_pair_kernel, dict(p_ptr="fp32", o_ptr=dn, q_ptr="fp32", u_ptr=dn),
+             dict(IDX64=dn == "bf16", BS=8, BE=64), ("s_pn", "s_on", "s_qn", "s_un"), 4),
             (FK._chain_kernel, dict(p_ptr="fp32", wa_ptr=dn, wb_ptr=dn, ga_ptr=dn, gb_ptr=dn),
              dict(CD=t, IDX64=dn == "bf16", BM=32, BN=32, BK=32), ("s_pn", "s_ar", "s_bn", "s_gar", "s_gbn"), 4),
             (TK._kron_merge_kernel, dict(ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, base_ptr=dn, out_ptr=dn),
@@ -316,7 +335,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 7, out
+    assert out.count("ok ") == 8, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

@@ -143,9 +143,11 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
         split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, E // 16))
         out = {("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
                 cfg["num_warps"], cfg["num_stages"])}
+        if rt and rl:  # both sides factorized: one chain launch (_fusedkit.chain_pair_launch)
+            return out | {("chain_pair", swap)}
         for side, fact, parts in (("tile", rt, split), ("loop", rl, n_tiles)):
-            if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials)
-                out |= {("mm", side, swap, "a"), ("mm", side, swap, "b")}
+            if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials): one chain launch
+                out.add(("chain", side, swap))
             elif parts > 1:
                 out.add(("reduce", side, swap))
         return out
@@ -226,6 +228,14 @@ def reduce_work(n_partials: int, n_out: int, dev: DeviceFacts, out_size: int) ->
                 inflight=8 * be * 4, name="reduce")
 
 
+def reduce_pair_work(n_partials: int, n_outs, dev: DeviceFacts, out_size: int) -> Work:
+    """``triton/_fusedkit.reduce_pair_launch``: two reductions of ``n_partials`` partials in
+    one grid, the tile width the larger output's."""
+    be = triton_module("_fusedkit").reduce_block(max(n_outs), dev.sm_count)
+    return Work(grid=sum(cdiv(n, be) for n in n_outs), warps=4,
+                dram=sum(n_partials * n * 4 + n * out_size for n in n_outs), inflight=8 * be * 4, name="reduce")
+
+
 def _bwd_live(bt, ba, bb, bc, bd, passes, hi_lo=True):
     k = 2 if hi_lo else 1  # H and P (BD wide) held as hi/lo pairs
     tiles = bt * (ba * bc + k * ba * bd + k * bb * bd)
@@ -254,8 +264,8 @@ def _bwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute
                       dram=(T * a * c * eg + T * b * d * ex) * passes + T * b * d * ex + part,
                       mma=T * 2.0 * _bwd_cost(A, B, C, D, hi_lo) * (1.1 if passes > 1 else 1.0), tc=tc,
                       launches=passes, inflight=bt * (_p16(A) * _p16(C) * eg + _p16(B) * _p16(D) * ex))]
-        if part:
-            works += [reduce_work(progs, n, dev, e) for n in (A * B, C * D)]
+        if part:  # both gradients' partial stacks: one launch (triton/_fusedkit.reduce_pair_launch)
+            works.append(reduce_pair_work(progs, (A * B, C * D), dev, e))
         return works
 
     O, I = a * c, b * d

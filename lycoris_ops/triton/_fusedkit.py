@@ -9,11 +9,12 @@
   bf16 upcast) runs one IEEE fp32 dot. fp16 caveat: ``hi`` saturates where
   ``|z|`` exceeds the fp16 range (65504), where the eager fp32 chain would not.
 * ``_reduce_kernel``: ``out = α·Σ_s part[s]`` for one or two fp32 partial
-  matrices (split-K reductions), cast to each output's dtype.
+  matrices (split-K reductions), cast to each output's dtype; ``_reduce_pair_kernel``:
+  two such reductions of different shapes in one launch.
 * ``_chain_kernel`` (``_mm_tile``): both factor gradients of a factorized side,
   ``P·wbᵀ`` and ``waᵀ·P``, in one launch, where P is an fp32 split-K partial stack
   (summed in-kernel) and the other operand a factor rounded to the compute dtype;
-  IEEE fp32 dot.
+  IEEE fp32 dot; ``_chain_pair_kernel``: both sides' in one launch.
 
 Nothing here allocates or launches on its own; the launchers live with the
 kernels that use them.
@@ -69,17 +70,14 @@ def dot_wide(w, z, acc, DOT: tl.constexpr, SPLIT: tl.constexpr, Z_LEFT: tl.const
 # tiling, so specializing them (== 1, divisible by 16) would compile one more variant of
 # these small kernels per config of the op's main kernel (a cold key's tuning compiles
 # every variant).
-@triton.jit(do_not_specialize=["S"])
-def _reduce_kernel(
-    p_ptr, o1_ptr, o2_ptr, M, N, S, alpha,
+@triton.jit
+def _reduce_tile(
+    pid, p_ptr, o1_ptr, o2_ptr, M, N, S, alpha,
     s_ps, s_pj, s_pm, s_pn, s_1m, s_1n, s_2m, s_2n,
     TWO: tl.constexpr, IDX64: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr,
 ):
-    """o1 = α·Σ_s p[s, 0], o2 = α·Σ_s p[s, 1] (TWO). A program owns BE output elements
-    (row-major over (M, N)) and adds BS partials per step: a persistent kernel's partial
-    stack is deep (one per program: hundreds) and its outputs few (a factor's gradient),
-    so the stack is read in wide [BS, BE] tiles, not one partial at a time."""
-    pid = tl.program_id(0)
+    """Program ``pid``'s BE output elements (row-major over (M, N)) of o1 = α·Σ_s p[s, 0]
+    (and o2 = α·Σ_s p[s, 1] under TWO), BS partials added per step."""
     offs_e = pid * BE + tl.arange(0, BE)
     if IDX64:
         offs_e = offs_e.to(tl.int64)
@@ -102,10 +100,53 @@ def _reduce_kernel(
                  mask=mask_e)
 
 
+@triton.jit(do_not_specialize=["S"])
+def _reduce_kernel(
+    p_ptr, o1_ptr, o2_ptr, M, N, S, alpha,
+    s_ps, s_pj, s_pm, s_pn, s_1m, s_1n, s_2m, s_2n,
+    TWO: tl.constexpr, IDX64: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr,
+):
+    """o1 = α·Σ_s p[s, 0], o2 = α·Σ_s p[s, 1] (TWO). A program owns BE output elements
+    (row-major over (M, N)) and adds BS partials per step: a persistent kernel's partial
+    stack is deep (one per program: hundreds) and its outputs few (a factor's gradient),
+    so the stack is read in wide [BS, BE] tiles, not one partial at a time."""
+    _reduce_tile(tl.program_id(0), p_ptr, o1_ptr, o2_ptr, M, N, S, alpha,
+                 s_ps, s_pj, s_pm, s_pn, s_1m, s_1n, s_2m, s_2n, TWO, IDX64, BS, BE)
+
+
+@triton.jit(do_not_specialize=["S", "T"])
+def _reduce_pair_kernel(
+    p_ptr, o_ptr, q_ptr, u_ptr, M, N, S, K, L, T, alpha, G1,
+    s_ps, s_pm, s_pn, s_om, s_on, s_qs, s_qm, s_qn, s_um, s_un,
+    IDX64: tl.constexpr, BS: tl.constexpr, BE: tl.constexpr,
+):
+    """Two independent reductions in one launch: o (M, N) = α·Σ_s p[s] by programs
+    [0, G1), u (K, L) = α·Σ_t q[t] by the rest: a backward's two weight gradients
+    (one launch, not two: host time and a launch ramp on the device)."""
+    pid = tl.program_id(0)
+    if pid < G1:
+        _reduce_tile(pid, p_ptr, o_ptr, o_ptr, M, N, S, alpha,
+                     s_ps, 0, s_pm, s_pn, s_om, s_on, s_om, s_on, False, IDX64, BS, BE)
+    else:
+        _reduce_tile(pid - G1, q_ptr, u_ptr, u_ptr, K, L, T, alpha,
+                     s_qs, 0, s_qm, s_qn, s_um, s_un, s_um, s_un, False, IDX64, BS, BE)
+
+
 def reduce_block(n_out: int, n_sm: int) -> int:
     """Output elements per program of ``reduce_launch`` (the planners model the same)."""
     per_sm = n_out // n_sm
     return max(64, min(512, 1 << max(0, per_sm.bit_length() - 1)))
+
+
+def reduce_pair_launch(p, o, M, N, S, p_st, o_st, q, u, K, L, T, q_st, u_st, alpha, idx64):
+    """o (M, N) = α·Σ_s p[s] and u (K, L) = α·Σ_t q[t] in one launch (``p_st``/``q_st``:
+    the partial stacks' (stack, row, column) strides, ``o_st``/``u_st`` the outputs'). The
+    tile width follows the larger output; each side gets its own programs."""
+    be = reduce_block(max(M * N, K * L), num_sms(p.device))
+    g1 = cdiv(M * N, be)
+    fast(_reduce_pair_kernel)[(g1 + cdiv(K * L, be),)](
+        p, o, q, u, M, N, S, K, L, T, alpha, g1, p_st[0], p_st[1], p_st[2], o_st[0], o_st[1],
+        q_st[0], q_st[1], q_st[2], u_st[0], u_st[1], IDX64=idx64, BS=8, BE=be, num_warps=4)
 
 
 def reduce_launch(part, out1, out2, M, N, S, alpha, ps, pj, pm, pn, o1s, o2s, idx64):
@@ -179,17 +220,13 @@ def _mm_tile(
              (acc * alpha).to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-@triton.jit(do_not_specialize=["S"])
-def _chain_kernel(
-    p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, S, TILES_A,
+@triton.jit
+def _chain_tiles(
+    pid, p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, S, TILES_A,
     s_ps, s_pm, s_pn, s_am, s_ar, s_br, s_bn, s_gam, s_gar, s_gbr, s_gbn,
     CD: tl.constexpr, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    """Both factor gradients of a factorized Kronecker side w = wa·wb from the fp32 partial
-    stack P (S, M, N) of dL/dw, in one launch: g_wa = (Σ_s P)·wbᵀ (M, R) on the first
-    TILES_A programs, g_wb = waᵀ·(Σ_s P) (R, N) on the rest (one launch, not two: a launch
-    is ~5 us of host time on tiny tensors)."""
-    pid = tl.program_id(0)
+    """Tile ``pid`` of one side's two factor gradients: of g_wa for pid < TILES_A, else of g_wb."""
     if pid < TILES_A:
         _mm_tile(pid, p_ptr, wb_ptr, ga_ptr, M, R, N, S, 1, 1.0,
                  s_ps, s_pm, s_pn, 0, s_bn, s_br, s_gam, s_gar,
@@ -200,17 +237,68 @@ def _chain_kernel(
                  True, False, CD, IDX64, BM, BN, BK)
 
 
+@triton.jit(do_not_specialize=["S"])
+def _chain_kernel(
+    p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, S, TILES_A,
+    s_ps, s_pm, s_pn, s_am, s_ar, s_br, s_bn, s_gam, s_gar, s_gbr, s_gbn,
+    CD: tl.constexpr, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Both factor gradients of a factorized Kronecker side w = wa·wb from the fp32 partial
+    stack P (S, M, N) of dL/dw, in one launch: g_wa = (Σ_s P)·wbᵀ (M, R) on the first
+    TILES_A programs, g_wb = waᵀ·(Σ_s P) (R, N) on the rest (one launch, not two: a launch
+    is ~5 us of host time on tiny tensors)."""
+    _chain_tiles(tl.program_id(0), p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, S, TILES_A,
+                 s_ps, s_pm, s_pn, s_am, s_ar, s_br, s_bn, s_gam, s_gar, s_gbr, s_gbn, CD, IDX64, BM, BN, BK)
+
+
+@triton.jit(do_not_specialize=["S", "S2"])
+def _chain_pair_kernel(
+    p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, S, TILES_A,
+    s_ps, s_pm, s_pn, s_am, s_ar, s_br, s_bn, s_gam, s_gar, s_gbr, s_gbn,
+    p2_ptr, wa2_ptr, wb2_ptr, ga2_ptr, gb2_ptr, M2, N2, R2, S2, TILES_A2, TILES_1,
+    s_ps2, s_pm2, s_pn2, s_am2, s_ar2, s_br2, s_bn2, s_gam2, s_gar2, s_gbr2, s_gbn2,
+    CD: tl.constexpr, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """``_chain_kernel`` for both factorized sides of a LoKr merge backward in one launch:
+    the first side's tiles on programs [0, TILES_1), the second's on the rest."""
+    pid = tl.program_id(0)
+    if pid < TILES_1:
+        _chain_tiles(pid, p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, S, TILES_A,
+                     s_ps, s_pm, s_pn, s_am, s_ar, s_br, s_bn, s_gam, s_gar, s_gbr, s_gbn, CD, IDX64, BM, BN, BK)
+    else:
+        _chain_tiles(pid - TILES_1, p2_ptr, wa2_ptr, wb2_ptr, ga2_ptr, gb2_ptr, M2, N2, R2, S2, TILES_A2,
+                     s_ps2, s_pm2, s_pn2, s_am2, s_ar2, s_br2, s_bn2, s_gam2, s_gar2, s_gbr2, s_gbn2,
+                     CD, IDX64, BM, BN, BK)
+
+
+def _chain_args(part, S, M, N, wa, wb, out_a, out_b, bm, bn):
+    """(tiles of both gradients, kernel arguments) of one side of ``_chain_kernel``."""
+    R = wa.shape[1]
+    tiles_a = cdiv(M, bm) * cdiv(R, bn) if out_a.numel() else 0
+    tiles_b = cdiv(R, bm) * cdiv(N, bn) if out_b.numel() else 0
+    args = (part, wa, wb, out_a, out_b, M, N, R, S, tiles_a, *part.stride(), *wa.stride(), *wb.stride(),
+            *(out_a.stride() if out_a.dim() == 2 else (0, 0)), *(out_b.stride() if out_b.dim() == 2 else (0, 0)))
+    return tiles_a + tiles_b, args
+
+
 def chain_launch(part, S, M, N, wa, wb, out_a, out_b, compute, idx64, block=(32, 32, 32)):
     """out_a = (Σ_s part)·wbᵀ (M, R), out_b = waᵀ·(Σ_s part) (R, N), in the outputs' dtypes;
     ``part`` (S, M, N) fp32 with any strides; an empty output is skipped."""
     bm, bn, bk = block
-    R = wa.shape[1]
-    tiles_a = cdiv(M, bm) * cdiv(R, bn) if out_a.numel() else 0
-    tiles_b = cdiv(R, bm) * cdiv(N, bn) if out_b.numel() else 0
-    if tiles_a + tiles_b == 0:
+    tiles, args = _chain_args(part, S, M, N, wa, wb, out_a, out_b, bm, bn)
+    if tiles == 0:
         return
-    ps = part.stride()
-    fast(_chain_kernel)[(tiles_a + tiles_b,)](
-        part, wa, wb, out_a, out_b, M, N, R, S, tiles_a, *ps, *wa.stride(), *wb.stride(),
-        *(out_a.stride() if out_a.dim() == 2 else (0, 0)), *(out_b.stride() if out_b.dim() == 2 else (0, 0)),
-        CD=tl_dtype(compute), IDX64=idx64, BM=bm, BN=bn, BK=bk, num_warps=4)
+    fast(_chain_kernel)[(tiles,)](*args, CD=tl_dtype(compute), IDX64=idx64, BM=bm, BN=bn, BK=bk, num_warps=4)
+
+
+def chain_pair_launch(side1, side2, compute, idx64, block=(32, 32, 32)):
+    """``chain_launch`` of two sides, each ``(part, S, M, N, wa, wb, out_a, out_b)``, in one
+    launch (a LoKr merge backward with both sides factorized: one launch fewer)."""
+    bm, bn, bk = block
+    tiles1, args1 = _chain_args(*side1, bm, bn)
+    tiles2, args2 = _chain_args(*side2, bm, bn)
+    if tiles1 + tiles2 == 0:
+        return
+    args2 = args2[:10] + (tiles1,) + args2[10:]  # TILES_1 follows the second side's TILES_A
+    fast(_chain_pair_kernel)[(tiles1 + tiles2,)](*args1, *args2, CD=tl_dtype(compute), IDX64=idx64,
+                                                  BM=bm, BN=bn, BK=bk, num_warps=4)

@@ -60,7 +60,8 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype
-from ._fusedkit import chain_launch, compute_dtype, dot_wide, reduce_launch, split_count, tile_2d, view_key
+from ._fusedkit import (chain_launch, chain_pair_launch, compute_dtype, dot_wide, reduce_launch, reduce_pair_launch,
+                        split_count, tile_2d, view_key)
 
 __all__ = [
     "MergeCfg", "BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass",
@@ -553,10 +554,13 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
     fast(_kron_grad_kernel)[grid](
         grad, t[0], t[1], l[0], l[1], pt, pl, M1, N1, t[2], M2, N2, l[2], e_per, gamma,
         t[3], t[4], t[5], t[6], l[3], l[4], l[5], l[6], *sg, *pts, *pls, **meta)
-    for part, S, M, N, wa, wb, ga, gb, direct in (
-            (pt, split, M1, N1, ta, tb, gta, gtb, pt is gta), (pl, n_tiles, M2, N2, la, lb, gla, glb, pl is gla)):
-        if direct:
-            continue
+    sides = [(part, S, M, N, wa, wb, ga, gb) for part, S, M, N, wa, wb, ga, gb, direct in (
+        (pt, split, M1, N1, ta, tb, gta, gtb, pt is gta), (pl, n_tiles, M2, N2, la, lb, gla, glb, pl is gla))
+        if not direct]
+    if len(sides) == 2 and all(side[5] is not None for side in sides):  # both factorized: one launch
+        chain_pair_launch(sides[0], sides[1], compute, idx64)
+        return g1a, g1b, g2a, g2b
+    for part, S, M, N, wa, wb, ga, gb in sides:
         ps = part.stride()
         if wb is None:
             reduce_launch(part, ga, None, M, N, S, 1.0, ps[0], 0, ps[1], ps[2], ga.stride(), None, idx64)
@@ -692,9 +696,12 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None):
             grad, x, w1_, w2_, gx, p1, p2, T, A, B, C, D, gamma, per, *sg, *sx,
             w1_.stride(0), w1_.stride(1), w2_.stride(0), w2_.stride(1), *so, *s1, *s2,
             DO_GX=do_gx, DO_GW1=do_g1, DO_GW2=do_g2, **meta)
-    if n1 > 1:
+    if n1 > 1 and progs > 1:  # both weight gradients' partial stacks in one launch
+        reduce_pair_launch(p1, o1, A, B, n1, s1, o1.stride(), p2, o2, C, D, progs, s2, o2.stride(), 1.0,
+                           meta["IDX64"])
+    elif n1 > 1:
         reduce_launch(p1, o1, None, A, B, n1, 1.0, s1[0], 0, s1[1], s1[2], o1.stride(), None, meta["IDX64"])
-    if progs > 1:
+    elif progs > 1:
         reduce_launch(p2, o2, None, C, D, progs, 1.0, s2[0], 0, s2[1], s2[2], o2.stride(), None, meta["IDX64"])
     return gx, g1, g2
 
