@@ -295,6 +295,10 @@ def _compile_all(dtype_names):
             (TH._hada_grad_kernel, dict(g_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, o1_ptr="fp32",
                                         o2_ptr="fp32"),
              dict(BM=64, BN=64, BR=64, **com), ("s_gn", "s_a1r", "s_b1n", "s_a2r", "s_b2n", "s_o1r", "s_o2r"), 8),
+            (TH._hada_grad_pair_kernel, dict(g_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, ga1_ptr=dn,
+                                             gb1_ptr=dn, ga2_ptr=dn, gb2_ptr=dn),
+             dict(BM=64, BN=64, BR=64, **com),
+             ("s_gi", "s_a1r", "s_b1i", "s_a2r", "s_b2i", "s_ga1r", "s_gb1i", "s_ga2r", "s_gb2i"), 8),
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
              dict(TWO=True, GROUP_O=8, BO=8, KKP=32, BI=64, BR1=32, BR2=32, **com),
              ("s_b1i", "s_b2i", "s_yk"), 8),
@@ -313,7 +317,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 8, out
+    assert out.count("ok ") == 9, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

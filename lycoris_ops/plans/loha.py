@@ -22,6 +22,7 @@ two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 
@@ -126,6 +127,9 @@ def _grad_works(dev, c, O, I, R, e, eg, tc):
                           mma=8.0 * M * N * rp, tc=tc, mma_tile=bm * bn * rp))
         if split > 1:
             works.append(Work(grid=cdiv(M * R, 32 * 64), warps=4, dram=part + 2 * M * R * e, inflight=8192))
+    if len(works) == 2:  # neither job splits: triton/loha.merge_bwd runs both as one launch (the pair kernel)
+        a, b = works
+        works = [dataclasses.replace(a, grid=a.grid + b.grid, dram=a.dram + b.dram, mma=a.mma + b.mma)]
     return works
 
 
@@ -186,9 +190,11 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
         grad_cfg, t_grad = (r_rank[0][1], r_rank[0][0]) if r_rank else (None, 0.0)
     rp = p2(R, 16)
     split_grad = grad_cfg is not None and (grad_cfg.get("split") or 0) != 1
-    shared = {("gw",) + tuple(sorted((gw_cfg or {}).items())), ("grad", "a"), ("grad", "b")}
-    if split_grad:
-        shared |= {("reduce", "a"), ("reduce", "b")}
+    shared = {("gw",) + tuple(sorted((gw_cfg or {}).items()))}
+    if split_grad:  # the two jobs and their reductions; unsplit, both jobs are one pair kernel
+        shared |= {("grad", "a"), ("grad", "b"), ("reduce", "a"), ("reduce", "b")}
+    else:
+        shared.add(("grad_pair",))
 
     def kernels(c):  # the Triton compilations of a gx config, plus the shared ones
         regen = c["strategy"] == "regen" and rp <= MAX_HADA_RANK

@@ -196,18 +196,16 @@ def _hada_e_kernel(
 
 
 @triton.jit
-def _hada_grad_kernel(
-    g_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, o1_ptr, o2_ptr,
+def _hada_grad_job(
+    pid_m, pid_s, g_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, o1_ptr, o2_ptr,
     M, N, R, N_PER, gamma,
     s_gm, s_gn, s_a1m, s_a1r, s_b1r, s_b1n, s_a2m, s_a2r, s_b2r, s_b2n,
     s_o1s, s_o1m, s_o1r, s_o2s, s_o2m, s_o2r,
     CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
 ):
-    """o1[m, r] = Σ_n round(γ·G⊙P2)[m, n]·B1[r, n], o2 likewise with (P1, B2), over
-    this program's N range; P = A·B regenerated in fp32."""
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
+    """Rows ``pid_m``·BM.. of o1[m, r] = Σ_n round(γ·G⊙P2)[m, n]·B1[r, n] and o2 likewise
+    with (P1, B2), over the N range of split ``pid_s``; P = A·B regenerated in fp32."""
     offs_m = pid_m * BM + tl.arange(0, BM)
     offs_r = tl.arange(0, BR)
     if IDX64:
@@ -246,6 +244,44 @@ def _hada_grad_kernel(
              acc1.to(o1_ptr.dtype.element_ty), mask=mmr)
     tl.store(o2_ptr + pid_s * s_o2s + offs_m[:, None] * s_o2m + offs_r[None, :] * s_o2r,
              acc2.to(o2_ptr.dtype.element_ty), mask=mmr)
+
+
+@triton.jit
+def _hada_grad_kernel(
+    g_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, o1_ptr, o2_ptr,
+    M, N, R, N_PER, gamma,
+    s_gm, s_gn, s_a1m, s_a1r, s_b1r, s_b1n, s_a2m, s_a2r, s_b2r, s_b2n,
+    s_o1s, s_o1m, s_o1r, s_o2s, s_o2m, s_o2r,
+    CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+):
+    """One merge-backward job (``_hada_grad_job``): a program per BM rows and N split."""
+    _hada_grad_job(tl.program_id(0), tl.program_id(1), g_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, o1_ptr, o2_ptr,
+                   M, N, R, N_PER, gamma, s_gm, s_gn, s_a1m, s_a1r, s_b1r, s_b1n, s_a2m, s_a2r, s_b2r, s_b2n,
+                   s_o1s, s_o1m, s_o1r, s_o2s, s_o2m, s_o2r, CD, DOT, IDX64, BM, BN, BR)
+
+
+@triton.jit
+def _hada_grad_pair_kernel(
+    g_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, ga1_ptr, gb1_ptr, ga2_ptr, gb2_ptr,
+    O, I, R, gamma, TILES_A,
+    s_go, s_gi, s_a1o, s_a1r, s_b1r, s_b1i, s_a2o, s_a2r, s_b2r, s_b2i,
+    s_ga1o, s_ga1r, s_gb1r, s_gb1i, s_ga2o, s_ga2r, s_gb2r, s_gb2i,
+    CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
+):
+    """Both merge-backward jobs in one launch, each row band's whole reduction in one
+    program (no split): job A (rows o, over i: g_a1, g_a2) on programs [0, TILES_A), job B
+    (the transposed problem, rows i, over o: g_b1ᵀ, g_b2ᵀ) on the rest."""
+    pid = tl.program_id(0)
+    if pid < TILES_A:
+        _hada_grad_job(pid, 0, g_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, ga1_ptr, ga2_ptr, O, I, R, I, gamma,
+                       s_go, s_gi, s_a1o, s_a1r, s_b1r, s_b1i, s_a2o, s_a2r, s_b2r, s_b2i,
+                       0, s_ga1o, s_ga1r, 0, s_ga2o, s_ga2r, CD, DOT, IDX64, BM, BN, BR)
+    else:
+        _hada_grad_job(pid - TILES_A, 0, g_ptr, b1_ptr, a1_ptr, b2_ptr, a2_ptr, gb1_ptr, gb2_ptr, I, O, R, O, gamma,
+                       s_gi, s_go, s_b1i, s_b1r, s_a1r, s_a1o, s_b2i, s_b2r, s_a2r, s_a2o,
+                       0, s_gb1i, s_gb1r, 0, s_gb2i, s_gb2r, CD, DOT, IDX64, BM, BN, BR)
 
 
 # =============================================================================== configs
@@ -458,6 +494,13 @@ def merge_bwd(grad, a1, b1, a2, b2, gamma, compute=None, cfg: Optional[GradCfg] 
     idx64 = _merge_bwd_idx64(view_key(grad, a1, b1, a2, b2))
     sg = grad.stride()
     sa1, sb1, sa2, sb2 = a1.stride(), b1.stride(), a2.stride(), b2.stride()
+    (n_a, split_a), _, meta = _grad_plan(O, I, R, compute, dev, idx64, cfg)
+    (n_b, split_b), _, _ = _grad_plan(I, O, R, compute, dev, idx64, cfg)
+    if split_a == 1 and split_b == 1:  # neither job splits its reduction: both in one launch
+        fast(_hada_grad_pair_kernel)[(n_a + n_b,)](
+            grad, a1, b1, a2, b2, g_a1, g_b1, g_a2, g_b2, O, I, R, gamma, n_a, *sg, *sa1, *sb1, *sa2, *sb2,
+            *g_a1.stride(), *g_b1.stride(), *g_a2.stride(), *g_b2.stride(), **meta)
+        return outs
     # job A: rows O, N = I
     _grad_job(grad, sg, a1, sa1, b1, sb1, a2, sa2, b2, sb2, g_a1, g_a1.stride(), g_a2, g_a2.stride(),
               O, I, R, gamma, compute, idx64, cfg)
