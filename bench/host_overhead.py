@@ -212,15 +212,25 @@ def ops(dev, calls):
     ref = per_call_us(lambda: torch.add(a, b, alpha=0.5), calls, sync)
     print(f"host us/call on {dev} (torch {torch.__version__}, {calls} calls each, best of 5 rounds, no grad)")
     print(f"  {'torch.add':22s} {ref:8.1f} us")
+    # yardsticks: what each further output costs an ATen op of one launch (its allocation,
+    # its tensor, its free), and one bare allocation
+    w, bias = torch.ones(4, device=dev), torch.zeros(4, device=dev)
+    for name, fn in (("torch.empty_like", lambda: torch.empty_like(a)),
+                     ("aminmax (2 outputs)", lambda: torch.aminmax(a, dim=0)),
+                     ("native_layer_norm (3)", lambda: torch.ops.aten.native_layer_norm(a, [4], w, bias, 1e-5))):
+        us = per_call_us(fn, calls, sync)
+        print(f"  {name:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)")
     stats = getattr(__import__("lycoris_ops")._C, "_launch_plan_stats", None) if dev.type == "cuda" else None
     with torch.no_grad():
         for op in OP_NAMES:
             if op in first:
                 us = per_call_us(first[op], calls, sync)
                 extra = ""
-                if dev.type == "cuda":  # what one (replayed) call does: launches, allocations, plan, tier
+                if dev.type == "cuda":  # what one (replayed) call does: outputs, launches, plan
                     plan = stats(f"lycoris::{op}") if stats else ("-", "-", "-")
-                    extra = f"  launches {_launches(first[op])}  plan seen/replayed/python {plan}"
+                    out = first[op]()
+                    k = len(out) if isinstance(out, tuple) else 1
+                    extra = f"  outputs {k}  launches {_launches(first[op])}  plan seen/replayed/python {plan}"
                 print(f"  {op:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)  {first[op].id}{extra}")
 
 
