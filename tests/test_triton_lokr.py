@@ -209,6 +209,16 @@ def test_bypass_bwd_programs_and_the_planners_model(n_sm, monkeypatch):
                     model = work(dict(block_t=1, passes=1, swap=False, num_warps=nw, num_stages=2,
                                       programs=programs), live=1)
                     assert model[0].grid == grid[0], (T, nw, programs)
+    # a tiny problem (T·(a·c + b·d) <= ONE_PROGRAM_ELEMS): one program by default (its
+    # gradients stored directly: one launch, no partials); an explicit count is kept
+    bf = torch.bfloat16
+    work, _ = PL._bwd_model(dev, 16, 4, 4, 4, 4, bf, bf, bf)
+    assert 16 * 32 <= TK.ONE_PROGRAM_ELEMS
+    for programs, want in ((0, 1), (3, 3)):
+        cfg = TK.BypassBwdCfg(block_t=1, passes=1, num_warps=4, programs=programs)
+        assert TK._bypass_bwd_plan(16, 4, 4, 4, 4, (), bf, "cpu", cfg)[2][0] == want
+        model = work(dict(block_t=1, passes=1, swap=False, num_warps=4, num_stages=2, programs=programs), live=1)
+        assert model[0].grid == want and len(model) == (1 if want == 1 else 2)  # no reduce launch
     TK._bypass_bwd_plan.cache_clear()
 
 

@@ -130,7 +130,10 @@ def test_bypass_fwd(dtype, variant):
 
 # ----------------------------------------------------------------------------- lora_bypass_bwd
 
-BYPASS_BWD_VARIANTS = ["plain", "nc", "tiles_split", "mixed"]
+#: "one_program": a grid of one program (every token, every column) with several I and O
+#: steps, so the weight gradients come from the same launch (FUSE_GW); "tiles_split": token
+#: tiles and I ranges over several programs, then the reduction kernel
+BYPASS_BWD_VARIANTS = ["plain", "nc", "tiles_split", "one_program", "mixed"]
 
 
 @pytest.mark.parametrize("variant", BYPASS_BWD_VARIANTS)
@@ -146,6 +149,11 @@ def test_bypass_bwd(dtype, variant):
     if variant == "tiles_split":
         cfg = TL.BypassBwdCfg(block_t=16, block_i=16, block_o=16, i_split=2,
                               red=TL.SkinnyCfg(block_m=16, block_k=16, block_r=16, split=3, reduce_block=64))
+        out = TL.bypass_bwd(grad, x, up, down, GAMMA, cfg=cfg)
+    elif variant == "one_program":
+        cfg = TL.BypassBwdCfg(block_t=64, block_i=16, block_o=16, i_split=1)
+        assert TL._bypass_bwd_plan(grad.stride(), x.shape, x.stride(), up.shape, up.stride(), down.stride(),
+                                   x.dtype, up.dtype, down.dtype, x.device, cfg)[1] == (1,)
         out = TL.bypass_bwd(grad, x, up, down, GAMMA, cfg=cfg)
     else:
         out = ops.lora_bypass_bwd(grad, x, up, down, GAMMA)
@@ -315,7 +323,10 @@ def _compile_all(dtype_names):
              dict(HAS_BASE=True, BLOCK_T=64, BLOCK_I=64, BLOCK_O=64, BLOCK_R=32, **com),
              ("s_xi", "s_ur", "s_di", "s_bo", "s_yo"), 4),
             (TL._bypass_bwd_tok_kernel, ("g_ptr", "x_ptr", "up_ptr", "down_ptr", "gx_ptr", "h_ptr", "q_ptr"),
-             dict(BLOCK_T=64, BLOCK_I=64, BLOCK_O=64, BLOCK_R=32, **com),
+             dict(BLOCK_T=64, BLOCK_I=64, BLOCK_O=64, BLOCK_R=32, FUSE_GW=False, **com),
+             ("s_go", "s_xi", "s_ur", "s_di", "s_gxi"), 4),
+            (TL._bypass_bwd_tok_kernel, ("g_ptr", "x_ptr", "up_ptr", "down_ptr", "gx_ptr", "h_ptr", "q_ptr"),
+             dict(BLOCK_T=64, BLOCK_I=64, BLOCK_O=64, BLOCK_R=32, FUSE_GW=True, **com),
              ("s_go", "s_xi", "s_ur", "s_di", "s_gxi"), 4),
             (TL._skinny_pair_kernel, ("a_big", "a_small", "a_out", "b_big", "b_small", "b_out"),
              dict(DIRECT=False, BLOCK_M=128, BLOCK_K=64, BLOCK_R=32, **com),
@@ -335,7 +346,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["fp16", "bf16"])
-    assert out.count("ok ") == 10, out
+    assert out.count("ok ") == 12, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

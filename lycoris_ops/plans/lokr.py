@@ -258,7 +258,8 @@ def _bwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute
             if live > BWD_LIVE:
                 return None
         n_tiles = cdiv(T, bt)
-        progs = _tl().bwd_grid(cfg.get("programs", 0), cfg["num_warps"], dev.sm_count, n_tiles)[0]
+        progs = _tl().bwd_grid(cfg.get("programs", 0), cfg["num_warps"], dev.sm_count, n_tiles,
+                               T * (A * C + B * D))[0]
         part = progs * (A * B + C * D) * 4 if progs > 1 else 0
         works = [Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
                       dram=(T * a * c * eg + T * b * d * ex) * passes + T * b * d * ex + part,

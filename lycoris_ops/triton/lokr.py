@@ -430,14 +430,24 @@ def default_bypass_bwd_cfg(T, A, B, C, D, compute) -> BypassBwdCfg:
     return BypassBwdCfg(block_t=bt, block_d=bd, passes=passes, num_warps=8 if f32 else 4)
 
 
-def bwd_grid(programs: int, num_warps: int, n_sm: int, n_tiles: int):
+#: a bypass backward of at most this many elements of G and x together (T·(a·c + b·d)) runs
+#: as one program by default: its weight gradients are then stored directly, so the call is
+#: one launch with no partial buffers (a tiny call's host time is its launches and buffers;
+#: the one program's device time stays under that)
+ONE_PROGRAM_ELEMS = 1 << 13
+
+
+def bwd_grid(programs: int, num_warps: int, n_sm: int, n_tiles: int, elems: int = 0):
     """(persistent programs, token tiles each) of the bypass backward; ``programs`` 0:
-    two per SM at 4 warps (at most 255 registers a thread: two fit one SM's register
-    file), else one; then the tiles spread evenly. H200, bf16, 64x64 factors, one pass
+    one where the problem has at most ``ONE_PROGRAM_ELEMS`` elements (``elems``), else two
+    per SM at 4 warps (at most 255 registers a thread: two fit one SM's register file),
+    else one; then the tiles spread evenly. H200, bf16, 64x64 factors, one pass
     (bench/variants.py lokr, RESULTS 2026-12-01 15:30-16:00): two 4-warp programs per SM
     took 0.39 ms at 32768 tokens against 0.61 with one and 1.15 with one 8-warp program
     (8 warps: 1.5-3x slower at every tokens/stages/programs setting). plans/lokr models
     this grid."""
+    if not programs and 0 < elems <= ONE_PROGRAM_ELEMS:
+        programs = 1
     progs = max(1, min(programs or (2 if num_warps == 4 else 1) * n_sm, n_tiles))
     per = cdiv(n_tiles, progs)
     return cdiv(n_tiles, per), per
@@ -648,7 +658,7 @@ def _bypass_bwd_plan(T, a, b, c, d, views, compute, device, cfg: BypassBwdCfg):
     bd = cfg.block_d or dflt.block_d
     n_tiles = cdiv(T, bt)
     nw = cfg.num_warps or dflt.num_warps
-    progs, per = bwd_grid(cfg.programs, nw, num_sms(device), n_tiles)
+    progs, per = bwd_grid(cfg.programs, nw, num_sms(device), n_tiles, T * (A * C + B * D))
     meta = dict(CD=tl_dtype(compute), DOT=dot_dtype(compute), SPLIT=split,
                 IDX64=needs_idx64(*views) or progs * max(A * B * cdiv(D, bd), C * D) > 2**31 - 1,
                 BT=bt, BA=_p16(A), BB=_p16(B), BC=_p16(C), BD=bd, num_warps=nw, num_stages=cfg.num_stages)

@@ -150,9 +150,15 @@ def _bypass_bwd_tok_kernel(
     I_PER_PROG, I_SPLIT,
     CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr,
+    FUSE_GW: tl.constexpr = False,
 ):
     """Per token tile: h = round(x·downᵀ), q = round(G·up) -> workspace (T, R);
-    gx = γ·q·down over this program's I range (1-D grid, I ranges adjacent)."""
+    gx = γ·q·down over this program's I range (1-D grid, I ranges adjacent).
+
+    FUSE_GW (the grid is this one program: every token and every column): the weight
+    gradients too, from h and q in registers, ``h_ptr``/``q_ptr`` then being g_up (O, R)
+    and g_down (R, I): g_down = γ·qᵀ·x in the gx loop, g_up = γ·Gᵀ·h in a second pass over
+    O. One launch and no workspace (a tiny call's host time is its launches and buffers)."""
     pid = tl.program_id(0)
     pid_t = pid // I_SPLIT
     pid_i = pid % I_SPLIT
@@ -164,8 +170,8 @@ def _bypass_bwd_tok_kernel(
     mask_r = offs_r < R
     mask_tr = mask_t[:, None] & mask_r[None, :]
 
+    h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     if pid_i == 0:  # h is needed by g_up only: one program per token tile stores it
-        h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
         for i0 in range(0, I, BLOCK_I):
             offs_i = i0 + tl.arange(0, BLOCK_I)
             if IDX64:
@@ -176,7 +182,8 @@ def _bypass_bwd_tok_kernel(
             dt = tl.load(down_ptr + offs_i[:, None] * s_di + offs_r[None, :] * s_dr,
                          mask=mask_i[:, None] & mask_r[None, :], other=0.0)
             h = tl.dot(xt.to(CD).to(DOT), dt.to(CD).to(DOT), h, input_precision="ieee")
-        tl.store(h_ptr + offs_t[:, None] * R + offs_r[None, :], h.to(CD), mask=mask_tr)
+        if not FUSE_GW:
+            tl.store(h_ptr + offs_t[:, None] * R + offs_r[None, :], h.to(CD), mask=mask_tr)
 
     q = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     for o0 in range(0, O, BLOCK_O):
@@ -190,7 +197,7 @@ def _bypass_bwd_tok_kernel(
                      mask=mask_o[:, None] & mask_r[None, :], other=0.0)
         q = tl.dot(gt.to(CD).to(DOT), ut.to(CD).to(DOT), q, input_precision="ieee")
     qc = q.to(CD)
-    if pid_i == 0:
+    if pid_i == 0 and not FUSE_GW:
         tl.store(q_ptr + offs_t[:, None] * R + offs_r[None, :], qc, mask=mask_tr)
     qd = qc.to(DOT)
 
@@ -206,6 +213,24 @@ def _bypass_bwd_tok_kernel(
         acc = tl.dot(qd, dt.to(CD).to(DOT), input_precision="ieee") * gamma
         tl.store(gx_ptr + offs_t[:, None] * s_gxt + offs_i[None, :] * s_gxi,
                  acc.to(gx_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_i[None, :])
+        if FUSE_GW:  # g_down[r, i] = γ·Σ_t q[t, r]·x[t, i]
+            xt = tl.load(x_ptr + offs_t[:, None] * s_xt + offs_i[None, :] * s_xi,
+                         mask=mask_t[:, None] & mask_i[None, :], other=0.0)
+            gd = tl.dot(tl.trans(qd), xt.to(CD).to(DOT), input_precision="ieee") * gamma
+            tl.store(q_ptr + offs_r[:, None] * I + offs_i[None, :], gd.to(q_ptr.dtype.element_ty),
+                     mask=mask_r[:, None] & mask_i[None, :])
+    if FUSE_GW:  # g_up[o, r] = γ·Σ_t G[t, o]·h[t, r]
+        hd = h.to(CD).to(DOT)
+        for o0 in range(0, O, BLOCK_O):
+            offs_o = o0 + tl.arange(0, BLOCK_O)
+            if IDX64:
+                offs_o = offs_o.to(tl.int64)
+            mask_o = offs_o < O
+            gt = tl.load(g_ptr + offs_t[:, None] * s_gt + offs_o[None, :] * s_go,
+                         mask=mask_t[:, None] & mask_o[None, :], other=0.0)
+            gu = tl.dot(tl.trans(gt.to(CD).to(DOT)), hd, input_precision="ieee") * gamma
+            tl.store(h_ptr + offs_o[:, None] * R + offs_r[None, :], gu.to(h_ptr.dtype.element_ty),
+                     mask=mask_o[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -607,6 +632,12 @@ def bypass_bwd(grad, x, up, down, gamma, cfg: Optional[BypassBwdCfg] = None):
     compute, grid, i_per, meta, red = _bypass_bwd_plan(
         gst, x.shape, xst, up.shape, up.stride(), down.stride(),
         x.dtype, up.dtype, down.dtype, dev, cfg)
+    if grid == (1,) and g_up.is_contiguous() and g_down.is_contiguous():
+        # one program covers every token and column: the weight gradients in the same launch
+        fast(_bypass_bwd_tok_kernel)[grid](
+            grad, x, up, down, gx, g_up, g_down, T, I, O, R, gamma,
+            *gst, *xst, *up.stride(), *down.stride(), *gx.stride(), *i_per, FUSE_GW=True, **meta)
+        return gx, g_up, g_down
     ws = torch.empty((2, T, R), device=dev, dtype=compute)  # h, q (rounded to the compute dtype)
     h, q = ws[0], ws[1]
     if grid is not None:
