@@ -100,10 +100,42 @@ def test_bypass(dtype, strategy):
     # GW = Gᵀ·x with its own tiles (gw_cfg; its strategy is ignored) under regen, cfg's under materialize
     gw_cfg = TH.ApplyCfg(block_m=32, block_n=16, block_k=32, strategy="regen", num_warps=4) \
         if strategy == "regen" else None
-    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, cfg, TH.GradCfg(block_m=16, block_n=16, split=2), gw_cfg)
+    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, cfg, TH.GradCfg(block_m=16, block_n=16, split=2), gw_cfg,
+                        small=False)
     for name, gt, p, src in zip(("gx", "g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (x, a1, b1, a2, b2)):
         assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
         close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("geo", [(37, 19, 23, 5), (70, 64, 33, 16), (3, 1, 64, 1)], ids=str)
+def test_bypass_bwd_small(dtype, geo):
+    """The one-program backward (``_bypass_bwd_small_kernel``): several token tiles, odd and
+    full-tile O / I, rank 1; non-contiguous G, x and factors, mixed factor dtypes; against
+    the fp64 oracle, the eager body and the general path (GW materialized, the merge jobs)."""
+    from lycoris_ops.reference import loha as RL
+
+    Tn, On, In, Rn = geo
+    assert TH.small_bypass_bwd(Tn, On, In, Rn)
+    g = gen(21)
+    x = mk((Tn, In), dtype, g, nc=True)
+    a1, b1 = mk((On, Rn), dtype, g, nc=True), mk((Rn, In), dtype, g)
+    a2, b2 = mk((On, Rn), torch.float32, g), mk((Rn, In), dtype, g, nc=True)
+    grad = mk((Tn, On), dtype, g, nc=True)
+    cd = cd_of(x, a1, b1, a2, b2)
+    ops64 = [d64(t, cd) for t in (x, a1, b1, a2, b2)]
+    ps = [t.clone().requires_grad_() for t in ops64]
+    o_bypass(*ps, GAMMA).backward(d64(grad, cd))
+    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA)
+    general = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA, small=False)
+    ref = RL.loha_bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA)
+    for name, gt, p, src, gen_, r in zip(("gx", "g_a1", "g_b1", "g_a2", "g_b2"), got, ps, (x, a1, b1, a2, b2),
+                                         general, ref):
+        assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
+        close(gt, p.grad, REL_TOL[cd], f"small bwd {name}")
+        close(gt, r.double(), REL_TOL[cd], f"small bwd {name} vs the eager body")
+        close(gt, gen_.double(), REL_TOL[cd], f"small bwd {name} vs the general path")
+    assert not TH.small_bypass_bwd(Tn, 65, In, Rn) and not TH.small_bypass_bwd(1000, On, In, Rn)
 
 
 @pytest.mark.parametrize("with_base", [False, True])
@@ -299,6 +331,10 @@ def _compile_all(dtype_names):
                                              gb1_ptr=dn, ga2_ptr=dn, gb2_ptr=dn),
              dict(BM=64, BN=64, BR=64, **com),
              ("s_gi", "s_a1r", "s_b1i", "s_a2r", "s_b2i", "s_ga1r", "s_gb1i", "s_ga2r", "s_gb2i"), 8),
+            (TH._bypass_bwd_small_kernel, dict(g_ptr=dn, x_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn,
+                                               gx_ptr=dn, ga1_ptr=dn, gb1_ptr=dn, ga2_ptr=dn, gb2_ptr=dn),
+             dict(CD=t, DOT=t, BT=16, BO=64, BI=64, BR=64),
+             ("s_go", "s_xi", "s_a1r", "s_b1i", "s_a2r", "s_b2i", "s_gxi", "s_ga1r", "s_gb1i", "s_ga2r", "s_gb2i"), 4),
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
              dict(TWO=True, GROUP_O=8, BO=8, KKP=32, BI=64, BR1=32, BR2=32, **com),
              ("s_b1i", "s_b2i", "s_yk"), 8),
@@ -317,7 +353,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 9, out
+    assert out.count("ok ") == 10, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

@@ -284,6 +284,59 @@ def _hada_grad_pair_kernel(
                        0, s_gb1i, s_gb1r, 0, s_gb2i, s_gb2r, CD, DOT, IDX64, BM, BN, BR)
 
 
+@triton.jit
+def _bypass_bwd_small_kernel(
+    g_ptr, x_ptr, a1_ptr, b1_ptr, a2_ptr, b2_ptr, gx_ptr, ga1_ptr, gb1_ptr, ga2_ptr, gb2_ptr,
+    T, O, I, R, gamma,
+    s_gt, s_go, s_xt, s_xi, s_a1o, s_a1r, s_b1r, s_b1i, s_a2o, s_a2r, s_b2r, s_b2i, s_gxt, s_gxi,
+    s_ga1o, s_ga1r, s_gb1r, s_gb1i, s_ga2o, s_ga2r, s_gb2r, s_gb2i,
+    CD: tl.constexpr, DOT: tl.constexpr, BT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+    BR: tl.constexpr,
+):
+    """The whole ``loha_bypass_bwd`` of a small layer (O, I, padded R within one tile) in
+    ONE program: P1, P2 and ΔW = round(P1⊙P2) in registers; per token tile gx = γ·G·ΔW
+    stored and GW += Gᵀ·x; then GW rounded to the compute dtype, E1 = round(γ·GW⊙P2),
+    E2 = round(γ·GW⊙P1) and the four factor gradients (g_a1 = E1·b1ᵀ, g_b1 = a1ᵀ·E1, ...).
+    The numerics of the general path (``bypass_bwd``, then ``merge_bwd`` on GW), one launch
+    instead of three and no GW buffer: a small call's host time is its launches."""
+    offs_o = tl.arange(0, BO)
+    offs_i = tl.arange(0, BI)
+    offs_r = tl.arange(0, BR)
+    mo, mi, mr = offs_o < O, offs_i < I, offs_r < R
+    mor = mo[:, None] & mr[None, :]
+    mri = mr[:, None] & mi[None, :]
+    a1 = tl.load(a1_ptr + offs_o[:, None] * s_a1o + offs_r[None, :] * s_a1r, mask=mor, other=0.0).to(CD).to(DOT)
+    a2 = tl.load(a2_ptr + offs_o[:, None] * s_a2o + offs_r[None, :] * s_a2r, mask=mor, other=0.0).to(CD).to(DOT)
+    b1 = tl.load(b1_ptr + offs_r[:, None] * s_b1r + offs_i[None, :] * s_b1i, mask=mri, other=0.0).to(CD).to(DOT)
+    b2 = tl.load(b2_ptr + offs_r[:, None] * s_b2r + offs_i[None, :] * s_b2i, mask=mri, other=0.0).to(CD).to(DOT)
+    p1 = tl.dot(a1, b1, input_precision="ieee")
+    p2 = tl.dot(a2, b2, input_precision="ieee")
+    dw = (p1 * p2).to(CD).to(DOT)
+    gw = tl.zeros((BO, BI), dtype=tl.float32)
+    for t0 in range(0, T, BT):
+        offs_t = t0 + tl.arange(0, BT)
+        mt = offs_t < T
+        g = tl.load(g_ptr + offs_t[:, None] * s_gt + offs_o[None, :] * s_go, mask=mt[:, None] & mo[None, :],
+                    other=0.0).to(CD).to(DOT)
+        x = tl.load(x_ptr + offs_t[:, None] * s_xt + offs_i[None, :] * s_xi, mask=mt[:, None] & mi[None, :],
+                    other=0.0).to(CD).to(DOT)
+        gx = tl.dot(g, dw, input_precision="ieee") * gamma
+        tl.store(gx_ptr + offs_t[:, None] * s_gxt + offs_i[None, :] * s_gxi, gx.to(gx_ptr.dtype.element_ty),
+                 mask=mt[:, None] & mi[None, :])
+        gw = tl.dot(tl.trans(g), x, gw, input_precision="ieee")
+    gs = gw.to(CD).to(tl.float32) * gamma
+    e1 = (gs * p2).to(CD).to(DOT)
+    e2 = (gs * p1).to(CD).to(DOT)
+    tl.store(ga1_ptr + offs_o[:, None] * s_ga1o + offs_r[None, :] * s_ga1r,
+             tl.dot(e1, tl.trans(b1), input_precision="ieee").to(ga1_ptr.dtype.element_ty), mask=mor)
+    tl.store(ga2_ptr + offs_o[:, None] * s_ga2o + offs_r[None, :] * s_ga2r,
+             tl.dot(e2, tl.trans(b2), input_precision="ieee").to(ga2_ptr.dtype.element_ty), mask=mor)
+    tl.store(gb1_ptr + offs_r[:, None] * s_gb1r + offs_i[None, :] * s_gb1i,
+             tl.dot(tl.trans(a1), e1, input_precision="ieee").to(gb1_ptr.dtype.element_ty), mask=mri)
+    tl.store(gb2_ptr + offs_r[:, None] * s_gb2r + offs_i[None, :] * s_gb2i,
+             tl.dot(tl.trans(a2), e2, input_precision="ieee").to(gb2_ptr.dtype.element_ty), mask=mri)
+
+
 # =============================================================================== configs
 
 
@@ -519,9 +572,36 @@ def _bypass_bwd_plan(T, O, I, R, views, compute, device, cfg: ApplyCfg, gw_cfg: 
     return idx64, regen, gx_launch, gw_launch
 
 
+#: ``loha_bypass_bwd`` runs as one program (``_bypass_bwd_small_kernel``) where O and I fit
+#: one tile of this width, the padded rank this, and G and x together at most SMALL_ELEMS
+SMALL_TILE = 64
+SMALL_ELEMS = 1 << 14
+
+
+def small_bypass_bwd(T: int, O: int, I: int, R: int) -> bool:
+    """Whether ``bypass_bwd`` takes the one-program kernel (then cfg and grad_cfg are unused)."""
+    return 0 < T * (O + I) <= SMALL_ELEMS and 0 < O <= SMALL_TILE and 0 < I <= SMALL_TILE and 0 < R and \
+        _p16(R) <= SMALL_TILE
+
+
+def _bypass_bwd_small(grad, x, a1, b1, a2, b2, gamma, compute):
+    T, I = x.shape
+    O = a1.shape[0]
+    dev = x.device
+    gx = torch.empty((T, I), device=dev, dtype=x.dtype)
+    outs = tuple(torch.empty(t.shape, device=dev, dtype=t.dtype) for t in (a1, b1, a2, b2))
+    bo, bi, br = max(16, next_pow2(O)), max(16, next_pow2(I)), _p16(a1.shape[1])
+    fast(_bypass_bwd_small_kernel)[(1,)](
+        grad, x, a1, b1, a2, b2, gx, *outs, T, O, I, a1.shape[1], gamma, *grad.stride(), *x.stride(),
+        *a1.stride(), *b1.stride(), *a2.stride(), *b2.stride(), *gx.stride(), *outs[0].stride(), *outs[1].stride(),
+        *outs[2].stride(), *outs[3].stride(), CD=tl_dtype(compute), DOT=dot_dtype(compute),
+        BT=32 if bo * bi <= 1024 else 16, BO=bo, BI=bi, BR=br, num_warps=4)
+    return (gx,) + outs
+
+
 def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
                grad_cfg: Optional[GradCfg] = None, gw_cfg: Optional[ApplyCfg] = None, vendor: bool = False,
-               merge_vendor: bool = False):
+               merge_vendor: bool = False, small: Optional[bool] = None):
     """(gx (T, I) in x's dtype, g_a1, g_b1, g_a2, g_b2 in their inputs' dtypes).
 
     ``cfg``: the gx GEMM (and ΔW materialization); ``gw_cfg``: the GW = Gᵀ·x GEMM's tiles
@@ -531,11 +611,14 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
     by the Triton kernels: where cuBLAS beats the fused GEMMs and the eager body's fp32
     elementwise passes cost more than these kernels (a tuner candidate at large shapes).
     ``merge_vendor``: the factor gradients by ``merge_bwd(vendor=True)`` (its four
-    contractions by torch's GEMM)."""
+    contractions by torch's GEMM). ``small``: the one-program kernel (None: where
+    ``small_bypass_bwd`` says; True needs O, I and the padded rank within ``SMALL_TILE``)."""
     T, I = x.shape
     O, R = a1.shape
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     dev = x.device
+    if small if small is not None else (not vendor and small_bypass_bwd(T, O, I, R)):
+        return _bypass_bwd_small(grad, x, a1, b1, a2, b2, gamma, compute)
     if vendor:
         from ..reference import cast, gemm_epilogue, mm32
 
