@@ -358,3 +358,25 @@ def test_eager_body_below_autograd_is_not_recording(monkeypatch):
     with torch._C._AutoDispatchBelowAutograd():  # torch.library's redispatch below autograd
         assert not R.recording(x)
     assert R.recording(x) and not R.recording(x.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mm_rounded_is_one_rounding_of_an_fp32_product(dtype):
+    """``reference.mm_rounded`` (GW = Gᵀ·x of the bypass backward): fp32 accumulation, one
+    rounding, on CPU and (16-bit on CUDA: cuBLAS with fp32 reduction) on the GPU; a long K,
+    a transposed operand; torch's reduced-precision flags are left as they were."""
+    from lycoris_ops.reference import mm32, mm_rounded
+
+    devs = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    g = torch.Generator().manual_seed(5)
+    for dev in devs:
+        a = torch.randn(4099, 37, generator=g).to(dev, dtype)
+        b = torch.randn(4099, 45, generator=g).to(dev, dtype)
+        flags = torch.backends.cuda.matmul
+        before = (flags.allow_fp16_reduced_precision_reduction, flags.allow_bf16_reduced_precision_reduction)
+        got = mm_rounded(a.t(), b, dtype)
+        assert (flags.allow_fp16_reduced_precision_reduction, flags.allow_bf16_reduced_precision_reduction) == before
+        want = mm32(a.t(), b).to(dtype)
+        exact = a.double().t() @ b.double()
+        assert got.dtype == dtype and got.shape == (37, 45)
+        assert rel_err(got.double(), exact) <= rel_err(want.double(), exact) * 1.05 + 1e-7

@@ -53,6 +53,31 @@ def mm32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float()
 
 
+_REDUCED = {torch.float16: "allow_fp16_reduced_precision_reduction",
+            torch.bfloat16: "allow_bf16_reduced_precision_reduction"}
+
+
+def mm_rounded(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(a @ b)`` accumulated in fp32 and rounded once to ``dtype``: ``mm32(a, b).to(dtype)``.
+
+    On CUDA, with a and b 16-bit of ``dtype``: one cuBLAS GEMM with the 16-bit output,
+    torch's reduced-precision reduction disallowed for the call, so a split reduction adds
+    its partials in fp32 and the result is rounded once, as above, without the fp32 output
+    and the cast pass (H200, Gᵀ·x at 32768 tokens x 4096: 1.352 against 1.382 ms, the same
+    bits; ``bench/loha_gw_gemm.py``). The flag is process-wide: a GEMM another thread runs
+    meanwhile also reduces in fp32 (more precise, never less)."""
+    if (a.is_cuda and a.dtype == b.dtype == dtype and dtype in _REDUCED and a.dim() == b.dim() == 2
+            and not recording(a, b)):
+        flags, name = torch.backends.cuda.matmul, _REDUCED[dtype]
+        was = getattr(flags, name)
+        setattr(flags, name, False)
+        try:
+            return torch.mm(a, b)
+        finally:
+            setattr(flags, name, was)
+    return mm32(a, b).to(dtype)
+
+
 #: the fused 16-bit-output GEMM path is taken where cuBLAS has no reason to split the reduction:
 #: a short one (K <= this), or an output with enough tiles to fill the GPU (M·N >= the
 #: next) and K <= the last. A split reduction may add its partial sums in 16 bits

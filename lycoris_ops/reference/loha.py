@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
-from . import cast, gemm_epilogue, mm32
+from . import cast, gemm_epilogue, mm32, mm_rounded
 
 
 def _acc(compute: torch.dtype) -> torch.dtype:
@@ -143,5 +143,5 @@ def loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
     g, xc = cast(grad, c), cast(x, c)
     p1, p2, dw = _delta(a1, b1, a2, b2, c)
     gx = gemm_epilogue(g, dw, x.dtype, gamma).contiguous()
-    gw = mm32(g.t(), xc).to(c)
+    gw = mm_rounded(g.t(), xc, c)
     return (gx,) + _hada_grads(gw, p1, p2, a1, b1, a2, b2, gamma, c)

@@ -51,7 +51,7 @@ import torch
 from ._common import (aligned, arch_of, cdiv, kernel, launch_config, num_sms, smem_limit, tl_dtype,
                       without_warp_specialization)
 from .lora import _scaled_acc, _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
-from ..reference import gemm_epilogue, mm32
+from ..reference import gemm_epilogue, mm_rounded
 
 __all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel", "hada_grad_pair_kernel",
            "bypass_fwd", "bypass_bwd", "merge_bwd", "compile_specs", "REGEN_BUDGET", "grads_fixed",
@@ -484,7 +484,7 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg=None):
     cf = launch_config(APPLY_GEMM, cfg)
     if cf.get("vendor") and x.shape[0]:
         gx = gemm_epilogue(g, _delta(f, c), x.dtype, gamma).contiguous()
-        gw = mm32(g.t(), xc).to(c)  # round(Gᵀ·x) (O, I)
+        gw = mm_rounded(g.t(), xc, c)  # round(Gᵀ·x) (O, I)
         return (gx,) + _grads(gw, f, gamma, tuple(t.dtype for t in (a1, b1, a2, b2)), c)
     if _regen(x.shape[0], a1.shape[1]):
         gx = _apply(True, g, f, None, gamma, x.dtype, c, I)

@@ -620,13 +620,13 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
     if small if small is not None else (not vendor and small_bypass_bwd(T, O, I, R)):
         return _bypass_bwd_small(grad, x, a1, b1, a2, b2, gamma, compute)
     if vendor:
-        from ..reference import cast, gemm_epilogue, mm32
+        from ..reference import cast, gemm_epilogue, mm_rounded
 
         g = cast(grad, compute)
         idx64 = needs_idx64(*view_key(grad, x, a1, b1, a2, b2))
         dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg or ApplyCfg())
         gx = gemm_epilogue(g, dw, x.dtype, gamma).contiguous()
-        gw = mm32(g.t(), cast(x, compute)).to(compute)
+        gw = mm_rounded(g.t(), cast(x, compute), compute)
         return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg, vendor=merge_vendor)
     gx = torch.empty((T, I), device=dev, dtype=x.dtype)
     gw = torch.empty((O, I), device=dev, dtype=compute)
