@@ -237,7 +237,9 @@ def ops(dev, calls):
 def _launches(call) -> str:
     """The kernel launches and allocations of one ``call()`` (torch.profiler, CPU side):
     ``"<n> [name, ...]"``: the driver/runtime launch calls, then the device kernels' names."""
+    import warnings
     from torch.profiler import ProfilerActivity, profile
+    warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call()
         torch.cuda.synchronize()
