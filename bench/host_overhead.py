@@ -200,14 +200,10 @@ def ops(dev, calls):
     """Host time per call of each of the 23 ops on its first (tiny) test case, bf16 on
     CUDA (fp32 on CPU), no gradient, next to one torch.add in the same process."""
     from lycoris_ops import OP_NAMES
-    from lycoris_ops.testing import cases
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    first = {}
-    for case in cases():
-        if case.tensors() and case.op not in first:
-            first[case.op] = case.to(device=dev, dtype=dtype)
+    first = _first_cases(dev, dtype)
     a, b = torch.randn(4, 4, device=dev), torch.randn(4, 4, device=dev)
     ref = per_call_us(lambda: torch.add(a, b, alpha=0.5), calls, sync)
     print(f"host us/call on {dev} (torch {torch.__version__}, {calls} calls each, best of 5 rounds, no grad)")
@@ -234,9 +230,20 @@ def ops(dev, calls):
                 print(f"  {op:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)  {first[op].id}{extra}")
 
 
+def _first_cases(dev, dtype):
+    """{op: its first test case with tensors, moved to ``dev`` in ``dtype``}."""
+    from lycoris_ops.testing import cases
+
+    first = {}
+    for case in cases():
+        if case.tensors() and case.op not in first:
+            first[case.op] = case.to(device=dev, dtype=dtype)
+    return first
+
+
 def _launches(call) -> str:
-    """The kernel launches and allocations of one ``call()`` (torch.profiler, CPU side):
-    ``"<n> [name, ...]"``: the driver/runtime launch calls, then the device kernels' names."""
+    """The kernel launches of one ``call()`` (torch.profiler): ``"<n> [name, ...]"``, the
+    driver/runtime launch calls on the CPU side, then the device kernels' names."""
     import warnings
     from torch.profiler import ProfilerActivity, profile
     warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
@@ -253,12 +260,8 @@ def _launches(call) -> str:
 def why(names):
     """Per op: the CPU events of 300 replayed calls (its first bf16 test case), by self time."""
     from torch.profiler import ProfilerActivity, profile
-    from lycoris_ops.testing import cases
 
-    first = {}
-    for case in cases():
-        if case.tensors() and case.op in names and case.op not in first:
-            first[case.op] = case.to(device="cuda", dtype=torch.bfloat16)
+    first = _first_cases(torch.device("cuda"), torch.bfloat16)
     for op in names:
         call = first[op]
         with torch.no_grad():

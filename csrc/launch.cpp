@@ -259,7 +259,8 @@ std::shared_ptr<const Plan> parse_plan(PyObject* o) {
 // A plan's allocation on the current device, as at::empty_strided makes it but without the
 // dispatcher: a storage of a.nbytes from the CUDA caching allocator (so the CUDA graph pools,
 // record_stream and the memory stats see it as usual) and the tensor over it. Where torch is
-// asked to fill uninitialized memory (deterministic mode), at::empty_strided itself.
+// asked to fill uninitialized memory (deterministic mode), a filled at::empty of a.nbytes bytes
+// with the tensor set over its storage.
 at::Tensor allocate(const Alloc& a, c10::DeviceIndex device) {
   auto& ctx = at::globalContext();
   if (ctx.deterministicAlgorithms() && ctx.deterministicFillUninitializedMemory()) {
