@@ -1,6 +1,6 @@
 """A/B of launch variants of one kernel family, in one process (the tuner's shortlist aside).
 
-    python bench/variants.py tucker|boft|oft|lokr [--shapes small,large] [--phases fwd,bwd] [--profile] [--smoke]
+    python bench/variants.py tucker|boft|oft|lokr|loha [--shapes small,large] [--phases fwd,bwd] [--profile] [--smoke]
 
 Each variant is one config of the family's Triton launcher, called directly (no tuner,
 no op dispatch): device time per call (``timing.DeviceTimer``: L2 flushed, launch gaps
@@ -32,6 +32,7 @@ SHAPES = {  # family -> shape name -> geometry
     "oft": {"small": dict(P=8192, D=3072, S=32), "large": dict(P=32768, D=4096, S=32), "smoke": dict(P=40, D=64, S=8),
             "tile": dict(P=640, D=4096, S=32)},
     "lokr": {"small": dict(T=8192, a=48, c=64), "large": dict(T=32768, a=64, c=64), "smoke": dict(T=24, a=6, c=5)},
+    "loha": {"small": dict(T=8192, D=3072, r=32), "large": dict(T=32768, D=4096, r=64), "smoke": dict(T=24, D=40, r=5)},
 }
 
 
@@ -158,7 +159,50 @@ def lokr(geo, dtype, dev, gen):
     return {"bwd": rows, "fwd": fwd}  # g_w1 of each backward
 
 
-FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft, "lokr": lokr}
+def loha(geo, dtype, dev, gen):
+    """The LoHa bypass backward at the bench shapes: ``grad``, the factor gradients
+    (``merge_bwd`` on GW (D, D)) per tile config, split and vendor form; ``gemm``, the gx GEMM
+    ``γ·G·ΔW`` (T·D·D) in cuBLAS call forms (the ones marked "other rounding" are not the
+    op's numerics: timing yardsticks); ``bwd``, the whole ``bypass_bwd`` vendor paths."""
+    from lycoris_ops.reference import gemm_epilogue, mm_rounded
+    from lycoris_ops.triton import loha as TH
+
+    Tn, D, r = geo["T"], geo["D"], geo["r"]
+    x, g = _rand(gen, (Tn, D), dtype, dev), _rand(gen, (Tn, D), dtype, dev)
+    a1, a2 = _rand(gen, (D, r), dtype, dev, 0.1), _rand(gen, (D, r), dtype, dev, 0.1)
+    b1, b2 = _rand(gen, (r, D), dtype, dev, 0.1), _rand(gen, (r, D), dtype, dev, 0.1)
+    gw = mm_rounded(g.t(), x, dtype) if dev.type == "cuda" else (g.t().float() @ x.float()).to(dtype)
+    Cfg = TH.GradCfg
+    grad = [("launcher default", lambda: TH.merge_bwd(gw, a1, b1, a2, b2, 0.75)[0])]
+    for bm, bn, w, s, sp in ((64, 64, 8, 2, 1), (64, 64, 8, 3, 0), (64, 64, 4, 2, 0), (64, 32, 4, 3, 0),
+                             (128, 64, 8, 2, 0), (128, 64, 8, 2, 1), (128, 64, 8, 3, 1), (128, 32, 8, 3, 0),
+                             (64, 128, 8, 2, 0), (128, 128, 8, 2, 1), (64, 64, 8, 2, 2), (64, 64, 8, 2, 4),
+                             (128, 64, 8, 2, 2), (32, 64, 4, 2, 1), (32, 64, 4, 2, 0)):
+        c = Cfg(block_m=bm, block_n=bn, split=sp, num_warps=w, num_stages=s)
+        grad.append((f"{bm}x{bn} w{w} s{s} split{sp or 'auto'}",
+                     lambda c=c: TH.merge_bwd(gw, a1, b1, a2, b2, 0.75, cfg=c)[0]))
+    grad.append(("vendor (E + 4 GEMMs)", lambda: TH.merge_bwd(gw, a1, b1, a2, b2, 0.75, vendor=True)[0]))
+    dw = ((a1.float() @ b1.float()) * (a2.float() @ b2.float())).to(dtype)  # ΔW (O, I)
+    dwt = dw.t().contiguous()  # ΔWᵀ stored (I, O): gx = G·(ΔWᵀ)ᵀ, the NT form
+    gemm = [("addmm beta0 (op)", lambda: gemm_epilogue(g, dw, dtype, 0.75)),
+            ("addmm beta0, NT", lambda: gemm_epilogue(g, dwt.t(), dtype, 0.75)),
+            ("mm, other rounding", lambda: torch.mm(g, dw)),
+            ("mm NT, other rounding", lambda: torch.mm(g, dwt.t())),
+            ("mm + mul_, other rnd", lambda: torch.mm(g, dw).mul_(0.75))]
+    if dev.type == "cuda":
+        out = torch.empty((Tn, D), device=dev, dtype=dtype)
+        gemm.insert(2, ("addmm out= beta0", lambda: torch.addmm(out, g, dw, beta=0, alpha=0.75, out=out)))
+    bwd = [("vendor", lambda: TH.bypass_bwd(g, x, a1, b1, a2, b2, 0.75, vendor=True)[1]),
+           ("vendor + merge vendor", lambda: TH.bypass_bwd(g, x, a1, b1, a2, b2, 0.75, vendor=True,
+                                                           merge_vendor=True)[1]),
+           ("vendor, grad 128x64 s1", lambda: TH.bypass_bwd(
+               g, x, a1, b1, a2, b2, 0.75, vendor=True, grad_cfg=Cfg(block_m=128, block_n=64, split=1))[1])]
+    gws = [("GW mm_rounded (op)", lambda: mm_rounded(g.t(), x, dtype)),
+           ("GW mm, default reduction", lambda: torch.mm(g.t(), x))]
+    return {"grad": grad, "gemm": gemm, "gw": gws, "bwd": bwd}
+
+
+FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft, "lokr": lokr, "loha": loha}
 
 
 def _rel(a, b):
