@@ -163,7 +163,9 @@ def loha(geo, dtype, dev, gen):
     """The LoHa bypass backward at the bench shapes: ``grad``, the factor gradients
     (``merge_bwd`` on GW (D, D)) per tile config, split and vendor form; ``gemm``, the gx GEMM
     ``γ·G·ΔW`` (T·D·D) in cuBLAS call forms (the ones marked "other rounding" are not the
-    op's numerics: timing yardsticks); ``bwd``, the whole ``bypass_bwd`` vendor paths."""
+    op's numerics: timing yardsticks); ``bwd``, the whole ``bypass_bwd`` vendor paths;
+    ``fwd``, ``γ·x·ΔWᵀ + base`` by torch's addmm (base copied into the output first) and by
+    one cuBLASLt call reading base in place, and the vendor forward."""
     from lycoris_ops.reference import gemm_epilogue, mm_rounded
     from lycoris_ops.triton import loha as TH
 
@@ -197,9 +199,14 @@ def loha(geo, dtype, dev, gen):
                                                            merge_vendor=True)[1]),
            ("vendor, grad 128x64 s1", lambda: TH.bypass_bwd(
                g, x, a1, b1, a2, b2, 0.75, vendor=True, grad_cfg=Cfg(block_m=128, block_n=64, split=1))[1])]
+    base = _rand(gen, (Tn, D), dtype, dev)
+    fwd = [("addmm: base copied first", lambda: gemm_epilogue(x, dwt.t(), dtype, 0.75, base)),
+           ("cuBLASLt: base in place", lambda: gemm_epilogue(x, dwt.t(), dtype, 0.75, base, base_in_place=True)),
+           ("vendor bypass_fwd (op)", lambda: TH.bypass_fwd(x, a1, b1, a2, b2, 0.75, base,
+                                                            TH.ApplyCfg(strategy="materialize"), vendor=True))]
     gws = [("GW mm_rounded (op)", lambda: mm_rounded(g.t(), x, dtype)),
            ("GW mm, default reduction", lambda: torch.mm(g.t(), x))]
-    return {"grad": grad, "gemm": gemm, "gw": gws, "bwd": bwd}
+    return {"grad": grad, "gemm": gemm, "gw": gws, "bwd": bwd, "fwd": fwd}
 
 
 FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft, "lokr": lokr, "loha": loha}

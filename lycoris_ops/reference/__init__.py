@@ -88,7 +88,7 @@ GEMM_EPILOGUE_MAX_K = 8192
 
 
 def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alpha: float = 1.0,
-                  base: "torch.Tensor | None" = None) -> torch.Tensor:
+                  base: "torch.Tensor | None" = None, base_in_place: bool = False) -> torch.Tensor:
     """``round_out(alpha·(a @ b) [+ base])``: fp32 accumulation, the scale and the add in
     fp32, one rounding to ``out_dtype``.
 
@@ -96,6 +96,9 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
     one cuBLAS call does all of it (its 16-bit GEMM accumulates in fp32 and applies
     alpha and the add in fp32 before its single rounding), instead of an fp32 product
     and three fp32 passes over the output. Elsewhere: ``mm32`` and the fp32 epilogue.
+    ``base_in_place`` (the fused backends' vendor paths; the eager bodies keep torch's
+    addmm): base is read by the GEMM where it lies (``_cublaslt.addmm``), not first
+    copied into the output as ``torch.addmm`` does; the same numerics.
     """
     if (_MM_OUT_DTYPE and a.is_cuda and a.dtype == b.dtype == out_dtype and a.dtype in _HALF
             and a.dim() == 2 and b.dim() == 2
@@ -104,6 +107,12 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
             and (base is None or (base.dtype == out_dtype and base.shape == (a.shape[0], b.shape[1])))
             and not recording(a, b, base)):
         if base is not None:
+            if base_in_place:
+                from .._cublaslt import addmm
+
+                y = addmm(base, a, b, alpha)
+                if y is not None:
+                    return y
             return torch.addmm(base, a, b, alpha=alpha)
         if alpha == 1.0:
             return torch.mm(a, b)

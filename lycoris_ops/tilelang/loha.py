@@ -394,7 +394,7 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg=None):
     bs = None if base is None else aligned(base.contiguous())
     cf = launch_config(APPLY_GEMM, cfg)
     if cf.get("vendor") and x.shape[0]:
-        return gemm_epilogue(xc, _delta(f, c).t(), odt, gamma, bs).contiguous()
+        return gemm_epilogue(xc, _delta(f, c).t(), odt, gamma, bs, base_in_place=True).contiguous()
     if _regen(x.shape[0], a1.shape[1]):
         return _apply(False, xc, f, bs, gamma, odt, c, a1.shape[0])
     return gemm(xc, _delta(f, c), None, None, bs, gamma, "plain", odt, c, b_nk=True, dyn_m=True, **_tiles(cf))

@@ -381,6 +381,11 @@ def default_grad_cfg(R: int, compute: torch.dtype) -> GradCfg:
     rp = _p16(R)
     if compute == torch.float32:
         return GradCfg(block_m=32 if rp <= 64 else 16, block_n=32, num_warps=4 if rp <= 32 else 8)
+    if 32 <= rp <= 64:
+        # H200, bf16 (RESULTS.md 2026-12-04 15:20, bench/variants.py loha --phases grad): narrow N
+        # steps, 4 warps, 3 stages, split: 0.091 ms at 4096², r64 (the 64x64 8-warp tile: 0.165),
+        # 0.048 at 3072², r32 (0.070)
+        return GradCfg(block_m=64, block_n=32, num_warps=4, num_stages=3)
     # ptxas (sm_90, bf16): no spills up to rp 64 with these; rp 128 spills a few bytes
     return GradCfg(block_m=64, block_n=64 if rp <= 64 else 32, num_warps=4 if rp <= 16 else 8)
 
@@ -444,7 +449,7 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg: Optional[ApplyCfg] = No
 
         idx64 = needs_idx64(*[v for v in view_key(x, a1, b1, a2, b2, base) if v is not None])
         dw = _materialize(a1, b1, a2, b2, O, I, R, compute, idx64, cfg)
-        return gemm_epilogue(cast(x, compute), dw.t(), out_dtype, gamma, base).contiguous()
+        return gemm_epilogue(cast(x, compute), dw.t(), out_dtype, gamma, base, base_in_place=True).contiguous()
     y = torch.empty((T, O), device=x.device, dtype=out_dtype)
     if y.numel() == 0:
         return y

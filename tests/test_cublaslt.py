@@ -1,0 +1,93 @@
+"""``lycoris_ops._cublaslt.addmm``: ``round(α·(a @ b) + base)`` into a fresh output by one cuBLASLt
+call (base read where it lies), against the fp32 formula and ``torch.addmm``; the layouts it
+takes, the ones it declines (None, the caller falls back), CUDA-graph capture. On CPU only the
+declining is checkable: the GPU script runs the rest."""
+import pytest
+import torch
+
+from lycoris_ops import _cublaslt
+from lycoris_ops.reference import gemm_epilogue
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="cuBLASLt needs a CUDA device")
+
+
+def _want(base, a, b, alpha):
+    return (alpha * (a.double() @ b.double()) + base.double()).to(base.dtype)
+
+
+def _ulps(got, want):
+    """Largest |got - want| in units of the dtype's epsilon at |want| (1: one rounding apart)."""
+    g, w = got.double(), want.double()
+    eps = torch.finfo(want.dtype).eps
+    scale = torch.maximum(g.abs(), w.abs()).clamp_min(torch.finfo(want.dtype).tiny) * eps
+    return ((g - w).abs() / scale).max().item()
+
+
+def test_declines_cpu_and_fp32():
+    a, b, base = torch.randn(5, 3), torch.randn(3, 4), torch.randn(5, 4)
+    assert _cublaslt.addmm(base, a, b, 0.5) is None
+    assert _cublaslt.addmm(base.half(), a.half(), b.half(), 0.5) is None
+    # the caller's fallback: gemm_epilogue with base_in_place on CPU is the plain formula
+    got = gemm_epilogue(a, b, torch.float32, 0.5, base, base_in_place=True)
+    torch.testing.assert_close(got, 0.5 * (a @ b) + base)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["rr", "rc", "cr", "cc", "pitched"])
+@pytest.mark.parametrize("mkn", [(37, 61, 45), (1024, 520, 768)])
+def test_addmm_matches_formula(dtype, layout, mkn):
+    M, K, N = mkn
+    gen = torch.Generator(device="cuda").manual_seed(M * 7 + K)
+    a = torch.randn(M, K, device="cuda", generator=gen).to(dtype)
+    b = torch.randn(K, N, device="cuda", generator=gen).to(dtype) * 0.1
+    base = torch.randn(M, N, device="cuda", generator=gen).to(dtype)
+    if layout[0] == "c":
+        a = a.t().contiguous().t()
+    if layout[1:] == "c":
+        b = b.t().contiguous().t()
+    if layout == "pitched":  # base a column slice of a wider tensor (row pitch > N)
+        wide = torch.randn(M, N + 13, device="cuda", generator=gen).to(dtype)
+        base = wide[:, 5:5 + N]
+    base_before = base.clone()
+    assert _cublaslt.available()
+    got = _cublaslt.addmm(base, a, b, 0.75)
+    assert got is not None, "a layout this path takes came back declined"
+    assert got.shape == (M, N) and got.is_contiguous() and got.dtype == dtype
+    assert torch.equal(base, base_before), "base was written"
+    assert _ulps(got, _want(base, a, b, 0.75)) <= 1
+    assert _ulps(got, torch.addmm(base, a, b, alpha=0.75)) <= 1
+
+
+@needs_cuda
+def test_addmm_declines_what_it_cannot_lay_out():
+    a = torch.randn(8, 12, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(6, 20, device="cuda", dtype=torch.bfloat16)[:, ::2]  # (6, 10), neither stride 1
+    base = torch.randn(8, 10, device="cuda", dtype=torch.bfloat16)
+    assert _cublaslt.addmm(base, a[:, :6], b, 1.0) is None
+    assert _cublaslt.addmm(base.t().contiguous().t(), a[:, :6], b.contiguous(), 1.0) is None  # column-major base
+    assert _cublaslt.addmm(base.float(), a[:, :6], b.contiguous(), 1.0) is None  # mixed dtypes
+    got = gemm_epilogue(a[:, :6], b, torch.bfloat16, 1.0, base, base_in_place=True)  # the fallback
+    assert _ulps(got, _want(base, a[:, :6], b, 1.0)) <= 1
+
+
+@needs_cuda
+def test_addmm_cuda_graph_replay():
+    M, K, N = 96, 80, 72
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(K, N, device="cuda", dtype=torch.bfloat16)
+    base = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    _cublaslt.addmm(base, a, b, 0.5)  # warm: plan and handle outside the capture
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s), torch.cuda.graph(g, stream=s):
+        out = _cublaslt.addmm(base, a, b, 0.5)
+    assert out is not None
+    for _ in range(2):
+        a.copy_(torch.randn_like(a))
+        base.copy_(torch.randn_like(base))
+        g.replay()
+        torch.cuda.synchronize()
+        assert _ulps(out, _want(base, a, b, 0.5)) <= 1
