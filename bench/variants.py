@@ -200,8 +200,8 @@ def loha(geo, dtype, dev, gen):
            ("vendor, grad 128x64 s1", lambda: TH.bypass_bwd(
                g, x, a1, b1, a2, b2, 0.75, vendor=True, grad_cfg=Cfg(block_m=128, block_n=64, split=1))[1])]
     base = _rand(gen, (Tn, D), dtype, dev)
-    fwd = [("addmm: base copied first", lambda: gemm_epilogue(x, dwt.t(), dtype, 0.75, base)),
-           ("cuBLASLt: base in place", lambda: gemm_epilogue(x, dwt.t(), dtype, 0.75, base, base_in_place=True)),
+    fwd = [("addmm: base copied first", lambda: gemm_epilogue(x, dw.t(), dtype, 0.75, base)),
+           ("cuBLASLt: base in place", lambda: gemm_epilogue(x, dw.t(), dtype, 0.75, base, base_in_place=True)),
            ("vendor bypass_fwd (op)", lambda: TH.bypass_fwd(x, a1, b1, a2, b2, 0.75, base,
                                                             TH.ApplyCfg(strategy="materialize"), vendor=True))]
     gws = [("GW mm_rounded (op)", lambda: mm_rounded(g.t(), x, dtype)),

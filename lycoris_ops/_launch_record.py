@@ -240,6 +240,13 @@ def plan_of(args, outputs, watch: _Watch, launches, device: torch.device):
     return (device.index or 0, alloc_plan, out_plan, launch_plan), None
 
 
+def foreign_work(what: str) -> None:
+    """Say that the running call puts work on the GPU outside aten and Triton (a library called
+    through ctypes): a call being recorded then gets no plan, as its replay would skip that work."""
+    if getattr(_local, "launches", None) is not None:
+        _local.foreign = getattr(_local, "foreign", None) or what
+
+
 #: why the last signature of each op got no plan (diagnostics)
 refusals = {}
 #: the compiled kernels a plan launches: kept alive (their CUfunction must stay loaded)
@@ -260,12 +267,18 @@ def recorder(op: str, kernel: Callable, tier_of: Callable) -> Callable:
             return kernel(*args), None
         watch = _Watch()
         outer = getattr(_local, "launches", None)  # a recording this one is nested in (then refused: an op call)
+        outer_foreign = getattr(_local, "foreign", None)
         _local.launches = launches = []
+        _local.foreign = None
         try:
             with watch:
                 out = kernel(*args)
+            foreign = _local.foreign
         finally:
-            _local.launches = outer
+            _local.launches, _local.foreign = outer, outer_foreign
+        if foreign:
+            refusals[op] = f"the call ran {foreign}"
+            return out, None
         if tier_of(*args) != "triton":
             refusals[op] = "not served by the triton tier"
             return out, None

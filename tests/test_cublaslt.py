@@ -12,16 +12,18 @@ CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="cuBLASLt needs a CUDA device")
 
 
-def _want(base, a, b, alpha):
-    return (alpha * (a.double() @ b.double()) + base.double()).to(base.dtype)
+def _excess(got, base, a, b, alpha):
+    """Largest |got - exact| over what one rounding of the output plus the fp32 accumulation may
+    leave: eps·|exact| + 2^-16·|α|·(|a|·|b|). A 16-bit intermediate (α·a·b rounded before the
+    add) overshoots it wherever the result is much smaller than the product."""
+    exact = alpha * (a.double() @ b.double()) + base.double()
+    eps = torch.finfo(base.dtype).eps
+    allowed = eps * exact.abs() + 2.0 ** -16 * abs(alpha) * (a.double().abs() @ b.double().abs())
+    return ((got.double() - exact).abs() / allowed).max().item()
 
 
-def _ulps(got, want):
-    """Largest |got - want| in units of the dtype's epsilon at |want| (1: one rounding apart)."""
-    g, w = got.double(), want.double()
-    eps = torch.finfo(want.dtype).eps
-    scale = torch.maximum(g.abs(), w.abs()).clamp_min(torch.finfo(want.dtype).tiny) * eps
-    return ((g - w).abs() / scale).max().item()
+def _err(got, base, a, b, alpha):
+    return (got.double() - (alpha * (a.double() @ b.double()) + base.double())).norm().item()
 
 
 def test_declines_cpu_and_fp32():
@@ -56,8 +58,10 @@ def test_addmm_matches_formula(dtype, layout, mkn):
     assert got is not None, "a layout this path takes came back declined"
     assert got.shape == (M, N) and got.is_contiguous() and got.dtype == dtype
     assert torch.equal(base, base_before), "base was written"
-    assert _ulps(got, _want(base, a, b, 0.75)) <= 1
-    assert _ulps(got, torch.addmm(base, a, b, alpha=0.75)) <= 1
+    assert _excess(got, base, a, b, 0.75) <= 1
+    # at least as close to the exact result as torch.addmm, whose H200 in-place epilogue rounds
+    # α·a·b to 16 bits before the add (bench/cublaslt_check.py: 2.5-5% of elements > 1 eps)
+    assert _err(got, base, a, b, 0.75) <= 1.0001 * _err(torch.addmm(base, a, b, alpha=0.75), base, a, b, 0.75)
 
 
 @needs_cuda
@@ -68,8 +72,8 @@ def test_addmm_declines_what_it_cannot_lay_out():
     assert _cublaslt.addmm(base, a[:, :6], b, 1.0) is None
     assert _cublaslt.addmm(base.t().contiguous().t(), a[:, :6], b.contiguous(), 1.0) is None  # column-major base
     assert _cublaslt.addmm(base.float(), a[:, :6], b.contiguous(), 1.0) is None  # mixed dtypes
-    got = gemm_epilogue(a[:, :6], b, torch.bfloat16, 1.0, base, base_in_place=True)  # the fallback
-    assert _ulps(got, _want(base, a[:, :6], b, 1.0)) <= 1
+    got = gemm_epilogue(a[:, :6], b, torch.bfloat16, 1.0, base, base_in_place=True)  # the fallback: torch's addmm
+    assert torch.equal(got, torch.addmm(base, a[:, :6], b))
 
 
 @needs_cuda
@@ -90,4 +94,4 @@ def test_addmm_cuda_graph_replay():
         base.copy_(torch.randn_like(base))
         g.replay()
         torch.cuda.synchronize()
-        assert _ulps(out, _want(base, a, b, 0.5)) <= 1
+        assert _excess(out, base, a, b, 0.5) <= 1

@@ -39,6 +39,22 @@ def test_recorder_allows_allocations_zero_fills_and_views_only():
         assert watch.refusal is not None
 
 
+def test_foreign_work_refuses_the_plan():
+    """A call that puts work on the GPU through a library the recorder cannot see (cuBLASLt by
+    ctypes, ``_cublaslt.addmm``) gets no plan: a replay would skip that work."""
+    def kernel(x):
+        _launch_record.foreign_work("cublasLtMatmul")
+        return torch.empty_like(x)
+
+    record = _launch_record.recorder("test_foreign", kernel, lambda *a: "triton")
+    out, plan = record(torch.randn(3))
+    assert plan is None and out.shape == (3,)
+    assert "cublasLtMatmul" in _launch_record.refusals["test_foreign"]
+    _launch_record.foreign_work("outside a recording")  # no recording: nothing to refuse, no state left
+    out, plan = _launch_record.recorder("test_plain", lambda x: torch.empty_like(x), lambda *a: "triton")(torch.randn(2))
+    assert plan is not None
+
+
 def test_plan_maps_outputs_and_refuses_strangers():
     x = torch.randn(5, 3)
     watch, out = _watched(lambda: torch.empty(4, 6)[:, 2:])
