@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections import defaultdict
 
@@ -101,6 +102,51 @@ def profile(spec, geo, dt, dev, backend, bw, top: int) -> None:
                 print(f"  {us:9.1f} µs {us / total:6.1%} {c:4d}x  {k[:110]}")
 
 
+def profile_peer(spec, geo, dt, dev, top: int) -> None:
+    """The same table for lycoris-lora 4.1.3 (the bench's peer reading of the spec, picked as
+    ``peer_lycoris`` picks it): its forward under no_grad, and forward+backward through
+    autograd (the bench's f+b column), one profiled call each after three warm ones."""
+    import peer_lycoris as PL
+
+    from lycoris.functional import boft, diag_oft, general, locon, loha, lokr
+
+    cands = PL.peer_candidates((locon, loha, lokr, diag_oft, boft, general)).get(spec.name)
+    if not cands:
+        print(f"\n{spec.name}: no lycoris-lora reading")
+        return
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    inp = spec.build(geo, dt, dev, gen)
+    ts = [t.requires_grad_(k in spec.grads) for k, t in inp.items()]
+    targets = [t for k, t in zip(inp, ts) if k in spec.grads]
+    with torch.no_grad():
+        want = spec.eager(*ts)
+    fn, err, note, _ = PL._pick(cands, ts, want, dt, targets, dev)
+    if fn is None:
+        print(f"\n{spec.name}: peer {note}")
+        return
+    G = torch.randn(want.shape, generator=gen).to(device=dev, dtype=want.dtype)
+
+    def fwd():
+        with torch.no_grad():
+            return fn(*ts)
+
+    phases = [("fwd", fwd), ("f+b", lambda: torch.autograd.grad(fn(*ts), targets, G))]
+    for name, call in phases:
+        for _ in range(3):
+            call()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            call()
+            torch.cuda.synchronize()
+        rows = _kernel_rows(prof, True)
+        total = sum(us for _, _, us in rows) or float("nan")
+        print(f"\n{spec.name} {geo.tag} {str(dt).replace('torch.', '')} lycoris-lora ({note}) {name}: "
+              f"{total:.1f} µs in {sum(c for _, c, _ in rows)} kernels")
+        for k, c, us in rows[:top]:
+            print(f"  {us:9.1f} µs {us / total:6.1%} {c:4d}x  {k[:110]}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--specs", default="boft,lokr_bypass,lora_bypass")
@@ -110,7 +156,18 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--top", type=int, default=12, help="kernels listed per phase")
     ap.add_argument("--smoke", action="store_true", help="CPU tensors, tiny shape: the script runs")
+    ap.add_argument("--peer", action="store_true",
+                    help="also lycoris-lora's forward and forward+backward, in a process of its own (it registers "
+                         "ops of the same namespace; LYCORIS_PEER_PATH: where it is installed)")
+    ap.add_argument("--peer-only", action="store_true", help=argparse.SUPPRESS)  # that process
     args = ap.parse_args(argv)
+    if args.peer_only:
+        if os.environ.get("LYCORIS_PEER_PATH"):
+            sys.path.append(os.environ["LYCORIS_PEER_PATH"])
+        dev = torch.device("cuda")
+        for name in args.specs.split(","):
+            profile_peer(specs.BY_NAME[name], specs.SHAPES[args.shape], specs.DTYPES[args.dtype], dev, args.top)
+        return 0
     import lycoris_ops  # noqa: F401  (registers torch.ops.lycoris)
 
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -122,6 +179,10 @@ def main(argv=None) -> int:
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     for name in args.specs.split(","):
         profile(specs.BY_NAME[name], geo, dt, dev, backend, bw, args.top)
+    if args.peer and dev.type == "cuda":
+        sys.stdout.flush()
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--peer-only", "--specs", args.specs,
+                        "--shape", args.shape, "--dtype", args.dtype, "--top", str(args.top)], check=False)
     return 0
 
 
