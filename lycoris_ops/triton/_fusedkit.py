@@ -176,15 +176,34 @@ def tile_2d(M, N, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
+def _stack_sum(ptr, s_s, S, offs, mask, IDX64: tl.constexpr, BS: tl.constexpr, BA: tl.constexpr,
+               BB: tl.constexpr):
+    """Σ_s ptr[s·s_s + offs] (fp32) of one (BA, BB) tile, BS partials a load: their loads are
+    in flight together, not one after another (a serial loop over a deep stack is latency
+    bound: H200, a LoKr merge backward's chain step over 9 partials took 34 µs)."""
+    offs_s = tl.arange(0, BS)
+    if IDX64:
+        offs_s = offs_s.to(tl.int64)
+    acc = tl.zeros((BA, BB), dtype=tl.float32)
+    for s0 in range(0, S, BS):
+        ss = s0 + offs_s
+        v = tl.load(ptr + ss[:, None, None] * s_s + offs[None, :, :], mask=(ss < S)[:, None, None] & mask[None, :, :],
+                    other=0.0)
+        acc += tl.sum(v.to(tl.float32), axis=0)
+    return acc
+
+
+@triton.jit
 def _mm_tile(
     pid, x_ptr, y_ptr, o_ptr, M, N, K, SX, SY, alpha,
     s_xs, s_xm, s_xk, s_ys, s_yk, s_yn, s_om, s_on,
     X_CD: tl.constexpr, Y_CD: tl.constexpr, CD: tl.constexpr, IDX64: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr = 8,
 ):
     """Tile ``pid`` (row-major over (cdiv(M, BM), cdiv(N, BN))) of o = α·(Σ_s x[s])·(Σ_s y[s])
     in fp32 (IEEE dot); an operand flagged ``*_CD`` is rounded to the compute dtype first
-    (a factor), otherwise it is an fp32 partial stack that is summed unrounded."""
+    (a factor), otherwise it is an fp32 partial stack that is summed unrounded, BS partials
+    a load (``_stack_sum``)."""
     n_n = tl.cdiv(N, BN)
     offs_m = (pid // n_n) * BM + tl.arange(0, BM)
     offs_n = (pid % n_n) * BN + tl.arange(0, BN)
@@ -197,24 +216,26 @@ def _mm_tile(
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         mask_k = offs_k < K
-        xp = x_ptr + offs_m[:, None] * s_xm + offs_k[None, :] * s_xk
+        xo = offs_m[:, None] * s_xm + offs_k[None, :] * s_xk
         xm = mask_m[:, None] & mask_k[None, :]
-        xt = tl.zeros((BM, BK), dtype=tl.float32)
-        for _ in range(0, SX):
-            v = tl.load(xp, mask=xm, other=0.0)
-            if X_CD:
-                v = v.to(CD)
-            xt += v.to(tl.float32)
-            xp += s_xs
-        yp = y_ptr + offs_k[:, None] * s_yk + offs_n[None, :] * s_yn
+        if X_CD:
+            xt = tl.zeros((BM, BK), dtype=tl.float32)
+            xp = x_ptr + xo
+            for _ in range(0, SX):
+                xt += tl.load(xp, mask=xm, other=0.0).to(CD).to(tl.float32)
+                xp += s_xs
+        else:
+            xt = _stack_sum(x_ptr, s_xs, SX, xo, xm, IDX64, BS, BM, BK)
+        yo = offs_k[:, None] * s_yk + offs_n[None, :] * s_yn
         ym = mask_k[:, None] & mask_n[None, :]
-        yt = tl.zeros((BK, BN), dtype=tl.float32)
-        for _ in range(0, SY):
-            v = tl.load(yp, mask=ym, other=0.0)
-            if Y_CD:
-                v = v.to(CD)
-            yt += v.to(tl.float32)
-            yp += s_ys
+        if Y_CD:
+            yt = tl.zeros((BK, BN), dtype=tl.float32)
+            yp = y_ptr + yo
+            for _ in range(0, SY):
+                yt += tl.load(yp, mask=ym, other=0.0).to(CD).to(tl.float32)
+                yp += s_ys
+        else:
+            yt = _stack_sum(y_ptr, s_ys, SY, yo, ym, IDX64, BS, BK, BN)
         acc = tl.dot(xt, yt, acc, input_precision="ieee")
     tl.store(o_ptr + offs_m[:, None] * s_om + offs_n[None, :] * s_on,
              (acc * alpha).to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
