@@ -1,6 +1,6 @@
 """A/B of launch variants of one kernel family, in one process (the tuner's shortlist aside).
 
-    python bench/variants.py tucker|boft|oft|lokr|loha [--shapes small,large] [--phases fwd,bwd] [--profile] [--smoke]
+    python bench/variants.py tucker|boft|oft|lokr|loha|lokr_merge [--shapes small,large] [--phases fwd,bwd] [--profile] [--smoke]
 
 Each variant is one config of the family's Triton launcher, called directly (no tuner,
 no op dispatch): device time per call (``timing.DeviceTimer``: L2 flushed, launch gaps
@@ -32,6 +32,7 @@ SHAPES = {  # family -> shape name -> geometry
     "oft": {"small": dict(P=8192, D=3072, S=32), "large": dict(P=32768, D=4096, S=32), "smoke": dict(P=40, D=64, S=8),
             "tile": dict(P=640, D=4096, S=32)},
     "lokr": {"small": dict(T=8192, a=48, c=64), "large": dict(T=32768, a=64, c=64), "smoke": dict(T=24, a=6, c=5)},
+    "lokr_merge": {"small": dict(D=3072, r=32), "large": dict(D=4096, r=64), "smoke": dict(D=512, r=5)},
     "loha": {"small": dict(T=8192, D=3072, r=32), "large": dict(T=32768, D=4096, r=64), "smoke": dict(T=24, D=40, r=5)},
 }
 
@@ -209,7 +210,28 @@ def loha(geo, dtype, dev, gen):
     return {"grad": grad, "gemm": gemm, "gw": gws, "bwd": bwd, "fwd": fwd}
 
 
-FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft, "lokr": lokr, "loha": loha}
+def lokr_merge(geo, dtype, dev, gen):
+    """The LoKr merge backward of the bench's ``lokr_merge`` spec (w1 (a, a) whole, w2 = w2a·w2b
+    (256, r)·(r, 256)): the launcher default against pipelined entry loops (num_stages) and
+    other tiles of the Kronecker-gradient kernel; compared by g_w2a (the chain's output)."""
+    from lycoris_ops.triton import lokr as TK
+
+    D, r = geo["D"], geo["r"]
+    c = 256
+    a = D // c
+    g = _rand(gen, (D, D), dtype, dev)
+    w1 = _rand(gen, (a, a), dtype, dev, a ** -0.5)
+    w2a, w2b = _rand(gen, (c, r), dtype, dev, r ** -0.5), _rand(gen, (r, c), dtype, dev, c ** -0.5)
+    d = TK.default_merge_cfg(c, c, a, a, dtype)
+    rows = [("launcher default", lambda: TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75)[2])]
+    for name, kw in (("stages 2", dict(num_stages=2)), ("stages 3", dict(num_stages=3)),
+                     ("8 warps", dict(num_warps=8)), ("split 4", dict(split=4)), ("split 16", dict(split=16))):
+        cfg = d._replace(**kw)
+        rows.append((name, lambda cfg=cfg: TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75, cfg)[2]))
+    return {"bwd": rows}
+
+
+FAMILIES = {"tucker": tucker, "boft": boft, "oft": oft, "lokr": lokr, "loha": loha, "lokr_merge": lokr_merge}
 
 
 def _rel(a, b):
