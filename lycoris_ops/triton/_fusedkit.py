@@ -194,6 +194,22 @@ def _stack_sum(ptr, s_s, S, offs, mask, IDX64: tl.constexpr, BS: tl.constexpr, B
 
 
 @triton.jit
+def _operand_tile(ptr, s_s, S, offs, mask, IS_CD: tl.constexpr, CD: tl.constexpr, IDX64: tl.constexpr,
+                  BS: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr):
+    """Σ_s ptr[s·s_s + offs] of one (BA, BB) tile in fp32: a factor (``IS_CD``: each copy rounded
+    to the compute dtype, added in turn) or an fp32 partial stack (``_stack_sum``)."""
+    if IS_CD:
+        t = tl.zeros((BA, BB), dtype=tl.float32)
+        p = ptr + offs
+        for _ in range(0, S):
+            t += tl.load(p, mask=mask, other=0.0).to(CD).to(tl.float32)
+            p += s_s
+    else:
+        t = _stack_sum(ptr, s_s, S, offs, mask, IDX64, BS, BA, BB)
+    return t
+
+
+@triton.jit
 def _mm_tile(
     pid, x_ptr, y_ptr, o_ptr, M, N, K, SX, SY, alpha,
     s_xs, s_xm, s_xk, s_ys, s_yk, s_yn, s_om, s_on,
@@ -216,26 +232,10 @@ def _mm_tile(
     for k0 in range(0, K, BK):
         offs_k = k0 + tl.arange(0, BK)
         mask_k = offs_k < K
-        xo = offs_m[:, None] * s_xm + offs_k[None, :] * s_xk
-        xm = mask_m[:, None] & mask_k[None, :]
-        if X_CD:
-            xt = tl.zeros((BM, BK), dtype=tl.float32)
-            xp = x_ptr + xo
-            for _ in range(0, SX):
-                xt += tl.load(xp, mask=xm, other=0.0).to(CD).to(tl.float32)
-                xp += s_xs
-        else:
-            xt = _stack_sum(x_ptr, s_xs, SX, xo, xm, IDX64, BS, BM, BK)
-        yo = offs_k[:, None] * s_yk + offs_n[None, :] * s_yn
-        ym = mask_k[:, None] & mask_n[None, :]
-        if Y_CD:
-            yt = tl.zeros((BK, BN), dtype=tl.float32)
-            yp = y_ptr + yo
-            for _ in range(0, SY):
-                yt += tl.load(yp, mask=ym, other=0.0).to(CD).to(tl.float32)
-                yp += s_ys
-        else:
-            yt = _stack_sum(y_ptr, s_ys, SY, yo, ym, IDX64, BS, BK, BN)
+        xt = _operand_tile(x_ptr, s_xs, SX, offs_m[:, None] * s_xm + offs_k[None, :] * s_xk,
+                           mask_m[:, None] & mask_k[None, :], X_CD, CD, IDX64, BS, BM, BK)
+        yt = _operand_tile(y_ptr, s_ys, SY, offs_k[:, None] * s_yk + offs_n[None, :] * s_yn,
+                           mask_k[:, None] & mask_n[None, :], Y_CD, CD, IDX64, BS, BK, BN)
         acc = tl.dot(xt, yt, acc, input_precision="ieee")
     tl.store(o_ptr + offs_m[:, None] * s_om + offs_n[None, :] * s_on,
              (acc * alpha).to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
