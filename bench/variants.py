@@ -212,8 +212,9 @@ def loha(geo, dtype, dev, gen):
 
 def lokr_merge(geo, dtype, dev, gen):
     """The LoKr merge backward of the bench's ``lokr_merge`` spec (w1 (a, a) whole, w2 = w2a·w2b
-    (256, r)·(r, 256)): the launcher default against pipelined entry loops (num_stages) and
-    other tiles of the Kronecker-gradient kernel; compared by g_w2a (the chain's output)."""
+    (256, r)·(r, 256)): the launcher default against pipelined entry loops (num_stages),
+    other tiles of the Kronecker-gradient kernel and other tiles of the chain step that turns
+    its partial stack into the factor gradients; compared by g_w2a (the chain's output)."""
     from lycoris_ops.triton import lokr as TK
 
     D, r = geo["D"], geo["r"]
@@ -228,6 +229,16 @@ def lokr_merge(geo, dtype, dev, gen):
                      ("8 warps", dict(num_warps=8)), ("split 4", dict(split=4)), ("split 16", dict(split=16))):
         cfg = d._replace(**kw)
         rows.append((name, lambda cfg=cfg: TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75, cfg)[2]))
+
+    def chain(block):  # the chain step's tile (more, smaller programs over the partial stack)
+        was, TK.CHAIN_BLOCK = TK.CHAIN_BLOCK, block
+        try:
+            return TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75)[2]
+        finally:
+            TK.CHAIN_BLOCK = was
+
+    for block in ((16, 32, 32), (16, 16, 32), (32, 32, 64)):
+        rows.append((f"chain {block[0]}x{block[1]}x{block[2]}", lambda block=block: chain(block)))
     return {"bwd": rows}
 
 

@@ -98,7 +98,7 @@ def test_ptxas_smoke(family, args, pattern):
     assert m and 0 < int(m[1]) <= 255 and int(m[2]) == 0, proc.stdout
 
 
-@pytest.mark.parametrize("family", ["tucker", "boft", "oft", "lokr"])
+@pytest.mark.parametrize("family", ["tucker", "boft", "oft", "lokr", "loha", "lokr_merge"])
 def test_variants_smoke(family, capsys):
     """``bench/variants.py <family> --smoke``: every launch variant of the A/B script still runs
     (CPU, Triton's interpreter, tiny sizes); the numerics column shows which variants round
@@ -107,7 +107,7 @@ def test_variants_smoke(family, capsys):
     assert module.main([family, "--smoke"]) == 0
     out = capsys.readouterr().out
     assert "failed" not in out, out
-    rows = [re.match(r"\s+(fwd|bwd) (.+?)\s+[\d.]+ ms .* rel diff (\S+)$", line)
+    rows = [re.match(r"\s+(\w+) (.+?)\s+[\d.]+ ms .* rel diff (\S+)$", line)
             for line in out.splitlines() if "of base" in line]
     assert len(rows) >= 6 and all(rows), out
     if family == "boft":

@@ -519,6 +519,11 @@ def merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, out_dtype, cfg: Optio
     return out
 
 
+#: the factor-gradient chain's tile (rows, columns, K step) after the Kronecker-gradient kernel
+#: (``_fusedkit.chain_launch``); a module constant so ``bench/variants.py lokr_merge`` can time others
+CHAIN_BLOCK = (32, 32, 32)
+
+
 def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCfg] = None):
     """(g_w1a, g_w1b, g_w2a, g_w2b) of ``γ·kron(w1, w2)``; an absent b factor gives an
     empty (0,) tensor in its a partner's dtype."""
@@ -568,14 +573,14 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
         (pt, split, M1, N1, ta, tb, gta, gtb, pt is gta), (pl, n_tiles, M2, N2, la, lb, gla, glb, pl is gla))
         if not direct]
     if len(sides) == 2 and all(side[5] is not None for side in sides):  # both factorized: one launch
-        chain_pair_launch(sides[0], sides[1], compute, idx64)
+        chain_pair_launch(sides[0], sides[1], compute, idx64, CHAIN_BLOCK)
         return g1a, g1b, g2a, g2b
     for part, S, M, N, wa, wb, ga, gb in sides:
         ps = part.stride()
         if wb is None:
             reduce_launch(part, ga, None, M, N, S, 1.0, ps[0], 0, ps[1], ps[2], ga.stride(), None, idx64)
         else:
-            chain_launch(part, S, M, N, wa, wb, ga, gb, compute, idx64)
+            chain_launch(part, S, M, N, wa, wb, ga, gb, compute, idx64, CHAIN_BLOCK)
     return g1a, g1b, g2a, g2b
 
 
