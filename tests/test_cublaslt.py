@@ -35,6 +35,35 @@ def test_declines_cpu_and_fp32():
     torch.testing.assert_close(got, 0.5 * (a @ b) + base)
 
 
+def _col_major(t, rows, cols, ld, op):
+    """The matrix cuBLAS reads from ``t``'s storage for a layout (rows, cols, ld) and op, as a
+    tensor: column-major storage read with leading dimension ld, then op (T: transposed)."""
+    flat = t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
+    m = flat.as_strided((rows, cols), (1, ld), t.storage_offset())
+    return m.t() if op == _cublaslt._OP_T else m
+
+
+@pytest.mark.parametrize("make", [lambda: torch.randn(5, 7), lambda: torch.randn(7, 5).t(),
+                                  lambda: torch.randn(5, 11)[:, 2:9], lambda: torch.randn(9, 7)[1:6],
+                                  lambda: torch.randn(1, 7), lambda: torch.randn(5, 1)])
+def test_operand_layout_reads_the_transpose(make):
+    """``_operand(t)``: a column-major layout whose op reads tᵀ from t's own storage (CPU: the
+    layout math; the GPU tests run it). Row- or column-major with any pitch; else None."""
+    t = make()
+    rows, cols, ld, op = _cublaslt._operand(t)
+    assert ld >= rows
+    assert torch.equal(_col_major(t, rows, cols, ld, op), t.t())
+
+
+def test_operand_declines_other_strides_and_alignment_is_a_power_of_two():
+    assert _cublaslt._operand(torch.randn(6, 8)[:, ::2]) is None
+    assert _cublaslt._operand(torch.randn(4, 6, 2)[:, :, 0]) is None
+    t = torch.randn(8, 64, dtype=torch.float16)
+    assert _cublaslt._alignment(t, 64) == min(128, t.data_ptr() & -t.data_ptr())  # a 128-byte pitch
+    assert _cublaslt._alignment(t[:, 3:], 64) == 2  # 6 bytes past a 256-aligned start
+    assert _cublaslt._alignment(t, 60) <= 8  # a 120-byte pitch
+
+
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("layout", ["rr", "rc", "cr", "cc", "pitched"])
