@@ -38,10 +38,10 @@ def main() -> int:
             want = (0.75 * (a.double() @ b.double()) + base.double()).to(dtype)
             info = _cublaslt.describe(base, a, b)
             rows = {"D!=C": _cublaslt.addmm(base, a, b, 0.75), "torch.addmm": torch.addmm(base, a, b, alpha=0.75)}
-            prep = _cublaslt._prepare(base, a, b)
-            if prep is not None:
+            plan = _cublaslt._prepare(base, a, b)
+            if plan is not None:
                 inplace = base.clone()
-                st = _cublaslt._matmul(prep[0], a, b, inplace, inplace, 0.75)
+                st = _cublaslt._matmul(plan, a, b, inplace, inplace, 0.75)
                 rows["D==C"] = inplace if st == 0 else None
             print(f"{M}x{K}x{N} {str(dtype)[6:]}: {info}")
             for name, got in rows.items():

@@ -95,13 +95,18 @@ def _handle(lib, device: int):
     return handles[device]
 
 
-def _alignment(t: torch.Tensor, ld: int) -> int:
-    """The largest power of two (<= 256) dividing the data pointer and the row pitch in bytes."""
+def _pow2_dividing(*values: int) -> int:
+    """The largest power of two (<= 256) dividing every value."""
     a = 256
-    for v in (t.data_ptr(), ld * t.element_size()):
+    for v in values:
         while a > 1 and v % a:
             a //= 2
     return a
+
+
+def _alignment(t: torch.Tensor, ld: int) -> int:
+    """The largest power of two (<= 256) dividing the data pointer and the row pitch in bytes."""
+    return _pow2_dividing(t.data_ptr(), ld * t.element_size())
 
 
 def _operand(t: torch.Tensor):
@@ -172,30 +177,31 @@ def addmm(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) ->
     if b.shape[0] != K or base.shape != (M, N) or M == 0 or N == 0 or K == 0 or base.stride(1) != 1 \
             or base.stride(0) < max(N, 1):
         return None
-    prep = _prepare(base, a, b)
-    if prep is None:
+    plan = _prepare(base, a, b)
+    if plan is None:
         return None
-    plan, out = prep
+    out = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    if out.data_ptr() % 256:  # the plan assumed the allocator's alignment (another allocator: decline)
+        return None
     foreign_work("cublasLtMatmul")  # invisible to the launch recorder: this call's signature stays in Python
     return out if _matmul(plan, a, b, base, out, alpha) == 0 else None
 
 
 def _prepare(base, a, b):
-    """(the cached plan, a fresh output) for ``addmm``'s checked arguments, or None."""
-    M, K = a.shape
+    """The cached plan for ``addmm``'s checked arguments (D a fresh contiguous (M, N) tensor), or None."""
+    M = a.shape[0]
     N = b.shape[1]
     # row-major D = α·A·B + C is column-major Dᵀ = α·Bᵀ·Aᵀ + Cᵀ: cuBLAS's A is b, its B is a
     lay_a, lay_b = _operand(b), _operand(a)
     if lay_a is None or lay_b is None or _library() is None:
         return None
-    out = torch.empty((M, N), device=a.device, dtype=a.dtype)
+    # a fresh output starts on the caching allocator's 512-byte granule: its pitch decides
     align = (_alignment(b, lay_a[2]), _alignment(a, lay_b[2]), _alignment(base, base.stride(0)),
-             _alignment(out, N))
+             _pow2_dividing(N * a.element_size()))
     key = (a.device.index if a.device.index is not None else torch.cuda.current_device(), lay_a, lay_b,
            (N, M, base.stride(0)), (N, M, N), _DTYPES[a.dtype], align)
     with _lock:
-        plan = _plan(key)
-    return None if plan is None else (plan, out)
+        return _plan(key)
 
 
 def _matmul(plan, a, b, c, d, alpha: float) -> int:
@@ -215,10 +221,10 @@ def _matmul(plan, a, b, c, d, alpha: float) -> int:
 def describe(base, a, b) -> dict:
     """The plan ``addmm`` would run for these arguments: the algorithm's config and capabilities
     (bench/cublaslt_check.py; empty where the path does not apply)."""
-    prep = _prepare(base, a, b) if _library() is not None else None
-    if prep is None:
+    plan = _prepare(base, a, b)
+    if plan is None:
         return {}
-    (h, desc, layouts, algo, ws_size), _ = prep
+    h, desc, layouts, algo, ws_size = plan
     lib, out = _library(), {"workspace": ws_size}
     for name, attr in (("tile", 1), ("split_k", 2), ("reduction", 3), ("stages", 6)):
         v, n = ctypes.c_uint32(0), ctypes.c_size_t(0)

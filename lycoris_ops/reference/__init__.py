@@ -99,7 +99,7 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
     ``base_in_place`` (the fused backends' vendor paths; the eager bodies keep torch's
     addmm): base is read by the GEMM where it lies (``_cublaslt.addmm``), not first
     copied into the output as ``torch.addmm`` does. Measured on the H200
-    (bench/cublaslt_check.py, RESULTS.md 2026-12-04 15:30): that out-of-place epilogue
+    (bench/cublaslt_check.py, RESULTS.md 2026-12-04 14:55–15:12): that out-of-place epilogue
     rounds once, while torch.addmm's in-place one (C = D) leaves 2.5-5% of the elements
     more than one rounding from the exact result (α·a·b rounded to 16 bits before the add).
     """

@@ -382,7 +382,7 @@ def default_grad_cfg(R: int, compute: torch.dtype) -> GradCfg:
     if compute == torch.float32:
         return GradCfg(block_m=32 if rp <= 64 else 16, block_n=32, num_warps=4 if rp <= 32 else 8)
     if 32 <= rp <= 64:
-        # H200, bf16 (RESULTS.md 2026-12-04 15:20, bench/variants.py loha --phases grad): narrow N
+        # H200, bf16 (RESULTS.md 2026-12-04 14:55–15:12, bench/variants.py loha --phases grad): narrow N
         # steps, 4 warps, 3 stages, split: 0.091 ms at 4096², r64 (the 64x64 8-warp tile: 0.165),
         # 0.048 at 3072², r32 (0.070)
         return GradCfg(block_m=64, block_n=32, num_warps=4, num_stages=3)
