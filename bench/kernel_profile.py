@@ -88,18 +88,27 @@ def profile(spec, geo, dt, dev, backend, bw, top: int) -> None:
         if cuda:
             torch.cuda.synchronize()
         for name, call, nbytes in phases:
-            with torch.profiler.profile(activities=acts) as prof:
-                call()
-                if cuda:
-                    torch.cuda.synchronize()
-            rows = _kernel_rows(prof, cuda)
-            total = sum(us for _, _, us in rows) or float("nan")
+            rows, total = _profiled(call, acts, cuda)
             floor = nbytes / bw * 1e6 if bw else float("nan")
-            print(f"\n{spec.name} {geo.tag} {str(dt).replace('torch.', '')} {backend} {name}: "
-                  f"{total:.1f} µs in {sum(c for _, c, _ in rows)} {'kernels' if cuda else 'ops'}, "
-                  f"floor {floor:.1f} µs ({total / floor:.2f}x)")
-            for k, c, us in rows[:top]:
-                print(f"  {us:9.1f} µs {us / total:6.1%} {c:4d}x  {k[:110]}")
+            _print_table(f"{spec.name} {geo.tag} {str(dt).replace('torch.', '')} {backend} {name}: "
+                         f"{total:.1f} µs in {sum(c for _, c, _ in rows)} {'kernels' if cuda else 'ops'}, "
+                         f"floor {floor:.1f} µs ({total / floor:.2f}x)", rows, total, top)
+
+
+def _profiled(call, acts, cuda: bool):
+    """(rows of ``_kernel_rows``, their total µs) of one profiled call."""
+    with torch.profiler.profile(activities=acts) as prof:
+        call()
+        if cuda:
+            torch.cuda.synchronize()
+    rows = _kernel_rows(prof, cuda)
+    return rows, sum(us for _, _, us in rows) or float("nan")
+
+
+def _print_table(head: str, rows, total: float, top: int) -> None:
+    print(f"\n{head}")
+    for k, c, us in rows[:top]:
+        print(f"  {us:9.1f} µs {us / total:6.1%} {c:4d}x  {k[:110]}")
 
 
 def profile_peer(spec, geo, dt, dev, top: int) -> None:
@@ -135,16 +144,10 @@ def profile_peer(spec, geo, dt, dev, top: int) -> None:
         for _ in range(3):
             call()
         torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
-            call()
-            torch.cuda.synchronize()
-        rows = _kernel_rows(prof, True)
-        total = sum(us for _, _, us in rows) or float("nan")
-        print(f"\n{spec.name} {geo.tag} {str(dt).replace('torch.', '')} lycoris-lora ({note}) {name}: "
-              f"{total:.1f} µs in {sum(c for _, c, _ in rows)} kernels")
-        for k, c, us in rows[:top]:
-            print(f"  {us:9.1f} µs {us / total:6.1%} {c:4d}x  {k[:110]}")
+        rows, total = _profiled(call, [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA],
+                                True)
+        _print_table(f"{spec.name} {geo.tag} {str(dt).replace('torch.', '')} lycoris-lora ({note}) {name}: "
+                     f"{total:.1f} µs in {sum(c for _, c, _ in rows)} kernels", rows, total, top)
 
 
 def main(argv=None) -> int:
