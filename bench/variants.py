@@ -231,15 +231,24 @@ def lokr_merge(geo, dtype, dev, gen):
         cfg = d._replace(**kw)
         rows.append((name, lambda cfg=cfg: TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75, cfg)[2]))
 
-    def chain(block):  # the chain step's tile (more, smaller programs over the partial stack)
-        was, TK.CHAIN_BLOCK = TK.CHAIN_BLOCK, block
+    def chain(block, presum=TK.CHAIN_PRESUM, cfg=None):
+        # the chain step's tile (more, smaller programs over the partial stack), the stack
+        # depth from which a flat reduce adds it into one plane first, the gradient kernel's tile
+        was = TK.CHAIN_BLOCK, TK.CHAIN_PRESUM
+        TK.CHAIN_BLOCK, TK.CHAIN_PRESUM = block, presum
         try:
-            return TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75)[2]
+            return TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75, cfg)[2]
         finally:
-            TK.CHAIN_BLOCK = was
+            TK.CHAIN_BLOCK, TK.CHAIN_PRESUM = was
 
-    for block in ((16, 32, 32), (16, 16, 32), (32, 32, 64)):
+    for block in ((16, 32, 32), (16, 16, 32), (16, 16, 64), (32, 32, 64)):
         rows.append((f"chain {block[0]}x{block[1]}x{block[2]}", lambda block=block: chain(block)))
+    for block in ((32, 32, 32), (16, 16, 32), (16, 16, 64), (16, 32, 64)):
+        rows.append((f"presum chain {block[0]}x{block[1]}x{block[2]}", lambda block=block: chain(block, 2)))
+    for name, kw in (("16-row tiles", dict(block_m=16)), ("64-col tiles", dict(block_n=64)),
+                     ("split 16", dict(split=16))):
+        cfg = d._replace(**kw)
+        rows.append((f"presum 16x16x32 {name}", lambda cfg=cfg: chain((16, 16, 32), 2, cfg)))
     return {"bwd": rows}
 
 

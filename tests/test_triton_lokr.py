@@ -80,10 +80,17 @@ MERGE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("presum", [0, 2], ids=["chain", "presum"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("case", MERGE_CASES, ids=lambda c: f"{c[:6]}-swap{c[6]}-split{c[7]}")
-def test_merge(dtype, case):
+def test_merge(dtype, case, presum, monkeypatch):
+    """Forward and all four gradients against float64; ``presum``: a factorized side's partial
+    stack is first added into one plane by the flat reduce (``triton/lokr.CHAIN_PRESUM``),
+    sharing one launch with the other side's reduce."""
     a, b, c, d, r1, r2, swap, split = case
+    if presum and not (r1 or r2):
+        pytest.skip("no factorized side: nothing to presum")
+    monkeypatch.setattr(TK, "CHAIN_PRESUM", presum)
     g = gen(1)
     w1a = mk((a, r1 or b), dtype, g, nc=True)
     w1b = mk((r1, b), dtype, g) if r1 else None

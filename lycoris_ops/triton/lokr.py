@@ -522,6 +522,9 @@ def merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, out_dtype, cfg: Optio
 #: the factor-gradient chain's tile (rows, columns, K step) after the Kronecker-gradient kernel
 #: (``_fusedkit.chain_launch``); a module constant so ``bench/variants.py lokr_merge`` can time others
 CHAIN_BLOCK = (32, 32, 32)
+#: a partial stack at least this deep is first added into one fp32 plane by a flat reduce (many
+#: programs), so the chain's few tile programs read one plane instead of S (0: never)
+CHAIN_PRESUM = 0
 
 
 def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCfg] = None):
@@ -572,15 +575,29 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
     sides = [(part, S, M, N, wa, wb, ga, gb) for part, S, M, N, wa, wb, ga, gb, direct in (
         (pt, split, M1, N1, ta, tb, gta, gtb, pt is gta), (pl, n_tiles, M2, N2, la, lb, gla, glb, pl is gla))
         if not direct]
-    if len(sides) == 2 and all(side[5] is not None for side in sides):  # both factorized: one launch
-        chain_pair_launch(sides[0], sides[1], compute, idx64, CHAIN_BLOCK)
-        return g1a, g1b, g2a, g2b
+    # flat reduces: a whole side's gradient, and a factorized side's stack added into one fp32
+    # plane first where it is CHAIN_PRESUM deep (two of them share one launch)
+    reduces, chains = [], []
     for part, S, M, N, wa, wb, ga, gb in sides:
-        ps = part.stride()
         if wb is None:
-            reduce_launch(part, ga, None, M, N, S, 1.0, ps[0], 0, ps[1], ps[2], ga.stride(), None, idx64)
+            reduces.append((part, ga, M, N, S))
+        elif CHAIN_PRESUM and S >= CHAIN_PRESUM:
+            plane = torch.empty((1, M, N), device=dev, dtype=torch.float32)
+            reduces.append((part, plane[0], M, N, S))
+            chains.append((plane, 1, M, N, wa, wb, ga, gb))
         else:
-            chain_launch(part, S, M, N, wa, wb, ga, gb, compute, idx64, CHAIN_BLOCK)
+            chains.append((part, S, M, N, wa, wb, ga, gb))
+    if len(reduces) == 2:
+        (p, o, M, N, S), (q, u, K, L, T) = reduces
+        reduce_pair_launch(p, o, M, N, S, p.stride(), o.stride(), q, u, K, L, T, q.stride(), u.stride(), 1.0, idx64)
+    elif reduces:
+        part, out, M, N, S = reduces[0]
+        ps = part.stride()
+        reduce_launch(part, out, None, M, N, S, 1.0, ps[0], 0, ps[1], ps[2], out.stride(), None, idx64)
+    if len(chains) == 2:  # both factorized: one launch
+        chain_pair_launch(chains[0], chains[1], compute, idx64, CHAIN_BLOCK)
+    elif chains:
+        chain_launch(*chains[0], compute, idx64, CHAIN_BLOCK)
     return g1a, g1b, g2a, g2b
 
 
