@@ -214,8 +214,9 @@ def loha(geo, dtype, dev, gen):
 def lokr_merge(geo, dtype, dev, gen):
     """The LoKr merge backward of the bench's ``lokr_merge`` spec (w1 (a, a) whole, w2 = w2a·w2b
     (256, r)·(r, 256)): the launcher default against pipelined entry loops (num_stages),
-    other tiles of the Kronecker-gradient kernel and other tiles of the chain step that turns
-    its partial stack into the factor gradients; compared by g_w2a (the chain's output)."""
+    other splits and tiles of the Kronecker-gradient kernel, the chain step without the presum
+    (``triton/lokr.CHAIN_PRESUM``) and other tiles of the chain step that turns the partials
+    into the factor gradients; compared by g_w2a (the chain's output)."""
     from lycoris_ops.triton import lokr as TK
 
     D, r = geo["D"], geo["r"]
@@ -226,8 +227,9 @@ def lokr_merge(geo, dtype, dev, gen):
     w2a, w2b = _rand(gen, (c, r), dtype, dev, r ** -0.5), _rand(gen, (r, c), dtype, dev, c ** -0.5)
     d = TK.default_merge_cfg(c, c, a, a, dtype)
     rows = [("launcher default", lambda: TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75)[2])]
-    for name, kw in (("stages 2", dict(num_stages=2)), ("stages 3", dict(num_stages=3)),
-                     ("8 warps", dict(num_warps=8)), ("split 4", dict(split=4)), ("split 16", dict(split=16))):
+    for name, kw in (("stages 2", dict(num_stages=2)), ("8 warps", dict(num_warps=8)), ("split 9", dict(split=9)),
+                     ("split 16", dict(split=16)), ("split 24", dict(split=24)), ("split 32", dict(split=32)),
+                     ("16-row tiles", dict(block_m=16)), ("64-col tiles", dict(block_n=64))):
         cfg = d._replace(**kw)
         rows.append((name, lambda cfg=cfg: TK.merge_bwd(g, w1, None, w2a, w2b, a, a, c, c, 0.75, cfg)[2]))
 
@@ -241,14 +243,9 @@ def lokr_merge(geo, dtype, dev, gen):
         finally:
             TK.CHAIN_BLOCK, TK.CHAIN_PRESUM = was
 
-    for block in ((16, 32, 32), (16, 16, 32), (16, 16, 64), (32, 32, 64)):
+    rows.append(("no presum", lambda: chain(TK.CHAIN_BLOCK, 0)))
+    for block in ((32, 32, 32), (16, 16, 64), (16, 32, 32), (16, 16, 16)):
         rows.append((f"chain {block[0]}x{block[1]}x{block[2]}", lambda block=block: chain(block)))
-    for block in ((32, 32, 32), (16, 16, 32), (16, 16, 64), (16, 32, 64)):
-        rows.append((f"presum chain {block[0]}x{block[1]}x{block[2]}", lambda block=block: chain(block, 2)))
-    for name, kw in (("16-row tiles", dict(block_m=16)), ("64-col tiles", dict(block_n=64)),
-                     ("split 16", dict(split=16))):
-        cfg = d._replace(**kw)
-        rows.append((f"presum 16x16x32 {name}", lambda cfg=cfg: chain((16, 16, 32), 2, cfg)))
     return {"bwd": rows}
 
 

@@ -140,16 +140,22 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
         M1, N1, M2, N2 = _merge_geometry(a, b, c, d, swap)
         rt, rl = (r1, r2) if swap else (r2, r1)
         n_tiles, E = cdiv(M1, cfg["block_m"]) * cdiv(N1, cfg["block_n"]), M2 * N2
-        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, E // 16))
+        presum = triton_module("lokr").CHAIN_PRESUM
+        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, E // (8 if presum else 16)))
         out = {("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
                 cfg["num_warps"], cfg["num_stages"])}
-        if rt and rl:  # both sides factorized: one chain launch (_fusedkit.chain_pair_launch)
-            return out | {("chain_pair", swap)}
+        reduces, chains = [], []
         for side, fact, parts in (("tile", rt, split), ("loop", rl, n_tiles)):
-            if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials): one chain launch
-                out.add(("chain", side, swap))
+            if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials), after a presum of a deep stack
+                chains.append(side)
+                if presum and parts >= presum:
+                    reduces.append(side)
             elif parts > 1:
-                out.add(("reduce", side, swap))
+                reduces.append(side)
+        if reduces:  # two reduces share one launch (_fusedkit.reduce_pair_launch)
+            out.add(("reduce", *reduces, swap))
+        if chains:  # both sides factorized: one launch (_fusedkit.chain_pair_launch)
+            out.add(("chain", *chains, swap))
         return out
 
     # the candidates share the tiled side (swap): the partial reductions / factor-gradient

@@ -469,7 +469,8 @@ def _swap_default(a, b, c, d):
 
 
 @functools.lru_cache(maxsize=4096)
-def _merge_plan(a, b, c, d, views, has_base, fact1, fact2, compute, device, cfg: MergeCfg, grad: bool):
+def _merge_plan(a, b, c, d, views, has_base, fact1, fact2, compute, device, cfg: MergeCfg, grad: bool,
+                presum: int = 0):
     swap = _swap_default(a, b, c, d) if cfg.swap is None else cfg.swap
     if swap:
         M1, N1, M2, N2, fact_t, fact_l = a, b, c, d, fact1, fact2
@@ -479,8 +480,10 @@ def _merge_plan(a, b, c, d, views, has_base, fact1, fact2, compute, device, cfg:
     E = M2 * N2
     split = cfg.split or split_count(n_tiles, device, E, per_sm=4)
     split = max(1, min(split, E))
-    if grad and not cfg.split:  # fp32 tile partials (split·M1·N1) stay below ~1/8 of G
-        split = max(1, min(split, E // 16))
+    if grad and not cfg.split:
+        # fp32 tile partials (split·M1·N1) stay below ~1/8 of a 16-bit G; ~1/4 where a flat
+        # reduce reads them (presum), not the chain's few tile programs
+        split = max(1, min(split, E // (8 if presum else 16)))
     e_per = cdiv(E, split)
     split = cdiv(E, e_per)
     meta = dict(FACT_T=fact_t, FACT_L=fact_l, CD=tl_dtype(compute), DOT=dot_dtype(compute),
@@ -521,10 +524,12 @@ def merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, out_dtype, cfg: Optio
 
 #: the factor-gradient chain's tile (rows, columns, K step) after the Kronecker-gradient kernel
 #: (``_fusedkit.chain_launch``); a module constant so ``bench/variants.py lokr_merge`` can time others
-CHAIN_BLOCK = (32, 32, 32)
+CHAIN_BLOCK = (16, 16, 32)
 #: a partial stack at least this deep is first added into one fp32 plane by a flat reduce (many
-#: programs), so the chain's few tile programs read one plane instead of S (0: never)
-CHAIN_PRESUM = 0
+#: programs), so the chain's few tile programs read one plane instead of S (0: never). H200, bf16,
+#: 3072² with w2 = (256, 32)·(32, 256): chain 32x32x32 over 9 partials 0.066 ms, 16x16x32 0.051,
+#: presum + 16x16x32 0.046, and with 16 partials 0.038 (bench/RESULTS.md, 2026-12-04 16:40)
+CHAIN_PRESUM = 2
 
 
 def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCfg] = None):
@@ -545,7 +550,7 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
         cfg = default_merge_cfg(c, d, a, b, compute)
     views = view_key(grad, w1a, w1b, w2a, w2b)
     swap, grid, M1, N1, M2, N2, e_per, meta = _merge_plan(
-        a, b, c, d, views, False, w1b is not None, w2b is not None, compute, dev, cfg, True)
+        a, b, c, d, views, False, w1b is not None, w2b is not None, compute, dev, cfg, True, CHAIN_PRESUM)
     n_tiles, split = grid
     s0, s1 = grad.stride()
     if swap:
