@@ -528,7 +528,7 @@ CHAIN_BLOCK = (16, 16, 32)
 #: a partial stack at least this deep is first added into one fp32 plane by a flat reduce (many
 #: programs), so the chain's few tile programs read one plane instead of S (0: never). H200, bf16,
 #: 3072² with w2 = (256, 32)·(32, 256): chain 32x32x32 over 9 partials 0.066 ms, 16x16x32 0.051,
-#: presum + 16x16x32 0.046, and with 16 partials 0.038 (bench/RESULTS.md, 2026-12-04 16:40)
+#: presum + 16x16x32 0.046, and with 16 partials 0.038 (bench/RESULTS.md, 2026-12-04 16:25–16:45)
 CHAIN_PRESUM = 2
 
 
