@@ -470,7 +470,7 @@ def _swap_default(a, b, c, d):
 
 @functools.lru_cache(maxsize=4096)
 def _merge_plan(a, b, c, d, views, has_base, fact1, fact2, compute, device, cfg: MergeCfg, grad: bool,
-                presum: int = 0):
+                presum: int = 0, min_plane: int = 0):
     swap = _swap_default(a, b, c, d) if cfg.swap is None else cfg.swap
     if swap:
         M1, N1, M2, N2, fact_t, fact_l = a, b, c, d, fact1, fact2
@@ -483,7 +483,7 @@ def _merge_plan(a, b, c, d, views, has_base, fact1, fact2, compute, device, cfg:
     if grad and not cfg.split:
         # fp32 tile partials (split·M1·N1) stay below ~1/8 of a 16-bit G; ~1/4 where a flat
         # reduce reads them (presum), not the chain's few tile programs
-        split = max(1, min(split, E // (8 if presum else 16)))
+        split = max(1, min(split, E // (8 if fact_t and _presums(presum, min_plane, 2, M1, N1) else 16)))
     e_per = cdiv(E, split)
     split = cdiv(E, e_per)
     meta = dict(FACT_T=fact_t, FACT_L=fact_l, CD=tl_dtype(compute), DOT=dot_dtype(compute),
@@ -530,6 +530,15 @@ CHAIN_BLOCK = (16, 16, 32)
 #: 3072² with w2 = (256, 32)·(32, 256): chain 32x32x32 over 9 partials 0.066 ms, 16x16x32 0.051,
 #: presum + 16x16x32 0.046, and with 16 partials 0.038 (bench/RESULTS.md, 2026-12-04 16:25–16:45)
 CHAIN_PRESUM = 2
+#: ... and only a plane of at least this many elements: below it the chain's programs are few
+#: anyway and the extra launch is host time (a tiny call is launch bound)
+PRESUM_MIN_PLANE = 128 * 128
+
+
+def _presums(presum, min_plane, S, M, N):
+    """Whether a factorized side's (S, M, N) partial stack is presummed before its chain
+    (``CHAIN_PRESUM``, ``PRESUM_MIN_PLANE``)."""
+    return bool(presum) and S >= presum and M * N >= min_plane
 
 
 def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCfg] = None):
@@ -550,7 +559,7 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
         cfg = default_merge_cfg(c, d, a, b, compute)
     views = view_key(grad, w1a, w1b, w2a, w2b)
     swap, grid, M1, N1, M2, N2, e_per, meta = _merge_plan(
-        a, b, c, d, views, False, w1b is not None, w2b is not None, compute, dev, cfg, True, CHAIN_PRESUM)
+        a, b, c, d, views, False, w1b is not None, w2b is not None, compute, dev, cfg, True, CHAIN_PRESUM, PRESUM_MIN_PLANE)
     n_tiles, split = grid
     s0, s1 = grad.stride()
     if swap:
@@ -586,7 +595,7 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
     for part, S, M, N, wa, wb, ga, gb in sides:
         if wb is None:
             reduces.append((part, ga, M, N, S))
-        elif CHAIN_PRESUM and S >= CHAIN_PRESUM:
+        elif _presums(CHAIN_PRESUM, PRESUM_MIN_PLANE, S, M, N):
             plane = torch.empty((1, M, N), device=dev, dtype=torch.float32)
             reduces.append((part, plane[0], M, N, S))
             chains.append((plane, 1, M, N, wa, wb, ga, gb))
