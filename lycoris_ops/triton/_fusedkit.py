@@ -178,9 +178,10 @@ def tile_2d(M, N, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _stack_sum(ptr, s_s, S, offs, mask, IDX64: tl.constexpr, BS: tl.constexpr, BA: tl.constexpr,
                BB: tl.constexpr):
-    """Σ_s ptr[s·s_s + offs] (fp32) of one (BA, BB) tile, BS partials a load: their loads are
-    in flight together, not one after another (a serial loop over a deep stack is latency
-    bound: H200, a LoKr merge backward's chain step over 9 partials took 34 µs)."""
+    """Σ_s ptr[s·s_s + offs] (fp32) of one (BA, BB) tile, BS partials a load, their loads in
+    flight together. (On the H200 this did not speed up the LoKr merge backward's chain over 9
+    partials, 34 → 35 µs: its few tile programs were the limit, and ``triton/lokr.CHAIN_PRESUM``
+    now adds deep stacks by the flat reduce first; RESULTS.md 2026-12-04 16:25–16:45.)"""
     offs_s = tl.arange(0, BS)
     if IDX64:
         offs_s = offs_s.to(tl.int64)
