@@ -25,10 +25,13 @@ Passes (launches) per op
     program layout: per loop entry the G tile is loaded once and gives both
     ``g_L[u, v] += Σ G⊙tile`` (a scalar partial per tile program) and
     ``g_T += G·L[u, v]`` (a tile accumulator per split). fp32 partials are
-    stored only when a reduction across programs is needed; then one reduce
-    launch per whole side, and for a factored side two chained fp32 products
-    ``g_wa = (Σ g_w)·wbᵀ``, ``g_wb = waᵀ·(Σ g_w)`` (one launch each, the partial
-    sum done in-kernel). 1 to 5 launches.
+    stored only when a reduction across programs is needed. Then a flat reduce
+    (many programs) sums a whole side's partials into its gradient, and a
+    factored side's into one fp32 plane when its stack is ``CHAIN_PRESUM`` deep
+    and the plane at least ``PRESUM_MIN_PLANE`` elements (two such reductions
+    share one launch); a factored side's gradients are the chained fp32 products
+    ``g_wa = (Σ g_w)·wbᵀ``, ``g_wb = waᵀ·(Σ g_w)`` (both sides' in one launch; a
+    stack not presummed is summed in that kernel). 1 to 3 launches.
 ``lokr_bypass_fwd`` - one kernel. Program = (BT tokens, block of c). Never
     builds kron(w1, w2): ``Z = X·w2ᵀ`` with X the (BT·b, d) token tile (rows
     (t, v)) accumulated over d in fp32, Z permuted in registers to (b, BT·c),
