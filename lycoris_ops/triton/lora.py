@@ -87,6 +87,26 @@ def supported_bypass(rank: int) -> bool:
 
 
 @triton.jit
+def _tile_times_factor(a_ptr, s_at, s_ak, f_ptr, s_fk, s_fr, offs_t, mask_t, offs_r, mask_r, K,
+                       CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+                       BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Σ_k a[t, k]·f[k, r] over all of K for one token tile, fp32 (operands rounded to the
+    compute dtype): h = x·downᵀ, q = G·up."""
+    acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if IDX64:
+            offs_k = offs_k.to(tl.int64)
+        mask_k = offs_k < K
+        at = tl.load(a_ptr + offs_t[:, None] * s_at + offs_k[None, :] * s_ak,
+                     mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        ft = tl.load(f_ptr + offs_k[:, None] * s_fk + offs_r[None, :] * s_fr,
+                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+        acc = tl.dot(at.to(CD).to(DOT), ft.to(CD).to(DOT), acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
 def _bypass_fwd_kernel(
     x_ptr, up_ptr, down_ptr, base_ptr, y_ptr,
     T, I, O, R, gamma,
@@ -110,17 +130,8 @@ def _bypass_fwd_kernel(
     mask_r = offs_r < R
 
     # h = x · downᵀ over the whole I (fp32), then rounded to the compute dtype
-    h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for i0 in range(0, I, BLOCK_I):
-        offs_i = i0 + tl.arange(0, BLOCK_I)
-        if IDX64:
-            offs_i = offs_i.to(tl.int64)
-        mask_i = offs_i < I
-        xt = tl.load(x_ptr + offs_t[:, None] * s_xt + offs_i[None, :] * s_xi,
-                     mask=mask_t[:, None] & mask_i[None, :], other=0.0)
-        dt = tl.load(down_ptr + offs_i[:, None] * s_di + offs_r[None, :] * s_dr,
-                     mask=mask_i[:, None] & mask_r[None, :], other=0.0)
-        h = tl.dot(xt.to(CD).to(DOT), dt.to(CD).to(DOT), h, input_precision="ieee")
+    h = _tile_times_factor(x_ptr, s_xt, s_xi, down_ptr, s_di, s_dr, offs_t, mask_t, offs_r, mask_r, I,
+                           CD, DOT, IDX64, BLOCK_T, BLOCK_I, BLOCK_R)
     hd = h.to(CD).to(DOT)
 
     # Y = γ · h · upᵀ (+ base), one O tile at a time
@@ -172,30 +183,13 @@ def _bypass_bwd_tok_kernel(
 
     h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     if pid_i == 0:  # h is needed by g_up only: one program per token tile stores it
-        for i0 in range(0, I, BLOCK_I):
-            offs_i = i0 + tl.arange(0, BLOCK_I)
-            if IDX64:
-                offs_i = offs_i.to(tl.int64)
-            mask_i = offs_i < I
-            xt = tl.load(x_ptr + offs_t[:, None] * s_xt + offs_i[None, :] * s_xi,
-                         mask=mask_t[:, None] & mask_i[None, :], other=0.0)
-            dt = tl.load(down_ptr + offs_i[:, None] * s_di + offs_r[None, :] * s_dr,
-                         mask=mask_i[:, None] & mask_r[None, :], other=0.0)
-            h = tl.dot(xt.to(CD).to(DOT), dt.to(CD).to(DOT), h, input_precision="ieee")
+        h = _tile_times_factor(x_ptr, s_xt, s_xi, down_ptr, s_di, s_dr, offs_t, mask_t, offs_r, mask_r, I,
+                               CD, DOT, IDX64, BLOCK_T, BLOCK_I, BLOCK_R)
         if not FUSE_GW:
             tl.store(h_ptr + offs_t[:, None] * R + offs_r[None, :], h.to(CD), mask=mask_tr)
 
-    q = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for o0 in range(0, O, BLOCK_O):
-        offs_o = o0 + tl.arange(0, BLOCK_O)
-        if IDX64:
-            offs_o = offs_o.to(tl.int64)
-        mask_o = offs_o < O
-        gt = tl.load(g_ptr + offs_t[:, None] * s_gt + offs_o[None, :] * s_go,
-                     mask=mask_t[:, None] & mask_o[None, :], other=0.0)
-        ut = tl.load(up_ptr + offs_o[:, None] * s_uo + offs_r[None, :] * s_ur,
-                     mask=mask_o[:, None] & mask_r[None, :], other=0.0)
-        q = tl.dot(gt.to(CD).to(DOT), ut.to(CD).to(DOT), q, input_precision="ieee")
+    q = _tile_times_factor(g_ptr, s_gt, s_go, up_ptr, s_uo, s_ur, offs_t, mask_t, offs_r, mask_r, O,
+                           CD, DOT, IDX64, BLOCK_T, BLOCK_O, BLOCK_R)
     qc = q.to(CD)
     if pid_i == 0 and not FUSE_GW:
         tl.store(q_ptr + offs_t[:, None] * R + offs_r[None, :], qc, mask=mask_tr)
