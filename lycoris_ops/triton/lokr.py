@@ -129,6 +129,18 @@ def _side_entry(la_ptr, lb_ptr, em, en, R, s_am, s_ar, s_br, s_bn,
 
 
 @triton.jit
+def _loop_entry(la_ptr, lb_ptr, e, N2, R, s_am, s_ar, s_br, s_bn,
+                FACT: tl.constexpr, CD: tl.constexpr, IDX64: tl.constexpr, BR: tl.constexpr):
+    """(row, column, fp32 value) of the loop side's flat entry e (row-major over N2 columns)."""
+    em = e // N2
+    en = e % N2
+    if IDX64:
+        em = em.to(tl.int64)
+        en = en.to(tl.int64)
+    return em, en, _side_entry(la_ptr, lb_ptr, em, en, R, s_am, s_ar, s_br, s_bn, FACT, CD, BR)
+
+
+@triton.jit
 def _kron_merge_kernel(
     ta_ptr, tb_ptr, la_ptr, lb_ptr, base_ptr, out_ptr,
     M1, N1, RT, M2, N2, RL, E_PER, gamma,
@@ -149,12 +161,7 @@ def _kron_merge_kernel(
     e_lo = pid_s * E_PER
     e_hi = tl.minimum(e_lo + E_PER, M2 * N2)
     for e in range(e_lo, e_hi):
-        em = e // N2
-        en = e % N2
-        if IDX64:
-            em = em.to(tl.int64)
-            en = en.to(tl.int64)
-        s = _side_entry(la_ptr, lb_ptr, em, en, RL, s_lam, s_lar, s_lbr, s_lbn, FACT_L, CD, BRL)
+        em, en, s = _loop_entry(la_ptr, lb_ptr, e, N2, RL, s_lam, s_lar, s_lbr, s_lbn, FACT_L, CD, IDX64, BRL)
         val = tile * s * gamma
         if HAS_BASE:
             val += tl.load(b_tile + em * s_bM + en * s_bN, mask=mask, other=0.0).to(tl.float32)
@@ -183,12 +190,7 @@ def _kron_grad_kernel(
     e_lo = pid_s * E_PER
     e_hi = tl.minimum(e_lo + E_PER, M2 * N2)
     for e in range(e_lo, e_hi):
-        em = e // N2
-        en = e % N2
-        if IDX64:
-            em = em.to(tl.int64)
-            en = en.to(tl.int64)
-        s = _side_entry(la_ptr, lb_ptr, em, en, RL, s_lam, s_lar, s_lbr, s_lbn, FACT_L, CD, BRL)
+        em, en, s = _loop_entry(la_ptr, lb_ptr, e, N2, RL, s_lam, s_lar, s_lbr, s_lbn, FACT_L, CD, IDX64, BRL)
         g = tl.load(g_tile + em * s_gM + en * s_gN, mask=mask, other=0.0).to(CD).to(tl.float32)
         acc += g * s
         gl = tl.sum(tl.sum(g * tile, axis=1), axis=0) * gamma
