@@ -75,7 +75,7 @@ MERGE_CASES = [
     (3, 5, 7, 19, 2, 0, False, 3),   # side 1 factored
     (3, 5, 7, 19, 0, 3, None, 0),    # side 2 factored
     (3, 5, 4, 6, 2, 3, True, 2),     # both factored, w1 tiled (swap)
-    (3, 5, 4, 6, 2, 3, True, 12),    # a stack of 12 partials: the chain sums 8 a load, then 4
+    (3, 5, 4, 6, 2, 3, True, 12),    # both factored, a stack of 12 partials
     (3, 5, 7, 19, 0, 3, False, 13),  # side 2 factored, 13 partials
 ]
 

@@ -176,37 +176,21 @@ def tile_2d(M, N, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
 
 
 @triton.jit
-def _stack_sum(ptr, s_s, S, offs, mask, IDX64: tl.constexpr, BS: tl.constexpr, BA: tl.constexpr,
-               BB: tl.constexpr):
-    """Σ_s ptr[s·s_s + offs] (fp32) of one (BA, BB) tile, BS partials a load, their loads in
-    flight together. (On the H200 this did not speed up the LoKr merge backward's chain over 9
-    partials, 34 → 35 µs: its few tile programs were the limit, and ``triton/lokr.CHAIN_PRESUM``
-    now adds deep stacks by the flat reduce first; RESULTS.md 2026-12-04 16:25–16:45.)"""
-    offs_s = tl.arange(0, BS)
-    if IDX64:
-        offs_s = offs_s.to(tl.int64)
-    acc = tl.zeros((BA, BB), dtype=tl.float32)
-    for s0 in range(0, S, BS):
-        ss = s0 + offs_s
-        v = tl.load(ptr + ss[:, None, None] * s_s + offs[None, :, :], mask=(ss < S)[:, None, None] & mask[None, :, :],
-                    other=0.0)
-        acc += tl.sum(v.to(tl.float32), axis=0)
-    return acc
-
-
-@triton.jit
-def _operand_tile(ptr, s_s, S, offs, mask, IS_CD: tl.constexpr, CD: tl.constexpr, IDX64: tl.constexpr,
-                  BS: tl.constexpr, BA: tl.constexpr, BB: tl.constexpr):
-    """Σ_s ptr[s·s_s + offs] of one (BA, BB) tile in fp32: a factor (``IS_CD``: each copy rounded
-    to the compute dtype, added in turn) or an fp32 partial stack (``_stack_sum``)."""
-    if IS_CD:
-        t = tl.zeros((BA, BB), dtype=tl.float32)
-        p = ptr + offs
-        for _ in range(0, S):
-            t += tl.load(p, mask=mask, other=0.0).to(CD).to(tl.float32)
-            p += s_s
-    else:
-        t = _stack_sum(ptr, s_s, S, offs, mask, IDX64, BS, BA, BB)
+def _operand_tile(ptr, s_s, S, offs, mask, IS_CD: tl.constexpr, CD: tl.constexpr, BA: tl.constexpr,
+                  BB: tl.constexpr):
+    """Σ_s ptr[s·s_s + offs] of one (BA, BB) tile in fp32, one partial after another: a factor
+    (``IS_CD``: rounded to the compute dtype) or an fp32 partial stack, summed unrounded. (Eight
+    partials a load instead did not speed up the LoKr merge backward's chain over 9 partials on the
+    H200, 34 → 35 µs: its few tile programs were the limit; ``triton/lokr.CHAIN_PRESUM`` now adds
+    deep stacks by the flat reduce first. RESULTS.md 2026-12-04 16:25–16:45.)"""
+    t = tl.zeros((BA, BB), dtype=tl.float32)
+    p = ptr + offs
+    for _ in range(0, S):
+        v = tl.load(p, mask=mask, other=0.0)
+        if IS_CD:
+            v = v.to(CD)
+        t += v.to(tl.float32)
+        p += s_s
     return t
 
 
@@ -215,12 +199,11 @@ def _mm_tile(
     pid, x_ptr, y_ptr, o_ptr, M, N, K, SX, SY, alpha,
     s_xs, s_xm, s_xk, s_ys, s_yk, s_yn, s_om, s_on,
     X_CD: tl.constexpr, Y_CD: tl.constexpr, CD: tl.constexpr, IDX64: tl.constexpr,
-    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BS: tl.constexpr = 8,
+    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
     """Tile ``pid`` (row-major over (cdiv(M, BM), cdiv(N, BN))) of o = α·(Σ_s x[s])·(Σ_s y[s])
     in fp32 (IEEE dot); an operand flagged ``*_CD`` is rounded to the compute dtype first
-    (a factor), otherwise it is an fp32 partial stack that is summed unrounded, BS partials
-    a load (``_stack_sum``)."""
+    (a factor), otherwise it is an fp32 partial stack that is summed unrounded."""
     n_n = tl.cdiv(N, BN)
     offs_m = (pid // n_n) * BM + tl.arange(0, BM)
     offs_n = (pid % n_n) * BN + tl.arange(0, BN)
@@ -234,9 +217,9 @@ def _mm_tile(
         offs_k = k0 + tl.arange(0, BK)
         mask_k = offs_k < K
         xt = _operand_tile(x_ptr, s_xs, SX, offs_m[:, None] * s_xm + offs_k[None, :] * s_xk,
-                           mask_m[:, None] & mask_k[None, :], X_CD, CD, IDX64, BS, BM, BK)
+                           mask_m[:, None] & mask_k[None, :], X_CD, CD, BM, BK)
         yt = _operand_tile(y_ptr, s_ys, SY, offs_k[:, None] * s_yk + offs_n[None, :] * s_yn,
-                           mask_k[:, None] & mask_n[None, :], Y_CD, CD, IDX64, BS, BK, BN)
+                           mask_k[:, None] & mask_n[None, :], Y_CD, CD, BK, BN)
         acc = tl.dot(xt, yt, acc, input_precision="ieee")
     tl.store(o_ptr + offs_m[:, None] * s_om + offs_n[None, :] * s_on,
              (acc * alpha).to(o_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
