@@ -141,15 +141,14 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
         rt, rl = (r1, r2) if swap else (r2, r1)
         n_tiles, E = cdiv(M1, cfg["block_m"]) * cdiv(N1, cfg["block_n"]), M2 * N2
         TK = triton_module("lokr")
-        deep = rt and TK._presums(TK.CHAIN_PRESUM, TK.PRESUM_MIN_PLANE, 2, M1, N1)
-        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, E // (8 if deep else 16)))
+        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, TK._grad_split_cap(E, rt, M1, N1)))
         out = {("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
                 cfg["num_warps"], cfg["num_stages"])}
         reduces, chains = [], []
         for side, fact, parts in (("tile", rt, split), ("loop", rl, n_tiles)):
             if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials), after a presum of a deep stack
                 chains.append(side)
-                if TK._presums(TK.CHAIN_PRESUM, TK.PRESUM_MIN_PLANE, parts, *((M1, N1) if side == "tile" else (M2, N2))):
+                if TK._presums(parts, *((M1, N1) if side == "tile" else (M2, N2))):
                     reduces.append(side)
             elif parts > 1:
                 reduces.append(side)

@@ -486,9 +486,7 @@ def _merge_plan(a, b, c, d, views, has_base, fact1, fact2, compute, device, cfg:
     split = cfg.split or split_count(n_tiles, device, E, per_sm=4)
     split = max(1, min(split, E))
     if grad and not cfg.split:
-        # fp32 tile partials (split·M1·N1) stay below ~1/8 of a 16-bit G; ~1/4 where a flat
-        # reduce reads them (presum), not the chain's few tile programs
-        split = max(1, min(split, E // (8 if fact_t and _presums(presum, min_plane, 2, M1, N1) else 16)))
+        split = max(1, min(split, _grad_split_cap(E, fact_t, M1, N1, presum, min_plane)))
     e_per = cdiv(E, split)
     split = cdiv(E, e_per)
     meta = dict(FACT_T=fact_t, FACT_L=fact_l, CD=tl_dtype(compute), DOT=dot_dtype(compute),
@@ -540,10 +538,19 @@ CHAIN_PRESUM = 2
 PRESUM_MIN_PLANE = 128 * 128
 
 
-def _presums(presum, min_plane, S, M, N):
+def _presums(S, M, N, presum=None, min_plane=None):
     """Whether a factorized side's (S, M, N) partial stack is presummed before its chain
-    (``CHAIN_PRESUM``, ``PRESUM_MIN_PLANE``)."""
+    (``presum`` / ``min_plane``: default ``CHAIN_PRESUM`` / ``PRESUM_MIN_PLANE``)."""
+    presum = CHAIN_PRESUM if presum is None else presum
+    min_plane = PRESUM_MIN_PLANE if min_plane is None else min_plane
     return bool(presum) and S >= presum and M * N >= min_plane
+
+
+def _grad_split_cap(E, fact_t, M1, N1, presum=None, min_plane=None):
+    """Most splits of the gradient kernel's E loop entries: its fp32 tile partials (split·M1·N1)
+    stay below ~1/8 of a 16-bit G; ~1/4 where a flat reduce reads them (the tile side presummed),
+    not the chain's few tile programs."""
+    return E // (8 if fact_t and _presums(2, M1, N1, presum, min_plane) else 16)
 
 
 def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCfg] = None):
@@ -564,7 +571,8 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
         cfg = default_merge_cfg(c, d, a, b, compute)
     views = view_key(grad, w1a, w1b, w2a, w2b)
     swap, grid, M1, N1, M2, N2, e_per, meta = _merge_plan(
-        a, b, c, d, views, False, w1b is not None, w2b is not None, compute, dev, cfg, True, CHAIN_PRESUM, PRESUM_MIN_PLANE)
+        a, b, c, d, views, False, w1b is not None, w2b is not None, compute, dev, cfg, True,
+        CHAIN_PRESUM, PRESUM_MIN_PLANE)  # the cache key carries the presum rule
     n_tiles, split = grid
     s0, s1 = grad.stride()
     if swap:
@@ -600,7 +608,7 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
     for part, S, M, N, wa, wb, ga, gb in sides:
         if wb is None:
             reduces.append((part, ga, M, N, S))
-        elif _presums(CHAIN_PRESUM, PRESUM_MIN_PLANE, S, M, N):
+        elif _presums(S, M, N):
             plane = torch.empty((1, M, N), device=dev, dtype=torch.float32)
             reduces.append((part, plane[0], M, N, S))
             chains.append((plane, 1, M, N, wa, wb, ga, gb))
