@@ -36,14 +36,14 @@ __all__ = ["addmm", "available"]
 
 # cuBLASLt / CUDA enums (cublasLt.h, library_types.h, cublas_api.h)
 _CUDA_R_32F, _CUDA_R_16F, _CUDA_R_16BF = 0, 2, 14
-_CUBLAS_COMPUTE_32F = 68
+_CUBLAS_COMPUTE_32F, _CUBLAS_COMPUTE_32F_FAST_TF32 = 68, 77
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB = 3, 4
 _PREF_MAX_WORKSPACE_BYTES, _PREF_REDUCTION_SCHEME_MASK = 1, 3
 _PREF_MIN_ALIGNMENT = {"a": 5, "b": 6, "c": 7, "d": 8}
 _REDUCTION_COMPUTE_TYPE = 2  # split-K partials in fp32 only (no in-place or 16-bit reduction)
 _SZ4, _SZ8 = ctypes.c_size_t(4), ctypes.c_size_t(8)  # size_t arguments, passed as such
-_DTYPES = {torch.float16: _CUDA_R_16F, torch.bfloat16: _CUDA_R_16BF}
+_DTYPES = {torch.float16: _CUDA_R_16F, torch.bfloat16: _CUDA_R_16BF, torch.float32: _CUDA_R_32F}
 #: the most workspace the heuristic may ask for (torch's own cuBLASLt default on Hopper)
 WORKSPACE_BYTES = 32 << 20
 
@@ -124,13 +124,13 @@ def _operand(t: torch.Tensor):
 @functools.lru_cache(maxsize=256)
 def _plan(key):
     """Descriptors and the heuristic's first algorithm for one call signature, or None."""
-    (device, lay_a, lay_b, lay_c, lay_d, dtype, align) = key
+    (device, lay_a, lay_b, lay_c, lay_d, dtype, align, compute) = key
     lib = _library()
     h = _handle(lib, device) if lib is not None else None
     if h is None:
         return None
     desc = ctypes.c_void_p()
-    if lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _CUBLAS_COMPUTE_32F, _CUDA_R_32F) != 0:
+    if lib.cublasLtMatmulDescCreate(ctypes.byref(desc), compute, _CUDA_R_32F) != 0:
         return None
     for attr, op in ((_DESC_TRANSA, lay_a[3]), (_DESC_TRANSB, lay_b[3])):
         v = ctypes.c_int32(op)
@@ -168,7 +168,7 @@ def addmm(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) ->
     not apply (the caller then uses ``torch.addmm(base, a, b, alpha=alpha)``, the same math).
 
     a (M, K), b (K, N), base (M, N) with unit column stride; all three CUDA, on one device, of
-    one 16-bit dtype; any row-major or column-major a and b."""
+    one dtype (fp16, bf16 or fp32); any row-major or column-major a and b."""
     if not (a.is_cuda and a.dtype == b.dtype == base.dtype and a.dtype in _DTYPES and a.dim() == b.dim() == 2
             and base.dim() == 2 and a.device == b.device == base.device):
         return None
@@ -187,6 +187,14 @@ def addmm(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, alpha: float) ->
     return out if _matmul(plan, a, b, base, out, alpha) == 0 else None
 
 
+def _compute_type(dtype: torch.dtype) -> int:
+    """fp32 accumulation; fp32 operands on TF32 tensor cores only where torch's own fp32 matmuls
+    are (``torch.get_float32_matmul_precision()`` other than "highest"), as torch.addmm would."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
+        return _CUBLAS_COMPUTE_32F_FAST_TF32
+    return _CUBLAS_COMPUTE_32F
+
+
 def _prepare(base, a, b):
     """The cached plan for ``addmm``'s checked arguments (D a fresh contiguous (M, N) tensor), or None."""
     M = a.shape[0]
@@ -199,7 +207,7 @@ def _prepare(base, a, b):
     align = (_alignment(b, lay_a[2]), _alignment(a, lay_b[2]), _alignment(base, base.stride(0)),
              _pow2_dividing(N * a.element_size()))
     key = (a.device.index if a.device.index is not None else torch.cuda.current_device(), lay_a, lay_b,
-           (N, M, base.stride(0)), (N, M, N), _DTYPES[a.dtype], align)
+           (N, M, base.stride(0)), (N, M, N), _DTYPES[a.dtype], align, _compute_type(a.dtype))
     with _lock:
         return _plan(key)
 

@@ -26,13 +26,52 @@ def _err(got, base, a, b, alpha):
     return (got.double() - (alpha * (a.double() @ b.double()) + base.double())).norm().item()
 
 
-def test_declines_cpu_and_fp32():
+def test_declines_cpu():
     a, b, base = torch.randn(5, 3), torch.randn(3, 4), torch.randn(5, 4)
     assert _cublaslt.addmm(base, a, b, 0.5) is None
     assert _cublaslt.addmm(base.half(), a.half(), b.half(), 0.5) is None
     # the caller's fallback: gemm_epilogue with base_in_place on CPU is the plain formula
     got = gemm_epilogue(a, b, torch.float32, 0.5, base, base_in_place=True)
     torch.testing.assert_close(got, 0.5 * (a @ b) + base)
+
+
+def test_fp32_compute_type_follows_torch_matmul_precision():
+    """fp32 operands run IEEE (COMPUTE_32F) unless torch's own fp32 matmuls may use TF32."""
+    was = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert _cublaslt._compute_type(torch.float32) == _cublaslt._CUBLAS_COMPUTE_32F
+        torch.set_float32_matmul_precision("high")
+        assert _cublaslt._compute_type(torch.float32) == _cublaslt._CUBLAS_COMPUTE_32F_FAST_TF32
+        assert _cublaslt._compute_type(torch.bfloat16) == _cublaslt._CUBLAS_COMPUTE_32F
+    finally:
+        torch.set_float32_matmul_precision(was)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_base", [False, True])
+@pytest.mark.parametrize("alpha", [1.0, -0.37])
+def test_gemm_epilogue_wide_dtypes_one_call(dtype, with_base, alpha):
+    """fp32 / fp64: α and base go into the GEMM call's epilogue (one op, no separate scale and add
+    passes), with the formula's value and autograd through it (double backward records it)."""
+    gen = torch.Generator().manual_seed(int(with_base) * 10 + int(alpha > 0))
+    a = torch.randn(13, 29, generator=gen, dtype=dtype)
+    b = torch.randn(29, 7, generator=gen, dtype=dtype).t().contiguous().t()  # column-major
+    base = torch.randn(13, 7, generator=gen, dtype=dtype) if with_base else None
+    want = alpha * (a.double() @ b.double()) + (base.double() if with_base else 0)
+    with torch.profiler.profile() as prof:
+        got = gemm_epilogue(a, b, dtype, alpha, base)
+    assert got.dtype == dtype and got.shape == (13, 7)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    ops = [e.name for e in prof.events() if e.name.startswith("aten::") and "mm" not in e.name
+           and e.name not in ("aten::empty", "aten::zeros", "aten::new_zeros", "aten::fill_", "aten::zero_",
+                              "aten::as_strided", "aten::expand", "aten::resolve_conj", "aten::resolve_neg",
+                              "aten::t", "aten::transpose", "aten::copy_", "aten::empty_strided",
+                              "aten::lift_fresh", "aten::result_type", "aten::to", "aten::_to_copy")]
+    assert not [o for o in ops if o in ("aten::mul", "aten::add", "aten::mul_", "aten::add_")], ops
+    a.requires_grad_(True)
+    (ga,) = torch.autograd.grad(gemm_epilogue(a, b, dtype, alpha, base).sum(), a)
+    torch.testing.assert_close(ga, alpha * torch.ones(13, 7, dtype=dtype) @ b.t())
 
 
 def _col_major(t, rows, cols, ld, op):
@@ -65,7 +104,7 @@ def test_operand_declines_other_strides_and_alignment_is_a_power_of_two():
 
 
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("layout", ["rr", "rc", "cr", "cc", "pitched"])
 @pytest.mark.parametrize("mkn", [(37, 61, 45), (1024, 520, 768)])
 def test_addmm_matches_formula(dtype, layout, mkn):
@@ -88,9 +127,12 @@ def test_addmm_matches_formula(dtype, layout, mkn):
     assert got.shape == (M, N) and got.is_contiguous() and got.dtype == dtype
     assert torch.equal(base, base_before), "base was written"
     assert _excess(got, base, a, b, 0.75) <= 1
-    # at least as close to the exact result as torch.addmm, whose H200 in-place epilogue rounds
-    # α·a·b to 16 bits before the add (bench/cublaslt_check.py: 2.5-5% of elements > 1 eps)
-    assert _err(got, base, a, b, 0.75) <= 1.0001 * _err(torch.addmm(base, a, b, alpha=0.75), base, a, b, 0.75)
+    theirs = _err(torch.addmm(base, a, b, alpha=0.75), base, a, b, 0.75)
+    if dtype == torch.float32:  # IEEE fp32 both (torch's default precision): accumulation order apart
+        assert _err(got, base, a, b, 0.75) <= 2 * theirs + 1e-6
+    else:  # at least as close to the exact result as torch.addmm, whose H200 in-place epilogue
+        # rounds α·a·b to 16 bits before the add (bench/cublaslt_check.py: 2.5-5% of elements > 1 eps)
+        assert _err(got, base, a, b, 0.75) <= 1.0001 * theirs
 
 
 @needs_cuda
@@ -101,6 +143,7 @@ def test_addmm_declines_what_it_cannot_lay_out():
     assert _cublaslt.addmm(base, a[:, :6], b, 1.0) is None
     assert _cublaslt.addmm(base.t().contiguous().t(), a[:, :6], b.contiguous(), 1.0) is None  # column-major base
     assert _cublaslt.addmm(base.float(), a[:, :6], b.contiguous(), 1.0) is None  # mixed dtypes
+    assert _cublaslt.addmm(base.double(), a[:, :6].double(), b.contiguous().double(), 1.0) is None  # fp64
     got = gemm_epilogue(a[:, :6], b, torch.bfloat16, 1.0, base, base_in_place=True)  # the fallback: torch's addmm
     assert torch.equal(got, torch.addmm(base, a[:, :6], b))
 

@@ -16,6 +16,7 @@ import torch
 #: and an fp32 result straight from the tensor cores, without upcast copies of the operands
 _MM_OUT_DTYPE = hasattr(torch.ops.aten.mm, "dtype") and hasattr(torch.ops.aten.bmm, "dtype")
 _HALF = (torch.float16, torch.bfloat16)
+_WIDE = (torch.float32, torch.float64)
 
 
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
@@ -102,15 +103,19 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
     (bench/cublaslt_check.py, RESULTS.md 2026-12-04 14:55–15:12): that out-of-place epilogue
     rounds once, while torch.addmm's in-place one (C = D) leaves 2.5-5% of the elements
     more than one rounding from the exact result (α·a·b rounded to 16 bits before the add).
+    fp32 / fp64 a, b, base and output, on any device: the same single call, α and the add
+    in the GEMM's epilogue at the product's precision.
     """
-    if (_MM_OUT_DTYPE and a.is_cuda and a.dtype == b.dtype == out_dtype and a.dtype in _HALF
-            and a.dim() == 2 and b.dim() == 2
+    one_dtype = (a.dtype == b.dtype == out_dtype and a.dim() == 2 and b.dim() == 2
+                 and (base is None or (base.dtype == out_dtype and base.shape == (a.shape[0], b.shape[1]))))
+    # fp32 / fp64: always (H200, the LoRA bypass at 8192 x 3072 fp32: the separate scale and
+    # add cost 50 + 71 µs after a 71 µs GEMM); 16 bits: where the reduction is not split
+    if one_dtype and (a.dtype in _WIDE or (
+            _MM_OUT_DTYPE and a.is_cuda and a.dtype in _HALF and not recording(a, b, base)
             and (a.shape[1] <= GEMM_EPILOGUE_SHORT_K
-                 or (a.shape[1] <= GEMM_EPILOGUE_MAX_K and a.shape[0] * b.shape[1] >= GEMM_EPILOGUE_MIN_OUT))
-            and (base is None or (base.dtype == out_dtype and base.shape == (a.shape[0], b.shape[1])))
-            and not recording(a, b, base)):
+                 or (a.shape[1] <= GEMM_EPILOGUE_MAX_K and a.shape[0] * b.shape[1] >= GEMM_EPILOGUE_MIN_OUT)))):
         if base is not None:
-            if base_in_place:
+            if base_in_place and a.is_cuda and not recording(a, b, base):
                 from .._cublaslt import addmm
 
                 y = addmm(base, a, b, alpha)
