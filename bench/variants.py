@@ -51,8 +51,16 @@ def tucker(geo, dtype, dev, gen):
     Cfg = TT.TuckerCfg
     rows = [("default", lambda c=None: TT.tucker_fwd(a, t, b, None, None, None, 0.75, c))]
     for bo, bi, st in ((16, 128, 2), (32, 64, 2), (32, 128, 3), (8, 256, 3)):
-        c = Cfg(block_o=bo, block_i=bi, num_warps=4, num_stages=st)
+        c = Cfg(block_o=bo, block_i=bi, num_warps=4, num_stages=st, o_pack=1)
         rows.append((f"{bo}x{bi} s{st}", lambda c=c: TT.tucker_fwd(a, t, b, None, None, None, 0.75, c)))
+    # rows o packed side by side in one dot (fp32's default: its FMA dots pay for padded columns)
+    pk = TT.o_pack_for(Kk, 32)
+    for bo, bi, st, w in ((16, 64, 2, 4), (32, 64, 2, 4), (8, 64, 2, 4), (16, 32, 2, 4), (16, 64, 3, 4),
+                          (16, 128, 2, 8), (32, 128, 3, 4)):
+        c = Cfg(block_o=bo, block_i=bi, num_warps=w, num_stages=st, o_pack=pk)
+        rows.append((f"pack{pk} {bo}x{bi} s{st} w{w}", lambda c=c: TT.tucker_fwd(a, t, b, None, None, None, 0.75, c)))
+    c = Cfg(block_o=16, block_i=64, num_warps=4, num_stages=2, o_pack=1)
+    rows.append(("row 16x64 s2 (fp32's old default)", lambda c=c: TT.tucker_fwd(a, t, b, None, None, None, 0.75, c)))
     rows.append(("eager body", lambda: RL.lora_tucker_fwd(a, t, b, None, None, None, 0.75)))
     rows.append(("einsum (a view)", lambda: 0.75 * torch.einsum("op,pqk,qi->oik", a, t, b)))
     return {"fwd": rows}

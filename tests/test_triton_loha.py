@@ -269,18 +269,21 @@ def o_tucker(a, t, b):
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("two", [False, True], ids=["one", "hada"])
 @pytest.mark.parametrize("Kk,block_o", [(5, 4), (9, 1), (1, 3), (17, 2)], ids=["k5-4rows", "k9-1row", "k1", "k17"])
-def test_tucker(dtype, two, Kk, block_o):
+@pytest.mark.parametrize("o_pack", [1, 3], ids=["row", "pack3"])
+def test_tucker(dtype, two, Kk, block_o, o_pack):
     """Columns (i, κ) with κ padded to a dot's width (16, or 32 for Kk 17): several o per
     program, the last program's o past O (O = 19 is no multiple of 4, 3 or 2), one o per
     program; O, I not multiples of the tile; the a·t core in its own kernel (columns
-    (q, κ), transposed a, non-contiguous t)."""
+    (q, κ), transposed a, non-contiguous t). o_pack 3: three rows o side by side in one dot
+    (Kk 9: 27 of 32 columns; Kk 17: 51 of 64), block_o rounded up to whole packs, the last
+    pack past O (19 = 6·3 + 1)."""
     g = gen(5)
     a1 = mk_t((O, 4), dtype, g)  # LoHa passes a transposed "up"
     t1 = mk((4, 3, Kk), dtype, g, nc=two)
     b1 = mk((3, I), dtype, g, nc=True)
     a2, t2, b2 = (mk((O, 6), dtype, g), mk((6, 6, Kk), dtype, g), mk((6, I), torch.float32, g)) if two else (None,) * 3
     cd = cd_of(a1, t1, b1, a2, t2, b2)
-    y = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, TT.TuckerCfg(block_o=block_o, block_i=16))
+    y = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, TT.TuckerCfg(block_o=block_o, block_i=16, o_pack=o_pack))
     assert y.shape == (O, I, Kk) and y.dtype == dtype and y.is_contiguous()
     want = GAMMA * o_tucker(d64(a1, cd), d64(t1, cd), d64(b1, cd))
     if two:
@@ -296,6 +299,9 @@ def test_tucker_op_and_scope():
     y = ops.lora_tucker_fwd(a, t, b, None, None, None, 1.5)
     close(y, 1.5 * o_tucker(a.double().cpu(), t.double().cpu(), b.double().cpu()), REL_TOL[torch.float32], "tucker op")
     assert TT.supported(128, 64) and not TT.supported(129)
+    # rows per dot: the fewest wasted columns within the width (ties: fewer rows)
+    assert [TT.o_pack_for(k, 32) for k in (9, 1, 5, 17, 49)] == [3, 16, 3, 1, 1]
+    assert [TT.pack_width(k, p) for k, p in ((9, 3), (9, 1), (1, 16), (17, 3))] == [32, 16, 16, 64]
     for name in ("loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd"):
         assert name in ops.__all__ and callable(getattr(ops, name))  # wraps the tuned launcher
 
@@ -336,13 +342,18 @@ def _compile_all(dtype_names):
              dict(CD=t, DOT=t, BT=16, BO=64, BI=64, BR=64),
              ("s_go", "s_xi", "s_a1r", "s_b1i", "s_a2r", "s_b2i", "s_gxi", "s_ga1r", "s_gb1i", "s_ga2r", "s_gb2i"), 4),
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
-             dict(TWO=True, GROUP_O=8, BO=8, KKP=32, BI=64, BR1=32, BR2=32, **com),
+             dict(TWO=True, GROUP_O=8, BO=8, OPK=1, NP=32, BI=64, BR1=32, BR2=32, **com),
              ("s_b1i", "s_b2i", "s_yk"), 8),
             (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
-             dict(TWO=False, GROUP_O=8, BO=16, KKP=16, BI=128, BR1=64, BR2=16, **com),
+             dict(TWO=False, GROUP_O=8, BO=16, OPK=1, NP=16, BI=128, BR1=64, BR2=16, **com),
              ("s_b1i", "s_b2i", "s_yk"), 8),
-            (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn), dict(BO=64, BN=64, BR=32, BRB=32, KKP=16, **com),
-             ("s_ap", "s_tk"), 4),
+            (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),  # 3 rows o a dot
+             dict(TWO=False, GROUP_O=8, BO=15, OPK=3, NP=32, BI=64, BR1=32, BR2=16, **com),
+             ("s_b1i", "s_b2i", "s_yk"), 4),
+            (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn),
+             dict(BO=64, BN=64, BR=32, BRB=32, KKP=16, OPK=1, NP=16, **com), ("s_ap", "s_tk"), 4),
+            (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn),
+             dict(BO=64, BN=64, BR=32, BRB=32, KKP=16, OPK=3, NP=32, **com), ("s_ap", "s_tk"), 4),
         ]
         for fn, pointers, cx, ones, warps in jobs:
             div16 = [p.name for p in fn.params if p.name.startswith("s_") and p.name not in ones]
@@ -353,7 +364,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 10, out
+    assert out.count("ok ") == 12, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

@@ -43,12 +43,10 @@ def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, o
     chains = 2 if two else 1
     rps = [p2(r, 16) for r in ranks]
     ra, rb = max(ranks[0::2]), max(rps[1::2])
-    kkp = _tl().kk_padded(Kk)
 
     def work(c):
-        bo, bi = c["block_o"], c["block_i"]
-        if not tc and bi > 64:  # IEEE fp32 dots on FMA units: the bᵀ tile stays in registers
-            return None
+        bo, bi, opk = c["block_o"], c["block_i"], c["o_pack"]
+        kkp = _tl().pack_width(Kk, opk) / opk  # the dot's columns per output row o
         n_o, n_i = cdiv(O, bo), cdiv(I, bi)
         prep = Work(grid=cdiv(O, 64) * cdiv(rb * kkp, 64), dram=chains * (O * ra + ra * rb * Kk + O * rb * kkp) * e,
                     mma=chains * 2.0 * O * ra * rb * Kk, tc=tc, name="a.t")
@@ -60,10 +58,13 @@ def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, o
                     mma_tile=bi * kkp * rb)
         return [main, prep]
 
-    cfgs = [dict(block_o=bo, block_i=bi, group_o=8, num_warps=w, num_stages=s)
-            for bo in (4, 8, 16, 32) for bi in (32, 64, 128, 256) for w in (4, 8) for s in (1, 2, 3)]
+    # fp32 (FMA dots): one row per dot or the packed rows; 16-bit (tensor cores, write-bound): one row
+    packs = sorted({1, _tl().o_pack_for(Kk, 32)}) if not tc else [1]
+    cfgs = [dict(block_o=bo * opk, block_i=bi, group_o=8, num_warps=w, num_stages=s, o_pack=opk)
+            for opk in packs for bo in (4, 8, 16, 32) for bi in (32, 64, 128, 256) for w in (4, 8)
+            for s in (1, 2, 3)]
     eager = eager_tucker(dev, O, I, Kk, max(ranks), chains, e, eo, tc)
-    return make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("block_o", "block_i"), n=n,
+    return make_plan("lora_tucker_fwd", rank(cfgs, work, dev), tile_axes=("block_o", "block_i", "o_pack"), n=n,
                      default=default, default_s=predict(work, default, dev), eager_s=eager)
 
 

@@ -22,7 +22,15 @@ stored in the compute dtype); its operands keep any strides (LoHa passes a
 transposed "up"). AT is stored zero-padded to the main kernel's dot shape
 (O, R' → pow2, Kk → KKP): each o's operand is then one aligned contiguous block,
 read with vector loads and no masks (with Kk = 9 unpadded, those loads were
-2-byte gathers of 9-element runs, re-read by every column tile). A Triton kernel
+2-byte gathers of 9-element runs, re-read by every column tile).
+
+Packed rows (``o_pack``, the fp32 default): an IEEE fp32 dot runs on FMA units, so
+its padded columns are paid work (Kk 9 in 16: 1.78× the products). ``o_pack`` rows o
+then share one dot, side by side in its columns (3 × 9 in 32: 1.19×); AT is stored in
+that packed order, and each row's part of the accumulator is still its (i, κ) run.
+Measured on the H200 (fp32), packing is worth a tile, not more: the best packed and
+unpacked tiles are within 8% of each other (``default_tucker_cfg``); at 16 bits (tensor
+cores, write-bound) packing lost 2-3× and is not used. A Triton kernel
 rather than torch's GEMM: then the whole op is Triton launches, which the C++ CUDA
 kernel replays (csrc/launch.cpp) without Python.
 
@@ -59,11 +67,14 @@ def supported(*ranks: int) -> bool:
 def _core_kernel(a_ptr, t_ptr, at_ptr, O, R, RB, KK,
                  s_ao, s_ap, s_tp, s_tq, s_tk,
                  CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
-                 BO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BRB: tl.constexpr, KKP: tl.constexpr):
+                 BO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BRB: tl.constexpr, KKP: tl.constexpr,
+                 OPK: tl.constexpr, NP: tl.constexpr):
     """AT[o, q, κ] = Σ_p a[o, p]·t[p, q, κ] over a (BO, BN) tile of rows o and columns
-    n = (q, κ) of the padded (O, BRB, KKP) buffer (zeros past R', Kk); one dot over all
-    R ranks (BR = R padded), fp32 accumulated, rounded once to at's dtype (the compute
-    dtype: reference ``tucker_core``'s rounding)."""
+    n = (q, κ) (κ < KKP); one dot over all R ranks (BR = R padded), fp32 accumulated,
+    rounded once to at's dtype (the compute dtype: reference ``tucker_core``'s rounding).
+    Stored packed (``core_product``): row o at column (o mod OPK)·Kk + κ of pack o // OPK's
+    (BRB, NP) block; the pack's last o also writes the zeros of the columns past OPK·Kk,
+    and rows o past O up to the last pack write zeros (a and t are loaded as 0 there)."""
     offs_o = tl.program_id(0) * BO + tl.arange(0, BO)
     offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
     if IDX64:
@@ -78,34 +89,45 @@ def _core_kernel(a_ptr, t_ptr, at_ptr, O, R, RB, KK,
     t = tl.load(t_ptr + offs_p[:, None] * s_tp + q[None, :] * s_tq + k[None, :] * s_tk,
                 mask=mask_p[:, None] & ((q < RB) & (k < KK))[None, :], other=0.0)
     acc = tl.dot(a.to(CD).to(DOT), t.to(CD).to(DOT), input_precision="ieee")
-    tl.store(at_ptr + offs_o[:, None] * (BRB * KKP) + offs_n[None, :],
-             acc.to(at_ptr.dtype.element_ty), mask=mask_o[:, None] & (offs_n < BRB * KKP)[None, :])
+    if OPK == 1:
+        dst = offs_o[:, None] * (BRB * NP) + offs_n[None, :]
+        keep = mask_o[:, None] & (offs_n < BRB * KKP)[None, :]
+    else:
+        slot = offs_o % OPK
+        dst = (offs_o // OPK)[:, None] * (BRB * NP) + q[None, :] * NP + (slot * KK)[:, None] + k[None, :]
+        width = tl.where(slot == OPK - 1, NP - (OPK - 1) * KK, KK)  # the last slot: through the zero tail
+        keep = ((offs_o < tl.cdiv(O, OPK) * OPK)[:, None] & (q < BRB)[None, :]
+                & (k[None, :] < width[:, None]))
+    tl.store(at_ptr + dst, acc.to(at_ptr.dtype.element_ty), mask=keep)
 
 
 #: the core kernel's tile: rows o, columns (q, κ)
 CORE_BO, CORE_BN = 64, 64
 
 
-def core_product(a, t, compute):
-    """``AT = a·t`` as a zero-padded (O, BRB, KKP) buffer in the compute dtype (BRB = R'
-    and KKP = Kk padded to the main kernel's dot widths), one launch (``_core_kernel``):
-    the main kernel then reads each row o's (BRB, KKP) operand as one aligned,
-    unmasked block."""
+def core_product(a, t, compute, o_pack: int = 1):
+    """``AT = a·t`` as a zero-padded (ceil(O / o_pack), BRB, NP) buffer in the compute dtype
+    (BRB = R' padded to a dot width; NP = ``pack_width(Kk, o_pack)``), one launch
+    (``_core_kernel``): pack P's block holds rows o = P·o_pack + j side by side, row j's κ
+    at column j·Kk + κ, zeros after the last. The main kernel reads a pack's (BRB, NP)
+    operand as one aligned, unmasked block. o_pack 1: one row per block, κ padded."""
     O, (R, RB, KK) = a.shape[0], t.shape
-    brb, kkp = _p16(RB), kk_padded(KK)
-    at = torch.empty((O, brb, kkp), device=a.device, dtype=compute)
-    grid = (cdiv(O, CORE_BO), cdiv(brb * kkp, CORE_BN))
+    brb, n_p = _p16(RB), pack_width(KK, o_pack)
+    # the core tile's columns (q, κ): κ spans Kk and, for the last row of a pack, the zero tail
+    kkc = next_pow2(max(KK, n_p - (o_pack - 1) * KK))
+    at = torch.empty((cdiv(O, o_pack), brb, n_p), device=a.device, dtype=compute)
+    grid = (cdiv(cdiv(O, o_pack) * o_pack, CORE_BO), cdiv(brb * kkc, CORE_BN))
     fast(_core_kernel)[grid](a, t, at, O, R, RB, KK, *a.stride(), *t.stride(),
                              CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=needs_idx64(*view_key(a, t, at)),
-                             BO=CORE_BO, BN=CORE_BN, BR=_p16(R), BRB=brb, KKP=kkp, num_warps=4)
+                             BO=CORE_BO, BN=CORE_BN, BR=_p16(R), BRB=brb, KKP=kkc, OPK=o_pack, NP=n_p, num_warps=4)
     return at
 
 
 @triton.jit
-def _at_tile(at_ptr, o, valid, BR: tl.constexpr, KKP: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr):
-    """Row o of the padded AT buffer as a (BR, KKP) dot operand: one contiguous block."""
-    offs = tl.arange(0, BR)[:, None] * KKP + tl.arange(0, KKP)[None, :]
-    at = tl.load(at_ptr + o * (BR * KKP) + offs, mask=valid, other=0.0)
+def _at_tile(at_ptr, pack, valid, BR: tl.constexpr, NP: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr):
+    """One pack of the AT buffer as a (BR, NP) dot operand: one contiguous block."""
+    offs = tl.arange(0, BR)[:, None] * NP + tl.arange(0, NP)[None, :]
+    at = tl.load(at_ptr + pack * (BR * NP) + offs, mask=valid, other=0.0)
     return at.to(CD).to(DOT)
 
 
@@ -116,12 +138,14 @@ def _tucker_kernel(
     s_b1q, s_b1i, s_b2q, s_b2i,
     s_yo, s_yi, s_yk,
     TWO: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr, GROUP_O: tl.constexpr,
-    BO: tl.constexpr, KKP: tl.constexpr, BI: tl.constexpr, BR1: tl.constexpr, BR2: tl.constexpr,
+    BO: tl.constexpr, OPK: tl.constexpr, NP: tl.constexpr, BI: tl.constexpr, BR1: tl.constexpr,
+    BR2: tl.constexpr,
 ):
-    """BO output rows o (a loop) x BI columns i: per o, Y[o, i, κ] = γ·Σ_q bᵀ[i, q]·AT[o, q, κ]
-    as one (BI, BR) x (BR, KKP) dot per chain. The accumulator is (i, κ)-major, the
-    order of y's (I, Kk) run of row o, so it is stored as it is: no re-layout, and
-    the bᵀ tiles are loaded once per program."""
+    """BO output rows o (a loop over packs of OPK rows) x BI columns i: per pack, one
+    (BI, BR) x (BR, NP) dot per chain gives Y[o, i, κ] = γ·Σ_q bᵀ[i, q]·AT[o, q, κ] for
+    the pack's rows side by side (column j·Kk + κ: row j, position κ). Each row's part
+    of the accumulator is (i, κ)-major, the order of y's (I, Kk) run of that row, so it is
+    stored as it is: no re-layout, and the bᵀ tiles are loaded once per program."""
     pid = tl.program_id(0)
     n_o = tl.cdiv(O, BO)
     n_i = tl.cdiv(I, BI)
@@ -134,8 +158,14 @@ def _tucker_kernel(
     if IDX64:
         offs_i = offs_i.to(tl.int64)
     mask_i = offs_i < I
-    offs_k = tl.arange(0, KKP)
-    mask_k = offs_k < KK
+    cols = tl.arange(0, NP)
+    if OPK == 1:
+        row_of = cols * 0
+        kappa = cols
+    else:
+        row_of = cols // KK
+        kappa = cols % KK
+    mask_c = cols < OPK * KK
     q1 = tl.arange(0, BR1)
     mq1 = q1 < R1
     bt1 = tl.load(b1_ptr + offs_i[:, None] * s_b1i + q1[None, :] * s_b1q,
@@ -145,37 +175,59 @@ def _tucker_kernel(
     if TWO:
         bt2 = tl.load(b2_ptr + offs_i[:, None] * s_b2i + q2[None, :] * s_b2q,
                       mask=mask_i[:, None] & mq2[None, :], other=0.0).to(CD).to(DOT)
-    y_tile = y_ptr + offs_i[:, None] * s_yi + offs_k[None, :] * s_yk
-    mask_y = mask_i[:, None] & mask_k[None, :]
-    o0 = pid_o * BO
+    y_tile = y_ptr + offs_i[:, None] * s_yi + (row_of * s_yo + kappa * s_yk)[None, :]
+    mask_y = mask_i[:, None] & mask_c[None, :]
+    p0 = pid_o * (BO // OPK)
     if IDX64:
-        o0 = o0.to(tl.int64)
-    for oo in range(0, BO):
-        o = o0 + oo
+        p0 = p0.to(tl.int64)
+    for pp in range(0, BO // OPK):
+        pack = p0 + pp
+        o = pack * OPK
         valid = o < O
-        acc = tl.dot(bt1, _at_tile(at1_ptr, o, valid, BR1, KKP, CD, DOT), input_precision="ieee") * gamma
+        acc = tl.dot(bt1, _at_tile(at1_ptr, pack, valid, BR1, NP, CD, DOT), input_precision="ieee") * gamma
         if TWO:
-            acc = acc * tl.dot(bt2, _at_tile(at2_ptr, o, valid, BR2, KKP, CD, DOT), input_precision="ieee")
-        tl.store(y_tile + o * s_yo, acc.to(y_ptr.dtype.element_ty), mask=valid & mask_y)
+            acc = acc * tl.dot(bt2, _at_tile(at2_ptr, pack, valid, BR2, NP, CD, DOT), input_precision="ieee")
+        tl.store(y_tile + o * s_yo, acc.to(y_ptr.dtype.element_ty), mask=mask_y & ((o + row_of) < O)[None, :])
 
 
 class TuckerCfg(NamedTuple):
-    block_o: int = 0   # output rows o per program (a loop; each o one dot per chain)
+    block_o: int = 0   # output rows o per program (a loop; each pack of o_pack rows one dot per chain)
     block_i: int = 0
     group_o: int = 8
     num_warps: int = 0
     num_stages: int = 0  # 0: the default config's
+    o_pack: int = 0    # output rows side by side in one dot's columns (0: the default's; block_o rounds up to it)
+
+
+def o_pack_for(Kk: int, max_width: int) -> int:
+    """The rows o per dot that waste the fewest padded columns with the dot at most
+    ``max_width`` wide (ties: fewer rows): Kk 9 -> 3 in 32 columns (16 for one row)."""
+    best = 1
+    for k in range(1, max(1, max_width // max(1, Kk)) + 1):
+        if pack_width(Kk, k) <= max(max_width, pack_width(Kk, 1)) and \
+                k * Kk * pack_width(Kk, best) > best * Kk * pack_width(Kk, k):
+            best = k
+    return best
+
+
+def pack_width(Kk: int, o_pack: int) -> int:
+    """The dot's columns for o_pack rows of Kk positions: a power of two, at least 16."""
+    return max(16, next_pow2(max(1, o_pack * Kk)))
 
 
 def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
-    if compute == torch.float32:  # IEEE fp32 dots (FMA): smaller tiles
-        return TuckerCfg(block_o=16, block_i=64, num_warps=4, num_stages=2)
+    if compute == torch.float32:
+        # IEEE fp32 dots (FMA), rows packed. H200, bench/variants.py tucker fp32 (2026-12-04 18:28):
+        # packed 16(->18)x32 0.328 ms at 3072² r32 and 0.952 at 4096² r64, against 0.395 / 1.260
+        # for the unpacked 16x64 default before; the best unpacked tiles were 8x256 (0.303 / 1.207)
+        # and 16x128 (0.327 / 1.016). The tuner times both kinds.
+        return TuckerCfg(block_o=16, block_i=32, num_warps=4, num_stages=2, o_pack=o_pack_for(Kk, 32))
     if two or _p16(rmax) > 64:
         return TuckerCfg(block_o=16, block_i=64, num_warps=4, num_stages=2)
     # H200, bench/variants.py tucker (2026-12-01 11:07): 32x128 at 3 stages 0.233 ms at
     # 4096x4096x9 r64 bf16 and 0.108 at 3072 r32, against 0.263 / 0.117 at 2 stages and
     # einsum's 0.251 / 0.148
-    return TuckerCfg(block_o=32, block_i=128, num_warps=4, num_stages=3)
+    return TuckerCfg(block_o=32, block_i=128, num_warps=4, num_stages=3, o_pack=1)
 
 
 def kk_padded(Kk: int) -> int:
@@ -187,11 +239,12 @@ def kk_padded(Kk: int) -> int:
 def _plan(O, I, Kk, ranks, views, compute, cfg: TuckerCfg):
     two = len(ranks) == 2
     d = default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
-    bo, bi = cfg.block_o or d.block_o, cfg.block_i or d.block_i
+    opk = cfg.o_pack or d.o_pack
+    bo, bi = cdiv(cfg.block_o or d.block_o, opk) * opk, cfg.block_i or d.block_i
     br = [_p16(r) for r in ranks] + [16]
     meta = dict(TWO=two, CD=tl_dtype(compute), DOT=dot_dtype(compute),
                 IDX64=needs_idx64(*[v for v in views if v is not None]), GROUP_O=cfg.group_o,
-                BO=bo, KKP=kk_padded(Kk), BI=bi, BR1=br[0], BR2=br[1],
+                BO=bo, OPK=opk, NP=pack_width(Kk, opk), BI=bi, BR1=br[0], BR2=br[1],
                 num_warps=cfg.num_warps or d.num_warps, num_stages=cfg.num_stages or d.num_stages)
     return (cdiv(O, bo) * cdiv(I, bi),), meta
 
@@ -205,12 +258,14 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
     y = torch.empty((O, I, Kk), device=a1.device, dtype=a1.dtype)
     if y.numel() == 0:
         return y
-    at1 = core_product(a1, t1, compute)
-    at2 = core_product(a2, t2, compute) if two else at1
+    ranks = (t1.shape[1],) + ((t2.shape[1],) if two else ())
+    cfg = cfg or TuckerCfg()
+    opk = cfg.o_pack or default_tucker_cfg(O, I, Kk, max(ranks), two, compute).o_pack
+    at1 = core_product(a1, t1, compute, opk)
+    at2 = core_product(a2, t2, compute, opk) if two else at1
     if not two:
         b2 = b1
-    ranks = (t1.shape[1],) + ((t2.shape[1],) if two else ())
-    grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2, b2, y), compute, cfg or TuckerCfg())
+    grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2, b2, y), compute, cfg)
     fast(_tucker_kernel)[grid](
         at1, b1, at2, b2, y, O, I, Kk, t1.shape[1], t2.shape[1] if two else t1.shape[1], gamma,
         *b1.stride(), *b2.stride(), *y.stride(), **meta)
