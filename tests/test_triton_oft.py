@@ -248,6 +248,39 @@ def test_boft(dtype, layout, dot_prec):
     assert rel_err(gb, gb0) < 1e-4
 
 
+@pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
+def test_boft_stage_algebra_one_launch_or_two(layout, monkeypatch):
+    """The stage algebra as one program (``_boft_algebra``: every Cayley factor, a barrier,
+    every group matrix in turn) gives the two-launch result (``_boft_cayley`` then
+    ``_boft_segmat``), forward and backward, one segment or several; and it is taken
+    exactly where ``one_algebra_launch`` says."""
+    # the rule: all factors in one Cayley program's batch, few groups
+    assert TB.one_algebra_launch(12, 8, TB.ALGEBRA_ONE_GROUPS) and not TB.one_algebra_launch(12, 8, 9)
+    assert not TB.one_algebra_launch(3, 32, 1)  # 4 blocks of 32² exceed CAYLEY_ELEMS
+    cid, m, nb, s, xshape, axis, max_group = layout
+    gen = torch.Generator().manual_seed(7 * m + s)
+    blocks = _make((m, nb, s, s), torch.float32, gen, scale=0.4)
+    x = _make(xshape, torch.float32, gen)
+    grad = _make(xshape, torch.float32, gen)
+    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2)
+    launched = []
+    real_fast = TB.fast
+    monkeypatch.setattr(TB, "fast", lambda k: launched.append(k.__name__) or real_fast(k))
+    got = {}
+    for groups in (64, 0):  # one program (the layouts' factors fit one batch), then two launches
+        monkeypatch.setattr(TB, "ALGEBRA_ONE_GROUPS", groups)
+        launched.clear()
+        got[groups] = (TB.boft_fwd(blocks, x, axis, 0.7, 0.6, None, False, cfg=cfg),) + \
+            TB.boft_bwd(grad, blocks, x, axis, 0.7, 0.6, cfg=cfg)
+        algebra = [k for k in launched if k in ("_boft_algebra", "_boft_cayley", "_boft_segmat")]
+        assert algebra == (["_boft_algebra"] * 2 if groups else ["_boft_cayley", "_boft_segmat"] * 2), algebra
+    for a, b in zip(got[64], got[0]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    y0, (gx0, gb0) = _boft_oracle(blocks, x, axis, 0.7, 0.6, None, False, grad)
+    assert rel_err(got[64][0], y0) < _tol(torch.float32) and rel_err(got[64][1], gx0) < _tol(torch.float32)
+    assert rel_err(got[64][2], gb0) < 1e-4
+
+
 def test_boft_bf16x3_takes_its_own_dots():
     """bf16x3 on the fp32 scratch is a different rounding from tf32x3 (so the X3 path ran),
     within 2^-12 of it; fp32 x keeps tf32x3 bit for bit."""
@@ -320,6 +353,7 @@ _COMPILE = textwrap.dedent("""
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=32, NEUMANN=True), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
     build(B._boft_cayley, dict(NBB=2, SP=32), {"blocks_ptr": "*bf16"})
     build(B._boft_segmat, dict(HP=16, SP=32, NB=2), num_warps=16)
+    build(B._boft_algebra, dict(NBB=16, HP=4, SP=8, NB=4), {"blocks_ptr": "*bf16"})
     build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, MODE=1, IDX64=False,
                                 HP=2, SP=4, NB=8, BLOCK_P=128, **fp32_dots), bf)
     build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=True, DIFF_LOAD=False, MODE=0, IDX64=False,
@@ -346,7 +380,7 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 19
+    assert r.stdout.count("ok ") == 20
 
 
 @pytest.mark.parametrize("n_sm", [1, 7, 132])

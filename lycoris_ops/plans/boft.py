@@ -144,7 +144,12 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
     def kernels(c):  # the Triton compilations of a config (triton/boft.py: constexprs, dtypes, launch options)
         segs, cw = structure(c)
         run = (c["num_warps"], c["num_stages"], c["dot_prec"])
-        out = {("cayley", SP), ("segmat", segs[0][1], _tl().chain_warps(cw, segs[0][1]))}
+        warps = _tl().chain_warps(cw, segs[0][1])
+        groups = sum(sg[2] for sg in segments(m, nb, s, npos, dev.sm_count, c["max_group"], 64)[0])
+        if _tl().one_algebra_launch(m * nb, SP, groups):  # the stage algebra as one program
+            out = {("algebra", SP, segs[0][1], warps)}
+        else:
+            out = {("cayley", SP), ("segmat", segs[0][1], warps)}
         last = len(segs) - 1
         for idx, (L, GP) in enumerate(segs):
             if not bwd:

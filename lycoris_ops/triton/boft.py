@@ -21,6 +21,10 @@ kernels only load its result, so their compile stays small):
     (the 0/1 permutation is applied to the indices, no permutation dots), and
     ``J = E_{a+L−1}···E_a`` (IEEE dots, J starts as E_a·I) is stored to an fp32
     scratch of group matrices.
+  Where both are small (``one_algebra_launch``: every factor in one Cayley batch, at
+  most ``ALGEBRA_ONE_GROUPS`` groups), ``_boft_algebra`` runs the two as ONE program
+  (the factors, a barrier, the groups in turn): such calls are host-bound, and a
+  launch is ~3 µs of host time.
 A streaming program owns one group and a share of the positions: it loads J and
 applies it with one ``tl.dot`` per tile. R itself is never materialized.
 
@@ -29,7 +33,7 @@ largest L with ``2^L·pow2(s/2) <= max_group`` (default 32 channels per group;
 a single stage is always one segment, for s <= 32). When ``2^(m−1)·s`` fits
 (``L_max >= m``) the whole butterfly is ONE segment.
 
-Passes (after the two stage-algebra launches):
+Passes (after the stage-algebra launches):
 
 ``boft_fwd``
   * one segment: ONE kernel — x read once, y written once, rescale and diff
@@ -108,6 +112,8 @@ __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 MAX_BLOCK = 32
 #: register elements of one ``_boft_cayley`` program (NBB = this / SP² blocks at a time)
 CAYLEY_ELEMS = 2048
+#: most group matrices (all segments) that the one-program stage algebra builds in turn
+ALGEBRA_ONE_GROUPS = 8
 
 
 # --------------------------------------------------------------------------- kernels
@@ -140,12 +146,11 @@ def _group_channels(base, a, L, half, HP: tl.constexpr, GP: tl.constexpr):
     return base + low + tb * (half << a), valid
 
 
-@triton.jit(do_not_specialize=["n_blk"])
-def _boft_cayley(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, n_blk, nb, s, cscale,
-                 NBB: tl.constexpr, SP: tl.constexpr):
-    """M = (I − Q)⁻¹ (fp32, SP×SP, identity padding) of NBB consecutive blocks
-    j = i·nb + β of all stages, stored to the (m, nb, SP, SP) scratch."""
-    j = tl.program_id(0) * NBB + tl.arange(0, NBB)
+@triton.jit
+def _cayley_blocks(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, j, n_blk, nb, s, cscale, NBB: tl.constexpr,
+                   SP: tl.constexpr):
+    """M = (I − Q)⁻¹ (fp32, SP×SP, identity padding) of the NBB blocks j = i·nb + β (of all
+    stages; j >= n_blk masked), stored to the (m, nb, SP, SP) scratch."""
     i = j // nb
     beta = j % nb
     j3 = j[:, None, None]
@@ -157,6 +162,14 @@ def _boft_cayley(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, n_blk, nb, s, cscale,
     bt = tl.load(blocks_ptr + boff + q3 * sb2 + p3 * sb3, mask=valid3, other=0.0).to(tl.float32)
     m = batched_inverse(skew_system(bb, bt, cscale, valid3, NBB, SP), NBB, SP)
     tl.store(m_ptr + (j3 * SP + p3) * SP + q3, m, mask=(j3 < n_blk) & (p3 < SP) & (q3 < SP))
+
+
+@triton.jit(do_not_specialize=["n_blk"])
+def _boft_cayley(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, n_blk, nb, s, cscale,
+                 NBB: tl.constexpr, SP: tl.constexpr):
+    """The Cayley scratch, NBB consecutive blocks a program (``_cayley_blocks``)."""
+    _cayley_blocks(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, tl.program_id(0) * NBB + tl.arange(0, NBB), n_blk, nb,
+                   s, cscale, NBB, SP)
 
 
 @triton.jit
@@ -196,14 +209,12 @@ def _stage_mat(m_ptr, nb, r, a, L, half, base, scale, TRANS,
     return tl.where(same, (2.0 * scale) * m + (1.0 - 2.0 * scale) * eye, 0.0)
 
 
-@triton.jit(do_not_specialize=["m_st", "LMAX", "G_FULL"])
-def _boft_segmat(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale,
-                 HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
-    """J = E_{a+L−1}···E_a (local basis, fp32 GP×GP) of group g of segment
-    seg (a = seg·LMAX, L = min(LMAX, m − a)), stored at slot seg·G_FULL + g."""
+@triton.jit
+def _segment_matrix(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale, g, seg,
+                    HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
+    """J = E_{a+L−1}···E_a (local basis, fp32 GP×GP) of group g of segment seg
+    (a = seg·LMAX, L = min(LMAX, m − a)), stored at slot seg·G_FULL + g."""
     GP: tl.constexpr = NB * SP
-    g = tl.program_id(0)
-    seg = tl.program_id(1)
     a = seg * LMAX
     L = tl.minimum(LMAX, m_st - a)
     n_groups = nb * (2 * half) // (half << L)
@@ -216,6 +227,30 @@ def _boft_segmat(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale,
                        input_precision="ieee")
         off = (seg * G_FULL + g).to(tl.int64) * (GP * GP)
         tl.store(j_ptr + off + e[:, None] * GP + e[None, :], j)
+
+
+@triton.jit(do_not_specialize=["m_st", "LMAX", "G_FULL"])
+def _boft_segmat(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale,
+                 HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
+    """The group matrices (``_segment_matrix``): program (g, seg)."""
+    _segment_matrix(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale, tl.program_id(0), tl.program_id(1),
+                    HP, SP, NB)
+
+
+@triton.jit(do_not_specialize=["n_blk", "m_st", "LMAX", "G_FULL", "n_segs"])
+def _boft_algebra(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, j_ptr, n_blk, nb, s, cscale,
+                  m_st, LMAX, G_FULL, n_segs, half, scale,
+                  NBB: tl.constexpr, HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr):
+    """Both stage-algebra launches in ONE program, where the whole algebra is small
+    (``one_algebra_launch``: a host-bound call saves a launch): every block's Cayley
+    factor in one batch, then every segment's group matrices one after the other. The
+    barrier makes the factors this program stored visible to all of its threads."""
+    _cayley_blocks(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, tl.arange(0, NBB), n_blk, nb, s, cscale, NBB, SP)
+    tl.debug_barrier()
+    for seg in range(n_segs):
+        L = tl.minimum(LMAX, m_st - seg * LMAX)
+        for g in range(nb * (2 * half) // (half << L)):
+            _segment_matrix(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale, g, seg, HP, SP, NB)
 
 
 @triton.jit
@@ -510,29 +545,39 @@ def _prep(blocks, x, axis, cfg, bwd):
     return m, nb, s, ax, x, pre, post, xs, _plan(m, nb, s, pre * post, num_sms(x.device), bwd, cfg)
 
 
-def _cayley_scratch(blocks, cscale, SP):
-    """M = (I − Q)⁻¹ of every block of every stage: (m, nb, SP, SP) fp32, one launch."""
+def one_algebra_launch(n_blk: int, SP: int, n_groups_total: int) -> bool:
+    """Whether the stage algebra runs as one program (``_boft_algebra``): all Cayley
+    factors fit one ``_boft_cayley`` program's batch and at most ``ALGEBRA_ONE_GROUPS``
+    group matrices are built one after the other. Such calls are host-bound (the H200's
+    launch costs ~3 µs of host time; OPS host budget: 2× one ``torch.add``)."""
+    return next_pow2(n_blk) * SP * SP <= CAYLEY_ELEMS and n_groups_total <= ALGEBRA_ONE_GROUPS
+
+
+def _stage_algebra(blocks, cscale, scale, HP, SP, segs, warps):
+    """(M, J, G0): the Cayley factors of every block of every stage, (m, nb, SP, SP) fp32, and
+    the group matrices of every segment, (slots, GP0, GP0) fp32 (segment idx's groups at slots
+    idx·G0 + g; GP0, G0: the first (largest) segment's group size and count; a shorter last
+    segment uses the top-left corner of its slots). Two launches (``_boft_cayley``: NBB blocks
+    a program; ``_boft_segmat``: a program a group), or one (``one_algebra_launch``)."""
     m, nb, s = blocks.shape[0], blocks.shape[1], blocks.shape[2]
     n_blk = m * nb
     mbuf = torch.empty((m, nb, SP, SP), device=blocks.device, dtype=torch.float32)
-    nbb = max(1, CAYLEY_ELEMS // (SP * SP))
-    fast(_boft_cayley)[(cdiv(n_blk, nbb),)](blocks, *blocks.stride(), mbuf, n_blk, nb, s, float(cscale),
-                                      NBB=nbb, SP=SP, num_warps=4)
-    return mbuf
-
-
-def _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs, warps):
-    """The group matrices J of every segment in one launch: (slots, GP0, GP0) fp32,
-    segment idx's groups at slots idx·G0 + g (GP0, G0: the first (largest) segment's
-    group size and count; a shorter last segment uses the top-left corner of its slots)."""
     NB = segs[0].NB
     GP = NB * SP
     g_full = segs[0].n_groups
-    jbuf = torch.empty(((len(segs) - 1) * g_full + segs[-1].n_groups, GP, GP), device=mbuf.device,
+    jbuf = torch.empty(((len(segs) - 1) * g_full + segs[-1].n_groups, GP, GP), device=blocks.device,
                        dtype=torch.float32)
+    if one_algebra_launch(n_blk, SP, sum(sg.n_groups for sg in segs)):
+        fast(_boft_algebra)[(1,)](blocks, *blocks.stride(), mbuf, jbuf, n_blk, nb, s, float(cscale), m, segs[0].L,
+                                  g_full, len(segs), s // 2, float(scale), NBB=next_pow2(n_blk), HP=HP, SP=SP,
+                                  NB=NB, num_warps=warps)
+        return mbuf, jbuf, g_full
+    nbb = max(1, CAYLEY_ELEMS // (SP * SP))
+    fast(_boft_cayley)[(cdiv(n_blk, nbb),)](blocks, *blocks.stride(), mbuf, n_blk, nb, s, float(cscale),
+                                      NBB=nbb, SP=SP, num_warps=4)
     fast(_boft_segmat)[(max(sg.n_groups for sg in segs), len(segs))](
         mbuf, jbuf, nb, m, segs[0].L, g_full, s // 2, float(scale), HP=HP, SP=SP, NB=NB, num_warps=warps)
-    return jbuf, g_full
+    return mbuf, jbuf, g_full
 
 
 def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCfg] = None):
@@ -559,9 +604,8 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     bufs = [torch.empty(npos * max(widths[1:]), device=x.device, dtype=torch.float32)
             for _ in range(min(2, len(segs) - 1))]
     with device_guard(x):
-        mbuf = _cayley_scratch(blocks, cscale, SP)
-        jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
-                                        chain_warps(cfg.chain_warps, segs[0].NB * SP))
+        mbuf, jbuf, g_full = _stage_algebra(blocks, cscale, scale, HP, SP, segs,
+                                            chain_warps(cfg.chain_warps, segs[0].NB * SP))
         rs, srs = (rescale.reshape(-1), rescale.reshape(-1).stride(0)) if rescale is not None else (jbuf, 0)
         GPJ = jbuf.shape[-1]
         for idx, sg in enumerate(segs):
@@ -624,9 +668,8 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     half = s // 2
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     with device_guard(x):
-        mbuf = _cayley_scratch(blocks, cscale, SP)
-        jbuf, g_full = _segment_scratch(mbuf, m, nb, s, scale, HP, SP, segs,
-                                        chain_warps(cfg.chain_warps, segs[0].NB * SP))
+        mbuf, jbuf, g_full = _stage_algebra(blocks, cscale, scale, HP, SP, segs,
+                                            chain_warps(cfg.chain_warps, segs[0].NB * SP))
         GPJ = jbuf.shape[-1]
         # segment inputs (computed once; x itself for the first segment), by the forward's
         # streaming kernel at block_p (the same compiled kernels as boft_fwd's passes), each
