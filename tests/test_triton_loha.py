@@ -302,6 +302,11 @@ def test_tucker_op_and_scope():
     # rows per dot: the fewest wasted columns within the width (ties: fewer rows)
     assert [TT.o_pack_for(k, 32) for k in (9, 1, 5, 17, 49)] == [3, 16, 3, 1, 1]
     assert [TT.pack_width(k, p) for k, p in ((9, 3), (9, 1), (1, 16), (17, 3))] == [32, 16, 16, 64]
+    for compute in (torch.float32, torch.float16, torch.bfloat16):  # every default names its packing
+        for two in (False, True):
+            for rmax in (8, 100):
+                d = TT.default_tucker_cfg(64, 64, 9, rmax, two, compute)
+                assert d.o_pack >= 1 and d.block_o >= 1 and d.block_i >= 1, (compute, two, rmax, d)
     for name in ("loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd"):
         assert name in ops.__all__ and callable(getattr(ops, name))  # wraps the tuned launcher
 

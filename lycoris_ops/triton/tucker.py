@@ -223,7 +223,7 @@ def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
         # and 16x128 (0.327 / 1.016). The tuner times both kinds.
         return TuckerCfg(block_o=16, block_i=32, num_warps=4, num_stages=2, o_pack=o_pack_for(Kk, 32))
     if two or _p16(rmax) > 64:
-        return TuckerCfg(block_o=16, block_i=64, num_warps=4, num_stages=2)
+        return TuckerCfg(block_o=16, block_i=64, num_warps=4, num_stages=2, o_pack=1)
     # H200, bench/variants.py tucker (2026-12-01 11:07): 32x128 at 3 stages 0.233 ms at
     # 4096x4096x9 r64 bf16 and 0.108 at 3072 r32, against 0.263 / 0.117 at 2 stages and
     # einsum's 0.251 / 0.148
