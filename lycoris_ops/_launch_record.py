@@ -34,6 +34,10 @@ _ZERO_FILL_OPS = {"aten::zero_"}
 _HARMLESS = {"aten::detach", "aten::alias", "aten::lift_fresh",
              "aten::promote_types", "aten::result_type"}  # dtype arithmetic: no tensor is touched
 
+#: parameters a replayed launch may have (csrc/launch.cpp's per-launch arrays), Triton's two
+#: scratch pointers included; a launch with more is not planned (the call stays in Python)
+MAX_LAUNCH_PARAMS = 64
+
 #: a plan parameter's kind (csrc/launch.cpp's ParamKind): a pointer into an input argument or
 #: an allocation at a byte offset, constant bytes, a null pointer
 _INPUT, _ALLOC, _CONST, _NULL = 0, 1, 2, 3
@@ -223,6 +227,8 @@ def plan_of(args, outputs, watch: _Watch, launches, device: torch.device):
                 return None, f"{kernel.name}: a parameter of type {ty}"
         params.append((_NULL, 0, 0, 8))  # global scratch: none
         params.append((_NULL, 0, 0, 8))  # profile scratch: none
+        if len(params) > MAX_LAUNCH_PARAMS:
+            return None, f"{kernel.name}: {len(params)} parameters (a replayed launch takes {MAX_LAUNCH_PARAMS})"
         meta = kernel.metadata
         raw_launches.append((int(function), gx, gy, gz, 32 * meta.num_warps, meta.shared, params))
     out_idx = {o[0] for o in outs}

@@ -39,6 +39,30 @@ def test_recorder_allows_allocations_zero_fills_and_views_only():
         assert watch.refusal is not None
 
 
+def test_every_triton_kernel_fits_a_replayed_launch():
+    """csrc/launch.cpp replays a launch of at most ``MAX_LAUNCH_PARAMS`` parameters (the kernel's
+    runtime ones and Triton's two scratch pointers); the recorder refuses more, which would
+    leave that call in Python. Every Triton kernel of ours fits (a count of its non-constexpr
+    parameters: an upper bound, since a launch also specializes ints equal to 1)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import lycoris_ops.triton as package
+
+    counts = {}
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"{package.__name__}.{info.name}")
+        for name, obj in vars(module).items():
+            fn = getattr(obj, "fn", None)  # a @triton.jit kernel, compiled or interpreted
+            if callable(fn) and hasattr(obj, "arg_names") and fn.__module__ == module.__name__:
+                params = inspect.signature(fn).parameters.values()
+                counts[f"{info.name}.{name}"] = sum("constexpr" not in str(p.annotation) for p in params)
+    assert len(counts) > 40 and "lokr._kron_grad_kernel" in counts
+    over = {k: n + 2 for k, n in counts.items() if n + 2 > _launch_record.MAX_LAUNCH_PARAMS}
+    assert not over, over
+
+
 def test_foreign_work_refuses_the_plan():
     """A call that puts work on the GPU through a library the recorder cannot see (cuBLASLt by
     ctypes, ``_cublaslt.addmm``) gets no plan: a replay would skip that work."""
