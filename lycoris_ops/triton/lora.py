@@ -87,13 +87,13 @@ def supported_bypass(rank: int) -> bool:
 
 
 @triton.jit
-def _tile_times_factor(a_ptr, s_at, s_ak, f_ptr, s_fk, s_fr, offs_t, mask_t, offs_r, mask_r, K,
+def _tile_times_factor(a_ptr, s_at, s_ak, f_ptr, s_fk, s_fr, offs_t, mask_t, offs_r, mask_r, k_lo, K,
                        CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Σ_k a[t, k]·f[k, r] over all of K for one token tile, fp32 (operands rounded to the
-    compute dtype): h = x·downᵀ, q = G·up."""
+    """Σ_{k in [k_lo, K)} a[t, k]·f[k, r] for one row tile, fp32 (operands rounded to the
+    compute dtype): h = x·downᵀ and q = G·up (all of K), a skinny job's K range."""
     acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if IDX64:
             offs_k = offs_k.to(tl.int64)
@@ -130,7 +130,7 @@ def _bypass_fwd_kernel(
     mask_r = offs_r < R
 
     # h = x · downᵀ over the whole I (fp32), then rounded to the compute dtype
-    h = _tile_times_factor(x_ptr, s_xt, s_xi, down_ptr, s_di, s_dr, offs_t, mask_t, offs_r, mask_r, I,
+    h = _tile_times_factor(x_ptr, s_xt, s_xi, down_ptr, s_di, s_dr, offs_t, mask_t, offs_r, mask_r, 0, I,
                            CD, DOT, IDX64, BLOCK_T, BLOCK_I, BLOCK_R)
     hd = h.to(CD).to(DOT)
 
@@ -183,12 +183,12 @@ def _bypass_bwd_tok_kernel(
 
     h = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
     if pid_i == 0:  # h is needed by g_up only: one program per token tile stores it
-        h = _tile_times_factor(x_ptr, s_xt, s_xi, down_ptr, s_di, s_dr, offs_t, mask_t, offs_r, mask_r, I,
+        h = _tile_times_factor(x_ptr, s_xt, s_xi, down_ptr, s_di, s_dr, offs_t, mask_t, offs_r, mask_r, 0, I,
                                CD, DOT, IDX64, BLOCK_T, BLOCK_I, BLOCK_R)
         if not FUSE_GW:
             tl.store(h_ptr + offs_t[:, None] * R + offs_r[None, :], h.to(CD), mask=mask_tr)
 
-    q = _tile_times_factor(g_ptr, s_gt, s_go, up_ptr, s_uo, s_ur, offs_t, mask_t, offs_r, mask_r, O,
+    q = _tile_times_factor(g_ptr, s_gt, s_go, up_ptr, s_uo, s_ur, offs_t, mask_t, offs_r, mask_r, 0, O,
                            CD, DOT, IDX64, BLOCK_T, BLOCK_O, BLOCK_R)
     qc = q.to(CD)
     if pid_i == 0 and not FUSE_GW:
@@ -243,17 +243,8 @@ def _skinny_job(
         offs_m = offs_m.to(tl.int64)
     mask_m = offs_m < M
     mask_r = offs_r < R
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if IDX64:
-            offs_k = offs_k.to(tl.int64)
-        mask_k = offs_k < k_hi
-        b = tl.load(big_ptr + offs_m[:, None] * s_bm + offs_k[None, :] * s_bk,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        s = tl.load(small_ptr + offs_k[:, None] * s_sk + offs_r[None, :] * s_sr,
-                    mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc = tl.dot(b.to(CD).to(DOT), s.to(CD).to(DOT), acc, input_precision="ieee")
+    acc = _tile_times_factor(big_ptr, s_bm, s_bk, small_ptr, s_sk, s_sr, offs_m, mask_m, offs_r, mask_r,
+                             k_lo, k_hi, CD, DOT, IDX64, BLOCK_M, BLOCK_K, BLOCK_R)
     mask = mask_m[:, None] & mask_r[None, :]
     if DIRECT:
         tl.store(out_ptr + offs_m[:, None] * s_om + offs_r[None, :] * s_or,
