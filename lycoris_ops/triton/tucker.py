@@ -202,12 +202,10 @@ class TuckerCfg(NamedTuple):
 def o_pack_for(Kk: int, max_width: int) -> int:
     """The rows o per dot that waste the fewest padded columns with the dot at most
     ``max_width`` wide (ties: fewer rows): Kk 9 -> 3 in 32 columns (16 for one row)."""
-    best = 1
-    for k in range(1, max(1, max_width // max(1, Kk)) + 1):
-        if pack_width(Kk, k) <= max(max_width, pack_width(Kk, 1)) and \
-                k * Kk * pack_width(Kk, best) > best * Kk * pack_width(Kk, k):
-            best = k
-    return best
+    widest = max(max_width, pack_width(Kk, 1))
+    fits = [k for k in range(1, max(1, max_width // max(1, Kk)) + 1) if pack_width(Kk, k) <= widest]
+    # k·Kk of pack_width(Kk, k) columns used: a ratio of a power of two, so exact as a float
+    return max(fits, key=lambda k: (k * Kk / pack_width(Kk, k), -k))
 
 
 def pack_width(Kk: int, o_pack: int) -> int:
@@ -215,6 +213,7 @@ def pack_width(Kk: int, o_pack: int) -> int:
     return max(16, next_pow2(max(1, o_pack * Kk)))
 
 
+@functools.lru_cache(maxsize=1024)
 def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     if compute == torch.float32:
         # IEEE fp32 dots (FMA), rows packed. H200, bench/variants.py tucker fp32 (2026-12-04 18:28):
@@ -228,11 +227,6 @@ def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     # 4096x4096x9 r64 bf16 and 0.108 at 3072 r32, against 0.263 / 0.117 at 2 stages and
     # einsum's 0.251 / 0.148
     return TuckerCfg(block_o=32, block_i=128, num_warps=4, num_stages=3, o_pack=1)
-
-
-def kk_padded(Kk: int) -> int:
-    """The kernel positions padded to a dot's width (a power of two, at least 16)."""
-    return max(16, next_pow2(max(1, Kk)))
 
 
 @functools.lru_cache(maxsize=4096)
