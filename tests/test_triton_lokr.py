@@ -120,6 +120,41 @@ def test_merge(dtype, case, presum, monkeypatch):
         close(gt, p.grad, REL_TOL[dtype], f"merge bwd {name}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("case", [(3, 5, 4, 6, 2, 3, False), (3, 5, 4, 6, 2, 3, True), (3, 5, 7, 19, 0, 3, False),
+                                  (3, 5, 7, 19, 2, 0, True)],
+                         ids=["both-w2tile", "both-w1tile", "side2", "side1-swap"])
+def test_merge_bwd_chains_in_the_gradient_kernel(dtype, case, monkeypatch):
+    """A one-program merge backward (tile side whole in one tile, no position split) runs its
+    factor chains inside ``_kron_grad_kernel`` (``CHAIN``, after a barrier): ONE launch, the
+    same gradients as the chain launch after it, and float64's."""
+    assert TK._chain_fuses(1, 0, [(4, 6, 3)]) and not TK._chain_fuses(2, 0, [(4, 6, 3)])
+    assert not TK._chain_fuses(1, 1, [(4, 6, 3)]) and not TK._chain_fuses(1, 0, [])
+    a, b, c, d, r1, r2, swap = case
+    g = gen(4)
+    w1a = mk((a, r1 or b), dtype, g, nc=True)
+    w1b = mk((r1, b), dtype, g) if r1 else None
+    w2a = mk_t((c, r2 or d), dtype, g)
+    w2b = mk((r2, d), dtype, g, nc=True) if r2 else None
+    grad = mk((a * c, b * d), dtype, g, nc=True)
+    cfg = TK.MergeCfg(block_m=16, block_n=32, swap=swap, split=1)
+    launched = []
+    real_fast = TK.fast
+    monkeypatch.setattr(TK, "fast", lambda k: launched.append(k.__name__) or real_fast(k))
+    fused = TK.merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, GAMMA, cfg)
+    assert launched == ["_kron_grad_kernel"], launched
+    monkeypatch.setattr(TK, "CHAIN_FUSE_TILES", 0)
+    two = TK.merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, GAMMA, cfg)
+    cd = cd_of(w1a, w1b, w2a, w2b)
+    ps = [None if t is None else t.clone().requires_grad_() for t in
+          (d64(w1a, cd), d64(w1b, cd), d64(w2a, cd), d64(w2b, cd))]
+    (GAMMA * o_kron(o_side(ps[0], ps[1]), o_side(ps[2], ps[3]))).backward(d64(grad, cd))
+    for name, gf, gt, p in zip(("g_w1a", "g_w1b", "g_w2a", "g_w2b"), fused, two, ps):
+        torch.testing.assert_close(gf, gt, rtol=0, atol=0)  # the same tiles, the same order
+        if p is not None:
+            close(gf, p.grad, REL_TOL[dtype], f"merge bwd {name}")
+
+
 def test_full_merge_ops_default_dtype_and_promotion():
     """The op-set entries: out_dtype defaults to w2's dtype; fp32 w1 with bf16 w2
     computes in bf16; each gradient comes back in its own input's dtype."""
@@ -322,6 +357,9 @@ def _compile_all(dtype_names):
     for dn in dtype_names:
         t = {"fp16": tl.float16, "bf16": tl.bfloat16}[dn]
         com = dict(CD=t, DOT=t, IDX64=dn == "bf16")  # bf16 builds the 64-bit index variants
+        grad_ptrs = dict(g_ptr=dn, ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, pt_ptr="fp32", pl_ptr="fp32",
+                         gta_ptr=dn, gtb_ptr=dn, gla_ptr=dn, glb_ptr=dn)
+        no_chain = dict(CHAIN=False, CBM=16, CBN=16, CBK=32)
         jobs = [
             (FK._reduce_kernel, dict(p_ptr="fp32", o1_ptr=dn, o2_ptr=dn),
              dict(TWO=True, IDX64=dn == "bf16", BS=8, BE=64), ("s_pn", "s_1n", "s_2n"), 4),
@@ -335,9 +373,12 @@ def _compile_all(dtype_names):
             (TK._kron_merge_kernel, dict(ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, base_ptr=dn, out_ptr=dn),
              dict(FACT_T=False, FACT_L=False, HAS_BASE=False, BM=32, BN=128, BR=32, BRL=32, **com),
              ("s_tar", "s_on"), 4),
-            (TK._kron_grad_kernel, dict(g_ptr=dn, ta_ptr=dn, tb_ptr=dn, la_ptr=dn, lb_ptr=dn, pt_ptr="fp32",
-                                        pl_ptr="fp32"),
-             dict(FACT_T=True, FACT_L=True, BM=32, BN=128, BR=32, BRL=32, **com), ("s_tbn", "s_gn", "s_ptn"), 4),
+            (TK._kron_grad_kernel, grad_ptrs,
+             dict(FACT_T=True, FACT_L=True, BM=32, BN=128, BR=32, BRL=32, **no_chain, **com),
+             ("s_tbn", "s_gn", "s_ptn"), 4),
+            (TK._kron_grad_kernel, grad_ptrs,  # the chains in the kernel (one-program calls)
+             dict(FACT_T=True, FACT_L=True, BM=16, BN=32, BR=16, BRL=16, **dict(no_chain, CHAIN=True), **com),
+             ("s_tbn", "s_gn", "s_ptn"), 4),
             (TK._bypass_fwd_kernel, dict(x_ptr=dn, w1_ptr=dn, w2_ptr=dn, base_ptr=dn, y_ptr=dn),
              dict(HAS_BASE=True, SPLIT=True, BT=4, BB=64, BD=64, BC=64, BA=64, **com),
              ("s_xj", "s_1v", "s_2j", "s_bi", "s_yi"), 8),
@@ -355,7 +396,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 8, out
+    assert out.count("ok ") == 9, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

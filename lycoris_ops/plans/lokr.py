@@ -152,6 +152,10 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
                     reduces.append(side)
             elif parts > 1:
                 reduces.append(side)
+        dims = [(M1, N1, rt) if side == "tile" else (M2, N2, rl) for side in chains]
+        if TK._chain_fuses(n_tiles * split, len(reduces), dims):  # the chains inside the one program
+            return {("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
+                     cfg["num_warps"], cfg["num_stages"], "chain")}
         if reduces:  # two reduces share one launch (_fusedkit.reduce_pair_launch)
             out.add(("reduce", *reduces, swap))
         if chains:  # both sides factorized: one launch (_fusedkit.chain_pair_launch)

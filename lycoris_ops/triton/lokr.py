@@ -63,8 +63,8 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype
-from ._fusedkit import (chain_launch, chain_pair_launch, compute_dtype, dot_wide, reduce_launch, reduce_pair_launch,
-                        split_count, tile_2d, view_key)
+from ._fusedkit import (_chain_tiles, chain_launch, chain_pair_launch, compute_dtype, dot_wide, reduce_launch,
+                        reduce_pair_launch, split_count, tile_2d, view_key)
 
 __all__ = [
     "MergeCfg", "BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass",
@@ -174,11 +174,17 @@ def _kron_grad_kernel(
     M1, N1, RT, M2, N2, RL, E_PER, gamma,
     s_tam, s_tar, s_tbr, s_tbn, s_lam, s_lar, s_lbr, s_lbn,
     s_gm, s_gn, s_gM, s_gN, s_pts, s_ptm, s_ptn, s_pls, s_plm, s_pln,
+    gta_ptr, gtb_ptr, gla_ptr, glb_ptr, s_gtam, s_gtar, s_gtbr, s_gtbn, s_glam, s_glar, s_glbr, s_glbn,
     FACT_T: tl.constexpr, FACT_L: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
     BM: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BRL: tl.constexpr,
+    CHAIN: tl.constexpr = False, CBM: tl.constexpr = 16, CBN: tl.constexpr = 16, CBK: tl.constexpr = 32,
 ):
     """One read of G: g_L[M, N] = γ·Σ_{m,n} G·T (per tile program) and
-    g_T[m, n] = γ·Σ_{M,N} G·L[M, N] (per split program)."""
+    g_T[m, n] = γ·Σ_{M,N} G·L[M, N] (per split program). ``CHAIN`` (a one-program grid,
+    ``merge_bwd``'s small calls): after a barrier the same program runs each factorized side's
+    chain (``_fusedkit._chain_tiles``: g_wa = P·wbᵀ into g*a, g_wb = waᵀ·P into g*b) on the
+    one partial plane it stored, so the backward is one launch. The chain reuses the kernel's
+    own factor and partial arguments: csrc/launch.cpp replays at most 64 parameters a launch."""
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     offs_m, offs_n, mask_m, mask_n = tile_2d(M1, N1, IDX64, BM, BN)
@@ -198,6 +204,20 @@ def _kron_grad_kernel(
     acc = acc * gamma
     tl.store(pt_ptr + pid_s * s_pts + offs_m[:, None] * s_ptm + offs_n[None, :] * s_ptn,
              acc.to(pt_ptr.dtype.element_ty), mask=mask)
+    if CHAIN:
+        tl.debug_barrier()  # the partials this program stored, visible to all of its threads
+        if FACT_T:
+            ta_tiles = tl.cdiv(M1, CBM) * tl.cdiv(RT, CBN)
+            for c in range(0, ta_tiles + tl.cdiv(RT, CBM) * tl.cdiv(N1, CBN)):
+                _chain_tiles(c, pt_ptr, ta_ptr, tb_ptr, gta_ptr, gtb_ptr, M1, N1, RT, 1, ta_tiles,
+                             s_pts, s_ptm, s_ptn, s_tam, s_tar, s_tbr, s_tbn, s_gtam, s_gtar, s_gtbr, s_gtbn,
+                             CD, IDX64, CBM, CBN, CBK)
+        if FACT_L:
+            la_tiles = tl.cdiv(M2, CBM) * tl.cdiv(RL, CBN)
+            for c in range(0, la_tiles + tl.cdiv(RL, CBM) * tl.cdiv(N2, CBN)):
+                _chain_tiles(c, pl_ptr, la_ptr, lb_ptr, gla_ptr, glb_ptr, M2, N2, RL, 1, la_tiles,
+                             s_pls, s_plm, s_pln, s_lam, s_lar, s_lbr, s_lbn, s_glam, s_glar, s_glbr, s_glbn,
+                             CD, IDX64, CBM, CBN, CBK)
 
 
 @triton.jit
@@ -528,6 +548,21 @@ def merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, out_dtype, cfg: Optio
 #: the factor-gradient chain's tile (rows, columns, K step) after the Kronecker-gradient kernel
 #: (``_fusedkit.chain_launch``); a module constant so ``bench/variants.py lokr_merge`` can time others
 CHAIN_BLOCK = (16, 16, 32)
+#: most chain tiles (CHAIN_BLOCK outputs) that a one-program gradient kernel runs itself, after
+#: its pass (``merge_bwd``: a small call is host-bound, and a launch costs ~3.5 µs of host time)
+CHAIN_FUSE_TILES = 8
+#: a merge backward's G of at most this many elements is one pass of one program per tile (no
+#: split of the loop entries): such a call is host-bound, and the chains then fuse into it
+SMALL_GRAD_PASS = 1 << 16
+
+
+def _chain_fuses(programs: int, n_reduces: int, chain_dims) -> bool:
+    """Whether ``merge_bwd``'s factor chains run inside its gradient kernel (``CHAIN``): one
+    program, no reduce launch, factorized sides (M, N, rank) of at most ``CHAIN_FUSE_TILES``
+    chain tiles in all (g_wa: M x R, g_wb: R x N, in CHAIN_BLOCK tiles)."""
+    bm, bn = CHAIN_BLOCK[:2]
+    tiles = sum(cdiv(M, bm) * cdiv(R, bn) + cdiv(R, bm) * cdiv(N, bn) for M, N, R in chain_dims)
+    return programs == 1 and n_reduces == 0 and bool(chain_dims) and tiles <= CHAIN_FUSE_TILES
 #: a partial stack at least this deep is first added into one fp32 plane by a flat reduce (many
 #: programs), so the chain's few tile programs read one plane instead of S (0: never). H200, bf16,
 #: 3072² with w2 = (256, 32)·(32, 256): chain 32x32x32 over 9 partials 0.066 ms, 16x16x32 0.051,
@@ -549,7 +584,10 @@ def _presums(S, M, N, presum=None, min_plane=None):
 def _grad_split_cap(E, fact_t, M1, N1, presum=None, min_plane=None):
     """Most splits of the gradient kernel's E loop entries: its fp32 tile partials (split·M1·N1)
     stay below ~1/8 of a 16-bit G; ~1/4 where a flat reduce reads them (the tile side presummed),
-    not the chain's few tile programs."""
+    not the chain's few tile programs. A small G (at most ``SMALL_GRAD_PASS`` elements): one,
+    so a one-tile call is one program, which runs its chains itself (``_chain_fuses``)."""
+    if E * M1 * N1 <= SMALL_GRAD_PASS:
+        return 1
     return E // (8 if fact_t and _presums(2, M1, N1, presum, min_plane) else 16)
 
 
@@ -596,9 +634,6 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
     else:
         pl = torch.empty((n_tiles, M2, N2), device=dev, dtype=torch.float32)
         pls = pl.stride()
-    fast(_kron_grad_kernel)[grid](
-        grad, t[0], t[1], l[0], l[1], pt, pl, M1, N1, t[2], M2, N2, l[2], e_per, gamma,
-        t[3], t[4], t[5], t[6], l[3], l[4], l[5], l[6], *sg, *pts, *pls, **meta)
     sides = [(part, S, M, N, wa, wb, ga, gb) for part, S, M, N, wa, wb, ga, gb, direct in (
         (pt, split, M1, N1, ta, tb, gta, gtb, pt is gta), (pl, n_tiles, M2, N2, la, lb, gla, glb, pl is gla))
         if not direct]
@@ -614,6 +649,19 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg: Optional[MergeCf
             chains.append((plane, 1, M, N, wa, wb, ga, gb))
         else:
             chains.append((part, S, M, N, wa, wb, ga, gb))
+    # one program, nothing to reduce, a few chain tiles: the chains run in the gradient kernel
+    fused = _chain_fuses(n_tiles * split, len(reduces), [(M, N, wa.shape[1]) for _, _, M, N, wa, *_ in chains])
+
+    def strides(g):  # a factor gradient's (row, column) strides; an absent one is never written
+        return g.stride() if g.dim() == 2 else (0, 0)
+
+    fast(_kron_grad_kernel)[grid](
+        grad, t[0], t[1], l[0], l[1], pt, pl, M1, N1, t[2], M2, N2, l[2], e_per, gamma,
+        t[3], t[4], t[5], t[6], l[3], l[4], l[5], l[6], *sg, *pts, *pls,
+        gta, gtb, gla, glb, *strides(gta), *strides(gtb), *strides(gla), *strides(glb),
+        **meta, **(dict(CHAIN=True, CBM=CHAIN_BLOCK[0], CBN=CHAIN_BLOCK[1], CBK=CHAIN_BLOCK[2]) if fused else {}))
+    if fused:
+        return g1a, g1b, g2a, g2b
     if len(reduces) == 2:
         (p, o, M, N, S), (q, u, K, L, T) = reduces
         reduce_pair_launch(p, o, M, N, S, p.stride(), o.stride(), q, u, K, L, T, q.stride(), u.stride(), 1.0, idx64)
