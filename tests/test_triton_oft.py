@@ -248,12 +248,15 @@ def test_boft(dtype, layout, dot_prec):
     assert rel_err(gb, gb0) < 1e-4
 
 
+@pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
-def test_boft_stage_algebra_one_launch_or_two(layout, monkeypatch):
+def test_boft_stage_algebra_one_launch_or_two(layout, split, monkeypatch):
     """The stage algebra as one program (``_boft_algebra``: every Cayley factor, a barrier,
     every group matrix in turn) gives the two-launch result (``_boft_cayley`` then
     ``_boft_segmat``), forward and backward, one segment or several; and it is taken
-    exactly where ``one_algebra_launch`` says."""
+    exactly where ``one_algebra_launch`` says. Such a small backward with one program a
+    group (split 1) runs each segment's chain in its streaming kernel (``CHAIN``): no
+    ``_boft_chain`` launch, the same g_blocks."""
     # the rule: all factors in one Cayley program's batch, few groups
     assert TB.one_algebra_launch(12, 8, TB.ALGEBRA_ONE_GROUPS) and not TB.one_algebra_launch(12, 8, 9)
     assert not TB.one_algebra_launch(3, 32, 1)  # 4 blocks of 32² exceed CAYLEY_ELEMS
@@ -262,7 +265,7 @@ def test_boft_stage_algebra_one_launch_or_two(layout, monkeypatch):
     blocks = _make((m, nb, s, s), torch.float32, gen, scale=0.4)
     x = _make(xshape, torch.float32, gen)
     grad = _make(xshape, torch.float32, gen)
-    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2)
+    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=split)
     launched = []
     real_fast = TB.fast
     monkeypatch.setattr(TB, "fast", lambda k: launched.append(k.__name__) or real_fast(k))
@@ -274,6 +277,12 @@ def test_boft_stage_algebra_one_launch_or_two(layout, monkeypatch):
             TB.boft_bwd(grad, blocks, x, axis, 0.7, 0.6, cfg=cfg)
         algebra = [k for k in launched if k in ("_boft_algebra", "_boft_cayley", "_boft_segmat")]
         assert algebra == (["_boft_algebra"] * 2 if groups else ["_boft_cayley", "_boft_segmat"] * 2), algebra
+        # the chain launches: one per segment whose split (capped by its tiles) is not 1 when small
+        npos = x.numel() // (nb * s)
+        _, SP, _, _, segs = TB._plan(m, nb, s, npos, TB.num_sms(x.device), True, cfg)
+        small = TB.one_algebra_launch(m * nb, SP, sum(sg.n_groups for sg in segs))
+        assert launched.count("_boft_chain") == sum(not (small and sg.split == 1) for sg in segs), launched
+        assert launched.count("_boft_seg_bwd") == len(segs)
     for a, b in zip(got[64], got[0]):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     y0, (gx0, gb0) = _boft_oracle(blocks, x, axis, 0.7, 0.6, None, False, grad)
@@ -360,6 +369,8 @@ _COMPILE = textwrap.dedent("""
                                 HP=4, SP=8, NB=4, BLOCK_P=128, **split16), bf)
     build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=16, SP=32, NB=1, BLOCK_P=64, **fp32_dots), bf)
     build(B._boft_seg_bwd, dict(MODE=1, IDX64=False, HP=4, SP=8, NB=4, BLOCK_P=64, **split16), bf)
+    build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=4, SP=8, NB=4, BLOCK_P=64, CHAIN=True, **split16),
+          dict(bf, gb_ptr="*bf16"))  # a small backward's chain in the streaming program
     # the packed scratch between segments (fp32 in, fp32 or bf16 out)
     build(B._boft_seg_fwd, dict(HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, MODE=0, IDX64=False,
                                 HP=16, SP=32, NB=2, BLOCK_P=64, IN_PACKED=True, OUT_PACKED=True, **fp32_dots))
@@ -380,7 +391,7 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 20
+    assert r.stdout.count("ok ") == 21
 
 
 @pytest.mark.parametrize("n_sm", [1, 7, 132])

@@ -145,8 +145,9 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
         segs, cw = structure(c)
         run = (c["num_warps"], c["num_stages"], c["dot_prec"])
         warps = _tl().chain_warps(cw, segs[0][1])
-        groups = sum(sg[2] for sg in segments(m, nb, s, npos, dev.sm_count, c["max_group"], 64)[0])
-        if _tl().one_algebra_launch(m * nb, SP, groups):  # the stage algebra as one program
+        full = segments(m, nb, s, npos, dev.sm_count, c["max_group"], c["bwd_block_p"] if bwd else c["block_p"])[0]
+        small = _tl().one_algebra_launch(m * nb, SP, sum(sg[2] for sg in full))
+        if small:  # the stage algebra as one program
             out = {("algebra", SP, segs[0][1], warps)}
         else:
             out = {("cayley", SP), ("segmat", segs[0][1], warps)}
@@ -157,8 +158,10 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
                 continue
             if idx < last:  # the segment inputs, forward passes at block_p
                 out.add(("seg_fwd", GP, idx == 0, False, c["block_p"]) + run)
-            out.add(("seg_bwd", GP, idx == 0, idx == last, c["bwd_block_p"]) + run)
-            out.add(("chain", GP, _tl().chain_warps(cw, GP)))
+            chain_in = small and full[idx][3] == 1  # the chain inside the streaming program
+            out.add(("seg_bwd", GP, idx == 0, idx == last, c["bwd_block_p"], chain_in) + run)
+            if not chain_in:
+                out.add(("chain", GP, _tl().chain_warps(cw, GP)))
         return out
 
     bps = (32, 64, 128) if bwd else (32, 64, 128, 256)

@@ -364,15 +364,18 @@ def _boft_seg_fwd(
 def _boft_seg_bwd(
     j_ptr, sjg, sjr,
     g_ptr, sg_pre, sg_c, sg_post, u_ptr, su_pre, su_c, su_post, gx_ptr, so_pre, so_c, so_post, part_ptr,
-    NPOS, POST, n_tiles, n_split, n_groups, a, L, half, a2, L2, gp2,
+    NPOS, POST, n_tiles, n_split, n_groups, a, L, half, a2, L2, gp2, m_ptr, gb_ptr, nb, cscale, scale,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
     G_PACKED: tl.constexpr = False, U_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
+    CHAIN: tl.constexpr = False,
 ):
     """One segment's backward on group g: gx = Jᵀ·G per tile and the partial Σ G·uᵀ of this
     program's positions. G and u: user tensors or packed scratch in this segment's layout;
-    gx: the user's gx or packed scratch in the previous segment's layout (a2, L2, gp2)."""
+    gx: the user's gx or packed scratch in the previous segment's layout (a2, L2, gp2).
+    ``CHAIN`` (one program a group, n_split 1): the partial is the group's whole Pg, and the
+    program runs its chain (``_group_chain``: g_blocks from M at m_ptr) instead of storing it."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     sp = tl.program_id(1)
@@ -410,17 +413,18 @@ def _boft_seg_bwd(
         gx, acc = bwd_dots(gg, uu, jt, j0, j1, j2, acc, SPLIT, DOT_PREC, X3, DOT)
         oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=ch_valid[:, None] & pm[None, :])
-    off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
-    tl.store(part_ptr + off + e[:, None] * GP + e[None, :], acc)
+    if CHAIN:
+        _group_chain(m_ptr, acc, gb_ptr, nb, g, a, L, half, cscale, scale, HP, SP, GP)
+    else:
+        off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
+        tl.store(part_ptr + off + e[:, None] * GP + e[None, :], acc)
 
 
-@triton.jit(do_not_specialize=_NOSPEC)
-def _boft_chain(
-    m_ptr, part_ptr, gb_ptr,
-    nb, n_split, n_groups, a, L, half, cscale, scale,
-    HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr,
-):
-    """g_blocks of the segment's stages on one group, all in the group's local basis.
+@triton.jit
+def _group_chain(m_ptr, pg, gb_ptr, nb, g, a, L, half, cscale, scale,
+                 HP: tl.constexpr, SP: tl.constexpr, GP: tl.constexpr):
+    """g_blocks of the segment's stages on group g from its Pg = Σ G·uᵀ (GP, GP fp32), all
+    in the group's local basis.
 
     Per stage t: P_t = ST·Pg·Preᵀ (Pre = E_{t−1}···E_0, ST = E_{t+1}ᵀ···E_{L−1}ᵀ), then
     gR = scale·P_t on the blocks and the Cayley chain gQ = 2·Mᵀ·gR·Mᵀ,
@@ -429,14 +433,7 @@ def _boft_chain(
     multiply by E_kᵀ on the right, the next L−1−t by E_rᵀ on the left (r from L−1
     down to t+1), the last two by Mᵀ on the left, then on the right (with gR masked
     in between)."""
-    GP: tl.constexpr = NB * SP
-    g = tl.program_id(0)
     base = _group_base(g, a, L, half)
-    e = tl.arange(0, GP)
-    pg = tl.zeros((GP, GP), dtype=tl.float32)
-    for sp in range(n_split):
-        off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
-        pg += tl.load(part_ptr + off + e[:, None] * GP + e[None, :])
     s = 2 * half
     for t in range(L):
         row, bidx, pp, beta, valid = _stage_map(nb, t, a, L, half, base, HP, SP, GP)
@@ -457,6 +454,23 @@ def _boft_chain(
         g_b = cscale * (2.0 * x - tl.trans(2.0 * x))
         go = (((a + t) * nb + beta[:, None]).to(tl.int64) * s + pp[:, None]) * s + pp[None, :]
         tl.store(gb_ptr + go, g_b.to(gb_ptr.dtype.element_ty), mask=same)
+
+
+@triton.jit(do_not_specialize=_NOSPEC)
+def _boft_chain(
+    m_ptr, part_ptr, gb_ptr,
+    nb, n_split, n_groups, a, L, half, cscale, scale,
+    HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr,
+):
+    """g_blocks of one group (``_group_chain``) from the sum of its split partials."""
+    GP: tl.constexpr = NB * SP
+    g = tl.program_id(0)
+    e = tl.arange(0, GP)
+    pg = tl.zeros((GP, GP), dtype=tl.float32)
+    for sp in range(n_split):
+        off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
+        pg += tl.load(part_ptr + off + e[:, None] * GP + e[None, :])
+    _group_chain(m_ptr, pg, gb_ptr, nb, g, a, L, half, cscale, scale, HP, SP, GP)
 
 
 # --------------------------------------------------------------------------- host side
@@ -667,6 +681,9 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                         (tuple(gx.shape), gx.stride()), ((npos, max(widths)), (max(widths), 1)))
     half = s // 2
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # small (the stage algebra in one program): a segment split in one program a group also
+    # runs its chain in the streaming kernel, so a tiny backward is two launches
+    small = one_algebra_launch(m * nb, SP, sum(sg.n_groups for sg in segs))
     with device_guard(x):
         mbuf, jbuf, g_full = _stage_algebra(blocks, cscale, scale, HP, SP, segs,
                                             chain_warps(cfg.chain_warps, segs[0].NB * SP))
@@ -698,14 +715,19 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
             else:
                 out, prev = (gbufs[idx % len(gbufs)], widths[idx - 1], 0, 0), (segs[idx - 1].a, segs[idx - 1].L,
                                                                               gps[idx - 1])
-            part = torch.empty((sg.split, sg.n_groups, GP, GP), device=dev, dtype=torch.float32)
+            # a small call with one program a group: its chain runs in the streaming program
+            chain_in = small and sg.split == 1
+            part = g_blocks if chain_in else torch.empty((sg.split, sg.n_groups, GP, GP), device=dev,
+                                                         dtype=torch.float32)
             fast(_boft_seg_bwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *g_in, *inputs[idx], *out, part,
-                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, *prev, NB=sg.NB, BLOCK_P=bp,
-                G_PACKED=idx < last, U_PACKED=idx > 0, OUT_PACKED=idx > 0,
+                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, *prev,
+                mbuf, g_blocks, nb, float(cscale), float(scale), NB=sg.NB, BLOCK_P=bp,
+                G_PACKED=idx < last, U_PACKED=idx > 0, OUT_PACKED=idx > 0, CHAIN=chain_in,
                 **dot_mode(prec, g_in[0], inputs[idx][0]), **common)
-            fast(_boft_chain)[(sg.n_groups,)](
-                mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
-                float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=chain_warps(cfg.chain_warps, GP))
+            if not chain_in:
+                fast(_boft_chain)[(sg.n_groups,)](
+                    mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
+                    float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=chain_warps(cfg.chain_warps, GP))
             g_in = out
     return gx, g_blocks
