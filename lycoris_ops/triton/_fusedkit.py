@@ -242,6 +242,20 @@ def _chain_tiles(
                  True, False, CD, IDX64, BM, BN, BK)
 
 
+@triton.jit
+def _chain_plane(
+    p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R,
+    s_pm, s_pn, s_am, s_ar, s_br, s_bn, s_gam, s_gar, s_gbr, s_gbn,
+    CD: tl.constexpr, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+):
+    """Every tile of one side's two factor gradients from ONE partial plane P (M, N), in the
+    calling program, one after the other (a one-program caller: ``lokr._kron_grad_kernel``)."""
+    tiles_a = tl.cdiv(M, BM) * tl.cdiv(R, BN)
+    for c in range(0, tiles_a + tl.cdiv(R, BM) * tl.cdiv(N, BN)):
+        _chain_tiles(c, p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, 1, tiles_a,
+                     0, s_pm, s_pn, s_am, s_ar, s_br, s_bn, s_gam, s_gar, s_gbr, s_gbn, CD, IDX64, BM, BN, BK)
+
+
 @triton.jit(do_not_specialize=["S"])
 def _chain_kernel(
     p_ptr, wa_ptr, wb_ptr, ga_ptr, gb_ptr, M, N, R, S, TILES_A,

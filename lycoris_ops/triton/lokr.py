@@ -63,7 +63,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype
-from ._fusedkit import (_chain_tiles, chain_launch, chain_pair_launch, compute_dtype, dot_wide, reduce_launch,
+from ._fusedkit import (_chain_plane, chain_launch, chain_pair_launch, compute_dtype, dot_wide, reduce_launch,
                         reduce_pair_launch, split_count, tile_2d, view_key)
 
 __all__ = [
@@ -182,7 +182,7 @@ def _kron_grad_kernel(
     """One read of G: g_L[M, N] = γ·Σ_{m,n} G·T (per tile program) and
     g_T[m, n] = γ·Σ_{M,N} G·L[M, N] (per split program). ``CHAIN`` (a one-program grid,
     ``merge_bwd``'s small calls): after a barrier the same program runs each factorized side's
-    chain (``_fusedkit._chain_tiles``: g_wa = P·wbᵀ into g*a, g_wb = waᵀ·P into g*b) on the
+    chain (``_fusedkit._chain_plane``: g_wa = P·wbᵀ into g*a, g_wb = waᵀ·P into g*b) on the
     one partial plane it stored, so the backward is one launch. The chain reuses the kernel's
     own factor and partial arguments: csrc/launch.cpp replays at most 64 parameters a launch."""
     pid = tl.program_id(0)
@@ -207,17 +207,11 @@ def _kron_grad_kernel(
     if CHAIN:
         tl.debug_barrier()  # the partials this program stored, visible to all of its threads
         if FACT_T:
-            ta_tiles = tl.cdiv(M1, CBM) * tl.cdiv(RT, CBN)
-            for c in range(0, ta_tiles + tl.cdiv(RT, CBM) * tl.cdiv(N1, CBN)):
-                _chain_tiles(c, pt_ptr, ta_ptr, tb_ptr, gta_ptr, gtb_ptr, M1, N1, RT, 1, ta_tiles,
-                             s_pts, s_ptm, s_ptn, s_tam, s_tar, s_tbr, s_tbn, s_gtam, s_gtar, s_gtbr, s_gtbn,
-                             CD, IDX64, CBM, CBN, CBK)
+            _chain_plane(pt_ptr, ta_ptr, tb_ptr, gta_ptr, gtb_ptr, M1, N1, RT, s_ptm, s_ptn, s_tam, s_tar,
+                         s_tbr, s_tbn, s_gtam, s_gtar, s_gtbr, s_gtbn, CD, IDX64, CBM, CBN, CBK)
         if FACT_L:
-            la_tiles = tl.cdiv(M2, CBM) * tl.cdiv(RL, CBN)
-            for c in range(0, la_tiles + tl.cdiv(RL, CBM) * tl.cdiv(N2, CBN)):
-                _chain_tiles(c, pl_ptr, la_ptr, lb_ptr, gla_ptr, glb_ptr, M2, N2, RL, 1, la_tiles,
-                             s_pls, s_plm, s_pln, s_lam, s_lar, s_lbr, s_lbn, s_glam, s_glar, s_glbr, s_glbn,
-                             CD, IDX64, CBM, CBN, CBK)
+            _chain_plane(pl_ptr, la_ptr, lb_ptr, gla_ptr, glb_ptr, M2, N2, RL, s_plm, s_pln, s_lam, s_lar,
+                         s_lbr, s_lbn, s_glam, s_glar, s_glbr, s_glbn, CD, IDX64, CBM, CBN, CBK)
 
 
 @triton.jit
