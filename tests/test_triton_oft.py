@@ -120,6 +120,34 @@ def test_oft(dtype, layout, dot_prec):
         assert rel_err(gr, g0[2]) < 1e-4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", OFT_LAYOUTS, ids=[c[0] for c in OFT_LAYOUTS])
+def test_oft_bwd_small_call_is_one_launch(dtype, layout, monkeypatch):
+    """One tile of positions and one program a group: the stream kernel stores g_blocks and
+    g_rescale itself (``CHAIN``), so the backward is one launch; the same gradients as the
+    stream + chain launches (several tiles) and the fp64 oracle."""
+    cid, K, S, xshape, weight, nc = layout
+    gen = torch.Generator().manual_seed(K * 10 + S)
+    blocks = _make((K, S, S), torch.float32, gen, scale=0.4)
+    x = _make(xshape, dtype, gen, nc=nc)
+    rescale = (torch.rand(K * S, 1, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32)
+    grad = _make(xshape, dtype, gen)
+    launched = []
+    real_fast = TO.fast
+    monkeypatch.setattr(TO, "fast", lambda k: launched.append(k.__name__) or real_fast(k))
+    npos = x.numel() // (K * S)
+    one = TO.oft_bwd(grad, blocks, x, rescale, 0.6, True, weight,
+                     cfg=OftCfg(bwd_block_p=max(16, 1 << (npos - 1).bit_length()), split=1))
+    assert launched == ["_oft_bwd_stream"], launched
+    launched.clear()
+    two = TO.oft_bwd(grad, blocks, x, rescale, 0.6, True, weight, cfg=OftCfg(bwd_block_p=16, split=2))
+    assert launched.count("_oft_bwd_chain") == 1 or x.numel() // (K * S) <= 16, launched
+    _, g0 = _oft_oracle(blocks, x, rescale, 0.6, True, weight, grad)
+    for a, b, ref in zip(one, two, g0):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert rel_err(a, ref) < (_tol(dtype) if a is one[0] else 1e-4)
+
+
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the diverging series of the fallback cases (interpreter)
 @pytest.mark.parametrize("scale", [0.02, 1.0], ids=["neumann", "gj_fallback"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -357,6 +385,8 @@ _COMPILE = textwrap.dedent("""
     build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=64, **fp32_dots), bf)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=False, MODE=1, IDX64=False, NB=2, SP=16, BLOCK_P=64, **split16), bf)
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=8), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
+    build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=2, SP=16, BLOCK_P=64, CHAIN=True,
+                                  **split16), dict(bf, gb_ptr="*bf16", gr_ptr="*bf16"))  # a small call's one launch
     build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=2, SP=32, BLOCK_P=64, NEUMANN=True,
                                   **split16), bf)
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=32, NEUMANN=True), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
@@ -391,7 +421,7 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 21
+    assert r.stdout.count("ok ") == 22
 
 
 @pytest.mark.parametrize("n_sm", [1, 7, 132])

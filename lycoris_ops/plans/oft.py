@@ -118,9 +118,12 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
 
     def kernels(c):  # the Triton compilations of a config (triton/oft.py: constexprs and launch options)
         NB, bp = geometry(c)
-        main = ("stream" if bwd else "fwd", NB, bp, c["num_warps"], c["num_stages"], c["dot_prec"],
-                c.get("neumann", False))
-        return {main, ("chain", NB, c.get("chain_warps", 4), c.get("neumann", False))} if bwd else {main}
+        if not bwd:
+            return {("fwd", NB, bp, c["num_warps"], c["num_stages"], c["dot_prec"], c.get("neumann", False))}
+        # one tile of positions: one program a group, the chain in the streaming program
+        chain_in = npos <= bp
+        main = ("stream", NB, bp, c["num_warps"], c["num_stages"], c["dot_prec"], c.get("neumann", False), chain_in)
+        return {main} if chain_in else {main, ("chain", NB, c.get("chain_warps", 4), c.get("neumann", False))}
 
     bps = (32, 64, 128, 256)
     cfgs = [dict(block_p=128 if bwd else bp, group=g, split=0, num_warps=w, num_stages=s, dot_prec="tf32x3",

@@ -238,11 +238,15 @@ def _oft_fwd_kernel(
 def _oft_bwd_stream(
     blocks_ptr, sbk, sbp, sbq, rs_ptr, srs,
     g_ptr, sg_pre, sg_c, sg_post, x_ptr, sx_pre, sx_c, sx_post, gx_ptr, so_pre, so_c, so_post, part_ptr,
-    K, S, NPOS, POST, n_tiles, n_split, n_groups, cscale, shift,
+    K, S, NPOS, POST, n_tiles, n_split, n_groups, cscale, shift, gb_ptr, gr_ptr,
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, NEUMANN: tl.constexpr = False,
+    CHAIN: tl.constexpr = False,
 ):
+    """gx = Fᵀ·G per tile of this program's positions and its partial Σ G·xᵀ (part_ptr).
+    ``CHAIN`` (one program a group and one tile: a small call): the partial is the group's
+    whole sum, and the program stores g_blocks / g_rescale itself (``_oft_chain_store``)."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     sp = tl.program_id(1)
@@ -264,9 +268,34 @@ def _oft_bwd_stream(
         oo = ch[:, None] * so_c + pos_offsets(p, POST, so_pre, so_post, MODE)[None, :]
         gx, acc = bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT, DOT, DOT_PREC)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=mask)
+    if CHAIN:
+        _oft_chain_store(acc, m, rho, same, ch, ch_valid, gb_ptr, gr_ptr, g, S, cscale, HAS_RESCALE, NB, SP)
+    else:
+        l = tl.arange(0, GP)
+        base = (sp * n_groups + g).to(tl.int64) * (GP * GP)
+        tl.store(part_ptr + base + l[:, None] * GP + l[None, :], acc)
+
+
+@triton.jit
+def _oft_chain_store(pp, m, rho, same, ch, ch_valid, gb_ptr, gr_ptr, g, S, cscale,
+                     HAS_RESCALE: tl.constexpr, NB: tl.constexpr, SP: tl.constexpr):
+    """g_blocks (and g_rescale) of group g from its Σ G·xᵀ (GP, GP fp32): dL/dF_k on the
+    diagonal blocks, the rescale's gradient, and the Cayley chain (``cayley_grad``)."""
+    GP: tl.constexpr = NB * SP
     l = tl.arange(0, GP)
-    base = (sp * n_groups + g).to(tl.int64) * (GP * GP)
-    tl.store(part_ptr + base + l[:, None] * GP + l[None, :], acc)
+    pp = tl.where(same, pp, 0.0)                                  # dL/dF_k, block-diagonal
+    eye = tl.where(l[:, None] == l[None, :], 1.0, 0.0)
+    if HAS_RESCALE:
+        rt = 2.0 * tl.trans(m) - eye                              # Rᵀ
+        g_rs = tl.sum(pp * rt, axis=1)
+        tl.store(gr_ptr + ch, g_rs.to(gr_ptr.dtype.element_ty), mask=ch_valid)
+    g_r = tl.trans(rho[:, None] * pp)
+    g_b = cayley_grad(g_r, m, cscale)
+    b = l // SP
+    pin = l % SP
+    k = g * NB + b
+    go = k[:, None] * (S * S) + pin[:, None] * S + pin[None, :]
+    tl.store(gb_ptr + go, g_b.to(gb_ptr.dtype.element_ty), mask=same)
 
 
 # n_split (the stream's programs per group) follows the config's tile; never specialized, so
@@ -286,19 +315,7 @@ def _oft_bwd_chain(
     for sp in range(n_split):
         base = (sp * n_groups + g).to(tl.int64) * (GP * GP)
         pp += tl.load(part_ptr + base + l[:, None] * GP + l[None, :])
-    pp = tl.where(same, pp, 0.0)                                  # dL/dF_k, block-diagonal
-    eye = tl.where(l[:, None] == l[None, :], 1.0, 0.0)
-    if HAS_RESCALE:
-        rt = 2.0 * tl.trans(m) - eye                              # Rᵀ
-        g_rs = tl.sum(pp * rt, axis=1)
-        tl.store(gr_ptr + ch, g_rs.to(gr_ptr.dtype.element_ty), mask=ch_valid)
-    g_r = tl.trans(rho[:, None] * pp)
-    g_b = cayley_grad(g_r, m, cscale)
-    b = l // SP
-    pin = l % SP
-    k = g * NB + b
-    go = k[:, None] * (S * S) + pin[:, None] * S + pin[None, :]
-    tl.store(gb_ptr + go, g_b.to(gb_ptr.dtype.element_ty), mask=same)
+    _oft_chain_store(pp, m, rho, same, ch, ch_valid, gb_ptr, gr_ptr, g, S, cscale, HAS_RESCALE, NB, SP)
 
 
 # --------------------------------------------------------------------------- host side
@@ -475,17 +492,20 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCf
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
                         (tuple(gx.shape), gx.stride()))
     GP = NB * SP
-    part = torch.empty((split, n_groups, GP, GP), device=dev, dtype=torch.float32)
+    # a small call (one tile, one program a group): the chain in the streaming program, one launch
+    chain_in = split == 1 and n_tiles <= 1
+    part = g_blocks if chain_in else torch.empty((split, n_groups, GP, GP), device=dev, dtype=torch.float32)
     with device_guard(x):
         fast(_oft_bwd_stream)[(n_groups, split)](
             blocks, *blocks.stride(), rs, rs.stride(0),
             grad, ga, gs[1], gb, x, xa, xs[1], xb, gx, oa, os_[1], ob, part,
             K, S, pre * post, post, n_tiles, split, n_groups, float(cscale), 1.0 if shift else 0.0,
-            HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, grad, x), NEUMANN=cfg.neumann, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-        fast(_oft_bwd_chain)[(n_groups,)](
-            blocks, *blocks.stride(), rs, rs.stride(0), part, g_blocks, g_rescale,
-            K, S, split, n_groups, float(cscale),
-            HAS_RESCALE=rescale is not None, NB=NB, SP=SP, NEUMANN=cfg.neumann, num_warps=cfg.chain_warps)
+            g_blocks, g_rescale, HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP,
+            BLOCK_P=bp, **dot_mode(cfg.dot_prec, grad, x), NEUMANN=cfg.neumann, CHAIN=chain_in,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if not chain_in:
+            fast(_oft_bwd_chain)[(n_groups,)](
+                blocks, *blocks.stride(), rs, rs.stride(0), part, g_blocks, g_rescale,
+                K, S, split, n_groups, float(cscale),
+                HAS_RESCALE=rescale is not None, NB=NB, SP=SP, NEUMANN=cfg.neumann, num_warps=cfg.chain_warps)
     return gx, g_blocks, g_rescale
