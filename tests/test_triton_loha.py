@@ -291,6 +291,33 @@ def test_tucker(dtype, two, Kk, block_o, o_pack):
     close(y, want, REL_TOL[dtype], "tucker")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=IDS.get)
+@pytest.mark.parametrize("two", [False, True], ids=["one", "hada"])
+@pytest.mark.parametrize("Kk,o_pack", [(9, 1), (9, 3), (1, 16)], ids=["k9", "k9-pack3", "k1-pack16"])
+def test_tucker_small_call_is_one_launch(dtype, two, Kk, o_pack, monkeypatch):
+    """A one-program call with few core tiles builds AT in its own program (``CORE``, then a
+    barrier): one launch, the same output as the core launches before it, and float64's."""
+    g = gen(9)
+    a1, t1, b1 = mk_t((O, 4), dtype, g), mk((4, 3, Kk), dtype, g, nc=True), mk((3, I), dtype, g, nc=True)
+    a2, t2, b2 = (mk((O, 6), dtype, g), mk((6, 5, Kk), dtype, g), mk((5, I), dtype, g)) if two else (None,) * 3
+    cfg = TT.TuckerCfg(block_o=32, block_i=64, o_pack=o_pack)  # O, I in one program
+    launched = []
+    real_fast = TT.fast
+    monkeypatch.setattr(TT, "fast", lambda k: launched.append(k.__name__) or real_fast(k))
+    y = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, cfg)
+    assert launched == ["_tucker_kernel"], launched
+    monkeypatch.setattr(TT, "CORE_FUSE_TILES", 0)
+    launched.clear()
+    y2 = TT.tucker_fwd(a1, t1, b1, a2, t2, b2, GAMMA, cfg)
+    assert launched == ["_core_kernel"] * (2 if two else 1) + ["_tucker_kernel"], launched
+    torch.testing.assert_close(y, y2, rtol=0, atol=0)
+    cd = cd_of(a1, t1, b1, a2, t2, b2)
+    want = GAMMA * o_tucker(d64(a1, cd), d64(t1, cd), d64(b1, cd))
+    if two:
+        want = want * o_tucker(d64(a2, cd), d64(t2, cd), d64(b2, cd))
+    close(y, want, REL_TOL[dtype], "tucker one launch")
+
+
 def test_tucker_op_and_scope():
     from lycoris_ops.triton import ops
 
@@ -325,6 +352,9 @@ def _compile_all(dtype_names):
     for dn in dtype_names:
         t = {"fp16": tl.float16, "bf16": tl.bfloat16}[dn]
         com = dict(CD=t, DOT=t, IDX64=dn == "bf16")  # bf16 builds the 64-bit index variants
+        tucker_ptrs = dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn, a1_ptr=dn, t1_ptr=dn, a2_ptr=dn,
+                           t2_ptr=dn)
+        no_core = dict(CORE=False, CBR1=16, CBR2=16, KKC=16)
         ptr7 = dict(x_ptr=dn, a1_ptr=dn, b1_ptr=dn, a2_ptr=dn, b2_ptr=dn, base_ptr=dn, y_ptr=dn)
         jobs = [
             (TH._hada_apply_kernel, ptr7, dict(REGEN=True, HAS_BASE=True, GROUP_M=8, BM=64, BN=128, BK=64, BR=64,
@@ -346,15 +376,18 @@ def _compile_all(dtype_names):
                                                gx_ptr=dn, ga1_ptr=dn, gb1_ptr=dn, ga2_ptr=dn, gb2_ptr=dn),
              dict(CD=t, DOT=t, BT=16, BO=64, BI=64, BR=64),
              ("s_go", "s_xi", "s_a1r", "s_b1i", "s_a2r", "s_b2i", "s_gxi", "s_ga1r", "s_gb1i", "s_ga2r", "s_gb2i"), 4),
-            (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
-             dict(TWO=True, GROUP_O=8, BO=8, OPK=1, NP=32, BI=64, BR1=32, BR2=32, **com),
+            (TT._tucker_kernel, tucker_ptrs,
+             dict(TWO=True, GROUP_O=8, BO=8, OPK=1, NP=32, BI=64, BR1=32, BR2=32, **no_core, **com),
              ("s_b1i", "s_b2i", "s_yk"), 8),
-            (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),
-             dict(TWO=False, GROUP_O=8, BO=16, OPK=1, NP=16, BI=128, BR1=64, BR2=16, **com),
+            (TT._tucker_kernel, tucker_ptrs,
+             dict(TWO=False, GROUP_O=8, BO=16, OPK=1, NP=16, BI=128, BR1=64, BR2=16, **no_core, **com),
              ("s_b1i", "s_b2i", "s_yk"), 8),
-            (TT._tucker_kernel, dict(at1_ptr=dn, b1_ptr=dn, at2_ptr=dn, b2_ptr=dn, y_ptr=dn),  # 3 rows o a dot
-             dict(TWO=False, GROUP_O=8, BO=15, OPK=3, NP=32, BI=64, BR1=32, BR2=16, **com),
+            (TT._tucker_kernel, tucker_ptrs,  # 3 rows o a dot
+             dict(TWO=False, GROUP_O=8, BO=15, OPK=3, NP=32, BI=64, BR1=32, BR2=16, **no_core, **com),
              ("s_b1i", "s_b2i", "s_yk"), 4),
+            (TT._tucker_kernel, tucker_ptrs,  # a small call: AT built in the one program first
+             dict(TWO=True, GROUP_O=8, BO=32, OPK=1, NP=16, BI=128, BR1=16, BR2=16,
+                  **dict(no_core, CORE=True), **com), ("s_b1i", "s_b2i", "s_yk"), 4),
             (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn),
              dict(BO=64, BN=64, BR=32, BRB=32, KKP=16, OPK=1, NP=16, **com), ("s_ap", "s_tk"), 4),
             (TT._core_kernel, dict(a_ptr=dn, t_ptr=dn, at_ptr=dn),
@@ -369,7 +402,7 @@ def _compile_all(dtype_names):
 
 def test_compile_sm90():
     out = run_compile_check(__file__, ["bf16"])
-    assert out.count("ok ") == 12, out
+    assert out.count("ok ") == 13, out
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--compile"]:

@@ -18,7 +18,8 @@ columns i, re-laid out in registers to (o, i, κ), cost 1.4× eager torch's eins
 
 ``AT`` (O·R'·Kk elements, a fraction of the output) is one small kernel launch
 before (``_core_kernel``: a GEMM over the columns (q, κ) of t, fp32 accumulated and
-stored in the compute dtype); its operands keep any strides (LoHa passes a
+stored in the compute dtype; a small call, one main program and at most
+``CORE_FUSE_TILES`` core tiles, builds it in that program first: one launch); its operands keep any strides (LoHa passes a
 transposed "up"). AT is stored zero-padded to the main kernel's dot shape
 (O, R' → pow2, Kk → KKP): each o's operand is then one aligned contiguous block,
 read with vector loads and no masks (with Kk = 9 unpadded, those loads were
@@ -69,14 +70,24 @@ def _core_kernel(a_ptr, t_ptr, at_ptr, O, R, RB, KK,
                  CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
                  BO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BRB: tl.constexpr, KKP: tl.constexpr,
                  OPK: tl.constexpr, NP: tl.constexpr):
+    """AT = a·t, tile (program 0, program 1) of ``_core_tile``."""
+    _core_tile(a_ptr, t_ptr, at_ptr, O, R, RB, KK, s_ao, s_ap, s_tp, s_tq, s_tk, tl.program_id(0),
+               tl.program_id(1), CD, DOT, IDX64, BO, BN, BR, BRB, KKP, OPK, NP)
+
+
+@triton.jit
+def _core_tile(a_ptr, t_ptr, at_ptr, O, R, RB, KK, s_ao, s_ap, s_tp, s_tq, s_tk, pid_o, pid_n,
+               CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr,
+               BO: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr, BRB: tl.constexpr, KKP: tl.constexpr,
+               OPK: tl.constexpr, NP: tl.constexpr):
     """AT[o, q, κ] = Σ_p a[o, p]·t[p, q, κ] over a (BO, BN) tile of rows o and columns
     n = (q, κ) (κ < KKP); one dot over all R ranks (BR = R padded), fp32 accumulated,
     rounded once to at's dtype (the compute dtype: reference ``tucker_core``'s rounding).
-    Stored packed (``core_product``): row o at column (o mod OPK)·Kk + κ of pack o // OPK's
+    Stored packed (``core_buffer``): row o at column (o mod OPK)·Kk + κ of pack o // OPK's
     (BRB, NP) block; the pack's last o also writes the zeros of the columns past OPK·Kk,
     and rows o past O up to the last pack write zeros (a and t are loaded as 0 there)."""
-    offs_o = tl.program_id(0) * BO + tl.arange(0, BO)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    offs_o = pid_o * BO + tl.arange(0, BO)
+    offs_n = pid_n * BN + tl.arange(0, BN)
     if IDX64:
         offs_o = offs_o.to(tl.int64)
     offs_p = tl.arange(0, BR)
@@ -103,24 +114,34 @@ def _core_kernel(a_ptr, t_ptr, at_ptr, O, R, RB, KK,
 
 #: the core kernel's tile: rows o, columns (q, κ)
 CORE_BO, CORE_BN = 64, 64
+CORE_BO_C: tl.constexpr = tl.constexpr(CORE_BO)
+CORE_BN_C: tl.constexpr = tl.constexpr(CORE_BN)
+#: most core tiles (all chains) that a one-program call builds itself before its output
+CORE_FUSE_TILES = 8
 
 
-def core_product(a, t, compute, o_pack: int = 1):
-    """``AT = a·t`` as a zero-padded (ceil(O / o_pack), BRB, NP) buffer in the compute dtype
-    (BRB = R' padded to a dot width; NP = ``pack_width(Kk, o_pack)``), one launch
-    (``_core_kernel``): pack P's block holds rows o = P·o_pack + j side by side, row j's κ
-    at column j·Kk + κ, zeros after the last. The main kernel reads a pack's (BRB, NP)
-    operand as one aligned, unmasked block. o_pack 1: one row per block, κ padded."""
+def core_buffer(a, t, compute, o_pack: int):
+    """``AT = a·t``'s zero-padded (ceil(O / o_pack), BRB, NP) buffer in the compute dtype (BRB =
+    R' padded to a dot width; NP = ``pack_width(Kk, o_pack)``), empty, with the core grid and
+    the core tile's κ width: pack P's block holds rows o = P·o_pack + j side by side, row j's κ
+    at column j·Kk + κ, zeros after the last (``_core_tile`` writes all of it). The main kernel
+    reads a pack's (BRB, NP) operand as one aligned, unmasked block. o_pack 1: one row per
+    block, κ padded."""
     O, (R, RB, KK) = a.shape[0], t.shape
     brb, n_p = _p16(RB), pack_width(KK, o_pack)
     # the core tile's columns (q, κ): κ spans Kk and, for the last row of a pack, the zero tail
     kkc = next_pow2(max(KK, n_p - (o_pack - 1) * KK))
     at = torch.empty((cdiv(O, o_pack), brb, n_p), device=a.device, dtype=compute)
-    grid = (cdiv(cdiv(O, o_pack) * o_pack, CORE_BO), cdiv(brb * kkc, CORE_BN))
-    fast(_core_kernel)[grid](a, t, at, O, R, RB, KK, *a.stride(), *t.stride(),
+    return at, (cdiv(cdiv(O, o_pack) * o_pack, CORE_BO), cdiv(brb * kkc, CORE_BN)), kkc
+
+
+def core_launch(a, t, at, grid, kkc, o_pack, compute):
+    """AT = a·t into ``core_buffer``'s buffer: one launch of ``_core_kernel``."""
+    Kk = t.shape[2]
+    fast(_core_kernel)[grid](a, t, at, a.shape[0], t.shape[0], t.shape[1], Kk, *a.stride(), *t.stride(),
                              CD=tl_dtype(compute), DOT=dot_dtype(compute), IDX64=needs_idx64(*view_key(a, t, at)),
-                             BO=CORE_BO, BN=CORE_BN, BR=_p16(R), BRB=brb, KKP=kkc, OPK=o_pack, NP=n_p, num_warps=4)
-    return at
+                             BO=CORE_BO, BN=CORE_BN, BR=_p16(t.shape[0]), BRB=_p16(t.shape[1]), KKP=kkc,
+                             OPK=o_pack, NP=pack_width(Kk, o_pack), num_warps=4)
 
 
 @triton.jit
@@ -137,15 +158,32 @@ def _tucker_kernel(
     O, I, KK, R1, R2, gamma,
     s_b1q, s_b1i, s_b2q, s_b2i,
     s_yo, s_yi, s_yk,
+    a1_ptr, t1_ptr, a2_ptr, t2_ptr, RA1, RA2,
+    s_a1o, s_a1p, s_t1p, s_t1q, s_t1k, s_a2o, s_a2p, s_t2p, s_t2q, s_t2k,
     TWO: tl.constexpr, CD: tl.constexpr, DOT: tl.constexpr, IDX64: tl.constexpr, GROUP_O: tl.constexpr,
     BO: tl.constexpr, OPK: tl.constexpr, NP: tl.constexpr, BI: tl.constexpr, BR1: tl.constexpr,
-    BR2: tl.constexpr,
+    BR2: tl.constexpr, CORE: tl.constexpr = False, CBR1: tl.constexpr = 16, CBR2: tl.constexpr = 16,
+    KKC: tl.constexpr = 16,
 ):
     """BO output rows o (a loop over packs of OPK rows) x BI columns i: per pack, one
     (BI, BR) x (BR, NP) dot per chain gives Y[o, i, κ] = γ·Σ_q bᵀ[i, q]·AT[o, q, κ] for
     the pack's rows side by side (column j·Kk + κ: row j, position κ). Each row's part
     of the accumulator is (i, κ)-major, the order of y's (I, Kk) run of that row, so it is
-    stored as it is: no re-layout, and the bᵀ tiles are loaded once per program."""
+    stored as it is: no re-layout, and the bᵀ tiles are loaded once per program.
+    ``CORE`` (a one-program grid: a small call): the program first builds AT itself, every
+    ``_core_tile`` of each chain (a and t: CBR1 / CBR2 their padded ranks, KKC the core tile's
+    κ width), then a barrier: the op is one launch."""
+    if CORE:
+        n_rows = tl.cdiv(tl.cdiv(O, OPK) * OPK, CORE_BO_C)
+        for po in range(0, n_rows):
+            for pn in range(0, tl.cdiv(BR1 * KKC, CORE_BN_C)):
+                _core_tile(a1_ptr, t1_ptr, at1_ptr, O, RA1, R1, KK, s_a1o, s_a1p, s_t1p, s_t1q, s_t1k, po, pn,
+                           CD, DOT, IDX64, CORE_BO_C, CORE_BN_C, CBR1, BR1, KKC, OPK, NP)
+            if TWO:
+                for pn in range(0, tl.cdiv(BR2 * KKC, CORE_BN_C)):
+                    _core_tile(a2_ptr, t2_ptr, at2_ptr, O, RA2, R2, KK, s_a2o, s_a2p, s_t2p, s_t2q, s_t2k, po,
+                               pn, CD, DOT, IDX64, CORE_BO_C, CORE_BN_C, CBR2, BR2, KKC, OPK, NP)
+        tl.debug_barrier()  # AT as this program stored it, visible to all of its threads
     pid = tl.program_id(0)
     n_o = tl.cdiv(O, BO)
     n_i = tl.cdiv(I, BI)
@@ -255,14 +293,21 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
     ranks = (t1.shape[1],) + ((t2.shape[1],) if two else ())
     cfg = cfg or TuckerCfg()
     opk = cfg.o_pack or default_tucker_cfg(O, I, Kk, max(ranks), two, compute).o_pack
-    at1 = core_product(a1, t1, compute, opk)
-    at2 = core_product(a2, t2, compute, opk) if two else at1
-    if not two:
-        b2 = b1
-    grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2, b2, y), compute, cfg)
+    at1, core_grid, kkc = core_buffer(a1, t1, compute, opk)
+    at2 = core_buffer(a2, t2, compute, opk)[0] if two else at1
+    grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2 if two else at1, b2 if two else b1, y), compute, cfg)
+    # a one-program call with few core tiles builds AT in its own program: one launch
+    fused = grid == (1,) and core_grid[0] * core_grid[1] * (2 if two else 1) <= CORE_FUSE_TILES
+    if not fused:
+        for a, t, at in ((a1, t1, at1),) + (((a2, t2, at2),) if two else ()):
+            core_launch(a, t, at, core_grid, kkc, opk, compute)
+    c2 = (a2, t2) if two else (a1, t1)
     fast(_tucker_kernel)[grid](
-        at1, b1, at2, b2, y, O, I, Kk, t1.shape[1], t2.shape[1] if two else t1.shape[1], gamma,
-        *b1.stride(), *b2.stride(), *y.stride(), **meta)
+        at1, b1, at2, b2 if two else b1, y, O, I, Kk, t1.shape[1], t2.shape[1] if two else t1.shape[1], gamma,
+        *b1.stride(), *(b2 if two else b1).stride(), *y.stride(),
+        a1, t1, c2[0], c2[1], t1.shape[0], c2[1].shape[0], *a1.stride(), *t1.stride(), *c2[0].stride(),
+        *c2[1].stride(), **meta,
+        **(dict(CORE=True, CBR1=_p16(t1.shape[0]), CBR2=_p16(c2[1].shape[0]), KKC=kkc) if fused else {}))
     return y
 
 
