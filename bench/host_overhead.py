@@ -196,38 +196,50 @@ def _no_grad(fn, *args):
         return fn(*args)
 
 
-def ops(dev, calls):
+def ops(dev, calls, rounds=5):
     """Host time per call of each of the 23 ops on its first (tiny) test case, bf16 on
-    CUDA (fp32 on CPU), no gradient, next to one torch.add in the same process."""
+    CUDA (fp32 on CPU), no gradient, next to one torch.add in the same process. The rounds
+    interleave: each round times torch.add, the yardsticks and every op once, and each keeps
+    its best round, so a slow spell of the shared machine (seen lasting about a second)
+    slows one round of everything instead of a few ops' every round."""
     from lycoris_ops import OP_NAMES
 
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     first = _first_cases(dev, dtype)
     a, b = torch.randn(4, 4, device=dev), torch.randn(4, 4, device=dev)
-    ref = per_call_us(lambda: torch.add(a, b, alpha=0.5), calls, sync)
-    print(f"host us/call on {dev} (torch {torch.__version__}, {calls} calls each, best of 5 rounds, no grad)")
-    print(f"  {'torch.add':22s} {ref:8.1f} us")
+    w, bias = torch.ones(4, device=dev), torch.zeros(4, device=dev)
     # yardsticks: what each further output costs an ATen op of one launch (its allocation,
     # its tensor, its free), and one bare allocation
-    w, bias = torch.ones(4, device=dev), torch.zeros(4, device=dev)
-    for name, fn in (("torch.empty_like", lambda: torch.empty_like(a)),
-                     ("aminmax (2 outputs)", lambda: torch.aminmax(a, dim=0)),
-                     ("native_layer_norm (3)", lambda: torch.ops.aten.native_layer_norm(a, [4], w, bias, 1e-5))):
-        us = per_call_us(fn, calls, sync)
-        print(f"  {name:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)")
+    fns = {"torch.add": lambda: torch.add(a, b, alpha=0.5),
+           "torch.empty_like": lambda: torch.empty_like(a),
+           "aminmax (2 outputs)": lambda: torch.aminmax(a, dim=0),
+           "native_layer_norm (3)": lambda: torch.ops.aten.native_layer_norm(a, [4], w, bias, 1e-5)}
+    fns.update((op, first[op]) for op in OP_NAMES if op in first)
+    best = dict.fromkeys(fns, float("inf"))
+    with torch.no_grad():
+        for fn in fns.values():
+            per_call_us(fn, 200, sync, rounds=1, warmup=0)
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                best[name] = min(best[name], per_call_us(fn, max(1, calls // rounds), sync, rounds=1, warmup=20))
+    ref = best["torch.add"]
+    print(f"host us/call on {dev} (torch {torch.__version__}, {calls} calls each, best of {rounds} interleaved rounds,"
+          " no grad)")
+    print(f"  {'torch.add':22s} {ref:8.1f} us")
     stats = getattr(__import__("lycoris_ops")._C, "_launch_plan_stats", None) if dev.type == "cuda" else None
     with torch.no_grad():
-        for op in OP_NAMES:
-            if op in first:
-                us = per_call_us(first[op], calls, sync)
-                extra = ""
-                if dev.type == "cuda":  # what one (replayed) call does: outputs, launches, plan
-                    plan = stats(f"lycoris::{op}") if stats else ("-", "-", "-")
-                    out = first[op]()
-                    k = len(out) if isinstance(out, tuple) else 1
-                    extra = f"  outputs {k}  launches {_launches(first[op])}  plan seen/replayed/python {plan}"
-                print(f"  {op:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)  {first[op].id}{extra}")
+        for name, fn in fns.items():
+            if name == "torch.add":
+                continue
+            us = best[name]
+            extra, label = "", getattr(fn, "id", "")
+            if dev.type == "cuda" and name in first:  # what one (replayed) call does: outputs, launches, plan
+                plan = stats(f"lycoris::{name}") if stats else ("-", "-", "-")
+                out = fn()
+                k = len(out) if isinstance(out, tuple) else 1
+                extra = f"  outputs {k}  launches {_launches(fn)}  plan seen/replayed/python {plan}"
+            print(f"  {name:22s} {us:8.1f} us  ({us / ref:5.1f}x torch.add)  {label}{extra}".rstrip())
 
 
 def _first_cases(dev, dtype):

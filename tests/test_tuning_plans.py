@@ -47,6 +47,8 @@ def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
     pm = importlib.import_module(f"lycoris_ops.plans.{family}")
     monkeypatch.setattr(pm, "DEVICE_TYPES", ("cpu", "cuda"))
     monkeypatch.setattr(pm, "facts", lambda d: device.synthetic())
+    if family == "tucker":  # the test cases are one-launch calls, which are not timed
+        monkeypatch.setattr(importlib.import_module("lycoris_ops.triton.tucker"), "CORE_FUSE_TILES", 0)
     cases = testing.cases("lora" if family == "tucker" else family, dtype=torch.float32, device="cpu")
     done = set()
     for case in cases:
@@ -71,6 +73,31 @@ def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
     for key, row in rows.items():
         assert not row.get("failed"), (key, row.get("failed"))
         assert len(row["times"]) >= 2, (key, row)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tucker_one_launch_call_is_not_timed(dtype, monkeypatch):
+    """A rebuild small enough for one program that builds its own AT keeps the launcher's
+    default (one launch) instead of a timed tile; a larger one is timed."""
+    from lycoris_ops.plans import tucker as pm
+    from lycoris_ops.triton import tucker as TT
+
+    monkeypatch.setattr(pm, "DEVICE_TYPES", ("cpu", "cuda"))
+    monkeypatch.setattr(pm, "facts", lambda d: device.synthetic())
+    g = torch.Generator().manual_seed(3)
+
+    def call(O, I, r):
+        a, t, b = (torch.randn(s, generator=g).to(dtype) for s in ((O, r), (r, r, 9), (r, I)))
+        return (a, t, b, None, None, None, 0.7)
+
+    small = call(13, 7, 4)
+    assert TT.one_launch(13, 7, 9, (4,), dtype)
+    assert pm.tucker_fwd_kwargs(*small) == {} and tune.stats()["tuned"] == 0
+    assert pm.tucker_fwd_kwargs(*small) is pm._FRONT[next(iter(pm._FRONT))]  # the front cache answers
+    big = call(80, 150, 4)  # 80 rows x 150 columns: more than one program at every default tile
+    assert not TT.one_launch(80, 150, 9, (4,), dtype)
+    got = pm.tucker_fwd_kwargs(*big)
+    assert tune.stats()["tuned"] == 1 and (tune.is_eager(got) or set(got) == {"cfg"})
 
 
 def test_non_cuda_calls_get_launcher_defaults():

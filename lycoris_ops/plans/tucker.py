@@ -160,6 +160,11 @@ def tucker_fwd_kwargs(a1, t1, b1, a2, t2, b2, gamma):
     compute = compute_dtype(*(t.dtype for t in (a1, t1, b1, a2, t2, b2) if t is not None))
     TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "Kk": Kk, "ranks": ranks}, flags={"out": a1.dtype})
+    if TL.one_launch(O, I, Kk, ranks[1::2], compute):
+        # one program building its own AT: launch-bound (a few µs of device time), so no tile is
+        # worth the second launch a timed pick may bring (a multi-program tile needs AT first)
+        _FRONT[fk] = {}
+        return {}
     d = TL.default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
     default = as_dict(d)
     return tune.pick(

@@ -41,6 +41,7 @@ allows R <= 64). fp16 / bf16 / fp32 only.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -128,11 +129,17 @@ def core_buffer(a, t, compute, o_pack: int):
     reads a pack's (BRB, NP) operand as one aligned, unmasked block. o_pack 1: one row per
     block, κ padded."""
     O, (R, RB, KK) = a.shape[0], t.shape
+    grid, kkc = core_grid(O, RB, KK, o_pack)
+    at = torch.empty((cdiv(O, o_pack), _p16(RB), pack_width(KK, o_pack)), device=a.device, dtype=compute)
+    return at, grid, kkc
+
+
+def core_grid(O: int, RB: int, KK: int, o_pack: int):
+    """``_core_kernel``'s grid for one chain (rows o, columns (q, κ)) and its tile's κ width."""
     brb, n_p = _p16(RB), pack_width(KK, o_pack)
     # the core tile's columns (q, κ): κ spans Kk and, for the last row of a pack, the zero tail
     kkc = next_pow2(max(KK, n_p - (o_pack - 1) * KK))
-    at = torch.empty((cdiv(O, o_pack), brb, n_p), device=a.device, dtype=compute)
-    return at, (cdiv(cdiv(O, o_pack) * o_pack, CORE_BO), cdiv(brb * kkc, CORE_BN)), kkc
+    return (cdiv(cdiv(O, o_pack) * o_pack, CORE_BO), cdiv(brb * kkc, CORE_BN)), kkc
 
 
 def core_launch(a, t, at, grid, kkc, o_pack, compute):
@@ -267,12 +274,25 @@ def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     return TuckerCfg(block_o=32, block_i=128, num_warps=4, num_stages=3, o_pack=1)
 
 
+def _tiles(O, I, Kk, ranks, compute, cfg: TuckerCfg):
+    """(default cfg, o_pack, block_o, block_i) of a call: ``cfg``'s fields over the default."""
+    d = default_tucker_cfg(O, I, Kk, max(ranks), len(ranks) == 2, compute)
+    opk = cfg.o_pack or d.o_pack
+    return d, opk, cdiv(cfg.block_o or d.block_o, opk) * opk, cfg.block_i or d.block_i
+
+
+def one_launch(O: int, I: int, Kk: int, ranks, compute, cfg: TuckerCfg = TuckerCfg()) -> bool:
+    """True when a call (``ranks``: each chain's R' = t.shape[1]) is one main program that
+    builds its own AT first: at most ``CORE_FUSE_TILES`` core tiles over its chains."""
+    _, opk, bo, bi = _tiles(O, I, Kk, ranks, compute, cfg)
+    return (cdiv(O, bo) * cdiv(I, bi) == 1
+            and sum(math.prod(core_grid(O, rb, Kk, opk)[0]) for rb in ranks) <= CORE_FUSE_TILES)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(O, I, Kk, ranks, views, compute, cfg: TuckerCfg):
     two = len(ranks) == 2
-    d = default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
-    opk = cfg.o_pack or d.o_pack
-    bo, bi = cdiv(cfg.block_o or d.block_o, opk) * opk, cfg.block_i or d.block_i
+    d, opk, bo, bi = _tiles(O, I, Kk, ranks, compute, cfg)
     br = [_p16(r) for r in ranks] + [16]
     meta = dict(TWO=two, CD=tl_dtype(compute), DOT=dot_dtype(compute),
                 IDX64=needs_idx64(*[v for v in views if v is not None]), GROUP_O=cfg.group_o,
@@ -293,14 +313,14 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
     ranks = (t1.shape[1],) + ((t2.shape[1],) if two else ())
     cfg = cfg or TuckerCfg()
     opk = cfg.o_pack or default_tucker_cfg(O, I, Kk, max(ranks), two, compute).o_pack
-    at1, core_grid, kkc = core_buffer(a1, t1, compute, opk)
+    at1, cgrid, kkc = core_buffer(a1, t1, compute, opk)
     at2 = core_buffer(a2, t2, compute, opk)[0] if two else at1
     grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2 if two else at1, b2 if two else b1, y), compute, cfg)
     # a one-program call with few core tiles builds AT in its own program: one launch
-    fused = grid == (1,) and core_grid[0] * core_grid[1] * (2 if two else 1) <= CORE_FUSE_TILES
+    fused = one_launch(O, I, Kk, ranks, compute, cfg)
     if not fused:
         for a, t, at in ((a1, t1, at1),) + (((a2, t2, at2),) if two else ()):
-            core_launch(a, t, at, core_grid, kkc, opk, compute)
+            core_launch(a, t, at, cgrid, kkc, opk, compute)
     c2 = (a2, t2) if two else (a1, t1)
     fast(_tucker_kernel)[grid](
         at1, b1, at2, b2 if two else b1, y, O, I, Kk, t1.shape[1], t2.shape[1] if two else t1.shape[1], gamma,
