@@ -68,6 +68,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -207,6 +208,7 @@ class Bench:
         self.host: List[dict] = []
         self.skipped: List[str] = []
         self.notes: List[str] = []
+        self.context_lost = False  # set by a CUDA error: the process cannot use the GPU again
         self.compiled: Dict[str, object] = {}
         self.gen = torch.Generator().manual_seed(args.seed)
         self.bw = None
@@ -439,11 +441,19 @@ class Bench:
         if time.perf_counter() > stop:
             self.skipped.append(what)
             return
+        if self.context_lost:
+            self.skipped.append(what)
+            return
+        print(f"-- {what} ({time.perf_counter() - self.t0:.0f} s)", file=sys.stderr, flush=True)
         try:
             self.run_spec(spec, shape, dt_name, pass_no)
         except Exception as exc:  # a spec that cannot even build is reported, the run goes on
             self.notes.append(f"{what}: {type(exc).__name__}: {exc}"[:300])
-        if self.device.type == "cuda":
+            traceback.print_exc()
+            # a device fault (illegal address, ...) poisons the CUDA context: every later call
+            # fails too, so the run stops here and reports what it has
+            self.context_lost = "CUDA error" in str(exc)
+        if self.device.type == "cuda" and not self.context_lost:
             torch.cuda.empty_cache()
 
     def run(self, spec_list, cfgs) -> int:
