@@ -281,10 +281,15 @@ void replay(const Plan& plan, torch::jit::Stack* stack, size_t first, size_t num
   c10::cuda::CUDAGuard guard(device);
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device).stream();
   c10::SmallVector<at::Tensor, 8> allocs;
+  // each allocation's storage address: the plan's offsets count from it (the recorder's
+  // untyped_storage().data_ptr()). Not Tensor::data_ptr(), which is null for a tensor of no
+  // elements, and a workspace pack may ride on one (an empty side output of the call).
+  c10::SmallVector<char*, 8> bases;
   for (const auto& a : plan.allocs) {
     allocs.push_back(allocate(a, device));
+    bases.push_back(static_cast<char*>(allocs.back().storage().mutable_data()));
     if (!a.zero.empty()) {
-      auto base = reinterpret_cast<unsigned long long>(allocs.back().data_ptr());
+      auto base = reinterpret_cast<unsigned long long>(bases.back());
       for (const auto& z : a.zero) {
         int rc = memset_fn()(base + z.first, 0, static_cast<size_t>(z.second), stream);
         LYCORIS_CHECK(rc == 0, "lycoris: cuMemsetD8Async failed with CUresult ", rc);
@@ -309,7 +314,7 @@ void replay(const Plan& plan, torch::jit::Stack* stack, size_t first, size_t num
           bits = reinterpret_cast<uint64_t>(inputs[p.index] + p.value);
           break;
         case kAlloc:
-          bits = reinterpret_cast<uint64_t>(static_cast<char*>(allocs[p.index].data_ptr()) + p.value);
+          bits = reinterpret_cast<uint64_t>(bases[p.index] + p.value);
           break;
         case kConst:
           bits = static_cast<uint64_t>(p.value);

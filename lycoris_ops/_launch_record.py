@@ -159,7 +159,12 @@ def _layout(allocs, out_idx, used):
         host = max(range(len(kept)), key=lambda i: kept[i][1], default=None)
         if host is None or not (need <= PACK_TAIL_BYTES or need <= kept[host][1]):
             host = len(kept)
-            kept.append([works[0], 0])  # the first workspace carries the pack
+            # the largest workspace carries the pack, first, at offset 0 (an empty one never
+            # does: the allocation is a tensor of its carrier's geometry, and an empty side
+            # output sorts first; the H200 replayed such a pack through a null data_ptr())
+            carrier = max(works, key=lambda j: nbytes[j])
+            works = [carrier] + [j for j in works if j != carrier]
+            kept.append([carrier, 0])
         off = end = _align(kept[host][1]) if kept[host][1] else 0
         for j in works:
             where[j] = (host, off)

@@ -116,6 +116,10 @@ def test_plan_drops_unused_allocations_and_packs_workspaces():
     huge = torch.empty(R.PACK_TAIL_BYTES // 4 + 1)
     kept, where = R._layout([[small, False], [huge, True], [ws2, False]], {0}, {0, 1, 2})
     assert kept == [[0, 10], [1, R._align(huge.nbytes) + 12]] and where == {0: (0, 0), 1: (1, 0), 2: (1, R._align(huge.nbytes))}
+    # an empty side output that a launch is passed (0 bytes, sorted first) never carries the pack
+    empty = torch.empty(0)
+    kept, where = R._layout([[small, False], [empty, False], [huge, True]], {0}, {0, 1, 2})
+    assert kept == [[0, 10], [2, R._align(huge.nbytes)]] and where == {0: (0, 0), 2: (1, 0), 1: (1, R._align(huge.nbytes))}
     # no output at all (every result a view of inputs is refused earlier): the pack stands alone
     kept, where = R._layout([[ws1, True], [ws2, False]], set(), {0, 1})
     assert kept == [[0, 512 + 12]] and where == {0: (0, 0), 1: (0, 512)}
@@ -133,6 +137,40 @@ def test_replayed_calls_match_eager(case):
         check_bf16_against_eager(base.to())  # same geometry, new buffers
     seen, planned, python_only = _C._launch_plan_stats(f"lycoris::{case.op}")
     assert seen >= 1 and planned + python_only >= 1  # the third call decided
+
+
+@needs_replay
+@pytest.mark.parametrize("factored", [False, True], ids=["full", "factored"])
+def test_replayed_workspace_pack_of_its_own(factored, monkeypatch):
+    """A LoKr merge backward whose fp32 partials outgrow its outputs: the workspaces get an
+    allocation of their own, and the launch is also passed the empty (0,) gradient of an
+    absent factor. Replayed, the pack's address is its storage's (an H200 bench faulted when
+    the empty tensor carried the pack and its null data_ptr() was used)."""
+    plans = []
+    real = _launch_record.plan_of
+
+    def spy(*a, **k):
+        plan, why = real(*a, **k)
+        plans.append(plan)
+        return plan, why
+
+    monkeypatch.setattr(_launch_record, "plan_of", spy)
+    torch.manual_seed(0)
+    dt, dev = torch.bfloat16, "cuda"
+    w1 = torch.randn(32, 32, device=dev, dtype=dt)
+    w2a, w2b = torch.randn(32, 4, device=dev, dtype=dt), torch.randn(4, 32, device=dev, dtype=dt)
+    op = "lokr_merge_bwd" if factored else "lokr_full_merge_bwd"
+    for _ in range(5):
+        g = torch.randn(1024, 1024, device=dev, dtype=dt)
+        args = (g, w1, None, w2a, w2b, [32, 32, 32, 32], 1.5) if factored else (g, w1, w2a @ w2b, 1.5)
+        got = getattr(torch.ops.lycoris, op)(*args)
+        want = registry.eager(op)(*args)
+        for a, b in zip(got, want):
+            if b.numel():
+                torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * b.float().abs().max().item())
+    assert _C._launch_plan_stats(f"lycoris::{op}")[1] == 1, _launch_record.refusals.get(op)
+    (plan,) = [p for p in plans if p is not None]
+    assert len(plan[1]) > len(plan[2])  # an allocation beyond the outputs': the pack of its own
 
 
 @needs_replay
