@@ -173,6 +173,57 @@ def test_replayed_workspace_pack_of_its_own(factored, monkeypatch):
     assert len(plan[1]) > len(plan[2])  # an allocation beyond the outputs': the pack of its own
 
 
+def _bench_specs():
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+    sys.path.insert(0, here)
+    try:
+        spec = importlib.util.spec_from_file_location("lycoris_bench_specs", os.path.join(here, "specs.py"))
+        mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(here)
+    return mod
+
+
+@needs_replay
+@pytest.mark.parametrize("name", [s.name for s in _bench_specs().SPECS])
+def test_replayed_bench_specs_at_a_middle_shape(name):
+    """Every bench spec's forward and forward+backward, five calls each at 2048 tokens x
+    1024 channels (bf16, launcher defaults): the replayed calls' workspaces outgrow the
+    test cases' (packs of their own), and every result matches the first (Python) call's
+    and the eager formula's. The test cases alone missed a replay fault at 4096²."""
+    from lycoris_ops.plans import tune
+
+    S = _bench_specs()
+    spec = next(s for s in S.SPECS if s.name == name)
+    gen = torch.Generator().manual_seed(0)
+    inp = spec.build(S.Geo(2048, 1024, 16), torch.bfloat16, torch.device("cuda"), gen)
+    ts = [t.requires_grad_(k in spec.grads) for k, t in inp.items()]
+    targets = [t for k, t in zip(inp, ts) if k in spec.grads]
+    out = spec.eager(*ts)
+    G = torch.randn(out.shape, generator=gen).to(device="cuda", dtype=out.dtype)
+    want = [out.detach().float()] + [g.float() for g in torch.autograd.grad(out, targets, G)]
+    prev = tune.set_tuning(False)
+    try:
+        with lycoris_ops.use_backend("triton"):
+            runs = []
+            for _ in range(5):
+                y = spec.ours(*ts)
+                runs.append([y.detach().float()] + [g.float() for g in torch.autograd.grad(y, targets, G)])
+            torch.cuda.synchronize()
+    finally:
+        tune.set_tuning(prev)
+    for k, (got, ref) in enumerate(zip(runs[-1], want)):
+        scale = ref.abs().max().item() or 1.0
+        # replayed against the Python call (atomics may reorder a sum), and against eager bf16
+        assert (got - runs[0][k]).abs().max().item() <= 1e-2 * scale, (name, k)
+        assert (got - ref).abs().max().item() <= 1e-1 * scale, (name, k)
+
+
 @needs_replay
 def test_plans_follow_the_tier_and_graph_capture():
     op = torch.ops.lycoris.lora_bypass_fwd
