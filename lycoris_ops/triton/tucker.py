@@ -312,7 +312,7 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
         return y
     ranks = (t1.shape[1],) + ((t2.shape[1],) if two else ())
     cfg = cfg or TuckerCfg()
-    opk = cfg.o_pack or default_tucker_cfg(O, I, Kk, max(ranks), two, compute).o_pack
+    opk = _tiles(O, I, Kk, ranks, compute, cfg)[1]
     at1, cgrid, kkc = core_buffer(a1, t1, compute, opk)
     at2 = core_buffer(a2, t2, compute, opk)[0] if two else at1
     grid, meta = _plan(O, I, Kk, ranks, view_key(at1, b1, at2 if two else at1, b2 if two else b1, y), compute, cfg)
