@@ -142,8 +142,8 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
         n_tiles, E = cdiv(M1, cfg["block_m"]) * cdiv(N1, cfg["block_n"]), M2 * N2
         TK = triton_module("lokr")
         split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, TK._grad_split_cap(E, rt, M1, N1)))
-        out = {("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
-                cfg["num_warps"], cfg["num_stages"])}
+        grad_kernel = ("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
+                       cfg["num_warps"], cfg["num_stages"])
         reduces, chains = [], []
         for side, fact, parts in (("tile", rt, split), ("loop", rl, n_tiles)):
             if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials), after a presum of a deep stack
@@ -154,8 +154,8 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
                 reduces.append(side)
         dims = [(M1, N1, rt) if side == "tile" else (M2, N2, rl) for side in chains]
         if TK._chain_fuses(n_tiles * split, len(reduces), dims):  # the chains inside the one program
-            return {("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
-                     cfg["num_warps"], cfg["num_stages"], "chain")}
+            return {grad_kernel + ("chain",)}
+        out = {grad_kernel}
         if reduces:  # two reduces share one launch (_fusedkit.reduce_pair_launch)
             out.add(("reduce", *reduces, swap))
         if chains:  # both sides factorized: one launch (_fusedkit.chain_pair_launch)
