@@ -8,6 +8,11 @@ the Triton tier serves a call and only there, CUDA graph capture of replayed cal
 and a backend change dropping the plans."""
 from __future__ import annotations
 
+import functools
+import importlib
+import os
+import sys
+
 import pytest
 import torch
 
@@ -44,7 +49,6 @@ def test_every_triton_kernel_fits_a_replayed_launch():
     runtime ones and Triton's two scratch pointers); the recorder refuses more, which would
     leave that call in Python. Every Triton kernel of ours fits (a count of its non-constexpr
     parameters: an upper bound, since a launch also specializes ints equal to 1)."""
-    import importlib
     import inspect
     import pkgutil
 
@@ -173,20 +177,14 @@ def test_replayed_workspace_pack_of_its_own(factored, monkeypatch):
     assert len(plan[1]) > len(plan[2])  # an allocation beyond the outputs': the pack of its own
 
 
+@functools.lru_cache(maxsize=None)
 def _bench_specs():
-    import importlib.util
-    import os
-    import sys
-
+    """bench/specs.py, imported as the bench scripts import it (bench/ on sys.path, ``specs``):
+    the same module object that bench.py's ``S`` is in a session that also loads bench.py."""
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
-    sys.path.insert(0, here)
-    try:
-        spec = importlib.util.spec_from_file_location("lycoris_bench_specs", os.path.join(here, "specs.py"))
-        mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        sys.path.remove(here)
-    return mod
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module("specs")
 
 
 @needs_replay
