@@ -13,6 +13,13 @@ its floor whose time sits in one kernel says which kernel to read next; one spre
 many launches says the pass structure is the cost.
 
 ``--smoke``: CPU tensors, tiny shape (the script runs; CI): the rows are CPU ops.
+
+``--counters``: no torch.profiler; the recorded calls run between ``cudaProfilerStart`` and
+``cudaProfilerStop`` instead, for Nsight Compute's hardware counters of just those kernels
+(not the tuner's timing calls)::
+
+    ncu --profile-from-start off --clock-control none --set detailed \
+        python bench/kernel_profile.py --specs boft --shape small --backend triton --counters
 """
 from __future__ import annotations
 
@@ -71,7 +78,7 @@ def _kernel_rows(prof, cuda: bool):
     return sorted(((k, c, us) for k, (c, us) in rows.items() if us > 0), key=lambda r: -r[2])
 
 
-def profile(spec, geo, dt, dev, backend, bw, top: int) -> None:
+def profile(spec, geo, dt, dev, backend, bw, top: int, counters: bool = False) -> None:
     from lycoris_ops import dispatch
 
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -88,6 +95,13 @@ def profile(spec, geo, dt, dev, backend, bw, top: int) -> None:
         if cuda:
             torch.cuda.synchronize()
         for name, call, nbytes in phases:
+            if counters:  # one call inside the CUDA profiler's range (ncu --profile-from-start off)
+                torch.cuda.cudart().cudaProfilerStart()
+                call()
+                torch.cuda.synchronize()
+                torch.cuda.cudart().cudaProfilerStop()
+                print(f"{spec.name} {geo.tag} {name}: one call in the profiler range")
+                continue
             rows, total = _profiled(call, acts, cuda)
             floor = nbytes / bw * 1e6 if bw else float("nan")
             _print_table(f"{spec.name} {geo.tag} {str(dt).replace('torch.', '')} {backend} {name}: "
@@ -159,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
     ap.add_argument("--top", type=int, default=12, help="kernels listed per phase")
     ap.add_argument("--smoke", action="store_true", help="CPU tensors, tiny shape: the script runs")
+    ap.add_argument("--counters", action="store_true",
+                    help="run the recorded calls inside cudaProfilerStart/Stop (under ncu), not torch.profiler")
     ap.add_argument("--peer", action="store_true",
                     help="also lycoris-lora's forward and forward+backward, in a process of its own (it registers "
                          "ops of the same namespace; LYCORIS_PEER_PATH: where it is installed)")
@@ -181,7 +197,7 @@ def main(argv=None) -> int:
     if bw:
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
     for name in args.specs.split(","):
-        profile(specs.BY_NAME[name], geo, dt, dev, backend, bw, args.top)
+        profile(specs.BY_NAME[name], geo, dt, dev, backend, bw, args.top, args.counters and dev.type == "cuda")
     if args.peer and dev.type == "cuda":
         sys.stdout.flush()
         subprocess.run([sys.executable, os.path.abspath(__file__), "--peer-only", "--specs", args.specs,
