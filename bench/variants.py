@@ -76,17 +76,15 @@ def boft(geo, dtype, dev, gen):
     blocks = _rand(gen, (m, nb, s, s), dtype, dev, 0.02)
     x, g = _rand(gen, (P, D), dtype, dev), _rand(gen, (P, D), dtype, dev)
     small = P < 4096  # smoke: tiles the interpreter runs quickly
-    base = TB.BoftCfg(max_group=16 if small else 64, block_p=16 if small else 64, bwd_block_p=16 if small else 32,
-                      num_warps=4, num_stages=2 if small else 3)
-    variants = [("base tf32x3", {}), ("split16", dict(dot_prec=SPLIT16)), ("bf16x3", dict(dot_prec=BF16X3)),
-                ("chain_warps 8", dict(chain_warps=8)), ("chain_warps 16", dict(chain_warps=16)),
-                ("max_group /2", dict(max_group=base.max_group // 2))] + \
-        [(f"bf16x3 split {n}", dict(dot_prec=BF16X3, split=n)) for n in (4, 6, 9)] + \
-        [("bf16x3 max_group x2", dict(dot_prec=BF16X3, max_group=2 * base.max_group)),
-         ("bf16x3 bwd_block_p x2", dict(dot_prec=BF16X3, bwd_block_p=2 * base.bwd_block_p)),
-         ("bf16x3 block_p x2", dict(dot_prec=BF16X3, block_p=2 * base.block_p)),
-         ("bf16x3 4 stages", dict(dot_prec=BF16X3, num_stages=4)),
-         ("bf16x3 8 warps", dict(dot_prec=BF16X3, num_warps=8))]
+    # the tuner's pick at both bench shapes (H200, 2026-12-01): bf16x3, max_group 64, 32-position
+    # tiles; the rows: the position split (programs per group; 0 = auto_split, one wave of
+    # WAVE per SM), which decides the streaming kernels' occupancy
+    base = TB.BoftCfg(max_group=16 if small else 64, block_p=16 if small else 32, bwd_block_p=16 if small else 32,
+                      num_warps=4, num_stages=2 if small else 3, dot_prec=BF16X3)
+    variants = [("bf16x3 auto split", {}), ("tf32x3", dict(dot_prec="tf32x3")), ("split16", dict(dot_prec=SPLIT16))] + \
+        [(f"split {n}", dict(split=n)) for n in (4, 9, 12, 18, 24)] + \
+        [(f"block_p 64 split {n}", dict(block_p=64, bwd_block_p=64, split=n)) for n in (0, 12)] + \
+        [("2 stages split 12", dict(num_stages=2, split=12)), ("8 warps split 12", dict(num_warps=8, split=12))]
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
         c = base._replace(**kw)

@@ -161,9 +161,10 @@ def test_replayed_workspace_pack_of_its_own(factored, monkeypatch):
     monkeypatch.setattr(_launch_record, "plan_of", spy)
     torch.manual_seed(0)
     dt, dev = torch.bfloat16, "cuda"
+    op = "lokr_merge_bwd" if factored else "lokr_full_merge_bwd"
+    _C._clear_launch_plans()  # the counts are per process: another test's plan of this op (xdist) is not this one
     w1 = torch.randn(32, 32, device=dev, dtype=dt)
     w2a, w2b = torch.randn(32, 4, device=dev, dtype=dt), torch.randn(4, 32, device=dev, dtype=dt)
-    op = "lokr_merge_bwd" if factored else "lokr_full_merge_bwd"
     for _ in range(5):
         g = torch.randn(1024, 1024, device=dev, dtype=dt)
         args = (g, w1, None, w2a, w2b, [32, 32, 32, 32], 1.5) if factored else (g, w1, w2a @ w2b, 1.5)
