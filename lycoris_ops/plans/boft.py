@@ -89,11 +89,11 @@ def _model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, seen=None):
         sig = (tuple(segs), bp, fbp if bwd else 0, c["num_warps"], c["num_stages"], cw)
         if seen is not None and seen.setdefault(sig, id(c)) != id(c):
             return None
-        # the group matrices J of every segment (one launch; stages gathered, one IEEE dot each)
+        # the group matrices J of every segment (one launch; stages gathered, an IEEE dot per stage after the first)
         GP0 = segs[0][1]
         n_j = sum(g for _, _, g, _ in segs)
         works = [cayley, Work(grid=n_j, warps=cw, acc=3 * GP0 * GP0, dram=n_j * GP0 * GP0 * 4 + m * nb * SP * SP * 4,
-                              fma=sum(g * L * 2.0 * GP ** 3 for L, GP, g, _ in segs), tc=False)]
+                              fma=sum(g * (L - 1) * 2.0 * GP ** 3 for L, GP, g, _ in segs), tc=False)]
         for idx, (L, GP, n_groups, split) in enumerate(segs):
             first, last = idx == 0, idx == len(segs) - 1
             e_in = ex if first else 4
@@ -116,7 +116,7 @@ def _model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, seen=None):
                 works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
                                   acc=GP * bp * 2 + 2 * GP * GP, smem=2 * GP * bp * 4,
                                   dram=npos * C * (3 * 4) * sector + part, mma=2 * dots))
-                works.append(Work(grid=n_groups, warps=_tl().chain_warps(c.get("chain_warps", 0), GP), acc=3 * GP * GP,
+                works.append(Work(grid=n_groups * L, warps=_tl().chain_warps(c.get("chain_warps", 0), GP), acc=3 * GP * GP,
                                   dram=part + n_groups * L * L * GP * GP * 4,
                                   fma=n_groups * L * (L + 1) * 2.0 * GP ** 3, inflight=GP * GP * 4, tc=False))
         return works

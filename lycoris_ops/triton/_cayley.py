@@ -44,15 +44,16 @@ def skew_system(b, bt, cscale, valid, NB: tl.constexpr, SP: tl.constexpr):
 
 
 @triton.jit
-def batched_inverse(a, NB: tl.constexpr, SP: tl.constexpr):
+def batched_inverse(a, n, NB: tl.constexpr, SP: tl.constexpr):
     """Inverse of each (SP, SP) matrix of ``a`` (NB, SP, SP) by Gauss–Jordan
-    without pivoting (valid for ``I − Q``, Q skew). SP sequential steps; the
-    row/column extractions are masked reductions inside each block."""
+    without pivoting (valid for ``I − Q``, Q skew). ``n`` (<= SP) sequential steps: rows
+    and columns n.. of ``a`` are the identity's (the padding of an n×n block), where a step
+    changes nothing; the row/column extractions are masked reductions inside each block."""
     p = tl.arange(0, SP)
     r3 = p[None, :, None]
     c3 = p[None, None, :]
     inv = tl.where(r3 == c3, 1.0, 0.0) + tl.zeros((NB, SP, SP), dtype=tl.float32)
-    for k in range(SP):
+    for k in range(n):
         row_a = tl.sum(tl.where(r3 == k, a, 0.0), axis=1)        # (NB, SP): A[n, k, :]
         row_i = tl.sum(tl.where(r3 == k, inv, 0.0), axis=1)      # (NB, SP): inv[n, k, :]
         col_a = tl.sum(tl.where(c3 == k, a, 0.0), axis=2)        # (NB, SP): A[n, :, k]
@@ -121,9 +122,9 @@ def cayley_m(b, bt, cscale, valid, NB: tl.constexpr, SP: tl.constexpr, NEUMANN: 
         if e <= NEUMANN_TOL2:  # (written so that a diverged, NaN e falls back too)
             m = m
         else:
-            m = block_diag(batched_inverse(a, NB, SP), NB, SP)
+            m = block_diag(batched_inverse(a, SP, NB, SP), NB, SP)
     else:
-        m = block_diag(batched_inverse(a, NB, SP), NB, SP)
+        m = block_diag(batched_inverse(a, SP, NB, SP), NB, SP)
     return m
 
 

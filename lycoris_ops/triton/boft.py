@@ -19,7 +19,7 @@ kernels only load its result, so their compile stays small):
   * ``_boft_segmat``: per segment and group, each stage matrix E_t in the
     group's local channel basis is *gathered* from that scratch by index math
     (the 0/1 permutation is applied to the indices, no permutation dots), and
-    ``J = E_{a+L−1}···E_a`` (IEEE dots, J starts as E_a·I) is stored to an fp32
+    ``J = E_{a+L−1}···E_a`` (IEEE dots, J starts as E_a) is stored to an fp32
     scratch of group matrices.
   Where both are small (``one_algebra_launch``: every factor in one Cayley batch, at
   most ``ALGEBRA_ONE_GROUPS`` groups), ``_boft_algebra`` runs the two as ONE program
@@ -160,7 +160,7 @@ def _cayley_blocks(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, j, n_blk, nb, s, cscal
     boff = (i * sb0 + beta * sb1)[:, None, None]
     bb = tl.load(blocks_ptr + boff + p3 * sb2 + q3 * sb3, mask=valid3, other=0.0).to(tl.float32)
     bt = tl.load(blocks_ptr + boff + q3 * sb2 + p3 * sb3, mask=valid3, other=0.0).to(tl.float32)
-    m = batched_inverse(skew_system(bb, bt, cscale, valid3, NBB, SP), NBB, SP)
+    m = batched_inverse(skew_system(bb, bt, cscale, valid3, NBB, SP), s, NBB, SP)  # s steps: SP pads
     tl.store(m_ptr + (j3 * SP + p3) * SP + q3, m, mask=(j3 < n_blk) & (p3 < SP) & (q3 < SP))
 
 
@@ -221,8 +221,8 @@ def _segment_matrix(m_ptr, j_ptr, nb, m_st, LMAX, G_FULL, half, scale, g, seg,
     if g < n_groups:
         base = _group_base(g, a, L, half)
         e = tl.arange(0, GP)
-        j = tl.where(e[:, None] == e[None, :], 1.0, 0.0)
-        for t in range(L):
+        j = _stage_mat(m_ptr, nb, 0, a, L, half, base, scale, False, HP, SP, GP)
+        for t in range(1, L):
             j = tl.dot(_stage_mat(m_ptr, nb, t, a, L, half, base, scale, False, HP, SP, GP), j,
                        input_precision="ieee")
         off = (seg * G_FULL + g).to(tl.int64) * (GP * GP)
@@ -414,17 +414,17 @@ def _boft_seg_bwd(
         oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=ch_valid[:, None] & pm[None, :])
     if CHAIN:
-        _group_chain(m_ptr, acc, gb_ptr, nb, g, a, L, half, cscale, scale, HP, SP, GP)
+        _group_chain(m_ptr, acc, gb_ptr, nb, g, a, L, half, cscale, scale, 0, L, HP, SP, GP)
     else:
         off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
         tl.store(part_ptr + off + e[:, None] * GP + e[None, :], acc)
 
 
 @triton.jit
-def _group_chain(m_ptr, pg, gb_ptr, nb, g, a, L, half, cscale, scale,
+def _group_chain(m_ptr, pg, gb_ptr, nb, g, a, L, half, cscale, scale, t_lo, t_hi,
                  HP: tl.constexpr, SP: tl.constexpr, GP: tl.constexpr):
-    """g_blocks of the segment's stages on group g from its Pg = Σ G·uᵀ (GP, GP fp32), all
-    in the group's local basis.
+    """g_blocks of the segment's stages t_lo <= t < t_hi on group g from its Pg = Σ G·uᵀ
+    (GP, GP fp32), all in the group's local basis.
 
     Per stage t: P_t = ST·Pg·Preᵀ (Pre = E_{t−1}···E_0, ST = E_{t+1}ᵀ···E_{L−1}ᵀ), then
     gR = scale·P_t on the blocks and the Cayley chain gQ = 2·Mᵀ·gR·Mᵀ,
@@ -435,7 +435,7 @@ def _group_chain(m_ptr, pg, gb_ptr, nb, g, a, L, half, cscale, scale,
     in between)."""
     base = _group_base(g, a, L, half)
     s = 2 * half
-    for t in range(L):
+    for t in range(t_lo, t_hi):
         row, bidx, pp, beta, valid = _stage_map(nb, t, a, L, half, base, HP, SP, GP)
         same = (bidx[:, None] == bidx[None, :]) & valid[:, None] & valid[None, :]
         mt = tl.load(m_ptr + row[None, :] * SP + pp[:, None], mask=same, other=0.0)  # Mᵀ of stage t
@@ -462,15 +462,17 @@ def _boft_chain(
     nb, n_split, n_groups, a, L, half, cscale, scale,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr,
 ):
-    """g_blocks of one group (``_group_chain``) from the sum of its split partials."""
+    """g_blocks of one group's stage (``_group_chain``; program (g, t): the stages' chains are
+    independent, and one program's dots are a serial chain) from the sum of its split partials."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
+    t = tl.program_id(1)
     e = tl.arange(0, GP)
     pg = tl.zeros((GP, GP), dtype=tl.float32)
     for sp in range(n_split):
         off = (sp * n_groups + g).to(tl.int64) * (GP * GP)
         pg += tl.load(part_ptr + off + e[:, None] * GP + e[None, :])
-    _group_chain(m_ptr, pg, gb_ptr, nb, g, a, L, half, cscale, scale, HP, SP, GP)
+    _group_chain(m_ptr, pg, gb_ptr, nb, g, a, L, half, cscale, scale, t, t + 1, HP, SP, GP)
 
 
 # --------------------------------------------------------------------------- host side
@@ -726,7 +728,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                 G_PACKED=idx < last, U_PACKED=idx > 0, OUT_PACKED=idx > 0, CHAIN=chain_in,
                 **dot_mode(prec, g_in[0], inputs[idx][0]), **common)
             if not chain_in:
-                fast(_boft_chain)[(sg.n_groups,)](
+                fast(_boft_chain)[(sg.n_groups, sg.L)](
                     mbuf, part, g_blocks, nb, sg.split, sg.n_groups, sg.a, sg.L, half,
                     float(cscale), float(scale), HP=HP, SP=SP, NB=sg.NB, num_warps=chain_warps(cfg.chain_warps, GP))
             g_in = out
