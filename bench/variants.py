@@ -85,11 +85,24 @@ def boft(geo, dtype, dev, gen):
         [(f"split {n}", dict(split=n)) for n in (4, 9, 12, 18, 24)] + \
         [(f"block_p 64 split {n}", dict(block_p=64, bwd_block_p=64, split=n)) for n in (0, 12)] + \
         [("2 stages split 12", dict(num_stages=2, split=12)), ("8 warps split 12", dict(num_warps=8, split=12))]
+    variants += [(f"cayley {w} warps", dict(cayley_warps=w)) for w in (1, 2)]
+
+    def with_cayley_warps(w, fn):  # the Cayley launch's warps are a module constant, not a config field
+        def run():
+            keep, TB.CAYLEY_WARPS = TB.CAYLEY_WARPS, w or TB.CAYLEY_WARPS
+            try:
+                return fn()
+            finally:
+                TB.CAYLEY_WARPS = keep
+        return run
+
     out = {"fwd": [], "bwd": []}
     for name, kw in variants:
+        w = kw.pop("cayley_warps", 0)
         c = base._replace(**kw)
-        out["fwd"].append((name, lambda c=c: TB.boft_fwd(blocks, x, -1, 1.0, 1.0, None, True, cfg=c)))
-        out["bwd"].append((name, lambda c=c: TB.boft_bwd(g, blocks, x, -1, 1.0, 1.0, cfg=c)[1]))
+        out["fwd"].append((name, with_cayley_warps(w, lambda c=c: TB.boft_fwd(blocks, x, -1, 1.0, 1.0, None, True,
+                                                                              cfg=c))))
+        out["bwd"].append((name, with_cayley_warps(w, lambda c=c: TB.boft_bwd(g, blocks, x, -1, 1.0, 1.0, cfg=c)[1])))
     return out
 
 

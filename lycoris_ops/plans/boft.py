@@ -77,7 +77,7 @@ def _model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, seen=None):
     SP = 2 * p2(s // 2)
     # the Cayley factors of every block (one launch, the same for every config)
     nbb = max(1, 2048 // (SP * SP))
-    cayley = Work(grid=cdiv(m * nb, nbb), warps=4, acc=3 * nbb * SP * SP, dram=m * nb * (s * s * eb + SP * SP * 4),
+    cayley = Work(grid=cdiv(m * nb, nbb), warps=_tl().CAYLEY_WARPS, acc=3 * nbb * SP * SP, dram=m * nb * (s * s * eb + SP * SP * 4),
                   fma=m * nb * 4.0 * SP ** 3, tc=False)
 
     def work(c):
