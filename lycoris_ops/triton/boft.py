@@ -82,6 +82,12 @@ producer scatters (``_packed_slot``). With x's own channel order, a group's
 channels are runs of s/2 (12 at s = 24) κ apart: masked gathers that Triton issues
 element by element.
 
+Tiles are position-major, (BLOCK_P, GP): yᵀ = uᵀ·Jᵀ, gxᵀ = Gᵀ·J. Triton orders a
+tile's accesses by proven contiguity and takes the last axis on a tie, so the
+scattered stores and x's gathers go along a position's channel runs, a few sectors
+a warp access; channel-first (GP, BLOCK_P) tiles had them along the positions, 32
+rows a warp access (``_stream_offsets``).
+
 Layout: x is seen as (pre, C, post) around the channel axis (axis 0: weight;
 last: channels last; other: (N, C, *spatial)); any strides, pre and post dims
 each collapsed to one strided run (else a contiguous copy).
@@ -102,7 +108,7 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
-from .oft import (BF16X3, _HALF, bwd_dots, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets,
+from .oft import (BF16X3, _HALF, dot_mode, dot_x3, hilo, pos_mode, pos_offsets,
                   positions_view, split16, wave_split)
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
@@ -269,25 +275,40 @@ def _packed_slot(ch, half, a2, L2, gp2, HP: tl.constexpr):
 
 @triton.jit
 def _stream_offsets(c_off, p, POST, s_pre, s_post, MODE: tl.constexpr, PACKED: tl.constexpr):
-    """(GP, BLOCK_P) element offsets: a (pre, C, post) tensor (c_off = ch·s_c), or a packed
-    scratch (c_off = the slot, positions s_pre apart)."""
+    """(BLOCK_P, GP) element offsets of a group's tile: a (pre, C, post) tensor (c_off =
+    ch·s_c), or a packed scratch (c_off = the slot, positions s_pre apart).
+
+    Tiles are position-major, channels the last axis: Triton orders a tile's accesses by the
+    offsets' proven contiguity and takes the last axis on a tie. A group's channels are
+    runs of s/2 that it cannot prove (x's own channels; a packed output's scattered slots),
+    so with channels first (the old (GP, BLOCK_P) tiles) those loads and stores went along
+    the positions, every warp access 32 rows, 4 bytes each (H200 ncu, 8192×3072, s = 24).
+    Proven contiguous positions (channels-first x) still win the order."""
     if PACKED:
         pos = p * s_pre
     else:
         pos = pos_offsets(p, POST, s_pre, s_post, MODE)
-    return c_off[:, None] + pos[None, :]
+    return pos[:, None] + c_off[None, :]
 
 
 @triton.jit
 def _load_stream(ptr, off, ch_valid, pm, TO: tl.constexpr, PACKED: tl.constexpr):
-    """A (GP, BLOCK_P) tile as TO. Packed: contiguous runs masked along positions only (so the
+    """A (BLOCK_P, GP) tile as TO. Packed: contiguous runs masked along positions only (so the
     loads vectorize), the never-written pad slots then zeroed."""
     if PACKED:
-        v = tl.load(ptr + off, mask=pm[None, :], other=0.0)
-        v = tl.where(ch_valid[:, None], v, 0.0)
+        v = tl.load(ptr + off, mask=pm[:, None], other=0.0)
+        v = tl.where(ch_valid[None, :], v, 0.0)
     else:
-        v = tl.load(ptr + off, mask=ch_valid[:, None] & pm[None, :], other=0.0)
+        v = tl.load(ptr + off, mask=pm[:, None] & ch_valid[None, :], other=0.0)
     return v.to(TO)
+
+
+@triton.jit
+def _dot_split16_right(x, f0, f1, f2):
+    """``x·(f0 + f1 + f2)`` for a 16-bit x (``oft.dot_split16`` with the tile on the left)."""
+    acc = tl.dot(x, f2)
+    acc = tl.dot(x, f1, acc)
+    return tl.dot(x, f0, acc)
 
 
 @triton.jit
@@ -317,23 +338,24 @@ def _boft_seg_fwd(
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
     IN_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
 ):
-    """One segment on group g: y = J·u per position tile. u is x (pre, C, post) or the packed
-    scratch the previous segment wrote in this segment's layout; y is the output or the
-    packed scratch in the next segment's layout (a2, L2, gp2)."""
+    """One segment on group g: y = J·u per position tile, as the position-major yᵀ = uᵀ·Jᵀ
+    (``_stream_offsets``). u is x (pre, C, post) or the packed scratch the previous segment
+    wrote in this segment's layout; y is the output or the packed scratch in the next
+    segment's layout (a2, L2, gp2)."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     base = _group_base(g, a, L, half)
     e = tl.arange(0, GP)
-    w = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
+    wt = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])  # Jᵀ
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
-    if HAS_RESCALE:
+    if HAS_RESCALE:  # (diag(ρ)·J)ᵀ = Jᵀ·diag(ρ)
         rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
-        w = rho[:, None] * w
+        wt = wt * rho[None, :]
     if DIFF_FOLD:
-        w = w - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
-    w0, w1, w2 = split16(w, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
-    if X3:  # fp32 u: bf16 hi/lo of J once, of u per tile (oft.dot_x3)
-        w0, w1 = hilo(w, DOT)
+        wt = wt - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
+    w0, w1, w2 = split16(wt, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
+    if X3:  # fp32 u: bf16 hi/lo of Jᵀ once, of u per tile (oft.dot_x3)
+        w0, w1 = hilo(wt, DOT)
     if IDX64:
         ch = ch.to(tl.int64)
     u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, HP, GP, IN_PACKED, True)
@@ -348,17 +370,17 @@ def _boft_seg_fwd(
         pm = p < NPOS
         uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED)
         if SPLIT:
-            y = dot_split16(w0, w1, w2, _load_stream(u_ptr, uo, ch_valid, pm, DOT, IN_PACKED))
+            y = _dot_split16_right(_load_stream(u_ptr, uo, ch_valid, pm, DOT, IN_PACKED), w0, w1, w2)
         else:
             u = _load_stream(u_ptr, uo, ch_valid, pm, tl.float32, IN_PACKED)
             if X3:
                 uh, ul = hilo(u, DOT)
-                y = dot_x3(w0, w1, uh, ul, tl.zeros((GP, BLOCK_P), dtype=tl.float32))
+                y = dot_x3(uh, ul, w0, w1, tl.zeros((BLOCK_P, GP), dtype=tl.float32))
             else:
-                y = tl.dot(w, u, input_precision=DOT_PREC)
-        mask = ch_valid[:, None] & pm[None, :]
+                y = tl.dot(u, wt, input_precision=DOT_PREC)
+        mask = pm[:, None] & ch_valid[None, :]
         if DIFF_LOAD:
-            xo = ch[:, None] * s0_c + pos_offsets(p, POST, s0_pre, s0_post, MODE)[None, :]
+            xo = pos_offsets(p, POST, s0_pre, s0_post, MODE)[:, None] + ch[None, :] * s0_c
             y -= tl.load(x0_ptr + xo, mask=mask, other=0.0).to(tl.float32)
         yo = _stream_offsets(y_c, p, POST, sy_pre, sy_post, MODE, OUT_PACKED)
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -375,9 +397,10 @@ def _boft_seg_bwd(
     G_PACKED: tl.constexpr = False, U_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
     CHAIN: tl.constexpr = False,
 ):
-    """One segment's backward on group g: gx = Jᵀ·G per tile and the partial Σ G·uᵀ of this
-    program's positions. G and u: user tensors or packed scratch in this segment's layout;
-    gx: the user's gx or packed scratch in the previous segment's layout (a2, L2, gp2).
+    """One segment's backward on group g: gx = Jᵀ·G per tile (position-major: gxᵀ = Gᵀ·J)
+    and the partial Σ G·uᵀ = (Gᵀ)ᵀ·uᵀ of this program's positions. G and u: user tensors
+    or packed scratch in this segment's layout; gx: the user's gx or packed scratch in the
+    previous segment's layout (a2, L2, gp2).
     ``CHAIN`` (one program a group, n_split 1): the partial is the group's whole Pg, and the
     program runs its chain (``_group_chain``: g_blocks from M at m_ptr) instead of storing it."""
     GP: tl.constexpr = NB * SP
@@ -385,11 +408,11 @@ def _boft_seg_bwd(
     sp = tl.program_id(1)
     base = _group_base(g, a, L, half)
     e = tl.arange(0, GP)
-    jt = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])  # Jᵀ
+    j = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
     # G and u of one 16-bit dtype (one segment: grad and x): oft.dot_split16, exact G·uᵀ products
-    j0, j1, j2 = split16(jt, g_ptr.dtype.element_ty, DOT, SPLIT)
-    if X3:  # an fp32 stream: bf16 hi/lo of Jᵀ once (oft.bwd_dots)
-        j0, j1 = hilo(jt, DOT)
+    j0, j1, j2 = split16(j, g_ptr.dtype.element_ty, DOT, SPLIT)
+    if X3:  # an fp32 stream: bf16 hi/lo of J once (oft.dot_x3)
+        j0, j1 = hilo(j, DOT)
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
     if IDX64:
         ch = ch.to(tl.int64)
@@ -411,12 +434,21 @@ def _boft_seg_bwd(
         if SPLIT:
             gg = _load_stream(g_ptr, go, ch_valid, pm, DOT, G_PACKED)
             uu = _load_stream(u_ptr, uo, ch_valid, pm, DOT, U_PACKED)
+            gx = _dot_split16_right(gg, j0, j1, j2)
+            acc = tl.dot(tl.trans(gg), uu, acc)
         else:
             gg = _load_stream(g_ptr, go, ch_valid, pm, tl.float32, G_PACKED)
             uu = _load_stream(u_ptr, uo, ch_valid, pm, tl.float32, U_PACKED)
-        gx, acc = bwd_dots(gg, uu, jt, j0, j1, j2, acc, SPLIT, DOT_PREC, X3, DOT)
+            if X3:
+                gh, gl = hilo(gg, DOT)
+                uh, ul = hilo(uu, DOT)
+                gx = dot_x3(gh, gl, j0, j1, tl.zeros((BLOCK_P, GP), dtype=tl.float32))
+                acc = dot_x3(tl.trans(gh), tl.trans(gl), uh, ul, acc)
+            else:
+                gx = tl.dot(gg, j, input_precision=DOT_PREC)
+                acc = tl.dot(tl.trans(gg), uu, acc, input_precision=DOT_PREC)
         oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED)
-        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=ch_valid[:, None] & pm[None, :])
+        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=pm[:, None] & ch_valid[None, :])
     if CHAIN:
         _group_chain(m_ptr, acc, gb_ptr, nb, g, a, L, half, cscale, scale, 0, L, HP, SP, GP)
     else:
