@@ -419,6 +419,15 @@ _COMPILE = textwrap.dedent("""
     build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, MODE=0, IDX64=True,
                                 HP=16, SP=32, NB=2, BLOCK_P=32, IN_PACKED=True, **x3), bf)
     build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=16, SP=32, NB=2, BLOCK_P=32, **split16), bf)
+    # position-major tiles (x and G channels last): a first, a middle and a last forward segment, a
+    # middle backward one
+    pm = dict(MODE=0, IDX64=False, HP=16, SP=32, NB=2, BLOCK_P=32, PM=True)
+    build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, OUT_PACKED=True, **split16),
+          bf)
+    build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, IN_PACKED=True,
+                                OUT_PACKED=True, **x3))
+    build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, IN_PACKED=True, **x3), bf)
+    build(B._boft_seg_bwd, dict(pm, G_PACKED=True, U_PACKED=True, OUT_PACKED=True, **x3))
 """)
 
 
@@ -428,7 +437,7 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 25
+    assert r.stdout.count("ok ") == 29
 
 
 @pytest.mark.parametrize("n_sm", [1, 7, 132])

@@ -108,7 +108,7 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
-from .oft import (BF16X3, _HALF, dot_mode, dot_x3, hilo, pos_mode, pos_offsets,
+from .oft import (BF16X3, _HALF, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets,
                   positions_view, split16, wave_split)
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
@@ -274,41 +274,98 @@ def _packed_slot(ch, half, a2, L2, gp2, HP: tl.constexpr):
 
 
 @triton.jit
-def _stream_offsets(c_off, p, POST, s_pre, s_post, MODE: tl.constexpr, PACKED: tl.constexpr):
-    """(BLOCK_P, GP) element offsets of a group's tile: a (pre, C, post) tensor (c_off =
-    ch·s_c), or a packed scratch (c_off = the slot, positions s_pre apart).
+def _stream_offsets(c_off, p, POST, s_pre, s_post, MODE: tl.constexpr, PACKED: tl.constexpr, PM: tl.constexpr):
+    """Element offsets of a group's tile: a (pre, C, post) tensor (c_off = ch·s_c), or a packed
+    scratch (c_off = the slot, positions s_pre apart); (BLOCK_P, GP) where ``PM``
+    (position-major), else (GP, BLOCK_P).
 
-    Tiles are position-major, channels the last axis: Triton orders a tile's accesses by the
-    offsets' proven contiguity and takes the last axis on a tie. A group's channels are
-    runs of s/2 that it cannot prove (x's own channels; a packed output's scattered slots),
-    so with channels first (the old (GP, BLOCK_P) tiles) those loads and stores went along
-    the positions, every warp access 32 rows, 4 bytes each (H200 ncu, 8192×3072, s = 24).
-    Proven contiguous positions (channels-first x) still win the order."""
+    The orientation decides how Triton lays out accesses whose contiguity it cannot prove on
+    either axis: it takes the last axis on a tie. A group's channels are runs of s/2 it
+    cannot prove (x's own channels; a packed output's scattered slots), and a (pre, C, post)
+    tensor's positions are unproven in MODE 1. With channels at unit stride (and for the
+    packed scratch) the last axis must be the channels: (GP, BLOCK_P) tiles stored along
+    the positions there, a warp access touching 32 rows, 4 bytes each (H200 ncu, 8192×3072,
+    s = 24). Channels-first tensors keep (GP, BLOCK_P)."""
     if PACKED:
         pos = p * s_pre
     else:
         pos = pos_offsets(p, POST, s_pre, s_post, MODE)
-    return pos[:, None] + c_off[None, :]
+    if PM:
+        off = pos[:, None] + c_off[None, :]
+    else:
+        off = c_off[:, None] + pos[None, :]
+    return off
 
 
 @triton.jit
-def _load_stream(ptr, off, ch_valid, pm, TO: tl.constexpr, PACKED: tl.constexpr):
-    """A (BLOCK_P, GP) tile as TO. Packed: contiguous runs masked along positions only (so the
-    loads vectorize), the never-written pad slots then zeroed."""
-    if PACKED:
-        v = tl.load(ptr + off, mask=pm[:, None], other=0.0)
-        v = tl.where(ch_valid[None, :], v, 0.0)
+def _tile_mask(ch_valid, pm, PM: tl.constexpr):
+    if PM:
+        mask = pm[:, None] & ch_valid[None, :]
     else:
-        v = tl.load(ptr + off, mask=pm[:, None] & ch_valid[None, :], other=0.0)
+        mask = ch_valid[:, None] & pm[None, :]
+    return mask
+
+
+@triton.jit
+def _load_stream(ptr, off, ch_valid, pm, TO: tl.constexpr, PACKED: tl.constexpr, PM: tl.constexpr):
+    """A tile (``_stream_offsets``' orientation) as TO. Packed: contiguous runs masked along
+    positions only (so the loads vectorize), the never-written pad slots then zeroed."""
+    if PACKED:
+        if PM:
+            v = tl.load(ptr + off, mask=pm[:, None], other=0.0)
+            v = tl.where(ch_valid[None, :], v, 0.0)
+        else:
+            v = tl.load(ptr + off, mask=pm[None, :], other=0.0)
+            v = tl.where(ch_valid[:, None], v, 0.0)
+    else:
+        v = tl.load(ptr + off, mask=_tile_mask(ch_valid, pm, PM), other=0.0)
     return v.to(TO)
 
 
 @triton.jit
-def _dot_split16_right(x, f0, f1, f2):
-    """``x·(f0 + f1 + f2)`` for a 16-bit x (``oft.dot_split16`` with the tile on the left)."""
-    acc = tl.dot(x, f2)
-    acc = tl.dot(x, f1, acc)
-    return tl.dot(x, f0, acc)
+def _apply(u, w, w0, w1, w2, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+           PM: tl.constexpr):
+    """The group matrix on a tile: W·u (GP, BLOCK_P), or position-major uᵀ·Wᵀ with ``w`` = Wᵀ
+    (``PM``); w0..w2 its split16 terms (SPLIT: 16-bit u) or hi/lo (X3: fp32 u, split here)."""
+    if SPLIT:
+        if PM:
+            y = tl.dot(u, w0, tl.dot(u, w1, tl.dot(u, w2)))
+        else:
+            y = dot_split16(w0, w1, w2, u)
+    elif X3:
+        uh, ul = hilo(u, DOT)
+        if PM:
+            y = dot_x3(uh, ul, w0, w1, tl.zeros(u.shape, dtype=tl.float32))
+        else:
+            y = dot_x3(w0, w1, uh, ul, tl.zeros(u.shape, dtype=tl.float32))
+    elif PM:
+        y = tl.dot(u, w, input_precision=DOT_PREC)
+    else:
+        y = tl.dot(w, u, input_precision=DOT_PREC)
+    return y
+
+
+@triton.jit
+def _outer(gg, uu, acc, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.constexpr, DOT_PREC: tl.constexpr,
+           PM: tl.constexpr):
+    """``acc + Σ_positions G·uᵀ`` (GP, GP) of a tile pair in either orientation."""
+    if SPLIT:  # 16-bit G and u: the products are exact in fp32
+        if PM:
+            acc = tl.dot(tl.trans(gg), uu, acc)
+        else:
+            acc = tl.dot(gg, tl.trans(uu), acc)
+    elif X3:
+        gh, gl = hilo(gg, DOT)
+        uh, ul = hilo(uu, DOT)
+        if PM:
+            acc = dot_x3(tl.trans(gh), tl.trans(gl), uh, ul, acc)
+        else:
+            acc = dot_x3(gh, gl, tl.trans(uh), tl.trans(ul), acc)
+    elif PM:
+        acc = tl.dot(tl.trans(gg), uu, acc, input_precision=DOT_PREC)
+    else:
+        acc = tl.dot(gg, tl.trans(uu), acc, input_precision=DOT_PREC)
+    return acc
 
 
 @triton.jit
@@ -336,26 +393,32 @@ def _boft_seg_fwd(
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
-    IN_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
+    IN_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False, PM: tl.constexpr = False,
 ):
-    """One segment on group g: y = J·u per position tile, as the position-major yᵀ = uᵀ·Jᵀ
-    (``_stream_offsets``). u is x (pre, C, post) or the packed scratch the previous segment
-    wrote in this segment's layout; y is the output or the packed scratch in the next
-    segment's layout (a2, L2, gp2)."""
+    """One segment on group g: y = J·u per position tile (``PM``: the position-major
+    yᵀ = uᵀ·Jᵀ, see ``_stream_offsets``). u is x (pre, C, post) or the packed scratch the
+    previous segment wrote in this segment's layout; y is the output or the packed scratch
+    in the next segment's layout (a2, L2, gp2)."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     base = _group_base(g, a, L, half)
     e = tl.arange(0, GP)
-    wt = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])  # Jᵀ
+    if PM:  # Jᵀ
+        w = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])
+    else:
+        w = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
-    if HAS_RESCALE:  # (diag(ρ)·J)ᵀ = Jᵀ·diag(ρ)
+    if HAS_RESCALE:  # diag(ρ)·J, or its transpose Jᵀ·diag(ρ)
         rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
-        wt = wt * rho[None, :]
+        if PM:
+            w = w * rho[None, :]
+        else:
+            w = rho[:, None] * w
     if DIFF_FOLD:
-        wt = wt - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
-    w0, w1, w2 = split16(wt, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
-    if X3:  # fp32 u: bf16 hi/lo of Jᵀ once, of u per tile (oft.dot_x3)
-        w0, w1 = hilo(wt, DOT)
+        w = w - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
+    w0, w1, w2 = split16(w, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
+    if X3:  # fp32 u: bf16 hi/lo of the matrix once, of u per tile (oft.dot_x3)
+        w0, w1 = hilo(w, DOT)
     if IDX64:
         ch = ch.to(tl.int64)
     u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, HP, GP, IN_PACKED, True)
@@ -368,21 +431,14 @@ def _boft_seg_fwd(
         if IDX64:
             p = p.to(tl.int64)
         pm = p < NPOS
-        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED)
-        if SPLIT:
-            y = _dot_split16_right(_load_stream(u_ptr, uo, ch_valid, pm, DOT, IN_PACKED), w0, w1, w2)
-        else:
-            u = _load_stream(u_ptr, uo, ch_valid, pm, tl.float32, IN_PACKED)
-            if X3:
-                uh, ul = hilo(u, DOT)
-                y = dot_x3(uh, ul, w0, w1, tl.zeros((BLOCK_P, GP), dtype=tl.float32))
-            else:
-                y = tl.dot(u, wt, input_precision=DOT_PREC)
-        mask = pm[:, None] & ch_valid[None, :]
+        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED, PM)
+        y = _apply(_load_stream(u_ptr, uo, ch_valid, pm, DOT if SPLIT else tl.float32, IN_PACKED, PM),
+                   w, w0, w1, w2, SPLIT, X3, DOT, DOT_PREC, PM)
+        mask = _tile_mask(ch_valid, pm, PM)
         if DIFF_LOAD:
-            xo = pos_offsets(p, POST, s0_pre, s0_post, MODE)[:, None] + ch[None, :] * s0_c
+            xo = _stream_offsets(ch * s0_c, p, POST, s0_pre, s0_post, MODE, False, PM)
             y -= tl.load(x0_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-        yo = _stream_offsets(y_c, p, POST, sy_pre, sy_post, MODE, OUT_PACKED)
+        yo = _stream_offsets(y_c, p, POST, sy_pre, sy_post, MODE, OUT_PACKED, PM)
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -395,12 +451,12 @@ def _boft_seg_bwd(
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
     G_PACKED: tl.constexpr = False, U_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
-    CHAIN: tl.constexpr = False,
+    CHAIN: tl.constexpr = False, PM: tl.constexpr = False,
 ):
-    """One segment's backward on group g: gx = Jᵀ·G per tile (position-major: gxᵀ = Gᵀ·J)
-    and the partial Σ G·uᵀ = (Gᵀ)ᵀ·uᵀ of this program's positions. G and u: user tensors
-    or packed scratch in this segment's layout; gx: the user's gx or packed scratch in the
-    previous segment's layout (a2, L2, gp2).
+    """One segment's backward on group g: gx = Jᵀ·G per tile (``PM``: gxᵀ = Gᵀ·J) and the
+    partial Σ G·uᵀ of this program's positions. G and u: user tensors or packed scratch in
+    this segment's layout; gx: the user's gx or packed scratch in the previous segment's
+    layout (a2, L2, gp2).
     ``CHAIN`` (one program a group, n_split 1): the partial is the group's whole Pg, and the
     program runs its chain (``_group_chain``: g_blocks from M at m_ptr) instead of storing it."""
     GP: tl.constexpr = NB * SP
@@ -408,11 +464,14 @@ def _boft_seg_bwd(
     sp = tl.program_id(1)
     base = _group_base(g, a, L, half)
     e = tl.arange(0, GP)
-    j = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
+    if PM:  # J
+        jm = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
+    else:  # Jᵀ
+        jm = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])
     # G and u of one 16-bit dtype (one segment: grad and x): oft.dot_split16, exact G·uᵀ products
-    j0, j1, j2 = split16(j, g_ptr.dtype.element_ty, DOT, SPLIT)
-    if X3:  # an fp32 stream: bf16 hi/lo of J once (oft.dot_x3)
-        j0, j1 = hilo(j, DOT)
+    j0, j1, j2 = split16(jm, g_ptr.dtype.element_ty, DOT, SPLIT)
+    if X3:  # an fp32 stream: bf16 hi/lo of the matrix once (oft.dot_x3)
+        j0, j1 = hilo(jm, DOT)
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
     if IDX64:
         ch = ch.to(tl.int64)
@@ -429,26 +488,14 @@ def _boft_seg_bwd(
         if IDX64:
             p = p.to(tl.int64)
         pm = p < NPOS
-        go = _stream_offsets(g_c, p, POST, sg_pre, sg_post, MODE, G_PACKED)
-        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, U_PACKED)
-        if SPLIT:
-            gg = _load_stream(g_ptr, go, ch_valid, pm, DOT, G_PACKED)
-            uu = _load_stream(u_ptr, uo, ch_valid, pm, DOT, U_PACKED)
-            gx = _dot_split16_right(gg, j0, j1, j2)
-            acc = tl.dot(tl.trans(gg), uu, acc)
-        else:
-            gg = _load_stream(g_ptr, go, ch_valid, pm, tl.float32, G_PACKED)
-            uu = _load_stream(u_ptr, uo, ch_valid, pm, tl.float32, U_PACKED)
-            if X3:
-                gh, gl = hilo(gg, DOT)
-                uh, ul = hilo(uu, DOT)
-                gx = dot_x3(gh, gl, j0, j1, tl.zeros((BLOCK_P, GP), dtype=tl.float32))
-                acc = dot_x3(tl.trans(gh), tl.trans(gl), uh, ul, acc)
-            else:
-                gx = tl.dot(gg, j, input_precision=DOT_PREC)
-                acc = tl.dot(tl.trans(gg), uu, acc, input_precision=DOT_PREC)
-        oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED)
-        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=pm[:, None] & ch_valid[None, :])
+        go = _stream_offsets(g_c, p, POST, sg_pre, sg_post, MODE, G_PACKED, PM)
+        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, U_PACKED, PM)
+        gg = _load_stream(g_ptr, go, ch_valid, pm, DOT if SPLIT else tl.float32, G_PACKED, PM)
+        uu = _load_stream(u_ptr, uo, ch_valid, pm, DOT if SPLIT else tl.float32, U_PACKED, PM)
+        gx = _apply(gg, jm, j0, j1, j2, SPLIT, X3, DOT, DOT_PREC, PM)
+        acc = _outer(gg, uu, acc, SPLIT, X3, DOT, DOT_PREC, PM)
+        oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED, PM)
+        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=_tile_mask(ch_valid, pm, PM))
     if CHAIN:
         _group_chain(m_ptr, acc, gb_ptr, nb, g, a, L, half, cscale, scale, 0, L, HP, SP, GP)
     else:
@@ -520,7 +567,8 @@ class BoftCfg(NamedTuple):
     along the positions (0 = automatic: one wave, ``auto_split``), ``dot_prec``: input_precision of
     the streaming fp32 dots, or ``"split16"`` / ``"bf16x3"`` (see the module docstring),
     ``chain_warps``: warps of the group-matrix and chain launches (0 = automatic: GP²/512,
-    4 to 8)."""
+    4 to 8), ``pos_major``: position-major streaming tiles where x (and G) have unit channel
+    stride and post = 1 (``_stream_offsets``; channel-major otherwise, and when False)."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -529,6 +577,7 @@ class BoftCfg(NamedTuple):
     num_stages: int = 2
     dot_prec: str = "tf32x3"
     chain_warps: int = 0
+    pos_major: bool = True
 
 
 def default_boft_cfg() -> BoftCfg:
@@ -650,8 +699,8 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     gps, widths = _packed_widths(segs, SP)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()),
                         ((npos, max(widths)), (max(widths), 1)))
-    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, num_warps=cfg.num_warps,
-                  num_stages=cfg.num_stages)
+    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, PM=cfg.pos_major and post == 1 and xs[1] == 1,
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # between segments: packed fp32 scratch in the consumer's layout, two buffers in turn
     bufs = [torch.empty(npos * max(widths[1:]), device=x.device, dtype=torch.float32)
             for _ in range(min(2, len(segs) - 1))]
@@ -718,7 +767,8 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
                         (tuple(gx.shape), gx.stride()), ((npos, max(widths)), (max(widths), 1)))
     half = s // 2
-    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, PM=cfg.pos_major and post == 1 and xs[1] == 1 == gs[1],
+                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # small (the stage algebra in one program): a segment split in one program a group also
     # runs its chain in the streaming kernel, so a tiny backward is two launches
     small = one_algebra_launch(m * nb, SP, sum(sg.n_groups for sg in segs))
