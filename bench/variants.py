@@ -86,9 +86,10 @@ def boft(geo, dtype, dev, gen):
         [(f"block_p 64 split {n}", dict(block_p=64, bwd_block_p=64, split=n)) for n in (0, 12)] + \
         [("2 stages split 12", dict(num_stages=2, split=12)), ("8 warps split 12", dict(num_warps=8, split=12))]
     variants += [(f"cayley {w} warps", dict(cayley_warps=w)) for w in (1, 2)]
-    # channel-major tiles (main before the position-major branch), at the base and the splits that were best
-    variants += [("channel-major", dict(pos_major=False))] + \
-        [(f"channel-major split {n}", dict(pos_major=False, split=n)) for n in (4, 24)]
+    # position-major tiles (x channels last: triton/boft._stream_offsets), at the base and the splits that were best
+    variants += [("position-major", dict(pos_major=True))] + \
+        [(f"position-major split {n}", dict(pos_major=True, split=n)) for n in (4, 24)] + \
+        [("position-major block_p 64", dict(pos_major=True, block_p=64, bwd_block_p=64))]
 
     def with_cayley_warps(w, fn):  # the Cayley launch's warps are a module constant, not a config field
         def run():

@@ -243,13 +243,15 @@ BOFT_LAYOUTS = [
 ]
 
 
+@pytest.mark.parametrize("pos_major", [False, True], ids=["cm", "pm"])
 @pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16, TO.BF16X3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
-def test_boft(dtype, layout, dot_prec):
+def test_boft(dtype, layout, dot_prec, pos_major):
     """``split16`` runs on x and G where they are the stream (the first segment forward,
     a one-segment backward) and tf32x3 on the fp32 scratch of other segments; ``bf16x3``
-    the same split16, and three bf16 dots on the scratch (fp32 x: tf32x3 throughout)."""
+    the same split16, and three bf16 dots on the scratch (fp32 x: tf32x3 throughout).
+    ``pos_major``: position-major tiles where x is channels last (else it changes nothing)."""
     cid, m, nb, s, xshape, axis, max_group = layout
     gen = torch.Generator().manual_seed(m * 1000 + nb * 100 + s)
     i = [torch.float32, torch.float16, torch.bfloat16].index(dtype)
@@ -262,7 +264,8 @@ def test_boft(dtype, layout, dot_prec):
     C = nb * s
     rescale = (torch.rand(C, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32) if with_rs else None
     grad = _make(xshape, dtype, gen)
-    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec)
+    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec,
+                  pos_major=pos_major)
 
     y = TB.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=cfg)
     y0, (gx0, gb0) = _boft_oracle(blocks, x, axis, cscale, scale, rescale, diff, grad)

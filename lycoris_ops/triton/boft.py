@@ -568,7 +568,8 @@ class BoftCfg(NamedTuple):
     the streaming fp32 dots, or ``"split16"`` / ``"bf16x3"`` (see the module docstring),
     ``chain_warps``: warps of the group-matrix and chain launches (0 = automatic: GP²/512,
     4 to 8), ``pos_major``: position-major streaming tiles where x (and G) have unit channel
-    stride and post = 1 (``_stream_offsets``; channel-major otherwise, and when False)."""
+    stride and post = 1 (``_stream_offsets``; channel-major otherwise, and when False). Not yet
+    timed on a GPU: off by default."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -577,7 +578,7 @@ class BoftCfg(NamedTuple):
     num_stages: int = 2
     dot_prec: str = "tf32x3"
     chain_warps: int = 0
-    pos_major: bool = True
+    pos_major: bool = False  # on once an H200 A/B says so (bench/variants.py boft)
 
 
 def default_boft_cfg() -> BoftCfg:
