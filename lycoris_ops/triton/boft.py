@@ -108,7 +108,7 @@ import triton.language as tl
 
 from ._common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import batched_inverse, skew_system
-from .oft import (BF16X3, _HALF, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets,
+from .oft import (BF16X3, _HALF, bwd_dots, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets,
                   positions_view, split16, wave_split)
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
@@ -346,25 +346,17 @@ def _apply(u, w, w0, w1, w2, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.cons
 
 
 @triton.jit
-def _outer(gg, uu, acc, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-           PM: tl.constexpr):
-    """``acc + Σ_positions G·uᵀ`` (GP, GP) of a tile pair in either orientation."""
+def _outer_pm(gg, uu, acc, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``acc + Σ_positions G·uᵀ`` (GP, GP) of position-major tiles (``oft.bwd_dots``' second
+    product, transposed operands on the other side)."""
     if SPLIT:  # 16-bit G and u: the products are exact in fp32
-        if PM:
-            acc = tl.dot(tl.trans(gg), uu, acc)
-        else:
-            acc = tl.dot(gg, tl.trans(uu), acc)
+        acc = tl.dot(tl.trans(gg), uu, acc)
     elif X3:
         gh, gl = hilo(gg, DOT)
         uh, ul = hilo(uu, DOT)
-        if PM:
-            acc = dot_x3(tl.trans(gh), tl.trans(gl), uh, ul, acc)
-        else:
-            acc = dot_x3(gh, gl, tl.trans(uh), tl.trans(ul), acc)
-    elif PM:
-        acc = tl.dot(tl.trans(gg), uu, acc, input_precision=DOT_PREC)
+        acc = dot_x3(tl.trans(gh), tl.trans(gl), uh, ul, acc)
     else:
-        acc = tl.dot(gg, tl.trans(uu), acc, input_precision=DOT_PREC)
+        acc = tl.dot(tl.trans(gg), uu, acc, input_precision=DOT_PREC)
     return acc
 
 
@@ -436,7 +428,10 @@ def _boft_seg_fwd(
                    w, w0, w1, w2, SPLIT, X3, DOT, DOT_PREC, PM)
         mask = _tile_mask(ch_valid, pm, PM)
         if DIFF_LOAD:
-            xo = _stream_offsets(ch * s0_c, p, POST, s0_pre, s0_post, MODE, False, PM)
+            if PM:
+                xo = pos_offsets(p, POST, s0_pre, s0_post, MODE)[:, None] + ch[None, :] * s0_c
+            else:
+                xo = ch[:, None] * s0_c + pos_offsets(p, POST, s0_pre, s0_post, MODE)[None, :]
             y -= tl.load(x0_ptr + xo, mask=mask, other=0.0).to(tl.float32)
         yo = _stream_offsets(y_c, p, POST, sy_pre, sy_post, MODE, OUT_PACKED, PM)
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -492,8 +487,11 @@ def _boft_seg_bwd(
         uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, U_PACKED, PM)
         gg = _load_stream(g_ptr, go, ch_valid, pm, DOT if SPLIT else tl.float32, G_PACKED, PM)
         uu = _load_stream(u_ptr, uo, ch_valid, pm, DOT if SPLIT else tl.float32, U_PACKED, PM)
-        gx = _apply(gg, jm, j0, j1, j2, SPLIT, X3, DOT, DOT_PREC, PM)
-        acc = _outer(gg, uu, acc, SPLIT, X3, DOT, DOT_PREC, PM)
+        if PM:
+            gx = _apply(gg, jm, j0, j1, j2, SPLIT, X3, DOT, DOT_PREC, True)
+            acc = _outer_pm(gg, uu, acc, SPLIT, X3, DOT, DOT_PREC)
+        else:  # (GP, BLOCK_P) tiles: diag-OFT's tile dots
+            gx, acc = bwd_dots(gg, uu, jm, j0, j1, j2, acc, SPLIT, DOT_PREC, X3, DOT)
         oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED, PM)
         tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=_tile_mask(ch_valid, pm, PM))
     if CHAIN:
