@@ -133,7 +133,8 @@ def oft(geo, dtype, dev, gen):
          ((2, 3), (2, 4), (4, 6))] + \
         [("neumann w2 split 4 s3", dict(nm, num_warps=2, split=4, num_stages=3)),  # 4 two-warp programs / SM
          ("neumann w2 split 4 bp /2 s4", dict(nm, num_warps=2, split=4, block_p=base.block_p // 2, num_stages=4)),
-         ("neumann w8 split 1 s3", dict(nm, num_warps=8, split=1, num_stages=3))]
+         ("neumann w8 split 1 s3", dict(nm, num_warps=8, split=1, num_stages=3))] + \
+        [(f"neumann s3 prefetch {n}", dict(nm, num_stages=3, prefetch=n)) for n in (2, 4, 8)]  # the launcher default + L2
     bwd = [("base split16", {}), ("neumann", nm), ("group 64 s3", dict(group=64, num_stages=3)),
            ("s3", dict(num_stages=3)), ("group 64 s4", dict(group=64, num_stages=4))]
     out = {"fwd": [], "bwd": []}

@@ -385,6 +385,8 @@ _COMPILE = textwrap.dedent("""
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=32, BLOCK_P=128, **split16), bf)
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=32, BLOCK_P=128, NEUMANN=True,
                                   **split16), bf)
+    build(O._oft_fwd_kernel, dict(HAS_RESCALE=False, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=128, NEUMANN=True,
+                                  PREFETCH=4, LINES=2, LINE_ELEMS=64, **split16), bf)  # L2 prefetch (inline PTX)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=64, **fp32_dots), bf)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=False, MODE=1, IDX64=False, NB=2, SP=16, BLOCK_P=64, **split16), bf)
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=8), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
@@ -440,7 +442,26 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 29
+    assert r.stdout.count("ok ") == 30
+
+
+def test_oft_prefetch_args():
+    """The forward's L2 prefetch (``OftCfg.prefetch``) is on only with unit channel stride and
+    outside the interpreter (inline PTX), and its lines cover a group's channels of a position
+    from any start (one line more than the group's bytes, a power of two)."""
+    x = torch.empty(4, 96, dtype=torch.bfloat16)
+    on = OftCfg(prefetch=4)
+    keep = TO._INTERPRETED[0]
+    try:
+        TO._INTERPRETED[0] = True
+        assert TO._prefetch_args(on, x, (96, 1, 0), 32) == {}
+        TO._INTERPRETED[0] = False
+        assert TO._prefetch_args(OftCfg(), x, (96, 1, 0), 32) == {}
+        assert TO._prefetch_args(on, x, (96, 4, 1), 32) == {}  # channels not at unit stride
+        assert TO._prefetch_args(on, x, (96, 1, 0), 32) == dict(PREFETCH=4, LINES=2, LINE_ELEMS=64)
+        assert TO._prefetch_args(on, x.float(), (96, 1, 0), 64) == dict(PREFETCH=4, LINES=4, LINE_ELEMS=32)
+    finally:
+        TO._INTERPRETED[0] = keep
 
 
 @pytest.mark.parametrize("n_sm", [1, 7, 132])

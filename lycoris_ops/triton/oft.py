@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms
+from ._common import _INTERPRETED, cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms
 from ._cayley import cayley_grad, cayley_m
 
 __all__ = ["OftCfg", "FWD_CFG", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view", "auto_split"]
@@ -203,6 +203,29 @@ def bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT: tl.constexp
 
 
 @triton.jit
+def _l2_prefetch(ptrs):
+    """``prefetch.global.L2`` of every address (a hint: no result, nothing waits on it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _prefetch_tiles(x_ptr, sx_pre, sx_post, K, S, NPOS, POST, n_split, g, MODE: tl.constexpr,
+                    IDX64: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, PREFETCH: tl.constexpr,
+                    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
+    """Ask L2 for the first PREFETCH position tiles of this program (channels at unit stride:
+    LINES cache lines a position cover the group's NB·S channels)."""
+    lines = g * NB * S + tl.arange(0, LINES) * LINE_ELEMS
+    for k in range(PREFETCH):
+        p = (tl.program_id(1) + k * n_split) * BLOCK_P + tl.arange(0, BLOCK_P)
+        if IDX64:
+            p = p.to(tl.int64)
+        ok = (p < NPOS)[:, None] & (lines < K * S)[None, :]
+        addr = x_ptr + pos_offsets(p, POST, sx_pre, sx_post, MODE)[:, None] + lines[None, :]
+        _l2_prefetch(tl.where(ok, addr, x_ptr))
+
+
+@triton.jit
 def _oft_fwd_kernel(
     blocks_ptr, sbk, sbp, sbq, rs_ptr, srs,
     x_ptr, sx_pre, sx_c, sx_post, y_ptr, sy_pre, sy_c, sy_post,
@@ -210,9 +233,16 @@ def _oft_fwd_kernel(
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, NEUMANN: tl.constexpr = False,
+    PREFETCH: tl.constexpr = 0, LINES: tl.constexpr = 1, LINE_ELEMS: tl.constexpr = 64,
 ):
+    """y = F·x per position tile of group g, F rebuilt from the group's blocks first. PREFETCH:
+    before the rebuild (the memory would idle through it), L2 prefetches of the program's first
+    PREFETCH tiles of x (``_prefetch_tiles``), so the stream starts from L2."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
+    if PREFETCH > 0:
+        _prefetch_tiles(x_ptr, sx_pre, sx_post, K, S, NPOS, POST, n_split, g, MODE, IDX64, NB, BLOCK_P,
+                        PREFETCH, LINES, LINE_ELEMS)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
                                             HAS_RESCALE, NB, SP, NEUMANN)
     f = _oft_f(m, rho, shift, GP)
@@ -327,7 +357,9 @@ class OftCfg(NamedTuple):
     (0 = automatic: one wave of resident programs, ``auto_split``), ``dot_prec``:
     input_precision of the streaming fp32 dots, or ``"split16"`` (16-bit operands:
     ``dot_split16``), ``neumann``: the Cayley factor by ``_cayley.neumann_inverse`` where
-    ‖Q‖ allows (a few dots instead of S serial elimination steps; ``_cayley.cayley_m``)."""
+    ‖Q‖ allows (a few dots instead of S serial elimination steps; ``_cayley.cayley_m``),
+    ``prefetch``: the forward's L2 prefetch, tiles a program (``_oft_fwd_kernel``; channels at
+    unit stride only, not under the interpreter: inline PTX). Not yet timed on a GPU: 0."""
     block_p: int = 128
     group: int = 0
     split: int = 0
@@ -337,6 +369,7 @@ class OftCfg(NamedTuple):
     bwd_block_p: int = 64
     chain_warps: int = 4
     neumann: bool = False
+    prefetch: int = 0
 
 
 def default_oft_cfg() -> OftCfg:
@@ -465,9 +498,23 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = N
             x, a, xs[1], b, y, ya, ys[1], yb,
             K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, x), NEUMANN=cfg.neumann,
+            **dot_mode(cfg.dot_prec, x), NEUMANN=cfg.neumann, **_prefetch_args(cfg, x, xs, NB * SP),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
+
+
+#: bytes of a cache line (what one ``prefetch.global.L2`` fetches)
+LINE_BYTES = 128
+
+
+def _prefetch_args(cfg: OftCfg, x: torch.Tensor, xs, GP: int) -> dict:
+    """The forward kernel's prefetch constexprs: off without unit channel stride, under the
+    interpreter (inline PTX) and at ``cfg.prefetch`` 0; else LINES (a power of two) lines a
+    position from the group's first channel, LINE_ELEMS elements apart."""
+    if cfg.prefetch <= 0 or xs[1] != 1 or _INTERPRETED[0]:
+        return {}
+    es = x.element_size()
+    return dict(PREFETCH=cfg.prefetch, LINES=next_pow2(cdiv(GP * es, LINE_BYTES) + 1), LINE_ELEMS=LINE_BYTES // es)
 
 
 def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = None):
