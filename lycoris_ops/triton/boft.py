@@ -82,11 +82,12 @@ producer scatters (``_packed_slot``). With x's own channel order, a group's
 channels are runs of s/2 (12 at s = 24) κ apart: masked gathers that Triton issues
 element by element.
 
-Tiles are position-major, (BLOCK_P, GP): yᵀ = uᵀ·Jᵀ, gxᵀ = Gᵀ·J. Triton orders a
-tile's accesses by proven contiguity and takes the last axis on a tie, so the
-scattered stores and x's gathers go along a position's channel runs, a few sectors
-a warp access; channel-first (GP, BLOCK_P) tiles had them along the positions, 32
-rows a warp access (``_stream_offsets``).
+Tile orientation: (GP, BLOCK_P), y = J·u; or, with ``BoftCfg.pos_major`` where x (and G)
+are channels-last with post = 1, position-major (BLOCK_P, GP): yᵀ = uᵀ·Jᵀ, gxᵀ = Gᵀ·J.
+Triton orders a tile's accesses by proven contiguity and takes the last axis on a tie,
+so position-major tiles store along a position's channel runs, a few sectors a warp
+access, where (GP, BLOCK_P) tiles store along the positions, 32 rows a warp access
+(``_stream_offsets``). Position-major is off until an H200 A/B says so.
 
 Layout: x is seen as (pre, C, post) around the channel axis (axis 0: weight;
 last: channels last; other: (N, C, *spatial)); any strides, pre and post dims
@@ -299,6 +300,7 @@ def _stream_offsets(c_off, p, POST, s_pre, s_post, MODE: tl.constexpr, PACKED: t
 
 @triton.jit
 def _tile_mask(ch_valid, pm, PM: tl.constexpr):
+    """A tile's mask (channel and position validity) in ``_stream_offsets``' orientation."""
     if PM:
         mask = pm[:, None] & ch_valid[None, :]
     else:
