@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The TileLang kernel-form A/Bs in one device call: build, then each variants script in turn,
+# The kernel-form A/Bs in one device call (TileLang's, and the Triton t_* runs): build, then each variants script in turn,
 # its whole output in $OUT/<name>.log (TileLang's INFO lines included), the tables printed last.
 #
 #   bash bench/gpu_variants.sh [name ...]     (default: ``profile``, device time per kernel,
@@ -45,6 +45,12 @@ declare -A RUNS=(
   [merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lora.py -k merge_stream"
   [loha_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"
   [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose"
+  # the Triton launch options wired in and off (RESULTS 2026-12-04 21:20): BOFT's position-major
+  # tiles and Cayley warps, diag-OFT's L2 prefetch; their GPU parity first
+  # (t_boft compiles ~20 configs a shape: LYCORIS_VARIANT_SECONDS=280)
+  [t_oft_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_triton_oft.py tests/test_boft.py tests/test_oft.py"
+  [t_boft]="bench/variants.py boft --shapes small,large"
+  [t_oft]="bench/variants.py oft --shapes large,small --phases fwd"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)
 for n in "${names[@]}"; do
