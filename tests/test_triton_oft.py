@@ -243,15 +243,17 @@ BOFT_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("pos_major", [False, True], ids=["cm", "pm"])
+@pytest.mark.parametrize("pos_major,dense", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["cm", "pm", "cm_dense", "pm_dense"])
 @pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16, TO.BF16X3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
-def test_boft(dtype, layout, dot_prec, pos_major):
+def test_boft(dtype, layout, dot_prec, pos_major, dense):
     """``split16`` runs on x and G where they are the stream (the first segment forward,
     a one-segment backward) and tf32x3 on the fp32 scratch of other segments; ``bf16x3``
     the same split16, and three bf16 dots on the scratch (fp32 x: tf32x3 throughout).
-    ``pos_major``: position-major tiles where x is channels last (else it changes nothing)."""
+    ``pos_major``: position-major tiles where x is channels last (else it changes nothing);
+    ``dense``: the scratch between segments without pad slots (the s = 6 layouts have them)."""
     cid, m, nb, s, xshape, axis, max_group = layout
     gen = torch.Generator().manual_seed(m * 1000 + nb * 100 + s)
     i = [torch.float32, torch.float16, torch.bfloat16].index(dtype)
@@ -265,7 +267,7 @@ def test_boft(dtype, layout, dot_prec, pos_major):
     rescale = (torch.rand(C, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32) if with_rs else None
     grad = _make(xshape, dtype, gen)
     cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec,
-                  pos_major=pos_major)
+                  pos_major=pos_major, dense=dense)
 
     y = TB.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=cfg)
     y0, (gx0, gb0) = _boft_oracle(blocks, x, axis, cscale, scale, rescale, diff, grad)
@@ -433,6 +435,10 @@ _COMPILE = textwrap.dedent("""
                                 OUT_PACKED=True, **x3))
     build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, IN_PACKED=True, **x3), bf)
     build(B._boft_seg_bwd, dict(pm, G_PACKED=True, U_PACKED=True, OUT_PACKED=True, **x3))
+    # the dense scratch (no pad slots, s = 24: HALF 12), both orientations
+    build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, IN_PACKED=True,
+                                OUT_PACKED=True, HALF=12, **x3))
+    build(B._boft_seg_bwd, dict(pm, PM=False, G_PACKED=True, U_PACKED=True, OUT_PACKED=True, HALF=12, **x3))
 """)
 
 
@@ -442,7 +448,7 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 30
+    assert r.stdout.count("ok ") == 32
 
 
 def test_oft_prefetch_args():

@@ -265,13 +265,14 @@ def _boft_algebra(blocks_ptr, sb0, sb1, sb2, sb3, m_ptr, j_ptr, n_blk, nb, s, cs
 
 
 @triton.jit
-def _packed_slot(ch, half, a2, L2, gp2, HP: tl.constexpr):
+def _packed_slot(ch, half, a2, L2, gp2, TBS: tl.constexpr):
     """Where channel ch lives in segment (a2, L2)'s packed scratch: group g2's run of gp2
-    slots, local index l2 = tb·HP + low (the inverse of ``_group_channels``)."""
+    slots, local index l2 = tb·TBS + low (TBS = HP: the inverse of ``_group_channels``; dense:
+    TBS = s/2, no pad slots)."""
     j = ch // half
     low = ch - j * half
     g2 = ((j >> (a2 + L2)) << a2) | (j & ((1 << a2) - 1))
-    return g2 * gp2 + ((j >> a2) & ((1 << L2) - 1)) * HP + low
+    return g2 * gp2 + ((j >> a2) & ((1 << L2) - 1)) * TBS + low
 
 
 @triton.jit
@@ -363,16 +364,28 @@ def _outer_pm(gg, uu, acc, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.conste
 
 
 @triton.jit
-def _channel_offsets(g, ch, s_c, half, a2, L2, gp2, HP: tl.constexpr, GP: tl.constexpr, PACKED: tl.constexpr,
-                     OWN: tl.constexpr):
+def _channel_offsets(g, ch, s_c, half, a2, L2, gp2, gw, HP: tl.constexpr, GP: tl.constexpr, PACKED: tl.constexpr,
+                     OWN: tl.constexpr, HALF: tl.constexpr = 0):
     """Per local channel: its offset in a (pre, C, post) tensor (ch·s_c), or its slot in a
     packed scratch: this group's own run (OWN: the segment's input), or the slot in the
-    next segment's layout (a2, L2, gp2) for an output."""
+    next segment's layout (a2, L2, gp2) for an output.
+
+    ``HALF`` > 0 (= s/2; ``BoftCfg.dense``): the scratch has no pad slots, a group's run is
+    gw = s/2·2^L slots, l = tb·HP + low at tb·HALF + low. Its own run is read in HP-wide
+    pieces that overlap by HP − HALF (the pad lanes read the next piece's slots; zeroed
+    after the load), each contiguous and 16-byte aligned where gw and HALF allow."""
     if PACKED:
         if OWN:
-            off = g * GP + tl.arange(0, GP)
+            if HALF > 0:
+                l = tl.arange(0, GP)
+                off = g * gw + (l // HP) * HALF + l % HP
+            else:
+                off = g * GP + tl.arange(0, GP)
         else:
-            off = _packed_slot(ch, half, a2, L2, gp2, HP)
+            if HALF > 0:
+                off = _packed_slot(ch, half, a2, L2, gp2, HALF)
+            else:
+                off = _packed_slot(ch, half, a2, L2, gp2, HP)
     else:
         off = ch * s_c
     return off
@@ -382,12 +395,13 @@ def _channel_offsets(g, ch, s_c, half, a2, L2, gp2, HP: tl.constexpr, GP: tl.con
 def _boft_seg_fwd(
     j_ptr, sjg, sjr, rs_ptr, srs,
     u_ptr, su_pre, su_c, su_post, y_ptr, sy_pre, sy_c, sy_post, x0_ptr, s0_pre, s0_c, s0_post,
-    NPOS, POST, n_tiles, n_split, a, L, half, a2, L2, gp2,
+    NPOS, POST, n_tiles, n_split, a, L, half, a2, L2, gp2, gw,
     HAS_RESCALE: tl.constexpr, DIFF_FOLD: tl.constexpr, DIFF_LOAD: tl.constexpr,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
     IN_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False, PM: tl.constexpr = False,
+    HALF: tl.constexpr = 0,
 ):
     """One segment on group g: y = J·u per position tile (``PM``: the position-major
     yᵀ = uᵀ·Jᵀ, see ``_stream_offsets``). u is x (pre, C, post) or the packed scratch the
@@ -415,8 +429,8 @@ def _boft_seg_fwd(
         w0, w1 = hilo(w, DOT)
     if IDX64:
         ch = ch.to(tl.int64)
-    u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, HP, GP, IN_PACKED, True)
-    y_c = _channel_offsets(g, ch, sy_c, half, a2, L2, gp2, HP, GP, OUT_PACKED, False)
+    u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, gw, HP, GP, IN_PACKED, True, HALF)
+    y_c = _channel_offsets(g, ch, sy_c, half, a2, L2, gp2, gw, HP, GP, OUT_PACKED, False, HALF)
     if IDX64:
         u_c = u_c.to(tl.int64)
         y_c = y_c.to(tl.int64)
@@ -443,12 +457,12 @@ def _boft_seg_fwd(
 def _boft_seg_bwd(
     j_ptr, sjg, sjr,
     g_ptr, sg_pre, sg_c, sg_post, u_ptr, su_pre, su_c, su_post, gx_ptr, so_pre, so_c, so_post, part_ptr,
-    NPOS, POST, n_tiles, n_split, n_groups, a, L, half, a2, L2, gp2, m_ptr, gb_ptr, nb, cscale, scale,
+    NPOS, POST, n_tiles, n_split, n_groups, a, L, half, a2, L2, gp2, gw, m_ptr, gb_ptr, nb, cscale, scale,
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
     G_PACKED: tl.constexpr = False, U_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
-    CHAIN: tl.constexpr = False, PM: tl.constexpr = False,
+    CHAIN: tl.constexpr = False, PM: tl.constexpr = False, HALF: tl.constexpr = 0,
 ):
     """One segment's backward on group g: gx = Jᵀ·G per tile (``PM``: gxᵀ = Gᵀ·J) and the
     partial Σ G·uᵀ of this program's positions. G and u: user tensors or packed scratch in
@@ -472,9 +486,9 @@ def _boft_seg_bwd(
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
     if IDX64:
         ch = ch.to(tl.int64)
-    g_c = _channel_offsets(g, ch, sg_c, half, a2, L2, gp2, HP, GP, G_PACKED, True)
-    u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, HP, GP, U_PACKED, True)
-    o_c = _channel_offsets(g, ch, so_c, half, a2, L2, gp2, HP, GP, OUT_PACKED, False)
+    g_c = _channel_offsets(g, ch, sg_c, half, a2, L2, gp2, gw, HP, GP, G_PACKED, True, HALF)
+    u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, gw, HP, GP, U_PACKED, True, HALF)
+    o_c = _channel_offsets(g, ch, so_c, half, a2, L2, gp2, gw, HP, GP, OUT_PACKED, False, HALF)
     if IDX64:
         g_c = g_c.to(tl.int64)
         u_c = u_c.to(tl.int64)
@@ -568,8 +582,10 @@ class BoftCfg(NamedTuple):
     the streaming fp32 dots, or ``"split16"`` / ``"bf16x3"`` (see the module docstring),
     ``chain_warps``: warps of the group-matrix and chain launches (0 = automatic: GP²/512,
     4 to 8), ``pos_major``: position-major streaming tiles where x (and G) have unit channel
-    stride and post = 1 (``_stream_offsets``; channel-major otherwise, and when False). Not yet
-    timed on a GPU: off by default."""
+    stride and post = 1 (``_stream_offsets``; channel-major otherwise, and when False),
+    ``dense``: packed scratch without pad slots where s/2 is not a power of two (rows of C slots,
+    not n_groups·GP: 3/4 of the bytes at s = 24; ``_channel_offsets``). Neither is timed on a GPU
+    yet: off by default."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -579,6 +595,7 @@ class BoftCfg(NamedTuple):
     dot_prec: str = "tf32x3"
     chain_warps: int = 0
     pos_major: bool = False  # on once an H200 A/B says so (bench/variants.py boft)
+    dense: bool = False  # likewise
 
 
 def default_boft_cfg() -> BoftCfg:
@@ -697,14 +714,14 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     ys = (C * post, post, 1)
     mode, xa, xb = pos_mode(pre, post, xs)
     _, ya, yb = pos_mode(pre, post, ys)
-    gps, widths = _packed_widths(segs, SP)
+    dense = s // 2 if cfg.dense else 0
+    gps, widths = _packed_widths(segs, SP, dense)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()),
-                        ((npos, max(widths)), (max(widths), 1)))
+                        ((npos + 2, max(widths)), (max(widths), 1)))
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, PM=cfg.pos_major and post == 1 and xs[1] == 1,
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  HALF=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # between segments: packed fp32 scratch in the consumer's layout, two buffers in turn
-    bufs = [torch.empty(npos * max(widths[1:]), device=x.device, dtype=torch.float32)
-            for _ in range(min(2, len(segs) - 1))]
+    bufs = [_scratch(npos, max(widths[1:]), SP, segs, dense, x.device) for _ in range(min(2, len(segs) - 1))]
     with device_guard(x):
         mbuf, jbuf, g_full = _stage_algebra(blocks, cscale, scale, HP, SP, segs,
                                             chain_warps(cfg.chain_warps, segs[0].NB * SP))
@@ -718,7 +735,7 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
             fast(_boft_seg_fwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *((rs, srs) if last else (jbuf, 0)), *src, *dst,
                 x, xa, xs[1], xb,
-                npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2, *nxt,
+                npos, post, n_tiles, sg.split, sg.a, sg.L, s // 2, *nxt, gps[idx],
                 HAS_RESCALE=last and rescale is not None, DIFF_FOLD=first and last and diff,
                 DIFF_LOAD=(not first) and last and diff, NB=sg.NB, IN_PACKED=not first, OUT_PACKED=not last,
                 **dot_mode(prec, src[0]), **common)
@@ -732,12 +749,20 @@ def _dot_prec(cfg, x):
 
 
 @functools.lru_cache(maxsize=4096)
-def _packed_widths(segs, SP):
-    """Per segment: its group width GP and the row width (n_groups·GP) of its packed input
-    scratch (one row per position; pad slots of a group are never written). Cached with
-    ``_plan``'s segments: the launchers ask on every call."""
-    gps = tuple(sg.NB * SP for sg in segs)
+def _packed_widths(segs, SP, half: int = 0):
+    """Per segment: its group width in slots and the row width (n_groups·that) of its packed
+    input scratch (one row per position): GP (pad slots of a group are never written), or
+    dense (``half`` = s/2 > 0) s/2·2^L, rows of C slots. Cached with ``_plan``'s segments: the
+    launchers ask on every call."""
+    gps = tuple((half << sg.L) if half else sg.NB * SP for sg in segs)
     return gps, tuple(sg.n_groups * gp for sg, gp in zip(segs, gps))
+
+
+def _scratch(npos: int, width: int, SP: int, segs, half: int, device) -> torch.Tensor:
+    """A packed fp32 scratch of ``npos`` rows of ``width`` slots; dense (``half``), 2·GP slots
+    more: a group's own-run pieces read up to GP + HP slots past its end (``_channel_offsets``)."""
+    extra = 2 * max(sg.NB for sg in segs) * SP if half else 0
+    return torch.empty(npos * width + extra, device=device, dtype=torch.float32)
 
 
 def _buf_strides(pre, C, post, mode):
@@ -764,12 +789,13 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     mode, xa, xb = pos_mode(pre, post, xs)
     _, ga, gb = pos_mode(pre, post, gs)
     os_ = _buf_strides(pre, C, post, mode)  # gx: contiguous (pre, C, post)
-    gps, widths = _packed_widths(segs, SP)
-    idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
-                        (tuple(gx.shape), gx.stride()), ((npos, max(widths)), (max(widths), 1)))
     half = s // 2
+    dense = half if cfg.dense else 0
+    gps, widths = _packed_widths(segs, SP, dense)
+    idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
+                        (tuple(gx.shape), gx.stride()), ((npos + 2, max(widths)), (max(widths), 1)))
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, PM=cfg.pos_major and post == 1 and xs[1] == 1 == gs[1],
-                  num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                  HALF=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # small (the stage algebra in one program): a segment split in one program a group also
     # runs its chain in the streaming kernel, so a tiny backward is two launches
     small = one_algebra_launch(m * nb, SP, sum(sg.n_groups for sg in segs))
@@ -783,22 +809,21 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
         _, _, fbp, f_tiles, fsegs = _plan(m, nb, s, npos, num_sms(x.device), False, cfg)
         inputs = [(x, xa, xs[1], xb)]
         for idx, sg in enumerate(fsegs[:-1]):
-            buf = torch.empty(npos * widths[idx + 1], device=dev, dtype=torch.float32)
+            buf = _scratch(npos, widths[idx + 1], SP, segs, dense, dev)
             fast(_boft_seg_fwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, jbuf, 0, *inputs[-1], buf, widths[idx + 1], 0, 0,
                 x, xa, xs[1], xb, npos, post, f_tiles, sg.split, sg.a, sg.L, half,
-                fsegs[idx + 1].a, fsegs[idx + 1].L, gps[idx + 1],
+                fsegs[idx + 1].a, fsegs[idx + 1].L, gps[idx + 1], gps[idx],
                 HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, NB=sg.NB, BLOCK_P=fbp,
                 IN_PACKED=idx > 0, OUT_PACKED=True, **dot_mode(prec, inputs[-1][0]), **common)
             inputs.append((buf, widths[idx + 1], 0, 0))
         g_in = (grad, ga, gs[1], gb)
         last = len(segs) - 1
         # the gradient between segments: packed in the previous segment's layout, two buffers in turn
-        gbufs = [torch.empty(npos * max(widths[:-1]), device=dev, dtype=torch.float32)
-                 for _ in range(min(2, last))]
+        gbufs = [_scratch(npos, max(widths[:-1]), SP, segs, dense, dev) for _ in range(min(2, last))]
         for idx in range(last, -1, -1):
             sg = segs[idx]
-            GP = gps[idx]
+            GP = sg.NB * SP  # the tile width (gps: the scratch group width, smaller when dense)
             if idx == 0:
                 out, prev = (gx,) + os_, (0, 0, 0)
             else:
@@ -810,7 +835,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
                                                          dtype=torch.float32)
             fast(_boft_seg_bwd)[(sg.n_groups, sg.split)](
                 jbuf[idx * g_full:], GPJ * GPJ, GPJ, *g_in, *inputs[idx], *out, part,
-                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, *prev,
+                npos, post, n_tiles, sg.split, sg.n_groups, sg.a, sg.L, half, *prev, gps[idx],
                 mbuf, g_blocks, nb, float(cscale), float(scale), NB=sg.NB, BLOCK_P=bp,
                 G_PACKED=idx < last, U_PACKED=idx > 0, OUT_PACKED=idx > 0, CHAIN=chain_in,
                 **dot_mode(prec, g_in[0], inputs[idx][0]), **common)
