@@ -717,7 +717,7 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     dense = s // 2 if cfg.dense else 0
     gps, widths = _packed_widths(segs, SP, dense)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()),
-                        ((npos + 2, max(widths)), (max(widths), 1)))
+                        ((npos * max(widths) + _scratch_extra(segs, SP, dense),), (1,)))
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, PM=cfg.pos_major and post == 1 and xs[1] == 1,
                   HALF=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # between segments: packed fp32 scratch in the consumer's layout, two buffers in turn
@@ -758,11 +758,15 @@ def _packed_widths(segs, SP, half: int = 0):
     return gps, tuple(sg.n_groups * gp for sg, gp in zip(segs, gps))
 
 
+def _scratch_extra(segs, SP: int, half: int) -> int:
+    """Slots past a dense scratch's last row (2·GP): a group's own-run pieces read up to GP + HP
+    slots past its end (``_channel_offsets``); none for the padded one."""
+    return 2 * max(sg.NB for sg in segs) * SP if half else 0
+
+
 def _scratch(npos: int, width: int, SP: int, segs, half: int, device) -> torch.Tensor:
-    """A packed fp32 scratch of ``npos`` rows of ``width`` slots; dense (``half``), 2·GP slots
-    more: a group's own-run pieces read up to GP + HP slots past its end (``_channel_offsets``)."""
-    extra = 2 * max(sg.NB for sg in segs) * SP if half else 0
-    return torch.empty(npos * width + extra, device=device, dtype=torch.float32)
+    """A packed fp32 scratch of ``npos`` rows of ``width`` slots (and ``_scratch_extra``)."""
+    return torch.empty(npos * width + _scratch_extra(segs, SP, half), device=device, dtype=torch.float32)
 
 
 def _buf_strides(pre, C, post, mode):
@@ -793,7 +797,8 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     dense = half if cfg.dense else 0
     gps, widths = _packed_widths(segs, SP, dense)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
-                        (tuple(gx.shape), gx.stride()), ((npos + 2, max(widths)), (max(widths), 1)))
+                        (tuple(gx.shape), gx.stride()),
+                        ((npos * max(widths) + _scratch_extra(segs, SP, dense),), (1,)))
     common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, PM=cfg.pos_major and post == 1 and xs[1] == 1 == gs[1],
                   HALF=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     # small (the stage algebra in one program): a segment split in one program a group also
