@@ -142,10 +142,12 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
         return (2 * GP * c["bwd_block_p"] <= lim and GP * c["block_p"] <= lim) if bwd else GP * c["block_p"] <= lim
 
     def kernels(c):  # the Triton compilations of a config (triton/boft.py: constexprs, dtypes, launch options)
-        segs, cw = structure(c)
+        # the segments at the streaming tile (their splits decide where the chain runs); (L, GP) is
+        # the same at any tile: ``structure``'s
+        full = segments(m, nb, s, npos, dev.sm_count, c["max_group"], c["bwd_block_p"] if bwd else c["block_p"])[0]
+        segs, cw = tuple((L, GP) for L, GP, _, _ in full), c.get("chain_warps", 0)
         run = (c["num_warps"], c["num_stages"], c["dot_prec"])
         warps = _tl().chain_warps(cw, segs[0][1])
-        full = segments(m, nb, s, npos, dev.sm_count, c["max_group"], c["bwd_block_p"] if bwd else c["block_p"])[0]
         small = _tl().one_algebra_launch(m * nb, SP, sum(sg[2] for sg in full))
         if small:  # the stage algebra as one program
             out = {("algebra", SP, segs[0][1], warps)}

@@ -382,10 +382,7 @@ def _channel_offsets(g, ch, s_c, half, a2, L2, gp2, gw, HP: tl.constexpr, GP: tl
             else:
                 off = g * GP + tl.arange(0, GP)
         else:
-            if HALF > 0:
-                off = _packed_slot(ch, half, a2, L2, gp2, HALF)
-            else:
-                off = _packed_slot(ch, half, a2, L2, gp2, HP)
+            off = _packed_slot(ch, half, a2, L2, gp2, HALF if HALF > 0 else HP)
     else:
         off = ch * s_c
     return off
