@@ -115,10 +115,11 @@ TILE_CFGS = [(dict(BM=32, BN=64, threads=256), dict(elems=2048, threads=256), di
 CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems", "threads"),
             "kron_grad2_kernel": ("elems", "threads"), "kron_apply_kernel": ("rows", "threads"),
             "kron_wgrad1_kernel": ("rows", "threads"), "kron_wgrad2_kernel": ("rows", "threads"),
-            "kron_wgrads_kernel": ("rows", "threads")}
+            "kron_wgrads_kernel": ("rows", "threads"), "kron_grads_kernel": ("elems", "threads")}
 #: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``, ``split_base``; the wgrad
-#: kernels: ``kper_static``)
-TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 2}
+#: kernels: ``kper_static``; ``kron_grads_kernel``: ``stages``, ``steps``)
+TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 2,
+            "kron_grads_kernel": 2}
 
 
 def _listed(fn, args, cfg):
@@ -246,8 +247,8 @@ def test_the_fixed_configs_are_the_default_launch():
 
     defaults = {name: inspect.signature(getattr(lokr, name)).parameters for name in CFG_ARGS}
     for name, keys in CFG_ARGS.items():
-        fixed = {"kron_kernel": lokr.KRON, "kron_grad1_kernel": lokr.GRADS, "kron_grad2_kernel": lokr.GRADS}.get(
-            name, lokr.BYPASS)
+        fixed = {"kron_kernel": lokr.KRON, "kron_grad1_kernel": lokr.GRADS, "kron_grad2_kernel": lokr.GRADS,
+                 "kron_grads_kernel": lokr.GRADS}.get(name, lokr.BYPASS)
         spelled = [defaults[name]["max_threads" if k == "threads" and "max_threads" in defaults[name] else k].default
                    for k in keys]
         assert spelled == [fixed[k] for k in keys], name
@@ -391,9 +392,13 @@ def test_tile_space_legality():
     assert len(kron) == 13 and all(2048 <= c["BM"] * c["BN"] <= 8192 for c in kron)  # 7 tiles x 2 threads - fixed
     assert plans_lokr.tl_configs(dev, "lokr_full_merge_fwd", (3, 5, 7, 4), 2) == [
         dict(BM=32, BN=64, threads=128), dict(BM=32, BN=64, threads=256)]  # output 21 x 20
-    # c = d = 64: elems 4096 and 8192 give one 64 x 64 tile; 4096 / 128 threads is the fixed config
-    assert plans_lokr.tl_configs(dev, "lokr_full_merge_bwd", (48, 48, 64, 64), 2) == [
-        dict(elems=2048, threads=128), dict(elems=2048, threads=256), dict(elems=4096, threads=256)]
+    # c = d = 64: elems 4096 and 8192 give one 64 x 64 tile; 4096 / 128 threads is the fixed config;
+    # each tile and threads also in one pass (GRADS one_pass), registers or pipelined
+    two_pass = [dict(elems=2048, threads=128), dict(elems=2048, threads=256), dict(elems=4096, threads=256)]
+    one_pass = [dict(elems=e, threads=t, one_pass=True, stages=s) for e in (2048, 4096) for t in (128, 256)
+                for s in (0, 3)]
+    got = plans_lokr.tl_configs(dev, "lokr_full_merge_bwd", (48, 48, 64, 64), 2)
+    assert sorted(map(str, got)) == sorted(map(str, two_pass + one_pass))
     assert plans_lokr.tl_configs(dev, "lokr_merge_bwd", (9, 9, 8, 8), 2) == []  # an 8 x 8 tile: nothing to tune
     fwd_3072 = plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (48, 48, 64, 64), 2)
     assert fwd_3072 == [dict(rows=64, threads=128)]  # 64-row w1 GEMM: no 256; rows 256: 256 fp32 a thread
@@ -404,6 +409,40 @@ def test_tile_space_legality():
         assert threads == c["threads"] and bt == max(1, c["rows"] // 128), c
     assert plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (128,) * 4, 2) == [dict(rows=64, threads=256)]
     assert plans_lokr.tl_configs(dev, "lokr_bypass_fwd", (128,) * 4, 4) == []  # fp32 128 x 128 factors: smem
+
+
+@pytest.mark.parametrize("stages", [0, 3], ids=["registers", "pipelined"])
+def test_one_pass_merge_bwd(stages, monkeypatch):
+    """The merge backwards in one pass over G (``kron_grads_kernel``, ``GRADS["one_pass"]``),
+    its G tiles in registers or through a 3-stage pipeline, against the eager bodies: gradient
+    tiles past w2's edge (37 x 150), several tiles (g_w1 partials) or one (direct), splits of the
+    a·b entries with a tail (7 x 11 entries over 4 splits of 20: g_w2 partials) or one split
+    (direct), factored and whole sides. And an inf in one (u, v) block of G stays there: the
+    tile rows past w2's edge, which the pipelined copy reads from the next block, count as
+    zeros (else inf·0 = nan in the other blocks' g_w1). CPU twins at fp32 (GPU: bf16)."""
+    monkeypatch.setattr(lokr, "num_sms", lambda d: 64)
+    dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
+    g = torch.Generator().manual_seed(5)
+
+    def m(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=g)).to(dtype).to(dev)
+
+    cfg = dict(elems=2048, threads=128, one_pass=True, stages=stages)
+    splits = []
+    for (a, b, c, d) in ((3, 2, 37, 150), (7, 11, 3, 5), (1, 1, 9, 9)):
+        tiles = lokr.cdiv(c, lokr._grad_tile(c, d, 2048)[0]) * lokr.cdiv(d, lokr._grad_tile(c, d, 2048)[1])
+        splits.append((tiles,) + lokr.one_pass_split(a, b, tiles, dev))
+        G, w1, w2 = m(a * c, b * d), m(a, b), m(c, d, scale=0.1)
+        f = (m(a, 3), m(3, b), m(c, 5, scale=0.3), m(5, d, scale=0.3))
+        _with_cfg("lokr_full_merge_bwd", cfg, (G, w1, w2, 0.7), dtype)
+        _with_cfg("lokr_merge_bwd", cfg, (G, *f, [a, b, c, d], 0.7), dtype)
+    assert splits == [(6, 1, 6), (1, 4, 20), (1, 1, 1)]  # (tiles, splits, entries a split)
+    a, b, c, d = 3, 2, 37, 150
+    G, w1, w2 = m(a * c, b * d), m(a, b), m(c, d, scale=0.1)
+    G[c:2 * c, :d] = float("inf")  # block (u, v) = (1, 0)
+    got, want = lokr.full_merge_bwd(G, w1, w2, 0.7, cfg=cfg)[0], REF.lokr_full_merge_bwd(G, w1, w2, 0.7)[0]
+    assert torch.isfinite(got[[0, 2]]).all() and not torch.isfinite(got[1, 0])
+    assert harness.rel_err(got[[0, 2]], want[[0, 2]]) <= harness.REL_TOL[dtype]
 
 
 def test_twin_fused_bwd_staged_gx(monkeypatch):

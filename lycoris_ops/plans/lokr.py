@@ -17,8 +17,9 @@ Bypass backward: persistent programs over token tiles, one pass (gx, g_w1,
 g_w2) or two (``passes``), fp32 partials per program + reduce launches.
 
 TileLang (``TILELANG``, ``plans/tilelang.py``): ``tilelang/lokr.py``'s merge output tile
-(TL_KRON), gradient tile (TL_GRADS) and bypass token rows (TL_BYPASS), each with its
-threads, scored by the models above with the names mapped; only configs that build kernels
+(TL_KRON), gradient tile (TL_GRADS: also the one-pass form, registers or a 3-stage
+pipeline; its model is the Triton one-pass program's, the two-pass form's adds a G read)
+and bypass token rows (TL_BYPASS), each with its threads, scored by the models above with the names mapped; only configs that build kernels
 of their own and fit shared memory and registers (``tl_configs``); the fixed config first.
 """
 from __future__ import annotations
@@ -314,7 +315,7 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
 #: (``tl_fits``); the corners compile for sm_90a (tests/test_tilelang_lokr.py)
 TL_KRON = dict(BM=(16, 32, 64), BN=(64, 128, 256), threads=(128, 256))
 TL_KRON_TILE = (2048, 8192)
-TL_GRADS = dict(elems=(2048, 4096, 8192), threads=(128, 256))
+TL_GRADS = dict(elems=(2048, 4096, 8192), threads=(128, 256), one_pass=(False, True), stages=(0, 3))
 TL_BYPASS = dict(rows=(64, 128, 256), threads=(128, 256))
 TL_N = 3
 #: fp32 elements a gradient-kernel thread owns at least (one 16-byte vector)
@@ -322,7 +323,8 @@ TL_GRAD_MIN_PER_THREAD = 4
 #: op -> (its space, the name of its fixed config in tilelang/lokr.py, the shortlist's tile axes)
 _TL_SPACES = {
     "lokr_full_merge_fwd": (TL_KRON, "KRON", ("BM", "BN")), "lokr_merge_fwd": (TL_KRON, "KRON", ("BM", "BN")),
-    "lokr_full_merge_bwd": (TL_GRADS, "GRADS", ("elems",)), "lokr_merge_bwd": (TL_GRADS, "GRADS", ("elems",)),
+    "lokr_full_merge_bwd": (TL_GRADS, "GRADS", ("one_pass", "stages", "elems")),
+    "lokr_merge_bwd": (TL_GRADS, "GRADS", ("one_pass", "stages", "elems")),
     "lokr_bypass_fwd": (TL_BYPASS, "BYPASS", ("rows",)), "lokr_bypass_bwd": (TL_BYPASS, "BYPASS", ("rows",)),
 }
 
@@ -351,8 +353,11 @@ def tl_kernels(op: str, dims, cfg: dict) -> tuple:
     a, b, c, d = dims
     if op.endswith("merge_fwd"):
         return (("kron", (cfg["BM"], cfg["BN"]), cfg["threads"]),)
-    if op.endswith("merge_bwd"):
-        return (("grads", L._grad_tile(c, d, cfg["elems"]), cfg["threads"]),)
+    if op.endswith("merge_bwd"):  # the two-pass form ignores stages; the one pass's stages are its own kernel
+        tile = L._grad_tile(c, d, cfg["elems"])
+        if cfg.get("one_pass"):
+            return (("grads1", tile, cfg["threads"], cfg.get("stages", 0)),)
+        return (("grads", tile, cfg["threads"]),)
     geometry = {"apply": L.apply_geometry, "wgrad1": L.wgrad1_geometry, "wgrad2": L.wgrad2_geometry}
     out = []
     for kind, kd in _bypass_kernels(op, dims):
@@ -383,7 +388,7 @@ def tl_fits(dev: DeviceFacts, kind: str, tile, threads: int, dims, csize: int) -
         (bm, bn), acc = tile, tile[0] * tile[1]
         if not (TL_KRON_TILE[0] <= acc <= TL_KRON_TILE[1] and bm <= max(16, p2(a * c)) and bn <= max(64, p2(b * d))):
             return False
-    elif kind == "grads":
+    elif kind in ("grads", "grads1"):
         acc = tile[0] * tile[1]
         if acc < TL_GRAD_MIN_PER_THREAD * threads:
             return False
@@ -414,9 +419,11 @@ def tl_configs(dev: DeviceFacts, op: str, dims, csize: int) -> list:
     out = []
     for values in itertools.product(*space.values()):
         cfg = dict(zip(space, values))
+        if not cfg.get("one_pass", True):  # the two-pass merge backward: its config as before (no stages)
+            cfg = {k: v for k, v in cfg.items() if k not in ("one_pass", "stages")}
         kernels = tl_kernels(op, dims, cfg)
         built = tl_built(op, dims, cfg)
-        if built in seen or not all(k in fixed or tl_fits(dev, *k, dims, csize) for k in kernels):
+        if built in seen or not all(k in fixed or tl_fits(dev, *k[:3], dims, csize) for k in kernels):
             continue
         seen.add(built)
         out.append(cfg)
@@ -444,18 +451,21 @@ def _tl_kron(op, dev, dims, r1, r2, compute, out_dtype, base, n):
 
 
 def _tl_grads(op, dev, dims, r1, r2, compute, g_dtype, n):
-    """kron_grad2 is the Triton merge backward's program (a tile of w2 = the gradient tile, a
-    split of the a·b loop entries; threads -> warps, one stage); kron_grad1 reads G once more,
-    a program per w1 entry."""
+    """kron_grad2 and the one-pass kron_grads_kernel are the Triton merge backward's program (a
+    tile of w2 = the gradient tile, a split of the a·b loop entries; threads -> warps, its stages
+    or one); the two-pass form's kron_grad1 reads G once more, a program per w1 entry."""
     e, eg = esize(compute), esize(g_dtype)
     a, b, c, d = dims
 
     def work(k):
-        (_, (bc, bd), threads), = tl_kernels(op, dims, k)
-        cfg = dict(block_m=bc, block_n=bd, block_r=16, block_rl=16, swap=False, num_warps=threads // 32, num_stages=1)
+        (kind, (bc, bd), threads, *stages), = tl_kernels(op, dims, k)
+        cfg = dict(block_m=bc, block_n=bd, block_r=16, block_rl=16, swap=False, num_warps=threads // 32,
+                   num_stages=max([1, *stages]))
+        works = _merge_works(dev, cfg, a, b, c, d, 0, 0, e, eg, 0, True)
+        if kind == "grads1":
+            return works
         return [Work(grid=a * b, warps=threads // 32, acc=bc * bd, dram=a * b * c * d * eg + c * d * e,
-                     fma=2.0 * a * b * c * d, inflight=bc * bd * eg)] + _merge_works(dev, cfg, a, b, c, d, 0, 0, e,
-                                                                                     eg, 0, True)
+                     fma=2.0 * a * b * c * d, inflight=bc * bd * eg)] + works
 
     return _tl_plan(op, dev, dims, e, work, _merge_eager(dev, a, b, c, d, r1, r2, compute, eg, 0, True), n)
 

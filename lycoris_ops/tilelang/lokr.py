@@ -18,6 +18,11 @@ Merges (elementwise and reductions: exact fp32 arithmetic, no tensor cores):
 ``kron_grad2_kernel`` - ``g_w2[i,j] = γ·Σ_uv G[u·c+i, v·d+j]·w1[u,v]``:
     program = (tile of w2, split of the (u, v) pairs); fp32 partials when the
     pair loop is split (one torch sum).
+``kron_grads_kernel`` - both in one pass over G (``GRADS["one_pass"]``, a tuned config's
+    key; the fixed config keeps the two kernels above until an H200 times it): program =
+    (tile of w2, split of the (u, v) pairs); per pair the G tile gives g_w1's partial of
+    this tile (a reduction) and adds into g_w2's split accumulator; G tiles in registers or
+    (``stages``) through a ``T.Pipelined`` shared-memory ring; fp32 partials summed by torch.
 ``lokr_merge_bwd`` chains the factored sides with two small fp32 torch
     matmuls (``g_w1a = g_w1·w1bᵀ``, ``g_w1b = w1aᵀ·g_w1``; g_w1 stays fp32).
 
@@ -52,10 +57,11 @@ the bypass keeps whole padded factors in shared memory, hence the scope cap
 
 Launch configs: each launcher runs its fixed config (``KRON``, ``GRADS``, ``BYPASS``) with
 a tuned ``cfg`` (plans/lokr.py: ``TILELANG``) merged over it (``launch_config``): the
-merge's output tile, the gradient kernels' tile size and threads, the bypass kernels'
+merge's output tile, the gradient kernels' tile size and threads (and the one-pass form
+with its stages), the bypass kernels'
 token rows per program and their most threads, and (timed only) the forward apply's
 ``staged`` epilogue. The bypass kernels' token loops are ``T.Pipelined`` over static step
-counts, compiled without warp specialization; the merges have no pipelined loop.
+counts, compiled without warp specialization, as is the one-pass merge backward's.
 
 fp32 calls of the GEMM-based ops (bypass, factored merges) step down
 (TF32); the whole-factor merges take fp32 (exact). Operands are cast to the
@@ -68,7 +74,7 @@ from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, 
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 from ..plans.cost import SMEM_MARGIN as _SMEM_MARGIN
 
-__all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_apply_kernel",
+__all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_grads_kernel", "kron_apply_kernel",
            "kron_wgrad1_kernel", "kron_wgrad2_kernel", "kron_wgrads_kernel",
            "full_merge_fwd", "full_merge_bwd", "merge_fwd", "merge_bwd", "bypass_fwd", "bypass_bwd",
            "compile_specs"]
@@ -269,6 +275,86 @@ def kron_grad2_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, odt: st
                 T.copy(acc, Out[s * Cq + i0, j0])
 
     return kron_grad2
+
+
+def kron_grads_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, w2d: str, o1: str, o2: str,
+                      direct1: bool, direct2: bool, elems: int = 4096, threads: int = 128, stages: int = 0,
+                      steps: int = 0, cpu: bool = False):
+    """Both gradients in one pass over G (``GRADS["one_pass"]``): program = (tile t of w2, split s
+    of the a·b entries e = (u, v), ``kper`` each). Per entry the G tile g is read once and gives
+    ``PL[t, u, v] = γ·Σ_ij g⊙W2tile`` (g_w1's partial of this tile) and ``acc += g·W1[u, v]``;
+    at the end ``PT[s] tile = γ·acc`` (g_w2's partial of this split). direct1 (one tile):
+    PL is g_w1 (a, b) in o1, else fp32 (tiles·a, b); direct2 (one split): PT is g_w2 (c, d) in
+    o2, else fp32 (nsplit·c, d). ``stages`` 0: each entry's tile loaded into registers (its
+    loads wait for the last entry's reduction); >= 1: through shared memory in a
+    ``T.Pipelined`` loop of that many stages, so the next entries' loads are in flight while
+    one is reduced (no warp specialization: the body is reductions, not a producer/consumer).
+    ``steps`` > 0: the entries per split as a constant (the pipelined form needs one: TileLang's
+    CUDA codegen fails on a pipelined loop of dynamic length here), the ``kper`` argument unused."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    BC, BD = _grad_tile(c, d, elems)
+    nc, nd = cdiv(c, BC), cdiv(d, BD)
+    E = a * b
+    pl_shape, o1 = ((a, b), o1) if direct1 else ((nc * nd * a, b), _ACC)
+    pt_shape, o2 = ((c, d), o2) if direct2 else ((T.dynamic("P"), d), _ACC)
+
+    @T.macro
+    def entry(e, gt, tile, acc, row, tot, W1, PL, t, gamma):
+        """acc += gt·W1[e]; PL's entry e = γ·Σ gt⊙tile (gt holds the entry's G tile, zeros outside)."""
+        for i, j in par(BC, BD):
+            acc[i, j] = acc[i, j] + gt[i, j] * T.cast(W1[T.min(e, E - 1) // b, T.min(e, E - 1) % b], _ACC)
+            gt[i, j] = gt[i, j] * tile[i, j]
+        T.reduce_sum(gt, row, dim=1)
+        T.reduce_sum(row, tot, dim=0)
+        if e < E:
+            if direct1:
+                PL[e // b, e % b] = T.cast(tot[0] * gamma, o1)
+            else:
+                PL[t * a + e // b, e % b] = tot[0] * gamma
+
+    @T.prim_func
+    def kron_grads(Gr: T.Tensor((a * c, b * d), gd), W1: T.Tensor((a, b), w1d), W2: T.Tensor((c, d), w2d),
+                   PL: T.Tensor(pl_shape, o1), PT: T.Tensor(pt_shape, o2), gamma: T.float32, kper: T.int32,
+                   nsplit: T.int32):
+        with T.Kernel(nc * nd, nsplit, threads=nthreads(threads)) as (t, s):
+            tile = frag((BC, BD), _ACC)
+            acc = frag((BC, BD), _ACC)
+            gt = frag((BC, BD), _ACC)
+            row = frag((BC,), _ACC)
+            tot = frag((1,), _ACC)
+            gs = shared((BC, BD) if stages else (1, 1), gd)
+            i0 = (t // nd) * BC
+            j0 = (t % nd) * BD
+            for i, j in par(BC, BD):
+                tile[i, j] = T.if_then_else(i0 + i < c and j0 + j < d, T.cast(W2[i0 + i, j0 + j], _ACC),
+                                            T.cast(0, _ACC))
+                acc[i, j] = T.cast(0, _ACC)
+            if stages:
+                for kk in T.Pipelined(steps, num_stages=stages):
+                    e = s * steps + kk
+                    T.copy(Gr[(e // b) * c + i0, (e % b) * d + j0], gs)
+                    for i, j in par(BC, BD):  # rows/columns past w2's edge are the next block's: zeros
+                        gt[i, j] = T.if_then_else(i0 + i < c and j0 + j < d and e < E, T.cast(gs[i, j], _ACC),
+                                                  T.cast(0, _ACC))
+                    entry(e, gt, tile, acc, row, tot, W1, PL, t, gamma)
+            else:
+                for kk in T.serial(kper):
+                    e = s * kper + kk
+                    if e < E:
+                        for i, j in par(BC, BD):
+                            gt[i, j] = T.if_then_else(i0 + i < c and j0 + j < d, T.cast(
+                                Gr[(e // b) * c + i0 + i, (e % b) * d + j0 + j], _ACC), T.cast(0, _ACC))
+                        entry(e, gt, tile, acc, row, tot, W1, PL, t, gamma)
+            for i, j in par(BC, BD):
+                if i0 + i < c and j0 + j < d:
+                    if direct2:
+                        PT[i0 + i, j0 + j] = T.cast(acc[i, j] * gamma, o2)
+                    else:
+                        PT[s * c + i0 + i, j0 + j] = acc[i, j] * gamma
+
+    return kron_grads if cpu or not stages else without_warp_specialization(kron_grads)
 
 
 # --------------------------------------------------------------------------- bypass
@@ -678,6 +764,8 @@ def _grads(g, w1, w2, gamma, d1, d2, cfg=None):
     arch = arch_of(dev)
     gd = tl_dtype(g.dtype)
     p = launch_config(GRADS, cfg)
+    if p.get("one_pass"):
+        return _grads_one_pass(g, w1, w2, gamma, d1, d2, p)
     tile = (p["elems"], p["threads"])
     g_w1 = torch.empty((a, b), device=dev, dtype=d1)
     kernel(kron_grad1_kernel, arch, a, b, c, d, gd, tl_dtype(w2.dtype), tl_dtype(d1), *tile)(
@@ -695,6 +783,38 @@ def _grads(g, w1, w2, gamma, d1, d2, cfg=None):
             g, w1, part, float(gamma), per, ns)
         g_w2 = fresh(part.view(ns, Cq, Dq).sum(0)[:c, :d], d2)
     return g_w1, g_w2
+
+
+def one_pass_split(a: int, b: int, tiles: int, device) -> tuple:
+    """(nsplit, entries per split) of ``kron_grads_kernel``: tiles·nsplit programs fill the GPU
+    about twice, and g_w2's fp32 partials (nsplit·c·d) stay within 1/8 of a 16-bit G (a·b·c·d)."""
+    ns = max(1, min(cdiv(2 * num_sms(device), tiles), (a * b) // 16))
+    per = cdiv(a * b, ns)
+    return cdiv(a * b, per), per
+
+
+def _grads_one_pass(g, w1, w2, gamma, d1, d2, p):
+    """``_grads`` by one ``kron_grads_kernel`` launch (G read once), its partials summed by torch."""
+    a, b = w1.shape
+    c, d = w2.shape
+    dev = g.device
+    BC, BD = _grad_tile(c, d, p["elems"])
+    tiles = cdiv(c, BC) * cdiv(d, BD)
+    ns, per = one_pass_split(a, b, tiles, dev)
+    direct1, direct2 = tiles == 1, ns == 1
+    stages = p.get("stages", 0)
+    f32 = torch.float32
+    pl = torch.empty((a, b) if direct1 else (tiles * a, b), device=dev, dtype=d1 if direct1 else f32)
+    pt = torch.empty((c, d) if direct2 else (ns * c, d), device=dev, dtype=d2 if direct2 else f32)
+    kernel(kron_grads_kernel, arch_of(dev), a, b, c, d, tl_dtype(g.dtype), tl_dtype(w1.dtype), tl_dtype(w2.dtype),
+           tl_dtype(d1), tl_dtype(d2), direct1, direct2, p["elems"], p["threads"], stages, per if stages else 0)(
+        g, w1, w2, pl, pt, float(gamma), per, ns)
+
+    def total(part, n, P0, P1, dt):  # a sum is a new fp32 tensor: no copy where fp32 is wanted
+        s = _sum_partials(part, n, P0, P1)
+        return s if dt == f32 else fresh(s, dt)
+
+    return (pl if direct1 else total(pl, tiles, a, b, d1)), (pt if direct2 else total(pt, ns, c, d, d2))
 
 
 def full_merge_bwd(grad, w1, w2, gamma, cfg=None):
@@ -900,6 +1020,9 @@ def compile_specs(dtype: torch.dtype):
         (kron_kernel, (3, 5, 7, 4, d, "float32", d, d)),
         (kron_grad1_kernel, (3, 5, 7, 4, d, d, "float32")),
         (kron_grad2_kernel, (3, 5, 7, 4, d, "float32", "float32", False)),
+        (kron_grads_kernel, (3, 5, 7, 4, d, d, "float32", d, "float32", False, False)),  # GRADS one_pass
+        (kron_grads_kernel, (3, 5, 7, 4, d, d, d, d, d, True, True)),
+        (kron_grads_kernel, (3, 5, 7, 4, d, d, "float32", d, "float32", False, False, 4096, 128, 2, 5)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, True)),  # APPLY_STAGED
         (kron_apply_kernel, (64, 64, 64, 64, d, None, d, 128, 128, True)),
