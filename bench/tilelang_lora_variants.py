@@ -1,7 +1,7 @@
 """A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) and merge (``lora_merge_fwd``)
 kernel forms, in one process, on a GPU:
 
-    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|merge_bwd|hada_bwd|lokr] [--shapes large,small] [--variants ...]
+    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|merge_bwd|hada_bwd|lokr|lokr_merge_bwd] [--shapes large,small] [--variants ...]
 
 For each bench shape (``large``: 32768 tokens, 4096 channels, rank 64; ``small``: 8192,
 3072, rank 32; with the base, as bench.py's ``lora_bypass``) and each variant,
@@ -63,6 +63,10 @@ add in its own loop), ``fused bwd`` (``lokr.BWD_FUSED``: gx and both weight grad
 pass over the tokens), ``fused bwd sum8`` / ``sum32`` (also ``lokr.PARTIAL_SUM_RUN``: the
 fp32 partials summed over runs of 8 / 32 first, then over the rest);
 floor: the forward's x, base read and y written.
+
+``--op lokr_merge_bwd``: ``lokr.merge_bwd`` on bench.py's ``lokr_merge`` inputs, the two-pass
+gradient kernels against the one pass over G (``GRADS["one_pass"]``, registers or ``stages``
+3, two tile sizes, 256 threads); floor: G read once.
 
 Ratios within one run are what to compare; the machines are shared.
 ``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
@@ -141,6 +145,40 @@ def lokr_table(args, dt, dev, timer, bw) -> None:
             if res:
                 (tf, tb), (xf, xb), diff = res
                 print(f"{name:6} {v:11} {tf:8.3f} {xf:8.2f} {tf / floor:8.2f} {tb:8.3f} {xb:8.2f} {diff:12.2e}")
+
+#: lokr_merge_bwd variant -> lokr.GRADS (the fixed config each row runs): the two-pass kernels
+#: (kron_grad1 + kron_grad2) against the one pass over G (kron_grads_kernel), its G tiles in
+#: registers or a pipelined shared-memory ring of 3 stages, at the fixed tile and at 2048 elements
+LOKR_MERGE_BWD_VARIANTS = {
+    "two-pass": dict(GRADS=dict(elems=4096, threads=128)),
+    "one-pass": dict(GRADS=dict(elems=4096, threads=128, one_pass=True)),
+    "one-pass s3": dict(GRADS=dict(elems=4096, threads=128, one_pass=True, stages=3)),
+    "one-pass e2048": dict(GRADS=dict(elems=2048, threads=128, one_pass=True)),
+    "one-pass e2048 s3": dict(GRADS=dict(elems=2048, threads=128, one_pass=True, stages=3)),
+    "one-pass t256 s3": dict(GRADS=dict(elems=4096, threads=256, one_pass=True, stages=3)),
+}
+
+
+def lokr_merge_bwd_table(args, dt, dev, timer, gen, bw) -> None:
+    """``lokr.merge_bwd`` on bench.py's ``lokr_merge`` inputs (w1 whole (a, a), w2 = w2a·w2b with
+    the big side c = 256); floor: G read once."""
+    from lycoris_ops.tilelang import lokr
+
+    print(f"{'shape':6} {'variant':17} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
+    for name in args.shapes.split(","):
+        N, D, r = (SMOKE if args.smoke else SHAPES)[name]
+        W, w1, w2a, w2b = specs.build_lokr_merge(specs.Geo(N, D, r), dt, dev, torch.Generator().manual_seed(0)).values()
+        a, c = w1.shape[0], w2a.shape[0]
+        G = torch.randn(a * c, a * c, generator=gen, device=dev).to(dt)  # D x D where c divides D
+        floor = G.numel() * G.element_size() / bw * 1e3 if bw else math.nan
+        rows = T.VariantRows(timer)
+        for v in (args.variants or ",".join(LOKR_MERGE_BWD_VARIANTS)).split(","):
+            res = rows.row(f"{name:6} {v:17}", [(lokr, LOKR_MERGE_BWD_VARIANTS[v])],
+                           lambda: lokr.merge_bwd(G, w1, None, w2a, w2b, [a, a, c, c], 0.75))
+            if res:
+                (t,), (x1,), diff = res
+                print(f"{name:6} {v:17} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
+
 
 def merge_table(args, lora, dt, dev, timer, gen, bw) -> None:
     print(f"{'shape':6} {'mode':6} {'variant':11} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
@@ -227,7 +265,7 @@ def hada_bwd_table(args, dt, dev, timer, gen, bw) -> None:
 def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
     ap.add_argument("--op", default="bypass", choices=("bypass", "bypass_bwd", "merge", "merge_bwd", "hada_bwd",
-                                                      "lokr"))
+                                                      "lokr", "lokr_merge_bwd"))
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import lora
 
@@ -244,6 +282,9 @@ def main(argv=None) -> int:
         return 0
     if args.op == "lokr":
         lokr_table(args, dt, dev, timer, bw)
+        return 0
+    if args.op == "lokr_merge_bwd":
+        lokr_merge_bwd_table(args, dt, dev, timer, gen, bw)
         return 0
     print(f"{'shape':6} {'variant':15} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):

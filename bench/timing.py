@@ -241,9 +241,10 @@ def module_settings(*settings):
 
 
 def max_rel_diff(outs, refs) -> float:
-    """The largest ``max|a − b| / max|b|`` over pairs of tensors (a variant against the first)."""
-    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(outs, refs))
+    """The largest ``max|a − b| / max|b|`` over pairs of tensors (a variant against the first;
+    empty pairs, such as an absent factor's gradient, count as equal)."""
+    return max((((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30)).item()
+                for a, b in zip(outs, refs) if b.numel()), default=0.0)
 
 
 def _tensors(out) -> tuple:

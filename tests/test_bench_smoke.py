@@ -164,7 +164,7 @@ def _agreeing_rows(capsys, module, argv, prefixes, count, tol=1e-6):
 
 def test_tilelang_lora_variants_smoke(capsys):
     """``bench/tilelang_lora_variants.py --smoke``: every form of the bypass forward and
-    backward, the merge epilogues and LoKr's apply epilogues run and agree with the first
+    backward, the merge epilogues, LoKr's apply epilogues and merge-backward forms run and agree with the first
     (TileLang's CPU twins, fp32, tiny sizes)."""
     pytest.importorskip("tilelang")
     module = bench_script("tilelang_lora_variants.py", "lycoris_bench_tl_lora")
@@ -177,6 +177,9 @@ def test_tilelang_lora_variants_smoke(capsys):
                    tol=1e-5)
     # LoKr's fused weight gradients sum the token tiles in another order (fp32: ~1e-6 apart)
     _agreeing_rows(capsys, module, ["--op", "lokr", "--shapes", "small"], "small ", len(module.LOKR_VARIANTS), tol=1e-5)
+    # the one-pass merge backward sums the (u, v) pairs in another order
+    _agreeing_rows(capsys, module, ["--op", "lokr_merge_bwd", "--shapes", "small"], "small ",
+                   len(module.LOKR_MERGE_BWD_VARIANTS), tol=1e-5)
 
 
 def test_tilelang_stream_variants_smoke(capsys):
