@@ -115,7 +115,8 @@ TILE_CFGS = [(dict(BM=32, BN=64, threads=256), dict(elems=2048, threads=256), di
 CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems", "threads"),
             "kron_grad2_kernel": ("elems", "threads"), "kron_apply_kernel": ("rows", "threads"),
             "kron_wgrad1_kernel": ("rows", "threads"), "kron_wgrad2_kernel": ("rows", "threads"),
-            "kron_wgrads_kernel": ("rows", "threads"), "kron_grads_kernel": ("elems", "threads")}
+            "kron_wgrads_kernel": ("rows", "threads"), "kron_grads_kernel": ("elems", "threads"),
+            "kron_finish_kernel": ()}  # the one-pass backward's finishing launch: no tile of a config
 #: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``, ``split_base``; the wgrad
 #: kernels: ``kper_static``; ``kron_grads_kernel``: ``stages``, ``steps``)
 TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 2,
@@ -413,8 +414,9 @@ def test_tile_space_legality():
 
 @pytest.mark.parametrize("stages", [0, 3], ids=["registers", "pipelined"])
 def test_one_pass_merge_bwd(stages, monkeypatch):
-    """The merge backwards in one pass over G (``kron_grads_kernel``, ``GRADS["one_pass"]``),
-    its G tiles in registers or through a 3-stage pipeline, against the eager bodies: gradient
+    """The merge backwards in one pass over G (``kron_grads_kernel``, ``GRADS["one_pass"]``) and
+    one finishing launch (``kron_finish_kernel``: partial sums, casts, factor chains), the G tiles
+    in registers or through a 3-stage pipeline, against the eager bodies: gradient
     tiles past w2's edge (37 x 150), several tiles (g_w1 partials) or one (direct), splits of the
     a·b entries with a tail (7 x 11 entries over 4 splits of 20: g_w2 partials) or one split
     (direct), factored and whole sides. And an inf in one (u, v) block of G stays there: the
@@ -437,6 +439,14 @@ def test_one_pass_merge_bwd(stages, monkeypatch):
         _with_cfg("lokr_full_merge_bwd", cfg, (G, w1, w2, 0.7), dtype)
         _with_cfg("lokr_merge_bwd", cfg, (G, *f, [a, b, c, d], 0.7), dtype)
     assert splits == [(6, 1, 6), (1, 4, 20), (1, 1, 1)]  # (tiles, splits, entries a split)
+    # the finishing launch's jobs (kron_finish_kernel): a chain of rank 70 (chunks of 32) with
+    # several row and column chunks beside a whole side; a chain on the loop side; both chains
+    for (a, b, c, d), (r1, r2) in (((2, 3, 150, 300), (0, 70)), ((130, 140, 2, 3), (9, 0)),
+                                   ((17, 19, 33, 35), (5, 6))):
+        G = m(a * c, b * d, scale=0.1)
+        f = ((m(a, r1), m(r1, b, scale=r1 ** -0.5)) if r1 else (m(a, b), None)) + (
+            (m(c, r2), m(r2, d, scale=r2 ** -0.5)) if r2 else (m(c, d), None))
+        _with_cfg("lokr_merge_bwd", cfg, (G, *f, [a, b, c, d], 0.7), dtype)
     a, b, c, d = 3, 2, 37, 150
     G, w1, w2 = m(a * c, b * d), m(a, b), m(c, d, scale=0.1)
     G[c:2 * c, :d] = float("inf")  # block (u, v) = (1, 0)

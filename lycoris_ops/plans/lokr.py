@@ -459,6 +459,8 @@ def _tl_grads(op, dev, dims, r1, r2, compute, g_dtype, n):
 
     def work(k):
         (kind, (bc, bd), threads, *stages), = tl_kernels(op, dims, k)
+        if kind == "grads1" and p2(max(r1, r2)) > _tl_lokr().MAX_ONE_PASS_RANK:
+            return None  # its finishing kernel's factor blocks would not fit shared memory
         cfg = dict(block_m=bc, block_n=bd, block_r=16, block_rl=16, swap=False, num_warps=threads // 32,
                    num_stages=max([1, *stages]))
         works = _merge_works(dev, cfg, a, b, c, d, 0, 0, e, eg, 0, True)

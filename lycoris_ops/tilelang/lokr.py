@@ -22,7 +22,9 @@ Merges (elementwise and reductions: exact fp32 arithmetic, no tensor cores):
     key; the fixed config keeps the two kernels above until an H200 times it): program =
     (tile of w2, split of the (u, v) pairs); per pair the G tile gives g_w1's partial of
     this tile (a reduction) and adds into g_w2's split accumulator; G tiles in registers or
-    (``stages``) through a ``T.Pipelined`` shared-memory ring; fp32 partials summed by torch.
+    (``stages``) through a ``T.Pipelined`` shared-memory ring. Then ``kron_finish_kernel``, one
+    launch for both sides: a whole side's partials summed and rounded, a factored side's
+    chained (``Ps·wbᵀ``, ``waᵀ·Ps``, fp32 on CUDA cores from the unrounded sum).
 ``lokr_merge_bwd`` chains the factored sides with two small fp32 torch
     matmuls (``g_w1a = g_w1·w1bᵀ``, ``g_w1b = w1aᵀ·g_w1``; g_w1 stays fp32).
 
@@ -74,7 +76,8 @@ from ._common import (aligned, arch_of, cdiv, kernel, launch_config, next_pow2, 
 from .lora import _scopes, compute_dtype, dummy, fresh, gemm, pad_rank, prep
 from ..plans.cost import SMEM_MARGIN as _SMEM_MARGIN
 
-__all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_grads_kernel", "kron_apply_kernel",
+__all__ = ["kron_kernel", "kron_grad1_kernel", "kron_grad2_kernel", "kron_grads_kernel", "kron_finish_kernel",
+           "kron_apply_kernel",
            "kron_wgrad1_kernel", "kron_wgrad2_kernel", "kron_wgrads_kernel",
            "full_merge_fwd", "full_merge_bwd", "merge_fwd", "merge_bwd", "bypass_fwd", "bypass_bwd",
            "compile_specs"]
@@ -355,6 +358,149 @@ def kron_grads_kernel(a: int, b: int, c: int, d: int, gd: str, w1d: str, w2d: st
                         PT[s * c + i0 + i, j0 + j] = acc[i, j] * gamma
 
     return kron_grads if cpu or not stages else without_warp_specialization(kron_grads)
+
+
+#: ``kron_finish_kernel``: a chain program's rows (GA) / columns (GB), and its most chunk of the
+#: other axis; a chain's two fp32 factor blocks (Rp x chunk each) hold FINISH_ELEMS elements
+FINISH_BLOCK, FINISH_CHUNK, FINISH_ELEMS = 16, 128, 4096
+#: the largest padded rank the one-pass merge backward takes (plans/lokr.py leaves it out past
+#: that): two chain jobs' shared memory then stays under 80 KiB
+MAX_ONE_PASS_RANK = 256
+
+
+def _finish_geometry(job) -> tuple:
+    """(programs, chunk) of one ``kron_finish_kernel`` job: a whole side's (BLOCK x CHUNK) tiles;
+    a chain's GA row blocks then GB column blocks, its chunk FINISH_ELEMS / Rp (16..128)."""
+    kind, M, N, R = job[:4]
+    if kind == "whole":
+        return cdiv(M, FINISH_BLOCK) * cdiv(N, FINISH_CHUNK), FINISH_CHUNK
+    chunk = max(16, min(FINISH_CHUNK, FINISH_ELEMS // pad_rank(R)))
+    return cdiv(M, FINISH_BLOCK) + cdiv(N, FINISH_BLOCK), chunk
+
+
+def kron_finish_kernel(job1: tuple, job2, threads: int = 128, cpu: bool = False):
+    """The merge backward's last step after ``kron_grads_kernel``, both sides in one launch: per
+    side a job on its fp32 partial stack P (S·M, N) (S = 1: a plane), ``Ps = Σ_s P[s]``:
+
+    * ``("whole", M, N, 0, S, None, None, oa, None)``: ``GA = Ps`` (M, N) in oa (a whole
+      factor's gradient); programs: (16 x 128) tiles;
+    * ``("chain", M, N, R, S, wad, wbd, oa, ob)``: a factored side's ``GA = Ps·wbᵀ`` (M, R) in
+      oa and ``GB = waᵀ·Ps`` (R, N) in ob (wa (M, R), wb (R, N)); programs: 16-row blocks of
+      GA, then 16-column blocks of GB, each summing its rows / columns of the stack chunk by
+      chunk into shared memory. fp32 products on CUDA cores: Ps is never rounded (the
+      reference's fp32 matmuls of the unrounded gradient).
+
+    ``job2`` None: one side. Program ``bx`` runs job 1 below its program count, job 2 above."""
+    import tilelang.language as T
+
+    shared, frag, par, nthreads = _scopes(T, cpu)
+    BK = FINISH_BLOCK
+    jobs = [job1] + ([job2] if job2 is not None else [])
+    geo = [_finish_geometry(j) for j in jobs]
+    n1 = geo[0][0]
+    total = n1 + (geo[1][0] if job2 is not None else 0)
+
+    def shapes(job):
+        kind, M, N, R, S, wad, wbd, oa, ob = job
+        if kind == "whole":
+            return dict(P=((S * M, N), _ACC), WA=((1,), _ACC), WB=((1,), _ACC), GA=((M, N), oa), GB=((1,), _ACC))
+        return dict(P=((S * M, N), _ACC), WA=((M, R), wad), WB=((R, N), wbd), GA=((M, R), oa), GB=((R, N), ob))
+
+    sh = [shapes(j) for j in jobs] + [shapes(("whole", 1, 1, 0, 1, None, None, _ACC, None))] * (2 - len(jobs))
+
+    def job_macro(job, chunk):
+        kind, M, N, R, S = job[:5]
+        Rp = pad_rank(R) if R else 1
+        oa, ob = job[7], job[8]
+        nga = cdiv(M, BK)
+
+        def stack_sum(rows: int, cols: int):
+            @T.macro
+            def summed(P, buf, r0, c0):
+                """buf[i, j] = Σ_s P[s·M + r0 + i, c0 + j] over a (rows, cols) block (zeros outside M x N)."""
+                for i, j in par(rows, cols):
+                    buf[i, j] = T.cast(0, _ACC)
+                for s in T.serial(S):
+                    for i, j in par(rows, cols):
+                        if r0 + i < M and c0 + j < N:
+                            buf[i, j] = buf[i, j] + P[s * M + r0 + i, c0 + j]
+
+            return summed
+
+        tile_sum, rows_sum, cols_sum = stack_sum(BK, chunk), stack_sum(BK, chunk), stack_sum(chunk, BK)
+
+        @T.macro
+        def run(P, WA, WB, GA, GB, q, PsA, WsA, PsB, WsB, acc_a, acc_b):
+            """Program ``q`` of this job (shared: PsA (BK, chunk + 1), WsA (Rp, chunk + 1), PsB (chunk, BK),
+            WsB (chunk, Rp), of which the first chunk columns are used; fragments: acc_a (BK, chunk) or
+            (BK, Rp), acc_b (Rp, BK))."""
+            if kind == "whole":
+                m0 = (q // cdiv(N, chunk)) * BK
+                n0 = (q % cdiv(N, chunk)) * chunk
+                tile_sum(P, acc_a, m0, n0)
+                for i, j in par(BK, chunk):
+                    if m0 + i < M and n0 + j < N:
+                        GA[m0 + i, n0 + j] = T.cast(acc_a[i, j], oa)
+            else:
+                if q < nga:  # GA rows m0..m0+BK: Σ over N chunks of Ps[rows, chunk]·WB[:, chunk]ᵀ
+                    m0 = q * BK
+                    for i, k in par(BK, Rp):
+                        acc_a[i, k] = T.cast(0, _ACC)
+                    for c0 in T.serial(cdiv(N, chunk)):
+                        rows_sum(P, PsA, m0, c0 * chunk)
+                        for k, j in par(Rp, chunk):
+                            WsA[k, j] = T.if_then_else(k < R and c0 * chunk + j < N,
+                                                       T.cast(WB[k, c0 * chunk + j], _ACC), T.cast(0, _ACC))
+                        for j in T.serial(chunk):
+                            for i, k in par(BK, Rp):
+                                acc_a[i, k] = acc_a[i, k] + PsA[i, j] * WsA[k, j]
+                    for i, k in par(BK, Rp):
+                        if m0 + i < M and k < R:
+                            GA[m0 + i, k] = T.cast(acc_a[i, k], oa)
+                else:  # GB columns n0..n0+BK: Σ over M chunks of WA[chunk, :]ᵀ·Ps[chunk, columns]
+                    n0 = (q - nga) * BK
+                    for k, j in par(Rp, BK):
+                        acc_b[k, j] = T.cast(0, _ACC)
+                    for c0 in T.serial(cdiv(M, chunk)):
+                        cols_sum(P, PsB, c0 * chunk, n0)
+                        for i, k in par(chunk, Rp):
+                            WsB[i, k] = T.if_then_else(k < R and c0 * chunk + i < M,
+                                                       T.cast(WA[c0 * chunk + i, k], _ACC), T.cast(0, _ACC))
+                        for i in T.serial(chunk):
+                            for k, j in par(Rp, BK):
+                                acc_b[k, j] = acc_b[k, j] + WsB[i, k] * PsB[i, j]
+                    for k, j in par(Rp, BK):
+                        if k < R and n0 + j < N:
+                            GB[k, n0 + j] = T.cast(acc_b[k, j], ob)
+
+        return run, Rp
+
+    macros = [job_macro(j, g[1]) for j, g in zip(jobs, geo)]
+
+    def buffers(job, chunk, Rp):
+        """(PsA, WsA, PsB, WsB, acc_a, acc_b) of one job (allocated at the kernel's top level)."""
+        if job[0] == "whole":
+            one = shared((1, 1), _ACC)
+            return one, one, one, one, frag((BK, chunk), _ACC), frag((1, 1), _ACC)
+        # GA's inner loop reads PsA[i, j] and WsA[k, j] at one j across the warp: rows one word
+        # longer than the chunk put them in distinct banks (a chunk-long row: 4- and 8-way conflicts)
+        return (shared((BK, chunk + 1), _ACC), shared((Rp, chunk + 1), _ACC), shared((chunk, BK), _ACC),
+                shared((chunk, Rp), _ACC), frag((BK, Rp), _ACC), frag((Rp, BK), _ACC))
+
+    @T.prim_func
+    def kron_finish(P1: T.Tensor(*sh[0]["P"]), WA1: T.Tensor(*sh[0]["WA"]), WB1: T.Tensor(*sh[0]["WB"]),
+                    GA1: T.Tensor(*sh[0]["GA"]), GB1: T.Tensor(*sh[0]["GB"]),
+                    P2: T.Tensor(*sh[1]["P"]), WA2: T.Tensor(*sh[1]["WA"]), WB2: T.Tensor(*sh[1]["WB"]),
+                    GA2: T.Tensor(*sh[1]["GA"]), GB2: T.Tensor(*sh[1]["GB"])):
+        with T.Kernel(total, threads=nthreads(threads)) as bx:
+            b1 = buffers(jobs[0], geo[0][1], macros[0][1])
+            b2 = buffers(jobs[1], geo[1][1], macros[1][1]) if job2 is not None else None
+            if bx < n1:
+                macros[0][0](P1, WA1, WB1, GA1, GB1, bx, *b1)
+            elif job2 is not None:
+                macros[1][0](P2, WA2, WB2, GA2, GB2, bx - n1, *b2)
+
+    return kron_finish
 
 
 # --------------------------------------------------------------------------- bypass
@@ -764,8 +910,6 @@ def _grads(g, w1, w2, gamma, d1, d2, cfg=None):
     arch = arch_of(dev)
     gd = tl_dtype(g.dtype)
     p = launch_config(GRADS, cfg)
-    if p.get("one_pass"):
-        return _grads_one_pass(g, w1, w2, gamma, d1, d2, p)
     tile = (p["elems"], p["threads"])
     g_w1 = torch.empty((a, b), device=dev, dtype=d1)
     kernel(kron_grad1_kernel, arch, a, b, c, d, gd, tl_dtype(w2.dtype), tl_dtype(d1), *tile)(
@@ -793,38 +937,74 @@ def one_pass_split(a: int, b: int, tiles: int, device) -> tuple:
     return cdiv(a * b, per), per
 
 
-def _grads_one_pass(g, w1, w2, gamma, d1, d2, p):
-    """``_grads`` by one ``kron_grads_kernel`` launch (G read once), its partials summed by torch."""
+def _one_pass(g, w1, w2, gamma, side1, side2, p):
+    """The merge backward by ``kron_grads_kernel`` (G read once) and one ``kron_finish_kernel``
+    launch (the partial sums, casts and factor chains); g, w1, w2 prepared (a factored side's
+    w generated in fp32). ``side1`` / ``side2``: ``("whole", dtype)``, that factor's gradient in
+    dtype, or ``("chain", wa, wb, da, db)``, a factored side's (g_wa in da, g_wb in db) from the
+    unrounded fp32 gradient of w; wa, wb prepared. Returns per side a tuple of its gradients."""
     a, b = w1.shape
     c, d = w2.shape
     dev = g.device
+    f32 = torch.float32
     BC, BD = _grad_tile(c, d, p["elems"])
     tiles = cdiv(c, BC) * cdiv(d, BD)
     ns, per = one_pass_split(a, b, tiles, dev)
-    direct1, direct2 = tiles == 1, ns == 1
+    direct1 = tiles == 1 and side1[0] == "whole"
+    direct2 = ns == 1 and side2[0] == "whole"
+    pl = torch.empty((a, b) if direct1 else (tiles * a, b), device=dev, dtype=side1[1] if direct1 else f32)
+    pt = torch.empty((c, d) if direct2 else (ns * c, d), device=dev, dtype=side2[1] if direct2 else f32)
     stages = p.get("stages", 0)
-    f32 = torch.float32
-    pl = torch.empty((a, b) if direct1 else (tiles * a, b), device=dev, dtype=d1 if direct1 else f32)
-    pt = torch.empty((c, d) if direct2 else (ns * c, d), device=dev, dtype=d2 if direct2 else f32)
     kernel(kron_grads_kernel, arch_of(dev), a, b, c, d, tl_dtype(g.dtype), tl_dtype(w1.dtype), tl_dtype(w2.dtype),
-           tl_dtype(d1), tl_dtype(d2), direct1, direct2, p["elems"], p["threads"], stages, per if stages else 0)(
-        g, w1, w2, pl, pt, float(gamma), per, ns)
-
-    def total(part, n, P0, P1, dt):  # a sum is a new fp32 tensor: no copy where fp32 is wanted
-        s = _sum_partials(part, n, P0, P1)
-        return s if dt == f32 else fresh(s, dt)
-
-    return (pl if direct1 else total(pl, tiles, a, b, d1)), (pt if direct2 else total(pt, ns, c, d, d2))
+           tl_dtype(pl.dtype), tl_dtype(pt.dtype), direct1, direct2, p["elems"], p["threads"], stages,
+           per if stages else 0)(g, w1, w2, pl, pt, float(gamma), per, ns)
+    jobs, args, outs = [], [], []
+    for side, part, direct, S, M, N in ((side1, pl, direct1, tiles, a, b), (side2, pt, direct2, ns, c, d)):
+        if direct:
+            outs.append((part,))
+            continue
+        if side[0] == "whole":
+            ga = torch.empty((M, N), device=dev, dtype=side[1])
+            jobs.append(("whole", M, N, 0, S, None, None, tl_dtype(side[1]), None))
+            one = dummy(dev, f32)
+            args += [part, one, one, ga, one]
+            outs.append((ga,))
+        else:
+            _, wa, wb, da, db = side
+            R = wa.shape[1]
+            ga = torch.empty((M, R), device=dev, dtype=da)
+            gb = torch.empty((R, N), device=dev, dtype=db)
+            jobs.append(("chain", M, N, R, S, tl_dtype(wa.dtype), tl_dtype(wb.dtype), tl_dtype(da), tl_dtype(db)))
+            args += [part, wa, wb, ga, gb]
+            outs.append((ga, gb))
+    if jobs:
+        if len(jobs) == 1:  # the absent job's parameters: (1, 1) stack and gradient, (1,) others
+            one = dummy(dev, f32)
+            args += [one.view(1, 1), one, one, one.view(1, 1), one]
+        kernel(kron_finish_kernel, arch_of(dev), jobs[0], jobs[1] if len(jobs) > 1 else None)(*args)
+    return outs
 
 
 def full_merge_bwd(grad, w1, w2, gamma, cfg=None):
     c = compute_dtype(w1, w2)
+    if launch_config(GRADS, cfg).get("one_pass"):
+        (g1,), (g2,) = _one_pass(prep(grad, c), prep(w1, c), prep(w2, c), gamma, ("whole", w1.dtype),
+                                 ("whole", w2.dtype), launch_config(GRADS, cfg))
+        return g1, g2
     return _grads(prep(grad, c), prep(w1, c), prep(w2, c), gamma, w1.dtype, w2.dtype, cfg)
 
 
 def merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, cfg=None):
     c = compute_dtype(w1a, w1b, w2a, w2b)
     s1, s2 = _side(w1a, w1b, c), _side(w2a, w2b, c)
+    p = launch_config(GRADS, cfg)
+    if p.get("one_pass"):  # the chains in the finishing launch; an absent b factor: an empty gradient
+        def side(wa, wb):
+            return ("whole", wa.dtype) if wb is None else ("chain", prep(wa, c), prep(wb, c), wa.dtype, wb.dtype)
+
+        r1, r2 = _one_pass(prep(grad, c), s1, s2, gamma, side(w1a, w1b), side(w2a, w2b), p)
+        empty = [grad.new_empty((0,), dtype=wa.dtype) for wa in (w1a, w2a)]
+        return (*r1, *([empty[0]] if w1b is None else []), *r2, *([empty[1]] if w2b is None else []))
     f32 = torch.float32
     g_w1, g_w2 = _grads(prep(grad, c), s1, s2, gamma,
                         w1a.dtype if w1b is None else f32, w2a.dtype if w2b is None else f32, cfg)
@@ -1023,6 +1203,8 @@ def compile_specs(dtype: torch.dtype):
         (kron_grads_kernel, (3, 5, 7, 4, d, d, "float32", d, "float32", False, False)),  # GRADS one_pass
         (kron_grads_kernel, (3, 5, 7, 4, d, d, d, d, d, True, True)),
         (kron_grads_kernel, (3, 5, 7, 4, d, d, "float32", d, "float32", False, False, 4096, 128, 2, 5)),
+        (kron_finish_kernel, (("whole", 3, 5, 0, 2, None, None, d, None), ("chain", 7, 4, 3, 2, d, d, d, d))),
+        (kron_finish_kernel, (("chain", 37, 150, 70, 3, d, d, d, d), None)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, True)),  # APPLY_STAGED
         (kron_apply_kernel, (64, 64, 64, 64, d, None, d, 128, 128, True)),
