@@ -31,7 +31,7 @@ import torch
 from torch import _C
 from torch._library.utils import is_tensorlist_like_type
 
-__all__ = ["register_autograd", "first_order_only", "BwdCall", "direct_backward"]
+__all__ = ["register_autograd", "first_order_only", "BwdCall", "direct_backward", "DIRECT"]
 
 
 class BwdCall(NamedTuple):
@@ -62,6 +62,9 @@ def direct_backward(enabled: bool):
 
 #: the FRAGMENT libraries holding the registrations (kept alive with the process)
 _libs = {}
+#: "lycoris::<op>" -> its ``direct`` backward (``BwdCall``), as registered: the one ``*_bwd`` call
+#: its backward makes (``autograd.backward_calls``)
+DIRECT = {}
 
 
 #: ``LYCORIS_AUTOGRAD_KERNEL=python`` (read at import): every op gets the Python kernel, for
@@ -161,6 +164,8 @@ def register_autograd(qualname: str, backward: Callable, *, setup_context: Optio
     without a gradient (a kept output must be non-differentiable). ``direct``: the same
     backward as one call of a ``*_bwd`` op (``BwdCall``), made by the C++ node without
     Python. ``save=None``: the Python kernel."""
+    if direct is not None:
+        DIRECT[qualname] = direct
     if save is not None and not _PYTHON_KERNEL_ONLY and _cpp_registration(
             qualname, backward, setup_context, save, save_outputs, nondiff_outputs, direct):
         return

@@ -420,6 +420,40 @@ register_autograd("lycoris::add_scaled", _add_scaled_backward, setup_context=_ad
 # --- end add ---
 
 
+# --- the backward calls of a forward call ---
+def backward_calls(op: str, args: dict, outs) -> list:
+    """The ``*_bwd`` op calls the backward of one ``op`` call makes when its inputs need
+    gradients: ``[(bwd op, positional args)]``, with ``outs`` (the forward's outputs, or
+    stand-ins of their shapes and dtypes) giving the incoming gradient. ``args``: the
+    forward's arguments by schema name. What ``plans/tilelang.py`` builds kernels for ahead
+    of the first backward; [] where the backward calls none (``lora_tucker_fwd``,
+    ``add_scaled``: their own rules). The ops with a direct backward take it from its
+    registration (``_autograd_kernel.DIRECT``); the others follow their backward above."""
+    from ._autograd_kernel import DIRECT
+
+    g = outs[0]
+    direct = DIRECT.get(f"lycoris::{op}")
+    if direct is not None:
+        return [(direct.op.split("::")[1], tuple(g if n == "grad" else args[n] for n in direct.args))]
+    a = args
+    if op == "lora_merge_fwd":
+        if a["mode"] == "plain":
+            return [("lora_merge_bwd", (g, a["a1"], a["b1"], a["gamma"]))]
+        if a["mode"] == "hada":
+            return [("loha_merge_bwd", (g, a["a1"], a["b1"], a["a2"], a["b2"], a["gamma"]))]
+        return [("lora_merge_bwd", (g, a["a1"], a["b1"], a["gamma"])),
+                ("lora_merge_bwd", (g, a["a2"], a["b2"], a["gamma"]))]
+    if op == "dora_fwd":
+        return [("dora_bwd", (g, a["w"], a["dscale"], outs[1], a["mult"], a["row_axis"], a["delta"]))]
+    if op == "oft_fwd":
+        return [("oft_bwd", (g, a["blocks"], a["x"], a["rescale"], a["cscale"], a["shift"], a["weight"]))]
+    if op == "boft_fwd":  # with a rescale the chain's gradient is G·ρ in fp32 (_boft_fwd_backward)
+        if a["rescale"] is not None:
+            g = g.new_empty(g.shape, dtype=torch.promote_types(g.dtype, torch.float32))
+        return [("boft_bwd", (g, a["blocks"], a["x"], a["axis"], a["cscale"], a["scale"]))]
+    return []
+
+
 for _name in (
     "lora_merge_bwd", "lora_bypass_bwd", "loha_merge_bwd", "loha_bypass_bwd",
     "lokr_full_merge_bwd", "lokr_merge_bwd", "lokr_bypass_bwd", "dora_bwd",

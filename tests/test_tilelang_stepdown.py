@@ -201,7 +201,7 @@ def test_tile_configs_are_timed_and_the_winner_runs(monkeypatch):
     shortlist = [small, tl_pick.KERNEL, big, tune.SENTINEL_EAGER]
     planned, built = [], []
     monkeypatch.setattr(tl_pick, "candidates", lambda op, args: planned.append(op) or list(shortlist))
-    def precompile_call(kernel, args, cands=(), kept=None):
+    def precompile_call(kernel, args, cands=(), kept=None, ahead=()):
         built.append(list(cands))
         if kept is not None:
             kept.extend(cands)
@@ -492,3 +492,230 @@ def test_h200_shortlists_time_distinct_programs(large, monkeypatch):
                                       for p in pending))
         assert programs and all(programs), (op, programs)
         assert len(set(programs)) == len(programs), (op, [sorted(p) for p in programs])
+
+
+# ----------------------------------------------------------------------------- kernels built ahead
+
+def _bwd_calls_made(case):
+    """The ``*_bwd`` op calls autograd makes for ``case`` (every floating input requiring a
+    gradient, a random gradient of the first output): [(op, args with the schema's defaults)]."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Recorder(TorchDispatchMode):
+        calls = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            if name.startswith("lycoris::") and name.endswith("_bwd"):
+                schema = func._schema.arguments
+                full = list(args) + [kwargs.get(a.name, a.default_value) if kwargs else a.default_value
+                                     for a in schema[len(args):]]
+                self.calls.append((name.split("::")[1], tuple(full)))
+            return func(*args, **(kwargs or {}))
+
+    run = case.to(requires_grad=True)
+    out = run()
+    y = out[0] if isinstance(out, tuple) else out
+    if not y.requires_grad:
+        return None, out
+    with Recorder() as rec:
+        y.backward(torch.randn_like(y))
+    return rec.calls, out
+
+
+def _signature(args):
+    return tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def test_backward_calls_are_what_autograd_calls():
+    """``autograd.backward_calls`` (what plans/tilelang.py builds kernels for ahead of a first
+    backward) names, for every forward case of the test tables, the ``*_bwd`` calls autograd
+    then makes: the same ops, operand shapes and dtypes (the gradient a stand-in of the
+    output's) and non-tensor arguments; none for the ops whose backward is its own rule."""
+    from lycoris_ops import autograd
+    from lycoris_ops.testing import cases
+
+    checked, ops = 0, set()
+    for case in cases():
+        if case.op.endswith("_bwd"):
+            continue
+        made, out = _bwd_calls_made(case)
+        if made is None:
+            continue
+        names = [a.name for a in getattr(torch.ops.lycoris, case.op).default._schema.arguments]
+        outs = [torch.empty_like(o) for o in (out if isinstance(out, tuple) else (out,))]
+        predicted = autograd.backward_calls(case.op, dict(zip(names, case.args)), outs)
+        assert [(op, _signature(a)) for op, a in predicted] == [(op, _signature(a)) for op, a in made], case.id
+        checked += 1
+        ops.add(case.op)
+    assert checked >= 30 and {"lora_bypass_fwd", "lokr_merge_fwd", "dora_fwd", "oft_fwd", "boft_fwd",
+                              "lora_merge_fwd", "ia3_fwd", "loha_bypass_fwd"} <= ops, (checked, ops)
+
+
+def _stand_in_op_function(vecs):
+    """A stand-in TileLang op function building add_kernel variants (vector widths ``vecs``)."""
+    from lycoris_ops.tilelang import _common as C
+    from lycoris_ops.tilelang.add import add_kernel
+
+    def op_function(cfg=None):
+        for v in vecs:
+            C.kernel(add_kernel, "sm_90a", "float16", "float16", "float16", v)(None, None, None)
+    return op_function
+
+
+def _pending(vecs):
+    from lycoris_ops.tilelang import _common as C
+
+    with C.capturing() as listed:
+        _stand_in_op_function(vecs)()
+    return listed
+
+
+def test_ahead_children_are_not_waited_for_and_their_kernels_not_built_twice(monkeypatch):
+    """``precompile_call(ahead=...)`` forks the ahead kernels' children without waiting (on the
+    cores its own children leave); a later call needing those kernels waits for exactly those
+    children, then builds none of them again (they load from the disk cache); a child that
+    failed leaves its kernels to the call."""
+    pytest.importorskip("tilelang")
+    import os
+
+    monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 4)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(tl_pick, "_ahead", {})
+    monkeypatch.setattr(tl_pick, "_built_ahead", set())
+    forks, waits, built = [], [], []
+    monkeypatch.setattr(precompile, "fork_builds",
+                        lambda ks, procs: forks.append((procs, [p.args[-1] for p in ks]))
+                        or [(1000 + i, list(ks[i::procs])) for i in range(min(procs, len(ks)))])
+    monkeypatch.setattr(precompile, "compile_forked",
+                        lambda ks, procs, timeout_s=0: built.append([p.args[-1] for p in ks]) or (len(ks), 0))
+    exits = {1000: 0, 1001: 1}  # the second ahead child failed
+
+    def waitpid(pid, flags):
+        waits.append(pid)
+        return (pid, exits[pid] << 8) if pid in exits else (0, 0)
+
+    monkeypatch.setattr(os, "waitpid", waitpid)
+    forward, backward = _stand_in_op_function((4, 8)), _stand_in_op_function((16, 32, 64))
+    n = tl_pick.precompile_call(forward, (), [tl_pick.KERNEL], ahead=_pending((16, 32, 64)))
+    # its own 2 kernels in children (waited for); the 3 ahead on 8 - 1 - 2 = 5 spare cores, capped at 4
+    assert n == 2 and built == [[4, 8]] and forks == [(4, [16, 32, 64])] and not waits
+    assert set(tl_pick._ahead) == {1000, 1001, 1002}
+    exits[1002] = 0
+    n = tl_pick.precompile_call(backward, (), [tl_pick.KERNEL])
+    # waited for the three children; 16 and 64 built (exit 0), 32's child failed: built here
+    assert set(waits) >= {1000, 1001, 1002} and not tl_pick._ahead
+    assert n == 0 and built == [[4, 8]]  # one kernel left: the call builds it itself (no child)
+    assert {k[-1][-1] for k in tl_pick._built_ahead} == {16, 64}
+
+
+def test_a_forward_call_lists_its_backwards_kernels(monkeypatch):
+    """``backward_pending``: a cold forward call whose inputs need gradients lists the kernels of
+    its backward op's cold shortlist (the ``*_bwd`` call taking the TileLang tier), through the
+    TileLang op set with ``run`` in listing mode; nothing where the backward's key is stored,
+    where the call would take another tier, or where its kernels are being built ahead."""
+    pytest.importorskip("tilelang")
+    from lycoris_ops import select
+    from lycoris_ops.tilelang import ops as tl_ops
+
+    seen = []
+
+    def lora_bypass_bwd(grad, x, up, down, gamma):
+        return tl_pick.run("lora_bypass_bwd", stand_in, (grad, x, up, down, gamma))
+
+    def stand_in(grad, x, up, down, gamma, cfg=None):
+        seen.append((grad.shape, grad.dtype, x.shape, gamma))
+        _stand_in_op_function((2, 4))()
+
+    stand_in.__module__ = __name__
+    monkeypatch.setattr(tl_ops, "lora_bypass_bwd", lora_bypass_bwd)
+    monkeypatch.setattr(select, "explain", lambda op, *a: "tilelang")
+    monkeypatch.setattr(tl_pick, "_ahead", {})
+    monkeypatch.setattr(tl_pick, "_built_ahead", set())
+    x, up, down = torch.randn(6, 8), torch.randn(8, 2), torch.randn(2, 8)
+    pending = tl_pick.backward_pending("lora_bypass_fwd", (x, up, down, 0.5, None))
+    assert [p.args[-1] for p in pending] == [2, 4] and seen == [((6, 8), torch.float32, (6, 8), 0.5)]
+    tl_pick._ahead[7] = (frozenset(p.key for p in pending[:1]), 0.0)  # one being built ahead
+    assert [p.args[-1] for p in tl_pick.backward_pending("lora_bypass_fwd", (x, up, down, 0.5, None))] == [4]
+    tl_pick._ahead.clear()
+    monkeypatch.setattr(tune, "stored", lambda *a, **k: True)  # the backward's choice is known
+    assert tl_pick.backward_pending("lora_bypass_fwd", (x, up, down, 0.5, None)) == []
+    monkeypatch.setattr(tune, "stored", lambda *a, **k: False)
+    monkeypatch.setattr(select, "explain", lambda op, *a: "triton")  # the backward goes elsewhere
+    assert tl_pick.backward_pending("lora_bypass_fwd", (x, up, down, 0.5, None)) == []
+
+
+@pytest.mark.parametrize("grad,ahead_on", [(True, True), (False, True), (True, False)],
+                         ids=["needs-grad", "no-grad", "ahead-off"])
+def test_a_cold_forward_starts_its_backwards_kernels(monkeypatch, grad, ahead_on):
+    """``run``: a cold call whose inputs need gradients hands its backward's kernels
+    (``backward_pending``) to its precompile as ``ahead``; none under ``no_grad`` or with
+    ``LYCORIS_TILELANG_AHEAD=0``."""
+    got = []
+    monkeypatch.setattr(tl_pick, "AHEAD", ahead_on)
+    monkeypatch.setattr(tl_pick, "backward_pending", lambda op, args: [f"{op}-bwd-kernels"])
+    monkeypatch.setattr(tl_pick, "candidates", lambda op, args: [tl_pick.KERNEL, tune.SENTINEL_EAGER])
+
+    def precompile_call(kernel, args, cands=(), kept=None, ahead=()):
+        got.append(list(ahead))
+        kept.extend(cands)
+        return 0
+
+    monkeypatch.setattr(tl_pick, "precompile_call", precompile_call)
+    tune.set_timer(_timer(1.0, 2.0, []))
+    x, up, down = torch.randn(6, 8, requires_grad=grad), torch.randn(8, 2), torch.randn(2, 8)
+    tl_pick.run("lora_bypass_fwd", _planned_kernel([]), (x, up, down, 0.5, None))
+    assert got == [["lora_bypass_fwd-bwd-kernels"] if grad and ahead_on else []]
+
+
+_AHEAD_BUILD = """
+import os
+import lycoris_ops
+from lycoris_ops.plans import tilelang as tl_pick
+from lycoris_ops.tilelang import _common as C
+from lycoris_ops.tilelang.add import add_kernel
+
+fwd_specs = [("float16", "float16", "float16", 4), ("bfloat16", "bfloat16", "bfloat16", 8)]
+bwd_specs = [("float16", "float16", "float16", 8), ("bfloat16", "bfloat16", "bfloat16", 4)]
+
+def op_function(specs):
+    def run():
+        for a in specs:
+            C.kernel(add_kernel, "sm_90a", *a)(None, None, None)
+    return run
+
+cache = os.environ["TILELANG_CACHE_DIR"]
+def files():
+    return sorted(os.path.join(r, f) for r, _, fs in os.walk(cache) for f in fs)
+
+with C.capturing() as ahead:
+    op_function(bwd_specs)()
+assert tl_pick.precompile_call(op_function(fwd_specs), (), ahead=ahead) == 2
+running = len(tl_pick._ahead)
+assert tl_pick.precompile_call(op_function(bwd_specs), ()) == 0  # waited for the ahead children
+before = files()
+for a in bwd_specs:  # the parent loads what the ahead children built
+    C.kernel(add_kernel, "sm_90a", *a)
+st = tl_pick.stats()
+print("ahead", st["ahead_kernels"], st["ahead_children"] >= 1, "waits", st["ahead_waits"], "left", len(tl_pick._ahead),
+      "built", len(tl_pick._built_ahead), "parent wrote", len(set(files()) - set(before)), "running", running > 0)
+"""
+
+
+def test_kernels_built_ahead_load_in_the_backward(tmp_path):
+    """Real forks (no GPU: nvcc only): a forward-like precompile builds its two kernels and
+    leaves children (as many as the spare cores allow) building the 'backward' kernels ahead;
+    the backward-like precompile waits for them and builds nothing; the parent then loads
+    both from the disk cache they filled (writes nothing)."""
+    pytest.importorskip("tilelang")
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "fork"):
+        pytest.skip("POSIX only")
+    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path / "tl"), LYCORIS_KERNEL_TUNE_PROCS="2")
+    out = subprocess.run([sys.executable, "-c", _AHEAD_BUILD], env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == \
+        "ahead 2 True waits 1 left 0 built 2 parent wrote 0 running True", out.stdout

@@ -19,8 +19,9 @@ g_w2) or two (``passes``), fp32 partials per program + reduce launches.
 TileLang (``TILELANG``, ``plans/tilelang.py``): ``tilelang/lokr.py``'s merge output tile
 (TL_KRON), gradient tile (TL_GRADS: also the one-pass form, registers or a 3-stage
 pipeline; its model is the Triton one-pass program's, the two-pass form's adds a G read)
-and bypass token rows (TL_BYPASS), each with its threads, scored by the models above with the names mapped; only configs that build kernels
-of their own and fit shared memory and registers (``tl_configs``); the fixed config first.
+and bypass token rows (TL_BYPASS), each with its threads, scored by the models above with
+the names mapped; only configs that build kernels of their own and fit shared memory and
+registers (``tl_configs``); the fixed config first.
 """
 from __future__ import annotations
 

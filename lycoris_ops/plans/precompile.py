@@ -252,29 +252,38 @@ def _child(kernels: Sequence[Kernel]) -> None:
         os._exit(status)
 
 
+def fork_builds(kernels: Sequence, procs: int) -> List[Tuple[int, list]]:
+    """Fork up to ``procs`` children that each ``build()`` their round-robin share of ``kernels``
+    and exit (0: all built); returns (pid, share) of each, without waiting. A share whose fork
+    fails (no memory, no process slot) is left to the first calls."""
+    shares = [list(kernels[i::procs]) for i in range(min(procs, len(kernels)))]
+    for stream in (sys.stdout, sys.stderr):  # a child must not write the parent's buffered output again
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # None, closed
+            stream.flush()
+    out = []
+    for share in shares:
+        with warnings.catch_warnings():  # Python 3.12: forking a multi-threaded process
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+        if pid == 0:
+            _child(share)  # never returns
+        out.append((pid, share))
+    return out
+
+
 def compile_forked(kernels: Sequence[Kernel], procs: int, timeout_s: float = TIMEOUT_S) -> Tuple[int, int]:
     """Build ``kernels`` (``build()`` each) in up to ``procs`` forked children (round robin) and wait for
     them, killing those still running after ``timeout_s``. Returns (children, failed or
     killed children). A share whose fork fails (no memory, no process slot) is left to
     the first calls."""
-    shares = [list(kernels[i::procs]) for i in range(min(procs, len(kernels)))]
-    for stream in (sys.stdout, sys.stderr):  # a child must not write the parent's buffered output again
-        with contextlib.suppress(AttributeError, ValueError, OSError):  # None, closed
-            stream.flush()
     pending: List[int] = []
     children = failures = 0
     try:
-        for share in shares:
-            with warnings.catch_warnings():  # Python 3.12: forking a multi-threaded process
-                warnings.simplefilter("ignore", DeprecationWarning)
-                try:
-                    pid = os.fork()
-                except OSError:
-                    break
-            if pid == 0:
-                _child(share)  # never returns
-            pending.append(pid)
-            children += 1
+        pending += [pid for pid, _ in fork_builds(kernels, procs)]
+        children = len(pending)
         deadline = time.monotonic() + timeout_s
         while pending and time.monotonic() < deadline:
             for pid in list(pending):

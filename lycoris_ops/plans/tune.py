@@ -81,7 +81,7 @@ from .store import JsonTable
 
 __all__ = [
     "SENTINEL_EAGER", "TABLE_VERSION", "Plan", "Candidate", "is_eager", "bucket", "shape_key", "make_key",
-    "select_config", "pick", "set_tuning", "tuning_enabled", "set_budget", "tune_budget", "set_timer",
+    "select_config", "stored", "pick", "set_tuning", "tuning_enabled", "set_budget", "tune_budget", "set_timer",
     "cuda_timer", "table", "table_path", "source_version", "unsafe_to_time", "stats", "clear", "warmup", "Front", "Layer", "parse_layer", "main",
     "tune_threads",
 ]
@@ -737,6 +737,17 @@ def _row_candidate(row) -> Optional[Candidate]:
     if is_eager(c) or isinstance(c, dict):
         return c
     return None
+
+
+def stored(op: str, backend: str, key_parts, *, device=None, version=0) -> bool:
+    """Whether ``select_config`` of this key would find its choice without timing: memoized in
+    this process (timed) or a row of the tuning table."""
+    dev_id = _device_id(device)
+    parts = _parts(key_parts)
+    entry = _memo.get((dev_id, backend, op, version, parts))
+    if entry is not None and entry.tuned:
+        return True
+    return _row_candidate(table().get(make_key(_device_name(dev_id), backend, op, version, parts))) is not None
 
 
 def select_config(op: str, backend: str, key_parts, candidates, run_candidate: Callable[[Candidate], Any], *,
