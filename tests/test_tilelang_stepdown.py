@@ -645,14 +645,16 @@ def test_a_forward_call_lists_its_backwards_kernels(monkeypatch):
     assert tl_pick.backward_pending("lora_bypass_fwd", (x, up, down, 0.5, None)) == []
 
 
-@pytest.mark.parametrize("grad,ahead_on", [(True, True), (False, True), (True, False)],
-                         ids=["needs-grad", "no-grad", "ahead-off"])
-def test_a_cold_forward_starts_its_backwards_kernels(monkeypatch, grad, ahead_on):
+@pytest.mark.parametrize("grad,ahead_on,procs", [(True, True, 4), (False, True, 4), (True, False, 4), (True, True, 1)],
+                         ids=["needs-grad", "no-grad", "ahead-off", "no-children"])
+def test_a_cold_forward_starts_its_backwards_kernels(monkeypatch, grad, ahead_on, procs):
     """``run``: a cold call whose inputs need gradients hands its backward's kernels
-    (``backward_pending``) to its precompile as ``ahead``; none under ``no_grad`` or with
-    ``LYCORIS_TILELANG_AHEAD=0``."""
+    (``backward_pending``) to its precompile as ``ahead``; none under ``no_grad``, with
+    ``LYCORIS_TILELANG_AHEAD=0`` or where no children may be forked (nor, by the same test,
+    while compiling or capturing: ``tune.unsafe_to_time``)."""
     got = []
     monkeypatch.setattr(tl_pick, "AHEAD", ahead_on)
+    monkeypatch.setattr(precompile, "usable_procs", lambda procs_=None: procs)
     monkeypatch.setattr(tl_pick, "backward_pending", lambda op, args: [f"{op}-bwd-kernels"])
     monkeypatch.setattr(tl_pick, "candidates", lambda op, args: [tl_pick.KERNEL, tune.SENTINEL_EAGER])
 
@@ -665,7 +667,7 @@ def test_a_cold_forward_starts_its_backwards_kernels(monkeypatch, grad, ahead_on
     tune.set_timer(_timer(1.0, 2.0, []))
     x, up, down = torch.randn(6, 8, requires_grad=grad), torch.randn(8, 2), torch.randn(2, 8)
     tl_pick.run("lora_bypass_fwd", _planned_kernel([]), (x, up, down, 0.5, None))
-    assert got == [["lora_bypass_fwd-bwd-kernels"] if grad and ahead_on else []]
+    assert got == [["lora_bypass_fwd-bwd-kernels"] if grad and ahead_on and procs > 1 else []]
 
 
 _AHEAD_BUILD = """

@@ -228,9 +228,12 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
     return len(pending)
 
 
-def _wants_grad(args: Sequence[Any]) -> bool:
-    """A gradient will flow back through this call (grad mode, an input that requires it)."""
-    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+def _builds_ahead(args: Sequence[Any]) -> bool:
+    """Whether this cold call builds its backward's kernels ahead: ``AHEAD``, a gradient will
+    flow back through it (grad mode, an input that requires one), and children may be forked
+    (not compiling or capturing, at least two)."""
+    return AHEAD and torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) \
+        and not tune.unsafe_to_time() and precompile.usable_procs() >= 2
 
 
 def _meta(a):
@@ -338,7 +341,7 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
 
         def cands():  # planned on a miss only (a table hit plans nothing)
             if not shortlist:
-                ahead = backward_pending(op, args) if AHEAD and _wants_grad(args) else ()
+                ahead = backward_pending(op, args) if _builds_ahead(args) else ()
                 precompile_call(kernel, args, candidates(op, args), kept=shortlist, ahead=ahead)
             return shortlist
 
