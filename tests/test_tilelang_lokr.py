@@ -118,9 +118,9 @@ CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems
             "kron_wgrads_kernel": ("rows", "threads"), "kron_grads_kernel": ("elems", "threads"),
             "kron_finish_kernel": ()}  # the one-pass backward's finishing launch: no tile of a config
 #: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``, ``split_base``; the wgrad
-#: kernels: ``kper_static``; ``kron_grads_kernel``: ``stages``, ``steps``)
+#: kernels: ``kper_static``; ``kron_grads_kernel``: ``stages``, ``steps``, ``r2``)
 TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 2,
-            "kron_grads_kernel": 2}
+            "kron_grads_kernel": 3}
 
 
 def _listed(fn, args, cfg):
@@ -440,13 +440,18 @@ def test_one_pass_merge_bwd(stages, monkeypatch):
         _with_cfg("lokr_merge_bwd", cfg, (G, *f, [a, b, c, d], 0.7), dtype)
     assert splits == [(6, 1, 6), (1, 4, 20), (1, 1, 1)]  # (tiles, splits, entries a split)
     # the finishing launch's jobs (kron_finish_kernel): a chain of rank 70 (chunks of 32) with
-    # several row and column chunks beside a whole side; a chain on the loop side; both chains
+    # several row and column chunks beside a whole side; a chain on the loop side; both chains;
+    # w2's tiles generated in the pass (T.gemm, ranks 70 and 6) or read from the plane
     for (a, b, c, d), (r1, r2) in (((2, 3, 150, 300), (0, 70)), ((130, 140, 2, 3), (9, 0)),
                                    ((17, 19, 33, 35), (5, 6))):
         G = m(a * c, b * d, scale=0.1)
         f = ((m(a, r1), m(r1, b, scale=r1 ** -0.5)) if r1 else (m(a, b), None)) + (
             (m(c, r2), m(r2, d, scale=r2 ** -0.5)) if r2 else (m(c, d), None))
         _with_cfg("lokr_merge_bwd", cfg, (G, *f, [a, b, c, d], 0.7), dtype)
+        # a factored w2 with tiles of at least 16 x 16: the pass generates them (r2, its last argument)
+        grads = [p for p in _listed(lokr.merge_bwd, (G, *f, [a, b, c, d], 0.7), cfg)
+                 if p.builder is lokr.kron_grads_kernel]
+        assert [p.args[-1] for p in grads] == [r2 if r2 and lokr.generates_tiles(c, d, 2048) else 0], (a, b, c, d)
     a, b, c, d = 3, 2, 37, 150
     G, w1, w2 = m(a * c, b * d), m(a, b), m(c, d, scale=0.1)
     G[c:2 * c, :d] = float("inf")  # block (u, v) = (1, 0)
