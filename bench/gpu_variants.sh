@@ -51,9 +51,11 @@ declare -A RUNS=(
   [t_oft_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_triton_oft.py tests/test_boft.py tests/test_oft.py"
   [t_boft]="bench/variants.py boft --shapes small,large"
   [t_oft]="bench/variants.py oft --shapes large,small --phases fwd"
-  # TileLang's one-pass LoKr merge backward (GRADS one_pass; a tuned config's key, off in the fixed config)
-  [lokr_merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k one_pass\\ or\\ tile_configs\\ or\\ parity"
+  # TileLang's one-pass LoKr merge backward and streamed forward (GRADS one_pass, KRON stream: tuned configs' keys,
+  # off in the fixed configs)
+  [lokr_merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k one_pass\\ or\\ streamed\\ or\\ tile_configs\\ or\\ parity"
   [lokr_merge_bwd]="bench/tilelang_lora_variants.py --op lokr_merge_bwd"
+  [lokr_merge_fwd]="bench/tilelang_lora_variants.py --op lokr_merge_fwd"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)
 for n in "${names[@]}"; do

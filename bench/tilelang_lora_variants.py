@@ -1,7 +1,7 @@
 """A/B of TileLang's LoRA bypass forward (``lora_bypass_fwd``) and merge (``lora_merge_fwd``)
 kernel forms, in one process, on a GPU:
 
-    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|merge_bwd|hada_bwd|lokr|lokr_merge_bwd] [--shapes large,small] [--variants ...]
+    python bench/tilelang_lora_variants.py [--op bypass|bypass_bwd|merge|merge_bwd|hada_bwd|lokr|lokr_merge_fwd|lokr_merge_bwd] [--shapes large,small] [--variants ...]
 
 For each bench shape (``large``: 32768 tokens, 4096 channels, rank 64; ``small``: 8192,
 3072, rank 32; with the base, as bench.py's ``lora_bypass``) and each variant,
@@ -66,7 +66,9 @@ floor: the forward's x, base read and y written.
 
 ``--op lokr_merge_bwd``: ``lokr.merge_bwd`` on bench.py's ``lokr_merge`` inputs, the two-pass
 gradient kernels against the one pass over G (``GRADS["one_pass"]``, registers or ``stages``
-3, two tile sizes, 256 threads); floor: G read once.
+3, two tile sizes, 256 threads); floor: G read once. ``--op lokr_merge_fwd``: ``lokr.merge_fwd``
+(with the base), the output-tile kernel against the stream per tile of w2 (``KRON["stream"]``,
+registers or ``stages`` 3, three tiles); floor: base read, output written.
 
 Ratios within one run are what to compare; the machines are shared.
 ``--smoke``: CPU twins at fp32, tiny sizes (the script runs; CI).
@@ -157,24 +159,38 @@ LOKR_MERGE_BWD_VARIANTS = {
     "one-pass e2048 s3": dict(GRADS=dict(elems=2048, threads=128, one_pass=True, stages=3)),
     "one-pass t256 s3": dict(GRADS=dict(elems=4096, threads=256, one_pass=True, stages=3)),
 }
+#: lokr_merge_fwd variant -> lokr.KRON: the output-tile kernel (kron_kernel, after lora's w2 GEMM)
+#: against the stream per tile of w2 (kron_stream_kernel, w2's tiles generated in it), its base
+#: blocks in registers or a 3-stage pipeline
+LOKR_MERGE_FWD_VARIANTS = {
+    "tiles": dict(KRON=dict(BM=32, BN=128, threads=128)),
+    "stream": dict(KRON=dict(BM=32, BN=128, threads=128, stream=True)),
+    "stream s3": dict(KRON=dict(BM=32, BN=128, threads=128, stream=True, stages=3)),
+    "stream 16x128 s3": dict(KRON=dict(BM=16, BN=128, threads=128, stream=True, stages=3)),
+    "stream 64x64 s3": dict(KRON=dict(BM=64, BN=64, threads=128, stream=True, stages=3)),
+}
 
 
-def lokr_merge_bwd_table(args, dt, dev, timer, gen, bw) -> None:
-    """``lokr.merge_bwd`` on bench.py's ``lokr_merge`` inputs (w1 whole (a, a), w2 = w2a·w2b with
-    the big side c = 256); floor: G read once."""
+def lokr_merge_table(args, dt, dev, timer, gen, bw, fwd: bool) -> None:
+    """``lokr.merge_fwd`` (with the base) or ``lokr.merge_bwd`` on bench.py's ``lokr_merge``
+    inputs (w1 whole (a, a), w2 = w2a·w2b with the big side c = 256); floor: base read and the
+    output written (forward), G read once (backward)."""
     from lycoris_ops.tilelang import lokr
 
+    variants = LOKR_MERGE_FWD_VARIANTS if fwd else LOKR_MERGE_BWD_VARIANTS
     print(f"{'shape':6} {'variant':17} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
         N, D, r = (SMOKE if args.smoke else SHAPES)[name]
         W, w1, w2a, w2b = specs.build_lokr_merge(specs.Geo(N, D, r), dt, dev, torch.Generator().manual_seed(0)).values()
         a, c = w1.shape[0], w2a.shape[0]
-        G = torch.randn(a * c, a * c, generator=gen, device=dev).to(dt)  # D x D where c divides D
-        floor = G.numel() * G.element_size() / bw * 1e3 if bw else math.nan
+        W = W[:a * c, :a * c].contiguous()  # D x D where c divides D (the bench shapes)
+        G = torch.randn(a * c, a * c, generator=gen, device=dev).to(dt)
+        floor = (2 if fwd else 1) * G.numel() * G.element_size() / bw * 1e3 if bw else math.nan
         rows = T.VariantRows(timer)
-        for v in (args.variants or ",".join(LOKR_MERGE_BWD_VARIANTS)).split(","):
-            res = rows.row(f"{name:6} {v:17}", [(lokr, LOKR_MERGE_BWD_VARIANTS[v])],
-                           lambda: lokr.merge_bwd(G, w1, None, w2a, w2b, [a, a, c, c], 0.75))
+        for v in (args.variants or ",".join(variants)).split(","):
+            call = (lambda: lokr.merge_fwd(w1, None, w2a, w2b, [a, a, c, c], W, 0.75)) if fwd else (
+                lambda: lokr.merge_bwd(G, w1, None, w2a, w2b, [a, a, c, c], 0.75))
+            res = rows.row(f"{name:6} {v:17}", [(lokr, variants[v])], call)
             if res:
                 (t,), (x1,), diff = res
                 print(f"{name:6} {v:17} {t:8.3f} {x1:8.2f} {t / floor:8.2f} {diff:12.2e}")
@@ -265,7 +281,7 @@ def hada_bwd_table(args, dt, dev, timer, gen, bw) -> None:
 def main(argv=None) -> int:
     ap = T.variants_parser("large,small", VARIANTS, None)
     ap.add_argument("--op", default="bypass", choices=("bypass", "bypass_bwd", "merge", "merge_bwd", "hada_bwd",
-                                                      "lokr", "lokr_merge_bwd"))
+                                                      "lokr", "lokr_merge_fwd", "lokr_merge_bwd"))
     args = ap.parse_args(argv)
     from lycoris_ops.tilelang import lora
 
@@ -283,8 +299,8 @@ def main(argv=None) -> int:
     if args.op == "lokr":
         lokr_table(args, dt, dev, timer, bw)
         return 0
-    if args.op == "lokr_merge_bwd":
-        lokr_merge_bwd_table(args, dt, dev, timer, gen, bw)
+    if args.op in ("lokr_merge_fwd", "lokr_merge_bwd"):
+        lokr_merge_table(args, dt, dev, timer, gen, bw, args.op == "lokr_merge_fwd")
         return 0
     print(f"{'shape':6} {'variant':15} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):

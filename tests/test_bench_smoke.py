@@ -180,6 +180,8 @@ def test_tilelang_lora_variants_smoke(capsys):
     # the one-pass merge backward sums the (u, v) pairs in another order
     _agreeing_rows(capsys, module, ["--op", "lokr_merge_bwd", "--shapes", "small"], "small ",
                    len(module.LOKR_MERGE_BWD_VARIANTS), tol=1e-5)
+    _agreeing_rows(capsys, module, ["--op", "lokr_merge_fwd", "--shapes", "small"], "small ",
+                   len(module.LOKR_MERGE_FWD_VARIANTS), tol=1e-5)
 
 
 def test_tilelang_stream_variants_smoke(capsys):

@@ -116,11 +116,11 @@ CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems
             "kron_grad2_kernel": ("elems", "threads"), "kron_apply_kernel": ("rows", "threads"),
             "kron_wgrad1_kernel": ("rows", "threads"), "kron_wgrad2_kernel": ("rows", "threads"),
             "kron_wgrads_kernel": ("rows", "threads"), "kron_grads_kernel": ("elems", "threads"),
-            "kron_finish_kernel": ()}  # the one-pass backward's finishing launch: no tile of a config
+            "kron_finish_kernel": (), "kron_stream_kernel": ("BM", "BN", "threads")}  # the one-pass backward's finishing launch: no tile of a config
 #: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``, ``split_base``; the wgrad
-#: kernels: ``kper_static``; ``kron_grads_kernel``: ``stages``, ``steps``, ``r2``)
+#: kernels: ``kper_static``; ``kron_grads_kernel`` / ``kron_stream_kernel``: ``stages``, ``steps``, ``r2``)
 TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 2,
-            "kron_grads_kernel": 3}
+            "kron_grads_kernel": 3, "kron_stream_kernel": 3}
 
 
 def _listed(fn, args, cfg):
@@ -249,7 +249,7 @@ def test_the_fixed_configs_are_the_default_launch():
     defaults = {name: inspect.signature(getattr(lokr, name)).parameters for name in CFG_ARGS}
     for name, keys in CFG_ARGS.items():
         fixed = {"kron_kernel": lokr.KRON, "kron_grad1_kernel": lokr.GRADS, "kron_grad2_kernel": lokr.GRADS,
-                 "kron_grads_kernel": lokr.GRADS}.get(name, lokr.BYPASS)
+                 "kron_grads_kernel": lokr.GRADS, "kron_stream_kernel": lokr.KRON}.get(name, lokr.BYPASS)
         spelled = [defaults[name]["max_threads" if k == "threads" and "max_threads" in defaults[name] else k].default
                    for k in keys]
         assert spelled == [fixed[k] for k in keys], name
@@ -390,9 +390,13 @@ def test_tile_space_legality():
 
     dev = device.synthetic()
     kron = plans_lokr.tl_configs(dev, "lokr_full_merge_fwd", (48, 48, 64, 64), 2)
-    assert len(kron) == 13 and all(2048 <= c["BM"] * c["BN"] <= 8192 for c in kron)  # 7 tiles x 2 threads - fixed
+    assert all(2048 <= c["BM"] * c["BN"] <= 8192 for c in kron)
+    # output tiles: 7 tiles x 2 threads - the fixed config; streamed: the w2 tiles of 2048-8192 elements
+    # within its 64 x 64 (32 x 64, 64 x 64), x 2 threads x 2 stages
+    assert len([c for c in kron if not c.get("stream")]) == 13
+    assert sorted((c["BM"], c["BN"]) for c in kron if c.get("stream")) == sorted([(32, 64), (64, 64)] * 4)
     assert plans_lokr.tl_configs(dev, "lokr_full_merge_fwd", (3, 5, 7, 4), 2) == [
-        dict(BM=32, BN=64, threads=128), dict(BM=32, BN=64, threads=256)]  # output 21 x 20
+        dict(BM=32, BN=64, threads=128), dict(BM=32, BN=64, threads=256)]  # output 21 x 20; w2 7 x 4: no stream
     # c = d = 64: elems 4096 and 8192 give one 64 x 64 tile; 4096 / 128 threads is the fixed config;
     # each tile and threads also in one pass (GRADS one_pass), registers or pipelined
     two_pass = [dict(elems=2048, threads=128), dict(elems=2048, threads=256), dict(elems=4096, threads=256)]
@@ -451,13 +455,43 @@ def test_one_pass_merge_bwd(stages, monkeypatch):
         # a factored w2 with tiles of at least 16 x 16: the pass generates them (r2, its last argument)
         grads = [p for p in _listed(lokr.merge_bwd, (G, *f, [a, b, c, d], 0.7), cfg)
                  if p.builder is lokr.kron_grads_kernel]
-        assert [p.args[-1] for p in grads] == [r2 if r2 and lokr.generates_tiles(c, d, 2048) else 0], (a, b, c, d)
+        assert [p.args[-1] for p in grads] == [r2 if r2 and min(lokr._grad_tile(c, d, 2048)) >= 16 else 0], (a, b, c, d)
     a, b, c, d = 3, 2, 37, 150
     G, w1, w2 = m(a * c, b * d), m(a, b), m(c, d, scale=0.1)
     G[c:2 * c, :d] = float("inf")  # block (u, v) = (1, 0)
     got, want = lokr.full_merge_bwd(G, w1, w2, 0.7, cfg=cfg)[0], REF.lokr_full_merge_bwd(G, w1, w2, 0.7)[0]
     assert torch.isfinite(got[[0, 2]]).all() and not torch.isfinite(got[1, 0])
     assert harness.rel_err(got[[0, 2]], want[[0, 2]]) <= harness.REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("stages", [0, 3], ids=["registers", "pipelined"])
+def test_streamed_merge_fwd(stages, monkeypatch):
+    """The merges streamed per tile of w2 (``kron_stream_kernel``, ``KRON["stream"]``) against the
+    eager bodies: w2 tiles past its edge (the output blocks' rows and columns there belong to the
+    next block: masked), splits of the a·b entries with a tail (7 x 11 entries over splits of 7),
+    with and without a base (its blocks in registers or a 3-stage pipeline), whole and factored
+    sides, w2's tiles generated in the kernel (T.gemm; ranks 70 and 6) or read from the plane
+    (tiles below 16 x 16). CPU twins at fp32 (GPU: bf16)."""
+    monkeypatch.setattr(lokr, "num_sms", lambda d: 3)
+    dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
+    g = torch.Generator().manual_seed(6)
+
+    def m(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=g)).to(dtype).to(dev)
+
+    assert lokr.stream_split(7, 11, 1, dev) == (11, 7)  # 12 programs wanted: 11 splits of 7, the last 7 of 77
+    for (a, b, c, d), (r1, r2), tile in (((7, 11, 3, 5), (0, 0), (16, 64)), ((2, 3, 150, 300), (0, 70), (16, 128)),
+                                         ((3, 4, 37, 45), (5, 6), (32, 64)), ((5, 2, 9, 9), (0, 3), (16, 64))):
+        cfg = dict(BM=tile[0], BN=tile[1], threads=128, stream=True, stages=stages)
+        w1, w2 = m(a, b), m(c, d, scale=0.1)
+        f = ((m(a, r1), m(r1, b, scale=r1 ** -0.5)) if r1 else (w1, None)) + (
+            (m(c, r2), m(r2, d, scale=r2 ** -0.5)) if r2 else (w2, None))
+        for base in (None, m(a * c, b * d)):
+            _with_cfg("lokr_full_merge_fwd", cfg, (w1, w2, base, 0.7), dtype)
+            _with_cfg("lokr_merge_fwd", cfg, (*f, [a, b, c, d], base, 0.7), dtype)
+        streams = [p for p in _listed(lokr.merge_fwd, (*f, [a, b, c, d], None, 0.7), cfg)
+                   if p.builder is lokr.kron_stream_kernel]
+        assert [p.args[-1] for p in streams] == [r2 if r2 and min(tile) >= 16 else 0], (a, b, c, d)
 
 
 def test_twin_fused_bwd_staged_gx(monkeypatch):

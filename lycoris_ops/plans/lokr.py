@@ -17,7 +17,8 @@ Bypass backward: persistent programs over token tiles, one pass (gx, g_w1,
 g_w2) or two (``passes``), fp32 partials per program + reduce launches.
 
 TileLang (``TILELANG``, ``plans/tilelang.py``): ``tilelang/lokr.py``'s merge output tile
-(TL_KRON), gradient tile (TL_GRADS: also the one-pass form, registers or a 3-stage
+(TL_KRON: also the streamed form, a tile of w2 a program, its base blocks in registers or a
+3-stage pipeline), gradient tile (TL_GRADS: also the one-pass form, registers or a 3-stage
 pipeline; its model is the Triton one-pass program's, the two-pass form's adds a G read)
 and bypass token rows (TL_BYPASS), each with its threads, scored by the models above with
 the names mapped; only configs that build kernels of their own and fit shared memory and
@@ -314,7 +315,7 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
 #: >= 128 rows: ``tilelang/lokr._threads``). ``tl_configs`` keeps a config when it builds
 #: kernels of its own (not the fixed config's, not an earlier config's) that fit
 #: (``tl_fits``); the corners compile for sm_90a (tests/test_tilelang_lokr.py)
-TL_KRON = dict(BM=(16, 32, 64), BN=(64, 128, 256), threads=(128, 256))
+TL_KRON = dict(BM=(16, 32, 64), BN=(64, 128, 256), threads=(128, 256), stream=(False, True), stages=(0, 3))
 TL_KRON_TILE = (2048, 8192)
 TL_GRADS = dict(elems=(2048, 4096, 8192), threads=(128, 256), one_pass=(False, True), stages=(0, 3))
 TL_BYPASS = dict(rows=(64, 128, 256), threads=(128, 256))
@@ -323,7 +324,8 @@ TL_N = 3
 TL_GRAD_MIN_PER_THREAD = 4
 #: op -> (its space, the name of its fixed config in tilelang/lokr.py, the shortlist's tile axes)
 _TL_SPACES = {
-    "lokr_full_merge_fwd": (TL_KRON, "KRON", ("BM", "BN")), "lokr_merge_fwd": (TL_KRON, "KRON", ("BM", "BN")),
+    "lokr_full_merge_fwd": (TL_KRON, "KRON", ("stream", "stages", "BM", "BN")),
+    "lokr_merge_fwd": (TL_KRON, "KRON", ("stream", "stages", "BM", "BN")),
     "lokr_full_merge_bwd": (TL_GRADS, "GRADS", ("one_pass", "stages", "elems")),
     "lokr_merge_bwd": (TL_GRADS, "GRADS", ("one_pass", "stages", "elems")),
     "lokr_bypass_fwd": (TL_BYPASS, "BYPASS", ("rows",)), "lokr_bypass_bwd": (TL_BYPASS, "BYPASS", ("rows",)),
@@ -352,7 +354,9 @@ def tl_kernels(op: str, dims, cfg: dict) -> tuple:
     threads); a bypass kernel's tile is (its factor dims, tokens per program step)."""
     L = _tl_lokr()
     a, b, c, d = dims
-    if op.endswith("merge_fwd"):
+    if op.endswith("merge_fwd"):  # the output-tile form ignores stages; the stream's w2 tile is (BM, BN)
+        if cfg.get("stream"):
+            return (("stream", (cfg["BM"], cfg["BN"]), cfg["threads"], cfg.get("stages", 0)),)
         return (("kron", (cfg["BM"], cfg["BN"]), cfg["threads"]),)
     if op.endswith("merge_bwd"):  # the two-pass form ignores stages; the one pass's stages are its own kernel
         tile = L._grad_tile(c, d, cfg["elems"])
@@ -385,9 +389,11 @@ def tl_fits(dev: DeviceFacts, kind: str, tile, threads: int, dims, csize: int) -
     (csize-byte operands, the planners' margin) and every kernel's fp32 fragments within
     TL_ACC_PER_THREAD registers a thread."""
     a, b, c, d = dims
-    if kind == "kron":
+    if kind in ("kron", "stream"):  # an output tile, or (stream) a tile of w2
         (bm, bn), acc = tile, tile[0] * tile[1]
-        if not (TL_KRON_TILE[0] <= acc <= TL_KRON_TILE[1] and bm <= max(16, p2(a * c)) and bn <= max(64, p2(b * d))):
+        rows, cols = (a * c, b * d) if kind == "kron" else (c, d)
+        if not (TL_KRON_TILE[0] <= acc <= TL_KRON_TILE[1] and bm <= max(16, p2(rows))
+                and bn <= max(64 if kind == "kron" else 16, p2(cols))):
             return False
     elif kind in ("grads", "grads1"):
         acc = tile[0] * tile[1]
@@ -420,8 +426,9 @@ def tl_configs(dev: DeviceFacts, op: str, dims, csize: int) -> list:
     out = []
     for values in itertools.product(*space.values()):
         cfg = dict(zip(space, values))
-        if not cfg.get("one_pass", True):  # the two-pass merge backward: its config as before (no stages)
-            cfg = {k: v for k, v in cfg.items() if k not in ("one_pass", "stages")}
+        for form in ("one_pass", "stream"):  # the form it is an option of off: its config as before (no stages)
+            if not cfg.get(form, True):
+                cfg = {k: v for k, v in cfg.items() if k not in (form, "stages")}
         kernels = tl_kernels(op, dims, cfg)
         built = tl_built(op, dims, cfg)
         if built in seen or not all(k in fixed or tl_fits(dev, *k[:3], dims, csize) for k in kernels):
@@ -439,14 +446,18 @@ def _tl_plan(op: str, dev: DeviceFacts, dims, csize: int, work, eager: float, n:
 def _tl_kron(op, dev, dims, r1, r2, compute, out_dtype, base, n):
     """kron_kernel through the Triton merge model, names mapped: the whole product is the tile
     factor and a 1 x 1 loop factor (a program per output tile, no split); threads -> warps,
-    one stage. Eager: the Triton planner's."""
+    one stage. kron_stream_kernel is the Triton merge program itself (a tile of w2, generated
+    when factored, and a split of the w1 entries), its stages or one. Eager: the Triton
+    planner's."""
     e, eo, eb = esize(compute), esize(out_dtype), esize(None if base is None else base.dtype)
     a, b, c, d = dims
 
     def work(k):
-        return _merge_works(dev, dict(block_m=k["BM"], block_n=k["BN"], block_r=16, block_rl=16, swap=False,
-                                      num_warps=k["threads"] // 32, num_stages=1), 1, 1, a * c, b * d, 0, 0, e, eo,
-                            eb, False)
+        cfg = dict(block_m=k["BM"], block_n=k["BN"], block_r=16, block_rl=16, swap=False,
+                   num_warps=k["threads"] // 32, num_stages=max(1, k.get("stages", 0)))
+        if k.get("stream"):
+            return _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, False)
+        return _merge_works(dev, {**cfg, "num_stages": 1}, 1, 1, a * c, b * d, 0, 0, e, eo, eb, False)
 
     return _tl_plan(op, dev, dims, e, work, _merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, False), n)
 
