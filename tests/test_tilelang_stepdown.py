@@ -580,7 +580,7 @@ def test_ahead_children_are_not_waited_for_and_their_kernels_not_built_twice(mon
     import os
 
     monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 4)
-    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    monkeypatch.setattr(precompile, "cpus", lambda: 8)
     monkeypatch.setattr(tl_pick, "_ahead", {})
     monkeypatch.setattr(tl_pick, "_built_ahead", set())
     forks, waits, built = [], [], []

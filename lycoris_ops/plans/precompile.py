@@ -122,14 +122,18 @@ class Report:
     seconds: float = 0.0
 
 
+def cpus() -> int:
+    """The CPUs this process may use (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 def tune_procs() -> int:
     """Child processes that compile a cold key's kernels (``LYCORIS_KERNEL_TUNE_PROCS``;
     default ``min(12, CPUs this process may use - 1)``; 0/1: no precompile)."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    default = min(MAX_DEFAULT_PROCS, cpus - 1)
+    default = min(MAX_DEFAULT_PROCS, cpus() - 1)
     try:
         return max(0, int(os.environ.get(ENV_PROCS, default)))
     except ValueError:

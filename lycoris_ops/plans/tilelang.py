@@ -209,7 +209,7 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
         _reap_ahead(busy, TIMEOUT_S)
     pending = [p for p in pending if p.key not in _built_ahead]
     if ahead:  # on the cores this call's own children leave free
-        spare = max(1, min(procs, (os.cpu_count() or 2) - 1 - (len(pending) if len(pending) >= 2 else 0)))
+        spare = max(1, min(procs, precompile.cpus() - 1 - (len(pending) if len(pending) >= 2 else 0)))
         deadline = time.monotonic() + TIMEOUT_S
         forked = precompile.fork_builds(list(ahead), spare)
         for pid, share in forked:
