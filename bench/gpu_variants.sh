@@ -56,6 +56,10 @@ declare -A RUNS=(
   [lokr_merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k one_pass\\ or\\ streamed\\ or\\ tile_configs\\ or\\ parity"
   [lokr_merge_bwd]="bench/tilelang_lora_variants.py --op lokr_merge_bwd"
   [lokr_merge_fwd]="bench/tilelang_lora_variants.py --op lokr_merge_fwd"
+  # where one TileLang build's seconds go on the device's host (3-10 s there, 2.4 s median on the CPU host:
+  # RESULTS 2026-12-04 23:06): nvcc, the host compiler, TileLang's passes
+  [tl_build_dora]="bench/tilelang_build_profile.py dora 2"
+  [tl_build_lokr]="bench/tilelang_build_profile.py lokr 14"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)
 for n in "${names[@]}"; do

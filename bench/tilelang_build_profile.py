@@ -3,7 +3,8 @@
     python bench/tilelang_build_profile.py lokr 14 [--arch sm_90a]
 
 builds entry N of ``lycoris_ops.tilelang.<family>.compile_specs(bf16)`` once, in a fresh
-TileLang cache (``TILELANG_CACHE_DIR`` a new temporary folder unless set), and prints the
+TileLang cache (a new temporary folder, also where ``TILELANG_CACHE_DIR`` is set: a warm
+cache would time a load; ``--cache DIR`` to use one), and prints the
 total, the subprocesses (nvcc, the host compiler of the disk-cache export), the top-level
 TVM passes and the seconds in TileLang's Python macro parser (``eager.ast.mutate``), each
 timed by wrapping ``subprocess.Popen``, ``tvm.ir.transform.Pass.__call__`` and
@@ -28,8 +29,9 @@ def main() -> None:
     ap.add_argument("family", help="a lycoris_ops.tilelang module: lora, loha, lokr, ...")
     ap.add_argument("index", type=int, help="the entry of its compile_specs(bf16)")
     ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--cache", default=None, help="TileLang's cache folder (default: a new temporary one)")
     args = ap.parse_args()
-    os.environ.setdefault("TILELANG_CACHE_DIR", tempfile.mkdtemp(prefix="tl-build-profile-"))
+    os.environ["TILELANG_CACHE_DIR"] = args.cache or tempfile.mkdtemp(prefix="tl-build-profile-")
     import torch
     from lycoris_ops.tilelang import _common
     _common.tl()  # TileLang's import, outside the timed build

@@ -214,9 +214,8 @@ def test_tilelang_build_profile_smoke(tmp_path):
     pytest.importorskip("tilelang")
     if not shutil.which("nvcc"):
         pytest.skip("needs nvcc on PATH")
-    env = dict(os.environ, TILELANG_CACHE_DIR=str(tmp_path))
-    out = subprocess.run([sys.executable, os.path.join(BENCH, "tilelang_build_profile.py"), "add", "0"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "tilelang_build_profile.py"), "add", "0",
+                          "--cache", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     total = float(re.search(r"for sm_90a: ([\d.]+) s", out.stdout).group(1))
     nvcc = float(re.search(r"subprocess nvcc\s+([\d.]+) s", out.stdout).group(1))
