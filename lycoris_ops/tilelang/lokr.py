@@ -477,12 +477,19 @@ FINISH_BLOCK, FINISH_CHUNK, FINISH_ELEMS = 16, 128, 4096
 MAX_ONE_PASS_RANK = 256
 
 
+#: programs a whole side's job aims at at least (each sums all S partials of its tile)
+FINISH_WHOLE_PROGRAMS = 64
+
+
 def _finish_geometry(job) -> tuple:
-    """(programs, chunk) of one ``kron_finish_kernel`` job: a whole side's (BLOCK x CHUNK) tiles;
-    a chain's GA row blocks then GB column blocks, its chunk FINISH_ELEMS / Rp (16..128)."""
+    """(programs, chunk) of one ``kron_finish_kernel`` job: a whole side's (BLOCK x chunk) tiles,
+    the chunk (16..128 columns) small enough for FINISH_WHOLE_PROGRAMS programs where the plane
+    allows (a 64 x 64 plane of 144 partials: 16 programs of 147 KB, not 4 of 590); a chain's GA
+    row blocks then GB column blocks, its chunk FINISH_ELEMS / Rp (16..128)."""
     kind, M, N, R = job[:4]
     if kind == "whole":
-        return cdiv(M, FINISH_BLOCK) * cdiv(N, FINISH_CHUNK), FINISH_CHUNK
+        chunk = max(16, min(FINISH_CHUNK, next_pow2(cdiv(M * N, FINISH_BLOCK * FINISH_WHOLE_PROGRAMS))))
+        return cdiv(M, FINISH_BLOCK) * cdiv(N, chunk), chunk
     chunk = max(16, min(FINISH_CHUNK, FINISH_ELEMS // pad_rank(R)))
     return cdiv(M, FINISH_BLOCK) + cdiv(N, FINISH_BLOCK), chunk
 
