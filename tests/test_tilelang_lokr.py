@@ -494,6 +494,24 @@ def test_streamed_merge_fwd(stages, monkeypatch):
         assert [p.args[-1] for p in streams] == [r2 if r2 and min(tile) >= 16 else 0], (a, b, c, d)
 
 
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels (test_one_pass_merge_bwd, "
+                                "test_streamed_merge_fwd)")
+@pytest.mark.parametrize("stages", [0, 3], ids=["registers", "pipelined"])
+def test_new_forms_on_the_case_table(stages):
+    """The streamed merges and the one-pass merge backwards over the whole case table (every
+    factorization, layout, base and out_dtype it has), CPU twins at fp32 against the eager bodies."""
+    forms = {"lokr_full_merge_fwd": dict(BM=16, BN=64, threads=128, stream=True, stages=stages),
+             "lokr_merge_fwd": dict(BM=16, BN=64, threads=128, stream=True, stages=stages),
+             "lokr_full_merge_bwd": dict(elems=2048, threads=128, one_pass=True, stages=stages),
+             "lokr_merge_bwd": dict(elems=2048, threads=128, one_pass=True, stages=stages)}
+    n = 0
+    for case in CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(7)):
+        if case.op in forms:
+            _with_cfg(case.op, forms[case.op], case.args, torch.float32)
+            n += 1
+    assert n >= 10, n
+
+
 def test_twin_fused_bwd_staged_gx(monkeypatch):
     """The one-pass backward (``BWD_FUSED``) where its gx block goes through shared memory
     (16-wide factors: 4 tokens a step, 1024 elements a block) against the reference, a
