@@ -95,11 +95,8 @@ def boft(geo, dtype, dev, gen):
 
     def with_cayley_warps(w, fn):  # the Cayley launch's warps are a module constant, not a config field
         def run():
-            keep, TB.CAYLEY_WARPS = TB.CAYLEY_WARPS, w or TB.CAYLEY_WARPS
-            try:
+            with T.module_settings((TB, {"CAYLEY_WARPS": w or TB.CAYLEY_WARPS})):
                 return fn()
-            finally:
-                TB.CAYLEY_WARPS = keep
         return run
 
     out = {"fwd": [], "bwd": []}
