@@ -962,10 +962,11 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
 
 # --------------------------------------------------------------------------- launchers
 
-def _split(tiles: int, other: int, device) -> tuple:
-    """(nsplit, tiles per split) so that other·nsplit programs fill the GPU about twice."""
-    want = max(1, cdiv(2 * num_sms(device), max(other, 1)))
-    ns = max(1, min(want, tiles))
+def _split(tiles: int, other: int, device, waves: int = 2, most=None) -> tuple:
+    """(nsplit, tiles per split) so that other·nsplit programs fill the GPU about ``waves``
+    times (and nsplit <= ``most``, at least 1)."""
+    want = max(1, cdiv(waves * num_sms(device), max(other, 1)))
+    ns = max(1, min(want, tiles, tiles if most is None else most))
     per = cdiv(tiles, ns)
     return cdiv(tiles, per), per
 
@@ -991,9 +992,7 @@ def _wgrad_split(tiles: int, device) -> tuple:
 def stream_split(a: int, b: int, tiles: int, device) -> tuple:
     """(nsplit, entries per split) of ``kron_stream_kernel``: tiles·nsplit programs fill the GPU
     about four times over (no partials to bound: each entry's block is written once)."""
-    ns = max(1, min(cdiv(4 * num_sms(device), tiles), a * b))
-    per = cdiv(a * b, ns)
-    return cdiv(a * b, per), per
+    return _split(a * b, tiles, device, waves=4)
 
 
 def _kron_stream(w1, w2, base, gamma, odt, p):
@@ -1042,10 +1041,11 @@ def _side(wa, wb, c):
     return gemm(prep(wa, c), prep(wb, c), None, None, None, 1.0, "plain", torch.float32, c)
 
 
-def _generated(w2a, w2b, c, elems_or_tile, device) -> bool:
-    """Whether a factored w2's tiles are generated in the streaming kernels (``_w2_tile_macro``):
-    tiles of at least 16 x 16 and a 16-bit compute dtype (the C twin's fp32 GEMM is exact too)."""
-    bc, bd = elems_or_tile
+def _generated(w2a, w2b, c, tile, device) -> bool:
+    """Whether a factored w2's (BC, BD) ``tile`` is generated in the streaming kernels
+    (``_w2_tile_macro``): tiles of at least 16 x 16 and a 16-bit compute dtype (the C twin's
+    fp32 GEMM is exact too)."""
+    bc, bd = tile
     return w2b is not None and min(bc, bd) >= 16 and (c != torch.float32 or arch_of(device) == CPU_ARCH)
 
 
@@ -1087,9 +1087,7 @@ def _grads(g, w1, w2, gamma, d1, d2, cfg=None):
 def one_pass_split(a: int, b: int, tiles: int, device) -> tuple:
     """(nsplit, entries per split) of ``kron_grads_kernel``: tiles·nsplit programs fill the GPU
     about twice, and g_w2's fp32 partials (nsplit·c·d) stay within 1/8 of a 16-bit G (a·b·c·d)."""
-    ns = max(1, min(cdiv(2 * num_sms(device), tiles), (a * b) // 16))
-    per = cdiv(a * b, ns)
-    return cdiv(a * b, per), per
+    return _split(a * b, tiles, device, most=(a * b) // 16)
 
 
 def _one_pass(g, w1, w2, gamma, side1, side2, p):
@@ -1363,7 +1361,8 @@ def compile_specs(dtype: torch.dtype):
     return [
         (kron_kernel, (3, 5, 7, 4, d, "float32", d, d)),
         (kron_stream_kernel, (3, 5, 40, 24, d, d, d, d, 32, 32, 128, 3, 5, 3)),  # KRON stream: w2 generated
-        (kron_stream_kernel, (3, 5, 7, 4, d, "float32", None, d, 16, 64, 128)),        (kron_grad1_kernel, (3, 5, 7, 4, d, d, "float32")),
+        (kron_stream_kernel, (3, 5, 7, 4, d, "float32", None, d, 16, 64, 128)),
+        (kron_grad1_kernel, (3, 5, 7, 4, d, d, "float32")),
         (kron_grad2_kernel, (3, 5, 7, 4, d, "float32", "float32", False)),
         (kron_grads_kernel, (3, 5, 7, 4, d, d, "float32", d, "float32", False, False)),  # GRADS one_pass
         (kron_grads_kernel, (3, 5, 7, 4, d, d, d, d, d, True, True)),
