@@ -227,11 +227,15 @@ def on_disk(kernel: Kernel) -> bool:
         return False
 
 
-def _child(kernels: Sequence[Kernel]) -> None:
+def _child(kernels: Sequence[Kernel], nice: int = 0) -> None:
     """A forked child: build ``kernels`` (into Triton's / TileLang's on-disk cache) and
-    leave at once, status 1 if one failed; no atexit handlers, no CUDA."""
+    leave at once, status 1 if one failed; no atexit handlers, no CUDA. ``nice``: added to
+    its niceness first (the compilers it starts inherit it)."""
     status = 1
     try:
+        if nice:
+            with contextlib.suppress(OSError):
+                os.nice(nice)
         try:
             from triton import knobs
         except ImportError:  # TileLang jobs without Triton installed
@@ -256,10 +260,11 @@ def _child(kernels: Sequence[Kernel]) -> None:
         os._exit(status)
 
 
-def fork_builds(kernels: Sequence, procs: int) -> List[Tuple[int, list]]:
+def fork_builds(kernels: Sequence, procs: int, nice: int = 0) -> List[Tuple[int, list]]:
     """Fork up to ``procs`` children that each ``build()`` their round-robin share of ``kernels``
     and exit (0: all built); returns (pid, share) of each, without waiting. A share whose fork
-    fails (no memory, no process slot) is left to the first calls."""
+    fails (no memory, no process slot) is left to the first calls. ``nice``: the children's
+    added niceness (builds no call waits for yet)."""
     shares = [list(kernels[i::procs]) for i in range(min(procs, len(kernels)))]
     for stream in (sys.stdout, sys.stderr):  # a child must not write the parent's buffered output again
         with contextlib.suppress(AttributeError, ValueError, OSError):  # None, closed
@@ -273,7 +278,7 @@ def fork_builds(kernels: Sequence, procs: int) -> List[Tuple[int, list]]:
             except OSError:
                 break
         if pid == 0:
-            _child(share)  # never returns
+            _child(share, nice)  # never returns
         out.append((pid, share))
     return out
 
