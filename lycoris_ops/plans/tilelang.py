@@ -20,12 +20,24 @@ the planner's first pick (a kernel config, never eager). Where eager wins, the o
 its eager body at that shape: the TileLang tier never runs a kernel a measurement
 showed slower.
 
+A cold key's shortlist is built in the background (``DEFER``): its first call builds the
+kernels of the planner's first config only (the untimed pick ``LYCORIS_KERNEL_TUNE=off``
+runs) and runs that config, while lower-priority children (``BACKGROUND_NICE``) build the
+rest of the shortlist, which a cold shortlist no longer has to fit into one round of
+children; the key's first call after those children exit times the whole shortlist (its
+kernels load from the disk cache, about 0.03 s each) and stores the winner. Until then the
+first config runs, unchecked as under TUNE=off. ``settle()`` waits for those children (a
+benchmark's timed calls, ``tune.warmup``). The cold call's wall time is then one config's
+build, not a shortlist's: #6's cold first calls were 9-14.5 s with shortlists of 5-14
+kernels on 12 children.
+
 A cold forward call whose inputs need gradients also lists its backward's kernels
 (``backward_pending``: the ``*_bwd`` calls ``autograd.backward_calls`` names, with stand-ins
 of the outputs as their gradient, each through the TileLang op set with ``run`` listing its
 cold shortlist's kernels) and builds them in forked children of their own, on the cores its
-own children leave, without waiting (``AHEAD``); the backward's cold call waits for the
-children building its kernels and loads what they built.
+own children leave, without waiting (``AHEAD``): the first config's at the normal priority,
+the rest of each deferred shortlist in the background; the backward's cold call waits for the
+children building its first config's kernels and loads what they built.
 
 Before the first call of an exact signature builds anything, the TileLang kernels it
 would build (``tilelang/_common.capturing``) are built at once in forked child
@@ -59,7 +71,7 @@ from . import precompile, tune
 from .. import registry
 from ..tilelang._common import BuildError
 
-__all__ = ["BACKEND", "KERNEL", "key_parts", "run", "precompile_call", "backward_pending", "stats"]
+__all__ = ["BACKEND", "KERNEL", "key_parts", "run", "precompile_call", "backward_pending", "settle", "stats"]
 
 log = logging.getLogger("lycoris_ops.tune")
 
@@ -72,16 +84,46 @@ _build_warned: set = set()
 #: seconds the parent waits for the TileLang compile children before killing the rest
 TIMEOUT_S = 120.0
 _totals = {"calls": 0, "kernels": 0, "children": 0, "failures": 0, "seconds": 0.0, "ahead_kernels": 0,
-           "ahead_children": 0, "ahead_waits": 0}
+           "ahead_children": 0, "ahead_waits": 0, "deferred_keys": 0, "background_kernels": 0,
+           "background_children": 0}
 #: ``LYCORIS_TILELANG_AHEAD=0`` (read at import): a forward's cold call does not build its
 #: backward's kernels ahead (``backward_pending``)
 AHEAD = os.environ.get("LYCORIS_TILELANG_AHEAD", "1").strip().lower() not in ("0", "off", "false", "no")
-#: children building a backward's kernels ahead of its first call: pid -> (their kernel keys, deadline)
+#: ``LYCORIS_TILELANG_DEFER=0`` (read at import): a cold key's first call builds its whole
+#: shortlist (what one round of children builds) and times it at once
+DEFER = os.environ.get("LYCORIS_TILELANG_DEFER", "1").strip().lower() not in ("0", "off", "false", "no")
+#: niceness of the children building what no call waits for yet (the rest of a deferred
+#: shortlist): the first configs' builds, this call's and its backward's, keep the CPUs
+BACKGROUND_NICE = 10
+#: seconds a background child may take (it shares the CPUs at a low priority)
+BACKGROUND_TIMEOUT_S = 600.0
+#: seconds between two looks at a deferred key's children (its calls run the first config)
+DEFER_POLL_S = 0.05
+#: children building kernels no call of this process has waited for yet (a backward's ahead of
+#: its first call, the rest of a deferred shortlist): pid -> (their kernel keys, deadline)
 _ahead: Dict[int, Tuple[frozenset, float]] = {}
+#: the pids of ``_ahead`` building in the background (``BACKGROUND_NICE``)
+_background: set = set()
+#: background kernels waiting for a child: at most ``usable_procs()`` background children run
+#: at once (a model's first step meets dozens of cold keys), more are forked as they exit
+_queue: List[Any] = []
 #: kernel keys ahead children built (a child that exited 0): a first call loads them from the disk cache
 _built_ahead: set = set()
 #: ``backward_pending``'s listing (thread-local): ``run`` adds a call's cold-shortlist kernels to it
 _listing = threading.local()
+
+
+class _Deferred:
+    """A cold key whose first config runs while children build the rest of its shortlist."""
+
+    __slots__ = ("first", "keys", "next_look")
+
+    def __init__(self, first, keys: frozenset):
+        self.first, self.keys, self.next_look = first, keys, time.monotonic() + DEFER_POLL_S
+
+
+#: exact call key -> _Deferred (a ``tune.Front``: emptied with the tuner's memo, ``tune.clear``)
+_deferred: Dict[tuple, _Deferred] = tune.Front()
 
 
 def stats() -> Dict[str, float]:
@@ -119,13 +161,14 @@ def _call(kernel: Callable, args: Sequence[Any], c):
 
 
 def _shortlist_kernels(kernel: Callable, args: Sequence[Any], cands: Sequence[Any], procs: int,
-                       kept: Optional[List[Any]]) -> Tuple[list, list]:
+                       kept: Optional[List[Any]], built: Optional[set] = None) -> Tuple[list, list]:
     """(the kernels the candidates of ``cands`` would build, the candidates left out): in order,
     a candidate is kept (appended to ``kept``) while its new kernels fit one round of ``procs``
-    children (the first and eager always)."""
+    children (the first and eager always; ``kept`` None: none left out). Kernels of ``built``
+    (keys: on disk already) are neither listed nor counted."""
     from ..tilelang import _common
 
-    pending, seen, dropped = [], set(), []
+    pending, seen, dropped = [], set(built or ()), []
     with torch.no_grad():
         for c in cands:
             if tune.is_eager(c):
@@ -150,8 +193,8 @@ def _shortlist_kernels(kernel: Callable, args: Sequence[Any], cands: Sequence[An
 
 def _reap_ahead(wait_for: Sequence[int] = (), wait_s: float = 0.0) -> None:
     """Collect the ahead children that exited (their kernel keys count as built when the child
-    exited 0); wait up to ``wait_s`` for those of ``wait_for`` still running; a child past its
-    deadline is killed."""
+    exited 0) and fork queued background kernels into the room they leave (``_pump``); wait up
+    to ``wait_s`` for those of ``wait_for`` still running; a child past its deadline is killed."""
     end = time.monotonic() + wait_s
     while True:
         for pid, (keys, deadline) in list(_ahead.items()):
@@ -168,15 +211,60 @@ def _reap_ahead(wait_for: Sequence[int] = (), wait_s: float = 0.0) -> None:
                 done, status = pid, None
             if done:
                 del _ahead[pid]
+                _background.discard(pid)
                 if status is not None and os.waitstatus_to_exitcode(status) == 0:
                     _built_ahead.update(keys)
+        if _queue:
+            _pump()
         if not any(pid in _ahead for pid in wait_for) or time.monotonic() >= end:
             return
         time.sleep(precompile.POLL_S)
 
 
+def _building() -> set:
+    """Keys of the kernels children are building ahead or in the background, or that wait for
+    a background child."""
+    keys = set().union(*(k for k, _ in _ahead.values())) if _ahead else set()
+    keys.update(p.key for p in _queue)
+    return keys
+
+
+def _fork_ahead(kernels: Sequence[Any], children: int, nice: int, timeout_s: float) -> Tuple[int, int]:
+    """Fork up to ``children`` children building ``kernels`` (at ``nice``), not waited for:
+    their keys are in ``_ahead`` until they exit. Returns (children forked, their kernels)."""
+    if not kernels:
+        return 0, 0
+    deadline = time.monotonic() + timeout_s
+    forked = precompile.fork_builds(list(kernels), children, nice=nice)
+    for pid, share in forked:
+        _ahead[pid] = (frozenset(p.key for p in share), deadline)
+        if nice:
+            _background.add(pid)
+    return len(forked), sum(len(share) for _, share in forked)
+
+
+def _pump(most: Optional[int] = None) -> None:
+    """Fork the queued background kernels into the children that may still run
+    (``usable_procs()`` at once, at most ``most`` now). Where no child can be forked, the
+    queue is dropped: the calls that need those kernels build them."""
+    room = precompile.usable_procs() - len(_background)
+    if most is not None:
+        room = min(room, most)
+    if room < 1 or not _queue:
+        return
+    kernels = list(_queue)
+    _queue.clear()
+    n, k = _fork_ahead(kernels, room, BACKGROUND_NICE, BACKGROUND_TIMEOUT_S)
+    _totals["background_children"] += n
+    _totals["background_kernels"] += k
+    if n:  # the shares whose fork failed wait for the next room
+        forked = _building()
+        _queue.extend(p for p in kernels if p.key not in forked)
+
+
 def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] = (KERNEL,),
-                    kept: Optional[List[Any]] = None, ahead: Sequence[Any] = ()) -> int:
+                    kept: Optional[List[Any]] = None, ahead: Sequence[Any] = (),
+                    background: Sequence[Any] = ()) -> int:
     """Build the TileLang kernels ``kernel(*args)`` would build with each candidate config of
     ``cands``, in forked children (when at least two, enabled, and not while compiling /
     capturing). Returns how many.
@@ -185,11 +273,14 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
     order (the first fused candidate and eager always): a candidate whose new kernels would
     take the count past the children is left out of the shortlist. A child builds its share
     one kernel after the other, so a second round doubles a cold call (the H200 host:
-    boft_bwd's 14 kernels on 12 children, 13.1 s).
+    boft_bwd's 14 kernels on 12 children, 13.1 s). Kernels built by children of earlier calls
+    do not count.
 
     Kernels that children building ahead (``ahead`` of an earlier call) are building are waited
-    for, then loaded, not built again. ``ahead`` (``backward_pending``'s kernels): built at the
-    same time in children of their own on the cores this call leaves free, not waited for."""
+    for, then loaded, not built again. ``ahead`` (``backward_pending``'s first-config kernels):
+    built at the same time in children of their own on the cores this call leaves free, not
+    waited for. ``background`` (the rest of deferred shortlists): the same, at
+    ``BACKGROUND_NICE``."""
     if _ahead:
         _reap_ahead()  # the ahead children that are done
     procs = precompile.usable_procs()
@@ -198,24 +289,28 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
             kept.extend(cands)
         return 0
     t0 = time.perf_counter()
-    pending, dropped = _shortlist_kernels(kernel, args, cands, procs, kept)
+    pending, dropped = _shortlist_kernels(kernel, args, cands, procs, kept, built=_built_ahead)
     if dropped:
         log.info("lycoris_ops tilelang: %d configs left out of a cold shortlist (one round of %d children): %s",
                  len(dropped), procs, dropped)
     keys = {p.key for p in pending}
+    if _queue:  # queued for a background child: built by this call now
+        _queue[:] = [p for p in _queue if p.key not in keys]
     busy = [pid for pid, (k, _) in _ahead.items() if k & keys]
     if busy:  # this call's kernels, started ahead by its forward: wait for them rather than build them twice
         _totals["ahead_waits"] += 1
-        _reap_ahead(busy, TIMEOUT_S)
+        _reap_ahead(busy, BACKGROUND_TIMEOUT_S)
     pending = [p for p in pending if p.key not in _built_ahead]
-    if ahead:  # on the cores this call's own children leave free
-        spare = max(1, min(procs, precompile.cpus() - 1 - (len(pending) if len(pending) >= 2 else 0)))
-        deadline = time.monotonic() + TIMEOUT_S
-        forked = precompile.fork_builds(list(ahead), spare)
-        for pid, share in forked:
-            _ahead[pid] = (frozenset(p.key for p in share), deadline)
-        _totals["ahead_kernels"] += sum(len(share) for _, share in forked)
-        _totals["ahead_children"] += len(forked)
+    # on the cores this call's own children leave free: the first configs' kernels first (a
+    # call will wait for them), the background's on the rest, at a lower priority
+    spare = max(1, min(procs, precompile.cpus() - 1 - (len(pending) if len(pending) >= 2 else 0)))
+    n_ahead, k = _fork_ahead(ahead, spare, 0, TIMEOUT_S)
+    _totals["ahead_children"] += n_ahead
+    _totals["ahead_kernels"] += k
+    if background:
+        building = _building() | _built_ahead | keys
+        _queue.extend(p for p in background if p.key not in building)
+        _pump(max(1, spare - n_ahead))
     if len(pending) < 2:
         return 0
     children, failures = precompile.compile_forked(pending, procs, timeout_s=TIMEOUT_S)
@@ -226,6 +321,19 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
     log.info("lycoris_ops tilelang: %d kernels built in %d processes (%d failed), %.2f s", len(pending), children,
              failures, spent)
     return len(pending)
+
+
+def settle(timeout_s: float = BACKGROUND_TIMEOUT_S) -> int:
+    """Wait up to ``timeout_s`` for the children building ahead and in the background, so that
+    the next call of each deferred key times its shortlist (a benchmark before its timed
+    calls, ``tune.warmup``). Returns the keys whose next call will."""
+    end = time.monotonic() + timeout_s
+    while _ahead and time.monotonic() < end:  # the queue's kernels are forked as children exit
+        _reap_ahead(list(_ahead), end - time.monotonic())
+    _queue.clear()  # no child could be forked for them: their calls build them
+    for d in list(_deferred.values()):
+        d.next_look = 0.0
+    return len(_deferred)
 
 
 def _builds_ahead(args: Sequence[Any]) -> bool:
@@ -241,12 +349,14 @@ def _meta(a):
         else a
 
 
-def backward_pending(op: str, args: Sequence[Any]) -> list:
+def backward_pending(op: str, args: Sequence[Any]) -> Tuple[list, list]:
     """The TileLang kernels the first backward of this forward call would build (the cold
     shortlist of each ``*_bwd`` call its autograd makes, ``autograd.backward_calls``, with
-    stand-ins of the outputs as the gradient): for ``precompile_call(ahead=...)``. None of a
-    call that would not take the TileLang tier or whose key is stored already, none built or
-    being built ahead. A guess: [] on any error, never a failure of the forward."""
+    stand-ins of the outputs as the gradient), for ``precompile_call(ahead=..., background=...)``:
+    (its first configs' kernels: what the backward's cold call waits for, the rest of its
+    shortlists: what it defers, ``DEFER``). None of a call that would not take the TileLang
+    tier or whose key is stored already, none built or being built ahead. A guess: ([], []) on
+    any error, never a failure of the forward."""
     from .. import autograd, select
     from ..tilelang import ops as tl_ops
 
@@ -257,26 +367,30 @@ def backward_pending(op: str, args: Sequence[Any]) -> list:
             metas = getattr(torch.ops.lycoris, op)(*(_meta(a) for a in args))
             outs = [torch.empty(m.shape, dtype=m.dtype, device=device)
                     for m in (metas if isinstance(metas, (tuple, list)) else (metas,))]
-        building = set().union(*(k for k, _ in _ahead.values())) if _ahead else set()
-        pending, seen = [], set(building) | _built_ahead
+        firsts, rests = [], []
         for bop, bargs in autograd.backward_calls(op, dict(zip(names, args)), outs):
             if select.explain(bop, *bargs) != BACKEND:
                 continue
-            _listing.pending = []
+            _listing.pending = ([], [])
             try:
                 with torch.no_grad():
                     getattr(tl_ops, bop)(*bargs)  # run() lists the call's cold-shortlist kernels
-                listed = _listing.pending
+                first, rest = _listing.pending
             finally:
                 _listing.pending = None
+            firsts += first
+            rests += rest
+        seen = _building() | _built_ahead
+        out = ([], [])
+        for listed, into in ((firsts, out[0]), (rests, out[1])):  # a kernel in both: the first config's
             for p in listed:
                 if p.key not in seen:
                     seen.add(p.key)
-                    pending.append(p)
-        return pending
+                    into.append(p)
+        return out
     except Exception as exc:  # a guess: the backward builds its own kernels when it comes
         log.debug("lycoris_ops tilelang: no kernels built ahead for %s: %s", op, exc)
-        return []
+        return [], []
 
 
 def key_parts(args: Sequence[Any], op: str = "") -> Tuple[Tuple[str, Any], ...]:
@@ -308,16 +422,76 @@ def _exact(op: str, args) -> tuple:
     return tuple(out)
 
 
-def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: list) -> None:
+def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[list, list]) -> None:
     """``run`` under ``backward_pending``: the kernels this call's cold shortlist would build,
-    added to ``listing`` (nothing where the call's choice is known: in this process or stored)."""
+    added to ``listing`` (the first config's, the rest's: the cold call defers them; without
+    ``DEFER`` all to the first, as many as one round of children builds; TUNE=off: the first
+    config's only). Nothing where the call's choice is known: in this process or stored."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     version = tune.source_version(sys.modules[kernel.__module__])
     if _front.get(_exact(op, args)) is not None or tune.stored(op, BACKEND, key_parts(args, op), device=device,
                                                                version=version):
         return
-    pending, _ = _shortlist_kernels(kernel, args, candidates(op, args), precompile.usable_procs(), [])
-    listing.extend(pending)
+    cands, procs = list(candidates(op, args)), precompile.usable_procs()
+    if not tune.tuning_enabled():
+        cands = cands[:1]
+    if not (DEFER and tune.tuning_enabled()):
+        listing[0].extend(_shortlist_kernels(kernel, args, cands, procs, [])[0])
+        return
+    first = _shortlist_kernels(kernel, args, cands[:1], procs, None)[0]
+    listing[0].extend(first)
+    listing[1].extend(_shortlist_kernels(kernel, args, cands[1:], procs, None, built={p.key for p in first})[0])
+
+
+def _defers(op: str, args: Sequence[Any], parts, device, version) -> bool:
+    """Whether this cold call defers its shortlist (``DEFER``): the key is neither memoized nor
+    stored, it would be timed (tuning on, not compiling or capturing, not on a tuner worker)
+    and children may be forked."""
+    return DEFER and tune.tuning_enabled() and not tune.unsafe_to_time() and not tune._in_worker() \
+        and precompile.usable_procs() >= 2 and not tune.stored(op, BACKEND, parts, device=device, version=version)
+
+
+def _defer(op: str, kernel: Callable, args: Sequence[Any], fk: tuple):
+    """A cold key's first call (``DEFER``): build the planner's first config's kernels (in
+    children when two or more), start children building the rest of the shortlist in the
+    background (and the backward's kernels, ``backward_pending``), and return the first config
+    for this call and the key's next ones until those children are done (``_deferred``). None
+    (the call times its shortlist now) where nothing is left to build."""
+    cands = list(candidates(op, args))
+    if len(cands) < 2 or tune.is_eager(cands[0]):
+        return None
+    first = cands[0]
+    if _ahead:
+        _reap_ahead()
+    procs = precompile.usable_procs()
+    own = {p.key for p in _shortlist_kernels(kernel, args, [first], procs, None)[0]}
+    rest = _shortlist_kernels(kernel, args, cands[1:], procs, None, built=own | _built_ahead)[0]
+    if not rest:
+        return None  # the rest is built: timed now
+    ahead, behind = backward_pending(op, args) if _builds_ahead(args) else ([], [])
+    precompile_call(kernel, args, [first], ahead=ahead, background=rest + behind)
+    _deferred[fk] = _Deferred(first, frozenset(p.key for p in rest))
+    _totals["deferred_keys"] += 1
+    log.info("lycoris_ops tilelang: %s runs its first config while %d kernels of %d more configs build",
+             op, len(rest), len(cands) - 1)
+    return first
+
+
+def _deferred_pick(fk: tuple, d: _Deferred):
+    """The first config of deferred key ``fk`` while children build its shortlist (looked at
+    every ``DEFER_POLL_S``; never timed while compiling or capturing); None once they are done
+    (the key is no longer deferred: this call times the shortlist; a kernel a child failed to
+    build is left to that call)."""
+    now = time.monotonic()
+    if now < d.next_look or tune.unsafe_to_time():
+        return d.first
+    d.next_look = now + DEFER_POLL_S
+    if _ahead:
+        _reap_ahead()
+    if any(keys & d.keys for keys, _ in _ahead.values()) or any(p.key in d.keys for p in _queue):
+        return d.first
+    _deferred.pop(fk, None)
+    return None
 
 
 def run(op: str, kernel: Callable, args: Sequence[Any]):
@@ -326,7 +500,9 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
     the chosen config's kernel (``BuildError``: TUNE=off, a guarded first pick, a stored
     row; logged once per op; a timed key never picks such a config).
 
-    A cold call whose inputs need gradients also starts building its backward's kernels
+    A cold key's first call builds and runs the planner's first config, the rest of its
+    shortlist building in the background until a later call times it (``DEFER``). A cold call
+    whose inputs need gradients also starts building its backward's kernels
     (``backward_pending``, ``AHEAD``), in children it does not wait for: its backward's first
     call then loads them instead of compiling (the first training step's compile time)."""
     listing = getattr(_listing, "pending", None)
@@ -334,22 +510,33 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
         return _listed_only(op, kernel, args, listing)
     fk = _exact(op, args)
     choice = _front.get(fk)
+    deferred = _deferred.get(fk) if choice is None and _deferred else None
+    if deferred is not None:
+        choice = _deferred_pick(fk, deferred)
     if choice is None:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        parts, version = key_parts(args, op), tune.source_version(sys.modules[kernel.__module__])
+        if deferred is None and _defers(op, args, parts, device, version):  # deferred once at most
+            choice = _defer(op, kernel, args, fk)
+    if choice is None:
         eager = registry.eager(op)
         shortlist = []
 
         def cands():  # planned on a miss only (a table hit plans nothing)
             if not shortlist:
-                ahead = backward_pending(op, args) if _builds_ahead(args) else ()
-                precompile_call(kernel, args, candidates(op, args), kept=shortlist, ahead=ahead)
+                plan = list(candidates(op, args))
+                ahead, behind = backward_pending(op, args) if _builds_ahead(args) else ([], [])
+                if tune.tuning_enabled():
+                    precompile_call(kernel, args, plan, kept=shortlist, ahead=ahead, background=behind)
+                else:  # the planner's first pick runs: its kernels only
+                    shortlist.extend(plan)
+                    precompile_call(kernel, args, plan[:1], ahead=ahead, background=behind)
             return shortlist
 
         choice = tune.select_config(
-            op, BACKEND, key_parts(args, op), cands,
+            op, BACKEND, parts, cands,
             lambda c: eager(*args) if tune.is_eager(c) else _call(kernel, args, c),
-            device=device, version=tune.source_version(sys.modules[kernel.__module__]),
-            reference=lambda: eager(*args), front=(_front, fk))
+            device=device, version=version, reference=lambda: eager(*args), front=(_front, fk))
         if not shortlist and not tune.is_eager(choice):  # a stored or memoized choice: its kernels only
             precompile_call(kernel, args, [choice])
     if tune.is_eager(choice):
