@@ -705,8 +705,14 @@ def cold_lines(b: Bench, cfgs) -> List[str]:
             r = c.get("res") or {}
             if r.get("cold_fwd_s") is None:
                 continue
-            parts.append(f"{n} {r['cold_fwd_s']:.2f}/{(r.get('cold_fwdbwd_s') or float('nan')):.2f}")
+            bg = [r.get(k) for k in ("background_fwd_s", "background_fwdbwd_s")]
+            parts.append(f"{n} {r['cold_fwd_s']:.2f}/{(r.get('cold_fwdbwd_s') or float('nan')):.2f}"
+                         + (" (bg " + "/".join("-" if v is None else f"{v:.1f}" for v in bg) + ")"
+                            if any(v is not None for v in bg) else ""))
         lines.append(f"  {spec:<17}" + "  ".join(parts))
+    if any(" (bg " in ln for ln in lines):
+        lines.append("  (bg a/b: seconds after the cold call until the deferred TileLang shortlists were built; "
+                     "the next call timed them)")
     return lines
 
 

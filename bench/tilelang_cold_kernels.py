@@ -8,7 +8,9 @@ TileLang shortlist plans/<family>.py gives an H200 (``device.synthetic()``) is r
 ``tilelang._common.capturing`` (nothing built or launched; CPU tensors), and each config's
 kernels, and the new ones among them, are listed. ``--procs``: the children of one
 precompile round; the configs ``plans/tilelang.precompile_call`` keeps for a cold key are
-marked.
+marked (with ``LYCORIS_TILELANG_DEFER=0``). The last line per op: the kernels a cold call
+builds with the default ``DEFER`` (the first config's) and those left to the background (the
+rest of the whole shortlist, which then no longer has to fit one round).
 """
 from __future__ import annotations
 
@@ -35,13 +37,15 @@ def main(argv=None) -> int:
              ("lora_bypass_fwd", plans_lora, lora.bypass_fwd, (x, up, down, 1.0, None)),
              ("lora_bypass_bwd", plans_lora, lora.bypass_bwd, (x, x, up, down, 1.0))]
     for op, plans, fn, a in calls:
-        seen, total = set(), 0
+        seen, total, every, first = set(), 0, set(), None
         print(op)
         for c in plans.TILELANG[op][0](dev, *a).candidates:
             if tune.is_eager(c):
                 continue
             with _common.capturing() as listed:
                 fn(*a, cfg=c) if c else fn(*a)
+            every.update(p.key for p in listed)
+            first = len(listed) if first is None else first
             new = [p for p in listed if p.key not in seen]
             kept = not seen or total + len(new) <= args.procs
             if kept:
@@ -49,6 +53,8 @@ def main(argv=None) -> int:
                 total += len(new)
             print(f"  {str(c):70} kernels {len(listed):2}  new {len(new):2}  {'kept' if kept else 'left out'}")
         print(f"  kernels of the kept configs: {total}")
+        print(f"  deferred: the cold call builds {first or 0}, the background {len(every) - (first or 0)} "
+              f"(the whole shortlist)")
     return 0
 
 
