@@ -712,7 +712,8 @@ def cold_lines(b: Bench, cfgs) -> List[str]:
         lines.append(f"  {spec:<17}" + "  ".join(parts))
     if any(" (bg " in ln for ln in lines):
         lines.append("  (bg a/b: seconds after the cold call until the deferred TileLang shortlists were built; "
-                     "the next call timed them)")
+                     "the next call timed them. The f+b cold call comes after the forward's wait, which included "
+                     "its backward's kernels built ahead: bench/gpu_tilelang_tune.py times each op's cold call alone)")
     return lines
 
 
