@@ -58,7 +58,8 @@ Bypass (tensor cores; per token ``Y_t = γ·w1·X_t·w2ᵀ``, X_t = x_t as (b, d
     Both split the token tiles over ``nsplit`` programs (fp32 partials);
     ``WGRAD_KPER`` (on): pipelined over a static step count.
 ``kron_wgrads_kernel`` - both weight gradients in one pass (``WGRADS_FUSED``), and
-    with ``gxdt`` gx too (``BWD_FUSED``): X and G read once.
+    with ``gxdt`` gx too (``BWD_FUSED``): X and G read once; g_w1 and gx both from
+    U = G·W2 (so 8 MMAs a step, not 9).
 
 Padded sizes Ap..Dp are powers of two >= 16 (``T.copy`` zero-fills the pad);
 the bypass keeps whole padded factors in shared memory, hence the scope cap
@@ -840,16 +841,27 @@ def wgrads_geometry(a: int, b: int, c: int, d: int, rows: int = 128, most: int =
 
 def wgrads_smem(a: int, b: int, c: int, d: int, rows: int, most: int, esize: int, gx_size: int = 0) -> int:
     """Shared-memory bytes of ``kron_wgrads_kernel`` (esize-byte operands; gx_size: gx's
-    element bytes, 0: no gx): the factors, the X and G tiles in both layouts (two stages of
-    each: the pipelined loop), the hi/lo staging, and with gx its staging and block."""
+    element bytes, 0: no gx): the factors, one step's X and G tiles (two stages: the pipelined
+    loop), the hi/lo staging of U and P, and with gx its staged block."""
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
     BTt, _ = wgrads_geometry(a, b, c, d, rows, most)
-    loads = BTt * (Bp * Dp + Ap * Cp)  # one layout of one step's X and G tiles
-    n = Ap * Bp + Cp * Dp + 2 * 2 * loads + BTt * (Bp * Cp + Ap * Dp)
-    if gx_size:
-        n += BTt * Ap * Dp
+    loads = BTt * (Bp * Dp + Ap * Cp)  # one step's X and G tiles
+    n = Ap * Bp + Cp * Dp + 2 * loads + 2 * BTt * Ap * Dp
     staged = gx_size and wgrads_gx_stageable(a, b, c, d, rows, most, gx_size)
     return n * esize + (BTt * b * d * gx_size if staged else 0)
+
+
+#: fp32 accumulator registers a thread of ``kron_wgrads_kernel`` may hold (``wgrads_fragment_regs``):
+#: the register file's per-thread limit, past which the accumulators spill to local memory
+WGRADS_MAX_FRAGMENT_REGS = 255
+
+
+def wgrads_fragment_regs(a: int, b: int, c: int, d: int, rows: int, most: int, gx: bool) -> float:
+    """fp32 accumulator elements a thread of ``kron_wgrads_kernel`` holds (U, P, g_w1, g_w2 and
+    with gx its block): 160 at the bench's 64-wide factors, 352 at w1 (64, 64), w2 (128, 128)."""
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt, threads = wgrads_geometry(a, b, c, d, rows, most)
+    return (2 * BTt * Ap * Dp + Ap * Bp + Cp * Dp + (Bp * BTt * Dp if gx else 0)) / threads
 
 
 def wgrads_gx_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, size: int) -> bool:
@@ -863,18 +875,19 @@ def wgrads_gx_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, si
 def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
                        rows: int = 128, max_threads: int = 128, kper_static: int = 4, gxdt=None,
                        cpu: bool = False):
-    """Both weight gradients in one pass over the tokens (``WGRADS_FUSED``): ``g_w1 (a, b) =
-    γ·Σ_t G_t·(X_t·W2ᵀ)ᵀ`` and ``g_w2 (c, d) = γ·Σ_t G_tᵀ·(W1·X_t)``, each step's X and G
-    tiles read from DRAM once (the second layout of each comes from L2) instead of once per
-    gradient kernel. Program = split s of the token tiles, ``kper_static`` steps pipelined
-    (tiles past the end read as zeros). direct: Out1 (a, b), Out2 (c, d); else fp32 partials
-    (nsplit·Ap, Bp) and (nsplit·Cp, Dp).
+    """Both weight gradients in one pass over the tokens (``WGRADS_FUSED``): with
+    ``U_t = G_t·W2`` (a, d) and ``P_t = W1·X_t`` (a, d), ``g_w1 (a, b) = γ·Σ_t U_t·X_tᵀ`` and
+    ``g_w2 (c, d) = γ·Σ_t G_tᵀ·P_t``, each step's X and G tiles read from DRAM once instead of
+    once per gradient kernel. U and P are fp32 and enter the next product as hi + lo 16-bit
+    halves (two MMAs each: fp32-accurate). Program = split s of the token tiles,
+    ``kper_static`` steps pipelined (tiles past the end read as zeros). direct: Out1 (a, b),
+    Out2 (c, d); else fp32 partials (nsplit·Ap, Bp) and (nsplit·Cp, Dp).
 
-    ``gxdt`` (``BWD_FUSED``): the same pass also writes ``GX[t] = γ·W1ᵀ·G_t·W2`` (T, b, d) in
-    that dtype (U = G_t·W2 in fp32, then W1ᵀ·hi(U) + W1ᵀ·lo(U), as ``kron_apply_kernel`` on
-    (G, W1ᵀ, W2ᵀ)): the whole backward reads X and G once. The gx block goes through shared
-    memory and one store where it copies whole (16-byte vectors; the CPU twin stores from the
-    accumulator)."""
+    ``gxdt`` (``BWD_FUSED``): the same pass also writes ``GX[t] = γ·W1ᵀ·U_t`` (T, b, d) in that
+    dtype from the same hi / lo halves of U that g_w1 takes: the whole backward reads X and G
+    once and makes 8 MMAs a step (U, P, and the hi / lo pairs of g_w1, g_w2 and gx). The gx
+    block goes through shared memory and one store where it copies whole (16-byte vectors;
+    the CPU twin stores from the accumulator)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -898,18 +911,14 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
         with T.Kernel(T.ceildiv(Tn, BTt * kper), threads=nthreads(threads)) as s:
             w1s = shared((Ap, Bp), dt)
             w2s = shared((Cp, Dp), dt)
-            xs1 = shared((BTt * Bp, Dp), dt)  # token-stacked rows (wgrad1's Z = X·W2ᵀ)
-            gs1 = shared((Ap, BTt * Cp), dt)
-            xs2 = shared((Bp, BTt * Dp), dt)  # tokens side by side (wgrad2's P = W1·X)
-            gs2 = shared((BTt * Ap, Cp), dt)
-            zs = shared((Bp, BTt * Cp), dt)
-            ps = shared((BTt * Ap, Dp), dt)
-            z = frag((BTt * Bp, Cp), _ACC)
+            xs = shared((Bp, BTt * Dp), dt)  # X[v, (t, j)]: tokens side by side
+            gs = shared((BTt * Ap, Cp), dt)  # G[(t, u), i]: token-stacked rows
+            us = shared((Ap, BTt * Dp), dt)  # a half of U[u, (t, j)]
+            ps = shared((BTt * Ap, Dp), dt)  # a half of P[(t, u), j]
+            uf = frag((BTt * Ap, Dp), _ACC)
             p = frag((Ap, BTt * Dp), _ACC)
             g1 = frag((Ap, Bp), _ACC)
             g2 = frag((Cp, Dp), _ACC)
-            us = shared((Ap, BTt * Dp), dt) if with_gx else None
-            uf = frag((BTt * Ap, Dp), _ACC) if with_gx else None
             gxf = frag((Bp, BTt * Dp), _ACC) if with_gx else None
             gxs = shared((BTt, b, d), gxdt) if gx_staged else None
             T.copy(W1[0:Ap, 0:Bp], w1s)
@@ -919,31 +928,25 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
             for kk in T.Pipelined(kper, num_stages=2):
                 t0 = (s * kper + kk) * BTt
                 for t in T.serial(BTt):
-                    T.copy(X[t0 + t, 0:Bp, 0:Dp], xs1[t * Bp:(t + 1) * Bp, 0:Dp])
-                    T.copy(Gr[t0 + t, 0:Ap, 0:Cp], gs1[0:Ap, t * Cp:(t + 1) * Cp])
-                    T.copy(X[t0 + t, 0:Bp, 0:Dp], xs2[0:Bp, t * Dp:(t + 1) * Dp])
-                    T.copy(Gr[t0 + t, 0:Ap, 0:Cp], gs2[t * Ap:(t + 1) * Ap, 0:Cp])
-                T.gemm(xs1, w2s, z, transpose_B=True, clear_accum=True)  # Z[(t,v), i] = Σ_j X[t,v,j]·W2[i,j]
-                T.gemm(w1s, xs2, p, clear_accum=True)  # P[u, (t,j)] = Σ_v W1[u,v]·X[t,v,j]
-                for m, i in par(BTt * Bp, Cp):  # hi terms
-                    zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i], dt)
+                    T.copy(X[t0 + t, 0:Bp, 0:Dp], xs[0:Bp, t * Dp:(t + 1) * Dp])
+                    T.copy(Gr[t0 + t, 0:Ap, 0:Cp], gs[t * Ap:(t + 1) * Ap, 0:Cp])
+                T.gemm(gs, w2s, uf, clear_accum=True)  # U[(t,u), j] = Σ_i G[t,u,i]·W2[i,j]
+                T.gemm(w1s, xs, p, clear_accum=True)  # P[u, (t,j)] = Σ_v W1[u,v]·X[t,v,j]
+                for m, j in par(BTt * Ap, Dp):  # hi halves
+                    us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j], dt)
                 for u, n in par(Ap, BTt * Dp):
                     ps[(n // Dp) * Ap + u, n % Dp] = T.cast(p[u, n], dt)
-                T.gemm(gs1, zs, g1, transpose_B=True)
-                T.gemm(gs2, ps, g2, transpose_A=True)
-                for m, i in par(BTt * Bp, Cp):  # lo terms
-                    zs[m % Bp, (m // Bp) * Cp + i] = T.cast(z[m, i] - T.cast(T.cast(z[m, i], dt), _ACC), dt)
+                T.gemm(us, xs, g1, transpose_B=True)  # g1[u, v] += Σ_(t,j) U[u,(t,j)]·X[v,(t,j)]
+                T.gemm(gs, ps, g2, transpose_A=True)  # g2[i, j] += Σ_(t,u) G[(t,u),i]·P[(t,u),j]
+                if with_gx:
+                    T.gemm(w1s, us, gxf, transpose_A=True, clear_accum=True)  # GX[v, (t,j)] = Σ_u W1[u,v]·U
+                for m, j in par(BTt * Ap, Dp):  # lo halves
+                    us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j] - T.cast(T.cast(uf[m, j], dt), _ACC), dt)
                 for u, n in par(Ap, BTt * Dp):
                     ps[(n // Dp) * Ap + u, n % Dp] = T.cast(p[u, n] - T.cast(T.cast(p[u, n], dt), _ACC), dt)
-                T.gemm(gs1, zs, g1, transpose_B=True)
-                T.gemm(gs2, ps, g2, transpose_A=True)
+                T.gemm(us, xs, g1, transpose_B=True)
+                T.gemm(gs, ps, g2, transpose_A=True)
                 if with_gx:
-                    T.gemm(gs2, w2s, uf, clear_accum=True)  # U[(t,u), j] = Σ_i G[t,u,i]·W2[i,j]
-                    for m, j in par(BTt * Ap, Dp):  # hi term, tokens side by side
-                        us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j], dt)
-                    T.gemm(w1s, us, gxf, transpose_A=True, clear_accum=True)  # GX[v, (t,j)] = Σ_u W1[u,v]·U
-                    for m, j in par(BTt * Ap, Dp):  # lo term
-                        us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j] - T.cast(T.cast(uf[m, j], dt), _ACC), dt)
                     T.gemm(w1s, us, gxf, transpose_A=True)
                     store_gx(gxf, gamma, t0, GX, gxs, None, None)
             for u, v in par(Ap, Bp):
@@ -1342,7 +1345,8 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
 
     def fits(gx_size: int) -> bool:  # else (factors of 128) the separate kernels
         need = wgrads_smem(a, b, cc, d, cf["rows"], cf["threads"], g3.element_size(), gx_size)
-        return need * _SMEM_MARGIN <= smem_limit(x.device)
+        regs = wgrads_fragment_regs(a, b, cc, d, cf["rows"], cf["threads"], gx_size > 0)
+        return need * _SMEM_MARGIN <= smem_limit(x.device) and regs <= WGRADS_MAX_FRAGMENT_REGS
 
     if BWD_FUSED and fits(x.element_size()):
         return _wgrads(g3, x3, w1c, w2c, gamma, (w1.dtype, w2.dtype), cfg, x.dtype)
