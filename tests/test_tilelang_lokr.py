@@ -591,3 +591,20 @@ def test_sum_partials_runs(run, ns, monkeypatch):
     got = lokr._sum_partials(part, ns, 5, 7)
     assert got.shape == (5, 7)
     torch.testing.assert_close(got, part.view(ns, 5, 7).double().sum(0).float(), rtol=1e-6, atol=1e-5)
+
+
+def test_bypass_bwd_routes_by_the_one_pass_kernels_resources():
+    """``bypass_bwd`` takes the one-pass kernel where its shared memory fits and its fp32
+    accumulators fit a thread's registers (160 at the bench's 64-wide factors); w1 (64, 64)
+    with w2 (128, 128) (D = 8192) holds 352 a thread: gx, g_w1 and g_w2 by the separate kernels."""
+    assert lokr.wgrads_fragment_regs(64, 64, 64, 64, 128, 128, True) == 160
+    assert lokr.wgrads_fragment_regs(64, 64, 128, 128, 128, 128, True) > lokr.WGRADS_MAX_FRAGMENT_REGS
+
+    def built(a, c):
+        x, g = torch.zeros(8, a * c), torch.zeros(8, a * c)
+        with _common.capturing() as pending:
+            lokr.bypass_bwd(g, x, torch.zeros(a, a), torch.zeros(c, c), 1.0)
+        return sorted({p.builder.__name__ for p in pending})
+
+    assert built(64, 64) == ["kron_wgrads_kernel"]
+    assert built(64, 128) == ["kron_apply_kernel", "kron_wgrad1_kernel", "kron_wgrad2_kernel"]
