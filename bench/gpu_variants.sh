@@ -59,7 +59,11 @@ declare -A RUNS=(
   # where one TileLang build's seconds go on the device's host (3-10 s there, 2.4 s median on the CPU host:
   # RESULTS 2026-12-04 23:06): nvcc, the host compiler, TileLang's passes
   [tl_build_dora]="bench/tilelang_build_profile.py dora 2"
-  [tl_build_lokr]="bench/tilelang_build_profile.py lokr 14"
+  [tl_build_lokr]="bench/tilelang_build_profile.py lokr 23"  # kron_wgrads_kernel, the one-pass bypass backward
+  # TileLang cold keys with the deferred shortlists (plans/tilelang.DEFER, 2026-12-05): each op's cold call
+  # alone in a fresh process with empty caches, the background builds' seconds, the call that then times them,
+  # and a warm process that must time and build nothing
+  [tl_cold]="bench/gpu_tilelang_tune.py --families lokr,lora,loha,boft --shapes 3072x3072:r32 --tokens 8192"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)
 for n in "${names[@]}"; do

@@ -1,6 +1,6 @@
 """Where one TileLang kernel build's seconds go, without a GPU (nvcc on PATH):
 
-    python bench/tilelang_build_profile.py lokr 14 [--arch sm_90a]
+    python bench/tilelang_build_profile.py lokr 23 [--arch sm_90a]
 
 builds entry N of ``lycoris_ops.tilelang.<family>.compile_specs(bf16)`` once, in a fresh
 TileLang cache (a new temporary folder, also where ``TILELANG_CACHE_DIR`` is set: a warm
