@@ -1071,3 +1071,32 @@ def test_background_children_are_capped_and_the_rest_queued(deferring, monkeypat
     assert max(alive_at_fork) == 4
     tl_pick.run("add_scaled", op_function, (last, last, 1.0))
     assert rec.calls[-1] == (5, "a") and rec.timed and not rec.built  # timed; nothing built by the call
+
+
+def test_a_deferred_first_config_that_cannot_build_runs_eager_until_the_timing(deferring, monkeypatch, caplog):
+    """The first config's kernel fails to build (``BuildError``): the deferred key's calls run
+    the eager body meanwhile, and its timing call still picks among the configs that build."""
+    from lycoris_ops.tilelang._common import BuildError
+
+    rec = deferring
+    inner = _configured_op_function(rec.calls)
+
+    def kernel(base, delta, gamma, cfg=None):
+        from lycoris_ops.tilelang import _common as C
+
+        if not cfg and getattr(C._capture, "active", None) is None:
+            raise BuildError("TileLang could not build the fixed config (test)")
+        return inner(base, delta, gamma, cfg)
+    kernel.__module__ = __name__
+
+    base, delta = torch.randn(8, 5), torch.randn(8, 5)
+    for _ in range(2):
+        torch.testing.assert_close(tl_pick.run("add_scaled", kernel, (base, delta, 1.0)),
+                                   eager_add_scaled(base, delta, 1.0))
+    assert rec.calls == [] and tl_pick._deferred  # eager meanwhile, still deferred
+    for pid in tl_pick._ahead:
+        rec.exits[pid] = 0
+    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    assert rec.calls[-1] == "a" and "None" not in map(str, rec.timed)  # the fixed config failed its first call
+    (row,) = [r for k, r in tune.table().rows.items() if "|tilelang|add_scaled|" in k]
+    assert row["config"] == {"v": "a"} and row.get("failed")

@@ -544,7 +544,8 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
     try:
         return _call(kernel, args, choice)
     except BuildError as exc:  # a kernel TileLang cannot build: this signature runs eager from now on
-        _front[fk] = tune.SENTINEL_EAGER
+        if fk not in _deferred:  # (a deferred key's timing call still picks among the configs that build)
+            _front[fk] = tune.SENTINEL_EAGER
         if op not in _build_warned:
             _build_warned.add(op)
             log.warning("lycoris_ops tilelang: %s runs its eager body here: %s", op, exc)
