@@ -44,6 +44,25 @@ def test_kernels_compile(arch, dtype):
         assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+def test_async_one_pass_backward_compiles_for_sm90a():
+    """``WGRADS_ASYNC`` (sm_90a only: async WGMMAs): 3 waits a step instead of 8, each group's
+    last GEMM synchronous (with the next stage's copies placed after it); the launcher asks
+    for it only where every GEMM's M is a multiple of 64."""
+    import re
+
+    srcs = {}
+    for asy in (False, True):
+        k = _common.compile_only(lokr.kron_wgrads_kernel, "sm_90a", 64, 64, 64, 64, "bfloat16", "float32", False,
+                                 128, 128, 4, "bfloat16", asy)
+        src = k.get_kernel_source()
+        srcs[asy] = (src.count("wgmma_ss<"), len(re.findall(r"warpgroup_wait<", src)))
+    # 8 GEMMs a step in the three copies of the pipelined body (prologue, steady state, epilogue)
+    assert srcs[False] == (24, 24) and srcs[True] == (24, 9), srcs
+    assert lokr.wgrads_async_fits(64, 64, 64, 64, 128, 128) and lokr.wgrads_async_fits(48, 48, 64, 64, 128, 128)
+    assert not lokr.wgrads_async_fits(3, 5, 7, 4, 128, 128)
+
+
 def test_opset_signatures():
     for op in OPS:
         params = list(inspect.signature(getattr(ops, op)).parameters)
@@ -76,6 +95,24 @@ def test_twin_token_split():
     x, G = torch.randn(T, b * d, generator=g), torch.randn(T, a * c, generator=g)
     compare("lokr_bypass_bwd", (G, x, torch.randn(a, b, generator=g), torch.randn(c, d, generator=g), 0.8),
             torch.float32)
+
+
+@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_async_one_pass_backward(monkeypatch, dtype):
+    """``WGRADS_ASYNC``: the one-pass bypass backward with its GEMM groups issued as async
+    WGMMAs (sm_90a, 64-wide padded factors) against the eager body, token tails and a split
+    token reduction included; the 3 x 5 x 7 x 4 layer keeps the synchronous form."""
+    monkeypatch.setattr(lokr, "WGRADS_ASYNC", True)
+    g = torch.Generator().manual_seed(11)
+
+    def m(*s, scale=1.0):
+        return (scale * torch.randn(*s, generator=g)).to(dtype).cuda()
+
+    for a, b, c, d in ((64, 64, 64, 64), (48, 48, 64, 64), (3, 5, 7, 4)):
+        w1, w2 = m(a, b, scale=b ** -0.5), m(c, d, scale=d ** -0.5)
+        for T in (1, 257, 9000):
+            compare("lokr_bypass_bwd", (m(T, a * c), m(T, b * d), w1, w2, 0.7), dtype)
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
@@ -119,7 +156,7 @@ CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems
             "kron_finish_kernel": (), "kron_stream_kernel": ("BM", "BN", "threads")}  # the one-pass backward's finishing launch: no tile of a config
 #: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``, ``split_base``; the wgrad
 #: kernels: ``kper_static``; ``kron_grads_kernel`` / ``kron_stream_kernel``: ``stages``, ``steps``, ``r2``)
-TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 2,
+TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 3,
             "kron_grads_kernel": 3, "kron_stream_kernel": 3}
 
 

@@ -130,6 +130,13 @@ WGRADS_FUSED = True
 #: Same table (11:30): bwd 0.461 -> 0.420 ms (large; fused weight gradients alone 0.413, a
 #: tie), 0.162 -> 0.142 (small, against 0.150)
 BWD_FUSED = True
+#: ``kron_wgrads_kernel(async_mma=True)`` on sm_90a where every GEMM's M is a multiple of 64:
+#: the step's independent GEMMs are issued together as asynchronous WGMMAs (U and P; then the
+#: hi halves' gx, g_w1 and g_w2; then the lo halves'), one wait after each group instead of
+#: one a GEMM (3 a step, not 8). Off until an H200 times it (``bench/tilelang_lora_variants.py --op
+#: lokr``, ``fused bwd async``): the 12-03 profile had this kernel at 375 µs where its MMAs
+#: take about 140 at the tensor cores' rate, waiting on each GEMM's latency in turn
+WGRADS_ASYNC = False
 
 
 def _threads(*mn, most: int = 128) -> int:
@@ -872,9 +879,17 @@ def wgrads_gx_stageable(a: int, b: int, c: int, d: int, rows: int, most: int, si
     return _whole_vectors(BTt * b * d, threads, size)
 
 
+def wgrads_async_fits(a: int, b: int, c: int, d: int, rows: int, most: int) -> bool:
+    """Whether every GEMM of ``kron_wgrads_kernel`` can be a Hopper WGMMA (M a multiple of 64
+    per warpgroup): the condition of its ``async_mma`` form."""
+    Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
+    BTt, threads = wgrads_geometry(a, b, c, d, rows, most)
+    return threads % 128 == 0 and all(m % (64 * (threads // 128)) == 0 for m in (BTt * Ap, Ap, Bp, Cp))
+
+
 def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct: bool,
                        rows: int = 128, max_threads: int = 128, kper_static: int = 4, gxdt=None,
-                       cpu: bool = False):
+                       async_mma: bool = False, cpu: bool = False):
     """Both weight gradients in one pass over the tokens (``WGRADS_FUSED``): with
     ``U_t = G_t·W2`` (a, d) and ``P_t = W1·X_t`` (a, d), ``g_w1 (a, b) = γ·Σ_t U_t·X_tᵀ`` and
     ``g_w2 (c, d) = γ·Σ_t G_tᵀ·P_t``, each step's X and G tiles read from DRAM once instead of
@@ -887,12 +902,19 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
     dtype from the same hi / lo halves of U that g_w1 takes: the whole backward reads X and G
     once and makes 8 MMAs a step (U, P, and the hi / lo pairs of g_w1, g_w2 and gx). The gx
     block goes through shared memory and one store where it copies whole (16-byte vectors;
-    the CPU twin stores from the accumulator)."""
+    the CPU twin stores from the accumulator).
+
+    ``async_mma`` (sm_90a, ``WGRADS_ASYNC``, ``wgrads_async_fits``): each group of independent
+    GEMMs issued as asynchronous WGMMAs but the last, a synchronous one whose wait covers the
+    group (the next writes of their shared operands, the next stage's copies, and reads of
+    their accumulators come after it): 3 waits a step instead of 8."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
     BTt, threads = wgrads_geometry(a, b, c, d, rows, max_threads)
+    async_mma = async_mma and not cpu
+    mma = T.wgmma_gemm if async_mma else T.gemm
     Tn = T.dynamic("T")
     o1 = (a, b) if direct else (T.dynamic("P1"), Bp)
     o2 = (c, d) if direct else (T.dynamic("P2"), Dp)
@@ -930,24 +952,28 @@ def kron_wgrads_kernel(a: int, b: int, c: int, d: int, dt: str, odt: str, direct
                 for t in T.serial(BTt):
                     T.copy(X[t0 + t, 0:Bp, 0:Dp], xs[0:Bp, t * Dp:(t + 1) * Dp])
                     T.copy(Gr[t0 + t, 0:Ap, 0:Cp], gs[t * Ap:(t + 1) * Ap, 0:Cp])
-                T.gemm(gs, w2s, uf, clear_accum=True)  # U[(t,u), j] = Σ_i G[t,u,i]·W2[i,j]
+                # each group: its GEMMs issued together (``async_mma``), the last one synchronous, whose
+                # wait covers the group; the software pipeline's next-stage copies into xs / gs come
+                # after the last GEMM reading them, so that one must have waited
+                mma(gs, w2s, uf, clear_accum=True)  # U[(t,u), j] = Σ_i G[t,u,i]·W2[i,j]
                 T.gemm(w1s, xs, p, clear_accum=True)  # P[u, (t,j)] = Σ_v W1[u,v]·X[t,v,j]
                 for m, j in par(BTt * Ap, Dp):  # hi halves
                     us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j], dt)
                 for u, n in par(Ap, BTt * Dp):
                     ps[(n // Dp) * Ap + u, n % Dp] = T.cast(p[u, n], dt)
-                T.gemm(us, xs, g1, transpose_B=True)  # g1[u, v] += Σ_(t,j) U[u,(t,j)]·X[v,(t,j)]
-                T.gemm(gs, ps, g2, transpose_A=True)  # g2[i, j] += Σ_(t,u) G[(t,u),i]·P[(t,u),j]
                 if with_gx:
-                    T.gemm(w1s, us, gxf, transpose_A=True, clear_accum=True)  # GX[v, (t,j)] = Σ_u W1[u,v]·U
+                    mma(w1s, us, gxf, transpose_A=True, clear_accum=True)  # GX[v, (t,j)] = Σ_u W1[u,v]·U
+                mma(us, xs, g1, transpose_B=True)  # g1[u, v] += Σ_(t,j) U[u,(t,j)]·X[v,(t,j)]
+                T.gemm(gs, ps, g2, transpose_A=True)  # g2[i, j] += Σ_(t,u) G[(t,u),i]·P[(t,u),j]
                 for m, j in par(BTt * Ap, Dp):  # lo halves
                     us[m % Ap, (m // Ap) * Dp + j] = T.cast(uf[m, j] - T.cast(T.cast(uf[m, j], dt), _ACC), dt)
                 for u, n in par(Ap, BTt * Dp):
                     ps[(n // Dp) * Ap + u, n % Dp] = T.cast(p[u, n] - T.cast(T.cast(p[u, n], dt), _ACC), dt)
-                T.gemm(us, xs, g1, transpose_B=True)
+                if with_gx:
+                    mma(w1s, us, gxf, transpose_A=True)
+                mma(us, xs, g1, transpose_B=True)
                 T.gemm(gs, ps, g2, transpose_A=True)
                 if with_gx:
-                    T.gemm(w1s, us, gxf, transpose_A=True)
                     store_gx(gxf, gamma, t0, GX, gxs, None, None)
             for u, v in par(Ap, Bp):
                 g1[u, v] = g1[u, v] * gamma
@@ -1320,7 +1346,8 @@ def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None, gx_dtype=None):
     ns = cdiv(tiles, k)
     args = (arch_of(dev), a, b, c, d, tl_dtype(g3.dtype))
     gxa = dummy(dev, torch.float32) if gx is None else gx.view(T_, b, d)
-    tail = (cf["rows"], cf["threads"], k, None if gx is None else tl_dtype(gx_dtype))
+    asy = WGRADS_ASYNC and arch_of(dev) == "sm_90a" and wgrads_async_fits(a, b, c, d, cf["rows"], cf["threads"])
+    tail = (cf["rows"], cf["threads"], k, None if gx is None else tl_dtype(gx_dtype), asy)
     if ns == 1 and dtypes[0] == dtypes[1]:
         out = (torch.empty((a, b), device=dev, dtype=dtypes[0]), torch.empty((c, d), device=dev, dtype=dtypes[1]))
         kernel(kron_wgrads_kernel, *args, tl_dtype(dtypes[0]), True, *tail)(g3, x3, w1, w2, *out, gxa, float(gamma))
