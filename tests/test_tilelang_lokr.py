@@ -98,12 +98,14 @@ def test_twin_token_split():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.parametrize("asy", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_async_one_pass_backward(monkeypatch, dtype):
-    """``WGRADS_ASYNC``: the one-pass bypass backward with its GEMM groups issued as async
-    WGMMAs (sm_90a, 64-wide padded factors) against the eager body, token tails and a split
-    token reduction included; the 3 x 5 x 7 x 4 layer keeps the synchronous form."""
-    monkeypatch.setattr(lokr, "WGRADS_ASYNC", True)
+def test_gpu_async_one_pass_backward(monkeypatch, dtype, asy):
+    """The one-pass bypass backward (``BWD_FUSED``), and with ``WGRADS_ASYNC`` its GEMM groups
+    issued as async WGMMAs (sm_90a, 64-wide padded factors), against the eager body, token
+    tails and a split token reduction included; the 3 x 5 x 7 x 4 layer keeps the synchronous
+    form."""
+    monkeypatch.setattr(lokr, "WGRADS_ASYNC", asy)
     g = torch.Generator().manual_seed(11)
 
     def m(*s, scale=1.0):
