@@ -189,7 +189,8 @@ def measure_column(fn: Callable, ts: list, grad_idx, G, timer: DeviceTimer, devi
     fixed upstream grad ``G``). The first call of each phase is the cold call.
 
     Returns {cold_fwd_s, background_fwd_s, fwd: timer dict, cold_fwdbwd_s, background_fwdbwd_s,
-    fwdbwd, out, grads, rel_err, grad_err, error} (``background_*_s``: ``settle_background``); ``ref`` = (out, grads) of the reference column for the errors.
+    fwdbwd, out, grads, rel_err, grad_err, error} (``background_*_s``: ``settle_background``);
+    ``ref`` = (out, grads) of the reference column for the errors.
     An exception is caught and reported in ``error`` (the phases done so far stay)."""
     res: dict = {}
     targets = [ts[i] for i in grad_idx]

@@ -69,7 +69,7 @@ import torch
 
 from . import precompile, tune
 from .. import registry
-from ..tilelang._common import BuildError
+from ..tilelang._common import BuildError, env_on
 
 __all__ = ["BACKEND", "KERNEL", "key_parts", "run", "precompile_call", "backward_pending", "settle", "stats"]
 
@@ -88,10 +88,10 @@ _totals = {"calls": 0, "kernels": 0, "children": 0, "failures": 0, "seconds": 0.
            "background_children": 0}
 #: ``LYCORIS_TILELANG_AHEAD=0`` (read at import): a forward's cold call does not build its
 #: backward's kernels ahead (``backward_pending``)
-AHEAD = os.environ.get("LYCORIS_TILELANG_AHEAD", "1").strip().lower() not in ("0", "off", "false", "no")
+AHEAD = env_on("LYCORIS_TILELANG_AHEAD")
 #: ``LYCORIS_TILELANG_DEFER=0`` (read at import): a cold key's first call builds its whole
 #: shortlist (what one round of children builds) and times it at once
-DEFER = os.environ.get("LYCORIS_TILELANG_DEFER", "1").strip().lower() not in ("0", "off", "false", "no")
+DEFER = env_on("LYCORIS_TILELANG_DEFER")
 #: niceness of the children building what no call waits for yet (the rest of a deferred
 #: shortlist): the first configs' builds, this call's and its backward's, keep the CPUs
 BACKGROUND_NICE = 10
@@ -422,6 +422,17 @@ def _exact(op: str, args) -> tuple:
     return tuple(out)
 
 
+def _first_and_rest(kernel: Callable, args: Sequence[Any], cands: Sequence[Any], procs: int,
+                    built: Optional[set] = None) -> Tuple[list, list]:
+    """(the kernels of the first candidate, the other candidates' kernels not among those):
+    a deferred cold call builds the first, the background the rest (``built``: keys on disk
+    already, left out of both)."""
+    first = _shortlist_kernels(kernel, args, cands[:1], procs, None, built=built)[0]
+    rest = _shortlist_kernels(kernel, args, cands[1:], procs, None,
+                              built={p.key for p in first} | set(built or ()))[0]
+    return first, rest
+
+
 def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[list, list]) -> None:
     """``run`` under ``backward_pending``: the kernels this call's cold shortlist would build,
     added to ``listing`` (the first config's, the rest's: the cold call defers them; without
@@ -438,9 +449,9 @@ def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[
     if not (DEFER and tune.tuning_enabled()):
         listing[0].extend(_shortlist_kernels(kernel, args, cands, procs, [])[0])
         return
-    first = _shortlist_kernels(kernel, args, cands[:1], procs, None)[0]
+    first, rest = _first_and_rest(kernel, args, cands, procs)
     listing[0].extend(first)
-    listing[1].extend(_shortlist_kernels(kernel, args, cands[1:], procs, None, built={p.key for p in first})[0])
+    listing[1].extend(rest)
 
 
 def _defers(op: str, args: Sequence[Any], parts, device, version) -> bool:
@@ -463,9 +474,7 @@ def _defer(op: str, kernel: Callable, args: Sequence[Any], fk: tuple):
     first = cands[0]
     if _ahead:
         _reap_ahead()
-    procs = precompile.usable_procs()
-    own = {p.key for p in _shortlist_kernels(kernel, args, [first], procs, None)[0]}
-    rest = _shortlist_kernels(kernel, args, cands[1:], procs, None, built=own | _built_ahead)[0]
+    _, rest = _first_and_rest(kernel, args, cands, precompile.usable_procs(), built=_built_ahead)
     if not rest:
         return None  # the rest is built: timed now
     ahead, behind = backward_pending(op, args) if _builds_ahead(args) else ([], [])
@@ -488,7 +497,7 @@ def _deferred_pick(fk: tuple, d: _Deferred):
     d.next_look = now + DEFER_POLL_S
     if _ahead:
         _reap_ahead()
-    if any(keys & d.keys for keys, _ in _ahead.values()) or any(p.key in d.keys for p in _queue):
+    if d.keys & _building():
         return d.first
     _deferred.pop(fk, None)
     return None

@@ -920,8 +920,9 @@ def warmup(layers: Iterable, *, tokens: Sequence[int] = (1024,), dtype=torch.bfl
     timed). ``direct``: tune the Triton configs through the planners' glue
     (``plans/<family>.py: KWARGS``) instead of calling the ops (which tune whatever
     backend the dispatcher picks). TileLang keys that deferred their shortlists
-    (``plans/tilelang.DEFER``) are waited for and called once more, so they are timed too. Returns a summary (calls made, keys tuned, table
-    hits, seconds). Without CUDA it does nothing."""
+    (``plans/tilelang.DEFER``) are waited for and called once more, so they are timed too.
+    Returns a summary (calls made, keys tuned, table hits, seconds). Without CUDA it does
+    nothing."""
     summary: Dict[str, Any] = {"calls": 0, "tuned": 0, "table_hits": 0, "seconds": 0.0, "errors": []}
     if not torch.cuda.is_available():
         summary["skipped"] = "no CUDA device"

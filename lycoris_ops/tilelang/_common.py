@@ -33,7 +33,7 @@ import torch
 __all__ = [
     "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "arch_of_capability", "target_of", "kernel", "compile_only",
     "clear", "stats", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
-    "capturing", "Pending", "launch_config", "BuildError",
+    "capturing", "Pending", "launch_config", "BuildError", "env_on",
 ]
 
 EXECUTION_BACKEND = "tvm_ffi"
@@ -94,6 +94,12 @@ class capturing:
     def __exit__(self, *exc):
         _capture.active = None
         return False
+
+
+def env_on(name: str) -> bool:
+    """Whether the switch ``name`` is on in the environment: anything but 0 / off / false / no
+    (unset: on)."""
+    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def launch_config(fixed: dict, cfg) -> dict:
@@ -177,7 +183,7 @@ def _install_macro_memo() -> bool:
         if _memo["tried"]:
             return _memo["installed"]
         try:
-            if os.environ.get(MACRO_MEMO_ENV, "1").strip().lower() not in ("0", "off", "false", "no"):
+            if env_on(MACRO_MEMO_ENV):
                 _memo["installed"] = _wrap_mutate()
         except Exception:  # any surprise in TileLang's layout: no memo
             _memo["installed"] = False
