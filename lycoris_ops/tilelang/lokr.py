@@ -133,9 +133,10 @@ BWD_FUSED = True
 #: ``kron_wgrads_kernel(async_mma=True)`` on sm_90a where every GEMM's M is a multiple of 64:
 #: the step's independent GEMMs are issued together as asynchronous WGMMAs (U and P; then the
 #: hi halves' gx, g_w1 and g_w2; then the lo halves'), one wait after each group instead of
-#: one a GEMM (3 a step, not 8). Off until an H200 times it (``bench/tilelang_lora_variants.py --op
-#: lokr``, ``fused bwd async``): the 12-03 profile had this kernel at 375 µs where its MMAs
-#: take about 140 at the tensor cores' rate, waiting on each GEMM's latency in turn
+#: one a GEMM (3 a step, not 8). Off until an H200 times it (``bench/tilelang_lora_variants.py
+#: --op lokr``, ``fused bwd async``): the 12-03 profile had this kernel at 375 µs, where its MMAs
+#: alone would take about 140 at the tensor cores' dense rate (arithmetic, bench/RESULTS.md
+#: 2026-12-05), so it is waiting on something else, plausibly each GEMM's latency in turn
 WGRADS_ASYNC = False
 
 
@@ -1370,7 +1371,7 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg=None):
     w1c, w2c = prep(w1, c), prep(w2, c)
     cf = launch_config(BYPASS, cfg)
 
-    def fits(gx_size: int) -> bool:  # else (factors of 128) the separate kernels
+    def fits(gx_size: int) -> bool:  # else (wide factors: shared memory or accumulator registers) the separate kernels
         need = wgrads_smem(a, b, cc, d, cf["rows"], cf["threads"], g3.element_size(), gx_size)
         regs = wgrads_fragment_regs(a, b, cc, d, cf["rows"], cf["threads"], gx_size > 0)
         return need * _SMEM_MARGIN <= smem_limit(x.device) and regs <= WGRADS_MAX_FRAGMENT_REGS
