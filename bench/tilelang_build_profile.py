@@ -4,7 +4,8 @@
 
 builds entry N of ``lycoris_ops.tilelang.<family>.compile_specs(bf16)`` once, in a fresh
 TileLang cache (a new temporary folder, also where ``TILELANG_CACHE_DIR`` is set: a warm
-cache would time a load; ``--cache DIR`` to use one), and prints the
+cache would time a load; ``--cache DIR`` to use one: run twice, the second run times the
+load from the disk cache), and prints the
 total, the subprocesses (nvcc, the host compiler of the disk-cache export), the top-level
 TVM passes and the seconds in TileLang's Python macro parser (``eager.ast.mutate``), each
 timed by wrapping ``subprocess.Popen``, ``tvm.ir.transform.Pass.__call__`` and
@@ -78,7 +79,7 @@ def main() -> None:
     t0 = time.perf_counter()
     _common.compile_only(fn, args.arch, *spec)
     total = time.perf_counter() - t0
-    print(f"{fn.__name__}{spec} for {args.arch}: {total:.1f} s")
+    print(f"{fn.__name__}{spec} for {args.arch}: {total:.2f} s")
     for s, name in procs:
         print(f"  subprocess {name:<12} {s:6.2f} s")
     memo = _common.macro_memo_stats()

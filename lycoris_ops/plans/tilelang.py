@@ -25,7 +25,8 @@ kernels of the planner's first config only (the untimed pick ``LYCORIS_KERNEL_TU
 runs) and runs that config, while lower-priority children (``BACKGROUND_NICE``) build the
 rest of the shortlist, which a cold shortlist no longer has to fit into one round of
 children; the key's first call after those children exit times the whole shortlist (its
-kernels load from the disk cache, about 0.03 s each) and stores the winner. Until then the
+kernels load from the disk cache, 0.03-0.04 s each on the CPU host: bench/RESULTS.md
+2026-12-05) and stores the winner. Until then the
 first config runs, unchecked as under TUNE=off. ``settle()`` waits for those children (a
 benchmark's timed calls, ``tune.warmup``). The cold call's wall time is then one config's
 build, not a shortlist's: #6's cold first calls were 9-14.5 s with shortlists of 5-14
