@@ -169,13 +169,16 @@ def test_add_scaled_layouts():
     close(TA.add_scaled(b4, d4, 0.5), o_add(b4, d4, 0.5), REL_TOL[f], "4 runs")
 
 
-def test_zero_sizes():
+@pytest.mark.parametrize("shape,ax", [((0, 5), -1), ((4, 5, 0), 1), ((3, 0), 0), ((0, 5, 2), 1)])
+def test_zero_sizes(shape, ax):
+    """Empty leading or trailing dims: nothing launches (empty trailing dims once launched an
+    (A, C) grid over the empty tensors: out-of-bounds reads and writes)."""
     f = torch.float32
-    x, w = _mk((0, 5), f, 8), _mk((5,), f, 9)
-    assert ops.ia3_fwd(x, w, -1, 1.0, 1.0).shape == (0, 5)
-    gx, gw = ops.ia3_bwd(x, x, w, -1, 1.0, 1.0)
-    assert gx.shape == (0, 5) and gw.abs().sum() == 0
-    assert ops.add_scaled(x, x, 2.0).shape == (0, 5)
+    x, w = _mk(shape, f, 8), torch.full((shape[ax],), 0.5, dtype=f)
+    assert ops.ia3_fwd(x, w, ax, 1.0, 1.0).shape == shape
+    gx, gw = ops.ia3_bwd(x, x, w, ax, 1.0, 1.0)
+    assert gx.shape == shape and gw.shape == w.shape and gw.abs().sum() == 0
+    assert ops.add_scaled(x, x, 2.0).shape == shape
 
 
 def test_idx64_paths(monkeypatch):

@@ -47,7 +47,7 @@ def geometry(shape, channel_axis: int):
     for s in shape[ax + 1:]:
         B *= int(s)
     C = int(shape[ax])
-    ch_rows = B > 1
+    ch_rows = B != 1  # B = 0 (empty trailing dims): rows, so M·N = 0 and nothing launches
     return (A * C, B, C, True) if ch_rows else (A, C, C, False)
 
 

@@ -203,7 +203,7 @@ def _geometry(x_shape, ax):
     for n in x_shape[ax + 1:]:
         B *= n
     C = x_shape[ax]
-    ch_rows = B > 1
+    ch_rows = B != 1  # B = 0 (empty trailing dims): rows, so M·N = 0 and nothing launches
     M, N = (A * C, B) if ch_rows else (A, C)
     return A, C, B, ch_rows, M, N
 
