@@ -342,6 +342,28 @@ def test_boft_bf16x3_takes_its_own_dots():
     assert torch.equal(grads[torch.float32, TO.BF16X3], grads[torch.float32, "tf32x3"])
 
 
+@pytest.mark.parametrize("pos_major", [False, True], ids=["cm", "pm"])
+@pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16, TO.BF16X3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("xshape,axis", [((96, 7), 0), ((7, 96), -1)], ids=["weight", "linear"])
+def test_boft_small_rotation_diff_is_accurate(xshape, axis, dtype, dot_prec, pos_major):
+    """Δ = butterfly(x) − x with a small rotation (the constraint rule's small cscale: |Δ| about
+    2e-4 |x|) across segments: bf16x3's split of the fp32 scratch errs by ~2^-16 of |u| ≈ |x|,
+    so it applies W − I to u and adds u exactly (``_apply``'s SHIFT); without that its relative
+    error here was 4e-2."""
+    gen = torch.Generator().manual_seed(1041)
+    m, nb, s = 4, 16, 6  # max_group 32: two segments, fp32 scratch between them
+    blocks = _make((m, nb, s, s), dtype, gen, scale=0.5)
+    x = _make(xshape, dtype, gen)
+    bd = blocks.double()
+    cscale = 1e-3 / float((bd - bd.transpose(-1, -2)).norm())
+    cfg = BoftCfg(max_group=32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec, pos_major=pos_major)
+    y = TB.boft_fwd(blocks, x, axis, cscale, 1.0, None, True, cfg=cfg)
+    y0, _ = _boft_oracle(blocks, x, axis, cscale, 1.0, None, True, torch.zeros_like(x))
+    assert float(y0.norm() / x.double().norm()) < 1e-3
+    assert rel_err(y, y0) < 1e-2
+
+
 def test_boft_plan_segments():
     """Stages are fused while a channel group fits ``max_group``; one stage always runs."""
     plan = TB._plan(4, 8, 4, 100, 2, False, BoftCfg())        # s=4: 2^4·2 = 32 -> all 4 stages fused

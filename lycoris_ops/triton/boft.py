@@ -327,9 +327,12 @@ def _load_stream(ptr, off, ch_valid, pm, TO: tl.constexpr, PACKED: tl.constexpr,
 
 @triton.jit
 def _apply(u, w, w0, w1, w2, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-           PM: tl.constexpr):
+           PM: tl.constexpr, SHIFT: tl.constexpr = False):
     """The group matrix on a tile: W·u (GP, BLOCK_P), or position-major uᵀ·Wᵀ with ``w`` = Wᵀ
-    (``PM``); w0..w2 its split16 terms (SPLIT: 16-bit u) or hi/lo (X3: fp32 u, split here)."""
+    (``PM``); w0..w2 its split16 terms (SPLIT: 16-bit u) or hi/lo (X3: fp32 u, split here).
+    ``SHIFT`` (X3): w0, w1 are the hi/lo of W − I, and W·u = u + (W − I)·u, u exact in the
+    accumulator: the split's error (~2^-16 of |u|) then scales with ‖W − I‖, which keeps a
+    small rotation's Δ = W·u − x accurate (without it the error is 2^-16 of |x| however small Δ)."""
     if SPLIT:
         if PM:
             y = tl.dot(u, w0, tl.dot(u, w1, tl.dot(u, w2)))
@@ -337,10 +340,11 @@ def _apply(u, w, w0, w1, w2, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.cons
             y = dot_split16(w0, w1, w2, u)
     elif X3:
         uh, ul = hilo(u, DOT)
+        acc = u if SHIFT else tl.zeros(u.shape, dtype=tl.float32)
         if PM:
-            y = dot_x3(uh, ul, w0, w1, tl.zeros(u.shape, dtype=tl.float32))
+            y = dot_x3(uh, ul, w0, w1, acc)
         else:
-            y = dot_x3(w0, w1, uh, ul, tl.zeros(u.shape, dtype=tl.float32))
+            y = dot_x3(w0, w1, uh, ul, acc)
     elif PM:
         y = tl.dot(u, w, input_precision=DOT_PREC)
     else:
@@ -422,8 +426,14 @@ def _boft_seg_fwd(
     if DIFF_FOLD:
         w = w - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
     w0, w1, w2 = split16(w, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
-    if X3:  # fp32 u: bf16 hi/lo of the matrix once, of u per tile (oft.dot_x3)
-        w0, w1 = hilo(w, DOT)
+    # fp32 u: bf16 hi/lo of the matrix once, of u per tile (oft.dot_x3); of W − I (``_apply``'s
+    # SHIFT) unless diff is folded in (W − I already)
+    SHIFT: tl.constexpr = X3 and not DIFF_FOLD
+    if X3:
+        if SHIFT:
+            w0, w1 = hilo(w - tl.where(e[:, None] == e[None, :], 1.0, 0.0), DOT)
+        else:
+            w0, w1 = hilo(w, DOT)
     if IDX64:
         ch = ch.to(tl.int64)
     u_c = _channel_offsets(g, ch, su_c, half, a2, L2, gp2, gw, HP, GP, IN_PACKED, True, HALF)
@@ -438,7 +448,7 @@ def _boft_seg_fwd(
         pm = p < NPOS
         uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED, PM)
         y = _apply(_load_stream(u_ptr, uo, ch_valid, pm, DOT if SPLIT else tl.float32, IN_PACKED, PM),
-                   w, w0, w1, w2, SPLIT, X3, DOT, DOT_PREC, PM)
+                   w, w0, w1, w2, SPLIT, X3, DOT, DOT_PREC, PM, SHIFT)
         mask = _tile_mask(ch_valid, pm, PM)
         if DIFF_LOAD:
             if PM:
