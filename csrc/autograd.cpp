@@ -182,11 +182,20 @@ variable_list LycorisBackward::apply_direct(const at::Tensor& grad, std::vector<
   bool any = false;
   for (auto t : d.targets) any = any || (t >= 0 && task_should_compute_output(t));
   if (any) {
+    // a merge whose out_dtype is the other 16-bit dtype than its operands': G widened to fp32
+    // (exact), as autograd.py's _grad_for does; fp16 and bf16 never meet in one call
+    at::Tensor g_in = grad;
+    const auto half = [](at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16; };
+    for (auto src : d.args) {
+      if (src >= 0 && args[src].isTensor() && inputs[src].defined() && half(g_in.scalar_type()) &&
+          half(inputs[src].scalar_type()) && inputs[src].scalar_type() != g_in.scalar_type())
+        g_in = grad.to(at::kFloat);
+    }
     torch::jit::Stack stack;
     stack.reserve(d.args.size());
     for (auto src : d.args) {
       if (src < 0) {
-        stack.emplace_back(grad);
+        stack.emplace_back(g_in);
       } else if (args[src].isTensor()) {  // a tensor argument: saved (checked at registration)
         stack.emplace_back(inputs[src]);
       } else {

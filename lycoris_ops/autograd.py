@@ -25,6 +25,19 @@ def _cast(grad, like):
     return cast(grad, like.dtype)
 
 
+def _grad_for(grad, *operands):
+    """The incoming G as a ``*_bwd`` op takes it. A merge whose ``out_dtype`` is the other 16-bit
+    dtype than its operands' gets G widened to fp32 (exact): fp16 and bf16 never meet in one
+    call (OPS.md §1.3 rule 1), and the op rounds an fp32 G to its compute dtype (rule 7) as the
+    wrapper would. ``csrc/autograd.cpp``'s direct backward does the same."""
+    if grad.dtype in _HALF and any(t is not None and t.dtype in _HALF and t.dtype != grad.dtype for t in operands):
+        return grad.float()
+    return grad
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
 # --- lora ---
 from ._checks import compute_dtype as _lora_compute_dtype
 
@@ -52,6 +65,7 @@ def _lora_merge_fwd_backward(ctx, grad):
     if not any(need[:4]):
         return (None, None, None, None, g_base) + rest
     gamma = ctx.gamma
+    grad = _grad_for(grad, *ctx.saved_tensors)
     if ctx.mode == "plain":
         a1, b1 = ctx.saved_tensors
         g_a1, g_b1 = lycoris.lora_merge_bwd(grad, a1, b1, gamma)
@@ -204,7 +218,7 @@ def _lokr_full_merge_fwd_backward(ctx, grad):
     need = ctx.needs_input_grad
     g_w1 = g_w2 = g_base = None
     if need[0] or need[1]:
-        g_w1, g_w2 = lycoris.lokr_full_merge_bwd(grad, w1, w2, ctx.gamma)
+        g_w1, g_w2 = lycoris.lokr_full_merge_bwd(_grad_for(grad, w1, w2), w1, w2, ctx.gamma)
         g_w1 = g_w1 if need[0] else None
         g_w2 = g_w2 if need[1] else None
     if ctx.base_dtype is not None and need[2]:
@@ -230,7 +244,7 @@ def _lokr_merge_fwd_backward(ctx, grad):
     need = ctx.needs_input_grad
     grads = [None, None, None, None]
     if any(need[:4]):
-        outs = lycoris.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, ctx.shape, ctx.gamma)
+        outs = lycoris.lokr_merge_bwd(_grad_for(grad, w1a, w1b, w2a, w2b), w1a, w1b, w2a, w2b, ctx.shape, ctx.gamma)
         for k, (g, w) in enumerate(zip(outs, (w1a, w1b, w2a, w2b))):
             # an absent b factor comes back as an empty tensor: map it to None
             grads[k] = g if (w is not None and need[k]) else None

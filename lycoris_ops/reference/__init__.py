@@ -20,6 +20,16 @@ _WIDE = (torch.float32, torch.float64)
 
 
 _AUTOGRAD = torch._C.DispatchKey.AutogradFunctionality
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def scalar_in(value: float, dtype: torch.dtype) -> float:
+    """A float argument as arithmetic of ``dtype``'s accumulation holds it: fp32 for fp32 and
+    16-bit operands (OPS.md §1.3 rule 4), where a finite value beyond fp32's range is ±inf,
+    as its fp32 rounding is (torch's ``alpha=`` would raise on it instead); fp64 keeps it."""
+    if dtype != torch.float64 and abs(value) > _F32_MAX and abs(value) != float("inf"):
+        return float("inf") if value > 0 else float("-inf")
+    return value
 
 
 def recording(*tensors) -> bool:
@@ -106,6 +116,7 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
     fp32 / fp64 a, b, base and output, on any device: the same single call, α and the add
     in the GEMM's epilogue at the product's precision.
     """
+    alpha = scalar_in(alpha, a.dtype)
     one_dtype = (a.dtype == b.dtype == out_dtype and a.dim() == 2 and b.dim() == 2
                  and (base is None or (base.dtype == out_dtype and base.shape == (a.shape[0], b.shape[1]))))
     # fp32 / fp64: always (H200, the LoRA bypass at 8192 x 3072 fp32: the separate scale and

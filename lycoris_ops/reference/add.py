@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from .. import _checks as C
-from . import cast
+from . import cast, scalar_in
 
 
 @C.cached
@@ -34,5 +34,6 @@ def add_scaled(base, delta, gamma):
     """
     check_add_scaled(base, delta, gamma)
     cdt = torch.float64 if torch.float64 in (base.dtype, delta.dtype) else torch.float32
-    out = torch.add(cast(base, cdt), cast(delta.reshape(base.shape), cdt), alpha=gamma)
+    out = torch.add(cast(base, cdt), cast(delta.reshape(base.shape), cdt),
+                    alpha=scalar_in(gamma, cdt))
     return cast(out, base.dtype).contiguous()

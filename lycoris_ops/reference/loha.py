@@ -63,7 +63,7 @@ def check_loha_merge_bwd(grad, a1, b1, a2, b2, gamma):
     O, r, I = _check_factors(op, a1, b1, a2, b2)
     C.shape(op, "grad", grad, (O, I), "(O, I)")
     C.same_device(op, grad=grad, a1=a1, b1=b1, a2=a2, b2=b2)
-    C.compute_dtype(op, a1=a1, b1=b1, a2=a2, b2=b2)
+    C.compute_dtype(op, grad=grad, a1=a1, b1=b1, a2=a2, b2=b2)
     return _factor_specs(a1, b1, a2, b2)
 
 
@@ -129,7 +129,7 @@ def check_loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
     C.size(op, "x.shape[1] (I = b1.shape[1])", x.shape[1], I)
     C.shape(op, "grad", grad, (T, O), "(T, O)")
     C.same_device(op, grad=grad, x=x, a1=a1, b1=b1, a2=a2, b2=b2)
-    C.compute_dtype(op, x=x, a1=a1, b1=b1, a2=a2, b2=b2)
+    C.compute_dtype(op, grad=grad, x=x, a1=a1, b1=b1, a2=a2, b2=b2)
     return (((T, I), x.dtype),) + _factor_specs(a1, b1, a2, b2)
 
 

@@ -101,7 +101,7 @@ def check_lora_merge_bwd(grad, up, down, gamma):
     C.size(op, "down.shape[0] (r = up.shape[1])", down.shape[0], r)
     C.shape(op, "grad", grad, (O, I), "(O, I)")
     C.same_device(op, grad=grad, up=up, down=down)
-    C.compute_dtype(op, up=up, down=down)
+    C.compute_dtype(op, grad=grad, up=up, down=down)
     return (((O, r), up.dtype), ((r, I), down.dtype))
 
 
@@ -168,7 +168,7 @@ def check_lora_bypass_bwd(grad, x, up, down, gamma):
     C.size(op, "down.shape[1] (I = x.shape[1])", down.shape[1], I)
     C.shape(op, "grad", grad, (T, O), "(T, O)")
     C.same_device(op, grad=grad, x=x, up=up, down=down)
-    C.compute_dtype(op, x=x, up=up, down=down)
+    C.compute_dtype(op, grad=grad, x=x, up=up, down=down)
     return (((T, I), x.dtype), ((O, r), up.dtype), ((r, I), down.dtype))
 
 
@@ -243,7 +243,8 @@ def tucker_apply(at, b):
     """``C[o,i,κ] = Σ_q AT[o,q,κ]·b[q,i]`` in fp32 (fp64 for fp64), b in AT's dtype: one
     GEMM with rows (o, κ), returned as an (O, I, Kk) view."""
     O, Rb, Kk = at.shape
-    return mm32(tucker_rows(at), cast(b, at.dtype)).reshape(O, Kk, -1).permute(0, 2, 1)
+    # I given, not -1: with O·Kk = 0 the -1 would be ambiguous
+    return mm32(tucker_rows(at), cast(b, at.dtype)).reshape(O, Kk, b.shape[1]).permute(0, 2, 1)
 
 
 def _tucker_chain(a, t, b, c):

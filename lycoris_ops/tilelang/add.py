@@ -14,6 +14,7 @@ non-contiguous or misaligned operands are read from a contiguous copy.
 
 import torch
 
+from ..reference import scalar_in
 from ._common import aligned, arch_of, cdiv, kernel, launch_config, tl_dtype
 
 __all__ = ["add_kernel", "add_scaled", "vec_width", "compile_specs"]
@@ -65,7 +66,8 @@ def add_scaled(base: torch.Tensor, delta: torch.Tensor, gamma: float, cfg=None) 
     vec = vec_width(n, base.dtype, delta.dtype)
     nv = n // vec
     if nv >= _I32_LIMIT:  # beyond 32-bit tile indices: eager (documented limit)
-        out.copy_(torch.add(base.float(), delta.reshape(base.shape).float(), alpha=gamma))
+        out.copy_(torch.add(base.float(), delta.reshape(base.shape).float(),
+                            alpha=scalar_in(gamma, torch.float32)))
         return out
     b = aligned(base.reshape(-1).contiguous()).view(nv, vec)
     d = aligned(delta.reshape(-1).contiguous()).view(nv, vec)
