@@ -62,7 +62,9 @@ token tiles in a pipelined loop, the factors loaded once; staged / register epil
 add in its own loop), ``fused bwd`` (``lokr.BWD_FUSED``: gx and both weight gradients in one
 pass over the tokens), ``fused bwd sum8`` / ``sum32`` (also ``lokr.PARTIAL_SUM_RUN``: the
 fp32 partials summed over runs of 8 / 32 first, then over the rest), ``fused bwd async``
-(also ``lokr.WGRADS_ASYNC``: the one pass's GEMM groups issued as async WGMMAs, sm_90a);
+(also ``lokr.WGRADS_ASYNC``: the one pass's GEMM groups issued as async WGMMAs, sm_90a),
+``fused bwd finish`` (also ``lokr.WGRADS_FINISH``: the fp32 partials summed and cast by one
+``kron_finish_kernel`` launch instead of torch's sums);
 floor: the forward's x, base read and y written.
 
 ``--op lokr_merge_bwd``: ``lokr.merge_bwd`` on bench.py's ``lokr_merge`` inputs, the two-pass
@@ -129,7 +131,9 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
                  "fused bwd sum32": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
                                          BWD_FUSED=True, PARTIAL_SUM_RUN=32),
                  "fused bwd async": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
-                                         BWD_FUSED=True, WGRADS_ASYNC=True)}
+                                         BWD_FUSED=True, WGRADS_ASYNC=True),
+                 "fused bwd finish": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
+                                          BWD_FUSED=True, WGRADS_FINISH=True)}
 
 
 def lokr_table(args, dt, dev, timer, bw) -> None:

@@ -647,3 +647,28 @@ def test_bypass_bwd_routes_by_the_one_pass_kernels_resources():
 
     assert built(64, 64) == ["kron_wgrads_kernel"]
     assert built(64, 128) == ["kron_apply_kernel", "kron_wgrad1_kernel", "kron_wgrad2_kernel"]
+
+
+@pytest.mark.parametrize("gx", [True, False], ids=["one-pass-bwd", "wgrads"])
+def test_wgrads_finish_launch(monkeypatch, gx):
+    """``WGRADS_FINISH``: the one-pass weight gradients' fp32 partials (padded planes, Ap x Bp
+    and Cp x Dp) summed and cast by one ``kron_finish_kernel`` launch of two whole jobs, against
+    the reference: odd factors (3 x 5, 7 x 4 in 16 x 16 planes; 20 x 3, 5 x 33 in 32 x 16, 16 x 64),
+    a token tail, several splits, and a w1 of another dtype than w2 (two output dtypes in the
+    launch). CPU twin at fp32 (the fp32 w1 beside fp16 operands); on a GPU the real kernel (bf16)."""
+    monkeypatch.setattr(lokr, "WGRADS_FINISH", True)
+    monkeypatch.setattr(lokr, "BWD_FUSED", gx)
+    monkeypatch.setattr(lokr, "WGRAD_KPER", (2,))
+    monkeypatch.setattr(lokr, "num_sms", lambda d: 2)
+    dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float16, "cpu")
+    g = torch.Generator().manual_seed(13)
+
+    def m(*s, scale=1.0, dt=dtype):
+        return (scale * torch.randn(*s, generator=g)).to(dt).to(dev)
+
+    for (a, b, c, d), T in (((3, 5, 7, 4), 150), ((20, 3, 5, 33), 333)):
+        for w1_dtype in (dtype, torch.float32):
+            args = (m(T, a * c), m(T, b * d), m(a, b, scale=b ** -0.5, dt=w1_dtype), m(c, d, scale=d ** -0.5), 0.7)
+            built = {p.builder.__name__ for p in _listed(lokr.bypass_bwd, args, None)}
+            assert {"kron_wgrads_kernel", "kron_finish_kernel"} <= built, built
+            compare("lokr_bypass_bwd", args, dtype)

@@ -138,6 +138,11 @@ BWD_FUSED = True
 #: alone would take about 140 at the tensor cores' dense rate (arithmetic, bench/RESULTS.md
 #: 2026-12-05), so it is waiting on something else, plausibly each GEMM's latency in turn
 WGRADS_ASYNC = False
+#: ``_wgrads``' fp32 partials summed and cast by one ``kron_finish_kernel`` launch (two whole
+#: jobs on the padded stacks) instead of torch's sums and casts (four to six launches). Off until
+#: an H200 times it (``fused bwd finish``): the 12-03 profile had torch's sums at 33 µs of the
+#: large backward's 410 (then cut to runs of 8, ``PARTIAL_SUM_RUN``), Triton's whole finish 13
+WGRADS_FINISH = False
 
 
 def _threads(*mn, most: int = 128) -> int:
@@ -506,8 +511,9 @@ def kron_finish_kernel(job1: tuple, job2, threads: int = 128, cpu: bool = False)
     """The merge backward's last step after ``kron_grads_kernel``, both sides in one launch: per
     side a job on its fp32 partial stack P (S·M, N) (S = 1: a plane), ``Ps = Σ_s P[s]``:
 
-    * ``("whole", M, N, 0, S, None, None, oa, None)``: ``GA = Ps`` (M, N) in oa (a whole
-      factor's gradient); programs: (16 x 128) tiles;
+    * ``("whole", M, N, 0, S, None, None, oa, None[, (Mp, Np)])``: ``GA = Ps`` (M, N) in oa (a
+      whole factor's gradient); programs: (16 x 128) tiles; the stack's planes (Mp, Np) where
+      they are padded past (M, N) (``kron_wgrads_kernel``'s partials), P (S·Mp, Np);
     * ``("chain", M, N, R, S, wad, wbd, oa, ob)``: a factored side's ``GA = Ps·wbᵀ`` (M, R) in
       oa and ``GB = waᵀ·Ps`` (R, N) in ob (wa (M, R), wb (R, N)); programs: 16-row blocks of
       GA, then 16-column blocks of GB, each summing its rows / columns of the stack chunk by
@@ -524,10 +530,15 @@ def kron_finish_kernel(job1: tuple, job2, threads: int = 128, cpu: bool = False)
     n1 = geo[0][0]
     total = n1 + (geo[1][0] if job2 is not None else 0)
 
+    def plane(job) -> tuple:
+        """The (rows, columns) of one plane of a job's stack: (M, N) unless a whole job pads them."""
+        return job[9] if len(job) > 9 else job[1:3]
+
     def shapes(job):
-        kind, M, N, R, S, wad, wbd, oa, ob = job
+        kind, M, N, R, S, wad, wbd, oa, ob = job[:9]
         if kind == "whole":
-            return dict(P=((S * M, N), _ACC), WA=((1,), _ACC), WB=((1,), _ACC), GA=((M, N), oa), GB=((1,), _ACC))
+            Mp, Np = plane(job)
+            return dict(P=((S * Mp, Np), _ACC), WA=((1,), _ACC), WB=((1,), _ACC), GA=((M, N), oa), GB=((1,), _ACC))
         return dict(P=((S * M, N), _ACC), WA=((M, R), wad), WB=((R, N), wbd), GA=((M, R), oa), GB=((R, N), ob))
 
     sh = [shapes(j) for j in jobs] + [shapes(("whole", 1, 1, 0, 1, None, None, _ACC, None))] * (2 - len(jobs))
@@ -536,18 +547,19 @@ def kron_finish_kernel(job1: tuple, job2, threads: int = 128, cpu: bool = False)
         kind, M, N, R, S = job[:5]
         Rp = pad_rank(R) if R else 1
         oa, ob = job[7], job[8]
+        Mp = plane(job)[0]
         nga = cdiv(M, BK)
 
         def stack_sum(rows: int, cols: int):
             @T.macro
             def summed(P, buf, r0, c0):
-                """buf[i, j] = Σ_s P[s·M + r0 + i, c0 + j] over a (rows, cols) block (zeros outside M x N)."""
+                """buf[i, j] = Σ_s P[s·Mp + r0 + i, c0 + j] over a (rows, cols) block (zeros outside M x N)."""
                 for i, j in par(rows, cols):
                     buf[i, j] = T.cast(0, _ACC)
                 for s in T.serial(S):
                     for i, j in par(rows, cols):
                         if r0 + i < M and c0 + j < N:
-                            buf[i, j] = buf[i, j] + P[s * M + r0 + i, c0 + j]
+                            buf[i, j] = buf[i, j] + P[s * Mp + r0 + i, c0 + j]
 
             return summed
 
@@ -1357,6 +1369,13 @@ def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None, gx_dtype=None):
     p1 = torch.empty((ns * Ap, Bp), device=dev, dtype=torch.float32)
     p2 = torch.empty((ns * Cp, Dp), device=dev, dtype=torch.float32)
     kernel(kron_wgrads_kernel, *args, "float32", False, *tail)(g3, x3, w1, w2, p1, p2, gxa, float(gamma))
+    if WGRADS_FINISH:
+        out = (torch.empty((a, b), device=dev, dtype=dtypes[0]), torch.empty((c, d), device=dev, dtype=dtypes[1]))
+        jobs = [("whole", M, N, 0, ns, None, None, tl_dtype(o.dtype), None, (Mp, Np))
+                for (M, N, Mp, Np), o in zip(((a, b, Ap, Bp), (c, d, Cp, Dp)), out)]
+        one = dummy(dev, torch.float32)
+        kernel(kron_finish_kernel, arch_of(dev), *jobs)(p1, one, one, out[0], one, p2, one, one, out[1], one)
+        return head + out
     return head + (fresh(_sum_partials(p1, ns, Ap, Bp)[:a, :b], dtypes[0]),
                    fresh(_sum_partials(p2, ns, Cp, Dp)[:c, :d], dtypes[1]))
 
@@ -1403,6 +1422,8 @@ def compile_specs(dtype: torch.dtype):
         (kron_grads_kernel, (3, 5, 40, 24, d, d, d, d, "float32", False, False, 2048, 128, 0, 0, 3)),
         (kron_finish_kernel, (("whole", 3, 5, 0, 2, None, None, d, None), ("chain", 7, 4, 3, 2, d, d, d, d))),
         (kron_finish_kernel, (("chain", 37, 150, 70, 3, d, d, d, d), None)),
+        (kron_finish_kernel, (("whole", 3, 5, 0, 4, None, None, d, None, (16, 16)),  # WGRADS_FINISH
+                              ("whole", 7, 4, 0, 4, None, None, "float32", None, (16, 16)))),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d)),
         (kron_apply_kernel, (3, 5, 7, 4, d, d, d, 128, 128, True)),  # APPLY_STAGED
         (kron_apply_kernel, (64, 64, 64, 64, d, None, d, 128, 128, True)),
