@@ -1158,31 +1158,45 @@ def _one_pass(g, w1, w2, gamma, side1, side2, p):
            tl_dtype(pl.dtype), tl_dtype(pt.dtype), direct1, direct2, p["elems"], p["threads"], stages,
            per if stages else 0, r2)(g, w1, w2, dummy(dev, w2.dtype) if w2b is None else w2b, pl, pt, float(gamma),
                                      per, ns)
-    jobs, args, outs = [], [], []
+    jobs, outs = [], []
     for side, part, direct, S, M, N in ((side1, pl, direct1, tiles, a, b), (side2, pt, direct2, ns, c, d)):
         if direct:
             outs.append((part,))
             continue
         if side[0] == "whole":
             ga = torch.empty((M, N), device=dev, dtype=side[1])
-            jobs.append(("whole", M, N, 0, S, None, None, tl_dtype(side[1]), None))
-            one = dummy(dev, f32)
-            args += [part, one, one, ga, one]
+            jobs.append(_whole_job(part, S, ga))
             outs.append((ga,))
         else:
             _, wa, wb, da, db = side
             R = wa.shape[1]
             ga = torch.empty((M, R), device=dev, dtype=da)
             gb = torch.empty((R, N), device=dev, dtype=db)
-            jobs.append(("chain", M, N, R, S, tl_dtype(wa.dtype), tl_dtype(wb.dtype), tl_dtype(da), tl_dtype(db)))
-            args += [part, wa, wb, ga, gb]
+            jobs.append((("chain", M, N, R, S, tl_dtype(wa.dtype), tl_dtype(wb.dtype), tl_dtype(da), tl_dtype(db)),
+                         (part, wa, wb, ga, gb)))
             outs.append((ga, gb))
     if jobs:
-        if len(jobs) == 1:  # the absent job's parameters: (1, 1) stack and gradient, (1,) others
-            one = dummy(dev, f32)
-            args += [one.view(1, 1), one, one, one.view(1, 1), one]
-        kernel(kron_finish_kernel, arch_of(dev), jobs[0], jobs[1] if len(jobs) > 1 else None)(*args)
+        _finish(dev, jobs)
     return outs
+
+
+def _whole_job(part, S, out, plane=None):
+    """A ``kron_finish_kernel`` "whole" job and its five arguments: the S fp32 partial planes
+    stacked in ``part`` summed into ``out`` (cast to its dtype); ``plane``: the (Mp, Np) padded
+    plane of a stack wider than ``out``."""
+    M, N = out.shape
+    one = dummy(out.device, torch.float32)
+    job = ("whole", M, N, 0, S, None, None, tl_dtype(out.dtype), None)
+    return (job if plane is None else job + (plane,)), (part, one, one, out, one)
+
+
+def _finish(dev, jobs):
+    """One ``kron_finish_kernel`` launch of one or two (job, arguments) pairs."""
+    args = [t for _, job_args in jobs for t in job_args]
+    if len(jobs) == 1:  # the absent job's parameters: (1, 1) stack and gradient, (1,) others
+        one = dummy(dev, torch.float32)
+        args += [one.view(1, 1), one, one, one.view(1, 1), one]
+    kernel(kron_finish_kernel, arch_of(dev), jobs[0][0], jobs[1][0] if len(jobs) > 1 else None)(*args)
 
 
 def full_merge_bwd(grad, w1, w2, gamma, cfg=None):
@@ -1361,8 +1375,10 @@ def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None, gx_dtype=None):
     gxa = dummy(dev, torch.float32) if gx is None else gx.view(T_, b, d)
     asy = WGRADS_ASYNC and arch_of(dev) == "sm_90a" and wgrads_async_fits(a, b, c, d, cf["rows"], cf["threads"])
     tail = (cf["rows"], cf["threads"], k, None if gx is None else tl_dtype(gx_dtype), asy)
-    if ns == 1 and dtypes[0] == dtypes[1]:
+    direct = ns == 1 and dtypes[0] == dtypes[1]
+    if direct or WGRADS_FINISH:  # else torch's sums give the gradients
         out = (torch.empty((a, b), device=dev, dtype=dtypes[0]), torch.empty((c, d), device=dev, dtype=dtypes[1]))
+    if direct:
         kernel(kron_wgrads_kernel, *args, tl_dtype(dtypes[0]), True, *tail)(g3, x3, w1, w2, *out, gxa, float(gamma))
         return head + out
     Ap, Bp, Cp, Dp = (pad_rank(n) for n in (a, b, c, d))
@@ -1370,11 +1386,7 @@ def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None, gx_dtype=None):
     p2 = torch.empty((ns * Cp, Dp), device=dev, dtype=torch.float32)
     kernel(kron_wgrads_kernel, *args, "float32", False, *tail)(g3, x3, w1, w2, p1, p2, gxa, float(gamma))
     if WGRADS_FINISH:
-        out = (torch.empty((a, b), device=dev, dtype=dtypes[0]), torch.empty((c, d), device=dev, dtype=dtypes[1]))
-        jobs = [("whole", M, N, 0, ns, None, None, tl_dtype(o.dtype), None, (Mp, Np))
-                for (M, N, Mp, Np), o in zip(((a, b, Ap, Bp), (c, d, Cp, Dp)), out)]
-        one = dummy(dev, torch.float32)
-        kernel(kron_finish_kernel, arch_of(dev), *jobs)(p1, one, one, out[0], one, p2, one, one, out[1], one)
+        _finish(dev, [_whole_job(p1, ns, out[0], (Ap, Bp)), _whole_job(p2, ns, out[1], (Cp, Dp))])
         return head + out
     return head + (fresh(_sum_partials(p1, ns, Ap, Bp)[:a, :b], dtypes[0]),
                    fresh(_sum_partials(p2, ns, Cp, Dp)[:c, :d], dtypes[1]))
