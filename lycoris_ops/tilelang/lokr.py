@@ -1083,18 +1083,29 @@ def _side(wa, wb, c):
     return gemm(prep(wa, c), prep(wb, c), None, None, None, 1.0, "plain", torch.float32, c)
 
 
-def _generated(w2a, w2b, c, tile, device) -> bool:
+def _warps_cover(bm: int, bn: int, threads: int) -> bool:
+    """Whether ``T.gemm`` can share a (bm, bn) fp32 tile among threads/32 warps: each warp
+    owns a multiple of 16 rows and 8 columns (else TileLang refuses the build: a 16 x 16 tile
+    at 4 warps)."""
+    warps = max(1, threads // 32)
+    return any(warps % m == 0 and bm % (16 * m) == 0 and bn % (8 * (warps // m)) == 0 for m in range(1, warps + 1))
+
+
+def _generated(w2a, w2b, c, tile, device, threads) -> bool:
     """Whether a factored w2's (BC, BD) ``tile`` is generated in the streaming kernels
-    (``_w2_tile_macro``): tiles of at least 16 x 16 and a 16-bit compute dtype (the C twin's
-    fp32 GEMM is exact too)."""
+    (``_w2_tile_macro``): tiles of at least 16 x 16 that the program's warps can share
+    (``_warps_cover``; the C twin has no warps) and a 16-bit compute dtype (the C twin's fp32
+    GEMM is exact too); else the plane is generated before the launch."""
     bc, bd = tile
-    return w2b is not None and min(bc, bd) >= 16 and (c != torch.float32 or arch_of(device) == CPU_ARCH)
+    cpu = arch_of(device) == CPU_ARCH
+    return (w2b is not None and min(bc, bd) >= 16 and (c != torch.float32 or cpu)
+            and (cpu or _warps_cover(bc, bd, threads)))
 
 
 def merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, cfg=None):
     c = compute_dtype(w1a, w1b, w2a, w2b)
     p = launch_config(KRON, cfg)
-    gen2 = p.get("stream") and _generated(w2a, w2b, c, (p["BM"], p["BN"]), w2a.device)
+    gen2 = p.get("stream") and _generated(w2a, w2b, c, (p["BM"], p["BN"]), w2a.device, p["threads"])
     s2 = (prep(w2a, c), prep(w2b, c)) if gen2 else _side(w2a, w2b, c)
     return _kron(_side(w1a, w1b, c), s2, base, gamma, out_dtype or w2a.dtype, cfg)
 
@@ -1214,7 +1225,8 @@ def merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, cfg=None):
     p = launch_config(GRADS, cfg)
     s1 = _side(w1a, w1b, c)
     # the one pass generates a factored w2's tiles itself
-    gen2 = p.get("one_pass") and _generated(w2a, w2b, c, _grad_tile(shape[2], shape[3], p["elems"]), grad.device)
+    gen2 = p.get("one_pass") and _generated(w2a, w2b, c, _grad_tile(shape[2], shape[3], p["elems"]), grad.device,
+                                             p["threads"])
     s2 = (prep(w2a, c), prep(w2b, c)) if gen2 else _side(w2a, w2b, c)
     if p.get("one_pass"):  # the chains in the finishing launch; an absent b factor: an empty gradient
         def side(wa, wb):
