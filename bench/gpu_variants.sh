@@ -64,7 +64,7 @@ declare -A RUNS=(
   # alone in a fresh process with empty caches, the background builds' seconds, the call that then times them,
   # and a warm process that must time and build nothing
   # the one-pass LoKr bypass backward (g_w1 from U = G·W2 since 2026-12-05) against its async-WGMMA form
-  [lokr_async]="bench/tilelang_lora_variants.py --op lokr --variants fused\\ bwd,fused\\ bwd\\ async,fused\\ bwd\\ finish"
+  [lokr_async]="bench/tilelang_lora_variants.py --op lokr --variants fused\\ bwd,fused\\ bwd\\ async,fused\\ bwd\\ finish,fused\\ bwd\\ async\\ finish"
   [lokr_async_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k async\\ or\\ staged_gx\\ or\\ wgrads_finish"
   [tl_cold]="bench/gpu_tilelang_tune.py --families lokr,lora,loha,boft --shapes 3072x3072:r32 --tokens 8192"
 )

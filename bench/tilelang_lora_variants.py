@@ -64,7 +64,8 @@ pass over the tokens), ``fused bwd sum8`` / ``sum32`` (also ``lokr.PARTIAL_SUM_R
 fp32 partials summed over runs of 8 / 32 first, then over the rest), ``fused bwd async``
 (also ``lokr.WGRADS_ASYNC``: the one pass's GEMM groups issued as async WGMMAs, sm_90a),
 ``fused bwd finish`` (also ``lokr.WGRADS_FINISH``: the fp32 partials summed and cast by one
-``kron_finish_kernel`` launch instead of torch's sums);
+``kron_finish_kernel`` launch instead of torch's sums), ``fused bwd async finish`` (both; the
+module default since 2026-12-05);
 floor: the forward's x, base read and y written.
 
 ``--op lokr_merge_bwd``: ``lokr.merge_bwd`` on bench.py's ``lokr_merge`` inputs, the two-pass
@@ -125,15 +126,18 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
                                       WGRADS_FUSED=True),
                  "persist split": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
                                        APPLY_SPLIT_BASE=True),
-                 "fused bwd": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64), BWD_FUSED=True),
+                 "fused bwd": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64), BWD_FUSED=True,
+                                   WGRADS_ASYNC=False, WGRADS_FINISH=False),
                  "fused bwd sum8": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
                                         BWD_FUSED=True, PARTIAL_SUM_RUN=8),
                  "fused bwd sum32": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
                                          BWD_FUSED=True, PARTIAL_SUM_RUN=32),
                  "fused bwd async": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
-                                         BWD_FUSED=True, WGRADS_ASYNC=True),
+                                         BWD_FUSED=True, WGRADS_ASYNC=True, WGRADS_FINISH=False),
                  "fused bwd finish": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
-                                          BWD_FUSED=True, WGRADS_FINISH=True)}
+                                          BWD_FUSED=True, WGRADS_ASYNC=False, WGRADS_FINISH=True),
+                 "fused bwd async finish": dict(APPLY_STAGED=True, WGRAD_KPER=(4, 16, 64), APPLY_KPER=(4, 16, 64),
+                                                BWD_FUSED=True, WGRADS_ASYNC=True, WGRADS_FINISH=True)}
 
 
 def lokr_table(args, dt, dev, timer, bw) -> None:

@@ -133,16 +133,13 @@ BWD_FUSED = True
 #: ``kron_wgrads_kernel(async_mma=True)`` on sm_90a where every GEMM's M is a multiple of 64:
 #: the step's independent GEMMs are issued together as asynchronous WGMMAs (U and P; then the
 #: hi halves' gx, g_w1 and g_w2; then the lo halves'), one wait after each group instead of
-#: one a GEMM (3 a step, not 8). Off until an H200 times it (``bench/tilelang_lora_variants.py
-#: --op lokr``, ``fused bwd async``): the 12-03 profile had this kernel at 375 µs, where its MMAs
-#: alone would take about 140 at the tensor cores' dense rate (arithmetic, bench/RESULTS.md
-#: 2026-12-05), so it is waiting on something else, plausibly each GEMM's latency in turn
-WGRADS_ASYNC = False
+#: one a GEMM (3 a step, not 8). ``bench/tilelang_lora_variants.py --op lokr`` (H200, bf16,
+#: RESULTS.md 2026-12-05 18:21): bwd 0.363 -> 0.348 ms (large), 0.114 -> 0.110 (small)
+WGRADS_ASYNC = True
 #: ``_wgrads``' fp32 partials summed and cast by one ``kron_finish_kernel`` launch (two whole
-#: jobs on the padded stacks) instead of torch's sums and casts (four to six launches). Off until
-#: an H200 times it (``fused bwd finish``): the 12-03 profile had torch's sums at 33 µs of the
-#: large backward's 410 (then cut to runs of 8, ``PARTIAL_SUM_RUN``), Triton's whole finish 13
-WGRADS_FINISH = False
+#: jobs on the padded stacks) instead of torch's sums and casts (four to six launches). Same
+#: table (``fused bwd finish``): bwd 0.363 -> 0.351 ms (large), 0.114 -> 0.097 (small)
+WGRADS_FINISH = True
 
 
 def _threads(*mn, most: int = 128) -> int:

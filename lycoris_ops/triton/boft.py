@@ -591,8 +591,10 @@ class BoftCfg(NamedTuple):
     4 to 8), ``pos_major``: position-major streaming tiles where x (and G) have unit channel
     stride and post = 1 (``_stream_offsets``; channel-major otherwise, and when False),
     ``dense``: packed scratch without pad slots where s/2 is not a power of two (rows of C slots,
-    not n_groups·GP: 3/4 of the bytes at s = 24; ``_channel_offsets``). Neither is timed on a GPU
-    yet: off by default."""
+    not n_groups·GP: 3/4 of the bytes at s = 24; ``_channel_offsets``). ``bench/variants.py
+    boft`` (H200, bf16, RESULTS.md 2026-12-05 18:21): dense took 8192×3072, s = 24 from 0.737 to
+    0.547 ms forward and 1.392 to 1.033 backward, a tie at s = 32 (no pad slots there): on;
+    position-major was 2.3-4.8× slower at both shapes: off."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -601,8 +603,8 @@ class BoftCfg(NamedTuple):
     num_stages: int = 2
     dot_prec: str = "tf32x3"
     chain_warps: int = 0
-    pos_major: bool = False  # on once an H200 A/B says so (bench/variants.py boft)
-    dense: bool = False  # likewise
+    pos_major: bool = False
+    dense: bool = True
 
 
 def default_boft_cfg() -> BoftCfg:
