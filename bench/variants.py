@@ -91,7 +91,8 @@ def boft(geo, dtype, dev, gen):
         [(f"position-major split {n}", dict(pos_major=True, split=n)) for n in (4, 24)] + \
         [("position-major block_p 64", dict(pos_major=True, block_p=64, bwd_block_p=64)),
          ("position-major max_group x2", dict(pos_major=True, max_group=2 * base.max_group))] + \
-        [("dense", dict(dense=True)), ("position-major dense", dict(pos_major=True, dense=True))]  # no pad slots
+        [("pad slots", dict(dense=False)), ("position-major pad slots", dict(pos_major=True, dense=False))]
+    # (the base's scratch is dense since 2026-12-05: the padded form is the variant)
 
     def with_cayley_warps(w, fn):  # the Cayley launch's warps are a module constant, not a config field
         def run():
