@@ -63,6 +63,35 @@ def test_async_one_pass_backward_compiles_for_sm90a():
     assert not lokr.wgrads_async_fits(3, 5, 7, 4, 128, 128)
 
 
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.parametrize("threads", [128, 256])
+def test_factored_merge_kernels_compile_for_sm90a(threads):
+    """Every kernel a factored merge (forward streamed, backward one pass) would build on an
+    H200 at small and odd shapes compiles for sm_90a: the w2 tiles the kernels generate with
+    ``T.gemm`` (16 x 16 at 4 warps, 64 x 16 at 8: TileLang refuses both, the first seen on the
+    H200 on 2026-12-05) step down to the plane generated before the launch."""
+    bf = torch.bfloat16
+    built = {}
+    with mock.patch.object(lokr, "arch_of", lambda d: "sm_90a"), mock.patch.object(lokr, "num_sms", lambda d: 132), \
+            mock.patch.object(lokr, "smem_limit", lambda d: 227 * 1024):
+        for a, b, c, d in ((1, 1, 9, 9), (2, 2, 33, 9), (2, 2, 65, 13), (1, 2, 17, 40)):
+            w1a, w1b, w2a, w2b = (torch.randn(*s_, dtype=bf) for s_ in ((a, 3), (3, b), (c, 5), (5, d)))
+            with _common.capturing() as pending:
+                for elems in (2048, 4096):
+                    lokr.merge_bwd(torch.randn(a * c, b * d, dtype=bf), w1a, w1b, w2a, w2b, [a, b, c, d], 0.7,
+                                   cfg=dict(elems=elems, threads=threads, one_pass=True, stages=0))
+                lokr.merge_fwd(w1a, w1b, w2a, w2b, [a, b, c, d], None, 0.7,
+                               cfg=dict(BM=64, BN=16, threads=threads, stream=True))
+            for p in pending:
+                built.setdefault((p.builder, p.args), (a, b, c, d))
+    assert any(bd.__name__ == "kron_grads_kernel" and args[-1] == 5 for bd, args in built), "no tile generated in-kernel"
+    for (builder, args), shape in built.items():
+        try:
+            _common.compile_only(builder, "sm_90a", *args)
+        except Exception as e:  # noqa: BLE001 - the shape and kernel in the failure
+            pytest.fail(f"{builder.__name__}{args} at {shape}: {str(e).splitlines()[0]}")
+
+
 def test_opset_signatures():
     for op in OPS:
         params = list(inspect.signature(getattr(ops, op)).parameters)
@@ -463,6 +492,10 @@ def test_generated_w2_tiles_need_warps_to_share_them():
     assert not lokr._warps_cover(16, 16, 128)
     assert lokr._warps_cover(16, 16, 64) and lokr._warps_cover(16, 32, 128) and lokr._warps_cover(64, 8, 128)
     assert lokr._warps_cover(32, 128, 256) and not lokr._warps_cover(16, 8, 256)
+    # sm_90a's WGMMA over two warpgroups: 16 columns a warpgroup at least (sweep of 2026-12-05)
+    assert lokr._warps_cover(64, 16, 256) and not lokr._warps_cover(64, 16, 256, wgmma=True)
+    assert not lokr._warps_cover(128, 16, 256, wgmma=True) and lokr._warps_cover(64, 16, 128, wgmma=True)
+    assert lokr._warps_cover(64, 32, 256, wgmma=True) and lokr._warps_cover(32, 16, 128, wgmma=True)
     w2a, w2b = torch.zeros(9, 5, dtype=torch.bfloat16), torch.zeros(5, 9, dtype=torch.bfloat16)
     cuda = torch.device("cuda")
     with mock.patch.object(lokr, "arch_of", lambda d: "sm_90a"):

@@ -1080,12 +1080,17 @@ def _side(wa, wb, c):
     return gemm(prep(wa, c), prep(wb, c), None, None, None, 1.0, "plain", torch.float32, c)
 
 
-def _warps_cover(bm: int, bn: int, threads: int) -> bool:
+def _warps_cover(bm: int, bn: int, threads: int, wgmma: bool = False) -> bool:
     """Whether ``T.gemm`` can share a (bm, bn) fp32 tile among threads/32 warps: each warp
     owns a multiple of 16 rows and 8 columns (else TileLang refuses the build: a 16 x 16 tile
-    at 4 warps)."""
+    at 4 warps). ``wgmma`` (sm_90a): a tile of 64-row multiples takes WGMMA, and split over
+    several warpgroups each one's columns must be a multiple of 16 (64 x 16 or 128 x 16 at 8
+    warps: "Not a canonical GMMA_MN layout"; the sm_90a compile sweep of 2026-12-05)."""
     warps = max(1, threads // 32)
-    return any(warps % m == 0 and bm % (16 * m) == 0 and bn % (8 * (warps // m)) == 0 for m in range(1, warps + 1))
+    if not any(warps % m == 0 and bm % (16 * m) == 0 and bn % (8 * (warps // m)) == 0 for m in range(1, warps + 1)):
+        return False
+    groups = warps // 4
+    return not (wgmma and bm % 64 == 0 and groups > 1 and bn % (16 * groups) != 0)
 
 
 def _generated(w2a, w2b, c, tile, device, threads) -> bool:
@@ -1094,9 +1099,10 @@ def _generated(w2a, w2b, c, tile, device, threads) -> bool:
     (``_warps_cover``; the C twin has no warps) and a 16-bit compute dtype (the C twin's fp32
     GEMM is exact too); else the plane is generated before the launch."""
     bc, bd = tile
-    cpu = arch_of(device) == CPU_ARCH
+    arch = arch_of(device)
+    cpu = arch == CPU_ARCH
     return (w2b is not None and min(bc, bd) >= 16 and (c != torch.float32 or cpu)
-            and (cpu or _warps_cover(bc, bd, threads)))
+            and (cpu or _warps_cover(bc, bd, threads, arch == "sm_90a")))
 
 
 def merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, cfg=None):
