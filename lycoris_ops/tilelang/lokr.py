@@ -1371,7 +1371,8 @@ def _wgrad(builder, g3, x3, w, out_shape, pads, p, q, gamma, odt, cfg=None):
 
 def _wgrads(g3, x3, w1, w2, gamma, dtypes, cfg=None, gx_dtype=None):
     """(g_w1, g_w2) by one ``kron_wgrads_kernel`` launch: direct where one program covers the
-    tokens and both gradients share a dtype, else fp32 partials summed by torch. gx_dtype:
+    tokens and both gradients share a dtype, else fp32 partials summed and cast by one
+    ``kron_finish_kernel`` launch (``WGRADS_FINISH``; off: by torch). gx_dtype:
     (gx (T, b·d) in it, g_w1, g_w2), gx from the same pass."""
     T_ = g3.shape[0]
     a, c = g3.shape[1:]
