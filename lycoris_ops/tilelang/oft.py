@@ -192,43 +192,63 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP):
                           - T.cast(B[g * NB + i // S, j % S, i % S], "float32")), 0.0)
             Mi[i, j] = T.if_then_else(i == j, 1.0, 0.0)
 
+    # The system is block diagonal (NB blocks of S, identity padding past GC), so Gauss–Jordan
+    # runs the NB blocks side by side: step kk pivots on row (i // S)·S + kk of each row i's own
+    # block, S steps instead of GP (GP = 64 at s = 24: 2.7x fewer). Within a block the operations
+    # are the full solve's, in its order (its steps on other blocks only subtract exact zeros).
+    # The padding rows are identity and never change.
+
     @T.macro
     def gauss_jordan(A, Mi, ra, ri, ca):
-        # Mi <- A⁻¹ (A destroyed), no pivoting; ra/ri: the pivot rows of A/Mi divided by the
-        # pivot (2·GP divisions a step, not one per entry), ca: the pivot column of A
-        for kk in T.serial(GP):
+        # Mi <- A⁻¹ (A destroyed), no pivoting; ra/ri: each block's pivot row of A/Mi divided by
+        # its pivot, indexed by column (a pivot row is 0 outside its block), ca: each row's entry
+        # in its block's pivot column
+        for kk in T.serial(S):
             for j in par(GP):
-                ra[j] = A[kk, j] / A[kk, kk]
-                ri[j] = Mi[kk, j] / A[kk, kk]
-                ca[j] = A[j, kk]
+                if j < GC:
+                    ra[j] = A[j // S * S + kk, j] / A[j // S * S + kk, j // S * S + kk]
+                    ri[j] = Mi[j // S * S + kk, j] / A[j // S * S + kk, j // S * S + kk]
+                    ca[j] = A[j, j // S * S + kk]
             for i, j in par(GP, GP):
-                if i == kk:
-                    A[i, j] = ra[j]
-                    Mi[i, j] = ri[j]
-                else:
-                    A[i, j] = A[i, j] - ca[i] * ra[j]
-                    Mi[i, j] = Mi[i, j] - ca[i] * ri[j]
+                if i < GC and j < GC and i // S == j // S:
+                    if i == i // S * S + kk:
+                        A[i, j] = ra[j]
+                        Mi[i, j] = ri[j]
+                    else:
+                        A[i, j] = A[i, j] - ca[i] * ra[j]
+                        Mi[i, j] = Mi[i, j] - ca[i] * ri[j]
 
     @T.macro
     def gj_step(A, Mi, A2, M2, kk):
-        # step kk of Gauss–Jordan from (A, Mi) into (A2, M2): nothing read is written, so the
-        # step needs the one barrier before the next step reads (A2, M2)
+        # step kk of the block-parallel Gauss–Jordan from (A, Mi) into (A2, M2): nothing read is
+        # written, so the step needs the one barrier before the next step reads (A2, M2)
         for i, j in par(GP, GP):
-            rp = 1.0 / A[kk, kk]
-            if i == kk:
-                A2[i, j] = A[kk, j] * rp
-                M2[i, j] = Mi[kk, j] * rp
+            if i < GC and j < GC and i // S == j // S:
+                pv = i // S * S + kk
+                rp = 1.0 / A[pv, pv]
+                if i == pv:
+                    A2[i, j] = A[pv, j] * rp
+                    M2[i, j] = Mi[pv, j] * rp
+                else:
+                    A2[i, j] = A[i, j] - A[i, pv] * (A[pv, j] * rp)
+                    M2[i, j] = Mi[i, j] - A[i, pv] * (Mi[pv, j] * rp)
             else:
-                A2[i, j] = A[i, j] - A[i, kk] * (A[kk, j] * rp)
-                M2[i, j] = Mi[i, j] - A[i, kk] * (Mi[kk, j] * rp)
+                A2[i, j] = A[i, j]
+                M2[i, j] = Mi[i, j]
 
     @T.macro
     def gauss_jordan_pingpong(A, Mi, A2, M2):
-        # gauss_jordan's result (Mi <- A⁻¹, GP even) with one barrier a step instead of two:
-        # the steps alternate between the two buffer pairs
-        for k2 in T.serial(GP // 2):
+        # gauss_jordan's result (Mi <- A⁻¹) with one barrier a step instead of two: the steps
+        # alternate between the two buffer pairs; an odd S's last step lands in (A2, M2) and is
+        # copied back
+        for k2 in T.serial(S // 2):
             gj_step(A, Mi, A2, M2, 2 * k2)
             gj_step(A2, M2, A, Mi, 2 * k2 + 1)
+        if S % 2 == 1:
+            gj_step(A, Mi, A2, M2, S - 1)
+            for i, j in par(GP, GP):
+                A[i, j] = A2[i, j]
+                Mi[i, j] = M2[i, j]
 
     @T.macro
     def invert(A, Mi, pingpong):
@@ -779,17 +799,20 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
                     for i in par(GP):
                         if i < GC and g * NB + i // S < KB:
                             GR[g * GC + i] = T.cast(accr[i], bd)
-            # T1 = Mᵀ·gR
+            # T1 = Mᵀ·gR, then gQ = 2·T1·Mᵀ (kept in A). M is block diagonal, so each sum runs over
+            # the S indices of a block (row i's for Mᵀ·gR, column j's for ·Mᵀ): only gQ's diagonal
+            # blocks are used. Rows past GC (padding) sum nothing.
             T.clear(acc)
-            for l in T.serial(GP):
+            for ll in T.serial(S):
                 for i, j in par(GP, GP):
-                    acc[i, j] += Mi[l, i] * gR[l, j]
+                    if i < GC:
+                        acc[i, j] += Mi[i // S * S + ll, i] * gR[i // S * S + ll, j]
             T.copy(acc, T1)
-            # gQ = 2·T1·Mᵀ (kept in A)
             T.clear(acc)
-            for l in T.serial(GP):
+            for ll in T.serial(S):
                 for i, j in par(GP, GP):
-                    acc[i, j] += T1[i, l] * Mi[j, l]
+                    if j < GC:
+                        acc[i, j] += T1[i, j // S * S + ll] * Mi[j, j // S * S + ll]
             T.copy(acc, A)
             for i, j in par(GP, GP):
                 if i < GC and j < GC and i // S == j // S and g * NB + i // S < KB:
