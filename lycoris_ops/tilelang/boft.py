@@ -465,21 +465,45 @@ def _compose_groups(i, L, s, GC, gps, device):
     return _COMPOSE_GROUPS[key]
 
 
-def _composed_stages(fh, fl, i, L, s, GC, gps):
+def _composed_stages(fh, fl, i, L, s, GC, gps, f=None):
     """The unit (i, L)'s stage matrices E_0 … E_{L-1} per unit group (npg, W, W) in the box
     basis (tb, j), fp64: E_k[(hi, t, lo, j), (hi', t', lo', j')] = δ(hi, hi')·δ(lo, lo')·
     M[(t, j), (t', j')], M the run-basis matrix (fh + fl; its first GC rows / columns) of the
-    group ``_compose_groups`` names."""
+    group ``_compose_groups`` names. ``i``: one first stage, or a list of first stages of units
+    with the same L, stacked along the groups (one gather, einsum and product for them all,
+    ``_unit_matrices``); ``f``: fh + fl in fp64 when the caller has it."""
     H = GC // 2
-    f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
+    if f is None:
+        f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
+    firsts = i if isinstance(i, (list, tuple)) else [i]
     out = []
-    for k, grp in enumerate(_compose_groups(i, L, s, GC, gps, fh.device)):
+    for k in range(L):
+        grp = torch.cat([_compose_groups(a, L, s, GC, gps, fh.device)[k] for a in firsts]) if len(firsts) > 1 \
+            else _compose_groups(firsts[0], L, s, GC, gps, fh.device)[k]
         npg, nhi, nlo = grp.shape
         m = f[grp].view(npg, nhi, nlo, 2, H, 2, H)
         eye_hi = torch.eye(nhi, dtype=f.dtype, device=f.device)
         eye_lo = torch.eye(nlo, dtype=f.dtype, device=f.device)
         e = torch.einsum("qabtjsk,ac,bd->qatbjcsdk", m, eye_hi, eye_lo)
         out.append(e.reshape(npg, nhi * 2 * nlo * H, nhi * 2 * nlo * H))
+    return out
+
+
+def _unit_matrices(fh, fl, units, s, GC, gps):
+    """{(i, L): (E_0 … E_{L-1}, J = E_{L-1}···E_0)} in fp64 for every composed unit (L > 1) of
+    ``units``: the units of one L stacked, so a call forms them with a few batched ops, not a
+    dozen small ones a unit (at the small bench shape the host-side algebra was ~150 µs of the
+    TileLang forward's 910, H100 profile)."""
+    f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
+    out = {}
+    for L in sorted({k for _, k in units if k > 1}):
+        firsts = [i for i, k in units if k == L]
+        es = _composed_stages(fh, fl, firsts, L, s, GC, gps, f)
+        j = _product(es)
+        npg = j.shape[0] // len(firsts)
+        for n, i in enumerate(firsts):
+            rows = slice(n * npg, (n + 1) * npg)
+            out[(i, L)] = ([e[rows] for e in es], j[rows])
     return out
 
 
@@ -537,22 +561,22 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     src = (xv, None)
     units = _compose_units(m, s, runs, COMPOSE_FWD)
+    mats = _unit_matrices(fh, fl, units, s, runs[0], gps)
     for n, (i, k) in enumerate(units):
         last = n == len(units) - 1
         dst = (yv, None) if last else bufs[n % 2]
-        _launch_unit(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last)
+        _launch_unit(src, xv, fh, fl, dst, i, k, s, runs, gps, p, arch, bool(diff) and last, mats)
         src = dst
 
 
-def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff):
+def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff, mats):
     """The forward unit (i, k) of ``_compose_units``: one stage (``_launch_stage``) or k stages
-    as one matrix (``_composed_matrices``, ``_launch_composed``); ``src`` / ``dst``: (hi, lo
-    or None), (NP, C)."""
+    as one matrix (J of ``mats``, ``_unit_matrices``, by ``_launch_composed``); ``src`` / ``dst``:
+    (hi, lo or None), (NP, C)."""
     if k == 1:
         _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff)
     else:
-        mats = _composed_matrices(fh, fl, i, k, s, runs[0], gps, x0.dtype)
-        _launch_composed(src, x0, mats, dst, i, k, s, runs, gps, p, arch, diff)
+        _launch_composed(src, x0, _split16(mats[(i, k)][1], x0.dtype), dst, i, k, s, runs, gps, p, arch, diff)
 
 
 def _box_view(t, s, i, R):
@@ -576,7 +600,7 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
     kern(*v[:3], *mats, *v[3:], 0, nsplit, tps)
 
 
-def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
+def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch, mats):
     """The backward of the composed unit (i, L) (``COMPOSE_BWD``): ``gx = g·J`` (the Jᵀ pair)
     stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis)
     by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that fits
@@ -588,8 +612,8 @@ def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch):
     GC = runs[0]
     W, R, x0 = GC << (L - 1), 1 << L, g[0]
     GP = _unit_gp(W, True)  # the stream's GEMM width: W, or W zero-padded (COMPOSE_BWD_PAD)
-    es = _composed_stages(fh, fl, i, L, s, GC, gps)
-    j = _product(es).transpose(1, 2)
+    es, j = mats[(i, L)]  # _unit_matrices
+    j = j.transpose(1, 2)
     split = COMPOSE_BWD_SPLIT
     if split:
         _launch_composed(g, x0, _split16(j.contiguous(), x0.dtype), dst, i, L, s, runs, gps, APPLY, arch, False)
@@ -635,10 +659,11 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     p = launch_config(STREAM, cfg)
     units = _compose_units(m, s, runs, COMPOSE_BWD, bwd=True)
     fh, fl = _runs_cayley(bc, None, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
+    mats = _unit_matrices(fh, fl, units, s, GC, gps)  # the replay's and the stream's, formed once
     us = [(xv, None)]
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
-        _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False)
+        _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False, mats)
         us.append(dst)
     th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, True, cscale, scale, xv.dtype, arch)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)
@@ -651,7 +676,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         u = us[n]
         d = tl_dtype(xv.dtype)
         if k > 1:
-            _stream_composed(g, u, dst, fh, fl, part, i, k, s, runs, gps, p, arch)
+            _stream_composed(g, u, dst, fh, fl, part, i, k, s, runs, gps, p, arch, mats)
         else:
             ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
                         g[1] is not None, u[1] is not None, dst[1] is not None)
