@@ -236,11 +236,14 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP):
     @T.macro
     def gauss_jordan_pingpong(A, Mi, A2, M2):
         # gauss_jordan's result (Mi <- A⁻¹) with one barrier a step instead of two: the steps
-        # alternate between the two buffer pairs (the second a copy of the first, so the entries
-        # off the blocks agree); an odd S's last step lands in (A2, M2) and is copied back
+        # alternate between the two buffer pairs (the second takes the first's entries off the
+        # blocks, which no step writes: a copy of the blocks too would race the first step's
+        # stores, two threads writing one address with no barrier between); an odd S's last
+        # step lands in (A2, M2) and is copied back
         for i, j in par(GP, GP):
-            A2[i, j] = A[i, j]
-            M2[i, j] = Mi[i, j]
+            if i >= GC or j >= GC or i // S != j // S:
+                A2[i, j] = A[i, j]
+                M2[i, j] = Mi[i, j]
         for k2 in T.serial(S // 2):
             gj_step(A, Mi, A2, M2, 2 * k2)
             gj_step(A2, M2, A, Mi, 2 * k2 + 1)
