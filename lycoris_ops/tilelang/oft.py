@@ -104,6 +104,10 @@ FUSED_STAGES = dict(fwd=4, bwd=3)
 #: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
 #: 0.019 ms (F / Fᵀ) against 0.025 / 0.028, F within 2e-6 of the two-barrier solve's
 GJ_PINGPONG = True
+#: the fewest block entries (NB·S²) for which the ping-pong Gauss–Jordan step loops over the
+#: blocks' entries alone (``_cayley_macros``): at least the threads of any kernel that solves
+#: (the direct kernels run up to 384)
+_GJ_ENTRIES_MIN = 512
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
@@ -193,45 +197,59 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP):
             Mi[i, j] = T.if_then_else(i == j, 1.0, 0.0)
 
     # The system is block diagonal (NB blocks of S, identity padding past GC), so Gauss–Jordan
-    # runs the NB blocks side by side and touches only their entries: step kk pivots on row
-    # kk of each block, S steps of NB·S² entries instead of GP steps of GP² (GP = 64 at s = 24:
-    # 24 steps of 1152 for 64 of 4096). Within a block the operations are the full solve's, in
+    # runs the NB blocks side by side: step kk pivots on row kk of each block, S steps instead of
+    # GP (GP = 64 at s = 24: 24 for 64). Within a block the operations are the full solve's, in
     # its order (its steps on other blocks only subtracted exact zeros); the entries off the
-    # blocks (zeros, the padding's identity) never change.
+    # blocks (zeros, the padding's identity) never change. The ping-pong step loops over the
+    # blocks' NB·S² entries alone where they are at least ``_GJ_ENTRIES_MIN`` (1152 of 4096 at
+    # s = 24), else over the GP² group, writing the blocks' entries: a parallel loop shorter than
+    # the threads becomes one thread-guarded branch, and TileLang refuses the barrier the next
+    # step then needs inside it (S = 6, NB <= 2 at sm_90a: bench/tilelang_compile_sweep.py).
+    entries = NB * S * S >= _GJ_ENTRIES_MIN
 
     @T.macro
     def gauss_jordan(A, Mi, ra, ri, ca):
         # Mi <- A⁻¹ (A destroyed), no pivoting; ra/ri: each block's pivot row of A/Mi divided by
-        # its pivot, ca: its pivot column, (NB, S) each
+        # its pivot, indexed by column (a pivot row is 0 outside its block), ca: each row's entry
+        # in its block's pivot column
         for kk in T.serial(S):
-            for b, c in par(NB, S):
-                ra[b, c] = A[b * S + kk, b * S + c] / A[b * S + kk, b * S + kk]
-                ri[b, c] = Mi[b * S + kk, b * S + c] / A[b * S + kk, b * S + kk]
-                ca[b, c] = A[b * S + c, b * S + kk]
-            for b, r, c in par(NB, S, S):
-                if r == kk:
-                    A[b * S + r, b * S + c] = ra[b, c]
-                    Mi[b * S + r, b * S + c] = ri[b, c]
-                else:
-                    A[b * S + r, b * S + c] = A[b * S + r, b * S + c] - ca[b, r] * ra[b, c]
-                    Mi[b * S + r, b * S + c] = Mi[b * S + r, b * S + c] - ca[b, r] * ri[b, c]
+            for j in par(GP):
+                if j < GC:
+                    ra[j] = A[j // S * S + kk, j] / A[j // S * S + kk, j // S * S + kk]
+                    ri[j] = Mi[j // S * S + kk, j] / A[j // S * S + kk, j // S * S + kk]
+                    ca[j] = A[j, j // S * S + kk]
+            for i, j in par(GP, GP):
+                if i < GC and j < GC and i // S == j // S:
+                    if i == i // S * S + kk:
+                        A[i, j] = ra[j]
+                        Mi[i, j] = ri[j]
+                    else:
+                        A[i, j] = A[i, j] - ca[i] * ra[j]
+                        Mi[i, j] = Mi[i, j] - ca[i] * ri[j]
+
+    @T.macro
+    def gj_entry(A, Mi, A2, M2, i, j, pv):
+        # entry (i, j) of a block after the step whose pivot (of i's block) is row pv
+        rp = 1.0 / A[pv, pv]
+        if i == pv:
+            A2[i, j] = A[pv, j] * rp
+            M2[i, j] = Mi[pv, j] * rp
+        else:
+            A2[i, j] = A[i, j] - A[i, pv] * (A[pv, j] * rp)
+            M2[i, j] = Mi[i, j] - A[i, pv] * (Mi[pv, j] * rp)
 
     @T.macro
     def gj_step(A, Mi, A2, M2, kk):
         # step kk of the block-parallel Gauss–Jordan from (A, Mi) into (A2, M2), the blocks'
         # entries only: nothing read is written, so the step needs the one barrier before the
         # next step reads (A2, M2)
-        for b, r, c in par(NB, S, S):
-            i = b * S + r
-            j = b * S + c
-            pv = b * S + kk
-            rp = 1.0 / A[pv, pv]
-            if r == kk:
-                A2[i, j] = A[pv, j] * rp
-                M2[i, j] = Mi[pv, j] * rp
-            else:
-                A2[i, j] = A[i, j] - A[i, pv] * (A[pv, j] * rp)
-                M2[i, j] = Mi[i, j] - A[i, pv] * (Mi[pv, j] * rp)
+        if entries:
+            for b, r, c in par(NB, S, S):
+                gj_entry(A, Mi, A2, M2, b * S + r, b * S + c, b * S + kk)
+        else:
+            for i, j in par(GP, GP):
+                if i < GC and j < GC and i // S == j // S:
+                    gj_entry(A, Mi, A2, M2, i, j, i // S * S + kk)
 
     @T.macro
     def gauss_jordan_pingpong(A, Mi, A2, M2):
@@ -262,9 +280,9 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP):
             M2 = alloc_s((GP, GP), "float32")
             gauss_jordan_pingpong(A, Mi, A2, M2)
         else:
-            ra = alloc_s((NB, S), "float32")
-            ri = alloc_s((NB, S), "float32")
-            ca = alloc_s((NB, S), "float32")
+            ra = alloc_s((GP,), "float32")
+            ri = alloc_s((GP,), "float32")
+            ca = alloc_s((GP,), "float32")
             gauss_jordan(A, Mi, ra, ri, ca)
 
     @T.macro
@@ -784,9 +802,9 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
             if pingpong:
                 gauss_jordan_pingpong(A, Mi, gR, T1)  # gR and T1 are free until after the solve
             else:
-                ra = alloc_s((NB, S), "float32")
-                ri = alloc_s((NB, S), "float32")
-                ca = alloc_s((NB, S), "float32")
+                ra = alloc_s((GP,), "float32")
+                ri = alloc_s((GP,), "float32")
+                ca = alloc_s((GP,), "float32")
                 gauss_jordan(A, Mi, ra, ri, ca)
             if boft:
                 for i, j in par(GP, GP):
