@@ -752,6 +752,9 @@ def compile_specs(dtype: torch.dtype):
         (chain_kernel, (d, d, 4, 8, 32, True, False)),
         (cayley_kernel, (d, d, d, 8, 4, 32, True, True, True, False, True)),
         (chain_kernel, (d, d, 8, 4, 32, True, False, True)),
+        # GJ_PINGPONG "entries" at the small bench shape's s = 24 (2 blocks in 64): the blocks' entries a step
+        (cayley_kernel, (d, d, d, 24, 2, 64, True, False, True, False, True, "entries")),
+        (chain_kernel, (d, d, 24, 2, 64, True, False, True, "entries")),
     ] + ([] if dtype == torch.float32 else [  # the run kernels: 16-bit streams only on a GPU
         (stage_runs_kernel, (d, 32, 32, _BT_FWD, _THREADS, 1, False, True, False)),
         (stage_runs_kernel, (d, 48, 64, _BT_FWD, _THREADS, 1, True, False, True)),

@@ -103,10 +103,13 @@ FUSED_STAGES = dict(fwd=4, bwd=3)
 #: a step instead of two (the pivot row and column copied out, then the update). On the H200
 #: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
 #: 0.019 ms (F / Fᵀ) against 0.025 / 0.028, F within 2e-6 of the two-barrier solve's
+#: ``"entries"`` (off, untimed): each ping-pong step touches only the blocks' entries where there
+#: are at least ``_GJ_ENTRIES_MIN`` (``_cayley_macros``; BOFT at s = 24: 1152 of the 64 x 64
+#: group's 4096 entries a step). The S-step block-parallel solve itself (on) took BOFT's small
+#: bench Cayley launch from 200 to 93 µs (H100, bench/RESULTS.md 2026-12-05 21:29)
 GJ_PINGPONG = True
-#: the fewest block entries (NB·S²) for which the ping-pong Gauss–Jordan step loops over the
-#: blocks' entries alone (``_cayley_macros``): at least the threads of any kernel that solves
-#: (the direct kernels run up to 384)
+#: the fewest block entries (NB·S²) for the ``"entries"`` step: at least the threads of any
+#: kernel that solves (the direct kernels run up to 384)
 _GJ_ENTRIES_MIN = 512
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
 #: ``cfg`` (plans/oft.py, plans/boft.py: ``TILELANG``) overrides the positions per tile (BT)
@@ -180,8 +183,9 @@ def _direct_layout(T, cf, BT, GP):
     return (NP, C), (BT, GP), tile, C
 
 
-def _cayley_macros(T, par, alloc_s, S, NB, GP):
-    """Macros of the per-group Cayley algebra (closures over the static sizes)."""
+def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
+    """Macros of the per-group Cayley algebra (closures over the static sizes; ``pingpong``: the
+    kernel's ``GJ_PINGPONG``, which form the ping-pong step takes)."""
     GC = NB * S
 
     @T.macro
@@ -200,12 +204,12 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP):
     # runs the NB blocks side by side: step kk pivots on row kk of each block, S steps instead of
     # GP (GP = 64 at s = 24: 24 for 64). Within a block the operations are the full solve's, in
     # its order (its steps on other blocks only subtracted exact zeros); the entries off the
-    # blocks (zeros, the padding's identity) never change. The ping-pong step loops over the
-    # blocks' NB·S² entries alone where they are at least ``_GJ_ENTRIES_MIN`` (1152 of 4096 at
-    # s = 24), else over the GP² group, writing the blocks' entries: a parallel loop shorter than
-    # the threads becomes one thread-guarded branch, and TileLang refuses the barrier the next
-    # step then needs inside it (S = 6, NB <= 2 at sm_90a: bench/tilelang_compile_sweep.py).
-    entries = NB * S * S >= _GJ_ENTRIES_MIN
+    # blocks (zeros, the padding's identity) never change. ``GJ_PINGPONG == "entries"``: the
+    # ping-pong step loops over the blocks' NB·S² entries alone (1152 of 4096 at s = 24) where
+    # they are at least ``_GJ_ENTRIES_MIN``: a parallel loop shorter than the threads becomes one
+    # thread-guarded branch, and TileLang refuses the barrier the next step then needs inside it
+    # (S = 6, NB <= 2 at sm_90a: bench/tilelang_compile_sweep.py).
+    entries = pingpong == "entries" and NB * S * S >= _GJ_ENTRIES_MIN
 
     @T.macro
     def gauss_jordan(A, Mi, ra, ri, ca):
@@ -240,9 +244,10 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP):
 
     @T.macro
     def gj_step(A, Mi, A2, M2, kk):
-        # step kk of the block-parallel Gauss–Jordan from (A, Mi) into (A2, M2), the blocks'
-        # entries only: nothing read is written, so the step needs the one barrier before the
-        # next step reads (A2, M2)
+        # step kk of the block-parallel Gauss–Jordan from (A, Mi) into (A2, M2): nothing read is
+        # written, so the step needs the one barrier before the next step reads (A2, M2). The
+        # blocks' entries alone (``entries``; the rest copied once, gauss_jordan_pingpong), or
+        # every entry of the group (the rest copied each step)
         if entries:
             for b, r, c in par(NB, S, S):
                 gj_entry(A, Mi, A2, M2, b * S + r, b * S + c, b * S + kk)
@@ -250,18 +255,21 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP):
             for i, j in par(GP, GP):
                 if i < GC and j < GC and i // S == j // S:
                     gj_entry(A, Mi, A2, M2, i, j, i // S * S + kk)
+                else:
+                    A2[i, j] = A[i, j]
+                    M2[i, j] = Mi[i, j]
 
     @T.macro
     def gauss_jordan_pingpong(A, Mi, A2, M2):
         # gauss_jordan's result (Mi <- A⁻¹) with one barrier a step instead of two: the steps
-        # alternate between the two buffer pairs (the second takes the first's entries off the
-        # blocks, which no step writes: a copy of the blocks too would race the first step's
-        # stores, two threads writing one address with no barrier between); an odd S's last
-        # step lands in (A2, M2) and is copied back
-        for i, j in par(GP, GP):
-            if i >= GC or j >= GC or i // S != j // S:
-                A2[i, j] = A[i, j]
-                M2[i, j] = Mi[i, j]
+        # alternate between the two buffer pairs; an odd S's last step lands in (A2, M2) and is
+        # copied back. ``entries``: the second pair takes the first's entries off the blocks
+        # first (only those: a copy of the blocks too would race the first step's stores)
+        if entries:
+            for i, j in par(GP, GP):
+                if i >= GC or j >= GC or i // S != j // S:
+                    A2[i, j] = A[i, j]
+                    M2[i, j] = Mi[i, j]
         for k2 in T.serial(S // 2):
             gj_step(A, Mi, A2, M2, 2 * k2)
             gj_step(A2, M2, A, Mi, 2 * k2 + 1)
@@ -400,7 +408,8 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NG = T.dynamic("KB NR NG")
-    build_system, (invert, _, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP)
+    build_system, (invert, _, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP,
+                                                                                    pingpong)
 
     @T.prim_func
     def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
@@ -415,7 +424,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
             if runs:
                 run_slots(slot, g, gps)
             load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
-            invert(A, Mi, pingpong)
+            invert(A, Mi, bool(pingpong))
             for i, j in par(GP, GP):
                 fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
                 r, c = (slot[i], slot[j]) if runs else (i, j)
@@ -579,7 +588,8 @@ def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
     _, _, S, has_rescale, pingpong = cayley
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
-    build_system, (invert, _, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP)
+    build_system, (invert, _, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP,
+                                                                          pingpong)
 
     @T.macro
     def group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB):
@@ -588,7 +598,7 @@ def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
         rho = alloc_s((GP,), "float32")
         build_system(B, A, Mi, g, cscale, KB)
         load_rho(RS, rho, g, 0, 0, KB, has_rescale, False)
-        invert(A, Mi, pingpong)
+        invert(A, Mi, bool(pingpong))
         for i, j in par(GP, GP):
             fv = f_entry(Mi, rho, i, j, g, fcoef, KB, False)
             if trans:
@@ -769,7 +779,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
     build_system, (_, gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, _ = _cayley_macros(
-        T, par, alloc_s, S, NB, GP)
+        T, par, alloc_s, S, NB, GP, pingpong)
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
@@ -799,7 +809,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
             for i, j in par(GP, GP):
                 Ps[i, j] = T.if_then_else(
                     i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
-            if pingpong:
+            if bool(pingpong):
                 gauss_jordan_pingpong(A, Mi, gR, T1)  # gR and T1 are free until after the solve
             else:
                 ra = alloc_s((GP,), "float32")
