@@ -17,8 +17,8 @@ Kernel families:
 ``cayley_kernel`` (one program per group, tiny): the fp32 Cayley transform of
     the group's blocks from the fp32-upcast raw blocks — Gauss–Jordan without
     pivoting on the block-diagonal ``I − Q`` (valid: its symmetric part is I),
-    in shared memory, GP steps of one barrier each (``GJ_PINGPONG``: two buffer
-    pairs, each step reading one and writing the other) — then F (or Fᵀ) with rescale / shift / scale
+    in shared memory, the group's NB blocks side by side: S steps of one barrier each
+    (``GJ_PINGPONG``: two buffer pairs, each step reading one and writing the other) — then F (or Fᵀ) with rescale / shift / scale
     folded in, stored as a hi + lo pair in the GEMM dtype (hi = F rounded to a
     16-bit type, or to TF32 for fp32 GEMMs; lo = F − hi), so that the tensor-core
     GEMMs reproduce fp32 F to about 2^-16 (16-bit) / 2^-21 (TF32).
