@@ -9,7 +9,13 @@ error line. No GPU needed (nvcc on PATH); a long run with an empty TileLang cach
 kernels, several seconds each).
 
     python bench/tilelang_compile_sweep.py [--arch sm_90a] [--procs 2] [--dtypes bf16,fp16]
-        [--ops oft_fwd,boft] [--top 10]
+        [--ops oft_fwd,boft] [--top 10] [--shortlists] [--list]
+
+``--shortlists``: also every kernel of the tuner's shortlist for each case (the op's model in
+``plans/<family>.py`` with an H200's facts, ``plans.device.synthetic``): the configs a tuned
+first call builds (several times the kernels; it found the sm_90a WGMMA tile rule of
+``tilelang/lokr._warps_cover``, bench/RESULTS.md 2026-12-05 18:21). ``--list``: print the
+kernels and compile none.
 
 ``--ops`` keeps the cases of ops whose names start with one of the given prefixes;
 ``--top`` lists the slowest kernels (seconds in one process each: TileLang's lowering,
@@ -32,12 +38,14 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 MODULES = ("lora", "loha", "lokr", "tucker", "dora", "ia3", "add", "oft", "boft")
 
 
-def pending_kernels(arch: str, dtypes, ops=()):
-    """(builder, arch, args) of every distinct kernel the in-scope test cases build."""
+def pending_kernels(arch: str, dtypes, ops=(), shortlists: bool = False):
+    """(builder, arch, args) of every distinct kernel the in-scope test cases build (with the
+    fixed configs; ``shortlists``: also with each config of the tuner's shortlist)."""
     import lycoris_ops  # noqa: F401  (registers the ops)
     from gpu_tilelang_tune import _op_function
     from lycoris_ops import scope, testing
-    from lycoris_ops.plans import tilelang as tl_pick
+    from lycoris_ops.plans import tilelang as tl_pick, tune
+    from lycoris_ops.plans.device import synthetic
     from lycoris_ops.tilelang import _common
 
     for name in MODULES:  # the launchers see a GPU of this arch (132 SMs: an H200's split choices)
@@ -48,12 +56,20 @@ def pending_kernels(arch: str, dtypes, ops=()):
             mod.num_sms = lambda d: 132
     calls = [(c.op, c.id, c.args) for dt in dtypes for c in testing.cases(dtype=dt)
              if scope.supported(c.op, "tilelang", c.args) and (not ops or c.op.startswith(tuple(ops)))]
+    h200 = synthetic()
     with _common.capturing() as pending:
         for op, cid, args in calls:
-            try:
-                tl_pick._call(_op_function(op), args, {})
-            except Exception as exc:  # a launcher that fails before any build
-                print(f"LAUNCH ERROR {op}:{cid}: {type(exc).__name__}: {exc}", flush=True)
+            cfgs = [{}]
+            if shortlists and op in tl_pick.models():
+                try:
+                    cfgs += [c for c in tl_pick.models()[op][0](h200, *args) if not tune.is_eager(c) and c]
+                except Exception as exc:  # a model that fails on a case the op accepts
+                    print(f"MODEL ERROR {op}:{cid}: {type(exc).__name__}: {exc}", flush=True)
+            for cfg in cfgs:
+                try:
+                    tl_pick._call(_op_function(op), args, cfg)
+                except Exception as exc:  # a launcher that fails before any build
+                    print(f"LAUNCH ERROR {op}:{cid} {cfg or ''}: {type(exc).__name__}: {exc}", flush=True)
     print(f"{len(calls)} in-scope cases, {len(pending)} distinct kernels", flush=True)
     return [(p.builder, p.arch, p.args) for p in pending]
 
@@ -77,9 +93,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp16")
     ap.add_argument("--ops", default="", help="comma-separated op-name prefixes (default: every op)")
     ap.add_argument("--top", type=int, default=0, help="list the N slowest kernels")
+    ap.add_argument("--shortlists", action="store_true", help="also the tuner's shortlist configs of each case")
+    ap.add_argument("--list", action="store_true", help="print the kernels, compile none")
     opts = ap.parse_args(argv)
     items = pending_kernels(opts.arch, [DTYPES[d] for d in opts.dtypes.split(",")],
-                            [o for o in opts.ops.split(",") if o])
+                            [o for o in opts.ops.split(",") if o], opts.shortlists)
+    if opts.list:
+        for builder, _, args in items:
+            print(f"{builder.__name__}{args}")
+        return 0
     t0, failed, times = time.perf_counter(), [], []
     with multiprocessing.get_context("fork").Pool(opts.procs) as pool:
         for i, (name, args, err, s) in enumerate(pool.imap_unordered(_compile, items), 1):

@@ -222,3 +222,19 @@ def test_tilelang_build_profile_smoke(tmp_path):
     passes = float(re.search(r"passes \(top level\)\s+([\d.]+) s", out.stdout).group(1))
     assert 0 < nvcc < total and 0 < passes < total and nvcc + passes <= total, out.stdout
     assert "tl.LowerTileOp" in out.stdout, out.stdout
+
+
+def test_tilelang_compile_sweep_lists_shortlists():
+    """``bench/tilelang_compile_sweep.py --list``: the kernels of LoKr's bypass cases with the
+    fixed configs, then with the tuner's shortlists too (a superset, with more kernels: the
+    configs a tuned first call builds). A subprocess: the sweep points the launchers at an
+    sm_90a GPU for the whole process."""
+    pytest.importorskip("tilelang")
+    def listed(*extra):
+        r = subprocess.run([sys.executable, os.path.join(BENCH, "tilelang_compile_sweep.py"), "--list",
+                            "--ops", "lokr_bypass_fwd", "--dtypes", "bf16", *extra],
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return {line for line in r.stdout.splitlines() if "_kernel(" in line}
+    fixed, tuned = listed(), listed("--shortlists")
+    assert fixed and fixed < tuned, (len(fixed), len(tuned))
