@@ -285,7 +285,7 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, mon
     real_stream = boft._stream_composed
 
     def spy_stream(*a):
-        streamed.append((a[6], a[7]))  # (first stage, L)
+        streamed.append((a[4], a[5]))  # (first stage, L)
         return real_stream(*a)
 
     monkeypatch.setattr(boft, "_launch_composed", spy)

@@ -210,12 +210,12 @@ def test_fuse_cayley_needs_its_pipeline_to_fit(monkeypatch):
     assert not oft.fuse_cayley(True, "sm_90a", 32, 64, 2, False)
 
 
-@pytest.mark.parametrize("K,S", [(7, 5), (5, 16)], ids=["S5", "S16"])  # 6 blocks of 5 in 32; 4 of 16 in 64
+@pytest.mark.parametrize("K,S", [(7, 5), (5, 16)], ids=["S5", "S16"])  # 6 blocks of 5 in 32; 2 of 16 in 32
 @pytest.mark.parametrize("pingpong", [False, True, "entries"], ids=["gj", "gj-pingpong", "gj-entries"])
 def test_cayley_kernel_blocks(pingpong, K, S, monkeypatch):
     """The Cayley family alone: F (and Fᵀ) of each packed block equals diag(ρ)·Rᵀ − I,
     the padding and the off-block entries are exactly zero; with every Gauss–Jordan form
-    (``GJ_PINGPONG``; "entries" steps over the blocks' entries alone at S = 16, 4 x 256 >=
+    (``GJ_PINGPONG``; "entries" steps over the blocks' entries alone at S = 16, 2 x 256 >=
     ``_GJ_ENTRIES_MIN``, and over the group at S = 5)."""
     monkeypatch.setattr(oft, "GJ_PINGPONG", pingpong)
     GP, NB, GC = oft.group_plan(S)

@@ -465,21 +465,17 @@ def _compose_groups(i, L, s, GC, gps, device):
     return _COMPOSE_GROUPS[key]
 
 
-def _composed_stages(fh, fl, i, L, s, GC, gps, f=None):
-    """The unit (i, L)'s stage matrices E_0 … E_{L-1} per unit group (npg, W, W) in the box
-    basis (tb, j), fp64: E_k[(hi, t, lo, j), (hi', t', lo', j')] = δ(hi, hi')·δ(lo, lo')·
-    M[(t, j), (t', j')], M the run-basis matrix (fh + fl; its first GC rows / columns) of the
-    group ``_compose_groups`` names. ``i``: one first stage, or a list of first stages of units
-    with the same L, stacked along the groups (one gather, einsum and product for them all,
-    ``_unit_matrices``); ``f``: fh + fl in fp64 when the caller has it."""
+def _composed_stages(f, firsts, L, s, GC, gps):
+    """The stage matrices E_0 … E_{L-1} of the units (i, L), i in ``firsts``, stacked along the
+    unit groups ((len(firsts)·npg, W, W) each) in the box basis (tb, j), fp64:
+    E_k[(hi, t, lo, j), (hi', t', lo', j')] = δ(hi, hi')·δ(lo, lo')·M[(t, j), (t', j')], M the
+    run-basis matrix (``f`` = fh + fl in fp64, its first GC rows / columns) of the group
+    ``_compose_groups`` names: one gather and einsum a stage for all the units."""
     H = GC // 2
-    if f is None:
-        f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
-    firsts = i if isinstance(i, (list, tuple)) else [i]
     out = []
     for k in range(L):
-        grp = torch.cat([_compose_groups(a, L, s, GC, gps, fh.device)[k] for a in firsts]) if len(firsts) > 1 \
-            else _compose_groups(firsts[0], L, s, GC, gps, fh.device)[k]
+        grps = [_compose_groups(i, L, s, GC, gps, f.device)[k] for i in firsts]
+        grp = grps[0] if len(grps) == 1 else torch.cat(grps)
         npg, nhi, nlo = grp.shape
         m = f[grp].view(npg, nhi, nlo, 2, H, 2, H)
         eye_hi = torch.eye(nhi, dtype=f.dtype, device=f.device)
@@ -498,7 +494,7 @@ def _unit_matrices(fh, fl, units, s, GC, gps):
     out = {}
     for L in sorted({k for _, k in units if k > 1}):
         firsts = [i for i, k in units if k == L]
-        es = _composed_stages(fh, fl, firsts, L, s, GC, gps, f)
+        es = _composed_stages(f, firsts, L, s, GC, gps)
         j = _product(es)
         npg = j.shape[0] // len(firsts)
         for n, i in enumerate(firsts):
@@ -523,8 +519,9 @@ def _split16(j, dtype):
 
 def _composed_matrices(fh, fl, i, L, s, GC, gps, dtype):
     """The unit (i, L)'s matrices J = E_{L-1}···E_0 per unit group (npg, W, W) in the box
-    basis, as a (hi, lo) pair of ``dtype`` (``_composed_stages``, ``_product``)."""
-    return _split16(_product(_composed_stages(fh, fl, i, L, s, GC, gps)), dtype)
+    basis, as a (hi, lo) pair of ``dtype`` (the J of ``_unit_matrices``, split as the launches
+    split it)."""
+    return _split16(_unit_matrices(fh, fl, [(i, L)], s, GC, gps)[(i, L)][1], dtype)
 
 
 def _composed_partials(es, a, part, i, s, GC, gps):
@@ -600,7 +597,7 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
     kern(*v[:3], *mats, *v[3:], 0, nsplit, tps)
 
 
-def _stream_composed(g, u, dst, fh, fl, part, i, L, s, runs, gps, p, arch, mats):
+def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     """The backward of the composed unit (i, L) (``COMPOSE_BWD``): ``gx = g·J`` (the Jᵀ pair)
     stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis)
     by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that fits
@@ -676,7 +673,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         u = us[n]
         d = tl_dtype(xv.dtype)
         if k > 1:
-            _stream_composed(g, u, dst, fh, fl, part, i, k, s, runs, gps, p, arch, mats)
+            _stream_composed(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
         else:
             ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
                         g[1] is not None, u[1] is not None, dst[1] is not None)

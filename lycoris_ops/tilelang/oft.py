@@ -210,6 +210,7 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
     # thread-guarded branch, and TileLang refuses the barrier the next step then needs inside it
     # (S = 6, NB <= 2 at sm_90a: bench/tilelang_compile_sweep.py).
     entries = pingpong == "entries" and NB * S * S >= _GJ_ENTRIES_MIN
+    solve_pingpong = bool(pingpong)
 
     @T.macro
     def gauss_jordan(A, Mi, ra, ri, ca):
@@ -280,10 +281,10 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
                 Mi[i, j] = M2[i, j]
 
     @T.macro
-    def invert(A, Mi, pingpong):
-        # Mi <- A⁻¹ with its own scratch: gauss_jordan_pingpong's second buffer pair, or
-        # gauss_jordan's pivot row and column
-        if pingpong:
+    def invert(A, Mi):
+        # Mi <- A⁻¹ with its own scratch: gauss_jordan_pingpong's second buffer pair (``pingpong``),
+        # or gauss_jordan's pivot row and column
+        if solve_pingpong:
             A2 = alloc_s((GP, GP), "float32")
             M2 = alloc_s((GP, GP), "float32")
             gauss_jordan_pingpong(A, Mi, A2, M2)
@@ -424,7 +425,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
             if runs:
                 run_slots(slot, g, gps)
             load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
-            invert(A, Mi, bool(pingpong))
+            invert(A, Mi)
             for i, j in par(GP, GP):
                 fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
                 r, c = (slot[i], slot[j]) if runs else (i, j)
@@ -598,7 +599,7 @@ def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
         rho = alloc_s((GP,), "float32")
         build_system(B, A, Mi, g, cscale, KB)
         load_rho(RS, rho, g, 0, 0, KB, has_rescale, False)
-        invert(A, Mi, bool(pingpong))
+        invert(A, Mi)
         for i, j in par(GP, GP):
             fv = f_entry(Mi, rho, i, j, g, fcoef, KB, False)
             if trans:
