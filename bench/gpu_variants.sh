@@ -41,6 +41,8 @@ declare -A RUNS=(
   [boft]="bench/tilelang_boft_variants.py --variants compose3\ bwd\ split,compose3\ bwd\ split\ pad,compose3\ bwd\ pad"
   [merge_bwd]="bench/tilelang_lora_variants.py --op merge_bwd"
   [hada_bwd]="bench/tilelang_lora_variants.py --op hada_bwd"
+  # the LoHa pair kernel's K step wider than its band (GRADS_PAIR BK): a program's serial chain of steps halves
+  [hada_k]="bench/tilelang_lora_variants.py --op hada_bwd --variants pair\\ 32,pair\\ 32\\ k64,pair\\ 32\\ k128,pair\\ 32\\ k128\\ s1,pair\\ 64\\ k128,split"
   [merge]="bench/tilelang_lora_variants.py --op merge --variants staged,stream,stream\\ s3,stream\\ n256,stream\\ m128"
   [merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lora.py -k merge_stream"
   [loha_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"

@@ -266,6 +266,11 @@ HADA_BWD_VARIANTS = {
     "pair s3": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=64, stages=3)),
     "pair 32": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=32, stages=2)),
     "pair 32 s3": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=32, stages=3)),
+    # K steps wider than the band: a program's serial chain of steps halves / quarters
+    "pair 32 k64": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=32, BK=64, stages=2)),
+    "pair 32 k128": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=32, BK=128, stages=2)),
+    "pair 32 k128 s1": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=32, BK=128, stages=1)),
+    "pair 64 k128": dict(GRADS_FORM=dict(pair=True), GRADS_PAIR=dict(BM=64, BK=128, stages=2)),
 }
 
 

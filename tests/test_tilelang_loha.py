@@ -88,7 +88,8 @@ def test_twin_materialized_and_split(monkeypatch):
 def test_twin_merge_bwd_pair(dtype, monkeypatch):
     """``loha_merge_bwd`` through the one-launch pair kernel (``GRADS_FORM``): bands of both
     gradients with partial last bands (O, I not multiples of BM), rank padding, a transposed G,
-    mixed output dtypes, 32- and 64-wide bands; the CPU twin without a GPU, the real kernel on one."""
+    mixed output dtypes, 32- and 64-wide bands, K steps wider than the band; the CPU twin without
+    a GPU, the real kernel on one."""
     if GPU and dtype == torch.float32:
         pytest.skip("fp32 is outside the TileLang scope on a GPU (it would run as TF32)")
     monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=True))
@@ -98,8 +99,10 @@ def test_twin_merge_bwd_pair(dtype, monkeypatch):
     g = torch.Generator().manual_seed(7)
     dev = "cuda" if GPU else "cpu"
     sizes = ((37, 150, 5), (130, 70, 17)) if not GPU else ((200, 1000, 8), (3072, 517, 64), (300, 260, 128))
-    for (O, I, r), bm in zip(sizes, (64, 32, 64)):
-        monkeypatch.setattr(loha, "GRADS_PAIR", dict(BM=bm, stages=2))
+    # (band, K step): K steps as wide as the band (shared G / E tiles) and wider (each branch its own)
+    tiles = ((64, 64), (32, 64)) if not GPU else ((64, 64), (32, 128), (32, 64))
+    for (O, I, r), (bm, bk) in zip(sizes, tiles):
+        monkeypatch.setattr(loha, "GRADS_PAIR", dict(BM=bm, BK=bk, stages=2))
         f = [torch.randn(O, r, generator=g), torch.randn(r, I, generator=g),
              torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)]
         f = [t.to(dev, dtype) for t in f]

@@ -273,16 +273,22 @@ def hada_grad_b_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
 
 
 def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, oa2: str, ob2: str,
-                          BM: int = 64, stages: int = 2, threads=None, cpu: bool = False):
+                          BM: int = 64, stages: int = 2, BK=None, threads=None, cpu: bool = False):
     """``loha_merge_bwd`` in ONE launch: programs [0, ⌈O/BM⌉) are ``hada_grad_a``'s (one BM-row
     band of g_a1, g_a2, the whole reduction over I), programs [⌈O/BM⌉, ⌈O/BM⌉ + ⌈I/BM⌉) are
     ``hada_grad_b``'s (one BM-column band of g_b1, g_b2, the whole reduction over O); K steps
-    of BM. No split, so no fp32 partials, no torch sum and no cast launches after it (the two
-    split jobs: up to six launches at the bench shapes); G is read twice, in one launch."""
+    of BK (None: BM). No split, so no fp32 partials, no torch sum and no cast launches after it
+    (the two split jobs: up to six launches at the bench shapes); G is read twice, in one launch.
+
+    A program's time is its serial chain of K steps (P = A·B, E = γ·G⊙P, then E·Bᵀ), so a K step
+    wider than the band halves the chain at BK = 2·BM. The two branches then tile G as (BM, BK)
+    and (BK, BM): separate G, P and E tiles (with BK = BM they share them)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
-    e_tiles = _e_tiles(T, par, BM, BM, dt)
+    BK = BK or BM
+    e_tiles_a = _e_tiles(T, par, BM, BK, dt)
+    e_tiles_b = _e_tiles(T, par, BK, BM, dt) if BK != BM else e_tiles_a
     Rp = pad_rank(r)
     threads = threads or (256 if Rp >= 128 else 128)
     ma, mb = cdiv(O, BM), cdiv(I, BM)
@@ -293,21 +299,26 @@ def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, o
                        GA1: T.Tensor((O, r), oa1), GB1: T.Tensor((r, I), ob1),
                        GA2: T.Tensor((O, r), oa2), GB2: T.Tensor((r, I), ob2), gamma: T.float32):
         with T.Kernel(ma + mb, threads=nthreads(threads)) as b:
-            gs = shared((BM, BM), dt)    # G[m0 : m0+BM, k0 : k0+BM] (a) or G[k0 : .., m0 : ..] (b)
+            gs = shared((BM, BK), dt)    # G[m0 : m0+BM, k0 : k0+BK] (a)
+            gt = shared((BK, BM), dt) if BK != BM else gs  # G[k0 : k0+BK, m0 : m0+BM] (b)
             # a fixed tile cannot share a buffer with a stepped one (the pipeline multi-buffers
             # the stepped ones): a's fixed A rows and stepped B columns, b's fixed B and stepped A
             a1f = shared((BM, Rp), dt)
             a2f = shared((BM, Rp), dt)
-            b1k = shared((Rp, BM), dt)
-            b2k = shared((Rp, BM), dt)
+            b1k = shared((Rp, BK), dt)
+            b2k = shared((Rp, BK), dt)
             b1f = shared((Rp, BM), dt)
             b2f = shared((Rp, BM), dt)
-            a1k = shared((BM, Rp), dt)
-            a2k = shared((BM, Rp), dt)
-            e1s = shared((BM, BM), dt)
-            e2s = shared((BM, BM), dt)
-            p1 = frag((BM, BM), _ACC)
-            p2 = frag((BM, BM), _ACC)
+            a1k = shared((BK, Rp), dt)
+            a2k = shared((BK, Rp), dt)
+            e1s = shared((BM, BK), dt)
+            e2s = shared((BM, BK), dt)
+            e1t = shared((BK, BM), dt) if BK != BM else e1s
+            e2t = shared((BK, BM), dt) if BK != BM else e2s
+            p1 = frag((BM, BK), _ACC)
+            p2 = frag((BM, BK), _ACC)
+            p1t = frag((BK, BM), _ACC) if BK != BM else p1
+            p2t = frag((BK, BM), _ACC) if BK != BM else p2
             ga1 = frag((BM, Rp), _ACC)
             ga2 = frag((BM, Rp), _ACC)
             gb1 = frag((Rp, BM), _ACC)
@@ -318,13 +329,13 @@ def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, o
                 T.copy(A2[o0, 0], a2f)
                 T.clear(ga1)
                 T.clear(ga2)
-                for k in T.Pipelined(T.ceildiv(I, BM), num_stages=stages):
-                    T.copy(Gr[o0, k * BM], gs)
-                    T.copy(B1[0, k * BM], b1k)
-                    T.copy(B2[0, k * BM], b2k)
+                for k in T.Pipelined(T.ceildiv(I, BK), num_stages=stages):
+                    T.copy(Gr[o0, k * BK], gs)
+                    T.copy(B1[0, k * BK], b1k)
+                    T.copy(B2[0, k * BK], b2k)
                     T.gemm(a1f, b1k, p1, clear_accum=True)
                     T.gemm(a2f, b2k, p2, clear_accum=True)
-                    e_tiles(gs, p1, p2, e1s, e2s, gamma)  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
+                    e_tiles_a(gs, p1, p2, e1s, e2s, gamma)  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
                     T.gemm(e1s, b1k, ga1, transpose_B=True)
                     T.gemm(e2s, b2k, ga2, transpose_B=True)
                 T.copy(ga1, GA1[o0, 0])
@@ -335,15 +346,15 @@ def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, o
                 T.copy(B2[0, i0], b2f)
                 T.clear(gb1)
                 T.clear(gb2)
-                for k in T.Pipelined(T.ceildiv(O, BM), num_stages=stages):
-                    T.copy(Gr[k * BM, i0], gs)
-                    T.copy(A1[k * BM, 0], a1k)
-                    T.copy(A2[k * BM, 0], a2k)
-                    T.gemm(a1k, b1f, p1, clear_accum=True)
-                    T.gemm(a2k, b2f, p2, clear_accum=True)
-                    e_tiles(gs, p1, p2, e1s, e2s, gamma)  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
-                    T.gemm(a1k, e1s, gb1, transpose_A=True)
-                    T.gemm(a2k, e2s, gb2, transpose_A=True)
+                for k in T.Pipelined(T.ceildiv(O, BK), num_stages=stages):
+                    T.copy(Gr[k * BK, i0], gt)
+                    T.copy(A1[k * BK, 0], a1k)
+                    T.copy(A2[k * BK, 0], a2k)
+                    T.gemm(a1k, b1f, p1t, clear_accum=True)
+                    T.gemm(a2k, b2f, p2t, clear_accum=True)
+                    e_tiles_b(gt, p1t, p2t, e1t, e2t, gamma)  # E1 = round(γ·G⊙P2), E2 = round(γ·G⊙P1)
+                    T.gemm(a1k, e1t, gb1, transpose_A=True)
+                    T.gemm(a2k, e2t, gb2, transpose_A=True)
                 T.copy(gb1, GB1[0, i0])
                 T.copy(gb2, GB2[0, i0])
 
@@ -410,12 +421,15 @@ def grads_fixed(O: int, I: int) -> dict:
     return GRADS_PAIR if pair_form(O, I) else GRADS
 
 
-def grads_pair_smem(BM: int, stages: int, r: int, esize: int) -> int:
+def grads_pair_smem(BM: int, stages: int, r: int, esize: int, BK=None) -> int:
     """Shared-memory bytes of ``hada_grad_pair_kernel`` (measured on the sm_90a builds): each
     branch's fixed factor rows (4 BM×Rp tiles), E1 and E2, and per stage the G tile with both
-    branches' stepped factor tiles (TileLang does not overlap the two branches)."""
+    branches' stepped factor tiles (TileLang does not overlap the two branches). With a K step
+    BK ≠ BM each branch has its own E and G tiles."""
     Rp = pad_rank(r)
-    return esize * (4 * BM * Rp + 2 * BM * BM + stages * (BM * BM + 4 * BM * Rp))
+    BK = BK or BM
+    tiles = 1 if BK == BM else 2
+    return esize * (4 * BM * Rp + tiles * 2 * BM * BK + stages * (tiles * BM * BK + 4 * BK * Rp))
 
 
 def _grads(gw, f, gamma, dtypes, c, cfg=None):
@@ -429,10 +443,12 @@ def _grads(gw, f, gamma, dtypes, c, cfg=None):
     if pair_form(O, I):
         p = launch_config(GRADS_PAIR, cfg)
         limit = smem_limit(dev)
+        bk = p.get("BK") if p.get("BK", p["BM"]) != p["BM"] else None  # BK = BM: the key without it
         for st in range(p["stages"], 0, -1):
-            if grads_pair_smem(p["BM"], st, r, gw.element_size()) <= limit:
+            if grads_pair_smem(p["BM"], st, r, gw.element_size(), bk) <= limit:
                 outs = tuple(torch.empty(t.shape, device=dev, dtype=d) for t, d in zip(f, dtypes))
-                k = kernel(hada_grad_pair_kernel, arch, O, I, r, dt, *(tl_dtype(d) for d in dtypes), p["BM"], st)
+                k = kernel(hada_grad_pair_kernel, arch, O, I, r, dt, *(tl_dtype(d) for d in dtypes), p["BM"], st,
+                           *((bk,) if bk else ()))
                 k(gw, *f, *outs, float(gamma))
                 return outs
         cfg = None  # no pair tile fits (the tuned cfg was one): the split jobs' fixed tile
@@ -503,4 +519,5 @@ def compile_specs(dtype: torch.dtype):
         (hada_grad_a_kernel, (29, 45, 5, d, d, d, True)),
         (hada_grad_b_kernel, (29, 45, 5, d, "float32", "float32", False)),
         (hada_grad_pair_kernel, (29, 45, 5, d, d, "float32", d, d)),  # GRADS_FORM
+        (hada_grad_pair_kernel, (29, 45, 5, d, d, d, d, d, 32, 2, 64)),  # K steps wider than the band
     ]
