@@ -213,7 +213,7 @@ def test_fuse_cayley_needs_its_pipeline_to_fit(monkeypatch):
 @pytest.mark.parametrize("K,S", [(7, 5), (5, 16)], ids=["S5", "S16"])  # 6 blocks of 5 in 32; 2 of 16 in 32
 @pytest.mark.parametrize("pingpong", [False, True, "entries"], ids=["gj", "gj-pingpong", "gj-entries"])
 def test_cayley_kernel_blocks(pingpong, K, S, monkeypatch):
-    """The Cayley family alone: F (and Fᵀ) of each packed block equals diag(ρ)·Rᵀ − I,
+    """The Cayley family alone: F (and Fᵀ, and both from one launch) of each packed block equals diag(ρ)·Rᵀ − I,
     the padding and the off-block entries are exactly zero; with every Gauss–Jordan form
     (``GJ_PINGPONG``; "entries" steps over the blocks' entries alone at S = 16, 2 x 256 >=
     ``_GJ_ENTRIES_MIN``, and over the group at S = 5)."""
@@ -225,17 +225,19 @@ def test_cayley_kernel_blocks(pingpong, K, S, monkeypatch):
     arch = _common.arch_of(blocks.device)
     r, _ = R_OFT.cayley(blocks.double().cpu(), 0.8, torch.float64)
     want = rescale.double().cpu().view(K, S, 1) * r.transpose(-1, -2) - torch.eye(S, dtype=torch.float64)
-    for trans in (False, True):
-        fh, fl = oft._cayley(blocks, rescale, torch.float32, S, NB, GP, False, False, trans, 0.8, 1.0, 0, 0,
-                             -(-K // NB), arch)
-        f = (fh.double() + fl.double()).cpu()
-        mask = torch.zeros_like(f, dtype=torch.bool)
-        for k in range(K):
-            grp, b = divmod(k, NB)
-            blk = f[grp, b * S:(b + 1) * S, b * S:(b + 1) * S]
-            assert rel_err(blk.T if trans else blk, want[k]) < 1e-6
-            mask[grp, b * S:(b + 1) * S, b * S:(b + 1) * S] = True
-        assert f[~mask].abs().max().item() == 0.0
+    for trans in (False, True, "both"):
+        pairs = oft._cayley(blocks, rescale, torch.float32, S, NB, GP, False, False, trans, 0.8, 1.0, 0, 0,
+                            -(-K // NB), arch)
+        # "both": F's pair then Fᵀ's, from one launch
+        for fh, fl, tr in ([(*pairs, trans)] if trans != "both" else [(*pairs[:2], False), (*pairs[2:], True)]):
+            f = (fh.double() + fl.double()).cpu()
+            mask = torch.zeros_like(f, dtype=torch.bool)
+            for k in range(K):
+                grp, b = divmod(k, NB)
+                blk = f[grp, b * S:(b + 1) * S, b * S:(b + 1) * S]
+                assert rel_err(blk.T if tr else blk, want[k]) < 1e-6
+                mask[grp, b * S:(b + 1) * S, b * S:(b + 1) * S] = True
+            assert f[~mask].abs().max().item() == 0.0
 
 
 #: non-default (apply, stream) configs inside plans/oft.py's TileLang spaces (TL_APPLY, TL_STREAM)

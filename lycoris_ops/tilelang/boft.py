@@ -15,7 +15,7 @@ to fp32 (TF32 hi + lo split, ~fp32 accuracy):
     rescale is folded into the rows of the last stage), then one apply launch
     per stage: stage 0 reads x, stages write fp32 ping-pong scratch, the last
     stage stores y in x's dtype and subtracts x when ``diff``.
-``boft_bwd`` (the plain chain, OPS.md §2.6.2): F and Fᵀ Cayley launches, m − 1
+``boft_bwd`` (the plain chain, OPS.md §2.6.2): ONE Cayley launch for F and Fᵀ, m − 1
     apply launches to keep the stage inputs u^1 … u^{m−1} (fp32 scratch), then
     per stage from the last one streaming launch (``gx = g·F``, fp32 partials
     ``P = Σ g_βᵀ·u_β`` in the permuted block basis) and ONE chain launch over
@@ -655,14 +655,14 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     dev = xv.device
     p = launch_config(STREAM, cfg)
     units = _compose_units(m, s, runs, COMPOSE_BWD, bwd=True)
-    fh, fl = _runs_cayley(bc, None, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
+    # F (the replay) and Fᵀ (the stream) from one Cayley launch
+    fh, fl, th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, "both", cscale, scale, xv.dtype, arch)
     mats = _unit_matrices(fh, fl, units, s, GC, gps)  # the replay's and the stream's, formed once
     us = [(xv, None)]
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
         _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False, mats)
         us.append(dst)
-    th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, True, cscale, scale, xv.dtype, arch)
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)
     part = torch.empty((nsplit, m * gps, GP, GP), device=dev, dtype=torch.float32)
     gbuf = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
@@ -709,7 +709,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
         _bwd_runs(bc, gv, xv, gx.view(xv.shape), g_blocks, m, nb, s, runs, cscale, scale, cfg, arch)
         return gx, g_blocks
     # forward replay: stage inputs u^0 = x, u^1 … u^{m-1} (fp32)
-    fh, fl = _cayley(bc, None, m, nb, s, NB, GP, gps, False, cscale, scale, arch)
+    fh, fl, th, tl_ = _cayley(bc, None, m, nb, s, NB, GP, gps, "both", cscale, scale, arch)  # F and Fᵀ, one launch
     nsplit_f, tps_f = tiling(cf, pre, post, APPLY["BT"], gps, dev)
     us = [xv]
     for i in range(m - 1):
@@ -719,7 +719,6 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
         k(us[-1], xv, fh, fl, dst, i * gps, (s // 2) << i, nsplit_f, tps_f)
         us.append(dst)
     # backward through the stages
-    th, tl_ = _cayley(bc, None, m, nb, s, NB, GP, gps, True, cscale, scale, arch)
     p = launch_config(STREAM, cfg)
     nsplit, tps = tiling(cf, pre, post, p["BT"], gps, dev)
     part = torch.empty((nsplit, ng, GP, GP), device=dev, dtype=torch.float32)
@@ -748,6 +747,9 @@ def compile_specs(dtype: torch.dtype):
         (bwd_stream_kernel, (d, d, d, _F32, 32, 32, _BT_BWD, False, True)),
         (chain_kernel, (d, d, 4, 8, 32, True, False)),
         (cayley_kernel, (d, d, d, 8, 4, 32, True, True, True, False, True)),
+        # the backward's F and Fᵀ pairs from one solve (gather path, and the run basis)
+        (cayley_kernel, (d, d, _F32, 4, 8, 32, True, False, True, "both")),
+        (cayley_kernel, (d, d, d, 8, 4, 32, True, False, True, "both", True)),
         (chain_kernel, (d, d, 8, 4, 32, True, False, True)),
         # GJ_PINGPONG "entries" at the small bench shape's s = 24 (2 blocks in 64): the blocks' entries a step
         (cayley_kernel, (d, d, d, 24, 2, 64, True, False, True, False, True, "entries")),

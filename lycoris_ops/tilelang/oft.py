@@ -391,7 +391,8 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
 
 def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool,
                   has_perm: bool, trans: bool, runs: bool = False, pingpong: bool = False, cpu: bool = False):
-    """Group matrices F (trans: Fᵀ) as a (hi, lo) pair in cdt, (NG, GP, GP) each.
+    """Group matrices F (trans: Fᵀ; ``"both"``: F and Fᵀ, one solve for the two pairs) as a (hi,
+    lo) pair in cdt, (NG, GP, GP) each.
 
     OFT (boft=False): F = diag(ρ)·Rᵀ − fcoef·I (fcoef = shift). BOFT: F = fcoef·R +
     (1 − fcoef)·I (fcoef = scale), rows scaled by ρ[π(pos)] for groups g >= g_rs
@@ -412,6 +413,38 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     build_system, (invert, _, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP,
                                                                                     pingpong)
 
+    @T.macro
+    def solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot):
+        build_system(B, A, Mi, g, cscale, KB)
+        if runs:
+            run_slots(slot, g, gps)
+        load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
+        invert(A, Mi)
+
+    if trans == "both":
+        # the backward's F (replay) and Fᵀ (stream) pairs from one solve: the Gauss–Jordan steps
+        # are the launch's time, the second pair's stores are GP² entries a group
+        @T.prim_func
+        def cayley_both(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
+                        FL: T.Tensor((NG, GP, GP), cdt), TH: T.Tensor((NG, GP, GP), cdt),
+                        TL: T.Tensor((NG, GP, GP), cdt), cscale: T.float32, fcoef: T.float32, g_rs: T.int32,
+                        kappa: T.int32, gps: T.int32):
+            with T.Kernel(NG, threads=threads) as g:
+                A = alloc_s((GP, GP), "float32")
+                Mi = alloc_s((GP, GP), "float32")
+                rho = alloc_s((GP,), "float32")
+                slot = alloc_s((GP if runs else 1,), "int32")
+                solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot)
+                for i, j in par(GP, GP):
+                    fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
+                    r, c = (slot[i], slot[j]) if runs else (i, j)
+                    FH[g, r, c] = _hi_lo(T, fv, cdt)[0]
+                    FL[g, r, c] = _hi_lo(T, fv, cdt)[1]
+                    TH[g, c, r] = _hi_lo(T, fv, cdt)[0]
+                    TL[g, c, r] = _hi_lo(T, fv, cdt)[1]
+
+        return cayley_both
+
     @T.prim_func
     def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
                FL: T.Tensor((NG, GP, GP), cdt), cscale: T.float32, fcoef: T.float32, g_rs: T.int32,
@@ -421,11 +454,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
             Mi = alloc_s((GP, GP), "float32")
             rho = alloc_s((GP,), "float32")
             slot = alloc_s((GP if runs else 1,), "int32")
-            build_system(B, A, Mi, g, cscale, KB)
-            if runs:
-                run_slots(slot, g, gps)
-            load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
-            invert(A, Mi)
+            solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot)
             for i, j in par(GP, GP):
                 fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
                 r, c = (slot[i], slot[j]) if runs else (i, j)
@@ -914,14 +943,15 @@ def tiling(cf: bool, pre: int, post: int, bt: int, groups: int, device, one_wave
 
 def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_rs, kappa, ng, arch, gps=0):
     """The (hi, lo) group matrices of ``blocks`` (contiguous), rescale ``rs`` (flat, or None);
-    ``gps`` > 0: BOFT's run basis with gps groups per stage (``cayley_kernel``'s ``runs``)."""
-    fh = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
-    fl = torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt)
+    ``gps`` > 0: BOFT's run basis with gps groups per stage (``cayley_kernel``'s ``runs``).
+    ``trans="both"``: (fh, fl, th, tl), F's pair and Fᵀ's from one launch."""
+    pairs = 2 if trans == "both" else 1
+    outs = [torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt) for _ in range(2 * pairs)]
     rsv = _rescale_operand(blocks, rs)
     k = kernel(cayley_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), tl_dtype(cdt), S, NB, GP, boft,
                rs is not None, has_perm, trans, gps > 0, GJ_PINGPONG)
-    k(blocks.view(-1, S, S), rsv, fh, fl, float(cscale), float(fcoef), int(g_rs), int(kappa), max(int(gps), 1))
-    return fh, fl
+    k(blocks.view(-1, S, S), rsv, *outs, float(cscale), float(fcoef), int(g_rs), int(kappa), max(int(gps), 1))
+    return tuple(outs)
 
 
 def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
