@@ -77,7 +77,9 @@ GRADS_FORM = dict(pair=True, pair_max_elems=3072 * 3072)
 #: (``bench/tilelang_lora_variants.py --op hada_bwd``, RESULTS.md 2026-12-02 15:29): 32-wide
 #: bands 0.073 ms against the split jobs' 0.091 at 3072² r32 (64-wide: 0.097: 96 programs on
 #: 132 SMs), 0.125 against 0.127 at 4096² r64; a third stage changes nothing
-GRADS_PAIR = dict(BM=32, stages=2)
+#: K steps of BK = 64 (H100, bf16, ``gpu_variants.sh hada_k``, RESULTS.md 2026-12-06 02:21): 3072² r32
+#: 0.073 -> 0.067 ms, and as a pair at 4096² r64 0.126 -> 0.111 (BK 128: 0.097 / 0.148, slower)
+GRADS_PAIR = dict(BM=32, BK=64, stages=2)
 
 
 def _e_tiles(T, par, rows: int, cols: int, dt: str):
