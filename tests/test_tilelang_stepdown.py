@@ -371,7 +371,7 @@ def test_elementwise_shortlists_for_an_h200():
                                   dict(BO=64, BI=64, threads=128)),
                                  (plans_loha, "loha_bypass_fwd", (x, *lh, 1.0, None),
                                   dict(BM=128, BN=128, BK=64, stages=2, threads=256)),
-                                 (plans_loha, "loha_merge_bwd", (w, *lh, 1.0), dict(BM=32, stages=2)),
+                                 (plans_loha, "loha_merge_bwd", (w, *lh, 1.0), dict(BM=32, BK=64, stages=2)),
                                  (plans_oft, "oft_fwd", (ob, x, None, 1.0, False, False), dict(BT=128, threads=128)),
                                  (plans_oft, "oft_bwd", (x, ob, x, None, 1.0, False, False), dict(BT=64, threads=128)),
                                  (plans_boft, "boft_fwd", (bb, x, -1, 1.0, 1.0, None, False), dict(BT=128, threads=128)),

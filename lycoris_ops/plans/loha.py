@@ -243,7 +243,9 @@ TL_GRADS = dict(BO=(32, 64, 128), BI=(32, 64, 128))
 #: ``hada_grad_pair_kernel`` (``GRADS_FORM["pair"]``): band width (= K step) and pipeline depth;
 #: the configs whose shared memory fits (``grads_pair_smem``). H200 (RESULTS.md 2026-12-02 15:29):
 #: 1 stage slower, 3 the same as 2; fewer candidates, fewer cold compiles
-TL_GRADS_PAIR = dict(BM=(32, 64), stages=(2,))
+#: K step 64 (H100, RESULTS.md 2026-12-06 02:21: BK 64 over BK = BM 32, 0.92x at 3072²); a candidate
+#: inherits the fixed config's keys it lacks, so the space names BK
+TL_GRADS_PAIR = dict(BM=(32, 64), BK=(64,), stages=(2,))
 TL_N = 3
 
 
@@ -314,15 +316,16 @@ def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
                              (O * I * 4 * 2 + I * R * e * 2, 4.0 * O * I * R), (O * I * 4 * 2 + O * R * e * 2, 4.0 * O * I * R)])
     if L.pair_form(O, I):
         def pair_work(c):
-            bm, st = c["BM"], c["stages"]
-            if not smem_fits(dev, L.grads_pair_smem(bm, st, R, e)):
+            bm, st, bk = c["BM"], c["stages"], c.get("BK", c["BM"])
+            if not smem_fits(dev, L.grads_pair_smem(bm, st, R, e, bk)):
                 return None
             return Work(grid=cdiv(O, bm) + cdiv(I, bm), warps=8 if rp >= 128 else 4, stages=st,
                         acc=2 * bm * rp + 2 * bm * bm, smem=(bm * bm + 2 * bm * rp) * e,
                         dram=2 * O * I * eg + 4 * (O + I) * R * e, mma=3 * 2.0 * 2 * 2 * O * I * rp, tc=True,
                         mma_tile=bm * bm * rp)
 
-        cfgs = [dict(BM=bm, stages=st) for bm in TL_GRADS_PAIR["BM"] for st in TL_GRADS_PAIR["stages"]]
+        cfgs = [dict(BM=bm, BK=bk, stages=st) for bm in TL_GRADS_PAIR["BM"] for bk in TL_GRADS_PAIR["BK"]
+                for st in TL_GRADS_PAIR["stages"]]
         return tl_shortlist("loha_merge_bwd", cfgs, pair_work, dev, dict(L.GRADS_PAIR), eager, ("BM",), n)
 
     def work(c):
