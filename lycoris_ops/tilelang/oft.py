@@ -421,6 +421,29 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
         load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
         invert(A, Mi)
 
+    want_f = trans in (False, "both")  # the F pair; "both" also the Fᵀ pair, from the same solve
+    want_t = trans in (True, "both")
+
+    @T.macro
+    def put(H, L, g, r, c, fv):
+        H[g, r, c] = _hi_lo(T, fv, cdt)[0]
+        L[g, r, c] = _hi_lo(T, fv, cdt)[1]
+
+    @T.macro
+    def group(B, RS, FH, FL, TH, TL, cscale, fcoef, g_rs, kappa, gps, g):
+        A = alloc_s((GP, GP), "float32")
+        Mi = alloc_s((GP, GP), "float32")
+        rho = alloc_s((GP,), "float32")
+        slot = alloc_s((GP if runs else 1,), "int32")
+        solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot)
+        for i, j in par(GP, GP):
+            fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
+            r, c = (slot[i], slot[j]) if runs else (i, j)
+            if want_f:
+                put(FH, FL, g, r, c, fv)
+            if want_t:
+                put(TH, TL, g, c, r, fv)
+
     if trans == "both":
         # the backward's F (replay) and Fᵀ (stream) pairs from one solve: the Gauss–Jordan steps
         # are the launch's time, the second pair's stores are GP² entries a group
@@ -430,38 +453,16 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
                         TL: T.Tensor((NG, GP, GP), cdt), cscale: T.float32, fcoef: T.float32, g_rs: T.int32,
                         kappa: T.int32, gps: T.int32):
             with T.Kernel(NG, threads=threads) as g:
-                A = alloc_s((GP, GP), "float32")
-                Mi = alloc_s((GP, GP), "float32")
-                rho = alloc_s((GP,), "float32")
-                slot = alloc_s((GP if runs else 1,), "int32")
-                solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot)
-                for i, j in par(GP, GP):
-                    fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
-                    r, c = (slot[i], slot[j]) if runs else (i, j)
-                    FH[g, r, c] = _hi_lo(T, fv, cdt)[0]
-                    FL[g, r, c] = _hi_lo(T, fv, cdt)[1]
-                    TH[g, c, r] = _hi_lo(T, fv, cdt)[0]
-                    TL[g, c, r] = _hi_lo(T, fv, cdt)[1]
+                group(B, RS, FH, FL, TH, TL, cscale, fcoef, g_rs, kappa, gps, g)
 
         return cayley_both
 
-    @T.prim_func
+    @T.prim_func  # one pair: F, or Fᵀ where trans (stored through the TH / TL slots of ``group``)
     def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
                FL: T.Tensor((NG, GP, GP), cdt), cscale: T.float32, fcoef: T.float32, g_rs: T.int32,
                kappa: T.int32, gps: T.int32):
         with T.Kernel(NG, threads=threads) as g:
-            A = alloc_s((GP, GP), "float32")
-            Mi = alloc_s((GP, GP), "float32")
-            rho = alloc_s((GP,), "float32")
-            slot = alloc_s((GP if runs else 1,), "int32")
-            solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot)
-            for i, j in par(GP, GP):
-                fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
-                r, c = (slot[i], slot[j]) if runs else (i, j)
-                if trans:
-                    r, c = c, r
-                FH[g, r, c] = _hi_lo(T, fv, cdt)[0]
-                FL[g, r, c] = _hi_lo(T, fv, cdt)[1]
+            group(B, RS, FH, FL, FH, FL, cscale, fcoef, g_rs, kappa, gps, g)
 
     return cayley
 
