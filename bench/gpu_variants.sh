@@ -71,7 +71,7 @@ declare -A RUNS=(
   # TileLang's Cayley / chain Gauss–Jordan stepping over the blocks' entries alone (oft.GJ_PINGPONG "entries", off):
   # its GPU parity (every solve form), then the A/B against the defaults (BOFT small: s = 24, 2 blocks in 64)
   [gj_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_tilelang_oft.py tests/test_tilelang_boft.py -k cayley\\ or\\ test_oft\\ or\\ test_boft"
-  [gj_entries]="bench/tilelang_boft_variants.py --shapes small,large --variants compose3\\ bwd\\ split,gj\\ entries"
+  [gj_entries]="bench/tilelang_boft_variants.py --shapes small,large --variants gj\\ steps,gj\\ entries"
   [tl_cold]="bench/gpu_tilelang_tune.py --families lokr,lora,loha,boft --shapes 3072x3072:r32 --tokens 8192"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)

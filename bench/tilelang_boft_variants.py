@@ -19,7 +19,8 @@ the first variant's:
   too (``COMPOSE_BWD = L``); ``... split``: its stream as two launches, gx by the composed
   forward kernel and the partials alone (``COMPOSE_BWD_SPLIT``); ``... pad``: the backward's
   96-wide units (small shape) composed too, their Σ gᵀ·u GEMM padded to 128 (``COMPOSE_BWD_PAD``);
-* ``gj entries``: ``compose3 bwd split`` (the defaults) with ``oft.GJ_PINGPONG = "entries"``;
+* ``gj entries`` / ``gj steps``: ``compose3 bwd split`` with ``oft.GJ_PINGPONG = "entries"`` (the
+  default) / ``True`` (each step over the whole group);
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
   positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
@@ -60,9 +61,12 @@ VARIANTS = {
                                    COMPOSE_BWD_PAD=True),
     "compose3 bwd pad": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=False, COMPOSE_BWD_PAD=True),
     # the Cayley / chain kernels' ping-pong Gauss–Jordan over the blocks' entries alone (oft.GJ_PINGPONG
-    # "entries": 1152 of 4096 a step at s = 24) against the whole group's, both with the defaults' units
+    # "entries", the default: 1152 of 4096 a step at s = 24) against the whole group's ("gj steps"),
+    # both with the defaults' units
     "gj entries": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
                        oft=dict(GJ_PINGPONG="entries")),
+    "gj steps": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
+                     oft=dict(GJ_PINGPONG=True)),
     "runs s3": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3)),
     "runs s4": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=4)),
     "runs s3 w1": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),

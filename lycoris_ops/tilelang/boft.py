@@ -751,7 +751,8 @@ def compile_specs(dtype: torch.dtype):
         (cayley_kernel, (d, d, _F32, 4, 8, 32, True, False, True, "both")),
         (cayley_kernel, (d, d, d, 8, 4, 32, True, False, True, "both", True)),
         (chain_kernel, (d, d, 8, 4, 32, True, False, True)),
-        # GJ_PINGPONG "entries" at the small bench shape's s = 24 (2 blocks in 64): the blocks' entries a step
+        # GJ_PINGPONG "entries" (the default) at the small bench shape's s = 24 (2 blocks in 64):
+        # the blocks' entries a step
         (cayley_kernel, (d, d, d, 24, 2, 64, True, False, True, False, True, "entries")),
         (chain_kernel, (d, d, 24, 2, 64, True, False, True, "entries")),
     ] + ([] if dtype == torch.float32 else [  # the run kernels: 16-bit streams only on a GPU

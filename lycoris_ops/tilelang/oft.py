@@ -18,8 +18,8 @@ Kernel families:
     the group's blocks from the fp32-upcast raw blocks — Gauss–Jordan without
     pivoting on the block-diagonal ``I − Q`` (valid: its symmetric part is I),
     in shared memory, the group's NB blocks side by side: S steps of one barrier each
-    (``GJ_PINGPONG``: two buffer pairs, each step reading one and writing the other) — then F (or Fᵀ) with rescale / shift / scale
-    folded in, stored as a hi + lo pair in the GEMM dtype (hi = F rounded to a
+    (``GJ_PINGPONG``: two buffer pairs, each step reading one and writing the other, over the
+    blocks' entries alone where ``"entries"``) — then F (or Fᵀ) with rescale / shift / scale folded in, stored as a hi + lo pair in the GEMM dtype (hi = F rounded to a
     16-bit type, or to TF32 for fp32 GEMMs; lo = F − hi), so that the tensor-core
     GEMMs reproduce fp32 F to about 2^-16 (16-bit) / 2^-21 (TF32).
 ``apply_kernel`` (grid: groups x position splits): streams tiles of BT
@@ -102,12 +102,15 @@ FUSED_STAGES = dict(fwd=4, bwd=3)
 #: the Cayley and chain kernels' Gauss–Jordan alternates between two buffer pairs, one barrier
 #: a step instead of two (the pivot row and column copied out, then the update). On the H200
 #: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
-#: 0.019 ms (F / Fᵀ) against 0.025 / 0.028, F within 2e-6 of the two-barrier solve's
-#: ``"entries"`` (off, untimed): each ping-pong step touches only the blocks' entries where there
-#: are at least ``_GJ_ENTRIES_MIN`` (``_cayley_macros``; BOFT at s = 24: 1152 of the 64 x 64
-#: group's 4096 entries a step). The S-step block-parallel solve itself (on) took BOFT's small
-#: bench Cayley launch from 200 to 93 µs (H100, bench/RESULTS.md 2026-12-05 21:29)
-GJ_PINGPONG = True
+#: 0.019 ms (F / Fᵀ) against 0.025 / 0.028, F within 2e-6 of the two-barrier solve's.
+#: ``"entries"`` (on): each ping-pong step touches only the blocks' entries where there are at
+#: least ``_GJ_ENTRIES_MIN`` (``_cayley_macros``; BOFT at s = 24: 1152 of the 64 x 64 group's 4096
+#: entries a step), elsewhere the whole group's. The S-step block-parallel solve took BOFT's small
+#: bench Cayley launch from 200 to 93 µs (H100, bench/RESULTS.md 2026-12-05 21:29); the entries
+#: step then took its forward 0.740 / 0.733 -> 0.712 / 0.713 ms (H100, two alternating runs, bit
+#: for bit the same values; RESULTS.md 2026-12-06 03:10), the large shape (S = 32, one block a
+#: group) unchanged
+GJ_PINGPONG = "entries"
 #: the fewest block entries (NB·S²) for the ``"entries"`` step: at least the threads of any
 #: kernel that solves (the direct kernels run up to 384)
 _GJ_ENTRIES_MIN = 512
