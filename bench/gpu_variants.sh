@@ -68,8 +68,8 @@ declare -A RUNS=(
   # the one-pass LoKr bypass backward (g_w1 from U = G·W2 since 2026-12-05) against its async-WGMMA form
   [lokr_async]="bench/tilelang_lora_variants.py --op lokr --variants fused\\ bwd,fused\\ bwd\\ async,fused\\ bwd\\ finish,fused\\ bwd\\ async\\ finish"
   [lokr_async_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k async\\ or\\ staged_gx\\ or\\ wgrads_finish"
-  # TileLang's Cayley / chain Gauss–Jordan stepping over the blocks' entries alone (oft.GJ_PINGPONG "entries", off):
-  # its GPU parity (every solve form), then the A/B against the defaults (BOFT small: s = 24, 2 blocks in 64)
+  # TileLang's Cayley / chain Gauss–Jordan stepping over the blocks' entries alone (oft.GJ_PINGPONG "entries", the default):
+  # its GPU parity (every solve form), then the A/B against each step over the whole group (BOFT small: s = 24, 2 blocks in 64)
   [gj_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_tilelang_oft.py tests/test_tilelang_boft.py -k cayley\\ or\\ test_oft\\ or\\ test_boft"
   [gj_entries]="bench/tilelang_boft_variants.py --shapes small,large --variants gj\\ steps,gj\\ entries"
   [tl_cold]="bench/gpu_tilelang_tune.py --families lokr,lora,loha,boft --shapes 3072x3072:r32 --tokens 8192"

@@ -19,9 +19,10 @@ Kernel families:
     pivoting on the block-diagonal ``I − Q`` (valid: its symmetric part is I),
     in shared memory, the group's NB blocks side by side: S steps of one barrier each
     (``GJ_PINGPONG``: two buffer pairs, each step reading one and writing the other, over the
-    blocks' entries alone where ``"entries"``) — then F (or Fᵀ) with rescale / shift / scale folded in, stored as a hi + lo pair in the GEMM dtype (hi = F rounded to a
-    16-bit type, or to TF32 for fp32 GEMMs; lo = F − hi), so that the tensor-core
-    GEMMs reproduce fp32 F to about 2^-16 (16-bit) / 2^-21 (TF32).
+    blocks' entries alone where ``"entries"``) — then F (or Fᵀ) with rescale / shift / scale
+    folded in, stored as a hi + lo pair in the GEMM dtype (hi = F rounded to a 16-bit type,
+    or to TF32 for fp32 GEMMs; lo = F − hi), so that the tensor-core GEMMs reproduce fp32 F
+    to about 2^-16 (16-bit) / 2^-21 (TF32).
 ``apply_kernel`` (grid: groups x position splits): streams tiles of BT
     positions: the (BT, GP) slab of x is gathered into shared memory (channel
     map ``chs``: identity for OFT, the stage permutation for BOFT) in the GEMM
