@@ -19,6 +19,7 @@ the first variant's:
   too (``COMPOSE_BWD = L``); ``... split``: its stream as two launches, gx by the composed
   forward kernel and the partials alone (``COMPOSE_BWD_SPLIT``); ``... pad``: the backward's
   96-wide units (small shape) composed too, their Σ gᵀ·u GEMM padded to 128 (``COMPOSE_BWD_PAD``);
+  ``... mma``: those units unpadded, the stream kernel on mma.sync (``COMPOSE_BWD_MMA``);
 * ``gj entries`` / ``gj steps``: ``compose3 bwd split`` with ``oft.GJ_PINGPONG = "entries"`` (the
   default) / ``True`` (each step over the whole group);
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
@@ -59,6 +60,9 @@ VARIANTS = {
     "compose2 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=2, COMPOSE_BWD_SPLIT=True),
     "compose3 bwd split pad": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
                                    COMPOSE_BWD_PAD=True),
+    "compose3 bwd split mma": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
+                                   COMPOSE_BWD_MMA=True),
+    "compose3 bwd mma": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=False, COMPOSE_BWD_MMA=True),
     "compose3 bwd pad": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=False, COMPOSE_BWD_PAD=True),
     # the Cayley / chain kernels' ping-pong Gauss–Jordan over the blocks' entries alone (oft.GJ_PINGPONG
     # "entries", the default: 1152 of 4096 a step at s = 24) against the whole group's ("gj steps"),

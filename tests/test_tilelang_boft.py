@@ -251,7 +251,7 @@ COMPOSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("pad", [False, True], ids=["", "pad"])
+@pytest.mark.parametrize("pad", [False, True, "mma"], ids=["", "pad", "mma"])
 @pytest.mark.parametrize("bwd", [False, True, "split"], ids=["fwd", "fwd+bwd", "fwd+bwd-split"])
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,most,units", COMPOSE_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}-L{c[6]}" for c in COMPOSE_CASES])
@@ -262,11 +262,13 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, mon
     stage's partials formed from the unit's Σ gᵀ·u on the host (``_composed_partials``).
     ``split`` (``COMPOSE_BWD_SPLIT``): the stream as two launches, gx by the forward's composed
     kernel with Jᵀ, then the partials alone. ``pad`` (``COMPOSE_BWD_PAD``): the backward composes
-    96-wide units too (GC = 48), its Σ gᵀ·u GEMM zero-padded to 128. Which stages compose, and
+    96-wide units too (GC = 48), its Σ gᵀ·u GEMM zero-padded to 128; ``mma``
+    (``COMPOSE_BWD_MMA``): unpadded, 96 x 96 (mma.sync on a GPU). Which stages compose, and
     gx, g_blocks and y against the fp64 reference; spies count the composed launches."""
     if pad and (not bwd or s != 24):
-        pytest.skip("the pad changes only the backward's 96-wide units (GC = 48)")
-    monkeypatch.setattr(boft, "COMPOSE_BWD_PAD", pad)
+        pytest.skip("the pad / mma forms change only the backward's 96-wide units (GC = 48)")
+    monkeypatch.setattr(boft, "COMPOSE_BWD_PAD", pad is True)
+    monkeypatch.setattr(boft, "COMPOSE_BWD_MMA", pad == "mma")
     monkeypatch.setattr(boft, "COMPOSE_FWD", most)
     monkeypatch.setattr(boft, "COMPOSE_BWD", most if bwd else 0)
     monkeypatch.setattr(boft, "COMPOSE_BWD_SPLIT", bwd == "split")
@@ -293,7 +295,8 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, mon
     check_channels_last(blocks, rescale, x, grad, diff, dtype, f" (composed, L <= {most})")
     composed = [u for u in units if u[1] > 1]
     # the forward's composed units, then (bwd) the replay's (all but the last unit) and the stream's, last first
-    bwd_units = boft._compose_units(m, s, runs, most, bwd=True)  # no 96-wide units unpadded: WGMMA takes 64 rows
+    # 96-wide units only padded or on mma.sync: WGMMA takes 64 rows
+    bwd_units = boft._compose_units(m, s, runs, most, bwd=True)
     assert bwd_units == ([(0, 1), (1, 1), (2, 1)] if s == 24 and not pad else units)
     replay = [u for u in bwd_units[:-1] if u[1] > 1]
     stream = [u for u in bwd_units if u[1] > 1][::-1]

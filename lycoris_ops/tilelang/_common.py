@@ -319,6 +319,8 @@ def compile_only(builder: Callable, arch: str, *args, backend: str = EXECUTION_B
     configs = dict(GPU_PASS_CONFIGS)
     if not WARP_SPECIALIZE or (func.attrs is not None and NO_WS_ATTR in func.attrs):
         configs["tl.disable_warp_specialized"] = True
+    if func.attrs is not None and NO_WGMMA_ATTR in func.attrs:
+        configs["tl.disable_wgmma"] = True
     return tilelang.compile(func, target=target_of(arch), execution_backend=backend, pass_configs=configs)
 
 
@@ -335,6 +337,17 @@ def without_warp_specialization(func):
     registers: one program an SM. Kernels whose programs run a serial phase (a loop that is
     not the pipelined one) want several programs an SM to hide it instead."""
     return func.with_attr(NO_WS_ATTR, True)
+
+
+#: the function attribute of ``without_wgmma``
+NO_WGMMA_ATTR = "lycoris.no_wgmma"
+
+
+def without_wgmma(func):
+    """``func`` marked to compile its T.gemm calls as mma.sync (TileLang's ``tl.disable_wgmma``):
+    sm_90a's WGMMA takes a GEMM's M rows 64 at a time (a warpgroup's), so a GEMM with, say,
+    96 rows has no WGMMA warp partition; mma.sync takes them 16 at a time."""
+    return func.with_attr(NO_WGMMA_ATTR, True)
 
 
 def kernel_key(builder: Callable, arch: str, args: tuple) -> tuple:

@@ -39,7 +39,7 @@ Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 
 import torch
 
-from ._common import CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype
+from ._common import CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype, without_wgmma
 from ._common import smem_limit as _smem_limit
 from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel,
                   chain_kernel, direct_stages, position_view, tiling)
@@ -48,7 +48,7 @@ from .oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
            "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "RUNS", "COMPOSE_FWD", "COMPOSE_BWD",
-           "COMPOSE_BWD_PAD"]
+           "COMPOSE_BWD_PAD", "COMPOSE_BWD_MMA"]
 
 _F32 = "float32"
 #: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
@@ -79,6 +79,9 @@ COMPOSE_BWD_SPLIT = True
 #: GEMM zero-padded to the next multiple of 64 (``_unit_gp``), as a single stage pads 48 to 64.
 #: H200, bf16, RESULTS.md 2026-12-03 08:40: small backward 2.810 ms against 2.652 unpadded
 COMPOSE_BWD_PAD = False
+#: the backward composes those units unpadded, the stream kernel's GEMMs on mma.sync (96 rows
+#: have no WGMMA warp partition; ``_common.without_wgmma``); ``COMPOSE_BWD_PAD`` takes precedence
+COMPOSE_BWD_MMA = False
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
@@ -275,7 +278,8 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                         T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
             T.copy(accp, P[sp, goff + g, 0, 0])
 
-    return boft_stream_runs
+    # GP a multiple of 32 only (COMPOSE_BWD_MMA's 96-wide units): Σ gᵀ·u has GP rows
+    return without_wgmma(boft_stream_runs) if GP % 64 and not cpu else boft_stream_runs
 
 
 def run_groups(s: int, nb: int, esize: int):
@@ -405,10 +409,10 @@ def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
     W = 2^(L-1)·GC is a multiple of 32 (a warp partition of T.gemm; 96 at the small bench
     shape's GC = 48, which a single stage pads to 64), of 64 for the backward (its Σ gᵀ·u
     GEMM has W rows: sm_90's WGMMA takes them 64 at a time) unless ``COMPOSE_BWD_PAD`` pads
-    that GEMM, and its GEMM width (``_unit_gp``) at most ``_COMPOSE_WIDTH``,
+    that GEMM or ``COMPOSE_BWD_MMA`` runs it on mma.sync, and its GEMM width (``_unit_gp``) at most ``_COMPOSE_WIDTH``,
     and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the box do not overlap)."""
     W = runs[0] << (L - 1)
-    step = 64 if bwd and not COMPOSE_BWD_PAD else 32
+    step = 64 if bwd and not (COMPOSE_BWD_PAD or COMPOSE_BWD_MMA) else 32
     return (i + L <= m and W % step == 0 and _unit_gp(W, bwd) <= _COMPOSE_WIDTH
             and ((s // 2) << i) >= runs[0] // 2)
 
@@ -416,7 +420,7 @@ def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
 def _unit_gp(W: int, bwd: bool) -> int:
     """The GEMM width of a composed unit W wide: W, or for the backward (``COMPOSE_BWD_PAD``)
     W rounded up to a multiple of 64 (its Σ gᵀ·u has W rows; WGMMA takes 64 at a time)."""
-    return -(-W // 64) * 64 if bwd else W
+    return -(-W // 64) * 64 if bwd and COMPOSE_BWD_PAD else W
 
 
 def _compose_units(m, s, runs, most, bwd=False):
@@ -766,4 +770,6 @@ def compile_specs(dtype: torch.dtype):
         (stream_runs_kernel, (d, 128, 128, 64, 256, 1, True, True, False, 8, False)),  # COMPOSE_BWD_SPLIT
         (stream_runs_kernel, (d, 96, 128, 64, 256, 1, True, True, False, 4, False)),  # COMPOSE_BWD_PAD, split
         (stream_runs_kernel, (d, 96, 128, 32, 256, 1, True, True, True, 4)),  # COMPOSE_BWD_PAD, one launch
+        (stream_runs_kernel, (d, 96, 96, 64, _THREADS, 1, True, True, False, 4, False)),  # COMPOSE_BWD_MMA, split
+        (stream_runs_kernel, (d, 96, 96, 32, _THREADS, 1, True, True, True, 4)),  # COMPOSE_BWD_MMA, one launch
     ])
