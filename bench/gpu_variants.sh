@@ -72,9 +72,9 @@ declare -A RUNS=(
   # its GPU parity (every solve form), then the A/B against each step over the whole group (BOFT small: s = 24, 2 blocks in 64)
   [gj_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_tilelang_oft.py tests/test_tilelang_boft.py -k cayley\\ or\\ test_oft\\ or\\ test_boft"
   [gj_entries]="bench/tilelang_boft_variants.py --shapes small,large --variants gj\\ steps,gj\\ entries"
-  # the backward's 96-wide composed units (BOFT small: GC = 48) unpadded, the stream on mma.sync (COMPOSE_BWD_MMA):
-  # boft_tests first (its "mma" cases), then the A/B against the defaults (those units one launch a stage)
-  [boft_mma]="bench/tilelang_boft_variants.py --shapes small --variants gj\\ entries,compose3\\ bwd\\ split\\ mma,compose3\\ bwd\\ mma"
+  # the backward's 96-wide composed units (BOFT small: GC = 48) unpadded, the stream on mma.sync (COMPOSE_BWD_MMA,
+  # on since 2026-12-06): boft_tests first (its "mma" cases), then the A/B against those units one launch a stage
+  [boft_mma]="bench/tilelang_boft_variants.py --shapes small --variants compose3\\ bwd\\ split,compose3\\ bwd\\ split\\ mma,compose3\\ bwd\\ mma"
   [tl_cold]="bench/gpu_tilelang_tune.py --families lokr,lora,loha,boft --shapes 3072x3072:r32 --tokens 8192"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)

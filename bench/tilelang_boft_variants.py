@@ -17,11 +17,13 @@ the first variant's:
   ``compose3 bt32`` / ``t256``: the same at tiles of 32 positions / 256 threads (the forward's
   ``APPLY``, also the backward's replay); ``composeL bwd``: the backward's units composed
   too (``COMPOSE_BWD = L``); ``... split``: its stream as two launches, gx by the composed
-  forward kernel and the partials alone (``COMPOSE_BWD_SPLIT``); ``... pad``: the backward's
+  forward kernel and the partials alone (``COMPOSE_BWD_SPLIT``); these rows leave the small
+  shape's 96-wide units one launch a stage (``COMPOSE_BWD_MMA`` off); ``... pad``: the backward's
   96-wide units (small shape) composed too, their Σ gᵀ·u GEMM padded to 128 (``COMPOSE_BWD_PAD``);
   ``... mma``: those units unpadded, the stream kernel on mma.sync (``COMPOSE_BWD_MMA``);
-* ``gj entries`` / ``gj steps``: ``compose3 bwd split`` with ``oft.GJ_PINGPONG = "entries"`` (the
-  default) / ``True`` (each step over the whole group);
+* ``gj entries`` / ``gj steps``: the defaults (``COMPOSE_BWD_MMA`` on, the stream split from
+  W = 128) with ``oft.GJ_PINGPONG = "entries"`` (the default) / ``True`` (each step over the
+  whole group);
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
   positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
@@ -54,10 +56,10 @@ VARIANTS = {
     "runs+compose3": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=0),
     "compose3 bt32": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=0, APPLY=dict(BT=32, threads=128)),
     "compose3 t256": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=0, APPLY=dict(BT=64, threads=256)),
-    "compose2 bwd": dict(RUNS=True, COMPOSE_FWD=2, COMPOSE_BWD=2),
-    "compose3 bwd": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3),
-    "compose3 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True),
-    "compose2 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=2, COMPOSE_BWD_SPLIT=True),
+    "compose2 bwd": dict(RUNS=True, COMPOSE_FWD=2, COMPOSE_BWD=2, COMPOSE_BWD_MMA=False),
+    "compose3 bwd": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_MMA=False),
+    "compose3 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True, COMPOSE_BWD_MMA=False),
+    "compose2 bwd split": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=2, COMPOSE_BWD_SPLIT=True, COMPOSE_BWD_MMA=False),
     "compose3 bwd split pad": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
                                    COMPOSE_BWD_PAD=True),
     "compose3 bwd split mma": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
@@ -67,9 +69,9 @@ VARIANTS = {
     # the Cayley / chain kernels' ping-pong Gauss–Jordan over the blocks' entries alone (oft.GJ_PINGPONG
     # "entries", the default: 1152 of 4096 a step at s = 24) against the whole group's ("gj steps"),
     # both with the defaults' units
-    "gj entries": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
+    "gj entries": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=128,
                        oft=dict(GJ_PINGPONG="entries")),
-    "gj steps": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=True,
+    "gj steps": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=128,
                      oft=dict(GJ_PINGPONG=True)),
     "runs s3": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3)),
     "runs s4": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=4)),

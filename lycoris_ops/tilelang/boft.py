@@ -69,19 +69,24 @@ COMPOSE_FWD = 3
 #: large backward went from 7.699 ms (one launch a stage) to 4.537 (3 stages a unit, one launch
 #: each) and 4.315 (split, below; 2 stages: 5.224); the small shape stayed at 2.65-2.66 ms
 COMPOSE_BWD = 3
-#: the composed backward's stream as two launches (``_stream_composed``): gx by the
-#: forward's composed kernel with Jᵀ, then the partials alone (64-position tiles, where the
-#: one-launch stream holds gx's tile beside its W x W accumulator and runs 32). Timed with
-#: ``COMPOSE_BWD`` = 3 in the same table: 4.315 ms against 4.537
-COMPOSE_BWD_SPLIT = True
+#: the composed backward's stream as two launches (``_stream_composed``) for units at least
+#: this wide (True: every unit, False: none): gx by the forward's composed kernel with Jᵀ, then
+#: the partials alone (64-position tiles, where the one-launch stream holds gx's tile beside its
+#: W x W accumulator and runs 32 at W = 128). Timed with ``COMPOSE_BWD`` = 3 in the same table:
+#: 4.315 ms against 4.537 at the large shape (W = 128); at the small shape's W = 96
+#: (``COMPOSE_BWD_MMA``, H100, RESULTS.md 2026-12-06 05:27) one launch is the faster, 2.088 ms
+#: against 2.210
+COMPOSE_BWD_SPLIT = 128
 #: (off: slower) the backward composes units whose width W is a multiple of 32 but not of 64
 #: too (96 at the small bench shape's GC = 48, where it runs one launch a stage), its Σ gᵀ·u
 #: GEMM zero-padded to the next multiple of 64 (``_unit_gp``), as a single stage pads 48 to 64.
 #: H200, bf16, RESULTS.md 2026-12-03 08:40: small backward 2.810 ms against 2.652 unpadded
 COMPOSE_BWD_PAD = False
 #: the backward composes those units unpadded, the stream kernel's GEMMs on mma.sync (96 rows
-#: have no WGMMA warp partition; ``_common.without_wgmma``); ``COMPOSE_BWD_PAD`` takes precedence
-COMPOSE_BWD_MMA = False
+#: have no WGMMA warp partition; ``_common.without_wgmma``); ``COMPOSE_BWD_PAD`` takes precedence.
+#: H100, bf16, RESULTS.md 2026-12-06 05:27: small backward 2.088 ms against 2.617 with those
+#: units one launch a stage (the forward the same: 0.713 / 0.719)
+COMPOSE_BWD_MMA = True
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
@@ -409,8 +414,8 @@ def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
     W = 2^(L-1)·GC is a multiple of 32 (a warp partition of T.gemm; 96 at the small bench
     shape's GC = 48, which a single stage pads to 64), of 64 for the backward (its Σ gᵀ·u
     GEMM has W rows: sm_90's WGMMA takes them 64 at a time) unless ``COMPOSE_BWD_PAD`` pads
-    that GEMM or ``COMPOSE_BWD_MMA`` runs it on mma.sync, and its GEMM width (``_unit_gp``) at most ``_COMPOSE_WIDTH``,
-    and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the box do not overlap)."""
+    that GEMM or ``COMPOSE_BWD_MMA`` runs it on mma.sync, and its GEMM width (``_unit_gp``) at
+    most ``_COMPOSE_WIDTH``, and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the box do not overlap)."""
     W = runs[0] << (L - 1)
     step = 64 if bwd and not (COMPOSE_BWD_PAD or COMPOSE_BWD_MMA) else 32
     return (i + L <= m and W % step == 0 and _unit_gp(W, bwd) <= _COMPOSE_WIDTH
@@ -606,7 +611,7 @@ def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis)
     by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that fits
     (``_compose_bt``, ``_COMPOSE_BWD_THREADS``); the stages' partials from A on the host
-    (``_composed_partials``). ``COMPOSE_BWD_SPLIT``: two launches, gx by the forward's composed
+    (``_composed_partials``). ``COMPOSE_BWD_SPLIT`` (W at least): two launches, gx by the forward's composed
     kernel (``stage_runs_kernel`` with the Jᵀ pair: u·Fᵀ with F = Jᵀ), then A alone (no J, no
     gx tile: its W x W accumulator the only big fragment, so tiles of 64 positions fit where
     the one-launch stream takes 32 at W = 128)."""
@@ -615,7 +620,7 @@ def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     GP = _unit_gp(W, True)  # the stream's GEMM width: W, or W zero-padded (COMPOSE_BWD_PAD)
     es, j = mats[(i, L)]  # _unit_matrices
     j = j.transpose(1, 2)
-    split = COMPOSE_BWD_SPLIT
+    split = bool(COMPOSE_BWD_SPLIT) and W >= COMPOSE_BWD_SPLIT
     if split:
         _launch_composed(g, x0, _split16(j.contiguous(), x0.dtype), dst, i, L, s, runs, gps, APPLY, arch, False)
         jt, dst = (x0.new_empty((1, GP, GP)),) * 2, (g[0], None)  # placeholders the partials-only kernel never reads
