@@ -46,7 +46,7 @@ declare -A RUNS=(
   [merge]="bench/tilelang_lora_variants.py --op merge --variants staged,stream,stream\\ s3,stream\\ n256,stream\\ m128"
   [merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lora.py -k merge_stream"
   [loha_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"
-  [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose"
+  [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose\\ or\\ leading"
   # the Triton launch options wired in and off (RESULTS 2026-12-04 21:20): BOFT's position-major
   # tiles and Cayley warps, diag-OFT's L2 prefetch; their GPU parity first
   # (t_boft compiles ~20 configs a shape: LYCORIS_VARIANT_SECONDS=280)
@@ -75,6 +75,8 @@ declare -A RUNS=(
   # the backward's 96-wide composed units (BOFT small: GC = 48) unpadded, the stream on mma.sync (COMPOSE_BWD_MMA,
   # on since 2026-12-06): boft_tests first (its "mma" cases), then the A/B against those units one launch a stage
   [boft_mma]="bench/tilelang_boft_variants.py --shapes small --variants compose3\\ bwd\\ split,compose3\\ bwd\\ split\\ mma,compose3\\ bwd\\ mma"
+  # the leading stages that share one box as one unit (COMPOSE_LEADING, off): its parity (boft_tests), then the A/B
+  [boft_lead]="bench/tilelang_boft_variants.py --shapes small --variants defaults,leading,defaults,leading"
   [tl_cold]="bench/gpu_tilelang_tune.py --families lokr,lora,loha,boft --shapes 3072x3072:r32 --tokens 8192"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)

@@ -24,6 +24,8 @@ the first variant's:
 * ``gj entries`` / ``gj steps``: the defaults (``COMPOSE_BWD_MMA`` on, the stream split from
   W = 128) with ``oft.GJ_PINGPONG = "entries"`` (the default) / ``True`` (each step over the
   whole group);
+* ``defaults`` / ``leading``: the defaults with ``COMPOSE_LEADING`` off / on (the leading stages
+  that share one box as one unit);
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
   positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
@@ -73,6 +75,12 @@ VARIANTS = {
                        oft=dict(GJ_PINGPONG="entries")),
     "gj steps": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=128,
                      oft=dict(GJ_PINGPONG=True)),
+    # the leading stages that share one box as one unit (COMPOSE_LEADING: s = 24's stages 0 and 1,
+    # 4 units for 8 stages instead of 5) against the defaults
+    "defaults": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=128, COMPOSE_BWD_MMA=True,
+                     COMPOSE_LEADING=False),
+    "leading": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=128, COMPOSE_BWD_MMA=True,
+                    COMPOSE_LEADING=True),
     "runs s3": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3)),
     "runs s4": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=4)),
     "runs s3 w1": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),

@@ -305,6 +305,42 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, mon
     assert streamed == (stream if bwd else []), streamed
 
 
+# (m, nb, s, x shape, with rescale, diff, the forward's units and the backward's with COMPOSE_LEADING)
+LEADING_CASES = [
+    (3, 4, 24, (21, 96), True, True, [(0, 2), (2, 1)], [(0, 2), (2, 1)]),        # κ 12, 24 <= GC/2 = 24
+    (2, 2, 24, (17, 48), True, True, [(0, 2)], [(0, 2)]),                        # the whole butterfly: rescale, diff
+    (5, 16, 8, (19, 128), False, True, [(0, 3), (3, 2)], [(0, 3), (3, 2)]),      # GC = 32: κ 4, 8, 16
+    (4, 8, 24, (13, 192), False, False, [(0, 2), (2, 2)], [(0, 2), (2, 2)]),     # then a 96-wide unit
+]
+
+
+@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,fwd_units,bwd_units", LEADING_CASES,
+                         ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in LEADING_CASES])
+def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, monkeypatch):
+    """``COMPOSE_LEADING``: the leading stages whose κ_i <= GC/2 share one box (each stage's
+    group is the same GC channels in order), so they run as one GC x GC matrix through the
+    single stage kernels, forward, replay and stream (``_stream_box``: the stages' partials
+    from the unit's Σ gᵀ·u on the host). The units, and y, gx, g_blocks against the fp64
+    reference; a spy counts the box streams."""
+    monkeypatch.setattr(boft, "COMPOSE_LEADING", True)
+    monkeypatch.setattr(boft, "COMPOSE_BWD_MMA", True)
+    dtype = DTYPES[-1]
+    blocks, rescale, x, grad = inputs(7 * m + s, m, nb, s, shape, has_rs, dtype)
+    runs = boft.run_groups(s, nb, x.element_size())
+    assert boft._compose_units(m, s, runs, 3) == fwd_units
+    assert boft._compose_units(m, s, runs, 3, bwd=True) == bwd_units
+    boxes = []
+    real = boft._stream_box
+
+    def spy(*a):
+        boxes.append((a[4], a[5]))  # (first stage, L)
+        return real(*a)
+
+    monkeypatch.setattr(boft, "_stream_box", spy)
+    check_channels_last(blocks, rescale, x, grad, diff, dtype, " (leading stages as one box)")
+    assert boxes == [bwd_units[0]], boxes
+
+
 def test_composed_matrices_are_the_stage_product():
     """``_composed_matrices`` of a 3-stage unit against the product of the three stages'
     permuted block-diagonal matrices built densely from the run-basis group matrices: applied

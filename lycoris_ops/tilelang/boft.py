@@ -27,7 +27,9 @@ channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matric
 in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
 dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). Composed
 units: up to three consecutive stages a launch as ONE matrix on a 2^L-run box, forward
-(``COMPOSE_FWD``, on) and backward (``COMPOSE_BWD``, off: no faster on the H200).
+(``COMPOSE_FWD``) and backward (``COMPOSE_BWD``; its 96-wide units on mma.sync,
+``COMPOSE_BWD_MMA``); ``COMPOSE_LEADING`` (off until timed): the leading stages that share one
+box (κ <= GC/2) as one GC-wide matrix through the single stage kernels.
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
@@ -48,7 +50,7 @@ from .oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
            "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "RUNS", "COMPOSE_FWD", "COMPOSE_BWD",
-           "COMPOSE_BWD_PAD", "COMPOSE_BWD_MMA"]
+           "COMPOSE_BWD_PAD", "COMPOSE_BWD_MMA", "COMPOSE_LEADING"]
 
 _F32 = "float32"
 #: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
@@ -87,6 +89,12 @@ COMPOSE_BWD_PAD = False
 #: H100, bf16, RESULTS.md 2026-12-06 05:27: small backward 2.088 ms against 2.617 with those
 #: units one launch a stage (the forward the same: 0.713 / 0.719)
 COMPOSE_BWD_MMA = True
+#: (off until timed on a GPU) the leading stages whose κ_i <= GC/2 as ONE unit: their run views
+#: coincide (each stage's group is the same GC channels in order), so up to ``COMPOSE_FWD`` /
+#: ``COMPOSE_BWD`` of them apply as one GC x GC matrix J = F_{L-1}···F_0 through the single stage
+#: kernels (``_one_box``). At the small bench shape (s = 24, GC = 48: κ_0 = 12, κ_1 = 24) stages 0
+#: and 1 become one unit: 4 units for the 8 stages, against 5 with stage 0 alone
+COMPOSE_LEADING = False
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
@@ -428,10 +436,24 @@ def _unit_gp(W: int, bwd: bool) -> int:
     return -(-W // 64) * 64 if bwd and COMPOSE_BWD_PAD else W
 
 
+def _one_box(i, L, s, GC) -> bool:
+    """Whether the unit (i, L), L > 1, is the leading stages' single box (``COMPOSE_LEADING``):
+    κ <= GC/2 up to its last stage, so every stage's group is the same GC channels in order."""
+    return L > 1 and ((s // 2) << (i + L - 1)) <= GC // 2
+
+
 def _compose_units(m, s, runs, most, bwd=False):
-    """The launch units [(first stage, L)] with up to ``most`` stages composed: from stage 0,
-    the largest L that ``_compose_at`` allows (1 always can)."""
+    """The launch units [(first stage, L)] with up to ``most`` stages composed: with
+    ``COMPOSE_LEADING`` first the leading stages that share one box (``_one_box``), then from
+    there the largest L that ``_compose_at`` allows (1 always can)."""
     out, i = [], 0
+    if COMPOSE_LEADING:
+        while i < min(most, m) and ((s // 2) << i) <= runs[0] // 2:  # stage i's κ within half a group
+            i += 1
+        if i > 1:
+            out.append((0, i))
+        else:
+            i = 0
     while i < m:
         L = max([n for n in range(2, most + 1) if _compose_at(i, n, m, s, runs, bwd)], default=1)
         out.append((i, L))
@@ -501,8 +523,14 @@ def _unit_matrices(fh, fl, units, s, GC, gps):
     TileLang forward's 910, H100 profile)."""
     f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
     out = {}
+    for i, L in units:
+        if _one_box(i, L, s, GC):  # the stages' own run-basis matrices
+            es = [f[(i + k) * gps:(i + k + 1) * gps] for k in range(L)]
+            out[(i, L)] = (es, _product(es))
     for L in sorted({k for _, k in units if k > 1}):
-        firsts = [i for i, k in units if k == L]
+        firsts = [i for i, k in units if k == L and not _one_box(i, k, s, GC)]
+        if not firsts:
+            continue
         es = _composed_stages(f, firsts, L, s, GC, gps)
         j = _product(es)
         npg = j.shape[0] // len(firsts)
@@ -541,21 +569,35 @@ def _composed_partials(es, a, part, i, s, GC, gps):
     names (the inverse of ``_composed_stages``' placement)."""
     L, H = len(es), GC // 2
     part[:, i * gps:(i + L) * gps].zero_()
-    pre = [None] * L  # E_{k-1}···E_0
-    for k in range(1, L):
-        pre[k] = es[0] if k == 1 else torch.bmm(es[k - 1], pre[k - 1])
-    suf = None  # E_{L-1}···E_{k+1}
     groups = _compose_groups(i, L, s, GC, gps, part.device)
-    for k in reversed(range(L)):
-        pk = a if suf is None else torch.bmm(suf.transpose(1, 2), a)
-        if pre[k] is not None:
-            pk = torch.bmm(pk, pre[k].transpose(1, 2))
+    for k, pk in _stage_partials(es, a):
         npg, nhi, nlo = groups[k].shape
         blocks = pk.view(npg, nhi, 2, nlo, H, nhi, 2, nlo, H)
         blocks = blocks.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5)  # (npg, 2, H, 2, H, nhi, nlo)
         part[0, groups[k].reshape(-1), :GC, :GC] = blocks.permute(0, 5, 6, 1, 2, 3, 4).reshape(-1, GC, GC).to(
             part.dtype)
+
+
+def _stage_partials(es, a):
+    """(k, P_k) for the stages of a unit from the last: ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ``
+    (Σ g^{k+1}·(u^k)ᵀ) from A = Σ gᵀ·u over the unit, all in the unit's basis (fp64 batches)."""
+    L = len(es)
+    pre = [None] * L  # E_{k-1}···E_0
+    for k in range(1, L):
+        pre[k] = es[0] if k == 1 else torch.bmm(es[k - 1], pre[k - 1])
+    suf = None  # E_{L-1}···E_{k+1}
+    for k in reversed(range(L)):
+        pk = a if suf is None else torch.bmm(suf.transpose(1, 2), a)
+        if pre[k] is not None:
+            pk = torch.bmm(pk, pre[k].transpose(1, 2))
+        yield k, pk
         suf = es[k] if suf is None else torch.bmm(suf, es[k])
+
+
+def _padded_pair(j, GP, dtype):
+    """A (n, GC, GC) fp64 batch zero-padded to (n, GP, GP), as the (hi, lo) pair of ``dtype``."""
+    GC = j.shape[-1]
+    return _split16(torch.nn.functional.pad(j, (0, GP - GC, 0, GP - GC)).contiguous(), dtype)
 
 
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
@@ -581,6 +623,9 @@ def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff, mats):
     (hi, lo or None), (NP, C)."""
     if k == 1:
         _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff)
+    elif _one_box(i, k, s, runs[0]):  # the stage kernel with J in place of F
+        _launch_stage(src, x0, *_padded_pair(mats[(i, k)][1], runs[2], x0.dtype), dst, i, s, runs, gps, p, arch,
+                      diff, goff=0)
     else:
         _launch_composed(src, x0, _split16(mats[(i, k)][1], x0.dtype), dst, i, k, s, runs, gps, p, arch, diff)
 
@@ -637,15 +682,35 @@ def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     _composed_partials(es, pg.sum(0)[:, :W, :W].double(), part, i, s, GC, gps)
 
 
-def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff):
-    """Stage i on its two-run box (the stage's run-basis matrices) by ``stage_runs_kernel``;
-    ``src`` / ``dst``: (hi, lo or None), (NP, C)."""
+def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
+    """The backward of the leading stages' unit (i, L) (``_one_box``): one stage stream launch
+    with Jᵀ (gx = g·J) whose partials A = Σ gᵀ·u (fp32 per split, the stages' shared run basis)
+    go to a buffer of their own; the stages' partials from A on the host (``_stage_partials``),
+    in split 0 of ``part``, the other splits zero."""
+    GC, _, GP = runs
+    x0 = g[0]
+    es, j = mats[(i, L)]
+    nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps, x0.device)
+    pg = torch.empty((nsplit, gps, GP, GP), device=x0.device, dtype=torch.float32)
+    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
+                g[1] is not None, u[1] is not None, dst[1] is not None)
+    v = [_run_view(t, s, i, GC) for t in (*_halves(g), *_halves(u), *_halves(dst))]
+    ks(*v[:4], *_padded_pair(j.transpose(1, 2), GP, x0.dtype), *v[4:], pg, 0, tps)
+    a = pg.sum(0)[:, :GC, :GC].double()
+    part[:, i * gps:(i + L) * gps].zero_()
+    for k, pk in _stage_partials(es, a):
+        part[0, (i + k) * gps:(i + k + 1) * gps, :GC, :GC] = pk.to(part.dtype)
+
+
+def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff, goff=None):
+    """Stage i on its two-run box (the stage's run-basis matrices, from ``goff``: i·gps) by
+    ``stage_runs_kernel``; ``src`` / ``dst``: (hi, lo or None), (NP, C)."""
     GC, _, GP = runs
     kern = kernel(stage_runs_kernel, arch, tl_dtype(x0.dtype), GC, GP, p["BT"], p["threads"],
                   direct_stages(arch), src[1] is not None, dst[1] is not None, diff, 2)
     nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps, x0.device)
     v = [_run_view(t, s, i, GC) for t in (*_halves(src), x0, *_halves(dst))]
-    kern(*v[:3], fh, fl, *v[3:], i * gps, nsplit, tps)
+    kern(*v[:3], fh, fl, *v[3:], i * gps if goff is None else goff, nsplit, tps)
 
 
 def _halves(pair):
@@ -681,7 +746,9 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         dst = (gxv, None) if n == 0 else gbuf[n % 2]
         u = us[n]
         d = tl_dtype(xv.dtype)
-        if k > 1:
+        if _one_box(i, k, s, GC):
+            _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
+        elif k > 1:
             _stream_composed(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
         else:
             ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
