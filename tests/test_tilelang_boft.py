@@ -241,6 +241,18 @@ def test_shortlist_keeps_run_tiles():
             assert boft._runs_plan(x, False, 24, 128, "sm_90a", bt, bwd) is not None, (op, c)
 
 
+def spy_units(monkeypatch, name):
+    """The (first stage, L) of every call of ``boft.<name>`` (a unit launcher), in call order."""
+    seen, real = [], getattr(boft, name)
+
+    def spy(*a):
+        seen.append((a[4], a[5]))
+        return real(*a)
+
+    monkeypatch.setattr(boft, name, spy)
+    return seen
+
+
 # (m, nb, s, x shape, with rescale, diff, COMPOSE_FWD, the forward's units)
 COMPOSE_CASES = [
     (3, 4, 32, (37, 128), True, True, 3, [(0, 3)]),                   # one 128-wide unit: rescale, diff
@@ -276,22 +288,8 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, mon
     blocks, rescale, x, grad = inputs(13 * m + s, m, nb, s, shape, has_rs, dtype)
     runs = boft.run_groups(s, nb, x.element_size())
     assert boft._compose_units(m, s, runs, most) == units
-    seen = []
-    real = boft._launch_composed
-
-    def spy(*a):
-        seen.append((a[4], a[5]))  # (first stage, L)
-        return real(*a)
-
-    streamed = []
-    real_stream = boft._stream_composed
-
-    def spy_stream(*a):
-        streamed.append((a[4], a[5]))  # (first stage, L)
-        return real_stream(*a)
-
-    monkeypatch.setattr(boft, "_launch_composed", spy)
-    monkeypatch.setattr(boft, "_stream_composed", spy_stream)
+    seen = spy_units(monkeypatch, "_launch_composed")
+    streamed = spy_units(monkeypatch, "_stream_composed")
     check_channels_last(blocks, rescale, x, grad, diff, dtype, f" (composed, L <= {most})")
     composed = [u for u in units if u[1] > 1]
     # the forward's composed units, then (bwd) the replay's (all but the last unit) and the stream's, last first
@@ -329,14 +327,7 @@ def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, m
     runs = boft.run_groups(s, nb, x.element_size())
     assert boft._compose_units(m, s, runs, 3) == fwd_units
     assert boft._compose_units(m, s, runs, 3, bwd=True) == bwd_units
-    boxes = []
-    real = boft._stream_box
-
-    def spy(*a):
-        boxes.append((a[4], a[5]))  # (first stage, L)
-        return real(*a)
-
-    monkeypatch.setattr(boft, "_stream_box", spy)
+    boxes = spy_units(monkeypatch, "_stream_box")
     check_channels_last(blocks, rescale, x, grad, diff, dtype, " (leading stages as one box)")
     assert boxes == [bwd_units[0]], boxes
 
