@@ -423,7 +423,8 @@ def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
     shape's GC = 48, which a single stage pads to 64), of 64 for the backward (its Σ gᵀ·u
     GEMM has W rows: sm_90's WGMMA takes them 64 at a time) unless ``COMPOSE_BWD_PAD`` pads
     that GEMM or ``COMPOSE_BWD_MMA`` runs it on mma.sync, and its GEMM width (``_unit_gp``) at
-    most ``_COMPOSE_WIDTH``, and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the box do not overlap)."""
+    most ``_COMPOSE_WIDTH``, and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the
+    box do not overlap)."""
     W = runs[0] << (L - 1)
     step = 64 if bwd and not (COMPOSE_BWD_PAD or COMPOSE_BWD_MMA) else 32
     return (i + L <= m and W % step == 0 and _unit_gp(W, bwd) <= _COMPOSE_WIDTH
@@ -579,8 +580,9 @@ def _composed_partials(es, a, part, i, s, GC, gps):
 
 
 def _stage_partials(es, a):
-    """(k, P_k) for the stages of a unit from the last: ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ``
-    (Σ g^{k+1}·(u^k)ᵀ) from A = Σ gᵀ·u over the unit, all in the unit's basis (fp64 batches)."""
+    """(k, P_k) for the stages of a unit, from the last:
+    ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ`` (Σ g^{k+1}·(u^k)ᵀ) from A = Σ gᵀ·u over the
+    unit, all in the unit's basis (fp64 batches)."""
     L = len(es)
     pre = [None] * L  # E_{k-1}···E_0
     for k in range(1, L):
@@ -656,8 +658,8 @@ def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis)
     by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that fits
     (``_compose_bt``, ``_COMPOSE_BWD_THREADS``); the stages' partials from A on the host
-    (``_composed_partials``). ``COMPOSE_BWD_SPLIT`` (W at least): two launches, gx by the forward's composed
-    kernel (``stage_runs_kernel`` with the Jᵀ pair: u·Fᵀ with F = Jᵀ), then A alone (no J, no
+    (``_composed_partials``). ``COMPOSE_BWD_SPLIT`` (W at least that): two launches, gx by the
+    forward's composed kernel (``stage_runs_kernel`` with the Jᵀ pair: u·Fᵀ with F = Jᵀ), then A alone (no J, no
     gx tile: its W x W accumulator the only big fragment, so tiles of 64 positions fit where
     the one-launch stream takes 32 at W = 128)."""
     GC = runs[0]
