@@ -684,20 +684,27 @@ def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     _composed_partials(es, pg.sum(0)[:, :W, :W].double(), part, i, s, GC, gps)
 
 
-def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
-    """The backward of the leading stages' unit (i, L) (``_one_box``): one stage stream launch
-    with Jᵀ (gx = g·J) whose partials A = Σ gᵀ·u (fp32 per split, the stages' shared run basis)
-    go to a buffer of their own; the stages' partials from A on the host (``_stage_partials``),
-    in split 0 of ``part``, the other splits zero."""
+def _stream_stage(g, u, dst, th, tl_, part, i, s, runs, gps, p, arch, tps, goff=None):
+    """The backward of stage i on its two-run box by ``stream_runs_kernel``: gx = g·F from the
+    Fᵀ pair (th, tl_) into ``dst``, the fp32 partials Σ gᵀ·u per split into ``part``, both at the
+    group offset ``goff`` (i·gps); ``g`` / ``u`` / ``dst``: (hi, lo or None), (NP, C)."""
     GC, _, GP = runs
-    x0 = g[0]
-    es, j = mats[(i, L)]
-    nsplit, tps = tiling(False, x0.shape[0], 1, p["BT"], gps, x0.device)
-    pg = torch.empty((nsplit, gps, GP, GP), device=x0.device, dtype=torch.float32)
-    ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
+    ks = kernel(stream_runs_kernel, arch, tl_dtype(g[0].dtype), GC, GP, p["BT"], p["threads"], direct_stages(arch),
                 g[1] is not None, u[1] is not None, dst[1] is not None)
     v = [_run_view(t, s, i, GC) for t in (*_halves(g), *_halves(u), *_halves(dst))]
-    ks(*v[:4], *_padded_pair(j.transpose(1, 2), GP, x0.dtype), *v[4:], pg, 0, tps)
+    ks(*v[:4], th, tl_, *v[4:], part, i * gps if goff is None else goff, tps)
+
+
+def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats, tps):
+    """The backward of the leading stages' unit (i, L) (``_one_box``): ``_stream_stage`` with the
+    unit's Jᵀ (gx = g·J), its partials A = Σ gᵀ·u (the stages' shared run basis) in a buffer of
+    their own; then the stages' partials from A on the host (``_stage_partials``) in split 0 of
+    ``part``, the other splits zero."""
+    GC, GP = runs[0], runs[2]
+    es, j = mats[(i, L)]
+    pg = torch.empty((part.shape[0], gps, GP, GP), device=part.device, dtype=torch.float32)
+    _stream_stage(g, u, dst, *_padded_pair(j.transpose(1, 2), GP, g[0].dtype), pg, i, s, runs, gps, p, arch, tps,
+                  goff=0)
     a = pg.sum(0)[:, :GC, :GC].double()
     part[:, i * gps:(i + L) * gps].zero_()
     for k, pk in _stage_partials(es, a):
@@ -747,16 +754,12 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         i, k = units[n]
         dst = (gxv, None) if n == 0 else gbuf[n % 2]
         u = us[n]
-        d = tl_dtype(xv.dtype)
         if _one_box(i, k, s, GC):
-            _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
+            _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats, tps)
         elif k > 1:
             _stream_composed(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
         else:
-            ks = kernel(stream_runs_kernel, arch, d, GC, GP, p["BT"], p["threads"], direct_stages(arch),
-                        g[1] is not None, u[1] is not None, dst[1] is not None)
-            v = [_run_view(t, s, i, GC) for t in (*_halves(g), *_halves(u), *_halves(dst))]
-            ks(*v[:4], th, tl_, *v[4:], part, i * gps, tps)
+            _stream_stage(g, u, dst, th, tl_, part, i, s, runs, gps, p, arch, tps)
         g = dst
     bd = tl_dtype(g_blocks.dtype)
     kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, _oft.GJ_PINGPONG)
