@@ -66,7 +66,7 @@ __all__ = [
     "cayley_kernel", "apply_kernel", "apply_direct_kernel", "bwd_stream_kernel", "stream_direct_kernel",
     "chain_kernel", "direct_apply",
     "group_plan", "gemm_dtype", "oft_fwd", "oft_bwd", "compile_specs", "MAX_BLOCK", "APPLY", "STREAM",
-    "apply_smem", "stream_smem",
+    "apply_smem", "stream_smem", "chain_blocks",
 ]
 
 MAX_BLOCK = 64
@@ -112,6 +112,10 @@ FUSED_STAGES = dict(fwd=4, bwd=3)
 #: for bit the same values; RESULTS.md 2026-12-06 03:10), the large shape (S = 32, one block a
 #: group) unchanged
 GJ_PINGPONG = "entries"
+#: the chain kernel sums the partials and forms gR, Mᵀ·gR and gQ over the blocks' entries alone
+#: (``chain_kernel``'s ``blocks``) instead of the whole GP x GP group (every other entry is zero or
+#: unused: 1152 of 4096 at BOFT's s = 24)
+CHAIN_BLOCKS = True
 #: the fewest block entries (NB·S²) for the ``"entries"`` step: at least the threads of any
 #: kernel that solves (the direct kernels run up to 384)
 _GJ_ENTRIES_MIN = 512
@@ -435,18 +439,24 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
 
     @T.macro
     def group(B, RS, FH, FL, TH, TL, cscale, fcoef, g_rs, kappa, gps, g):
-        A = alloc_s((GP, GP), "float32")
+        # A's rows padded by one word: after the solve it holds Fᵀ, written down its columns
+        # (GP + 1 words apart: a different bank each) and read along its rows
+        A = alloc_s((GP, GP + 1), "float32")
         Mi = alloc_s((GP, GP), "float32")
         rho = alloc_s((GP,), "float32")
         slot = alloc_s((GP if runs else 1,), "int32")
         solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot)
         for i, j in par(GP, GP):
             fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
-            r, c = (slot[i], slot[j]) if runs else (i, j)
             if want_f:
-                put(FH, FL, g, r, c, fv)
+                put(FH, FL, g, slot[i] if runs else i, slot[j] if runs else j, fv)
             if want_t:
-                put(TH, TL, g, c, r, fv)
+                A[j, i] = fv
+        if want_t:
+            # Fᵀ stored along its rows: a warp's stores to TH / TL are consecutive words of a row
+            # (storing F's entries at (c, r) wrote one word a row, GP rows apart)
+            for i, j in par(GP, GP):
+                put(TH, TL, g, slot[i] if runs else i, slot[j] if runs else j, A[i, j])
 
     if trans == "both":
         # the backward's F (replay) and Fᵀ (stream) pairs from one solve: the Gauss–Jordan steps
@@ -796,14 +806,16 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
 
 
 def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool, runs: bool = False,
-                 pingpong: bool = False, cpu: bool = False):
+                 pingpong: bool = False, blocks: bool = False, cpu: bool = False):
     """Cayley-chain backward per group from the fp32 partials P (NS, NG, GP, GP) (``runs``:
     BOFT's partials in the run basis of the group's stage, ``_run_slot``; stage g // gps).
 
     OFT: g_rescale[g·GC + i] = Σ_j P[i,j]·R[j,i] (has_rescale), gR = (diag(ρ)·P)ᵀ;
     BOFT: gR = fcoef·P (fcoef = scale). Then gQ = 2·Mᵀ·gR·Mᵀ and
     GB[k] = cscale·(gQ − gQᵀ) on each block, in blocks' dtype. ``pingpong``: as
-    ``cayley_kernel``'s (``GJ_PINGPONG``).
+    ``cayley_kernel``'s (``GJ_PINGPONG``). ``blocks`` (``CHAIN_BLOCKS``): the split sum and the
+    two products over the blocks' NB·S² entries alone (every other entry of gR, Mᵀ·gR and gQ is
+    zero or unused), the products' sums in registers.
     """
     import tilelang.language as T
 
@@ -815,6 +827,8 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
     build_system, (_, gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, _ = _cayley_macros(
         T, par, alloc_s, S, NB, GP, pingpong)
+    full_chain, block_chain = _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, pingpong,
+                                            bd, gauss_jordan, gauss_jordan_pingpong)
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
@@ -827,67 +841,148 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
             Ps = alloc_s((GP, GP), "float32")
             gR = alloc_s((GP, GP), "float32")
             T1 = alloc_s((GP, GP), "float32")
-            acc = alloc_f((GP, GP), "float32")
-            accr = alloc_f((GP,), "float32")
             slot = alloc_s((GP if runs else 1,), "int32")
             build_system(B, A, Mi, g, cscale, KB)
             load_rho(RS, rho, g, 0, 0, KB, has_rescale, False)
-            T.clear(acc)
             if runs:
                 run_slots(slot, g, gps)
-            for s in T.serial(NS):
+            if blocks:
+                block_chain(P, GB, GR, cscale, fcoef, g, A, Mi, rho, Ps, gR, T1, slot, KB, NS)
+            else:
+                full_chain(P, GB, GR, cscale, fcoef, g, A, Mi, rho, Ps, gR, T1, slot, KB, NS)
+
+    return oft_chain
+
+
+def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, pingpong, bd, gauss_jordan,
+                  gauss_jordan_pingpong):
+    """The two bodies of ``chain_kernel`` after the system is built: ``full_chain`` over the
+    group's GP x GP entries, ``block_chain`` over its blocks' entries alone."""
+    GC = NB * S
+
+    @T.macro
+    def solve(A, Mi, gR, T1):
+        if bool(pingpong):
+            gauss_jordan_pingpong(A, Mi, gR, T1)  # gR and T1 are free until after the solve
+        else:
+            ra = alloc_s((GP,), "float32")
+            ri = alloc_s((GP,), "float32")
+            ca = alloc_s((GP,), "float32")
+            gauss_jordan(A, Mi, ra, ri, ca)
+
+    @T.macro
+    def rescale_grad(GR, Ps, Mi, g, KB, accr, full):
+        # g_rescale[i] = Σ_j Ps[i, j]·R[j, i], R = 2M − I (Ps is zero off the blocks: ``full`` sums
+        # the whole row, else the S columns of row i's block)
+        T.clear(accr)
+        for jj in T.serial(GP if full else S):
+            for i in par(GP):
+                if full:
+                    accr[i] += Ps[i, jj] * (2.0 * Mi[jj, i] - T.if_then_else(i == jj, 1.0, 0.0))
+                elif i < GC:
+                    accr[i] += Ps[i, i // S * S + jj] * (2.0 * Mi[i // S * S + jj, i]
+                                                         - T.if_then_else(i == i // S * S + jj, 1.0, 0.0))
+        for i in par(GP):
+            if i < GC and g * NB + i // S < KB:
+                GR[g * GC + i] = T.cast(accr[i], bd)
+
+    @T.macro
+    def full_chain(P, GB, GR, cscale, fcoef, g, A, Mi, rho, Ps, gR, T1, slot, KB, NS):
+        acc = alloc_f((GP, GP), "float32")
+        T.clear(acc)
+        for s in T.serial(NS):
                 for i, j in par(GP, GP):
                     if runs:
                         acc[i, j] += P[s, g, slot[i], slot[j]]
                     else:
                         acc[i, j] += P[s, g, i, j]
+        for i, j in par(GP, GP):
+            Ps[i, j] = T.if_then_else(
+                i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
+        solve(A, Mi, gR, T1)
+        if boft:
             for i, j in par(GP, GP):
-                Ps[i, j] = T.if_then_else(
-                    i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
-            if bool(pingpong):
-                gauss_jordan_pingpong(A, Mi, gR, T1)  # gR and T1 are free until after the solve
-            else:
-                ra = alloc_s((GP,), "float32")
-                ri = alloc_s((GP,), "float32")
-                ca = alloc_s((GP,), "float32")
-                gauss_jordan(A, Mi, ra, ri, ca)
-            if boft:
-                for i, j in par(GP, GP):
-                    gR[i, j] = fcoef * Ps[i, j]
-            else:
-                for i, j in par(GP, GP):
-                    gR[i, j] = rho[j] * Ps[j, i]
-                if has_rescale:
-                    T.clear(accr)
-                    for j in T.serial(GP):
-                        for i in par(GP):
-                            accr[i] += Ps[i, j] * (2.0 * Mi[j, i] - T.if_then_else(i == j, 1.0, 0.0))
-                    for i in par(GP):
-                        if i < GC and g * NB + i // S < KB:
-                            GR[g * GC + i] = T.cast(accr[i], bd)
-            # T1 = Mᵀ·gR, then gQ = 2·T1·Mᵀ (kept in A). M is block diagonal, so each sum runs over
-            # the S indices of a block (row i's for Mᵀ·gR, column j's for ·Mᵀ): only gQ's diagonal
-            # blocks are used. Rows past GC (padding) sum nothing.
-            T.clear(acc)
-            for ll in T.serial(S):
-                for i, j in par(GP, GP):
-                    if i < GC:
-                        acc[i, j] += Mi[i // S * S + ll, i] * gR[i // S * S + ll, j]
-            T.copy(acc, T1)
-            T.clear(acc)
-            for ll in T.serial(S):
-                for i, j in par(GP, GP):
-                    if j < GC:
-                        acc[i, j] += T1[i, j // S * S + ll] * Mi[j, j // S * S + ll]
-            T.copy(acc, A)
+                gR[i, j] = fcoef * Ps[i, j]
+        else:
             for i, j in par(GP, GP):
-                if i < GC and j < GC and i // S == j // S and g * NB + i // S < KB:
-                    GB[g * NB + i // S, i % S, j % S] = T.cast(2.0 * cscale * (A[i, j] - A[j, i]), bd)
+                gR[i, j] = rho[j] * Ps[j, i]
+            if has_rescale:
+                accr = alloc_f((GP,), "float32")
+                rescale_grad(GR, Ps, Mi, g, KB, accr, True)
+        # T1 = Mᵀ·gR, then gQ = 2·T1·Mᵀ (kept in A). M is block diagonal, so each sum runs over
+        # the S indices of a block (row i's for Mᵀ·gR, column j's for ·Mᵀ): only gQ's diagonal
+        # blocks are used. Rows past GC (padding) sum nothing.
+        T.clear(acc)
+        for ll in T.serial(S):
+            for i, j in par(GP, GP):
+                if i < GC:
+                    acc[i, j] += Mi[i // S * S + ll, i] * gR[i // S * S + ll, j]
+        T.copy(acc, T1)
+        T.clear(acc)
+        for ll in T.serial(S):
+            for i, j in par(GP, GP):
+                if j < GC:
+                    acc[i, j] += T1[i, j // S * S + ll] * Mi[j, j // S * S + ll]
+        T.copy(acc, A)
+        for i, j in par(GP, GP):
+            if i < GC and j < GC and i // S == j // S and g * NB + i // S < KB:
+                GB[g * NB + i // S, i % S, j % S] = T.cast(2.0 * cscale * (A[i, j] - A[j, i]), bd)
 
-    return oft_chain
+    @T.macro
+    def block_chain(P, GB, GR, cscale, fcoef, g, A, Mi, rho, Ps, gR, T1, slot, KB, NS):
+        # full_chain's algebra on the blocks' entries (b, r, c) -> (b·S + r, b·S + c) alone: gR,
+        # Mᵀ·gR and gQ are block diagonal, so every sum runs over a block's S indices; the two
+        # products accumulate in a (NB, S, S) fragment (NB·S² / threads entries a thread)
+        accb = alloc_f((NB, S, S), "float32")
+        T.clear(accb)
+        for s in T.serial(NS):
+            for b, r, c in par(NB, S, S):
+                if runs:
+                    accb[b, r, c] += P[s, g, slot[b * S + r], slot[b * S + c]]
+                else:
+                    accb[b, r, c] += P[s, g, b * S + r, b * S + c]
+        for b, r, c in par(NB, S, S):
+            Ps[b * S + r, b * S + c] = accb[b, r, c]
+        solve(A, Mi, gR, T1)
+        for b, r, c in par(NB, S, S):
+            if boft:
+                gR[b * S + r, b * S + c] = fcoef * Ps[b * S + r, b * S + c]
+            else:
+                gR[b * S + r, b * S + c] = rho[b * S + c] * Ps[b * S + c, b * S + r]
+        if has_rescale and not boft:
+            accr = alloc_f((GP,), "float32")
+            rescale_grad(GR, Ps, Mi, g, KB, accr, False)
+        # Mᵀ's blocks into A (free after the solve): the second product then reads along rows (a
+        # thread's neighbours in c read neighbouring words, not one bank GP words apart)
+        for b, r, c in par(NB, S, S):
+            A[b * S + r, b * S + c] = Mi[b * S + c, b * S + r]
+        T.clear(accb)
+        for ll in T.serial(S):
+            for b, r, c in par(NB, S, S):
+                accb[b, r, c] += Mi[b * S + ll, b * S + r] * gR[b * S + ll, b * S + c]
+        for b, r, c in par(NB, S, S):
+            T1[b * S + r, b * S + c] = accb[b, r, c]
+        T.clear(accb)
+        for ll in T.serial(S):
+            for b, r, c in par(NB, S, S):
+                accb[b, r, c] += T1[b * S + r, b * S + ll] * A[b * S + ll, b * S + c]
+        for b, r, c in par(NB, S, S):
+            Ps[b * S + r, b * S + c] = accb[b, r, c]  # gQ / 2 (Ps is read no more)
+        for b, r, c in par(NB, S, S):
+            if g * NB + b < KB:
+                GB[g * NB + b, r, c] = T.cast(2.0 * cscale * (Ps[b * S + r, b * S + c] - Ps[b * S + c, b * S + r]),
+                                              bd)
+
+    return full_chain, block_chain
 
 
 # --------------------------------------------------------------------------- host side
+
+def chain_blocks(S: int, NB: int) -> bool:
+    """``chain_kernel``'s ``blocks`` form: ``CHAIN_BLOCKS``, where the blocks have at least
+    ``_GJ_ENTRIES_MIN`` entries (a parallel loop over fewer than the threads is one guarded branch)."""
+    return CHAIN_BLOCKS and NB * S * S >= _GJ_ENTRIES_MIN
+
 
 def apply_smem(GP: int, BT: int, csize: int) -> int:
     """Shared-memory bytes of ``apply_kernel`` (GEMM operands of ``csize`` bytes): the channel
@@ -1104,7 +1199,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
                         tl_dtype(cdt), GP, GC, p["BT"], cf, False, p["threads"])
             ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None,
-                False, GJ_PINGPONG)
+                False, GJ_PINGPONG, chain_blocks(S, NB))
     gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
     kc(part, bc, rsv, g_blocks, gr, float(cscale), 1.0, 1)
     return gx, g_blocks, g_rescale
@@ -1129,4 +1224,5 @@ def compile_specs(dtype: torch.dtype):
         (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, True, (d, d, 16, False, False))),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
         (chain_kernel, (d, d, 16, 4, 64, False, True, False, True)),  # GJ_PINGPONG
+        (chain_kernel, (d, d, 16, 4, 64, False, True, False, True, True)),  # CHAIN_BLOCKS, with g_rescale
     ]
