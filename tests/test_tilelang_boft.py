@@ -19,6 +19,7 @@ pytest.importorskip("tilelang")
 from lycoris_ops.reference import boft as R_BOFT  # noqa: E402
 from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.tilelang import _common, boft  # noqa: E402
+from lycoris_ops.tilelang import oft as _oft  # noqa: E402
 from tilelang_harness import IDS, MATRIX, NVCC  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -241,6 +242,21 @@ def test_shortlist_keeps_run_tiles():
             assert boft._runs_plan(x, False, 24, 128, "sm_90a", bt, bwd) is not None, (op, c)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` / ``empty_like`` fill floating buffers with NaN: a buffer the launchers read
+    before writing (a partials split left unzeroed) fails the check instead of passing on fresh,
+    zeroed host memory."""
+    def poison(real):
+        def empty(*a, **k):
+            t = real(*a, **k)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+        return empty
+
+    monkeypatch.setattr(torch, "empty", poison(torch.empty))
+    monkeypatch.setattr(torch, "empty_like", poison(torch.empty_like))
+
+
 def spy_units(monkeypatch, name):
     """The (first stage, L) of every call of ``boft.<name>`` (a unit launcher), in call order."""
     seen, real = [], getattr(boft, name)
@@ -267,7 +283,7 @@ COMPOSE_CASES = [
 @pytest.mark.parametrize("bwd", [False, True, "split"], ids=["fwd", "fwd+bwd", "fwd+bwd-split"])
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,most,units", COMPOSE_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}-L{c[6]}" for c in COMPOSE_CASES])
-def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, monkeypatch):
+def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, monkeypatch, poisoned_empty):
     """``COMPOSE_FWD``: the forward applies up to L consecutive stages as one matrix
     J = E_{L-1}···E_0 on a 2^L-run box (``_composed_matrices``, built in fp64 from the gathered
     stage matrices); ``COMPOSE_BWD`` (``bwd``): the backward's replay and stream do too, each
@@ -281,6 +297,7 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, mon
         pytest.skip("the pad / mma forms change only the backward's 96-wide units (GC = 48)")
     monkeypatch.setattr(boft, "COMPOSE_BWD_PAD", pad is True)
     monkeypatch.setattr(boft, "COMPOSE_BWD_MMA", pad == "mma")
+    monkeypatch.setattr(boft, "COMPOSE_LEADING", False)  # these units: test_boft_leading_box has the leading box
     monkeypatch.setattr(boft, "COMPOSE_FWD", most)
     monkeypatch.setattr(boft, "COMPOSE_BWD", most if bwd else 0)
     monkeypatch.setattr(boft, "COMPOSE_BWD_SPLIT", bwd == "split")
@@ -314,7 +331,7 @@ LEADING_CASES = [
 
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,fwd_units,bwd_units", LEADING_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in LEADING_CASES])
-def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, monkeypatch):
+def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, monkeypatch, poisoned_empty):
     """``COMPOSE_LEADING``: the leading stages whose κ_i <= GC/2 share one box (each stage's
     group is the same GC channels in order), so they run as one GC x GC matrix through the
     single stage kernels, forward, replay and stream (``_stream_box``: the stages' partials
@@ -330,6 +347,32 @@ def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, m
     boxes = spy_units(monkeypatch, "_stream_box")
     check_channels_last(blocks, rescale, x, grad, diff, dtype, " (leading stages as one box)")
     assert boxes == [bwd_units[0]], boxes
+
+
+@pytest.mark.parametrize("leading,m,nb,s,shape", [(False, 5, 16, 8, (300, 128)), (True, 3, 4, 24, (300, 96)),
+                                                   (True, 4, 8, 24, (300, 192))],
+                         ids=["singles+composed", "box+single", "box+composed"])
+def test_boft_bwd_partials_over_splits(leading, m, nb, s, shape, monkeypatch, poisoned_empty):
+    """The backward's partials with the positions in several splits (``oft.SPLIT_PER_SM`` raised:
+    a CPU has one "SM"): single stages keep theirs per split, a composed unit's stages go to split 0
+    with the other splits' rows zeroed (``_bwd_runs``; one split in all where every stage is in a
+    unit), under NaN-filled fresh buffers. gx and g_blocks against the fp64 reference."""
+    monkeypatch.setattr(boft, "COMPOSE_LEADING", leading)
+    monkeypatch.setattr(_oft, "SPLIT_PER_SM", 64)
+    splits = []
+    real_chain = boft._batch_partials
+
+    def spy(b, part, *a):
+        splits.append(part.shape[0])
+        return real_chain(b, part, *a)
+
+    monkeypatch.setattr(boft, "_batch_partials", spy)
+    dtype = DTYPES[-1]
+    blocks, rescale, x, grad = inputs(5 * m + s, m, nb, s, shape, False, dtype)
+    check_channels_last(blocks, None, x, grad, False, dtype, " (partials over splits)")
+    units = boft._compose_units(m, s, boft.run_groups(s, nb, x.element_size()), 3, bwd=True)
+    singles = any(k == 1 for _, k in units)
+    assert splits and all(n > 1 if singles else n == 1 for n in splits), (units, splits)
 
 
 def test_composed_matrices_are_the_stage_product():

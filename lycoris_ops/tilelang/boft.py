@@ -28,8 +28,8 @@ in that box's order (the run basis), and the values between stages are (hi, lo) 
 dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). Composed
 units: up to three consecutive stages a launch as ONE matrix on a 2^L-run box, forward
 (``COMPOSE_FWD``) and backward (``COMPOSE_BWD``; its 96-wide units on mma.sync,
-``COMPOSE_BWD_MMA``); ``COMPOSE_LEADING`` (off until timed): the leading stages that share one
-box (κ <= GC/2) as one GC-wide matrix through the single stage kernels.
+``COMPOSE_BWD_MMA``); ``COMPOSE_LEADING``: the leading stages that share one box (κ <= GC/2)
+as one GC-wide matrix through the single stage kernels.
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
@@ -44,7 +44,7 @@ import torch
 from ._common import CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype, without_wgmma
 from ._common import smem_limit as _smem_limit
 from .oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel,
-                  chain_kernel, direct_stages, position_view, tiling)
+                  chain_blocks, chain_kernel, direct_stages, position_view, tiling)
 from . import oft as _oft
 from .oft import _cayley as _oft_cayley
 
@@ -89,12 +89,14 @@ COMPOSE_BWD_PAD = False
 #: H100, bf16, RESULTS.md 2026-12-06 05:27: small backward 2.088 ms against 2.617 with those
 #: units one launch a stage (the forward the same: 0.713 / 0.719)
 COMPOSE_BWD_MMA = True
-#: (off until timed on a GPU) the leading stages whose κ_i <= GC/2 as ONE unit: their run views
-#: coincide (each stage's group is the same GC channels in order), so up to ``COMPOSE_FWD`` /
-#: ``COMPOSE_BWD`` of them apply as one GC x GC matrix J = F_{L-1}···F_0 through the single stage
-#: kernels (``_one_box``). At the small bench shape (s = 24, GC = 48: κ_0 = 12, κ_1 = 24) stages 0
-#: and 1 become one unit: 4 units for the 8 stages, against 5 with stage 0 alone
-COMPOSE_LEADING = False
+#: the leading stages whose κ_i <= GC/2 as ONE unit: their run views coincide (each stage's
+#: group is the same GC channels in order), so up to ``COMPOSE_FWD`` / ``COMPOSE_BWD`` of them
+#: apply as one GC x GC matrix J = F_{L-1}···F_0 through the single stage kernels
+#: (``_one_box``). At the small bench shape (s = 24, GC = 48: κ_0 = 12, κ_1 = 24) stages 0 and 1
+#: become one unit: 4 units for the 8 stages, against 5 with stage 0 alone. H100, bf16,
+#: RESULTS.md 2026-12-06 07:55: small forward 0.637 / 0.639 ms against 0.722 / 0.714, backward
+#: 1.882 / 1.878 against 2.084 / 2.085 (two alternating runs)
+COMPOSE_LEADING = True
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
@@ -517,27 +519,61 @@ def _composed_stages(f, firsts, L, s, GC, gps):
     return out
 
 
-def _unit_matrices(fh, fl, units, s, GC, gps):
-    """{(i, L): (E_0 … E_{L-1}, J = E_{L-1}···E_0)} in fp64 for every composed unit (L > 1) of
-    ``units``: the units of one L stacked, so a call forms them with a few batched ops, not a
-    dozen small ones a unit (at the small bench shape the host-side algebra was ~150 µs of the
-    TileLang forward's 910, H100 profile)."""
+class _Batch:
+    """The composed units of one geometry stacked (``_unit_matrices``): the leading box alone, or
+    every unit of one L. ``es``: the stage matrices E_0 … E_{L-1} and ``j`` = E_{L-1}···E_0 (fp64,
+    (n·npg, W, W) in the units' basis, unit n at rows n·npg …); ``pair``: J as the forward's
+    (hi, lo) (the box's padded to GP); ``tpair`` (backward): Jᵀ as its stream's (the box's padded
+    to GP, a unit's to its GEMM width ``_unit_gp``; unpadded where the stream splits); ``pg``: the
+    streams' fp32 partials per split of every unit, (NS, n·npg, GEMM width²), for
+    ``_batch_partials`` after the last stream. One batch is one set of small host ops, not one a
+    unit (at the small bench shape the host-side algebra was ~150 µs of the TileLang forward's
+    910, H100 profile; the backward's per-unit partials ~90 host ops of 98 launches)."""
+
+    def __init__(self, es, firsts, L, box, GP, dtype, tdtype, split):
+        self.es, self.firsts, self.L, self.box = es, firsts, L, box
+        self.npg = es[0].shape[0] // len(firsts)
+        self.j = _product(es)
+        W = self.j.shape[-1]
+        self.pair = _padded_pair(self.j, GP, dtype) if box else _split16(self.j, dtype)
+        self.tpair, self.pg = None, None
+        if tdtype is not None:
+            jt = self.j.transpose(1, 2)
+            gp = GP if box else (W if split else _unit_gp(W, True))
+            self.tpair = _padded_pair(jt, gp, tdtype)
+
+    def rows(self, pair, n):
+        """Unit n's slice of a (hi, lo) pair of the batch."""
+        return tuple(t[n * self.npg:(n + 1) * self.npg] for t in pair)
+
+    def partials(self, nsplit, gp, device):
+        """``pg`` ((nsplit, n·npg, gp, gp) fp32), allocated by the first stream that writes it."""
+        if self.pg is None:
+            self.pg = torch.empty((nsplit, self.j.shape[0], gp, gp), device=device, dtype=torch.float32)
+        return self.pg
+
+
+def _unit_matrices(fh, fl, units, s, GC, gps, GP, dtype, bwd=False, split=False):
+    """{(i, L): (its ``_Batch``, its index n in it)} for every composed unit (L > 1) of ``units``:
+    the leading box (``_one_box``: the stages' own run-basis matrices) in a batch of its own, the
+    other units of one L stacked, formed with a few batched ops a batch. ``bwd``: with the
+    streams' Jᵀ pairs (``split``: ``COMPOSE_BWD_SPLIT`` from a width)."""
     f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
+    tdtype = dtype if bwd else None
     out = {}
     for i, L in units:
-        if _one_box(i, L, s, GC):  # the stages' own run-basis matrices
+        if _one_box(i, L, s, GC):
             es = [f[(i + k) * gps:(i + k + 1) * gps] for k in range(L)]
-            out[(i, L)] = (es, _product(es))
+            out[(i, L)] = (_Batch(es, [i], L, True, GP, dtype, tdtype, False), 0)
     for L in sorted({k for _, k in units if k > 1}):
         firsts = [i for i, k in units if k == L and not _one_box(i, k, s, GC)]
         if not firsts:
             continue
-        es = _composed_stages(f, firsts, L, s, GC, gps)
-        j = _product(es)
-        npg = j.shape[0] // len(firsts)
+        W = GC << (L - 1)
+        b = _Batch(_composed_stages(f, firsts, L, s, GC, gps), firsts, L, False, GP, dtype, tdtype,
+                   bool(split) and W >= split)
         for n, i in enumerate(firsts):
-            rows = slice(n * npg, (n + 1) * npg)
-            out[(i, L)] = ([e[rows] for e in es], j[rows])
+            out[(i, L)] = (b, n)
     return out
 
 
@@ -557,26 +593,33 @@ def _split16(j, dtype):
 
 def _composed_matrices(fh, fl, i, L, s, GC, gps, dtype):
     """The unit (i, L)'s matrices J = E_{L-1}···E_0 per unit group (npg, W, W) in the box
-    basis, as a (hi, lo) pair of ``dtype`` (the J of ``_unit_matrices``, split as the launches
-    split it)."""
-    return _split16(_unit_matrices(fh, fl, [(i, L)], s, GC, gps)[(i, L)][1], dtype)
+    basis, as a (hi, lo) pair of ``dtype`` (the ``pair`` of ``_unit_matrices``' batch)."""
+    return _unit_matrices(fh, fl, [(i, L)], s, GC, gps, GC, dtype)[(i, L)][0].pair
 
 
-def _composed_partials(es, a, part, i, s, GC, gps):
-    """Scatter the unit's per-stage partials into ``part`` (NS, m·gps, GP, GP; split 0, the
-    other splits zero): from A = Σ gᵀ·u over the unit (fp64, (npg, W, W), box basis),
-    stage k's ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ`` (Σ g^{k+1}·(u^k)ᵀ), each 2 x 2
-    block of it (the other bits equal) stored as the partial of the group ``_compose_groups``
-    names (the inverse of ``_composed_stages``' placement)."""
-    L, H = len(es), GC // 2
-    part[:, i * gps:(i + L) * gps].zero_()
-    groups = _compose_groups(i, L, s, GC, gps, part.device)
-    for k, pk in _stage_partials(es, a):
-        npg, nhi, nlo = groups[k].shape
+def _batch_partials(b, part, s, GC, gps):
+    """Every stage's partials of the batch's units into split 0 of ``part`` (NS, m·gps, GP, GP;
+    the caller zeroes the other splits' rows where NS > 1), from A = Σ gᵀ·u over each unit (its
+    streams' ``pg`` summed over the splits): stage k's ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·
+    (E_{k-1}···E_0)ᵀ`` (``_stage_partials``). The box's are the stages' own run-basis rows; a
+    composed unit's each 2 x 2 block of P_k (the other bits equal) is the partial of the group
+    ``_compose_groups`` names (the inverse of ``_composed_stages``' placement), all units' in one
+    scatter a stage."""
+    W = b.j.shape[-1]
+    a = b.pg.sum(0)[:, :W, :W].double()
+    if b.box:
+        i = b.firsts[0]
+        for k, pk in _stage_partials(b.es, a):
+            part[0, (i + k) * gps:(i + k + 1) * gps, :GC, :GC] = pk.to(part.dtype)
+        return
+    H = GC // 2
+    groups = [_compose_groups(i, b.L, s, GC, gps, part.device) for i in b.firsts]
+    for k, pk in _stage_partials(b.es, a):
+        grp = torch.cat([g[k] for g in groups]) if len(groups) > 1 else groups[0][k]
+        npg, nhi, nlo = grp.shape
         blocks = pk.view(npg, nhi, 2, nlo, H, nhi, 2, nlo, H)
         blocks = blocks.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5)  # (npg, 2, H, 2, H, nhi, nlo)
-        part[0, groups[k].reshape(-1), :GC, :GC] = blocks.permute(0, 5, 6, 1, 2, 3, 4).reshape(-1, GC, GC).to(
-            part.dtype)
+        part[0, grp.reshape(-1), :GC, :GC] = blocks.permute(0, 5, 6, 1, 2, 3, 4).reshape(-1, GC, GC).to(part.dtype)
 
 
 def _stage_partials(es, a):
@@ -611,7 +654,7 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     src = (xv, None)
     units = _compose_units(m, s, runs, COMPOSE_FWD)
-    mats = _unit_matrices(fh, fl, units, s, runs[0], gps)
+    mats = _unit_matrices(fh, fl, units, s, runs[0], gps, runs[2], xv.dtype)
     for n, (i, k) in enumerate(units):
         last = n == len(units) - 1
         dst = (yv, None) if last else bufs[n % 2]
@@ -621,15 +664,16 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
 
 def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff, mats):
     """The forward unit (i, k) of ``_compose_units``: one stage (``_launch_stage``) or k stages
-    as one matrix (J of ``mats``, ``_unit_matrices``, by ``_launch_composed``); ``src`` / ``dst``:
-    (hi, lo or None), (NP, C)."""
+    as one matrix (J's pair of ``mats``, ``_unit_matrices``, by ``_launch_composed``); ``src`` /
+    ``dst``: (hi, lo or None), (NP, C)."""
     if k == 1:
         _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff)
-    elif _one_box(i, k, s, runs[0]):  # the stage kernel with J in place of F
-        _launch_stage(src, x0, *_padded_pair(mats[(i, k)][1], runs[2], x0.dtype), dst, i, s, runs, gps, p, arch,
-                      diff, goff=0)
+        return
+    b, n = mats[(i, k)]
+    if b.box:  # the stage kernel with J in place of F
+        _launch_stage(src, x0, *b.pair, dst, i, s, runs, gps, p, arch, diff, goff=0)
     else:
-        _launch_composed(src, x0, _split16(mats[(i, k)][1], x0.dtype), dst, i, k, s, runs, gps, p, arch, diff)
+        _launch_composed(src, x0, b.rows(b.pair, n), dst, i, k, s, runs, gps, p, arch, diff)
 
 
 def _box_view(t, s, i, R):
@@ -655,33 +699,30 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
 
 def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     """The backward of the composed unit (i, L) (``COMPOSE_BWD``): ``gx = g·J`` (the Jᵀ pair)
-    stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis)
-    by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that fits
-    (``_compose_bt``, ``_COMPOSE_BWD_THREADS``); the stages' partials from A on the host
-    (``_composed_partials``). ``COMPOSE_BWD_SPLIT`` (W at least that): two launches, gx by the
-    forward's composed kernel (``stage_runs_kernel`` with the Jᵀ pair: u·Fᵀ with F = Jᵀ), then A alone (no J, no
-    gx tile: its W x W accumulator the only big fragment, so tiles of 64 positions fit where
-    the one-launch stream takes 32 at W = 128)."""
+    stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis, in
+    its batch's ``pg`` at the unit's rows: ``_batch_partials`` forms the stages' partials after the
+    last stream) by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that
+    fits (``_compose_bt``, ``_COMPOSE_BWD_THREADS``). ``COMPOSE_BWD_SPLIT`` (W at least that):
+    two launches, gx by the forward's composed kernel (``stage_runs_kernel`` with the Jᵀ pair:
+    u·Fᵀ with F = Jᵀ), then A alone (no J, no gx tile: its W x W accumulator the only big
+    fragment, so tiles of 64 positions fit where the one-launch stream takes 32 at W = 128)."""
     GC = runs[0]
     W, R, x0 = GC << (L - 1), 1 << L, g[0]
     GP = _unit_gp(W, True)  # the stream's GEMM width: W, or W zero-padded (COMPOSE_BWD_PAD)
-    es, j = mats[(i, L)]  # _unit_matrices
-    j = j.transpose(1, 2)
+    b, n = mats[(i, L)]
     split = bool(COMPOSE_BWD_SPLIT) and W >= COMPOSE_BWD_SPLIT
+    jt = b.tpair
     if split:
-        _launch_composed(g, x0, _split16(j.contiguous(), x0.dtype), dst, i, L, s, runs, gps, APPLY, arch, False)
+        _launch_composed(g, x0, b.rows(b.tpair, n), dst, i, L, s, runs, gps, APPLY, arch, False)
         jt, dst = (x0.new_empty((1, GP, GP)),) * 2, (g[0], None)  # placeholders the partials-only kernel never reads
-    else:
-        jt = _split16(torch.nn.functional.pad(j, (0, GP - W, 0, GP - W)).contiguous(), x0.dtype)
     bt = _compose_bt(W, p["BT"], x0.element_size(), arch, x0.device, bwd=True, gx=not split)
     nsplit, tps = tiling(False, x0.shape[0], 1, bt, gps >> (L - 1), x0.device)
-    pg = torch.empty((nsplit, gps >> (L - 1), GP, GP), device=x0.device, dtype=torch.float32)
+    pg = b.partials(nsplit, GP, x0.device)
     threads = max(p["threads"], _COMPOSE_BWD_THREADS) if GP % 128 == 0 else p["threads"]  # 8 warps: no 96-row partition
     ks = kernel(stream_runs_kernel, arch, tl_dtype(x0.dtype), W, GP, bt, threads, direct_stages(arch),
                 g[1] is not None, u[1] is not None, dst[1] is not None, R, not split)
     v = [_box_view(t, s, i, R) for t in (*_halves(g), *_halves(u), *_halves(dst))]
-    ks(*v[:4], *jt, *v[4:], pg, 0, tps)
-    _composed_partials(es, pg.sum(0)[:, :W, :W].double(), part, i, s, GC, gps)
+    ks(*v[:4], *jt, *v[4:], pg, n * b.npg, tps)  # the unit's rows of the batch's Jᵀ pair and partials
 
 
 def _stream_stage(g, u, dst, th, tl_, part, i, s, runs, gps, p, arch, tps, goff=None):
@@ -695,20 +736,14 @@ def _stream_stage(g, u, dst, th, tl_, part, i, s, runs, gps, p, arch, tps, goff=
     ks(*v[:4], th, tl_, *v[4:], part, i * gps if goff is None else goff, tps)
 
 
-def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats, tps):
+def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     """The backward of the leading stages' unit (i, L) (``_one_box``): ``_stream_stage`` with the
-    unit's Jᵀ (gx = g·J), its partials A = Σ gᵀ·u (the stages' shared run basis) in a buffer of
-    their own; then the stages' partials from A on the host (``_stage_partials``) in split 0 of
-    ``part``, the other splits zero."""
-    GC, GP = runs[0], runs[2]
-    es, j = mats[(i, L)]
-    pg = torch.empty((part.shape[0], gps, GP, GP), device=part.device, dtype=torch.float32)
-    _stream_stage(g, u, dst, *_padded_pair(j.transpose(1, 2), GP, g[0].dtype), pg, i, s, runs, gps, p, arch, tps,
+    unit's Jᵀ (gx = g·J), its partials A = Σ gᵀ·u (the stages' shared run basis) in its batch's
+    ``pg`` (``_batch_partials`` forms the stages' after the last stream)."""
+    b, _ = mats[(i, L)]
+    nsplit, tps = tiling(False, g[0].shape[0], 1, p["BT"], gps, g[0].device)
+    _stream_stage(g, u, dst, *b.tpair, b.partials(nsplit, runs[2], g[0].device), i, s, runs, gps, p, arch, tps,
                   goff=0)
-    a = pg.sum(0)[:, :GC, :GC].double()
-    part[:, i * gps:(i + L) * gps].zero_()
-    for k, pk in _stage_partials(es, a):
-        part[0, (i + k) * gps:(i + k + 1) * gps, :GC, :GC] = pk.to(part.dtype)
 
 
 def _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff, goff=None):
@@ -732,22 +767,31 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     """boft_bwd by the run kernels: the forward replay keeps each unit's input (a stage, or with
     ``COMPOSE_BWD`` up to that many composed, ``_compose_units``) as a (hi, lo) pair, then per
     unit from the last one stream launch (gx as a pair, the last one in x's dtype; partials in
-    the run basis of each stage group), then one chain launch."""
+    the run basis of each stage group, a composed unit's from its batch's, ``_batch_partials``),
+    then one chain launch."""
     GC, NBr, GP = runs
     gps = nb // NBr
     dev = xv.device
     p = launch_config(STREAM, cfg)
     units = _compose_units(m, s, runs, COMPOSE_BWD, bwd=True)
-    # F (the replay) and Fᵀ (the stream) from one Cayley launch
-    fh, fl, th, tl_ = _runs_cayley(bc, None, m, nb, s, runs, "both", cscale, scale, xv.dtype, arch)
-    mats = _unit_matrices(fh, fl, units, s, GC, gps)  # the replay's and the stream's, formed once
+    singles = any(k == 1 for _, k in units)
+    # F (the replay) and, where a stage streams alone, Fᵀ (its stream) from one Cayley launch
+    pairs = _runs_cayley(bc, None, m, nb, s, runs, "both" if singles else False, cscale, scale, xv.dtype, arch)
+    fh, fl = pairs[:2]
+    mats = _unit_matrices(fh, fl, units, s, GC, gps, GP, xv.dtype, bwd=True, split=COMPOSE_BWD_SPLIT)
     us = [(xv, None)]
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
         _launch_unit(us[-1], xv, fh, fl, dst, i, k, s, runs, gps, APPLY, arch, False, mats)
         us.append(dst)
+    # the single stages' partials per split; a composed unit's stages' go to split 0 only (the
+    # others' rows zeroed), so where every stage is in one the chain reads one split
     nsplit, tps = tiling(False, xv.shape[0], 1, p["BT"], gps, dev)
-    part = torch.empty((nsplit, m * gps, GP, GP), device=dev, dtype=torch.float32)
+    part = torch.empty((nsplit if singles else 1, m * gps, GP, GP), device=dev, dtype=torch.float32)
+    if singles:
+        for i, k in units:
+            if k > 1:
+                part[1:, i * gps:(i + k) * gps].zero_()
     gbuf = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     g = (gv, None)
     for n in reversed(range(len(units))):
@@ -755,14 +799,16 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         dst = (gxv, None) if n == 0 else gbuf[n % 2]
         u = us[n]
         if _one_box(i, k, s, GC):
-            _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats, tps)
+            _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
         elif k > 1:
             _stream_composed(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
         else:
-            _stream_stage(g, u, dst, th, tl_, part, i, s, runs, gps, p, arch, tps)
+            _stream_stage(g, u, dst, *pairs[2:], part, i, s, runs, gps, p, arch, tps)
         g = dst
+    for b in {id(b): b for b, _ in mats.values()}.values():
+        _batch_partials(b, part, s, GC, gps)
     bd = tl_dtype(g_blocks.dtype)
-    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, _oft.GJ_PINGPONG)
+    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, _oft.GJ_PINGPONG, chain_blocks(s, NBr))
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=g_blocks.dtype), float(cscale), float(scale), gps)
 
@@ -811,7 +857,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
         k(g, us[i], th, tl_, dst, part, i * gps, (s // 2) << i, tps)
         g = dst
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(blocks.dtype), s, NB, GP, True, False,
-                False, _oft.GJ_PINGPONG)
+                False, _oft.GJ_PINGPONG, chain_blocks(s, NB))
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=blocks.dtype), float(cscale), float(scale), 1)
     return gx, g_blocks
@@ -836,6 +882,7 @@ def compile_specs(dtype: torch.dtype):
         # the blocks' entries a step
         (cayley_kernel, (d, d, d, 24, 2, 64, True, False, True, False, True, "entries")),
         (chain_kernel, (d, d, 24, 2, 64, True, False, True, "entries")),
+        (chain_kernel, (d, d, 24, 2, 64, True, False, True, "entries", True)),  # CHAIN_BLOCKS
     ] + ([] if dtype == torch.float32 else [  # the run kernels: 16-bit streams only on a GPU
         (stage_runs_kernel, (d, 32, 32, _BT_FWD, _THREADS, 1, False, True, False)),
         (stage_runs_kernel, (d, 48, 64, _BT_FWD, _THREADS, 1, True, False, True)),
