@@ -77,6 +77,9 @@ declare -A RUNS=(
   [boft_mma]="bench/tilelang_boft_variants.py --shapes small --variants compose3\\ bwd\\ split,compose3\\ bwd\\ split\\ mma,compose3\\ bwd\\ mma"
   # the leading stages that share one box as one unit (COMPOSE_LEADING, off): its parity (boft_tests), then the A/B
   [boft_lead]="bench/tilelang_boft_variants.py --shapes small --variants defaults,leading,defaults,leading"
+  # BOFT small's kernels one by one under each backend: where TileLang's backward spends what Triton's does not
+  [profile_boft]="bench/kernel_profile.py --specs boft --shape small --backend tilelang"
+  [profile_boft_t]="bench/kernel_profile.py --specs boft --shape small --backend triton"
   [tl_cold]="bench/gpu_tilelang_tune.py --families lokr,lora,loha,boft --shapes 3072x3072:r32 --tokens 8192"
 )
 names=("$@"); [ ${#names[@]} -eq 0 ] && names=(profile)

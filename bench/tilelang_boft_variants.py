@@ -26,6 +26,8 @@ the first variant's:
   whole group);
 * ``defaults`` / ``leading``: the defaults with ``COMPOSE_LEADING`` off / on (the leading stages
   that share one box as one unit);
+* ``chain blocks`` / ``chain full``: the defaults with ``oft.CHAIN_BLOCKS`` on / off (the chain
+  kernel over the blocks' entries alone, or the whole group's);
 * ``runs sN`` / ``wN``: the run kernels with N tiles in flight (``oft._DIRECT_STAGES``) / the
   positions split for N programs an SM (``oft.SPLIT_PER_SM``).
 
@@ -81,6 +83,12 @@ VARIANTS = {
                      COMPOSE_LEADING=False),
     "leading": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=128, COMPOSE_BWD_MMA=True,
                     COMPOSE_LEADING=True),
+    # the chain kernel over the blocks' entries alone (oft.CHAIN_BLOCKS, on) against the whole
+    # group's GP x GP entries, both with the leading unit
+    "chain blocks": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=128, COMPOSE_BWD_MMA=True,
+                         COMPOSE_LEADING=True, oft=dict(CHAIN_BLOCKS=True)),
+    "chain full": dict(RUNS=True, COMPOSE_FWD=3, COMPOSE_BWD=3, COMPOSE_BWD_SPLIT=128, COMPOSE_BWD_MMA=True,
+                       COMPOSE_LEADING=True, oft=dict(CHAIN_BLOCKS=False)),
     "runs s3": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3)),
     "runs s4": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=4)),
     "runs s3 w1": dict(RUNS=True, COMPOSE_FWD=0, COMPOSE_BWD=0, oft=dict(_DIRECT_STAGES=3, SPLIT_PER_SM=1)),
