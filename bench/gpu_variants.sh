@@ -77,6 +77,10 @@ declare -A RUNS=(
   [boft_mma]="bench/tilelang_boft_variants.py --shapes small --variants compose3\\ bwd\\ split,compose3\\ bwd\\ split\\ mma,compose3\\ bwd\\ mma"
   # the leading stages that share one box as one unit (COMPOSE_LEADING, off): its parity (boft_tests), then the A/B
   [boft_lead]="bench/tilelang_boft_variants.py --shapes small --variants defaults,leading,defaults,leading"
+  # the chain kernel over the blocks' entries (oft.CHAIN_BLOCKS, on) and Cayley's row-wise Fᵀ stores: their GPU
+  # parity (every oft / boft chain and Cayley form, the batched partials), then the chain A/B
+  [chain_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_tilelang_oft.py tests/test_tilelang_boft.py -k not\\ compile"
+  [boft_chain]="bench/tilelang_boft_variants.py --shapes small,large --variants chain\\ full,chain\\ blocks,chain\\ full,chain\\ blocks"
   # BOFT small's kernels one by one under each backend: where TileLang's backward spends what Triton's does not
   [profile_boft]="bench/kernel_profile.py --specs boft --shape small --backend tilelang"
   [profile_boft_t]="bench/kernel_profile.py --specs boft --shape small --backend triton"
