@@ -507,16 +507,28 @@ def _composed_stages(f, firsts, L, s, GC, gps):
     ``_compose_groups`` names: one gather and einsum a stage for all the units."""
     H = GC // 2
     out = []
-    for k in range(L):
-        grps = [_compose_groups(i, L, s, GC, gps, f.device)[k] for i in firsts]
-        grp = grps[0] if len(grps) == 1 else torch.cat(grps)
+    for grp in _batch_groups(firsts, L, s, GC, gps, f.device):
         npg, nhi, nlo = grp.shape
         m = f[grp].view(npg, nhi, nlo, 2, H, 2, H)
-        eye_hi = torch.eye(nhi, dtype=f.dtype, device=f.device)
-        eye_lo = torch.eye(nlo, dtype=f.dtype, device=f.device)
-        e = torch.einsum("qabtjsk,ac,bd->qatbjcsdk", m, eye_hi, eye_lo)
-        out.append(e.reshape(npg, nhi * 2 * nlo * H, nhi * 2 * nlo * H))
+        # E's nonzero entries are its (hi = hi', lo = lo') diagonals: zeros, then M into that view
+        e = f.new_zeros((npg, nhi, 2, nlo, H, nhi, 2, nlo, H))
+        e.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5).copy_(m.permute(0, 3, 4, 5, 6, 1, 2))
+        out.append(e.view(npg, nhi * 2 * nlo * H, nhi * 2 * nlo * H))
     return out
+
+
+_BATCH_GROUPS = {}
+
+
+def _batch_groups(firsts, L, s, GC, gps, device):
+    """Per stage k < L, ``_compose_groups``' indices of the units (i, L), i in ``firsts``,
+    concatenated along the unit groups (a batch's: ``_composed_stages``, ``_batch_partials``);
+    cached like them."""
+    key = (tuple(firsts), L, s, GC, gps, str(device))
+    if key not in _BATCH_GROUPS:
+        per = [_compose_groups(i, L, s, GC, gps, device) for i in firsts]
+        _BATCH_GROUPS[key] = [torch.cat([g[k] for g in per]) for k in range(L)]
+    return _BATCH_GROUPS[key]
 
 
 class _Batch:
@@ -530,17 +542,19 @@ class _Batch:
     unit (at the small bench shape the host-side algebra was ~150 µs of the TileLang forward's
     910, H100 profile; the backward's per-unit partials ~90 host ops of 98 launches)."""
 
-    def __init__(self, es, firsts, L, box, GP, dtype, tdtype, split):
+    def __init__(self, es, firsts, L, box, GP, dtype, bwd, split):
         self.es, self.firsts, self.L, self.box = es, firsts, L, box
         self.npg = es[0].shape[0] // len(firsts)
         self.j = _product(es)
         W = self.j.shape[-1]
         self.pair = _padded_pair(self.j, GP, dtype) if box else _split16(self.j, dtype)
         self.tpair, self.pg = None, None
-        if tdtype is not None:
-            jt = self.j.transpose(1, 2)
+        if bwd:
             gp = GP if box else (W if split else _unit_gp(W, True))
-            self.tpair = _padded_pair(jt, gp, tdtype)
+            if gp == self.pair[0].shape[-1]:  # Jᵀ's pair is J's transposed (rounding is per entry)
+                self.tpair = tuple(t.transpose(1, 2).contiguous() for t in self.pair)
+            else:
+                self.tpair = _padded_pair(self.j.transpose(1, 2), gp, dtype)
 
     def rows(self, pair, n):
         """Unit n's slice of a (hi, lo) pair of the batch."""
@@ -559,18 +573,17 @@ def _unit_matrices(fh, fl, units, s, GC, gps, GP, dtype, bwd=False, split=False)
     other units of one L stacked, formed with a few batched ops a batch. ``bwd``: with the
     streams' Jᵀ pairs (``split``: ``COMPOSE_BWD_SPLIT`` from a width)."""
     f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
-    tdtype = dtype if bwd else None
     out = {}
     for i, L in units:
         if _one_box(i, L, s, GC):
             es = [f[(i + k) * gps:(i + k + 1) * gps] for k in range(L)]
-            out[(i, L)] = (_Batch(es, [i], L, True, GP, dtype, tdtype, False), 0)
+            out[(i, L)] = (_Batch(es, [i], L, True, GP, dtype, bwd, False), 0)
     for L in sorted({k for _, k in units if k > 1}):
         firsts = [i for i, k in units if k == L and not _one_box(i, k, s, GC)]
         if not firsts:
             continue
         W = GC << (L - 1)
-        b = _Batch(_composed_stages(f, firsts, L, s, GC, gps), firsts, L, False, GP, dtype, tdtype,
+        b = _Batch(_composed_stages(f, firsts, L, s, GC, gps), firsts, L, False, GP, dtype, bwd,
                    bool(split) and W >= split)
         for n, i in enumerate(firsts):
             out[(i, L)] = (b, n)
@@ -613,9 +626,9 @@ def _batch_partials(b, part, s, GC, gps):
             part[0, (i + k) * gps:(i + k + 1) * gps, :GC, :GC] = pk.to(part.dtype)
         return
     H = GC // 2
-    groups = [_compose_groups(i, b.L, s, GC, gps, part.device) for i in b.firsts]
+    groups = _batch_groups(b.firsts, b.L, s, GC, gps, part.device)
     for k, pk in _stage_partials(b.es, a):
-        grp = torch.cat([g[k] for g in groups]) if len(groups) > 1 else groups[0][k]
+        grp = groups[k]
         npg, nhi, nlo = grp.shape
         blocks = pk.view(npg, nhi, 2, nlo, H, nhi, 2, nlo, H)
         blocks = blocks.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5)  # (npg, 2, H, 2, H, nhi, nlo)

@@ -980,8 +980,11 @@ def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, 
 
 def chain_blocks(S: int, NB: int) -> bool:
     """``chain_kernel``'s ``blocks`` form: ``CHAIN_BLOCKS``, where the blocks have at least
-    ``_GJ_ENTRIES_MIN`` entries (a parallel loop over fewer than the threads is one guarded branch)."""
-    return CHAIN_BLOCKS and NB * S * S >= _GJ_ENTRIES_MIN
+    ``_GJ_ENTRIES_MIN`` entries (a parallel loop over fewer than the threads is one guarded branch)
+    and a whole number of them a thread (TileLang finds no layout for the (NB, S, S) fragment
+    otherwise: S = 24 or 40 alone at 128 threads, sm_90a)."""
+    n = NB * S * S
+    return CHAIN_BLOCKS and n >= _GJ_ENTRIES_MIN and n % _THREADS == 0
 
 
 def apply_smem(GP: int, BT: int, csize: int) -> int:
