@@ -573,7 +573,7 @@ def _pending(vecs):
 
 def test_ahead_children_are_not_waited_for_and_their_kernels_not_built_twice(monkeypatch):
     """``precompile_call(ahead=...)`` forks the ahead kernels' children without waiting (on the
-    cores its own children leave); a later call needing those kernels waits for exactly those
+    cores, once its own kernels are built); a later call needing those kernels waits for exactly those
     children, then builds none of them again (they load from the disk cache); a child that
     failed leaves its kernels to the call."""
     pytest.importorskip("tilelang")
@@ -583,12 +583,13 @@ def test_ahead_children_are_not_waited_for_and_their_kernels_not_built_twice(mon
     monkeypatch.setattr(precompile, "cpus", lambda: 8)
     monkeypatch.setattr(tl_pick, "_ahead", {})
     monkeypatch.setattr(tl_pick, "_built_ahead", set())
-    forks, waits, built = [], [], []
+    forks, waits, built, order = [], [], [], []
     monkeypatch.setattr(precompile, "fork_builds",
-                        lambda ks, procs, nice=0: forks.append((procs, [p.args[-1] for p in ks]))
+                        lambda ks, procs, nice=0: order.append("fork") or forks.append((procs, [p.args[-1] for p in ks]))
                         or [(1000 + i, list(ks[i::procs])) for i in range(min(procs, len(ks)))])
     monkeypatch.setattr(precompile, "compile_forked",
-                        lambda ks, procs, timeout_s=0: built.append([p.args[-1] for p in ks]) or (len(ks), 0))
+                        lambda ks, procs, timeout_s=0: order.append("build") or built.append([p.args[-1] for p in ks])
+                        or (len(ks), 0))
     exits = {1000: 0, 1001: 1}  # the second ahead child failed
 
     def waitpid(pid, flags):
@@ -598,8 +599,9 @@ def test_ahead_children_are_not_waited_for_and_their_kernels_not_built_twice(mon
     monkeypatch.setattr(os, "waitpid", waitpid)
     forward, backward = _stand_in_op_function((4, 8)), _stand_in_op_function((16, 32, 64))
     n = tl_pick.precompile_call(forward, (), [tl_pick.KERNEL], ahead=_pending((16, 32, 64)))
-    # its own 2 kernels in children (waited for); the 3 ahead on 8 - 1 - 2 = 5 spare cores, capped at 4
+    # its own 2 kernels in children (waited for), alone; then the 3 ahead on 8 - 1 = 7 cores, capped at 4
     assert n == 2 and built == [[4, 8]] and forks == [(4, [16, 32, 64])] and not waits
+    assert order == ["build", "fork"]
     assert set(tl_pick._ahead) == {1000, 1001, 1002}
     exits[1002] = 0
     n = tl_pick.precompile_call(backward, (), [tl_pick.KERNEL])
@@ -1069,8 +1071,10 @@ def test_background_children_are_capped_and_the_rest_queued(deferring, monkeypat
     monkeypatch.setattr(_time, "sleep", lambda s: rec.exits.update({pid: 0 for pid in tl_pick._ahead}))
     assert tl_pick.settle(5.0) == 5 and not tl_pick._ahead and not tl_pick._queue
     assert max(alive_at_fork) == 4
+    # each cold call's one first-config kernel built in a child, before its background children
+    assert rec.built == [[1], [2], [3], [4], [5]]
     tl_pick.run("add_scaled", op_function, (last, last, 1.0))
-    assert rec.calls[-1] == (5, "a") and rec.timed and not rec.built  # timed; nothing built by the call
+    assert rec.calls[-1] == (5, "a") and rec.timed and len(rec.built) == 5  # timed; nothing built by the call
 
 
 def test_a_deferred_first_config_that_cannot_build_runs_eager_until_the_timing(deferring, monkeypatch, caplog):

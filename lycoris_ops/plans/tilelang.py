@@ -35,8 +35,9 @@ kernels on 12 children.
 A cold forward call whose inputs need gradients also lists its backward's kernels
 (``backward_pending``: the ``*_bwd`` calls ``autograd.backward_calls`` names, with stand-ins
 of the outputs as their gradient, each through the TileLang op set with ``run`` listing its
-cold shortlist's kernels) and builds them in forked children of their own, on the cores its
-own children leave, without waiting (``AHEAD``): the first config's at the normal priority,
+cold shortlist's kernels) and builds them in forked children of their own, once its own
+kernels are built (alone on the cores, they are the call's wait), without waiting for them
+(``AHEAD``): the first config's at the normal priority,
 the rest of each deferred shortlist in the background; the backward's cold call waits for the
 children building its first config's kernels and loads what they built.
 
@@ -279,8 +280,8 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
 
     Kernels that children building ahead (``ahead`` of an earlier call) are building are waited
     for, then loaded, not built again. ``ahead`` (``backward_pending``'s first-config kernels):
-    built at the same time in children of their own on the cores this call leaves free, not
-    waited for. ``background`` (the rest of deferred shortlists): the same, at
+    built in children of their own once this call's kernels are built (a single one then in a
+    child too), not waited for. ``background`` (the rest of deferred shortlists): the same, at
     ``BACKGROUND_NICE``."""
     if _ahead:
         _reap_ahead()  # the ahead children that are done
@@ -302,9 +303,23 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
         _totals["ahead_waits"] += 1
         _reap_ahead(busy, BACKGROUND_TIMEOUT_S)
     pending = [p for p in pending if p.key not in _built_ahead]
-    # on the cores this call's own children leave free: the first configs' kernels first (a
-    # call will wait for them), the background's on the rest, at a lower priority
-    spare = max(1, min(procs, precompile.cpus() - 1 - (len(pending) if len(pending) >= 2 else 0)))
+    # this call's own kernels first, alone on the cores (the call waits for them: on the H100's
+    # 16-core host a cold lora_bypass forward's first config took 14.4 s with the ahead and
+    # background children building beside it, bench/RESULTS.md 2026-12-06 08:33); one kernel in a
+    # child too where children follow it (the call would build it itself, beside them)
+    later = bool(ahead) or bool(background)
+    forked = len(pending) >= 2 or (later and len(pending) == 1)
+    if forked:
+        children, failures = precompile.compile_forked(pending, procs, timeout_s=TIMEOUT_S)
+        spent = time.perf_counter() - t0
+        for k, v in (("calls", 1), ("kernels", len(pending)), ("children", children), ("failures", failures),
+                     ("seconds", spent)):
+            _totals[k] += v
+        log.info("lycoris_ops tilelang: %d kernels built in %d processes (%d failed), %.2f s", len(pending),
+                 children, failures, spent)
+    # then, not waited for: the first configs' kernels of the backward (its call will wait for
+    # them), the background's on the cores left, at a lower priority
+    spare = max(1, min(procs, precompile.cpus() - 1))
     n_ahead, k = _fork_ahead(ahead, spare, 0, TIMEOUT_S)
     _totals["ahead_children"] += n_ahead
     _totals["ahead_kernels"] += k
@@ -312,16 +327,7 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
         building = _building() | _built_ahead | keys
         _queue.extend(p for p in background if p.key not in building)
         _pump(max(1, spare - n_ahead))
-    if len(pending) < 2:
-        return 0
-    children, failures = precompile.compile_forked(pending, procs, timeout_s=TIMEOUT_S)
-    spent = time.perf_counter() - t0
-    for k, v in (("calls", 1), ("kernels", len(pending)), ("children", children), ("failures", failures),
-                 ("seconds", spent)):
-        _totals[k] += v
-    log.info("lycoris_ops tilelang: %d kernels built in %d processes (%d failed), %.2f s", len(pending), children,
-             failures, spent)
-    return len(pending)
+    return len(pending) if forked else 0
 
 
 def settle(timeout_s: float = BACKGROUND_TIMEOUT_S) -> int:
