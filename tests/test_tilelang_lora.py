@@ -170,6 +170,28 @@ def test_twin_bypass_fwd_forms(staged, per, extra, pipe, with_base, monkeypatch)
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+def test_twin_bypass_fwd_quick_twin(monkeypatch):
+    """The cold call's quick twin of the forward (plans/lora.py ``TL_QUICK``: ``pipe_o`` off and 2
+    stages in the cfg, over ``BYPASS_FWD_FORM`` / ``BYPASS_FWD``): the serial O loop is built
+    where the fixed form pipelines it (one group holds the 5 O tiles), and agrees with eager."""
+    from lycoris_ops.plans import lora as plans_lora
+
+    monkeypatch.setattr(lora, "_per", lambda tiles, other, device: tiles)
+    built = []
+    real = lora.kernel
+    monkeypatch.setattr(lora, "kernel", lambda b, *a: built.append(a) or real(b, *a))
+    g = torch.Generator().manual_seed(6)
+    T, I, O, r = 70, 19, 37, 5
+    x, up, down = torch.randn(T, I, generator=g), torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)
+    cfg = plans_lora.TL_QUICK["lora_bypass_fwd"](dict(BT=16, BO=8, BK=16))
+    got = lora.bypass_fwd(x, up, down, 0.8, None, cfg=cfg)
+    assert harness.rel_err(got, REF.lora_bypass_fwd(x, up, down, 0.8, None)) <= harness.REL_TOL[torch.float32]
+    assert (built[-1][-6], built[-1][-3]) == (2, False), built[-1]  # 2 stages, the O loop serial
+    lora.bypass_fwd(x, up, down, 0.8, None, cfg=dict(BT=16, BO=8, BK=16))
+    assert built[-1][-3] is True  # the fixed form pipelines it
+
+
+@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 @pytest.mark.parametrize("staged,per", [(False, 3), (True, 3), (True, 5)], ids=["plain", "staged", "staged-pipe"])
 def test_twin_bypass_bwd_forms(staged, per, monkeypatch):
     """The backward token kernel's forms (``BYPASS_BWD_FORM``, as the forward's) at partial T

@@ -748,7 +748,7 @@ def test_kernels_built_ahead_load_in_the_backward(tmp_path):
 # ----------------------------------------------------------------------------- deferred shortlists
 
 #: the add_kernel vector widths a stand-in op function builds per config (None: the fixed one)
-_DEFER_VECS = {None: (4, 8), "a": (8, 16), "b": (32,)}
+_DEFER_VECS = {None: (4, 8), "a": (8, 16), "b": (32,), "q": (2,)}
 _DEFER_COST = {None: 3.0, "a": 1.0, "b": 2.0, "eager": 4.0}
 
 
@@ -843,6 +843,40 @@ def test_a_cold_key_runs_its_first_config_while_the_rest_builds(deferring):
     tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
     assert len(rec.timed) == n and rec.calls[-1] == "a" and not tl_pick._deferred
     assert tl_pick.stats()["deferred_keys"] >= 1
+
+
+def test_a_cold_key_runs_a_quick_twin_while_the_whole_shortlist_builds(deferring, monkeypatch):
+    """``quick_twin`` (``TL_QUICK``): the deferred cold call builds and runs its first config's
+    twin (its own kernel, 2) instead, while the whole shortlist, the first config's kernels (4, 8)
+    too, builds in the background; the timing call picks among the shortlist, never the twin."""
+    rec = deferring
+    tl_pick.models()
+    monkeypatch.setitem(tl_pick._quick, "add_scaled", lambda c: {**(c or {}), "v": "q"})
+    kernel = _configured_op_function(rec.calls)
+    base, delta = torch.randn(19, 7), torch.randn(19, 7)
+    got = tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+    torch.testing.assert_close(got, eager_add_scaled(base, delta, 0.5))
+    # the twin's one kernel in a child (children follow it), then the shortlist's four behind it
+    assert rec.calls == ["q"] and not rec.timed
+    assert rec.built == [[2]] and rec.forks == [(tl_pick.BACKGROUND_NICE, [4, 8, 16, 32])]
+    for pid in list(tl_pick._ahead):
+        rec.exits[pid] = 0
+    tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+    assert sorted(map(str, set(rec.timed))) == ["None", "a", "b", "eager"] and rec.calls[-1] == "a"
+    (row,) = [r for k, r in tune.table().rows.items() if "|tilelang|add_scaled|" in k]
+    assert row["config"] == {"v": "a"}
+
+
+def test_a_quick_twin_sets_a_form_key_of_the_lora_forward():
+    """lora_bypass_fwd's twin (plans/lora.py ``TL_QUICK``): the fixed config's tiles with the O loop
+    serial and the x·downᵀ loop 2 deep, keys the TileLang launcher reads (a cfg's form keys over
+    ``BYPASS_FWD_FORM``)."""
+    from lycoris_ops.plans import lora as plans_lora
+    from lycoris_ops.tilelang import lora as tl_lora
+
+    twin = plans_lora.TL_QUICK["lora_bypass_fwd"](tl_pick.KERNEL)
+    assert twin == {"pipe_o": False, "stages": 2} and set(twin) <= set(tl_lora.BYPASS_FWD) | set(tl_lora.BYPASS_FWD_FORM)
+    assert tl_pick.quick_twin("lora_bypass_fwd") is plans_lora.TL_QUICK["lora_bypass_fwd"]
 
 
 def test_a_deferred_key_is_not_timed_while_capturing(deferring, monkeypatch):

@@ -143,8 +143,22 @@ def models() -> Dict[str, Tuple[Callable, Callable]]:
     """op -> (shortlist of a call: f(DeviceFacts, *args) -> Plan, exact sizes: f(*args))."""
     if not _models:
         for family in MODEL_FAMILIES:
-            _models.update(importlib.import_module(f"{__package__}.{family}").TILELANG)
+            module = importlib.import_module(f"{__package__}.{family}")
+            _quick.update(getattr(module, "TL_QUICK", {}))
+            _models.update(module.TILELANG)
     return _models
+
+
+#: op -> its quick twin (``TL_QUICK`` of plans/<family>.py): cfg -> the config a deferred cold
+#: call runs instead of the shortlist's first, the same tiles in a form that builds in a fraction
+#: of the time; the whole shortlist (that first config too) then builds in the background
+_quick: Dict[str, Callable] = {}
+
+
+def quick_twin(op: str) -> Optional[Callable]:
+    """``_quick``'s twin of ``op``'s first config, or None."""
+    models()
+    return _quick.get(op)
 
 
 def candidates(op: str, args: Sequence[Any]):
@@ -430,14 +444,17 @@ def _exact(op: str, args) -> tuple:
 
 
 def _first_and_rest(kernel: Callable, args: Sequence[Any], cands: Sequence[Any], procs: int,
-                    built: Optional[set] = None) -> Tuple[list, list]:
-    """(the kernels of the first candidate, the other candidates' kernels not among those):
-    a deferred cold call builds the first, the background the rest (``built``: keys on disk
-    already, left out of both)."""
-    first = _shortlist_kernels(kernel, args, cands[:1], procs, None, built=built)[0]
-    rest = _shortlist_kernels(kernel, args, cands[1:], procs, None,
+                    built: Optional[set] = None, op: str = "") -> Tuple[list, list, Any]:
+    """(the kernels of the config a deferred cold call runs, the shortlist's other kernels, that
+    config): the call builds the first, the background the rest (``built``: keys on disk already,
+    left out of both). The config is the first candidate, or its quick twin (``quick_twin``),
+    behind which the whole shortlist builds."""
+    twin = quick_twin(op) if op and cands and not tune.is_eager(cands[0]) else None
+    head = twin(cands[0]) if twin else cands[0]
+    first = _shortlist_kernels(kernel, args, [head], procs, None, built=built)[0]
+    rest = _shortlist_kernels(kernel, args, cands if twin else cands[1:], procs, None,
                               built={p.key for p in first} | set(built or ()))[0]
-    return first, rest
+    return first, rest, head
 
 
 def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[list, list]) -> None:
@@ -456,7 +473,7 @@ def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[
     if not (DEFER and tune.tuning_enabled()):
         listing[0].extend(_shortlist_kernels(kernel, args, cands, procs, [])[0])
         return
-    first, rest = _first_and_rest(kernel, args, cands, procs)
+    first, rest, _ = _first_and_rest(kernel, args, cands, procs, op=op)
     listing[0].extend(first)
     listing[1].extend(rest)
 
@@ -470,26 +487,25 @@ def _defers(op: str, args: Sequence[Any], parts, device, version) -> bool:
 
 
 def _defer(op: str, kernel: Callable, args: Sequence[Any], fk: tuple):
-    """A cold key's first call (``DEFER``): build the planner's first config's kernels (in
-    children when two or more), start children building the rest of the shortlist in the
-    background (and the backward's kernels, ``backward_pending``), and return the first config
-    for this call and the key's next ones until those children are done (``_deferred``). None
-    (the call times its shortlist now) where nothing is left to build."""
+    """A cold key's first call (``DEFER``): build the planner's first config's kernels, or its
+    quick twin's (``quick_twin``; in children when two or more, or when children follow), start
+    children building the rest of the shortlist in the background (and the backward's kernels,
+    ``backward_pending``), and return that config for this call and the key's next ones until
+    those children are done (``_deferred``). None (the call times its shortlist now) where
+    nothing is left to build."""
     cands = list(candidates(op, args))
     if len(cands) < 2 or tune.is_eager(cands[0]):
         return None
-    first = cands[0]
     if _ahead:
         _reap_ahead()
-    _, rest = _first_and_rest(kernel, args, cands, precompile.usable_procs(), built=_built_ahead)
+    _, rest, first = _first_and_rest(kernel, args, cands, precompile.usable_procs(), built=_built_ahead, op=op)
     if not rest:
         return None  # the rest is built: timed now
     ahead, behind = backward_pending(op, args) if _builds_ahead(args) else ([], [])
     precompile_call(kernel, args, [first], ahead=ahead, background=rest + behind)
     _deferred[fk] = _Deferred(first, frozenset(p.key for p in rest))
     _totals["deferred_keys"] += 1
-    log.info("lycoris_ops tilelang: %s runs its first config while %d kernels of %d more configs build",
-             op, len(rest), len(cands) - 1)
+    log.info("lycoris_ops tilelang: %s runs %s while %d kernels of its shortlist build", op, first, len(rest))
     return first
 
 

@@ -636,7 +636,7 @@ def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
     y = torch.empty((T_, O), device=x.device, dtype=odt)
     BT, BO = p["BT"], p["BO"]
     n_o = cdiv(O, BO)
-    form = BYPASS_FWD_FORM
+    form = {**BYPASS_FWD_FORM, **{k: v for k, v in p.items() if k in BYPASS_FWD_FORM}}  # a cfg may set a form key
     per = n_o if form.get("one_group") else _per(n_o, cdiv(T_, BT), x.device)
     pipe = form["staged"] and form["pipe_o"]
     grouped = pipe and per != n_o and form.get("pipe_groups", False)  # a static group size: one build each
