@@ -154,7 +154,14 @@ def test_twin_bypass_fwd_forms(staged, per, extra, pipe, with_base, monkeypatch)
     ``pipe_groups``; ``one_group``: never split) at partial T and O tiles; with 2 groups of 3,
     the second group's last step redoes the last tile (the clamp)."""
     monkeypatch.setattr(lora, "BYPASS_FWD_FORM", dict(staged=staged, pipe_o=True, ws=True, **extra))
-    monkeypatch.setattr(lora, "_per", lambda tiles, other, device: per)
+    built = bypass_fwd_twin(monkeypatch, per, dict(BT=16, BO=8, BK=16), with_base)
+    assert (built[-1][-3], built[-1][-1]) == pipe, built[-1]  # (pipelined O loop, static group)
+
+
+def bypass_fwd_twin(monkeypatch, per, cfg, with_base):
+    """``lora.bypass_fwd`` (CPU twin, x non-contiguous, partial T and O tiles, O tiles ``per``
+    a group) at ``cfg`` against eager; returns the argument tuples of its ``kernel`` lookups."""
+    monkeypatch.setattr(lora, "_per", lambda tiles, other, device: per if per else tiles)
     built = []
     real = lora.kernel
     monkeypatch.setattr(lora, "kernel", lambda b, *a: built.append(a) or real(b, *a))
@@ -163,10 +170,11 @@ def test_twin_bypass_fwd_forms(staged, per, extra, pipe, with_base, monkeypatch)
     x = torch.randn(I, T, generator=g).t()
     up, down = torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)
     base = torch.randn(T, O, generator=g) if with_base else None
-    got = lora.bypass_fwd(x, up, down, -0.9, base, cfg=dict(BT=16, BO=8, BK=16))
+    got = lora.bypass_fwd(x, up, down, -0.9, base, cfg=cfg)
     want = REF.lora_bypass_fwd(x, up, down, -0.9, base)
     assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
-    assert built and (built[-1][-3], built[-1][-1]) == pipe, built[-1]  # (pipelined O loop, static group)
+    assert built
+    return built
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
@@ -176,18 +184,9 @@ def test_twin_bypass_fwd_quick_twin(monkeypatch):
     where the fixed form pipelines it (one group holds the 5 O tiles), and agrees with eager."""
     from lycoris_ops.plans import lora as plans_lora
 
-    monkeypatch.setattr(lora, "_per", lambda tiles, other, device: tiles)
-    built = []
-    real = lora.kernel
-    monkeypatch.setattr(lora, "kernel", lambda b, *a: built.append(a) or real(b, *a))
-    g = torch.Generator().manual_seed(6)
-    T, I, O, r = 70, 19, 37, 5
-    x, up, down = torch.randn(T, I, generator=g), torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)
-    cfg = plans_lora.TL_QUICK["lora_bypass_fwd"](dict(BT=16, BO=8, BK=16))
-    got = lora.bypass_fwd(x, up, down, 0.8, None, cfg=cfg)
-    assert harness.rel_err(got, REF.lora_bypass_fwd(x, up, down, 0.8, None)) <= harness.REL_TOL[torch.float32]
+    built = bypass_fwd_twin(monkeypatch, 0, plans_lora.TL_QUICK["lora_bypass_fwd"](dict(BT=16, BO=8, BK=16)), False)
     assert (built[-1][-6], built[-1][-3]) == (2, False), built[-1]  # 2 stages, the O loop serial
-    lora.bypass_fwd(x, up, down, 0.8, None, cfg=dict(BT=16, BO=8, BK=16))
+    built = bypass_fwd_twin(monkeypatch, 0, dict(BT=16, BO=8, BK=16), False)
     assert built[-1][-3] is True  # the fixed form pipelines it
 
 

@@ -289,18 +289,26 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
                 Mi[i, j] = M2[i, j]
 
     @T.macro
-    def invert(A, Mi):
-        # Mi <- A⁻¹ with its own scratch: gauss_jordan_pingpong's second buffer pair (``pingpong``),
-        # or gauss_jordan's pivot row and column
+    def invert_with(A, Mi, A2, M2):
+        # Mi <- A⁻¹: gauss_jordan_pingpong with (A2, M2) as its second buffer pair (``pingpong``;
+        # free buffers of the caller), or gauss_jordan with its pivot row and column
         if solve_pingpong:
-            A2 = alloc_s((GP, GP), "float32")
-            M2 = alloc_s((GP, GP), "float32")
             gauss_jordan_pingpong(A, Mi, A2, M2)
         else:
             ra = alloc_s((GP,), "float32")
             ri = alloc_s((GP,), "float32")
             ca = alloc_s((GP,), "float32")
             gauss_jordan(A, Mi, ra, ri, ca)
+
+    @T.macro
+    def invert(A, Mi):
+        # invert_with, the second buffer pair its own
+        if solve_pingpong:
+            A2 = alloc_s((GP, GP), "float32")
+            M2 = alloc_s((GP, GP), "float32")
+            invert_with(A, Mi, A2, M2)
+        else:
+            invert_with(A, Mi, A, Mi)  # (no second pair: gauss_jordan)
 
     @T.macro
     def run_slots(slot, g, gps):
@@ -330,7 +338,7 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
         # (a Python function, not parsed: T.And where the kernels write ``and``)
         return T.if_then_else(T.And(T.And(i < GC, j < GC), T.And(i // S == j // S, g * NB + i // S < KB)), f, 0.0)
 
-    return build_system, (invert, gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, f_entry
+    return build_system, (invert, invert_with), run_slots, load_rho, f_entry
 
 
 def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
@@ -418,7 +426,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NG = T.dynamic("KB NR NG")
-    build_system, (invert, _, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP,
+    build_system, (invert, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP,
                                                                                     pingpong)
 
     @T.macro
@@ -633,7 +641,7 @@ def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
     _, _, S, has_rescale, pingpong = cayley
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
-    build_system, (invert, _, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP,
+    build_system, (invert, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP,
                                                                           pingpong)
 
     @T.macro
@@ -825,10 +833,9 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, (_, gauss_jordan, gauss_jordan_pingpong), run_slots, load_rho, _ = _cayley_macros(
-        T, par, alloc_s, S, NB, GP, pingpong)
-    full_chain, block_chain = _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, pingpong,
-                                            bd, gauss_jordan, gauss_jordan_pingpong)
+    build_system, (_, invert_with), run_slots, load_rho, _ = _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong)
+    full_chain, block_chain = _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, bd,
+                                            invert_with)
 
     @T.prim_func
     def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
@@ -854,21 +861,10 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     return oft_chain
 
 
-def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, pingpong, bd, gauss_jordan,
-                  gauss_jordan_pingpong):
+def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, bd, invert_with):
     """The two bodies of ``chain_kernel`` after the system is built: ``full_chain`` over the
     group's GP x GP entries, ``block_chain`` over its blocks' entries alone."""
     GC = NB * S
-
-    @T.macro
-    def solve(A, Mi, gR, T1):
-        if bool(pingpong):
-            gauss_jordan_pingpong(A, Mi, gR, T1)  # gR and T1 are free until after the solve
-        else:
-            ra = alloc_s((GP,), "float32")
-            ri = alloc_s((GP,), "float32")
-            ca = alloc_s((GP,), "float32")
-            gauss_jordan(A, Mi, ra, ri, ca)
 
     @T.macro
     def rescale_grad(GR, Ps, Mi, g, KB, accr, full):
@@ -899,7 +895,7 @@ def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, 
         for i, j in par(GP, GP):
             Ps[i, j] = T.if_then_else(
                 i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
-        solve(A, Mi, gR, T1)
+        invert_with(A, Mi, gR, T1)  # gR and T1 are free until after the solve
         if boft:
             for i, j in par(GP, GP):
                 gR[i, j] = fcoef * Ps[i, j]
@@ -943,7 +939,7 @@ def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, 
                     accb[b, r, c] += P[s, g, b * S + r, b * S + c]
         for b, r, c in par(NB, S, S):
             Ps[b * S + r, b * S + c] = accb[b, r, c]
-        solve(A, Mi, gR, T1)
+        invert_with(A, Mi, gR, T1)  # gR and T1 are free until after the solve
         for b, r, c in par(NB, S, S):
             if boft:
                 gR[b * S + r, b * S + c] = fcoef * Ps[b * S + r, b * S + c]
