@@ -504,7 +504,7 @@ def _composed_stages(f, firsts, L, s, GC, gps):
     unit groups ((len(firsts)·npg, W, W) each) in the box basis (tb, j), fp64:
     E_k[(hi, t, lo, j), (hi', t', lo', j')] = δ(hi, hi')·δ(lo, lo')·M[(t, j), (t', j')], M the
     run-basis matrix (``f`` = fh + fl in fp64, its first GC rows / columns) of the group
-    ``_compose_groups`` names: one gather and einsum a stage for all the units."""
+    ``_compose_groups`` names: one gather, one zero fill and one copy a stage for all the units."""
     H = GC // 2
     out = []
     for grp in _batch_groups(firsts, L, s, GC, gps, f.device):
