@@ -75,7 +75,8 @@ declare -A RUNS=(
   # the backward's 96-wide composed units (BOFT small: GC = 48) unpadded, the stream on mma.sync (COMPOSE_BWD_MMA,
   # on since 2026-12-06): boft_tests first (its "mma" cases), then the A/B against those units one launch a stage
   [boft_mma]="bench/tilelang_boft_variants.py --shapes small --variants compose3\\ bwd\\ split,compose3\\ bwd\\ split\\ mma,compose3\\ bwd\\ mma"
-  # the leading stages that share one box as one unit (COMPOSE_LEADING, off): its parity (boft_tests), then the A/B
+  # the leading stages that share one box as one unit (COMPOSE_LEADING, on since 2026-12-06): its parity (boft_tests),
+  # then the A/B
   [boft_lead]="bench/tilelang_boft_variants.py --shapes small --variants defaults,leading,defaults,leading"
   # the chain kernel over the blocks' entries (oft.CHAIN_BLOCKS, on) and Cayley's row-wise Fᵀ stores: their GPU
   # parity (every oft / boft chain and Cayley form, the batched partials), then the chain A/B

@@ -360,11 +360,11 @@ def test_boft_bwd_partials_over_splits(leading, m, nb, s, shape, monkeypatch, po
     monkeypatch.setattr(boft, "COMPOSE_LEADING", leading)
     monkeypatch.setattr(_oft, "SPLIT_PER_SM", 64)
     splits = []
-    real_chain = boft._batch_partials
+    real = boft._batch_partials
 
     def spy(b, part, *a):
         splits.append(part.shape[0])
-        return real_chain(b, part, *a)
+        return real(b, part, *a)
 
     monkeypatch.setattr(boft, "_batch_partials", spy)
     dtype = DTYPES[-1]

@@ -137,6 +137,11 @@ def stats() -> Dict[str, float]:
 #: the families whose plans/<family>.py has TileLang models (``TILELANG``)
 MODEL_FAMILIES = ("lora", "tucker", "loha", "lokr", "add", "ia3", "dora", "oft", "boft")
 _models: Dict[str, Tuple[Callable, Callable]] = {}
+#: op -> its quick twin (``TL_QUICK`` of plans/<family>.py, loaded with ``models``): cfg -> the
+#: config a deferred cold call runs instead of the shortlist's first, the same tiles in a form
+#: that builds in a fraction of the time; the whole shortlist (that first config too) then
+#: builds in the background
+_quick: Dict[str, Callable] = {}
 
 
 def models() -> Dict[str, Tuple[Callable, Callable]]:
@@ -147,12 +152,6 @@ def models() -> Dict[str, Tuple[Callable, Callable]]:
             _quick.update(getattr(module, "TL_QUICK", {}))
             _models.update(module.TILELANG)
     return _models
-
-
-#: op -> its quick twin (``TL_QUICK`` of plans/<family>.py): cfg -> the config a deferred cold
-#: call runs instead of the shortlist's first, the same tiles in a form that builds in a fraction
-#: of the time; the whole shortlist (that first config too) then builds in the background
-_quick: Dict[str, Callable] = {}
 
 
 def quick_twin(op: str) -> Optional[Callable]:

@@ -439,10 +439,15 @@ def _unit_gp(W: int, bwd: bool) -> int:
     return -(-W // 64) * 64 if bwd and COMPOSE_BWD_PAD else W
 
 
+def _leading(i, s, GC) -> bool:
+    """Whether stage i's κ is at most half a group (GC/2): its group is the GC channels in order."""
+    return ((s // 2) << i) <= GC // 2
+
+
 def _one_box(i, L, s, GC) -> bool:
     """Whether the unit (i, L), L > 1, is the leading stages' single box (``COMPOSE_LEADING``):
-    κ <= GC/2 up to its last stage, so every stage's group is the same GC channels in order."""
-    return L > 1 and ((s // 2) << (i + L - 1)) <= GC // 2
+    ``_leading`` up to its last stage, so every stage's group is the same GC channels in order."""
+    return L > 1 and _leading(i + L - 1, s, GC)
 
 
 def _compose_units(m, s, runs, most, bwd=False):
@@ -451,7 +456,7 @@ def _compose_units(m, s, runs, most, bwd=False):
     there the largest L that ``_compose_at`` allows (1 always can)."""
     out, i = [], 0
     if COMPOSE_LEADING:
-        while i < min(most, m) and ((s // 2) << i) <= runs[0] // 2:  # stage i's κ within half a group
+        while i < min(most, m) and _leading(i, s, runs[0]):
             i += 1
         if i > 1:
             out.append((0, i))
@@ -536,14 +541,15 @@ class _Batch:
     every unit of one L. ``es``: the stage matrices E_0 … E_{L-1} and ``j`` = E_{L-1}···E_0 (fp64,
     (n·npg, W, W) in the units' basis, unit n at rows n·npg …); ``pair``: J as the forward's
     (hi, lo) (the box's padded to GP); ``tpair`` (backward): Jᵀ as its stream's (the box's padded
-    to GP, a unit's to its GEMM width ``_unit_gp``; unpadded where the stream splits); ``pg``: the
+    to GP, a unit's to its GEMM width ``_unit_gp``; unpadded where the stream splits: ``split``,
+    ``COMPOSE_BWD_SPLIT`` from the units' width); ``pg``: the
     streams' fp32 partials per split of every unit, (NS, n·npg, GEMM width²), for
     ``_batch_partials`` after the last stream. One batch is one set of small host ops, not one a
     unit (at the small bench shape the host-side algebra was ~150 µs of the TileLang forward's
     910, H100 profile; the backward's per-unit partials ~90 host ops of 98 launches)."""
 
     def __init__(self, es, firsts, L, box, GP, dtype, bwd, split):
-        self.es, self.firsts, self.L, self.box = es, firsts, L, box
+        self.es, self.firsts, self.L, self.box, self.split = es, firsts, L, box, split
         self.npg = es[0].shape[0] // len(firsts)
         self.j = _product(es)
         W = self.j.shape[-1]
@@ -723,8 +729,7 @@ def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     W, R, x0 = GC << (L - 1), 1 << L, g[0]
     GP = _unit_gp(W, True)  # the stream's GEMM width: W, or W zero-padded (COMPOSE_BWD_PAD)
     b, n = mats[(i, L)]
-    split = bool(COMPOSE_BWD_SPLIT) and W >= COMPOSE_BWD_SPLIT
-    jt = b.tpair
+    split, jt = b.split, b.tpair
     if split:
         _launch_composed(g, x0, b.rows(b.tpair, n), dst, i, L, s, runs, gps, APPLY, arch, False)
         jt, dst = (x0.new_empty((1, GP, GP)),) * 2, (g[0], None)  # placeholders the partials-only kernel never reads
@@ -749,12 +754,13 @@ def _stream_stage(g, u, dst, th, tl_, part, i, s, runs, gps, p, arch, tps, goff=
     ks(*v[:4], th, tl_, *v[4:], part, i * gps if goff is None else goff, tps)
 
 
-def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
+def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats, tiles):
     """The backward of the leading stages' unit (i, L) (``_one_box``): ``_stream_stage`` with the
     unit's Jᵀ (gx = g·J), its partials A = Σ gᵀ·u (the stages' shared run basis) in its batch's
-    ``pg`` (``_batch_partials`` forms the stages' after the last stream)."""
+    ``pg`` (``_batch_partials`` forms the stages' after the last stream); ``tiles``: the single
+    stages' (nsplit, tiles per split)."""
     b, _ = mats[(i, L)]
-    nsplit, tps = tiling(False, g[0].shape[0], 1, p["BT"], gps, g[0].device)
+    nsplit, tps = tiles
     _stream_stage(g, u, dst, *b.tpair, b.partials(nsplit, runs[2], g[0].device), i, s, runs, gps, p, arch, tps,
                   goff=0)
 
@@ -812,7 +818,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         dst = (gxv, None) if n == 0 else gbuf[n % 2]
         u = us[n]
         if _one_box(i, k, s, GC):
-            _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
+            _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats, (nsplit, tps))
         elif k > 1:
             _stream_composed(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
         else:

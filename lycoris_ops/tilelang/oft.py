@@ -427,7 +427,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     GC = NB * S
     KB, NR, NG = T.dynamic("KB NR NG")
     build_system, (invert, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP,
-                                                                                    pingpong)
+                                                                              pingpong)
 
     @T.macro
     def solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot):
@@ -642,7 +642,7 @@ def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
     build_system, (invert, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP,
-                                                                          pingpong)
+                                                                      pingpong)
 
     @T.macro
     def group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB):
@@ -887,11 +887,11 @@ def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, 
         acc = alloc_f((GP, GP), "float32")
         T.clear(acc)
         for s in T.serial(NS):
-                for i, j in par(GP, GP):
-                    if runs:
-                        acc[i, j] += P[s, g, slot[i], slot[j]]
-                    else:
-                        acc[i, j] += P[s, g, i, j]
+            for i, j in par(GP, GP):
+                if runs:
+                    acc[i, j] += P[s, g, slot[i], slot[j]]
+                else:
+                    acc[i, j] += P[s, g, i, j]
         for i, j in par(GP, GP):
             Ps[i, j] = T.if_then_else(
                 i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
