@@ -1,8 +1,11 @@
 """Where one TileLang kernel build's seconds go, without a GPU (nvcc on PATH):
 
     python bench/tilelang_build_profile.py lokr 23 [--arch sm_90a]
+    python bench/tilelang_build_profile.py lora --kernel bypass_fwd_kernel \
+        --args '[4096, 4096, 64, "bfloat16", null, "bfloat16", 64, 128, 64, 2, 128, true, false, false, 0]'
 
-builds entry N of ``lycoris_ops.tilelang.<family>.compile_specs(bf16)`` once, in a fresh
+builds entry N of ``lycoris_ops.tilelang.<family>.compile_specs(bf16)`` (or the family's builder
+``--kernel`` at ``--args``, a JSON list: a bench shape's kernel) once, in a fresh
 TileLang cache (a new temporary folder, also where ``TILELANG_CACHE_DIR`` is set: a warm
 cache would time a load; ``--cache DIR`` to use one: run twice, the second run times the
 load from the disk cache), and prints the
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import importlib
+import json
 import os
 import subprocess
 import tempfile
@@ -28,7 +32,9 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("family", help="a lycoris_ops.tilelang module: lora, loha, lokr, ...")
-    ap.add_argument("index", type=int, help="the entry of its compile_specs(bf16)")
+    ap.add_argument("index", type=int, nargs="?", default=0, help="the entry of its compile_specs(bf16)")
+    ap.add_argument("--kernel", default=None, help="a builder of the family (with --args) instead of an entry")
+    ap.add_argument("--args", default=None, help="the builder's arguments, a JSON list")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--cache", default=None, help="TileLang's cache folder (default: a new temporary one)")
     args = ap.parse_args()
@@ -75,7 +81,11 @@ def main() -> None:
             macro[0] += time.perf_counter() - t0
 
     builder.mutate = timed_mutate
-    fn, spec = importlib.import_module(f"lycoris_ops.tilelang.{args.family}").compile_specs(torch.bfloat16)[args.index]
+    module = importlib.import_module(f"lycoris_ops.tilelang.{args.family}")
+    if args.kernel:
+        fn, spec = getattr(module, args.kernel), tuple(json.loads(args.args or "[]"))
+    else:
+        fn, spec = module.compile_specs(torch.bfloat16)[args.index]
     t0 = time.perf_counter()
     _common.compile_only(fn, args.arch, *spec)
     total = time.perf_counter() - t0

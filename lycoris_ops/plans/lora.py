@@ -466,9 +466,10 @@ def _merge_bwd_tl(dev, grad, up, down, gamma):
 
 #: op -> the quick twin of a deferred cold key's first config (``plans/tilelang.quick_twin``):
 #: the same tiles with the O loop serial (``pipe_o`` off) and the x·downᵀ loop 2 deep, whose
-#: build took 3.8 s against 7.4 for the fixed config at the large bench shape (sm_90a, the CPU
-#: host; the H100's host built the fixed one alone in 8 s small, 10 s large: bench/RESULTS.md
-#: 2026-12-06 08:41, the cold first call 9.3 / 10.7 s)
+#: build took 3.8-5.7 s against 6.7-7.4 for the fixed config at the large bench shape (sm_90a,
+#: the CPU host, ``bench/tilelang_build_profile.py lora --kernel bypass_fwd_kernel``; RESULTS.md
+#: 2026-12-06 07:55; the H100's host built the fixed one alone in 8 s small, 10 s large, the cold
+#: first call 9.3 / 10.7 s)
 TL_QUICK = {"lora_bypass_fwd": lambda cfg: {**(cfg or {}), "pipe_o": False, "stages": 2}}
 
 #: op -> (the TileLang shortlist of a call: f(DeviceFacts, *schema args) -> Plan, the exact
