@@ -25,16 +25,25 @@ def fail(op: str, message: str) -> None:
 def expect(cond, op: str, message) -> None:
     """Check ``cond`` (a bool or SymBool); symbolic conditions become guards.
 
-    ``message`` (a str, or a callable returning one) is rendered before the
-    check: Dynamo traces ``torch._check_value`` only with a message closure over
-    constants, and the compile tier runs these checks too.
+    ``message`` (a str, or a callable returning one) is rendered only when the
+    check runs outside Dynamo: the compile tier traces these checks too.
     """
     if cond is True:  # plain sizes (every eager call): no torch._check_value, whose first call
         return        # imports the symbolic-shape machinery (0.4 s once per process, bench/first_call.py)
+    if cond is not False and _dynamo_tracing():
+        # Dynamo traces an eager body only in the compile tier, after the op checked the real
+        # operands. torch 2.11's Dynamo breaks the graph on torch._check_value with a message
+        # closure and on str() of a size, so the guard goes in without a message.
+        torch._check(cond)
+        return
     text = f"lycoris.{op}: {message() if callable(message) else message}"
     if cond is False:
         raise ValueError(text)
     torch._check_value(cond, lambda: text)
+
+
+def _dynamo_tracing() -> bool:
+    return torch.compiler.is_dynamo_compiling()
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -55,16 +64,17 @@ def tensor(op: str, name: str, t, ndim: Optional[int] = None, layout: str = "") 
 
 def size(op: str, what: str, actual, expected) -> None:
     """``actual == expected`` for one dimension; ``what`` reads like 'x.shape[1] (I)'."""
-    # the message is built eagerly: a closure over sizes cannot be traced by Dynamo
-    expect(actual == expected, op, f"{what} must be {expected}, got {actual}")
+    expect(actual == expected, op, lambda: f"{what} must be {expected}, got {actual}")
 
 
 def shape(op: str, name: str, t: torch.Tensor, expected: Sequence, layout: str = "") -> None:
     """The whole shape of ``t`` equals ``expected`` (after the rank check)."""
     expected = tuple(expected)
-    message = f"{name} must have shape {expected}{' ' + layout if layout else ''}, got {_shape(t)}"
+    def message():
+        return f"{name} must have shape {expected}{' ' + layout if layout else ''}, got {_shape(t)}"
+
     if t.dim() != len(expected):
-        fail(op, message)
+        fail(op, message())
     for a, e in zip(t.shape, expected):
         expect(a == e, op, message)
 

@@ -66,6 +66,29 @@ def test_no_graph_break():
     assert explanation.graph_count == 1
 
 
+def _first_case_of_each_op():
+    from lycoris_ops import testing
+    first = {}
+    for case in testing.cases(dtype=torch.float32):
+        first.setdefault(case.op, case)
+    return first
+
+
+@pytest.mark.parametrize("op", lycoris_ops.OP_NAMES)
+def test_compile_tier_traces_each_eager_body_whole(op):
+    """The compile tier hands Dynamo an op's eager body, argument checks included: one graph
+    with symbolic sizes (torch 2.11's Dynamo broke it at a checked size's message)."""
+    from lycoris_ops import registry
+
+    case = _first_case_of_each_op()[op]
+    body = registry.eager(op)
+    torch._dynamo.reset()
+    compiled = torch.compile(body, backend="eager", fullgraph=True, dynamic=True)
+    with torch._dynamo.config.patch(specialize_int=True):  # symbolic sizes; axis arguments stay ints
+        got = compiled(*case.args)
+    torch.testing.assert_close(got, body(*case.args))
+
+
 def _export(model):
     batch = torch.export.Dim("batch", min=1, max=1024)
     return torch.export.export(model, (_inputs(3),), dynamic_shapes={"x": {0: batch}})
