@@ -50,28 +50,34 @@ def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
 
 
-def tensor(op: str, name: str, t, ndim: Optional[int] = None, layout: str = "") -> torch.Tensor:
-    """A floating-point tensor of rank ``ndim`` (when given); ``layout`` names its dims."""
+def _text(part) -> str:
+    """A message part: a str, or a callable returning one (rendered only when needed: a part
+    naming an int argument, e.g. an axis, must not be formatted while Dynamo traces it)."""
+    return part() if callable(part) else part
+
+
+def tensor(op: str, name: str, t, ndim: Optional[int] = None, layout="") -> torch.Tensor:
+    """A floating-point tensor of rank ``ndim`` (when given); ``layout`` (str or callable) names its dims."""
     if not isinstance(t, torch.Tensor):
         fail(op, f"{name} must be a Tensor, got {type(t).__name__}")
     if t.dtype not in FLOAT_DTYPES:
         fail(op, f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}")
     if ndim is not None and t.dim() != ndim:
-        want = f"{ndim}-D {layout}" if layout else f"{ndim}-D"
+        want = f"{ndim}-D {_text(layout)}" if layout else f"{ndim}-D"
         fail(op, f"{name} must be {want}, got shape {_shape(t)}")
     return t
 
 
-def size(op: str, what: str, actual, expected) -> None:
-    """``actual == expected`` for one dimension; ``what`` reads like 'x.shape[1] (I)'."""
-    expect(actual == expected, op, lambda: f"{what} must be {expected}, got {actual}")
+def size(op: str, what, actual, expected) -> None:
+    """``actual == expected`` for one dimension; ``what`` (str or callable) reads like 'x.shape[1] (I)'."""
+    expect(actual == expected, op, lambda: f"{_text(what)} must be {expected}, got {actual}")
 
 
-def shape(op: str, name: str, t: torch.Tensor, expected: Sequence, layout: str = "") -> None:
+def shape(op: str, name: str, t: torch.Tensor, expected: Sequence, layout="") -> None:
     """The whole shape of ``t`` equals ``expected`` (after the rank check)."""
     expected = tuple(expected)
     def message():
-        return f"{name} must have shape {expected}{' ' + layout if layout else ''}, got {_shape(t)}"
+        return f"{name} must have shape {expected}{' ' + _text(layout) if layout else ''}, got {_shape(t)}"
 
     if t.dim() != len(expected):
         fail(op, message())

@@ -52,7 +52,7 @@ def _check_common(op, blocks, x, axis, cscale, scale, rescale=None, grad=None):
     if isinstance(axis, bool) or not isinstance(axis, int):
         _checks.fail(op, f"axis must be an int, got {type(axis).__name__}")
     ax = _checks.axis(op, "axis", axis, x.dim())
-    _checks.size(op, f"x.shape[{axis}] (the channel axis, C = nb*s)", x.shape[ax], nb * s)
+    _checks.size(op, lambda: f"x.shape[{axis}] (the channel axis, C = nb*s)", x.shape[ax], nb * s)
     stride = (1 << (m - 1)) if isinstance(m, int) else 2 ** (m - 1)
     _checks.expect(nb % stride == 0, op,
                    lambda: f"blocks: 2^(m-1)*s = {stride * s} must divide C = nb*s = {nb * s} "

@@ -58,8 +58,11 @@ def check_dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None):
     C.tensor(op, "grad", grad)
     rows, cdt = _check_common(op, w, dscale, mult, row_axis, delta)
     C.shape(op, "grad", grad, w.shape, "(w's shape)")
-    C.tensor(op, "norms", norms, 1, f"(w.shape[{row_axis}],)")
-    C.shape(op, "norms", norms, (rows,), f"(w.shape[{row_axis}],)")
+
+    def layout():  # row_axis may be symbolic under Dynamo: formatted only for a message
+        return f"(w.shape[{row_axis}],)"
+    C.tensor(op, "norms", norms, 1, layout)
+    C.shape(op, "norms", norms, (rows,), layout)
     C.same_device(op, grad=grad, w=w, norms=norms)
     C.compute_dtype(op, grad=grad, w=w, delta=delta, dscale=dscale, norms=norms)
     return ((tuple(w.shape), w.dtype), ((rows,), dscale.dtype))
