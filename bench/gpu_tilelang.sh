@@ -18,7 +18,8 @@
 # GPU 0 otherwise): TileLang's compiles are CPU-bound. The benchmark runs on GPU 0.
 # Environment: LYCORIS_SWEEP_GROUPS (families, default all six groups), LYCORIS_SWEEP_DTYPES
 # (gpu_backends.py --dtypes, in the order run: "bfloat16,float16" reaches the 16-bit-only
-# kernels first), LYCORIS_SWEEP_WARM (0: no second sweep), LYCORIS_TESTS (pytest
+# kernels first), LYCORIS_SWEEP_SPLIT (dtype: a sweep process per group and dtype),
+# LYCORIS_SWEEP_WARM (0: no second sweep), LYCORIS_TESTS (pytest
 # arguments run after the sweeps, LYCORIS_TESTS_SECONDS, default 120), LYCORIS_SWEEP_SECONDS (per sweep process, default 240),
 # LYCORIS_BENCH_SECONDS (default 400), LYCORIS_COMMIT.
 set -uo pipefail
@@ -74,13 +75,19 @@ gpu_tests() {  # LYCORIS_TESTS (pytest arguments), after the sweeps: their kerne
 }
 
 sweep() {  # $1: cold|warm
-  local pids=() g
+  local pids=() g d dt tag parts=all
+  # LYCORIS_SWEEP_SPLIT=dtype: one process per group and dtype, so a group's cold builds at
+  # its three dtypes overlap (as one process, a 58-case group reached 23 cases in 180 s)
+  [ "${LYCORIS_SWEEP_SPLIT:-}" = dtype ] && parts=$(echo "${LYCORIS_SWEEP_DTYPES:-float32,bfloat16,float16}" | tr , ' ')
   for g in $groups; do
-    CUDA_VISIBLE_DEVICES=$sweep_gpu timeout -s INT "${LYCORIS_SWEEP_SECONDS:-240}" $py bench/gpu_backends.py \
-      --backends tilelang --families "$g" --max-seconds "$(( ${LYCORIS_SWEEP_SECONDS:-240} - 20 ))" \
-      ${LYCORIS_SWEEP_DTYPES:+--dtypes "$LYCORIS_SWEEP_DTYPES"} \
-      >"$work/sweep-$1-${g//,/-}.log" 2>&1 &
-    pids+=($!)
+    for d in $parts; do
+      dt=${LYCORIS_SWEEP_DTYPES:-}; tag=${g//,/-}
+      [ "$d" = all ] || { dt=$d; tag=$tag-$d; }
+      CUDA_VISIBLE_DEVICES=$sweep_gpu timeout -s INT "${LYCORIS_SWEEP_SECONDS:-240}" $py bench/gpu_backends.py \
+        --backends tilelang --families "$g" --max-seconds "$(( ${LYCORIS_SWEEP_SECONDS:-240} - 20 ))" \
+        ${dt:+--dtypes "$dt"} >"$work/sweep-$1-$tag.log" 2>&1 &
+      pids+=($!)
+    done
   done
   wait "${pids[@]}"
 }
