@@ -30,7 +30,7 @@ def expect(cond, op: str, message) -> None:
     """
     if cond is True:  # plain sizes (every eager call): no torch._check_value, whose first call
         return        # imports the symbolic-shape machinery (0.4 s once per process, bench/first_call.py)
-    if cond is not False and _dynamo_tracing():
+    if cond is not False and torch.compiler.is_dynamo_compiling():
         # Dynamo traces an eager body only in the compile tier, after the op checked the real
         # operands. torch 2.11's Dynamo breaks the graph on torch._check_value with a message
         # closure and on str() of a size, so the guard goes in without a message.
@@ -40,10 +40,6 @@ def expect(cond, op: str, message) -> None:
     if cond is False:
         raise ValueError(text)
     torch._check_value(cond, lambda: text)
-
-
-def _dynamo_tracing() -> bool:
-    return torch.compiler.is_dynamo_compiling()
 
 
 def _shape(t: torch.Tensor) -> str:
@@ -76,6 +72,7 @@ def size(op: str, what, actual, expected) -> None:
 def shape(op: str, name: str, t: torch.Tensor, expected: Sequence, layout="") -> None:
     """The whole shape of ``t`` equals ``expected`` (after the rank check)."""
     expected = tuple(expected)
+
     def message():
         return f"{name} must have shape {expected}{' ' + _text(layout) if layout else ''}, got {_shape(t)}"
 

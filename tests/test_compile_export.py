@@ -1,5 +1,6 @@
 """A small model on the lycoris ops under torch.compile(fullgraph=True),
 torch.export (+ save/load in a fresh process) and AOTInductor (fresh process)."""
+import functools
 import pathlib
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def test_no_graph_break():
     assert explanation.graph_count == 1
 
 
+@functools.lru_cache(maxsize=None)
 def _first_case_of_each_op():
     from lycoris_ops import testing
     first = {}
