@@ -1,6 +1,6 @@
 """A small model on the lycoris ops under torch.compile(fullgraph=True),
-torch.export (+ save/load in a fresh process) and AOTInductor (fresh process)."""
-import functools
+torch.export (+ save/load in a fresh process) and AOTInductor (fresh process);
+every op's eager body traced whole, as the compile tier traces it."""
 import pathlib
 import subprocess
 import sys
@@ -13,6 +13,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples")
 from tiny_model import TinyAdapted  # noqa: E402
 
 import lycoris_ops  # noqa: E402,F401
+from lycoris_ops import registry, testing  # noqa: E402
 
 LYCORIS_FWD = ("lora_bypass_fwd", "lora_merge_fwd", "lokr_bypass_fwd", "dora_fwd", "oft_fwd")
 LYCORIS_BWD = ("lora_bypass_bwd", "loha_merge_bwd", "lokr_bypass_bwd", "dora_bwd", "oft_bwd")
@@ -67,23 +68,12 @@ def test_no_graph_break():
     assert explanation.graph_count == 1
 
 
-@functools.lru_cache(maxsize=None)
-def _first_case_of_each_op():
-    from lycoris_ops import testing
-    first = {}
-    for case in testing.cases(dtype=torch.float32):
-        first.setdefault(case.op, case)
-    return first
-
-
-@pytest.mark.parametrize("op", lycoris_ops.OP_NAMES)
-def test_compile_tier_traces_each_eager_body_whole(op):
+@pytest.mark.parametrize("case", testing.cases(dtype=torch.float32), ids=lambda c: f"{c.op}/{c.id}")
+def test_compile_tier_traces_each_eager_body_whole(case):
     """The compile tier hands Dynamo an op's eager body, argument checks included: one graph
-    with symbolic sizes (torch 2.11's Dynamo broke it at a checked size's message)."""
-    from lycoris_ops import registry
-
-    case = _first_case_of_each_op()[op]
-    body = registry.eager(op)
+    with symbolic sizes, every case (torch 2.11's Dynamo broke it at a checked size's message,
+    an int argument formatted into a message and a list's item store)."""
+    body = registry.eager(case.op)
     torch._dynamo.reset()
     # dynamic=True: symbolic sizes and int arguments, as after the tier's recompiles
     compiled = torch.compile(body, backend="eager", fullgraph=True, dynamic=True)

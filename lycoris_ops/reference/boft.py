@@ -153,12 +153,12 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
             w = torch.einsum("bpq,nbqt->nbpt", f[i], v)
             u = w.reshape(pre, C, post).index_select(1, inv)
     g = channel_view(grad, ax).to(dt)
-    g_r = [None] * m
+    g_r = []  # stage m-1 first (appended: torch 2.11's Dynamo cannot trace a list's item store)
     for i in reversed(range(m)):
         perm, inv = perms[i]
         gw = g.index_select(1, perm).reshape(pre, nb, s, post)
-        g_r[i] = scale * torch.einsum("nbpt,nbqt->bpq", gw, stage_inputs[i])
+        g_r.append(scale * torch.einsum("nbpt,nbqt->bpq", gw, stage_inputs[i]))
         gv = torch.einsum("bpq,nbpt->nbqt", f[i], gw)
         g = gv.reshape(pre, C, post).index_select(1, inv)
-    g_blocks = cayley_backward(torch.stack(g_r), m_inv, cscale)
+    g_blocks = cayley_backward(torch.stack(g_r[::-1]), m_inv, cscale)
     return g.reshape(x.shape).to(x.dtype).contiguous(), cast(g_blocks, blocks.dtype).contiguous()
