@@ -21,7 +21,7 @@
 # kernels first), LYCORIS_SWEEP_SPLIT (dtype: a sweep process per group and dtype),
 # LYCORIS_SWEEP_WARM (0: no second sweep), LYCORIS_TESTS (pytest
 # arguments run after the sweeps, LYCORIS_TESTS_SECONDS, default 120), LYCORIS_SWEEP_SECONDS (per sweep process, default 240),
-# LYCORIS_BENCH_SECONDS (default 400), LYCORIS_COMMIT.
+# LYCORIS_BENCH_SECONDS (default 400; 0: no benchmark), LYCORIS_COMMIT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -92,15 +92,18 @@ sweep() {  # $1: cold|warm
   wait "${pids[@]}"
 }
 
+bench() {  # its own empty TileLang cache: the cold first-call column must not reuse the sweeps' kernels
+  [ "${LYCORIS_BENCH_SECONDS:-400}" != 0 ] || return 0  # (timeout 0 would mean no limit)
+  TILELANG_CACHE_DIR=$work/tilelang-cache-bench CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" \
+    $py bench/bench.py --out "$out" --commit "$commit" "$@" >"$work/bench.log" 2>&1
+}
+
 if [ "$ngpu" -ge 2 ]; then
-  (TILELANG_CACHE_DIR=$work/tilelang-cache-bench CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
-     --commit "$commit" "$@" >"$work/bench.log" 2>&1) &
+  bench "$@" &
   bench_pid=$!
   sweep cold; [ "${LYCORIS_SWEEP_WARM:-1}" = 0 ] || sweep warm; gpu_tests
   wait $bench_pid
 else
   sweep cold; [ "${LYCORIS_SWEEP_WARM:-1}" = 0 ] || sweep warm; gpu_tests
-  # its own empty TileLang cache: the cold first-call column must not reuse the sweeps' kernels
-  TILELANG_CACHE_DIR=$work/tilelang-cache-bench CUDA_VISIBLE_DEVICES=0 timeout -s INT "${LYCORIS_BENCH_SECONDS:-400}" $py bench/bench.py --out "$out" \
-    --commit "$commit" "$@" >"$work/bench.log" 2>&1
+  bench "$@"
 fi
