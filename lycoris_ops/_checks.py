@@ -22,6 +22,12 @@ def fail(op: str, message: str) -> None:
     raise ValueError(f"lycoris.{op}: {message}")
 
 
+def _text(part) -> str:
+    """A message part: a str, or a callable returning one (rendered only when needed: a part
+    naming an int argument, e.g. an axis, must not be formatted while Dynamo traces it)."""
+    return part() if callable(part) else part
+
+
 def expect(cond, op: str, message) -> None:
     """Check ``cond`` (a bool or SymBool); symbolic conditions become guards.
 
@@ -36,7 +42,7 @@ def expect(cond, op: str, message) -> None:
         # closure and on str() of a size, so the guard goes in without a message.
         torch._check(cond)
         return
-    text = f"lycoris.{op}: {message() if callable(message) else message}"
+    text = f"lycoris.{op}: {_text(message)}"
     if cond is False:
         raise ValueError(text)
     torch._check_value(cond, lambda: text)
@@ -44,12 +50,6 @@ def expect(cond, op: str, message) -> None:
 
 def _shape(t: torch.Tensor) -> str:
     return "(" + ", ".join(str(s) for s in t.shape) + ")"
-
-
-def _text(part) -> str:
-    """A message part: a str, or a callable returning one (rendered only when needed: a part
-    naming an int argument, e.g. an axis, must not be formatted while Dynamo traces it)."""
-    return part() if callable(part) else part
 
 
 def tensor(op: str, name: str, t, ndim: Optional[int] = None, layout="") -> torch.Tensor:
