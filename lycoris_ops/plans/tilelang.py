@@ -442,13 +442,13 @@ def _exact(op: str, args) -> tuple:
     return tuple(out)
 
 
-def _first_and_rest(kernel: Callable, args: Sequence[Any], cands: Sequence[Any], procs: int,
-                    built: Optional[set] = None, op: str = "") -> Tuple[list, list, Any]:
+def _first_and_rest(op: str, kernel: Callable, args: Sequence[Any], cands: Sequence[Any], procs: int,
+                    built: Optional[set] = None) -> Tuple[list, list, Any]:
     """(the kernels of the config a deferred cold call runs, the shortlist's other kernels, that
     config): the call builds the first, the background the rest (``built``: keys on disk already,
     left out of both). The config is the first candidate, or its quick twin (``quick_twin``),
     behind which the whole shortlist builds."""
-    twin = quick_twin(op) if op and cands and not tune.is_eager(cands[0]) else None
+    twin = quick_twin(op) if cands and not tune.is_eager(cands[0]) else None
     head = twin(cands[0]) if twin else cands[0]
     first = _shortlist_kernels(kernel, args, [head], procs, None, built=built)[0]
     rest = _shortlist_kernels(kernel, args, cands if twin else cands[1:], procs, None,
@@ -472,7 +472,7 @@ def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[
     if not (DEFER and tune.tuning_enabled()):
         listing[0].extend(_shortlist_kernels(kernel, args, cands, procs, [])[0])
         return
-    first, rest, _ = _first_and_rest(kernel, args, cands, procs, op=op)
+    first, rest, _ = _first_and_rest(op, kernel, args, cands, procs)
     listing[0].extend(first)
     listing[1].extend(rest)
 
@@ -497,7 +497,7 @@ def _defer(op: str, kernel: Callable, args: Sequence[Any], fk: tuple):
         return None
     if _ahead:
         _reap_ahead()
-    _, rest, first = _first_and_rest(kernel, args, cands, precompile.usable_procs(), built=_built_ahead, op=op)
+    _, rest, first = _first_and_rest(op, kernel, args, cands, precompile.usable_procs(), built=_built_ahead)
     if not rest:
         return None  # the rest is built: timed now
     ahead, behind = backward_pending(op, args) if _builds_ahead(args) else ([], [])
