@@ -13,6 +13,16 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.gpu`` tests are skipped where no CUDA device is visible."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def fresh_tuner(tmp_path, monkeypatch):
     """The tuner as a new process sees it: an empty table under ``tmp_path``,

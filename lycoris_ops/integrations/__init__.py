@@ -1,0 +1,1 @@
+"""Integrations with other adapter libraries: PEFT and lycoris-lora."""
