@@ -32,3 +32,5 @@ __all__ = [
     "OP_NAMES", "functional", "__version__",
     "available_backends", "fused_backends", "resolve_backend", "set_backend", "use_backend",
 ]
+from .report import explain  # noqa: E402  (what runs fused, per adapted layer)
+__all__ += ["explain"]
