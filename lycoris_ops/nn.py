@@ -1184,27 +1184,33 @@ def load_lycoris_state_dict(model: nn.Module, state_dict, prefixes: Sequence[str
         dylora_block = int(block_size)
 
     groups: Dict[str, Dict[str, torch.Tensor]] = {}
+    keys: Dict[str, List[str]] = {}  # the file's keys per module key, for the lists below
     for k, v in state_dict.items():
         if not isinstance(v, torch.Tensor):
             raise _fail(f"{k!r} is a {type(v).__name__}, not a tensor")
         mod_key, _, t = k.partition(".")
         groups.setdefault(mod_key, {})[t] = v
+        keys.setdefault(mod_key, []).append(k)
     layers = {}
     for name, mod in model.named_modules():
         layers.setdefault(name.replace(".", "_"), (name, mod))
     unmatched: List[str] = []
     unused: List[str] = []
     built: Dict[str, AdapterModule] = {}
+    owner: Dict[str, str] = {}  # layer -> the module key its tensors came under
     for mod_key, sd in groups.items():
         hit = next((layers[mod_key[len(p):]] for p in prefixes
                     if mod_key.startswith(p) and mod_key[len(p):] in layers), None)
         if hit is None:
-            unmatched += [f"{mod_key}.{t}" for t in sd]
+            unmatched += keys[mod_key]
             continue
         name, mod = hit
+        if name in owner:
+            raise _fail(f"{name or 'the model'} has tensors under two module keys: {owner[name]!r} and {mod_key!r}")
+        owner[name] = mod_key
         found = _identify(sd)
         if not found:
-            unused += [f"{mod_key}.{t}" for t in sd]
+            unused += keys[mod_key]
             continue
         if len(found) > 1:
             raise _fail(f"{name or 'the model'}: tensors of several LyCORIS algorithms {found} ({sorted(sd)})")

@@ -216,8 +216,8 @@ def test_non_strict_loads_the_rest_and_returns_the_keys():
     assert res.unmatched_keys == sorted(k for k in sd if "fc9" in k)
     assert res.unused_keys == ["lycoris_fc1.scalar"]
     assert isinstance(model.fc1, lnn.LoRALinear)
-    res = lnn.load_lycoris_state_dict(_plain_model(), {"x.y": torch.zeros(1)}, strict=False)
-    assert res.adapters == 0 and res.unmatched_keys == ["x.y"]
+    res = lnn.load_lycoris_state_dict(_plain_model(), {"x.y": torch.zeros(1), "fc1": torch.zeros(1)}, strict=False)
+    assert res.adapters == 0 and res.unmatched_keys == ["x.y"] and res.unused_keys == ["fc1"]
     # the default (strict) keeps returning the model itself
     assert lnn.load_lycoris_state_dict(_plain_model(), _locon_sd()).fc1.rank == 4
 
@@ -289,6 +289,8 @@ def test_unsupported_raises_naming_the_layer():
     with pytest.raises(ValueError, match="groups=1"):
         lnn.load_lycoris_state_dict(grouped, {"lycoris_0.lora_up.weight": torch.zeros(8, 2, 1, 1),
                                               "lycoris_0.lora_down.weight": torch.zeros(2, 2, 3, 3)})
+    with pytest.raises(ValueError, match="fc1 has tensors under two module keys: 'lycoris_fc1' and 'lora_unet_fc1'"):
+        lnn.load_lycoris_state_dict(_plain_model(), dict(_locon_sd(), **_locon_sd("lora_unet_fc1")))
     adapted = lnn.load_lycoris_state_dict(_plain_model(), _locon_sd())
     with pytest.raises(ValueError, match="already has an adapter"):
         lnn.load_lycoris_state_dict(adapted, _locon_sd())
