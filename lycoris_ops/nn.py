@@ -15,6 +15,10 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``LoKrConv2d``     ``base(x) + conv(x, s·kron(w1, w2))`` (ΔW never built)      ``lokr.lokr_bypass_conv``
 ``DoRALinear``     ``F.linear(x, wd(W + α/r·up·down), b)`` (m only in wd)       ``locon.bypass`` + ``dora.lowrank_norm_terms``
 ``DoRAConv2d``     ``conv(x, wd(W + α/r·ΔW), b)`` (W' built each call)       ``dora.weight_decompose``
+``DoHa*, DoKr*``   LoHa / LoKr with ``dora_wd``: ``op(x, wd(W + α/r·ΔW), b)``   merge op + ``dora.weight_decompose``
+``GLoRALinear``    ``base(x + s·(x·a2ᵀ)·a1ᵀ) + s·(x·b2ᵀ)·b1ᵀ``                  ``locon.bypass`` twice
+                   (ΔW = s·(W·a1·a2 + b1·b2); ``GLoRAConv2d``: 1×1 conv chains)
+``DyLoRALinear``   ``LoRALinear`` with s = alpha/(rank/block_size)·multiplier  ``locon.bypass``
 ``OFTLinear``      ``diag(ρ)·Rᵀ·(x·Wᵀ) + b`` (diag-OFT on the output channels)  ``diag_oft.bypass``
 ``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
 ``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_bypass``
@@ -34,8 +38,9 @@ its merge scales the bias the same way.)
 (``lora_merge_fwd``, ``lokr_*merge_fwd``, ``dora_fwd``, ``oft_fwd``, ``boft_fwd``,
 ``ia3_fwd``, ``add_scaled``) so the model runs as a plain layer (the inference
 path before export); ``unmerge()`` takes it back out: additive adapters
-(LoRA/LoHa/LoKr/Full/Norm) re-run the merge op with −γ, the others (DoRA, OFT, BOFT,
-IA3, whose merge is not invertible from the merged weight alone) restore a copy
+(LoRA/LoHa/LoKr/DyLoRA/Full/Norm) re-run the merge op with −γ, the others (DoRA and
+``dora_wd``, GLoRA, OFT, BOFT, IA3, whose merge is not invertible from the merged weight
+alone) restore a copy
 of the original weight kept at merge time (not in the state dict). While merged,
 ``forward`` is ``base(x)``. A state dict saved while merged holds the merged
 weight; ``merged`` is not saved.
@@ -43,9 +48,9 @@ weight; ``merged`` is not saved.
 Helpers: :func:`add_adapters` (replace matching submodules in place),
 :func:`merge_adapters`, :func:`unmerge_adapters`, :func:`adapters`,
 :func:`mark_only_adapters_trainable`, :func:`remove_adapters`,
-:func:`load_lycoris_state_dict` (build LoCon/LoHa/LoKr/DoRA/IA3/Full/diag-OFT/BOFT/Norm
-adapters from a LyCORIS network's state dict) and :func:`lycoris_state_dict` (save them
-back in LyCORIS's format).
+:func:`load_lycoris_state_dict` (build the adapters of a LyCORIS network from its state
+dict or file: every algorithm and option lycoris-lora saves, or a clear error) and
+:func:`lycoris_state_dict` (save them back in LyCORIS's format).
 
 Parameter names follow LyCORIS (``lora_up``/``lora_down``/``alpha``,
 ``hada_w1_a`` ..., ``lokr_w1`` ..., ``oft_blocks``/``rescale``, ``dora_scale``, ``w_norm``/``b_norm``)
@@ -57,8 +62,10 @@ No dropout / rank dropout (use LyCORIS itself for those).
 """
 from __future__ import annotations
 
+import json
 import math
-from typing import Dict, Iterable, Iterator, Optional, Sequence, Tuple, Type
+import os
+from typing import Dict, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.nn as nn
@@ -75,11 +82,12 @@ from .functional import lokr as _lokr
 
 __all__ = [
     "AdapterModule", "LoRALinear", "LoRAConv2d", "LoHaLinear", "LoHaConv2d", "LoKrLinear", "LoKrConv2d",
-    "DoRALinear", "DoRAConv2d",
+    "DoRALinear", "DoRAConv2d", "DoHaLinear", "DoHaConv2d", "DoKrLinear", "DoKrConv2d",
+    "GLoRALinear", "GLoRAConv2d", "DyLoRALinear", "DyLoRAConv2d",
     "OFTLinear", "BOFTLinear", "IA3Linear", "FullLinear", "OFTConv2d", "BOFTConv2d", "IA3Conv2d", "FullConv2d",
     "NormAdapter", "ADAPTERS", "add_adapters", "adapters",
     "merge_adapters", "unmerge_adapters", "remove_adapters", "mark_only_adapters_trainable",
-    "factorization", "load_lycoris_state_dict", "lycoris_state_dict",
+    "factorization", "load_lycoris_state_dict", "lycoris_state_dict", "LycorisLoadResult",
 ]
 
 
@@ -280,6 +288,11 @@ class LoRAConv2d(_Scaled):
     def unmerged_weight(self):
         return self.merged_weight(-1.0)
 
+    def _delta(self):
+        """``scale·ΔW`` (no multiplier) in the weight's shape and dtype, for ``dora_wd``."""
+        return _locon.merge(self.lora_up, self.lora_down, self.scale, mid=self.lora_mid,
+                            out_dtype=self.base.weight.dtype)
+
 
 # --------------------------------------------------------------------------- LoHa
 
@@ -302,6 +315,9 @@ class LoHaLinear(_Scaled):
     def _f(self):
         return self.hada_w1_a, self.hada_w1_b, self.hada_w2_a, self.hada_w2_b
 
+    def _tucker(self):
+        return {}
+
     def adapter_forward(self, x):
         return _loha.bypass(x, *self._f(), self.gamma, base=self.base(x))
 
@@ -310,6 +326,11 @@ class LoHaLinear(_Scaled):
 
     def unmerged_weight(self):
         return _loha.merge(*self._f(), -self.gamma, base=self.base.weight), None
+
+    def _delta(self):
+        """``scale·ΔW`` (no multiplier) in the weight's shape and dtype, for ``dora_wd``."""
+        W = self.base.weight
+        return _loha.merge(*self._f(), self.scale, **self._tucker(), shape=W.shape, out_dtype=W.dtype)
 
 
 class LoHaConv2d(LoHaLinear):
@@ -392,11 +413,16 @@ class LoKrLinear(_Scaled):
             self.lokr_w2 = nn.Parameter(torch.zeros(c, d, *k, **kw))
             names += ["w2"]
         self._names = tuple(names)
+        if not self._factored():  # the scale is 1; LyCORIS then saves alpha = rank
+            self.alpha.fill_(r)
+            self._alpha = float(r)
+
+    def _factored(self) -> bool:
+        return "w1a" in self._names or "w2a" in self._names
 
     @property
     def scale(self) -> float:
-        factored = "w1a" in self._names or "w2a" in self._names
-        return self._alpha / self.rank if factored else 1.0
+        return self._alpha / self.rank if self._factored() else 1.0
 
     def factors(self) -> Dict[str, torch.Tensor]:
         return {n: getattr(self, _LOKR_ATTR[n]) for n in self._names}
@@ -409,6 +435,11 @@ class LoKrLinear(_Scaled):
 
     def unmerged_weight(self):
         return _lokr.lokr_weight(**self.factors(), scale=-self.gamma, base=self.base.weight), None
+
+    def _delta(self):
+        """``scale·ΔW`` (no multiplier) in the weight's shape and dtype, for ``dora_wd``."""
+        W = self.base.weight
+        return _lokr.lokr_weight(**self.factors(), scale=self.scale).reshape(W.shape).to(W.dtype)
 
 
 class LoKrConv2d(LoKrLinear):
@@ -463,6 +494,15 @@ class _AdaptedNorms(torch.autograd.Function):
         return None, None, g_up, g_down, None, None
 
 
+def _weight_norms(weight: torch.Tensor, on_out: bool) -> torch.Tensor:
+    """‖W‖ per output channel (``on_out``, shape (O, 1, …)) or per input channel ((1, I, …)), in
+    W's dtype: the initial ``dora_scale``, with which the adapted layer starts as the base layer."""
+    with torch.no_grad():
+        axis = 0 if on_out else 1
+        dims = [d for d in range(weight.dim()) if d != axis]
+        return torch.linalg.vector_norm(weight.float(), dim=dims, keepdim=True).to(weight.dtype)
+
+
 class DoRALinear(LoRALinear):
     """LoRA + weight decompose: ``W' = wd(W + s·up·down)`` with ``wd(M) = M·(m·(dora_scale/‖M‖ − 1) + 1)``,
     s = alpha/rank (the multiplier m only blends the rescale, as LyCORIS does), norms per output row (``wd_on_out=True``, dora_scale (O, 1)) or per input column (dora_scale
@@ -480,10 +520,7 @@ class DoRALinear(LoRALinear):
                  wd_on_out: bool = True):
         super().__init__(base, rank, alpha, multiplier)
         self.wd_on_out = bool(wd_on_out)
-        with torch.no_grad():
-            w = base.weight.float()
-            n = w.norm(dim=1, keepdim=True) if wd_on_out else w.norm(dim=0, keepdim=True)
-        self.dora_scale = nn.Parameter(n.to(base.weight.dtype))
+        self.dora_scale = nn.Parameter(_weight_norms(base.weight, self.wd_on_out))
 
     def _weight(self):
         W = self.base.weight
@@ -513,36 +550,167 @@ class DoRALinear(LoRALinear):
         return self._weight(), None
 
 
-class DoRAConv2d(LoRAConv2d):
-    """DoRA on a conv: ``W' = wd(W + s·ΔW)`` on the (O, I, kh, kw) weight (s = alpha/rank; see
-    ``DoRALinear``), norms per output
-    channel (``wd_on_out``, dora_scale (O, 1, 1, 1)) or per input channel over the outputs and
-    the kernel (dora_scale (1, I, 1, 1)), then the layer's conv with W'. A conv weight is small
-    next to its activations: W' is built each call (``lora_merge_fwd``/``lora_tucker_fwd`` for
-    ΔW, ``dora_fwd`` for the rows), exact gradients to every parameter through the ops."""
+class _WeightDecomposed:
+    """LyCORIS's ``dora_wd`` on an additive adapter (placed before it in the bases):
+    ``W' = wd(W + s·ΔW)`` with ``wd(M) = M·(m·(dora_scale/‖M‖ − 1) + 1)``, s the adapter's scale
+    (the multiplier m only blends the rescale), norms per output channel (``wd_on_out``,
+    dora_scale (O, 1, …)) or per input channel (dora_scale (1, I, …)). The layer runs with W',
+    built each call (ΔW by the adapter's merge op, the rescale by ``dora_fwd``), exact gradients
+    to every parameter through the ops."""
 
     additive = False
+
+    def _init_decompose(self, wd_on_out: bool) -> None:
+        self.wd_on_out = bool(wd_on_out)
+        self.dora_scale = nn.Parameter(_weight_norms(self.base.weight, self.wd_on_out))
+
+    def _weight(self):
+        W = self.base.weight
+        return _dora.weight_decompose(W, self.dora_scale, self.multiplier, self.wd_on_out,
+                                      delta=self._delta()).to(W.dtype)
+
+    def adapter_forward(self, x):
+        b = self.base
+        if isinstance(b, nn.Conv2d):
+            return F.conv2d(x, self._weight(), b.bias, b.stride, b.padding, b.dilation)
+        return F.linear(x, self._weight(), b.bias)
+
+    def merged_weight(self):
+        return self._weight(), None
+
+    def extra_repr(self) -> str:
+        return f"wd_on_out={self.wd_on_out}, " + super().extra_repr()
+
+
+class DoRAConv2d(_WeightDecomposed, LoRAConv2d):
+    """DoRA on a conv (LoCon with ``dora_wd``): ``W' = wd(W + s·ΔW)`` on the (O, I, kh, kw) weight,
+    norms per output channel (dora_scale (O, 1, 1, 1)) or per input channel over the outputs and
+    the kernel (dora_scale (1, I, 1, 1)); see ``_WeightDecomposed``. A conv weight is small next
+    to its activations: W' is built each call."""
 
     def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
                  wd_on_out: bool = True, use_tucker: bool = False):
         super().__init__(base, rank, alpha, multiplier, use_tucker)
-        self.wd_on_out = bool(wd_on_out)
-        with torch.no_grad():
-            w = base.weight.float()
-            n = torch.linalg.vector_norm(w, dim=(1, 2, 3) if wd_on_out else (0, 2, 3), keepdim=True)
-        self.dora_scale = nn.Parameter(n.to(base.weight.dtype))
+        self._init_decompose(wd_on_out)
 
-    def _weight(self):
-        W = self.base.weight
-        delta = _locon.merge(self.lora_up, self.lora_down, self.scale, mid=self.lora_mid, out_dtype=W.dtype)
-        return _dora.weight_decompose(W, self.dora_scale, self.multiplier, self.wd_on_out, delta=delta).to(W.dtype)
+
+class DoHaLinear(_WeightDecomposed, LoHaLinear):
+    """LoHa with ``dora_wd``: ``W' = wd(W + s·(w1a·w1b)⊙(w2a·w2b))`` (see ``_WeightDecomposed``)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 wd_on_out: bool = True):
+        super().__init__(base, rank, alpha, multiplier)
+        self._init_decompose(wd_on_out)
+
+
+class DoHaConv2d(_WeightDecomposed, LoHaConv2d):
+    """LoHa on a conv (plain or tucker) with ``dora_wd`` (see ``_WeightDecomposed``)."""
+
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 wd_on_out: bool = True, use_tucker: bool = False):
+        super().__init__(base, rank, alpha, multiplier, use_tucker)
+        self._init_decompose(wd_on_out)
+
+
+class DoKrLinear(_WeightDecomposed, LoKrLinear):
+    """LoKr with ``dora_wd``: ``W' = wd(W + s·kron(w1, w2))`` (see ``_WeightDecomposed``)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 factor: int = -1, decompose_both: bool = False, full_matrix: bool = False, wd_on_out: bool = True):
+        super().__init__(base, rank, alpha, multiplier, factor, decompose_both, full_matrix)
+        self._init_decompose(wd_on_out)
+
+
+class DoKrConv2d(_WeightDecomposed, LoKrConv2d):
+    """LoKr on a conv with ``dora_wd`` (see ``_WeightDecomposed``)."""
+
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 factor: int = -1, decompose_both: bool = False, full_matrix: bool = False, wd_on_out: bool = True):
+        super().__init__(base, rank, alpha, multiplier, factor, decompose_both, full_matrix)
+        self._init_decompose(wd_on_out)
+
+
+# --------------------------------------------------------------------------- GLoRA / DyLoRA
+
+
+class GLoRALinear(_Scaled):
+    """GLoRA (LyCORIS ``glora``): ``ΔW = s·m·(W·a1·a2 + b1·b2)``, s = alpha/rank, with a1 (I, r),
+    a2 (r, I), b1 (O, r), b2 (r, I) (a1, b1 Kaiming, a2, b2 zero: ΔW starts at 0). Forward
+    without ΔW: ``y = base(x + s·m·(x·a2ᵀ)·a1ᵀ) + s·m·(x·b2ᵀ)·b1ᵀ`` (two ``locon.bypass`` calls);
+    merge via ``glora_merge``. ΔW depends on W, so unmerge restores a copy of W."""
+
+    additive = False
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0):
+        super().__init__(base, rank, alpha, multiplier)
+        _conv_check(base, type(self).__name__)
+        O, I = _out_in(base)
+        k = tuple(getattr(base, "kernel_size", ()))  # a conv's b2 carries the kernel, the rest are 1×1
+        one = (1,) * len(k)
+        kw = dict(device=base.weight.device, dtype=base.weight.dtype)
+        self.a1 = nn.Parameter(_kaiming(torch.empty(I, rank, *one, **kw)))
+        self.a2 = nn.Parameter(torch.zeros(rank, I, *one, **kw))
+        self.b1 = nn.Parameter(_kaiming(torch.empty(O, rank, *one, **kw)))
+        self.b2 = nn.Parameter(torch.zeros(rank, I, *k, **kw))
 
     def adapter_forward(self, x):
         b = self.base
-        return F.conv2d(x, self._weight(), b.bias, b.stride, b.padding, b.dilation)
+        x_a = _locon.bypass(x, self.a1, self.a2, self.gamma, base=x)
+        geometry = dict(stride=b.stride, padding=b.padding, dilation=b.dilation) if isinstance(b, nn.Conv2d) else {}
+        return _locon.bypass(x, self.b1, self.b2, self.gamma, base=b(x_a), **geometry)
 
     def merged_weight(self):
-        return self._weight(), None
+        W = self.base.weight
+        if W.dim() == 2:
+            return _locon.glora_merge(W, self.a1, self.a2, self.b1, self.b2, self.gamma, base=W), None
+        A = _locon.merge(self.a1, self.a2, 1.0, out_dtype=W.dtype)  # (I, I, 1, 1): W·a1·a2 mixes in-channels
+        w_a = torch.einsum("oi...,ij->oj...", W, A.reshape(A.shape[0], A.shape[1]))
+        return _locon.merge(self.b1, self.b2, self.gamma, base=W + self.gamma * w_a), None
+
+
+class GLoRAConv2d(GLoRALinear):
+    """GLoRA on a conv: a1 (I, r, 1, 1), a2 (r, I, 1, 1) mix the input channels, b1 (O, r, 1, 1),
+    b2 (r, I, kh, kw) a LoCon pair with the layer's geometry; the same forward (1×1 conv chains)."""
+
+    bases = (nn.Conv2d,)
+
+
+class _RankBlocks:
+    """DyLoRA (LyCORIS ``dylora``) at its full rank, placed before a LoRA adapter in the bases:
+    the rank is ``rank / block_size`` blocks and the scale is ``alpha / blocks`` (lycoris-lora's
+    ``alpha/(b+1)`` with all b+1 blocks in play; its training draws a random block count per
+    step and trains the last block drawn, here every block is in play and trains)."""
+
+    def _init_blocks(self, block_size: int) -> None:
+        if block_size < 1 or self.rank % block_size:
+            raise ValueError(f"lycoris_ops.nn.{type(self).__name__}: block_size {block_size} must divide "
+                             f"the rank {self.rank}")
+        self.block_size = int(block_size)
+
+    @property
+    def scale(self) -> float:
+        return self._alpha / (self.rank // self.block_size)
+
+    def extra_repr(self) -> str:
+        return f"block_size={self.block_size}, " + super().extra_repr()
+
+
+class DyLoRALinear(_RankBlocks, LoRALinear):
+    """A DyLoRA layer at full rank: ``LoRALinear`` with scale ``alpha / (rank / block_size)``."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 block_size: int = 4):
+        super().__init__(base, rank, alpha, multiplier)
+        self._init_blocks(block_size)
+
+
+class DyLoRAConv2d(_RankBlocks, LoRAConv2d):
+    """A DyLoRA conv at full rank: ``LoRAConv2d`` with scale ``alpha / (rank / block_size)``."""
+
+    def __init__(self, base: nn.Conv2d, rank: int = 4, alpha: Optional[float] = None, multiplier: float = 1.0,
+                 block_size: int = 4):
+        super().__init__(base, rank, alpha, multiplier)
+        self._init_blocks(block_size)
 
 
 # --------------------------------------------------------------------------- OFT / BOFT
@@ -750,6 +918,7 @@ ADAPTERS: Dict[str, Dict[Type[nn.Module], Type[AdapterModule]]] = {
     "loha": {nn.Linear: LoHaLinear, nn.Conv2d: LoHaConv2d},
     "lokr": {nn.Linear: LoKrLinear, nn.Conv2d: LoKrConv2d},
     "dora": {nn.Linear: DoRALinear, nn.Conv2d: DoRAConv2d},
+    "glora": {nn.Linear: GLoRALinear, nn.Conv2d: GLoRAConv2d},
     "oft": {nn.Linear: OFTLinear, nn.Conv2d: OFTConv2d},
     "diag-oft": {nn.Linear: OFTLinear, nn.Conv2d: OFTConv2d},
     "boft": {nn.Linear: BOFTLinear, nn.Conv2d: BOFTConv2d},
@@ -864,225 +1033,479 @@ def mark_only_adapters_trainable(model: nn.Module) -> nn.Module:
 
 # --------------------------------------------------------------------------- LyCORIS state dicts
 
+#: LyCORIS algorithm -> (the tensor names that identify a module of it, every tensor name it holds);
+#: "oft" is diag-OFT (3-D oft_blocks) or BOFT (4-D)
+_LYCORIS_ALGOS: Dict[str, Tuple[frozenset, frozenset]] = {
+    "locon": (frozenset({"lora_up.weight"}),
+              frozenset({"lora_up.weight", "lora_down.weight", "lora_mid.weight", "alpha", "dora_scale"})),
+    "loha": (frozenset({"hada_w1_a"}),
+             frozenset({"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "hada_t1", "hada_t2", "alpha",
+                        "dora_scale"})),
+    "lokr": (frozenset({"lokr_w1", "lokr_w1_a"}),
+             frozenset({"lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b", "lokr_t2", "alpha",
+                        "dora_scale"})),
+    "oft": (frozenset({"oft_blocks"}), frozenset({"oft_blocks", "rescale", "alpha"})),
+    "ia3": (frozenset({"on_input"}), frozenset({"weight", "on_input"})),
+    "full": (frozenset({"diff"}), frozenset({"diff", "diff_b"})),
+    "norm": (frozenset({"w_norm"}), frozenset({"w_norm", "b_norm"})),
+    "glora": (frozenset({"a1.weight"}), frozenset({"a1.weight", "a2.weight", "b1.weight", "b2.weight", "bm.weight",
+                                                   "alpha"})),
+    "tlora": (frozenset({"lambda_layer"}), frozenset({"lambda_layer", "q_layer.weight", "p_layer.weight", "alpha"})),
+}
 
-def _lyco_algo(keys: Iterable[str]) -> Optional[str]:
-    keys = set(keys)
-    if "lora_down.weight" in keys:
-        return "dora" if "dora_scale" in keys else "lora"
-    if "hada_w1_a" in keys:
-        return "loha"
-    if keys & {"lokr_w1", "lokr_w1_a"}:
-        return "lokr"
-    if "oft_blocks" in keys:
-        return "oft"
-    if "diff" in keys:
-        return "full"
-    if "weight" in keys and "on_input" in keys:
-        return "ia3"
-    if "w_norm" in keys:
-        return "norm"
-    return None
+#: ``algo=`` hint (lycoris-lora's algorithm names) -> the algorithm its tensors show
+_ALGO_HINTS = {"lora": "locon", "locon": "locon", "dylora": "locon", "loha": "loha", "lokr": "lokr",
+               "diag-oft": "diag-oft", "boft": "boft", "ia3": "ia3", "full": "full", "glora": "glora"}
+
+#: lycoris-lora's DyLoRA block size when the network was made without one
+_DYLORA_BLOCK_SIZE = 4
 
 
-def load_lycoris_state_dict(model: nn.Module, state_dict: Dict[str, torch.Tensor],
-                            prefixes: Sequence[str] = ("lycoris_", "lora_unet_", "lora_te_", "lora_te1_",
-                                                       "lora_te2_", ""),
-                            multiplier: float = 1.0) -> nn.Module:
-    """Build our adapters from a LyCORIS network's state dict, without importing LyCORIS.
+class LycorisLoadResult(NamedTuple):
+    """What ``load_lycoris_state_dict(..., strict=False)`` returns."""
 
-    LyCORIS names a module's tensors ``<prefix><module path with '.'→'_'>.<tensor>``;
-    for each ``nn.Linear`` / ``nn.Conv2d`` of ``model`` whose name matches one of
-    ``prefixes``, the tensor set decides the algorithm and the adapter is created with
-    the stored tensors: LoCon (``lora_down.weight``/``lora_up.weight``/``alpha``
-    [+ ``dora_scale``: DoRA, per output or input channel], linear or conv), LoHa (``hada_w1_a`` ...), LoKr
-    (``lokr_w1``/``lokr_w1_a``/``lokr_w1_b``/``lokr_w2``/``lokr_w2_a``/``lokr_w2_b``/``alpha``;
-    linear or conv), the conv tucker cores (``lora_mid``, ``hada_t1``/``hada_t2``, ``lokr_t2``),
-    diag-OFT (3-D ``oft_blocks``, ``rescale``, ``alpha`` = constraint),
-    BOFT (4-D ``oft_blocks``), IA3 (``weight``/``on_input``), Full (``diff``/``diff_b``);
-    for each affine ``nn.LayerNorm`` / ``nn.GroupNorm``, Norms (``w_norm``/``b_norm``).
-    Tucker tensors on a linear layer raise. Returns the model.
-    """
-    groups: Dict[str, Dict[str, torch.Tensor]] = {}
-    for k, v in state_dict.items():
-        mod, _, t = k.partition(".")
-        groups.setdefault(mod, {})[t] = v
-    todo = []
-    for name, mod in model.named_modules():
-        if type(mod) not in (nn.Linear, nn.Conv2d, nn.LayerNorm, nn.GroupNorm):
-            continue
-        flat = name.replace(".", "_")
-        for p in prefixes:
-            if p + flat in groups:
-                todo.append((name, mod, groups[p + flat]))
-                break
-    built = {}
-    for name, mod, sd in todo:
+    model: nn.Module
+    #: how many layers got an adapter
+    adapters: int
+    #: keys whose module name is no layer of the model
+    unmatched_keys: List[str]
+    #: keys of an adapted (or unidentifiable) module that no adapter reads
+    unused_keys: List[str]
+
+
+def _fail(msg: str) -> ValueError:
+    return ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {msg}")
+
+
+def _listing(keys: Sequence[str], most: int = 8) -> str:
+    shown = ", ".join(repr(k) for k in keys[:most])
+    return f"[{shown}{f', ... ({len(keys) - most} more)' if len(keys) > most else ''}]"
+
+
+def _read_lycoris_file(path) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    """(tensors, metadata) of a ``.safetensors`` file, or of a ``torch.save``'d dict (no metadata)."""
+    if str(path).endswith(".safetensors"):
         try:
-            ad = built[name] = _build_from_lycoris(name, mod, sd, multiplier)
-            with torch.no_grad():  # the tensors must make this layer's weight (not another model's)
-                merged = ad.merged_weight()[0]
-            if merged.shape != mod.weight.shape:
-                raise RuntimeError(f"they make a weight of shape {tuple(merged.shape)}")
-        except (RuntimeError, KeyError, TypeError, ValueError) as e:  # shapes of another model, a missing tensor
-            shapes = {k: tuple(v.shape) for k, v in sd.items()}
-            raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name or 'the model'} "
-                             f"({type(mod).__name__} with weight {tuple(mod.weight.shape)}) cannot take the "
-                             f"LyCORIS tensors {shapes}: {type(e).__name__}: {e}") from e
-        ad._lyco_shapes = {k: tuple(v.shape) for k, v in sd.items()}  # lycoris_state_dict writes these back
+            from safetensors import safe_open
+        except ImportError as e:
+            raise ImportError("lycoris_ops.nn.load_lycoris_state_dict: reading a .safetensors file needs the "
+                              "safetensors package (pip install safetensors)") from e
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata() or {})
+    sd = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(sd, dict):
+        raise _fail(f"{path} holds a {type(sd).__name__}, not a state dict")
+    return sd, {}
+
+
+def _dylora_marker(metadata: Dict[str, str]) -> Optional[int]:
+    """The DyLoRA block size when the metadata says a lycoris-lora DyLoRA network made the file
+    (kohya's trainer writes ``ss_network_module`` and the network's arguments as the JSON
+    ``ss_network_args``), else None."""
+    if "lycoris" not in str(metadata.get("ss_network_module", "")):
+        return None
+    try:
+        args = json.loads(metadata.get("ss_network_args") or "{}")
+    except ValueError as e:
+        raise _fail(f"the metadata's ss_network_args is not JSON: {e}") from e
+    if not isinstance(args, dict) or str(args.get("algo", "")).lower() != "dylora":
+        return None
+    try:
+        return int(args.get("block_size") or _DYLORA_BLOCK_SIZE)
+    except (TypeError, ValueError) as e:
+        raise _fail(f"the metadata's DyLoRA block_size {args.get('block_size')!r} is not an integer") from e
+
+
+def _identify(tensors: Iterable[str]) -> List[str]:
+    """The LyCORIS algorithms whose identifying tensors a module's tensors hold."""
+    names = set(tensors)
+    return [algo for algo, (ids, _) in _LYCORIS_ALGOS.items() if names & ids]
+
+
+def load_lycoris_state_dict(model: nn.Module, state_dict, prefixes: Sequence[str] = (
+        "lycoris_", "lora_unet_", "lora_te_", "lora_te1_", "lora_te2_", ""), multiplier: float = 1.0, *,
+        strict: bool = True, algo: Optional[str] = None, block_size: Optional[int] = None,
+        metadata: Optional[Dict[str, str]] = None):
+    """Build our adapters from a LyCORIS (lycoris-lora) network's state dict, without importing
+    LyCORIS; the adapters compute what lycoris-lora's modules compute (fp32 rounding aside).
+
+    ``state_dict``: a dict of tensors, or the path of a ``.safetensors`` file (tensors and
+    metadata) or of a ``torch.save``'d dict. LyCORIS names a module's tensors
+    ``<prefix><module path with '.'→'_'>.<tensor>``; each such module of ``model`` (``prefixes``
+    tried in order) gets the adapter its tensors name:
+
+    - LoCon (``lora_down.weight``/``lora_up.weight``/``alpha``, ``lora_mid.weight`` for a conv's
+      tucker core), DoRA with ``dora_scale`` (per output or input channel, by its shape);
+    - LoHa (``hada_w1_a`` ..., ``hada_t1``/``hada_t2``), LoKr (``lokr_w1``/``lokr_w1_a``/
+      ``lokr_w1_b``/``lokr_w2``/``lokr_w2_a``/``lokr_w2_b``/``lokr_t2``), each with ``dora_scale``
+      too (``DoHa*`` / ``DoKr*``);
+    - diag-OFT (3-D ``oft_blocks``) and BOFT (4-D), ``rescale``, ``alpha`` the constraint
+      (lycoris-lora bounds ‖Q‖ by ``alpha × out_features``);
+    - IA3 (``weight``/``on_input``; the bias is not scaled: ``scale_bias=False``), Full
+      (``diff``/``diff_b``), GLoRA (``a1.weight``/``a2.weight``/``b1.weight``/``b2.weight``/
+      ``alpha``), and for an affine ``LayerNorm`` / ``GroupNorm`` Norms (``w_norm``/``b_norm``);
+    - DyLoRA: its files hold LoCon's tensors, its scale is ``alpha / (rank / block_size)``
+      (LoCon's is ``alpha / rank``). A file is DyLoRA when its metadata says so (kohya's trainer
+      records ``ss_network_args`` ``{"algo": "dylora", "block_size": ...}``) or when the caller
+      passes ``algo="dylora"``; else LoCon tensors load as LoCon. ``block_size``: the argument,
+      else the metadata's, else lycoris-lora's default 4.
+
+    ``algo``: the network's algorithm (lycoris-lora's name: ``"lora"``/``"locon"``, ``"loha"``,
+    ``"lokr"``, ``"dylora"``, ``"glora"``, ``"diag-oft"``, ``"boft"``, ``"ia3"``, ``"full"``) when
+    the caller knows it; every module's tensors must agree (norms excepted, lycoris-lora adds them
+    to any network), else ValueError. ``metadata``: the file's metadata when ``state_dict`` is a dict.
+
+    Every key must be used: with ``strict`` (default) keys naming no layer of the model and
+    tensors no adapter reads raise a ValueError listing them, and nothing changes; with
+    ``strict=False`` the rest loads and a :class:`LycorisLoadResult` (the model, the number of
+    adapters, those keys) is returned. What cannot be built exactly raises in both modes, naming
+    the layer: a layer type without an adapter here (Conv1d, Conv3d, grouped convs, ...), T-LoRA
+    (its rank mask depends on the diffusion timestep), GLoRA's tucker core ``bm.weight``
+    (lycoris-lora cannot build it either), tensors of another layer's shape, a missing tensor.
+
+    Returns the model (a new object only if the model itself is adapted), or with
+    ``strict=False`` a :class:`LycorisLoadResult`.
+    """
+    if isinstance(state_dict, (str, os.PathLike)):
+        state_dict, file_metadata = _read_lycoris_file(state_dict)
+        metadata = file_metadata if metadata is None else metadata
+    dylora_block = _dylora_marker(metadata or {})
+    if algo is not None:
+        algo = str(algo).lower()
+        if algo not in _ALGO_HINTS:
+            raise _fail(f"algo must be one of {sorted(_ALGO_HINTS)}, got {algo!r}")
+        if dylora_block is not None and algo != "dylora":
+            raise _fail(f"algo={algo!r}, but the file's metadata says a DyLoRA network made it")
+        if algo == "dylora" and dylora_block is None:
+            dylora_block = _DYLORA_BLOCK_SIZE
+    if block_size is not None:
+        if dylora_block is None:
+            raise _fail("block_size applies to DyLoRA files only (pass algo='dylora')")
+        dylora_block = int(block_size)
+
+    groups: Dict[str, Dict[str, torch.Tensor]] = {}
+    keys: Dict[str, List[str]] = {}  # the file's keys per module key, for the lists below
+    for k, v in state_dict.items():
+        if not isinstance(v, torch.Tensor):
+            raise _fail(f"{k!r} is a {type(v).__name__}, not a tensor")
+        mod_key, _, t = k.partition(".")
+        groups.setdefault(mod_key, {})[t] = v
+        keys.setdefault(mod_key, []).append(k)
+    layers = {}
+    for name, mod in model.named_modules():
+        layers.setdefault(name.replace(".", "_"), (name, mod))
+    unmatched: List[str] = []
+    unused: List[str] = []
+    built: Dict[str, AdapterModule] = {}
+    owner: Dict[str, str] = {}  # layer -> the module key its tensors came under
+    for mod_key, sd in groups.items():
+        hit = next((layers[mod_key[len(p):]] for p in prefixes
+                    if mod_key.startswith(p) and mod_key[len(p):] in layers), None)
+        if hit is None:
+            unmatched += keys[mod_key]
+            continue
+        name, mod = hit
+        if name in owner:
+            raise _fail(f"{name or 'the model'} has tensors under two module keys: {owner[name]!r} and {mod_key!r}")
+        owner[name] = mod_key
+        found = _identify(sd)
+        if not found:
+            unused += keys[mod_key]
+            continue
+        if len(found) > 1:
+            raise _fail(f"{name or 'the model'}: tensors of several LyCORIS algorithms {found} ({sorted(sd)})")
+        lyco = found[0]
+        if lyco == "oft":
+            blocks = sd["oft_blocks"]
+            lyco = {3: "diag-oft", 4: "boft"}.get(blocks.dim())
+            if lyco is None:
+                raise _fail(f"{name}: oft_blocks must be 3-D (diag-OFT) or 4-D (BOFT), got {tuple(blocks.shape)}")
+        if algo is not None and lyco != "norm" and _ALGO_HINTS[algo] != lyco:
+            raise _fail(f"algo={algo!r}, but {name}'s tensors are LyCORIS' {lyco!r} ({sorted(sd)})")
+        used = {t: v for t, v in sd.items() if t in _LYCORIS_ALGOS[found[0]][1]}
+        unused += [f"{mod_key}.{t}" for t in sd if t not in used]
+        built[name] = _build_adapter(name, mod, lyco, used, multiplier, dylora_block if lyco == "locon" else None)
+    if strict and (unmatched or unused):
+        parts = []
+        if unmatched:
+            parts.append(f"{len(unmatched)} key(s) name no layer of the model (prefixes {list(prefixes)}): "
+                         f"{_listing(sorted(unmatched))}")
+        if unused:
+            parts.append(f"{len(unused)} tensor(s) no adapter reads: {_listing(sorted(unused))}")
+        raise _fail("; ".join(parts) + " (strict=False loads the rest and returns these keys)")
     for name, ad in built.items():
         if name == "":
-            return ad
+            model = ad
+            continue
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, leaf, ad)
-    return model
+    if strict:
+        return model
+    return LycorisLoadResult(model, len(built), sorted(unmatched), sorted(unused))
+
+
+def _build_adapter(name, mod, lyco, sd, multiplier, dylora_block) -> AdapterModule:
+    """The adapter for one layer from its LyCORIS tensors, checked to make that layer's weight;
+    it records each tensor's shape and dtype (``lycoris_state_dict`` writes them back so)."""
+    where = f"{name or 'the model'} ({type(mod).__name__}"
+    if isinstance(mod, AdapterModule):
+        raise _fail(f"{where}) already has an adapter: load into the plain model")
+    norm = isinstance(mod, (nn.LayerNorm, nn.GroupNorm))
+    if not (norm or isinstance(mod, (nn.Linear, nn.Conv2d))):
+        raise _fail(f"{where}) has LyCORIS' {lyco!r} tensors, but lycoris_ops.nn adapts only Linear, Conv2d, "
+                    f"LayerNorm and GroupNorm layers")
+    if norm != (lyco == "norm"):
+        raise _fail(f"{where}): a {type(mod).__name__} with the tensors of LyCORIS' {lyco!r} algorithm "
+                    f"({sorted(sd)})")
+    if lyco == "tlora":
+        raise _fail(f"{where}): T-LoRA is not supported (its rank mask depends on the diffusion timestep, and "
+                    f"its base factors are not in the file)")
+    where += f" with weight {tuple(mod.weight.shape)})"
+    try:
+        ad = _BUILDERS[lyco](mod, sd, multiplier, dylora_block)
+        with torch.no_grad():  # the tensors must make this layer's weight (not another model's)
+            merged = ad.merged_weight()[0]
+        if merged.shape != mod.weight.shape:
+            raise RuntimeError(f"they make a weight of shape {tuple(merged.shape)}")
+    except (RuntimeError, KeyError, TypeError, ValueError) as e:  # shapes of another model, a missing tensor
+        shapes = {k: tuple(v.shape) for k, v in sd.items()}
+        raise _fail(f"{where} cannot take the LyCORIS tensors {shapes}: {type(e).__name__}: {e}") from e
+    ad._lyco_layout = {k: (tuple(v.shape), v.dtype) for k, v in sd.items()}
+    return ad
+
+
+def _alpha(sd) -> Optional[float]:
+    return float(sd["alpha"]) if "alpha" in sd else None
+
+
+def _set(ad: AdapterModule, attr: str, t: torch.Tensor) -> None:
+    """``ad.attr`` = the stored tensor in the parameter's own shape (same leading size and element
+    count: LyCORIS keeps conv factors flat or 4-D), dtype and device."""
+    like = getattr(ad, attr)
+    if t.dim() == 0 or t.shape[0] != like.shape[0] or t.numel() != like.numel():
+        raise ValueError(f"{attr} must have shape {tuple(like.shape)} here (or the same leading size and element "
+                         f"count), got {tuple(t.shape)}")
+    setattr(ad, attr, nn.Parameter(t.detach().reshape(like.shape).to(device=like.device, dtype=like.dtype).clone()))
+
+
+def _dora_on_out(mod, ds: torch.Tensor) -> bool:
+    """dora_scale holds one norm per output channel ((O, 1, …)) or per input channel ((1, I, …))."""
+    O, I = _out_in(mod)
+    if ds.dim() >= 1 and ds.shape[0] == O and ds.numel() == O:
+        return True
+    if ds.dim() >= 2 and ds.shape[1] == I and ds.numel() == I:
+        return False
+    raise ValueError(f"dora_scale must be (O, 1, ...) = ({O}, 1, ...) or (1, I, ...) = (1, {I}, ...), "
+                     f"got {tuple(ds.shape)}")
+
+
+def _from_locon(mod, sd, multiplier, dylora_block):
+    down = sd["lora_down.weight"]
+    r, alpha = down.shape[0], _alpha(sd)
+    conv = isinstance(mod, nn.Conv2d)
+    tucker = "lora_mid.weight" in sd
+    if tucker and not conv:
+        raise ValueError(f"tucker factors on a {type(mod).__name__} (LyCORIS builds them for convolutions only)")
+    if dylora_block is not None:
+        if {"dora_scale", "lora_mid.weight"} & set(sd):
+            raise ValueError("a DyLoRA module has neither dora_scale nor lora_mid.weight")
+        ad = (DyLoRAConv2d if conv else DyLoRALinear)(mod, r, alpha, multiplier, block_size=dylora_block)
+    elif "dora_scale" in sd:
+        on_out = _dora_on_out(mod, sd["dora_scale"])
+        ad = (DoRAConv2d(mod, r, alpha, multiplier, wd_on_out=on_out, use_tucker=tucker) if conv
+              else DoRALinear(mod, r, alpha, multiplier, wd_on_out=on_out))
+        _set(ad, "dora_scale", sd["dora_scale"])
+    else:
+        ad = (LoRAConv2d(mod, r, alpha, multiplier, use_tucker=tucker) if conv
+              else LoRALinear(mod, r, alpha, multiplier))
+    if tucker:
+        if ad.lora_mid is None:
+            raise ValueError("lora_mid.weight on a 1x1 conv (LyCORIS makes tucker cores for larger kernels only)")
+        _set(ad, "lora_mid", sd["lora_mid.weight"])
+    _set(ad, "lora_down", down)
+    _set(ad, "lora_up", sd["lora_up.weight"])
+    return ad
+
+
+def _from_loha(mod, sd, multiplier, _):
+    r, alpha = sd["hada_w1_b"].shape[0], _alpha(sd)
+    conv = isinstance(mod, nn.Conv2d)
+    tucker = "hada_t1" in sd or "hada_t2" in sd
+    if tucker and not conv:
+        raise ValueError(f"tucker factors on a {type(mod).__name__} (LyCORIS builds them for convolutions only)")
+    on_out = _dora_on_out(mod, sd["dora_scale"]) if "dora_scale" in sd else None
+    if conv:
+        ad = (LoHaConv2d(mod, r, alpha, multiplier, use_tucker=tucker) if on_out is None
+              else DoHaConv2d(mod, r, alpha, multiplier, wd_on_out=on_out, use_tucker=tucker))
+        if tucker and ad.hada_t1 is None:
+            raise ValueError("hada_t1/hada_t2 on a 1x1 conv (LyCORIS makes tucker cores for larger kernels only)")
+    else:
+        ad = LoHaLinear(mod, r, alpha, multiplier) if on_out is None else DoHaLinear(mod, r, alpha, multiplier, on_out)
+    names = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b") + (("hada_t1", "hada_t2") if tucker else ())
+    for k in names + (("dora_scale",) if on_out is not None else ()):
+        _set(ad, k, sd[k])
+    return ad
+
+
+def _from_lokr(mod, sd, multiplier, _):
+    conv = isinstance(mod, nn.Conv2d)
+    if conv:
+        _conv_check(mod, "load_lycoris_state_dict")
+    elif "lokr_t2" in sd:
+        raise ValueError(f"tucker factors on a {type(mod).__name__} (LyCORIS builds them for convolutions only)")
+    on_out = _dora_on_out(mod, sd["dora_scale"]) if "dora_scale" in sd else None
+    cls = (LoKrConv2d if conv else LoKrLinear) if on_out is None else (DoKrConv2d if conv else DoKrLinear)
+    ad = cls.__new__(cls)  # the factors' shapes come from the file, not from a factorization
+    rank = next((sd[k].shape[0] for k in ("lokr_w1_b", "lokr_w2_b") if k in sd), 1)
+    _Scaled.__init__(ad, mod, rank, _alpha(sd), multiplier)  # (the scale ignores alpha when no side is factored)
+    names = []
+    for n, k in _LOKR_ATTR.items():
+        if k in sd:
+            t = sd[k]
+            if conv and k == "lokr_w2_b" and "lokr_t2" not in sd:  # LyCORIS stores it (r, d·kh·kw)
+                t = t.reshape(t.shape[0], -1, *mod.kernel_size)
+            setattr(ad, k, nn.Parameter(t.detach().to(device=mod.weight.device, dtype=mod.weight.dtype).clone()))
+            names.append(n)
+    ad._names = tuple(names)
+    if on_out is not None:
+        ad._init_decompose(on_out)
+        _set(ad, "dora_scale", sd["dora_scale"])
+    return ad
+
+
+def _from_oft(mod, sd, multiplier, _):
+    blocks = sd["oft_blocks"]
+    out = _out_in(mod)[0]
+    constraint = float(sd["alpha"]) * out if "alpha" in sd else 0.0  # lycoris-lora: constraint × out_dim
+    rescaled = "rescale" in sd
+    conv = isinstance(mod, nn.Conv2d)
+    if blocks.dim() == 3:
+        ad = (OFTConv2d if conv else OFTLinear)(mod, blocks.shape[1], multiplier, constraint, rescaled)
+    else:
+        ad = (BOFTConv2d if conv else BOFTLinear)(mod, blocks.shape[2], blocks.shape[0], multiplier, constraint,
+                                                  rescaled)
+    _set(ad, "oft_blocks", blocks)
+    if rescaled:
+        _set(ad, "rescale", sd["rescale"])
+    return ad
+
+
+def _from_ia3(mod, sd, multiplier, _):
+    cls = IA3Conv2d if isinstance(mod, nn.Conv2d) else IA3Linear
+    ad = cls(mod, multiplier, bool(sd["on_input"]), scale_bias=False)  # LyCORIS's IA3 leaves the bias unscaled
+    _set(ad, "ia3_weight", sd["weight"].reshape(-1))
+    return ad
+
+
+def _from_full(mod, sd, multiplier, _):
+    ad = (FullConv2d if isinstance(mod, nn.Conv2d) else FullLinear)(mod, multiplier)
+    _set(ad, "diff", sd["diff"])
+    if "diff_b" in sd:
+        if ad.diff_b is None:
+            raise ValueError("diff_b for a layer without a bias")
+        _set(ad, "diff_b", sd["diff_b"])
+    return ad
+
+
+def _from_norm(mod, sd, multiplier, _):
+    ad = NormAdapter(mod, multiplier)
+    _set(ad, "w_norm", sd["w_norm"])
+    if "b_norm" in sd:
+        if ad.b_norm is None:
+            raise ValueError("b_norm for a norm without a bias")
+        _set(ad, "b_norm", sd["b_norm"])
+    return ad
+
+
+def _from_glora(mod, sd, multiplier, _):
+    if "bm.weight" in sd:
+        raise ValueError("GLoRA with a tucker core (bm.weight) is not supported (lycoris-lora cannot build it either)")
+    cls = GLoRAConv2d if isinstance(mod, nn.Conv2d) else GLoRALinear
+    ad = cls(mod, sd["a2.weight"].shape[0], _alpha(sd), multiplier)
+    for k in ("a1", "a2", "b1", "b2"):
+        _set(ad, k, sd[f"{k}.weight"])
+    return ad
+
+
+#: LyCORIS algorithm -> builder(layer, its tensors, multiplier, DyLoRA block size or None)
+_BUILDERS = {"locon": _from_locon, "loha": _from_loha, "lokr": _from_lokr, "diag-oft": _from_oft,
+             "boft": _from_oft, "ia3": _from_ia3, "full": _from_full, "norm": _from_norm, "glora": _from_glora}
 
 
 def lycoris_state_dict(model: nn.Module, prefix: str = "lycoris_") -> Dict[str, torch.Tensor]:
     """The adapters of ``model`` as a LyCORIS network state dict: the inverse of
     :func:`load_lycoris_state_dict` (load a network, train or edit it on the ops, save it for
-    any LyCORIS tool). Keys ``<prefix><module path with '.'→'_'>.<tensor>`` with LyCORIS's
-    tensor names; a tensor read by the loader keeps the shape it had there, the others have
-    the modules' shapes. Detached copies."""
+    lycoris-lora or any LyCORIS tool). Keys ``<prefix><module path with '.'→'_'>.<tensor>``
+    with lycoris-lora's tensor names, shapes and dtypes (a tensor read by the loader keeps the
+    shape and dtype it had in the file); lycoris-lora loads them into the same network and
+    computes the same outputs. Detached copies.
+
+    An adapter LyCORIS has no form for raises a ValueError naming it: IA3 with
+    ``scale_bias=True`` on a layer with a bias (LyCORIS's IA3 leaves the bias unscaled; build it
+    with ``scale_bias=False``)."""
     out: Dict[str, torch.Tensor] = {}
     for name, ad in adapters(model):
         head = prefix + name.replace(".", "_") + "."
-        shapes = getattr(ad, "_lyco_shapes", {})
+        layout = getattr(ad, "_lyco_layout", {})
+        shapes = _lycoris_shapes(ad)
         for k, t in _lycoris_tensors(ad).items():
             t = t.detach().clone()
-            out[head + k] = t.reshape(shapes[k]) if k in shapes else t
+            if k in layout:
+                shape, dtype = layout[k]
+                t = t.reshape(shape).to(dtype)
+            elif k in shapes:
+                t = t.reshape(shapes[k])
+            out[head + k] = t
     return out
 
 
 def _lycoris_tensors(ad: AdapterModule) -> Dict[str, torch.Tensor]:
-    """LyCORIS tensor name -> tensor, for one adapter."""
+    """LyCORIS tensor name -> tensor (the parameters themselves, in the module's shapes), for one adapter."""
     if isinstance(ad, (LoRALinear, LoRAConv2d)):
         t = {"lora_down.weight": ad.lora_down, "lora_up.weight": ad.lora_up, "alpha": ad.alpha}
         if getattr(ad, "lora_mid", None) is not None:
             t["lora_mid.weight"] = ad.lora_mid
-        if isinstance(ad, (DoRALinear, DoRAConv2d)):
-            t["dora_scale"] = ad.dora_scale
-        return t
-    if isinstance(ad, LoHaLinear):
+    elif isinstance(ad, LoHaLinear):
         t = {k: getattr(ad, k) for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b")}
         if getattr(ad, "hada_t1", None) is not None:
             t.update(hada_t1=ad.hada_t1, hada_t2=ad.hada_t2)
-        return dict(t, alpha=ad.alpha)
-    if isinstance(ad, LoKrLinear):
-        return dict({_LOKR_ATTR[n]: getattr(ad, _LOKR_ATTR[n]) for n in ad._names}, alpha=ad.alpha)
-    if isinstance(ad, OFTLinear):
+        t["alpha"] = ad.alpha
+    elif isinstance(ad, LoKrLinear):
+        t = dict({_LOKR_ATTR[n]: getattr(ad, _LOKR_ATTR[n]) for n in ad._names}, alpha=ad.alpha)
+    elif isinstance(ad, GLoRALinear):
+        t = {"a1.weight": ad.a1, "a2.weight": ad.a2, "b1.weight": ad.b1, "b2.weight": ad.b2, "alpha": ad.alpha}
+    elif isinstance(ad, OFTLinear):
         t = {"oft_blocks": ad.oft_blocks}
         if ad.rescale is not None:
             t["rescale"] = ad.rescale
-        if ad.constraint or "alpha" in getattr(ad, "_lyco_shapes", {}):
-            t["alpha"] = torch.tensor(ad.constraint)
-        return t
-    if isinstance(ad, IA3Linear):
-        return {"weight": ad.ia3_weight, "on_input": torch.tensor(ad.train_on_input)}
-    if isinstance(ad, FullLinear):
-        return {"diff": ad.diff} if ad.diff_b is None else {"diff": ad.diff, "diff_b": ad.diff_b}
-    if isinstance(ad, NormAdapter):
-        return {"w_norm": ad.w_norm} if ad.b_norm is None else {"w_norm": ad.w_norm, "b_norm": ad.b_norm}
-    raise TypeError(f"lycoris_ops.nn.lycoris_state_dict: no LyCORIS form for {type(ad).__name__}")
+        # lycoris-lora saves the constraint over out_features, 0 for none (a file read without it stays so)
+        if ad.constraint or "alpha" in getattr(ad, "_lyco_layout", {"alpha": None}):
+            t["alpha"] = torch.tensor(ad.constraint / _out_in(ad.base)[0], dtype=torch.float32)
+    elif isinstance(ad, IA3Linear):
+        if ad.scale_bias and not ad.train_on_input and ad.base.bias is not None:
+            raise ValueError("lycoris_ops.nn.lycoris_state_dict: an IA3 adapter with scale_bias=True on a layer "
+                             "with a bias has no LyCORIS form (LyCORIS's IA3 leaves the bias unscaled; build the "
+                             "adapter with scale_bias=False)")
+        t = {"weight": ad.ia3_weight, "on_input": torch.tensor(int(ad.train_on_input))}
+    elif isinstance(ad, FullLinear):
+        t = {"diff": ad.diff} if ad.diff_b is None else {"diff": ad.diff, "diff_b": ad.diff_b}
+    elif isinstance(ad, NormAdapter):
+        t = {"w_norm": ad.w_norm} if ad.b_norm is None else {"w_norm": ad.w_norm, "b_norm": ad.b_norm}
+    else:
+        raise TypeError(f"lycoris_ops.nn.lycoris_state_dict: no LyCORIS form for {type(ad).__name__}")
+    if isinstance(ad, (DoRALinear, _WeightDecomposed)):
+        t["dora_scale"] = ad.dora_scale
+    return t
 
 
-def _param(t: torch.Tensor, like: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(t.detach().to(device=like.device, dtype=like.dtype).clone())
-
-
-def _build_from_lycoris(name, mod, sd, multiplier) -> AdapterModule:
-    algo = _lyco_algo(sd)
-    w = mod.weight
-    conv = isinstance(mod, nn.Conv2d)
-    alpha = float(sd["alpha"]) if "alpha" in sd else None
-    if algo is None:
-        raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: unknown tensor set {sorted(sd)}")
-    if isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) != (algo == "norm"):
-        raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: a {type(mod).__name__} with the "
-                         f"tensors of LyCORIS' {algo!r} algorithm ({sorted(sd)})")
-    if algo == "norm":
-        ad = NormAdapter(mod, multiplier)
-        ad.w_norm = _param(sd["w_norm"].reshape(w.shape), w)
-        if "b_norm" in sd and mod.bias is not None:
-            ad.b_norm = _param(sd["b_norm"].reshape(mod.bias.shape), mod.bias)
-        return ad
-    if not conv and {"lora_mid.weight", "hada_t1", "lokr_t2"} & set(sd):
-        raise ValueError(f"lycoris_ops.nn.load_lycoris_state_dict: {name}: tucker factors on a "
-                         f"{type(mod).__name__} (LyCORIS builds them for convolutions only)")
-    if algo in ("lora", "dora"):
-        down, up = sd["lora_down.weight"], sd["lora_up.weight"]
-        r = down.shape[0]
-        if conv:
-            tucker = "lora_mid.weight" in sd
-            if algo == "dora":
-                ds = sd["dora_scale"]
-                on_out = ds.numel() == mod.out_channels and ds.shape[0] == mod.out_channels
-                ad = DoRAConv2d(mod, r, alpha, multiplier, wd_on_out=on_out, use_tucker=tucker)
-                ad.dora_scale = _param(ds.reshape(ad.dora_scale.shape), w)
-            else:
-                ad = LoRAConv2d(mod, r, alpha, multiplier, use_tucker=tucker)
-            ad.lora_down = _param(down.reshape(ad.lora_down.shape), w)
-            ad.lora_up = _param(up.reshape(ad.lora_up.shape), w)
-            if tucker:
-                ad.lora_mid = _param(sd["lora_mid.weight"].reshape(r, r, *mod.kernel_size), w)
-        else:
-            ad = (DoRALinear if algo == "dora" else LoRALinear)(mod, r, alpha, multiplier)
-            ad.lora_down = _param(down.reshape(r, -1), w)
-            ad.lora_up = _param(up.reshape(up.shape[0], r), w)
-            if algo == "dora":
-                ds = sd["dora_scale"]
-                ad.wd_on_out = ds.shape[0] == mod.out_features and ds.numel() == mod.out_features
-                ad.dora_scale = _param(ds.reshape((-1, 1) if ad.wd_on_out else (1, -1)), w)
-        return ad
-    if algo == "loha":
-        r = sd["hada_w1_b"].shape[0]
-        if conv and "hada_t1" in sd:  # tucker: cores (r, r, kh, kw), factors (r, O) / (r, I) as stored
-            ad = LoHaConv2d(mod, r, alpha, multiplier, use_tucker=True)
-            for k in ("hada_t1", "hada_t2"):
-                setattr(ad, k, _param(sd[k].reshape(r, r, *mod.kernel_size), w))
-        else:
-            ad = (LoHaConv2d if conv else LoHaLinear)(mod, r, alpha, multiplier)
-        for k in ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"):
-            t = sd[k]
-            setattr(ad, k, _param(t.reshape(t.shape[0], -1), w))
-        return ad
-    if algo == "lokr":
-        cls = LoKrConv2d if conv else LoKrLinear
-        if conv:
-            _conv_check(mod, "load_lycoris_state_dict")
-        ad = cls.__new__(cls)
-        r = None
-        for k in ("lokr_w1_b", "lokr_w2_b"):
-            if k in sd:
-                r = sd[k].shape[0]
-                break
-        _Scaled.__init__(ad, mod, r or 1, alpha, multiplier)  # (scale ignores alpha when no side is factored)
-        names = []
-        for n, k in _LOKR_ATTR.items():
-            if k in sd:
-                setattr(ad, k, _param(sd[k], w))
-                names.append(n)
-        ad._names = tuple(names)
-        return ad
-    if algo == "oft":
-        blocks = sd["oft_blocks"]
-        constraint = float(sd.get("alpha", torch.tensor(0.0)))
-        rescaled = "rescale" in sd
-        if blocks.dim() == 3:
-            ad = (OFTConv2d if conv else OFTLinear)(mod, blocks.shape[1], multiplier, constraint, rescaled)
-        else:
-            ad = (BOFTConv2d if conv else BOFTLinear)(mod, blocks.shape[2], blocks.shape[0], multiplier,
-                                                      constraint, rescaled)
-        ad.oft_blocks = _param(blocks, w)
-        if rescaled:
-            ad.rescale = _param(sd["rescale"].reshape(-1, 1), w)
-        return ad
-    if algo == "ia3":
-        on_input = bool(sd["on_input"])
-        ad = (IA3Conv2d if conv else IA3Linear)(mod, multiplier, on_input, scale_bias=False)
-        ad.ia3_weight = _param(sd["weight"].reshape(-1), w)
-        return ad
-    ad = (FullConv2d if conv else FullLinear)(mod, multiplier)
-    ad.diff = _param(sd["diff"].reshape(w.shape), w)
-    if "diff_b" in sd and mod.bias is not None:
-        ad.diff_b = _param(sd["diff_b"], mod.bias)
-    return ad
+def _lycoris_shapes(ad: AdapterModule) -> Dict[str, Tuple[int, ...]]:
+    """The tensors lycoris-lora shapes otherwise than the module: a conv LoKr's w2_b flattened
+    (r, d·kh·kw), a conv's per-channel OFT rescale and IA3 weight with the weight's rank."""
+    w = ad.base.weight
+    if isinstance(ad, LoKrConv2d) and "w2b" in ad._names and "t2" not in ad._names:
+        return {"lokr_w2_b": (ad.lokr_w2_b.shape[0], -1)}
+    if isinstance(ad, (OFTConv2d, BOFTConv2d)) and ad.rescale is not None:
+        return {"rescale": (w.shape[0],) + (1,) * (w.dim() - 1)}
+    if isinstance(ad, IA3Conv2d):
+        return {"weight": (1, -1) + (1,) * (w.dim() - 2)}
+    return {}
