@@ -58,7 +58,7 @@ forward+backward (aim 1.5x where memory-bound); cold first call (fwd + fwd+bwd) 
 
 import argparse
 import contextlib
-import datetime
+import functools
 import json
 import math
 import os
@@ -450,17 +450,26 @@ def eager_lokr_conv(x, w1, w2, base):
     return base + F.conv2d(x, GAMMA * torch.kron(w1[:, :, None, None], w2), padding=CONV_PAD)
 
 
-def ours_dora(L, inp):
-    """``nn.DoRALinear`` (bias-free base, W frozen) over the cell's tensors (functional_call)."""
-    W, up, m = inp["W"], inp["up"], inp["m"]
-    r = up.shape[1]
-    base = torch.nn.Linear(W.shape[1], W.shape[0], bias=False, device=W.device, dtype=W.dtype)
-    mod = L.nn.DoRALinear(base, rank=r, alpha=GAMMA * r, wd_on_out=m.shape[0] != 1)
+def _functional():
+    """lycoris_ops.functional, imported at the first call (the peer's process imports this module)."""
+    from lycoris_ops import functional
+    return functional
 
-    def run(x, W, up, down, m):
-        return torch.func.functional_call(mod, {"base.weight": W, "lora_up": up, "lora_down": down,
-                                                "dora_scale": m}, (x,))
-    return run
+
+@functools.lru_cache(maxsize=None)
+def _dora_module(O, I, r, on_out, dtype):
+    """A meta-device ``nn.DoRALinear`` of these sizes: every tensor its forward reads is passed in."""
+    from lycoris_ops.nn import DoRALinear
+
+    base = torch.nn.Linear(I, O, bias=False, device="meta", dtype=dtype)
+    return DoRALinear(base, rank=r, alpha=GAMMA * r, wd_on_out=on_out)
+
+
+def ours_dora(x, W, up, down, m):
+    """``nn.DoRALinear`` (bias-free base, W frozen) over the cell's tensors (functional_call)."""
+    mod = _dora_module(W.shape[0], W.shape[1], up.shape[1], m.shape[0] != 1, W.dtype)
+    return torch.func.functional_call(mod, {"base.weight": W, "lora_up": up, "lora_down": down, "dora_scale": m},
+                                      (x,))
 
 
 def _spec_peer(name):
@@ -494,7 +503,7 @@ def _peer_loha_conv(mods):
 class Form:
     build: Callable     # (dims, dtype, device, generator) -> the named inputs (OrderedDict)
     eager: Callable     # the formula a user writes, over the inputs in order
-    ours: Callable      # (lycoris_ops, inputs) -> a callable over the inputs in order
+    ours: Callable      # our entry point, over the inputs in order
     grads: Tuple[str, ...]  # the inputs a training step differentiates
     peer: Optional[Callable] = None  # (lycoris-lora's functional modules) -> candidate readings
 
@@ -502,65 +511,65 @@ class Form:
 #: form -> how to build, run and check it; a form is an algorithm, LoKr's with a factored w2 apart
 FORMS = {
     "lora": Form(bypass_builder(_lora_factors), S.eager_bypass,
-                 lambda L, i: lambda x, up, down, base: L.functional.locon.bypass(x, up, down, GAMMA, base=base),
+                 lambda x, up, down, base: _functional().locon.bypass(x, up, down, GAMMA, base=base),
                  ("x", "up", "down"), _spec_peer("lora_bypass")),
     "loha": Form(bypass_builder(_hada_factors), S.eager_loha_bypass,
-                 lambda L, i: lambda x, a1, b1, a2, b2, base: L.functional.loha.bypass(x, a1, b1, a2, b2, GAMMA, base=base),
+                 lambda x, a1, b1, a2, b2, base: _functional().loha.bypass(x, a1, b1, a2, b2, GAMMA, base=base),
                  ("x", "a1", "b1", "a2", "b2"), _spec_peer("loha_bypass")),
     "lokr": Form(bypass_builder(_kron_factors), eager_lokr,
-                 lambda L, i: lambda x, w1, w2, base: L.functional.lokr.lokr_bypass(x, w1=w1, w2=w2, scale=GAMMA, base=base),
+                 lambda x, w1, w2, base: _functional().lokr.lokr_bypass(x, w1=w1, w2=w2, scale=GAMMA, base=base),
                  ("x", "w1", "w2"), _spec_peer("lokr_bypass")),
     "lokr-factored": Form(
         bypass_builder(_kron_factors), eager_lokr_factored,
-        lambda L, i: lambda x, w1, w2a, w2b, base: L.functional.lokr.lokr_bypass(x, w1=w1, w2a=w2a, w2b=w2b, scale=GAMMA,
-                                                                             base=base),
+        lambda x, w1, w2a, w2b, base: _functional().lokr.lokr_bypass(x, w1=w1, w2a=w2a, w2b=w2b, scale=GAMMA,
+                                                                     base=base),
         ("x", "w1", "w2a", "w2b"),
         lambda mods: PL.both(lambda x, w1, w2a, w2b, base: mods[2].kron_bypass(x, w1, None, None, None, w2a, w2b,
                                                                                None, scale=GAMMA), 4)),
     "dora": Form(build_dora, eager_dora, ours_dora, ("x", "up", "down", "m"), _peer_dora),
     "oft": Form(rotation_builder(_oft_blocks, False), S.eager_oft_bypass,
-                lambda L, i: lambda blocks, y: L.functional.diag_oft.bypass(blocks, y, diff=True),
+                lambda blocks, y: _functional().diag_oft.bypass(blocks, y, diff=True),
                 ("blocks", "y"), _spec_peer("oft_bypass")),
     "boft": Form(rotation_builder(_boft_blocks, False), S.eager_boft,
-                 lambda L, i: lambda blocks, y: L.functional.boft.bypass(blocks, y, diff=True),
+                 lambda blocks, y: _functional().boft.bypass(blocks, y, diff=True),
                  ("blocks", "y"), _spec_peer("boft")),
     "ia3": Form(build_ia3, S.eager_ia3,
-                lambda L, i: lambda x, w: L.functional.ia3.ia3_scale(x, w, -1, S.IA3_GAMMA), ("x", "w")),
+                lambda x, w: _functional().ia3.ia3_scale(x, w, -1, S.IA3_GAMMA), ("x", "w")),
     "lora-merge": Form(merge_builder(_lora_factors), S.eager_merge_plain,
-                       lambda L, i: lambda W, up, down: L.functional.locon.merge(up, down, GAMMA, base=W),
+                       lambda W, up, down: _functional().locon.merge(up, down, GAMMA, base=W),
                        ("up", "down"), _spec_peer("lora_merge_plain")),
     "loha-merge": Form(merge_builder(_hada_factors), S.eager_merge_hada,
-                       lambda L, i: lambda W, a1, b1, a2, b2: L.functional.loha.merge(a1, b1, a2, b2, GAMMA, base=W),
+                       lambda W, a1, b1, a2, b2: _functional().loha.merge(a1, b1, a2, b2, GAMMA, base=W),
                        ("a1", "b1", "a2", "b2"), _spec_peer("lora_merge_hada")),
     "lokr-merge": Form(merge_builder(_kron_factors), S.eager_lokr_full,
-                       lambda L, i: lambda W, w1, w2: L.functional.lokr.lokr_weight(w1=w1, w2=w2, scale=GAMMA, base=W),
+                       lambda W, w1, w2: _functional().lokr.lokr_weight(w1=w1, w2=w2, scale=GAMMA, base=W),
                        ("w1", "w2"), _spec_peer("lokr_full_merge")),
     "lokr-merge-factored": Form(
         merge_builder(_kron_factors), S.eager_lokr_merge,
-        lambda L, i: lambda W, w1, w2a, w2b: L.functional.lokr.lokr_weight(w1=w1, w2a=w2a, w2b=w2b, scale=GAMMA, base=W),
+        lambda W, w1, w2a, w2b: _functional().lokr.lokr_weight(w1=w1, w2a=w2a, w2b=w2b, scale=GAMMA, base=W),
         ("w1", "w2a", "w2b"), _spec_peer("lokr_merge")),
     "oft-merge": Form(rotation_builder(_oft_blocks, True), S.eager_oft_merge,
-                      lambda L, i: lambda blocks, W: L.functional.diag_oft.merge(blocks, W, diff=True),
+                      lambda blocks, W: _functional().diag_oft.merge(blocks, W, diff=True),
                       ("blocks",), _spec_peer("oft_merge")),
     "boft-merge": Form(rotation_builder(_boft_blocks, True), eager_boft_merge,
-                       lambda L, i: lambda blocks, W: L.functional.boft.merge(blocks, W, diff=True),
+                       lambda blocks, W: _functional().boft.merge(blocks, W, diff=True),
                        ("blocks",), _peer_boft_merge),
     "locon-conv": Form(
         bypass_builder(_lora_factors, (3, 3)), eager_locon_conv,
-        lambda L, i: lambda x, up, down, base: L.functional.locon.bypass(x, up, down, GAMMA, base=base, padding=CONV_PAD),
+        lambda x, up, down, base: _functional().locon.bypass(x, up, down, GAMMA, base=base, padding=CONV_PAD),
         ("x", "up", "down"),
         lambda mods: PL.both(lambda x, up, down, base: mods[0].bypass_forward_diff(
             x, base, down, up, None, gamma=GAMMA, extra_args=_PAD), 3)),
     "loha-conv": Form(
         bypass_builder(_hada_factors, (3, 3)), eager_loha_conv,
-        lambda L, i: lambda x, a1, b1, a2, b2, base: L.functional.loha.bypass(x, a1, b1, a2, b2, GAMMA, base=base,
-                                                                        padding=CONV_PAD),
+        lambda x, a1, b1, a2, b2, base: _functional().loha.bypass(x, a1, b1, a2, b2, GAMMA, base=base,
+                                                                  padding=CONV_PAD),
         ("x", "a1", "b1", "a2", "b2"),
         _peer_loha_conv),
     "lokr-conv": Form(
         bypass_builder(_kron_factors, (3, 3)), eager_lokr_conv,
-        lambda L, i: lambda x, w1, w2, base: L.functional.lokr.lokr_bypass_conv(x, w1=w1, w2=w2, scale=GAMMA, base=base,
-                                                                          padding=CONV_PAD),
+        lambda x, w1, w2, base: _functional().lokr.lokr_bypass_conv(x, w1=w1, w2=w2, scale=GAMMA, base=base,
+                                                                    padding=CONV_PAD),
         ("x", "w1", "w2"),
         lambda mods: PL.both(lambda x, w1, w2, base: mods[2].kron_bypass(
             x, w1, None, None, w2, None, None, None, scale=GAMMA, extra_args=_PAD), 3)),
@@ -578,7 +587,7 @@ def parse_args(argv=None):
     ap.add_argument("--layer", default="", help="only layers whose name contains this")
     ap.add_argument("--dtype", default="", help="comma list of bf16,fp16,fp32")
     ap.add_argument("--full", action="store_true", help="every layer at the default, then every setting everywhere")
-    ap.add_argument("--limit", type=int, default=0, help="the first N cells (after the filters)")
+    ap.add_argument("--limit", type=int, default=0, help="the first N cells (after the filters and --skip-done)")
     ap.add_argument("--seconds", type=float, default=None, help="time budget of the run (default 450; smoke 120)")
     ap.add_argument("--skip-done", default=None, help="a matrix JSON: its measured cells are kept, not rerun")
     ap.add_argument("--compile", default=None, choices=("subset", "all", "none"),
@@ -619,8 +628,9 @@ def parse_args(argv=None):
     return args
 
 
-def select_cells(args) -> List[dict]:
-    """The planned cells after the filters, --skip-done and --limit."""
+def select_cells(args, done=()) -> List[dict]:
+    """The planned cells after the filters, without the ids in ``done`` (--skip-done), the
+    first --limit of them."""
     if args.smoke:
         cells = plan(SMOKE_LAYERS, SMOKE_SWEEP, SMOKE_HEADLINE, SMOKE_MAIN_DTYPE, SMOKE_SUBSET_DTYPES, args.full)
     else:
@@ -637,6 +647,7 @@ def select_cells(args) -> List[dict]:
         cells = [c for c in cells if args.layer in c["layer"]]
     if args.dtype:
         cells = [c for c in cells if c["dtype"] in args.dtype.split(",")]
+    cells = [c for c in cells if c["id"] not in done]
     return cells[:args.limit] if args.limit else cells
 
 
@@ -749,7 +760,7 @@ class Matrix:
         cell["eager"] = _col(e, self.peak(form.eager, ts, grad_idx, G))
         if e.get("error"):  # nothing to check ours against, nothing to compare it with
             return
-        ours = form.ours(self.lo, inp)
+        ours = form.ours
         tol = self.tol[S.DTYPES[cell["dtype"]]]
         with self.backend():
             o = T.measure_column(ours, ts, grad_idx, G, self.timer, self.dev, ref=ref, tol=tol)
@@ -1091,12 +1102,8 @@ def main(argv=None) -> int:
         print("\n".join(lines))
         return 0
     with fresh_caches() as root:
-        cells = select_cells(args)
-        kept = []
-        if args.skip_done:
-            kept = [c for c in load_json(args.skip_done)["cells"] if c.get("ours")]
-            done = {c["id"] for c in kept}
-            cells = [c for c in cells if c["id"] not in done]
+        kept = [c for c in load_json(args.skip_done)["cells"] if c.get("ours")] if args.skip_done else []
+        cells = select_cells(args, {c["id"] for c in kept})
         if args.list:
             for c in cells:
                 print(f"{c['prio']} {c['id']} {c['sizes']}")

@@ -83,6 +83,24 @@ def test_matrix_shapes(matrix):
     assert {c["algo"] for c in cells if c["dtype"] == "fp16"} == set(matrix.SETTINGS)
 
 
+def test_matrix_gpu_plan_on_meta(matrix, monkeypatch):
+    """Every cell of the default GPU plan (real model shapes) builds, and ours and the eager
+    formula agree in output and gradient shapes and dtypes (meta tensors: no memory, no time)."""
+
+    monkeypatch.setattr(matrix.S, "_rand", lambda gen, shape, dt, dev, scale=1.0: torch.empty(shape, dtype=dt,
+                                                                                               device="meta"))
+    cells = matrix.plan(matrix.LAYERS, matrix.SWEEP, matrix.HEADLINE, "bf16", ("fp16", "fp32"), full=False)
+    for c in cells:
+        form = matrix.FORMS[c["form"]]
+        inp = form.build(c["dims"], matrix.S.DTYPES[c["dtype"]], torch.device("meta"), None)
+        ts = [t.requires_grad_(k in form.grads) for k, t in inp.items()]
+        trained = [inp[k] for k in form.grads]
+        outs = [fn(*ts) for fn in (form.eager, form.ours)]
+        grads = [torch.autograd.grad(o, trained, torch.empty_like(o)) for o in outs]
+        assert outs[0].shape == outs[1].shape and outs[0].dtype == outs[1].dtype == inp[next(iter(inp))].dtype, c
+        assert [(g.shape, g.dtype) for g in grads[0]] == [(g.shape, g.dtype) for g in grads[1]], c
+
+
 def test_wrong_column_is_not_timed(matrix):
     """A column that disagrees with the reference is reported and never timed."""
     T = matrix.T
