@@ -28,7 +28,8 @@ Per cell (one process; bench/timing.py's device timer: L2 flushed, launch gaps h
   setting (``--backend`` pins one), forward and forward+backward; its first call of each
   phase is the cell's cold call: the run starts with empty tuning, Triton and TileLang caches
   (fresh temporary directories), so a cell's cold call pays the tuning of its new keys and the
-  builds of kernels no earlier cell of the run built. Its result is compared with the eager
+  builds of kernels no earlier cell of the run built (a key an earlier cell tuned, e.g. the
+  same weights at tokens of one bucket, is warm: the cells run in a fixed order). Its result is compared with the eager
   formula's (output and gradients) before it is timed: a cell that disagrees is not timed.
 - ``eager``: the formula a user writes, in the input dtype (intermediates rounded there):
   ``x @ down.T @ up.T * s + base``; LoKr ``x @ kron(w1, w2).T`` as PEFT builds it; DoRA as
@@ -37,17 +38,17 @@ Per cell (one process; bench/timing.py's device timer: L2 flushed, launch gaps h
 - ``compile``: ``torch.compile(eager, dynamic=False)``; its compile costs seconds per shape,
   so by default only the known-bad cells and each algorithm's first cell get it
   (``--compile all|none``); elsewhere the ratio is against eager alone (the JSON says which).
-- ``peer``: lycoris-lora's functional API in one subprocess for all the cells this run did
-  (bench/peer_lycoris.py --cells; its own fresh tuning table), next to the eager formula timed
-  there.
+- ``peer``: lycoris-lora's functional API in one subprocess for the cells this run did, in
+  their order while its share lasts (bench/peer_lycoris.py --cells; its own fresh tuning
+  table), next to the eager formula timed there.
 - floor: bytes of every input read once and every output written once (+ the upstream grad
   and one gradient per trained input for fwd+bwd) / the copy bandwidth measured in this run.
 - peak: device memory one fwd+bwd call allocates above what was allocated before it.
 
 Time budget (``--seconds``): our pass (eager + ours) until ``1 - compile_share - peer_share``
 of it, the compile pass until ``1 - peer_share``, the peer with what is left; unused time
-passes on. The JSON (``--json``, default <out>/matrix.json) is rewritten after every cell, so
-a killed run keeps its cells (``--report`` makes the summary from it); ``--skip-done`` keeps
+passes on. The JSON (``--json``, default <out>/matrix.json) is rewritten as cells finish (every
+few seconds), so a killed run keeps its cells (``--report`` makes the summary from it); ``--skip-done`` keeps
 a JSON's measured cells and runs the rest. Outputs: the JSON, <out>/matrix-summary.md,
 <out>/matrix-RESULTS-entry.md (also appended to ``--results``) and, with matplotlib,
 <out>/matrix_heatmap.png.
@@ -184,8 +185,9 @@ MAIN_DTYPE, SUBSET_DTYPES = "bf16", ("fp16", "fp32")
 SMOKE_MAIN_DTYPE, SMOKE_SUBSET_DTYPES = "fp32", ("bf16",)
 #: contract thresholds (issue #60)
 MIN_RATIO, AIM_RATIO, COLD_MAX_S = 1.0, 1.5, 2.0
-#: the peer subprocess is not started with less of the budget left (its start-up alone takes ~10 s)
-PEER_MIN_S = 20.0
+#: the peer subprocess: its process start-up (torch, lycoris-lora, CUDA: not in its own budget), and
+#: the least budget left worth starting it for
+PEER_START_S, PEER_MIN_S = 15.0, 30.0
 #: the JSON is rewritten after a cell at most this often (a killed run loses less than this)
 DUMP_EVERY_S = 5.0
 
@@ -202,15 +204,12 @@ def butterfly_blocks(dim: int, factor: int) -> Optional[Tuple[int, int]]:
     return best
 
 
+#: how each key of a setting reads in the cell ids and tables (f8 w2r16, out r32, dim32, r16)
+SETTING_FORMAT = (("factor", "f{}"), ("w2r", "w2r{}"), ("axis", "{}"), ("dim", "dim{}"), ("r", "r{}"))
+
+
 def setting_label(s: dict) -> str:
-    """A setting as it reads in the cell ids and tables (f8 w2r16, out r32, dim32, r16)."""
-    if "factor" in s:
-        return f"f{s['factor']}" + (f" w2r{s['w2r']}" if "w2r" in s else "")
-    if "axis" in s:
-        return f"{s['axis']} r{s['r']}"
-    if "dim" in s:
-        return f"dim{s['dim']}"
-    return f"r{s['r']}" if "r" in s else "-"
+    return " ".join(fmt.format(s[k]) for k, fmt in SETTING_FORMAT if k in s) or "-"
 
 
 def cell_dims(algo: str, s: dict, layer: Layer) -> Optional[dict]:
@@ -840,7 +839,7 @@ class Matrix:
         left = end - time.perf_counter()
         if not a.no_peer and done and not self.context_lost:
             if left >= PEER_MIN_S:
-                self.run_peer(done, left)
+                self.run_peer(done, left - PEER_START_S)
             else:
                 self.notes.append(f"peer not run: {left:.0f} s left of the budget")
         self.dump()
