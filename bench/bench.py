@@ -384,8 +384,7 @@ class Bench:
         except Exception:
             with torch.no_grad():
                 outs = (spec.eager(*ts),)
-        fwd = S.nbytes(ts) + S.nbytes(outs)
-        return fwd, fwd + S.nbytes([G]) + S.nbytes([ts[i] for i in grad_idx])
+        return S.floor_bytes(ts, outs, G, [ts[i] for i in grad_idx])
 
     # ------------------------------------------------------------------ host overhead
     def run_host(self, spec_list, budget_end):
@@ -520,7 +519,6 @@ def make_peft(inp):
 
 def run_peer(args, spec_list, cfgs, budget) -> dict:
     """bench/peer_lycoris.py in a subprocess -> its JSON (or {'ok': False, 'error': ...})."""
-    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "peer.json")
     cmd = [sys.executable, os.path.join(HERE, "peer_lycoris.py"), "--specs", ",".join(s.name for s in spec_list),
            "--configs", ",".join(f"{s}:{d}" for s, d in cfgs), "--device", args.device, "--json", path,
@@ -528,18 +526,28 @@ def run_peer(args, spec_list, cfgs, budget) -> dict:
            "--min-reps", str(args.min_reps), "--host-n", str(args.host_n), "--seed", str(args.seed)]
     if not args.no_host:
         cmd.append("--host")
-    env = dict(os.environ)
     # lycoris-lora keeps its own tuning table (another format) at the same default path as
     # ours (~/.cache/lycoris_kernels/tuning.json): each library would overwrite the other's
-    env["LYCORIS_KERNEL_CACHE_DIR"] = os.path.join(os.path.abspath(args.out), "peer-cache")
-    if args.peer_path:
-        env["PYTHONPATH"] = args.peer_path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return peer_subprocess(cmd, path, budget, args.peer_path, os.path.join(os.path.abspath(args.out), "peer-cache"))
+
+
+def peer_subprocess(cmd, path, budget, peer_path, cache_dir) -> dict:
+    """Run bench/peer_lycoris.py's command line ``cmd`` (which writes its JSON to ``path``) with
+    ``peer_path`` on its PYTHONPATH and lycoris-lora's tuning table under ``cache_dir``; its log
+    lands beside ``path``. Returns the JSON (or {'ok': False, 'error': ...}); a peer killed at
+    ``budget`` + 120 s keeps the rows it wrote."""
+    out_dir = os.path.dirname(os.path.abspath(path))
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ)
+    env["LYCORIS_KERNEL_CACHE_DIR"] = cache_dir
+    if peer_path:
+        env["PYTHONPATH"] = peer_path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     if os.path.exists(path):
         os.remove(path)
     error = None
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget + 120)
-        with open(os.path.join(args.out, "peer.log"), "w") as f:
+        with open(os.path.join(out_dir, "peer.log"), "w") as f:
             f.write(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
         if proc.returncode != 0:
             error = f"peer subprocess exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"[:300]

@@ -4,10 +4,12 @@ same ``torch.ops.lycoris`` namespace, so bench.py runs this script as a subproce
 
     python bench/peer_lycoris.py --specs lora_bypass,dora --configs large:bf16,small:fp32 \
         --json out/peer.json [--device cuda] [--max-seconds 120] [--host]
+    python bench/peer_lycoris.py --cells cells.json --json out/peer.json   # bench/matrix.py's cells
 
 For every spec with a peer mapping it reports (JSON): the peer's fwd and fwd+bwd
 medians (its functional API with ``backend=None``, i.e. its own auto choice), the
-natural eager formula's in the same process, the cold first calls, the relative
+natural eager formula's in the same process (``--cells``: each matrix cell's form, from
+bench/matrix.py's table, rows keyed by the cell's id), the cold first calls, the relative
 error of the peer output against the eager formula (the mapping tries whether the
 peer returns the full result or only the delta and keeps the reading that matches),
 and with ``--host`` the host time per call on tiny tensors next to one torch.add.
@@ -43,6 +45,11 @@ def _scalar(v: float, like: torch.Tensor) -> torch.Tensor:
     return _SCALARS[key]
 
 
+def both(f, base_idx):
+    """The raw reading of ``f`` and "+ base" (``ts[base_idx]``): the API may return the delta only."""
+    return [f, lambda *ts: ts[base_idx] + f(*ts)]
+
+
 def peer_candidates(L):
     """spec name -> list of callables over the spec's input tensors (dict order); the first
     whose output matches the eager formula is the peer column. Where the functional API
@@ -50,10 +57,6 @@ def peer_candidates(L):
     writes to get the same result)."""
     locon, loha, lokr, diag_oft, boft, general = L
     g = S.GAMMA
-
-    def both(f, base_idx):
-        # the raw reading and "+ base" (the API may return the delta only)
-        return [f, lambda *ts: ts[base_idx] + f(*ts)]
 
     def tucker(up, mid, down):
         R, kk = mid.shape[0], mid.shape[2]
@@ -139,11 +142,14 @@ def run(args, report: dict, dump=lambda: None) -> dict:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)  # CPU runs make no timing claims
-    cands = peer_candidates((locon, loha, lokr, diag_oft, boft, general))
+    mods = (locon, loha, lokr, diag_oft, boft, general)
+    cands = peer_candidates(mods)
     names = [n for n in args.specs.split(",") if n]
     timer = timing.DeviceTimer(device, target_ms=args.target_ms, max_reps=args.max_reps, min_reps=args.min_reps)
     gen = torch.Generator().manual_seed(args.seed)
     configs = [c.split(":") for c in args.configs.split(",") if c]
+    if args.cells:
+        _run_cells(args, report, mods, timer, device, t_start, dump)
     for shape, dt_name in configs:
         geo, dtype = S.SHAPES[shape], S.DTYPES[dt_name]
         for name in names:
@@ -156,27 +162,8 @@ def run(args, report: dict, dump=lambda: None) -> dict:
                 row["error"] = "skipped: time budget"
                 continue
             spec = S.BY_NAME[name]
-            inp = spec.build(geo, dtype, device, gen)
-            names_in = list(inp)
-            ts = [t.requires_grad_(k in spec.grads) for k, t in inp.items()]
-            grad_idx = [names_in.index(k) for k in spec.grads]
-            with torch.no_grad():
-                want = spec.eager(*ts)
-            G = torch.randn(want.shape, generator=gen, dtype=torch.float32).to(device=device, dtype=want.dtype)
-            e = timing.measure_column(spec.eager, ts, grad_idx, G, timer, device)
-            row["eager"] = _strip(e)
-            fn, err, note, cold = _pick(cands[name], ts, want, dtype, [ts[i] for i in grad_idx], device)
-            row["match_note"] = note
-            if fn is None:
-                row["error"] = note or "no reading ran"
-                continue
-            p = timing.measure_column(fn, ts, grad_idx, G, timer, device, ref=(e.get("out"), e.get("grads")))
-            # the real first calls happened in _pick
-            p["cold_fwd_s"], p["cold_fwdbwd_s"] = cold
-            row["peer"] = _strip(p)
-            row["rel_err"] = err
-            row["match"] = err <= MATCH_TOL[dtype]
-            del inp, ts, e, p, G, want
+            _measure_row(row, spec.build(geo, dtype, device, gen), spec.eager, spec.grads, cands[name], dtype,
+                         timer, device, gen)
             dump()
     if args.host:
         geo = S.SHAPES["tiny"]
@@ -210,6 +197,62 @@ def run(args, report: dict, dump=lambda: None) -> dict:
     return report
 
 
+def _measure_row(row, inp, eager, grads, cands, dtype, timer, device, gen) -> None:
+    """Fill ``row`` for the named inputs ``inp``: the eager formula's column, the first of the
+    candidate peer readings ``cands`` that matches it, that reading's column; ``grads`` are
+    the inputs a training step differentiates."""
+    names_in = list(inp)
+    ts = [t.requires_grad_(k in grads) for k, t in inp.items()]
+    grad_idx = [names_in.index(k) for k in grads]
+    with torch.no_grad():
+        want = eager(*ts)
+    G = torch.randn(want.shape, generator=gen, dtype=torch.float32, device=gen.device).to(device=device,
+                                                                                      dtype=want.dtype)
+    e = timing.measure_column(eager, ts, grad_idx, G, timer, device)
+    row["eager"] = _strip(e)
+    fn, err, note, cold = _pick(cands, ts, want, dtype, [ts[i] for i in grad_idx], device)
+    row["match_note"] = note
+    if fn is None:
+        row["error"] = note or "no reading ran"
+        return
+    p = timing.measure_column(fn, ts, grad_idx, G, timer, device, ref=(e.get("out"), e.get("grads")))
+    # the real first calls happened in _pick
+    p["cold_fwd_s"], p["cold_fwdbwd_s"] = cold
+    row["peer"] = _strip(p)
+    row["rel_err"] = err
+    row["match"] = err <= MATCH_TOL[dtype]
+
+
+def _run_cells(args, report, mods, timer, device, t_start, dump) -> None:
+    """The cells of bench/matrix.py listed in ``args.cells`` (JSON), in their order, while the
+    time budget lasts; each row is keyed by the cell's id. The inputs are drawn on the device;
+    ``mods``: lycoris-lora's functional modules, from which each form makes its readings."""
+    from matrix import FORMS  # the cells' forms: build, eager formula, peer readings
+
+    with open(args.cells) as f:
+        cells = json.load(f)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    for cell in cells:
+        row = {"id": cell["id"]}
+        report["results"].append(row)
+        form = FORMS[cell["form"]]
+        if form.peer is None:
+            row["error"] = "no matching lycoris-lora functional API"
+            continue
+        if time.perf_counter() - t_start > args.max_seconds:
+            row["error"] = "skipped: time budget"
+            continue
+        dtype = S.DTYPES[cell["dtype"]]
+        try:
+            _measure_row(row, form.build(cell["dims"], dtype, device, gen), form.eager, form.grads,
+                         form.peer(mods), dtype, timer, device, gen)
+        except Exception as exc:  # one cell that cannot run (out of memory, ...) does not end the others
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        dump()
+
+
 def _strip(res: dict) -> dict:
     """The JSON-able part of a measure_column result."""
     out = {}
@@ -232,6 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-reps", type=int, default=40)
     ap.add_argument("--host", action="store_true", help="also measure host time per call on tiny tensors")
     ap.add_argument("--host-n", type=int, default=100)
+    ap.add_argument("--cells", default=None, help="bench/matrix.py's cells (JSON list) to run before any --configs")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     report = {"ok": False, "error": None, "results": [], "host": [], "torch_add_host_us": None}

@@ -126,7 +126,9 @@ def boft_geometry(D: int, target: int = 32) -> Tuple[int, int, int]:
 
 
 def _rand(gen, shape, dtype, device, scale=1.0):
-    t = torch.randn(tuple(shape), generator=gen, dtype=torch.float32, device="cpu") * scale
+    """fp32 normal samples drawn on ``gen``'s device (a CUDA generator keeps large inputs off
+    the host), scaled, then moved to ``device`` in ``dtype``."""
+    t = torch.randn(tuple(shape), generator=gen, dtype=torch.float32, device=gen.device) * scale
     return t.to(device=device, dtype=dtype)
 
 
@@ -413,3 +415,10 @@ def select(names: Optional[Sequence[str]]) -> list:
 
 def nbytes(ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if isinstance(t, torch.Tensor))
+
+
+def floor_bytes(inputs, outputs, G, trained) -> Tuple[int, int]:
+    """The memory floor's bytes (fwd, fwd+bwd): every input read once and every output written
+    once; fwd+bwd adds the upstream grad ``G`` read once and one gradient per ``trained`` input."""
+    fwd = nbytes(inputs) + nbytes(outputs)
+    return fwd, fwd + nbytes([G]) + nbytes(trained)

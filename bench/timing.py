@@ -182,7 +182,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-def measure_column(fn: Callable, ts: list, grad_idx, G, timer: DeviceTimer, device, *, ref=None,
+def measure_column(fn: Callable, ts: list, grad_idx, G, timer: DeviceTimer, device, *, ref=None, tol=None,
                    phases=("fwd", "fwdbwd"), reps=None) -> dict:
     """Time ``fn(*ts)`` (fwd: a training forward, autograd recording) and fwd+bwd
     (forward + ``torch.autograd.grad`` of the output w.r.t. ``ts[grad_idx]`` with the
@@ -190,7 +190,9 @@ def measure_column(fn: Callable, ts: list, grad_idx, G, timer: DeviceTimer, devi
 
     Returns {cold_fwd_s, background_fwd_s, fwd: timer dict, cold_fwdbwd_s, background_fwdbwd_s,
     fwdbwd, out, grads, rel_err, grad_err, error} (``background_*_s``: ``settle_background``);
-    ``ref`` = (out, grads) of the reference column for the errors.
+    ``ref`` = (out, grads) of the reference column for the errors, taken from each phase's
+    cold call before it is timed. With ``tol``, a column whose rel_err or grad_err exceeds it
+    is not timed (a timing of a wrong answer is no result): ``error`` says why.
     An exception is caught and reported in ``error`` (the phases done so far stay)."""
     res: dict = {}
     targets = [ts[i] for i in grad_idx]
@@ -202,25 +204,50 @@ def measure_column(fn: Callable, ts: list, grad_idx, G, timer: DeviceTimer, devi
         out = fn(*ts)
         return out, torch.autograd.grad(out, targets, G)
 
+    def agrees(key, errors) -> bool:
+        """Record ``max(errors)`` under ``key``; False (and ``error``) beyond ``tol``."""
+        res[key] = max(errors, default=0.0)
+        if tol is not None and res[key] > tol:
+            res["error"] = f"disagrees with the reference: {key} {res[key]:.3g} > {tol:g}"
+            return False
+        return True
+
     try:
         if "fwd" in phases:
             res["out"], res["cold_fwd_s"] = cold_call(fwd, device)
+            if ref is not None and ref[0] is not None and not agrees("rel_err", [rel_err(res["out"], ref[0])]):
+                return res
             res["background_fwd_s"] = settle_background()  # the warm-up then times a deferred shortlist
             res["fwd"] = timer.time(fwd, reps)
         if "fwdbwd" in phases:
             (out, grads), res["cold_fwdbwd_s"] = cold_call(fwdbwd, device)
-            res["background_fwdbwd_s"] = settle_background()
             res.setdefault("out", out)
             res["grads"] = grads
+            if ref is not None:
+                if ref[0] is not None and "rel_err" not in res and not agrees("rel_err", [rel_err(out, ref[0])]):
+                    return res
+                if ref[1] is not None and not agrees("grad_err", [rel_err(g, r) for g, r in zip(grads, ref[1])]):
+                    return res
+            res["background_fwdbwd_s"] = settle_background()
             res["fwdbwd"] = timer.time(fwdbwd, reps)
     except Exception as exc:  # a column that fails is reported, the run goes on
         res["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-    if ref is not None:
-        if res.get("out") is not None and ref[0] is not None:
-            res["rel_err"] = rel_err(res["out"], ref[0])
-        if res.get("grads") is not None and ref[1] is not None:
-            res["grad_err"] = max((rel_err(g, r) for g, r in zip(res["grads"], ref[1])), default=0.0)
     return res
+
+
+def peak_bytes(fn: Callable, device) -> Optional[int]:
+    """Device memory one call of ``fn`` allocates at its peak above what was allocated before
+    it (its outputs included); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    out = fn()
+    sync(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    del out
+    return peak
 
 
 # --------------------------------------------------------------------------- the variants scripts
