@@ -32,3 +32,6 @@ __all__ = [
     "OP_NAMES", "functional", "__version__",
     "available_backends", "fused_backends", "resolve_backend", "set_backend", "use_backend",
 ]
+
+from .integrations import lycoris_lora as _lycoris_lora  # noqa: E402
+_lycoris_lora.install()  # then `import lycoris` (lycoris-lora 4.1) runs on these ops
