@@ -23,7 +23,6 @@ warning per reason): ``describe`` below is that table.
 from __future__ import annotations
 
 import importlib.abc
-import importlib.machinery
 import importlib.metadata
 import importlib.util
 import os
@@ -70,7 +69,11 @@ def _shim_file(fullname: str) -> Optional[Tuple[str, bool]]:
 
 
 class KernelLayerFinder(importlib.abc.MetaPathFinder):
-    """Serves ``lycoris.kernels`` from the shim and gates ``lycoris`` on its version."""
+    """Gates ``lycoris`` on lycoris-lora's version and serves ``lycoris.kernels`` from the shim."""
+
+    def __init__(self):
+        #: the lycoris-lora version admitted at the last ``import lycoris`` (None: not installed)
+        self.admitted: Optional[str] = None
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == "lycoris":
@@ -83,10 +86,11 @@ class KernelLayerFinder(importlib.abc.MetaPathFinder):
                     f"or import lycoris in a process without lycoris_ops: both packages register the "
                     f"torch.ops.lycoris namespace, so they cannot share a process otherwise.",
                     name=fullname)
-            return None  # lycoris-lora's own package imports normally (or is absent)
+            self.admitted = version
+            return None  # lycoris-lora's own package imports normally (or is absent: a no-op)
         if fullname != KERNELS and not fullname.startswith(KERNELS + "."):
             return None
-        if installed_version() is None:
+        if self.admitted is None:
             raise ImportError(
                 "lycoris_ops is loaded and a 'lycoris' package without lycoris-lora's distribution metadata is "
                 "importing its kernel layer, which would register the torch.ops.lycoris namespace a second "
@@ -150,13 +154,14 @@ def _dora(m, merge_op: str) -> Tuple[Tuple[str, ...], Optional[str]]:
     if not m.wd:
         return (merge_op,), None
     if not m.wd_on_out and m.module_type.startswith("conv"):
-        return (), FALLBACK_DORA_CONV_IN
+        return (merge_op,), FALLBACK_DORA_CONV_IN
     return (merge_op, "dora_fwd"), None
 
 
 def route(m: nn.Module) -> Tuple[Tuple[str, ...], Optional[str]]:
-    """(the ops a lycoris-lora module's forward runs, the fallback reason or None) in
-    its current configuration (training flag, multiplier, bypass_mode)."""
+    """(the ops a lycoris-lora module's forward runs, the reason part of it runs
+    lycoris-lora's own eager body, or None) in its current configuration (training
+    flag, multiplier, bypass_mode)."""
     kind = type(m).__name__
     training = m.training
     conv = m.module_type.startswith("conv")
@@ -224,5 +229,7 @@ def describe(name: str, module: nn.Module) -> Optional[report.LayerRoute]:
     ops, reason = route(module)
     if reason is not None:
         report.warn_fallback(reason)
+        if ops:
+            reason += f" (the rest runs on {' + '.join('lycoris.' + op for op in ops)})"
         return report.LayerRoute(name, adapter, None, reason)
     return report.LayerRoute(name, adapter, " + ".join("lycoris." + op for op in ops))
