@@ -602,3 +602,16 @@ def test_full_merge_of_a_loaded_diff_is_add_scaled(lyco):
         w, b = m.get_merged_weight(0.5)
     assert seen.ops == {"add_scaled"}
     assert _rel(w, layer.weight.detach() + 0.5 * diff) < 1e-6 and _rel(b, layer.bias.detach() + 0.5 * diff_b) < 1e-6
+
+
+@pytest.mark.slow
+def test_gpu_bridge_script_smoke(tmp_path):
+    """bench/gpu_bridge.py runs (CPU, tiny model, the eager columns): both processes, the table."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gpu_bridge.py"), "bench", "--smoke",
+                           "--models", "transformer", "--algos", "lokr", "--columns", "bridge-eager,lyco-torch",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=1200,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    table = (tmp_path / "bridge.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| transformer | lokr |"))
+    assert "error" not in row and "12/12" in row, table

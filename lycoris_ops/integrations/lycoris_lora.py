@@ -18,7 +18,11 @@ both load. So ``import lycoris_ops`` installs an import hook (``install``): when
 
 ``lycoris_ops.report.explain(network)`` then says, per adapted layer, which of our
 ops its forward runs on, or why it runs lycoris-lora's own eager body (one
-warning per reason): ``describe`` below is that table.
+warning per reason): ``describe`` below is that table. Two limits sit in
+lycoris-lora's own code, not in the kernel layer: under ``torch.compile`` its LoKr
+scope test refuses the fused linear bypass (``bypass_mode`` LoKr then traces its
+eager chain), and DyLoRA draws its rank with Python's ``random`` per call, which
+Dynamo cannot keep in one graph (``fullgraph=True`` fails there).
 """
 from __future__ import annotations
 
