@@ -34,3 +34,6 @@ __all__ = [
 ]
 from .report import explain  # noqa: E402  (what runs fused, per adapted layer)
 __all__ += ["explain"]
+
+from .integrations import lycoris_lora as _lycoris_lora  # noqa: E402
+_lycoris_lora.install()  # then `import lycoris` (lycoris-lora 4.1) runs on these ops

@@ -1,12 +1,13 @@
-"""Cross-check against lycoris-lora itself (optional: skipped unless LYCORIS_PEER_PATH names a
-folder where ``import lycoris`` works, e.g. ``pip install --target DIR lycoris_lora einops``).
+"""Cross-check of lycoris_ops' own ``nn`` adapters against lycoris-lora itself (installed by
+the test extras; skipped without it).
 
-tests/peer_networks.py runs in a subprocess with the peer on its path (the two packages
-cannot share a process: both register the ``lycoris`` operator namespace) and saves, per
-algorithm, a small model's base weights, a LyCORIS network's state dict with random adapter
-tensors, an input and the network's output. Here ``load_lycoris_state_dict`` rebuilds the
-network on our ops: same output and the same gradients for the input and every adapter
-tensor (fp32), and ``lycoris_state_dict`` gives back the same state dict.
+tests/peer_networks.py runs lycoris-lora in a subprocess without lycoris_ops (there it runs
+on its own kernel layer) and saves, per algorithm, a small model's base weights, a LyCORIS
+network's state dict with random adapter tensors, an input and the network's output. Here
+``load_lycoris_state_dict`` rebuilds the network on our ``nn`` adapters: same output and the
+same gradients for the input and every adapter tensor (fp32), and ``lycoris_state_dict``
+gives back the same state dict. (tests/test_lycoris_bridge.py runs lycoris-lora's own
+modules on our ops instead.)
 """
 import os
 import subprocess
@@ -16,21 +17,19 @@ import pytest
 import torch
 
 from lycoris_ops import nn as lnn
+from lycoris_ops.integrations.lycoris_lora import installed_version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PEER = os.environ.get("LYCORIS_PEER_PATH", "")
 
 
 @pytest.fixture(scope="module")
 def peer_networks(tmp_path_factory):
-    if not PEER or not os.path.isdir(os.path.join(PEER, "lycoris")):
-        pytest.skip("lycoris-lora not available (set LYCORIS_PEER_PATH)")
+    if installed_version() is None:
+        pytest.skip("lycoris-lora is not installed (pip install -e '.[test]')")
     path = tmp_path_factory.mktemp("peer") / "nets.pt"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([PEER, HERE]), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "peer_networks.py"), str(path)], env=env,
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "peer_networks.py"), "nets", str(path)], env=env,
                           capture_output=True, text=True, timeout=600, cwd=str(path.parent))
-    if proc.returncode != 0 and "ModuleNotFoundError" in proc.stderr:
-        pytest.skip("lycoris-lora's dependencies are missing: " + proc.stderr.strip().splitlines()[-1])
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(path)
 
