@@ -28,8 +28,9 @@ def cuda_runtime_include():
     return next((d for d in folders if all(os.path.exists(os.path.join(d, f)) for f in needed)), None)
 
 
-# -g0: no debug info; it halves the build.
-extra_compile_args = {"cxx": ["-O2", "-g0", "-std=c++17"]}
+# -g0: no debug info; it halves the build. No -std: BuildExtension adds the C++ standard
+# this torch's headers are written for (hard-coding one breaks on the next torch).
+extra_compile_args = {"cxx": ["-O2", "-g0"]}
 # With a CUDA torch and CUDA's runtime headers, csrc/launch.cpp also gets its replaying
 # CUDA kernel: host C++ only (nothing for nvcc), linked to torch's c10_cuda. Without the
 # headers (a CUDA_HOME guessed from an nvcc wrapper, say) it is left out, with a note.
