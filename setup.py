@@ -5,6 +5,7 @@
 """
 import glob
 import os
+import pathlib
 
 from setuptools import find_packages, setup
 import torch
@@ -43,6 +44,28 @@ if torch.version.cuda and os.environ.get("LYCORIS_CUDA_LAUNCH", "1") != "0":
               "building without the C++ CUDA launch path (csrc/launch.cpp); the ops run, with more host time per call")
 cuda_launch = cuda_include is not None
 
+
+class BuildWithTorchRecord(BuildExtension):
+    """Writes lycoris_ops/_build_info.py beside each copy of _C (the build folder's and, for
+    in-place and editable builds, the source tree's): the torch _C is compiled against, which
+    lycoris_ops/__init__.py compares with the running torch before it loads _C. Ninja rebuilds
+    what torch's headers changed; without ninja (BuildExtension falls back to setuptools'
+    compiler, which sees only our sources), a record naming another torch forces the rebuild."""
+
+    record = f"# Written by setup.py: the torch that lycoris_ops._C is compiled against.\nTORCH_VERSION = {torch.__version__!r}\n"
+
+    def run(self):
+        folders = [os.path.join(self.build_lib, "lycoris_ops")]
+        if self.inplace:
+            folders.append(self.get_finalized_command("build_py").get_package_dir("lycoris_ops"))
+        built = pathlib.Path(folders[0], "_build_info.py")
+        if not built.exists() or built.read_text() != self.record:
+            self.force = True
+        super().run()
+        for folder in folders:
+            pathlib.Path(folder, "_build_info.py").write_text(self.record)
+
+
 setup(
     name="lycoris_ops",
     version="0.1.0",
@@ -67,5 +90,5 @@ setup(
             extra_compile_args=extra_compile_args,
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildWithTorchRecord.with_options(use_ninja=True)},
 )
