@@ -4,6 +4,7 @@
     pip install --no-build-isolation -e ".[test]"
 """
 import glob
+import importlib.metadata
 import os
 import pathlib
 
@@ -72,7 +73,8 @@ setup(
     description="Fused LyCORIS adapter ops as torch.ops.lycoris.* custom ops",
     packages=find_packages(include=["lycoris_ops", "lycoris_ops.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.11"],
+    # the torch distribution _C is compiled against: it loads with no other
+    install_requires=[f"torch=={importlib.metadata.version('torch')}"],
     extras_require={
         "triton": ["triton>=3.6"],
         "tilelang": ["tilelang==0.1.15"],
