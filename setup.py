@@ -4,7 +4,9 @@
     pip install --no-build-isolation -e ".[test]"
 """
 import glob
+import importlib.metadata
 import os
+import pathlib
 
 from setuptools import find_packages, setup
 import torch
@@ -28,8 +30,9 @@ def cuda_runtime_include():
     return next((d for d in folders if all(os.path.exists(os.path.join(d, f)) for f in needed)), None)
 
 
-# -g0: no debug info; it halves the build.
-extra_compile_args = {"cxx": ["-O2", "-g0", "-std=c++17"]}
+# -g0: no debug info; it halves the build. No -std: BuildExtension adds the C++ standard
+# this torch's headers are written for (hard-coding one breaks on the next torch).
+extra_compile_args = {"cxx": ["-O2", "-g0"]}
 # With a CUDA torch and CUDA's runtime headers, csrc/launch.cpp also gets its replaying
 # CUDA kernel: host C++ only (nothing for nvcc), linked to torch's c10_cuda. Without the
 # headers (a CUDA_HOME guessed from an nvcc wrapper, say) it is left out, with a note.
@@ -42,13 +45,36 @@ if torch.version.cuda and os.environ.get("LYCORIS_CUDA_LAUNCH", "1") != "0":
               "building without the C++ CUDA launch path (csrc/launch.cpp); the ops run, with more host time per call")
 cuda_launch = cuda_include is not None
 
+
+class BuildWithTorchRecord(BuildExtension):
+    """Writes lycoris_ops/_build_info.py beside each copy of _C (the build folder's and, for
+    in-place and editable builds, the source tree's): the torch _C is compiled against, which
+    lycoris_ops/__init__.py compares with the running torch before it loads _C. Ninja rebuilds
+    what torch's headers changed; without ninja (BuildExtension falls back to setuptools'
+    compiler, which sees only our sources), a record naming another torch forces the rebuild."""
+
+    record = f"# Written by setup.py: the torch that lycoris_ops._C is compiled against.\nTORCH_VERSION = {torch.__version__!r}\n"
+
+    def run(self):
+        folders = [os.path.join(self.build_lib, "lycoris_ops")]
+        if self.inplace:
+            folders.append(self.get_finalized_command("build_py").get_package_dir("lycoris_ops"))
+        built = pathlib.Path(folders[0], "_build_info.py")
+        if not built.exists() or built.read_text() != self.record:
+            self.force = True
+        super().run()
+        for folder in folders:
+            pathlib.Path(folder, "_build_info.py").write_text(self.record)
+
+
 setup(
     name="lycoris_ops",
     version="0.1.0",
     description="Fused LyCORIS adapter ops as torch.ops.lycoris.* custom ops",
     packages=find_packages(include=["lycoris_ops", "lycoris_ops.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.11"],
+    # the torch distribution _C is compiled against: it loads with no other
+    install_requires=[f"torch=={importlib.metadata.version('torch')}"],
     extras_require={
         "triton": ["triton>=3.6"],
         "tilelang": ["tilelang==0.1.15"],
@@ -67,5 +93,5 @@ setup(
             extra_compile_args=extra_compile_args,
         )
     ],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildWithTorchRecord.with_options(use_ninja=True)},
 )

@@ -9,12 +9,21 @@ from __future__ import annotations
 import torch  # noqa: F401  (loads libtorch, which _C links against)
 
 try:
-    from . import _C
-except ImportError as exc:  # pragma: no cover - only without a build
+    from ._build_info import TORCH_VERSION as _BUILT_AGAINST  # written by setup.py beside _C
+except ImportError as exc:
     raise ImportError(
         "lycoris_ops._C is not built. Install the package first: "
         "pip install torch==2.13.0 && pip install --no-build-isolation -e ."
     ) from exc
+
+from . import _preflight  # noqa: E402
+
+# Both before _C loads: a mismatched _C can crash as it loads, and a clash over the lycoris
+# namespace while it loads terminates the process.
+_preflight.check_torch_matches_build(_BUILT_AGAINST)
+_preflight.check_namespace_free()
+
+from . import _C  # noqa: E402
 
 #: the 23 op names, in schema order (the table lives in csrc/schemas.h)
 OP_NAMES = tuple(s.split("(", 1)[0] for s in _C.schemas())
