@@ -88,21 +88,29 @@ def test_scaled_add_with_a_tensor_multiplier_checks_shapes_too():
 B = 10**6
 
 
-def _expanded(*shape):
-    return torch.zeros([1] * len(shape)).expand(*shape)
+def _expanded(*shape, device="cpu"):
+    return torch.zeros([1] * len(shape), device=device).expand(*shape)
 
 
-BIG = {  # op -> args whose output(s) need terabytes; every big operand is an expanded view
-    "dora_fwd": lambda: (_expanded(B, B), torch.ones(B), 1.0, 0),
-    "dora_bwd": lambda: (_expanded(B, B), _expanded(B, B), torch.ones(B), torch.ones(B), 1.0, 0),
-    "ia3_fwd": lambda: (_expanded(B, B), torch.ones(B), -1, 1.0, 1.0),
-    "add_scaled": lambda: (_expanded(B, B), _expanded(B, B), 1.0),
-    "oft_fwd": lambda: (torch.randn(2, 4, 4), _expanded(8, 10**12), None, 1.0, True, True),
-    "boft_fwd": lambda: (torch.randn(1, 2, 2, 2), _expanded(4, 10**12), 0, 1.0, 1.0, None, False),
-    "lora_merge_fwd": lambda: (_expanded(B, 4), _expanded(4, B), None, None, None, 1.0, "plain"),
-    "lora_bypass_fwd": lambda: (_expanded(10**8, 64), _expanded(10**5, 4), torch.randn(4, 64), 1.0),
-    "lokr_full_merge_fwd": lambda: (_expanded(10**5, 10**5), torch.randn(10, 10), None, 1.0),
+BIG = {  # op -> f(device): args whose output(s) need terabytes; every big operand is an expanded view
+    "dora_fwd": lambda d: (_expanded(B, B, device=d), torch.ones(B, device=d), 1.0, 0),
+    "dora_bwd": lambda d: (_expanded(B, B, device=d), _expanded(B, B, device=d), torch.ones(B, device=d),
+                           torch.ones(B, device=d), 1.0, 0),
+    "ia3_fwd": lambda d: (_expanded(B, B, device=d), torch.ones(B, device=d), -1, 1.0, 1.0),
+    "add_scaled": lambda d: (_expanded(B, B, device=d), _expanded(B, B, device=d), 1.0),
+    "oft_fwd": lambda d: (torch.randn(2, 4, 4, device=d), _expanded(8, 10**12, device=d), None, 1.0, True, True),
+    "boft_fwd": lambda d: (torch.randn(1, 2, 2, 2, device=d), _expanded(4, 10**12, device=d), 0, 1.0, 1.0, None,
+                           False),
+    "lora_merge_fwd": lambda d: (_expanded(B, 4, device=d), _expanded(4, B, device=d), None, None, None, 1.0,
+                                 "plain"),
+    "lora_bypass_fwd": lambda d: (_expanded(10**8, 64, device=d), _expanded(10**5, 4, device=d),
+                                  torch.randn(4, 64, device=d), 1.0),
+    "lokr_full_merge_fwd": lambda d: (_expanded(10**5, 10**5, device=d), torch.randn(10, 10, device=d), None, 1.0),
 }
+
+
+def _too_big(op, device):
+    return rf"^lycoris\.{op}: the outputs? would need [0-9.]+ TiB, more than the [0-9.]+ [GT]iB of memory of {device}: "
 
 
 @pytest.mark.parametrize("mode", ["cpu", "fake"])
@@ -110,20 +118,44 @@ BIG = {  # op -> args whose output(s) need terabytes; every big operand is an ex
 def test_output_too_big_fails_fast(op, mode):
     """dora_fwd on a 10⁶×10⁶ expanded zero computed for about 25 minutes before its
     allocation failed: the check of the output size raises before anything runs."""
-    args = BIG[op]()
+    args = BIG[op]("cpu")
     t0 = time.perf_counter()
-    with pytest.raises(ValueError, match=rf"^lycoris\.{op}: the outputs? would need [0-9.]+ TiB, more than the "
-                                         r"[0-9.]+ [GT]iB of memory of cpu: "):
+    with pytest.raises(ValueError, match=_too_big(op, "cpu")):
         _run(op, args, mode)
     assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", sorted(BIG))
+def test_output_too_big_fails_fast_on_cuda(op):
+    """The same check before the CUDA key's choice of tier (fused op sets included)."""
+    args = BIG[op]("cuda")
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=_too_big(op, r"cuda:\d")):
+        getattr(OPS, op)(*args)
+    assert time.perf_counter() - t0 < 1.0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", sorted(GRAD_NONE))
+def test_missing_grad_is_named_on_cuda(op):
+    args = tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in GRAD_NONE[op]())
+    with pytest.raises(ValueError, match=rf"^lycoris\.{op}: grad must be a Tensor, got NoneType$"):
+        getattr(OPS, op)(*args)
+
+
+@pytest.mark.gpu
+def test_add_scaled_demands_base_shape_on_cuda():
+    with pytest.raises(ValueError, match=r"delta must have shape \(19, 5\)"):
+        OPS.add_scaled(torch.randn(19, 5, device="cuda"), torch.randn(5, 19, device="cuda"), 0.5)
 
 
 def test_output_size_names_the_argument():
     with pytest.raises(ValueError, match=r"\(1000000, 1000000\) float32, the shape of w \(w: an expanded view, "
                                          r"stride 0\)"):
-        OPS.dora_fwd(*BIG["dora_fwd"]())
+        OPS.dora_fwd(*BIG["dora_fwd"]("cpu"))
     with pytest.raises(ValueError, match=r"from a1 \(1000000, 4\), b1 \(4, 1000000\)"):
-        OPS.lora_merge_fwd(*BIG["lora_merge_fwd"]())
+        OPS.lora_merge_fwd(*BIG["lora_merge_fwd"]("cpu"))
 
 
 def test_output_beyond_int64_on_meta():

@@ -33,7 +33,6 @@ def test_every_reader_goes_through_the_table():
                 if reads and ("LYCORIS" in line or "ENV_" in line):
                     offenders.append(f"{f}: {line.strip()}")
     assert offenders == []
-    assert len(settings.SETTINGS) == 13
     for name, s in settings.SETTINGS.items():
         assert name.startswith("LYCORIS_") and s.meaning and s.shown_default and s.valid_values()
 
@@ -133,6 +132,29 @@ def test_cache_dir(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="LYCORIS_KERNEL_CACHE_DIR=.*a_file' is not valid; valid values: a "
                                          "directory, not an existing file"):
         dispatch.cache_dir()
+
+
+def test_unwritable_cache_dir_warns_once_naming_the_variable(tmp_path, fresh_tuner, monkeypatch):
+    """A cache directory that cannot be created (its parent is a file): one warning naming
+    LYCORIS_KERNEL_CACHE_DIR, and the tuned pick still answers (kept in memory)."""
+    import warnings
+
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path / "file" / "cache"))
+    pick = {"block": 64, "num_warps": 4}
+
+    def timer(fn, cand):
+        fn()
+        return 1e-6 if cand == pick else 2e-6
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            got = tune.select_config("add_scaled", "triton", (("T", 64),), [pick, tune.SENTINEL_EAGER],
+                                     lambda c: None, device="cpu", version=1, timer=timer)
+            assert got == pick
+    ours = [str(w.message) for w in caught if "cannot write the tuning table" in str(w.message)]
+    assert len(ours) == 1 and "set LYCORIS_KERNEL_CACHE_DIR to a writable directory" in ours[0]
 
 
 def _import(env: dict) -> subprocess.CompletedProcess:
