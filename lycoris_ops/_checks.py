@@ -180,7 +180,7 @@ def _host_memory() -> Optional[int]:
 def _memory(device: torch.device) -> Optional[int]:
     if device.type == "cpu":
         return _host_memory()
-    if device.type == "cuda" and torch.cuda.is_initialized():  # never initialize CUDA for a fake's check
+    if device.type == "cuda":
         try:
             return torch.cuda.get_device_properties(device).total_memory
         except Exception:  # a fake CUDA device that this machine lacks (export)
@@ -191,7 +191,10 @@ def _memory(device: torch.device) -> Optional[int]:
 def device_memory(device: torch.device) -> Optional[int]:
     """Bytes the outputs of one call on ``device`` can never exceed: a CUDA device's total
     memory, the host's RAM + swap for CPU; None where unknown (meta, a fake CUDA device)."""
-    return _memory(torch.device(device))
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_initialized():
+        return None  # a fake's check never initializes CUDA (a real CUDA operand has done so)
+    return _memory(device)
 
 
 def _bytes(n: float) -> str:

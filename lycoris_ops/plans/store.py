@@ -12,9 +12,10 @@ of concurrent writers where ``fcntl`` exists, so no writer drops another's rows.
 A corrupt file (not UTF-8, not JSON, nested too deeply, not the expected object,
 unreadable), or one of another format version, is ignored with ONE warning per
 path and reason (never an exception): its rows are not used. A directory at the
-path is ignored the same way, and this process then keeps its rows in memory. A corrupt or
-older-version file is replaced by the next write; a file of a *newer* version
-(a newer lycoris_ops) is left alone and this process keeps its rows in memory.
+path is ignored the same way, and this process then keeps its rows in memory.
+A corrupt or older-version file is replaced by the next write; a file of a
+*newer* version (a newer lycoris_ops) is left alone and this process keeps its
+rows in memory.
 A *foreign* file - a JSON list, the format of lycoris-lora's own tuning table,
 which defaults to the same ``~/.cache/lycoris_kernels/tuning.json`` - is left
 alone too: this table then lives beside it, in ``<name>.lycoris_ops.json``
