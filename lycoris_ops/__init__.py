@@ -28,6 +28,10 @@ from . import _C  # noqa: E402
 #: the 23 op names, in schema order (the table lives in csrc/schemas.h)
 OP_NAMES = tuple(s.split("(", 1)[0] for s in _C.schemas())
 
+from . import settings as _settings  # noqa: E402
+
+_settings.check_environment()  # an invalid LYCORIS_* value fails here, before anything runs
+
 from .dispatch import available_backends, fused_backends, resolve_backend  # noqa: E402
 from .dispatch import set_backend, use_backend  # noqa: E402
 from .plans.tune import warmup  # noqa: E402

@@ -24,12 +24,13 @@ kwarg-only or tensor-list arguments (none here) use torch's own registration.
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import _C
 from torch._library.utils import is_tensorlist_like_type
+
+from . import settings
 
 __all__ = ["register_autograd", "first_order_only", "BwdCall", "direct_backward", "DIRECT"]
 
@@ -69,7 +70,7 @@ DIRECT = {}
 
 #: ``LYCORIS_AUTOGRAD_KERNEL=python`` (read at import): every op gets the Python kernel, for
 #: compiled autograd (``torch._dynamo.compiled_autograd``), which the C++ node does not support.
-_PYTHON_KERNEL_ONLY = os.environ.get("LYCORIS_AUTOGRAD_KERNEL", "cpp") == "python"
+_PYTHON_KERNEL_ONLY = settings.get("LYCORIS_AUTOGRAD_KERNEL") == "python"
 
 
 class _BackwardCtx:

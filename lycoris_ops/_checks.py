@@ -5,11 +5,18 @@ allocates anything, so the CPU kernel, the CUDA kernel and the fake raise the
 same ``ValueError`` naming the op, the argument and what was expected. They use
 ``torch._check_value`` so that symbolic sizes (dynamic token dims under
 torch.compile / torch.export) become guards instead of data-dependent errors.
+
+Each ``check_<op>`` (``cached``) also checks that the outputs it specifies can be
+allocated at all (``outputs_fit``): an expanded (stride-0) input can describe a
+result of terabytes, which would otherwise be computed for minutes before the
+allocation fails.
 """
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence
+import math
+import os
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -149,6 +156,89 @@ def axis(op: str, name: str, value: int, ndim: int) -> int:
     return value % ndim
 
 
+# --------------------------------------------------------------------------- output size
+
+#: bytes one tensor can never exceed (torch indexes storage bytes with int64)
+MAX_TENSOR_BYTES = 2**63 - 1
+
+
+def _host_memory() -> Optional[int]:
+    """RAM + swap in bytes (an output larger than both can never be written), or None."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return 1024 * sum(int(fields[k].split()[0]) for k in ("MemTotal", "SwapTotal") if k in fields) or None
+    except (OSError, ValueError):
+        pass
+    try:  # not Linux
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def _memory(device: torch.device) -> Optional[int]:
+    if device.type == "cpu":
+        return _host_memory()
+    if device.type == "cuda":
+        try:
+            return torch.cuda.get_device_properties(device).total_memory
+        except Exception:  # a fake CUDA device that this machine lacks (export)
+            return None
+    return None
+
+
+def device_memory(device: torch.device) -> Optional[int]:
+    """Bytes the outputs of one call on ``device`` can never exceed: a CUDA device's total
+    memory, the host's RAM + swap for CPU; None where unknown (meta, a fake CUDA device)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_initialized():
+        return None  # a fake's check never initializes CUDA (a real CUDA operand has done so)
+    return _memory(device)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} bytes"
+
+
+def outputs_fit(op: str, spec, named: Iterable[Tuple[str, object]]) -> None:
+    """Raise unless the outputs of ``spec`` (``check_<op>``'s ``(shape, dtype)`` list) fit in
+    the memory of the operands' device, before anything is computed. ``named``: the call's
+    ``(argument name, value)`` pairs, to name the argument whose shape the largest output has."""
+    if torch.compiler.is_dynamo_compiling():
+        return  # Dynamo traces an eager body in the compile tier, after the op checked the real operands
+    sizes = []
+    for shape, dtype in spec:
+        if any(type(d) is not int for d in shape):
+            return  # symbolic sizes (dynamic shapes): checked when the real operands arrive
+        sizes.append(math.prod(shape) * dtype.itemsize)
+    tensors = [(n, t) for n, t in named if isinstance(t, torch.Tensor)]
+    if not sizes or not tensors:
+        return
+    need = sum(sizes)
+    device = tensors[0][1].device
+    limit = device_memory(device) if need <= MAX_TENSOR_BYTES else None
+    if need <= MAX_TENSOR_BYTES and (limit is None or need <= limit):
+        return
+    big = max(range(len(spec)), key=sizes.__getitem__)
+    shape, dtype = spec[big]
+    same = [(n, t) for n, t in tensors if tuple(t.shape) == tuple(shape)]
+    if same:
+        source = "the shape of " + " and ".join(n for n, _ in same)
+        expanded = [n for n, t in same if 0 in t.stride() and t.numel() > 1]
+        if expanded:
+            source += f" ({' and '.join(expanded)}: an expanded view, stride 0)"
+    else:
+        source = "from " + ", ".join(f"{n} {_shape(t)}" for n, t in tensors)
+    where = "more than int64 can index" if limit is None else f"more than the {_bytes(limit)} of memory of {device}"
+    largest = f"{tuple(shape)} {str(dtype).replace('torch.', '')}"
+    fail(op, f"the output{'s' if len(spec) > 1 else ''} would need {_bytes(need)}, {where}: "
+             f"{'the largest is ' if len(spec) > 1 else ''}{largest}, {source}")
+
+
 # --------------------------------------------------------------------------- signature cache
 
 #: tensor types with concrete metadata; FakeTensor, FunctionalTensor and every other
@@ -198,6 +288,7 @@ def cached(check):
     not a float, an int list holding bools or SymInts, anything unhashable).
     The wrapper keeps the check's name and signature (``__wrapped__`` is the plain one).
     A check that validates a float argument's value must not be cached this way.
+    Every run of the check also runs ``outputs_fit`` on the spec it returns.
     """
     import inspect
 
@@ -206,8 +297,15 @@ def cached(check):
     sig = inspect.signature(check)
     if [p.name for p in sig.parameters.values()] != [a.name for a in schema]:
         raise TypeError(f"{check.__name__} must take the schema arguments of lycoris.{op} in order")
+    names_in_order = [p.name for p in sig.parameters.values()]
+
+    def checked(*args):
+        spec = check(*args)
+        outputs_fit(op, spec, zip(names_in_order, args))
+        return spec
+
     cache: dict = {}
-    ns = {"_check": check, "_get": cache.get, "_cache": cache, "_MAX": MAX_SIGNATURES,
+    ns = {"_check": checked, "_get": cache.get, "_cache": cache, "_MAX": MAX_SIGNATURES,
           "_compiling": torch.compiler.is_compiling, "_P": _CONCRETE, "_int_list": _int_list}
     params, names, guards, key = [], [], [], []
     for i, (p, a) in enumerate(zip(sig.parameters.values(), schema)):

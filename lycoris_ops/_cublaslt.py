@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 from typing import Optional
 
 import torch
 
+from . import settings
 from ._launch_record import foreign_work
 
 __all__ = ["addmm", "available"]
@@ -66,7 +66,7 @@ def _library() -> Optional[ctypes.CDLL]:
     if "lib" in _state:
         return _state["lib"]
     lib = None
-    if os.environ.get("LYCORIS_CUBLASLT", "1") != "0" and torch.cuda.is_available():
+    if settings.get("LYCORIS_CUBLASLT") and torch.cuda.is_available():
         try:
             with open("/proc/self/maps") as maps:
                 paths = [ln.split()[-1] for ln in maps if "libcublasLt.so" in ln]

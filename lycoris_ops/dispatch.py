@@ -30,6 +30,8 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
+from . import settings
+
 #: backend name -> module whose import must succeed for the backend to exist
 _PROBE: Dict[str, str] = {
     "triton": "triton",
@@ -42,10 +44,9 @@ ORDER: Tuple[str, ...] = ("triton", "tilelang", "compile", "torch")
 #: the tiers that carry an op set (``lycoris_ops.<name>.ops``)
 FUSED: Tuple[str, ...] = ("triton", "tilelang")
 
-ENV_BACKEND = "LYCORIS_KERNEL_BACKEND"
+ENV_BACKEND = settings.ENV_BACKEND
 ENV_TUNE = "LYCORIS_KERNEL_TUNE"
 ENV_CACHE_DIR = "LYCORIS_KERNEL_CACHE_DIR"
-DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "lycoris_kernels")
 
 # --- process state (all caches; ``refresh()`` drops them) ---
 _probes: Dict[str, Optional[str]] = {}  # name -> None (ok) or the import error text
@@ -150,7 +151,7 @@ def backend_setting() -> str:
     but absent backend warns once and means ``auto``)."""
     global _setting
     if _setting is None:
-        name = _parse(os.environ.get(ENV_BACKEND, "auto"), ENV_BACKEND)
+        name = settings.get(ENV_BACKEND)
         if name != "auto" and not _probe(name):
             warnings.warn(
                 f"lycoris_ops: {ENV_BACKEND}={name} but that backend is not available "
@@ -303,12 +304,12 @@ def resolve_backend(device=None) -> str:
 
 
 def tuning_enabled() -> bool:
-    """``LYCORIS_KERNEL_TUNE`` (default on): off/0/false/no turns measured tile picks off."""
-    return os.environ.get(ENV_TUNE, "on").strip().lower() not in ("off", "0", "false", "no")
+    """``LYCORIS_KERNEL_TUNE`` (default on): off turns measured tile picks off (``settings``)."""
+    return settings.get(ENV_TUNE)
 
 
 def cache_dir() -> str:
-    return os.path.expanduser(os.environ.get(ENV_CACHE_DIR) or DEFAULT_CACHE_DIR)
+    return os.path.expanduser(settings.get(ENV_CACHE_DIR))
 
 
 def tuning_table_path() -> str:

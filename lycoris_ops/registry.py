@@ -8,11 +8,9 @@ call signature's Triton launches without Python where the build has it
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import OP_NAMES, _C
+from . import OP_NAMES, _C, settings
 from .reference import add, boft, dora, ia3, lokr, lora, loha, oft
 
 #: op name -> family module of reference/ (and of triton/, tilelang/, plans/)
@@ -40,8 +38,8 @@ def eager(op: str):
 
 def replay_enabled() -> bool:
     """Whether the CUDA key gets the C++ kernel that replays recorded launches
-    (csrc/launch.cpp): built with CUDA, and ``LYCORIS_KERNEL_REPLAY`` not ``0``."""
-    return hasattr(_C, "_register_cuda_kernel") and os.environ.get("LYCORIS_KERNEL_REPLAY", "1") != "0"
+    (csrc/launch.cpp): built with CUDA, and ``LYCORIS_KERNEL_REPLAY`` on."""
+    return hasattr(_C, "_register_cuda_kernel") and settings.get("LYCORIS_KERNEL_REPLAY")
 
 
 def _register():

@@ -41,20 +41,20 @@ def test_single_rounding():
 
 
 def test_zero_size():
-    out = OPS.add_scaled(torch.randn(0, 5), torch.randn(0), 2.0)
+    out = OPS.add_scaled(torch.randn(0, 5), torch.randn(0, 5), 2.0)
     assert out.shape == (0, 5)
 
 
 def test_grads():
     # g_base = G, g_delta = γ·G, each in its own dtype and shape
     base = torch.randn(6, 4, dtype=torch.bfloat16, requires_grad=True)
-    delta = torch.randn(24, requires_grad=True)
+    delta = torch.randn(6, 4, requires_grad=True)
     g = torch.randn(6, 4, dtype=torch.bfloat16)
     out = OPS.add_scaled(base, delta, -0.25)
     out.backward(g)
     assert base.grad.dtype == torch.bfloat16 and torch.equal(base.grad, g)
-    assert delta.grad.dtype == torch.float32 and delta.grad.shape == (24,)
-    assert torch.equal(delta.grad, (g.float() * -0.25).flatten())
+    assert delta.grad.dtype == torch.float32 and delta.grad.shape == (6, 4)
+    assert torch.equal(delta.grad, g.float() * -0.25)
 
 
 def _opcheck_cases():
@@ -80,7 +80,7 @@ def test_double_backward_is_exact():
     # add_scaled has no bwd op: its backward (G, γ·G) is plain torch and linear, so unlike the
     # ops with a *_bwd op, double backward is supported and exact.
     base = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
-    delta = torch.randn(12, dtype=torch.float64, requires_grad=True)
+    delta = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda a, b: OPS.add_scaled(a, b, 0.3), (base, delta))
 
 
@@ -90,8 +90,8 @@ def test_symbolic_trace():
 
 
 BAD = [
-    (lambda: (torch.randn(4, 5), torch.randn(4, 4), 1.0), "delta must have as many elements as base"),
-    (lambda: (torch.randn(4, 5), torch.randn(21), 1.0), "delta must have as many elements as base"),
+    (lambda: (torch.randn(4, 5), torch.randn(4, 4), 1.0), r"delta must have shape \(4, 5\)"),
+    (lambda: (torch.randn(4, 5), torch.randn(21), 1.0), r"delta must have shape \(4, 5\)"),
     (lambda: (torch.randn(4, 5, dtype=torch.float16), torch.randn(4, 5, dtype=torch.bfloat16), 1.0),
      "float16 and bfloat16"),
     (lambda: (torch.zeros(4, 5, dtype=torch.int32), torch.randn(4, 5), 1.0), "base must be float"),

@@ -47,10 +47,10 @@ def test_procs_from_env(monkeypatch):
     assert precompile.tune_procs() == max(0, min(precompile.MAX_DEFAULT_PROCS, cpus - 1))
     monkeypatch.setenv(precompile.ENV_PROCS, "3")
     assert precompile.tune_procs() == 3
-    monkeypatch.setenv(precompile.ENV_PROCS, "-2")
-    assert precompile.tune_procs() == 0
-    monkeypatch.setenv(precompile.ENV_PROCS, "junk")
-    assert precompile.tune_procs() == max(0, min(precompile.MAX_DEFAULT_PROCS, cpus - 1))
+    for bad in ("-2", "junk"):  # an error naming the variable, never a silent default
+        monkeypatch.setenv(precompile.ENV_PROCS, bad)
+        with pytest.raises(ValueError, match=f"LYCORIS_KERNEL_TUNE_PROCS='{bad}' is not valid"):
+            precompile.tune_procs()
 
 
 @pytest.mark.parametrize("procs", [0, 1])

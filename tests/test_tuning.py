@@ -306,7 +306,8 @@ def test_budget_env(monkeypatch):
     assert tune.tune_budget() == 0.0
     monkeypatch.setenv(tune.ENV_BUDGET, "junk")
     tune.set_budget(None)
-    assert tune.tune_budget() == tune.DEFAULT_BUDGET_S
+    with pytest.raises(ValueError, match="LYCORIS_KERNEL_TUNE_BUDGET='junk' is not valid"):  # no silent default
+        tune.tune_budget()
 
 
 def test_kernel_version_invalidates_own_rows_only(tmp_path):

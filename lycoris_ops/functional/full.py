@@ -3,7 +3,7 @@
 Both compute ``W_org + multiplier·Δ`` for the weight and (when present) the bias:
 Full with its stored diff, Norms with its norm-layer weight/bias deltas. The
 result has W_org's shape and dtype (fp32 arithmetic, one rounding); Δ may be in
-another float dtype (not float16 with bfloat16) and any shape of equal numel.
+another float dtype (not float16 with bfloat16) and has W_org's shape.
 Gradients: ``G`` for W_org and ``multiplier·G`` for Δ, each in its own dtype.
 A tensor ``multiplier`` (a scale with a gradient) goes through eager torch.
 """
@@ -13,6 +13,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from ..reference.add import check_add_scaled
+
 __all__ = ["scaled_add", "full_merge", "norms_merge"]
 
 Scale = Union[float, torch.Tensor]
@@ -21,7 +23,8 @@ Scale = Union[float, torch.Tensor]
 def scaled_add(base: torch.Tensor, delta: torch.Tensor, multiplier: Scale = 1.0) -> torch.Tensor:
     """``base + multiplier·delta`` in base's shape and dtype."""
     if isinstance(multiplier, torch.Tensor):
-        return (base + multiplier * delta.reshape(base.shape)).to(base.dtype)
+        check_add_scaled(base, delta, 1.0)  # the op's rules: delta of base's shape, no broadcasting
+        return (base + multiplier * delta).to(base.dtype)
     return torch.ops.lycoris.add_scaled(base, delta, float(multiplier))
 
 

@@ -43,6 +43,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from .. import settings
+
 __all__ = ["ENV_PROCS", "Kernel", "Report", "tune_procs", "capturing", "capture", "compile_forked", "precompile",
            "stats"]
 
@@ -133,11 +135,8 @@ def cpus() -> int:
 def tune_procs() -> int:
     """Child processes that compile a cold key's kernels (``LYCORIS_KERNEL_TUNE_PROCS``;
     default ``min(12, CPUs this process may use - 1)``; 0/1: no precompile)."""
-    default = min(MAX_DEFAULT_PROCS, cpus() - 1)
-    try:
-        return max(0, int(os.environ.get(ENV_PROCS, default)))
-    except ValueError:
-        return default
+    procs = settings.get(ENV_PROCS)
+    return max(0, min(MAX_DEFAULT_PROCS, cpus() - 1)) if procs is None else procs
 
 
 def stats() -> Dict[str, float]:

@@ -9,10 +9,13 @@ over the table with ``os.replace`` (atomic: readers never see a partial file).
 An advisory ``fcntl`` lock on ``<path>.lock`` serializes the read-merge-replace
 of concurrent writers where ``fcntl`` exists, so no writer drops another's rows.
 
-A corrupt file, or one of another format version, is ignored with ONE warning
-per path and reason (never an exception): its rows are not used. A corrupt or
-older-version file is replaced by the next write; a file of a *newer* version
-(a newer lycoris_ops) is left alone and this process keeps its rows in memory.
+A corrupt file (not UTF-8, not JSON, nested too deeply, not the expected object,
+unreadable), or one of another format version, is ignored with ONE warning per
+path and reason (never an exception): its rows are not used. A directory at the
+path is ignored the same way, and this process then keeps its rows in memory.
+A corrupt or older-version file is replaced by the next write; a file of a
+*newer* version (a newer lycoris_ops) is left alone and this process keeps its
+rows in memory.
 A *foreign* file - a JSON list, the format of lycoris-lora's own tuning table,
 which defaults to the same ``~/.cache/lycoris_kernels/tuning.json`` - is left
 alone too: this table then lives beside it, in ``<name>.lycoris_ops.json``
@@ -50,19 +53,28 @@ def _warn_once(path: str, reason: str, message: str) -> None:
 
 def read_json_table(path: str, version: int, section: str) -> Tuple[Dict[str, dict], Optional[str], object]:
     """``(rows, problem, found_version)`` of the file at ``path``: rows is ``{}`` when the
-    file is missing (problem None), unreadable/corrupt (problem "corrupt") or of another
-    version (problem "version"). Never raises for a bad file."""
+    file is missing (problem None), a directory (problem DIRECTORY), unreadable/corrupt
+    (problem "corrupt: ...") or of another version (problem "version"). Never raises for
+    a bad file."""
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except (FileNotFoundError, NotADirectoryError):
         return {}, None, None
+    except IsADirectoryError:
+        return {}, DIRECTORY, None
     except OSError as exc:
         return {}, f"corrupt: cannot read ({exc})", None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return {}, f"corrupt: not UTF-8 text ({exc})", None
     try:
         data = json.loads(text)
     except ValueError as exc:
         return {}, f"corrupt: not JSON ({exc})", None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        return {}, "corrupt: JSON nested too deeply", None
     if isinstance(data, list):
         return {}, FOREIGN, None
     if not isinstance(data, dict):
@@ -78,6 +90,8 @@ def read_json_table(path: str, version: int, section: str) -> Tuple[Dict[str, di
 
 #: ``read_json_table``'s problem for a JSON list: another program's table (lycoris-lora's format)
 FOREIGN = "foreign"
+#: ``read_json_table``'s problem for a directory at the table's path (it can be neither read nor replaced)
+DIRECTORY = "directory"
 
 
 def sibling(path: str) -> str:
@@ -135,7 +149,12 @@ class JsonTable:
             return
         if problem == FOREIGN:
             return  # _read moved to the sibling file and said so
-        if problem == "version":
+        if problem == DIRECTORY:
+            self.writable = False  # os.replace cannot put a file there: one warning, not a second one
+            _warn_once(self.path, DIRECTORY,
+                       f"lycoris_ops: ignoring the {self.what} {self.path}: it is a directory; results are "
+                       f"kept in memory only (remove it, or set LYCORIS_KERNEL_CACHE_DIR elsewhere)")
+        elif problem == "version":
             _warn_once(self.path, "version",
                        f"lycoris_ops: ignoring the {self.what} {self.path}: format version {found!r}, "
                        f"this lycoris_ops reads version {self.version}")
@@ -204,6 +223,8 @@ class JsonTable:
                         self.writable = False
                         return False
                     self._report(problem, found)
+                    if not self.writable:  # a directory at the path (_report said so)
+                        return False
                     disk.update(self._own)
                     data = {"version": self.version, self.section: dict(sorted(disk.items()))}
                     with open(tmp, "w", encoding="utf-8") as f:
@@ -222,8 +243,8 @@ class JsonTable:
                     with contextlib.suppress(OSError):
                         os.unlink(tmp)
                 _warn_once(self.path, "write",
-                           f"lycoris_ops: cannot write the {self.what} {self.path} ({exc}); "
-                           "results are kept in memory only")
+                           f"lycoris_ops: cannot write the {self.what} {self.path} ({exc}); results are "
+                           "kept in memory only (set LYCORIS_KERNEL_CACHE_DIR to a writable directory)")
                 self.writable = False
                 return False
 

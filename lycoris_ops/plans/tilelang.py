@@ -70,8 +70,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import precompile, tune
-from .. import registry
-from ..tilelang._common import BuildError, env_on
+from .. import registry, settings
+from ..tilelang._common import BuildError
 
 __all__ = ["BACKEND", "KERNEL", "key_parts", "run", "precompile_call", "backward_pending", "settle", "stats"]
 
@@ -90,10 +90,10 @@ _totals = {"calls": 0, "kernels": 0, "children": 0, "failures": 0, "seconds": 0.
            "background_children": 0}
 #: ``LYCORIS_TILELANG_AHEAD=0`` (read at import): a forward's cold call does not build its
 #: backward's kernels ahead (``backward_pending``)
-AHEAD = env_on("LYCORIS_TILELANG_AHEAD")
+AHEAD = settings.get("LYCORIS_TILELANG_AHEAD")
 #: ``LYCORIS_TILELANG_DEFER=0`` (read at import): a cold key's first call builds its whole
 #: shortlist (what one round of children builds) and times it at once
-DEFER = env_on("LYCORIS_TILELANG_DEFER")
+DEFER = settings.get("LYCORIS_TILELANG_DEFER")
 #: niceness of the children building what no call waits for yet (the rest of a deferred
 #: shortlist): the first configs' builds, this call's and its backward's, keep the CPUs
 BACKGROUND_NICE = 10

@@ -75,7 +75,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, settings
 from . import device as _device
 from .store import JsonTable
 
@@ -271,7 +271,7 @@ def set_tuning(enabled: Optional[bool]) -> bool:
 
 ENV_BUDGET = "LYCORIS_KERNEL_TUNE_BUDGET"
 #: default seconds a cold key may spend compiling candidates before the rest are skipped
-DEFAULT_BUDGET_S = 1.5
+DEFAULT_BUDGET_S = settings.SETTINGS[ENV_BUDGET].default
 _budget: List[Optional[float]] = [None]  # None: read LYCORIS_KERNEL_TUNE_BUDGET on next use
 
 
@@ -280,7 +280,6 @@ ENV_THREADS = "LYCORIS_KERNEL_TUNE_THREADS"
 #: output checks and the GIL-free parts of the compile overlap; Triton's front end holds
 #: the GIL, so the compiles themselves overlap little: ``precompile.py`` runs them first in
 #: child processes, ``LYCORIS_KERNEL_TUNE_PROCS``)
-DEFAULT_THREADS = 8
 _worker = threading.local()
 #: output bytes the concurrent first calls of one cold key may hold at once (fewer
 #: threads for bigger outputs; one: the sequential path)
@@ -289,10 +288,7 @@ PARALLEL_SCRATCH_BYTES = 1 << 30
 
 def tune_threads() -> int:
     """Worker threads for the first calls of a cold key's candidates (0/1: none)."""
-    try:
-        return max(0, int(os.environ.get(ENV_THREADS, DEFAULT_THREADS)))
-    except ValueError:
-        return DEFAULT_THREADS
+    return settings.get(ENV_THREADS)
 
 
 def _in_worker() -> bool:
@@ -314,11 +310,7 @@ def tune_budget() -> float:
     use no limit."""
     b = _budget[0]
     if b is None:
-        try:
-            b = float(os.environ.get(ENV_BUDGET, DEFAULT_BUDGET_S))
-        except ValueError:
-            b = DEFAULT_BUDGET_S
-        _budget[0] = b = max(0.0, b)
+        _budget[0] = b = settings.get(ENV_BUDGET)
     return b
 
 

@@ -12,14 +12,14 @@ from . import cast, scalar_in
 
 @C.cached
 def check_add_scaled(base, delta, gamma):
-    """-> ((base shape, base.dtype),). base and delta must have equal numel."""
+    """-> ((base shape, base.dtype),). delta must have base's shape: no reshape and no
+    broadcasting (a delta of another shape is a caller's mistake, e.g. a transposed weight,
+    that would otherwise give a wrong sum silently)."""
     op = "add_scaled"
     C.tensor(op, "base", base)
     C.tensor(op, "delta", delta)
     C.float_arg(op, "gamma", gamma)
-    C.expect(delta.numel() == base.numel(), op,
-             lambda: f"delta must have as many elements as base ({base.numel()}, shape "
-                     f"{tuple(base.shape)}), got {delta.numel()} (shape {tuple(delta.shape)})")
+    C.shape(op, "delta", delta, base.shape, "(base's shape)")
     C.same_device(op, base=base, delta=delta)
     C.compute_dtype(op, base=base, delta=delta)  # float16 + bfloat16 -> error
     return ((tuple(base.shape), base.dtype),)
@@ -28,12 +28,11 @@ def check_add_scaled(base, delta, gamma):
 def add_scaled(base, delta, gamma):
     """``out = base + γ·delta`` elementwise.
 
-    base: any shape; delta: any float dtype (not float16 with bfloat16) and
-    shape with base's numel, read in row-major order. fp32 arithmetic (fp64 when
-    either is fp64); out in base's shape and dtype.
+    base: any shape; delta: base's shape, any float dtype (not float16 with
+    bfloat16). fp32 arithmetic (fp64 when either is fp64); out in base's shape
+    and dtype.
     """
     check_add_scaled(base, delta, gamma)
     cdt = torch.float64 if torch.float64 in (base.dtype, delta.dtype) else torch.float32
-    out = torch.add(cast(base, cdt), cast(delta.reshape(base.shape), cdt),
-                    alpha=scalar_in(gamma, cdt))
+    out = torch.add(cast(base, cdt), cast(delta, cdt), alpha=scalar_in(gamma, cdt))
     return cast(out, base.dtype).contiguous()

@@ -85,8 +85,14 @@ def check_boft_fwd(blocks, x, axis, cscale, scale, rescale, diff):
 @_checks.cached
 def check_boft_bwd(grad, blocks, x, axis, cscale, scale):
     """Output spec of ``boft_bwd``: gx (x's shape and dtype), g_blocks (blocks' shape and dtype)."""
+    _checks.tensor("boft_bwd", "grad", grad)  # required here (_check_common's None means "no grad")
     _check_common("boft_bwd", blocks, x, axis, cscale, scale, grad=grad)
     return ((tuple(x.shape), x.dtype), (tuple(blocks.shape), blocks.dtype))
+
+
+def _geometry(blocks, x, axis):
+    """``(m, nb, s, channel axis)`` of a checked call."""
+    return blocks.shape[0], blocks.shape[1], blocks.shape[2], axis % x.dim()
 
 
 def _stage_matrices(blocks, cscale, scale, dt):
@@ -109,7 +115,8 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
     to each block of the π_i-permuted channels; ``y = u^m ⊙ rescale − diff·x``.
     Returns x's shape and dtype; computed in float32 (float64 if all operands are).
     """
-    m, nb, s, ax = _check_common("boft_fwd", blocks, x, axis, cscale, scale, rescale)
+    check_boft_fwd(blocks, x, axis, cscale, scale, rescale, diff)
+    m, nb, s, ax = _geometry(blocks, x, axis)
     dt = work_dtype(blocks, x, rescale)
     C = nb * s
     f, _ = _stage_matrices(blocks, cscale, scale, dt)
@@ -137,7 +144,8 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
     Cayley chain (cscale constant). Returns gx (x's shape and dtype) and g_blocks
     (m, nb, s, s) in blocks' dtype; G is cast to float32 (float64 if all operands are).
     """
-    m, nb, s, ax = _check_common("boft_bwd", blocks, x, axis, cscale, scale, grad=grad)
+    check_boft_bwd(grad, blocks, x, axis, cscale, scale)
+    m, nb, s, ax = _geometry(blocks, x, axis)
     dt = work_dtype(grad, blocks, x)
     C = nb * s
     f, m_inv = _stage_matrices(blocks, cscale, scale, dt)

@@ -67,7 +67,8 @@ def ia3_fwd(x, w, channel_axis, alpha, gamma):
     channel_axis may be negative. y: x's shape, dtype promote_types(x, w);
     fp32 math (fp64 if either is fp64), one rounding at the store.
     """
-    ax = _check_common("ia3_fwd", x, w, channel_axis, alpha, gamma)
+    check_ia3_fwd(x, w, channel_axis, alpha, gamma)
+    ax = channel_axis % x.dim()
     out = torch.promote_types(x.dtype, w.dtype)
     cdt = _cdt(x.dtype, w.dtype)
     y = cast(x, cdt) * _scale(x, w, ax, alpha, gamma, cdt)

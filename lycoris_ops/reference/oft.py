@@ -124,6 +124,7 @@ def check_oft_fwd(blocks, x, rescale, cscale, shift, weight):
 @_checks.cached
 def check_oft_bwd(grad, blocks, x, rescale, cscale, shift, weight):
     """Output spec of ``oft_bwd``: gx (x), g_blocks (blocks), g_rescale ((K*S,) or (0,), blocks' dtype)."""
+    _checks.tensor("oft_bwd", "grad", grad)  # required here (_check_common's None means "no grad")
     K, S = _check_common("oft_bwd", blocks, x, rescale, cscale, shift, weight, grad=grad)
     g_rescale_shape = (K * S,) if rescale is not None else (0,)
     return ((tuple(x.shape), x.dtype), (tuple(blocks.shape), blocks.dtype), (g_rescale_shape, blocks.dtype))
@@ -150,7 +151,8 @@ def oft_fwd(blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tenso
     for every column / token / position. Returns x's shape and dtype, computed in
     float32 (float64 if all operands are float64).
     """
-    K, S = _check_common("oft_fwd", blocks, x, rescale, cscale, shift, weight)
+    check_oft_fwd(blocks, x, rescale, cscale, shift, weight)
+    K, S = blocks.shape[0], blocks.shape[1]
     dt = work_dtype(blocks, x, rescale)
     r, _ = cayley(blocks, cscale, dt)
     f = _f_matrix(r, rescale, K, S, dt)
@@ -174,7 +176,8 @@ def oft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, rescale: 
     blocks' dtype, g_rescale (K·S,) in blocks' dtype — or an empty (0,) tensor of
     blocks' dtype when rescale is None.
     """
-    K, S = _check_common("oft_bwd", blocks, x, rescale, cscale, shift, weight, grad=grad)
+    check_oft_bwd(grad, blocks, x, rescale, cscale, shift, weight)
+    K, S = blocks.shape[0], blocks.shape[1]
     dt = work_dtype(grad, blocks, x, rescale)
     r, m = cayley(blocks, cscale, dt)
     f = _f_matrix(r, rescale, K, S, dt)

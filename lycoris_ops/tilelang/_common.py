@@ -30,10 +30,12 @@ from typing import Callable, Dict, Tuple
 
 import torch
 
+from .. import settings
+
 __all__ = [
     "tl", "lang", "TL_DTYPE", "tl_dtype", "arch_of", "arch_of_capability", "target_of", "kernel", "compile_only",
     "clear", "stats", "cdiv", "next_pow2", "num_sms", "aligned", "device_guard", "EXECUTION_BACKEND",
-    "capturing", "Pending", "launch_config", "BuildError", "env_on",
+    "capturing", "Pending", "launch_config", "BuildError",
 ]
 
 EXECUTION_BACKEND = "tvm_ffi"
@@ -94,12 +96,6 @@ class capturing:
     def __exit__(self, *exc):
         _capture.active = None
         return False
-
-
-def env_on(name: str) -> bool:
-    """Whether the switch ``name`` is on in the environment: anything but 0 / off / false / no
-    (unset: on)."""
-    return os.environ.get(name, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def launch_config(fixed: dict, cfg) -> dict:
@@ -183,7 +179,7 @@ def _install_macro_memo() -> bool:
         if _memo["tried"]:
             return _memo["installed"]
         try:
-            if env_on(MACRO_MEMO_ENV):
+            if settings.get(MACRO_MEMO_ENV):
                 _memo["installed"] = _wrap_mutate()
         except Exception:  # any surprise in TileLang's layout: no memo
             _memo["installed"] = False
@@ -326,7 +322,7 @@ def compile_only(builder: Callable, arch: str, *args, backend: str = EXECUTION_B
 
 #: False (``LYCORIS_TILELANG_WS=off`` at import): no kernel is warp-specialized - an A/B
 #: switch for benchmarks (a process compiles one way; TileLang's disk cache keys the configs)
-WARP_SPECIALIZE = os.environ.get("LYCORIS_TILELANG_WS", "auto").lower() not in ("off", "0", "false")
+WARP_SPECIALIZE = settings.get("LYCORIS_TILELANG_WS")
 #: the function attribute of ``without_warp_specialization``
 NO_WS_ATTR = "lycoris.no_warp_specialization"
 
