@@ -197,7 +197,7 @@ def environment(args) -> dict:
 class Bench:
     def __init__(self, args):
         import lycoris_ops  # noqa: F401  (registers torch.ops.lycoris.*)
-        from lycoris_ops import dispatch, select
+        from lycoris_ops.backends import registry as dispatch, select
 
         self.lo, self.dispatch, self.select = lycoris_ops, dispatch, select
         self.args = args

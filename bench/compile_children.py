@@ -24,7 +24,7 @@ import torch
 
 
 def forks(sizes=(0, 2, 8), n=4):
-    from lycoris_ops.plans import precompile
+    from lycoris_ops.backends.triton import precompile
 
     for gib in sizes:
         x = torch.ones(int(gib * 2**30 / 4)) if gib else None
@@ -44,8 +44,9 @@ def forks(sizes=(0, 2, 8), n=4):
 
 
 def tilelang_phase(phase: str):
-    from lycoris_ops.plans import precompile
-    from lycoris_ops.tilelang import _common as C, boft
+    from lycoris_ops.backends.triton import precompile
+    from lycoris_ops.backends.tilelang import common as C
+    from lycoris_ops.backends.tilelang.kernels import boft
 
     pending = [C.Pending(b, "sm_90a", a) for b, a in boft.compile_specs(torch.bfloat16)]
     t0 = time.perf_counter()

@@ -6,7 +6,7 @@ LoRA r=32, LoKr, DoRA. Rows per adapter (when available):
 
 - ``peft-eager``           PEFT's layers, eager (plain-torch baseline)
 - ``peft-compiled``        torch.compile(PEFT model) — PEFT's adapters compiled by Inductor
-- ``peft-ops-eager``       PEFT model after ``lycoris_ops.patch.patch_peft``, eager
+- ``peft-ops-eager``       PEFT model after ``lycoris_ops.integrations.peft.patch_peft``, eager
 - ``peft-ops-compiled``    the same, torch.compile'd (our ops stay opaque nodes)
 - ``plain-eager`` / ``plain-compiled``   this script's plain-torch adapters (used when PEFT is absent)
 - ``ours-eager`` / ``ours-compiled``     ``lycoris_ops.nn`` adapters
@@ -147,7 +147,7 @@ def build(variant, adapter, args, device, dtype):
             cfg = peft.LoraConfig(r=r, lora_alpha=r, target_modules=TARGETS, use_dora=adapter == "dora")
         m = peft.get_peft_model(m, cfg, autocast_adapter_dtype=False).base_model.model
         if "ops" in variant:
-            from lycoris_ops.patch import patch_peft
+            from lycoris_ops.integrations.peft import patch_peft
             patch_peft(m)
     params = [p for p in m.parameters() if p.requires_grad]
     return m, params
@@ -419,7 +419,7 @@ def main(argv=None):
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
     if args.profile:  # which candidate the tuner picked at this run's shapes
-        from lycoris_ops.plans import tune
+        from lycoris_ops.tuner import tune
         table = dict(tune.table().rows)  # this process's view (another program may own the file)
         print(f"\ntuning table {tune.table_path()}: {len(table)} rows")
         for k, row in sorted(table.items()):

@@ -17,7 +17,7 @@ def main():
     a = ap.parse_args()
     t = time.perf_counter()
     import lycoris_ops
-    from lycoris_ops import dispatch
+    from lycoris_ops.backends import registry as dispatch
     print(f"import lycoris_ops: {time.perf_counter() - t:.3f} s")
     dev = torch.device(a.device)
     x, up, down, base = (torch.randn(s, device=dev) for s in ((64, 32), (48, 4), (4, 32), (64, 48)))
@@ -26,7 +26,7 @@ def main():
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     print(f"first lora_bypass_fwd call ({dev}): {time.perf_counter() - t:.3f} s"
-          f" (tier: {lycoris_ops.select.explain('lora_bypass_fwd', x, up, down, 0.5, base)})")
+          f" (tier: {lycoris_ops.backends.select.explain('lora_bypass_fwd', x, up, down, 0.5, base)})")
     t = time.perf_counter()
     found = dispatch.available_backends()
     print(f"probing every backend's import: {time.perf_counter() - t:.2f} s ({', '.join(found)})")

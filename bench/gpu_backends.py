@@ -23,7 +23,8 @@ from collections import Counter
 import torch
 
 import lycoris_ops
-from lycoris_ops import dispatch, select, testing
+from lycoris_ops.backends import registry as dispatch, select
+from lycoris_ops import testing
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
         if took:
             print(f"  {b:9s} ran as: " + ", ".join(f"{t} x{n}" for t, n in sorted(took.items())))
     if "tilelang" in backends:
-        from lycoris_ops.tilelang import _common as tl_common
+        from lycoris_ops.backends.tilelang import common as tl_common
         st = tl_common.stats()
         print(f"  tilelang kernels built in this process: {st['kernels']} in {st['build_s']:.1f} s "
               f"(compiles, or loads from TileLang's disk cache)")

@@ -41,7 +41,7 @@ FAMILIES = ("lora", "tucker", "loha", "lokr", "dora", "oft", "boft", "ia3", "add
 
 
 def _best(fn, rounds: int = 5) -> float:
-    from lycoris_ops.plans import tune
+    from lycoris_ops.tuner import tune
 
     fn()
     torch.cuda.synchronize()
@@ -50,9 +50,10 @@ def _best(fn, rounds: int = 5) -> float:
 
 def worker(opts) -> int:
     import lycoris_ops  # noqa: F401  (registers the ops)
-    from lycoris_ops import registry
-    from lycoris_ops.plans import tilelang as tl_pick, tune
-    from lycoris_ops.tilelang import _common
+    from lycoris_ops._library import register as registry
+    from lycoris_ops.backends.tilelang import runner as tl_pick
+    from lycoris_ops.tuner import tune
+    from lycoris_ops.backends.tilelang import common as _common
 
     tune.set_tuning(True)
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -64,7 +65,7 @@ def worker(opts) -> int:
     L = torch.ops.lycoris
     results, bad = [], 0
     for fam in opts.families.split(","):
-        pm = importlib.import_module(f"lycoris_ops.plans.{fam}")
+        pm = importlib.import_module(f"lycoris_ops.backends.triton.tuning.{fam}")
         for layer in layers:
             for T in tokens:
                 gen = torch.Generator(device="cuda")
@@ -137,8 +138,8 @@ def worker(opts) -> int:
 
 def _op_function(op: str):
     """The TileLang op set's launcher of ``op`` (the function ``plans/tilelang.run`` calls)."""
-    from lycoris_ops.tilelang import add as tl_add, dora as tl_dora, ia3 as tl_ia3, loha as tl_loha, lora as tl_lora
-    from lycoris_ops.tilelang import boft as tl_boft, lokr as tl_lokr, oft as tl_oft, tucker as tl_tucker
+    from lycoris_ops.backends.tilelang.kernels import (add as tl_add, dora as tl_dora, ia3 as tl_ia3, loha as tl_loha, lora as tl_lora)
+    from lycoris_ops.backends.tilelang.kernels import (boft as tl_boft, lokr as tl_lokr, oft as tl_oft, tucker as tl_tucker)
 
     return {"lora_bypass_fwd": tl_lora.bypass_fwd, "lora_bypass_bwd": tl_lora.bypass_bwd,
             "lora_merge_fwd": tl_lora.merge_fwd, "lora_merge_bwd": tl_lora.merge_bwd,

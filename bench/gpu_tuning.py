@@ -1,4 +1,4 @@
-"""GPU check of the tuner (lycoris_ops/plans): tune from an empty table, rerun in a fresh
+"""GPU check of the tuner (lycoris_ops/backends/triton/tuning): tune from an empty table, rerun in a fresh
 process and show that no timing happened there; every tuned result equals eager.
 
     python bench/gpu_tuning.py                                    # default layers, bf16
@@ -56,7 +56,7 @@ def _cpu_timer(fn, cand=None) -> float:
 
 
 def _time_best(fn, rounds: int = 5) -> float:
-    from lycoris_ops.plans import tune
+    from lycoris_ops.tuner import tune
 
     fn()
     _sync()
@@ -68,13 +68,15 @@ def worker(opts) -> int:
     import logging
 
     import lycoris_ops  # noqa: F401  (registers the ops)
-    from lycoris_ops import registry, scope, select
-    from lycoris_ops.plans import precompile, tune
+    from lycoris_ops._library import register as registry
+    from lycoris_ops.backends import scope, select
+    from lycoris_ops.backends.triton import precompile
+    from lycoris_ops.tuner import tune
 
     logging.basicConfig(level=logging.INFO if opts.verbose else logging.WARNING, format="  %(message)s")
     tune.set_tuning(True)
     if opts.device == "cpu":  # dry run: tune CPU calls with a wall-clock timer (Triton interpreter)
-        from lycoris_ops.plans import device as pdev
+        from lycoris_ops.tuner import device as pdev
 
         _CPU[0] = True
         tune.set_timer(_cpu_timer)
@@ -91,7 +93,7 @@ def worker(opts) -> int:
     ops_filter = {o.strip() for o in opts.ops.split(",") if o.strip()}
     results = []
     for fam in opts.families.split(","):
-        pm = importlib.import_module(f"lycoris_ops.plans.{fam}")
+        pm = importlib.import_module(f"lycoris_ops.backends.triton.tuning.{fam}")
         if _CPU[0]:
             pm.DEVICE_TYPES = ("cpu", "cuda")
             pm.facts = lambda d: pdev.synthetic()
@@ -306,8 +308,8 @@ def main(argv=None) -> int:
     if opts.compare_default:
         worse = [r for r in warm["rows"] if "tuned_ms" in r and r["tuned_ms"] > 1.05 * r["default_ms"]]
         print(f"tuned vs fixed default: {len(worse)} keys more than 5% slower than the default")
-        from lycoris_ops.plans import tune
-        from lycoris_ops.plans.store import read_json_table
+        from lycoris_ops.tuner import tune
+        from lycoris_ops.tuner.store import read_json_table
 
         table = warm.get("table")  # the path the worker processes used
         rows = read_json_table(table, tune.TABLE_VERSION, "rows")[0] if table else {}

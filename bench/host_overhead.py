@@ -5,7 +5,7 @@ autograd, so the Python kernel and Python autograd layers show separately.
 The ``probe`` rows are the framework floor: a no-op custom op with the signature of
 lora_bypass_fwd (namespace ``lycoris_probe``, a Python CPU/CUDA kernel returning
 ``empty_like(x)``), bare, with torch.library.register_autograd, and with the lean
-Python kernel of lycoris_ops/_autograd_kernel.py, and with the C++ Autograd kernel the
+Python kernel of lycoris_ops/_library/autograd_kernel.py, and with the C++ Autograd kernel the
 lycoris ops use (csrc/autograd.cpp). The last rows
 time forward+backward of the eager formula and of the op, then of the probes with
 autograd (the floor of a Python-registered op with a Python backward) and of a plain
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import lycoris_ops  # noqa: F401
-from lycoris_ops._autograd_kernel import direct_backward, register_autograd as lycoris_register_autograd
+from lycoris_ops._library.autograd_kernel import direct_backward, register_autograd as lycoris_register_autograd
 
 _PROBE_SCHEMA = "(Tensor x, Tensor up, Tensor down, float gamma, Tensor? base=None) -> Tensor"
 _probe_lib = None
@@ -295,7 +295,8 @@ def plans():
     """Every op's bf16 test cases called four times each on CUDA (the third call of a
     signature is recorded), then per op: signatures seen, replayed from a plan, kept in
     Python, and the last reason a signature got no plan (csrc/launch.cpp)."""
-    from lycoris_ops import OP_NAMES, _C, _launch_record, registry
+    from lycoris_ops import OP_NAMES, _C
+    from lycoris_ops._library import launch_record as _launch_record, register as registry
     from lycoris_ops.testing import cases
 
     if not (torch.cuda.is_available() and registry.replay_enabled()):
@@ -324,8 +325,9 @@ def specs(dev, calls):
     import specs as S  # noqa: E402
     import timing as T  # noqa: E402
 
-    from lycoris_ops import _C, _launch_record
-    from lycoris_ops.plans import tune
+    from lycoris_ops import _C
+    from lycoris_ops._library import launch_record as _launch_record
+    from lycoris_ops.tuner import tune
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     geo, gen = S.SHAPES["tiny"], torch.Generator().manual_seed(0)  # specs draw on the CPU, then move

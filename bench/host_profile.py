@@ -6,7 +6,7 @@ For each op named, one call is traced to record the Triton launches it makes
 * ``op``            torch.ops.lycoris.<op> (autograd kernel, no input needs grad)
 * ``below autograd`` the op under ``_AutoDispatchBelowAutograd`` (dispatcher -> our CUDA kernel)
 * ``select kernel`` our registered CUDA kernel function, called from Python
-* ``op set``        ``lycoris_ops.triton.ops.<op>`` (tuner lookup + launcher)
+* ``op set``        ``lycoris_ops.backends.triton.ops.<op>`` (tuner lookup + launcher)
 * ``jit launches``  the recorded ``kernel[grid](...)`` calls replayed (Triton's binder + launch)
 * ``direct``        the same compiled kernels launched through ``CompiledKernel.run``
 * ``torch.add``     the yardstick
@@ -111,8 +111,8 @@ def main():
                     help="only a torch.profiler table (CPU, both threads) of lora_bypass_fwd forward+backward")
     args = ap.parse_args()
     import lycoris_ops  # noqa: F401
-    from lycoris_ops import select
-    from lycoris_ops.triton import ops as triton_ops
+    from lycoris_ops.backends import select
+    from lycoris_ops.backends.triton import ops as triton_ops
 
     if args.trace:
         return trace_forward_backward()
@@ -163,7 +163,7 @@ def main():
 
 def forward_backward(calls, add_us):
     """lora_bypass_fwd forward+backward in pieces (see the module docstring)."""
-    from lycoris_ops import select
+    from lycoris_ops.backends import select
 
     x, up, down, _, base = op_args("lora_bypass_fwd")
     upg, downg = up.clone().requires_grad_(), down.clone().requires_grad_()

@@ -79,7 +79,7 @@ def _kernel_rows(prof, cuda: bool):
 
 
 def profile(spec, geo, dt, dev, backend, bw, top: int, counters: bool = False) -> None:
-    from lycoris_ops import dispatch
+    from lycoris_ops.backends import registry as dispatch
 
     gen = torch.Generator(device="cpu").manual_seed(0)
     inputs = spec.build(geo, dt, dev, gen)

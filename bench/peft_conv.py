@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 import lycoris_ops  # noqa: F401
-from lycoris_ops.patch import patch_peft
+from lycoris_ops.integrations.peft import patch_peft
 
 #: name: (N, C_in, C_out, H=W, kernel, stride)
 CASES = {

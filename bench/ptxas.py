@@ -24,7 +24,7 @@ DTYPES = ("bf16", "fp16", "fp32")
 
 
 def _report(sink, name: str, kernels=None) -> None:
-    from lycoris_ops.plans import compiles
+    from lycoris_ops.backends.triton import compiles
 
     for launch in dict.fromkeys(sink):
         short = launch.kernel.rsplit(".", 1)[-1]
@@ -37,8 +37,8 @@ def _report(sink, name: str, kernels=None) -> None:
 def lokr(args, dtype) -> None:
     import torch
 
-    from lycoris_ops.plans import compiles
-    from lycoris_ops.triton import lokr as TK
+    from lycoris_ops.backends.triton import compiles
+    from lycoris_ops.backends.triton.kernels import lokr as TK
 
     T, a, c = args.tokens, args.a, args.c
     meta = torch.device("meta")
@@ -57,8 +57,8 @@ def lokr(args, dtype) -> None:
 def oft(args, dtype) -> None:
     import torch
 
-    from lycoris_ops.plans import compiles
-    from lycoris_ops.triton import oft as TO
+    from lycoris_ops.backends.triton import compiles
+    from lycoris_ops.backends.triton.kernels import oft as TO
 
     P, D, S = args.tokens, args.width, args.block
     meta = torch.device("meta")

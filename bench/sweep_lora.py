@@ -11,10 +11,10 @@ import time
 
 import torch
 
-from lycoris_ops.plans import lora as plans
-from lycoris_ops.plans.device import facts
+from lycoris_ops.backends.triton.tuning import lora as plans
+from lycoris_ops.tuner.device import facts
 from lycoris_ops.reference import lora as ref
-from lycoris_ops.triton import lora as TL
+from lycoris_ops.backends.triton.kernels import lora as TL
 from timing import DeviceTimer, copy_bandwidth  # bench/ (this script's folder)
 
 

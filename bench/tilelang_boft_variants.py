@@ -104,7 +104,7 @@ def _settings(boft, oft, variant) -> tuple:
 
 def main(argv=None) -> int:
     args = T.variants_parser("large,small", VARIANTS, DEFAULT_VARIANTS).parse_args(argv)
-    from lycoris_ops.tilelang import boft, oft
+    from lycoris_ops.backends.tilelang.kernels import boft, oft
 
     dt, dev, timer, gen = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s

@@ -4,7 +4,7 @@
     python bench/tilelang_build_profile.py lora --kernel bypass_fwd_kernel \
         --args '[4096, 4096, 64, "bfloat16", null, "bfloat16", 64, 128, 64, 2, 128, true, false, false, 0]'
 
-builds entry N of ``lycoris_ops.tilelang.<family>.compile_specs(bf16)`` (or the family's builder
+builds entry N of ``lycoris_ops.backends.tilelang.<family>.compile_specs(bf16)`` (or the family's builder
 ``--kernel`` at ``--args``, a JSON list: a bench shape's kernel) once, in a fresh
 TileLang cache (a new temporary folder, also where ``TILELANG_CACHE_DIR`` is set: a warm
 cache would time a load; ``--cache DIR`` to use one: run twice, the second run times the
@@ -31,7 +31,7 @@ import time
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("family", help="a lycoris_ops.tilelang module: lora, loha, lokr, ...")
+    ap.add_argument("family", help="a lycoris_ops.backends.tilelang module: lora, loha, lokr, ...")
     ap.add_argument("index", type=int, nargs="?", default=0, help="the entry of its compile_specs(bf16)")
     ap.add_argument("--kernel", default=None, help="a builder of the family (with --args) instead of an entry")
     ap.add_argument("--args", default=None, help="the builder's arguments, a JSON list")
@@ -40,7 +40,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ["TILELANG_CACHE_DIR"] = args.cache or tempfile.mkdtemp(prefix="tl-build-profile-")
     import torch
-    from lycoris_ops.tilelang import _common
+    from lycoris_ops.backends.tilelang import common as _common
     _common.tl()  # TileLang's import, outside the timed build
     from tilelang.language.eager import builder
     from tvm.ir import transform
@@ -81,7 +81,7 @@ def main() -> None:
             macro[0] += time.perf_counter() - t0
 
     builder.mutate = timed_mutate
-    module = importlib.import_module(f"lycoris_ops.tilelang.{args.family}")
+    module = importlib.import_module(f"lycoris_ops.backends.tilelang.{args.family}")
     if args.kernel:
         fn, spec = getattr(module, args.kernel), tuple(json.loads(args.args or "[]"))
     else:

@@ -25,8 +25,12 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=12)
     ap.add_argument("--small", action="store_true", help="8192 x 3072 (BOFT s = 24, LoRA r = 32)")
     args = ap.parse_args(argv)
-    from lycoris_ops.plans import boft as plans_boft, device, lora as plans_lora, tune
-    from lycoris_ops.tilelang import _common, boft, lora
+    from lycoris_ops.backends.triton.tuning import boft as plans_boft
+    from lycoris_ops.tuner import device
+    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.tuner import tune
+    from lycoris_ops.backends.tilelang import common as _common
+    from lycoris_ops.backends.tilelang.kernels import boft, lora
 
     dev, bf = device.synthetic(), torch.bfloat16
     m, nb, s, N, D, r = (8, 128, 24, 8192, 3072, 32) if args.small else (8, 128, 32, 32768, 4096, 64)

@@ -43,13 +43,15 @@ def pending_kernels(arch: str, dtypes, ops=(), shortlists: bool = False):
     fixed configs; ``shortlists``: also with each config of the tuner's shortlist)."""
     import lycoris_ops  # noqa: F401  (registers the ops)
     from gpu_tilelang_tune import _op_function
-    from lycoris_ops import scope, testing
-    from lycoris_ops.plans import tilelang as tl_pick, tune
-    from lycoris_ops.plans.device import synthetic
-    from lycoris_ops.tilelang import _common
+    from lycoris_ops.backends import scope
+    from lycoris_ops import testing
+    from lycoris_ops.backends.tilelang import runner as tl_pick
+    from lycoris_ops.tuner import tune
+    from lycoris_ops.tuner.device import synthetic
+    from lycoris_ops.backends.tilelang import common as _common
 
     for name in MODULES:  # the launchers see a GPU of this arch (132 SMs: an H200's split choices)
-        mod = importlib.import_module(f"lycoris_ops.tilelang.{name}")
+        mod = importlib.import_module(f"lycoris_ops.backends.tilelang.{name}")
         if hasattr(mod, "arch_of"):
             mod.arch_of = lambda d: arch
         if hasattr(mod, "num_sms"):
@@ -75,7 +77,7 @@ def pending_kernels(arch: str, dtypes, ops=(), shortlists: bool = False):
 
 
 def _compile(item):
-    from lycoris_ops.tilelang import _common
+    from lycoris_ops.backends.tilelang import common as _common
 
     builder, arch, args = item
     t0 = time.perf_counter()

@@ -141,7 +141,7 @@ LOKR_VARIANTS = {"regs": dict(APPLY_STAGED=False, WGRAD_KPER=(), APPLY_KPER=()),
 
 
 def lokr_table(args, dt, dev, timer, bw) -> None:
-    from lycoris_ops.tilelang import lokr
+    from lycoris_ops.backends.tilelang.kernels import lokr
 
     print(f"{'shape':6} {'variant':11} {'fwd ms':>8} {'x first':>8} {'x floor':>8} {'bwd ms':>8} {'x first':>8} "
           f"{'max rel diff':>12}")
@@ -186,7 +186,7 @@ def lokr_merge_table(args, dt, dev, timer, gen, bw, fwd: bool) -> None:
     """``lokr.merge_fwd`` (with the base) or ``lokr.merge_bwd`` on bench.py's ``lokr_merge``
     inputs (w1 whole (a, a), w2 = w2a·w2b with the big side c = 256); floor: base read and the
     output written (forward), G read once (backward)."""
-    from lycoris_ops.tilelang import lokr
+    from lycoris_ops.backends.tilelang.kernels import lokr
 
     variants = LOKR_MERGE_FWD_VARIANTS if fwd else LOKR_MERGE_BWD_VARIANTS
     print(f"{'shape':6} {'variant':17} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
@@ -277,7 +277,7 @@ HADA_BWD_VARIANTS = {
 def hada_bwd_table(args, dt, dev, timer, gen, bw) -> None:
     """``loha.merge_bwd`` (G (D, D), four factors at the shape's rank): the two split jobs
     (fp32 partials summed by torch) against the one-launch pair kernel; floor: G read once."""
-    from lycoris_ops.tilelang import loha
+    from lycoris_ops.backends.tilelang.kernels import loha
 
     print(f"{'shape':6} {'variant':13} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
@@ -299,7 +299,7 @@ def main(argv=None) -> int:
     ap.add_argument("--op", default="bypass", choices=("bypass", "bypass_bwd", "merge", "merge_bwd", "hada_bwd",
                                                       "lokr", "lokr_merge_fwd", "lokr_merge_bwd"))
     args = ap.parse_args(argv)
-    from lycoris_ops.tilelang import lora
+    from lycoris_ops.backends.tilelang.kernels import lora
 
     dt, dev, timer, gen = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s

@@ -67,7 +67,7 @@ def parity(dt, dev) -> bool:
     """The direct kernels at odd sizes, both store paths, against the fp64 reference."""
     from lycoris_ops.reference import oft as R
     from lycoris_ops.testing import REL_TOL, rel_err
-    from lycoris_ops.tilelang import oft
+    from lycoris_ops.backends.tilelang.kernels import oft
 
     good = True
     gen = torch.Generator().manual_seed(1)
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     ap = T.variants_parser("bypass,merge", VARIANTS, DEFAULT_VARIANTS)
     ap.add_argument("--parity", action="store_true", help="odd-size parity of the direct kernels first")
     args = ap.parse_args(argv)
-    from lycoris_ops.tilelang import oft
+    from lycoris_ops.backends.tilelang.kernels import oft
 
     dt, dev, timer, gen = T.variants_device(args)
     if args.parity and not parity(dt, dev):
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
 
 def cayley(oft, blocks, dt, trans):
     """The Cayley launch of ``oft_fwd`` (trans: ``oft_bwd``'s Fᵀ) alone."""
-    from lycoris_ops.tilelang._common import arch_of, cdiv
+    from lycoris_ops.backends.tilelang.common import arch_of, cdiv
     K, S = blocks.shape[0], blocks.shape[1]
     GP, NB, _ = oft.group_plan(S)
     return oft._cayley(blocks, None, oft.gemm_dtype(dt), S, NB, GP, False, False, trans, 1.0, 1.0, 0, 0,

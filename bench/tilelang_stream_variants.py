@@ -51,7 +51,7 @@ DORA_SMOKE = {"large": 1032, "small": 520}
 
 
 def ia3_table(args, dt, dev, timer, bw) -> None:
-    from lycoris_ops.tilelang import ia3
+    from lycoris_ops.backends.tilelang.kernels import ia3
 
     print(f"{'shape':6} {'variant':9} {'ms':>8} {'x first':>8} {'x floor':>8} {'max rel diff':>12}")
     for name in args.shapes.split(","):
@@ -74,7 +74,7 @@ def ia3_table(args, dt, dev, timer, bw) -> None:
 
 
 def dora_table(args, dt, dev, timer, bw) -> None:
-    from lycoris_ops.tilelang import dora
+    from lycoris_ops.backends.tilelang.kernels import dora
 
     print(f"{'shape':6} {'variant':8} {'fwd ms':>8} {'x first':>8} {'x floor':>8} {'bwd ms':>8} {'x first':>8} "
           f"{'max rel diff':>12}")

@@ -42,7 +42,7 @@ VARIANTS = {"per-k": dict(ALL_K=False), "all-k": dict(ALL_K=True, ALL_K_PIPE=Fal
 
 def main(argv=None) -> int:
     args = T.variants_parser("large,small", VARIANTS, ",".join(VARIANTS)).parse_args(argv)
-    from lycoris_ops.tilelang import tucker
+    from lycoris_ops.backends.tilelang.kernels import tucker
 
     dt, dev, timer, gen = T.variants_device(args)
     bw = None if args.smoke else T.copy_bandwidth(dev)  # bytes / s

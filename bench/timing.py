@@ -19,7 +19,7 @@ what the host pays per call. Median over rounds.
 Cold time (``cold_call``): the first call of a callable in this process, wall clock
 with a device sync on both sides (includes Triton JIT / Inductor compile / tuning). The
 TileLang tier's cold call builds and runs its first config while the rest of the shortlist
-builds in the background (``lycoris_ops.plans.tilelang.DEFER``): ``settle_background`` waits
+builds in the background (``lycoris_ops.backends.tilelang.runner.DEFER``): ``settle_background`` waits
 for those builds after it, so that the warm-up calls time the shortlist and the timed calls
 run the tuned pick.
 """
@@ -53,7 +53,7 @@ def settle_background() -> Optional[float]:
     """Seconds waited for the TileLang tier's background builds (a deferred cold key's
     shortlist, ``plans/tilelang.settle``), after which the key's next call times that
     shortlist; None when nothing was building (or the tier was never imported)."""
-    tl_pick = sys.modules.get("lycoris_ops.plans.tilelang")
+    tl_pick = sys.modules.get("lycoris_ops.backends.tilelang.runner")
     if tl_pick is None or not (tl_pick._deferred or tl_pick._ahead):
         return None
     t0 = time.perf_counter()

@@ -43,7 +43,7 @@ def _rand(gen, shape, dtype, dev, scale=1.0):
 
 def tucker(geo, dtype, dev, gen):
     from lycoris_ops.reference import lora as RL
-    from lycoris_ops.triton import tucker as TT
+    from lycoris_ops.backends.triton.kernels import tucker as TT
 
     D, R, Kk = geo["D"], geo["R"], geo["Kk"]
     a, t, b = _rand(gen, (D, R), dtype, dev, 0.1), _rand(gen, (R, R, Kk), dtype, dev, 0.1), _rand(gen, (R, D), dtype,
@@ -67,8 +67,8 @@ def tucker(geo, dtype, dev, gen):
 
 
 def boft(geo, dtype, dev, gen):
-    from lycoris_ops.triton import boft as TB
-    from lycoris_ops.triton.oft import BF16X3, SPLIT16
+    from lycoris_ops.backends.triton.kernels import boft as TB
+    from lycoris_ops.backends.triton.kernels.oft import BF16X3, SPLIT16
 
     P, D, s = geo["P"], geo["D"], geo["s"]
     nb = D // s
@@ -111,7 +111,7 @@ def boft(geo, dtype, dev, gen):
 
 
 def oft(geo, dtype, dev, gen):
-    from lycoris_ops.triton import oft as TO
+    from lycoris_ops.backends.triton.kernels import oft as TO
 
     P, D, S = geo["P"], geo["D"], geo["S"]
     blocks = _rand(gen, (D // S, S, S), dtype, dev, 0.02)
@@ -150,7 +150,7 @@ def oft(geo, dtype, dev, gen):
 def lokr(geo, dtype, dev, gen):
     """The LoKr bypass backward: one pass (gx, g_w1, g_w2 in one launch) over tokens per
     program x warps x stages x one or two persistent programs per SM; two and three passes."""
-    from lycoris_ops.triton import lokr as TK
+    from lycoris_ops.backends.triton.kernels import lokr as TK
 
     T, a, c = geo["T"], geo["a"], geo["c"]
     x, g = _rand(gen, (T, a * c), dtype, dev), _rand(gen, (T, a * c), dtype, dev)
@@ -192,7 +192,7 @@ def loha(geo, dtype, dev, gen):
     ``fwd``, ``γ·x·ΔWᵀ + base`` by torch's addmm (base copied into the output first) and by
     one cuBLASLt call reading base in place, and the vendor forward."""
     from lycoris_ops.reference import gemm_epilogue, mm_rounded
-    from lycoris_ops.triton import loha as TH
+    from lycoris_ops.backends.triton.kernels import loha as TH
 
     Tn, D, r = geo["T"], geo["D"], geo["r"]
     x, g = _rand(gen, (Tn, D), dtype, dev), _rand(gen, (Tn, D), dtype, dev)
@@ -241,7 +241,7 @@ def lokr_merge(geo, dtype, dev, gen):
     other splits and tiles of the Kronecker-gradient kernel, the chain step without the presum
     (``triton/lokr.CHAIN_PRESUM``) and other tiles of the chain step that turns the partials
     into the factor gradients; compared by g_w2a (the chain's output)."""
-    from lycoris_ops.triton import lokr as TK
+    from lycoris_ops.backends.triton.kernels import lokr as TK
 
     D, r = geo["D"], geo["r"]
     c = 256
@@ -285,7 +285,7 @@ def profile_boft(geo, dtype, dev, gen, reps=5):
     """Device ms per kernel name of one boft forward and one backward at the launcher default."""
     from torch.profiler import ProfilerActivity, profile
 
-    from lycoris_ops.triton import boft as TB
+    from lycoris_ops.backends.triton.kernels import boft as TB
 
     P, D, s = geo["P"], geo["D"], geo["s"]
     nb = D // s

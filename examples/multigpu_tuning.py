@@ -5,7 +5,7 @@
 
 Every rank pre-tunes (``lycoris_ops.warmup``) the layer shapes all ranks share plus
 one shape of its own, on its own GPU, into the same table, all at once. The table
-is merged under a file lock and replaced atomically (``lycoris_ops/plans/store.py``),
+is merged under a file lock and replaced atomically (``lycoris_ops/tuner/store.py``),
 so the file afterwards holds every rank's rows. The proof is the second launch:
 every rank finds every key in the table and times nothing (a lost row would be
 timed again). Exit status 1 if a rank timed anything under ``--expect-warm``, if
@@ -35,7 +35,7 @@ def main(argv=None):
     os.environ["LYCORIS_KERNEL_CACHE_DIR"] = args.cache_dir  # before the package reads it
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import lycoris_ops
-    from lycoris_ops.plans import tune
+    from lycoris_ops.tuner import tune
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))

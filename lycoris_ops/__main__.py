@@ -52,7 +52,7 @@ def _no_cuda(torch) -> str:
 def unavailable(torch, dispatch, name: str, dev) -> str:
     """Why tier ``name`` takes no calls on ``dev`` ('' when it does): the device-level
     reasons of ``dispatch.serves``, in words."""
-    from lycoris_ops import scope
+    from lycoris_ops.backends import scope
 
     error = dispatch.probe_error(name)
     if error:
@@ -95,7 +95,8 @@ def _short(why: str) -> str:
 
 def _samples(ops):
     """op -> a sample Case (first case of its family table) or the reason there is none."""
-    from lycoris_ops import registry, testing
+    from lycoris_ops._library import register as registry
+    from lycoris_ops import testing
 
     family = {op: registry.FAMILY[op].__name__.rsplit(".", 1)[-1] for op in ops}
     out, errors = {}, {}
@@ -119,7 +120,8 @@ def main(argv=None) -> int:
     import torch
 
     import lycoris_ops
-    from lycoris_ops import dispatch, select, settings
+    from lycoris_ops.backends import registry as dispatch, select
+    from lycoris_ops import settings
 
     print(f"lycoris_ops {lycoris_ops.__version__}  ({os.path.dirname(lycoris_ops.__file__)})")
     cuda = getattr(torch.version, "cuda", None)
@@ -172,7 +174,7 @@ def main(argv=None) -> int:
     print(f"  tuning: {'on' if dispatch.tuning_enabled() else 'off'}")
     path = dispatch.tuning_table_path()
     try:  # the tuner may own the path
-        tune = importlib.import_module("lycoris_ops.plans.tune")
+        tune = importlib.import_module("lycoris_ops.tuner.tune")
         path = getattr(tune, "table_path", lambda: path)() if callable(getattr(tune, "table_path", None)) \
             else getattr(tune, "TABLE_PATH", path)
     except Exception:

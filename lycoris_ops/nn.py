@@ -71,14 +71,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .functional import boft as _boft
-from .functional import diag_oft as _oft
-from .functional import dora as _dora
-from .functional import full as _full
-from .functional import ia3 as _ia3
-from .functional import locon as _locon
-from .functional import loha as _loha
-from .functional import lokr as _lokr
+from lycoris_ops.functional import boft as _boft
+from lycoris_ops.functional import diag_oft as _oft
+from lycoris_ops.functional import dora as _dora
+from lycoris_ops.functional import full as _full
+from lycoris_ops.functional import ia3 as _ia3
+from lycoris_ops.functional import locon as _locon
+from lycoris_ops.functional import loha as _loha
+from lycoris_ops.functional import lokr as _lokr
 
 __all__ = [
     "AdapterModule", "LoRALinear", "LoRAConv2d", "LoHaLinear", "LoHaConv2d", "LoKrLinear", "LoKrConv2d",

@@ -65,7 +65,7 @@ def register_describer(fn: Callable[[str, nn.Module], Optional[LayerRoute]]) -> 
 def explain(model: nn.Module) -> Report:
     """Per adapted layer of ``model``: the lycoris op it runs on, or why it falls back
     (for the layer's current state: see the module docstring)."""
-    from . import patch  # noqa: F401  (registers the PEFT describer; PEFT itself is imported only for its layers)
+    from lycoris_ops.integrations import peft as patch  # noqa: F401  (registers the PEFT describer; PEFT itself is imported only for its layers)
     report = Report()
     for name, module in model.named_modules():
         for describe in _describers:
@@ -134,7 +134,7 @@ def _describe_nn(name: str, module: nn.Module) -> Optional[LayerRoute]:
     """``lycoris_ops.nn`` adapters (checked by class, without importing nn for other models)."""
     if not any(c.__module__ == "lycoris_ops.nn" for c in type(module).__mro__):
         return None
-    from . import nn as lnn
+    from lycoris_ops import nn as lnn
     if not isinstance(module, lnn.AdapterModule):
         return None
     adapter = "lycoris_ops." + type(module).__name__

@@ -17,7 +17,7 @@ Rules:
   use; a value changed after the import is checked again where it is read.
 * ``LYCORIS_KERNEL_CACHE_DIR`` must not name an existing file. A directory that
   cannot be written is allowed (the tables are read from it; what this process
-  tunes is kept in memory, with one warning from ``plans/store.py``).
+  tunes is kept in memory, with one warning from ``tuner/store.py``).
 
 Build-time variables (``LYCORIS_CUDA_LAUNCH``, read by ``setup.py``) are not here.
 """
@@ -85,13 +85,13 @@ def _choice(*words: str) -> Callable[[str], str]:
 
 
 def _backend(text: str) -> str:
-    from . import dispatch  # the backend names live there (ORDER)
+    from lycoris_ops.backends import registry as dispatch  # the backend names live there (ORDER)
 
     return dispatch._parse(text, ENV_BACKEND)
 
 
 def _backend_names() -> str:
-    from . import dispatch
+    from lycoris_ops.backends import registry as dispatch
 
     return ", ".join(dispatch.valid_values())
 

@@ -27,8 +27,8 @@ def pytest_collection_modifyitems(config, items):
 def fresh_tuner(tmp_path, monkeypatch):
     """The tuner as a new process sees it: an empty table under ``tmp_path``,
     ``LYCORIS_KERNEL_TUNE`` unset, nothing memoized, no fake timer (all restored after)."""
-    from lycoris_ops import dispatch
-    from lycoris_ops.plans import tune
+    from lycoris_ops.backends import registry as dispatch
+    from lycoris_ops.tuner import tune
 
     monkeypatch.setenv(dispatch.ENV_CACHE_DIR, str(tmp_path / "cache"))
     monkeypatch.delenv(dispatch.ENV_TUNE, raising=False)

@@ -3,4 +3,4 @@
 They flatten leading dims, reshape conv weights, promote dtypes (OPS.md §1.3)
 and fold the base into the op where it is safe, then call ``torch.ops.lycoris.*``.
 """
-from . import boft, diag_oft, dora, full, ia3, locon, loha, lokr  # noqa: F401
+from lycoris_ops.functional import boft, diag_oft, dora, full, ia3, locon, loha, lokr  # noqa: F401

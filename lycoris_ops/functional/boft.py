@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from .diag_oft import _blocks_and_cscale, constrained_blocks, constraint_scale
+from lycoris_ops.functional.diag_oft import _blocks_and_cscale, constrained_blocks, constraint_scale
 
 __all__ = ["constraint_scale", "constrained_blocks", "merge", "bypass"]
 

@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from ..reference.oft import channel_view, work_dtype
+from lycoris_ops.reference.oft import channel_view, work_dtype
 
 __all__ = ["constraint_scale", "constrained_blocks", "merge", "bypass"]
 

@@ -25,7 +25,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..reference import cast, mm32
+from lycoris_ops.reference import cast, mm32
 
 __all__ = ["weight_decompose", "lowrank_norm_terms", "lowrank_norm_grads"]
 

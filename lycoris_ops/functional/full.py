@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from ..reference.add import check_add_scaled
+from lycoris_ops.reference.add import check_add_scaled
 
 __all__ = ["scaled_add", "full_merge", "norms_merge"]
 

@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
-from .. import _checks as C
+from lycoris_ops.reference import checks as C
 
 lycoris = torch.ops.lycoris
 

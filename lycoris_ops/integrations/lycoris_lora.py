@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 
 import torch.nn as nn
 
-from .. import report
+from lycoris_ops import report
 
 __all__ = ["SUPPORTED_SERIES", "DISTRIBUTION", "install", "describe", "route"]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks as C
-from . import cast, scalar_in
+from lycoris_ops.reference import checks as C
+from lycoris_ops.reference import cast, scalar_in
 
 
 @C.cached

@@ -17,9 +17,9 @@ from typing import Optional
 
 import torch
 
-from .. import _checks
-from . import cast
-from .oft import cayley, cayley_backward, channel_view, work_dtype
+from lycoris_ops.reference import checks as _checks
+from lycoris_ops.reference import cast
+from lycoris_ops.reference.oft import cayley, cayley_backward, channel_view, work_dtype
 
 __all__ = ["check_boft_fwd", "boft_fwd", "check_boft_bwd", "boft_bwd", "stage_permutation"]
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks as C
-from . import cast
+from lycoris_ops.reference import checks as C
+from lycoris_ops.reference import cast
 
 
 def _compute_dtype(w, dscale, delta) -> torch.dtype:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks as C
-from . import cast
+from lycoris_ops.reference import checks as C
+from lycoris_ops.reference import cast
 
 
 def _check_common(op, x, w, channel_axis, alpha, gamma):

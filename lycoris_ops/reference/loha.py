@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks as C
-from . import cast, gemm_epilogue, mm32, mm_rounded
+from lycoris_ops.reference import checks as C
+from lycoris_ops.reference import cast, gemm_epilogue, mm32, mm_rounded
 
 
 def _acc(compute: torch.dtype) -> torch.dtype:

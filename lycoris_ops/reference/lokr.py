@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import _checks as C
-from . import cast, mm32
+from lycoris_ops.reference import checks as C
+from lycoris_ops.reference import cast, mm32
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:

@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
-from .. import _checks
-from . import cast
+from lycoris_ops.reference import checks as _checks
+from lycoris_ops.reference import cast
 
 __all__ = [
     "check_oft_fwd", "oft_fwd", "check_oft_bwd", "oft_bwd",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Case, make
+from lycoris_ops.testing import Case, make
 
 
 def cases(dtype, device, requires_grad, gen):

@@ -7,7 +7,7 @@ from typing import List
 
 import torch
 
-from . import Case, make
+from lycoris_ops.testing import Case, make
 
 BLOCK_SCALE = 0.2
 

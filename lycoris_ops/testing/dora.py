@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import Case, make
+from lycoris_ops.testing import Case, make
 
 
 def _dscale(n, shape, dtype, device, gen, requires_grad=False):

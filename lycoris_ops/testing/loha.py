@@ -6,7 +6,7 @@ from typing import List
 
 import torch
 
-from . import Case, make
+from lycoris_ops.testing import Case, make
 
 
 def cases(dtype=torch.float32, device="cpu", requires_grad: bool = False, gen: torch.Generator = None) -> List[Case]:

@@ -7,7 +7,7 @@ from typing import List
 
 import torch
 
-from . import Case, make
+from lycoris_ops.testing import Case, make
 
 #: raw blocks are drawn with this std so I − Q stays well conditioned
 BLOCK_SCALE = 0.2

@@ -13,9 +13,9 @@ Triton / TileLang / compile / torch per call inside the op; ``LYCORIS_KERNEL_BAC
 and ``lycoris_ops.set_backend`` steer that), ``compile`` and ``torch`` (lycoris-lora's
 own eager bodies, compiled or not).
 """
-from lycoris_ops.plans.tune import set_tuning, tuning_enabled
+from lycoris_ops.tuner.tune import set_tuning, tuning_enabled
 
-from .dispatch import available_backends, fused_backends, resolve_backend
+from lycoris_ops.integrations.lycoris_kernels.dispatch import available_backends, fused_backends, resolve_backend
 
 __all__ = [
     "available_backends",

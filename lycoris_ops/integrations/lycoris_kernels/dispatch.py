@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from lycoris_ops import dispatch as _ours
+from lycoris_ops.backends import registry as _ours
 
-from .select import FUSED, backend_name
+from lycoris_ops.integrations.lycoris_kernels.select import FUSED, backend_name
 
 __all__ = ["ORDER", "FUSED", "available_backends", "fused_backends", "resolve_backend"]
 

@@ -2,17 +2,17 @@
 lycoris_ops' functional layer and ops: same names, signatures and results as
 lycoris-lora's (its eager bodies' math and output dtypes); gradients come from the
 ops' registered autograd."""
-from .boft import boft_bypass_diff, boft_diff_weight
-from .diag_oft import diag_oft_bypass_diff, diag_oft_diff_weight
-from .dora import apply_dora
-from .dylora import dylora_diff_weight
-from .full import full_diff_weight
-from .glora import glora_diff_weight
-from .ia3 import ia3_bypass, ia3_diff_weight
-from .locon import locon_bypass_diff, locon_diff_weight
-from .loha import loha_bypass_diff, loha_diff_weight
-from .lokr import lokr_bypass_diff, lokr_diff_weight, lokr_kron_bypass, lokr_kron_weight
-from .norms import norm_diff_weights
+from lycoris_ops.integrations.lycoris_kernels.autograd.boft import boft_bypass_diff, boft_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.diag_oft import diag_oft_bypass_diff, diag_oft_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.dora import apply_dora
+from lycoris_ops.integrations.lycoris_kernels.autograd.dylora import dylora_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.full import full_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.glora import glora_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.ia3 import ia3_bypass, ia3_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.locon import locon_bypass_diff, locon_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.loha import loha_bypass_diff, loha_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.lokr import (lokr_bypass_diff, lokr_diff_weight, lokr_kron_bypass, lokr_kron_weight)
+from lycoris_ops.integrations.lycoris_kernels.autograd.norms import norm_diff_weights
 
 __all__ = [
     "apply_dora",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..select import FUSED, backend_name
+from lycoris_ops.integrations.lycoris_kernels.select import FUSED, backend_name
 
 
 def check_backend(fn: str, backend) -> None:

@@ -3,8 +3,8 @@ output's channels (bypass); ``scale`` (the module multiplier) interpolates every
 stage toward identity; the constraint scales the blocks on device."""
 from lycoris_ops.functional import boft
 
-from ._common import check_backend
-from ._oft import constraint_of, work_dtype
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend
+from lycoris_ops.integrations.lycoris_kernels.autograd._oft import constraint_of, work_dtype
 
 
 def boft_diff_weight(org_weight, oft_blocks, rescale=None, constraint=None, scale=1, backend=None):

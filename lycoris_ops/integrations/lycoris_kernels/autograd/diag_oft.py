@@ -3,8 +3,8 @@
 through the norm as in lycoris-lora's eager body)."""
 from lycoris_ops.functional import diag_oft
 
-from ._common import check_backend
-from ._oft import constraint_of, work_dtype
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend
+from lycoris_ops.integrations.lycoris_kernels.autograd._oft import constraint_of, work_dtype
 
 
 def diag_oft_diff_weight(org_weight, oft_blocks, rescale=None, constraint=None, backend=None, diff=True):

@@ -1,7 +1,7 @@
 """DoRA weight decomposition (DoRA / DoHa / DoKr): ``dora_fwd``."""
 from lycoris_ops.functional import dora
 
-from ._common import check_backend
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend
 
 
 def apply_dora(weight, dora_scale, multiplier=1.0, wd_on_out=True, backend=None, delta=None):

@@ -1,7 +1,7 @@
 """DyLoRA: the plain LoCon merge (``lora_merge_fwd``) of the rank-sliced factors."""
 from lycoris_ops.functional import locon
 
-from ._common import check_backend, split_scale
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend, split_scale
 
 
 def dylora_diff_weight(down, up, rank=None, gamma=1.0, backend=None):

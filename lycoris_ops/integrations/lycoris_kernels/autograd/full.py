@@ -3,7 +3,7 @@ import torch
 
 from lycoris_ops.functional import full
 
-from ._common import check_backend
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend
 
 
 def full_diff_weight(org_weight, diff, multiplier=1.0, backend=None):

@@ -1,7 +1,7 @@
 """GLoRA (linear): ``lora_merge_fwd`` in mode sum after one torch GEMM (W·a1)."""
 from lycoris_ops.functional import locon
 
-from ._common import check_backend, split_scale
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend, split_scale
 
 
 def glora_diff_weight(w, a1, a2, b1, b2, gamma=1.0, backend=None):

@@ -1,7 +1,7 @@
 """IA3: ``ia3_fwd`` on a weight (merge) or an activation (bypass)."""
 from lycoris_ops.functional import ia3
 
-from ._common import check_backend
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend
 
 
 def ia3_diff_weight(org_weight, weight, on_input, multiplier=1.0, diff=True, backend=None):

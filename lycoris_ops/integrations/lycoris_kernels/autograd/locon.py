@@ -2,7 +2,7 @@
 mid) and ``lora_bypass_fwd`` (linear bypass)."""
 from lycoris_ops.functional import locon
 
-from ._common import check_backend, split_scale
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend, split_scale
 
 
 def locon_diff_weight(down, up, mid=None, gamma=1.0, backend=None, base=None):

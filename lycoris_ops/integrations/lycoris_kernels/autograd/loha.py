@@ -6,7 +6,7 @@ the "up" factors (O, r) — (r, O) with tucker cores — second.
 """
 from lycoris_ops.functional import loha
 
-from ._common import check_backend, split_scale
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend, split_scale
 
 
 def loha_diff_weight(w1d, w1u, w2d, w2u, t1=None, t2=None, gamma=1.0, backend=None, base=None):

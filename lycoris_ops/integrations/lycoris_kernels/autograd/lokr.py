@@ -2,7 +2,7 @@
 side) and ``lokr_bypass_fwd`` (linear bypass, the Kronecker product never built)."""
 from lycoris_ops.functional import lokr
 
-from ._common import check_backend, split_scale
+from lycoris_ops.integrations.lycoris_kernels.autograd._common import check_backend, split_scale
 
 
 def rank_scale(w1a, w2a, gamma):

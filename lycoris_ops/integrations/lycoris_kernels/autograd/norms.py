@@ -1,5 +1,5 @@
 """Norms: ``add_scaled`` on a norm layer's weight and bias."""
-from .full import full_diff_weight
+from lycoris_ops.integrations.lycoris_kernels.autograd.full import full_diff_weight
 
 
 def norm_diff_weights(org_w, org_b, w_norm, b_norm, multiplier=1.0, backend=None):

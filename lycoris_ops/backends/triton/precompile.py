@@ -1,0 +1,372 @@
+"""Compile a cold key's Triton kernels in forked child processes before the tuner's
+first calls, so those calls only load them from Triton's on-disk cache.
+
+A cold key's wall time is mostly Triton compiling the 5-10 distinct kernels of its
+shortlist. The tuner's first calls run on worker threads, but Triton's front end
+holds the GIL, so threads barely overlap the compiles; processes do.
+
+``precompile(runs)``:
+
+1. capture (calling thread): each fused candidate runs once with a
+   ``triton.knobs.runtime.jit_cache_hook`` installed. The JIT calls the hook right
+   before a compile (an in-memory cache miss) with what it is about to compile; the
+   hook records it and answers True, so the JIT neither compiles nor launches
+   (``FastJIT`` keeps nothing: the launch returns None). Calls from other threads go
+   to the hook installed before (if any);
+2. the kernels not already in Triton's on-disk cache are compiled by up to
+   ``LYCORIS_KERNEL_TUNE_PROCS`` forked children (default ``min(12, CPUs - 1)``; 0 or
+   1: no precompile), round robin, with the same ``triton.compile`` call
+   ``JITFunction._do_compile`` makes (same source, target and options: same cache
+   entry), then builds the kernel's host launcher (Triton 3.6 compiles one per
+   signature with the host C compiler; also cached on disk). A child never touches
+   CUDA and leaves with ``os._exit``.
+
+Nothing here is required for correctness: a kernel a child did not compile (failed,
+killed at the deadline, never captured) is compiled by its first call as before.
+POSIX only (``os.fork``).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from lycoris_ops import settings
+
+__all__ = ["ENV_PROCS", "Kernel", "Report", "tune_procs", "capturing", "capture", "compile_forked", "precompile",
+           "stats"]
+
+ENV_PROCS = "LYCORIS_KERNEL_TUNE_PROCS"
+#: most children by default (each compiles its share one kernel after the other). 12: the
+#: largest cold keys build 10-11 kernels (Triton's loha_bypass_bwd, TileLang's boft_bwd),
+#: which 8 children built in two rounds (the H200's 2.01 s and 23 s first calls)
+MAX_DEFAULT_PROCS = 12
+#: seconds the parent waits for all children before killing the rest (their kernels are
+#: then compiled by the first calls, as without precompile)
+TIMEOUT_S = 30.0
+#: fork costs time in proportion to the parent's anonymous memory (page tables copied, then
+#: torn down at the child's exit): about 0.02-0.03 s per GiB per child on the CPU machine
+#: (bench/compile_children.py --forks: 4 forks 0.24 s at 2 GiB, 0.74 s at 8 GiB; bench/RESULTS.md
+#: 15:45). Children are limited so that their forks
+#: cost at most FORK_BUDGET_S together; fewer than 2: no precompile.
+FORK_S_PER_GIB = 0.025
+FORK_BUDGET_S = 0.5
+#: seconds between two polls of the children's exit
+POLL_S = 0.002
+
+log = logging.getLogger("lycoris_ops.tune")
+_warned: set = set()
+_totals = {"keys": 0, "captured": 0, "compiled": 0, "children": 0, "failures": 0, "seconds": 0.0}
+
+
+@dataclass
+class Kernel:
+    """One compile the JIT was about to do: the arguments ``JITFunction._do_compile``
+    hands to ``triton.compile``."""
+
+    fn: Any  # the triton.JITFunction
+    signature: Dict[str, Any]
+    constants: Dict[Tuple[int, ...], Any]
+    attrs: Dict[Tuple[int, ...], Any]
+    options: Dict[str, Any]
+    target: Any  # triton.backends.compiler.GPUTarget
+
+    def source(self):
+        from triton.compiler import ASTSource
+
+        return ASTSource(self.fn, self.signature, self.constants, self.attrs)
+
+    def compile(self):
+        import triton
+
+        return triton.compile(self.source(), target=self.target, options=dict(self.options))
+
+    def build(self):
+        """What a child does: compile, then the host launcher."""
+        _build_launcher(self.compile())
+
+
+def _build_launcher(compiled) -> None:
+    """The host-side launcher of ``compiled``, as its first launch would make it. Triton 3.6
+    builds a C launcher per kernel signature with the host compiler (about 0.1 s, cached on
+    disk by its source): built here, the parent only loads it. Triton 3.7 has one generic
+    launcher: nothing is built. Optional: a failure leaves it to the first launch."""
+    try:
+        from triton.runtime import driver
+
+        driver.active.launcher_cls(compiled.src, compiled.metadata)
+    except Exception:
+        pass
+
+
+@dataclass
+class Report:
+    """What one ``precompile`` did: distinct kernels its candidates would compile
+    (``captured``), those sent to children (``compiled``: not yet on disk), children
+    forked, children that failed or were killed, seconds (capture included)."""
+
+    captured: int = 0
+    compiled: int = 0
+    children: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+
+
+def cpus() -> int:
+    """The CPUs this process may use (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def tune_procs() -> int:
+    """Child processes that compile a cold key's kernels (``LYCORIS_KERNEL_TUNE_PROCS``;
+    default ``min(12, CPUs this process may use - 1)``; 0/1: no precompile)."""
+    procs = settings.get(ENV_PROCS)
+    return max(0, min(MAX_DEFAULT_PROCS, cpus() - 1)) if procs is None else procs
+
+
+def stats() -> Dict[str, float]:
+    """Totals of this process: ``precompile`` calls (cold keys), kernels captured / compiled
+    in children, children forked, failures, seconds (``bench/gpu_tuning.py`` shows them per key)."""
+    return dict(_totals)
+
+
+def _tuples(v):
+    """JSON lists back to the tuples the options held (as ``JITFunction.preload`` does, nested
+    ones too): a list would change the options' hash, so the cache key."""
+    return tuple(_tuples(x) for x in v) if isinstance(v, list) else v
+
+
+@contextlib.contextmanager
+def capturing(target=None) -> Iterator[List[Kernel]]:
+    """While active, Triton JIT compiles on this thread are recorded (into the yielded
+    list, one per distinct kernel) instead of done: that launch returns None without
+    running. ``target``: default the JIT's own (``driver.active.get_current_target()``)."""
+    from triton import knobs
+
+    if target is None:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+    me = threading.get_ident()
+    previous = knobs.runtime.jit_cache_hook
+    kernels: List[Kernel] = []
+    seen = set()
+
+    def hook(**kw):
+        if threading.get_ident() != me:  # another thread compiles for real
+            return previous(**kw) if previous is not None else None
+        fn, c = kw["fn"].jit_function, kw["compile"]
+        if (id(fn), c["key"]) not in seen:
+            seen.add((id(fn), c["key"]))
+            options = {k: _tuples(v) for k, v in json.loads(c["specialization_data"])["options"].items()}
+            kernels.append(Kernel(fn, c["signature"], c["constants"], c["configs"][0], options, target))
+        return True  # skip the compile (and the launch)
+
+    knobs.runtime.jit_cache_hook = hook
+    try:
+        yield kernels
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
+def capture(runs: Sequence[Callable[[], Any]], target=None) -> List[Kernel]:
+    """The distinct kernels ``runs`` would compile: each runs once under ``capturing``,
+    without autograd and as a tuner worker (a nested selection takes the planner's first
+    pick, neither timed nor stored). A run that raises is skipped (its real first call
+    reports it)."""
+    from lycoris_ops.tuner import tune
+
+    was_worker = getattr(tune._worker, "active", False)
+    tune._worker.active = True
+    try:
+        with torch.no_grad(), capturing(target) as kernels:
+            for run in runs:
+                try:
+                    run()
+                except Exception:
+                    pass
+    finally:
+        tune._worker.active = was_worker
+    return kernels
+
+
+def on_disk(kernel: Kernel) -> bool:
+    """Whether Triton's on-disk cache already holds ``kernel`` (its first call only loads
+    it): the lookup ``triton.compile`` starts with. False when unsure."""
+    try:
+        from triton import knobs
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.compiler import make_backend
+        from triton.runtime.cache import get_cache_key, get_cache_manager
+
+        if knobs.compilation.always_compile or getattr(knobs.runtime, "add_stages_inspection_hook", None):
+            return False  # the key has more to it, or nothing is loaded from disk
+        src = kernel.source()
+        backend = make_backend(kernel.target)
+        options = backend.parse_options(dict(kernel.options))
+        key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+        name = f"{src.name[:150]}.json"
+        return name in (get_cache_manager(hashlib.sha256(key.encode()).hexdigest()).get_group(name) or {})
+    except Exception:
+        return False
+
+
+def _child(kernels: Sequence[Kernel], nice: int = 0) -> None:
+    """A forked child: build ``kernels`` (into Triton's / TileLang's on-disk cache) and
+    leave at once, status 1 if one failed; no atexit handlers, no CUDA. ``nice``: added to
+    its niceness first (the compilers it starts inherit it)."""
+    status = 1
+    try:
+        if nice:
+            with contextlib.suppress(OSError):
+                os.nice(nice)
+        try:
+            from triton import knobs
+        except ImportError:  # TileLang jobs without Triton installed
+            knobs = None
+
+        # the parent's objects are not this process's to finalize (a CUDA tensor in a cycle),
+        # nor its Python handlers (a trainer's checkpoint on SIGTERM, a profiler's compile
+        # listener): they may touch CUDA
+        gc.disable()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        if knobs is not None:
+            knobs.compilation.listener = None
+        failed = 0
+        for k in kernels:  # a job: anything with build() (Kernel; tilelang/_common.Pending)
+            try:
+                k.build()
+            except Exception:
+                failed += 1
+        status = 1 if failed else 0
+    finally:
+        os._exit(status)
+
+
+def fork_builds(kernels: Sequence, procs: int, nice: int = 0) -> List[Tuple[int, list]]:
+    """Fork up to ``procs`` children that each ``build()`` their round-robin share of ``kernels``
+    and exit (0: all built); returns (pid, share) of each, without waiting. A share whose fork
+    fails (no memory, no process slot) is left to the first calls. ``nice``: the children's
+    added niceness (builds no call waits for yet)."""
+    shares = [list(kernels[i::procs]) for i in range(min(procs, len(kernels)))]
+    for stream in (sys.stdout, sys.stderr):  # a child must not write the parent's buffered output again
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # None, closed
+            stream.flush()
+    out = []
+    for share in shares:
+        with warnings.catch_warnings():  # Python 3.12: forking a multi-threaded process
+            warnings.simplefilter("ignore", DeprecationWarning)
+            try:
+                pid = os.fork()
+            except OSError:
+                break
+        if pid == 0:
+            _child(share, nice)  # never returns
+        out.append((pid, share))
+    return out
+
+
+def compile_forked(kernels: Sequence[Kernel], procs: int, timeout_s: float = TIMEOUT_S) -> Tuple[int, int]:
+    """Build ``kernels`` (``build()`` each) in up to ``procs`` forked children (round robin) and wait for
+    them, killing those still running after ``timeout_s``. Returns (children, failed or
+    killed children). A share whose fork fails (no memory, no process slot) is left to
+    the first calls."""
+    pending: List[int] = []
+    children = failures = 0
+    try:
+        pending += [pid for pid, _ in fork_builds(kernels, procs)]
+        children = len(pending)
+        deadline = time.monotonic() + timeout_s
+        while pending and time.monotonic() < deadline:
+            for pid in list(pending):
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): status unknown
+                    done, status = pid, 0
+                if done:
+                    pending.remove(pid)
+                    failures += os.waitstatus_to_exitcode(status) != 0
+            if pending:
+                time.sleep(POLL_S)
+    finally:
+        for pid in pending:  # past the deadline (or the parent was interrupted)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            failures += 1
+    return children, failures
+
+
+def anon_gib() -> float:
+    """This process's anonymous resident memory in GiB (``RssAnon``; 0 where unknown)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) / (1 << 20)  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def fork_limit(gib: Optional[float] = None) -> int:
+    """Most children whose forks together stay within ``FORK_BUDGET_S`` for a parent with
+    ``gib`` GiB of anonymous memory (default: this process's)."""
+    gib = anon_gib() if gib is None else gib
+    per_fork = FORK_S_PER_GIB * gib
+    return 1 << 16 if per_fork <= 0 else int(FORK_BUDGET_S / per_fork)
+
+
+def usable_procs(procs: Optional[int] = None) -> int:
+    """Children a precompile may fork: ``procs`` (default ``tune_procs()``) within
+    ``fork_limit()`` (a parent with a large memory footprint, a training process holding
+    tens of GiB, gets fewer or none); 0 without ``os.fork``. Below 2: no precompile."""
+    if not hasattr(os, "fork"):
+        return 0
+    return min(tune_procs() if procs is None else procs, fork_limit())
+
+
+def precompile(runs: Sequence[Callable[[], Any]], procs: Optional[int] = None) -> Optional[Report]:
+    """Compile what ``runs`` (the fused candidates' first calls) would compile, in forked
+    children, when that is at least two kernels not yet on disk. None when
+    ``usable_procs(procs)`` is below 2 (disabled, or forking this process would cost more
+    than it saves)."""
+    procs = usable_procs(procs)
+    if procs < 2:
+        return None
+    t0 = time.perf_counter()
+    report = Report()
+    try:
+        kernels = capture(runs)
+        report.captured = len(kernels)
+        todo = [k for k in kernels if not on_disk(k)]
+        if len(todo) >= 2:
+            report.compiled = len(todo)
+            report.children, report.failures = compile_forked(todo, procs)
+    except Exception as exc:  # an optimization only: the first calls compile in-process as before
+        report.failures += 1
+        why = f"{type(exc).__name__}: {exc}"
+        if why not in _warned:
+            _warned.add(why)
+            log.warning("lycoris_ops precompile failed (the first calls compile in-process): %s", why)
+    report.seconds = time.perf_counter() - t0
+    _totals["keys"] += 1
+    for k in ("captured", "compiled", "children", "failures", "seconds"):
+        _totals[k] += getattr(report, k)
+    return report

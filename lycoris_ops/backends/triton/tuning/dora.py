@@ -1,0 +1,238 @@
+"""Cost models and tuned launch configs of the Triton DoRA kernels
+(``lycoris_ops/backends/triton/kernels/dora.py``): ``dora_fwd`` and ``dora_bwd``.
+
+M (= w + delta) is seen as R norm vectors of NC elements. Two variants, chosen
+by the config: *resident* (a tile of BR whole vectors in registers; one pass:
+M read once) and *streamed* (two passes: a split sum of squares / (ρ, ‖M‖²),
+then the scale / gradient pass: M read twice). The tuner picks between them
+through ``resident_max`` (0 forces streaming) and the streamed tile (br, bc).
+
+Model: memory-bound; the resident tile is an fp32 register footprint (spills
+above 255 registers per thread are penalized); tiles are oriented by the
+launcher along the contiguous axis. Key: exact R, NC (weight dims), the
+orientation, delta present, dtypes.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+
+from lycoris_ops.tuner import tune
+from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.tuner.cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank, tl_shortlist
+from lycoris_ops.tuner.device import DeviceFacts, facts
+
+BACKEND = "triton"
+#: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
+DEVICE_TYPES = ("cuda",)
+FAMILY = "dora"
+_MAX_SPLIT = 64
+
+
+def _tl():
+    return triton_module(FAMILY)
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    return tune.source_version(_tl())
+
+
+def layout(R: int, NC: int, r_contig: bool, bwd: bool, sm: int, c: dict):
+    """(mode, BR, BC, split) of ``triton.dora._plan`` for config ``c``."""
+    bc_res = max(16, p2(NC))
+    budget = c["resident_max"] // (2 if bwd else 1)
+    if r_contig:
+        br_res = max(32, min(128, budget // bc_res))
+    else:
+        br_res = max(1, min(64, budget // bc_res, p2(R)))
+    if br_res * bc_res <= budget and (cdiv(R, br_res) >= sm or R * NC <= 4 * budget):
+        return "res", br_res, bc_res, 1
+    br = c["br"] or (128 if r_contig else 4)
+    bc = c["bc"] or (32 if r_contig else 512)
+    n_chunks = max(1, cdiv(NC, bc))
+    split = c["split"] or max(1, min(_MAX_SPLIT, n_chunks, cdiv(2 * sm, cdiv(R, br))))
+    split = cdiv(n_chunks, cdiv(n_chunks, split))
+    return "str", br, bc, split
+
+
+def _configs(dev: DeviceFacts, r_contig: bool):
+    tiles = [(0, 0)] + ([(64, 32), (128, 16), (256, 32), (128, 64)] if r_contig else [(2, 1024), (8, 256), (4, 1024),
+                                                                                     (16, 128)])
+    out = []
+    for rm in (0, 8192, 16384, 32768):
+        for br, bc in (tiles if rm == 0 else [(0, 0)]):
+            for w in (4, 8):
+                for s in (1, 2, 3):
+                    out.append(dict(resident_max=rm, br=br, bc=bc, split=0, num_warps=w, num_stages=s))
+    return out
+
+
+def _plan(op, dev, R, NC, r_contig, bwd, ew, ed, ey, eg, default, n):
+    seen = {}
+
+    def work(c):
+        mode, br, bc, split = layout(R, NC, r_contig, bwd, dev.sm_count, c)
+        sig = (mode, br, bc, split, c["num_warps"], c["num_stages"])
+        if seen.setdefault(sig, id(c)) != id(c):
+            return None  # the same launch as an earlier config
+        m = R * NC * (ew + ed)
+        w, s = c["num_warps"], c["num_stages"]
+        if mode == "res":
+            return Work(grid=cdiv(R, br), warps=w, stages=s, acc=br * bc * (2 if bwd else 1),
+                        dram=m + R * NC * (ey + eg) + R * 12, inflight=br * bc * (ew + ed + eg) // max(1, s))
+        part = (2 if bwd else 1) * split * R * 4
+        return [Work(grid=cdiv(R, br) * split, warps=w, stages=s, acc=br * bc, dram=m + R * NC * eg + part,
+                     inflight=br * bc * (ew + ed + eg)),
+                Work(grid=cdiv(R, br) * max(1, cdiv(NC, bc)), warps=w, stages=s, acc=br * bc,
+                     dram=m + R * NC * (ey + eg) + part + R * 8, inflight=br * bc * (ew + ed + eg))]
+
+    cfgs = _configs(dev, r_contig)
+    steps = [(R * NC * (ew + ed + 4), 0), (R * NC * 4, 0), (R * 16, 0), (R * NC * (4 + 4), 0), (R * NC * (4 + ey), 0)]
+    if bwd:
+        steps += [(R * NC * (eg + 4 + 4), 0), (R * NC * 4 * 3, 0), (R * NC * (4 + 4), 0)]
+    ranked = rank(cfgs, work, dev)
+    seen.clear()
+    return make_plan(op, ranked, tile_axes=("resident_max", "br", "bc"), n=n, default=default,
+                     default_s=predict(work, default, dev), eager_s=eager_time(dev, steps))
+
+
+def plan_dora_fwd(dev: DeviceFacts, R: int, NC: int, r_contig: bool, w_dtype, delta_dtype, *, default=None,
+                  n: int = 5):
+    return _plan("dora_fwd", dev, R, NC, r_contig, False, esize(w_dtype), esize(delta_dtype), esize(w_dtype), 0,
+                 default, n)
+
+
+def plan_dora_bwd(dev: DeviceFacts, R: int, NC: int, r_contig: bool, w_dtype, delta_dtype, g_dtype, *,
+                  default=None, n: int = 5):
+    return _plan("dora_bwd", dev, R, NC, r_contig, True, esize(w_dtype), esize(delta_dtype), esize(w_dtype),
+                 esize(g_dtype), default, n)
+
+
+def _geom(w, row_axis):
+    R, NC = (w.shape[0], w.shape[1]) if row_axis == 0 else (w.shape[1], w.shape[0])
+    s0, s1 = w.stride()
+    sr, sc = (s0, s1) if row_axis == 0 else (s1, s0)
+    return int(R), int(NC), sr == 1 and sc != 1
+
+
+# =============================================================================== TileLang model
+
+#: ``backends/tilelang/kernels/dora.py``'s one-kernel passes: vectors per tile and threads (the extremes
+#: compile for sm_90a: tests/test_tilelang_elementwise.py)
+TL_SPACE = dict(vecs=(256, 512, 1024, 2048), threads=(128, 256))
+TL_N = 3
+
+
+def _tl_plan(op, dev, w, row_axis, delta, g_dtype, n: int = TL_N):
+    """The TileLang shortlist of one call: the fixed config first, the model's best, eager.
+    Model: one program owns BR x BC vectors of norm vectors and reads them twice (the sum,
+    then the scale / gradient pass, the second mostly from L2): memory-bound, DRAM = M once
+    (+ G) + the output once, in flight a tile of every operand."""
+    tl = importlib.import_module("lycoris_ops.backends.tilelang.kernels.dora")
+    R0, R1 = w.shape
+    ew = esize(w.dtype)
+    ed = 0 if delta is None else esize(delta.dtype)
+    eg = 0 if g_dtype is None else esize(g_dtype)
+    dts = [w.dtype] + ([] if delta is None else [delta.dtype]) + ([] if g_dtype is None else [g_dtype])
+    vec = tl._vec(R1, *dts)
+
+    def work(c):
+        br, bc = tl.tiling(R0, R1, row_axis, vec, dev.sm_count, c["vecs"])
+        grid = cdiv(R0, br) if row_axis == 0 else cdiv(R1 // vec, bc)
+        tile = br * bc * vec
+        return Work(grid=grid, warps=c["threads"] // 32, regs=tile * (3 if eg else 2),
+                    dram=R0 * R1 * (ew + ed + eg + ew), inflight=tile * (ew + ed + eg))
+
+    default = dict(tl.DORA)
+    cfgs = [dict(vecs=v, threads=t) for v in TL_SPACE["vecs"] for t in TL_SPACE["threads"]]
+    R, NC = (R0, R1) if row_axis == 0 else (R1, R0)
+    steps = [(R * NC * (ew + ed + 4), 0), (R * NC * 4, 0), (R * 16, 0), (R * NC * (4 + 4), 0), (R * NC * (4 + ew), 0)]
+    if g_dtype is not None:
+        steps += [(R * NC * (eg + 4 + 4), 0), (R * NC * 4 * 3, 0), (R * NC * (4 + 4), 0)]
+    return tl_shortlist(op, cfgs, work, dev, default, eager_time(dev, steps), ("vecs",), n)
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
+TILELANG = {
+    "dora_fwd": (lambda dev, w, dscale, mult, row_axis, delta=None: _tl_plan("dora_fwd", dev, w, row_axis, delta, None),
+                 lambda w, dscale, mult, row_axis, *a: (tuple(w.shape), row_axis)),
+    "dora_bwd": (lambda dev, grad, w, dscale, norms, mult, row_axis, delta=None:
+                 _tl_plan("dora_bwd", dev, w, row_axis, delta, grad.dtype),
+                 lambda grad, w, dscale, norms, mult, row_axis, *a: (tuple(w.shape), row_axis)),
+}
+
+
+def launch(op: str, *args, **kw):
+    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
+    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
+    TL = _tl()
+    return {"dora_fwd": TL.dora_fwd, "dora_bwd": TL.dora_bwd}[op](*args, **kw)
+
+
+_F_FWD, _F_BWD = tune.Front(), tune.Front()
+
+
+def dora_fwd_kwargs(w, dscale, mult, row_axis, delta=None):
+    """Launcher kwargs for ``triton.dora.dora_fwd`` (or SENTINEL_EAGER)."""
+    dev = w.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    R, NC, r_contig = _geom(w, row_axis)
+    fk = (w.shape, r_contig, w.dtype, dscale.dtype, None if delta is None else delta.dtype, row_axis, dev)
+    hit = _F_FWD.get(fk)
+    if hit is not None:
+        return hit
+    TL = _tl()
+    key = tune.shape_key(w.dtype, exact={"R": R, "NC": NC},
+                         flags={"r_contig": r_contig, "dscale": dscale.dtype,
+                                "delta": None if delta is None else delta.dtype})
+    return tune.pick(
+        "dora_fwd", BACKEND, key,
+        lambda: plan_dora_fwd(facts(dev), R, NC, r_contig, w.dtype, None if delta is None else delta.dtype,
+                              default=as_dict(TL.DoraCfg())),
+        lambda kw: launch("dora_fwd", w, dscale, mult, row_axis, delta, **kw),
+        lambda: reference_module(FAMILY).dora_fwd(w, dscale, mult, row_axis, delta),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.DoraCfg(**c)}, front=(_F_FWD, fk))
+
+
+def dora_bwd_kwargs(grad, w, dscale, norms, mult, row_axis, delta=None):
+    """Launcher kwargs for ``triton.dora.dora_bwd`` (or SENTINEL_EAGER)."""
+    dev = w.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    R, NC, r_contig = _geom(w, row_axis)
+    fk = (w.shape, r_contig, grad.dtype, w.dtype, dscale.dtype, None if delta is None else delta.dtype, row_axis,
+          dev)
+    hit = _F_BWD.get(fk)
+    if hit is not None:
+        return hit
+    TL = _tl()
+    key = tune.shape_key(w.dtype, exact={"R": R, "NC": NC},
+                         flags={"r_contig": r_contig, "dscale": dscale.dtype, "g": grad.dtype,
+                                "delta": None if delta is None else delta.dtype})
+    return tune.pick(
+        "dora_bwd", BACKEND, key,
+        lambda: plan_dora_bwd(facts(dev), R, NC, r_contig, w.dtype, None if delta is None else delta.dtype,
+                              grad.dtype, default=as_dict(TL.DoraCfg())),
+        lambda kw: launch("dora_bwd", grad, w, dscale, norms, mult, row_axis, delta, **kw),
+        lambda: reference_module(FAMILY).dora_bwd(grad, w, dscale, norms, mult, row_axis, delta),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.DoraCfg(**c)}, front=(_F_BWD, fk))
+
+
+def samples(layer, T: int, dtype, device, gen):
+    """DoRA of a merged weight (out x in, norms over rows) for ``tune.warmup``."""
+    import torch
+
+    O, I = layer.out_features, layer.in_features
+    w = rand((O, I), dtype, device, gen, 0.02)
+    d = rand((O, I), dtype, device, gen, 0.002)
+    ds = rand((O,), torch.float32, device, gen).abs_() + 0.5
+    ref = reference_module(FAMILY)
+    _, norms = ref.dora_fwd(w, ds, 1.0, 0, d)
+    return [("dora_fwd", (w, ds, 1.0, 0, d)),
+            ("dora_bwd", (rand((O, I), dtype, device, gen), w, ds, norms, 1.0, 0, d))]
+
+
+#: op name -> the function giving its launcher kwargs (schema arguments)
+KWARGS = {"dora_fwd": dora_fwd_kwargs, "dora_bwd": dora_bwd_kwargs}

@@ -1,0 +1,495 @@
+"""Cost models and tuned launch configs of the Triton LoHa kernels
+(``lycoris_ops/backends/triton/kernels/loha.py``): ``loha_bypass_fwd``, ``loha_bypass_bwd``,
+``loha_merge_bwd``.
+
+Bypass (``Y = γ·x·ΔWᵀ``, ΔW = (a1·b1)⊙(a2·b2)) has two whole-op strategies,
+both candidates: *regen* (ΔW tiles regenerated inside the GEMM's K loop, two
+bn x bk x rp dots per step, repeated for every token tile: extra flops
+4·O·I·rp per token tile) and *materialize* (ΔW built once, 4·O·I·rp flops and
+O·I written, then a plain GEMM reading it). The GEMM is scored with a grouped
+tile order (operands re-read once per 8 tiles when they exceed half of L2).
+The backward runs gx (T x I, K = O) and GW = Gᵀ·x (O x I, K = T), then the two
+merge-backward jobs on GW with ``grad_cfg``. Its shortlist (``cost.make_shared_plan``)
+varies the gx GEMM only: GW's tiles (``gw_cfg``) and ``grad_cfg`` are the launcher
+default's, shared by every candidate (the model's picks for these two untimed parts,
+a small GW tile over the long K = T and a one-split merge backward, made every candidate
+slower than the default launch on the H200), so a cold key compiles ΔW's, GW's and
+the merge-backward kernels once (4-6) plus one gx GEMM per candidate: up to 10
+kernels, two over ``COMPILE_BUDGET`` (built in parallel children: 1.2-2.0 s cold on the H200).
+
+Merge backward (per job, rows M over N): regenerate P1, P2 tiles and form the
+two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+
+import torch
+
+from lycoris_ops.tuner import tune
+from lycoris_ops.backends.triton.tuning.glue import as_dict, compute_dtype, rand, reference_module, triton_module
+from lycoris_ops.tuner.cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_stages, tl_threads)
+from lycoris_ops.tuner.device import DeviceFacts, facts
+
+BACKEND = "triton"
+#: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
+DEVICE_TYPES = ("cuda",)
+FAMILY = "loha"
+MAX_HADA_RANK = 128
+
+
+def _tl():
+    return triton_module(FAMILY)
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    return tune.source_version(_tl(), triton_module("_fusedkit"))
+
+
+def _apply_configs(dev: DeviceFacts, M: int, R: int, tc: bool):
+    rp = p2(R, 16)
+    strategies = ["materialize"] + (["regen"] if rp <= MAX_HADA_RANK else [])
+    bms = [b for b in (16, 32, 64, 128) if b <= max(16, p2(M))]
+    return [dict(block_m=bm, block_n=bn, block_k=bk, group_m=8, strategy=st, regen_max_tiles=2, tile_n=64,
+                 tile_k=64, tile_r=32, num_warps=w, num_stages=s)
+            for st in strategies for bm in bms for bn in (64, 128) for bk in (32, 64) for w in (4, 8)
+            for s in dev.stages if tc or (bm * bn <= 64 * 64)]
+
+
+def _apply_works(dev, c, M, N, K, R, e, ex, eo, has_base, tc, *, dw_needed=True):
+    """The GEMM Y (M x N) = X (M x K)·Dᵀ with D (N x K) = ΔW regenerated or materialized."""
+    rp = p2(R, 16)
+    bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
+    n_m, n_n = cdiv(M, bm), cdiv(N, bn)
+    regen = c["strategy"] == "regen" and rp <= MAX_HADA_RANK
+    works = []
+    if not regen and dw_needed:
+        works.append(Work(grid=cdiv(N, c["tile_n"]) * cdiv(K, c["tile_k"]), warps=4, stages=2,
+                          acc=3 * c["tile_n"] * c["tile_k"], smem=2 * (c["tile_n"] + c["tile_k"]) * c["tile_r"] * e,
+                          dram=N * K * e + 2 * (N + K) * R * e, mma=4.0 * N * K * max(R, 16), tc=tc))
+    dram = gemm_reads(M * K * ex, n_n, dev) + M * N * eo * (2 if has_base else 1)
+    mma = 2.0 * M * N * K
+    if regen:
+        dram += 2 * (N + K) * R * e
+        mma += n_m * 4.0 * N * K * rp
+        acc, smem = bm * bn + 2 * bn * bk, (bm * bk + 2 * (bn * rp + rp * bk)) * e
+    else:
+        dram += gemm_reads(N * K * e, n_m, dev)
+        acc, smem = bm * bn, (bm + bn) * bk * e
+    works.append(Work(grid=n_m * n_n, warps=c["num_warps"], stages=c["num_stages"], acc=acc, smem=smem, dram=dram,
+                      mma=mma, tc=tc, mma_tile=bm * bn * bk))
+    return works
+
+
+def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype, has_base: bool,
+                    *, default=None, n: int = 5):
+    e, ex, eo = esize(compute), esize(x_dtype), esize(out_dtype)
+    tc = compute != torch.float32
+
+    def work(c):
+        return _apply_works(dev, c, T, O, I, R, e, ex, eo, has_base, tc)
+
+    eager = eager_time(dev, [(2 * (O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * 12, 0),
+                       (O * I * (4 + e), 0), (T * I * ex + O * I * e + T * O * 4, 2.0 * T * O * I),
+                       (T * O * (4 + eo) * (2 if has_base else 1), 0)], tc=tc)
+    plan = make_plan("loha_bypass_fwd", rank(_apply_configs(dev, T, R, tc), work, dev),
+                     tile_axes=("strategy", "block_m", "block_n", "block_k"), n=n, default=default,
+                     default_s=predict(work, default, dev), eager_s=eager)
+    if tc and T * O * I >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+        # ΔW by the tile kernel, the T·O·I GEMM by cuBLAS (triton/loha.bypass_fwd(vendor=True)):
+        # timed against eager, never the untimed pick
+        add_before_eager(plan, {**plan.candidates[0], "strategy": "materialize", "vendor": True})
+    return plan
+
+
+def _grad_configs(dev: DeviceFacts, tc: bool):
+    return [dict(block_m=bm, block_n=bn, split=0, num_warps=w, num_stages=s)
+            for bm in (32, 64, 128) for bn in (32, 64, 128) for w in (4, 8) for s in (1, 2, 3)
+            if tc or bm * bn <= 64 * 64]
+
+
+def _grad_works(dev, c, O, I, R, e, eg, tc):
+    rp = p2(R, 16)
+    works = []
+    for M, N in ((O, I), (I, O)):
+        bm, bn = c["block_m"], c["block_n"]
+        n_m, steps = cdiv(M, bm), cdiv(N, bn)
+        split = c.get("split") or max(1, min(cdiv(2 * dev.sm_count, n_m), max(1, steps // 2)))
+        split = max(1, min(split, steps))
+        part = 2 * split * M * R * 4 if split > 1 else 0
+        works.append(Work(grid=n_m * split, warps=c["num_warps"], stages=c["num_stages"],
+                          acc=2 * bm * rp + 3 * bm * bn, smem=(bm * bn * eg + 2 * rp * bn * e),
+                          dram=M * N * eg + gemm_reads(2 * (M + N) * R * e, n_m, dev) + part + 2 * M * R * e,
+                          mma=8.0 * M * N * rp, tc=tc, mma_tile=bm * bn * rp))
+        if split > 1:
+            works.append(Work(grid=cdiv(M * R, 32 * 64), warps=4, dram=part + 2 * M * R * e, inflight=8192))
+    if len(works) == 2:  # neither job splits: triton/loha.merge_bwd runs both as one launch (the pair kernel)
+        a, b = works
+        works = [dataclasses.replace(a, grid=a.grid + b.grid, dram=a.dram + b.dram, mma=a.mma + b.mma)]
+    return works
+
+
+def plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, *, default=None, n: int = 5):
+    e, eg = esize(compute), esize(g_dtype)
+    tc = compute != torch.float32
+
+    def work(c):
+        return _grad_works(dev, c, O, I, R, e, eg, tc)
+
+    eager = eager_time(dev, [((O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * (eg + 12), 0)] * 4
+                       + [(O * I * e + I * R * e + O * R * 4, 2.0 * O * I * R)] * 4, tc=tc)
+    plan = make_plan("loha_merge_bwd", rank(_grad_configs(dev, tc), work, dev), tile_axes=("block_m", "block_n"),
+                     n=n, default=default, default_s=predict(work, default, dev), eager_s=eager)
+    if tc and O * I * R >= MERGE_VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+        # E1, E2 by one Triton pass, the four contractions by cuBLAS (triton/loha.merge_bwd(vendor=True)):
+        # the fused jobs regenerate P1, P2 twice; timed against eager, never the untimed pick
+        add_before_eager(plan, {**plan.candidates[0], "vendor": True})
+    return plan
+
+
+#: the merge backward's vendor-GEMM candidate from this many multiply-adds per contraction (O·I·R)
+MERGE_VENDOR_MIN_MACS = 1 << 26
+
+
+def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
+                    default=None, n: int = 5):
+    e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
+    tc = compute != torch.float32
+
+    def gx_works(c):  # gx (T x I, K = O, ΔWᵀ regenerated or materialized)
+        return _apply_works(dev, c, T, I, O, R, e, eg, ex, False, tc)
+
+    def gw_works(c):  # GW = Gᵀ·x (O x I, K = T, plain)
+        return _apply_works(dev, {**c, "strategy": "materialize"}, O, I, T, 0, e, eg, e, False, tc, dw_needed=False)
+
+    def grads(c):
+        return _grad_works(dev, c, O, I, R, e, e, tc)
+
+    default = default or {}
+    d_cfg, d_grad = default.get("cfg"), default.get("grad_cfg")
+    # GW's tiles: one config for every candidate, the launcher's own (the model ranks GW only when
+    # there is no default): on the H200 its pick, a 32x64 tile over K = T = 8192 at 3072^2, measured
+    # 3x slower than the default's, made every candidate lose to eager while the default launch won
+    d_gw = default.get("gw_cfg") or (None if d_cfg is None else {**d_cfg, "strategy": "materialize"})
+    if d_gw is not None:
+        gw_cfg, t_gw = d_gw, predict(gw_works, d_gw, dev) or 0.0
+    else:
+        w_rank = rank([c for c in _apply_configs(dev, O, R, tc) if c["strategy"] == "materialize"], gw_works, dev)
+        gw_cfg, t_gw = (w_rank[0][1], w_rank[0][0]) if w_rank else (None, 0.0)
+    # merge backward: the launcher default's too (the model's best, split or not, only without a
+    # default): untimed here, and the H200 runs showed a model pick (32x128, one split) costing
+    # more than the whole default backward at 3072^2, T=8192
+    if d_grad is not None:
+        grad_cfg, t_grad = d_grad, predict(grads, d_grad, dev) or 0.0
+    else:
+        r_rank = rank([{**c, "split": sp} for c in _grad_configs(dev, tc) for sp in (0, 1)], grads, dev)
+        grad_cfg, t_grad = (r_rank[0][1], r_rank[0][0]) if r_rank else (None, 0.0)
+    rp = p2(R, 16)
+    split_grad = grad_cfg is not None and (grad_cfg.get("split") or 0) != 1
+    shared = {("gw",) + tuple(sorted((gw_cfg or {}).items()))}
+    if split_grad:  # the two jobs and their reductions; unsplit, both jobs are one pair kernel
+        shared |= {("grad", "a"), ("grad", "b"), ("reduce", "a"), ("reduce", "b")}
+    else:
+        shared.add(("grad_pair",))
+
+    def kernels(c):  # the Triton compilations of a gx config, plus the shared ones
+        regen = c["strategy"] == "regen" and rp <= MAX_HADA_RANK
+        out = shared | {("gx", regen, c["block_m"], c["block_n"], c["block_k"], c["group_m"], c["num_warps"],
+                         c["num_stages"])}
+        if not regen:
+            out.add(("tile", c["tile_n"], c["tile_k"], c["tile_r"]))
+        return out
+
+    fixed = t_gw + t_grad
+    g_rank = [(t + fixed, c) for t, c in rank(_apply_configs(dev, T, R, tc), gx_works, dev)]
+    t_d = predict(gx_works, d_cfg, dev)
+    eager = eager_time(dev, [(2 * (O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * 12, 0)] * 6
+                       + [(T * O * eg + O * I * e + T * I * 4, 2.0 * T * O * I),
+                          (T * O * eg + T * I * ex + O * I * 4, 2.0 * T * O * I)]
+                       + [(O * I * e + I * R * e + O * R * 4, 2.0 * O * I * R)] * 4, tc=tc)
+    plan = make_shared_plan("loha_bypass_bwd", g_rank, kernels=kernels,
+                            tile_axes=("strategy", "block_m", "block_n", "block_k"), n=n, default=d_cfg,
+                            default_s=None if t_d is None else t_d + fixed, eager_s=eager)
+    plan.candidates = [c if tune.is_eager(c) else {"cfg": c, "grad_cfg": grad_cfg, "gw_cfg": gw_cfg}
+                       for c in plan.candidates]
+    if tc and T * O * I >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+        # the two T·O·I GEMMs by cuBLAS, the rest fused (triton/loha.bypass_bwd(vendor=True)): timed
+        # against eager, never the untimed pick; its ΔW tile kernel is the first candidate's
+        first = plan.candidates[0]
+        vendor = {**first, "cfg": {**first["cfg"], "strategy": "materialize"}, "vendor": True}
+        add_before_eager(plan, vendor)
+        if O * I * R >= MERGE_VENDOR_MIN_MACS:  # and the factor gradients by the merge's vendor path
+            add_before_eager(plan, {**vendor, "merge_vendor": True})
+    return plan
+
+
+#: the backward's vendor-GEMM candidate from this many multiply-adds per large GEMM (T·O·I):
+#: where both big GEMMs are long enough for cuBLAS to beat the fused ones (the tuner then times it)
+VENDOR_MIN_MACS = 1 << 32
+
+
+# =============================================================================== TileLang models
+
+#: ``backends/tilelang/kernels/loha.py``: the bypass ops' large GEMM of the materialized path (x·ΔWᵀ, G·ΔW;
+#: lora.gemm_kernel, dynamic token rows; 256 threads only with 128-row tiles) and the
+#: merge backward's gradient kernels (BO x BI); the corners compile for sm_90a
+#: (tests/test_tilelang_loha.py)
+TL_GEMM = dict(BM=(64, 128), BN=(64, 128, 256), BK=(32, 64), stages=(2, 3), threads=(128, 256))
+TL_GRADS = dict(BO=(32, 64, 128), BI=(32, 64, 128))
+#: ``hada_grad_pair_kernel`` (``GRADS_FORM["pair"]``): band width (= K step) and pipeline depth;
+#: the configs whose shared memory fits (``grads_pair_smem``). H200 (RESULTS.md 2026-12-02 15:29):
+#: 1 stage slower, 3 the same as 2; fewer candidates, fewer cold compiles
+#: K step 64 (H100, RESULTS.md 2026-12-06 02:21: BK 64 over BK = BM 32, 0.92x at 3072²); a candidate
+#: inherits the fixed config's keys it lacks, so the space names BK
+TL_GRADS_PAIR = dict(BM=(32, 64), BK=(64,), stages=(2,))
+TL_N = 3
+
+
+def _tl_loha():
+    return importlib.import_module("lycoris_ops.backends.tilelang.kernels.loha")
+
+
+def _tl_gemm_plan(op, dev: DeviceFacts, M: int, N: int, K: int, e: int, eo: int, eager: float, n: int):
+    """The shortlist of a (M x N, K) GEMM tile: operands re-read once per tile row / column
+    beyond what L2 keeps (``gemm_reads``), the output written once."""
+    def work(c):
+        bm, bn, bk = c["BM"], c["BN"], c["BK"]
+        return Work(grid=cdiv(M, bm) * cdiv(N, bn), warps=c["threads"] // 32, stages=c["stages"], acc=bm * bn,
+                    smem=(bm + bn) * bk * e, dram=gemm_reads(M * K * e, cdiv(N, bn), dev)
+                    + gemm_reads(N * K * e, cdiv(M, bm), dev) + M * N * eo, mma=2.0 * M * N * K, tc=True,
+                    mma_tile=bm * bn * bk)
+
+    sp = TL_GEMM
+    default = dict(_tl_loha().APPLY_GEMM)
+    cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=t) for bm in sp["BM"] for bn in sp["BN"] for bk in sp["BK"]
+            for s in tl_stages(dev, sp["stages"]) for t in tl_threads(sp["threads"], bm)]
+    return tl_shortlist(op, cfgs, work, dev, default, eager, ("BM", "BN", "BK"), n)
+
+
+def _tl_vendor_twin(plan, macs: int):
+    """``plan`` with its fixed config's ``vendor`` form second (backends/tilelang/kernels/loha.py: the T·O·I
+    GEMMs by cuBLAS) from VENDOR_MIN_MACS multiply-adds a GEMM, as the Triton shortlists: the
+    model does not rank cuBLAS, so the tuner times it (second: tried even when a cold key's
+    TileLang compiles overrun the tune budget; it compiles nothing the first does not)."""
+    if macs >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+        add_second(plan, {**plan.candidates[0], "vendor": True}, plan.predicted[0])
+    return plan
+
+
+def _tl_bypass_fwd(dev, x, a1, b1, a2, b2, gamma, base=None, n: int = TL_N):
+    T, I = x.shape
+    O, R = a1.shape
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    e = esize(compute)
+    eo = esize(x.dtype if base is None else base.dtype)
+    eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * 12, 0),
+                             (T * I * e + O * I * e + T * O * 4, 2.0 * T * O * I), (T * O * (4 + eo), 0)])
+    return _tl_vendor_twin(_tl_gemm_plan("loha_bypass_fwd", dev, T, O, I, e, eo, eager, n), T * O * I)
+
+
+def _tl_bypass_bwd(dev, grad, x, a1, b1, a2, b2, gamma, n: int = TL_N):
+    T, I = x.shape
+    O, R = a1.shape
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    e = esize(compute)
+    eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * 12, 0),
+                             (T * O * e + O * I * e + T * I * 4, 2.0 * T * O * I),
+                             (T * O * e + T * I * e + O * I * 4, 2.0 * T * O * I), (O * I * 4 * 6, 8.0 * O * I * R)])
+    return _tl_vendor_twin(_tl_gemm_plan("loha_bypass_bwd", dev, T, I, O, e, esize(x.dtype), eager, n), T * O * I)
+
+
+def _tl_merge_bwd(dev, grad, a1, b1, a2, b2, gamma, n: int = TL_N):
+    """The gradient kernels' tile: per job G read once per program row, the two P tiles
+    regenerated (2 dots over the padded rank) and the E·B product (1 dot). The pair form
+    (``pair_form``: the gradient's size): both jobs in one launch, a program per band, no split."""
+    O, R = a1.shape
+    I = b1.shape[1]
+    compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    e, eg = esize(compute), esize(grad.dtype)
+    rp = p2(R, 16)
+    L = _tl_loha()
+    eager = eager_time(dev, [(O * R * e * 2 + R * I * e * 2, 4.0 * O * I * R), (O * I * (eg + 12), 0),
+                             (O * I * 4 * 2 + I * R * e * 2, 4.0 * O * I * R), (O * I * 4 * 2 + O * R * e * 2, 4.0 * O * I * R)])
+    if L.pair_form(O, I):
+        def pair_work(c):
+            bm, st, bk = c["BM"], c["stages"], c.get("BK", c["BM"])
+            if not smem_fits(dev, L.grads_pair_smem(bm, st, R, e, bk)):
+                return None
+            return Work(grid=cdiv(O, bm) + cdiv(I, bm), warps=8 if rp >= 128 else 4, stages=st,
+                        acc=2 * bm * rp + 2 * bm * bm, smem=(bm * bm + 2 * bm * rp) * e,
+                        dram=2 * O * I * eg + 4 * (O + I) * R * e, mma=3 * 2.0 * 2 * 2 * O * I * rp, tc=True,
+                        mma_tile=bm * bm * rp)
+
+        cfgs = [dict(BM=bm, BK=bk, stages=st) for bm in TL_GRADS_PAIR["BM"] for bk in TL_GRADS_PAIR["BK"]
+                for st in TL_GRADS_PAIR["stages"]]
+        return tl_shortlist("loha_merge_bwd", cfgs, pair_work, dev, dict(L.GRADS_PAIR), eager, ("BM",), n)
+
+    def work(c):
+        bo, bi = c["BO"], c["BI"]
+        warps = 8 if rp >= 128 else 4
+        return [Work(grid=cdiv(O, bo) * max(1, cdiv(2 * dev.sm_count, cdiv(O, bo))), warps=warps, acc=2 * bo * rp + 2 * bo * bi,
+                     smem=(bo * bi + 2 * (bo + bi) * rp) * e, dram=O * I * eg + gemm_reads(2 * R * I * e, cdiv(O, bo), dev),
+                     mma=3 * 2.0 * 2 * O * I * rp, tc=True, mma_tile=bo * bi * rp),
+                Work(grid=cdiv(I, bi) * max(1, cdiv(2 * dev.sm_count, cdiv(I, bi))), warps=warps,
+                     acc=2 * bi * rp + 2 * bo * bi, smem=(bo * bi + 2 * (bo + bi) * rp) * e,
+                     dram=O * I * eg + gemm_reads(2 * O * R * e, cdiv(I, bi), dev), mma=3 * 2.0 * 2 * O * I * rp,
+                     tc=True, mma_tile=bo * bi * rp)]
+
+    cfgs = [dict(BO=bo, BI=bi) for bo in TL_GRADS["BO"] for bi in TL_GRADS["BI"]]
+    return tl_shortlist("loha_merge_bwd", cfgs, work, dev, dict(L.GRADS), eager, ("BO", "BI"), n)
+
+
+def _weights(a1, b1, a2, b2):
+    return (tuple(a1.shape), tuple(b1.shape), tuple(a2.shape), tuple(b2.shape))
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
+TILELANG = {
+    "loha_bypass_fwd": (_tl_bypass_fwd, lambda x, a1, b1, a2, b2, *a: _weights(a1, b1, a2, b2)),
+    "loha_bypass_bwd": (_tl_bypass_bwd, lambda g, x, a1, b1, a2, b2, *a: _weights(a1, b1, a2, b2)),
+    "loha_merge_bwd": (_tl_merge_bwd, lambda g, a1, b1, a2, b2, *a: _weights(a1, b1, a2, b2)),
+}
+
+
+def launch(op: str, *args, **kw):
+    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
+    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
+    TL = _tl()
+    return {"loha_bypass_fwd": TL.bypass_fwd, "loha_bypass_bwd": TL.bypass_bwd, "loha_merge_bwd": TL.merge_bwd}[op](*args, **kw)
+
+
+# =============================================================================== op-set glue
+
+_F_BFWD, _F_BBWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front()
+
+
+def _bypass_bwd_default(TL, T, O, R, compute):
+    """The tiles ``bypass_bwd`` runs with when called without ``cfg``, ``grad_cfg`` and
+    ``gw_cfg``, spelled out: gx's (T token rows), GW = Gᵀ·x's (O rows, plain) and the merge
+    backward's."""
+    return {"cfg": _apply_default(TL, T, R, compute), "grad_cfg": as_dict(TL.default_grad_cfg(R, compute)),
+            "gw_cfg": _spelled(TL, O, R, compute, regen=False)}
+
+
+def _apply_default(TL, M, R, compute):
+    """``ApplyCfg()`` with the launcher's automatic choices spelled out (strategy, tiles)."""
+    auto = getattr(TL, "_regen", None)
+    if auto is not None:
+        regen = bool(auto(M, R, TL.ApplyCfg(), compute))
+    else:
+        bm = TL.default_apply_cfg(M, 1, 1, R, compute, True).block_m
+        regen = p2(R, 16) <= MAX_HADA_RANK and cdiv(M, bm) <= TL.ApplyCfg().regen_max_tiles
+    return _spelled(TL, M, R, compute, regen)
+
+
+def _spelled(TL, M, R, compute, regen: bool):
+    """The launcher's automatic tiles for M rows and a given strategy, as an explicit config."""
+    d = TL.default_apply_cfg(M, 1, 1, R, compute, regen)
+    return as_dict(TL.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k,
+                               strategy="regen" if regen else "materialize", num_warps=d.num_warps,
+                               num_stages=TL.ApplyCfg().num_stages))
+
+
+def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
+    """Launcher kwargs for ``triton.loha.bypass_fwd`` (or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (x.shape, a1.shape, x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype, None if base is None else base.dtype,
+          dev)
+    hit = _F_BFWD.get(fk)
+    if hit is not None:
+        return hit
+    T, I = (int(s) for s in x.shape)
+    O, R = (int(s) for s in a1.shape)
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    out = x.dtype if base is None else base.dtype
+    TL = _tl()
+    key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
+                         flags={"x": x.dtype, "w": a1.dtype, "out": out, "base": base is not None})
+    return tune.pick(
+        "loha_bypass_fwd", BACKEND, key,
+        lambda: plan_bypass_fwd(facts(dev), T, I, O, R, compute, x.dtype, out, base is not None,
+                                default=_apply_default(TL, T, R, compute)),
+        lambda kw: launch("loha_bypass_fwd", x, a1, b1, a2, b2, gamma, base, **kw),
+        lambda: reference_module(FAMILY).loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
+        device=dev, version=version(), resolve=lambda c: _vendor_launch(TL.ApplyCfg, c), front=(_F_BFWD, fk))
+
+
+def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
+    """Launcher kwargs for ``triton.loha.bypass_bwd`` (``cfg``, ``grad_cfg``, ``gw_cfg``; or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (x.shape, a1.shape, grad.dtype, x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype, dev)
+    hit = _F_BBWD.get(fk)
+    if hit is not None:
+        return hit
+    T, I = (int(s) for s in x.shape)
+    O, R = (int(s) for s in a1.shape)
+    compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    TL = _tl()
+    key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
+                         flags={"x": x.dtype, "g": grad.dtype, "w": a1.dtype})
+    default = _bypass_bwd_default(TL, T, O, R, compute)
+    return tune.pick(
+        "loha_bypass_bwd", BACKEND, key,
+        lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype, default=default),
+        lambda kw: launch("loha_bypass_bwd", grad, x, a1, b1, a2, b2, gamma, **kw),
+        lambda: reference_module(FAMILY).loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma),
+        device=dev, version=version(),
+        resolve=lambda c: {"cfg": TL.ApplyCfg(**c["cfg"]),
+                           "grad_cfg": None if c.get("grad_cfg") is None else TL.GradCfg(**c["grad_cfg"]),
+                           "gw_cfg": None if c.get("gw_cfg") is None else TL.ApplyCfg(**c["gw_cfg"]),
+                           **({"vendor": True} if c.get("vendor") else {}),
+                           **({"merge_vendor": True} if c.get("merge_vendor") else {})},
+        front=(_F_BBWD, fk))
+
+
+def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
+    """Launcher kwargs for ``triton.loha.merge_bwd`` (or SENTINEL_EAGER)."""
+    dev = grad.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (grad.shape, a1.shape, grad.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype, dev)
+    hit = _F_MBWD.get(fk)
+    if hit is not None:
+        return hit
+    O, R = (int(s) for s in a1.shape)
+    I = int(b1.shape[1])
+    compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
+    TL = _tl()
+    key = tune.shape_key(compute, exact={"O": O, "I": I, "R": R}, flags={"g": grad.dtype, "w": a1.dtype})
+    return tune.pick(
+        "loha_merge_bwd", BACKEND, key,
+        lambda: plan_merge_bwd(facts(dev), O, I, R, compute, grad.dtype,
+                               default=as_dict(TL.default_grad_cfg(R, compute))),
+        lambda kw: launch("loha_merge_bwd", grad, a1, b1, a2, b2, gamma, **kw),
+        lambda: reference_module(FAMILY).loha_merge_bwd(grad, a1, b1, a2, b2, gamma),
+        device=dev, version=version(), resolve=lambda c: _vendor_launch(TL.GradCfg, c), front=(_F_MBWD, fk))
+
+
+def _vendor_launch(cfg_type, c):
+    """Launcher kwargs of a candidate of the bypass forward (``ApplyCfg``) or the merge
+    backward (``GradCfg``): its config, and ``vendor`` when set."""
+    cfg = cfg_type(**{k: v for k, v in c.items() if k != "vendor"})
+    return {"cfg": cfg, "vendor": True} if c.get("vendor") else {"cfg": cfg}
+
+
+def samples(layer, T: int, dtype, device, gen):
+    """(op, args) of one LoHa layer at T tokens, for ``tune.warmup``."""
+    O, I, r = layer.out_features, layer.in_features, layer.rank
+    a1, a2 = rand((O, r), dtype, device, gen, 0.1), rand((O, r), dtype, device, gen, 0.1)
+    b1, b2 = rand((r, I), dtype, device, gen, 0.1), rand((r, I), dtype, device, gen, 0.1)
+    x = rand((T, I), dtype, device, gen)
+    return [("loha_bypass_fwd", (x, a1, b1, a2, b2, 1.0, None)),
+            ("loha_bypass_bwd", (rand((T, O), dtype, device, gen), x, a1, b1, a2, b2, 1.0)),
+            ("loha_merge_bwd", (rand((O, I), dtype, device, gen), a1, b1, a2, b2, 1.0))]
+
+
+#: op name -> the function giving its launcher kwargs (schema arguments)
+KWARGS = {"loha_bypass_fwd": bypass_fwd_kwargs, "loha_bypass_bwd": bypass_bwd_kwargs,
+          "loha_merge_bwd": merge_bwd_kwargs}

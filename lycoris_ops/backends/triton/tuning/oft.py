@@ -1,0 +1,380 @@
+"""Cost models and tuned launch configs of the Triton diag-OFT kernels
+(``lycoris_ops/backends/triton/kernels/oft.py``): ``oft_fwd`` and ``oft_bwd``.
+
+A program owns a group of NB blocks (GP = NB·pow2(S) channel rows, at least
+16, ``group`` rows when set) and a share of the positions (``split`` programs
+per group): it rebuilds its Cayley factors in fp32 registers (batched
+Gauss–Jordan, ~4·S³ flops per block, repeated per program), then streams
+``block_p`` positions per tile with one GP x GP x block_p dot (tf32x3 on fp32
+tiles: counted as 3 tensor-core passes). The backward also accumulates
+P = Σ G·Xᵀ (a second dot per tile) into fp32 partials, then a tiny chain launch.
+
+The forward launcher's default (``triton/oft.FWD_CFG``) rebuilds by the Neumann series
+of ``_cayley.neumann_inverse`` instead (``neumann``: its registers leave two resident
+programs a SM, and the split follows: ``auto_split``); the shortlist always holds one
+such config and Gauss-Jordan ones beside it (``_with_neumann``), decided by timing.
+
+Model: x (and G) read once, y (gx) written once; registers = the GP x block_p
+tile + the GP x GP factor. Key: exact K, S, bucketed positions, channel
+contiguity, rescale present, dtypes.
+
+Shortlist (``cost.make_shared_plan``): every kernel variant rebuilds the Cayley
+factors in registers, so each costs a full compile (0.5-1 s, sm_90): at most 4
+fused candidates, streamed tiles of at most ``STREAM_TILE_MAX`` fp32 elements;
+the backward's candidates share the first one's channel group (NB), so the
+chain kernel (its config = NB) compiles once per key: 1 + 4 compiles.
+
+TileLang (``TILELANG``, ``backends/tilelang/runner.py``): the streaming kernel's positions per tile
+and threads (TL_APPLY, TL_STREAM; shared with BOFT), scored by the model above with the
+names mapped; only configs whose tiles fit shared memory and registers at the op's group
+width; the fixed config first. A cold key builds at most TL_N + 1 streaming kernels.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+
+from lycoris_ops.tuner import tune
+from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.tuner.cost import (STREAM_TILE_MAX, Work, add_before_eager, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_threads)
+from lycoris_ops.tuner.device import DeviceFacts, facts
+
+BACKEND = "triton"
+#: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
+DEVICE_TYPES = ("cuda",)
+FAMILY = "oft"
+
+
+def _tl():
+    return triton_module(FAMILY)
+
+
+@functools.lru_cache(maxsize=None)
+def version() -> str:
+    return tune.source_version(_tl(), triton_module("_cayley"))
+
+
+def _group(K, S, c_contig, group, sm, bp, npos, bwd, neumann=False):
+    SP = p2(S)
+    want = group or (32 if c_contig else 16)
+    NB = max(1, max(16, want) // SP)
+    n_groups = cdiv(K, NB)
+    n_tiles = cdiv(npos, bp)
+    split = max(1, min(_tl().auto_split(n_groups, sm, bwd, neumann), n_tiles))  # the launcher's own rule
+    return SP, NB, NB * SP, n_groups, n_tiles, split
+
+
+def _sector(run_bytes):
+    return max(1.0, 32.0 / max(run_bytes, 1))
+
+
+def _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen=None):
+    """(work of a Triton config, eager seconds); ``seen``: drop configs whose launch signature
+    an earlier config had (None: score every config)."""
+    C = K * S
+
+    def work(c):
+        bp = c["bwd_block_p"] if bwd else c["block_p"]
+        neumann = c.get("neumann", False)
+        SP, NB, GP, n_groups, n_tiles, split = _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd,
+                                                      neumann)
+        sig = (NB, bp, c["num_warps"], c["num_stages"], neumann)
+        if seen is not None and seen.setdefault(sig, id(c)) != id(c):
+            return None
+        grid = n_groups * split
+        sector = _sector((GP if c_contig else bp) * ex)
+        streams = 3 if bwd else 2  # x, y (+ G)
+        cay = grid * NB * 4.0 * SP ** 3
+        dots = (2 if bwd else 1) * 3 * 2.0 * GP * GP * n_tiles * bp * n_groups
+        works = [Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
+                      acc=GP * bp * (2 if bwd else 1) + GP * GP * (2 if bwd else 1),
+                      smem=GP * bp * ex * (2 if bwd else 1), dram=npos * C * ex * streams * sector
+                      + grid * NB * S * S * eb + (split * n_groups * GP * GP * 4 if bwd else 0),
+                      mma=dots, fma=cay)]
+        if bwd:
+            works.append(Work(grid=n_groups, warps=c.get("chain_warps", 4), acc=3 * GP * GP,
+                              dram=split * n_groups * GP * GP * 4 + 2 * C * S * eb, fma=n_groups * NB * 8.0 * SP ** 3,
+                              inflight=GP * GP * 4))
+        return works
+
+    steps = [(K * S * S * (eb + 4), 0), (K * S * S * 4 * 4, K * 4.0 * S ** 3), (npos * C * (ex + 4), 0),
+             (npos * C * 4 * 2, 2.0 * npos * C * S), (npos * C * (4 + ex), 0)]
+    return work, eager_time(dev, steps * 2 if bwd else steps, tc=False)
+
+
+def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
+    seen = {}
+    work, eager = _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen)
+
+    def geometry(c):  # (NB, positions per tile) of the streaming kernel
+        bp = c["bwd_block_p"] if bwd else c["block_p"]
+        return _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd)[1], bp
+
+    def compiles_ok(c):  # streamed tiles (x; G and x in the backward) within STREAM_TILE_MAX
+        NB, bp = geometry(c)
+        return (2 if bwd else 1) * NB * p2(S) * bp <= STREAM_TILE_MAX
+
+    def kernels(c):  # the Triton compilations of a config (backends/triton/kernels/oft.py: constexprs and launch options)
+        NB, bp = geometry(c)
+        if not bwd:
+            return {("fwd", NB, bp, c["num_warps"], c["num_stages"], c["dot_prec"], c.get("neumann", False))}
+        # one tile of positions: one program a group, the chain in the streaming program
+        chain_in = npos <= bp
+        main = ("stream", NB, bp, c["num_warps"], c["num_stages"], c["dot_prec"], c.get("neumann", False), chain_in)
+        return {main} if chain_in else {main, ("chain", NB, c.get("chain_warps", 4), c.get("neumann", False))}
+
+    bps = (32, 64, 128, 256)
+    cfgs = [dict(block_p=128 if bwd else bp, group=g, split=0, num_warps=w, num_stages=s, dot_prec="tf32x3",
+                 bwd_block_p=bp if bwd else 64, chain_warps=4)
+            for bp in (bps[:3] if bwd else bps) for g in (0, 32, 64) for w in (4, 8) for s in (1, 2, 3)]
+    cfgs = [c for c in cfgs if compiles_ok(c)]
+    ranked = rank(cfgs, work, dev)
+    seen.clear()
+    plan = make_shared_plan(op, ranked, kernels=kernels, structure=(lambda c: geometry(c)[0]) if bwd else None,
+                            tile_axes=("bwd_block_p" if bwd else "block_p", "group"), n=n, default=default,
+                            default_s=predict(work, default, dev), eager_s=eager)
+    plan = with_split16(plan, ex)
+    if bwd and ex == 2:
+        _with_wide_split16(plan, geometry)
+    if not bwd:
+        _with_neumann(plan)
+    return plan
+
+
+def _with_neumann(plan) -> None:
+    """The forward: a config with the Cayley factor by ``neumann_inverse`` in the shortlist
+    (the launcher's default has it; a plan whose first config lost it to the model gets the
+    first config again with it and 3 stages, before eager). Timed, never predicted: the model
+    counts the Gauss-Jordan rebuild's flops, not its latency."""
+    cands = plan.candidates
+    fused = [c for c in cands if isinstance(c, dict)]
+    if not fused or any(c.get("neumann") for c in fused):
+        return
+    add_before_eager(plan, dict(fused[0], neumann=True, num_stages=3))
+
+
+#: the 16-bit backward's second twin: split16 with 64-row channel groups, 3 stages (H200,
+#: 32768x4096, S = 32, bf16: 0.367 ms against 0.494 at the default group of 32; the
+#: shared-structure shortlist keeps one group, so only this twin offers another)
+WIDE_GROUP = 64
+
+
+def _with_wide_split16(plan, geometry) -> None:
+    """A 16-bit backward: the first config again with split16, ``group=WIDE_GROUP`` and 3
+    stages, before eager, where that changes the group (two more compiles: the stream and
+    chain kernels of the other group). Its tiles are 16-bit: up to twice STREAM_TILE_MAX
+    elements (the H200 ran 2x64x64 at this group)."""
+    cands = plan.candidates
+    if not cands or not isinstance(cands[0], dict):
+        return
+    twin = dict(cands[0], dot_prec=_tl().SPLIT16, group=WIDE_GROUP, num_stages=3)
+    NB, bp = geometry(twin)
+    if NB == geometry(cands[0])[0] or 2 * WIDE_GROUP * bp > 2 * STREAM_TILE_MAX or twin in cands:
+        return
+    add_before_eager(plan, twin)
+
+
+def with_split16(plan, ex: int, dot_prec: str = ""):
+    """16-bit streams (``ex`` bytes per x element): the plan's first config again with
+    ``dot_prec=triton.oft.SPLIT16`` (three 16-bit dots instead of tf32x3; or the ``dot_prec``
+    given), before eager. Timed, never predicted: the model does not separate the dot modes."""
+    cands = plan.candidates
+    if ex != 2 or not cands or not isinstance(cands[0], dict):
+        return plan
+    twin = dict(cands[0], dot_prec=dot_prec or _tl().SPLIT16)
+    if twin not in cands:
+        add_before_eager(plan, twin)
+    return plan
+
+
+def plan_oft_fwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
+                 default=None, n: int = 4):
+    return _plan("oft_fwd", dev, K, S, npos, c_contig, False, esize(x_dtype), esize(blocks_dtype), default, n)
+
+
+def plan_oft_bwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
+                 default=None, n: int = 4):
+    return _plan("oft_bwd", dev, K, S, npos, c_contig, True, esize(x_dtype), esize(blocks_dtype), default, n)
+
+
+# =============================================================================== TileLang models
+
+#: ``backends/tilelang/kernels/oft.py``'s streaming kernels (shared with BOFT): positions per tile (BT) and
+#: threads of the forward's apply kernel (TL_APPLY) and of the backward's stream kernel
+#: (TL_STREAM); 256 threads only with 128-row tiles (the gx / y GEMM's warpgroups); a config
+#: must fit the block's shared memory (``tl_legal``). The corners compile for sm_90a
+#: (tests/test_tilelang_oft.py)
+TL_APPLY = dict(BT=(64, 128, 256), threads=(128, 256))
+TL_STREAM = dict(BT=(32, 64, 128), threads=(128, 256))
+TL_N = 3
+#: fp32 accumulator registers per thread a TileLang config may hold (the (BT x GP) tile,
+#: plus the backward's GP x GP partial): beyond it the fragment spills
+TL_ACC_PER_THREAD = 128
+
+
+def _tl_oft():
+    return importlib.import_module("lycoris_ops.backends.tilelang.kernels.oft")
+
+
+def tl_legal(dev: DeviceFacts, c: dict, GP: int, csize: int, bwd: bool) -> bool:
+    """Whether the TileLang config ``c`` fits one block: the kernel's shared memory (with the
+    planners' margin for the compiler's scratch) and its accumulator registers."""
+    TLO = _tl_oft()
+    smem = (TLO.stream_smem if bwd else TLO.apply_smem)(GP, c["BT"], csize)
+    acc = c["BT"] * GP + (GP * GP if bwd else 0)
+    return smem_fits(dev, smem) and acc <= TL_ACC_PER_THREAD * c["threads"]
+
+
+def tl_configs(dev: DeviceFacts, GP: int, csize: int, bwd: bool) -> list:
+    """The legal configs of TL_STREAM (bwd) or TL_APPLY for groups of GP channels."""
+    sp = TL_STREAM if bwd else TL_APPLY
+    cfgs = [dict(BT=bt, threads=t) for bt in sp["BT"] for t in tl_threads(sp["threads"], bt)]
+    return [c for c in cfgs if tl_legal(dev, c, GP, csize, bwd)]
+
+
+def tl_plan(op: str, dev: DeviceFacts, work, eager: float, GP: int, csize: int, bwd: bool, n: int, keep=None):
+    """The shortlist of a streaming kernel: the fixed config first, the model's best legal
+    configs (``keep``: only those it accepts), eager (oft_* and boft_*)."""
+    TLO = _tl_oft()
+    default = dict(TLO.STREAM if bwd else TLO.APPLY)
+    cfgs = [c for c in tl_configs(dev, GP, csize, bwd) if keep is None or keep(c)]
+    return tl_shortlist(op, cfgs, work, dev, default, eager, ("BT",), n)
+
+
+def tl_channels_first(x, ax: int) -> bool:
+    """Whether ``backends/tilelang/kernels/oft.py`` (and BOFT) reads x as channels first: x is seen as
+    (pre, C, post) around the rotated axis ``ax``, channels first when post != 1."""
+    return math.prod(int(s) for s in x.shape[ax + 1:]) != 1
+
+
+def _tl_shape(blocks, x, weight):
+    """(K, S, npos, channels-first layout) as ``backends/tilelang/kernels/oft.py`` sees x (contiguous)."""
+    cf = tl_channels_first(x, rotated_axis(x, weight))
+    return int(blocks.shape[0]), int(blocks.shape[1]), geometry(x, weight)[0], cf
+
+
+def _tl_model(dev, K, S, npos, cf, bwd, ex, eb):
+    """The Triton model's work of a TileLang config (names mapped: BT -> the streamed tile,
+    threads -> warps, the group -> ``group``; no pipelined loop: one stage) and eager."""
+    GP = _tl_oft().group_plan(S)[0]
+    work, eager = _model(dev, K, S, npos, not cf, bwd, ex, eb)
+
+    def tl_work(c):
+        return work(dict(block_p=c["BT"], bwd_block_p=c["BT"], group=GP, split=0, num_warps=c["threads"] // 32,
+                         num_stages=1, dot_prec="tf32x3", chain_warps=4))
+    return tl_work, eager, GP
+
+
+def _fwd_tl(dev, blocks, x, rescale, cscale, shift, weight, n: int = TL_N):
+    K, S, npos, cf = _tl_shape(blocks, x, weight)
+    work, eager, GP = _tl_model(dev, K, S, npos, cf, False, esize(x.dtype), esize(blocks.dtype))
+    csize = esize(_tl_oft().gemm_dtype(x.dtype))
+    return tl_plan("oft_fwd", dev, work, eager, GP, csize, False, n)
+
+
+def _bwd_tl(dev, grad, blocks, x, rescale, cscale, shift, weight, n: int = TL_N):
+    K, S, npos, cf = _tl_shape(blocks, x, weight)
+    work, eager, GP = _tl_model(dev, K, S, npos, cf, True, esize(x.dtype), esize(blocks.dtype))
+    csize = esize(_tl_oft().gemm_dtype(x.dtype, grad.dtype))
+    return tl_plan("oft_bwd", dev, work, eager, GP, csize, True, n)
+
+
+def _tl_sizes(blocks, x, rescale, cscale, shift, weight):
+    """(K, S, channels-first layout); the positions stay bucketed (key_parts)."""
+    K, S, _, cf = _tl_shape(blocks, x, weight)
+    return K, S, cf
+
+
+#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
+TILELANG = {"oft_fwd": (_fwd_tl, _tl_sizes), "oft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
+
+
+def rotated_axis(x, weight: bool) -> int:
+    """The axis of x that diag-OFT rotates: 0 for a weight, else the channels (dim 1 of an
+    (N, C, *spatial) activation, the last of a (..., C) one)."""
+    return 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
+
+
+def geometry(x, weight: bool):
+    """(npos, c_contig) of x around its rotated axis (see backends/triton/kernels/oft.py)."""
+    ax = rotated_axis(x, weight)
+    npos = 1
+    for i, s in enumerate(x.shape):
+        if i != ax:
+            npos *= int(s)
+    return npos, x.stride(ax) == 1
+
+
+def launch(op: str, *args, **kw):
+    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
+    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
+    TL = _tl()
+    return {"oft_fwd": TL.oft_fwd, "oft_bwd": TL.oft_bwd}[op](*args, **kw)
+
+
+_F_FWD, _F_BWD = tune.Front(), tune.Front()
+
+
+def _key(blocks, x, rescale, weight, extra):
+    npos, c_contig = geometry(x, weight)
+    K, S = int(blocks.shape[0]), int(blocks.shape[1])
+    key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"K": K, "S": S},
+                         flags={"blocks": blocks.dtype, "c_contig": c_contig, "weight": weight,
+                                "rescale": rescale is not None, **extra})
+    return K, S, npos, c_contig, key
+
+
+def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
+    """Launcher kwargs for ``triton.oft.oft_fwd`` (or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (blocks.shape, x.shape, x.stride(), x.dtype, blocks.dtype, rescale is None, weight, dev)
+    hit = _F_FWD.get(fk)
+    if hit is not None:
+        return hit
+    K, S, npos, c_contig, key = _key(blocks, x, rescale, weight, {})
+    TL = _tl()
+    return tune.pick(
+        "oft_fwd", BACKEND, key,
+        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.FWD_CFG)),
+        lambda kw: launch("oft_fwd", blocks, x, rescale, cscale, shift, weight, **kw),
+        lambda: reference_module(FAMILY).oft_fwd(blocks, x, rescale, cscale, shift, weight),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_FWD, fk))
+
+
+def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
+    """Launcher kwargs for ``triton.oft.oft_bwd`` (or SENTINEL_EAGER)."""
+    dev = x.device
+    if dev.type not in DEVICE_TYPES:
+        return {}
+    fk = (blocks.shape, x.shape, x.stride(), grad.dtype, x.dtype, blocks.dtype, rescale is None, weight, dev)
+    hit = _F_BWD.get(fk)
+    if hit is not None:
+        return hit
+    K, S, npos, c_contig, key = _key(blocks, x, rescale, weight, {"g": grad.dtype})
+    TL = _tl()
+    return tune.pick(
+        "oft_bwd", BACKEND, key,
+        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.OftCfg())),
+        lambda kw: launch("oft_bwd", grad, blocks, x, rescale, cscale, shift, weight, **kw),
+        lambda: reference_module(FAMILY).oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
+        device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_BWD, fk))
+
+
+def samples(layer, T: int, dtype, device, gen):
+    """Diag-OFT (block size 16 when it divides the features, else 8/4) on a linear layer's
+    input (T x in) for ``tune.warmup``."""
+    I = layer.in_features
+    S = next((s for s in (16, 8, 4, 2) if I % s == 0), None)
+    if S is None:
+        return []
+    blocks = rand((I // S, S, S), dtype, device, gen, 0.01)
+    x = rand((T, I), dtype, device, gen)
+    return [("oft_fwd", (blocks, x, None, 1.0, False, False)),
+            ("oft_bwd", (rand((T, I), dtype, device, gen), blocks, x, None, 1.0, False, False))]
+
+
+#: op name -> the function giving its launcher kwargs (schema arguments)
+KWARGS = {"oft_fwd": oft_fwd_kwargs, "oft_bwd": oft_bwd_kwargs}

@@ -1,0 +1,62 @@
+"""bench/e2e.py keeps working: the CPU smoke run (tiny dims, no compile) with the
+per-step profile, whose categories must see our ops in our rows only; bench/plot.py's
+row selection; bench/host_overhead.py --layers."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_e2e_smoke_with_profile(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--profile",
+                        "--adapters", "lora,lokr", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads((tmp_path / "e2e.json").read_text())["rows"]
+    assert not [r for r in rows if r["error"]], rows
+    assert [r["variant"] for r in rows].count("base-eager") == 1
+    for r in rows:
+        prof = r["profile"]
+        assert prof["total"] > 0 and prof["GEMM"] > 0, r
+        ours = r["variant"].startswith("ours") or "ops" in r["variant"]
+        assert (prof["lycoris ops"] > 0) == ours, r
+    assert "One profiled step per row" in (tmp_path / "e2e.md").read_text()
+
+
+def test_plot_rows_merge_runs(tmp_path):
+    """bench/plot.py: a later e2e file replaces an adapter/variant row, NaN rows drop; per-op
+    rows are the CSV's ``ours == yes`` rows, a later CSV replacing the same key."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import plot
+
+    nan = float("nan")
+    (tmp_path / "a.json").write_text(json.dumps({"rows": [
+        {"adapter": "lora", "variant": "base-eager", "x_eager": nan},
+        {"adapter": "lora", "variant": "ours-compiled", "x_eager": 1.0},
+        {"adapter": "lokr", "variant": "ours-compiled", "x_eager": 1.5}]}))
+    (tmp_path / "b.json").write_text(json.dumps({"rows": [{"adapter": "lora", "variant": "ours-compiled",
+                                                            "x_eager": 1.2}]}))
+    rows = {(r["adapter"], r["variant"]): r["x_eager"]
+            for r in plot.e2e_rows([str(tmp_path / "a.json"), str(tmp_path / "b.json")])}
+    assert rows == {("lora", "ours-compiled"): 1.2, ("lokr", "ours-compiled"): 1.5}
+    head = "kind,spec,shape,dtype,column,ours,phase,x_eager\n"
+    (tmp_path / "a.csv").write_text(head + "time,lora_bypass,large,bf16,triton,yes,fwd,2.0\n"
+                                    "time,lora_bypass,large,bf16,eager,,fwd,1\n"
+                                    "time,lora_bypass,large,bf16,tilelang,,fwd,1.5\n"
+                                    "host,lora_bypass,tiny,bf16,triton,yes,host_fwd,\n")
+    (tmp_path / "b.csv").write_text(head + "time,lora_bypass,large,bf16,triton,yes,fwd,2.5\n"
+                                    "time,boft,large,bf16,triton,yes,fwdbwd,3.0\n")
+    per_op = plot.per_op_rows([str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
+    assert [(r["spec"], r["phase"], r["x_eager"]) for r in per_op] == [("boft", "fwdbwd", "3.0"),
+                                                                        ("lora_bypass", "fwd", "2.5")]
+
+
+def test_host_overhead_layers_runs():
+    """bench/host_overhead.py --layers (the adapter layers' host time quoted in RESULTS)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_overhead.py"), "--layers", "--device", "cpu",
+                        "--calls", "10"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [ln for ln in p.stdout.splitlines() if ln.strip().endswith(" us")]
+    assert any("DoRALinear" in r for r in rows) and any("nn.Linear" in r for r in rows), p.stdout
