@@ -168,7 +168,7 @@ def _full_args(op: str, args: Sequence) -> tuple:
 
 
 def _check_of(op: str):
-    registry = sys.modules.get(f"{__package__}.registry")
+    registry = sys.modules.get("lycoris_ops._library.register")
     if registry is None:
         from lycoris_ops._library import register as registry  # noqa: F811
     family = registry.FAMILY.get(op)

@@ -69,9 +69,9 @@ def _oft(blocks, x, rescale, cscale, shift, weight):
 
 def register(monkeypatch, name, ops, *, position=0, device_types=("cpu",), probe="torch", **attrs):
     """Register a mock fused backend ``name``: _PROBE, ORDER, FUSED and the op-set module."""
-    pkg = types.ModuleType(f"lycoris_ops.{name}")
+    pkg = types.ModuleType(f"lycoris_ops.backends.{name}")
     pkg.__path__ = []
-    mod = types.ModuleType(f"lycoris_ops.{name}.ops")
+    mod = types.ModuleType(f"lycoris_ops.backends.{name}.ops")
     mod.DEVICE_TYPES = device_types
     for k, v in {**ops, **attrs}.items():
         setattr(mod, k, v)
@@ -246,7 +246,7 @@ def test_mixed_fp16_bf16_steps_down(mocks):
 def test_float64_and_empty_operands_step_down(mocks):
     assert select.choose([torch.randn(3, dtype=torch.float64)]) == "torch"
     assert select.choose([torch.randn(0, 4)]) == "torch"
-    mocks_mod = sys.modules["lycoris_ops.mocka.ops"]
+    mocks_mod = sys.modules["lycoris_ops.backends.mocka.ops"]
     mocks_mod.DTYPES = (torch.float32, torch.float64)  # an op set may widen its dtypes
     try:
         assert select.choose([torch.randn(3, dtype=torch.float64)]) == "mocka"
@@ -423,7 +423,7 @@ def test_fused_failure_demotes_with_one_warning(mocks):
     def broken(*args):
         mocks.log.append("broken")
         raise RuntimeError("no kernel image is available for execution on the device")
-    sys.modules["lycoris_ops.mocka.ops"].add_scaled = broken
+    sys.modules["lycoris_ops.backends.mocka.ops"].add_scaled = broken
     k = kern("add_scaled", _add, mocks)
     b, d = bd()
     with pytest.warns(RuntimeWarning, match=r"'mocka' failed in lycoris.add_scaled on cpu .*no kernel image"):
@@ -445,8 +445,8 @@ def test_fused_failure_demotes_with_one_warning(mocks):
 def test_every_fused_tier_failing_ends_in_eager(mocks):
     def broken(*args):
         raise RuntimeError("launch failed")
-    sys.modules["lycoris_ops.mocka.ops"].add_scaled = broken
-    sys.modules["lycoris_ops.mockb.ops"].add_scaled = broken
+    sys.modules["lycoris_ops.backends.mocka.ops"].add_scaled = broken
+    sys.modules["lycoris_ops.backends.mockb.ops"].add_scaled = broken
     k = kern("add_scaled", _add, mocks)
     b, d = bd()
     with pytest.warns(RuntimeWarning) as rec:
@@ -458,7 +458,7 @@ def test_every_fused_tier_failing_ends_in_eager(mocks):
 def test_out_of_memory_and_eager_errors_are_not_demotions(mocks):
     def oom(*args):
         raise torch.OutOfMemoryError("CUDA out of memory")
-    sys.modules["lycoris_ops.mocka.ops"].add_scaled = oom
+    sys.modules["lycoris_ops.backends.mocka.ops"].add_scaled = oom
     k = kern("add_scaled", _add, mocks)
     with pytest.raises(torch.OutOfMemoryError):
         k(*bd(), 1.0)

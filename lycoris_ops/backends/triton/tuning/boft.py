@@ -47,7 +47,7 @@ def _tl():
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("_cayley"), triton_module("oft"))
+    return tune.source_version(_tl(), triton_module("cayley"), triton_module("oft"))
 
 
 def segments(m: int, nb: int, s: int, npos: int, sm: int, max_group: int, bp: int):

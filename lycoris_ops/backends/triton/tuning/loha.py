@@ -46,7 +46,7 @@ def _tl():
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("_fusedkit"))
+    return tune.source_version(_tl(), triton_module("fusedkit"))
 
 
 def _apply_configs(dev: DeviceFacts, M: int, R: int, tc: bool):

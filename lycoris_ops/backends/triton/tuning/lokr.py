@@ -53,7 +53,7 @@ def _tl():
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("_fusedkit"))
+    return tune.source_version(_tl(), triton_module("fusedkit"))
 
 
 def _p16(n):
@@ -235,7 +235,7 @@ def reduce_work(n_partials: int, n_out: int, dev: DeviceFacts, out_size: int) ->
     """``triton/_fusedkit.reduce_launch`` summing ``n_partials`` fp32 partials of ``n_out``
     elements: its grid (``reduce_block`` elements a program) and its in-flight bytes (8
     partial rows of that width a step)."""
-    be = triton_module("_fusedkit").reduce_block(n_out, dev.sm_count)
+    be = triton_module("fusedkit").reduce_block(n_out, dev.sm_count)
     return Work(grid=cdiv(n_out, be), warps=4, dram=n_partials * n_out * 4 + n_out * out_size,
                 inflight=8 * be * 4, name="reduce")
 
@@ -243,7 +243,7 @@ def reduce_work(n_partials: int, n_out: int, dev: DeviceFacts, out_size: int) ->
 def reduce_pair_work(n_partials: int, n_outs, dev: DeviceFacts, out_size: int) -> Work:
     """``triton/_fusedkit.reduce_pair_launch``: two reductions of ``n_partials`` partials in
     one grid, the tile width the larger output's."""
-    be = triton_module("_fusedkit").reduce_block(max(n_outs), dev.sm_count)
+    be = triton_module("fusedkit").reduce_block(max(n_outs), dev.sm_count)
     return Work(grid=sum(cdiv(n, be) for n in n_outs), warps=4,
                 dram=sum(n_partials * n * 4 + n * out_size for n in n_outs), inflight=8 * be * 4, name="reduce")
 

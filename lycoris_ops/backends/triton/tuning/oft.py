@@ -52,7 +52,7 @@ def _tl():
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("_cayley"))
+    return tune.source_version(_tl(), triton_module("cayley"))
 
 
 def _group(K, S, c_contig, group, sm, bp, npos, bwd, neumann=False):

@@ -32,7 +32,7 @@ def _tl():
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("_fusedkit"))
+    return tune.source_version(_tl(), triton_module("fusedkit"))
 
 
 def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, out_dtype, *, default=None,
