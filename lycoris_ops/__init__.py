@@ -25,8 +25,11 @@ _preflight.check_namespace_free()
 
 from lycoris_ops import _C  # noqa: E402
 
-#: the 23 op names, in schema order (the table lives in csrc/schemas.h)
-OP_NAMES = tuple(s.split("(", 1)[0] for s in _C.schemas())
+from lycoris_ops._library import optable as _optable  # noqa: E402
+
+_optable.check_against(_C.schemas())
+#: the op names, in schema order (the schemas: csrc/schemas.h; the op table: _library/optable.py)
+OP_NAMES = tuple(op.name for op in _optable.OPS)
 
 from lycoris_ops import settings as _settings  # noqa: E402
 

@@ -1,17 +1,18 @@
-"""Autograd registered on the ops themselves, in schema order.
+"""The autograd formulas of the forward ops: ``_<op>_setup`` and ``_<op>_backward`` per op.
 
-Each forward op's backward calls its ``*_bwd`` op (``lora_merge_fwd`` in mode
-``sum``, ``lora_tucker_fwd`` and ``add_scaled`` differentiate through their own
-rules, OPS.md §2). Where that is the whole backward, ``direct=BwdCall(...)`` states
-the same call for the C++ node, which then makes it without entering Python. The ``*_bwd`` ops are first-order only: differentiating
-through one raises a clear error instead of returning a silent zero.
+Each forward op's backward calls its ``*_bwd`` op (``lora_merge_fwd`` in mode ``sum``,
+``lora_tucker_fwd`` and ``add_scaled`` differentiate through their own rules, docs/ops.md
+§2). What each op saves, which ``*_bwd`` ops it calls and whether the whole backward is one
+such call (made by the C++ node without entering Python) are the op table's
+(``optable.py``); the registration loop at the end reads it.
 """
 from __future__ import annotations
 
 import torch
 
 # torch.library.register_autograd's registration with its per-call overhead removed
-from lycoris_ops._library.autograd_kernel import BwdCall, first_order_only, register_autograd
+from lycoris_ops._library.autograd_kernel import first_order_only, register_autograd
+from lycoris_ops._library.optable import BY_NAME, OPS
 from lycoris_ops.reference import cast, mm32
 from lycoris_ops.reference.lora import tucker_apply, tucker_core, tucker_rows
 
@@ -91,10 +92,6 @@ def _lora_merge_fwd_backward(ctx, grad):
     return grads + (g_base,) + rest
 
 
-register_autograd("lycoris::lora_merge_fwd", _lora_merge_fwd_backward, setup_context=_lora_merge_fwd_setup,
-                  save=("a1", "b1", "a2", "b2"))
-
-
 def _lora_bypass_fwd_setup(ctx, inputs, output):
     x, up, down, gamma, base = inputs  # the defaults are filled in: always 5
     ctx.gamma = gamma
@@ -113,12 +110,6 @@ def _lora_bypass_fwd_backward(ctx, grad):
         gx, g_up, g_down = lycoris.lora_bypass_bwd(grad, x, up, down, ctx.gamma)
     out = (gx if need[0] else None, g_up if need[1] else None, g_down if need[2] else None, None)
     return out + ((g_base,) if len(need) > 4 else ())
-
-
-register_autograd("lycoris::lora_bypass_fwd", _lora_bypass_fwd_backward, setup_context=_lora_bypass_fwd_setup,
-                  save=("x", "up", "down"),
-                  direct=BwdCall("lycoris::lora_bypass_bwd", ("grad", "x", "up", "down", "gamma"),
-                                 ("x", "up", "down"), "base"))
 
 
 def _lora_tucker_fwd_setup(ctx, inputs, output):
@@ -176,8 +167,6 @@ def _lora_tucker_fwd_backward(ctx, grad):
     return tuple(None if g is None else cast(g, t.dtype) for g, t in zip(grads, saved)) + (None,)
 
 
-register_autograd("lycoris::lora_tucker_fwd", _lora_tucker_fwd_backward, setup_context=_lora_tucker_fwd_setup,
-                  save=("a1", "t1", "b1", "a2", "t2", "b2"))
 # --- end lora ---
 
 # --- loha ---
@@ -199,10 +188,6 @@ def _loha_bypass_fwd_backward(ctx, grad):
     return out + ((g_base,) if len(need) > 6 else ())
 
 
-register_autograd("lycoris::loha_bypass_fwd", _loha_bypass_fwd_backward, setup_context=_loha_bypass_fwd_setup,
-                  save=("x", "a1", "b1", "a2", "b2"),
-                  direct=BwdCall("lycoris::loha_bypass_bwd", ("grad", "x", "a1", "b1", "a2", "b2", "gamma"),
-                                 ("x", "a1", "b1", "a2", "b2"), "base"))
 # --- end loha ---
 
 # --- lokr ---
@@ -226,11 +211,6 @@ def _lokr_full_merge_fwd_backward(ctx, grad):
     return g_w1, g_w2, g_base, None, None
 
 
-register_autograd("lycoris::lokr_full_merge_fwd", _lokr_full_merge_fwd_backward,
-                  setup_context=_lokr_full_merge_fwd_setup, save=("w1", "w2"),
-                  direct=BwdCall("lycoris::lokr_full_merge_bwd", ("grad", "w1", "w2", "gamma"), ("w1", "w2"), "base"))
-
-
 def _lokr_merge_fwd_setup(ctx, inputs, output):
     w1a, w1b, w2a, w2b, shape, base, gamma = inputs[:7]
     ctx.save_for_backward(w1a, w1b, w2a, w2b)
@@ -250,12 +230,6 @@ def _lokr_merge_fwd_backward(ctx, grad):
             grads[k] = g if (w is not None and need[k]) else None
     g_base = cast(grad, ctx.base_dtype) if ctx.base_dtype is not None and need[5] else None
     return grads[0], grads[1], grads[2], grads[3], None, g_base, None, None
-
-
-register_autograd("lycoris::lokr_merge_fwd", _lokr_merge_fwd_backward, setup_context=_lokr_merge_fwd_setup,
-                  save=("w1a", "w1b", "w2a", "w2b"),
-                  direct=BwdCall("lycoris::lokr_merge_bwd", ("grad", "w1a", "w1b", "w2a", "w2b", "shape", "gamma"),
-                                 ("w1a", "w1b", "w2a", "w2b"), "base"))
 
 
 def _lokr_bypass_fwd_setup(ctx, inputs, output):
@@ -280,10 +254,6 @@ def _lokr_bypass_fwd_backward(ctx, grad):
     return gx, g_w1, g_w2, None, g_base
 
 
-register_autograd("lycoris::lokr_bypass_fwd", _lokr_bypass_fwd_backward, setup_context=_lokr_bypass_fwd_setup,
-                  save=("x", "w1", "w2"),
-                  direct=BwdCall("lycoris::lokr_bypass_bwd", ("grad", "x", "w1", "w2", "gamma"), ("x", "w1", "w2"),
-                                 "base"))
 # --- end lokr ---
 
 # --- dora ---
@@ -309,8 +279,6 @@ def _dora_fwd_backward(ctx, grad_y, grad_norms):
     )
 
 
-register_autograd("lycoris::dora_fwd", _dora_fwd_backward, setup_context=_dora_fwd_setup,
-                  save=("w", "dscale", "delta"), save_outputs=(1,), nondiff_outputs=(1,))
 # --- end dora ---
 
 # --- oft ---
@@ -338,7 +306,6 @@ def _oft_fwd_backward(ctx, grad):
             g_r, None, None, None)
 
 
-register_autograd("lycoris::oft_fwd", _oft_fwd_backward, setup_context=_oft_fwd_setup, save=("blocks", "x", "rescale"))
 # --- end oft ---
 
 # --- boft ---
@@ -381,7 +348,6 @@ def _boft_fwd_backward(ctx, grad):
             None, None, None, g_r, None)
 
 
-register_autograd("lycoris::boft_fwd", _boft_fwd_backward, setup_context=_boft_fwd_setup, save=("blocks", "x", "rescale"))
 # --- end boft ---
 
 # --- ia3 ---
@@ -400,8 +366,6 @@ def _ia3_fwd_backward(ctx, grad):
     return (_cast(gx, x) if need[0] else None, _cast(gw, w) if need[1] else None, None, None, None)
 
 
-register_autograd("lycoris::ia3_fwd", _ia3_fwd_backward, setup_context=_ia3_fwd_setup, save=("x", "w"),
-                  direct=BwdCall("lycoris::ia3_bwd", ("grad", "x", "w", "channel_axis", "alpha", "gamma"), ("x", "w")))
 # --- end ia3 ---
 
 # --- add ---
@@ -430,7 +394,6 @@ def _add_scaled_backward(ctx, grad):
     return g_base, g_delta, None
 
 
-register_autograd("lycoris::add_scaled", _add_scaled_backward, setup_context=_add_scaled_setup, save=())
 # --- end add ---
 
 
@@ -442,11 +405,9 @@ def backward_calls(op: str, args: dict, outs) -> list:
     forward's arguments by schema name. What ``backends/tilelang/runner.py`` builds kernels for ahead
     of the first backward; [] where the backward calls none (``lora_tucker_fwd``,
     ``add_scaled``: their own rules). The ops with a direct backward take it from its
-    registration (``_autograd_kernel.DIRECT``); the others follow their backward above."""
-    from lycoris_ops._library.autograd_kernel import DIRECT
-
+    op table's row; the others follow their backward above."""
     g = outs[0]
-    direct = DIRECT.get(f"lycoris::{op}")
+    direct = BY_NAME[op].autograd.direct if BY_NAME[op].autograd else None
     if direct is not None:
         return [(direct.op.split("::")[1], tuple(g if n == "grad" else args[n] for n in direct.args))]
     a = args
@@ -468,9 +429,13 @@ def backward_calls(op: str, args: dict, outs) -> list:
     return []
 
 
-for _name in (
-    "lora_merge_bwd", "lora_bypass_bwd", "loha_merge_bwd", "loha_bypass_bwd",
-    "lokr_full_merge_bwd", "lokr_merge_bwd", "lokr_bypass_bwd", "dora_bwd",
-    "oft_bwd", "boft_bwd", "ia3_bwd",
-):
-    first_order_only(f"lycoris::{_name}")
+# Each forward op registers ``_<op>_setup`` / ``_<op>_backward`` above with what the op table
+# says it saves and calls; the ``*_bwd`` ops are first order only (differentiating through
+# one raises instead of returning a silent zero).
+for _op in OPS:
+    if _op.autograd is None:
+        first_order_only(_op.qualname)
+        continue
+    _a = _op.autograd
+    register_autograd(_op.qualname, globals()[f"_{_op.name}_backward"], setup_context=globals()[f"_{_op.name}_setup"],
+                      save=_a.save, save_outputs=_a.save_outputs, nondiff_outputs=_a.nondiff_outputs, direct=_a.direct)

@@ -24,29 +24,17 @@ kwarg-only or tensor-list arguments (none here) use torch's own registration.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import _C
 from torch._library.utils import is_tensorlist_like_type
 
 from lycoris_ops import settings
+from lycoris_ops._library.optable import BwdCall
 
 __all__ = ["register_autograd", "first_order_only", "BwdCall", "direct_backward", "DIRECT"]
 
-
-class BwdCall(NamedTuple):
-    """A backward that is one call of ``op``: ``args`` names, per argument of ``op``, the
-    forward argument passed (``"grad"``: the incoming gradient); ``grads`` names, per output
-    of ``op``, the forward argument it is the gradient of (None: dropped); ``passthrough``
-    names the forward argument whose gradient is the incoming one, in its own dtype (a
-    bypass op's ``base``). Each gradient is computed only when needed and comes back in
-    its argument's dtype."""
-
-    op: str
-    args: Sequence[str]
-    grads: Sequence[Optional[str]]
-    passthrough: Optional[str] = None
 
 @contextlib.contextmanager
 def direct_backward(enabled: bool):

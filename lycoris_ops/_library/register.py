@@ -10,25 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from lycoris_ops import OP_NAMES, _C, settings
-from lycoris_ops.reference import add, boft, dora, ia3, lokr, lora, loha, oft
+from lycoris_ops import _C, settings
+from lycoris_ops import reference
+from lycoris_ops._library.optable import OPS
 
-#: op name -> family module of reference/ (and of triton/, tilelang/, plans/)
-FAMILY = {}
-for _module, _ops in (
-    (lora, ("lora_merge_fwd", "lora_merge_bwd", "lora_bypass_fwd", "lora_bypass_bwd", "lora_tucker_fwd")),
-    (loha, ("loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd")),
-    (lokr, ("lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd", "lokr_merge_bwd",
-            "lokr_bypass_fwd", "lokr_bypass_bwd")),
-    (dora, ("dora_fwd", "dora_bwd")),
-    (oft, ("oft_fwd", "oft_bwd")),
-    (boft, ("boft_fwd", "boft_bwd")),
-    (ia3, ("ia3_fwd", "ia3_bwd")),
-    (add, ("add_scaled",)),
-):
-    for _op in _ops:
-        FAMILY[_op] = _module
-assert tuple(FAMILY) == OP_NAMES, "registry.FAMILY must list the ops in schema order"
+#: op name -> its family module of reference/ (check_<op> and the eager body)
+FAMILY = {op.name: getattr(reference, op.family) for op in OPS}
 
 
 def eager(op: str):
@@ -47,7 +34,7 @@ def _register():
     from lycoris_ops.backends.select import cpu_kernel, cuda_kernel
 
     replay = replay_enabled()
-    for op in OP_NAMES:
+    for op in FAMILY:
         body = eager(op)
         # CPU: the eager body (routed through the choice only when `compile` is named)
         torch.library.impl(f"lycoris::{op}", "CPU")(cpu_kernel(op, body))

@@ -40,6 +40,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
+from lycoris_ops import reference
+from lycoris_ops._library import optable
 from lycoris_ops.backends import registry as dispatch, scope
 
 __all__ = ["choose", "kernel", "cuda_kernel", "cpu_kernel", "explain", "trace", "clear", "reset", "route_cpu"]
@@ -168,11 +170,8 @@ def _full_args(op: str, args: Sequence) -> tuple:
 
 
 def _check_of(op: str):
-    registry = sys.modules.get("lycoris_ops._library.register")
-    if registry is None:
-        from lycoris_ops._library import register as registry  # noqa: F811
-    family = registry.FAMILY.get(op)
-    return getattr(family, f"check_{op}", None) if family is not None else None
+    row = optable.BY_NAME.get(op)
+    return getattr(getattr(reference, row.family), f"check_{op}") if row is not None else None
 
 
 def _capturing(device: torch.device) -> bool:

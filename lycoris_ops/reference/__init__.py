@@ -150,6 +150,5 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def new_empty_like_spec(ref: torch.Tensor, spec):
-    """Allocate outputs from a ``check_<op>`` spec (used by the fakes)."""
-    return tuple(ref.new_empty(shape, dtype=dtype) for shape, dtype in spec)
+# The family modules, after the helpers they import from this package.
+from lycoris_ops.reference import add, boft, dora, ia3, lokr, lora, loha, oft  # noqa: E402,F401

@@ -5,13 +5,12 @@ tests, the GPU parity script and ``python -m lycoris_ops``' sample calls.
 """
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import torch
 
-FAMILIES = ("lora", "loha", "lokr", "dora", "oft", "boft", "ia3", "add")
+from lycoris_ops._library.optable import FAMILIES  # the op table's families
 
 #: relative Frobenius distance allowed against an fp64 oracle (OPS.md §8)
 REL_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
@@ -96,7 +95,11 @@ def cases(family: Optional[str] = None, dtype=torch.float32, device="cpu", requi
     """Valid calls of every op of ``family`` (all families when None)."""
     out = []
     for fam in FAMILIES if family is None else (family,):
-        mod = importlib.import_module(f"{__name__}.{fam}")
+        mod = globals()[fam]
         gen = torch.Generator().manual_seed(seed)
         out.extend(mod.cases(dtype=dtype, device=device, requires_grad=requires_grad, gen=gen))
     return out
+
+
+# The family case tables, after the helpers they import from this package.
+from lycoris_ops.testing import add, boft, dora, ia3, lokr, lora, loha, oft  # noqa: E402,F401
