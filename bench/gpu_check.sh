@@ -151,8 +151,4 @@ if [ "$what" != tests ] && [ "${LYCORIS_HOST_PROFILE:-}" != skip ]; then  # host
     && { [ "$what" = verify ] || timeout 240 $py bench/host_overhead.py --plans; }; } \
     >"$work/host_overhead.log" 2>&1
   echo "host_overhead: exit $?" >>"$work/status"
-  echo "== registration errors reach Python (bench/registration_errors.py)"
-  timeout 120 $py bench/registration_errors.py >"$work/registration_errors.log" 2>&1
-  echo "registration_errors: exit $?" >>"$work/status"
-  cat "$work/registration_errors.log"
 fi

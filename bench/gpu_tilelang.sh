@@ -7,7 +7,7 @@
 #   LYCORIS_TILELANG_SITE=/tmp/tl bash bench/gpu_tilelang.sh [bench.py args...]
 #   LYCORIS_TILELANG_SITE=/tmp/tl bash bench/gpu_tilelang.sh tune [gpu_tilelang_tune.py args...]
 #
-# "tune" (one 10-minute call): the build, bench/registration_errors.py, the GPU tests of
+# "tune" (one 10-minute call): the build, the GPU tests of
 # the tuned tile configs (or LYCORIS_TESTS: pytest arguments), then bench/gpu_tilelang_tune.py (cold / warm TileLang tuning,
 # winners against the fixed configs) instead of the sweep and the benchmark.
 #
@@ -42,7 +42,6 @@ groups=${LYCORIS_SWEEP_GROUPS:-"lora loha lokr dora,ia3,add oft boft"}
 
 if [ "${1:-}" = tune ]; then
   shift
-  echo "== registration errors"; timeout 120 $py bench/registration_errors.py
   if [ "${LYCORIS_TESTS_SECONDS:-120}" != 0 ]; then
     echo "== GPU tests of the tuned tile configs"
     timeout -s INT "${LYCORIS_TESTS_SECONDS:-120}" $py -m pytest -q -p no:cacheprovider \

@@ -26,25 +26,6 @@ PYBIND11_MODULE(_C, m) {
       "schemas",
       [] { return std::vector<std::string>(std::begin(lycoris::kSchemas), std::end(lycoris::kSchemas)); },
       "The 23 operator schemas, in registration order.");
-  // Which C++ error paths reach Python on this build and machine (bench/registration_errors.py):
-  // on the H200 (torch 2.11) kinds 1, 2 and 5 (an integer through c10::str's stream) killed the
-  // process; 6 and 7 are what this extension's checks do instead (text.h).
-  m.def(
-      "_error_path_probe",
-      [](int64_t kind) -> std::string {
-        switch (kind) {
-          case 0: throw pybind11::value_error("a constant message");
-          case 1: return c10::str("formatted ", kind, " ", std::string("string"));
-          case 2: throw pybind11::value_error(c10::str("formatted ", kind));
-          case 3: TORCH_CHECK(false, "a constant message");
-          case 4: throw std::runtime_error("a constant message");
-          case 5: TORCH_CHECK(false, "formatted ", kind, " ", std::string("string"));
-          case 6: throw pybind11::value_error(lycoris::text("formatted ", kind, " ", 0.5, " ", std::string("string")));
-          case 7: LYCORIS_CHECK(false, "formatted ", kind, " ", std::string("string"));
-          default: return "no error";
-        }
-      },
-      pybind11::arg("kind"), "Raise (or format) on one C++ error path; a diagnostic.");
   lycoris::bind_autograd(m);
   lycoris::bind_launch(m);
 }

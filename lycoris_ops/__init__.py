@@ -41,11 +41,11 @@ from lycoris_ops.tuner.tune import warmup  # noqa: E402
 from lycoris_ops._library import register as _registry  # noqa: E402  CPU/CUDA kernels
 from lycoris_ops._library import fakes as _fakes  # noqa: E402  fake (meta) kernels
 from lycoris_ops._library import autograd as _autograd  # noqa: E402  autograd on the ops
-from lycoris_ops import functional  # noqa: E402
+from lycoris_ops import functional, ops  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = [
-    "OP_NAMES", "functional", "__version__",
+    "OP_NAMES", "functional", "ops", "__version__",
     "available_backends", "fused_backends", "resolve_backend", "set_backend", "use_backend",
 ]
 from lycoris_ops.report import explain  # noqa: E402  (what runs fused, per adapted layer)

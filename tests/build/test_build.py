@@ -51,19 +51,28 @@ def test_cmake_library_loads_with_load_library(tmp_path):
 
 
 def test_extension_errors_with_numbers_reach_python():
-    """Our C++ checks format numbers without streams (csrc/text.h): on the H200 an integer
-    through c10::str's stream in this extension killed the process. Each kind runs in a
-    fresh process, so a crash fails the test instead of the session."""
+    """The C++ checks format their numbers without streams (csrc/text.h): an integer formatted
+    through c10::str's stream in this extension once killed the process instead of raising.
+    The real paths, each in a fresh process so a crash fails the test instead of the session:
+    the autograd node's double-backward check and a registration's argument error."""
     code = textwrap.dedent("""
+        import torch, lycoris_ops
         from lycoris_ops import _C
-        for kind, exc in ((6, ValueError), (7, RuntimeError), (0, ValueError), (4, RuntimeError)):
-            try:
-                _C._error_path_probe(kind)
-            except exc as e:
-                print(kind, str(e).splitlines()[0])
-        print(_C._error_path_probe(99))
+        x = torch.randn(4, 3, requires_grad=True)
+        up, down = torch.randn(5, 2, requires_grad=True), torch.randn(2, 3, requires_grad=True)
+        y = torch.ops.lycoris.lora_bypass_fwd(x, up, down, 0.5)
+        (gx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+        try:
+            gx.sum().backward()
+        except RuntimeError as e:
+            print("double:", str(e).splitlines()[0][:60])
+        try:
+            _C._register_autograd("lycoris::no_such_op", None, [], [], [])
+        except (ValueError, RuntimeError, TypeError) as e:
+            print("register:", type(e).__name__)
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split("\n")[:5] == ["6 formatted 6 0.500000 string", "7 formatted 7 string",
-                                          "0 a constant message", "4 a constant message", "no error"], out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("double: lycoris.lora_bypass_bwd is a first-order backward op"), out.stdout
+    assert lines[1].startswith("register: "), out.stdout
