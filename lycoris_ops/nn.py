@@ -258,7 +258,7 @@ def _conv_check(base: nn.Conv2d, name: str):
 
 class LoRAConv2d(_Scaled):
     """LoCon on a conv: down conv (r, I, kh, kw) with the layer's stride/padding/dilation, then a
-    1×1 up conv (O, r, 1, 1) (zero init); eager conv chain (OPS.md §3.1), merge via ``lora_merge_fwd``.
+    1×1 up conv (O, r, 1, 1) (zero init); eager conv chain (docs/ops.md §3.1), merge via ``lora_merge_fwd``.
     ``use_tucker`` (a kernel larger than 1×1): down (r, I, 1, 1), a core ``lora_mid``
     (r, r, kh, kw) carrying the kernel, up (O, r, 1, 1); merge via ``lora_tucker_fwd``."""
 
@@ -762,7 +762,7 @@ class OFTLinear(AdapterModule):
 class BOFTLinear(OFTLinear):
     """BOFT on the output channels: ``oft_blocks`` (m, nb, s, s) with nb = O / block_size
     (zero init), ``n_butterfly`` = m stages (nb must be a multiple of 2^(m−1));
-    ``y = ρ⊙B·(x·Wᵀ) + b`` with B the butterfly product of F = m·R + (1 − m)·I (OPS.md §2.6)."""
+    ``y = ρ⊙B·(x·Wᵀ) + b`` with B the butterfly product of F = m·R + (1 − m)·I (docs/ops.md §2.6)."""
 
     def __init__(self, base: nn.Linear, block_size: int = 4, n_butterfly: int = 1, multiplier: float = 1.0,
                  constraint: float = 0.0, rescaled: bool = False):

@@ -29,7 +29,7 @@ def _cast(grad, like):
 def _grad_for(grad, *operands):
     """The incoming G as a ``*_bwd`` op takes it. A merge whose ``out_dtype`` is the other 16-bit
     dtype than its operands' gets G widened to fp32 (exact): fp16 and bf16 never meet in one
-    call (OPS.md §1.3 rule 1), and the op rounds an fp32 G to its compute dtype (rule 7) as the
+    call (docs/ops.md §1.3 rule 1), and the op rounds an fp32 G to its compute dtype (rule 7) as the
     wrapper would. ``csrc/autograd.cpp``'s direct backward does the same."""
     if grad.dtype in _HALF and any(t is not None and t.dtype in _HALF and t.dtype != grad.dtype for t in operands):
         return grad.float()
@@ -138,7 +138,7 @@ def _lora_tucker_grads(gp, a, t, b, at, gamma, need):
 
 
 def _lora_tucker_fwd_backward(ctx, grad):
-    """No bwd op (OPS.md §2.1.5): eager contractions, each a GEMM with fp32 results (one
+    """No bwd op (docs/ops.md §2.1.5): eager contractions, each a GEMM with fp32 results (one
     permuted copy of G makes them plain GEMMs; no fp32 copy of G for one chain); γ is
     applied to the small results. Two chains: the chain-1 grads use γ·G ⊙ C2 and the
     chain-2 grads γ·G ⊙ C1 (recomputed, fp32). Differentiable again (double backward
@@ -317,7 +317,7 @@ def _boft_fwd_setup(ctx, inputs, output):
 
 
 def _boft_fwd_backward(ctx, grad):
-    # OPS.md §3.6: boft_bwd differentiates the plain chain; rescale and diff are
+    # docs/ops.md §3.6: boft_bwd differentiates the plain chain; rescale and diff are
     # handled here. cscale and scale are constant floats (no gradient through them).
     blocks, x, rescale = ctx.saved_tensors
     need_b, need_x = ctx.needs_input_grad[0], ctx.needs_input_grad[1]

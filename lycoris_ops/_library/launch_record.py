@@ -161,7 +161,7 @@ def _layout(allocs, out_idx, used):
             host = len(kept)
             # the largest workspace carries the pack, first, at offset 0 (an empty one never
             # does: the allocation is a tensor of its carrier's geometry, and an empty side
-            # output sorts first; the H200 replayed such a pack through a null data_ptr())
+            # output sorts first, and a replay through its null data_ptr() faults)
             carrier = max(works, key=lambda j: nbytes[j])
             works = [carrier] + [j for j in works if j != carrier]
             kept.append([carrier, 0])

@@ -14,9 +14,8 @@ fails for lack of a kernel. Two kinds of rules live here:
   kernel is written for) and extra predicates (``rules``).
 
 Limits are keyed by backend, ``"*"`` being the value for any backend not
-listed. The numbers are OPS.md §4.4's, with the §6 fixes: the tucker rank and
-the hadamard rank are checked here (§6.6-6.7), BOFT has a block cap (§6.10),
-and each backend has its own diag-OFT cap (§6.9).
+listed (docs/ops.md §4.4): the tucker rank and the hadamard rank are checked here,
+BOFT has a block cap, and each backend has its own diag-OFT cap.
 
 An op set reads its caps with ``limit(op, quantity, backend)`` (e.g.
 ``limit("oft_fwd", "block", "triton")`` -> 32) and may assume every call it

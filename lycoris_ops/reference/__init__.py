@@ -25,7 +25,7 @@ _F32_MAX = torch.finfo(torch.float32).max
 
 def scalar_in(value: float, dtype: torch.dtype) -> float:
     """A float argument as arithmetic of ``dtype``'s accumulation holds it: fp32 for fp32 and
-    16-bit operands (OPS.md §1.3 rule 4), where a finite value beyond fp32's range is ±inf,
+    16-bit operands (docs/ops.md §1.3 rule 4), where a finite value beyond fp32's range is ±inf,
     as its fp32 rounding is (torch's ``alpha=`` would raise on it instead); fp64 keeps it."""
     if dtype != torch.float64 and abs(value) > _F32_MAX and abs(value) != float("inf"):
         return float("inf") if value > 0 else float("-inf")
@@ -74,9 +74,9 @@ def mm_rounded(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Te
     On CUDA, with a and b 16-bit of ``dtype``: one cuBLAS GEMM with the 16-bit output,
     torch's reduced-precision reduction disallowed for the call, so a split reduction adds
     its partials in fp32 and the result is rounded once, as above, without the fp32 output
-    and the cast pass (H200, Gᵀ·x at 32768 tokens x 4096: 1.352 against 1.382 ms, the same
-    bits; ``bench/loha_gw_gemm.py``). The flag is process-wide: a GEMM another thread runs
-    meanwhile also reduces in fp32 (more precise, never less)."""
+    and the cast pass (the same bits, measured faster: ``bench/loha_gw_gemm.py``). The flag
+    is process-wide: a GEMM another thread runs meanwhile also reduces in fp32 (more precise,
+    never less)."""
     if (a.is_cuda and a.dtype == b.dtype == dtype and dtype in _REDUCED and a.dim() == b.dim() == 2
             and not recording(a, b)):
         flags, name = torch.backends.cuda.matmul, _REDUCED[dtype]
@@ -108,19 +108,18 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
     alpha and the add in fp32 before its single rounding), instead of an fp32 product
     and three fp32 passes over the output. Elsewhere: ``mm32`` and the fp32 epilogue.
     ``base_in_place`` (the fused backends' vendor paths; the eager bodies keep torch's
-    addmm): base is read by the GEMM where it lies (``_cublaslt.addmm``), not first
-    copied into the output as ``torch.addmm`` does. Measured on the H200
-    (bench/cublaslt_check.py, RESULTS.md 2026-12-04 14:55–15:12): that out-of-place epilogue
-    rounds once, while torch.addmm's in-place one (C = D) leaves 2.5-5% of the elements
-    more than one rounding from the exact result (α·a·b rounded to 16 bits before the add).
+    addmm): base is read by the GEMM where it lies (``cublaslt.addmm``), not first
+    copied into the output as ``torch.addmm`` does; that out-of-place epilogue also rounds
+    once, where torch.addmm's in-place one (C = D) rounds α·a·b to 16 bits before the add
+    (``bench/cublaslt_check.py`` counts the elements off by more than one rounding).
     fp32 / fp64 a, b, base and output, on any device: the same single call, α and the add
     in the GEMM's epilogue at the product's precision.
     """
     alpha = scalar_in(alpha, a.dtype)
     one_dtype = (a.dtype == b.dtype == out_dtype and a.dim() == 2 and b.dim() == 2
                  and (base is None or (base.dtype == out_dtype and base.shape == (a.shape[0], b.shape[1]))))
-    # fp32 / fp64: always (H200, the LoRA bypass at 8192 x 3072 fp32: the separate scale and
-    # add cost 50 + 71 µs after a 71 µs GEMM); 16 bits: where the reduction is not split
+    # fp32 / fp64: always (a separate scale and add pass cost more than the GEMM at LoRA's
+    # shapes); 16 bits: where the reduction is not split
     if one_dtype and (a.dtype in _WIDE or (
             _MM_OUT_DTYPE and a.is_cuda and a.dtype in _HALF and not recording(a, b, base)
             and (a.shape[1] <= GEMM_EPILOGUE_SHORT_K
@@ -146,7 +145,7 @@ def gemm_epilogue(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype, alph
 
 def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)`` without the call when ``t`` already has that dtype (same result:
-    ``t`` itself). A no-op ``.to`` still costs 1-2 µs of host time, several per op."""
+    ``t`` itself). A no-op ``.to`` still costs host time, several times per op."""
     return t if t.dtype == dtype else t.to(dtype)
 
 

@@ -1,4 +1,4 @@
-"""Scaled add (OPS.md §2.8): ``add_scaled`` (Full and Norms merges).
+"""Scaled add (docs/ops.md §2.8): ``add_scaled`` (Full and Norms merges).
 
 No bwd op: the autograd gives ``g_base = G`` and ``g_delta = γ·G``.
 """

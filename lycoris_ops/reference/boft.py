@@ -1,4 +1,4 @@
-"""BOFT (OPS.md §2.6): an m-stage butterfly of block-diagonal Cayley rotations
+"""BOFT (docs/ops.md §2.6): an m-stage butterfly of block-diagonal Cayley rotations
 along one channel axis, with a module multiplier folded into every stage, an
 optional per-channel rescale after the last stage and an optional difference.
 
@@ -107,7 +107,7 @@ def _stage_matrices(blocks, cscale, scale, dt):
 
 def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, scale: float,
              rescale: Optional[torch.Tensor], diff: bool) -> torch.Tensor:
-    """BOFT butterfly (OPS.md §2.6.1).
+    """BOFT butterfly (docs/ops.md §2.6.1).
 
     blocks (m, nb, s, s), s even; x with C = nb·s channels on ``axis`` (0: weight
     (C, rest…); −1 / last: channels last; 1: (N, C, *spatial)); rescale C elements
@@ -137,7 +137,7 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
 
 def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float,
              scale: float):
-    """Gradients of the plain chain ``u^m(x)`` (no rescale, no diff; OPS.md §2.6.2).
+    """Gradients of the plain chain ``u^m(x)`` (no rescale, no diff; docs/ops.md §2.6.2).
 
     One forward pass keeps the m stage inputs (in the permuted block basis); then
     for i = m−1 … 0: ``P_{i,β} = Σ g_β·(u^i_β)ᵀ``, ``g ← F_{i,β}ᵀ·g``, ``gR = scale·P``,

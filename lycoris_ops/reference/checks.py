@@ -104,7 +104,7 @@ def same_device(op: str, **named) -> torch.device:
 
 
 def promote_dtypes(*dtypes) -> torch.dtype:
-    """The compute dtype of OPS.md §1.3 without checks (for arguments already
+    """The compute dtype of docs/ops.md §1.3 without checks (for arguments already
     validated): a 16-bit dtype wins (16-bit operands round the others down to it),
     else float32, float64 only when every dtype is float64."""
     # tuple scans instead of building a set: this runs on every call of an op
@@ -119,7 +119,7 @@ def promote_dtypes(*dtypes) -> torch.dtype:
 
 def compute_dtype(op: str, **named) -> torch.dtype:
     """``promote_dtypes`` of the named operands, after checking that float16 and
-    bfloat16 do not meet in one call (they never do, OPS.md §1.3)."""
+    bfloat16 do not meet in one call (they never do, docs/ops.md §1.3)."""
     seen = {}
     for name, t in named.items():
         if t is not None:
@@ -280,7 +280,7 @@ def cached(check):
     A check's outcome (its output spec, or the ValueError it raises) depends only on each
     tensor's dtype, device and shape and on the non-float arguments' types and values
     (a float argument is only required to be a Python float), so that is the key: the
-    steady state is one tuple and one dict lookup instead of ~20 µs of checks. Only
+    steady state is one tuple and one dict lookup instead of the checks. Only
     successful checks are stored, so a bad call always reaches the check and raises
     its own error. Bypassed (the plain check runs): while ``torch.compile`` /
     ``torch.export`` trace, for tensor subclasses (FakeTensor: the fakes keep validating

@@ -2,14 +2,13 @@
 
 ``torch.addmm(base, a, b, alpha=α)`` must write its result into a new tensor, and cuBLAS
 (the API torch calls) only computes ``C ← α·A·B + β·C`` in place, so torch first copies
-``base`` into the output (H200, the LoHa bypass forward at 32768 x 4096 bf16: a 129 µs
-device-to-device copy before a 1462 µs GEMM, RESULTS.md 2026-12-04 14:55–15:12). cuBLASLt
+``base`` into the output (a device-to-device copy of the output's size before the GEMM). cuBLASLt
 takes separate C and D: the GEMM reads base in its epilogue and writes D once, as the math
 reads. The math of the addmm with one rounding: fp32 accumulation, α and the add in fp32,
 then D's dtype; split-K reductions only in fp32 (the reduced-precision reduction of the
-16-bit output is masked out). On the H200 this out-of-place epilogue is the more exact
-of the two: torch.addmm's in-place one leaves 2.5-5% of the elements more than one
-rounding from the exact result (``bench/cublaslt_check.py``). ``LYCORIS_CUBLASLT=0``
+16-bit output is masked out). This out-of-place epilogue is also the more exact of the
+two: torch.addmm's in-place one leaves some elements more than one rounding from the exact
+result (``bench/cublaslt_check.py`` counts them). ``LYCORIS_CUBLASLT=0``
 turns the path off (torch.addmm everywhere).
 
 The library is the one torch's CUDA build already loaded (found in ``/proc/self/maps``),

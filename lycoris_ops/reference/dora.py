@@ -1,15 +1,15 @@
-"""DoRA weight decomposition (OPS.md §2.4): ``dora_fwd`` and ``dora_bwd``.
+"""DoRA weight decomposition (docs/ops.md §2.4): ``dora_fwd`` and ``dora_bwd``.
 
-Numerics (lycoris_ops decisions, OPS.md §7 / §6 item 15):
+Numerics:
 
 - ``M = w + delta`` is formed from the operands read in their own dtypes and all
   math is fp32 (fp64 when w, dscale and delta are all fp64, for gradcheck);
 - ε = ``torch.finfo(dscale.dtype).eps`` — the magnitude vector's dtype, as eager
-  LyCORIS does (not the weight's compute dtype as the reference package does);
+  LyCORIS does;
 - ``norms`` (n = ‖M_r‖ + ε, one per norm vector) are returned in fp32 (fp64 in
   the all-fp64 case), y in w's dtype;
 - the backward uses the exact derivative of ‖M_r‖ + ε, i.e. ``n_r²·‖M_r‖`` in the
-  denominator (the reference uses n_r³).
+  denominator.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
-"""IA3 channel scaling (OPS.md §2.7): ``ia3_fwd`` and ``ia3_bwd``.
+"""IA3 channel scaling (docs/ops.md §2.7): ``ia3_fwd`` and ``ia3_bwd``.
 
 Operands are read in their own dtypes (no pre-cast) and the math is fp32 (fp64
 when the promoted dtype is fp64). float16 and bfloat16 never meet in one call
-(OPS.md §1.3 rule 1): such a call raises instead of promoting to fp32.
+(docs/ops.md §1.3 rule 1): such a call raises instead of promoting to fp32.
 """
 from __future__ import annotations
 

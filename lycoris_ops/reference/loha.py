@@ -1,4 +1,4 @@
-"""LoHa (OPS.md §2.2): ``loha_merge_bwd``, ``loha_bypass_fwd``, ``loha_bypass_bwd``.
+"""LoHa (docs/ops.md §2.2): ``loha_merge_bwd``, ``loha_bypass_fwd``, ``loha_bypass_bwd``.
 
 The LoHa merge forward is ``lora_merge_fwd(mode="hada")`` and the tucker merge is
 ``lora_tucker_fwd`` (reference/lora.py). ΔW = (a1·b1) ⊙ (a2·b2) with a1, a2 (O, r)

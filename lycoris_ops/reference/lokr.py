@@ -1,4 +1,4 @@
-"""LoKr: eager bodies and argument checks (OPS.md §2.3).
+"""LoKr: eager bodies and argument checks (docs/ops.md §2.3).
 
 Kronecker convention: ``kron(w1, w2)[u·c + i, v·d + j] = w1[u, v]·w2[i, j]`` for
 w1 (a, b) and w2 (c, d), giving (a·c, b·d) = (O, I).
@@ -10,7 +10,7 @@ LoKr weight, because column ``v·(d·Kk) + j·Kk + κ = (v·d + j)·Kk + κ``. S
 merges return (a·c, b·w2.shape[1]) and ``lokr_merge_fwd``'s ``shape[3]`` is
 w2's column count (d·Kk for a flattened conv factor).
 
-Dtypes (OPS.md §1.3 and the library policy): the matrix operands are promoted to
+Dtypes (docs/ops.md §1.3): the matrix operands are promoted to
 the compute dtype (a 16-bit operand wins; fp16 with bf16 is an error), every
 product accumulates in fp32 (fp64 when the compute dtype is fp64), the factored
 sides are never rounded before the Kronecker multiply, γ and the base add are
@@ -74,7 +74,7 @@ def check_lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
 
 
 def lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
-    """``Y = γ·kron(w1, w2) [+ base]`` (OPS.md §2.3.1).
+    """``Y = γ·kron(w1, w2) [+ base]`` (docs/ops.md §2.3.1).
 
     w1 (a, b), w2 (c, d) or a conv w2 flattened to (c, d·Kk); base (a·c, b·d)
     optional. Output (a·c, b·d) in ``out_dtype``, default w2's dtype. The
@@ -116,7 +116,7 @@ def _kron_grads(g, w1, w2, gamma):
 
 
 def lokr_full_merge_bwd(grad, w1, w2, gamma):
-    """Gradients of ``γ·kron(w1, w2)`` (OPS.md §2.3.2).
+    """Gradients of ``γ·kron(w1, w2)`` (docs/ops.md §2.3.2).
 
     With G viewed as G4 (a, c, b, d): ``g_w1[u,v] = γ·Σ_ij G4[u,i,v,j]·w2[i,j]``,
     ``g_w2[i,j] = γ·Σ_uv G4[u,i,v,j]·w1[u,v]``. G is cast to the compute dtype of
@@ -186,7 +186,7 @@ def _side(wa, wb, cd, acc):
 
 
 def lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
-    """``Y = γ·kron(w1a·w1b | w1a, w2a·w2b | w2a) [+ base]`` (OPS.md §2.3.3).
+    """``Y = γ·kron(w1a·w1b | w1a, w2a·w2b | w2a) [+ base]`` (docs/ops.md §2.3.3).
 
     ``shape`` = [a, b, c, d]: w1a (a, r1) with w1b (r1, b), or w1a (a, b) whole
     when w1b is None; w2a (c, r2) with w2b (r2, d), or w2a (c, d) whole. For a
@@ -224,7 +224,7 @@ def check_lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
 
 
 def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
-    """Gradients of ``lokr_merge_fwd`` (OPS.md §2.3.4).
+    """Gradients of ``lokr_merge_fwd`` (docs/ops.md §2.3.4).
 
     Regenerates w1, w2 (fp32), computes g_w1, g_w2 as in ``lokr_full_merge_bwd``
     and chains through the factored sides: ``g_w1a = g_w1·w1bᵀ``,
@@ -279,7 +279,7 @@ def check_lokr_bypass_fwd(x, w1, w2, gamma, base=None):
 
 def lokr_bypass_fwd(x, w1, w2, gamma, base=None):
     """``Y = γ·x·kron(w1, w2)ᵀ [+ base]`` without forming the Kronecker product
-    (OPS.md §2.3.5).
+    (docs/ops.md §2.3.5).
 
     x (T, b·d), w1 (a, b), w2 (c, d), base (T, a·c) optional. Per token,
     ``X_t = reshape(x_t, (b, d))`` and ``Y_t = γ·vec(w1·X_t·w2ᵀ)``: two batched
@@ -325,7 +325,7 @@ def check_lokr_bypass_bwd(grad, x, w1, w2, gamma):
 
 
 def lokr_bypass_bwd(grad, x, w1, w2, gamma):
-    """Gradients of ``lokr_bypass_fwd`` (OPS.md §2.3.6).
+    """Gradients of ``lokr_bypass_fwd`` (docs/ops.md §2.3.6).
 
     With ``G_t = reshape(G[t], (a, c))`` and ``X_t = reshape(x[t], (b, d))``:
     ``gX_t = γ·w1ᵀ·G_t·w2`` (flattened row-major into gx[t]),

@@ -1,8 +1,8 @@
-"""LoRA / LoCon family (OPS.md §2.1): ``lora_merge_fwd`` (modes plain / hada / sum),
+"""LoRA / LoCon family (docs/ops.md §2.1): ``lora_merge_fwd`` (modes plain / hada / sum),
 ``lora_merge_bwd``, ``lora_bypass_fwd``, ``lora_bypass_bwd``, ``lora_tucker_fwd``.
 
-Dtypes (OPS.md §1.3 and the lead's policy): the matrix operands are promoted to
-the compute dtype of ``_checks.compute_dtype`` (a 16-bit operand rounds the others
+Dtypes (docs/ops.md §1.3): the matrix operands are promoted to
+the compute dtype of ``checks.compute_dtype`` (a 16-bit operand rounds the others
 down to it; fp64 only when every operand is fp64); products accumulate in fp32
 (fp64 for fp64); γ, hadamard and the base add run in the accumulation dtype and
 are rounded once at the store. ``base`` and ``grad`` are not matrix operands:

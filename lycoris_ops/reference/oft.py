@@ -1,11 +1,11 @@
-"""Diag-OFT (OPS.md §2.5): a block-diagonal Cayley rotation of a weight's rows or
+"""Diag-OFT (docs/ops.md §2.5): a block-diagonal Cayley rotation of a weight's rows or
 of an activation's channels, with an optional per-channel rescale and an
 identity shift.
 
 Shared with BOFT (reference/boft.py): the Cayley transform and its gradient, the
 work dtype rule and the ``(pre, C, post)`` channel view of a tensor.
 
-Numerics (OPS.md §1.3 rule 9, §7): the Cayley transform is computed in float32
+Numerics (docs/ops.md §1.3 rule 9): the Cayley transform is computed in float32
 from the blocks upcast to float32 (never rounded to a 16-bit activation dtype),
 float64 when every tensor operand is float64 (gradcheck). The rotation and its
 epilogues run in the same work dtype and are rounded once to x's dtype.
@@ -142,7 +142,7 @@ def _f_matrix(r, rescale, K, S, dtype):
 
 def oft_fwd(blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tensor], cscale: float,
             shift: bool, weight: bool) -> torch.Tensor:
-    """Diag-OFT rotation (OPS.md §2.5.1).
+    """Diag-OFT rotation (docs/ops.md §2.5.1).
 
     blocks (K, S, S); x (K·S, L) when ``weight`` (rows rotated), else (T, K·S)
     (2-D, channels last) or (N, K·S, *spatial) (channels on dim 1); rescale K·S
@@ -168,7 +168,7 @@ def oft_fwd(blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tenso
 
 def oft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tensor],
             cscale: float, shift: bool, weight: bool):
-    """Gradients of ``oft_fwd`` (OPS.md §2.5.2); G is cast to the work dtype (fp32/fp64).
+    """Gradients of ``oft_fwd`` (docs/ops.md §2.5.2); G is cast to the work dtype (fp32/fp64).
 
     ``gx_k = F_kᵀ·G_k``; ``P_k = Σ_cols G_k·X_kᵀ``; ``g_rescale[k·S+i] = Σ_j P_k[i,j]·R_k[j,i]``;
     ``gR_k = (diag(ρ_k)·P_k)ᵀ`` (``P_kᵀ`` without rescale), then the Cayley chain
