@@ -6,7 +6,7 @@ Per shape and layout: the plan's algorithm (``_cublaslt.describe``: tile, split-
 scheme, workspace, out-of-place support), then the largest distance in units of the dtype's
 epsilon and the share of elements more than one rounding apart, for D != C (the path),
 D == C (cuBLASLt in place, as torch runs it) and torch.addmm. A diagnostic: the tests
-(tests/test_cublaslt.py) assert; this prints what to look at when they fail.
+(tests/backends/test_cublaslt.py) assert; this prints what to look at when they fail.
 """
 from __future__ import annotations
 

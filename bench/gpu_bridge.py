@@ -17,7 +17,7 @@ The script installs them into /tmp/bridge_site and puts that on every child's pa
 Stages:
 
 - build: ``pip install --no-build-isolation --no-deps -e .`` (the extension for this torch);
-- tests: ``tests/test_lycoris_bridge.py`` without the slow sweep: the CPU parity cases, plus
+- tests: ``tests/integration/test_lycoris_bridge.py`` without the slow sweep: the CPU parity cases, plus
   the GPU ones (parity on CUDA against lycoris-lora's torch backend in its own process,
   Inductor with fullgraph=True at bf16);
 - bench: per model (``sd``: a small UNet-style stack of ResNet and attention blocks on 32×32
@@ -263,7 +263,7 @@ def build():
 
 
 def tests(seconds):
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "tests/test_lycoris_bridge.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-m", "not slow", "tests/integration/test_lycoris_bridge.py"]
     print("== tests: " + " ".join(cmd[2:]), flush=True)
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=seconds)

@@ -45,7 +45,7 @@ if [ "${1:-}" = tune ]; then
   if [ "${LYCORIS_TESTS_SECONDS:-120}" != 0 ]; then
     echo "== GPU tests of the tuned tile configs"
     timeout -s INT "${LYCORIS_TESTS_SECONDS:-120}" $py -m pytest -q -p no:cacheprovider \
-      ${LYCORIS_TESTS:-tests/test_tilelang_lora.py -k gpu_tile_configs} 2>&1 | tail -5
+      ${LYCORIS_TESTS:-tests/tilelang/test_tilelang_lora.py -k gpu_tile_configs} 2>&1 | tail -5
   fi
   echo "== TileLang tuning (bench/gpu_tilelang_tune.py $*)"
   timeout -s INT "${LYCORIS_TUNE_SECONDS:-400}" $py bench/gpu_tilelang_tune.py "$@" 2>&1 | tee "$out/tilelang_tune.log"
