@@ -138,8 +138,7 @@ SCOPE: Dict[str, OpScope] = {
     "loha_bypass_bwd": OpScope(measure=lambda grad, x, a1, b1, a2, b2, gamma: _rank(a1), limits=_RANK_128,
                                rules={"tilelang": lambda grad, x, a1, b1, a2, b2, gamma: _tc16(x, a1, b1, a2, b2)}),
     # LoKr: merges loop over the ranks (no cap, §2.3.3); the bypass keeps whole
-    # padded factor dims in registers (the current kernels' cap, not the legacy
-    # kernel's, §6.8).
+    # padded factor dims in registers.
     "lokr_full_merge_fwd": OpScope(),
     "lokr_full_merge_bwd": OpScope(),
     # (TileLang: whole-factor merges are exact fp32 arithmetic; a factored side is a GEMM)
@@ -167,7 +166,7 @@ SCOPE: Dict[str, OpScope] = {
         limits=_OFT_LIMITS,
         layout=lambda grad, blocks, x, rescale, cscale, shift, weight: _oft_layout(x, weight),
     ),
-    # BOFT: in-register Cayley solve of each s x s block (§6.10: capped here)
+    # BOFT: in-register Cayley solve of each s x s block (capped here)
     "boft_fwd": OpScope(
         measure=lambda blocks, x, axis, cscale, scale, rescale, diff: {"block": pad(int(blocks.shape[-1]))},
         limits=_BOFT_LIMITS,
@@ -182,7 +181,6 @@ SCOPE: Dict[str, OpScope] = {
     "ia3_fwd": OpScope(layout=lambda x, w, channel_axis, alpha, gamma: _ia3_layout(x, channel_axis)),
     "ia3_bwd": OpScope(layout=lambda grad, x, w, channel_axis, alpha, gamma: _ia3_layout(x, channel_axis)),
     # add_scaled: elementwise; both backends read each operand in its own dtype
-    # (the reference TileLang kernel's one-dtype limit, §6.20, is lifted)
     "add_scaled": OpScope(),
 }
 

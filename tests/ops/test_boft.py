@@ -297,7 +297,7 @@ def test_functional_merge(constraint, multiplier, conv_weight):
     g = make(wshape, torch.float64, gen=gen)
     ins = (blocks, W, rescale)
     for a, e in zip(torch.autograd.grad(out, ins, g), torch.autograd.grad(ref, ins, g)):
-        torch.testing.assert_close(a, e)  # includes d/dν when the constraint is active (§6.16)
+        torch.testing.assert_close(a, e)  # includes d/dν when the constraint is active
     torch.testing.assert_close(F_boft.merge(blocks, W, rescale, constraint=constraint, multiplier=multiplier,
                                             diff=False), ref + W)
 

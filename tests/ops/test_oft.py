@@ -93,7 +93,7 @@ def test_oft_applies_R_transpose():
 
 
 def test_oft_fp32_blocks_with_half_x_not_rounded():
-    """Cayley from fp32 blocks even with a bf16 activation (§6.14 fix)."""
+    """Cayley from fp32 blocks even with a bf16 activation."""
     gen = torch.Generator().manual_seed(3)
     blocks = make((2, 8, 8), torch.float32, gen=gen, scale=0.2)
     x = make((5, 16), torch.float32, gen=gen).to(torch.bfloat16)
@@ -274,7 +274,7 @@ def test_functional_merge(constraint, multiplier, conv_weight):
     torch.testing.assert_close(out, ref)
     g = make(wshape, torch.float64, gen=gen)
     for a, e in zip(_grads(out, (blocks, W, rescale), g), _grads(ref, (blocks, W, rescale), g)):
-        torch.testing.assert_close(a, e)  # includes d/dν when the constraint is active (§6.16)
+        torch.testing.assert_close(a, e)  # includes d/dν when the constraint is active
     merged = F_oft.merge(blocks, W, rescale, constraint=constraint, multiplier=multiplier, diff=False)
     torch.testing.assert_close(merged, ref + W)
 
