@@ -26,7 +26,7 @@ import contextlib
 import importlib
 import os
 import warnings
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -318,13 +318,20 @@ def tuning_table_path() -> str:
 
 # --- cache invalidation ---
 
-def _invalidate() -> None:
-    """Drop every cached per-call choice (select's dictionaries)."""
-    import sys
+#: called after anything a per-call choice depends on changed (the setting, a demotion, the
+#: probes): ``select`` registers its ``clear`` here, so this module never imports it
+_on_change: List[Callable[[], None]] = []
 
-    select = sys.modules.get(f"{__package__}.select")
-    if select is not None:
-        select.clear()
+
+def on_change(callback: Callable[[], None]) -> None:
+    """Call ``callback`` whenever the cached per-call choices become stale."""
+    if callback not in _on_change:
+        _on_change.append(callback)
+
+
+def _invalidate() -> None:
+    for callback in _on_change:
+        callback()
 
 
 def refresh() -> None:

@@ -416,3 +416,6 @@ def reset() -> None:
     """Back to a fresh process: caches, probes, setting, demotions (not compiled bodies)."""
     dispatch.reset()
     clear()
+
+
+dispatch.on_change(clear)
