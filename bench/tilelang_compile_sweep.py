@@ -51,7 +51,7 @@ def pending_kernels(arch: str, dtypes, ops=(), shortlists: bool = False):
     from lycoris_ops.backends.tilelang import common as _common
 
     for name in MODULES:  # the launchers see a GPU of this arch (132 SMs: an H200's split choices)
-        mod = importlib.import_module(f"lycoris_ops.backends.tilelang.{name}")
+        mod = importlib.import_module(f"lycoris_ops.backends.tilelang.kernels.{name}")
         if hasattr(mod, "arch_of"):
             mod.arch_of = lambda d: arch
         if hasattr(mod, "num_sms"):
