@@ -50,7 +50,7 @@ def _best(fn, rounds: int = 5) -> float:
 
 def worker(opts) -> int:
     import lycoris_ops  # noqa: F401  (registers the ops)
-    from lycoris_ops._library import register as registry
+    from lycoris_ops import reference
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
     from lycoris_ops.backends.tilelang import common as _common
@@ -97,7 +97,7 @@ def worker(opts) -> int:
                     st, tl, pre = tune.stats(), _common.stats(), tl_pick.stats()
                     ok = err is None
                     if ok:
-                        want = getattr(registry.FAMILY[op], op)(*args)
+                        want = reference.eager(op)(*args)
                         got = out if isinstance(out, (tuple, list)) else (out,)
                         want = want if isinstance(want, (tuple, list)) else (want,)
                         for g, w in zip(got, want):
@@ -122,7 +122,7 @@ def worker(opts) -> int:
                     if opts.compare and ok and op in tl_pick.models() and winner is not None:
                         kernel = _op_function(op)
                         win = winner
-                        eager = registry.eager(op)
+                        eager = reference.eager(op)
                         run_win = (lambda: eager(*args)) if tune.is_eager(win) else (
                             lambda: tl_pick._call(kernel, args, win))
                         rec["ms_winner"] = round(_best(run_win) * 1e3, 4)

@@ -68,7 +68,7 @@ def worker(opts) -> int:
     import logging
 
     import lycoris_ops  # noqa: F401  (registers the ops)
-    from lycoris_ops._library import register as registry
+    from lycoris_ops import reference
     from lycoris_ops.backends import scope, select
     from lycoris_ops.backends.triton import precompile
     from lycoris_ops.tuner import tune
@@ -110,7 +110,7 @@ def worker(opts) -> int:
                         why = scope.why_not(op, "triton", full)
                         if why is not None:
                             continue
-                        ref_fn = getattr(registry.FAMILY[op], op)
+                        ref_fn = reference.eager(op)
                         before = tune.stats()
                         pre_before = precompile.stats()
                         jit_before = dict(jit)

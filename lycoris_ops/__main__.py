@@ -95,10 +95,10 @@ def _short(why: str) -> str:
 
 def _samples(ops):
     """op -> a sample Case (first case of its family table) or the reason there is none."""
-    from lycoris_ops._library import register as registry
     from lycoris_ops import testing
+    from lycoris_ops._library.optable import BY_NAME
 
-    family = {op: registry.FAMILY[op].__name__.rsplit(".", 1)[-1] for op in ops}
+    family = {op: BY_NAME[op].family for op in ops}
     out, errors = {}, {}
     for fam in testing.FAMILIES:
         try:

@@ -14,14 +14,6 @@ from lycoris_ops import _C, settings
 from lycoris_ops import reference
 from lycoris_ops._library.optable import OPS
 
-#: op name -> its family module of reference/ (check_<op> and the eager body)
-FAMILY = {op.name: getattr(reference, op.family) for op in OPS}
-
-
-def eager(op: str):
-    """The eager body of ``op`` (its CPU kernel)."""
-    return getattr(FAMILY[op], op)
-
 
 def replay_enabled() -> bool:
     """Whether the CUDA key gets the C++ kernel that replays recorded launches
@@ -34,11 +26,11 @@ def _register():
     from lycoris_ops.backends.select import cpu_kernel, cuda_kernel
 
     replay = replay_enabled()
-    for op in FAMILY:
-        body = eager(op)
-        # CPU: the eager body (routed through the choice only when `compile` is named)
-        torch.library.impl(f"lycoris::{op}", "CPU")(cpu_kernel(op, body))
-        cuda = cuda_kernel(op, body)
+    for op in (row.name for row in OPS):
+        # CPU: the exact eager body (routed through the choice only when `compile` is named)
+        torch.library.impl(f"lycoris::{op}", "CPU")(cpu_kernel(op, reference.eager(op)))
+        # CUDA: the per-call choice, whose step-down tiers run the step-down body
+        cuda = cuda_kernel(op, reference.step_down(op))
         if replay:  # C++: a seen signature replays its launches; others call `cuda`
             _C._register_cuda_kernel(f"lycoris::{op}", cuda, recorder(op, cuda, cuda._lycoris_state.tier_of))
         else:

@@ -170,8 +170,7 @@ def _full_args(op: str, args: Sequence) -> tuple:
 
 
 def _check_of(op: str):
-    row = optable.BY_NAME.get(op)
-    return getattr(getattr(reference, row.family), f"check_{op}") if row is not None else None
+    return reference.check(op) if op in optable.BY_NAME else None
 
 
 def _capturing(device: torch.device) -> bool:
@@ -340,7 +339,7 @@ def kernel(op: str, eager: Callable, check=_AUTO) -> Callable:
 
     ``eager``: the op's eager body (the ``torch`` tier and what ``compile``
     compiles). ``check``: the validation run once per cache key (default
-    ``registry.FAMILY[op].check_<op>``; None: none)."""
+    ``reference.check(op)``; None: none)."""
     state = _Kernel(op, eager, check)
     ns = {"_get": state.cache.get, "_miss": state.miss, "_failed": state.failed}
     params, names, key = _signature(op, ns)

@@ -151,3 +151,22 @@ def cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 # The family modules, after the helpers they import from this package.
 from lycoris_ops.reference import add, boft, dora, ia3, lokr, lora, loha, oft  # noqa: E402,F401
+from lycoris_ops._library.optable import BY_NAME as _OPS  # noqa: E402
+
+
+def eager(op: str):
+    """The exact eager body of ``op``: the CPU kernel, and every test's oracle."""
+    return getattr(globals()[_OPS[op].family], op)
+
+
+def check(op: str):
+    """``check_<op>``: validates a call and returns its output spec (CPU, CUDA and fake alike)."""
+    return getattr(globals()[_OPS[op].family], f"check_{op}")
+
+
+def step_down(op: str):
+    """The body the step-down tiers (``torch``, ``compile``) run on CUDA: ``<op>_native``
+    where the family has one (the token-sized math in the operands' 16-bit dtype with fp32
+    accumulation, as the user's own formula runs; docs/ops.md §1.5), else the exact body."""
+    family = globals()[_OPS[op].family]
+    return getattr(family, f"{op}_native", None) or getattr(family, op)

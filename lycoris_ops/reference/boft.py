@@ -19,9 +19,10 @@ import torch
 
 from lycoris_ops.reference import checks as _checks
 from lycoris_ops.reference import cast
-from lycoris_ops.reference.oft import cayley, cayley_backward, channel_view, work_dtype
+from lycoris_ops.reference.oft import cayley, cayley_backward, channel_view, token_dtype, work_dtype
 
-__all__ = ["check_boft_fwd", "boft_fwd", "check_boft_bwd", "boft_bwd", "stage_permutation"]
+__all__ = ["check_boft_fwd", "boft_fwd", "check_boft_bwd", "boft_bwd", "boft_fwd_native", "boft_bwd_native",
+           "stage_permutation"]
 
 
 def stage_permutation(i: int, s: int, C: int, device=None):
@@ -106,7 +107,7 @@ def _stage_matrices(blocks, cscale, scale, dt):
 
 
 def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, scale: float,
-             rescale: Optional[torch.Tensor], diff: bool) -> torch.Tensor:
+             rescale: Optional[torch.Tensor], diff: bool, *, native: bool = False) -> torch.Tensor:
     """BOFT butterfly (docs/ops.md §2.6.1).
 
     blocks (m, nb, s, s), s even; x with C = nb·s channels on ``axis`` (0: weight
@@ -120,7 +121,9 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
     dt = work_dtype(blocks, x, rescale)
     C = nb * s
     f, _ = _stage_matrices(blocks, cscale, scale, dt)
-    x0 = channel_view(x, ax).to(dt)
+    td = token_dtype(x, dt, native)
+    f = cast(f, td)
+    x0 = channel_view(x, ax).to(td)
     pre, post = x0.shape[0], x0.shape[2]
     u = x0
     for i in range(m):
@@ -129,14 +132,14 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
         w = torch.einsum("bpq,nbqt->nbpt", f[i], v)
         u = w.reshape(pre, C, post).index_select(1, inv)
     if rescale is not None:
-        u = u * rescale.reshape(1, C, 1).to(dt)
+        u = u * rescale.reshape(1, C, 1).to(td)
     if diff:
         u = u - x0
     return u.reshape(x.shape).to(x.dtype).contiguous()
 
 
 def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float,
-             scale: float):
+             scale: float, *, native: bool = False):
     """Gradients of the plain chain ``u^m(x)`` (no rescale, no diff; docs/ops.md §2.6.2).
 
     One forward pass keeps the m stage inputs (in the permuted block basis); then
@@ -149,7 +152,9 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
     dt = work_dtype(grad, blocks, x)
     C = nb * s
     f, m_inv = _stage_matrices(blocks, cscale, scale, dt)
-    u = channel_view(x, ax).to(dt)
+    td = token_dtype(x, dt, native)
+    f_t = cast(f, td)
+    u = channel_view(x, ax).to(td)
     pre, post = u.shape[0], u.shape[2]
     perms = [stage_permutation(i, s, C, x.device) for i in range(m)]
     stage_inputs = []
@@ -158,15 +163,27 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
         v = u.index_select(1, perm).reshape(pre, nb, s, post)
         stage_inputs.append(v)
         if i + 1 < m:
-            w = torch.einsum("bpq,nbqt->nbpt", f[i], v)
+            w = torch.einsum("bpq,nbqt->nbpt", f_t[i], v)
             u = w.reshape(pre, C, post).index_select(1, inv)
-    g = channel_view(grad, ax).to(dt)
+    g = channel_view(grad, ax).to(td)
     g_r = []  # stage m-1 first (appended: torch 2.11's Dynamo cannot trace a list's item store)
     for i in reversed(range(m)):
         perm, inv = perms[i]
         gw = g.index_select(1, perm).reshape(pre, nb, s, post)
-        g_r.append(scale * torch.einsum("nbpt,nbqt->bpq", gw, stage_inputs[i]))
-        gv = torch.einsum("bpq,nbpt->nbqt", f[i], gw)
+        g_r.append(scale * torch.einsum("nbpt,nbqt->bpq", gw, stage_inputs[i]).to(dt))
+        gv = torch.einsum("bpq,nbpt->nbqt", f_t[i], gw)
         g = gv.reshape(pre, C, post).index_select(1, inv)
     g_blocks = cayley_backward(torch.stack(g_r[::-1]), m_inv, cscale)
     return g.reshape(x.shape).to(x.dtype).contiguous(), cast(g_blocks, blocks.dtype).contiguous()
+
+
+def boft_fwd_native(blocks, x, axis, cscale, scale, rescale, diff):
+    """The step-down body on CUDA (docs/ops.md §1.5): the Cayley transforms in fp32, every
+    stage's rotation of x in x's 16-bit dtype with fp32 accumulation (rounded per stage)."""
+    return boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, native=True)
+
+
+def boft_bwd_native(grad, blocks, x, axis, cscale, scale):
+    """The step-down body of ``boft_bwd`` (docs/ops.md §1.5): the stage products in x's
+    16-bit dtype with fp32 accumulation, the Cayley chain in fp32."""
+    return boft_bwd(grad, blocks, x, axis, cscale, scale, native=True)

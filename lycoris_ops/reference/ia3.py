@@ -91,3 +91,30 @@ def ia3_bwd(grad, x, w, channel_axis, alpha, gamma):
     red = prod.sum(dim=dims) if dims else prod
     gw = (gamma * red).reshape(w.shape).to(w.dtype).contiguous()
     return gx, gw
+
+
+# --------------------------------------------------------------------------- CUDA step-down
+
+def ia3_fwd_native(x, w, channel_axis, alpha, gamma):
+    """The step-down body on CUDA (docs/ops.md §1.5): with x and w of one 16-bit dtype, the
+    scale ``α + γ·w`` rounded to it and one 16-bit multiply (the user's ``x * scale``);
+    otherwise the exact body."""
+    if not (x.dtype == w.dtype and x.dtype in C.HALF_DTYPES):
+        return ia3_fwd(x, w, channel_axis, alpha, gamma)
+    check_ia3_fwd(x, w, channel_axis, alpha, gamma)
+    ax = channel_axis % x.dim()
+    return (x * _scale(x, w, ax, alpha, gamma, torch.float32).to(x.dtype)).contiguous()
+
+
+def ia3_bwd_native(grad, x, w, channel_axis, alpha, gamma):
+    """The step-down body of ``ia3_bwd`` (docs/ops.md §1.5): 16-bit products, the per-channel
+    sums accumulated in fp32 by the reduction; otherwise the exact body."""
+    if not (x.dtype == w.dtype == grad.dtype and x.dtype in C.HALF_DTYPES):
+        return ia3_bwd(grad, x, w, channel_axis, alpha, gamma)
+    check_ia3_bwd(grad, x, w, channel_axis, alpha, gamma)
+    ax = channel_axis % x.dim()
+    gx = (grad * _scale(x, w, ax, alpha, gamma, torch.float32).to(x.dtype)).contiguous()
+    dims = [d for d in range(x.dim()) if d != ax]
+    prod = grad * x
+    red = prod.sum(dim=dims, dtype=torch.float32) if dims else prod.float()
+    return gx, (gamma * red).reshape(w.shape).to(w.dtype).contiguous()

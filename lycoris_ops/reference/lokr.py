@@ -358,3 +358,53 @@ def lokr_bypass_bwd(grad, x, w1, w2, gamma):
     g_w1 = torch.einsum("tad,tbd->ab", H, X) * gamma  # Σ_t (G_t·w2)·X_tᵀ
     g_w2 = torch.einsum("tcb,tbd->cd", R, X) * gamma  # Σ_t (G_tᵀ·w1)·X_t
     return cast(gx, dx).contiguous(), cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()
+
+
+# --------------------------------------------------------------------------- CUDA step-down
+
+def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
+    """The step-down body on CUDA (docs/ops.md §1.5): ``lokr_bypass_fwd`` with 16-bit operands
+    kept 16-bit — two GEMMs with fp32 accumulation, the intermediate rounded to the compute
+    dtype, γ and base in one 16-bit ``add``. fp32 / fp64 compute: the exact body."""
+    ((_, dtype),) = check_lokr_bypass_fwd(x, w1, w2, gamma, base)
+    cd = C.compute_dtype("lokr_bypass_fwd", x=x, w1=w1, w2=w2)
+    if cd not in C.HALF_DTYPES:
+        return lokr_bypass_fwd(x, w1, w2, gamma, base)
+    a, b = w1.shape
+    c, d = w2.shape
+    T = x.shape[0]
+    X = cast(x, cd).reshape(T, b, d)
+    w1c, w2c = cast(w1, cd), cast(w2, cd)
+    if b * c * (a + d) <= a * d * (b + c):
+        y = torch.matmul(w1c, torch.matmul(X, w2c.t()))
+    else:
+        y = torch.matmul(torch.matmul(w1c, X), w2c.t())
+    y = y.reshape(T, a * c)
+    if base is None:
+        return cast(y * float(gamma), dtype).contiguous()
+    return torch.add(cast(base, dtype), cast(y, dtype), alpha=float(gamma)).contiguous()
+
+
+def lokr_bypass_bwd_native(grad, x, w1, w2, gamma):
+    """The step-down body of ``lokr_bypass_bwd`` (docs/ops.md §1.5): every product a 16-bit
+    GEMM with fp32 accumulation, the token-sized intermediates rounded to the compute dtype.
+    fp32 / fp64 compute: the exact body."""
+    (_, dx), (_, d1), (_, d2) = check_lokr_bypass_bwd(grad, x, w1, w2, gamma)
+    cd = C.compute_dtype("lokr_bypass_bwd", x=x, w1=w1, w2=w2)
+    if cd not in C.HALF_DTYPES:
+        return lokr_bypass_bwd(grad, x, w1, w2, gamma)
+    gamma = float(gamma)
+    a, b = w1.shape
+    c, d = w2.shape
+    T = x.shape[0]
+    G = cast(grad, cd).reshape(T, a, c)
+    X = cast(x, cd).reshape(T, b, d)
+    w1c, w2c = cast(w1, cd), cast(w2, cd)
+    H = torch.matmul(G, w2c)  # G_t·w2 (T, a, d)
+    gx = torch.matmul(w1c.t(), H).reshape(T, b * d)  # w1ᵀ·G_t·w2
+    # Σ_t over the token dim folded into one GEMM each, fp32 out (the weight gradients are small)
+    g_w1 = mm32(H.transpose(0, 1).reshape(a, T * d), X.transpose(0, 1).reshape(b, T * d).t())
+    R = torch.matmul(G.transpose(1, 2), w1c)  # G_tᵀ·w1 (T, c, b)
+    g_w2 = mm32(R.permute(1, 0, 2).reshape(c, T * b), X.reshape(T * b, d))
+    return (cast(gx * gamma, dx).contiguous(), cast(g_w1 * gamma, d1).contiguous(),
+            cast(g_w2 * gamma, d2).contiguous())

@@ -21,8 +21,8 @@ from lycoris_ops.reference import checks as _checks
 from lycoris_ops.reference import cast
 
 __all__ = [
-    "check_oft_fwd", "oft_fwd", "check_oft_bwd", "oft_bwd",
-    "work_dtype", "cayley", "cayley_backward", "channel_view",
+    "check_oft_fwd", "oft_fwd", "check_oft_bwd", "oft_bwd", "oft_fwd_native", "oft_bwd_native",
+    "work_dtype", "token_dtype", "cayley", "cayley_backward", "channel_view",
 ]
 
 
@@ -140,8 +140,14 @@ def _f_matrix(r, rescale, K, S, dtype):
     return ft
 
 
+def token_dtype(x: torch.Tensor, work: torch.dtype, native: bool) -> torch.dtype:
+    """The dtype of the token-sized math: the work dtype (exact bodies), or in the CUDA
+    step-down bodies x's own 16-bit dtype (docs/ops.md §1.5)."""
+    return x.dtype if native and x.dtype in (torch.float16, torch.bfloat16) else work
+
+
 def oft_fwd(blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tensor], cscale: float,
-            shift: bool, weight: bool) -> torch.Tensor:
+            shift: bool, weight: bool, *, native: bool = False) -> torch.Tensor:
     """Diag-OFT rotation (docs/ops.md §2.5.1).
 
     blocks (K, S, S); x (K·S, L) when ``weight`` (rows rotated), else (T, K·S)
@@ -155,9 +161,10 @@ def oft_fwd(blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tenso
     K, S = blocks.shape[0], blocks.shape[1]
     dt = work_dtype(blocks, x, rescale)
     r, _ = cayley(blocks, cscale, dt)
-    f = _f_matrix(r, rescale, K, S, dt)
+    td = token_dtype(x, dt, native)
+    f = cast(_f_matrix(r, rescale, K, S, dt), td)
     ax = _oft_axis(x, weight)
-    xv = channel_view(x, ax).to(dt)
+    xv = channel_view(x, ax).to(td)
     pre, post = xv.shape[0], xv.shape[2]
     xv = xv.reshape(pre, K, S, post)
     out = torch.einsum("kij,nkjt->nkit", f, xv)
@@ -167,7 +174,7 @@ def oft_fwd(blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tenso
 
 
 def oft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tensor],
-            cscale: float, shift: bool, weight: bool):
+            cscale: float, shift: bool, weight: bool, *, native: bool = False):
     """Gradients of ``oft_fwd`` (docs/ops.md §2.5.2); G is cast to the work dtype (fp32/fp64).
 
     ``gx_k = F_kᵀ·G_k``; ``P_k = Σ_cols G_k·X_kᵀ``; ``g_rescale[k·S+i] = Σ_j P_k[i,j]·R_k[j,i]``;
@@ -181,16 +188,17 @@ def oft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, rescale: 
     dt = work_dtype(grad, blocks, x, rescale)
     r, m = cayley(blocks, cscale, dt)
     f = _f_matrix(r, rescale, K, S, dt)
+    td = token_dtype(x, dt, native)
     ax = _oft_axis(x, weight)
-    xv = channel_view(x, ax).to(dt)
+    xv = channel_view(x, ax).to(td)
     pre, post = xv.shape[0], xv.shape[2]
     xv = xv.reshape(pre, K, S, post)
-    gv = channel_view(grad, ax).to(dt).reshape(pre, K, S, post)
+    gv = channel_view(grad, ax).to(td).reshape(pre, K, S, post)
 
-    gx = torch.einsum("kij,nkit->nkjt", f, gv)
+    gx = torch.einsum("kij,nkit->nkjt", cast(f, td), gv)
     if shift:
         gx = gx - gv
-    p = torch.einsum("nkit,nkjt->kij", gv, xv)  # dL/dF_k
+    p = torch.einsum("nkit,nkjt->kij", gv, xv).to(dt)  # dL/dF_k
     if rescale is not None:
         g_rescale = (p * r.transpose(-1, -2)).sum(-1).reshape(K * S)
         g_r = (rescale.reshape(K, S, 1).to(dt) * p).transpose(-1, -2)
@@ -202,3 +210,15 @@ def oft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, rescale: 
     return (gx.reshape(x.shape).to(x.dtype).contiguous(),
             cast(g_blocks, blocks.dtype).contiguous(),
             g_rescale)
+
+
+def oft_fwd_native(blocks, x, rescale, cscale, shift, weight):
+    """The step-down body on CUDA (docs/ops.md §1.5): the Cayley transform in fp32, the
+    rotation of x in x's 16-bit dtype with fp32 accumulation."""
+    return oft_fwd(blocks, x, rescale, cscale, shift, weight, native=True)
+
+
+def oft_bwd_native(grad, blocks, x, rescale, cscale, shift, weight):
+    """The step-down body of ``oft_bwd`` (docs/ops.md §1.5): the token-sized products in x's
+    16-bit dtype with fp32 accumulation, the Cayley chain in fp32."""
+    return oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, native=True)

@@ -18,6 +18,7 @@ import torch
 
 import lycoris_ops
 from lycoris_ops import _C
+from lycoris_ops import reference
 from lycoris_ops._library import launch_record as _launch_record, register as registry
 from lycoris_ops.testing import cases, check_bf16_against_eager
 
@@ -170,7 +171,7 @@ def test_replayed_workspace_pack_of_its_own(factored, monkeypatch):
         g = torch.randn(1024, 1024, device=dev, dtype=dt)
         args = (g, w1, None, w2a, w2b, [32, 32, 32, 32], 1.5) if factored else (g, w1, w2a @ w2b, 1.5)
         got = getattr(torch.ops.lycoris, op)(*args)
-        want = registry.eager(op)(*args)
+        want = reference.eager(op)(*args)
         for a, b in zip(got, want):
             if b.numel():
                 torch.testing.assert_close(a.float(), b.float(), rtol=3e-2, atol=3e-2 * b.float().abs().max().item())
@@ -229,7 +230,7 @@ def test_plans_follow_the_tier_and_graph_capture():
     op = torch.ops.lycoris.lora_bypass_fwd
     x, up, down, base = (torch.randn(s, device="cuda", dtype=torch.bfloat16) for s in ((37, 96), (80, 8), (8, 96),
                                                                                        (37, 80)))
-    want = registry.eager("lora_bypass_fwd")(x, up, down, 0.5, base)
+    want = reference.eager("lora_bypass_fwd")(x, up, down, 0.5, base)
     name = "lycoris::lora_bypass_fwd"
     with lycoris_ops.use_backend("torch"):  # eager: no plan, ever
         for _ in range(4):
@@ -251,7 +252,7 @@ def test_plans_follow_the_tier_and_graph_capture():
         x.normal_()
         g.replay()
         torch.cuda.synchronize()
-        torch.testing.assert_close(captured, registry.eager("lora_bypass_fwd")(x, up, down, 0.5, base),
+        torch.testing.assert_close(captured, reference.eager("lora_bypass_fwd")(x, up, down, 0.5, base),
                                    rtol=2e-2, atol=2e-2)
         lycoris_ops.set_backend("triton")  # a backend change forgets every plan
         assert _C._launch_plan_stats(name)[1] == 0

@@ -13,7 +13,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples")
 from tiny_model import TinyAdapted  # noqa: E402
 
 import lycoris_ops  # noqa: E402,F401
-from lycoris_ops._library import register as registry
+from lycoris_ops import reference
 from lycoris_ops import testing  # noqa: E402
 
 LYCORIS_FWD = ("lora_bypass_fwd", "lora_merge_fwd", "lokr_bypass_fwd", "dora_fwd", "oft_fwd")
@@ -74,7 +74,7 @@ def test_compile_tier_traces_each_eager_body_whole(case):
     """The compile tier hands Dynamo an op's eager body, argument checks included: one graph
     with symbolic sizes, every case (torch 2.11's Dynamo broke it at a checked size's message,
     an int argument formatted into a message and a list's item store)."""
-    body = registry.eager(case.op)
+    body = reference.eager(case.op)
     torch._dynamo.reset()
     # dynamic=True: symbolic sizes and int arguments, as after the tier's recompiles
     compiled = torch.compile(body, backend="eager", fullgraph=True, dynamic=True)

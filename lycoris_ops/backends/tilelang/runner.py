@@ -71,7 +71,7 @@ import torch
 
 from lycoris_ops.backends.triton import precompile
 from lycoris_ops.tuner import tune
-from lycoris_ops._library import register as registry
+from lycoris_ops import reference
 from lycoris_ops import settings
 from lycoris_ops.backends.tilelang.common import BuildError
 
@@ -553,7 +553,7 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
         if deferred is None and _defers(op, args, parts, device, version):  # deferred once at most
             choice = _defer(op, kernel, args, fk)
     if choice is None:
-        eager = registry.eager(op)
+        eager = reference.eager(op)
         shortlist = []
 
         def cands():  # planned on a miss only (a table hit plans nothing)
@@ -574,7 +574,7 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
         if not shortlist and not tune.is_eager(choice):  # a stored or memoized choice: its kernels only
             precompile_call(kernel, args, [choice])
     if tune.is_eager(choice):
-        return registry.eager(op)(*args)
+        return reference.eager(op)(*args)
     try:
         return _call(kernel, args, choice)
     except BuildError as exc:  # a kernel TileLang cannot build: this signature runs eager from now on
@@ -583,4 +583,4 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
         if op not in _build_warned:
             _build_warned.add(op)
             log.warning("lycoris_ops tilelang: %s runs its eager body here: %s", op, exc)
-        return registry.eager(op)(*args)
+        return reference.eager(op)(*args)
