@@ -132,7 +132,7 @@ def _nn_routes(lnn):
 
 def _describe_nn(name: str, module: nn.Module) -> Optional[LayerRoute]:
     """``lycoris_ops.nn`` adapters (checked by class, without importing nn for other models)."""
-    if not any(c.__module__ == "lycoris_ops.nn" for c in type(module).__mro__):
+    if not any(c.__module__.startswith("lycoris_ops.nn.") for c in type(module).__mro__):
         return None
     from lycoris_ops import nn as lnn
     if not isinstance(module, lnn.AdapterModule):
