@@ -1,7 +1,7 @@
 """What every ``lycoris_ops.nn`` adapter shares: :class:`AdapterModule` (the frozen base
-layer, the multiplier, merge/unmerge), :class:`RankAdapter` (rank and ``alpha``),
-:class:`ConvByWeight` (a conv run on the merged weight) and the helpers the adapter
-modules use.
+layer, the multiplier, merge/unmerge, the op its forward runs), :class:`RankAdapter` (rank
+and ``alpha``), :class:`ConvByWeight` (a conv run on the merged weight), the helpers the
+adapter modules use, and the adapters' rows of ``lycoris_ops.explain``.
 """
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from typing import Optional, Tuple, Type
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from lycoris_ops.report import LayerRoute, register_describer
+
+#: where an adapter's forward runs: (the lycoris op, None) or (None, why it runs none)
+Route = Tuple[Optional[str], Optional[str]]
 
 
 def kaiming_(t: torch.Tensor) -> torch.Tensor:
@@ -48,7 +53,8 @@ def check_conv(base: nn.Conv2d, name: str):
 
 
 class AdapterModule(nn.Module):
-    """Common part: ``self.base`` (frozen), ``multiplier``, merge/unmerge."""
+    """Common part: ``self.base`` (frozen), ``multiplier``, merge/unmerge, and :meth:`route`:
+    the op the forward runs, declared by each class beside its forward."""
 
     additive = True
     uses_rank = True
@@ -84,6 +90,12 @@ class AdapterModule(nn.Module):
 
     def adapter_forward(self, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def route(self) -> Route:
+        """``(op, None)``: the lycoris op this adapter's forward runs in its current state (the last
+        one, which makes its output or its weight), or ``(None, reason)``: it runs none, and why.
+        tests/integration/test_report.py checks every exported class against its forward."""
+        return None, f"no route declared for {type(self).__name__}"
 
     def merged_weight(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(weight, bias) of the equivalent plain layer, differentiable, in the base's dtypes."""
@@ -171,3 +183,17 @@ class ConvByWeight:
         base = self.base
         return F.conv2d(x, w, base.bias if b is None else b, base.stride, base.padding, base.dilation)
 
+
+
+def _describe(name: str, module: nn.Module) -> Optional[LayerRoute]:
+    """``lycoris_ops.explain``'s row for an adapter of this package (None for any other module)."""
+    if not isinstance(module, AdapterModule):
+        return None
+    adapter = "lycoris_ops." + type(module).__name__
+    if module.merged:
+        return LayerRoute(name, adapter, None, "merged into the base weight")
+    op, reason = module.route()
+    return LayerRoute(name, adapter, op, reason)
+
+
+register_describer(_describe)

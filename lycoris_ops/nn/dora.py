@@ -103,6 +103,9 @@ class DoRALinear(LoRALinear):
             return z * s if self.base.bias is None else torch.addcmul(self.base.bias, z, s)
         return z if self.base.bias is None else z + self.base.bias
 
+    def route(self):
+        return ("lycoris.dora_fwd" if self.base.weight.requires_grad else "lycoris.lora_bypass_fwd"), None
+
     def merged_weight(self):
         return self._weight(), None
 
@@ -131,6 +134,13 @@ class WeightDecomposed:
         if isinstance(b, nn.Conv2d):
             return F.conv2d(x, self._weight(), b.bias, b.stride, b.padding, b.dilation)
         return F.linear(x, self._weight(), b.bias)
+
+    def route(self):
+        # ΔW by the adapter's merge op, then the rescale on dora_fwd, except per input channel of a
+        # conv weight (no 2-D view: functional.dora's eager rescale)
+        if self.wd_on_out or self.base.weight.dim() == 2:
+            return "lycoris.dora_fwd", None
+        return self._delta_op(), None
 
     def merged_weight(self):
         return self._weight(), None

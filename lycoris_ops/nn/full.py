@@ -30,6 +30,9 @@ class FullLinear(AdapterModule):
         w, b = self.merged_weight()
         return F.linear(x, w, b)
 
+    def route(self):
+        return "lycoris.add_scaled", None
+
 
 class NormAdapter(AdapterModule):
     """LyCORIS' Norms algorithm: the affine weight and bias of a ``LayerNorm`` / ``GroupNorm``
@@ -59,6 +62,9 @@ class NormAdapter(AdapterModule):
         if isinstance(base, nn.GroupNorm):
             return F.group_norm(x, base.num_groups, w, b, base.eps)
         return F.layer_norm(x, base.normalized_shape, w, b, base.eps)
+
+    def route(self):
+        return "lycoris.add_scaled", None
 
 
 class FullConv2d(ConvByWeight, FullLinear):

@@ -36,6 +36,9 @@ class IA3Linear(AdapterModule):
         y = F.linear(x, self.base.weight)
         return _ia3.ia3_scale(y, self.ia3_weight, -1, self.multiplier).to(y.dtype) + b
 
+    def route(self):
+        return "lycoris.ia3_fwd", None
+
     def merged_weight(self):
         W, b = self.base.weight, self.base.bias
         w = _ia3.ia3_merge(W, self.ia3_weight, self.multiplier, self.train_on_input).to(W.dtype)

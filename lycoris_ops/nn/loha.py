@@ -35,6 +35,9 @@ class LoHaLinear(RankAdapter):
     def adapter_forward(self, x):
         return _loha.bypass(x, *self._f(), self.gamma, base=self.base(x))
 
+    def route(self):
+        return "lycoris.loha_bypass_fwd", None
+
     def merged_weight(self):
         return _loha.merge(*self._f(), self.gamma, base=self.base.weight), None
 
@@ -45,6 +48,9 @@ class LoHaLinear(RankAdapter):
         """``scale·ΔW`` (no multiplier) in the weight's shape and dtype, for ``dora_wd``."""
         W = self.base.weight
         return _loha.merge(*self._f(), self.scale, **self._tucker(), shape=W.shape, out_dtype=W.dtype)
+
+    def _delta_op(self) -> str:
+        return "lycoris.lora_merge_fwd"
 
 
 class LoHaConv2d(LoHaLinear):
@@ -79,6 +85,12 @@ class LoHaConv2d(LoHaLinear):
         b = self.base
         return _loha.bypass(x, *self._f(), self.gamma, **self._tucker(), base=b(x), kernel_size=b.kernel_size,
                             stride=b.stride, padding=b.padding, dilation=b.dilation)
+
+    def route(self):  # the conv runs with ΔW from the merge op
+        return self._delta_op(), None
+
+    def _delta_op(self) -> str:
+        return "lycoris.lora_tucker_fwd" if self.hada_t1 is not None else "lycoris.lora_merge_fwd"
 
     def merged_weight(self, sign: float = 1.0):
         return _loha.merge(*self._f(), sign * self.gamma, **self._tucker(), base=self.base.weight), None

@@ -64,6 +64,9 @@ class LoKrLinear(RankAdapter):
     def adapter_forward(self, x):
         return _lokr.lokr_bypass(x, **self.factors(), scale=self.gamma, base=self.base(x))
 
+    def route(self):
+        return "lycoris.lokr_bypass_fwd", None
+
     def merged_weight(self):
         return _lokr.lokr_weight(**self.factors(), scale=self.gamma, base=self.base.weight), None
 
@@ -74,6 +77,11 @@ class LoKrLinear(RankAdapter):
         """``scale·ΔW`` (no multiplier) in the weight's shape and dtype, for ``dora_wd``."""
         W = self.base.weight
         return _lokr.lokr_weight(**self.factors(), scale=self.scale).reshape(W.shape).to(W.dtype)
+
+    def _delta_op(self) -> str:
+        # a tucker w2 is built whole first: only a factored side takes the factored merge
+        factored = "w1a" in self._names or ("w2a" in self._names and "t2" not in self._names)
+        return "lycoris.lokr_merge_fwd" if factored else "lycoris.lokr_full_merge_fwd"
 
 
 class LoKrConv2d(LoKrLinear):
@@ -89,3 +97,6 @@ class LoKrConv2d(LoKrLinear):
         b = self.base
         return _lokr.lokr_bypass_conv(x, **self.factors(), scale=self.gamma, base=b(x), stride=b.stride,
                                       padding=b.padding, dilation=b.dilation)
+
+    def route(self):
+        return None, "LoKr conv: eager grouped conv chain (no conv bypass op)"

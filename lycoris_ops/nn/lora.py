@@ -24,6 +24,9 @@ class LoRALinear(RankAdapter):
     def adapter_forward(self, x):
         return _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, base=self.base(x))
 
+    def route(self):
+        return "lycoris.lora_bypass_fwd", None
+
     def delta_weight(self):
         return _locon.merge(self.lora_up, self.lora_down, self.gamma, out_dtype=self.base.weight.dtype)
 
@@ -59,6 +62,9 @@ class LoRAConv2d(RankAdapter):
         return _locon.bypass(x, self.lora_up, self.lora_down, self.gamma, mid=self.lora_mid, base=b(x),
                              stride=b.stride, padding=b.padding, dilation=b.dilation)
 
+    def route(self):
+        return None, "LoCon conv: eager conv chain (no conv bypass op)"
+
     def merged_weight(self, sign: float = 1.0):
         return _locon.merge(self.lora_up, self.lora_down, sign * self.gamma, mid=self.lora_mid,
                             base=self.base.weight), None
@@ -70,6 +76,9 @@ class LoRAConv2d(RankAdapter):
         """``scale·ΔW`` (no multiplier) in the weight's shape and dtype, for ``dora_wd``."""
         return _locon.merge(self.lora_up, self.lora_down, self.scale, mid=self.lora_mid,
                             out_dtype=self.base.weight.dtype)
+
+    def _delta_op(self) -> str:
+        return "lycoris.lora_tucker_fwd" if self.lora_mid is not None else "lycoris.lora_merge_fwd"
 
 
 class GLoRALinear(RankAdapter):
@@ -98,6 +107,9 @@ class GLoRALinear(RankAdapter):
         geometry = dict(stride=b.stride, padding=b.padding, dilation=b.dilation) if isinstance(b, nn.Conv2d) else {}
         return _locon.bypass(x, self.b1, self.b2, self.gamma, base=b(x_a), **geometry)
 
+    def route(self):
+        return "lycoris.lora_bypass_fwd", None
+
     def merged_weight(self):
         W = self.base.weight
         if W.dim() == 2:
@@ -112,6 +124,9 @@ class GLoRAConv2d(GLoRALinear):
     b2 (r, I, kh, kw) a LoCon pair with the layer's geometry; the same forward (1×1 conv chains)."""
 
     bases = (nn.Conv2d,)
+
+    def route(self):
+        return None, "GLoRA conv: eager 1x1 conv chains (no conv bypass op)"
 
 
 class _RankBlocks:

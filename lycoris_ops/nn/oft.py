@@ -46,6 +46,11 @@ class OFTLinear(AdapterModule):
         y = y0 + self._rotate(y0, True)
         return y if self.base.bias is None else y + self.base.bias
 
+    def route(self):
+        if self.multiplier != 1.0:
+            return None, "diag-OFT with multiplier != 1 (eager: the op has no multiplier)"
+        return "lycoris.oft_fwd", None
+
     def merged_weight(self):
         W = self.base.weight
         w = self._fn.merge(self.oft_blocks, W.reshape(W.shape[0], -1), self.rescale, constraint=self.constraint,
@@ -79,6 +84,9 @@ class BOFTLinear(OFTLinear):
     def _rotate(self, y, diff):
         return _boft.bypass(self.oft_blocks, y, self.rescale, constraint=self.constraint,
                             multiplier=self.multiplier, diff=diff).to(y.dtype)
+
+    def route(self):
+        return "lycoris.boft_fwd", None
 
 
 class OFTConv2d(ConvByWeight, OFTLinear):
