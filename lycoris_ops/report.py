@@ -1,6 +1,6 @@
 """What runs fused: one row per adapted layer, from every integration that patches layers.
 
-An integration (``integrations/peft.py``, ``integrations/lycoris_lora.py``,
+An integration (``integrations/peft/``, ``integrations/lycoris_lora.py``,
 ``nn/base.py``) registers a *describer*: ``describe(name, module) -> LayerRoute | None``,
 returning the op the layer runs on now, or ``op=None`` with the reason it falls back to
 the owner's own forward. ``explain(model)`` asks every describer about every submodule.
