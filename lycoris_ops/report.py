@@ -83,4 +83,3 @@ def warn_fallback(reason: str) -> None:
         _warned.add(reason)
         warnings.warn(f"lycoris_ops: some layers run their own (unfused) forward: {reason}", RuntimeWarning,
                       stacklevel=3)
-

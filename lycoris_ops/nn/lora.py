@@ -39,7 +39,7 @@ class LoRALinear(RankAdapter):
 
 class LoRAConv2d(RankAdapter):
     """LoCon on a conv: down conv (r, I, kh, kw) with the layer's stride/padding/dilation, then a
-    1×1 up conv (O, r, 1, 1) (zero init); eager conv chain (OPS.md §3.1), merge via ``lora_merge_fwd``.
+    1×1 up conv (O, r, 1, 1) (zero init); eager conv chain (docs/ops.md §3.1), merge via ``lora_merge_fwd``.
     ``use_tucker`` (a kernel larger than 1×1): down (r, I, 1, 1), a core ``lora_mid``
     (r, r, kh, kw) carrying the kernel, up (O, r, 1, 1); merge via ``lora_tucker_fwd``."""
 

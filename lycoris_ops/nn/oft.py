@@ -61,7 +61,7 @@ class OFTLinear(AdapterModule):
 class BOFTLinear(OFTLinear):
     """BOFT on the output channels: ``oft_blocks`` (m, nb, s, s) with nb = O / block_size
     (zero init), ``n_butterfly`` = m stages (nb must be a multiple of 2^(m−1));
-    ``y = ρ⊙B·(x·Wᵀ) + b`` with B the butterfly product of F = m·R + (1 − m)·I (OPS.md §2.6)."""
+    ``y = ρ⊙B·(x·Wᵀ) + b`` with B the butterfly product of F = m·R + (1 − m)·I (docs/ops.md §2.6)."""
 
     def __init__(self, base: nn.Linear, block_size: int = 4, n_butterfly: int = 1, multiplier: float = 1.0,
                  constraint: float = 0.0, rescaled: bool = False):

@@ -132,7 +132,7 @@ def _lokr_factors(self, a, conv: bool = False):
         f["w2"] = self.lokr_w2[a].flatten(1) if conv else self.lokr_w2[a]
     elif a in self.lokr_t2:  # conv only (the reason above keeps linears with t2 on PEFT's forward)
         t2, w2a, w2b = self.lokr_t2[a], self.lokr_w2_a[a], self.lokr_w2_b[a]
-        f["w2"] = _lokr._tucker_w2(t2, w2a, w2b, torch.promote_types(t2.dtype, w2a.dtype)).flatten(1)
+        f["w2"] = _lokr.tucker_w2(t2, w2a, w2b, torch.promote_types(t2.dtype, w2a.dtype)).flatten(1)
     else:
         f["w2a"], f["w2b"] = self.lokr_w2_a[a], self.lokr_w2_b[a]
     return f
