@@ -22,7 +22,7 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``DyLoRALinear``   ``LoRALinear`` with s = alpha/(rank/block_size)·multiplier  ``locon.bypass``
 ``OFTLinear``      ``diag(ρ)·Rᵀ·(x·Wᵀ) + b`` (diag-OFT on the output channels)  ``diag_oft.bypass``
 ``BOFTLinear``     ``B·(x·Wᵀ) + b`` (butterfly of Cayley rotations)            ``boft.bypass``
-``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_bypass``
+``IA3Linear``      ``base(x)⊙(1 + m·w)`` (or ``base(x⊙(1 + m·w))`` on input)    ``ia3.ia3_scale``
                    (LyCORIS's, ``scale_bias=False``: ``(x·Wᵀ)⊙(1 + m·w) + b``)
 ``FullLinear``     ``F.linear(x, W + m·diff, b + m·diff_b)``                   ``full.scaled_add``
 ``*Conv2d``        OFT / BOFT / IA3 / Full on a conv: the conv with the merged  the merge ops
@@ -44,7 +44,8 @@ path before export); ``unmerge()`` takes it back out: additive adapters
 alone) restore a copy
 of the original weight kept at merge time (not in the state dict). While merged,
 ``forward`` is ``base(x)``. A state dict saved while merged holds the merged
-weight; ``merged`` is not saved.
+weight; ``merged`` is not saved. Each module's ``route()`` names the op its forward
+runs now, or why it runs none (``lycoris_ops.explain(model)`` lists them).
 
 Helpers: :func:`add_adapters` (replace matching submodules in place),
 :func:`merge_adapters`, :func:`unmerge_adapters`, :func:`adapters`,

@@ -5,10 +5,11 @@ untouched; ``unpatch_peft`` deletes it). The forwards live beside the PEFT tuner
 serve (``lora``, ``loha_lokr``, ``ia3``, ``oft``), each with its ``ROUTES``: the PEFT
 layer classes it handles, the op it runs and ``reason(layer)``, why the layer's current
 state keeps PEFT's own forward (adapters merged or disabled, a PEFT feature the ops do
-not compute). A forward checks that reason, and the call's arguments (``adapter_names=``
-mixed batches, extra arguments), on every call and then runs PEFT's forward itself, so a
-fallback gives PEFT's numbers; each reason is one report row and one warning per process
-(none for merged, disabled or absent adapters: the base layer alone runs). PEFT layer
+not compute). A forward checks that reason and the call's arguments (``adapter_names=``
+mixed batches, extra arguments) on every call; when either says so it runs PEFT's own
+forward, so a fallback gives PEFT's numbers. Each reason is one report row and one
+warning per process (none for merged, disabled or absent adapters: the base layer alone
+runs). PEFT layer
 types without a route (LoRA ``Embedding``, ``Conv1d``/``Conv3d``, IA3 on bitsandbytes
 bases, other tuners) are rows that say so.
 
