@@ -27,9 +27,12 @@ from typing import Optional
 
 import torch.nn as nn
 
-from lycoris_ops.integrations.peft import ia3, loha_lokr, lora, oft
 from lycoris_ops.integrations.peft.common import QUIET
+from lycoris_ops.integrations.peft.ia3 import ROUTES as IA3_ROUTES
+from lycoris_ops.integrations.peft.loha_lokr import ROUTES as LOHA_LOKR_ROUTES
+from lycoris_ops.integrations.peft.lora import ROUTES as LORA_ROUTES
 from lycoris_ops.integrations.peft.oft import BOFT_CACHE
+from lycoris_ops.integrations.peft.oft import ROUTES as OFT_ROUTES
 from lycoris_ops.report import LayerRoute, Report, register_describer, warn_fallback
 
 __all__ = ["patch_peft", "unpatch_peft", "peft_available"]
@@ -39,7 +42,7 @@ _ORIG = "_lycoris_ops_patched"
 _R_NOT_PATCHED = "not patched: call patch_peft(model) (again, for layers added after it)"
 
 #: PEFT module -> {layer class name: Route}
-_ROUTES = {**lora.ROUTES, **loha_lokr.ROUTES, **ia3.ROUTES, **oft.ROUTES}
+_ROUTES = {**LORA_ROUTES, **LOHA_LOKR_ROUTES, **IA3_ROUTES, **OFT_ROUTES}
 
 
 def peft_available() -> bool:
