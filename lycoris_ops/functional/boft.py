@@ -1,4 +1,4 @@
-"""BOFT entry points (OPS.md §3.6): merge (a weight's output channels, axis 0)
+"""BOFT entry points (docs/ops.md §3.6): merge (a weight's output channels, axis 0)
 and bypass (a layer output's channels: last dim for linear, dim 1 for conv)
 through ``torch.ops.lycoris.boft_fwd``.
 

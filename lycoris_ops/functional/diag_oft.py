@@ -1,4 +1,4 @@
-"""Diag-OFT entry points (OPS.md §3.5): merge (a weight's rows) and bypass (a
+"""Diag-OFT entry points (docs/ops.md §3.5): merge (a weight's rows) and bypass (a
 layer output's channels) through ``torch.ops.lycoris.oft_fwd``.
 
 Conventions (LyCORIS diag-OFT): blocks (K, S, S) raw trainable blocks,
@@ -8,17 +8,17 @@ Conventions (LyCORIS diag-OFT): blocks (K, S, S) raw trainable blocks,
 subtracts the input when ``diff``. The multiplier is folded into the rotation:
 ``F = multiplier·R + (1 − multiplier)·I``.
 
-Constraint (§2.5, fixes §6.5 and §6.16): the constraint factor
+Constraint (docs/ops.md §2.5): the constraint factor
 ``c = constraint/ν`` (when ``ν = ‖B − Bᵀ‖_F + 1e-8 > constraint``, else 1) is a
 float argument of the op. Turning a device norm into a float needs a host sync,
 so ``merge``/``bypass`` never do that: with ``constraint > 0`` they scale the
 blocks on device (``blocks·c`` with ``c`` a 0-d tensor from ``torch.where``) and
 call the op with ``cscale=1.0``. That is sync-free, graph-capturable, and the
 gradient through ν flows exactly as in eager LyCORIS. ``constraint_scale``
-gives the float (with a documented sync) for callers who want the reference's
+gives the float (with a documented sync) for callers who want lycoris-lora's
 behaviour (no gradient through ν).
 
-Blocks are never rounded to a 16-bit activation dtype (§6.14): the op computes
+Blocks are never rounded to a 16-bit activation dtype: the op computes
 the Cayley transform in float32 from them. Dropout masks are not supported here
 (a module in training with dropout goes eager on its own).
 """
@@ -36,7 +36,7 @@ _EPS = 1e-8
 
 
 def constraint_scale(blocks: torch.Tensor, constraint: float) -> float:
-    """The reference's constraint factor as a Python float (OPS.md §2.5).
+    """lycoris-lora's constraint factor as a Python float (docs/ops.md §2.5).
 
     ``ν = ‖B − Bᵀ‖_F + 1e-8`` over all blocks; ``constraint/ν`` if
     ``constraint > 0`` and ``ν > constraint``, else 1.0. **Host sync** when

@@ -1,4 +1,4 @@
-"""DoRA weight decomposition epilogue (OPS.md §3.4) for DoRA / DoHa / DoKr.
+"""DoRA weight decomposition epilogue (docs/ops.md §3.4) for DoRA / DoHa / DoKr.
 
 ``weight_decompose(weight, dora_scale, multiplier, wd_on_out, delta=None)``
 returns ``M · s`` with ``M = weight + delta`` and, per norm vector,

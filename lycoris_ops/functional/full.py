@@ -1,4 +1,4 @@
-"""Full and Norms merges (OPS.md §3.10, §3.11) with ``lycoris.add_scaled``.
+"""Full and Norms merges (docs/ops.md §3.10, §3.11) with ``lycoris.add_scaled``.
 
 Both compute ``W_org + multiplier·Δ`` for the weight and (when present) the bias:
 Full with its stored diff, Norms with its norm-layer weight/bias deltas. The

@@ -1,4 +1,4 @@
-"""IA3 entry points (OPS.md §3.7): merge on the weight, bypass on the input or output.
+"""IA3 entry points (docs/ops.md §3.7): merge on the weight, bypass on the input or output.
 
 All paths compute ``t ⊙ (α + γ·w[c])`` with ``lycoris.ia3_fwd`` (α = 1: the
 scaled tensor itself; α = 0 with ``diff=True``: only the delta ``γ·w[c]·t``).

@@ -1,5 +1,5 @@
-"""LoCon / LoRA entry points (OPS.md §3.1), plus the trivial GLoRA (§3.8) and
-DyLoRA (§3.9) merges.
+"""LoCon / LoRA entry points (docs/ops.md §3.1), plus the trivial GLoRA (docs/ops.md §3.8)
+and DyLoRA (§3.9) merges.
 
 ``scale`` is the γ the LyCORIS module applies (``alpha / rank · multiplier``),
 a Python float. Factor layouts are the module's own:
@@ -10,7 +10,7 @@ a Python float. Factor layouts are the module's own:
   (mid's first index is the up side, its second the down side).
 
 Operands of different float dtypes are promoted by the ops themselves
-(OPS.md §1.3); float16 with bfloat16 is an error. ``base`` (the original weight
+(docs/ops.md §1.3); float16 with bfloat16 is an error. ``base`` (the original weight
 for a merge, the base layer's output for a bypass) is folded into the op when
 ``promote_types(base.dtype, compute) == base.dtype`` (result in base's dtype),
 otherwise added eagerly afterwards (ordinary torch promotion).
@@ -141,7 +141,7 @@ def bypass(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float =
 
 def dylora_merge(up: torch.Tensor, down: torch.Tensor, rank: int, scale: float = 1.0, *,
                  base: Optional[torch.Tensor] = None, out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """DyLoRA merge (OPS.md §3.9): the plain LoCon merge of the rank-sliced
+    """DyLoRA merge (docs/ops.md §3.9): the plain LoCon merge of the rank-sliced
     factors ``up[:, :rank]`` (O, rank[, 1, ..]) and ``down[:rank]`` (rank, I[, *kernel])."""
     return merge(up[:, :rank], down[:rank], scale, base=base, out_dtype=out_dtype)
 
@@ -149,7 +149,7 @@ def dylora_merge(up: torch.Tensor, down: torch.Tensor, rank: int, scale: float =
 def glora_merge(weight: torch.Tensor, a1: torch.Tensor, a2: torch.Tensor, b1: torch.Tensor, b2: torch.Tensor,
                 scale: float = 1.0, *, base: Optional[torch.Tensor] = None,
                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """GLoRA linear merge (OPS.md §3.8): ``scale·(W·a1·a2 + b1·b2) [+ base]``.
+    """GLoRA linear merge (docs/ops.md §3.8): ``scale·(W·a1·a2 + b1·b2) [+ base]``.
 
     weight W (O, I), a1 (I, r), a2 (r, I), b1 (O, r'), b2 (r', I). ``U = W·a1``
     (torch GEMM, in the graph), then ``lora_merge_fwd(U, a2, b1, b2, base?, scale,

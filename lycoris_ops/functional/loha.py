@@ -1,4 +1,4 @@
-"""LoHa entry points (OPS.md §3.2).
+"""LoHa entry points (docs/ops.md §3.2).
 
 ``scale`` is the γ the LyCORIS module applies (``alpha / rank · multiplier``),
 a Python float. Factor layouts are the module's own (``hada_w1_a`` ... names):
@@ -9,7 +9,7 @@ a Python float. Factor layouts are the module's own (``hada_w1_a`` ... names):
 
 ``ΔW = (w1a·w1b) ⊙ (w2a·w2b)`` (tucker: ``ΔW[o,i,κ] = C1 ⊙ C2`` with
 ``C[o,i,κ] = Σ wa[p,o]·t[p,q,κ]·wb[q,i]``). Dtype promotion happens inside the
-ops (OPS.md §1.3). ``base`` is folded into the op when
+ops (docs/ops.md §1.3). ``base`` is folded into the op when
 ``promote_types(base.dtype, compute) == base.dtype`` (result in base's dtype),
 else added eagerly afterwards.
 """

@@ -1,4 +1,4 @@
-"""LoKr entry points (OPS.md §3.3): weight merge, linear bypass, conv bypass.
+"""LoKr entry points (docs/ops.md §3.3): weight merge, linear bypass, conv bypass.
 
 Layout of the factors (LyCORIS's):
 
@@ -13,11 +13,11 @@ w1 is broadcast over the kernel axes, i.e. ΔW[u·c+i, v·d+j, *k] = w1[u,v]·w2
 
 Scale: every entry point applies the ``scale`` the caller passes, unchanged (the
 LoKr module's own scale). ``lokr_scale`` gives LyCORIS's functional-API
-convention, gamma / rank for a factored side — but, unlike the reference
-(OPS.md §6.11), plain gamma when both sides are whole (no division by gamma).
+convention, gamma / rank for a factored side — but plain gamma when both sides
+are whole (lycoris-lora's is gamma / gamma there: gamma ignored, 0 raises).
 
 Dtypes: the factors (and x for the bypass) promote to one compute dtype
-(OPS.md §1.3: a 16-bit operand wins; fp16 with bf16 is an error). A merge returns
+(docs/ops.md §1.3: a 16-bit operand wins; fp16 with bf16 is an error). A merge returns
 the compute dtype; a bypass returns x's dtype. ``base`` (the original weight for
 a merge, the base layer's output for a bypass) is folded into the op when
 ``promote_types(base.dtype, compute) == base.dtype`` (then the result has
@@ -35,7 +35,7 @@ from lycoris_ops.reference import checks as C
 
 lycoris = torch.ops.lycoris
 
-__all__ = ["lokr_scale", "lokr_weight", "lokr_merge", "lokr_bypass", "lokr_bypass_conv"]
+__all__ = ["lokr_scale", "lokr_weight", "lokr_merge", "lokr_bypass", "lokr_bypass_conv", "tucker_w2"]
 
 
 def lokr_scale(gamma: float, w1b: Optional[torch.Tensor] = None, w2b: Optional[torch.Tensor] = None) -> float:
@@ -44,7 +44,7 @@ def lokr_scale(gamma: float, w1b: Optional[torch.Tensor] = None, w2b: Optional[t
     LyCORIS's functional-API scale: ``gamma / rank`` where rank is the row
     count of w1b when side 1 is factored, else of w2b when side 2 is factored
     (the same as w1a's / w2a's rank). When both sides are whole the scale is
-    ``gamma`` itself (the reference divides gamma by gamma there, §6.11).
+    ``gamma`` itself (lycoris-lora divides gamma by gamma there).
     """
     if w1b is not None:
         return float(gamma) / w1b.shape[0]
@@ -98,8 +98,9 @@ def _check_side2(fn, w2, w2a, w2b, t2):
         C.fail(fn, f"w2a must be (c, r2), got {tuple(w2a.shape)}")
 
 
-def _tucker_w2(t2, w2a, w2b, cd):
-    """w2[p, q, *k] = Σ_ij t2[i, j, *k]·w2a[i, p]·w2b[j, q] (eager, compute dtype)."""
+def tucker_w2(t2, w2a, w2b, cd):
+    """A tucker conv side as the whole w2: ``w2[p, q, *k] = Σ_ij t2[i, j, *k]·w2a[i, p]·w2b[j, q]``
+    (eager, in the dtype ``cd``)."""
     return torch.einsum("ij...,ip,jq->pq...", t2.to(cd), w2a.to(cd), w2b.to(cd))
 
 
@@ -145,7 +146,7 @@ def lokr_weight(w1: Optional[torch.Tensor] = None, w1a: Optional[torch.Tensor] =
     scale = C.float_arg(fn, "scale", scale)
     cd = _compute(fn, s1a, s1b, w2, w2a, w2b, t2)
     if t2 is not None:
-        w2 = _tucker_w2(t2, w2a, w2b, cd)
+        w2 = tucker_w2(t2, w2a, w2b, cd)
         w2a = w2b = None
     if w2 is not None:
         kernel = tuple(w2.shape[2:])
@@ -191,7 +192,7 @@ def _whole_sides(fn, w1, w1a, w1b, w2, w2a, w2b, t2, cd):
     _check_side2(fn, w2, w2a, w2b, t2)
     w1 = s1a if s1b is None else s1a.to(cd) @ s1b.to(cd)
     if t2 is not None:
-        w2 = _tucker_w2(t2, w2a, w2b, cd)
+        w2 = tucker_w2(t2, w2a, w2b, cd)
     elif w2 is None:
         w2a2 = w2a.flatten(1) if w2a.dim() > 2 else w2a
         w2 = (w2a2.to(cd) @ w2b.flatten(1).to(cd)).reshape((w2a.shape[0],) + tuple(w2b.shape[1:]))

@@ -127,7 +127,7 @@ def install() -> None:
 #
 # Which op each lycoris-lora module's forward reaches, read off its configuration:
 # lycoris-lora's modules and functional layer decide (their layout tests), our shim
-# serves what they hand to the kernel layer. tests/test_lycoris_bridge.py checks
+# serves what they hand to the kernel layer. tests/integration/test_lycoris_bridge.py checks
 # every row against the ops a forward really runs.
 
 FALLBACK_RANK_DROPOUT = "rank dropout in training: lycoris-lora's module applies its mask in its own eager chain"
@@ -189,7 +189,7 @@ def route(m: nn.Module) -> Tuple[Tuple[str, ...], Optional[str]]:
             return (), FALLBACK_LOKR_CONV_W2
         return _dora(m, "lokr_full_merge_fwd" if m.use_w1 and m.use_w2 else "lokr_merge_fwd")
     if kind == "DiagOFTModule":
-        from lycoris.functional.diag_oft import MAX_BLOCK
+        from lycoris.functional.diag_oft import MAX_BLOCK  # lycoris-lora is optional: imported once its modules exist
 
         if m.multiplier != 1:
             return (), FALLBACK_OFT_MULTIPLIER
@@ -225,7 +225,7 @@ def describe(name: str, module: nn.Module) -> Optional[report.LayerRoute]:
     """The report row of a lycoris-lora module (None for any other module)."""
     if not type(module).__module__.startswith("lycoris.modules."):
         return None
-    from lycoris.modules.base import LycorisBaseModule
+    from lycoris.modules.base import LycorisBaseModule  # lycoris-lora is optional: imported once its modules exist
 
     if not isinstance(module, LycorisBaseModule) or module.not_supported:
         return None

@@ -249,7 +249,7 @@ def test_served_api_is_lycoris_lora_4_1s(lyco):
 
 
 def test_choose_and_backend_names(lyco):
-    from lycoris.kernels import resolve_backend
+    from lycoris.kernels import available_backends, fused_backends, resolve_backend
     from lycoris.kernels.autograd import locon_diff_weight
     from lycoris.kernels.select import choose
 
@@ -260,6 +260,10 @@ def test_choose_and_backend_names(lyco):
     assert choose((a.half(), b.bfloat16())) == "torch"  # one 16-bit family per call
     assert choose((a, torch.ones(3, dtype=torch.long))) == "torch"
     assert resolve_backend() == "lycoris_ops"
+    # the inventory in preference order: our ops where they have kernels, then the eager bodies
+    assert available_backends()[0] == "lycoris_ops" and available_backends()[-1] == "torch"
+    assert available_backends("meta") in (("compile", "torch"), ("torch",))
+    assert fused_backends("cpu") == ("lycoris_ops",) and fused_backends("meta") == ()
     with pytest.raises(ValueError, match="'bogus' is not a backend"):
         choose((a, b), backend="bogus")
     with pytest.raises(ValueError, match="runs lycoris_ops' ops"):

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lycoris_ops import nn as lnn
+from lycoris_ops.nn.lycoris_io import _lycoris_tensors
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -69,7 +70,7 @@ def _params_by_key(model):
     """Our parameters under their LyCORIS keys."""
     out = {}
     for name, ad in lnn.adapters(model):
-        for k, t in lnn._lycoris_tensors(ad).items():
+        for k, t in _lycoris_tensors(ad).items():
             if isinstance(t, nn.Parameter):
                 out[f"lycoris_{name.replace('.', '_')}.{k}"] = t
     return out

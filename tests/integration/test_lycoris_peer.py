@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lycoris_ops import nn as lnn
+from lycoris_ops.nn.lycoris_io import _lycoris_tensors
 from lycoris_ops.integrations.lycoris_lora import installed_version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,7 +55,7 @@ def test_network_on_our_ops_matches_lycoris(peer_networks, name):
     torch.testing.assert_close(x.grad, net["gx"], rtol=1e-4, atol=1e-6)
     ours = {}  # our parameters under LyCORIS's names, for their gradients
     for mname, ad in lnn.adapters(model):
-        for k, t in lnn._lycoris_tensors(ad).items():
+        for k, t in _lycoris_tensors(ad).items():
             if isinstance(t, torch.nn.Parameter):
                 ours[f"lycoris_{mname.replace('.', '_')}.{k}"] = t
     assert net["grads"] and set(net["grads"]) <= set(ours), sorted(set(net["grads"]) - set(ours))

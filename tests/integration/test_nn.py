@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import lycoris_ops  # noqa: F401
 from lycoris_ops import nn as lnn
+from lycoris_ops.nn.dora import _AdaptedNorms
 
 
 def _perturb(model, seed=0, std=0.2):
@@ -693,10 +694,10 @@ def test_adapted_norms_gradcheck(row_axis):
     W = torch.randn(7, 9, dtype=torch.float64)
     up = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
     down = torch.randn(3, 9, dtype=torch.float64, requires_grad=True)
-    n, _, _ = lnn._AdaptedNorms.apply(W, 1e-3, up, down, 0.7, row_axis)
+    n, _, _ = _AdaptedNorms.apply(W, 1e-3, up, down, 0.7, row_axis)
     want = (W + 0.7 * up @ down).norm(dim=1 - row_axis) + 1e-3
     torch.testing.assert_close(n, want)
-    assert torch.autograd.gradcheck(lambda u, d: lnn._AdaptedNorms.apply(W, 1e-3, u, d, 0.7, row_axis)[0],
+    assert torch.autograd.gradcheck(lambda u, d: _AdaptedNorms.apply(W, 1e-3, u, d, 0.7, row_axis)[0],
                                     (up, down))
 
 

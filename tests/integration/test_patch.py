@@ -10,7 +10,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lycoris_ops  # noqa: F401
-from lycoris_ops.integrations.peft import patch_peft, unpatch_peft
+from lycoris_ops.integrations.peft import patch_peft, peft_available, unpatch_peft
 from lycoris_ops.testing import REL_TOL, rel_err
 
 peft = pytest.importorskip("peft")
@@ -31,6 +31,11 @@ class _OpRecorder(TorchDispatchMode):
         if "lycoris" in str(func):
             self.calls[str(func).split(".")[1]] += 1
         return func(*args, **(kwargs or {}))
+
+
+def test_peft_available():
+    """PEFT imports here (the module is skipped without it), and peft_available says so."""
+    assert peft_available() is True
 
 
 def _model():

@@ -1,7 +1,6 @@
 """lycoris_ops.explain / patch_peft's report: per adapted layer, the lycoris op it runs on
 (checked against the ops a forward and backward actually call) or why it falls back, for
 the layer's current state; one warning per fallback reason."""
-import collections
 import copy
 import warnings
 
@@ -17,15 +16,15 @@ from lycoris_ops.report import LayerRoute, Report, explain
 
 
 class _OpRecorder(TorchDispatchMode):
-    """The lycoris ops (short names) called inside the context, forward and backward."""
+    """The lycoris ops (short names) called inside the context, forward and backward, in order."""
 
     def __init__(self):
         super().__init__()
-        self.calls = collections.Counter()
+        self.calls = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if "lycoris" in str(func):
-            self.calls[str(func).split(".")[1]] += 1
+            self.calls.append(str(func).split(".")[1])
         return func(*args, **(kwargs or {}))
 
 
@@ -34,6 +33,25 @@ def _ops_of(m, x):
     with _OpRecorder() as rec:
         m(x).float().square().sum().backward()
     return set(rec.calls)
+
+
+def _forward_ops(m, x, names):
+    """{name: the lycoris ops the forward of ``m``'s submodule ``name`` calls, in order} over one
+    forward of ``m``, and the set of the ops the forward and backward of ``m`` call."""
+    per_layer, handles = {}, []
+    with _OpRecorder() as rec:
+        for name in names:
+            layer = m.get_submodule(name)
+            handles.append(layer.register_forward_pre_hook(lambda mod, args, n=name: per_layer.__setitem__(
+                n, len(rec.calls))))
+            handles.append(layer.register_forward_hook(lambda mod, args, out, n=name: per_layer.__setitem__(
+                n, rec.calls[per_layer[n]:])))
+        try:
+            m(x).float().square().sum().backward()
+        finally:
+            for h in handles:
+                h.remove()
+    return per_layer, set(rec.calls)
 
 
 def _perturb(m, seed=1):
@@ -68,43 +86,71 @@ def test_explain_exported_and_report_prints():
 
 # ----------------------------------------------------------------------- lycoris_ops.nn
 
-_LIN, _CONV, _NORM = (nn.Linear,), (nn.Conv2d,), (nn.LayerNorm,)
+#: every AdapterModule class lycoris_ops.nn exports: each is checked in its default
+#: configuration, so a new class is checked without being listed here
+_NN_CLASSES = sorted((c for c in (getattr(lnn, n) for n in lnn.__all__)
+                      if isinstance(c, type) and issubclass(c, lnn.AdapterModule) and c is not lnn.AdapterModule),
+                     key=lambda c: c.__name__)
 
-#: (kind, target, adapter kwargs): every lycoris_ops.nn adapter class, in its main configurations
-_NN_CASES = [
-    ("lora", _LIN, {}), ("lora", _CONV, {}), ("loha", _LIN, {}), ("loha", _CONV, {}),
-    ("loha", _CONV, {"use_tucker": True}), ("lokr", _LIN, {}), ("lokr", _CONV, {}),
-    ("dora", _LIN, {}), ("dora", _CONV, {}), ("dora", _CONV, {"wd_on_out": False}),
-    ("oft", _LIN, {}), ("oft", _LIN, {"multiplier": 0.5}), ("oft", _CONV, {}),
-    ("boft", _LIN, {"block_size": 2}), ("boft", _CONV, {"block_size": 2}),
-    ("ia3", _LIN, {}), ("ia3", _CONV, {}), ("full", _LIN, {}), ("full", _CONV, {}), ("norm", _NORM, {}),
-]
+#: class name -> the other configurations whose forward runs another op (or none)
+_NN_VARIANTS = {
+    "LoHaConv2d": [{"use_tucker": True}],
+    "LoKrLinear": [{"rank": 1, "decompose_both": True, "factor": 2}],
+    "LoKrConv2d": [{"rank": 1}],
+    "DoRALinear": [{"wd_on_out": False}],
+    "DoRAConv2d": [{"wd_on_out": False}, {"wd_on_out": False, "use_tucker": True}],
+    "DoHaLinear": [{"wd_on_out": False}],
+    "DoHaConv2d": [{"wd_on_out": False}, {"wd_on_out": False, "use_tucker": True}],
+    "DoKrLinear": [{"wd_on_out": False, "rank": 1, "decompose_both": True, "factor": 2}],
+    "DoKrConv2d": [{"wd_on_out": False}, {"wd_on_out": False, "rank": 1}],
+    "DyLoRAConv2d": [{"rank": 4, "block_size": 2}],
+    "OFTLinear": [{"multiplier": 0.5}],
+    "OFTConv2d": [{"multiplier": 0.5}],
+    "BOFTLinear": [{"block_size": 2, "n_butterfly": 2}],
+    "IA3Linear": [{"train_on_input": True}, {"scale_bias": False}],
+    "IA3Conv2d": [{"train_on_input": True}],
+}
+_NN_CASES = [(c, {}) for c in _NN_CLASSES] + [(c, kw) for c in _NN_CLASSES for kw in _NN_VARIANTS.get(c.__name__, [])]
 
 
-def _nn_model(target):
+def _nn_model(cls, kw):
+    """A small model with ``cls`` (built with ``kw``) on every layer of its first base type."""
     torch.manual_seed(0)
-    if target is _CONV:
-        return nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 8, 1)), torch.randn(2, 4, 5, 5)
-    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8)), torch.randn(3, 6)
+    if issubclass(cls.bases[0], nn.Conv2d):
+        m, x = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.GELU(), nn.Conv2d(8, 8, 1)), torch.randn(2, 4, 5, 5)
+    else:
+        m, x = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Linear(8, 8)), torch.randn(3, 6)
+    for name, mod in list(m.named_children()):
+        if type(mod) is cls.bases[0]:
+            setattr(m, name, cls(mod, **kw))
+    return m, x
 
 
-@pytest.mark.parametrize("kind,target,kw", _NN_CASES,
-                         ids=[f"{k}-{t[0].__name__}-{'-'.join(map(str, kw.values())) or 'default'}"
-                              for k, t, kw in _NN_CASES])
-def test_explain_nn_adapters(kind, target, kw):
-    """Each nn adapter's row names an op its forward/backward calls; a fallback row's layer
-    calls no lycoris op; a merged adapter is reported as merged."""
-    m, x = _nn_model(target)
-    lnn.add_adapters(m, kind, rank=2, target=target, **kw)
+def test_every_nn_adapter_class_is_checked():
+    """The enumeration sees the classes (a broken one would make the check below vacuous)."""
+    names = {c.__name__ for c in _NN_CLASSES}
+    assert {"LoRALinear", "DoHaConv2d", "DoKrLinear", "GLoRAConv2d", "DyLoRALinear", "NormAdapter"} <= names
+    assert set(_NN_VARIANTS) <= names
+
+
+@pytest.mark.parametrize("cls,kw", _NN_CASES,
+                         ids=[f"{c.__name__}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}"
+                              for c, kw in _NN_CASES])
+def test_explain_nn_adapters(cls, kw):
+    """Each nn adapter's row names the op its forward calls last (the one making its output, or
+    its weight); a fallback row's layer calls no lycoris op, forward or backward; a merged
+    adapter is reported as merged."""
+    m, x = _nn_model(cls, kw)
     _perturb(m)
     rows = explain(m)
     assert [r.name for r in rows] == [n for n, _ in lnn.adapters(m)] and rows
     for row in rows:
-        assert row.adapter == "lycoris_ops." + type(m.get_submodule(row.name)).__name__
-    ops = _ops_of(m, x)
+        assert row.adapter == "lycoris_ops." + cls.__name__
+        assert row.fused or not row.reason.startswith("no route"), row
+    per_layer, ops = _forward_ops(m, x, [r.name for r in rows])
     for row in rows:
         if row.fused:
-            assert row.op.split(".")[1] in ops, (row, ops)
+            assert per_layer[row.name][-1:] == [row.op.split(".")[1]], (row, per_layer[row.name])
         else:
             assert not ops, (row, ops)
     lnn.merge_adapters(m)
@@ -113,14 +159,14 @@ def test_explain_nn_adapters(kind, target, kw):
 
 def test_explain_nn_dora_trainable_base():
     """DoRALinear with a trainable base weight takes the merged path (dora_fwd)."""
-    m, x = _nn_model(_LIN)
-    lnn.add_adapters(m, "dora", rank=2)
+    m, x = _nn_model(lnn.DoRALinear, {"rank": 2})
     _perturb(m)
     for _, a in lnn.adapters(m):
         a.base.weight.requires_grad_(True)
     rows = explain(m)
     assert {r.op for r in rows} == {"lycoris.dora_fwd"}
-    assert "dora_fwd" in _ops_of(m, x)
+    per_layer, _ = _forward_ops(m, x, [r.name for r in rows])
+    assert all(per_layer[r.name][-1] == "dora_fwd" for r in rows), per_layer
 
 
 # --------------------------------------------------------------------------------- PEFT

@@ -25,10 +25,8 @@ def _serves(device) -> bool:
 
 def available_backends(device=None) -> tuple:
     """The backends usable on ``device`` (any device when None), in preference order."""
-    names = FUSED if _serves(device) else ()
-    if _ours.probe_error("compile") is None:
-        names += ("compile",)
-    return names + ("torch",)
+    usable = {"lycoris_ops": _serves(device), "compile": _ours.probe_error("compile") is None, "torch": True}
+    return tuple(name for name in ORDER if usable[name])
 
 
 def fused_backends(device=None) -> tuple:

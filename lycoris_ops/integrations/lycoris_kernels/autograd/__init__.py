@@ -11,7 +11,8 @@ from lycoris_ops.integrations.lycoris_kernels.autograd.glora import glora_diff_w
 from lycoris_ops.integrations.lycoris_kernels.autograd.ia3 import ia3_bypass, ia3_diff_weight
 from lycoris_ops.integrations.lycoris_kernels.autograd.locon import locon_bypass_diff, locon_diff_weight
 from lycoris_ops.integrations.lycoris_kernels.autograd.loha import loha_bypass_diff, loha_diff_weight
-from lycoris_ops.integrations.lycoris_kernels.autograd.lokr import (lokr_bypass_diff, lokr_diff_weight, lokr_kron_bypass, lokr_kron_weight)
+from lycoris_ops.integrations.lycoris_kernels.autograd.lokr import (lokr_bypass_diff, lokr_diff_weight, lokr_kron_bypass,
+                                                                   lokr_kron_weight)
 from lycoris_ops.integrations.lycoris_kernels.autograd.norms import norm_diff_weights
 
 __all__ = [
