@@ -49,7 +49,8 @@ __all__ = [
     "available_backends", "fused_backends", "resolve_backend", "set_backend", "use_backend",
 ]
 from lycoris_ops.report import explain  # noqa: E402  (what runs fused, per adapted layer)
-__all__ += ["explain"]
+from lycoris_ops.integrations.peft import patch_peft, unpatch_peft  # noqa: E402
+__all__ += ["explain", "patch_peft", "unpatch_peft"]
 
 from lycoris_ops.integrations import lycoris_lora as _lycoris_lora  # noqa: E402
 _lycoris_lora.install()  # then `import lycoris` (lycoris-lora 4.1) runs on these ops

@@ -64,9 +64,6 @@ def register_describer(fn: Callable[[str, nn.Module], Optional[LayerRoute]]) -> 
 def explain(model: nn.Module) -> Report:
     """Per adapted layer of ``model``: the lycoris op it runs on, or why it falls back
     (for the layer's current state: see the module docstring)."""
-    # registers the PEFT describer (rows for PEFT layers not patched yet); local: integrations.peft
-    # imports this module. It imports PEFT itself only when it meets a PEFT layer.
-    from lycoris_ops.integrations import peft  # noqa: F401
     report = Report()
     for name, module in model.named_modules():
         for describe in _describers:
