@@ -14,8 +14,9 @@ import importlib
 
 from lycoris_ops.tuner import tune
 from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import Work, cdiv, eager_time, esize, make_plan, predict, rank, tl_shortlist
+from lycoris_ops.tuner.cost import make_plan, predict, rank, tl_shortlist
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import add as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
@@ -32,23 +33,8 @@ def version() -> str:
     return tune.source_version(_tl())
 
 
-def _model(dev: DeviceFacts, numel: int, base_dtype, delta_dtype):
-    """(work(cfg), eager seconds) of ``add_scaled``; cfg in the Triton launcher's names."""
-    eb, ed = esize(base_dtype), esize(delta_dtype)
-
-    def work(c):
-        block, w = c["block"], c["num_warps"]
-        threads = 32 * w
-        if block < threads or block > 64 * threads:
-            return None
-        return Work(grid=cdiv(numel, block), warps=w, regs=3 * block, dram=numel * (2 * eb + ed),
-                    inflight=block * (eb + ed))
-
-    return work, eager_time(dev, [(numel * (ed + 4), 0), (numel * (eb + 4 + 4), 0), (numel * (4 + eb), 0)])
-
-
 def plan_add_scaled(dev: DeviceFacts, numel: int, base_dtype, delta_dtype, *, default=None, n: int = 5):
-    work, eager = _model(dev, numel, base_dtype, delta_dtype)
+    work, eager = models.model(dev, numel, base_dtype, delta_dtype)
     cfgs = [dict(block=b, num_warps=w) for b in (256, 512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)]
     return make_plan("add_scaled", rank(cfgs, work, dev), tile_axes=("block",), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
@@ -67,7 +53,7 @@ def _add_tl(dev, base, delta, gamma, n: int = TL_N):
     tl = importlib.import_module("lycoris_ops.backends.tilelang.kernels.add")
     numel = base.numel()
     vec = tl.vec_width(numel, base.dtype, delta.dtype)
-    work, eager = _model(dev, numel, base.dtype, delta.dtype)
+    work, eager = models.model(dev, numel, base.dtype, delta.dtype)
 
     def tl_work(c):
         return work(dict(block=c["BV"] * vec, num_warps=c["threads"] // 32))

@@ -17,16 +17,17 @@ from __future__ import annotations
 import functools
 import importlib
 
-from lycoris_ops.tuner import tune
+from lycoris_ops.backends.triton.kernels import dora as kernels
 from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank, tl_shortlist
+from lycoris_ops.tuner import tune
+from lycoris_ops.tuner.cost import Work, cdiv, eager_time, esize, make_plan, predict, rank, tl_shortlist
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import dora as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
 FAMILY = "dora"
-_MAX_SPLIT = 64
 
 
 def _tl():
@@ -36,24 +37,6 @@ def _tl():
 @functools.lru_cache(maxsize=None)
 def version() -> str:
     return tune.source_version(_tl())
-
-
-def layout(R: int, NC: int, r_contig: bool, bwd: bool, sm: int, c: dict):
-    """(mode, BR, BC, split) of ``triton.dora._plan`` for config ``c``."""
-    bc_res = max(16, p2(NC))
-    budget = c["resident_max"] // (2 if bwd else 1)
-    if r_contig:
-        br_res = max(32, min(128, budget // bc_res))
-    else:
-        br_res = max(1, min(64, budget // bc_res, p2(R)))
-    if br_res * bc_res <= budget and (cdiv(R, br_res) >= sm or R * NC <= 4 * budget):
-        return "res", br_res, bc_res, 1
-    br = c["br"] or (128 if r_contig else 4)
-    bc = c["bc"] or (32 if r_contig else 512)
-    n_chunks = max(1, cdiv(NC, bc))
-    split = c["split"] or max(1, min(_MAX_SPLIT, n_chunks, cdiv(2 * sm, cdiv(R, br))))
-    split = cdiv(n_chunks, cdiv(n_chunks, split))
-    return "str", br, bc, split
 
 
 def _configs(dev: DeviceFacts, r_contig: bool):
@@ -70,31 +53,12 @@ def _configs(dev: DeviceFacts, r_contig: bool):
 
 def _plan(op, dev, R, NC, r_contig, bwd, ew, ed, ey, eg, default, n):
     seen = {}
-
-    def work(c):
-        mode, br, bc, split = layout(R, NC, r_contig, bwd, dev.sm_count, c)
-        sig = (mode, br, bc, split, c["num_warps"], c["num_stages"])
-        if seen.setdefault(sig, id(c)) != id(c):
-            return None  # the same launch as an earlier config
-        m = R * NC * (ew + ed)
-        w, s = c["num_warps"], c["num_stages"]
-        if mode == "res":
-            return Work(grid=cdiv(R, br), warps=w, stages=s, acc=br * bc * (2 if bwd else 1),
-                        dram=m + R * NC * (ey + eg) + R * 12, inflight=br * bc * (ew + ed + eg) // max(1, s))
-        part = (2 if bwd else 1) * split * R * 4
-        return [Work(grid=cdiv(R, br) * split, warps=w, stages=s, acc=br * bc, dram=m + R * NC * eg + part,
-                     inflight=br * bc * (ew + ed + eg)),
-                Work(grid=cdiv(R, br) * max(1, cdiv(NC, bc)), warps=w, stages=s, acc=br * bc,
-                     dram=m + R * NC * (ey + eg) + part + R * 8, inflight=br * bc * (ew + ed + eg))]
-
+    work, eager = models.model(dev, R, NC, r_contig, bwd, ew, ed, ey, eg, max_split=kernels.MAX_SPLIT, seen=seen)
     cfgs = _configs(dev, r_contig)
-    steps = [(R * NC * (ew + ed + 4), 0), (R * NC * 4, 0), (R * 16, 0), (R * NC * (4 + 4), 0), (R * NC * (4 + ey), 0)]
-    if bwd:
-        steps += [(R * NC * (eg + 4 + 4), 0), (R * NC * 4 * 3, 0), (R * NC * (4 + 4), 0)]
     ranked = rank(cfgs, work, dev)
     seen.clear()
     return make_plan(op, ranked, tile_axes=("resident_max", "br", "bc"), n=n, default=default,
-                     default_s=predict(work, default, dev), eager_s=eager_time(dev, steps))
+                     default_s=predict(work, default, dev), eager_s=eager)
 
 
 def plan_dora_fwd(dev: DeviceFacts, R: int, NC: int, r_contig: bool, w_dtype, delta_dtype, *, default=None,

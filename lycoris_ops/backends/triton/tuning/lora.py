@@ -27,10 +27,12 @@ import importlib
 
 import torch
 
+from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist, smem_fits, tl_shortlist, tl_stages, tl_threads)
+from lycoris_ops.tuner.cost import (add_before_eager, add_second, esize, make_plan, p2, predict, rank, shortlist, smem_fits, tl_shortlist, tl_stages, tl_threads)
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import lora as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
@@ -46,12 +48,6 @@ def _tl():
 @functools.lru_cache(maxsize=None)
 def version() -> str:
     return tune.source_version(_tl())
-
-
-def _auto_split(work_tiles: int, sm: int, max_split: int) -> int:
-    if work_tiles <= 0:
-        return 1
-    return max(1, min(cdiv(2 * sm, work_tiles), max_split))
 
 
 #: configs measured best on an H200 at the e2e layer shapes (T=4096, r=32, I/O in
@@ -82,39 +78,9 @@ def _with_anchors(plan, anchors, work, dev: DeviceFacts):
     return tune.Plan(plan.op, cands, pred)
 
 
-# =============================================================================== models
-
-def _bypass_fwd_model(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
-                      has_base: bool):
-    """(work(cfg), eager seconds) of ``lora_bypass_fwd``; cfg in the Triton launcher's names."""
-    e, ex, eo = esize(compute), esize(x_dtype), esize(out_dtype)
-    rp = p2(R, 16)
-    tc = compute != torch.float32
-
-    def work(c):
-        bt, bi, bo = c["block_t"], c["block_i"], c["block_o"]
-        if not tc and bt * bo > 64 * 64:
-            return None  # IEEE fp32 dots run on FMA units: small tiles
-        n_t, n_o = cdiv(T, bt), cdiv(O, bo)
-        auto = _auto_split(n_t, dev.sm_count, n_o)
-        if c["o_split"] == 1 and auto == 1:
-            return None  # same launch as auto
-        split = max(1, min(c["o_split"] or auto, n_o))
-        split = cdiv(O, cdiv(n_o, split) * bo)
-        dram = T * I * ex + R * I * e + gemm_reads(O * R * e, n_t, dev) + T * O * eo * (2 if has_base else 1)
-        return Work(grid=n_t * split, warps=c["num_warps"], stages=c["num_stages"], acc=bt * rp + bt * bo,
-                    regs=bt * rp // 2, smem=max(bt * bi + rp * bi, bo * rp) * e, dram=dram,
-                    mma=2.0 * T * I * rp * split + 2.0 * T * O * rp, tc=tc, mma_tile=bt * rp * max(bi, bo))
-
-    eager = eager_time(dev, [(T * I * ex + R * I * e + T * R * 4, 2.0 * T * I * R), (T * R * (4 + e), 0),
-                             (T * R * e + O * R * e + T * O * 4, 2.0 * T * O * R),
-                             (T * O * (4 + eo) + (T * O * eo if has_base else 0), 0)], tc=tc)
-    return work, eager
-
-
 def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
                     has_base: bool, *, default=None, n: int = 5):
-    work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
+    work, eager = models.bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
     bts = [b for b in (16, 32, 64, 128) if b <= max(16, p2(T))]
     cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, o_split=os_, num_warps=w, num_stages=s)
             for bt in bts for bi in (32, 64, 128, 256) for bo in (64, 128, 256) for os_ in (0, 1)
@@ -133,86 +99,23 @@ def _skinny_configs(dev: DeviceFacts, R: int, tc: bool):
             for bm in bms for bk in (32, 64, 128) for br in brs for w in WARPS for s in dev.stages]
 
 
-def _skinny_work(dev: DeviceFacts, c, MA, KA, MB, KB, R, e_big, e_small, e_out, e, tc):
-    """The skinny pair kernel (+ its reduce launch): out[m, r] = Σ_k big[m, k]·small[k, r]
-    for two jobs (MA x KA) and (MB x KB)."""
-    bm, bk = c["block_m"], c["block_k"]
-    br = c["block_r"] or min(p2(R, 16), 128)
-    if not tc and bm * br > 64 * 64:
-        return None
-    tiles_a, tiles_b, r_tiles = cdiv(MA, bm), cdiv(MB, bm), cdiv(R, br)
-    kmax = max(KA, KB)
-    split = c["split"] or _auto_split((tiles_a + tiles_b) * r_tiles, dev.sm_count, max(1, kmax // (4 * bk)))
-    split = max(1, min(split, max(1, cdiv(kmax, bk))))
-    part = 2.0 * split * (MA + MB) * R * 4 if split > 1 else 0.0
-    dram = (gemm_reads(MA * KA * e_big, r_tiles, dev) + gemm_reads(MB * KB * e_big, r_tiles, dev)
-            + gemm_reads(KA * R * e_small, tiles_a, dev) + gemm_reads(KB * R * e_small, tiles_b, dev)
-            + (MA + MB) * R * e_out + part / 2)
-    works = [Work(grid=(tiles_a + tiles_b) * split * r_tiles, warps=c["num_warps"], stages=c["num_stages"],
-                  acc=bm * br, smem=(bm * bk + bk * br) * e, dram=dram,
-                  mma=2.0 * (MA * KA + MB * KB) * br * r_tiles, tc=tc, mma_tile=bm * bk * br)]
-    if split > 1:
-        works.append(Work(grid=cdiv((MA + MB) * R, c.get("reduce_block", 1024)), warps=4,
-                          dram=part / 2 + (MA + MB) * R * e_out, inflight=4096))
-    return works
-
-
 def plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, out_dtype, *, default=None,
                    n: int = 5):
     e, eg, eo = esize(compute), esize(g_dtype), esize(out_dtype)
     tc = compute != torch.float32
     # job A: g_up (O, r) = G·downᵀ (K = I); job B: g_down (I rows) = Gᵀ·up (K = O)
     def work(c):
-        return _skinny_work(dev, c, O, I, I, O, R, eg, e, eo, e, tc)
+        return models.skinny_work(dev, c, O, I, I, O, R, eg, e, eo, e, tc)
 
     ranked = rank(_skinny_configs(dev, R, tc), work, dev)
     return make_plan("lora_merge_bwd", ranked, tile_axes=("block_m", "block_k", "block_r"), n=n,
                      default=default, default_s=predict(work, default, dev),
-                     eager_s=_merge_bwd_eager(dev, O, I, R, e, eg, eo, tc))
-
-
-def _merge_bwd_eager(dev: DeviceFacts, O: int, I: int, R: int, e: int, eg: int, eo: int, tc: bool) -> float:
-    return eager_time(dev, [(O * I * eg + I * R * e + O * R * 4, 2.0 * O * I * R), (O * R * (4 + eo), 0),
-                            (O * I * eg + O * R * e + I * R * 4, 2.0 * O * I * R), (I * R * (4 + eo), 0)], tc=tc)
-
-
-def _bypass_bwd_model(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype):
-    """(tok(cfg), red(skinny cfg), eager seconds) of ``lora_bypass_bwd``: the token kernel and
-    the skinny pair reduction, configs in the Triton launcher's names."""
-    e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
-    rp = p2(R, 16)
-    tc = compute != torch.float32
-
-    def tok(c):
-        bt, bi, bo = c["block_t"], c["block_i"], c["block_o"]
-        if not tc and bt * bi > 64 * 64:
-            return None
-        n_t, n_i = cdiv(T, bt), cdiv(I, bi)
-        auto = _auto_split(n_t, dev.sm_count, n_i)
-        if c["i_split"] == 1 and auto == 1:
-            return None  # same launch as auto
-        split = max(1, min(c["i_split"] or auto, max(n_i, 1)))
-        split = max(1, cdiv(I, cdiv(max(n_i, 1), split) * bi))
-        # with I ranges, h (a read of the token tile's whole x row) is the first range's
-        # alone: those programs are the critical path, as if every range read x
-        dram = T * O * eg + T * I * ex * split + T * I * ex + 2 * T * R * e + gemm_reads((O + I) * R * e, n_t, dev)
-        return Work(grid=n_t * split, warps=c["num_warps"], stages=c["num_stages"], acc=2 * bt * rp + bt * bi,
-                    smem=max(bt * bi + rp * bi, bt * bo + bo * rp) * e, dram=dram,
-                    mma=4.0 * T * I * rp + 2.0 * T * O * rp * split, tc=tc, mma_tile=bt * rp * max(bi, bo))
-
-    def red(c):  # g_up (O rows, K = T) and g_down (I rows, K = T)
-        return _skinny_work(dev, c, O, T, I, T, R, max(eg, ex), e, e, e, tc)
-
-    eager = eager_time(dev, [(T * I * ex + R * I * e, 2.0 * T * I * R), (T * O * eg + O * R * e, 2.0 * T * O * R),
-                             (T * R * e + R * I * e + T * I * 4, 2.0 * T * I * R), (T * I * (4 + ex), 0),
-                             (T * O * eg + T * R * e, 2.0 * T * O * R), (T * I * ex + T * R * e, 2.0 * T * I * R)],
-                       tc=tc)
-    return tok, red, eager
+                     eager_s=models.merge_bwd_eager(dev, O, I, R, e, eg, eo, tc))
 
 
 def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
                     default=None, n: int = 5):
-    tok, red, eager = _bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
+    tok, red, eager = models.bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
     tc = compute != torch.float32
     bts = [b for b in (16, 32, 64, 128) if b <= max(16, p2(T))]
     tok_cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, i_split=isp, num_warps=w, num_stages=s)
@@ -238,34 +141,9 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     return _with_anchors(plan, [{**a, "red": red0} for a in BWD_ANCHORS] if red0 else [], both, dev)
 
 
-def _merge_fwd_model(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
-                     base_dtype):
-    """(work(cfg), eager seconds, the larger rank) of ``lora_merge_fwd``; Triton names."""
-    e, eo, eb = esize(compute), esize(out_dtype), esize(base_dtype)
-    tc = compute != torch.float32
-    two = 1 if mode == "plain" else 2
-    rmax = max(R1, R2 if two == 2 else 0)
-
-    def work(c):
-        bo, bi, br = c["block_o"], c["block_i"], c["block_r"]
-        if not tc and bo * bi > 64 * 64:
-            return None
-        n_o, n_i = cdiv(O, bo), cdiv(I, bi)
-        kr = cdiv(max(rmax, 1), br) * br
-        dram = O * I * (eo + eb) + two * (gemm_reads(O * rmax * e, n_i, dev) + gemm_reads(rmax * I * e, n_o, dev))
-        return Work(grid=n_o * n_i, warps=c["num_warps"], stages=c["num_stages"], acc=two * bo * bi,
-                    smem=two * (bo * br + br * bi) * e, dram=dram, mma=two * 2.0 * O * I * kr, tc=tc,
-                    mma_tile=bo * bi * br,
-                    inflight=bo * bi * (eo + eb) // 2 + (bo + bi) * br * e)
-
-    eager = eager_time(dev, [(O * rmax * e + rmax * I * e + O * I * 4, two * 2.0 * O * I * rmax)] * two
-                       + [(O * I * (4 + 4), 0)] * (two - 1) + [(O * I * (4 + eb + eo), 0)], tc=tc)
-    return work, eager, rmax
-
-
 def plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
                    base_dtype, *, default=None, n: int = 5):
-    work, eager, rmax = _merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
+    work, eager, rmax = models.merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
     brs = [b for b in (16, 32, 64) if b <= max(16, p2(rmax))]
     cfgs = [dict(block_o=bo, block_i=bi, block_r=br, num_warps=w, num_stages=s)
             for bo in (32, 64, 128, 256) for bi in (32, 64, 128, 256) for br in brs for w in WARPS
@@ -320,7 +198,7 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     winner at the large one runs 4), where that depth differs from the fixed config's. Since
     the H200 timing of 2026-12-02 13:30 the fixed config runs 4 itself, so on devices with
     cp.async (depths up to 4) no twin is added; without it the twin runs the fixed tile at 2."""
-    work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
+    work, eager = models.bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
     e, eo = esize(compute), esize(out_dtype)
     rp = p2(R, 16)
     staged = _tl_module().BYPASS_FWD_FORM["staged"]
@@ -349,7 +227,7 @@ def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
                        n: int = TL_N):
     """``backends/tilelang/kernels/lora.py: bypass_bwd``'s shortlist: the token kernel (BT, BI, BK, stages,
     threads) with the skinny pair's best (sBM, sBK) for the tokens."""
-    tok, red, eager = _bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
+    tok, red, eager = models.bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
     rp = p2(R, 16)
 
     def tl_red(c):
@@ -378,7 +256,7 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
     ``merge_stream_kernel``'s fixed config, the stream configs whose shared memory fits
     (``stream_smem``; scored as a GEMM tile of the whole rank), then the GEMM form's fixed
     config (a config with ``BK`` runs ``gemm_kernel``), timed against them."""
-    work, eager, rmax = _merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
+    work, eager, rmax = models.merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
     kcap = max(16, p2(rmax))
     e, eo = esize(compute), esize(out_dtype)
     eb = esize(base_dtype)
@@ -427,7 +305,7 @@ def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype
     def tl_work(c):
         if pair and not smem_fits(dev, L.pair_smem(c["BM"], c["BK"], c["stages"], R, e, L.MERGE_BWD_FORM["ws"])):
             return None
-        return _skinny_work(dev, dict(block_m=c["BM"], block_k=c["BK"], block_r=0, split=0,
+        return models.skinny_work(dev, dict(block_m=c["BM"], block_k=c["BK"], block_r=0, split=0,
                                       num_warps=c["threads"] // 32, num_stages=c["stages"], reduce_block=1024),
                             O, I, I, O, R, eg, e, eo, e, tc)
 
@@ -435,7 +313,7 @@ def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype
     cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bk in sp["BK"]
             for s in tl_stages(dev, sp["stages"]) for th in sp["threads"]]
     return tl_shortlist("lora_merge_bwd", cfgs, tl_work, dev, dict(L.merge_bwd_fixed()),
-                        _merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
+                        models.merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
 
 
 def _bypass_fwd_tl(dev, x, up, down, gamma, base=None):

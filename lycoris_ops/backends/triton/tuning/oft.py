@@ -35,10 +35,12 @@ import functools
 import importlib
 import math
 
-from lycoris_ops.tuner import tune
+from lycoris_ops.backends.triton.kernels import oft as kernels
 from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import (STREAM_TILE_MAX, Work, add_before_eager, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_threads)
+from lycoris_ops.tuner import tune
+from lycoris_ops.tuner.cost import (STREAM_TILE_MAX, add_before_eager, esize, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_threads)
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import oft as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
@@ -55,67 +57,19 @@ def version() -> str:
     return tune.source_version(_tl(), triton_module("cayley"))
 
 
-def _group(K, S, c_contig, group, sm, bp, npos, bwd, neumann=False):
-    SP = p2(S)
-    want = group or (32 if c_contig else 16)
-    NB = max(1, max(16, want) // SP)
-    n_groups = cdiv(K, NB)
-    n_tiles = cdiv(npos, bp)
-    split = max(1, min(_tl().auto_split(n_groups, sm, bwd, neumann), n_tiles))  # the launcher's own rule
-    return SP, NB, NB * SP, n_groups, n_tiles, split
-
-
-def _sector(run_bytes):
-    return max(1.0, 32.0 / max(run_bytes, 1))
-
-
-def _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen=None):
-    """(work of a Triton config, eager seconds); ``seen``: drop configs whose launch signature
-    an earlier config had (None: score every config)."""
-    C = K * S
-
-    def work(c):
-        bp = c["bwd_block_p"] if bwd else c["block_p"]
-        neumann = c.get("neumann", False)
-        SP, NB, GP, n_groups, n_tiles, split = _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd,
-                                                      neumann)
-        sig = (NB, bp, c["num_warps"], c["num_stages"], neumann)
-        if seen is not None and seen.setdefault(sig, id(c)) != id(c):
-            return None
-        grid = n_groups * split
-        sector = _sector((GP if c_contig else bp) * ex)
-        streams = 3 if bwd else 2  # x, y (+ G)
-        cay = grid * NB * 4.0 * SP ** 3
-        dots = (2 if bwd else 1) * 3 * 2.0 * GP * GP * n_tiles * bp * n_groups
-        works = [Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
-                      acc=GP * bp * (2 if bwd else 1) + GP * GP * (2 if bwd else 1),
-                      smem=GP * bp * ex * (2 if bwd else 1), dram=npos * C * ex * streams * sector
-                      + grid * NB * S * S * eb + (split * n_groups * GP * GP * 4 if bwd else 0),
-                      mma=dots, fma=cay)]
-        if bwd:
-            works.append(Work(grid=n_groups, warps=c.get("chain_warps", 4), acc=3 * GP * GP,
-                              dram=split * n_groups * GP * GP * 4 + 2 * C * S * eb, fma=n_groups * NB * 8.0 * SP ** 3,
-                              inflight=GP * GP * 4))
-        return works
-
-    steps = [(K * S * S * (eb + 4), 0), (K * S * S * 4 * 4, K * 4.0 * S ** 3), (npos * C * (ex + 4), 0),
-             (npos * C * 4 * 2, 2.0 * npos * C * S), (npos * C * (4 + ex), 0)]
-    return work, eager_time(dev, steps * 2 if bwd else steps, tc=False)
-
-
 def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
     seen = {}
-    work, eager = _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen)
+    work, eager = models.model(dev, K, S, npos, c_contig, bwd, ex, eb, auto_split=kernels.auto_split, seen=seen)
 
     def geometry(c):  # (NB, positions per tile) of the streaming kernel
         bp = c["bwd_block_p"] if bwd else c["block_p"]
-        return _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd)[1], bp
+        return models.group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd, auto_split=kernels.auto_split)[1], bp
 
     def compiles_ok(c):  # streamed tiles (x; G and x in the backward) within STREAM_TILE_MAX
         NB, bp = geometry(c)
         return (2 if bwd else 1) * NB * p2(S) * bp <= STREAM_TILE_MAX
 
-    def kernels(c):  # the Triton compilations of a config (backends/triton/kernels/oft.py: constexprs and launch options)
+    def compiles(c):  # the Triton compilations of a config (backends/triton/kernels/oft.py: constexprs and launch options)
         NB, bp = geometry(c)
         if not bwd:
             return {("fwd", NB, bp, c["num_warps"], c["num_stages"], c["dot_prec"], c.get("neumann", False))}
@@ -131,7 +85,7 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
     cfgs = [c for c in cfgs if compiles_ok(c)]
     ranked = rank(cfgs, work, dev)
     seen.clear()
-    plan = make_shared_plan(op, ranked, kernels=kernels, structure=(lambda c: geometry(c)[0]) if bwd else None,
+    plan = make_shared_plan(op, ranked, kernels=compiles, structure=(lambda c: geometry(c)[0]) if bwd else None,
                             tile_axes=("bwd_block_p" if bwd else "block_p", "group"), n=n, default=default,
                             default_s=predict(work, default, dev), eager_s=eager)
     plan = with_split16(plan, ex)
@@ -250,15 +204,15 @@ def tl_channels_first(x, ax: int) -> bool:
 
 def _tl_shape(blocks, x, weight):
     """(K, S, npos, channels-first layout) as ``backends/tilelang/kernels/oft.py`` sees x (contiguous)."""
-    cf = tl_channels_first(x, rotated_axis(x, weight))
-    return int(blocks.shape[0]), int(blocks.shape[1]), geometry(x, weight)[0], cf
+    cf = tl_channels_first(x, models.rotated_axis(x, weight))
+    return int(blocks.shape[0]), int(blocks.shape[1]), models.geometry(x, weight)[0], cf
 
 
 def _tl_model(dev, K, S, npos, cf, bwd, ex, eb):
     """The Triton model's work of a TileLang config (names mapped: BT -> the streamed tile,
     threads -> warps, the group -> ``group``; no pipelined loop: one stage) and eager."""
     GP = _tl_oft().group_plan(S)[0]
-    work, eager = _model(dev, K, S, npos, not cf, bwd, ex, eb)
+    work, eager = models.model(dev, K, S, npos, not cf, bwd, ex, eb, auto_split=kernels.auto_split)
 
     def tl_work(c):
         return work(dict(block_p=c["BT"], bwd_block_p=c["BT"], group=GP, split=0, num_warps=c["threads"] // 32,
@@ -290,22 +244,6 @@ def _tl_sizes(blocks, x, rescale, cscale, shift, weight):
 TILELANG = {"oft_fwd": (_fwd_tl, _tl_sizes), "oft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
-def rotated_axis(x, weight: bool) -> int:
-    """The axis of x that diag-OFT rotates: 0 for a weight, else the channels (dim 1 of an
-    (N, C, *spatial) activation, the last of a (..., C) one)."""
-    return 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
-
-
-def geometry(x, weight: bool):
-    """(npos, c_contig) of x around its rotated axis (see backends/triton/kernels/oft.py)."""
-    ax = rotated_axis(x, weight)
-    npos = 1
-    for i, s in enumerate(x.shape):
-        if i != ax:
-            npos *= int(s)
-    return npos, x.stride(ax) == 1
-
-
 def launch(op: str, *args, **kw):
     """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
     arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
@@ -317,7 +255,7 @@ _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
 def _key(blocks, x, rescale, weight, extra):
-    npos, c_contig = geometry(x, weight)
+    npos, c_contig = models.geometry(x, weight)
     K, S = int(blocks.shape[0]), int(blocks.shape[1])
     key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"K": K, "S": S},
                          flags={"blocks": blocks.dtype, "c_contig": c_contig, "weight": weight,
