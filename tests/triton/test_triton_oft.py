@@ -382,7 +382,7 @@ _COMPILE = textwrap.dedent("""
     import triton
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from lycoris_ops.backends.triton import boft as B, oft as O
+    from lycoris_ops.backends.triton.kernels import boft as B, oft as O
 
     FLOATS = {"cscale", "scale", "shift"}
     def build(kernel, consts, ptrs={}, num_warps=4):

@@ -29,9 +29,11 @@ from __future__ import annotations
 import functools
 import importlib
 
-from lycoris_ops.backends.triton.kernels import boft as kernels
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import boft as kernels, cayley, oft as oft_kernels
+from lycoris_ops.reference import boft as reference
 from lycoris_ops.tuner import tune
+from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import STREAM_TILE_MAX, esize, make_shared_plan, p2, predict, rank
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import boft as models
@@ -40,16 +42,11 @@ from lycoris_ops.backends.triton.tuning.oft import TL_N, tl_channels_first, tl_p
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "boft"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("cayley"), triton_module("oft"))
+    return tune.source_version(kernels, cayley, oft_kernels)
 
 
 def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
@@ -75,8 +72,8 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
                                auto_split=kernels.auto_split)[0]
         segs, cw = tuple((L, GP) for L, GP, _, _ in full), c.get("chain_warps", 0)
         run = (c["num_warps"], c["num_stages"], c["dot_prec"])
-        warps = _tl().chain_warps(cw, segs[0][1])
-        small = _tl().one_algebra_launch(m * nb, SP, sum(sg[2] for sg in full))
+        warps = kernels.chain_warps(cw, segs[0][1])
+        small = kernels.one_algebra_launch(m * nb, SP, sum(sg[2] for sg in full))
         if small:  # the stage algebra as one program
             out = {("algebra", SP, segs[0][1], warps)}
         else:
@@ -91,7 +88,7 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
             chain_in = small and full[idx][3] == 1  # the chain inside the streaming program
             out.add(("seg_bwd", GP, idx == 0, idx == last, c["bwd_block_p"], chain_in) + run)
             if not chain_in:
-                out.add(("chain", GP, _tl().chain_warps(cw, GP)))
+                out.add(("chain", GP, kernels.chain_warps(cw, GP)))
         return out
 
     bps = (32, 64, 128) if bwd else (32, 64, 128, 256)
@@ -110,7 +107,7 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
                             default_s=predict(work, default, dev), eager_s=eager)
     # x and blocks 16-bit (so y, gx and g_blocks too): bf16x3 on the fp32 scratch, split16 on x
     # and G (triton/oft.BF16X3); blocks fp32: split16 only (g_blocks keeps fp32 accuracy)
-    return with_split16(plan, ex, _tl().BF16X3 if eb == 2 else "")
+    return with_split16(plan, ex, kernels.BF16X3 if eb == 2 else "")
 
 
 def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
@@ -189,13 +186,6 @@ def _tl_sizes(blocks, x, axis, *a):
 TILELANG = {"boft_fwd": (_fwd_tl, _tl_sizes), "boft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"boft_fwd": TL.boft_fwd, "boft_bwd": TL.boft_bwd}[op](*args, **kw)
-
-
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
@@ -209,17 +199,16 @@ def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
     if hit is not None:
         return hit
     m, nb, s, npos, c_contig = models.geometry(blocks, x, axis)
-    TL = _tl()
     key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"m": m, "nb": nb, "s": s},
                          flags={"blocks": blocks.dtype, "c_contig": c_contig, "rescale": rescale is not None,
                                 "diff": bool(diff)})
     return tune.pick(
         "boft_fwd", BACKEND, key,
         lambda: plan_boft_fwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_dict(TL.BoftCfg())),
-        lambda kw: launch("boft_fwd", blocks, x, axis, cscale, scale, rescale, diff, **kw),
-        lambda: reference_module(FAMILY).boft_fwd(blocks, x, axis, cscale, scale, rescale, diff),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_FWD, fk))
+                              default=as_dict(kernels.BoftCfg())),
+        lambda kw: kernels.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, **kw),
+        lambda: reference.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.BoftCfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
 def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
@@ -232,33 +221,17 @@ def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
     if hit is not None:
         return hit
     m, nb, s, npos, c_contig = models.geometry(blocks, x, axis)
-    TL = _tl()
     key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"m": m, "nb": nb, "s": s},
                          flags={"blocks": blocks.dtype, "g": grad.dtype, "c_contig": c_contig})
     return tune.pick(
         "boft_bwd", BACKEND, key,
         lambda: plan_boft_bwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_dict(TL.BoftCfg())),
-        lambda kw: launch("boft_bwd", grad, blocks, x, axis, cscale, scale, **kw),
-        lambda: reference_module(FAMILY).boft_bwd(grad, blocks, x, axis, cscale, scale),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_BWD, fk))
+                              default=as_dict(kernels.BoftCfg())),
+        lambda kw: kernels.boft_bwd(grad, blocks, x, axis, cscale, scale, **kw),
+        lambda: reference.boft_bwd(grad, blocks, x, axis, cscale, scale),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.BoftCfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """BOFT (block 8, as many stages as fit) on a linear layer's input for ``tune.warmup``."""
-    I = layer.in_features
-    s = 8
-    if I % s:
-        return []
-    nb = I // s
-    m = 1
-    while m < 4 and nb % (1 << m) == 0:
-        m += 1
-    blocks = rand((m, nb, s, s), dtype, device, gen, 0.01)
-    x = rand((T, I), dtype, device, gen)
-    return [("boft_fwd", (blocks, x, -1, 1.0, 1.0, None, False)),
-            ("boft_bwd", (rand((T, I), dtype, device, gen), blocks, x, -1, 1.0, 1.0))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"boft_fwd": boft_fwd_kwargs, "boft_bwd": boft_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"boft_fwd": kernels.boft_fwd, "boft_bwd": kernels.boft_bwd}

@@ -15,8 +15,11 @@ from __future__ import annotations
 import functools
 import importlib
 
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import ia3 as kernels
+from lycoris_ops.reference import ia3 as reference
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import make_plan, p2, predict, rank, tl_shortlist
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import ia3 as models
@@ -24,16 +27,11 @@ from lycoris_ops.tuner.models import ia3 as models
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "ia3"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl())
+    return tune.source_version(kernels)
 
 
 def _tiles(M, N):
@@ -109,13 +107,6 @@ def _sizes(x, w, channel_axis, *a):
 TILELANG = {"ia3_fwd": (_fwd_tl, _sizes), "ia3_bwd": (_bwd_tl, lambda g, x, w, ax, *a: _sizes(x, w, ax))}
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"ia3_fwd": TL.ia3_fwd, "ia3_bwd": TL.ia3_bwd}[op](*args, **kw)
-
-
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
@@ -129,14 +120,13 @@ def ia3_fwd_kwargs(x, w, channel_axis, alpha, gamma):
     if hit is not None:
         return hit
     M, N, C, ch_rows = models.geometry(x.shape, channel_axis)
-    TL = _tl()
     key = tune.shape_key(x.dtype, tokens={"M": M}, exact={"N": N, "C": C}, flags={"w": w.dtype, "rows": ch_rows})
     return tune.pick(
         "ia3_fwd", BACKEND, key,
-        lambda: plan_ia3_fwd(facts(dev), M, N, C, x.dtype, w.dtype, default=as_dict(TL.default_ia3_fwd_cfg(M, N))),
-        lambda kw: launch("ia3_fwd", x, w, channel_axis, alpha, gamma, **kw),
-        lambda: reference_module(FAMILY).ia3_fwd(x, w, channel_axis, alpha, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.Ia3Cfg(**c)}, front=(_F_FWD, fk))
+        lambda: plan_ia3_fwd(facts(dev), M, N, C, x.dtype, w.dtype, default=as_dict(kernels.default_ia3_fwd_cfg(M, N))),
+        lambda kw: kernels.ia3_fwd(x, w, channel_axis, alpha, gamma, **kw),
+        lambda: reference.ia3_fwd(x, w, channel_axis, alpha, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.Ia3Cfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
 def ia3_bwd_kwargs(grad, x, w, channel_axis, alpha, gamma):
@@ -149,25 +139,17 @@ def ia3_bwd_kwargs(grad, x, w, channel_axis, alpha, gamma):
     if hit is not None:
         return hit
     M, N, C, ch_rows = models.geometry(x.shape, channel_axis)
-    TL = _tl()
     key = tune.shape_key(x.dtype, tokens={"M": M}, exact={"N": N, "C": C},
                          flags={"w": w.dtype, "g": grad.dtype, "rows": ch_rows})
     return tune.pick(
         "ia3_bwd", BACKEND, key,
         lambda: plan_ia3_bwd(facts(dev), M, N, C, ch_rows, x.dtype, w.dtype, grad.dtype,
-                             default=as_dict(TL.default_ia3_bwd_cfg(M, N, ch_rows))),
-        lambda kw: launch("ia3_bwd", grad, x, w, channel_axis, alpha, gamma, **kw),
-        lambda: reference_module(FAMILY).ia3_bwd(grad, x, w, channel_axis, alpha, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.Ia3Cfg(**c)}, front=(_F_BWD, fk))
+                             default=as_dict(kernels.default_ia3_bwd_cfg(M, N, ch_rows))),
+        lambda kw: kernels.ia3_bwd(grad, x, w, channel_axis, alpha, gamma, **kw),
+        lambda: reference.ia3_bwd(grad, x, w, channel_axis, alpha, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.Ia3Cfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """IA3 on a linear layer's activations (T x out) for ``tune.warmup``."""
-    O = layer.out_features
-    x = rand((T, O), dtype, device, gen)
-    w = rand((O,), dtype, device, gen, 0.1)
-    return [("ia3_fwd", (x, w, -1, 1.0, 1.0)), ("ia3_bwd", (rand((T, O), dtype, device, gen), x, w, -1, 1.0, 1.0))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"ia3_fwd": ia3_fwd_kwargs, "ia3_bwd": ia3_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"ia3_fwd": kernels.ia3_fwd, "ia3_bwd": kernels.ia3_bwd}

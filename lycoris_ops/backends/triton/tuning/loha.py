@@ -27,10 +27,12 @@ import importlib
 
 import torch
 
-from lycoris_ops.backends.triton.kernels import loha as kernels
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import fusedkit, loha as kernels
+from lycoris_ops.reference import loha as reference
 from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
+from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_stages, tl_threads)
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import loha as models
@@ -38,16 +40,11 @@ from lycoris_ops.tuner.models import loha as models
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "loha"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("fusedkit"))
+    return tune.source_version(kernels, fusedkit)
 
 
 def _apply_configs(dev: DeviceFacts, M: int, R: int, tc: bool):
@@ -295,43 +292,28 @@ TILELANG = {
 }
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"loha_bypass_fwd": TL.bypass_fwd, "loha_bypass_bwd": TL.bypass_bwd, "loha_merge_bwd": TL.merge_bwd}[op](*args, **kw)
-
-
-# =============================================================================== op-set glue
-
 _F_BFWD, _F_BBWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front()
 
 
-def _bypass_bwd_default(TL, T, O, R, compute):
+def _bypass_bwd_default(T, O, R, compute):
     """The tiles ``bypass_bwd`` runs with when called without ``cfg``, ``grad_cfg`` and
     ``gw_cfg``, spelled out: gx's (T token rows), GW = Gᵀ·x's (O rows, plain) and the merge
     backward's."""
-    return {"cfg": _apply_default(TL, T, R, compute), "grad_cfg": as_dict(TL.default_grad_cfg(R, compute)),
-            "gw_cfg": _spelled(TL, O, R, compute, regen=False)}
+    return {"cfg": _apply_default(T, R, compute), "grad_cfg": as_dict(kernels.default_grad_cfg(R, compute)),
+            "gw_cfg": _spelled(O, R, compute, regen=False)}
 
 
-def _apply_default(TL, M, R, compute):
+def _apply_default(M, R, compute):
     """``ApplyCfg()`` with the launcher's automatic choices spelled out (strategy, tiles)."""
-    auto = getattr(TL, "_regen", None)
-    if auto is not None:
-        regen = bool(auto(M, R, TL.ApplyCfg(), compute))
-    else:
-        bm = TL.default_apply_cfg(M, 1, 1, R, compute, True).block_m
-        regen = p2(R, 16) <= kernels.MAX_HADA_RANK and cdiv(M, bm) <= TL.ApplyCfg().regen_max_tiles
-    return _spelled(TL, M, R, compute, regen)
+    return _spelled(M, R, compute, bool(kernels._regen(M, R, kernels.ApplyCfg(), compute)))
 
 
-def _spelled(TL, M, R, compute, regen: bool):
+def _spelled(M, R, compute, regen: bool):
     """The launcher's automatic tiles for M rows and a given strategy, as an explicit config."""
-    d = TL.default_apply_cfg(M, 1, 1, R, compute, regen)
-    return as_dict(TL.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k,
-                               strategy="regen" if regen else "materialize", num_warps=d.num_warps,
-                               num_stages=TL.ApplyCfg().num_stages))
+    d = kernels.default_apply_cfg(M, 1, 1, R, compute, regen)
+    return as_dict(kernels.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k,
+                                    strategy="regen" if regen else "materialize", num_warps=d.num_warps,
+                                    num_stages=kernels.ApplyCfg().num_stages))
 
 
 def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
@@ -348,16 +330,15 @@ def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
     O, R = (int(s) for s in a1.shape)
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     out = x.dtype if base is None else base.dtype
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "w": a1.dtype, "out": out, "base": base is not None})
     return tune.pick(
         "loha_bypass_fwd", BACKEND, key,
         lambda: plan_bypass_fwd(facts(dev), T, I, O, R, compute, x.dtype, out, base is not None,
-                                default=_apply_default(TL, T, R, compute)),
-        lambda kw: launch("loha_bypass_fwd", x, a1, b1, a2, b2, gamma, base, **kw),
-        lambda: reference_module(FAMILY).loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
-        device=dev, version=version(), resolve=lambda c: _vendor_launch(TL.ApplyCfg, c), front=(_F_BFWD, fk))
+                                default=_apply_default(T, R, compute)),
+        lambda kw: kernels.bypass_fwd(x, a1, b1, a2, b2, gamma, base, **kw),
+        lambda: reference.loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
+        device=dev, version=version(), resolve=lambda c: _vendor_launch(kernels.ApplyCfg, c), front=(_F_BFWD, fk), prepare=precompile.precompile)
 
 
 def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
@@ -372,22 +353,21 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
     T, I = (int(s) for s in x.shape)
     O, R = (int(s) for s in a1.shape)
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "g": grad.dtype, "w": a1.dtype})
-    default = _bypass_bwd_default(TL, T, O, R, compute)
+    default = _bypass_bwd_default(T, O, R, compute)
     return tune.pick(
         "loha_bypass_bwd", BACKEND, key,
         lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype, default=default),
-        lambda kw: launch("loha_bypass_bwd", grad, x, a1, b1, a2, b2, gamma, **kw),
-        lambda: reference_module(FAMILY).loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma),
+        lambda kw: kernels.bypass_bwd(grad, x, a1, b1, a2, b2, gamma, **kw),
+        lambda: reference.loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma),
         device=dev, version=version(),
-        resolve=lambda c: {"cfg": TL.ApplyCfg(**c["cfg"]),
-                           "grad_cfg": None if c.get("grad_cfg") is None else TL.GradCfg(**c["grad_cfg"]),
-                           "gw_cfg": None if c.get("gw_cfg") is None else TL.ApplyCfg(**c["gw_cfg"]),
+        resolve=lambda c: {"cfg": kernels.ApplyCfg(**c["cfg"]),
+                           "grad_cfg": None if c.get("grad_cfg") is None else kernels.GradCfg(**c["grad_cfg"]),
+                           "gw_cfg": None if c.get("gw_cfg") is None else kernels.ApplyCfg(**c["gw_cfg"]),
                            **({"vendor": True} if c.get("vendor") else {}),
                            **({"merge_vendor": True} if c.get("merge_vendor") else {})},
-        front=(_F_BBWD, fk))
+        front=(_F_BBWD, fk), prepare=precompile.precompile)
 
 
 def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
@@ -402,15 +382,14 @@ def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
     O, R = (int(s) for s in a1.shape)
     I = int(b1.shape[1])
     compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "R": R}, flags={"g": grad.dtype, "w": a1.dtype})
     return tune.pick(
         "loha_merge_bwd", BACKEND, key,
         lambda: plan_merge_bwd(facts(dev), O, I, R, compute, grad.dtype,
-                               default=as_dict(TL.default_grad_cfg(R, compute))),
-        lambda kw: launch("loha_merge_bwd", grad, a1, b1, a2, b2, gamma, **kw),
-        lambda: reference_module(FAMILY).loha_merge_bwd(grad, a1, b1, a2, b2, gamma),
-        device=dev, version=version(), resolve=lambda c: _vendor_launch(TL.GradCfg, c), front=(_F_MBWD, fk))
+                               default=as_dict(kernels.default_grad_cfg(R, compute))),
+        lambda kw: kernels.merge_bwd(grad, a1, b1, a2, b2, gamma, **kw),
+        lambda: reference.loha_merge_bwd(grad, a1, b1, a2, b2, gamma),
+        device=dev, version=version(), resolve=lambda c: _vendor_launch(kernels.GradCfg, c), front=(_F_MBWD, fk), prepare=precompile.precompile)
 
 
 def _vendor_launch(cfg_type, c):
@@ -420,17 +399,8 @@ def _vendor_launch(cfg_type, c):
     return {"cfg": cfg, "vendor": True} if c.get("vendor") else {"cfg": cfg}
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """(op, args) of one LoHa layer at T tokens, for ``tune.warmup``."""
-    O, I, r = layer.out_features, layer.in_features, layer.rank
-    a1, a2 = rand((O, r), dtype, device, gen, 0.1), rand((O, r), dtype, device, gen, 0.1)
-    b1, b2 = rand((r, I), dtype, device, gen, 0.1), rand((r, I), dtype, device, gen, 0.1)
-    x = rand((T, I), dtype, device, gen)
-    return [("loha_bypass_fwd", (x, a1, b1, a2, b2, 1.0, None)),
-            ("loha_bypass_bwd", (rand((T, O), dtype, device, gen), x, a1, b1, a2, b2, 1.0)),
-            ("loha_merge_bwd", (rand((O, I), dtype, device, gen), a1, b1, a2, b2, 1.0))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"loha_bypass_fwd": bypass_fwd_kwargs, "loha_bypass_bwd": bypass_bwd_kwargs,
           "loha_merge_bwd": merge_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"loha_bypass_fwd": kernels.bypass_fwd, "loha_bypass_bwd": kernels.bypass_bwd,
+             "loha_merge_bwd": kernels.merge_bwd}

@@ -33,10 +33,12 @@ import math
 
 import torch
 
+from lycoris_ops.backends.triton import precompile
 from lycoris_ops.backends.triton.kernels import fusedkit, lokr as kernels
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.reference import lokr as reference
 from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
+from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import (Work, add_second, cdiv, esize, make_plan, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist)
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import lokr as models
@@ -45,16 +47,11 @@ from lycoris_ops.backends.triton.tuning.oft import TL_ACC_PER_THREAD
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "lokr"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("fusedkit"))
+    return tune.source_version(kernels, fusedkit)
 
 
 # =============================================================================== merges
@@ -96,20 +93,19 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
         M1, N1, M2, N2 = models.merge_geometry(a, b, c, d, swap)
         rt, rl = (r1, r2) if swap else (r2, r1)
         n_tiles, E = cdiv(M1, cfg["block_m"]) * cdiv(N1, cfg["block_n"]), M2 * N2
-        TK = triton_module("lokr")
-        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, TK._grad_split_cap(E, rt, M1, N1)))
+        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, kernels._grad_split_cap(E, rt, M1, N1)))
         grad_kernel = ("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
                        cfg["num_warps"], cfg["num_stages"])
         reduces, chains = [], []
         for side, fact, parts in (("tile", rt, split), ("loop", rl, n_tiles)):
             if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials), after a presum of a deep stack
                 chains.append(side)
-                if TK._presums(parts, *((M1, N1) if side == "tile" else (M2, N2))):
+                if kernels._presums(parts, *((M1, N1) if side == "tile" else (M2, N2))):
                     reduces.append(side)
             elif parts > 1:
                 reduces.append(side)
         dims = [(M1, N1, rt) if side == "tile" else (M2, N2, rl) for side in chains]
-        if TK._chain_fuses(n_tiles * split, len(reduces), dims):  # the chains inside the one program
+        if kernels._chain_fuses(n_tiles * split, len(reduces), dims):  # the chains inside the one program
             return {grad_kernel + ("chain",)}
         out = {grad_kernel}
         if reduces:  # two reduces share one launch (_fusedkit.reduce_pair_launch)
@@ -452,62 +448,26 @@ TILELANG = {
     "lokr_bypass_bwd": (_bypass_bwd_tl, lambda g, x, w1, w2, *a: _tl_dims(w1, w2)),
 }
 
-def _full_merge_fwd(w1, w2, base, gamma, out_dtype=None, **kw):
-    (a, b), (c, d) = w1.shape, w2.shape
-    return _tl().merge_fwd(w1, None, w2, None, a, b, c, d, base, gamma, w2.dtype if out_dtype is None else out_dtype,
-                           **kw)
-
-
-def _full_merge_bwd(grad, w1, w2, gamma, **kw):
-    (a, b), (c, d) = w1.shape, w2.shape
-    g1, _, g2, _ = _tl().merge_bwd(grad, w1, None, w2, None, a, b, c, d, gamma, **kw)
-    return g1, g2
-
-
-def _merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, **kw):
-    a, b, c, d = (int(s) for s in shape)
-    return _tl().merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, w2a.dtype if out_dtype is None else out_dtype,
-                           **kw)
-
-
-def _merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, **kw):
-    a, b, c, d = (int(s) for s in shape)
-    return _tl().merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, **kw)
-
-
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"lokr_full_merge_fwd": _full_merge_fwd, "lokr_full_merge_bwd": _full_merge_bwd,
-            "lokr_merge_fwd": _merge_fwd, "lokr_merge_bwd": _merge_bwd,
-            "lokr_bypass_fwd": TL.bypass_fwd, "lokr_bypass_bwd": TL.bypass_bwd}[op](*args, **kw)
-
-
-# =============================================================================== op-set glue
-
 _F = {k: tune.Front() for k in ("ffwd", "fbwd", "mfwd", "mbwd", "bfwd", "bbwd")}
 
 
-def _merge_default(TL, a, b, c, d, compute):
-    cfg = TL.default_merge_cfg(c, d, a, b, compute)
-    swap = TL._swap_default(a, b, c, d) if hasattr(TL, "_swap_default") else False
-    return {**as_dict(cfg), "swap": bool(swap)}
+def _merge_default(a, b, c, d, compute):
+    """The launcher's automatic merge config (default tiles, tiled side) spelled out."""
+    return {**as_dict(kernels.default_merge_cfg(c, d, a, b, compute)), "swap": bool(kernels._swap_default(a, b, c, d))}
 
 
 def _merge_kwargs(op, fk_name, fk, a, b, c, d, r1, r2, compute, out_dtype, base_dtype, grad, dev, fused, eager):
     hit = _F[fk_name].get(fk)
     if hit is not None:
         return hit
-    TL = _tl()
     key = tune.shape_key(compute, exact={"a": a, "b": b, "c": c, "d": d, "r1": r1, "r2": r2},
                          flags={"out": out_dtype, "base": base_dtype})
     return tune.pick(
         op, BACKEND, key,
         lambda: plan_merge(op, facts(dev), a, b, c, d, r1, r2, compute, out_dtype, base_dtype, grad=grad,
-                           default=_merge_default(TL, a, b, c, d, compute)),
-        fused, eager, device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.MergeCfg(**cfg)},
-        front=(_F[fk_name], fk))
+                           default=_merge_default(a, b, c, d, compute)),
+        fused, eager, device=dev, version=version(), resolve=lambda cfg: {"cfg": kernels.MergeCfg(**cfg)},
+        front=(_F[fk_name], fk), prepare=precompile.precompile)
 
 
 def full_merge_fwd_kwargs(w1, w2, base, gamma, out_dtype=None):
@@ -520,8 +480,8 @@ def full_merge_fwd_kwargs(w1, w2, base, gamma, out_dtype=None):
     fk = (w1.shape, w2.shape, w1.dtype, w2.dtype, None if base is None else base.dtype, out, dev)
     return _merge_kwargs("lokr_full_merge_fwd", "ffwd", fk, int(a), int(b), int(c), int(d), 0, 0,
                          compute_dtype(w1.dtype, w2.dtype), out, None if base is None else base.dtype, False, dev,
-                         lambda kw: launch("lokr_full_merge_fwd", w1, w2, base, gamma, out_dtype, **kw),
-                         lambda: reference_module(FAMILY).lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype))
+                         lambda kw: kernels.lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype, **kw),
+                         lambda: reference.lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype))
 
 
 def full_merge_bwd_kwargs(grad, w1, w2, gamma):
@@ -533,8 +493,8 @@ def full_merge_bwd_kwargs(grad, w1, w2, gamma):
     fk = (w1.shape, w2.shape, grad.dtype, w1.dtype, w2.dtype, dev)
     return _merge_kwargs("lokr_full_merge_bwd", "fbwd", fk, int(a), int(b), int(c), int(d), 0, 0,
                          compute_dtype(w1.dtype, w2.dtype), grad.dtype, None, True, dev,
-                         lambda kw: launch("lokr_full_merge_bwd", grad, w1, w2, gamma, **kw),
-                         lambda: reference_module(FAMILY).lokr_full_merge_bwd(grad, w1, w2, gamma))
+                         lambda kw: kernels.lokr_full_merge_bwd(grad, w1, w2, gamma, **kw),
+                         lambda: reference.lokr_full_merge_bwd(grad, w1, w2, gamma))
 
 
 def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
@@ -549,8 +509,8 @@ def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
     fk = (a, b, c, d, r1, r2, dts, out, dev)
     return _merge_kwargs("lokr_merge_fwd", "mfwd", fk, a, b, c, d, r1, r2,
                          compute_dtype(*dts[:4]), out, dts[4], False, dev,
-                         lambda kw: launch("lokr_merge_fwd", w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype, **kw),
-                         lambda: reference_module(FAMILY).lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma,
+                         lambda kw: kernels.lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype, **kw),
+                         lambda: reference.lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma,
                                                                          out_dtype))
 
 
@@ -564,8 +524,8 @@ def merge_bwd_kwargs(grad, w1a, w1b, w2a, w2b, shape, gamma):
     dts = tuple(None if t is None else t.dtype for t in (w1a, w1b, w2a, w2b))
     fk = (a, b, c, d, r1, r2, dts, grad.dtype, dev)
     return _merge_kwargs("lokr_merge_bwd", "mbwd", fk, a, b, c, d, r1, r2, compute_dtype(*dts), grad.dtype, None,
-                         True, dev, lambda kw: launch("lokr_merge_bwd", grad, w1a, w1b, w2a, w2b, shape, gamma, **kw),
-                         lambda: reference_module(FAMILY).lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma))
+                         True, dev, lambda kw: kernels.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, **kw),
+                         lambda: reference.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma))
 
 
 def _bypass_default(default_fn, cost, T, a, b, c, d, compute):
@@ -589,22 +549,21 @@ def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
     (a, b), (c, d) = ((int(s) for s in w1.shape), (int(s) for s in w2.shape))
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
     out = x.dtype if base is None else base.dtype
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"a": a, "b": b, "c": c, "d": d},
                          flags={"x": x.dtype, "out": out, "base": base is not None})
 
     def plan():
         try:
-            default = _bypass_default(TL.default_bypass_fwd_cfg, models.fwd_cost, T, a, b, c, d, compute)
+            default = _bypass_default(kernels.default_bypass_fwd_cfg, models.fwd_cost, T, a, b, c, d, compute)
         except Exception:
             default = None
         return plan_bypass_fwd(facts(dev), T, a, b, c, d, compute, x.dtype, out, base is not None, default=default)
 
     return tune.pick(
         "lokr_bypass_fwd", BACKEND, key, plan,
-        lambda kw: launch("lokr_bypass_fwd", x, w1, w2, gamma, base, **kw),
-        lambda: reference_module(FAMILY).lokr_bypass_fwd(x, w1, w2, gamma, base),
-        device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk))
+        lambda kw: kernels.bypass_fwd(x, w1, w2, gamma, base, **kw),
+        lambda: reference.lokr_bypass_fwd(x, w1, w2, gamma, base),
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": kernels.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk), prepare=precompile.precompile)
 
 
 def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
@@ -619,51 +578,28 @@ def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
     T = int(x.shape[0])
     (a, b), (c, d) = ((int(s) for s in w1.shape), (int(s) for s in w2.shape))
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"a": a, "b": b, "c": c, "d": d},
                          flags={"x": x.dtype, "g": grad.dtype})
 
     def plan():
         try:
-            default = _bypass_default(TL.default_bypass_bwd_cfg, models.bwd_cost, T, a, b, c, d, compute)
+            default = _bypass_default(kernels.default_bypass_bwd_cfg, models.bwd_cost, T, a, b, c, d, compute)
         except Exception:
             default = None
         return plan_bypass_bwd(facts(dev), T, a, b, c, d, compute, x.dtype, grad.dtype, default=default)
 
     return tune.pick(
         "lokr_bypass_bwd", BACKEND, key, plan,
-        lambda kw: launch("lokr_bypass_bwd", grad, x, w1, w2, gamma, **kw),
-        lambda: reference_module(FAMILY).lokr_bypass_bwd(grad, x, w1, w2, gamma),
-        device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk))
+        lambda kw: kernels.bypass_bwd(grad, x, w1, w2, gamma, **kw),
+        lambda: reference.lokr_bypass_bwd(grad, x, w1, w2, gamma),
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": kernels.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """(op, args) of one LoKr layer (factors near sqrt of each dim) at T tokens, for ``tune.warmup``."""
-    O, I, r = layer.out_features, layer.in_features, layer.rank
-
-    def split(n):
-        f = max(1, int(n ** 0.5))
-        while n % f:
-            f -= 1
-        return f, n // f
-
-    a, c = split(O)
-    b, d = split(I)
-    w1 = rand((a, b), dtype, device, gen, 0.1)
-    w2 = rand((c, d), dtype, device, gen, 0.1)
-    w2a, w2b = rand((c, r), dtype, device, gen, 0.1), rand((r, d), dtype, device, gen, 0.1)
-    out = [("lokr_full_merge_fwd", (w1, w2, None, 1.0, None)),
-           ("lokr_full_merge_bwd", (rand((O, I), dtype, device, gen), w1, w2, 1.0)),
-           ("lokr_merge_fwd", (w1, None, w2a, w2b, [a, b, c, d], None, 1.0, None)),
-           ("lokr_merge_bwd", (rand((O, I), dtype, device, gen), w1, None, w2a, w2b, [a, b, c, d], 1.0))]
-    if max(models.p16(v) for v in (a, b, c, d)) <= 128:
-        x = rand((T, I), dtype, device, gen)
-        out += [("lokr_bypass_fwd", (x, w1, w2, 1.0, None)),
-                ("lokr_bypass_bwd", (rand((T, O), dtype, device, gen), x, w1, w2, 1.0))]
-    return out
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"lokr_full_merge_fwd": full_merge_fwd_kwargs, "lokr_full_merge_bwd": full_merge_bwd_kwargs,
           "lokr_merge_fwd": merge_fwd_kwargs, "lokr_merge_bwd": merge_bwd_kwargs,
           "lokr_bypass_fwd": bypass_fwd_kwargs, "lokr_bypass_bwd": bypass_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"lokr_full_merge_fwd": kernels.lokr_full_merge_fwd,
+             "lokr_full_merge_bwd": kernels.lokr_full_merge_bwd, "lokr_merge_fwd": kernels.lokr_merge_fwd,
+             "lokr_merge_bwd": kernels.lokr_merge_bwd, "lokr_bypass_fwd": kernels.bypass_fwd,
+             "lokr_bypass_bwd": kernels.bypass_bwd}

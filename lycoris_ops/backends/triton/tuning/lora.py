@@ -27,9 +27,12 @@ import importlib
 
 import torch
 
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import lora as kernels
+from lycoris_ops.reference import lora as reference
 from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
+from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import (add_before_eager, add_second, esize, make_plan, p2, predict, rank, shortlist, smem_fits, tl_shortlist, tl_stages, tl_threads)
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import lora as models
@@ -37,17 +40,12 @@ from lycoris_ops.tuner.models import lora as models
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "lora"
 WARPS = (4, 8)
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl())
+    return tune.source_version(kernels)
 
 
 #: configs measured best on an H200 at the e2e layer shapes (T=4096, r=32, I/O in
@@ -360,15 +358,6 @@ TILELANG = {
 }
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"lora_bypass_fwd": TL.bypass_fwd, "lora_bypass_bwd": TL.bypass_bwd, "lora_merge_fwd": TL.merge_fwd, "lora_merge_bwd": TL.merge_bwd}[op](*args, **kw)
-
-
-# =============================================================================== op-set glue
-
 _F_BFWD, _F_BBWD, _F_MFWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front(), tune.Front()
 EAGER = tune.SENTINEL_EAGER
 
@@ -386,20 +375,19 @@ def bypass_fwd_kwargs(x, up, down, gamma, base=None):
     O, R = up.shape
     compute = compute_dtype(x.dtype, up.dtype, down.dtype)
     out_dtype = x.dtype if base is None else base.dtype
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "w": up.dtype, "out": out_dtype, "base": base is not None})
     return tune.pick(
         "lora_bypass_fwd", BACKEND, key,
         lambda: plan_bypass_fwd(facts(dev), T, I, O, R, compute, x.dtype, out_dtype, base is not None,
-                                default=as_dict(TL.default_bypass_fwd_cfg(T, I, O, R, compute))),
-        lambda kw: launch("lora_bypass_fwd", x, up, down, gamma, base, **kw),
-        lambda: reference_module(FAMILY).lora_bypass_fwd(x, up, down, gamma, base),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.BypassFwdCfg(**c)}, front=(_F_BFWD, fk))
+                                default=as_dict(kernels.default_bypass_fwd_cfg(T, I, O, R, compute))),
+        lambda kw: kernels.bypass_fwd(x, up, down, gamma, base, **kw),
+        lambda: reference.lora_bypass_fwd(x, up, down, gamma, base),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.BypassFwdCfg(**c)}, front=(_F_BFWD, fk), prepare=precompile.precompile)
 
 
-def _bwd_cfg(TL, c):
-    return {"cfg": TL.BypassBwdCfg(**{**c, "red": TL.SkinnyCfg(**c["red"]) if c.get("red") else None})}
+def _bwd_cfg(c):
+    return {"cfg": kernels.BypassBwdCfg(**{**c, "red": kernels.SkinnyCfg(**c["red"]) if c.get("red") else None})}
 
 
 def bypass_bwd_kwargs(grad, x, up, down, gamma):
@@ -414,16 +402,15 @@ def bypass_bwd_kwargs(grad, x, up, down, gamma):
     T, I = x.shape
     O, R = up.shape
     compute = compute_dtype(x.dtype, up.dtype, down.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "g": grad.dtype, "w": up.dtype})
     return tune.pick(
         "lora_bypass_bwd", BACKEND, key,
         lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype,
-                                default=as_dict(TL.default_bypass_bwd_cfg(T, I, O, R, compute))),
-        lambda kw: launch("lora_bypass_bwd", grad, x, up, down, gamma, **kw),
-        lambda: reference_module(FAMILY).lora_bypass_bwd(grad, x, up, down, gamma),
-        device=dev, version=version(), resolve=lambda c: _bwd_cfg(TL, c), front=(_F_BBWD, fk))
+                                default=as_dict(kernels.default_bypass_bwd_cfg(T, I, O, R, compute))),
+        lambda kw: kernels.bypass_bwd(grad, x, up, down, gamma, **kw),
+        lambda: reference.lora_bypass_bwd(grad, x, up, down, gamma),
+        device=dev, version=version(), resolve=lambda c: _bwd_cfg(c), front=(_F_BBWD, fk), prepare=precompile.precompile)
 
 
 def merge_fwd_kwargs(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
@@ -443,16 +430,15 @@ def merge_fwd_kwargs(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
     R2 = 0 if plain else a2.shape[1]
     compute = compute_dtype(a1.dtype, b1.dtype) if plain else compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     out = a1.dtype if out_dtype is None else out_dtype
-    TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "R1": R1, "R2": R2},
                          flags={"mode": mode, "out": out, "base": None if base is None else base.dtype})
     return tune.pick(
         "lora_merge_fwd", BACKEND, key,
         lambda: plan_merge_fwd(facts(dev), O, I, R1, R2, mode, compute, out, None if base is None else base.dtype,
-                               default=as_dict(TL.default_merge_fwd_cfg(O, I, max(R1, R2), mode, compute))),
-        lambda kw: launch("lora_merge_fwd", a1, b1, a2, b2, base, gamma, mode, out_dtype, **kw),
-        lambda: reference_module(FAMILY).lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.MergeFwdCfg(**c)}, front=(_F_MFWD, fk))
+                               default=as_dict(kernels.default_merge_fwd_cfg(O, I, max(R1, R2), mode, compute))),
+        lambda kw: kernels.merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype, **kw),
+        lambda: reference.lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.MergeFwdCfg(**c)}, front=(_F_MFWD, fk), prepare=precompile.precompile)
 
 
 def merge_bwd_kwargs(grad, up, down, gamma):
@@ -467,36 +453,20 @@ def merge_bwd_kwargs(grad, up, down, gamma):
     O, R = up.shape
     I = down.shape[1]
     compute = compute_dtype(up.dtype, down.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "R": R}, flags={"g": grad.dtype, "w": up.dtype})
     return tune.pick(
         "lora_merge_bwd", BACKEND, key,
         lambda: plan_merge_bwd(facts(dev), O, I, R, compute, grad.dtype, up.dtype,
-                               default=as_dict(TL.default_merge_bwd_cfg(O, I, R, compute))),
-        lambda kw: launch("lora_merge_bwd", grad, up, down, gamma, **kw),
-        lambda: reference_module(FAMILY).lora_merge_bwd(grad, up, down, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.SkinnyCfg(**c)}, front=(_F_MBWD, fk))
+                               default=as_dict(kernels.default_merge_bwd_cfg(O, I, R, compute))),
+        lambda kw: kernels.merge_bwd(grad, up, down, gamma, **kw),
+        lambda: reference.lora_merge_bwd(grad, up, down, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.SkinnyCfg(**c)}, front=(_F_MBWD, fk), prepare=precompile.precompile)
 
 
 # =============================================================================== warmup samples
 
-def samples(layer, T: int, dtype, device, gen):
-    """(op, args) of one LoRA layer (out x in, rank) at T tokens, for ``tune.warmup``."""
-    O, I, r = layer.out_features, layer.in_features, layer.rank
-    x = rand((T, I), dtype, device, gen)
-    up = rand((O, r), dtype, device, gen, 0.02)
-    down = rand((r, I), dtype, device, gen, 0.02)
-    g = rand((T, O), dtype, device, gen)
-    w = rand((O, I), dtype, device, gen, 0.02)
-    gw = rand((O, I), dtype, device, gen)
-    return [
-        ("lora_bypass_fwd", (x, up, down, 1.0, None)),
-        ("lora_bypass_bwd", (g, x, up, down, 1.0)),
-        ("lora_merge_fwd", (up, down, None, None, w, 1.0, "plain", None)),
-        ("lora_merge_bwd", (gw, up, down, 1.0)),
-    ]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"lora_bypass_fwd": bypass_fwd_kwargs, "lora_bypass_bwd": bypass_bwd_kwargs,
           "lora_merge_fwd": merge_fwd_kwargs, "lora_merge_bwd": merge_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"lora_bypass_fwd": kernels.bypass_fwd, "lora_bypass_bwd": kernels.bypass_bwd,
+             "lora_merge_fwd": kernels.merge_fwd, "lora_merge_bwd": kernels.merge_bwd}

@@ -35,9 +35,11 @@ import functools
 import importlib
 import math
 
-from lycoris_ops.backends.triton.kernels import oft as kernels
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import cayley, oft as kernels
+from lycoris_ops.reference import oft as reference
 from lycoris_ops.tuner import tune
+from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import (STREAM_TILE_MAX, add_before_eager, esize, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_threads)
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import oft as models
@@ -45,16 +47,11 @@ from lycoris_ops.tuner.models import oft as models
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "oft"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("cayley"))
+    return tune.source_version(kernels, cayley)
 
 
 def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
@@ -122,7 +119,7 @@ def _with_wide_split16(plan, geometry) -> None:
     cands = plan.candidates
     if not cands or not isinstance(cands[0], dict):
         return
-    twin = dict(cands[0], dot_prec=_tl().SPLIT16, group=WIDE_GROUP, num_stages=3)
+    twin = dict(cands[0], dot_prec=kernels.SPLIT16, group=WIDE_GROUP, num_stages=3)
     NB, bp = geometry(twin)
     if NB == geometry(cands[0])[0] or 2 * WIDE_GROUP * bp > 2 * STREAM_TILE_MAX or twin in cands:
         return
@@ -136,7 +133,7 @@ def with_split16(plan, ex: int, dot_prec: str = ""):
     cands = plan.candidates
     if ex != 2 or not cands or not isinstance(cands[0], dict):
         return plan
-    twin = dict(cands[0], dot_prec=dot_prec or _tl().SPLIT16)
+    twin = dict(cands[0], dot_prec=dot_prec or kernels.SPLIT16)
     if twin not in cands:
         add_before_eager(plan, twin)
     return plan
@@ -244,13 +241,6 @@ def _tl_sizes(blocks, x, rescale, cscale, shift, weight):
 TILELANG = {"oft_fwd": (_fwd_tl, _tl_sizes), "oft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"oft_fwd": TL.oft_fwd, "oft_bwd": TL.oft_bwd}[op](*args, **kw)
-
-
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
@@ -273,13 +263,12 @@ def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
     if hit is not None:
         return hit
     K, S, npos, c_contig, key = _key(blocks, x, rescale, weight, {})
-    TL = _tl()
     return tune.pick(
         "oft_fwd", BACKEND, key,
-        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.FWD_CFG)),
-        lambda kw: launch("oft_fwd", blocks, x, rescale, cscale, shift, weight, **kw),
-        lambda: reference_module(FAMILY).oft_fwd(blocks, x, rescale, cscale, shift, weight),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_FWD, fk))
+        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(kernels.FWD_CFG)),
+        lambda kw: kernels.oft_fwd(blocks, x, rescale, cscale, shift, weight, **kw),
+        lambda: reference.oft_fwd(blocks, x, rescale, cscale, shift, weight),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.OftCfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
 def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
@@ -292,27 +281,14 @@ def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
     if hit is not None:
         return hit
     K, S, npos, c_contig, key = _key(blocks, x, rescale, weight, {"g": grad.dtype})
-    TL = _tl()
     return tune.pick(
         "oft_bwd", BACKEND, key,
-        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.OftCfg())),
-        lambda kw: launch("oft_bwd", grad, blocks, x, rescale, cscale, shift, weight, **kw),
-        lambda: reference_module(FAMILY).oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_BWD, fk))
+        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(kernels.OftCfg())),
+        lambda kw: kernels.oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, **kw),
+        lambda: reference.oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.OftCfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """Diag-OFT (block size 16 when it divides the features, else 8/4) on a linear layer's
-    input (T x in) for ``tune.warmup``."""
-    I = layer.in_features
-    S = next((s for s in (16, 8, 4, 2) if I % s == 0), None)
-    if S is None:
-        return []
-    blocks = rand((I // S, S, S), dtype, device, gen, 0.01)
-    x = rand((T, I), dtype, device, gen)
-    return [("oft_fwd", (blocks, x, None, 1.0, False, False)),
-            ("oft_bwd", (rand((T, I), dtype, device, gen), blocks, x, None, 1.0, False, False))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"oft_fwd": oft_fwd_kwargs, "oft_bwd": oft_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"oft_fwd": kernels.oft_fwd, "oft_bwd": kernels.oft_bwd}

@@ -15,10 +15,12 @@ import importlib
 
 import torch
 
-from lycoris_ops.backends.triton.kernels import tucker as kernels
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import fusedkit, tucker as kernels
+from lycoris_ops.reference import lora as reference
 from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
+from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import Work, cdiv, esize, make_plan, p2, predict, rank, tl_shortlist, tl_threads
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import tucker as models
@@ -26,16 +28,11 @@ from lycoris_ops.tuner.models import tucker as models
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "tucker"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("fusedkit"))
+    return tune.source_version(kernels, fusedkit)
 
 
 def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, out_dtype, *, default=None,
@@ -44,7 +41,7 @@ def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, o
     chains = 2 if len(ranks) == 4 else 1
     work = models.fwd_work(dev, O, I, Kk, ranks, compute, out_dtype, pack_width=kernels.pack_width)
     # fp32 (FMA dots): one row per dot or the packed rows; 16-bit (tensor cores, write-bound): one row
-    packs = sorted({1, _tl().o_pack_for(Kk, 32)}) if not tc else [1]
+    packs = sorted({1, kernels.o_pack_for(Kk, 32)}) if not tc else [1]
     cfgs = [dict(block_o=bo * opk, block_i=bi, group_o=8, num_warps=w, num_stages=s, o_pack=opk)
             for opk in packs for bo in (4, 8, 16, 32) for bi in (32, 64, 128, 256) for w in (4, 8)
             for s in (1, 2, 3)]
@@ -104,13 +101,6 @@ TILELANG = {"lora_tucker_fwd": (_tl_plan, lambda a1, t1, b1, a2, t2, b2, *a: (
     tuple(a1.shape), tuple(t1.shape), tuple(b1.shape), None if t2 is None else tuple(t2.shape)))}
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"lora_tucker_fwd": TL.tucker_fwd}[op](*args, **kw)
-
-
 _FRONT = tune.Front()
 
 
@@ -128,29 +118,22 @@ def tucker_fwd_kwargs(a1, t1, b1, a2, t2, b2, gamma):
     O, I, Kk = int(a1.shape[0]), int(b1.shape[1]), int(t1.shape[2])
     ranks = (int(t1.shape[0]), int(t1.shape[1])) + ((int(t2.shape[0]), int(t2.shape[1])) if two else ())
     compute = compute_dtype(*(t.dtype for t in (a1, t1, b1, a2, t2, b2) if t is not None))
-    TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "Kk": Kk, "ranks": ranks}, flags={"out": a1.dtype})
-    if TL.one_launch(O, I, Kk, ranks[1::2], compute):
+    if kernels.one_launch(O, I, Kk, ranks[1::2], compute):
         # one program building its own AT: launch-bound (a few µs of device time), so no tile is
         # worth the second launch a timed pick may bring (a multi-program tile needs AT first)
         _FRONT[fk] = {}
         return {}
-    d = TL.default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
+    d = kernels.default_tucker_cfg(O, I, Kk, max(ranks), two, compute)
     default = as_dict(d)
     return tune.pick(
         "lora_tucker_fwd", BACKEND, key,
         lambda: plan_tucker_fwd(facts(dev), O, I, Kk, ranks, compute, a1.dtype, default=default),
-        lambda kw: launch("lora_tucker_fwd", a1, t1, b1, a2, t2, b2, gamma, **kw),
-        lambda: reference_module("lora").lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.TuckerCfg(**c)}, front=(_FRONT, fk))
+        lambda kw: kernels.tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, **kw),
+        lambda: reference.lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.TuckerCfg(**c)}, front=(_FRONT, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """A 3x3 conv LoCon tucker rebuild (out x in, rank) for ``tune.warmup``."""
-    O, I, r = layer.out_features, layer.in_features, min(layer.rank, 64)
-    return [("lora_tucker_fwd", (rand((O, r), dtype, device, gen, 0.1), rand((r, r, 9), dtype, device, gen, 0.1),
-                                 rand((r, I), dtype, device, gen, 0.1), None, None, None, 1.0))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"lora_tucker_fwd": tucker_fwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"lora_tucker_fwd": kernels.tucker_fwd}
