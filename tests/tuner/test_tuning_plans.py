@@ -268,7 +268,7 @@ def test_lokr_bypass_shortlists_offer_rounded_intermediates_at_16_bits():
 
     dev = device.synthetic()
     bf, f32 = torch.bfloat16, torch.float32
-    from lycoris_ops.backends.triton.kernels import lokr as TK
+    from lycoris_ops.backends.triton.kernels import lokr_bypass as TK
 
     for plan_of in (lambda cd: P.plan_bypass_fwd(dev, 32768, 64, 64, 64, 64, cd, cd, cd, True,
                                                  default=as_dict(TK.BypassFwdCfg())),

@@ -20,6 +20,7 @@ from lycoris_ops.backends.triton.kernels import lora as lora_kernels
 from lycoris_ops.backends.triton.kernels import tucker as tucker_kernels
 from lycoris_ops.backends.triton.kernels import loha as loha_kernels
 from lycoris_ops.backends.triton.kernels import lokr as lokr_kernels
+from lycoris_ops.backends.triton.kernels import lokr_bypass as lokr_bypass_kernels
 from lycoris_ops.backends.triton.kernels import dora as dora_kernels
 from lycoris_ops.backends.triton.kernels import oft as oft_kernels
 from lycoris_ops.backends.triton.kernels import boft as boft_kernels
@@ -156,7 +157,7 @@ def lokr_bypass_fwd(x, w1, w2, gamma, base=None):
         kw = lokr_tuning.bypass_fwd_kwargs(x, w1, w2, gamma, base)
         if is_eager(kw):
             return lokr_reference.lokr_bypass_fwd(x, w1, w2, gamma, base)
-        return lokr_kernels.bypass_fwd(x, w1, w2, gamma, base, **kw)
+        return lokr_bypass_kernels.bypass_fwd(x, w1, w2, gamma, base, **kw)
 
 
 def lokr_bypass_bwd(grad, x, w1, w2, gamma):
@@ -164,7 +165,7 @@ def lokr_bypass_bwd(grad, x, w1, w2, gamma):
         kw = lokr_tuning.bypass_bwd_kwargs(grad, x, w1, w2, gamma)
         if is_eager(kw):
             return lokr_reference.lokr_bypass_bwd(grad, x, w1, w2, gamma)
-        return lokr_kernels.bypass_bwd(grad, x, w1, w2, gamma, **kw)
+        return lokr_bypass_kernels.bypass_bwd(grad, x, w1, w2, gamma, **kw)
 
 
 def dora_fwd(w, dscale, mult, row_axis, delta=None):

@@ -1,4 +1,4 @@
-"""Triton kernels of DoRA (OPS.md §2.4): ``dora_fwd`` and ``dora_bwd``.
+"""Triton kernels of DoRA (docs/ops.md §2.4): ``dora_fwd`` and ``dora_bwd``.
 
 Written from the math (``reference/dora.py`` is the oracle, same numerics):
 ``M = w + delta`` is read in-kernel (each operand in its own dtype, summed in
@@ -304,7 +304,7 @@ def _common(w, dscale, row_axis, delta, cfg, bwd, *others):
 # --------------------------------------------------------------------------- launchers
 
 def dora_fwd(w, dscale, mult, row_axis, delta=None, cfg: Optional[DoraCfg] = None):
-    """``(y, norms)`` of OPS.md §2.4.1 (see ``reference.dora.dora_fwd``).
+    """``(y, norms)`` of docs/ops.md §2.4.1 (see ``reference.dora.dora_fwd``).
 
     w, delta: (R0, R1) any strides; dscale: w.shape[row_axis] elements. One pass
     when a tile of whole norm vectors fits in registers, else two."""
@@ -338,7 +338,7 @@ def dora_fwd(w, dscale, mult, row_axis, delta=None, cfg: Optional[DoraCfg] = Non
 
 
 def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None, cfg: Optional[DoraCfg] = None):
-    """``(g_M, g_dscale)`` of OPS.md §2.4.2 (exact derivative, see ``reference.dora.dora_bwd``).
+    """``(g_M, g_dscale)`` of docs/ops.md §2.4.2 (exact derivative, see ``reference.dora.dora_bwd``).
 
     One pass when G and M tiles of whole norm vectors fit in registers, else two."""
     cfg = cfg or DoraCfg()

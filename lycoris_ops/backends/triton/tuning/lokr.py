@@ -1,20 +1,7 @@
-"""Cost models and tuned launch configs of the Triton LoKr kernels
-(``lycoris_ops/backends/triton/kernels/lokr.py``): the Kronecker merges (``lokr_full_merge_fwd``,
-``lokr_merge_fwd``) and their backward (``lokr_full_merge_bwd``,
-``lokr_merge_bwd``), ``lokr_bypass_fwd``, ``lokr_bypass_bwd``.
-
-Merges: program = a (block_m x block_n) tile of the *tile* factor (w2, or w1
-with ``swap``) times a range of entries of the *loop* factor; write-bound:
-a·b·c·d outputs. The stores of one tile are contiguous runs of the tile's
-column count when w2 is tiled, single elements (stride d) when w1 is: runs
-shorter than a 32-byte sector cost a whole sector. Backward: the same program
-layout reading G, plus fp32 partials and reduce / chain launches.
-
-Bypass forward: program = (block_t tokens, block_c of c): Z = X·w2ᵀ
-(bt·pow2(b) x bc, fp32, hi/lo 16-bit dots) then Y = γ·w1·Z per block_a of a;
-``swap`` runs the transposed contraction. Register tile bt·pow2(b)·bc <= 16384.
-Bypass backward: persistent programs over token tiles, one pass (gx, g_w1,
-g_w2) or two (``passes``), fp32 partials per program + reduce launches.
+"""Tuned launch configs of the Triton LoKr kernels (``kernels/lokr.py``): the Kronecker
+merges (``lokr_full_merge_fwd``, ``lokr_merge_fwd``), their backward
+(``lokr_full_merge_bwd``, ``lokr_merge_bwd``), ``lokr_bypass_fwd``, ``lokr_bypass_bwd``.
+Work models: ``tuner/models/lokr.py``.
 
 TileLang (``TILELANG``, ``backends/tilelang/runner.py``): ``backends/tilelang/kernels/lokr.py``'s merge output tile
 (TL_KRON: also the streamed form, a tile of w2 a program, its base blocks in registers or a
@@ -34,7 +21,7 @@ import math
 import torch
 
 from lycoris_ops.backends.triton import precompile
-from lycoris_ops.backends.triton.kernels import fusedkit, lokr as kernels
+from lycoris_ops.backends.triton.kernels import fusedkit, lokr as kernels, lokr_bypass as bypass_kernels
 from lycoris_ops.reference import lokr as reference
 from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
@@ -51,7 +38,7 @@ DEVICE_TYPES = ("cuda",)
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(kernels, fusedkit)
+    return tune.source_version(kernels, bypass_kernels, fusedkit)
 
 
 # =============================================================================== merges
@@ -108,9 +95,9 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
         if kernels._chain_fuses(n_tiles * split, len(reduces), dims):  # the chains inside the one program
             return {grad_kernel + ("chain",)}
         out = {grad_kernel}
-        if reduces:  # two reduces share one launch (_fusedkit.reduce_pair_launch)
+        if reduces:  # two reduces share one launch (fusedkit.reduce_pair_launch)
             out.add(("reduce", *reduces, swap))
-        if chains:  # both sides factorized: one launch (_fusedkit.chain_pair_launch)
+        if chains:  # both sides factorized: one launch (fusedkit.chain_pair_launch)
             out.add(("chain", *chains, swap))
         return out
 
@@ -138,8 +125,8 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
                      n=n, default=default, default_s=predict(work, default, dev), eager_s=eager_s)
     if len(splits) > 1 and not any(isinstance(c, dict) and c["split"] is False for c in plan.candidates):
         # the model ties the two where memory bounds the tile: time the twin of its best config,
-        # second, where the sequential path's tune budget never skips it (H200, 32768 tokens,
-        # 64x64, bf16, no base: 0.165 ms against 0.367 for the launcher default)
+        # second, where the sequential path's tune budget never skips it (measured twice as
+        # fast as the launcher default at long token counts)
         best, t = next(((c, t) for c, t in zip(plan.candidates, plan.predicted)
                         if isinstance(c, dict) and math.isfinite(t)), (None, math.inf))
         if best is not None:
@@ -149,13 +136,12 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
 
 def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, g_dtype, *,
                     default=None, n: int = 5):
-    work, eager_s = models.bwd_model(dev, T, a, b, c, d, compute, x_dtype, g_dtype, grid=kernels.bwd_grid,
+    work, eager_s = models.bwd_model(dev, T, a, b, c, d, compute, x_dtype, g_dtype, grid=bypass_kernels.bwd_grid,
                                      reduce_block=fusedkit.reduce_block)
-    # 16-bit: 4 warps only (8 were 1.5-3x slower at every setting the H200 timed, which
-    # the model cannot see: triton/lokr.bwd_grid); programs 0 = the launcher's two per
-    # SM at 4 warps, sm_count = one. split False: H and P rounded to 16 bits as eager rounds
-    # them (5 dots a tile instead of 8: 0.28 against 0.39 ms at 32768 tokens, 64x64, bf16);
-    # the default keeps them unrounded, and the tuner checks every candidate against eager
+    # 16-bit: 4 warps only (8 measured slower at every setting, which the model cannot see:
+    # bypass_kernels.bwd_grid); programs 0 = the launcher's two per SM at 4 warps, sm_count = one.
+    # split False: H and P rounded to 16 bits as eager rounds them (5 dots a tile instead of
+    # 8); the default keeps them unrounded, and the tuner checks every candidate against eager
     f32 = compute == torch.float32
     warps, splits = ((4, 8), (True,)) if f32 else ((4,), (True, False))
     cfgs = [dict(block_t=bt, passes=p, programs=pr, split=sp, swap=sw, num_warps=w, num_stages=s)
@@ -422,7 +408,7 @@ def _bypass_bwd_tl(dev, grad, x, w1, w2, gamma, n: int = TL_N):
     a, b, c, d = dims
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
     gx_work, _ = models.fwd_model(dev, T, b, a, d, c, compute, grad.dtype, x.dtype, False)
-    wg_work, eager = models.bwd_model(dev, T, a, b, c, d, compute, x.dtype, grad.dtype, grid=kernels.bwd_grid,
+    wg_work, eager = models.bwd_model(dev, T, a, b, c, d, compute, x.dtype, grad.dtype, grid=bypass_kernels.bwd_grid,
                                        reduce_block=fusedkit.reduce_block)
 
     def tl_work(k):
@@ -471,7 +457,7 @@ def _merge_kwargs(op, fk_name, fk, a, b, c, d, r1, r2, compute, out_dtype, base_
 
 
 def full_merge_fwd_kwargs(w1, w2, base, gamma, out_dtype=None):
-    """Launcher kwargs for ``triton.lokr.merge_fwd`` as ``lokr_full_merge_fwd`` calls it."""
+    """Launcher kwargs for ``kernels.merge_fwd`` as ``lokr_full_merge_fwd`` calls it."""
     dev = w2.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -485,7 +471,7 @@ def full_merge_fwd_kwargs(w1, w2, base, gamma, out_dtype=None):
 
 
 def full_merge_bwd_kwargs(grad, w1, w2, gamma):
-    """Launcher kwargs for ``triton.lokr.merge_bwd`` as ``lokr_full_merge_bwd`` calls it."""
+    """Launcher kwargs for ``kernels.merge_bwd`` as ``lokr_full_merge_bwd`` calls it."""
     dev = grad.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -498,7 +484,7 @@ def full_merge_bwd_kwargs(grad, w1, w2, gamma):
 
 
 def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
-    """Launcher kwargs for ``triton.lokr.merge_fwd`` as ``lokr_merge_fwd`` calls it."""
+    """Launcher kwargs for ``kernels.merge_fwd`` as ``lokr_merge_fwd`` calls it."""
     dev = w2a.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -515,7 +501,7 @@ def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
 
 
 def merge_bwd_kwargs(grad, w1a, w1b, w2a, w2b, shape, gamma):
-    """Launcher kwargs for ``triton.lokr.merge_bwd`` as ``lokr_merge_bwd`` calls it."""
+    """Launcher kwargs for ``kernels.merge_bwd`` as ``lokr_merge_bwd`` calls it."""
     dev = grad.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -537,7 +523,7 @@ def _bypass_default(default_fn, cost, T, a, b, c, d, compute):
 
 
 def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
-    """Launcher kwargs for ``triton.lokr.bypass_fwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``bypass_kernels.bypass_fwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -554,20 +540,20 @@ def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
 
     def plan():
         try:
-            default = _bypass_default(kernels.default_bypass_fwd_cfg, models.fwd_cost, T, a, b, c, d, compute)
+            default = _bypass_default(bypass_kernels.default_bypass_fwd_cfg, models.fwd_cost, T, a, b, c, d, compute)
         except Exception:
             default = None
         return plan_bypass_fwd(facts(dev), T, a, b, c, d, compute, x.dtype, out, base is not None, default=default)
 
     return tune.pick(
         "lokr_bypass_fwd", BACKEND, key, plan,
-        lambda kw: kernels.bypass_fwd(x, w1, w2, gamma, base, **kw),
+        lambda kw: bypass_kernels.bypass_fwd(x, w1, w2, gamma, base, **kw),
         lambda: reference.lokr_bypass_fwd(x, w1, w2, gamma, base),
-        device=dev, version=version(), resolve=lambda cfg: {"cfg": kernels.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk), prepare=precompile.precompile)
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": bypass_kernels.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk), prepare=precompile.precompile)
 
 
 def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
-    """Launcher kwargs for ``triton.lokr.bypass_bwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``bypass_kernels.bypass_bwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -583,16 +569,16 @@ def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
 
     def plan():
         try:
-            default = _bypass_default(kernels.default_bypass_bwd_cfg, models.bwd_cost, T, a, b, c, d, compute)
+            default = _bypass_default(bypass_kernels.default_bypass_bwd_cfg, models.bwd_cost, T, a, b, c, d, compute)
         except Exception:
             default = None
         return plan_bypass_bwd(facts(dev), T, a, b, c, d, compute, x.dtype, grad.dtype, default=default)
 
     return tune.pick(
         "lokr_bypass_bwd", BACKEND, key, plan,
-        lambda kw: kernels.bypass_bwd(grad, x, w1, w2, gamma, **kw),
+        lambda kw: bypass_kernels.bypass_bwd(grad, x, w1, w2, gamma, **kw),
         lambda: reference.lokr_bypass_bwd(grad, x, w1, w2, gamma),
-        device=dev, version=version(), resolve=lambda cfg: {"cfg": kernels.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk), prepare=precompile.precompile)
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": bypass_kernels.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk), prepare=precompile.precompile)
 
 
 KWARGS = {"lokr_full_merge_fwd": full_merge_fwd_kwargs, "lokr_full_merge_bwd": full_merge_bwd_kwargs,
@@ -601,5 +587,5 @@ KWARGS = {"lokr_full_merge_fwd": full_merge_fwd_kwargs, "lokr_full_merge_bwd": f
 #: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
 LAUNCHERS = {"lokr_full_merge_fwd": kernels.lokr_full_merge_fwd,
              "lokr_full_merge_bwd": kernels.lokr_full_merge_bwd, "lokr_merge_fwd": kernels.lokr_merge_fwd,
-             "lokr_merge_bwd": kernels.lokr_merge_bwd, "lokr_bypass_fwd": kernels.bypass_fwd,
-             "lokr_bypass_bwd": kernels.bypass_bwd}
+             "lokr_merge_bwd": kernels.lokr_merge_bwd, "lokr_bypass_fwd": bypass_kernels.bypass_fwd,
+             "lokr_bypass_bwd": bypass_kernels.bypass_bwd}
