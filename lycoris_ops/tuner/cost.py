@@ -289,9 +289,8 @@ def make_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, tile_axes: Seque
               default: Optional[dict] = None, default_s: Optional[float] = None, eager_s: Optional[float] = None):
     """The shortlist of an op: ``shortlist(ranked, n, tile_axes)`` plus the launcher's fixed
     default config (so the tuned pick is never worse than it), then ``SENTINEL_EAGER``,
-    always: the model misjudged eager by 10x on the H200 (lora_tucker_fwd, bench/RESULTS.md
-    2026-11-30), so whether eager wins is measured, never predicted. No legal config:
-    eager alone.
+    always: the model has misjudged eager by an order of magnitude, so whether eager wins
+    is measured, never predicted. No legal config: eager alone.
 
     Order = the pick without timing (TUNE=off, capture, tracing) first: the model's best,
     except that the default (``default_s`` = its predicted time, None: unknown) goes first
@@ -317,16 +316,16 @@ def make_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, tile_axes: Seque
 
 
 #: distinct Triton compilations (kernel x constexprs x specialization x warps/stages) a cold
-#: key's shortlist may cost: a cold key compiles every one of them (0.3-1.5 s each on the
-#: H200 host; the tuner's worker threads overlap them only partly: Triton's front end holds
-#: the GIL), and the target is <= 2 s per cold key
+#: key's shortlist may cost: a cold key compiles every one of them (the tuner's worker
+#: threads overlap them only partly: Triton's front end holds the GIL), and a cold key
+#: should take a couple of seconds
 COMPILE_BUDGET = 8
 #: fused candidates a shared-structure shortlist keeps even past the budget (+ eager: 5)
 MIN_FUSED = 4
 #: fp32 elements of the tiles one loop step of a streaming kernel holds (channel rows x
-#: positions, summed over the streamed operands): the tf32x3 dots' compile time grows with
-#: the tile (sm_90, ptxas: 0.3-0.9 s up to 4096 elements, 1.8 s at 8192, 5.5 s at 16384)
-#: while the model predicts no gain from bigger ones (those streams are DRAM-bound)
+#: positions, summed over the streamed operands): the tf32x3 dots' compile time grows
+#: steeply past it while the model predicts no gain from bigger tiles (those streams are
+#: DRAM-bound)
 STREAM_TILE_MAX = 4096
 
 
@@ -423,7 +422,7 @@ def add_before_eager(plan, cand) -> None:
 def add_second(plan, cand, predicted: float) -> None:
     """Put ``cand`` right after the plan's first candidate: the planner's first two are timed
     even on the tuner's sequential path (one thread: outputs over half of
-    ``tune.PARALLEL_SCRATCH_BYTES``) once a cold key's compiles overrun the tune budget
+    ``timing.PARALLEL_SCRATCH_BYTES``) once a cold key's compiles overrun the tune budget
     (``tune.tune_budget``), which a variant placed before eager may not be. The first (the
     untimed pick) stays first."""
     plan.candidates.insert(1, cand)

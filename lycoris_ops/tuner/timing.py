@@ -16,6 +16,7 @@ import contextlib
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -229,7 +230,6 @@ def _warm_parallel(cands, idx, run, ref, threads, errors) -> bool:
     """First call (compile + warm-up, output checked against ``ref``) of the candidates
     ``idx`` on worker threads, on the calling thread's device and stream; failures go to
     ``errors``. Returns whether one ran out of memory."""
-    from concurrent.futures import ThreadPoolExecutor
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     dev = torch.cuda.current_device() if cuda else None
     stream = torch.cuda.current_stream(dev) if cuda else None

@@ -915,3 +915,25 @@ def test_a_noise_sized_lead_keeps_the_planners_earlier_candidate():
     far = tune.TIE_MARGIN * 1.05
     t = FakeTimer({"block=64,num_warps=4": far * 1e-6, "block=128,num_warps=8": 1e-6, EAGER: 5e-6})
     assert _select(key=(("dtype", "bfloat16"), ("T", 4096)), timer=t) == B  # another key: timed afresh
+
+
+def test_tuner_core_imports_no_backend():
+    """The tuner core (keys, timing, selection, store, device facts, cost and work models)
+    imports only itself and ``lycoris_ops.settings``: backends call into it, never the
+    other way round (a backend's launcher rule reaches a work model as an argument)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(tune.__file__).parent
+    allowed = ("lycoris_ops.tuner", "lycoris_ops.settings")
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] if node.module != "lycoris_ops" else [f"lycoris_ops.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            bad += [f"{path.name}: {n}" for n in names if n.startswith("lycoris_ops") and not n.startswith(allowed)]
+    assert not bad, bad

@@ -1,11 +1,6 @@
-"""Cost model and tuned launch config of the Triton ``add_scaled`` kernel
-(``lycoris_ops/backends/triton/kernels/add.py``): ``out = base + γ·delta``, one program per
-``block`` elements, purely memory-bound.
-
-Model: DRAM bytes = numel·(base + delta + out element sizes); a program keeps
-``block·(eb + ed)`` bytes in flight; registers ``3·block / threads`` per thread;
-blocks of at most 64 elements per thread. Key: bucketed numel, the two dtypes
-and whether each operand is one contiguous run (strided views read slower).
+"""Tuned launch config of the Triton ``add_scaled`` kernel (``kernels/add.py``): one program
+per ``block`` elements. Work model: ``tuner/models/add.py``. Key: bucketed numel, the two
+dtypes and whether each operand is one contiguous run (strided views read slower).
 """
 from __future__ import annotations
 
@@ -69,7 +64,7 @@ _FRONT = tune.Front()
 
 
 def add_scaled_kwargs(base, delta, gamma):
-    """Launcher kwargs for ``triton.add.add_scaled`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.add_scaled`` (or SENTINEL_EAGER)."""
     dev = base.device
     if dev.type not in DEVICE_TYPES:
         return {}

@@ -1,25 +1,12 @@
-"""Cost models and tuned launch configs of the Triton BOFT kernels
-(``lycoris_ops/backends/triton/kernels/boft.py``): ``boft_fwd`` and ``boft_bwd``.
+"""Tuned launch configs of the Triton BOFT kernels (``kernels/boft.py``): ``boft_fwd`` and
+``boft_bwd``. Work model: ``tuner/models/boft.py`` (segments of butterfly stages). Key:
+exact m, nb, s, bucketed positions, channel contiguity, rescale / diff, dtypes.
 
-The m butterfly stages are cut into segments of at most L stages, the largest
-L with 2^L·pow2(s/2) <= ``max_group`` channels; one launch per segment (a
-program: one channel group of GP = max(16, 2^L·pow2(s/2)) rows and a share of
-the positions), after two small launches shared by all segments (the Cayley
-factors of every block; the GP x GP group matrix of every group). More stages
-per segment = fewer passes over x (each extra segment streams an fp32 scratch
-of x's size in and out) but a bigger GP x GP dot per tile. ``block_p``
-positions per tile; the backward keeps the segment inputs (forward passes at
-``block_p``), streams each segment back (two dots per tile at ``bwd_block_p``,
-fp32 partials) and runs one tiny chain launch per segment.
-
-Key: exact m, nb, s, bucketed positions, channel contiguity, rescale / diff,
-dtypes.
-
-Shortlist (``cost.make_shared_plan``): every candidate has the first one's
-segments (``max_group``), so the Cayley, group-matrix and chain launches compile
-once per key and the candidates differ in the streaming kernels' tiles, warps and
-stages (streamed tiles of at most ``STREAM_TILE_MAX`` fp32 elements);
-one segment: 2 + 5 compiles forward, 3 + 5 backward.
+Shortlist (``cost.make_shared_plan``): every candidate has the first one's segments
+(``max_group``), so the Cayley, group-matrix and chain launches compile once per key and
+the candidates differ in the streaming kernels' tiles, warps and stages (streamed tiles of
+at most ``STREAM_TILE_MAX`` fp32 elements); one segment: 2 + 5 compiles forward, 3 + 5
+backward.
 
 TileLang (``TILELANG``): the per-stage streaming kernels' tile and threads in
 backends/triton/tuning/oft.py's spaces, scored by the model above with one stage per segment.
@@ -106,7 +93,7 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
                             n=n - 1 if bwd and ex == 2 else n, default=default,
                             default_s=predict(work, default, dev), eager_s=eager)
     # x and blocks 16-bit (so y, gx and g_blocks too): bf16x3 on the fp32 scratch, split16 on x
-    # and G (triton/oft.BF16X3); blocks fp32: split16 only (g_blocks keeps fp32 accuracy)
+    # and G (oft_kernels.BF16X3); blocks fp32: split16 only (g_blocks keeps fp32 accuracy)
     return with_split16(plan, ex, kernels.BF16X3 if eb == 2 else "")
 
 
@@ -190,7 +177,7 @@ _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
 def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
-    """Launcher kwargs for ``triton.boft.boft_fwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.boft_fwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -212,7 +199,7 @@ def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
 
 
 def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
-    """Launcher kwargs for ``triton.boft.boft_bwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.boft_bwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}

@@ -1,16 +1,9 @@
-"""Cost models and tuned launch configs of the Triton DoRA kernels
-(``lycoris_ops/backends/triton/kernels/dora.py``): ``dora_fwd`` and ``dora_bwd``.
+"""Tuned launch configs of the Triton DoRA kernels (``kernels/dora.py``): ``dora_fwd`` and
+``dora_bwd``. Work model: ``tuner/models/dora.py`` (resident or streamed norm vectors).
 
-M (= w + delta) is seen as R norm vectors of NC elements. Two variants, chosen
-by the config: *resident* (a tile of BR whole vectors in registers; one pass:
-M read once) and *streamed* (two passes: a split sum of squares / (ρ, ‖M‖²),
-then the scale / gradient pass: M read twice). The tuner picks between them
-through ``resident_max`` (0 forces streaming) and the streamed tile (br, bc).
-
-Model: memory-bound; the resident tile is an fp32 register footprint (spills
-above 255 registers per thread are penalized); tiles are oriented by the
-launcher along the contiguous axis. Key: exact R, NC (weight dims), the
-orientation, delta present, dtypes.
+The tuner picks between the two variants through ``resident_max`` (0 forces streaming) and
+the streamed tile (br, bc). Key: exact R, NC (weight dims), the orientation, delta present,
+dtypes.
 """
 from __future__ import annotations
 
@@ -128,7 +121,7 @@ _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
 def dora_fwd_kwargs(w, dscale, mult, row_axis, delta=None):
-    """Launcher kwargs for ``triton.dora.dora_fwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.dora_fwd`` (or SENTINEL_EAGER)."""
     dev = w.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -150,7 +143,7 @@ def dora_fwd_kwargs(w, dscale, mult, row_axis, delta=None):
 
 
 def dora_bwd_kwargs(grad, w, dscale, norms, mult, row_axis, delta=None):
-    """Launcher kwargs for ``triton.dora.dora_bwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.dora_bwd`` (or SENTINEL_EAGER)."""
     dev = w.device
     if dev.type not in DEVICE_TYPES:
         return {}

@@ -1,14 +1,6 @@
-"""Cost models and tuned launch configs of the Triton IA3 kernels
-(``lycoris_ops/backends/triton/kernels/ia3.py``): ``ia3_fwd`` and ``ia3_bwd``.
-
-x is seen as a (M, N) matrix: channels last -> (tokens, C); channels on another
-axis -> (A·C, B) rows of one channel each. A program owns a ``block_m x
-block_n`` tile (the backward reduces its tile along the reduced direction,
-fp32 partials per ``split`` + one column-sum launch when split). Memory-bound.
-
-Model: DRAM bytes = the operands once (+ partials), a program keeps its tile in
-flight; rows narrower than a 32-byte sector waste the rest of it. Key: bucketed
-M, exact N, the row kind, dtypes.
+"""Tuned launch configs of the Triton IA3 kernels (``kernels/ia3.py``): ``ia3_fwd`` and
+``ia3_bwd``. Work model: ``tuner/models/ia3.py`` (memory-bound tiles of x seen as a matrix).
+Key: bucketed M, exact N, the row kind, dtypes.
 """
 from __future__ import annotations
 
@@ -111,7 +103,7 @@ _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
 def ia3_fwd_kwargs(x, w, channel_axis, alpha, gamma):
-    """Launcher kwargs for ``triton.ia3.ia3_fwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.ia3_fwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -130,7 +122,7 @@ def ia3_fwd_kwargs(x, w, channel_axis, alpha, gamma):
 
 
 def ia3_bwd_kwargs(grad, x, w, channel_axis, alpha, gamma):
-    """Launcher kwargs for ``triton.ia3.ia3_bwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.ia3_bwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}

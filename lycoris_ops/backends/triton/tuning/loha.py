@@ -1,24 +1,15 @@
-"""Cost models and tuned launch configs of the Triton LoHa kernels
-(``lycoris_ops/backends/triton/kernels/loha.py``): ``loha_bypass_fwd``, ``loha_bypass_bwd``,
-``loha_merge_bwd``.
+"""Tuned launch configs of the Triton LoHa kernels (``kernels/loha.py``): ``loha_bypass_fwd``,
+``loha_bypass_bwd``, ``loha_merge_bwd``. Work models: ``tuner/models/loha.py``.
 
-Bypass (``Y = γ·x·ΔWᵀ``, ΔW = (a1·b1)⊙(a2·b2)) has two whole-op strategies,
-both candidates: *regen* (ΔW tiles regenerated inside the GEMM's K loop, two
-bn x bk x rp dots per step, repeated for every token tile: extra flops
-4·O·I·rp per token tile) and *materialize* (ΔW built once, 4·O·I·rp flops and
-O·I written, then a plain GEMM reading it). The GEMM is scored with a grouped
-tile order (operands re-read once per 8 tiles when they exceed half of L2).
-The backward runs gx (T x I, K = O) and GW = Gᵀ·x (O x I, K = T), then the two
-merge-backward jobs on GW with ``grad_cfg``. Its shortlist (``cost.make_shared_plan``)
-varies the gx GEMM only: GW's tiles (``gw_cfg``) and ``grad_cfg`` are the launcher
-default's, shared by every candidate (the model's picks for these two untimed parts,
-a small GW tile over the long K = T and a one-split merge backward, made every candidate
-slower than the default launch on the H200), so a cold key compiles ΔW's, GW's and
-the merge-backward kernels once (4-6) plus one gx GEMM per candidate: up to 10
-kernels, two over ``COMPILE_BUDGET`` (built in parallel children: 1.2-2.0 s cold on the H200).
-
-Merge backward (per job, rows M over N): regenerate P1, P2 tiles and form the
-two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
+The bypass forward's two strategies (*regen*, *materialize*) are both candidates. The
+backward runs gx (T x I, K = O) and GW = Gᵀ·x (O x I, K = T), then the two merge-backward
+jobs on GW with ``grad_cfg``. Its shortlist (``cost.make_shared_plan``) varies the gx GEMM
+only: GW's tiles (``gw_cfg``) and ``grad_cfg`` are the launcher default's, shared by every
+candidate (the model's picks for these two untimed parts, a small GW tile over the long
+K = T and a one-split merge backward, were measured slower than the default launch), so a
+cold key compiles ΔW's, GW's and the merge-backward kernels once plus one gx GEMM per
+candidate. Where cuBLAS can win (16-bit, ``models.VENDOR_MIN_MACS``), a vendor-GEMM twin of
+the first config is timed too, never the untimed pick.
 """
 from __future__ import annotations
 
@@ -70,7 +61,7 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
                      tile_axes=("strategy", "block_m", "block_n", "block_k"), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
     if tc and T * O * I >= models.VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
-        # ΔW by the tile kernel, the T·O·I GEMM by cuBLAS (triton/loha.bypass_fwd(vendor=True)):
+        # ΔW by the tile kernel, the T·O·I GEMM by cuBLAS (kernels.bypass_fwd(vendor=True)):
         # timed against eager, never the untimed pick
         add_before_eager(plan, {**plan.candidates[0], "strategy": "materialize", "vendor": True})
     return plan
@@ -93,7 +84,7 @@ def plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, *
     plan = make_plan("loha_merge_bwd", rank(_grad_configs(dev, tc), work, dev), tile_axes=("block_m", "block_n"),
                      n=n, default=default, default_s=predict(work, default, dev), eager_s=eager)
     if tc and O * I * R >= models.MERGE_VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
-        # E1, E2 by one Triton pass, the four contractions by cuBLAS (triton/loha.merge_bwd(vendor=True)):
+        # E1, E2 by one Triton pass, the four contractions by cuBLAS (kernels.merge_bwd(vendor=True)):
         # the fused jobs regenerate P1, P2 twice; timed against eager, never the untimed pick
         add_before_eager(plan, {**plan.candidates[0], "vendor": True})
     return plan
@@ -117,8 +108,8 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     default = default or {}
     d_cfg, d_grad = default.get("cfg"), default.get("grad_cfg")
     # GW's tiles: one config for every candidate, the launcher's own (the model ranks GW only when
-    # there is no default): on the H200 its pick, a 32x64 tile over K = T = 8192 at 3072^2, measured
-    # 3x slower than the default's, made every candidate lose to eager while the default launch won
+    # there is no default): its pick, a small tile over the long K = T, measured several times
+    # slower than the default's, made every candidate lose to eager while the default launch won
     d_gw = default.get("gw_cfg") or (None if d_cfg is None else {**d_cfg, "strategy": "materialize"})
     if d_gw is not None:
         gw_cfg, t_gw = d_gw, predict(gw_works, d_gw, dev) or 0.0
@@ -126,8 +117,8 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
         w_rank = rank([c for c in _apply_configs(dev, O, R, tc) if c["strategy"] == "materialize"], gw_works, dev)
         gw_cfg, t_gw = (w_rank[0][1], w_rank[0][0]) if w_rank else (None, 0.0)
     # merge backward: the launcher default's too (the model's best, split or not, only without a
-    # default): untimed here, and the H200 runs showed a model pick (32x128, one split) costing
-    # more than the whole default backward at 3072^2, T=8192
+    # default): untimed here, and a model pick (one split) was measured costing more than the
+    # whole default backward
     if d_grad is not None:
         grad_cfg, t_grad = d_grad, predict(grads, d_grad, dev) or 0.0
     else:
@@ -159,7 +150,7 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     plan.candidates = [c if tune.is_eager(c) else {"cfg": c, "grad_cfg": grad_cfg, "gw_cfg": gw_cfg}
                        for c in plan.candidates]
     if tc and T * O * I >= models.VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
-        # the two T·O·I GEMMs by cuBLAS, the rest fused (triton/loha.bypass_bwd(vendor=True)): timed
+        # the two T·O·I GEMMs by cuBLAS, the rest fused (kernels.bypass_bwd(vendor=True)): timed
         # against eager, never the untimed pick; its ΔW tile kernel is the first candidate's
         first = plan.candidates[0]
         vendor = {**first, "cfg": {**first["cfg"], "strategy": "materialize"}, "vendor": True}
@@ -317,7 +308,7 @@ def _spelled(M, R, compute, regen: bool):
 
 
 def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
-    """Launcher kwargs for ``triton.loha.bypass_fwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.bypass_fwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -342,7 +333,7 @@ def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
 
 
 def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
-    """Launcher kwargs for ``triton.loha.bypass_bwd`` (``cfg``, ``grad_cfg``, ``gw_cfg``; or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.bypass_bwd`` (``cfg``, ``grad_cfg``, ``gw_cfg``; or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -371,7 +362,7 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
 
 
 def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
-    """Launcher kwargs for ``triton.loha.merge_bwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.merge_bwd`` (or SENTINEL_EAGER)."""
     dev = grad.device
     if dev.type not in DEVICE_TYPES:
         return {}

@@ -1,24 +1,13 @@
-"""Cost models and tuned launch configs of the Triton LoRA / LoCon kernels
-(``lycoris_ops/backends/triton/kernels/lora.py``): ``lora_bypass_fwd``, ``lora_bypass_bwd``,
-``lora_merge_fwd``, ``lora_merge_bwd``.
+"""Tuned launch configs of the Triton LoRA / LoCon kernels (``kernels/lora.py``):
+``lora_bypass_fwd``, ``lora_bypass_bwd``, ``lora_merge_fwd``, ``lora_merge_bwd``.
 
-``plan_<op>(dev, ...)`` scores the candidate tiles (``cost.Work`` per config)
-and returns a ``tune.Plan``: the five best tile shapes (one per shape, with its
-best warps / stages), the launcher's fixed default, and ``SENTINEL_EAGER`` when
-the eager composition could win. ``<op>_kwargs(<schema args>)`` is what the op
-set calls: ``{"cfg": <Cfg>}`` (keyword arguments of the launcher), or
-``SENTINEL_EAGER`` (run the eager body), or ``{}`` off CUDA (launcher defaults,
-e.g. under the Triton interpreter). Its steady state is one dict lookup.
-
-Models (per program, compute dtype size e, padded rank rp = pow2(r) >= 16):
-* bypass fwd: program = (token tile, O range); h = x·downᵀ (bt x rp fp32) is
-  recomputed per O range (flops x split); y tile bt x bo; x read once (the O
-  ranges of a token tile are adjacent), y (+ base) written once.
-* bypass bwd: token kernel (h, q, gx; q recomputed per I range, h by the first
-  range only: with ranges, those programs are the critical path) + the skinny
-  pair reduction (g_up over O rows, g_down over I rows, K = T, split-K partials).
-* merge fwd: an O x I output tile per program, rank loop of block_r; write-bound.
-* merge bwd: the skinny pair kernel (G read once per job).
+``plan_<op>(dev, ...)`` scores the candidate tiles with the op's work model
+(``tuner/models/lora.py``) and returns a ``Plan``: the best tile shapes (one per shape,
+with its best warps / stages), measured anchors, the launcher's fixed default, and
+``SENTINEL_EAGER``. ``<op>_kwargs(<schema args>)`` is what the op set calls:
+``{"cfg": <Cfg>}`` (keyword arguments of the launcher), or ``SENTINEL_EAGER`` (run the
+eager body), or ``{}`` off CUDA (launcher defaults, e.g. under the Triton interpreter).
+Its steady state is one dict lookup.
 """
 from __future__ import annotations
 
@@ -48,10 +37,10 @@ def version() -> str:
     return tune.source_version(kernels)
 
 
-#: configs measured best on an H200 at the e2e layer shapes (T=4096, r=32, I/O in
-#: 3072..12288; ``bench/sweep_lora.py``, bench/RESULTS.md 2026-11-30, the 08:35 call) where the model
-#: ranked small tiles first: large I/O tiles with deep pipelines stream better than it
-#: predicts. Always in the shortlist (when legal on the device), timed like the others.
+#: configs measured best at the e2e layer shapes (T=4096, r=32, I/O in 3072..12288;
+#: ``bench/sweep_lora.py``) where the model ranked small tiles first: large I/O tiles with
+#: deep pipelines stream better than it predicts. Always in the shortlist (when legal on the
+#: device), timed like the others.
 FWD_ANCHORS = (
     dict(block_t=64, block_i=64, block_o=128, o_split=0, num_warps=4, num_stages=4),
     dict(block_t=32, block_i=256, block_o=256, o_split=1, num_warps=4, num_stages=4),
@@ -363,7 +352,7 @@ EAGER = tune.SENTINEL_EAGER
 
 
 def bypass_fwd_kwargs(x, up, down, gamma, base=None):
-    """Launcher kwargs for ``triton.lora.bypass_fwd`` (or SENTINEL_EAGER) for this call."""
+    """Launcher kwargs for ``kernels.bypass_fwd`` (or SENTINEL_EAGER) for this call."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -391,7 +380,7 @@ def _bwd_cfg(c):
 
 
 def bypass_bwd_kwargs(grad, x, up, down, gamma):
-    """Launcher kwargs for ``triton.lora.bypass_bwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.bypass_bwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -414,7 +403,7 @@ def bypass_bwd_kwargs(grad, x, up, down, gamma):
 
 
 def merge_fwd_kwargs(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
-    """Launcher kwargs for ``triton.lora.merge_fwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.merge_fwd`` (or SENTINEL_EAGER)."""
     dev = a1.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -442,7 +431,7 @@ def merge_fwd_kwargs(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
 
 
 def merge_bwd_kwargs(grad, up, down, gamma):
-    """Launcher kwargs for ``triton.lora.merge_bwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.merge_bwd`` (or SENTINEL_EAGER)."""
     dev = up.device
     if dev.type not in DEVICE_TYPES:
         return {}

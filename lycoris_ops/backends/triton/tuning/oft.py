@@ -1,28 +1,16 @@
-"""Cost models and tuned launch configs of the Triton diag-OFT kernels
-(``lycoris_ops/backends/triton/kernels/oft.py``): ``oft_fwd`` and ``oft_bwd``.
+"""Tuned launch configs of the Triton diag-OFT kernels (``kernels/oft.py``): ``oft_fwd`` and
+``oft_bwd``. Work model: ``tuner/models/oft.py``. Key: exact K, S, bucketed positions,
+channel contiguity, rescale present, dtypes.
 
-A program owns a group of NB blocks (GP = NB·pow2(S) channel rows, at least
-16, ``group`` rows when set) and a share of the positions (``split`` programs
-per group): it rebuilds its Cayley factors in fp32 registers (batched
-Gauss–Jordan, ~4·S³ flops per block, repeated per program), then streams
-``block_p`` positions per tile with one GP x GP x block_p dot (tf32x3 on fp32
-tiles: counted as 3 tensor-core passes). The backward also accumulates
-P = Σ G·Xᵀ (a second dot per tile) into fp32 partials, then a tiny chain launch.
+The forward launcher's default (``kernels.FWD_CFG``) rebuilds the Cayley factor by the
+Neumann series (``cayley.neumann_inverse``; ``neumann``: its registers leave two resident
+programs a SM, and the split follows: ``auto_split``); the shortlist always holds one such
+config and Gauss-Jordan ones beside it (``_with_neumann``), decided by timing.
 
-The forward launcher's default (``triton/oft.FWD_CFG``) rebuilds by the Neumann series
-of ``_cayley.neumann_inverse`` instead (``neumann``: its registers leave two resident
-programs a SM, and the split follows: ``auto_split``); the shortlist always holds one
-such config and Gauss-Jordan ones beside it (``_with_neumann``), decided by timing.
-
-Model: x (and G) read once, y (gx) written once; registers = the GP x block_p
-tile + the GP x GP factor. Key: exact K, S, bucketed positions, channel
-contiguity, rescale present, dtypes.
-
-Shortlist (``cost.make_shared_plan``): every kernel variant rebuilds the Cayley
-factors in registers, so each costs a full compile (0.5-1 s, sm_90): at most 4
-fused candidates, streamed tiles of at most ``STREAM_TILE_MAX`` fp32 elements;
-the backward's candidates share the first one's channel group (NB), so the
-chain kernel (its config = NB) compiles once per key: 1 + 4 compiles.
+Shortlist (``cost.make_shared_plan``): every kernel variant rebuilds the Cayley factors in
+registers, so each costs a full compile: at most 4 fused candidates, streamed tiles of at
+most ``STREAM_TILE_MAX`` fp32 elements; the backward's candidates share the first one's
+channel group (NB), so the chain kernel (its config = NB) compiles once per key.
 
 TileLang (``TILELANG``, ``backends/tilelang/runner.py``): the streaming kernel's positions per tile
 and threads (TL_APPLY, TL_STREAM; shared with BOFT), scored by the model above with the
@@ -105,9 +93,9 @@ def _with_neumann(plan) -> None:
     add_before_eager(plan, dict(fused[0], neumann=True, num_stages=3))
 
 
-#: the 16-bit backward's second twin: split16 with 64-row channel groups, 3 stages (H200,
-#: 32768x4096, S = 32, bf16: 0.367 ms against 0.494 at the default group of 32; the
-#: shared-structure shortlist keeps one group, so only this twin offers another)
+#: the 16-bit backward's second twin: split16 with 64-row channel groups, 3 stages (measured
+#: faster than the default group of 32 at long position counts; the shared-structure
+#: shortlist keeps one group, so only this twin offers another)
 WIDE_GROUP = 64
 
 
@@ -115,7 +103,7 @@ def _with_wide_split16(plan, geometry) -> None:
     """A 16-bit backward: the first config again with split16, ``group=WIDE_GROUP`` and 3
     stages, before eager, where that changes the group (two more compiles: the stream and
     chain kernels of the other group). Its tiles are 16-bit: up to twice STREAM_TILE_MAX
-    elements (the H200 ran 2x64x64 at this group)."""
+    elements (two 64 x 64 tiles at this group)."""
     cands = plan.candidates
     if not cands or not isinstance(cands[0], dict):
         return
@@ -128,7 +116,7 @@ def _with_wide_split16(plan, geometry) -> None:
 
 def with_split16(plan, ex: int, dot_prec: str = ""):
     """16-bit streams (``ex`` bytes per x element): the plan's first config again with
-    ``dot_prec=triton.oft.SPLIT16`` (three 16-bit dots instead of tf32x3; or the ``dot_prec``
+    ``dot_prec=kernels.SPLIT16`` (three 16-bit dots instead of tf32x3; or the ``dot_prec``
     given), before eager. Timed, never predicted: the model does not separate the dot modes."""
     cands = plan.candidates
     if ex != 2 or not cands or not isinstance(cands[0], dict):
@@ -254,7 +242,7 @@ def _key(blocks, x, rescale, weight, extra):
 
 
 def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
-    """Launcher kwargs for ``triton.oft.oft_fwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.oft_fwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}
@@ -272,7 +260,7 @@ def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
 
 
 def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
-    """Launcher kwargs for ``triton.oft.oft_bwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.oft_bwd`` (or SENTINEL_EAGER)."""
     dev = x.device
     if dev.type not in DEVICE_TYPES:
         return {}

@@ -1,12 +1,6 @@
-"""Cost model and tuned launch config of the Triton tucker rebuild
-(``lycoris_ops/backends/triton/kernels/tucker.py``): ``lora_tucker_fwd``.
-
-A first kernel builds ``AT = a·t`` (O, R', Kk); then the main kernel's program owns
-``block_o`` output rows o (a loop) by ``block_i`` columns i: per o, one dot of
-(block_i, R') × (R', KKP) per chain (KKP: Kk padded to a power of two, at least 16),
-stored as it is, one contiguous run of ``block_i·Kk`` elements. Write-bound for small
-ranks: O·I·Kk outputs; the KKP padding wastes dot work (not bytes); AT is re-read from
-L2 once per column tile. Key: exact O, I, Kk and ranks, dtypes.
+"""Tuned launch config of the Triton tucker rebuild (``kernels/tucker.py``):
+``lora_tucker_fwd``. Work model: ``tuner/models/tucker.py``. Key: exact O, I, Kk and ranks,
+dtypes; a call small enough for one program keeps the launcher's one launch, untimed.
 """
 from __future__ import annotations
 
@@ -105,7 +99,7 @@ _FRONT = tune.Front()
 
 
 def tucker_fwd_kwargs(a1, t1, b1, a2, t2, b2, gamma):
-    """Launcher kwargs for ``triton.tucker.tucker_fwd`` (or SENTINEL_EAGER)."""
+    """Launcher kwargs for ``kernels.tucker_fwd`` (or SENTINEL_EAGER)."""
     dev = a1.device
     if dev.type not in DEVICE_TYPES:
         return {}
