@@ -150,7 +150,7 @@ def oft(geo, dtype, dev, gen):
 def lokr(geo, dtype, dev, gen):
     """The LoKr bypass backward: one pass (gx, g_w1, g_w2 in one launch) over tokens per
     program x warps x stages x one or two persistent programs per SM; two and three passes."""
-    from lycoris_ops.backends.triton.kernels import lokr as TK
+    from lycoris_ops.backends.triton.kernels import lokr_bypass as TK
 
     T, a, c = geo["T"], geo["a"], geo["c"]
     x, g = _rand(gen, (T, a * c), dtype, dev), _rand(gen, (T, a * c), dtype, dev)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from lycoris_ops.tuner.device import DeviceFacts
+from lycoris_ops.tuner.keys import SENTINEL_EAGER, Plan, is_eager
 
 __all__ = ["Work", "Estimate", "estimate", "total", "once_or_each", "eager_time", "pow2_between", "rank", "shortlist",
            "LAUNCH_S", "EAGER_LAUNCH_S", "make_plan", "make_shared_plan", "COMPILE_BUDGET", "MIN_FUSED",
@@ -288,15 +289,12 @@ def make_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, tile_axes: Seque
               default: Optional[dict] = None, default_s: Optional[float] = None, eager_s: Optional[float] = None):
     """The shortlist of an op: ``shortlist(ranked, n, tile_axes)`` plus the launcher's fixed
     default config (so the tuned pick is never worse than it), then ``SENTINEL_EAGER``,
-    always: the model misjudged eager by 10x on the H200 (lora_tucker_fwd, bench/RESULTS.md
-    2026-11-30), so whether eager wins is measured, never predicted. No legal config:
-    eager alone.
+    always: the model has misjudged eager by an order of magnitude, so whether eager wins
+    is measured, never predicted. No legal config: eager alone.
 
     Order = the pick without timing (TUNE=off, capture, tracing) first: the model's best,
     except that the default (``default_s`` = its predicted time, None: unknown) goes first
     unless the model predicts a gain of more than ``DEFAULT_MARGIN``."""
-    from lycoris_ops.tuner.tune import SENTINEL_EAGER, Plan
-
     picked = shortlist(ranked, n, tile_axes, extra=[default] if default is not None else ())
     times = {}
     for t, c in ranked:
@@ -318,16 +316,16 @@ def make_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, tile_axes: Seque
 
 
 #: distinct Triton compilations (kernel x constexprs x specialization x warps/stages) a cold
-#: key's shortlist may cost: a cold key compiles every one of them (0.3-1.5 s each on the
-#: H200 host; the tuner's worker threads overlap them only partly: Triton's front end holds
-#: the GIL), and the target is <= 2 s per cold key
+#: key's shortlist may cost: a cold key compiles every one of them (the tuner's worker
+#: threads overlap them only partly: Triton's front end holds the GIL), and a cold key
+#: should take a couple of seconds
 COMPILE_BUDGET = 8
 #: fused candidates a shared-structure shortlist keeps even past the budget (+ eager: 5)
 MIN_FUSED = 4
 #: fp32 elements of the tiles one loop step of a streaming kernel holds (channel rows x
-#: positions, summed over the streamed operands): the tf32x3 dots' compile time grows with
-#: the tile (sm_90, ptxas: 0.3-0.9 s up to 4096 elements, 1.8 s at 8192, 5.5 s at 16384)
-#: while the model predicts no gain from bigger ones (those streams are DRAM-bound)
+#: positions, summed over the streamed operands): the tf32x3 dots' compile time grows
+#: steeply past it while the model predicts no gain from bigger tiles (those streams are
+#: DRAM-bound)
 STREAM_TILE_MAX = 4096
 
 
@@ -352,8 +350,6 @@ def make_shared_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, kernels: 
     launcher's default goes second when it is not first and shares the structure; a default
     of another structure that is not first (predicted more than ``DEFAULT_MARGIN`` slower) is
     left out. ``SENTINEL_EAGER`` last, always."""
-    from lycoris_ops.tuner.tune import SENTINEL_EAGER, Plan
-
     times: Dict[str, float] = {}
     for t, c in ranked:
         times.setdefault(_ckey(c), t)
@@ -418,8 +414,6 @@ def add_before_eager(plan, cand) -> None:
     """Put ``cand`` into ``plan`` just before its eager sentinel (at the end without one),
     predicted as the plan's first candidate: a variant the model cannot separate from it,
     decided by timing alone (never the untimed pick)."""
-    from lycoris_ops.tuner.tune import is_eager
-
     at = len(plan.candidates) - 1 if plan.candidates and is_eager(plan.candidates[-1]) else len(plan.candidates)
     plan.candidates.insert(at, cand)
     plan.predicted.insert(at, plan.predicted[0])
@@ -428,7 +422,7 @@ def add_before_eager(plan, cand) -> None:
 def add_second(plan, cand, predicted: float) -> None:
     """Put ``cand`` right after the plan's first candidate: the planner's first two are timed
     even on the tuner's sequential path (one thread: outputs over half of
-    ``tune.PARALLEL_SCRATCH_BYTES``) once a cold key's compiles overrun the tune budget
+    ``timing.PARALLEL_SCRATCH_BYTES``) once a cold key's compiles overrun the tune budget
     (``tune.tune_budget``), which a variant placed before eager may not be. The first (the
     untimed pick) stays first."""
     plan.candidates.insert(1, cand)

@@ -195,7 +195,7 @@ def _select():
 
     def timer(fn, cand):
         fn()
-        return times[tune._label(cand)]
+        return times[tune.label(cand)]
 
     return tune.select_config("add_scaled", "triton", (("dtype", "float32"), ("T", 64)), [A, EAGER],
                               lambda c: torch.ones(3), device="cpu", version=1, timer=timer)

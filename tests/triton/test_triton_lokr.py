@@ -20,6 +20,7 @@ triton = pytest.importorskip("triton")
 
 from lycoris_ops.testing import REL_TOL, make, rel_err  # noqa: E402
 from lycoris_ops.backends.triton.kernels import lokr as TK  # noqa: E402
+from lycoris_ops.backends.triton.kernels import lokr_bypass as TKB  # noqa: E402
 from triton_harness import run_compile_check  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -206,12 +207,12 @@ def test_bypass(dtype, case):
     w2 = mk_t((c, d), dtype, g)
     base = mk((T, a * c), dtype, g, nc=True) if with_base else None
     cd = cd_of(x, w1, w2)
-    y = TK.bypass_fwd(x, w1, w2, GAMMA, base, TK.BypassFwdCfg(swap=swap))
+    y = TKB.bypass_fwd(x, w1, w2, GAMMA, base, TKB.BypassFwdCfg(swap=swap))
     assert y.shape == (T, a * c) and y.dtype == dtype and y.is_contiguous()
     close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, d64(base, torch.float64)),
           REL_TOL[dtype], "bypass fwd")
     if dtype != torch.float32:  # split False: Z = X_t·w2ᵀ rounded to 16 bits (as eager rounds it)
-        y = TK.bypass_fwd(x, w1, w2, GAMMA, base, TK.BypassFwdCfg(swap=swap, split=False))
+        y = TKB.bypass_fwd(x, w1, w2, GAMMA, base, TKB.BypassFwdCfg(swap=swap, split=False))
         close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, d64(base, torch.float64)),
               REL_TOL[dtype], "bypass fwd (split=False)")
 
@@ -222,8 +223,8 @@ def test_bypass(dtype, case):
     structures = {torch.float16: [(1, True), (2, True), (3, True), (1, False)],
                   torch.bfloat16: [(0, True), (0, False)]}.get(dtype, [(0, True)])
     for passes, split in structures:
-        cfg = TK.BypassBwdCfg(swap=swap, passes=passes, programs=2, block_d=16 if passes else 0, split=split)
-        got = TK.bypass_bwd(grad, x, w1, w2, GAMMA, cfg)
+        cfg = TKB.BypassBwdCfg(swap=swap, passes=passes, programs=2, block_d=16 if passes else 0, split=split)
+        got = TKB.bypass_bwd(grad, x, w1, w2, GAMMA, cfg)
         for name, gt, p, src in zip(("gx", "g_w1", "g_w2"), got, ps, (x, w1, w2)):
             assert gt.shape == src.shape and gt.dtype == src.dtype and gt.is_contiguous()
             close(gt, p.grad, REL_TOL[dtype], f"bypass bwd {name} (passes={passes}, split={split})")
@@ -232,23 +233,25 @@ def test_bypass(dtype, case):
 @pytest.mark.parametrize("n_sm", [132, 7])
 def test_bypass_bwd_programs_and_the_planners_model(n_sm, monkeypatch):
     """The bypass backward's persistent programs: two per SM at 4 warps (the 16-bit
-    default), one at 8 (fp32's), never more than the token tiles; plans/lokr scores the
-    grid the launcher takes, for the automatic count and an explicit one."""
+    default), one at 8 (fp32's), never more than the token tiles; the LoKr work model scores
+    the grid the launcher takes, for the automatic count and an explicit one."""
+    from lycoris_ops.backends.triton.kernels import fusedkit
     from lycoris_ops.tuner import device as PD
-    from lycoris_ops.backends.triton.tuning import lokr as PL
+    from lycoris_ops.tuner.models import lokr as models
 
-    monkeypatch.setattr(TK, "num_sms", lambda device: n_sm)
-    TK._bypass_bwd_plan.cache_clear()  # cached per call signature: another n_sm's grids
+    monkeypatch.setattr(TKB, "num_sms", lambda device: n_sm)
+    TKB._bypass_bwd_plan.cache_clear()  # cached per call signature: another n_sm's grids
     dev = PD.synthetic(sm_count=n_sm)
     a = b = c = d = 64
     for compute, warps in ((torch.bfloat16, 4), (torch.float32, 8)):
-        assert TK.default_bypass_bwd_cfg(32768, a, b, c, d, compute).num_warps == warps
+        assert TKB.default_bypass_bwd_cfg(32768, a, b, c, d, compute).num_warps == warps
         for T in (32768, 3 * n_sm + 1, 5, 1):
-            work, _ = PL._bwd_model(dev, T, a, b, c, d, compute, compute, compute)
+            work, _ = models.bwd_model(dev, T, a, b, c, d, compute, compute, compute, grid=TKB.bwd_grid,
+                                        reduce_block=fusedkit.reduce_block)
             for nw in (4, 8):
                 for programs in (0, n_sm):
-                    cfg = TK.BypassBwdCfg(block_t=1, passes=1, num_warps=nw, programs=programs)
-                    grid = TK._bypass_bwd_plan(T, a, b, c, d, (), compute, "cpu", cfg)[2]
+                    cfg = TKB.BypassBwdCfg(block_t=1, passes=1, num_warps=nw, programs=programs)
+                    grid = TKB._bypass_bwd_plan(T, a, b, c, d, (), compute, "cpu", cfg)[2]
                     want = min(T, programs or (2 if nw == 4 else 1) * n_sm)
                     assert grid[0] == -(-T // -(-T // want))  # the tiles spread evenly over <= want
                     model = work(dict(block_t=1, passes=1, swap=False, num_warps=nw, num_stages=2,
@@ -257,14 +260,14 @@ def test_bypass_bwd_programs_and_the_planners_model(n_sm, monkeypatch):
     # a tiny problem (T·(a·c + b·d) <= ONE_PROGRAM_ELEMS): one program by default (its
     # gradients stored directly: one launch, no partials); an explicit count is kept
     bf = torch.bfloat16
-    work, _ = PL._bwd_model(dev, 16, 4, 4, 4, 4, bf, bf, bf)
-    assert 16 * 32 <= TK.ONE_PROGRAM_ELEMS
+    work, _ = models.bwd_model(dev, 16, 4, 4, 4, 4, bf, bf, bf, grid=TKB.bwd_grid, reduce_block=fusedkit.reduce_block)
+    assert 16 * 32 <= TKB.ONE_PROGRAM_ELEMS
     for programs, want in ((0, 1), (3, 3)):
-        cfg = TK.BypassBwdCfg(block_t=1, passes=1, num_warps=4, programs=programs)
-        assert TK._bypass_bwd_plan(16, 4, 4, 4, 4, (), bf, "cpu", cfg)[2][0] == want
+        cfg = TKB.BypassBwdCfg(block_t=1, passes=1, num_warps=4, programs=programs)
+        assert TKB._bypass_bwd_plan(16, 4, 4, 4, 4, (), bf, "cpu", cfg)[2][0] == want
         model = work(dict(block_t=1, passes=1, swap=False, num_warps=4, num_stages=2, programs=programs), live=1)
         assert model[0].grid == want and len(model) == (1 if want == 1 else 2)  # no reduce launch
-    TK._bypass_bwd_plan.cache_clear()
+    TKB._bypass_bwd_plan.cache_clear()
 
 
 def test_bypass_promotion_and_ops():
@@ -277,11 +280,11 @@ def test_bypass_promotion_and_ops():
     w2 = mk((c, d), torch.float32, g, nc=True)
     base = mk((T, a * c), torch.float32, g)
     cd = torch.bfloat16
-    y = TK.lokr_bypass_fwd(x, w1, w2, GAMMA, base)
+    y = TKB.bypass_fwd(x, w1, w2, GAMMA, base)
     assert y.dtype == torch.float32
     close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, base.double().cpu()), REL_TOL[cd], "fwd")
     grad = mk((T, a * c), torch.float32, g)
-    gx, g1, g2 = TK.lokr_bypass_bwd(grad, x, w1, w2, GAMMA)
+    gx, g1, g2 = TKB.bypass_bwd(grad, x, w1, w2, GAMMA)
     assert (gx.dtype, g1.dtype, g2.dtype) == (torch.bfloat16, torch.float32, torch.float32)
     ps = [d64(t, cd).requires_grad_() for t in (x, w1, w2)]
     o_bypass(*ps, GAMMA).backward(d64(grad, cd))
@@ -330,8 +333,8 @@ def test_reduce_pair(S, T):
 
 
 def test_scope_limits():
-    assert TK.supported_bypass(3, 5, 128, 100)
-    assert not TK.supported_bypass(3, 5, 129, 9)
+    assert TKB.supported_bypass(3, 5, 128, 100)
+    assert not TKB.supported_bypass(3, 5, 129, 9)
 
 
 def test_op_set_exports():
@@ -379,10 +382,10 @@ def _compile_all(dtype_names):
             (TK._kron_grad_kernel, grad_ptrs,  # the chains in the kernel (one-program calls)
              dict(FACT_T=True, FACT_L=True, BM=16, BN=32, BR=16, BRL=16, **dict(no_chain, CHAIN=True), **com),
              ("s_tbn", "s_gn", "s_ptn"), 4),
-            (TK._bypass_fwd_kernel, dict(x_ptr=dn, w1_ptr=dn, w2_ptr=dn, base_ptr=dn, y_ptr=dn),
+            (TKB._bypass_fwd_kernel, dict(x_ptr=dn, w1_ptr=dn, w2_ptr=dn, base_ptr=dn, y_ptr=dn),
              dict(HAS_BASE=True, SPLIT=True, BT=4, BB=64, BD=64, BC=64, BA=64, **com),
              ("s_xj", "s_1v", "s_2j", "s_bi", "s_yi"), 8),
-            (TK._bypass_bwd_kernel, dict(g_ptr=dn, x_ptr=dn, w1_ptr=dn, w2_ptr=dn, gx_ptr=dn, p1_ptr="fp32",
+            (TKB._bypass_bwd_kernel, dict(g_ptr=dn, x_ptr=dn, w1_ptr=dn, w2_ptr=dn, gx_ptr=dn, p1_ptr="fp32",
                                          p2_ptr="fp32"),
              dict(DO_GX=True, DO_GW1=True, DO_GW2=True, SPLIT=True, BT=1, BA=64, BB=64, BC=64, BD=32, **com),
              ("s_gi", "s_xj", "s_1v", "s_2j", "s_oj", "s_p1v", "s_p2j"), 8),

@@ -198,7 +198,7 @@ def test_oft_16bit_blocks_default_cfg():
 # ---------------------------------------------------------------------------- BOFT
 
 def _perm(i, s, C):
-    """π_i of OPS.md §2.6.1: position p -> channel."""
+    """π_i of docs/ops.md §2.6.1: position p -> channel."""
     k = (s // 2) << i
     return [(p // (2 * k)) * 2 * k + (p % 2) * k + (p % (2 * k)) // 2 for p in range(C)]
 
@@ -243,16 +243,14 @@ BOFT_LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("pos_major,dense", [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["cm", "pm", "cm_dense", "pm_dense"])
+@pytest.mark.parametrize("dense", [False, True], ids=["padded", "dense"])
 @pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16, TO.BF16X3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
-def test_boft(dtype, layout, dot_prec, pos_major, dense):
+def test_boft(dtype, layout, dot_prec, dense):
     """``split16`` runs on x and G where they are the stream (the first segment forward,
     a one-segment backward) and tf32x3 on the fp32 scratch of other segments; ``bf16x3``
     the same split16, and three bf16 dots on the scratch (fp32 x: tf32x3 throughout).
-    ``pos_major``: position-major tiles where x is channels last (else it changes nothing);
     ``dense``: the scratch between segments without pad slots (the s = 6 layouts have them)."""
     cid, m, nb, s, xshape, axis, max_group = layout
     gen = torch.Generator().manual_seed(m * 1000 + nb * 100 + s)
@@ -266,8 +264,7 @@ def test_boft(dtype, layout, dot_prec, pos_major, dense):
     C = nb * s
     rescale = (torch.rand(C, generator=gen, dtype=F64) + 0.5).to(DEV, torch.float32) if with_rs else None
     grad = _make(xshape, dtype, gen)
-    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec,
-                  pos_major=pos_major, dense=dense)
+    cfg = BoftCfg(max_group=max_group or 32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec, dense=dense)
 
     y = TB.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=cfg)
     y0, (gx0, gb0) = _boft_oracle(blocks, x, axis, cscale, scale, rescale, diff, grad)
@@ -342,11 +339,10 @@ def test_boft_bf16x3_takes_its_own_dots():
     assert torch.equal(grads[torch.float32, TO.BF16X3], grads[torch.float32, "tf32x3"])
 
 
-@pytest.mark.parametrize("pos_major", [False, True], ids=["cm", "pm"])
 @pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16, TO.BF16X3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("xshape,axis", [((96, 7), 0), ((7, 96), -1)], ids=["weight", "linear"])
-def test_boft_small_rotation_diff_is_accurate(xshape, axis, dtype, dot_prec, pos_major):
+def test_boft_small_rotation_diff_is_accurate(xshape, axis, dtype, dot_prec):
     """Δ = butterfly(x) − x with a small rotation (the constraint rule's small cscale: |Δ| about
     2e-4 |x|) across segments: bf16x3's split of the fp32 scratch errs by ~2^-16 of |u| ≈ |x|,
     so it applies W − I to u and adds u exactly (``_apply``'s SHIFT); without that its relative
@@ -357,7 +353,7 @@ def test_boft_small_rotation_diff_is_accurate(xshape, axis, dtype, dot_prec, pos
     x = _make(xshape, dtype, gen)
     bd = blocks.double()
     cscale = 1e-3 / float((bd - bd.transpose(-1, -2)).norm())
-    cfg = BoftCfg(max_group=32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec, pos_major=pos_major)
+    cfg = BoftCfg(max_group=32, block_p=16, bwd_block_p=16, split=2, dot_prec=dot_prec)
     y = TB.boft_fwd(blocks, x, axis, cscale, 1.0, None, True, cfg=cfg)
     y0, _ = _boft_oracle(blocks, x, axis, cscale, 1.0, None, True, torch.zeros_like(x))
     assert float(y0.norm() / x.double().norm()) < 1e-3
@@ -382,7 +378,7 @@ _COMPILE = textwrap.dedent("""
     import triton
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from lycoris_ops.backends.triton import boft as B, oft as O
+    from lycoris_ops.backends.triton.kernels import boft as B, oft as O
 
     FLOATS = {"cscale", "scale", "shift"}
     def build(kernel, consts, ptrs={}, num_warps=4):
@@ -410,7 +406,7 @@ _COMPILE = textwrap.dedent("""
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=32, BLOCK_P=128, NEUMANN=True,
                                   **split16), bf)
     build(O._oft_fwd_kernel, dict(HAS_RESCALE=False, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=128, NEUMANN=True,
-                                  PREFETCH=4, LINES=2, LINE_ELEMS=64, **split16), bf)  # L2 prefetch (inline PTX)
+                                  **split16), bf)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=True, NB=1, SP=32, BLOCK_P=64, **fp32_dots), bf)
     build(O._oft_bwd_stream, dict(HAS_RESCALE=False, MODE=1, IDX64=False, NB=2, SP=16, BLOCK_P=64, **split16), bf)
     build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=2, SP=8), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
@@ -448,19 +444,11 @@ _COMPILE = textwrap.dedent("""
     build(B._boft_seg_fwd, dict(HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, MODE=0, IDX64=True,
                                 HP=16, SP=32, NB=2, BLOCK_P=32, IN_PACKED=True, **x3), bf)
     build(B._boft_seg_bwd, dict(MODE=0, IDX64=False, HP=16, SP=32, NB=2, BLOCK_P=32, **split16), bf)
-    # position-major tiles (x and G channels last): a first, a middle and a last forward segment, a
-    # middle backward one
-    pm = dict(MODE=0, IDX64=False, HP=16, SP=32, NB=2, BLOCK_P=32, PM=True)
-    build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, OUT_PACKED=True, **split16),
-          bf)
-    build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, IN_PACKED=True,
+    # the dense scratch (no pad slots, s = 24: HALF 12)
+    dense = dict(MODE=0, IDX64=False, HP=16, SP=32, NB=2, BLOCK_P=32, HALF=12)
+    build(B._boft_seg_fwd, dict(dense, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, IN_PACKED=True,
                                 OUT_PACKED=True, **x3))
-    build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=True, DIFF_FOLD=False, DIFF_LOAD=True, IN_PACKED=True, **x3), bf)
-    build(B._boft_seg_bwd, dict(pm, G_PACKED=True, U_PACKED=True, OUT_PACKED=True, **x3))
-    # the dense scratch (no pad slots, s = 24: HALF 12), both orientations
-    build(B._boft_seg_fwd, dict(pm, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, IN_PACKED=True,
-                                OUT_PACKED=True, HALF=12, **x3))
-    build(B._boft_seg_bwd, dict(pm, PM=False, G_PACKED=True, U_PACKED=True, OUT_PACKED=True, HALF=12, **x3))
+    build(B._boft_seg_bwd, dict(dense, G_PACKED=True, U_PACKED=True, OUT_PACKED=True, **x3))
 """)
 
 
@@ -470,36 +458,17 @@ def test_oft_boft_kernels_compile_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == 32
-
-
-def test_oft_prefetch_args():
-    """The forward's L2 prefetch (``OftCfg.prefetch``) is on only with unit channel stride and
-    outside the interpreter (inline PTX), and its lines cover a group's channels of a position
-    from any start (one line more than the group's bytes, a power of two)."""
-    x = torch.empty(4, 96, dtype=torch.bfloat16)
-    on = OftCfg(prefetch=4)
-    keep = TO._INTERPRETED[0]
-    try:
-        TO._INTERPRETED[0] = True
-        assert TO._prefetch_args(on, x, (96, 1, 0), 32) == {}
-        TO._INTERPRETED[0] = False
-        assert TO._prefetch_args(OftCfg(), x, (96, 1, 0), 32) == {}
-        assert TO._prefetch_args(on, x, (96, 4, 1), 32) == {}  # channels not at unit stride
-        assert TO._prefetch_args(on, x, (96, 1, 0), 32) == dict(PREFETCH=4, LINES=2, LINE_ELEMS=64)
-        assert TO._prefetch_args(on, x.float(), (96, 1, 0), 64) == dict(PREFETCH=4, LINES=4, LINE_ELEMS=32)
-    finally:
-        TO._INTERPRETED[0] = keep
+    assert r.stdout.count("ok ") == 28
 
 
 @pytest.mark.parametrize("n_sm", [1, 7, 132])
 def test_auto_split_is_one_wave_and_the_planners_model_it(n_sm):
     """The automatic position split keeps a group's programs within one wave of resident
-    programs (at least one per group), and plans/oft and plans/boft score the split the
-    launchers will take (a model with its own rule would rank configs by a launch that
-    never runs)."""
-    from lycoris_ops.backends.triton.tuning import boft as PB
-    from lycoris_ops.backends.triton.tuning import oft as PO
+    programs (at least one per group), and the OFT and BOFT work models, given the
+    launchers' split rules, score the launch the launchers will take (a model with its own
+    geometry would rank configs by a launch that never runs)."""
+    from lycoris_ops.tuner.models import boft as MB
+    from lycoris_ops.tuner.models import oft as MO
 
     for n_groups in (1, 5, 64, 128, 1000):
         for split in (TO.auto_split(n_groups, n_sm, False), TO.auto_split(n_groups, n_sm, True),
@@ -509,7 +478,8 @@ def test_auto_split_is_one_wave_and_the_planners_model_it(n_sm):
         for bwd, cfg in ((False, OftCfg()), (True, OftCfg()), (False, TO.FWD_CFG), (True, OftCfg(neumann=True))):
             _, _, n_groups, n_tiles, split, _ = TO._plan(K, S, npos, c_contig, n_sm, bwd, cfg)
             bp = cfg.bwd_block_p if bwd else cfg.block_p
-            assert PO._group(K, S, c_contig, cfg.group, n_sm, bp, npos, bwd, cfg.neumann)[3:] == \
+            assert MO.group(K, S, c_contig, cfg.group, n_sm, bp, npos, bwd, cfg.neumann,
+                            auto_split=TO.auto_split)[3:] == \
                 (n_groups, n_tiles, split)
             if cfg.neumann and n_sm == 132 and (K, npos) == (128, 32768):
                 assert split == 2  # one wave of two programs per SM (the registers of its dots)
@@ -517,6 +487,6 @@ def test_auto_split_is_one_wave_and_the_planners_model_it(n_sm):
         for bwd in (False, True):
             cfg = BoftCfg(max_group=max_group)
             bp = cfg.bwd_block_p if bwd else cfg.block_p
-            model, _ = PB.segments(m, nb, s, npos, n_sm, max_group, bp)
+            model, _ = MB.segments(m, nb, s, npos, n_sm, max_group, bp, auto_split=TB.auto_split)
             launch = TB._plan(m, nb, s, npos, n_sm, bwd, cfg)[4]
             assert [(g, sp) for _, _, g, sp in model] == [(sg.n_groups, sg.split) for sg in launch]

@@ -3,7 +3,7 @@ facts and the small host-side utilities the launchers share.
 
 Nothing here touches a GPU at import time: the module imports on a machine
 without CUDA (``import triton`` must succeed; the op set is absent otherwise).
-Works with triton 3.6 (the H200 machine) and 3.7 (CI).
+Works with triton 3.6 and 3.7.
 """
 from __future__ import annotations
 
@@ -196,8 +196,8 @@ class FastJIT:
 
     ``kernel[grid](...)`` re-derives the specialization of every argument (dtype and
     16-byte alignment of each tensor, the value class of each int), hashes it and
-    builds the launch metadata on every call: 15 µs of host time per launch on the
-    H200 machine against 9 µs for the launch itself (``bench/host_profile.py``).
+    builds the launch metadata on every call: more host time per launch than the
+    launch itself.
     Here the first call of a key goes through Triton (compiling if needed) and keeps
     the compiled kernel; later calls with the same key launch it through its own
     launcher. The key is finer than Triton's specialization: per tensor its dtype and

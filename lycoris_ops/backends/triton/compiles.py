@@ -4,7 +4,7 @@ A cold key (empty table, empty Triton cache) compiles every kernel variant its
 shortlist launches: one per distinct (kernel function, specialization of its
 runtime arguments, constexpr values, num_warps, num_stages, ...), the key Triton
 caches compiled kernels under. ``count(op, ...)`` builds the op's warm-up sample
-(``plans/<family>.py: samples``) on the ``meta`` device at the given layer shape
+(``lycoris_ops/testing/samples.py``) on the ``meta`` device at the given layer shape
 and token count, asks the family planner for the shortlist it would time on a
 device (``DeviceFacts``: a synthetic H200 by default), and runs each fused
 candidate through the real launcher with the kernel launches intercepted
@@ -25,13 +25,21 @@ from __future__ import annotations
 import argparse
 import contextlib
 import inspect
+import re
+import subprocess
 import sys
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from lycoris_ops.backends import select
+from lycoris_ops.backends.triton import common as _common
+from lycoris_ops.backends.triton.tuning import MODULE_OF
+from lycoris_ops.testing.samples import SAMPLES, parse_layer
 from lycoris_ops.tuner import tune
 from lycoris_ops.tuner.device import DeviceFacts, synthetic
 
@@ -132,8 +140,6 @@ def _intercept(sink: List[Launch]):
     look for a CUDA device)."""
     from triton.runtime.jit import KernelInterface
 
-    from lycoris_ops.backends.triton import common as _common
-
     original, direct = KernelInterface.__getitem__, _common._INTERPRETED[0]
 
     def getitem(self, grid):
@@ -152,8 +158,6 @@ def _intercept(sink: List[Launch]):
 def _planning(pm, dev: DeviceFacts, captured: list):
     """The family glue tunes ``meta`` calls with ``dev``'s facts; ``tune.pick`` hands its
     arguments to ``captured`` instead of timing; the launchers see ``dev``'s SM count."""
-    from lycoris_ops.backends.triton import common as _common
-
     saved: List[Tuple[Any, str, Any]] = []
 
     def patch(obj, name, value):
@@ -182,28 +186,21 @@ def _planning(pm, dev: DeviceFacts, captured: list):
             setattr(obj, name, value)
 
 
-def _family_of(op: str):
-    for fam in tune._families():
-        if op in getattr(fam, "KWARGS", {}):
-            return fam
-    raise ValueError(f"lycoris_ops.backends.triton.compiles: no family planner has op {op!r}")
-
-
 def count(op: str, layer="4096x4096:r64", tokens: int = 32768, dtype=torch.bfloat16,
           dev: Optional[DeviceFacts] = None) -> Report:
     """The distinct Triton compilations of ``op``'s cold-key shortlist at ``layer``
-    (``tune.Layer`` or ``"OxI[:rR]"``) and ``tokens``, planned for ``dev`` (default a
+    (``Layer`` or ``"OxI[:rR]"``) and ``tokens``, planned for ``dev`` (default a
     synthetic H200)."""
     dev = dev or synthetic()
-    layer = tune.parse_layer(layer) if isinstance(layer, str) else layer
-    pm = _family_of(op)
+    layer = parse_layer(layer) if isinstance(layer, str) else layer
+    pm = MODULE_OF.get(op)
+    if pm is None:
+        raise ValueError(f"lycoris_ops.backends.triton.compiles: no Triton tuning has op {op!r}")
     with torch.no_grad():
-        args = next((a for o, a in pm.samples(layer, int(tokens), dtype, torch.device("meta"), None) if o == op),
-                    None)
+        args = next((a for samples in SAMPLES.values()
+                     for o, a in samples(layer, int(tokens), dtype, torch.device("meta"), None) if o == op), None)
     if args is None:
         raise ValueError(f"lycoris_ops.backends.triton.compiles: {op} has no sample at {layer}")
-    from lycoris_ops.backends import select
-
     full = select._full_args(op, args)
     captured: list = []
     report = Report(op)
@@ -214,11 +211,11 @@ def count(op: str, layer="4096x4096:r64", tokens: int = 32768, dtype=torch.bfloa
             if not captured:
                 raise RuntimeError(f"lycoris_ops.backends.triton.compiles: {op}'s glue did not reach tune.pick")
             _, plan, run_fused, kw = captured[0]
-            cands = tune._candidates(plan)
+            cands = list(plan() if callable(plan) else plan)
             resolve = kw.get("resolve") or (lambda c: c)
             seen: Dict[Launch, None] = {}
             for c in cands:
-                label = tune._label(c)
+                label = tune.label(c)
                 report.candidates.append(label)
                 if tune.is_eager(c):
                     continue
@@ -241,8 +238,6 @@ def compile_seconds(launch: Launch, arch: int = 90) -> float:
     """Seconds Triton takes to compile ``launch`` for ``sm_<arch>`` on this host (cold:
     run with an empty ``TRITON_CACHE_DIR``; needs a process without the interpreter and
     Triton's ptxas; no GPU)."""
-    import time
-
     t0 = time.perf_counter()
     build(launch, arch)
     return time.perf_counter() - t0
@@ -277,10 +272,6 @@ def build(launch: Launch, arch: int = 90):
 def ptxas_usage(compiled, arch: int = 90) -> Dict[str, int]:
     """Registers a thread, spill store / load bytes (``ptxas -v`` on the kernel's PTX, with
     Triton's ptxas) and shared-memory bytes of a ``build`` result."""
-    import re
-    import subprocess
-    import tempfile
-
     from triton.backends.nvidia.compiler import get_ptxas
 
     tool = get_ptxas(arch) if "arch" in inspect.signature(get_ptxas).parameters else get_ptxas()
@@ -300,7 +291,7 @@ def ptxas_usage(compiled, arch: int = 90) -> Dict[str, int]:
             "spill_loads": num(r"(\d+) bytes spill loads"), "shared": int(compiled.metadata.shared)}
 
 
-#: the keys over the 2 s cold-tuning target on the H200 (T=32768, 4096x4096, r=64, bf16)
+#: the keys whose cold tuning took longest at the default shape (T=32768, 4096x4096, r=64, bf16)
 SLOW_OPS = ("oft_bwd", "boft_bwd", "loha_bypass_bwd", "boft_fwd", "lokr_merge_bwd", "oft_fwd")
 
 

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from lycoris_ops import settings
+from lycoris_ops.tuner import tune
 
 __all__ = ["ENV_PROCS", "Kernel", "Report", "tune_procs", "capturing", "capture", "compile_forked", "precompile",
            "stats"]
@@ -51,16 +52,15 @@ __all__ = ["ENV_PROCS", "Kernel", "Report", "tune_procs", "capturing", "capture"
 ENV_PROCS = "LYCORIS_KERNEL_TUNE_PROCS"
 #: most children by default (each compiles its share one kernel after the other). 12: the
 #: largest cold keys build 10-11 kernels (Triton's loha_bypass_bwd, TileLang's boft_bwd),
-#: which 8 children built in two rounds (the H200's 2.01 s and 23 s first calls)
+#: which fewer children build in two rounds
 MAX_DEFAULT_PROCS = 12
 #: seconds the parent waits for all children before killing the rest (their kernels are
 #: then compiled by the first calls, as without precompile)
 TIMEOUT_S = 30.0
 #: fork costs time in proportion to the parent's anonymous memory (page tables copied, then
-#: torn down at the child's exit): about 0.02-0.03 s per GiB per child on the CPU machine
-#: (bench/compile_children.py --forks: 4 forks 0.24 s at 2 GiB, 0.74 s at 8 GiB; bench/RESULTS.md
-#: 15:45). Children are limited so that their forks
-#: cost at most FORK_BUDGET_S together; fewer than 2: no precompile.
+#: torn down at the child's exit): FORK_S_PER_GIB seconds per GiB per child, as measured
+#: (``bench/compile_children.py --forks``). Children are limited so that their forks cost at
+#: most FORK_BUDGET_S together; fewer than 2: no precompile.
 FORK_S_PER_GIB = 0.025
 FORK_BUDGET_S = 0.5
 #: seconds between two polls of the children's exit
@@ -100,8 +100,8 @@ class Kernel:
 
 def _build_launcher(compiled) -> None:
     """The host-side launcher of ``compiled``, as its first launch would make it. Triton 3.6
-    builds a C launcher per kernel signature with the host compiler (about 0.1 s, cached on
-    disk by its source): built here, the parent only loads it. Triton 3.7 has one generic
+    builds a C launcher per kernel signature with the host compiler (cached on disk by its
+    source): built here, the parent only loads it. Triton 3.7 has one generic
     launcher: nothing is built. Optional: a failure leaves it to the first launch."""
     try:
         from triton.runtime import driver
@@ -189,19 +189,12 @@ def capture(runs: Sequence[Callable[[], Any]], target=None) -> List[Kernel]:
     without autograd and as a tuner worker (a nested selection takes the planner's first
     pick, neither timed nor stored). A run that raises is skipped (its real first call
     reports it)."""
-    from lycoris_ops.tuner import tune
-
-    was_worker = getattr(tune._worker, "active", False)
-    tune._worker.active = True
-    try:
-        with torch.no_grad(), capturing(target) as kernels:
-            for run in runs:
-                try:
-                    run()
-                except Exception:
-                    pass
-    finally:
-        tune._worker.active = was_worker
+    with tune.worker(), torch.no_grad(), capturing(target) as kernels:
+        for run in runs:
+            try:
+                run()
+            except Exception:
+                pass
     return kernels
 
 
@@ -249,7 +242,7 @@ def _child(kernels: Sequence[Kernel], nice: int = 0) -> None:
         if knobs is not None:
             knobs.compilation.listener = None
         failed = 0
-        for k in kernels:  # a job: anything with build() (Kernel; tilelang/_common.Pending)
+        for k in kernels:  # a job: anything with build() (Kernel; tilelang/common.Pending)
             try:
                 k.build()
             except Exception:
@@ -369,4 +362,6 @@ def precompile(runs: Sequence[Callable[[], Any]], procs: Optional[int] = None) -
     _totals["keys"] += 1
     for k in ("captured", "compiled", "children", "failures", "seconds"):
         _totals[k] += getattr(report, k)
+    log.debug("lycoris_ops tune: precompiled %d of %d kernels in %d processes (%d failed), %.2f s",
+              report.compiled, report.captured, report.children, report.failures, report.seconds)
     return report

@@ -1,4 +1,4 @@
-"""Triton kernel of ``add_scaled`` (OPS.md §2.8): ``out = base + γ·delta``.
+"""Triton kernel of ``add_scaled`` (docs/ops.md §2.8): ``out = base + γ·delta``.
 
 One pass: each operand is read once in its own dtype (fp32 and 16-bit may mix),
 the math is fp32, the result is stored once in base's dtype and shape
@@ -6,7 +6,7 @@ the math is fp32, the result is stored once in base's dtype and shape
 shape (what ``delta.reshape(base.shape)`` reads).
 
 Strides: each operand's view is collapsed to at most three strided dims
-(``_common.collapse``) and the kernel unravels the flat output index into it, so
+(``common.collapse``) and the kernel unravels the flat output index into it, so
 transposed / sliced operands are read in place. A view that does not collapse
 to three dims (rare: a 4-D+ view with several gaps) is copied contiguous first.
 

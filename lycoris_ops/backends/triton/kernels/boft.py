@@ -1,4 +1,4 @@
-"""Triton kernels of BOFT (OPS.md §2.6): ``boft_fwd`` and ``boft_bwd``.
+"""Triton kernels of BOFT (docs/ops.md §2.6): ``boft_fwd`` and ``boft_bwd``.
 
 Written from the math (``reference/boft.py`` is the oracle, same numerics: all
 fp32, one rounding at the store). Stage i (κ_i = 2^i·s/2) applies
@@ -14,7 +14,7 @@ a group is one dense gs×gs matrix ``J = E_{a+L−1}···E_a``.
 Stage algebra, computed once per call in two small launches (the streaming
 kernels only load its result, so their compile stays small):
   * ``_boft_cayley``: M = (I − Q)⁻¹ of every block of every stage by batched
-    Gauss–Jordan (``_cayley.py``) into an fp32 scratch (m, nb, SP, SP) — the only
+    Gauss–Jordan (``cayley.py``) into an fp32 scratch (m, nb, SP, SP) — the only
     copy of the elimination code; its compile depends on SP alone.
   * ``_boft_segmat``: per segment and group, each stage matrix E_t in the
     group's local channel basis is *gathered* from that scratch by index math
@@ -23,8 +23,8 @@ kernels only load its result, so their compile stays small):
     scratch of group matrices.
   Where both are small (``one_algebra_launch``: every factor in one Cayley batch, at
   most ``ALGEBRA_ONE_GROUPS`` groups), ``_boft_algebra`` runs the two as ONE program
-  (the factors, a barrier, the groups in turn): such calls are host-bound, and a
-  launch is ~3 µs of host time.
+  (the factors, a barrier, the groups in turn): such calls are host-bound, so one
+  launch fewer counts.
 A streaming program owns one group and a share of the positions: it loads J and
 applies it with one ``tl.dot`` per tile. R itself is never materialized.
 
@@ -40,7 +40,7 @@ Passes (after the stage-algebra launches):
     folded into the group matrix (``W = diag(ρ)·J − diff·I``).
   * n segments: n kernels; between them fp32 scratch (two buffers in turn), the
     last segment applies rescale and reads x again for diff.
-``boft_bwd`` (the plain chain, no rescale / diff; OPS.md §2.6.2) — no replay of
+``boft_bwd`` (the plain chain, no rescale / diff; docs/ops.md §2.6.2) — no replay of
   stage prefixes: with one segment, ONE streaming kernel reads G and x once,
   writes ``gx = Jᵀ·G`` and accumulates ``Pg = Σ G·Xᵀ`` (gs×gs per group, fp32
   partials per position split); then ONE tiny chain kernel per group sums the
@@ -68,10 +68,9 @@ matrix is split into three 16-bit terms (``oft.dot_split16``); fp32 scratch
 operands keep tf32x3. ``dot_prec="bf16x3"`` (16-bit x only): the same split16 on
 16-bit streams, and on fp32 scratch three bf16 dots of hi/lo splits (``oft.dot_x3``:
 ~2^-16 relative, an order below a 16-bit output's rounding; half of tf32x3's
-tensor-core work). On an H200 at 32768×4096, s = 32, m = 8 (bf16), Triton's own
-``input_precision="bf16x3"`` (the same three dots) took forward+backward from 9.05
-to 5.53 ms; written out here so that it runs, and is tested, under the interpreter
-and on Triton versions without it.
+tensor-core work; measured faster at the bench shapes). Triton's own
+``input_precision="bf16x3"`` makes the same three dots; written out here so that it
+runs, and is tested, under the interpreter and on Triton versions without it.
 
 Packed scratch: every fp32 buffer between segments (forward, the backward's kept
 segment inputs and its gradient) is written by its producer in the *consumer's*
@@ -82,12 +81,7 @@ producer scatters (``_packed_slot``). With x's own channel order, a group's
 channels are runs of s/2 (12 at s = 24) κ apart: masked gathers that Triton issues
 element by element.
 
-Tile orientation: (GP, BLOCK_P), y = J·u; or, with ``BoftCfg.pos_major`` where x (and G)
-are channels-last with post = 1, position-major (BLOCK_P, GP): yᵀ = uᵀ·Jᵀ, gxᵀ = Gᵀ·J.
-Triton orders a tile's accesses by proven contiguity and takes the last axis on a tie,
-so position-major tiles store along a position's channel runs, a few sectors a warp
-access, where (GP, BLOCK_P) tiles store along the positions, 32 rows a warp access
-(``_stream_offsets``). Position-major is off until an H200 A/B says so.
+Tile orientation: (GP, BLOCK_P), y = J·u (``_stream_offsets``).
 
 Layout: x is seen as (pre, C, post) around the channel axis (axis 0: weight;
 last: channels last; other: (N, C, *spatial)); any strides, pre and post dims
@@ -120,7 +114,6 @@ MAX_BLOCK = 32
 CAYLEY_ELEMS = 2048
 #: warps of a ``_boft_cayley`` program. Its Gauss–Jordan steps are serial, and each step's row and
 #: column extractions are reductions: across warps they go through shared memory and a barrier
-#: (8192×3072, s 24: 42 µs for 1024 blocks at 4 warps, ncu: 77% SM throughput)
 CAYLEY_WARPS = 4
 #: most group matrices (all segments) that the one-program stage algebra builds in turn
 ALGEBRA_ONE_GROUPS = 8
@@ -275,95 +268,45 @@ def _packed_slot(ch, half, a2, L2, gp2, TBS: tl.constexpr):
 
 
 @triton.jit
-def _stream_offsets(c_off, p, POST, s_pre, s_post, MODE: tl.constexpr, PACKED: tl.constexpr, PM: tl.constexpr):
-    """Element offsets of a group's tile: a (pre, C, post) tensor (c_off = ch·s_c), or a packed
-    scratch (c_off = the slot, positions s_pre apart); (BLOCK_P, GP) where ``PM``
-    (position-major), else (GP, BLOCK_P).
-
-    The orientation decides how Triton lays out accesses whose contiguity it cannot prove on
-    either axis: it takes the last axis on a tie. A group's channels are runs of s/2 it
-    cannot prove (x's own channels; a packed output's scattered slots), and a (pre, C, post)
-    tensor's positions are unproven in MODE 1. With channels at unit stride (and for the
-    packed scratch) the last axis must be the channels: (GP, BLOCK_P) tiles stored along
-    the positions there, a warp access touching 32 rows, 4 bytes each (H200 ncu, 8192×3072,
-    s = 24). Channels-first tensors keep (GP, BLOCK_P)."""
+def _stream_offsets(c_off, p, POST, s_pre, s_post, MODE: tl.constexpr, PACKED: tl.constexpr):
+    """Element offsets of a group's (GP, BLOCK_P) tile: a (pre, C, post) tensor (c_off =
+    ch·s_c), or a packed scratch (c_off = the slot, positions s_pre apart)."""
     if PACKED:
         pos = p * s_pre
     else:
         pos = pos_offsets(p, POST, s_pre, s_post, MODE)
-    if PM:
-        off = pos[:, None] + c_off[None, :]
-    else:
-        off = c_off[:, None] + pos[None, :]
-    return off
+    return c_off[:, None] + pos[None, :]
 
 
 @triton.jit
-def _tile_mask(ch_valid, pm, PM: tl.constexpr):
-    """A tile's mask (channel and position validity) in ``_stream_offsets``' orientation."""
-    if PM:
-        mask = pm[:, None] & ch_valid[None, :]
-    else:
-        mask = ch_valid[:, None] & pm[None, :]
-    return mask
-
-
-@triton.jit
-def _load_stream(ptr, off, ch_valid, pm, TO: tl.constexpr, PACKED: tl.constexpr, PM: tl.constexpr):
-    """A tile (``_stream_offsets``' orientation) as TO. Packed: contiguous runs masked along
-    positions only (so the loads vectorize), the never-written pad slots then zeroed."""
+def _load_stream(ptr, off, ch_valid, pm, TO: tl.constexpr, PACKED: tl.constexpr):
+    """A (GP, BLOCK_P) tile as TO. Packed: contiguous runs masked along positions only (so the
+    loads vectorize), the never-written pad slots then zeroed."""
     if PACKED:
-        if PM:
-            v = tl.load(ptr + off, mask=pm[:, None], other=0.0)
-            v = tl.where(ch_valid[None, :], v, 0.0)
-        else:
-            v = tl.load(ptr + off, mask=pm[None, :], other=0.0)
-            v = tl.where(ch_valid[:, None], v, 0.0)
+        v = tl.load(ptr + off, mask=pm[None, :], other=0.0)
+        v = tl.where(ch_valid[:, None], v, 0.0)
     else:
-        v = tl.load(ptr + off, mask=_tile_mask(ch_valid, pm, PM), other=0.0)
+        v = tl.load(ptr + off, mask=ch_valid[:, None] & pm[None, :], other=0.0)
     return v.to(TO)
 
 
 @triton.jit
 def _apply(u, w, w0, w1, w2, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.constexpr, DOT_PREC: tl.constexpr,
-           PM: tl.constexpr, SHIFT: tl.constexpr = False):
-    """The group matrix on a tile: W·u (GP, BLOCK_P), or position-major uᵀ·Wᵀ with ``w`` = Wᵀ
-    (``PM``); w0..w2 its split16 terms (SPLIT: 16-bit u) or hi/lo (X3: fp32 u, split here).
-    ``SHIFT`` (X3): w0, w1 are the hi/lo of W − I, and W·u = u + (W − I)·u, u exact in the
-    accumulator: the split's error (~2^-16 of |u|) then scales with ‖W − I‖, which keeps a
-    small rotation's Δ = W·u − x accurate (without it the error is 2^-16 of |x| however small Δ)."""
+           SHIFT: tl.constexpr = False):
+    """The group matrix on a tile: W·u (GP, BLOCK_P); w0..w2 its split16 terms (SPLIT: 16-bit
+    u) or hi/lo (X3: fp32 u, split here). ``SHIFT`` (X3): w0, w1 are the hi/lo of W − I, and
+    W·u = u + (W − I)·u, u exact in the accumulator: the split's error (~2^-16 of |u|) then
+    scales with ‖W − I‖, which keeps a small rotation's Δ = W·u − x accurate (without it the
+    error is 2^-16 of |x| however small Δ)."""
     if SPLIT:
-        if PM:
-            y = tl.dot(u, w0, tl.dot(u, w1, tl.dot(u, w2)))
-        else:
-            y = dot_split16(w0, w1, w2, u)
+        y = dot_split16(w0, w1, w2, u)
     elif X3:
         uh, ul = hilo(u, DOT)
         acc = u if SHIFT else tl.zeros(u.shape, dtype=tl.float32)
-        if PM:
-            y = dot_x3(uh, ul, w0, w1, acc)
-        else:
-            y = dot_x3(w0, w1, uh, ul, acc)
-    elif PM:
-        y = tl.dot(u, w, input_precision=DOT_PREC)
+        y = dot_x3(w0, w1, uh, ul, acc)
     else:
         y = tl.dot(w, u, input_precision=DOT_PREC)
     return y
-
-
-@triton.jit
-def _outer_pm(gg, uu, acc, SPLIT: tl.constexpr, X3: tl.constexpr, DOT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """``acc + Σ_positions G·uᵀ`` (GP, GP) of position-major tiles (``oft.bwd_dots``' second
-    product, transposed operands on the other side)."""
-    if SPLIT:  # 16-bit G and u: the products are exact in fp32
-        acc = tl.dot(tl.trans(gg), uu, acc)
-    elif X3:
-        gh, gl = hilo(gg, DOT)
-        uh, ul = hilo(uu, DOT)
-        acc = dot_x3(tl.trans(gh), tl.trans(gl), uh, ul, acc)
-    else:
-        acc = tl.dot(tl.trans(gg), uu, acc, input_precision=DOT_PREC)
-    return acc
 
 
 @triton.jit
@@ -400,28 +343,20 @@ def _boft_seg_fwd(
     MODE: tl.constexpr, IDX64: tl.constexpr,
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
-    IN_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False, PM: tl.constexpr = False,
-    HALF: tl.constexpr = 0,
+    IN_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False, HALF: tl.constexpr = 0,
 ):
-    """One segment on group g: y = J·u per position tile (``PM``: the position-major
-    yᵀ = uᵀ·Jᵀ, see ``_stream_offsets``). u is x (pre, C, post) or the packed scratch the
+    """One segment on group g: y = J·u per position tile. u is x (pre, C, post) or the packed scratch the
     previous segment wrote in this segment's layout; y is the output or the packed scratch
     in the next segment's layout (a2, L2, gp2)."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
     base = _group_base(g, a, L, half)
     e = tl.arange(0, GP)
-    if PM:  # Jᵀ
-        w = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])
-    else:
-        w = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
+    w = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
     ch, ch_valid = _group_channels(base, a, L, half, HP, GP)
-    if HAS_RESCALE:  # diag(ρ)·J, or its transpose Jᵀ·diag(ρ)
+    if HAS_RESCALE:  # diag(ρ)·J
         rho = tl.load(rs_ptr + ch * srs, mask=ch_valid, other=1.0).to(tl.float32)
-        if PM:
-            w = w * rho[None, :]
-        else:
-            w = rho[:, None] * w
+        w = rho[:, None] * w
     if DIFF_FOLD:
         w = w - tl.where(e[:, None] == e[None, :], 1.0, 0.0)
     w0, w1, w2 = split16(w, u_ptr.dtype.element_ty, DOT, SPLIT)  # 16-bit u (x itself): oft.dot_split16
@@ -445,17 +380,14 @@ def _boft_seg_fwd(
         if IDX64:
             p = p.to(tl.int64)
         pm = p < NPOS
-        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED, PM)
-        y = _apply(_load_stream(u_ptr, uo, ch_valid, pm, DOT if SPLIT else tl.float32, IN_PACKED, PM),
-                   w, w0, w1, w2, SPLIT, X3, DOT, DOT_PREC, PM, SHIFT)
-        mask = _tile_mask(ch_valid, pm, PM)
+        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, IN_PACKED)
+        y = _apply(_load_stream(u_ptr, uo, ch_valid, pm, DOT if SPLIT else tl.float32, IN_PACKED),
+                   w, w0, w1, w2, SPLIT, X3, DOT, DOT_PREC, SHIFT)
+        mask = ch_valid[:, None] & pm[None, :]
         if DIFF_LOAD:
-            if PM:
-                xo = pos_offsets(p, POST, s0_pre, s0_post, MODE)[:, None] + ch[None, :] * s0_c
-            else:
-                xo = ch[:, None] * s0_c + pos_offsets(p, POST, s0_pre, s0_post, MODE)[None, :]
+            xo = ch[:, None] * s0_c + pos_offsets(p, POST, s0_pre, s0_post, MODE)[None, :]
             y -= tl.load(x0_ptr + xo, mask=mask, other=0.0).to(tl.float32)
-        yo = _stream_offsets(y_c, p, POST, sy_pre, sy_post, MODE, OUT_PACKED, PM)
+        yo = _stream_offsets(y_c, p, POST, sy_pre, sy_post, MODE, OUT_PACKED)
         tl.store(y_ptr + yo, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -468,9 +400,9 @@ def _boft_seg_bwd(
     HP: tl.constexpr, SP: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, X3: tl.constexpr = False,
     G_PACKED: tl.constexpr = False, U_PACKED: tl.constexpr = False, OUT_PACKED: tl.constexpr = False,
-    CHAIN: tl.constexpr = False, PM: tl.constexpr = False, HALF: tl.constexpr = 0,
+    CHAIN: tl.constexpr = False, HALF: tl.constexpr = 0,
 ):
-    """One segment's backward on group g: gx = Jᵀ·G per tile (``PM``: gxᵀ = Gᵀ·J) and the
+    """One segment's backward on group g: gx = Jᵀ·G per tile and the
     partial Σ G·uᵀ of this program's positions. G and u: user tensors or packed scratch in
     this segment's layout; gx: the user's gx or packed scratch in the previous segment's
     layout (a2, L2, gp2).
@@ -481,10 +413,7 @@ def _boft_seg_bwd(
     sp = tl.program_id(1)
     base = _group_base(g, a, L, half)
     e = tl.arange(0, GP)
-    if PM:  # J
-        jm = tl.load(j_ptr + g * sjg + e[:, None] * sjr + e[None, :])
-    else:  # Jᵀ
-        jm = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])
+    jm = tl.load(j_ptr + g * sjg + e[None, :] * sjr + e[:, None])  # Jᵀ
     # G and u of one 16-bit dtype (one segment: grad and x): oft.dot_split16, exact G·uᵀ products
     j0, j1, j2 = split16(jm, g_ptr.dtype.element_ty, DOT, SPLIT)
     if X3:  # an fp32 stream: bf16 hi/lo of the matrix once (oft.dot_x3)
@@ -505,17 +434,13 @@ def _boft_seg_bwd(
         if IDX64:
             p = p.to(tl.int64)
         pm = p < NPOS
-        go = _stream_offsets(g_c, p, POST, sg_pre, sg_post, MODE, G_PACKED, PM)
-        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, U_PACKED, PM)
-        gg = _load_stream(g_ptr, go, ch_valid, pm, DOT if SPLIT else tl.float32, G_PACKED, PM)
-        uu = _load_stream(u_ptr, uo, ch_valid, pm, DOT if SPLIT else tl.float32, U_PACKED, PM)
-        if PM:
-            gx = _apply(gg, jm, j0, j1, j2, SPLIT, X3, DOT, DOT_PREC, True)
-            acc = _outer_pm(gg, uu, acc, SPLIT, X3, DOT, DOT_PREC)
-        else:  # (GP, BLOCK_P) tiles: diag-OFT's tile dots
-            gx, acc = bwd_dots(gg, uu, jm, j0, j1, j2, acc, SPLIT, DOT_PREC, X3, DOT)
-        oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED, PM)
-        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=_tile_mask(ch_valid, pm, PM))
+        go = _stream_offsets(g_c, p, POST, sg_pre, sg_post, MODE, G_PACKED)
+        uo = _stream_offsets(u_c, p, POST, su_pre, su_post, MODE, U_PACKED)
+        gg = _load_stream(g_ptr, go, ch_valid, pm, DOT if SPLIT else tl.float32, G_PACKED)
+        uu = _load_stream(u_ptr, uo, ch_valid, pm, DOT if SPLIT else tl.float32, U_PACKED)
+        gx, acc = bwd_dots(gg, uu, jm, j0, j1, j2, acc, SPLIT, DOT_PREC, X3, DOT)  # diag-OFT's tile dots
+        oo = _stream_offsets(o_c, p, POST, so_pre, so_post, MODE, OUT_PACKED)
+        tl.store(gx_ptr + oo, gx.to(gx_ptr.dtype.element_ty), mask=ch_valid[:, None] & pm[None, :])
     if CHAIN:
         _group_chain(m_ptr, acc, gb_ptr, nb, g, a, L, half, cscale, scale, 0, L, HP, SP, GP)
     else:
@@ -587,13 +512,9 @@ class BoftCfg(NamedTuple):
     along the positions (0 = automatic: one wave, ``auto_split``), ``dot_prec``: input_precision of
     the streaming fp32 dots, or ``"split16"`` / ``"bf16x3"`` (see the module docstring),
     ``chain_warps``: warps of the group-matrix and chain launches (0 = automatic: GP²/512,
-    4 to 8), ``pos_major``: position-major streaming tiles where x (and G) have unit channel
-    stride and post = 1 (``_stream_offsets``; channel-major otherwise, and when False),
-    ``dense``: packed scratch without pad slots where s/2 is not a power of two (rows of C slots,
-    not n_groups·GP: 3/4 of the bytes at s = 24; ``_channel_offsets``). ``bench/variants.py
-    boft`` (H200, bf16, RESULTS.md 2026-12-05 18:21): dense took 8192×3072, s = 24 from 0.737 to
-    0.547 ms forward and 1.392 to 1.033 backward, a tie at s = 32 (no pad slots there): on;
-    position-major was 2.3-4.8× slower at both shapes: off."""
+    4 to 8), ``dense``: packed scratch without pad slots where s/2 is not a power of two (rows
+    of C slots, not n_groups·GP: 3/4 of the bytes at s = 24; ``_channel_offsets``; measured
+    faster at the bench shapes, a tie where there are no pad slots)."""
     max_group: int = 32
     block_p: int = 128
     bwd_block_p: int = 64
@@ -602,7 +523,6 @@ class BoftCfg(NamedTuple):
     num_stages: int = 2
     dot_prec: str = "tf32x3"
     chain_warps: int = 0
-    pos_major: bool = False
     dense: bool = True
 
 
@@ -612,9 +532,8 @@ def default_boft_cfg() -> BoftCfg:
 
 def chain_warps(requested: int, GP: int) -> int:
     """Warps of the (GP, GP) IEEE stage-algebra launches (``requested``: a config's
-    ``chain_warps``, 0 = auto): about 16 matrix elements per thread, 4 to 8 warps (H200,
-    GP = 64: 8 warps took the group-matrix launch from ~0.2 to ~0.1 ms against 16 warps;
-    forward 1.22 -> 0.92 ms at 8192×3072, s = 24, m = 8). The planner models the same."""
+    ``chain_warps``, 0 = auto): about 16 matrix elements per thread, 4 to 8 warps (at
+    GP = 64, 8 warps measured about twice as fast as 16). The work model takes this rule."""
     return requested or max(4, min(8, GP * GP // 512))
 
 
@@ -624,9 +543,8 @@ WAVE = 3
 
 def auto_split(n_groups: int, n_sm: int) -> int:
     """Programs per channel group along the positions: one wave of about ``WAVE`` resident
-    programs per SM. H200, bf16x3, max_group 64 (64 groups): the split of 9 (a 4-per-SM
-    wave, rounded up) took the backward 3.52 -> 2.90 ms at 6 (32768×4096, s 32) and 1.66
-    -> 1.49 at 8192×3072, s 24; the forward 1.75 -> 1.49 and 0.84 -> 0.77."""
+    programs per SM (measured faster than a 4-per-SM wave at the bench shapes, forward and
+    backward)."""
     return wave_split(n_groups, n_sm, WAVE)
 
 
@@ -675,8 +593,8 @@ def _prep(blocks, x, axis, cfg, bwd):
 def one_algebra_launch(n_blk: int, SP: int, n_groups_total: int) -> bool:
     """Whether the stage algebra runs as one program (``_boft_algebra``): all Cayley
     factors fit one ``_boft_cayley`` program's batch and at most ``ALGEBRA_ONE_GROUPS``
-    group matrices are built one after the other. Such calls are host-bound (the H200's
-    launch costs ~3 µs of host time; OPS host budget: 2× one ``torch.add``)."""
+    group matrices are built one after the other. Such calls are host-bound (docs/ops.md's
+    host budget: 2× one ``torch.add``), so one launch fewer counts."""
     return next_pow2(n_blk) * SP * SP <= CAYLEY_ELEMS and n_groups_total <= ALGEBRA_ONE_GROUPS
 
 
@@ -708,7 +626,7 @@ def _stage_algebra(blocks, cscale, scale, HP, SP, segs, warps):
 
 
 def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCfg] = None):
-    """BOFT butterfly (OPS.md §2.6.1, see ``reference.boft.boft_fwd``): the Cayley factors and the
+    """BOFT butterfly (docs/ops.md §2.6.1, see ``reference.boft.boft_fwd``): the Cayley factors and the
     group matrices (two small launches), then one streaming kernel per segment (one in all when
     ``2^(m−1)·s`` fits a group)."""
     cfg = cfg or BoftCfg()
@@ -726,8 +644,8 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     gps, widths = _packed_widths(segs, SP, dense)
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(y.shape), y.stride()),
                         ((npos * max(widths) + _scratch_extra(segs, SP, dense),), (1,)))
-    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, PM=cfg.pos_major and post == 1 and xs[1] == 1,
-                  HALF=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, BLOCK_P=bp, HALF=dense, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     # between segments: packed fp32 scratch in the consumer's layout, two buffers in turn
     bufs = [_scratch(npos, max(widths[1:]), SP, segs, dense, x.device) for _ in range(min(2, len(segs) - 1))]
     with device_guard(x):
@@ -784,7 +702,7 @@ def _buf_strides(pre, C, post, mode):
 
 
 def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None):
-    """Gradients of the plain chain (OPS.md §2.6.2, see ``reference.boft.boft_bwd``).
+    """Gradients of the plain chain (docs/ops.md §2.6.2, see ``reference.boft.boft_bwd``).
 
     Returns gx (x's shape and dtype) and g_blocks (blocks' shape and dtype)."""
     cfg = cfg or BoftCfg()
@@ -807,8 +725,8 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     idx64 = needs_idx64((tuple(x.shape), x.stride()), (tuple(grad.shape), grad.stride()),
                         (tuple(gx.shape), gx.stride()),
                         ((npos * max(widths) + _scratch_extra(segs, SP, dense),), (1,)))
-    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, PM=cfg.pos_major and post == 1 and xs[1] == 1 == gs[1],
-                  HALF=dense, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    common = dict(MODE=mode, IDX64=idx64, HP=HP, SP=SP, HALF=dense, num_warps=cfg.num_warps,
+                  num_stages=cfg.num_stages)
     # small (the stage algebra in one program): a segment split in one program a group also
     # runs its chain in the streaming kernel, so a tiny backward is two launches
     small = one_algebra_launch(m * nb, SP, sum(sg.n_groups for sg in segs))

@@ -14,7 +14,7 @@ blocks a program owns; ``block_diag`` then lays the batch out as one
 
 Everything is fp32. Nothing here is written to memory.
 
-Gradient of the map (OPS.md §2.5): ``dR = (I + R)·dQ·M = 2·M·dQ·M``, so
+Gradient of the map (docs/ops.md §2.5): ``dR = (I + R)·dQ·M = 2·M·dQ·M``, so
 ``gQ = 2·Mᵀ·gR·Mᵀ`` and ``gB = cscale·(gQ − gQᵀ)`` (``cayley_grad``).
 """
 from __future__ import annotations
@@ -77,8 +77,8 @@ NEUMANN_TOL2 = tl.constexpr(2.0 ** -48)
 NEUMANN_MAX_STEPS = tl.constexpr(6)
 #: the series' dots: "ieee" (FMA, fp32). They take 255 registers a thread (ptxas, sm_90) and
 #: cap a streaming program's residency at two per SM; "tf32x3" takes 243 (the same two) and
-#: gave wrong streams on the H200 (Triton 3.6) in the (N, C, H, W) layout at 16 bits: not
-#: understood, not used
+#: gave wrong streams with Triton 3.6 in the (N, C, H, W) layout at 16 bits: not understood,
+#: not used
 NEUMANN_PREC = tl.constexpr("ieee")
 
 

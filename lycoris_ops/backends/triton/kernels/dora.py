@@ -1,4 +1,4 @@
-"""Triton kernels of DoRA (OPS.md §2.4): ``dora_fwd`` and ``dora_bwd``.
+"""Triton kernels of DoRA (docs/ops.md §2.4): ``dora_fwd`` and ``dora_bwd``.
 
 Written from the math (``reference/dora.py`` is the oracle, same numerics):
 ``M = w + delta`` is read in-kernel (each operand in its own dtype, summed in
@@ -256,7 +256,7 @@ def default_dora_cfg() -> DoraCfg:
     return DoraCfg()
 
 
-_MAX_SPLIT = 64
+MAX_SPLIT = 64
 
 
 @functools.lru_cache(maxsize=4096)
@@ -277,7 +277,7 @@ def _plan(R, NC, r_contig, bwd, n_sm, cfg: DoraCfg):
         br, bc = (cfg.br or 4), (cfg.bc or 512)
     n_chunks = max(1, cdiv(NC, bc))
     n_rt = cdiv(R, br)
-    split = cfg.split or max(1, min(_MAX_SPLIT, n_chunks, cdiv(2 * n_sm, n_rt)))
+    split = cfg.split or max(1, min(MAX_SPLIT, n_chunks, cdiv(2 * n_sm, n_rt)))
     cps = cdiv(n_chunks, split)
     split = cdiv(n_chunks, cps)
     return ("str", br, bc, split, cps)
@@ -304,7 +304,7 @@ def _common(w, dscale, row_axis, delta, cfg, bwd, *others):
 # --------------------------------------------------------------------------- launchers
 
 def dora_fwd(w, dscale, mult, row_axis, delta=None, cfg: Optional[DoraCfg] = None):
-    """``(y, norms)`` of OPS.md §2.4.1 (see ``reference.dora.dora_fwd``).
+    """``(y, norms)`` of docs/ops.md §2.4.1 (see ``reference.dora.dora_fwd``).
 
     w, delta: (R0, R1) any strides; dscale: w.shape[row_axis] elements. One pass
     when a tile of whole norm vectors fits in registers, else two."""
@@ -338,7 +338,7 @@ def dora_fwd(w, dscale, mult, row_axis, delta=None, cfg: Optional[DoraCfg] = Non
 
 
 def dora_bwd(grad, w, dscale, norms, mult, row_axis, delta=None, cfg: Optional[DoraCfg] = None):
-    """``(g_M, g_dscale)`` of OPS.md §2.4.2 (exact derivative, see ``reference.dora.dora_bwd``).
+    """``(g_M, g_dscale)`` of docs/ops.md §2.4.2 (exact derivative, see ``reference.dora.dora_bwd``).
 
     One pass when G and M tiles of whole norm vectors fit in registers, else two."""
     cfg = cfg or DoraCfg()

@@ -179,10 +179,8 @@ def tile_2d(M, N, IDX64: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
 def _operand_tile(ptr, s_s, S, offs, mask, IS_CD: tl.constexpr, CD: tl.constexpr, BA: tl.constexpr,
                   BB: tl.constexpr):
     """Σ_s ptr[s·s_s + offs] of one (BA, BB) tile in fp32, one partial after another: a factor
-    (``IS_CD``: rounded to the compute dtype) or an fp32 partial stack, summed unrounded. (Eight
-    partials a load instead did not speed up the LoKr merge backward's chain over 9 partials on the
-    H200, 34 → 35 µs: its few tile programs were the limit; ``triton/lokr.CHAIN_PRESUM`` now adds
-    deep stacks by the flat reduce first. RESULTS.md 2026-12-04 16:25–16:45.)"""
+    (``IS_CD``: rounded to the compute dtype) or an fp32 partial stack, summed unrounded (deep
+    stacks are first added by the flat reduce: ``lokr.CHAIN_PRESUM``)."""
     t = tl.zeros((BA, BB), dtype=tl.float32)
     p = ptr + offs
     for _ in range(0, S):

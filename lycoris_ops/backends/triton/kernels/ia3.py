@@ -1,8 +1,8 @@
-"""Triton kernels of IA3 (OPS.md §2.7): ``ia3_fwd`` and ``ia3_bwd``.
+"""Triton kernels of IA3 (docs/ops.md §2.7): ``ia3_fwd`` and ``ia3_bwd``.
 
 x (any rank) is viewed as (A, C, B): A = the dims before ``channel_axis``,
 C = the channel dim, B = the dims after it; the outer and the inner dims must
-each collapse to one strided run (``_common.collapse_one``), else that operand
+each collapse to one strided run (``common.collapse_one``), else that operand
 is copied contiguous first (rare). Two tilings of the logical matrix:
 
 * channel on the columns (B = 1, e.g. linear activations with axis -1, the

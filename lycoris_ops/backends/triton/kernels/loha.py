@@ -1,7 +1,7 @@
-"""Triton kernels of the LoHa family (OPS.md §2.2): ``loha_merge_bwd``,
+"""Triton kernels of the LoHa family (docs/ops.md §2.2): ``loha_merge_bwd``,
 ``loha_bypass_fwd``, ``loha_bypass_bwd``.
 
-Written from the math of OPS.md §2.2 and the eager bodies of
+Written from the math of docs/ops.md §2.2 and the eager bodies of
 ``reference/loha.py``: ΔW = (a1·b1) ⊙ (a2·b2) with a1, a2 (O, r), b1, b2 (r, I).
 Operands are read in their stored dtype and rounded to the compute dtype in
 the kernel (no host casts); products accumulate in fp32; the deliberate
@@ -53,12 +53,11 @@ import torch
 import triton
 import triton.language as tl
 
-from lycoris_ops.backends.triton.common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
+from lycoris_ops.backends.triton.common import cdiv, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
 from lycoris_ops.backends.triton.kernels.fusedkit import compute_dtype, reduce_launch, split_count, tile_2d, view_key
 
 __all__ = [
-    "ApplyCfg", "GradCfg", "MAX_HADA_RANK", "supported",
-    "loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd",
+    "ApplyCfg", "GradCfg", "MAX_HADA_RANK", "supported", "bypass_fwd", "bypass_bwd", "merge_bwd",
 ]
 
 #: the regenerating kernels hold the whole padded rank in registers
@@ -382,9 +381,8 @@ def default_grad_cfg(R: int, compute: torch.dtype) -> GradCfg:
     if compute == torch.float32:
         return GradCfg(block_m=32 if rp <= 64 else 16, block_n=32, num_warps=4 if rp <= 32 else 8)
     if 32 <= rp <= 64:
-        # H200, bf16 (RESULTS.md 2026-12-04 14:55–15:12, bench/variants.py loha --phases grad): narrow N
-        # steps, 4 warps, 3 stages, split: 0.091 ms at 4096², r64 (the 64x64 8-warp tile: 0.165),
-        # 0.048 at 3072², r32 (0.070)
+        # narrow N steps, 4 warps, 3 stages, split: measured faster than the 64x64 8-warp tile at
+        # the bench shapes (16-bit)
         return GradCfg(block_m=64, block_n=32, num_warps=4, num_stages=3)
     # ptxas (sm_90, bf16): no spills up to rp 64 with these; rp 128 spills a few bytes
     return GradCfg(block_m=64, block_n=64 if rp <= 64 else 32, num_warps=4 if rp <= 16 else 8)
@@ -658,22 +656,3 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
             grad, x, x, x, x, gw, gw, O, I, T, R, 1.0, grad.stride(1), grad.stride(0),
             x.stride(1), x.stride(0), 0, 0, 0, 0, 0, 0, 0, 0, gw.stride(0), gw.stride(1), **meta_w)
     return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg, vendor=merge_vendor)
-
-
-# =============================================================================== op set (schema signatures)
-# Called by the CUDA dispatcher with validated, in-scope arguments (``scope.SCOPE``).
-
-
-def loha_merge_bwd(grad, a1, b1, a2, b2, gamma):
-    with device_guard(grad):
-        return merge_bwd(grad, a1, b1, a2, b2, gamma)
-
-
-def loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
-    with device_guard(x):
-        return bypass_fwd(x, a1, b1, a2, b2, gamma, base)
-
-
-def loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
-    with device_guard(x):
-        return bypass_bwd(grad, x, a1, b1, a2, b2, gamma)

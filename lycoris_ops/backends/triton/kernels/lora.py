@@ -1,7 +1,7 @@
-"""Triton kernels of the LoRA / LoCon family (OPS.md §2.1): ``lora_bypass_fwd``,
+"""Triton kernels of the LoRA / LoCon family (docs/ops.md §2.1): ``lora_bypass_fwd``,
 ``lora_bypass_bwd``, ``lora_merge_fwd`` (plain / hada / sum), ``lora_merge_bwd``.
 
-Written from the math of OPS.md §2.1 and the eager bodies in
+Written from the math of docs/ops.md §2.1 and the eager bodies in
 ``reference/lora.py`` (same dtypes, same rounding points):
 
 * operands are read in their stored dtype and rounded to the compute dtype

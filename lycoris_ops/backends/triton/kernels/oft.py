@@ -1,4 +1,4 @@
-"""Triton kernels of diag-OFT (OPS.md §2.5): ``oft_fwd`` and ``oft_bwd``.
+"""Triton kernels of diag-OFT (docs/ops.md §2.5): ``oft_fwd`` and ``oft_bwd``.
 
 Written from the math (``reference/oft.py`` is the oracle, same numerics).
 Per block k: ``Q_k = cscale·(B_k − B_kᵀ)``, ``M_k = (I − Q_k)⁻¹``, ``R_k = 2M_k − I``
@@ -14,7 +14,7 @@ the contiguous axis, for coalescing) and a share of the positions (as many share
 per group as fill one wave of resident programs: ``auto_split``).
 
 Cayley in registers: every program rebuilds the fp32 Cayley factors of its
-blocks from the fp32-upcast raw blocks before it streams (``_cayley.cayley_m``:
+blocks from the fp32-upcast raw blocks before it streams (``cayley.cayley_m``:
 batched Gauss–Jordan, SP serial steps; or, ``neumann`` and the forward's default,
 a product series of a few fp32 dots with a computed stopping rule, Gauss–Jordan
 only where it does not converge); R is never written to memory and no scratch
@@ -62,7 +62,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lycoris_ops.backends.triton.common import (_INTERPRETED, cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms)
+from lycoris_ops.backends.triton.common import (cdiv, collapse_one, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms)
 from lycoris_ops.backends.triton.kernels.cayley import cayley_grad, cayley_m
 
 __all__ = ["OftCfg", "FWD_CFG", "oft_fwd", "oft_bwd", "MAX_BLOCK", "positions_view", "auto_split"]
@@ -203,29 +203,6 @@ def bwd_tile(g_ptr, go, x_ptr, xo, mask, ft, f0, f1, f2, acc, SPLIT: tl.constexp
 
 
 @triton.jit
-def _l2_prefetch(ptrs):
-    """``prefetch.global.L2`` of every address (a hint: no result, nothing waits on it)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_tiles(x_ptr, sx_pre, sx_post, K, S, NPOS, POST, n_split, g, MODE: tl.constexpr,
-                    IDX64: tl.constexpr, NB: tl.constexpr, BLOCK_P: tl.constexpr, PREFETCH: tl.constexpr,
-                    LINES: tl.constexpr, LINE_ELEMS: tl.constexpr):
-    """Ask L2 for the first PREFETCH position tiles of this program (channels at unit stride:
-    LINES cache lines a position cover the group's NB·S channels)."""
-    lines = g * NB * S + tl.arange(0, LINES) * LINE_ELEMS
-    for k in range(PREFETCH):
-        p = (tl.program_id(1) + k * n_split) * BLOCK_P + tl.arange(0, BLOCK_P)
-        if IDX64:
-            p = p.to(tl.int64)
-        ok = (p < NPOS)[:, None] & (lines < K * S)[None, :]
-        addr = x_ptr + pos_offsets(p, POST, sx_pre, sx_post, MODE)[:, None] + lines[None, :]
-        _l2_prefetch(tl.where(ok, addr, x_ptr))
-
-
-@triton.jit
 def _oft_fwd_kernel(
     blocks_ptr, sbk, sbp, sbq, rs_ptr, srs,
     x_ptr, sx_pre, sx_c, sx_post, y_ptr, sy_pre, sy_c, sy_post,
@@ -233,16 +210,10 @@ def _oft_fwd_kernel(
     HAS_RESCALE: tl.constexpr, MODE: tl.constexpr, IDX64: tl.constexpr,
     NB: tl.constexpr, SP: tl.constexpr, BLOCK_P: tl.constexpr, DOT_PREC: tl.constexpr,
     SPLIT: tl.constexpr = False, DOT: tl.constexpr = tl.float32, NEUMANN: tl.constexpr = False,
-    PREFETCH: tl.constexpr = 0, LINES: tl.constexpr = 1, LINE_ELEMS: tl.constexpr = 64,
 ):
-    """y = F·x per position tile of group g, F rebuilt from the group's blocks first. PREFETCH:
-    before the rebuild (the memory would idle through it), L2 prefetches of the program's first
-    PREFETCH tiles of x (``_prefetch_tiles``), so the stream starts from L2."""
+    """y = F·x per position tile of group g, F rebuilt from the group's blocks first."""
     GP: tl.constexpr = NB * SP
     g = tl.program_id(0)
-    if PREFETCH > 0:
-        _prefetch_tiles(x_ptr, sx_pre, sx_post, K, S, NPOS, POST, n_split, g, MODE, IDX64, NB, BLOCK_P,
-                        PREFETCH, LINES, LINE_ELEMS)
     ch, ch_valid, rho, m, same = _oft_group(blocks_ptr, sbk, sbp, sbq, rs_ptr, srs, K, S, cscale, g,
                                             HAS_RESCALE, NB, SP, NEUMANN)
     f = _oft_f(m, rho, shift, GP)
@@ -356,10 +327,8 @@ class OftCfg(NamedTuple):
     in memory, else 16), ``split``: programs per group along the positions
     (0 = automatic: one wave of resident programs, ``auto_split``), ``dot_prec``:
     input_precision of the streaming fp32 dots, or ``"split16"`` (16-bit operands:
-    ``dot_split16``), ``neumann``: the Cayley factor by ``_cayley.neumann_inverse`` where
-    ‖Q‖ allows (a few dots instead of S serial elimination steps; ``_cayley.cayley_m``),
-    ``prefetch``: the forward's L2 prefetch, tiles a program (``_oft_fwd_kernel``; channels at
-    unit stride only, not under the interpreter: inline PTX). Not yet timed on a GPU: 0."""
+    ``dot_split16``), ``neumann``: the Cayley factor by ``cayley.neumann_inverse`` where
+    ‖Q‖ allows (a few dots instead of S serial elimination steps; ``cayley.cayley_m``)."""
     block_p: int = 128
     group: int = 0
     split: int = 0
@@ -369,7 +338,6 @@ class OftCfg(NamedTuple):
     bwd_block_p: int = 64
     chain_warps: int = 4
     neumann: bool = False
-    prefetch: int = 0
 
 
 def default_oft_cfg() -> OftCfg:
@@ -377,10 +345,9 @@ def default_oft_cfg() -> OftCfg:
 
 
 #: the forward launcher's default: the Cayley factor by ``neumann_inverse`` (the rebuild every
-#: program does before it streams: 0.020 ms against Gauss-Jordan's 0.041 at one tile a
-#: program), one wave of its two programs per SM (WAVE_NEUMANN), 3 stages, split16 dots at
-#: 16 bits (fp32 x: tf32x3). H200, S 32, bf16: 32768x4096 0.165 ms against 0.205, 8192x3072
-#: 0.042 against 0.067 (bench/variants.py oft, RESULTS 2026-12-01 17:45-18:40)
+#: program does before it streams, about half Gauss-Jordan's time), one wave of its two
+#: programs per SM (WAVE_NEUMANN), 3 stages, split16 dots at 16 bits (fp32 x: tf32x3);
+#: measured faster than the Gauss-Jordan default at the bench shapes
 FWD_CFG = OftCfg(num_stages=3, dot_prec="split16", neumann=True)
 
 
@@ -422,19 +389,17 @@ def _plan(K, S, npos, c_contig, n_sm, bwd, cfg: OftCfg):
     return NB, SP, n_groups, n_tiles, split, bp
 
 
-#: resident stream programs per SM (H200, 32-row groups, 16-bit x: bench/variants.py oft,
-#: 2026-12-01 11:31): the forward's 4, the backward's 3 (its GP x GP accumulator); 2 with
-#: ``neumann`` (its fp32 dots of 32x32 tiles: 255 registers a thread, ptxas sm_90)
+#: resident stream programs per SM (measured, 32-row groups, 16-bit x): the forward's 4, the
+#: backward's 3 (its GP x GP accumulator); 2 with ``neumann`` (its fp32 dots of 32x32 tiles:
+#: 255 registers a thread, ptxas sm_90)
 WAVE_FWD, WAVE_BWD, WAVE_NEUMANN = 4, 3, 2
 
 
 def auto_split(n_groups: int, n_sm: int, bwd: bool, neumann: bool = False) -> int:
     """Programs per channel group along the positions: as many as fill ONE wave of resident
     programs. Every program first rebuilds its group's Cayley factor with the memory idle,
-    so a second, partial wave pays that again: at 32768x4096, S 32, bf16, 5 programs per
-    group (640, a wave and a fifth) took 0.216 ms forward and 4 (512) 0.206; the backward
-    0.484 at 5 and 0.406 at 3; ``neumann`` (two resident programs) 0.239 at 4 per group,
-    0.165 at 2."""
+    so a second, partial wave pays that again (measured slower, forward and backward, with
+    and without ``neumann``)."""
     return wave_split(n_groups, n_sm, WAVE_NEUMANN if neumann else (WAVE_BWD if bwd else WAVE_FWD))
 
 
@@ -481,7 +446,7 @@ def _prep(blocks, x, rescale, weight, cfg, bwd):
 
 
 def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = None):
-    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): one kernel."""
+    """Diag-OFT forward (docs/ops.md §2.5.1, see ``reference.oft.oft_fwd``): one kernel."""
     cfg = cfg or FWD_CFG
     K, S, ax, x, pre, post, xs, (NB, SP, n_groups, n_tiles, split, bp), rs = _prep(blocks, x, rescale, weight,
                                                                                   cfg, False)
@@ -498,27 +463,13 @@ def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = N
             x, a, xs[1], b, y, ya, ys[1], yb,
             K, S, pre * post, post, n_tiles, split, float(cscale), 1.0 if shift else 0.0,
             HAS_RESCALE=rescale is not None, MODE=mode, IDX64=idx64, NB=NB, SP=SP, BLOCK_P=bp,
-            **dot_mode(cfg.dot_prec, x), NEUMANN=cfg.neumann, **_prefetch_args(cfg, x, xs, NB * SP),
+            **dot_mode(cfg.dot_prec, x), NEUMANN=cfg.neumann,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
-#: bytes of a cache line (what one ``prefetch.global.L2`` fetches)
-LINE_BYTES = 128
-
-
-def _prefetch_args(cfg: OftCfg, x: torch.Tensor, xs, GP: int) -> dict:
-    """The forward kernel's prefetch constexprs: off without unit channel stride, under the
-    interpreter (inline PTX) and at ``cfg.prefetch`` 0; else LINES (a power of two) lines a
-    position from the group's first channel, LINE_ELEMS elements apart."""
-    if cfg.prefetch <= 0 or xs[1] != 1 or _INTERPRETED[0]:
-        return {}
-    es = x.element_size()
-    return dict(PREFETCH=cfg.prefetch, LINES=next_pow2(cdiv(GP * es, LINE_BYTES) + 1), LINE_ELEMS=LINE_BYTES // es)
-
-
 def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = None):
-    """Diag-OFT backward (OPS.md §2.5.2, see ``reference.oft.oft_bwd``): stream + chain kernels.
+    """Diag-OFT backward (docs/ops.md §2.5.2, see ``reference.oft.oft_bwd``): stream + chain kernels.
 
     Returns gx (x's shape and dtype), g_blocks (blocks' shape and dtype), g_rescale
     ((K·S,) in blocks' dtype, or an empty (0,) tensor when rescale is None)."""

@@ -1,4 +1,4 @@
-"""Triton kernel of ``lora_tucker_fwd`` (OPS.md §2.1.5).
+"""Triton kernel of ``lora_tucker_fwd`` (docs/ops.md §2.1.5).
 
 ``C[o, i, κ] = Σ_{p,q} a[o, p]·t[p, q, κ]·b[q, i]``; ``Y = γ·C1`` or, with the
 second chain, ``Y = (γ·C1)⊙C2``; output (O, I, Kk) in a1's dtype. Written from
@@ -11,10 +11,8 @@ The output is written once, coalesced, and with no re-layout: a program owns ``B
 output rows o (a loop) and ``BI`` columns i, and per o computes the (BI, KKP) tile
 ``Σ_q bᵀ[i, q]·AT[o, q, κ]`` (κ padded to a dot's width ``KKP``, at least 16): its
 accumulator is (i, κ)-major, exactly the order of y's contiguous run of row o, so
-it is stored as it is. (Two earlier designs: a tile per κ stored with stride Kk
-wrote 2-byte elements Kk apart, 34× its memory floor on an H200; rows (o, κ) by
-columns i, re-laid out in registers to (o, i, κ), cost 1.4× eager torch's einsum at
-4096×4096×9, r64.)
+it is stored as it is (a tile per κ stored with stride Kk would write 2-byte elements Kk
+apart, far from the memory floor).
 
 ``AT`` (O·R'·Kk elements, a fraction of the output) is one small kernel launch
 before (``_core_kernel``: a GEMM over the columns (q, κ) of t, fp32 accumulated and
@@ -29,9 +27,9 @@ Packed rows (``o_pack``, the fp32 default): an IEEE fp32 dot runs on FMA units, 
 its padded columns are paid work (Kk 9 in 16: 1.78× the products). ``o_pack`` rows o
 then share one dot, side by side in its columns (3 × 9 in 32: 1.19×); AT is stored in
 that packed order, and each row's part of the accumulator is still its (i, κ) run.
-Measured on the H200 (fp32), packing is worth a tile, not more: the best packed and
-unpacked tiles are within 8% of each other (``default_tucker_cfg``); at 16 bits (tensor
-cores, write-bound) packing lost 2-3× and is not used. A Triton kernel
+Measured (fp32), packing is worth a tile, not more: the best packed and unpacked tiles
+are close (``default_tucker_cfg``); at 16 bits (tensor cores, write-bound) packing lost
+and is not used. A Triton kernel
 rather than torch's GEMM: then the whole op is Triton launches, which the C++ CUDA
 kernel replays (csrc/launch.cpp) without Python.
 
@@ -48,10 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lycoris_ops.backends.triton.common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
+from lycoris_ops.backends.triton.common import cdiv, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
 from lycoris_ops.backends.triton.kernels.fusedkit import compute_dtype, view_key
 
-__all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "lora_tucker_fwd", "tucker_fwd"]
+__all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "tucker_fwd"]
 
 MAX_TUCKER_RANK = 128
 
@@ -261,16 +259,12 @@ def pack_width(Kk: int, o_pack: int) -> int:
 @functools.lru_cache(maxsize=1024)
 def default_tucker_cfg(O, I, Kk, rmax, two, compute) -> TuckerCfg:
     if compute == torch.float32:
-        # IEEE fp32 dots (FMA), rows packed. H200, bench/variants.py tucker fp32 (2026-12-04 18:28):
-        # packed 16(->18)x32 0.328 ms at 3072² r32 and 0.952 at 4096² r64, against 0.395 / 1.260
-        # for the unpacked 16x64 default before; the best unpacked tiles were 8x256 (0.303 / 1.207)
-        # and 16x128 (0.327 / 1.016). The tuner times both kinds.
+        # IEEE fp32 dots (FMA), rows packed: measured faster than the unpacked 16x64 tile, about
+        # as fast as the best unpacked ones. The tuner times both kinds.
         return TuckerCfg(block_o=16, block_i=32, num_warps=4, num_stages=2, o_pack=o_pack_for(Kk, 32))
     if two or _p16(rmax) > 64:
         return TuckerCfg(block_o=16, block_i=64, num_warps=4, num_stages=2, o_pack=1)
-    # H200, bench/variants.py tucker (2026-12-01 11:07): 32x128 at 3 stages 0.233 ms at
-    # 4096x4096x9 r64 bf16 and 0.108 at 3072 r32, against 0.263 / 0.117 at 2 stages and
-    # einsum's 0.251 / 0.148
+    # 3 stages measured faster than 2 (and than eager) at the bench shapes
     return TuckerCfg(block_o=32, block_i=128, num_warps=4, num_stages=3, o_pack=1)
 
 
@@ -329,9 +323,3 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
         *c2[1].stride(), **meta,
         **(dict(CORE=True, CBR1=_p16(t1.shape[0]), CBR2=_p16(c2[1].shape[0]), KKC=kkc) if fused else {}))
     return y
-
-
-def lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
-    """Op-set entry (validated, in-scope arguments)."""
-    with device_guard(a1):
-        return tucker_fwd(a1, t1, b1, a2, t2, b2, gamma)
