@@ -18,7 +18,7 @@ triton = pytest.importorskip("triton")
 # bench/gpu_tuning.py tunes the real shapes and checks them against eager instead
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors)")
 
-from lycoris_ops._library import register as registry
+from lycoris_ops import reference
 from lycoris_ops.backends import registry as dispatch, scope, select
 from lycoris_ops import testing  # noqa: E402
 from lycoris_ops.backends.triton import ops as triton_ops  # noqa: E402
@@ -68,7 +68,7 @@ def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
         assert pm.KWARGS[case.op](*args) is got
         # the op-set function (picked config or eager) and the launcher with the picked kwargs
         # (where a fused config won), both equal to eager
-        ref = getattr(registry.FAMILY[case.op], case.op)(*args)
+        ref = reference.eager(case.op)(*args)
         assert tune.mismatch(getattr(triton_ops, case.op)(*args), ref) is None
         if not tune.is_eager(got):
             assert tune.mismatch(pm.LAUNCHERS[case.op](*args, **got), ref) is None

@@ -117,7 +117,7 @@ def ia3_fwd_kwargs(x, w, channel_axis, alpha, gamma):
         "ia3_fwd", BACKEND, key,
         lambda: plan_ia3_fwd(facts(dev), M, N, C, x.dtype, w.dtype, default=as_dict(kernels.default_ia3_fwd_cfg(M, N))),
         lambda kw: kernels.ia3_fwd(x, w, channel_axis, alpha, gamma, **kw),
-        lambda: reference.ia3_fwd(x, w, channel_axis, alpha, gamma),
+        lambda: reference.ia3_fwd_native(x, w, channel_axis, alpha, gamma),
         device=dev, version=version(), resolve=lambda c: {"cfg": kernels.Ia3Cfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
@@ -138,7 +138,7 @@ def ia3_bwd_kwargs(grad, x, w, channel_axis, alpha, gamma):
         lambda: plan_ia3_bwd(facts(dev), M, N, C, ch_rows, x.dtype, w.dtype, grad.dtype,
                              default=as_dict(kernels.default_ia3_bwd_cfg(M, N, ch_rows))),
         lambda kw: kernels.ia3_bwd(grad, x, w, channel_axis, alpha, gamma, **kw),
-        lambda: reference.ia3_bwd(grad, x, w, channel_axis, alpha, gamma),
+        lambda: reference.ia3_bwd_native(grad, x, w, channel_axis, alpha, gamma),
         device=dev, version=version(), resolve=lambda c: {"cfg": kernels.Ia3Cfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 

@@ -548,7 +548,7 @@ def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
     return tune.pick(
         "lokr_bypass_fwd", BACKEND, key, plan,
         lambda kw: bypass_kernels.bypass_fwd(x, w1, w2, gamma, base, **kw),
-        lambda: reference.lokr_bypass_fwd(x, w1, w2, gamma, base),
+        lambda: reference.lokr_bypass_fwd_native(x, w1, w2, gamma, base),
         device=dev, version=version(), resolve=lambda cfg: {"cfg": bypass_kernels.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk), prepare=precompile.precompile)
 
 
@@ -577,7 +577,7 @@ def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
     return tune.pick(
         "lokr_bypass_bwd", BACKEND, key, plan,
         lambda kw: bypass_kernels.bypass_bwd(grad, x, w1, w2, gamma, **kw),
-        lambda: reference.lokr_bypass_bwd(grad, x, w1, w2, gamma),
+        lambda: reference.lokr_bypass_bwd_native(grad, x, w1, w2, gamma),
         device=dev, version=version(), resolve=lambda cfg: {"cfg": bypass_kernels.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk), prepare=precompile.precompile)
 
 

@@ -255,7 +255,7 @@ def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
         "oft_fwd", BACKEND, key,
         lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(kernels.FWD_CFG)),
         lambda kw: kernels.oft_fwd(blocks, x, rescale, cscale, shift, weight, **kw),
-        lambda: reference.oft_fwd(blocks, x, rescale, cscale, shift, weight),
+        lambda: reference.oft_fwd_native(blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": kernels.OftCfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
@@ -273,7 +273,7 @@ def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
         "oft_bwd", BACKEND, key,
         lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(kernels.OftCfg())),
         lambda kw: kernels.oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, **kw),
-        lambda: reference.oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
+        lambda: reference.oft_bwd_native(grad, blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": kernels.OftCfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 
