@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One device call that compares this tree with an earlier one and runs the user-shape checks:
+#
+#   bash bench/gpu_before_after.sh BEFORE_DIR [SECONDS]
+#
+# BEFORE_DIR: an earlier tree of this repository (e.g. `git archive <commit> | tar -x -C
+# .before`, carried beside the checkout). Stages, each capped so the whole call ends inside
+# SECONDS (default 560):
+#   1. build: both trees' extensions in place, side by side (setup.py build_ext --inplace);
+#   2. parity: bench/gpu_backends.py on this tree (every op's cases on CUDA under each backend
+#      against the CPU result, then inside torch.compile(fullgraph=True));
+#   3. bench: bench/bench.py --quick in the earlier tree, then in this one (the ratios to
+#      compare, measured in the same call);
+#   4. matrix: bench/matrix.py (the shape matrix, as far as its budget reaches);
+#   5. bridge: bench/gpu_bridge.py bench (lycoris-lora networks on our ops against its own).
+# Logs and JSON land in ${OUT:-bench/out}/; .whl/ (lycoris-lora and its pure-Python needs) is
+# installed into /tmp/peer_site for the peer columns.
+set -uo pipefail
+before=${1:?usage: gpu_before_after.sh BEFORE_DIR [SECONDS]}
+budget=${2:-560}
+here=$(cd "$(dirname "$0")/.." && pwd)
+out=${OUT:-$here/bench/out}; mkdir -p "$out"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+py=${PYTHON:-python3}
+start=$SECONDS
+left() { echo $(( budget - (SECONDS - start) )); }
+cap() { local want=$1 l; l=$(left); [ "$l" -lt "$want" ] && want=$l; [ "$want" -lt 5 ] && want=5; echo "$want"; }
+
+if compgen -G "$here/.whl/*.whl" >/dev/null; then
+  $py -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer_site "$here"/.whl/*.whl >/dev/null 2>&1 \
+    && export LYCORIS_PEER_PATH=/tmp/peer_site
+fi
+
+echo "== build ($(date -u +%FT%TZ))"
+(cd "$before" && MAX_JOBS=8 $py setup.py -q build_ext --inplace >"$out/build_before.log" 2>&1) &
+(cd "$here" && MAX_JOBS=8 $py setup.py -q build_ext --inplace >"$out/build_after.log" 2>&1) &
+wait
+for t in "$before" "$here"; do
+  PYTHONPATH=$t $py -c "import torch, triton, lycoris_ops as L; print(L.__file__, torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
+    || { tail -20 "$out"/build_*.log; exit 1; }
+done
+echo "built in $((SECONDS - start)) s"
+
+echo "== parity (this tree)"
+PYTHONPATH=$here timeout "$(cap 130)" $py "$here/bench/gpu_backends.py" --dtypes float32,bfloat16,float16 >"$out/parity.log" 2>&1
+echo "parity: exit $?"; grep -E "FAIL|mismatch|graph break|^(all|cases|summary)" "$out/parity.log" | tail -15; tail -3 "$out/parity.log"
+
+for side in before after; do
+  tree=$before; [ $side = after ] && tree=$here
+  echo "== bench --quick ($side)"
+  (cd "$tree" && PYTHONPATH=$tree timeout "$(cap 75)" $py bench/bench.py --quick --no-host --max-seconds 60 \
+     --out "$out/bench_$side" --results "$out/bench_$side.md" >"$out/bench_$side.log" 2>&1)
+  echo "bench $side: exit $?"; tail -22 "$out/bench_$side.log"
+done
+
+echo "== matrix"
+PYTHONPATH=$here timeout "$(cap 190)" $py "$here/bench/matrix.py" --seconds "$(( $(cap 190) - 25 ))" --out "$out/matrix" \
+  --results "$out/matrix/RESULTS.md" >"$out/matrix.log" 2>&1
+echo "matrix: exit $?"; tail -40 "$out/matrix.log"
+
+echo "== bridge"
+PYTHONPATH=$here timeout "$(cap 100)" $py "$here/bench/gpu_bridge.py" bench --models transformer --steps 10 --warmup 2 \
+  --out "$out/bridge" >"$out/bridge.log" 2>&1
+echo "bridge: exit $?"; tail -25 "$out/bridge.log"
+echo "== done in $((SECONDS - start)) s"
