@@ -303,7 +303,6 @@ TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(
 #: the forwards' spaces (threads 256 only with 128-row tiles: ``cost.tl_threads``; stages also
 #: within the device's pipeline depths)
 TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(2, 3, 4), threads=TL_THREADS)
-TL_MERGE_FWD = dict(BM=(64, 128), BN=(64, 128, 256), BK=(16, 32, 64), stages=(2, 3, 4), threads=TL_THREADS)
 #: ``merge_stream_kernel`` (``MERGE_FWD_FORM["stream"]``): row tile, column stripe, stages, threads;
 #: H200 (RESULTS.md 2026-12-02 15:41): 256-wide stripes, 128-row tiles and 3 stages ran slower
 TL_MERGE_STREAM = dict(BM=(64,), BN=(64, 128), stages=(2,), threads=(128,))
@@ -323,12 +322,11 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
     e, eo = esize(compute), esize(out_dtype)
     rp = p2(R, 16)
-    staged = _tl_module().BYPASS_FWD_FORM["staged"]
 
     def tl_work(c):
         bt, bo, bk = c["BT"], c["BO"], c["BK"]
         smem = (c["stages"] * (bt + rp) * bk + bt * rp + 2 * bo * rp) * e
-        smem += bt * bo * (eo + (eo if has_base else 0)) if staged else 0
+        smem += bt * bo * (eo + (eo if has_base else 0))  # the staged output and base tiles
         if not smem_fits(dev, smem):  # every buffer (TileLang may overlap those that never live together)
             return None
         return work(dict(block_t=c["BT"], block_i=c["BK"], block_o=c["BO"], o_split=0,
@@ -384,34 +382,20 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
     eb = esize(base_dtype)
     chains = 1 if mode == "plain" else 2
     L = _tl_module()
-    staged = L.GEMM_STAGED
-    if L.MERGE_FWD_FORM["stream"]:
-        def stream_work(c):
-            if not smem_fits(dev, L.stream_smem(c["BM"], c["BN"], c["stages"], R1, R2 if chains == 2 else None, e,
-                                                eb if base_dtype is not None else 0, eo)):
-                return None
-            return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=kcap, num_warps=c["threads"] // 32,
-                             num_stages=c["stages"]))
 
-        sp = TL_MERGE_STREAM
-        cfgs = [dict(BM=bm, BN=bn, stages=st, threads=th) for bm in sp["BM"] for bn in sp["BN"] for st in sp["stages"]
-                for th in sp["threads"]]
-        plan = tl_shortlist("lora_merge_fwd", cfgs, stream_work, dev, dict(L.MERGE_STREAM), eager, ("BM", "BN"), n)
-        add_before_eager(plan, dict(L.MERGE_FWD))
-        return plan
-
-    def tl_work(c):
-        bm, bn, bk = c["BM"], c["BN"], min(c["BK"], kcap)
-        smem = chains * c["stages"] * (bm + bn) * bk * e + (bm * bn * (eo + eb) if staged else 0)
-        if not smem_fits(dev, smem):  # with the staged output and base tiles
+    def stream_work(c):
+        if not smem_fits(dev, L.stream_smem(c["BM"], c["BN"], c["stages"], R1, R2 if chains == 2 else None, e,
+                                            eb if base_dtype is not None else 0, eo)):
             return None
-        return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=min(c["BK"], kcap), num_warps=c["threads"] // 32,
+        return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=kcap, num_warps=c["threads"] // 32,
                          num_stages=c["stages"]))
 
-    sp = TL_MERGE_FWD
-    cfgs = [dict(BM=bm, BN=bn, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bn in sp["BN"]
-            for bk in sp["BK"] if bk <= kcap for s in tl_stages(dev, sp["stages"]) for th in tl_threads(sp["threads"], bm)]
-    return tl_shortlist("lora_merge_fwd", cfgs, tl_work, dev, dict(_tl_module().MERGE_FWD), eager, ("BM", "BN", "BK"), n)
+    sp = TL_MERGE_STREAM
+    cfgs = [dict(BM=bm, BN=bn, stages=st, threads=th) for bm in sp["BM"] for bn in sp["BN"] for st in sp["stages"]
+            for th in sp["threads"]]
+    plan = tl_shortlist("lora_merge_fwd", cfgs, stream_work, dev, dict(L.MERGE_STREAM), eager, ("BM", "BN"), n)
+    add_before_eager(plan, dict(L.MERGE_FWD))
+    return plan
 
 
 def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, out_dtype, *, n: int = TL_N):
@@ -422,19 +406,18 @@ def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype
     e, eg, eo = esize(compute), esize(g_dtype), esize(out_dtype)
     tc = compute != torch.float32
     L = _tl_module()
-    pair = L.MERGE_BWD_FORM["pair"]
 
     def tl_work(c):
-        if pair and not smem_fits(dev, L.pair_smem(c["BM"], c["BK"], c["stages"], R, e, L.MERGE_BWD_FORM["ws"])):
+        if not smem_fits(dev, L.pair_smem(c["BM"], c["BK"], c["stages"], R, e)):
             return None
         return _skinny_work(dev, dict(block_m=c["BM"], block_k=c["BK"], block_r=0, split=0,
                                       num_warps=c["threads"] // 32, num_stages=c["stages"], reduce_block=1024),
                             O, I, I, O, R, eg, e, eo, e, tc)
 
-    sp = TL_PAIR if pair else TL_SKINNY
+    sp = TL_PAIR
     cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bk in sp["BK"]
             for s in tl_stages(dev, sp["stages"]) for th in sp["threads"]]
-    return tl_shortlist("lora_merge_bwd", cfgs, tl_work, dev, dict(L.merge_bwd_fixed()),
+    return tl_shortlist("lora_merge_bwd", cfgs, tl_work, dev, dict(L.MERGE_BWD),
                         _merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
 
 
