@@ -331,21 +331,18 @@ def _tucker_case(dtype, device, two):
 
 
 #: TUCKER_CFGS stage past ``all_k_fits`` at fp32 (the twins' dtype): the per-κ kernel runs
-#: there in every form; bi32's staged tile (72 KB at fp32) fits
+#: there; bi32's staged tile (72 KB at fp32) fits: the all-κ kernel
 TUCKER_TWIN_CFGS = TUCKER_CFGS + [dict(BO=64, BI=32, threads=128)]
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-@pytest.mark.parametrize("all_k", [False, True, "pipe", "pre"], ids=["per-k", "all-k", "all-k-pipe", "all-k-pre"])
 @pytest.mark.parametrize("cfg", TUCKER_TWIN_CFGS, ids=["bo128-t256", "bi256", "bi32"])
 @pytest.mark.parametrize("two", [False, True], ids=["1chain", "2chains"])
-def test_twin_tucker_tile_configs(two, cfg, all_k, monkeypatch):
-    """Every kernel form (``tucker.ALL_K``: every κ of a tile in one program, the output staged;
-    ``ALL_K_PIPE``: its κ loop pipelined; ``ALL_K_PRE``: over a·t precomputed) against the
-    reference, partial tiles in O and I (70 x 45 x 9); a spy checks which kernel ran."""
-    monkeypatch.setattr(tucker, "ALL_K", bool(all_k))
-    monkeypatch.setattr(tucker, "ALL_K_PIPE", all_k == "pipe")
-    monkeypatch.setattr(tucker, "ALL_K_PRE", all_k == "pre")
+def test_twin_tucker_tile_configs(two, cfg, monkeypatch):
+    """Both kernels (``tucker_pre_kernel``: every κ of a tile in one program over a·t
+    precomputed, the output staged, where that fits ``all_k_fits``; else the per-κ
+    ``tucker_kernel``) against the reference, partial tiles in O and I (70 x 45 x 9); a spy
+    checks which kernel ran."""
     built = []
     real = tucker.kernel
 
@@ -358,11 +355,7 @@ def test_twin_tucker_tile_configs(two, cfg, all_k, monkeypatch):
     got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
     assert got.shape == want.shape and harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
     (builder, a), = built
-    staged = bool(all_k) and cfg["BI"] == 32
-    if all_k == "pre" and staged:
-        assert builder is tucker.tucker_pre_kernel
-    else:
-        assert builder is tucker.tucker_kernel and a[-2:] == (staged, staged and all_k == "pipe"), a
+    assert builder is (tucker.tucker_pre_kernel if cfg["BI"] == 32 else tucker.tucker_kernel), a
 
 
 def test_tucker_all_k_fits():
@@ -373,26 +366,23 @@ def test_tucker_all_k_fits():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
-@pytest.mark.parametrize("cfg", TUCKER_CFGS, ids=["bo128-t256", "bi256"])
-def test_gpu_tucker_tile_configs(cfg, all_k, monkeypatch):
-    monkeypatch.setattr(tucker, "ALL_K", all_k)
+@pytest.mark.parametrize("cfg", TUCKER_CFGS + [dict(BO=64, BI=64, threads=128)], ids=["bo128-t256", "bi256", "fixed"])
+def test_gpu_tucker_tile_configs(cfg):
+    """The per-κ kernel (the first two tiles: their staging does not fit) and the all-κ one."""
     args = _tucker_case(torch.bfloat16, "cuda", True)
     got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
     assert harness.rel_err(got, want) <= harness.REL_TOL[torch.bfloat16]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
-def test_tucker_tile_space_corners_compile_sm90a(all_k, monkeypatch):
+def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
     """Every (BO, threads) of the tucker TileLang space with the widest and narrowest BI, one
-    and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32); with ``ALL_K`` the
-    configs whose staging fits take the all-κ kernel."""
+    and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32): the configs whose
+    staging fits take the all-κ kernel, the others the per-κ one."""
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.backends.triton.tuning import tucker as plans_tucker
 
     monkeypatch.setattr(tucker, "arch_of", lambda d: "sm_90a")
-    monkeypatch.setattr(tucker, "ALL_K", all_k)
     sp = plans_tucker.TL_SPACE
     bf = torch.bfloat16
     a, t, b = torch.empty(3072, 32, dtype=bf), torch.empty(32, 32, 9, dtype=bf), torch.empty(32, 3072, dtype=bf)
@@ -407,7 +397,7 @@ def test_tucker_tile_space_corners_compile_sm90a(all_k, monkeypatch):
         tl_pick._call(tucker.tucker_fwd, (a5, t5, b5, a5, t5, b5, 1.0), dict(BO=128, BI=64, threads=256))
     failed = harness.compile_failures(pending)
     assert len(pending) == 13 and not failed, failed
-    assert any(p.args[-2] for p in pending) == all_k  # the builder's all_k flag
+    assert {p.builder for p in pending} == {tucker.tucker_kernel, tucker.tucker_pre_kernel}
 
 
 def _sm90a_bench_calls(monkeypatch):

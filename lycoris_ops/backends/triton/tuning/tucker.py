@@ -95,7 +95,7 @@ TL_N = 3
 def _tl_plan(dev: DeviceFacts, a1, t1, b1, a2, t2, b2, gamma, n: int = TL_N):
     """The TileLang shortlist: fixed config first, the model's best, eager. Model: per chain a
     (BO x Rap)·(Rap x Rbp) dot, rounded, then (BO x Rbp)·(Rbp x BI); the output written once,
-    the factors read per program from L2. Where ``tucker.ALL_K`` holds and the staged tile fits
+    the factors read per program from L2. Where the staged tile fits
     (``all_k_fits``), program = (I tile, O tile) over every κ, the (BO, BI·Kk) output tile in
     shared memory; else program = (κ, I tile, O tile) with κ-strided stores (a sector a store)."""
     tl = importlib.import_module("lycoris_ops.backends.tilelang.kernels.tucker")
@@ -110,7 +110,7 @@ def _tl_plan(dev: DeviceFacts, a1, t1, b1, a2, t2, b2, gamma, n: int = TL_N):
     def work(c):
         bo, bi = c["BO"], c["BI"]
         n_o, n_i = cdiv(O, bo), cdiv(I, bi)
-        all_k = tl.ALL_K and tl.all_k_fits(bo, bi, Kk, rpa, rpb, chains, e, eo)
+        all_k = tl.all_k_fits(bo, bi, Kk, rpa, rpb, chains, e, eo)
         per_chain = chains * (bo * rpa + rpa * rpb + bo * rpb + rpb * bi) * e
         out = O * I * Kk * eo
         return Work(grid=(1 if all_k else Kk) * n_o * n_i, warps=c["threads"] // 32,
