@@ -125,10 +125,9 @@ def test_ia3(shape, axis, dtype):
 @pytest.mark.parametrize("per_sm", [2, 16])
 @pytest.mark.parametrize("shape", [(37, 19), (1000, 48), (5, 16)], ids=["tail", "split", "direct"])
 def test_ia3_bwd_pipelined(shape, per_sm, monkeypatch):
-    """``BWD_PIPE`` (channel last): the G and x tiles through shared memory in a pipelined
-    loop, at row tails, a token split whose last split runs past the rows (per_sm 16) and one
-    direct program; fp32 weights on the 16-bit activations."""
-    monkeypatch.setattr(ia3, "BWD_PIPE", True)
+    """The channel-last backward (the G and x tiles through shared memory in a pipelined loop)
+    at row tails, a token split whose last split runs past the rows (per_sm 16) and one direct
+    program; fp32 weights on the 16-bit activations."""
     monkeypatch.setattr(ia3, "BWD_PER_SM", per_sm)
     g = _gen(9)
     dtype = DTYPES[-1]
