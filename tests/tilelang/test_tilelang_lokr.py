@@ -48,7 +48,7 @@ def test_kernels_compile(arch, dtype):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 def test_async_one_pass_backward_compiles_for_sm90a():
-    """``WGRADS_ASYNC`` (sm_90a only: async WGMMAs): 3 waits a step instead of 8, each group's
+    """``async_mma`` (sm_90a only: async WGMMAs): 3 waits a step instead of 8, each group's
     last GEMM synchronous (with the next stage's copies placed after it); the launcher asks
     for it only where every GEMM's M is a multiple of 64."""
     import re
@@ -129,14 +129,12 @@ def test_twin_token_split():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("asy", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_async_one_pass_backward(monkeypatch, dtype, asy):
-    """The one-pass bypass backward (``BWD_FUSED``), and with ``WGRADS_ASYNC`` its GEMM groups
-    issued as async WGMMAs (sm_90a, 64-wide padded factors), against the eager body, token
-    tails and a split token reduction included; the 3 x 5 x 7 x 4 layer keeps the synchronous
-    form."""
-    monkeypatch.setattr(lokr, "WGRADS_ASYNC", asy)
+def test_gpu_async_one_pass_backward(dtype):
+    """The one-pass bypass backward, its GEMM groups issued as async WGMMAs on sm_90a at 64-wide
+    padded factors (``wgrads_async_fits``), against the eager body, token tails and a split
+    token reduction included; the 3 x 5 x 7 x 4 layer takes the synchronous form."""
+    assert lokr.wgrads_async_fits(64, 64, 64, 64, 128, 128) and not lokr.wgrads_async_fits(3, 5, 7, 4, 128, 128)
     g = torch.Generator().manual_seed(11)
 
     def m(*s, scale=1.0):
@@ -187,9 +185,9 @@ CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems
             "kron_wgrad1_kernel": ("rows", "threads"), "kron_wgrad2_kernel": ("rows", "threads"),
             "kron_wgrads_kernel": ("rows", "threads"), "kron_grads_kernel": ("elems", "threads"),
             "kron_finish_kernel": (), "kron_stream_kernel": ("BM", "BN", "threads")}  # the one-pass backward's finishing launch: no tile of a config
-#: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``, ``split_base``; the wgrad
+#: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``; the wgrad
 #: kernels: ``kper_static``; ``kron_grads_kernel`` / ``kron_stream_kernel``: ``stages``, ``steps``, ``r2``)
-TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 3,
+TRAILING = {"kron_apply_kernel": 2, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 3,
             "kron_grads_kernel": 3, "kron_stream_kernel": 3}
 
 
@@ -242,37 +240,49 @@ def _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, dev):
     return cases
 
 
-#: the flag each form of test_twin_apply_forms turns on, the others off (None: all three off)
-_FORM_FLAGS = {"wgrads": "WGRADS_FUSED", "split": "APPLY_SPLIT_BASE", "bwd": "BWD_FUSED"}
+def one_pass_does_not_fit(monkeypatch):
+    """As at wide factors: the one-pass backward with gx does not fit shared memory, so gx runs
+    through the apply kernel and the weight gradients through ``kron_wgrads_kernel`` alone."""
+    real = lokr.wgrads_smem
+    monkeypatch.setattr(lokr, "wgrads_smem", lambda *a: real(*a) if not a[7] else 1 << 40)
 
 
-@pytest.mark.parametrize("staged,kper,apply_kper,flag", [(False, (), (), None), (True, (), (), None),
-                                                         (True, (2, 4, 64), (), None),
-                                                         (True, (2, 4, 64), (2, 4, 64), None),
-                                                         (False, (3,), (3,), None), (True, (2, 4, 64), (2,), "wgrads"),
-                                                         (True, (2, 4, 64), (2, 4, 64), "split"),
-                                                         (True, (2, 4, 64), (2,), "bwd")],
-                         ids=["regs", "staged", "pipe", "persistent", "persist-regs", "fused-wgrads", "split-base",
-                              "fused-bwd"])
-def test_twin_apply_forms(staged, kper, apply_kper, flag, monkeypatch):
-    """Both epilogues of ``kron_apply_kernel`` (``APPLY_STAGED``: output and base blocks through
-    shared memory) in the bypass forward and backward, one tile a program or a static number
-    of them (``APPLY_KPER``), and the wgrad kernels' pipelined token loop (``WGRAD_KPER``:
-    static steps, splits past the last tile), or both weight gradients in one pass
-    (``WGRADS_FUSED``), the staged epilogue's base add split off (``APPLY_SPLIT_BASE``), the whole backward in
-    one pass (``BWD_FUSED``): padded factors, one token and a token tail, two configs (2 and 16
-    tokens a program). CPU twins at fp32; on a GPU the real kernels (bf16)."""
-    monkeypatch.setattr(lokr, "APPLY_STAGED", staged)
-    monkeypatch.setattr(lokr, "WGRAD_KPER", kper)
-    monkeypatch.setattr(lokr, "APPLY_KPER", apply_kper)
-    for key, name in _FORM_FLAGS.items():
-        monkeypatch.setattr(lokr, name, flag == key)
+def no_one_pass_fits(monkeypatch):
+    """As at wide factors: no one-pass kernel fits a thread's registers, so the backward runs
+    the apply kernel and the two separate wgrad kernels."""
+    monkeypatch.setattr(lokr, "WGRADS_MAX_FRAGMENT_REGS", 0)
+
+
+#: the backward's three paths (by the one-pass kernels' resources) -> the kernels it builds
+BWD_PATHS = {"one-pass": (None, {"kron_wgrads_kernel"}),
+             "wgrads": (one_pass_does_not_fit, {"kron_apply_kernel", "kron_wgrads_kernel"}),
+             "separate": (no_one_pass_fits, {"kron_apply_kernel", "kron_wgrad1_kernel", "kron_wgrad2_kernel"})}
+
+
+@pytest.mark.parametrize("path", sorted(BWD_PATHS))
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "regs"])
+def test_twin_bypass_paths(staged, path, monkeypatch):
+    """Both epilogues of ``kron_apply_kernel`` (a config's ``staged``: output and base blocks
+    through shared memory, or from the registers) in the bypass forward, and the backward's
+    three paths (the one pass with gx, the weight gradients in one pass, the separate kernels),
+    with small static step counts (splits past the last tile): padded factors, one token and a
+    token tail, two configs (2 and 16 tokens a program). CPU twins at fp32; on a GPU the real
+    kernels (bf16)."""
+    monkeypatch.setattr(lokr, "WGRAD_KPER", (2, 4, 64))
+    monkeypatch.setattr(lokr, "APPLY_KPER", (2, 4, 64))
+    force, kernels = BWD_PATHS[path]
+    if force:
+        force(monkeypatch)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     n = 0
     for cfgs in (TILE_CFGS[0], TILE_CFGS[2]):
         for op, cfg, args in _tile_config_cases(*cfgs, dtype, dev):
             if op.startswith("lokr_bypass"):
+                cfg = {**cfg, "staged": staged}
                 _with_cfg(op, cfg, args, dtype)
+                if op == "lokr_bypass_bwd":
+                    built = {p.builder.__name__ for p in _listed(lokr.bypass_bwd, args, cfg)} - {"kron_finish_kernel"}
+                    assert built == kernels, (path, built)
                 n += 1
     assert n == 16
 
@@ -293,16 +303,16 @@ def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
 @pytest.mark.parametrize("cfgs", [({}, {}, {}), TILE_CFGS[2]], ids=["fixed", "wide-256"])
 def test_tile_config_cases_compile_sm90a(monkeypatch, cfgs, fused_bwd):
     """The kernels of test_tile_configs' odd sizes compile for sm_90a (bf16), the fixed
-    configs too: the H200 found the Kronecker build's W1 gather at d = 150 ('__pack_bfloat162'
-    is undefined), which the bench-shape corners never reach. Both backward forms: the
-    one-pass kernel (``BWD_FUSED``, the default) and the separate gx / weight-gradient ones."""
+    configs too: a GPU run found the Kronecker build's W1 gather at d = 150 ('__pack_bfloat162'
+    is undefined), which the bench-shape corners never reach. Both backward paths: the
+    one-pass kernel and (where it does not fit) the separate gx / weight-gradient ones."""
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
     for mod in (lokr, tl_lora):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
-    monkeypatch.setattr(lokr, "BWD_FUSED", fused_bwd)
-    monkeypatch.setattr(lokr, "WGRADS_FUSED", fused_bwd)
+    if not fused_bwd:
+        no_one_pass_fits(monkeypatch)
     calls = [(getattr(lokr, op[len("lokr_"):]), args, cfg)
              for op, cfg, args in _tile_config_cases(*cfgs, torch.bfloat16, "cpu")]
     captured, failed = harness.compile_calls(calls)
@@ -368,7 +378,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch, op):
                 "lokr_bypass_fwd": (x, w1, w2, 1.0, y), "lokr_bypass_bwd": (y, x, w1, w2, 1.0)}[op]
         # with the fixed config: the fused backward's space may add no other build (``tl_built``)
         cfgs = plans_lokr.tl_configs(dev, op, (a, b, c, d), 2) + [plans_lokr.tl_fixed(op)]
-        assert len(cfgs) > 1 or op == "lokr_bypass_bwd" and lokr.BWD_FUSED, (op, a, b, c, d)
+        assert len(cfgs) > 1 or op == "lokr_bypass_bwd", (op, a, b, c, d)
         calls += [(fn, args, cfg) for cfg in corners(cfgs, key)]
     if op == "lokr_bypass_bwd":  # the 4096 layer's backward with both warpgroups on every GEMM of 128 rows
         assert any(cfg["threads"] == 256 for _, _, cfg in calls)
@@ -390,7 +400,7 @@ def _h200_args(dims, T, dt):
 
 def test_bypass_bwd_shortlist_builds_distinct_kernels(monkeypatch):
     """Each config the backward bypass's shortlist times builds kernels no other candidate
-    builds (what the launcher really builds, captured): with ``BWD_FUSED`` the fused pass's
+    builds (what the launcher really builds, captured): the one-pass backward's
     token step ignores the rows 64 / 128 difference at the bench layers' factors, which the
     unfused kernels' geometry would count as two configs (a timed tie of one kernel)."""
     from lycoris_ops.tuner import device
@@ -437,13 +447,13 @@ def test_shortlists_for_an_h200():
                 cands = list(plans_lokr.TILELANG[op][0](dev, *args).candidates)
                 assert cands[0] == fixed[op] and tune.is_eager(cands[-1]), (op, dims, cands)
                 twin = op == "lokr_bypass_fwd"
-                # the fused backward (BWD_FUSED): rows 64 and 128 build one kernel at these factors,
+                # the one-pass backward: rows 64 and 128 build one kernel at these factors,
                 # so its space may add nothing to the fixed config (``tl_built``)
-                least = 2 if op == "lokr_bypass_bwd" and lokr.BWD_FUSED else 3
+                least = 2 if op == "lokr_bypass_bwd" else 3
                 assert least <= len(cands) <= plans_lokr.TL_N + 2 + twin, (op, cands)
                 assert len(set(map(str, cands))) == len(cands), (op, cands)
                 if twin:
-                    assert cands[1] == {**fixed[op], "staged": not lokr.APPLY_STAGED}, (op, dims, cands)
+                    assert cands[1] == {**fixed[op], "staged": False}, (op, dims, cands)
                 legal = plans_lokr.tl_configs(dev, op, dims, 2)
                 for c in cands[1 + twin:-1]:
                     assert c in legal, (op, dims, dt, c)
@@ -611,10 +621,9 @@ def test_new_forms_on_the_case_table(stages):
 
 
 def test_twin_fused_bwd_staged_gx(monkeypatch):
-    """The one-pass backward (``BWD_FUSED``) where its gx block goes through shared memory
-    (16-wide factors: 4 tokens a step, 1024 elements a block) against the reference, a
-    token tail included. CPU twin at fp32; on a GPU the real kernel (bf16)."""
-    monkeypatch.setattr(lokr, "BWD_FUSED", True)
+    """The one-pass backward where its gx block goes through shared memory (16-wide factors: 4
+    tokens a step, 1024 elements a block) against the reference, a token tail included. CPU
+    twin at fp32; on a GPU the real kernel (bf16)."""
     monkeypatch.setattr(lokr, "WGRAD_KPER", (2, 4))
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     assert lokr.wgrads_gx_stageable(16, 16, 16, 16, 128, 128, dtype.itemsize)
@@ -636,18 +645,20 @@ def test_twin_fused_bwd_staged_gx(monkeypatch):
 
 
 def test_staged_apply_fits_its_pipeline():
-    """The staged apply epilogue only where its shared memory fits with the persistent form's
-    two stages of X and base (``apply_smem(pipelined=True)``): at 64-wide factors (the bench)
-    it runs; at 128-wide factors with a 16-bit base the two base stages would not fit sm_90's
-    227 KiB (294 KiB with the planners' margin), so the register epilogue runs there."""
+    """The staged apply epilogue (the default, a config's ``staged`` False turns it off) only
+    where its shared memory fits with the pipelined loop's two stages of X and base
+    (``apply_smem``): at 64-wide factors (the bench) it runs; at 128-wide factors with a
+    16-bit base the two base stages would not fit sm_90's 227 KiB (294 KiB with the planners'
+    margin), so the register epilogue runs there."""
     cpu, bf = torch.device("cpu"), torch.bfloat16
     p = dict(lokr.BYPASS)
-    assert lokr.APPLY_KPER and lokr.APPLY_STAGED
     assert lokr._apply_staged(p, 64, 64, 64, 64, bf, bf, bf, cpu)
+    assert not lokr._apply_staged({**p, "staged": False}, 64, 64, 64, 64, bf, bf, bf, cpu)
     assert not lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, bf, cpu)
     assert lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, None, cpu)  # no base: one block staged
-    assert (lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2, True, True)
-            > lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2, True, False))
+    # two stages of the 128 x 128 base block: 2 · 128² · 2 bytes more than with none
+    assert (lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2) - lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 0)
+            == 2 * 128 * 128 * 2)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
@@ -665,8 +676,8 @@ def test_factor_128_kernels_fit_shared_memory(monkeypatch, fused):
     for mod in (lokr, tl_lora):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
-    monkeypatch.setattr(lokr, "BWD_FUSED", fused)
-    monkeypatch.setattr(lokr, "WGRADS_FUSED", fused)
+    if not fused:
+        no_one_pass_fits(monkeypatch)
     bf = torch.bfloat16
     x, base, w = torch.empty(300, 128 * 128, dtype=bf), torch.empty(300, 128 * 128, dtype=bf), torch.empty(128, 128, dtype=bf)
     calls = [(lokr.bypass_fwd, (x, w, w, 0.7, base), {}), (lokr.bypass_fwd, (x, w, w, 0.7, None), {}),
@@ -675,7 +686,7 @@ def test_factor_128_kernels_fit_shared_memory(monkeypatch, fused):
     assert captured >= 4 and not failed, failed
     # the check itself: the staged epilogue with two base stages at 128 is over the limit
     over = _common.Pending(lokr.kron_apply_kernel, "sm_90a", (128, 128, 128, 128, "bfloat16", "bfloat16", "bfloat16",
-                                                               128, 128, True, 16))
+                                                               128, 128, True, 16))  # staged
     (why,) = harness.compile_failures([over])
     assert "256 KiB of shared memory" in why[2], why
 
@@ -705,19 +716,19 @@ def test_bypass_bwd_routes_by_the_one_pass_kernels_resources():
             lokr.bypass_bwd(g, x, torch.zeros(a, a), torch.zeros(c, c), 1.0)
         return sorted({p.builder.__name__ for p in pending})
 
-    assert built(64, 64) == ["kron_finish_kernel", "kron_wgrads_kernel"][not lokr.WGRADS_FINISH:]  # + the partials' sum
+    assert built(64, 64) == ["kron_finish_kernel", "kron_wgrads_kernel"]  # + the partials' sum
     assert built(64, 128) == ["kron_apply_kernel", "kron_wgrad1_kernel", "kron_wgrad2_kernel"]
 
 
 @pytest.mark.parametrize("gx", [True, False], ids=["one-pass-bwd", "wgrads"])
 def test_wgrads_finish_launch(monkeypatch, gx):
-    """``WGRADS_FINISH``: the one-pass weight gradients' fp32 partials (padded planes, Ap x Bp
+    """The one-pass weight gradients' fp32 partials (padded planes, Ap x Bp
     and Cp x Dp) summed and cast by one ``kron_finish_kernel`` launch of two whole jobs, against
     the reference: odd factors (3 x 5, 7 x 4 in 16 x 16 planes; 20 x 3, 5 x 33 in 32 x 16, 16 x 64),
     a token tail, several splits, and a w1 of another dtype than w2 (two output dtypes in the
     launch). CPU twin at fp32 (the fp32 w1 beside fp16 operands); on a GPU the real kernel (bf16)."""
-    monkeypatch.setattr(lokr, "WGRADS_FINISH", True)
-    monkeypatch.setattr(lokr, "BWD_FUSED", gx)
+    if not gx:
+        one_pass_does_not_fit(monkeypatch)
     monkeypatch.setattr(lokr, "WGRAD_KPER", (2,))
     monkeypatch.setattr(lokr, "num_sms", lambda d: 2)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float16, "cpu")

@@ -407,10 +407,10 @@ def tl_fits(dev: DeviceFacts, kind: str, tile, threads: int, dims, csize: int) -
 
 def tl_built(op: str, dims, cfg: dict) -> tuple:
     """What the launcher builds for ``cfg``, to tell configs apart: ``tl_kernels``, except the
-    backward bypass with ``BWD_FUSED`` (its one pass, ``kron_wgrads_kernel``, takes its token
-    step from ``wgrads_geometry``: at 64 x 64 factors rows 64 and 128 build the same kernel)."""
+    backward bypass (its one pass, ``kron_wgrads_kernel``, takes its token step from
+    ``wgrads_geometry``: at 64 x 64 factors rows 64 and 128 build the same kernel)."""
     L = _tl_lokr()
-    if op == "lokr_bypass_bwd" and L.BWD_FUSED:
+    if op == "lokr_bypass_bwd":
         return (("wgrads", (tuple(dims), *L.wgrads_geometry(*dims, cfg["rows"], cfg["threads"]))),)
     return tl_kernels(op, dims, cfg)
 
@@ -526,14 +526,14 @@ def _merge_bwd_tl(dev, grad, w1a, w1b, w2a, w2b, shape, gamma, n: int = TL_N):
 def _with_staged_twin(plan, dev: DeviceFacts, kd, csize: int, osize: int, bsize: int):
     """``plan`` with its fixed config's other apply epilogue (``staged`` flipped) second, where
     the staged blocks fit: the model cannot tell the two apart and neither wins the forward
-    at every shape (tilelang/lokr.APPLY_STAGED), so the tuner times both. The backward's gx
+    at every shape (the launcher's default is staged), so the tuner times both. The backward's gx
     (no base) gets no twin: staged won it at both bench shapes, and each twin is one more
     cold compile."""
     L = _tl_lokr()
     first = plan.candidates[0]
     cf = L.launch_config(L.BYPASS, first)
     if L.apply_staged_fits(*kd, cf["rows"], cf["threads"], csize, osize, bsize, dev.smem_per_block):
-        add_second(plan, {**first, "staged": not first.get("staged", L.APPLY_STAGED)}, plan.predicted[0])
+        add_second(plan, {**first, "staged": not first.get("staged", True)}, plan.predicted[0])
     return plan
 
 
