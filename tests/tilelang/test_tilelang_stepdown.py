@@ -112,8 +112,8 @@ def test_capture_lists_the_kernels_a_call_would_build():
 _FORKED_BUILD = """
 import os, sys
 import lycoris_ops
-from lycoris_ops.backends.triton.tuning import tilelang as tl_pick
-from lycoris_ops.backends.tilelang import _common as C
+from lycoris_ops.backends.tilelang import runner as tl_pick
+from lycoris_ops.backends.tilelang import common as C
 from lycoris_ops.backends.tilelang.kernels.add import add_kernel
 
 specs = [("float16", "float16", "float16", 4), ("bfloat16", "bfloat16", "bfloat16", 8)]
@@ -277,19 +277,19 @@ def test_lora_shortlists_for_an_h200():
                 ("lora_bypass_fwd", (x, up, down, 1.0, None), tl_lora.BYPASS_FWD, "BT"),
                 ("lora_bypass_bwd", (g, x, up, down, 1.0), tl_lora.BYPASS_BWD, "BT"),
                 ("lora_merge_fwd", (up, down, None, None, w, 1.0, "plain", None),
-                 tl_lora.MERGE_STREAM if tl_lora.MERGE_FWD_FORM["stream"] else tl_lora.MERGE_FWD, "BM"),
-                ("lora_merge_bwd", (w, up, down, 1.0), tl_lora.merge_bwd_fixed(), "BM")):
+                 tl_lora.MERGE_STREAM, "BM"),
+                ("lora_merge_bwd", (w, up, down, 1.0), tl_lora.MERGE_BWD, "BM")):
             plan = plans_lora.TILELANG[op][0](dev, *args)
             cands = list(plan.candidates)
             assert tune.is_eager(cands[-1]) and cands[0] == default, (op, cands)  # untimed: the fixed config
             # the forward's second: the fixed tile with the deepest x loop (the model picks tiles, not depths)
-            # the forward's fixed config runs its x loop at the deepest pipeline (H200-timed);
+            # the forward's fixed config runs its x loop at the deepest pipeline (measured);
             # no candidate twice
             assert op != "lora_bypass_fwd" or default["stages"] == 4, default
             assert len({tuple(sorted(c.items())) for c in cands[:-1]}) == len(cands) - 1, (op, cands)
             assert 3 <= len(cands) <= plans_lora.TL_N + 2, (op, cands)
             assert all(p > 0 for p in plan.predicted[:-1])
-            if op == "lora_merge_fwd" and tl_lora.MERGE_FWD_FORM["stream"]:
+            if op == "lora_merge_fwd":
                 # the stream configs, then the GEMM form's fixed tile timed against them
                 assert cands[-2] == tl_lora.MERGE_FWD and "BK" not in cands[0], cands
                 cands = cands[:-2] + cands[-1:]
@@ -365,7 +365,7 @@ def test_elementwise_shortlists_for_an_h200():
               "lokr_bypass_fwd": plans_lokr.TL_BYPASS, "lokr_bypass_bwd": plans_lokr.TL_BYPASS}
     from lycoris_ops.backends.tilelang.kernels import lokr as tl_lokr
 
-    timed_twins = {"lokr_bypass_fwd": {"staged": not tl_lokr.APPLY_STAGED}, "loha_bypass_fwd": {"vendor": True}}
+    timed_twins = {"lokr_bypass_fwd": {"staged": False}, "loha_bypass_fwd": {"vendor": True}}
     for mod, op, args, fixed in ((plans_add, "add_scaled", (w, w, 1.0), dict(BV=256, threads=128)),
                                  (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
                                  (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
@@ -391,9 +391,9 @@ def test_elementwise_shortlists_for_an_h200():
         cands = list(mod.TILELANG[op][0](dev, *args).candidates)
         twin = timed_twins.get(op)
         assert cands[0] == fixed and tune.is_eager(cands[-1]), (op, cands)
-        # the fused LoKr backward: no config of the space builds another kernel than the fixed one
+        # the one-pass LoKr backward: no config of the space builds another kernel than the fixed one
         # at these factors (its token step is the same at rows 64 and 128): the fixed and eager
-        least = 2 if op == "lokr_bypass_bwd" and tl_lokr.BWD_FUSED else 3
+        least = 2 if op == "lokr_bypass_bwd" else 3
         assert least <= len(cands) <= mod.TL_N + 2 + bool(twin), (op, cands)
         if twin:
             assert cands[1] == {**fixed, **twin}, (op, cands)
@@ -702,8 +702,8 @@ def test_a_cold_forward_starts_its_backwards_kernels(monkeypatch, grad, ahead_on
 _AHEAD_BUILD = """
 import os
 import lycoris_ops
-from lycoris_ops.backends.triton.tuning import tilelang as tl_pick
-from lycoris_ops.backends.tilelang import _common as C
+from lycoris_ops.backends.tilelang import runner as tl_pick
+from lycoris_ops.backends.tilelang import common as C
 from lycoris_ops.backends.tilelang.kernels.add import add_kernel
 
 fwd_specs = [("float16", "float16", "float16", 4), ("bfloat16", "bfloat16", "bfloat16", 8)]
@@ -876,13 +876,13 @@ def test_a_cold_key_runs_a_quick_twin_while_the_whole_shortlist_builds(deferring
 
 def test_a_quick_twin_sets_a_form_key_of_the_lora_forward():
     """lora_bypass_fwd's twin (plans/lora.py ``TL_QUICK``): the fixed config's tiles with the O loop
-    serial and the x·downᵀ loop 2 deep, keys the TileLang launcher reads (a cfg's form keys over
-    ``BYPASS_FWD_FORM``)."""
+    serial and the x·downᵀ loop 2 deep, keys the TileLang launcher reads (``stages`` of
+    ``BYPASS_FWD``, ``pipe_o`` of ``bypass_fwd``)."""
     from lycoris_ops.backends.triton.tuning import lora as plans_lora
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
     twin = plans_lora.TL_QUICK["lora_bypass_fwd"](tl_pick.KERNEL)
-    assert twin == {"pipe_o": False, "stages": 2} and set(twin) <= set(tl_lora.BYPASS_FWD) | set(tl_lora.BYPASS_FWD_FORM)
+    assert twin == {"pipe_o": False, "stages": 2} and set(twin) <= set(tl_lora.BYPASS_FWD) | {"pipe_o"}
     assert tl_pick.quick_twin("lora_bypass_fwd") is plans_lora.TL_QUICK["lora_bypass_fwd"]
 
 
@@ -1006,8 +1006,9 @@ _DEFERRED_BUILD = """
 import os, time
 import torch
 import lycoris_ops
-from lycoris_ops.backends.triton.tuning import tilelang as tl_pick, tune
-from lycoris_ops.backends.tilelang import _common as C
+from lycoris_ops.backends.tilelang import runner as tl_pick
+from lycoris_ops.tuner import tune
+from lycoris_ops.backends.tilelang import common as C
 from lycoris_ops.backends.tilelang.kernels.add import add_kernel
 
 vecs = {None: (4, 8), 16: (16,)}

@@ -1,4 +1,4 @@
-"""TileLang kernels of BOFT (OPS.md §2.6): ``boft_fwd`` and ``boft_bwd``.
+"""TileLang kernels of BOFT (docs/ops.md §2.6): ``boft_fwd`` and ``boft_bwd``.
 
 Written from the math (``reference/boft.py`` is the oracle): everything fp32,
 one rounding at the store. Stage i (κ_i = 2^i·s/2) applies
@@ -15,7 +15,7 @@ to fp32 (TF32 hi + lo split, ~fp32 accuracy):
     rescale is folded into the rows of the last stage), then one apply launch
     per stage: stage 0 reads x, stages write fp32 ping-pong scratch, the last
     stage stores y in x's dtype and subtracts x when ``diff``.
-``boft_bwd`` (the plain chain, OPS.md §2.6.2): ONE Cayley launch for F and Fᵀ, m − 1
+``boft_bwd`` (the plain chain, docs/ops.md §2.6.2): ONE Cayley launch for F and Fᵀ, m − 1
     apply launches to keep the stage inputs u^1 … u^{m−1} (fp32 scratch), then
     per stage from the last one streaming launch (``gx = g·F``, fp32 partials
     ``P = Σ g_βᵀ·u_β`` in the permuted block basis) and ONE chain launch over
@@ -26,15 +26,14 @@ The run kernels (``stage_runs_kernel``, ``stream_runs_kernel``; channels last, 1
 channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matrices are stored
 in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
 dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). Composed
-units: up to three consecutive stages a launch as ONE matrix on a 2^L-run box, forward
-(``COMPOSE_FWD``) and backward (``COMPOSE_BWD``; its 96-wide units on mma.sync,
-``COMPOSE_BWD_MMA``); ``COMPOSE_LEADING``: the leading stages that share one box (κ <= GC/2)
-as one GC-wide matrix through the single stage kernels.
+units: up to ``COMPOSE_MOST`` consecutive stages a launch as ONE matrix on a 2^L-run box,
+forward and backward (the backward's 96-wide units on mma.sync); the leading stages that
+share one box (κ <= GC/2) as one GC-wide matrix through the single stage kernels.
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
 Tile configs: the streaming kernels' positions per tile and threads come from oft.py's
-``APPLY`` / ``STREAM``, or a tuned ``cfg`` over them (backends/triton/tuning/boft.py: ``TILELANG``).
+``APPLY`` / ``STREAM``, or a tuned ``cfg`` over them (backends/tilelang/tuning/boft.py: ``TILELANG``).
 
 Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 """
@@ -44,58 +43,23 @@ import torch
 from lycoris_ops.backends.tilelang.common import (CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype, without_wgmma)
 from lycoris_ops.backends.tilelang.common import smem_limit as _smem_limit
 from lycoris_ops.backends.tilelang.kernels.oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel, chain_blocks, chain_kernel, direct_stages, position_view, tiling)
-from lycoris_ops.backends.tilelang.kernels import oft as _oft
 from lycoris_ops.backends.tilelang.kernels.oft import _cayley as _oft_cayley
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
-           "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "RUNS", "COMPOSE_FWD", "COMPOSE_BWD",
-           "COMPOSE_BWD_PAD", "COMPOSE_BWD_MMA", "COMPOSE_LEADING"]
+           "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "COMPOSE_MOST", "COMPOSE_BWD_SPLIT"]
 
 _F32 = "float32"
-#: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
-#: to reach the gather path with the same shapes)
-RUNS = True
-#: the forward's stages composed: each launch applies up to this many consecutive stages as ONE
-#: matrix J = E_{L-1}···E_0 of width 2^(L-1)·GC on a 2^L-run box (``_compose_units``,
-#: ``_composed_matrices``; the product formed on the host in fp64, then split in a (hi, lo)
-#: pair), one three-term GEMM a tile; 0: off (one launch a stage). At the bench's large shape
-#: (m = 8, GC = 32) 3 makes 3 launches of 128-wide GEMMs: on the H200 (bf16,
-#: bench/tilelang_boft_variants.py, RESULTS.md 2026-12-02 12:00) the forward went from 2.891 ms
-#: (stage pairs, two matrices a launch: a form since removed; 3.117 one launch a stage) to
-#: 1.714 ms; the small shape (GC = 48: 96-wide units) stayed at 0.93-0.95 ms
-COMPOSE_FWD = 3
-#: the backward's composed units (``_stream_composed``: gx = g·J and A = Σ gᵀ·u on the unit's
-#: box, the stages' partials from A on the host): the most stages a unit; 0: off (one launch a
-#: stage). On the H200 (bf16, bench/tilelang_boft_variants.py, RESULTS.md 2026-12-02 13:30) the
-#: large backward went from 7.699 ms (one launch a stage) to 4.537 (3 stages a unit, one launch
-#: each) and 4.315 (split, below; 2 stages: 5.224); the small shape stayed at 2.65-2.66 ms
-COMPOSE_BWD = 3
+#: the most consecutive stages a launch applies as ONE matrix J = E_{L-1}···E_0 of width
+#: 2^(L-1)·GC on a 2^L-run box (``_compose_units``, ``_composed_matrices``; the product formed
+#: on the host in fp64, then split in a (hi, lo) pair), one three-term GEMM a tile, forward and
+#: backward (``_stream_composed``: gx = g·J and A = Σ gᵀ·u on the unit's box, the stages'
+#: partials from A on the host): measured faster than one launch a stage, and than 2
+COMPOSE_MOST = 3
 #: the composed backward's stream as two launches (``_stream_composed``) for units at least
-#: this wide (True: every unit, False: none): gx by the forward's composed kernel with Jᵀ, then
-#: the partials alone (64-position tiles, where the one-launch stream holds gx's tile beside its
-#: W x W accumulator and runs 32 at W = 128). Timed with ``COMPOSE_BWD`` = 3 in the same table:
-#: 4.315 ms against 4.537 at the large shape (W = 128); at the small shape's W = 96
-#: (``COMPOSE_BWD_MMA``, H100, RESULTS.md 2026-12-06 05:27) one launch is the faster, 2.088 ms
-#: against 2.210
+#: this wide: gx by the forward's composed kernel with Jᵀ, then the partials alone (64-position
+#: tiles, where the one-launch stream holds gx's tile beside its W x W accumulator and runs 32
+#: at W = 128); narrower units (96) measured faster in one launch
 COMPOSE_BWD_SPLIT = 128
-#: (off: slower) the backward composes units whose width W is a multiple of 32 but not of 64
-#: too (96 at the small bench shape's GC = 48, where it runs one launch a stage), its Σ gᵀ·u
-#: GEMM zero-padded to the next multiple of 64 (``_unit_gp``), as a single stage pads 48 to 64.
-#: H200, bf16, RESULTS.md 2026-12-03 08:40: small backward 2.810 ms against 2.652 unpadded
-COMPOSE_BWD_PAD = False
-#: the backward composes those units unpadded, the stream kernel's GEMMs on mma.sync (96 rows
-#: have no WGMMA warp partition; ``_common.without_wgmma``); ``COMPOSE_BWD_PAD`` takes precedence.
-#: H100, bf16, RESULTS.md 2026-12-06 05:27: small backward 2.088 ms against 2.617 with those
-#: units one launch a stage (the forward the same: 0.713 / 0.719)
-COMPOSE_BWD_MMA = True
-#: the leading stages whose κ_i <= GC/2 as ONE unit: their run views coincide (each stage's
-#: group is the same GC channels in order), so up to ``COMPOSE_FWD`` / ``COMPOSE_BWD`` of them
-#: apply as one GC x GC matrix J = F_{L-1}···F_0 through the single stage kernels
-#: (``_one_box``). At the small bench shape (s = 24, GC = 48: κ_0 = 12, κ_1 = 24) stages 0 and 1
-#: become one unit: 4 units for the 8 stages, against 5 with stage 0 alone. H100, bf16,
-#: RESULTS.md 2026-12-06 07:55: small forward 0.637 / 0.639 ms against 0.722 / 0.714, backward
-#: 1.882 / 1.878 against 2.084 / 2.085 (two alternating runs)
-COMPOSE_LEADING = True
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
@@ -144,7 +108,7 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
     a width every warp partition of T.gemm covers), u = U (+ UL when ``has_lo``), stored as a
     (hi, lo) pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a
     view (NP, C/Rκ', R, κ') of dtype d; a box is R runs of GC/R channels. R = 2^L: L stages as
-    ONE matrix F = E_{L-1}···E_0 in the box basis (``COMPOSE_FWD``, ``_composed_matrices``).
+    ONE matrix F = E_{L-1}···E_0 in the box basis (``_composed_matrices``).
     Program (g, split) walks tiles split·tps … split·tps + tps − 1."""
     import tilelang.language as T
 
@@ -214,9 +178,9 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
     (``out_pair``) or once in GX, and the fp32 partials ``P[split, goff + g] = Σ_t gᵀ·u`` over
     the program's positions (run basis), from g = G (+ GL when ``g_lo``) and the stage input
     u = U (+ UL when ``u_lo``). Positions past the end load as zeros (the copies' predicate)
-    and add nothing to P. R = 2^L: the composed unit of L stages (``COMPOSE_BWD``) on its
-    2^L-run box, F = Jᵀ, P in the box basis.
-    Without ``gx`` (``COMPOSE_BWD_SPLIT``): the partials only (F, GX, GXL untouched)."""
+    and add nothing to P. R = 2^L: the composed unit of L stages on its 2^L-run box, F = Jᵀ,
+    P in the box basis. Without ``gx`` (``COMPOSE_BWD_SPLIT``): the partials only (F, GX, GXL
+    untouched)."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
@@ -292,7 +256,8 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                         T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
             T.copy(accp, P[sp, goff + g, 0, 0])
 
-    # GP a multiple of 32 only (COMPOSE_BWD_MMA's 96-wide units): Σ gᵀ·u has GP rows
+    # GP a multiple of 32 only (the backward's 96-wide units, unpadded: measured faster than
+    # padded to 128 or one launch a stage): Σ gᵀ·u has GP rows, WGMMA takes 64 at a time
     return without_wgmma(boft_stream_runs) if GP % 64 and not cpu else boft_stream_runs
 
 
@@ -330,7 +295,7 @@ def smem_limit(device: torch.device) -> int:
 def runs_for(x, cf, s, nb, arch):
     """(GC, NB, GP) when the run kernels can take this call at some tile, else None: channels
     last, x 16-bit (the CPU twins' exact fp32 GEMM too), a ``run_groups`` size."""
-    if not RUNS or cf or (x.dtype == torch.float32 and arch != CPU_ARCH):
+    if cf or (x.dtype == torch.float32 and arch != CPU_ARCH):
         return None
     return run_groups(s, nb, x.element_size())
 
@@ -381,7 +346,7 @@ def _cayley(bc, rs, m, nb, s, NB, GP, gps, trans, cscale, scale, arch):
 
 
 def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=None):
-    """BOFT forward (OPS.md §2.6.1, see ``reference.boft.boft_fwd``): 1 + m launches; ``cfg``:
+    """BOFT forward (docs/ops.md §2.6.1, see ``reference.boft.boft_fwd``): 1 + m launches; ``cfg``:
     the apply kernels' tuned {BT, threads} over oft's ``APPLY`` (every stage the same)."""
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
@@ -418,24 +383,14 @@ def _runs_cayley(bc, rs, m, nb, s, runs, trans, cscale, scale, cdt, arch):
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
 
 
-def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
+def _compose_at(i, L, m, s, runs) -> bool:
     """Whether stages i … i + L − 1 can run as one composed unit: they exist, the unit's width
     W = 2^(L-1)·GC is a multiple of 32 (a warp partition of T.gemm; 96 at the small bench
-    shape's GC = 48, which a single stage pads to 64), of 64 for the backward (its Σ gᵀ·u
-    GEMM has W rows: sm_90's WGMMA takes them 64 at a time) unless ``COMPOSE_BWD_PAD`` pads
-    that GEMM or ``COMPOSE_BWD_MMA`` runs it on mma.sync, and its GEMM width (``_unit_gp``) at
-    most ``_COMPOSE_WIDTH``, and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the
-    box do not overlap)."""
+    shape's GC = 48, which a single stage pads to 64; the backward's Σ gᵀ·u GEMM then runs on
+    mma.sync: sm_90's WGMMA takes its W rows 64 at a time) and at most ``_COMPOSE_WIDTH``, and
+    stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the box do not overlap)."""
     W = runs[0] << (L - 1)
-    step = 64 if bwd and not (COMPOSE_BWD_PAD or COMPOSE_BWD_MMA) else 32
-    return (i + L <= m and W % step == 0 and _unit_gp(W, bwd) <= _COMPOSE_WIDTH
-            and ((s // 2) << i) >= runs[0] // 2)
-
-
-def _unit_gp(W: int, bwd: bool) -> int:
-    """The GEMM width of a composed unit W wide: W, or for the backward (``COMPOSE_BWD_PAD``)
-    W rounded up to a multiple of 64 (its Σ gᵀ·u has W rows; WGMMA takes 64 at a time)."""
-    return -(-W // 64) * 64 if bwd and COMPOSE_BWD_PAD else W
+    return i + L <= m and W % 32 == 0 and W <= _COMPOSE_WIDTH and ((s // 2) << i) >= runs[0] // 2
 
 
 def _leading(i, s, GC) -> bool:
@@ -444,25 +399,25 @@ def _leading(i, s, GC) -> bool:
 
 
 def _one_box(i, L, s, GC) -> bool:
-    """Whether the unit (i, L), L > 1, is the leading stages' single box (``COMPOSE_LEADING``):
-    ``_leading`` up to its last stage, so every stage's group is the same GC channels in order."""
+    """Whether the unit (i, L), L > 1, is the leading stages' single box: ``_leading`` up to
+    its last stage, so every stage's group is the same GC channels in order."""
     return L > 1 and _leading(i + L - 1, s, GC)
 
 
-def _compose_units(m, s, runs, most, bwd=False):
-    """The launch units [(first stage, L)] with up to ``most`` stages composed: with
-    ``COMPOSE_LEADING`` first the leading stages that share one box (``_one_box``), then from
-    there the largest L that ``_compose_at`` allows (1 always can)."""
+def _compose_units(m, s, runs, most):
+    """The launch units [(first stage, L)] with up to ``most`` stages composed: first the
+    leading stages that share one box (``_one_box``: one GC x GC matrix through the single
+    stage kernels, measured faster than stage 0 alone), then from there the largest L that
+    ``_compose_at`` allows (1 always can)."""
     out, i = [], 0
-    if COMPOSE_LEADING:
-        while i < min(most, m) and _leading(i, s, runs[0]):
-            i += 1
-        if i > 1:
-            out.append((0, i))
-        else:
-            i = 0
+    while i < min(most, m) and _leading(i, s, runs[0]):
+        i += 1
+    if i > 1:
+        out.append((0, i))
+    else:
+        i = 0
     while i < m:
-        L = max([n for n in range(2, most + 1) if _compose_at(i, n, m, s, runs, bwd)], default=1)
+        L = max([n for n in range(2, most + 1) if _compose_at(i, n, m, s, runs)], default=1)
         out.append((i, L))
         i += L
     return out
@@ -472,8 +427,7 @@ def _compose_bt(W, bt, esize, arch, device, bwd=False, gx=True):
     """The largest tile of ``bt`` halved (at least 16) whose composed unit of width W fits
     shared memory (``bwd``: the stream kernel's, ``gx``: with its gx); the CPU twins' buffers
     are local."""
-    while bt > 16 and arch != CPU_ARCH and runs_smem(W, _unit_gp(W, bwd), bt, esize, direct_stages(arch), bwd,
-                                                     gx=gx) > smem_limit(device):
+    while bt > 16 and arch != CPU_ARCH and runs_smem(W, W, bt, esize, direct_stages(arch), bwd, gx=gx) > smem_limit(device):
         bt //= 2
     return bt
 
@@ -540,12 +494,10 @@ class _Batch:
     every unit of one L. ``es``: the stage matrices E_0 … E_{L-1} and ``j`` = E_{L-1}···E_0 (fp64,
     (n·npg, W, W) in the units' basis, unit n at rows n·npg …); ``pair``: J as the forward's
     (hi, lo) (the box's padded to GP); ``tpair`` (backward): Jᵀ as its stream's (the box's padded
-    to GP, a unit's to its GEMM width ``_unit_gp``; unpadded where the stream splits: ``split``,
-    ``COMPOSE_BWD_SPLIT`` from the units' width); ``pg``: the
+    to GP; ``split``: the stream splits, ``COMPOSE_BWD_SPLIT`` from the units' width); ``pg``: the
     streams' fp32 partials per split of every unit, (NS, n·npg, GEMM width²), for
     ``_batch_partials`` after the last stream. One batch is one set of small host ops, not one a
-    unit (at the small bench shape the host-side algebra was ~150 µs of the TileLang forward's
-    910, H100 profile; the backward's per-unit partials ~90 host ops of 98 launches)."""
+    unit (per-unit host algebra was a large share of the small bench shape's time)."""
 
     def __init__(self, es, firsts, L, box, GP, dtype, bwd, split):
         self.es, self.firsts, self.L, self.box, self.split = es, firsts, L, box, split
@@ -555,7 +507,7 @@ class _Batch:
         self.pair = _padded_pair(self.j, GP, dtype) if box else _split16(self.j, dtype)
         self.tpair, self.pg = None, None
         if bwd:
-            gp = GP if box else (W if split else _unit_gp(W, True))
+            gp = GP if box else W
             if gp == self.pair[0].shape[-1]:  # Jᵀ's pair is J's transposed (rounding is per entry)
                 self.tpair = tuple(t.transpose(1, 2).contiguous() for t in self.pair)
             else:
@@ -665,13 +617,13 @@ def _padded_pair(j, GP, dtype):
 
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     """boft_fwd by the run kernels: one Cayley launch, then one launch per unit (a stage, or up
-    to ``COMPOSE_FWD`` stages as one matrix, ``_compose_units``): the first reads x, units
+    to ``COMPOSE_MOST`` stages as one matrix, ``_compose_units``): the first reads x, units
     between keep (hi, lo) pairs in two buffers in turn, the last stores y."""
     gps = nb // runs[1]
     fh, fl = _runs_cayley(bc, rs, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     src = (xv, None)
-    units = _compose_units(m, s, runs, COMPOSE_FWD)
+    units = _compose_units(m, s, runs, COMPOSE_MOST)
     mats = _unit_matrices(fh, fl, units, s, runs[0], gps, runs[2], xv.dtype)
     for n, (i, k) in enumerate(units):
         last = n == len(units) - 1
@@ -716,7 +668,7 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
 
 
 def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
-    """The backward of the composed unit (i, L) (``COMPOSE_BWD``): ``gx = g·J`` (the Jᵀ pair)
+    """The backward of the composed unit (i, L): ``gx = g·J`` (the Jᵀ pair)
     stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis, in
     its batch's ``pg`` at the unit's rows: ``_batch_partials`` forms the stages' partials after the
     last stream) by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that
@@ -726,7 +678,7 @@ def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     fragment, so tiles of 64 positions fit where the one-launch stream takes 32 at W = 128)."""
     GC = runs[0]
     W, R, x0 = GC << (L - 1), 1 << L, g[0]
-    GP = _unit_gp(W, True)  # the stream's GEMM width: W, or W zero-padded (COMPOSE_BWD_PAD)
+    GP = W  # the stream's GEMM width
     b, n = mats[(i, L)]
     split, jt = b.split, b.tpair
     if split:
@@ -782,8 +734,8 @@ def _halves(pair):
 
 
 def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arch):
-    """boft_bwd by the run kernels: the forward replay keeps each unit's input (a stage, or with
-    ``COMPOSE_BWD`` up to that many composed, ``_compose_units``) as a (hi, lo) pair, then per
+    """boft_bwd by the run kernels: the forward replay keeps each unit's input (a stage, or up to
+    ``COMPOSE_MOST`` composed, ``_compose_units``) as a (hi, lo) pair, then per
     unit from the last one stream launch (gx as a pair, the last one in x's dtype; partials in
     the run basis of each stage group, a composed unit's from its batch's, ``_batch_partials``),
     then one chain launch."""
@@ -791,7 +743,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     gps = nb // NBr
     dev = xv.device
     p = launch_config(STREAM, cfg)
-    units = _compose_units(m, s, runs, COMPOSE_BWD, bwd=True)
+    units = _compose_units(m, s, runs, COMPOSE_MOST)
     singles = any(k == 1 for _, k in units)
     # F (the replay) and, where a stage streams alone, Fᵀ (its stream) from one Cayley launch
     pairs = _runs_cayley(bc, None, m, nb, s, runs, "both" if singles else False, cscale, scale, xv.dtype, arch)
@@ -826,13 +778,13 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
     for b in {id(b): b for b, _ in mats.values()}.values():
         _batch_partials(b, part, s, GC, gps)
     bd = tl_dtype(g_blocks.dtype)
-    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, _oft.GJ_PINGPONG, chain_blocks(s, NBr))
+    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, chain_blocks(s, NBr))
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=g_blocks.dtype), float(cscale), float(scale), gps)
 
 
 def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
-    """BOFT backward of the plain chain (OPS.md §2.6.2): returns gx (x's shape and dtype)
+    """BOFT backward of the plain chain (docs/ops.md §2.6.2): returns gx (x's shape and dtype)
     and g_blocks (blocks' shape and dtype). ``cfg``: the stream kernels' tuned {BT, threads}
     over oft's ``STREAM``; the forward replay keeps ``APPLY`` (its kernels are the forward's
     fixed ones, so a tuned key builds one kernel per candidate)."""
@@ -875,7 +827,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
         k(g, us[i], th, tl_, dst, part, i * gps, (s // 2) << i, tps)
         g = dst
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(blocks.dtype), s, NB, GP, True, False,
-                False, _oft.GJ_PINGPONG, chain_blocks(s, NB))
+                False, chain_blocks(s, NB))
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=blocks.dtype), float(cscale), float(scale), 1)
     return gx, g_blocks
@@ -896,22 +848,20 @@ def compile_specs(dtype: torch.dtype):
         (cayley_kernel, (d, d, _F32, 4, 8, 32, True, False, True, "both")),
         (cayley_kernel, (d, d, d, 8, 4, 32, True, False, True, "both", True)),
         (chain_kernel, (d, d, 8, 4, 32, True, False, True)),
-        # GJ_PINGPONG "entries" (the default) at the small bench shape's s = 24 (2 blocks in 64):
-        # the blocks' entries a step
-        (cayley_kernel, (d, d, d, 24, 2, 64, True, False, True, False, True, "entries")),
-        (chain_kernel, (d, d, 24, 2, 64, True, False, True, "entries")),
-        (chain_kernel, (d, d, 24, 2, 64, True, False, True, "entries", True)),  # CHAIN_BLOCKS
+        # the small bench shape's s = 24 (2 blocks in 64): the Gauss–Jordan steps over the
+        # blocks' entries alone, and the chain's blocks form
+        (cayley_kernel, (d, d, d, 24, 2, 64, True, False, True, False, True)),
+        (chain_kernel, (d, d, 24, 2, 64, True, False, True)),
+        (chain_kernel, (d, d, 24, 2, 64, True, False, True, True)),
     ] + ([] if dtype == torch.float32 else [  # the run kernels: 16-bit streams only on a GPU
         (stage_runs_kernel, (d, 32, 32, _BT_FWD, _THREADS, 1, False, True, False)),
         (stage_runs_kernel, (d, 48, 64, _BT_FWD, _THREADS, 1, True, False, True)),
         (stream_runs_kernel, (d, 32, 32, _BT_BWD, _THREADS, 1, True, True, True)),
         (stream_runs_kernel, (d, 48, 64, _BT_BWD, _THREADS, 1, False, False, False)),
-        (stage_runs_kernel, (d, 128, 128, 64, _THREADS, 1, True, True, True, 8)),  # COMPOSE_FWD: 3 stages
+        (stage_runs_kernel, (d, 128, 128, 64, _THREADS, 1, True, True, True, 8)),  # 3 stages composed
         (stage_runs_kernel, (d, 96, 96, 64, _THREADS, 1, False, True, False, 4)),  # 2 stages at GC = 48
-        (stream_runs_kernel, (d, 128, 128, 32, 256, 1, True, True, True, 8)),  # COMPOSE_BWD: 3 stages
-        (stream_runs_kernel, (d, 128, 128, 64, 256, 1, True, True, False, 8, False)),  # COMPOSE_BWD_SPLIT
-        (stream_runs_kernel, (d, 96, 128, 64, 256, 1, True, True, False, 4, False)),  # COMPOSE_BWD_PAD, split
-        (stream_runs_kernel, (d, 96, 128, 32, 256, 1, True, True, True, 4)),  # COMPOSE_BWD_PAD, one launch
-        (stream_runs_kernel, (d, 96, 96, 64, _THREADS, 1, True, True, False, 4, False)),  # COMPOSE_BWD_MMA, split
-        (stream_runs_kernel, (d, 96, 96, 32, _THREADS, 1, True, True, True, 4)),  # COMPOSE_BWD_MMA, one launch
+        (stream_runs_kernel, (d, 128, 128, 32, 256, 1, True, True, True, 8)),  # the backward's 3 stages
+        (stream_runs_kernel, (d, 128, 128, 64, 256, 1, True, True, False, 8, False)),  # split: partials only
+        (stream_runs_kernel, (d, 96, 96, 64, _THREADS, 1, True, True, False, 4, False)),  # 96 wide: mma.sync
+        (stream_runs_kernel, (d, 96, 96, 32, _THREADS, 1, True, True, True, 4)),
     ])

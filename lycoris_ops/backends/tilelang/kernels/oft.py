@@ -1,4 +1,4 @@
-"""TileLang kernels of diag-OFT (OPS.md §2.5): ``oft_fwd`` and ``oft_bwd``; the
+"""TileLang kernels of diag-OFT (docs/ops.md §2.5): ``oft_fwd`` and ``oft_bwd``; the
 kernel families here are shared with BOFT (``boft.py``).
 
 Written from the math (``reference/oft.py`` is the oracle). Per block k:
@@ -18,8 +18,8 @@ Kernel families:
     the group's blocks from the fp32-upcast raw blocks — Gauss–Jordan without
     pivoting on the block-diagonal ``I − Q`` (valid: its symmetric part is I),
     in shared memory, the group's NB blocks side by side: S steps of one barrier each
-    (``GJ_PINGPONG``: two buffer pairs, each step reading one and writing the other, over the
-    blocks' entries alone where ``"entries"``) — then F (or Fᵀ) with rescale / shift / scale
+    (two buffer pairs, each step reading one and writing the other, over the blocks' entries
+    alone where there are enough of them) — then F (or Fᵀ) with rescale / shift / scale
     folded in, stored as a hi + lo pair in the GEMM dtype (hi = F rounded to a 16-bit type,
     or to TF32 for fp32 GEMMs; lo = F − hi), so that the tensor-core GEMMs reproduce fp32 F
     to about 2^-16 (16-bit) / 2^-21 (TF32).
@@ -31,10 +31,10 @@ Kernel families:
     through shared memory and stored once (optionally ``− x0`` for BOFT's diff).
 ``apply_direct_kernel`` (same grid): diag-OFT's forward where nothing needs the gather
     (GC = GP, 16-bit x, rows of a 16-byte multiple; either layout): the x tile by ``T.copy``
-    (TMA on sm_90a) in a ``T.Pipelined`` loop, the output by ``T.copy`` from the fragment
-    or through a shared tile (``DIRECT_STAGE_OUT``; ``direct_apply`` decides the path). By
-    default (``FUSE_CAYLEY``) each program solves its group's F in its prologue instead of
-    reading the Cayley kernel's pair: one launch, the positions split for one wave.
+    (TMA on sm_90a) in a ``T.Pipelined`` loop, the output through a shared tile in whole rows
+    (``direct_apply`` decides the path). Where its shared memory allows (``fuse_cayley``) each
+    program solves its group's F in its prologue instead of reading the Cayley kernel's
+    pair: one launch, the positions split for one wave.
 ``stream_direct_kernel``: the backward stream's twin of the same conditions (Fᵀ likewise).
 ``bwd_stream_kernel`` (same grid): per tile ``gx = G·F`` (as ``G·(Fᵀ)ᵀ`` with
     the Fᵀ pair) stored, and ``P += Gᵀ·X`` (dL/dF, fp32 fragment) over the
@@ -52,7 +52,7 @@ reads x as (pre, C, post) (weights (C, L): pre = 1; conv activations
 contiguous (a non-contiguous input is copied first). Every size is a
 ``T.dynamic`` variable: one compiled kernel per (dtypes, S, layout, flags, tile
 config). The streaming kernels' positions per tile (BT) and threads are ``APPLY`` /
-``STREAM``, or a tuned ``cfg`` over them (backends/triton/tuning/oft.py: ``TILELANG``).
+``STREAM``, or a tuned ``cfg`` over them (backends/tilelang/tuning/oft.py: ``TILELANG``).
 
 Scope: S <= 64 (``scope.py``: "block" <= 64 for tilelang); fp16 / bf16 / fp32.
 """
@@ -76,51 +76,22 @@ _BT_BWD = 64
 #: pipeline depth of the direct kernels' tiles (``apply_direct_kernel``, ``stream_direct_kernel``)
 #: on sm_90a (TMA); 1 elsewhere (``direct_stages``)
 _DIRECT_STAGES = 2
-#: per layout, whether the direct kernels store their output tile through shared memory (whole
-#: rows, TMA on sm_90a) instead of from the GEMM fragment, the same bits either way. On the H200,
-#: bf16 (bench/tilelang_oft_variants.py; bench/RESULTS.md 2026-12-02 00:00-00:15 and 01:34-01:41):
-#: channels last (32768 x 4096 activations) 2.4x faster forward, 1.5x backward; channels first
-#: (a 4096 x 4096 weight) 2.8x forward, 1.9x backward
-DIRECT_STAGE_OUT = {"cl": True, "cf": True}
-#: the direct kernels solve their group's Cayley transform in their prologue (no Cayley
-#: launch, F never in global memory) instead of reading the F pair ``cayley_kernel`` wrote.
-#: On, with the positions split for one wave and deeper pipelines (below). On the H200 (bf16,
-#: bench/tilelang_oft_variants.py, bench/RESULTS.md 2026-12-02 05:40), fwd / bwd ms against
-#: the separate Cayley launch: merge (4096 x 4096 weight) 0.033 / 0.069 against 0.049 / 0.091;
-#: bypass (32768 x 4096) 0.162 / 0.283 against 0.210 / 0.367. Split like the separate-launch
-#: kernels (about four waves, each program paying the serial solve) it was slower: 0.125 /
-#: 0.187 (merge) at 04:05
-FUSE_CAYLEY = True
 #: the position split (``tiling``) aims at SPLIT_PER_SM programs an SM. On sm_90a a direct
 #: kernel is warp-specialized, 256 threads at 240 registers (ptxas): ONE program an SM, so
-#: this is about four waves. The fused kernels (``FUSE_CAYLEY``) instead split for one wave
-#: of FUSED_PER_SM programs an SM (every program solves its group once, then streams), with
-#: FUSED_STAGES tiles in flight per direction (one program an SM needs more in flight than
-#: the direct kernels' ``_DIRECT_STAGES``; the H200 at 05:40: fwd 4, bwd 3 best)
+#: this is about four waves. The kernels that solve the Cayley transform themselves
+#: (``fuse_cayley``: measured faster than a Cayley launch before them, and slower when split
+#: like the others, every program paying the serial solve) split for one wave of FUSED_PER_SM
+#: programs an SM, with FUSED_STAGES tiles in flight per direction (one program an SM needs
+#: more in flight than the direct kernels' ``_DIRECT_STAGES``; measured best)
 SPLIT_PER_SM = 4
 FUSED_PER_SM = 1
 FUSED_STAGES = dict(fwd=4, bwd=3)
-#: the Cayley and chain kernels' Gauss–Jordan alternates between two buffer pairs, one barrier
-#: a step instead of two (the pivot row and column copied out, then the update). On the H200
-#: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
-#: 0.019 ms (F / Fᵀ) against 0.025 / 0.028, F within 2e-6 of the two-barrier solve's.
-#: ``"entries"`` (on): each ping-pong step touches only the blocks' entries where there are at
-#: least ``_GJ_ENTRIES_MIN`` (``_cayley_macros``; BOFT at s = 24: 1152 of the 64 x 64 group's 4096
-#: entries a step), elsewhere the whole group's. The S-step block-parallel solve took BOFT's small
-#: bench Cayley launch from 200 to 93 µs (H100, bench/RESULTS.md 2026-12-05 21:29); the entries
-#: step then took its forward 0.740 / 0.733 -> 0.712 / 0.713 ms (H100, two alternating runs, bit
-#: for bit the same values; RESULTS.md 2026-12-06 03:10), the large shape (S = 32, one block a
-#: group) unchanged
-GJ_PINGPONG = "entries"
-#: the chain kernel sums the partials and forms gR, Mᵀ·gR and gQ over the blocks' entries alone
-#: (``chain_kernel``'s ``blocks``) instead of the whole GP x GP group (every other entry is zero or
-#: unused: 1152 of 4096 at BOFT's s = 24)
-CHAIN_BLOCKS = True
-#: the fewest block entries (NB·S²) for the ``"entries"`` step: at least the threads of any
-#: kernel that solves (the direct kernels run up to 384)
+#: the fewest block entries (NB·S²) for the Gauss–Jordan step over the blocks' entries alone
+#: (``_cayley_macros``) and the chain kernel's ``blocks`` form (``chain_blocks``): at least the
+#: threads of any kernel that solves (the direct kernels run up to 384)
 _GJ_ENTRIES_MIN = 512
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
-#: ``cfg`` (backends/triton/tuning/oft.py, backends/triton/tuning/boft.py: ``TILELANG``) overrides the positions per tile (BT)
+#: ``cfg`` (backends/tilelang/tuning/oft.py, backends/tilelang/tuning/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
 #: kernel (the Cayley and chain kernels are per group, tiny: fixed)
 APPLY = dict(BT=_BT_FWD, threads=_THREADS)
@@ -191,9 +162,8 @@ def _direct_layout(T, cf, BT, GP):
     return (NP, C), (BT, GP), tile, C
 
 
-def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
-    """Macros of the per-group Cayley algebra (closures over the static sizes; ``pingpong``: the
-    kernel's ``GJ_PINGPONG``, which form the ping-pong step takes)."""
+def _cayley_macros(T, par, alloc_s, S, NB, GP):
+    """Macros of the per-group Cayley algebra (closures over the static sizes)."""
     GC = NB * S
 
     @T.macro
@@ -212,33 +182,13 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
     # runs the NB blocks side by side: step kk pivots on row kk of each block, S steps instead of
     # GP (GP = 64 at s = 24: 24 for 64). Within a block the operations are the full solve's, in
     # its order (its steps on other blocks only subtracted exact zeros); the entries off the
-    # blocks (zeros, the padding's identity) never change. ``GJ_PINGPONG == "entries"``: the
-    # ping-pong step loops over the blocks' NB·S² entries alone (1152 of 4096 at s = 24) where
-    # they are at least ``_GJ_ENTRIES_MIN``: a parallel loop shorter than the threads becomes one
-    # thread-guarded branch, and TileLang refuses the barrier the next step then needs inside it
-    # (S = 6, NB <= 2 at sm_90a: bench/tilelang_compile_sweep.py).
-    entries = pingpong == "entries" and NB * S * S >= _GJ_ENTRIES_MIN
-    solve_pingpong = bool(pingpong)
-
-    @T.macro
-    def gauss_jordan(A, Mi, ra, ri, ca):
-        # Mi <- A⁻¹ (A destroyed), no pivoting; ra/ri: each block's pivot row of A/Mi divided by
-        # its pivot, indexed by column (a pivot row is 0 outside its block), ca: each row's entry
-        # in its block's pivot column
-        for kk in T.serial(S):
-            for j in par(GP):
-                if j < GC:
-                    ra[j] = A[j // S * S + kk, j] / A[j // S * S + kk, j // S * S + kk]
-                    ri[j] = Mi[j // S * S + kk, j] / A[j // S * S + kk, j // S * S + kk]
-                    ca[j] = A[j, j // S * S + kk]
-            for i, j in par(GP, GP):
-                if i < GC and j < GC and i // S == j // S:
-                    if i == i // S * S + kk:
-                        A[i, j] = ra[j]
-                        Mi[i, j] = ri[j]
-                    else:
-                        A[i, j] = A[i, j] - ca[i] * ra[j]
-                        Mi[i, j] = Mi[i, j] - ca[i] * ri[j]
+    # blocks (zeros, the padding's identity) never change. The steps alternate between two
+    # buffer pairs, one barrier a step. ``entries``: a step loops over the blocks' NB·S² entries
+    # alone (1152 of 4096 at s = 24) where they are at least ``_GJ_ENTRIES_MIN``: a parallel loop
+    # shorter than the threads becomes one thread-guarded branch, and TileLang refuses the
+    # barrier the next step then needs inside it (S = 6, NB <= 2 at sm_90a:
+    # bench/tilelang_compile_sweep.py).
+    entries = NB * S * S >= _GJ_ENTRIES_MIN
 
     @T.macro
     def gj_entry(A, Mi, A2, M2, i, j, pv):
@@ -270,10 +220,10 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
 
     @T.macro
     def gauss_jordan_pingpong(A, Mi, A2, M2):
-        # gauss_jordan's result (Mi <- A⁻¹) with one barrier a step instead of two: the steps
-        # alternate between the two buffer pairs; an odd S's last step lands in (A2, M2) and is
-        # copied back. ``entries``: the second pair takes the first's entries off the blocks
-        # first (only those: a copy of the blocks too would race the first step's stores)
+        # Mi <- A⁻¹ (A destroyed), no pivoting: the steps alternate between the two buffer pairs;
+        # an odd S's last step lands in (A2, M2) and is copied back. ``entries``: the second pair
+        # takes the first's entries off the blocks first (only those: a copy of the blocks too
+        # would race the first step's stores)
         if entries:
             for i, j in par(GP, GP):
                 if i >= GC or j >= GC or i // S != j // S:
@@ -290,25 +240,15 @@ def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
 
     @T.macro
     def invert_with(A, Mi, A2, M2):
-        # Mi <- A⁻¹: gauss_jordan_pingpong with (A2, M2) as its second buffer pair (``pingpong``;
-        # free buffers of the caller), or gauss_jordan with its pivot row and column
-        if solve_pingpong:
-            gauss_jordan_pingpong(A, Mi, A2, M2)
-        else:
-            ra = alloc_s((GP,), "float32")
-            ri = alloc_s((GP,), "float32")
-            ca = alloc_s((GP,), "float32")
-            gauss_jordan(A, Mi, ra, ri, ca)
+        # Mi <- A⁻¹ with (A2, M2) as the second buffer pair (free buffers of the caller)
+        gauss_jordan_pingpong(A, Mi, A2, M2)
 
     @T.macro
     def invert(A, Mi):
         # invert_with, the second buffer pair its own
-        if solve_pingpong:
-            A2 = alloc_s((GP, GP), "float32")
-            M2 = alloc_s((GP, GP), "float32")
-            invert_with(A, Mi, A2, M2)
-        else:
-            invert_with(A, Mi, A, Mi)  # (no second pair: gauss_jordan)
+        A2 = alloc_s((GP, GP), "float32")
+        M2 = alloc_s((GP, GP), "float32")
+        invert_with(A, Mi, A2, M2)
 
     @T.macro
     def run_slots(slot, g, gps):
@@ -406,7 +346,7 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
 # --------------------------------------------------------------------------- kernels
 
 def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool,
-                  has_perm: bool, trans: bool, runs: bool = False, pingpong: bool = False, cpu: bool = False):
+                  has_perm: bool, trans: bool, runs: bool = False, cpu: bool = False):
     """Group matrices F (trans: Fᵀ; ``"both"``: F and Fᵀ, one solve for the two pairs) as a (hi,
     lo) pair in cdt, (NG, GP, GP) each.
 
@@ -416,8 +356,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     pos = g·GC + i. Blocks B (KB, S, S); group g holds blocks g·NB … g·NB + NB − 1.
     ``runs`` (BOFT): rows and columns stored in the run basis of the group's stage
     (``_run_slot``: stage g // gps, κ = S/2·2^stage) instead of stage positions; the
-    padding slots GC … GP − 1 stay where they are (zeros). ``pingpong``: Gauss–Jordan with one
-    barrier a step (two buffer pairs, ``GJ_PINGPONG``).
+    padding slots GC … GP − 1 stay where they are (zeros).
     """
     import tilelang.language as T
 
@@ -426,8 +365,7 @@ def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bo
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NG = T.dynamic("KB NR NG")
-    build_system, (invert, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP,
-                                                                              pingpong)
+    build_system, (invert, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP)
 
     @T.macro
     def solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot):
@@ -557,20 +495,19 @@ def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int
 
 
 def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
-                        stages: int = 1, cf: bool = False, stage_out: bool = False, cayley: tuple = (),
-                        cpu: bool = False):
+                        stages: int = 1, cf: bool = False, cayley: tuple = (), cpu: bool = False):
     """``apply_kernel`` where nothing needs a gather: the identity channel map, every group's
     GP channels used (GC = GP, S divides GP), no diff, and x already in the GEMM dtype
     (16-bit; the CPU twin's exact fp32 GEMM too). The x tile goes to shared memory by
     ``T.copy`` in a ``T.Pipelined`` loop (async copies, ``stages`` deep) instead of element
-    by element through the channel map, and the fp32 fragment is stored by ``T.copy`` (one
-    rounding; ``stage_out``: through a shared tile, whole rows), out-of-range positions and
-    channels predicated by T.copy.
+    by element through the channel map, and the fp32 fragment is stored by ``T.copy`` through a
+    shared tile, whole rows (one rounding; measured several times faster than from the
+    fragment), out-of-range positions and channels predicated by T.copy.
     Channels last: X, Y (NP, C), tile (BT, GP), ``acc = X·Fᵀ``. Channels first (``cf``):
     X, Y (PRE, C, NP), tile (GP, BT) of one pre index (a weight's rows are its channels),
     ``acc = F·X`` (the same product per position, no transposed operand).
     Group g uses F pair [g]; program (g, split) walks tiles split·tps … split·tps + tps − 1.
-    ``cayley`` = (blocks dtype, rescale dtype, S, has_rescale, pingpong): each program solves its
+    ``cayley`` = (blocks dtype, rescale dtype, S, has_rescale): each program solves its
     group's Cayley transform itself (``cayley_kernel``'s algebra, in its prologue) from the
     blocks B (KB, S, S), rescale RS, cscale and shift instead of reading an F pair: no
     Cayley launch before it, and F never in global memory."""
@@ -587,7 +524,7 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
     def tiles(X, Y, Fh, Fl, g, sp, tps):
         Xs = alloc_s(tshape, cdt)
         acc = alloc_f(tshape, "float32")
-        Ys = alloc_s(tshape if stage_out else (1, 1), yd)
+        Ys = alloc_s(tshape, yd)
         for tt in T.Pipelined(tps, num_stages=stages):
             T.copy(tile(X, g, sp * tps + tt), Xs)
             T.clear(acc)
@@ -597,11 +534,9 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
             else:  # y = x·Fᵀ per row
                 T.gemm(Xs, Fh, acc, transpose_B=True)
                 T.gemm(Xs, Fl, acc, transpose_B=True)
-            if stage_out:  # through shared memory: whole-row stores instead of fragment pairs
-                T.copy(acc, Ys)
-                T.copy(Ys, tile(Y, g, sp * tps + tt))
-            else:
-                T.copy(acc, tile(Y, g, sp * tps + tt))
+            # through shared memory: whole-row stores instead of fragment pairs
+            T.copy(acc, Ys)
+            T.copy(Ys, tile(Y, g, sp * tps + tt))
 
     if cayley:
         bd, rd, S = cayley[:3]
@@ -634,15 +569,14 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
 
 def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
     """The direct kernels' prologue when they solve the Cayley transform themselves
-    (``cayley`` = (blocks dtype, rescale dtype, S, has_rescale, pingpong); None when they read an F
+    (``cayley`` = (blocks dtype, rescale dtype, S, has_rescale); None when they read an F
     pair): diag-OFT's F (``trans``: Fᵀ) of group g as a (hi, lo) pair in shared tiles."""
     if not cayley:
         return None
-    _, _, S, has_rescale, pingpong = cayley
+    _, _, S, has_rescale = cayley
     par = T.grid if cpu else T.Parallel
     alloc_s = T.alloc_local if cpu else T.alloc_shared
-    build_system, (invert, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP,
-                                                                      pingpong)
+    build_system, (invert, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP)
 
     @T.macro
     def group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB):
@@ -737,11 +671,10 @@ def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT
 
 
 def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
-                         stages: int = 1, cf: bool = False, stage_out: bool = False, cayley: tuple = (),
-                         cpu: bool = False):
+                         stages: int = 1, cf: bool = False, cayley: tuple = (), cpu: bool = False):
     """``bwd_stream_kernel`` where nothing needs a gather (as ``apply_direct_kernel``: GC = GP,
     G and x in the 16-bit GEMM dtype; the CPU twin at fp32): the G and x tiles by ``T.copy``
-    in a ``T.Pipelined`` loop, gx stored by ``T.copy``. Positions past the end load as zeros
+    in a ``T.Pipelined`` loop, gx stored by ``T.copy`` through a shared tile. Positions past the end load as zeros
     (T.copy's predicate), so they add nothing to P.
     Channels last: tiles (BT, GP), ``gx = G·(Fᵀ)ᵀ``, ``P += Gᵀ·X`` (``transpose_A``).
     Channels first (``cf``, (PRE, C, NP)): tiles (GP, BT), ``gx = Fᵀ·G``, ``P += G·Xᵀ``.
@@ -761,7 +694,7 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
         Xs = alloc_s(tshape, cdt)
         acc = alloc_f(tshape, "float32")
         accp = alloc_f((GP, GP), "float32")
-        Ys = alloc_s(tshape if stage_out else (1, 1), gxd)
+        Ys = alloc_s(tshape, gxd)
         T.clear(accp)
         for tt in T.Pipelined(tps, num_stages=stages):
             T.copy(tile(G, g, sp * tps + tt), Gs)
@@ -775,11 +708,8 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
                 T.gemm(Gs, Fh, acc, transpose_B=True)
                 T.gemm(Gs, Fl, acc, transpose_B=True)
                 T.gemm(Gs, Xs, accp, transpose_A=True)
-            if stage_out:
-                T.copy(acc, Ys)
-                T.copy(Ys, tile(GX, g, sp * tps + tt))
-            else:
-                T.copy(acc, tile(GX, g, sp * tps + tt))
+            T.copy(acc, Ys)
+            T.copy(Ys, tile(GX, g, sp * tps + tt))
         T.copy(accp, P[sp, g, 0, 0])
 
     if cayley:
@@ -814,14 +744,14 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
 
 
 def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool, runs: bool = False,
-                 pingpong: bool = False, blocks: bool = False, cpu: bool = False):
+                 blocks: bool = False, cpu: bool = False):
     """Cayley-chain backward per group from the fp32 partials P (NS, NG, GP, GP) (``runs``:
     BOFT's partials in the run basis of the group's stage, ``_run_slot``; stage g // gps).
 
     OFT: g_rescale[g·GC + i] = Σ_j P[i,j]·R[j,i] (has_rescale), gR = (diag(ρ)·P)ᵀ;
     BOFT: gR = fcoef·P (fcoef = scale). Then gQ = 2·Mᵀ·gR·Mᵀ and
-    GB[k] = cscale·(gQ − gQᵀ) on each block, in blocks' dtype. ``pingpong``: as
-    ``cayley_kernel``'s (``GJ_PINGPONG``). ``blocks`` (``CHAIN_BLOCKS``): the split sum and the
+    GB[k] = cscale·(gQ − gQᵀ) on each block, in blocks' dtype. ``blocks`` (``chain_blocks``):
+    the split sum and the
     two products over the blocks' NB·S² entries alone (every other entry of gR, Mᵀ·gR and gQ is
     zero or unused), the products' sums in registers.
     """
@@ -833,7 +763,7 @@ def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_res
     threads = 1 if cpu else _THREADS
     GC = NB * S
     KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, (_, invert_with), run_slots, load_rho, _ = _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong)
+    build_system, (_, invert_with), run_slots, load_rho, _ = _cayley_macros(T, par, alloc_s, S, NB, GP)
     full_chain, block_chain = _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, bd,
                                             invert_with)
 
@@ -975,12 +905,13 @@ def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, 
 # --------------------------------------------------------------------------- host side
 
 def chain_blocks(S: int, NB: int) -> bool:
-    """``chain_kernel``'s ``blocks`` form: ``CHAIN_BLOCKS``, where the blocks have at least
-    ``_GJ_ENTRIES_MIN`` entries (a parallel loop over fewer than the threads is one guarded branch)
-    and a whole number of them a thread (TileLang finds no layout for the (NB, S, S) fragment
-    otherwise: S = 24 or 40 alone at 128 threads, sm_90a)."""
+    """``chain_kernel``'s ``blocks`` form (the sums and products over the blocks' entries alone,
+    not the whole GP x GP group: 1152 of 4096 entries at BOFT's s = 24), where the blocks have at
+    least ``_GJ_ENTRIES_MIN`` entries (a parallel loop over fewer than the threads is one guarded
+    branch) and a whole number of them a thread (TileLang finds no layout for the (NB, S, S)
+    fragment otherwise: S = 24 or 40 alone at 128 threads, sm_90a)."""
     n = NB * S * S
-    return CHAIN_BLOCKS and n >= _GJ_ENTRIES_MIN and n % _THREADS == 0
+    return n >= _GJ_ENTRIES_MIN and n % _THREADS == 0
 
 
 def apply_smem(GP: int, BT: int, csize: int) -> int:
@@ -1048,13 +979,13 @@ def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_
     outs = [torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt) for _ in range(2 * pairs)]
     rsv = _rescale_operand(blocks, rs)
     k = kernel(cayley_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), tl_dtype(cdt), S, NB, GP, boft,
-               rs is not None, has_perm, trans, gps > 0, GJ_PINGPONG)
+               rs is not None, has_perm, trans, gps > 0)
     k(blocks.view(-1, S, S), rsv, *outs, float(cscale), float(fcoef), int(g_rs), int(kappa), max(int(gps), 1))
     return tuple(outs)
 
 
 def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
-    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): one direct kernel that
+    """Diag-OFT forward (docs/ops.md §2.5.1, see ``reference.oft.oft_fwd``): one direct kernel that
     solves the Cayley transform itself (``fuse_cayley``), else Cayley + apply kernels;
     ``cfg``: the apply kernel's tuned {BT, threads} over ``APPLY``."""
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
@@ -1102,7 +1033,7 @@ def _rescale_operand(blocks: torch.Tensor, rs) -> torch.Tensor:
 
 def _cayley_args(blocks: torch.Tensor, rsv: torch.Tensor, has_rescale: bool) -> tuple:
     """The direct kernels' ``cayley`` builder argument for these operands."""
-    return tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), blocks.shape[-1], has_rescale, GJ_PINGPONG
+    return tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), blocks.shape[-1], has_rescale
 
 
 def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str,
@@ -1112,26 +1043,27 @@ def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dt
     channel, x in the GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is exact
     fp32, so it takes it at fp32 too), and rows of ``inner`` elements (the kernel view's last
     axis: C channels last, the positions after the channel axis channels first) a multiple of
-    16 bytes: a TMA descriptor (sm_90a) takes no other row stride (the H200 refused a
-    (72, 37) bf16 weight: 74-byte rows), and 16-byte cp.async copies (sm_80) need it too."""
+    16 bytes: a TMA descriptor (sm_90a) takes no other row stride (a (72, 37) bf16 weight's
+    74-byte rows were refused), and 16-byte cp.async copies (sm_80) need it too."""
     return (GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
             and inner * x_dtype.itemsize % 16 == 0)
 
 
 def direct_flags(arch: str, cf: bool, fused: str = "") -> tuple:
-    """The direct kernels' trailing builder arguments on ``arch``: (pipeline depth, layout,
-    store through shared memory); ``fused`` ("fwd" / "bwd"): the ``FUSE_CAYLEY`` kernels' depth."""
+    """The direct kernels' trailing builder arguments on ``arch``: (pipeline depth, layout);
+    ``fused`` ("fwd" / "bwd"): the depth of the kernels that solve the Cayley transform."""
     stages = (FUSED_STAGES[fused] if fused else _DIRECT_STAGES) if arch == "sm_90a" else 1
-    return stages, cf, DIRECT_STAGE_OUT["cf" if cf else "cl"]
+    return stages, cf
 
 
 def fuse_cayley(direct: bool, arch: str, GP: int, BT: int, csize: int, bwd: bool) -> bool:
-    """Whether the direct kernel solves the Cayley transform itself (``FUSE_CAYLEY``): on the
-    direct path, and on sm_90a only where its shared memory with ``FUSED_STAGES`` tiles in
-    flight fits a block: the F pair, then the larger of the Gauss–Jordan scratch (four fp32
-    GP x GP buffers; TileLang reuses it for the tiles once the solve is done) and the
-    pipelined tiles (x; the backward G and x) with the output stage."""
-    if not (direct and FUSE_CAYLEY):
+    """Whether the direct kernel solves the Cayley transform itself (one launch, F never in
+    global memory): on the direct path, and on sm_90a only where its shared memory with
+    ``FUSED_STAGES`` tiles in flight fits a block: the F pair, then the larger of the
+    Gauss–Jordan scratch (four fp32 GP x GP buffers; TileLang reuses it for the tiles once
+    the solve is done) and the pipelined tiles (x; the backward G and x) with the output
+    stage. Elsewhere a Cayley launch writes the F pair the direct kernel reads."""
+    if not direct:
         return False
     if arch != "sm_90a":
         return True
@@ -1149,7 +1081,7 @@ def direct_stages(arch: str) -> int:
 
 
 def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
-    """Diag-OFT backward (OPS.md §2.5.2): stream (solving Fᵀ itself: ``fuse_cayley``; else after a
+    """Diag-OFT backward (docs/ops.md §2.5.2): stream (solving Fᵀ itself: ``fuse_cayley``; else after a
     Cayley (Fᵀ) launch) + chain kernels; ``cfg``: the
     stream kernel's tuned {BT, threads} over ``STREAM``.
 
@@ -1198,7 +1130,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
                         tl_dtype(cdt), GP, GC, p["BT"], cf, False, p["threads"])
             ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None,
-                False, GJ_PINGPONG, chain_blocks(S, NB))
+                False, chain_blocks(S, NB))
     gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
     kc(part, bc, rsv, g_blocks, gr, float(cscale), 1.0, 1)
     return gx, g_blocks, g_rescale
@@ -1209,19 +1141,19 @@ def compile_specs(dtype: torch.dtype):
     d = tl_dtype(dtype)
     return [
         (cayley_kernel, (d, d, d, 5, 6, 32, False, True, False, False)),
-        (cayley_kernel, (d, d, d, 16, 4, 64, False, True, False, True, False, True)),  # GJ_PINGPONG
+        (cayley_kernel, (d, d, d, 16, 4, 64, False, True, False, True, False)),
         (apply_kernel, (d, d, d, d, 32, 30, _BT_FWD, False, False, False)),
         (apply_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_FWD, True, False, False)),
-        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True)),
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False)),
         (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, True)),
         (bwd_stream_kernel, (d, d, d, d, 32, 30, _BT_BWD, False, False)),
         (bwd_stream_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_BWD, True, False)),
-        (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, False, True)),
+        (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, False)),
         (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, True)),
-        # FUSE_CAYLEY: the group's Cayley solve in the direct kernels' prologue
-        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True, ("float32", "float32", 8, True, True))),
-        (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, True, (d, d, 16, False, False))),
+        # the group's Cayley solve in the direct kernels' prologue
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, ("float32", "float32", 8, True))),
+        (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, (d, d, 16, False))),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
-        (chain_kernel, (d, d, 16, 4, 64, False, True, False, True)),  # GJ_PINGPONG
-        (chain_kernel, (d, d, 16, 4, 64, False, True, False, True, True)),  # CHAIN_BLOCKS, with g_rescale
+        (chain_kernel, (d, d, 16, 4, 64, False, True, False)),
+        (chain_kernel, (d, d, 16, 4, 64, False, True, False, True)),  # blocks, with g_rescale
     ]
