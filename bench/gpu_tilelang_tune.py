@@ -27,7 +27,6 @@ Exit status 0 when every result equals eager and the warm process timed nothing.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import subprocess
@@ -52,6 +51,7 @@ def worker(opts) -> int:
     import lycoris_ops  # noqa: F401  (registers the ops)
     from lycoris_ops._library import register as registry
     from lycoris_ops.backends.tilelang import runner as tl_pick
+    from lycoris_ops.testing.samples import SAMPLES, parse_layer
     from lycoris_ops.tuner import tune
     from lycoris_ops.backends.tilelang import common as _common
 
@@ -59,18 +59,17 @@ def worker(opts) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     torch.ones(1, device=dev).add_(1)
     torch.cuda.synchronize()
-    layers = [tune.parse_layer(s, opts.rank) for s in opts.shapes.split(",") if s.strip()]
+    layers = [parse_layer(s, opts.rank) for s in opts.shapes.split(",") if s.strip()]
     tokens = [int(t) for t in opts.tokens.split(",") if t.strip()]
     only = {o.strip() for o in opts.ops.split(",") if o.strip()}
     L = torch.ops.lycoris
     results, bad = [], 0
     for fam in opts.families.split(","):
-        pm = importlib.import_module(f"lycoris_ops.backends.triton.tuning.{fam}")
         for layer in layers:
             for T in tokens:
                 gen = torch.Generator(device="cuda")
                 gen.manual_seed(0)
-                for op, args in pm.samples(layer, T, torch.bfloat16, dev, gen):
+                for op, args in SAMPLES[fam](layer, T, torch.bfloat16, dev, gen):
                     if only and op not in only:
                         continue
                     st0, tl0, pre0 = tune.stats(), _common.stats(), tl_pick.stats()

@@ -9,7 +9,7 @@ process and show that no timing happened there; every tuned result equals eager.
 Phases, each in its own process, sharing one fresh ``LYCORIS_KERNEL_CACHE_DIR``:
 
 1. ``cold``: each (op, layer, tokens, dtype) of the planners' warm-up samples
-   (``plans/<family>.py: samples``) goes through the op's ``<op>_kwargs`` glue — a
+   (``lycoris_ops/testing/samples.py``) goes through the op's ``<op>_kwargs`` glue — a
    miss: the shortlist is compiled, checked against the eager body and timed — then
    runs with the picked config. Per key: wall time of that first call (target
    <= 2 s per (op, shape bucket) on an H200; Triton compiles included unless its
@@ -71,6 +71,7 @@ def worker(opts) -> int:
     from lycoris_ops._library import register as registry
     from lycoris_ops.backends import scope, select
     from lycoris_ops.backends.triton import precompile
+    from lycoris_ops.testing.samples import SAMPLES, parse_layer
     from lycoris_ops.tuner import tune
 
     logging.basicConfig(level=logging.INFO if opts.verbose else logging.WARNING, format="  %(message)s")
@@ -88,7 +89,7 @@ def worker(opts) -> int:
         print(f"  process start-up (CUDA context, cuBLAS, Triton's driver and one trivial kernel): "
               f"{time.perf_counter() - t0:.2f} s, paid once per process, not counted in any key", flush=True)
     jit = _watch_triton_compiles()
-    layers = [tune.parse_layer(s, opts.rank) for s in opts.shapes.split(",") if s.strip()]
+    layers = [parse_layer(s, opts.rank) for s in opts.shapes.split(",") if s.strip()]
     tokens = [int(t) for t in opts.tokens.split(",") if t.strip()]
     ops_filter = {o.strip() for o in opts.ops.split(",") if o.strip()}
     results = []
@@ -103,7 +104,7 @@ def worker(opts) -> int:
                 for T in tokens:
                     gen = torch.Generator(device=dev.type)
                     gen.manual_seed(0)
-                    for op, args in pm.samples(layer, T, dtype, dev, gen):
+                    for op, args in SAMPLES[fam](layer, T, dtype, dev, gen):
                         if op not in pm.KWARGS or (ops_filter and op not in ops_filter):
                             continue
                         full = select._full_args(op, args)
@@ -127,7 +128,7 @@ def worker(opts) -> int:
                             kw = None
                         else:
                             kw = pm.KWARGS[op](*full)
-                            out = ref_fn(*full) if tune.is_eager(kw) else pm.launch(op, *full, **kw)
+                            out = ref_fn(*full) if tune.is_eager(kw) else pm.LAUNCHERS[op](*full, **kw)
                         _sync()
                         first_s = time.perf_counter() - t0
                         if profiler is not None:
@@ -140,7 +141,7 @@ def worker(opts) -> int:
                         pre = {k: v - pre_before[k] for k, v in precompile.stats().items()}
                         jit_key = {k: v - jit_before[k] for k, v in jit.items()}
                         ref = ref_fn(*full)
-                        bad = tune._mismatch(out, ref)
+                        bad = tune.mismatch(out, ref)
                         row = dict(op=op, layer=f"{layer.out_features}x{layer.in_features}:r{layer.rank}", T=T,
                                    dtype=dtype_name, first_s=round(first_s, 3),
                                    tuned=after["tuned"] - before["tuned"],
@@ -159,8 +160,8 @@ def worker(opts) -> int:
                                    jit_loads=jit_key["loads"])
                         if opts.compare_default and kw is not None:
                             t_tuned = _time_best(lambda: ref_fn(*full) if tune.is_eager(kw)
-                                                 else pm.launch(op, *full, **kw))
-                            t_default = _time_best(lambda: pm.launch(op, *full))
+                                                 else pm.LAUNCHERS[op](*full, **kw))
+                            t_default = _time_best(lambda: pm.LAUNCHERS[op](*full))
                             row.update(tuned_ms=round(t_tuned * 1e3, 4), default_ms=round(t_default * 1e3, 4))
                         results.append(row)
                         print("  " + _line(row), flush=True)

@@ -34,7 +34,7 @@ _settings.check_environment()  # an invalid LYCORIS_* value fails here, before a
 
 from lycoris_ops.backends.registry import available_backends, fused_backends, resolve_backend  # noqa: E402
 from lycoris_ops.backends.registry import set_backend, use_backend  # noqa: E402
-from lycoris_ops.tuner.tune import warmup  # noqa: E402
+from lycoris_ops.warmup import warmup  # noqa: E402
 from lycoris_ops._library import register as _registry  # noqa: E402  CPU/CUDA kernels
 from lycoris_ops._library import fakes as _fakes  # noqa: E402  fake (meta) kernels
 from lycoris_ops._library import autograd as _autograd  # noqa: E402  autograd on the ops

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from lycoris_ops.tuner.device import DeviceFacts
+from lycoris_ops.tuner.keys import SENTINEL_EAGER, Plan, is_eager
 
 __all__ = ["Work", "Estimate", "estimate", "total", "once_or_each", "eager_time", "pow2_between", "rank", "shortlist",
            "LAUNCH_S", "EAGER_LAUNCH_S", "make_plan", "make_shared_plan", "COMPILE_BUDGET", "MIN_FUSED",
@@ -295,8 +296,6 @@ def make_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, tile_axes: Seque
     Order = the pick without timing (TUNE=off, capture, tracing) first: the model's best,
     except that the default (``default_s`` = its predicted time, None: unknown) goes first
     unless the model predicts a gain of more than ``DEFAULT_MARGIN``."""
-    from lycoris_ops.tuner.tune import SENTINEL_EAGER, Plan
-
     picked = shortlist(ranked, n, tile_axes, extra=[default] if default is not None else ())
     times = {}
     for t, c in ranked:
@@ -352,8 +351,6 @@ def make_shared_plan(op: str, ranked: Sequence[Tuple[float, dict]], *, kernels: 
     launcher's default goes second when it is not first and shares the structure; a default
     of another structure that is not first (predicted more than ``DEFAULT_MARGIN`` slower) is
     left out. ``SENTINEL_EAGER`` last, always."""
-    from lycoris_ops.tuner.tune import SENTINEL_EAGER, Plan
-
     times: Dict[str, float] = {}
     for t, c in ranked:
         times.setdefault(_ckey(c), t)
@@ -418,8 +415,6 @@ def add_before_eager(plan, cand) -> None:
     """Put ``cand`` into ``plan`` just before its eager sentinel (at the end without one),
     predicted as the plan's first candidate: a variant the model cannot separate from it,
     decided by timing alone (never the untimed pick)."""
-    from lycoris_ops.tuner.tune import is_eager
-
     at = len(plan.candidates) - 1 if plan.candidates and is_eager(plan.candidates[-1]) else len(plan.candidates)
     plan.candidates.insert(at, cand)
     plan.predicted.insert(at, plan.predicted[0])

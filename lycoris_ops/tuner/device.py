@@ -33,8 +33,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from lycoris_ops.backends import registry as dispatch
-from lycoris_ops.tuner.store import JsonTable
+from lycoris_ops.tuner.store import JsonTable, cache_dir
 
 __all__ = ["DeviceFacts", "facts", "measure", "synthetic", "device_table", "unsafe_to_measure", "clear"]
 
@@ -190,7 +189,7 @@ _table: Dict[str, JsonTable] = {}
 
 def device_table() -> JsonTable:
     """The persisted measurements (``devices.json`` in the cache dir)."""
-    path = os.path.join(dispatch.cache_dir(), "devices.json")
+    path = os.path.join(cache_dir(), "devices.json")
     t = _table.get(path)
     if t is None:
         t = _table[path] = JsonTable(path, DEVICE_TABLE_VERSION, "devices", what="device table")

@@ -37,7 +37,16 @@ try:  # POSIX: serialize concurrent writers (optional; the merge alone keeps mos
 except ImportError:  # pragma: no cover - Windows
     _fcntl = None
 
-__all__ = ["JsonTable", "read_json_table"]
+from lycoris_ops import settings
+
+__all__ = ["JsonTable", "read_json_table", "cache_dir", "ENV_CACHE_DIR"]
+
+ENV_CACHE_DIR = "LYCORIS_KERNEL_CACHE_DIR"
+
+
+def cache_dir() -> str:
+    """The directory of the tuning and device tables (``LYCORIS_KERNEL_CACHE_DIR``, read per use)."""
+    return os.path.expanduser(settings.get(ENV_CACHE_DIR))
 
 _warned: set = set()
 _warn_lock = threading.Lock()

@@ -131,13 +131,13 @@ def test_capture_runs_as_worker_without_grad_and_swallows_errors():
     seen = []
 
     def run(name, fail=False):
-        seen.append((name, tune._in_worker(), torch.is_grad_enabled()))
+        seen.append((name, tune.in_worker(), torch.is_grad_enabled()))
         if fail:
             raise RuntimeError("compile error")
 
     assert precompile.capture([lambda: run("a", True), lambda: run("b")], target=_gpu_target()) == []
     assert seen == [("a", True, False), ("b", True, False)]
-    assert not tune._in_worker() and torch.is_grad_enabled()
+    assert not tune.in_worker() and torch.is_grad_enabled()
 
 
 # ----------------------------------------------------------------------------- children
@@ -219,8 +219,9 @@ def test_precompile_failure_is_not_an_error(monkeypatch, caplog):
 # ----------------------------------------------------------------------------- in the tuner
 
 def test_tuner_precompiles_fused_candidates_before_worker_calls(monkeypatch):
-    """On the parallel path the fused candidates (not eager) are handed to ``precompile``
-    on the calling thread before any worker first call."""
+    """On the parallel path the fused candidates (not eager) are handed to the ``prepare``
+    hook (the Triton tuning passes ``precompile.precompile``) on the calling thread before
+    any worker first call."""
     monkeypatch.setattr(tune, "_parallel_ok", lambda dev_id: True)
     monkeypatch.setenv(tune.ENV_THREADS, "4")
     events = []
@@ -233,10 +234,9 @@ def test_tuner_precompiles_fused_candidates_before_worker_calls(monkeypatch):
             r()
         capturing[0] = False
 
-    monkeypatch.setattr(precompile, "precompile", fake_precompile)
 
     def run(c):
-        events.append(("captured" if capturing[0] else "run", tune._label(c), tune._in_worker()))
+        events.append(("captured" if capturing[0] else "run", tune.label(c), tune.in_worker()))
         return torch.ones(3)
 
     def timer(fn, c):
@@ -244,13 +244,13 @@ def test_tuner_precompiles_fused_candidates_before_worker_calls(monkeypatch):
         return 1e-6 if c == A else 2e-6
 
     got = tune.select_config("add_scaled", "triton", (("T", 1),), [A, B, C, EAGER], run, device="cpu",
-                             version=1, timer=timer)
+                             version=1, timer=timer, prepare=fake_precompile)
     assert got == A
     assert events[0] == ("run", EAGER, False)  # the reference output
     assert events[1] == "precompile"
     assert events[2:5] == [("captured", "block=64,num_warps=4", False), ("captured", "block=128,num_warps=8", False),
                            ("captured", "block=256,num_warps=8", False)]
-    assert sorted(e[1] for e in events[5:8]) == sorted(tune._label(c) for c in (A, B, C))
+    assert sorted(e[1] for e in events[5:8]) == sorted(tune.label(c) for c in (A, B, C))
     assert all(e[0] == "run" and e[2] for e in events[5:8])  # then the worker first calls
     assert events.count("precompile") == 1
 
@@ -273,8 +273,8 @@ _FORK_COMPILE = textwrap.dedent("""
             return GPUTarget("cuda", 90, 32)
 
     driver.set_active(FakeDriver())
-    from lycoris_ops.backends.triton import _common, add as A
-    from lycoris_ops.backends.triton.tuning import precompile as P
+    from lycoris_ops.backends.triton import common as _common, precompile as P
+    from lycoris_ops.backends.triton.kernels import add as A
     _common._current_device = lambda: 0  # FastJIT's key
 
     base, delta = torch.randn(64, 32), torch.randn(64, 32)
@@ -328,7 +328,8 @@ _GPU_COLD_KEY = textwrap.dedent("""
     import json
     import torch, triton
     import lycoris_ops
-    from lycoris_ops.backends.triton.tuning import precompile, tune
+    from lycoris_ops.backends.triton import precompile
+    from lycoris_ops.tuner import tune
     from lycoris_ops.reference import lora as ref
 
     compiles = []  # this process's compiles only (a forked child appends to its own copy)
@@ -346,7 +347,7 @@ _GPU_COLD_KEY = textwrap.dedent("""
     torch.cuda.synchronize()
     print("RESULT " + json.dumps({"tune": tune.stats(), "precompile": precompile.stats(),
                                   "compiles": len(compiles), "misses": compiles.count(False),
-                                  "mismatch": tune._mismatch(got, want)}))
+                                  "mismatch": tune.mismatch(got, want)}))
 """)
 
 

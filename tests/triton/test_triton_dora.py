@@ -117,7 +117,7 @@ _COMPILE = textwrap.dedent("""
     import triton
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from lycoris_ops.backends.triton import dora as D
+    from lycoris_ops.backends.triton.kernels import dora as D
 
     FLOATS = {"mult", "eps"}
     def build(kernel, consts, ptrs):

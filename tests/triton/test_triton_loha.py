@@ -191,13 +191,13 @@ def test_bypass_promotion_ops_and_large_rank():
     base = mk((9, O), torch.float32, g)
     cd = torch.float16
     ops64 = [d64(t, cd) for t in (x, a1, b1, a2, b2)]
-    y = TH.loha_bypass_fwd(x, a1, b1, a2, b2, GAMMA / 16, base)
+    y = TH.bypass_fwd(x, a1, b1, a2, b2, GAMMA / 16, base)
     assert y.dtype == torch.float32
     close(y, o_bypass(*ops64, GAMMA / 16, base.double().cpu()), REL_TOL[cd], "fwd rank 130")
     a1, b1, a2, b2 = factors(torch.float32, g)
     ops64 = [d64(t, cd) for t in (x, a1, b1, a2, b2)]
     grad = mk((9, O), torch.float32, g)
-    got = TH.loha_bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA)
+    got = TH.bypass_bwd(grad, x, a1, b1, a2, b2, GAMMA)
     assert [t.dtype for t in got] == [torch.float16] + [torch.float32] * 4
     ps = [t.clone().requires_grad_() for t in ops64]
     o_bypass(*ps, GAMMA).backward(d64(grad, cd))
@@ -251,7 +251,7 @@ def test_merge_bwd_op_mixed_dtypes():
     b2 = b2.to(torch.bfloat16)
     grad = mk((O, I), torch.float32, g)
     cd = torch.bfloat16
-    got = TH.loha_merge_bwd(grad, a1, b1, a2, b2, GAMMA)
+    got = TH.merge_bwd(grad, a1, b1, a2, b2, GAMMA)
     assert [t.dtype for t in got] == [torch.float32] * 3 + [torch.bfloat16]
     ps = [d64(t, cd).requires_grad_() for t in (a1, b1, a2, b2)]
     (GAMMA * o_delta(*ps)).backward(d64(grad, cd))

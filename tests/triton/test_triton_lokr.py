@@ -232,10 +232,11 @@ def test_bypass(dtype, case):
 @pytest.mark.parametrize("n_sm", [132, 7])
 def test_bypass_bwd_programs_and_the_planners_model(n_sm, monkeypatch):
     """The bypass backward's persistent programs: two per SM at 4 warps (the 16-bit
-    default), one at 8 (fp32's), never more than the token tiles; plans/lokr scores the
-    grid the launcher takes, for the automatic count and an explicit one."""
+    default), one at 8 (fp32's), never more than the token tiles; the LoKr work model scores
+    the grid the launcher takes, for the automatic count and an explicit one."""
+    from lycoris_ops.backends.triton.kernels import fusedkit
     from lycoris_ops.tuner import device as PD
-    from lycoris_ops.backends.triton.tuning import lokr as PL
+    from lycoris_ops.tuner.models import lokr as models
 
     monkeypatch.setattr(TK, "num_sms", lambda device: n_sm)
     TK._bypass_bwd_plan.cache_clear()  # cached per call signature: another n_sm's grids
@@ -244,7 +245,8 @@ def test_bypass_bwd_programs_and_the_planners_model(n_sm, monkeypatch):
     for compute, warps in ((torch.bfloat16, 4), (torch.float32, 8)):
         assert TK.default_bypass_bwd_cfg(32768, a, b, c, d, compute).num_warps == warps
         for T in (32768, 3 * n_sm + 1, 5, 1):
-            work, _ = PL._bwd_model(dev, T, a, b, c, d, compute, compute, compute)
+            work, _ = models.bwd_model(dev, T, a, b, c, d, compute, compute, compute, grid=TK.bwd_grid,
+                                        reduce_block=fusedkit.reduce_block)
             for nw in (4, 8):
                 for programs in (0, n_sm):
                     cfg = TK.BypassBwdCfg(block_t=1, passes=1, num_warps=nw, programs=programs)
@@ -257,7 +259,7 @@ def test_bypass_bwd_programs_and_the_planners_model(n_sm, monkeypatch):
     # a tiny problem (T·(a·c + b·d) <= ONE_PROGRAM_ELEMS): one program by default (its
     # gradients stored directly: one launch, no partials); an explicit count is kept
     bf = torch.bfloat16
-    work, _ = PL._bwd_model(dev, 16, 4, 4, 4, 4, bf, bf, bf)
+    work, _ = models.bwd_model(dev, 16, 4, 4, 4, 4, bf, bf, bf, grid=TK.bwd_grid, reduce_block=fusedkit.reduce_block)
     assert 16 * 32 <= TK.ONE_PROGRAM_ELEMS
     for programs, want in ((0, 1), (3, 3)):
         cfg = TK.BypassBwdCfg(block_t=1, passes=1, num_warps=4, programs=programs)
@@ -277,11 +279,11 @@ def test_bypass_promotion_and_ops():
     w2 = mk((c, d), torch.float32, g, nc=True)
     base = mk((T, a * c), torch.float32, g)
     cd = torch.bfloat16
-    y = TK.lokr_bypass_fwd(x, w1, w2, GAMMA, base)
+    y = TK.bypass_fwd(x, w1, w2, GAMMA, base)
     assert y.dtype == torch.float32
     close(y, o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, base.double().cpu()), REL_TOL[cd], "fwd")
     grad = mk((T, a * c), torch.float32, g)
-    gx, g1, g2 = TK.lokr_bypass_bwd(grad, x, w1, w2, GAMMA)
+    gx, g1, g2 = TK.bypass_bwd(grad, x, w1, w2, GAMMA)
     assert (gx.dtype, g1.dtype, g2.dtype) == (torch.bfloat16, torch.float32, torch.float32)
     ps = [d64(t, cd).requires_grad_() for t in (x, w1, w2)]
     o_bypass(*ps, GAMMA).backward(d64(grad, cd))

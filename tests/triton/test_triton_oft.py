@@ -382,7 +382,7 @@ _COMPILE = textwrap.dedent("""
     import triton
     from triton.compiler import ASTSource
     from triton.backends.compiler import GPUTarget
-    from lycoris_ops.backends.triton import boft as B, oft as O
+    from lycoris_ops.backends.triton.kernels import boft as B, oft as O
 
     FLOATS = {"cscale", "scale", "shift"}
     def build(kernel, consts, ptrs={}, num_warps=4):
@@ -495,11 +495,11 @@ def test_oft_prefetch_args():
 @pytest.mark.parametrize("n_sm", [1, 7, 132])
 def test_auto_split_is_one_wave_and_the_planners_model_it(n_sm):
     """The automatic position split keeps a group's programs within one wave of resident
-    programs (at least one per group), and plans/oft and plans/boft score the split the
-    launchers will take (a model with its own rule would rank configs by a launch that
-    never runs)."""
-    from lycoris_ops.backends.triton.tuning import boft as PB
-    from lycoris_ops.backends.triton.tuning import oft as PO
+    programs (at least one per group), and the OFT and BOFT work models, given the
+    launchers' split rules, score the launch the launchers will take (a model with its own
+    geometry would rank configs by a launch that never runs)."""
+    from lycoris_ops.tuner.models import boft as MB
+    from lycoris_ops.tuner.models import oft as MO
 
     for n_groups in (1, 5, 64, 128, 1000):
         for split in (TO.auto_split(n_groups, n_sm, False), TO.auto_split(n_groups, n_sm, True),
@@ -509,7 +509,8 @@ def test_auto_split_is_one_wave_and_the_planners_model_it(n_sm):
         for bwd, cfg in ((False, OftCfg()), (True, OftCfg()), (False, TO.FWD_CFG), (True, OftCfg(neumann=True))):
             _, _, n_groups, n_tiles, split, _ = TO._plan(K, S, npos, c_contig, n_sm, bwd, cfg)
             bp = cfg.bwd_block_p if bwd else cfg.block_p
-            assert PO._group(K, S, c_contig, cfg.group, n_sm, bp, npos, bwd, cfg.neumann)[3:] == \
+            assert MO.group(K, S, c_contig, cfg.group, n_sm, bp, npos, bwd, cfg.neumann,
+                            auto_split=TO.auto_split)[3:] == \
                 (n_groups, n_tiles, split)
             if cfg.neumann and n_sm == 132 and (K, npos) == (128, 32768):
                 assert split == 2  # one wave of two programs per SM (the registers of its dots)
@@ -517,6 +518,6 @@ def test_auto_split_is_one_wave_and_the_planners_model_it(n_sm):
         for bwd in (False, True):
             cfg = BoftCfg(max_group=max_group)
             bp = cfg.bwd_block_p if bwd else cfg.block_p
-            model, _ = PB.segments(m, nb, s, npos, n_sm, max_group, bp)
+            model, _ = MB.segments(m, nb, s, npos, n_sm, max_group, bp, auto_split=TB.auto_split)
             launch = TB._plan(m, nb, s, npos, n_sm, bwd, cfg)[4]
             assert [(g, sp) for _, _, g, sp in model] == [(sg.n_groups, sg.split) for sg in launch]

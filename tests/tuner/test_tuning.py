@@ -1,7 +1,7 @@
-"""The tuner (lycoris_ops/backends/triton/tuning): bucketing, keys, the table (merge under concurrent
+"""The tuner (lycoris_ops/tuner): bucketing, keys, the table (merge under concurrent
 writers, corrupt / foreign-version files), TUNE=off, the capture / compile guards,
 the eager sentinel, reuse by a later process, the device table, the cost model and
-the family planners, the CLI. CPU only: timing goes through a fake timer."""
+the family planners, the warm-up and its CLI. CPU only: timing goes through a fake timer."""
 from __future__ import annotations
 
 import json
@@ -17,10 +17,10 @@ import torch
 
 import lycoris_ops  # noqa: F401  (registers the ops)
 from lycoris_ops.backends import registry as dispatch
-from lycoris_ops.tuner import cost, device
-from lycoris_ops.backends.triton import precompile
-from lycoris_ops.tuner import tune
+from lycoris_ops.testing.samples import SAMPLES, Layer, parse_layer
+from lycoris_ops.tuner import cost, device, timing, tune
 from lycoris_ops.tuner.store import JsonTable
+from lycoris_ops.warmup import main as warmup_main, warmup
 
 EAGER = tune.SENTINEL_EAGER
 A = {"block": 64, "num_warps": 4}
@@ -44,8 +44,8 @@ class FakeTimer:
 
     def __call__(self, fn, cand):
         fn()
-        self.calls.append(tune._label(cand))
-        return self.times[tune._label(cand)]
+        self.calls.append(tune.label(cand))
+        return self.times[tune.label(cand)]
 
 
 def _run(cand):
@@ -158,15 +158,15 @@ def test_resolve_and_front():
 
 
 def test_mismatch_chunked(monkeypatch):
-    monkeypatch.setattr(tune, "CHECK_CHUNK", 7)
+    monkeypatch.setattr(timing, "CHECK_CHUNK", 7)
     b = torch.linspace(-1, 1, 50)
-    assert tune._mismatch(b.clone(), b) is None
-    assert "relative error" in tune._mismatch(b * 1.01, b)
+    assert tune.mismatch(b.clone(), b) is None
+    assert "relative error" in tune.mismatch(b * 1.01, b)
     bad = b.clone()
     bad[33] = float("nan")
-    assert "not finite" in tune._mismatch(bad, b)
-    assert tune._mismatch((b, b[:3]), (b, b[:3])) is None
-    assert "outputs" in tune._mismatch((b,), (b, b))
+    assert "not finite" in tune.mismatch(bad, b)
+    assert tune.mismatch((b, b[:3]), (b, b[:3])) is None
+    assert "outputs" in tune.mismatch((b,), (b, b))
 
 
 def test_failing_and_disagreeing_candidates_are_skipped(tmp_path):
@@ -224,12 +224,10 @@ def test_budget_skips_lower_ranked_candidates(tmp_path):
 
 @pytest.fixture
 def parallel_warm(monkeypatch):
-    """The worker-thread first calls (CUDA-only in production) turned on for CPU runs,
-    without the forked precompile before them (its capture would run the candidates once
-    more on the calling thread; ``test_precompile.py`` covers it)."""
+    """The worker-thread first calls (CUDA-only in production) turned on for CPU runs (no
+    ``prepare`` hook: ``test_precompile.py`` covers the Triton backend's)."""
     monkeypatch.setattr(tune, "_parallel_ok", lambda dev_id: True)
     monkeypatch.setenv(tune.ENV_THREADS, "4")
-    monkeypatch.setenv(precompile.ENV_PROCS, "0")
 
 
 def test_parallel_first_calls_overlap_and_check(tmp_path, parallel_warm):
@@ -244,13 +242,13 @@ def test_parallel_first_calls_overlap_and_check(tmp_path, parallel_warm):
     def run(c):
         if tune.is_eager(c):
             return torch.ones(8)
-        name = tune._label(c)
+        name = tune.label(c)
         if name not in first:
             first[name] = threading.current_thread().name
-            assert tune._in_worker()
+            assert tune.in_worker()
             barrier.wait()  # deadlocks (times out) unless the three first calls overlap
         else:
-            assert not tune._in_worker()
+            assert not tune.in_worker()
             calls.append(name)
         if c["block"] == 64:
             raise RuntimeError("out of resources")
@@ -295,7 +293,7 @@ def test_parallel_off_by_env(tmp_path, parallel_warm, monkeypatch):
     seen = []
 
     def run(c):
-        seen.append(tune._in_worker())
+        seen.append(tune.in_worker())
         return torch.ones(3)
 
     _select(timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6}), run=run)
@@ -675,11 +673,11 @@ def test_cuda_timer_holds_the_gpu_and_flushes_l2(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: log.append(("sleep", cycles)))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(tune, "_clocked", {0})
-    monkeypatch.setattr(tune, "_flush", {0: object()})
-    monkeypatch.setattr(tune, "_evict_l2", lambda buf: log.append("flush"))
+    monkeypatch.setattr(timing, "_clocked", {0})
+    monkeypatch.setattr(timing, "_flush", {0: object()})
+    monkeypatch.setattr(timing, "_evict_l2", lambda buf: log.append("flush"))
     t = tune.cuda_timer(lambda: log.append("fn"))
-    reps = int(tune.ROUND_S / 2.5e-4)
+    reps = int(timing.ROUND_S / 2.5e-4)
     assert reps == 4
     assert log[0] == "fn" and log[1][0] == "sleep" and log[2:6] == ["flush", "record", "fn", "record"]
     assert log[6][0] == "sleep" and log[7:] == ["flush", "record", "fn", "record"] * reps
@@ -690,9 +688,9 @@ def test_cuda_timer_holds_the_gpu_and_flushes_l2(monkeypatch):
 def test_flush_buffer_dropped_after_timing(monkeypatch):
     """The L2 flush buffer is scratch of the timing only: gone once the key is tuned, so a
     model's peak memory after tuning does not carry it."""
-    monkeypatch.setattr(tune, "_flush", {0: torch.empty(16)})
+    monkeypatch.setattr(timing, "_flush", {0: torch.empty(16)})
     assert _select(timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6})) == A
-    assert tune._flush == {}
+    assert timing._flush == {}
 
 
 def test_shared_plan_structure_budget_and_default():
@@ -830,8 +828,8 @@ def test_loha_bypass_bwd_shortlist_holds_the_default_launch(T, O, I, R):
     that made them slower than the default, and the tuner chose eager over a default that beat it."""
     from lycoris_ops.backends.triton.tuning import loha as m
 
-    TL, bf = m._tl(), torch.bfloat16
-    default = m._bypass_bwd_default(TL, T, O, R, bf)
+    TL, bf = m.kernels, torch.bfloat16
+    default = m._bypass_bwd_default(T, O, R, bf)
     plan = m.plan_bypass_bwd(device.synthetic(), T, I, O, R, bf, bf, bf, default=default)
     mine = [c for c in plan.candidates if not tune.is_eager(c) and c["cfg"] == default["cfg"] and not c.get("vendor")]
     assert mine == [default], plan.candidates  # the whole default launch: gx, GW and merge-backward tiles
@@ -843,21 +841,19 @@ def test_loha_bypass_bwd_shortlist_holds_the_default_launch(T, O, I, R):
     assert got == want
 
 
-@pytest.mark.parametrize("layer", [tune.Layer(64, 32, 4), tune.Layer(96, 48, 8)])
+@pytest.mark.parametrize("layer", [Layer(64, 32, 4), Layer(96, 48, 8)])
 def test_warmup_samples_are_valid_calls(layer):
-    import importlib
-
     from lycoris_ops._library import register as registry
     from lycoris_ops.backends import select
+    from lycoris_ops.backends.triton.tuning import MODULE_OF
 
     gen = torch.Generator().manual_seed(0)
     seen = set()
-    for fam in ("lora", "tucker", "loha", "lokr", "dora", "oft", "boft", "ia3", "add"):
-        m = importlib.import_module(f"lycoris_ops.backends.triton.tuning.{fam}")
-        for op, args in m.samples(layer, 16, torch.float32, torch.device("cpu"), gen):
+    for samples in SAMPLES.values():
+        for op, args in samples(layer, 16, torch.float32, torch.device("cpu"), gen):
             full = select._full_args(op, args)
             getattr(registry.FAMILY[op], f"check_{op}")(*full)  # raises on a bad sample
-            assert op in m.KWARGS
+            assert op in MODULE_OF  # a Triton tuning for it (warmup --direct)
             seen.add(op)
     assert len(seen) >= 20
 
@@ -867,43 +863,43 @@ def test_warmup_samples_are_valid_calls(layer):
 def test_cli_without_gpu_is_a_noop(capsys, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    assert tune.main(["--shapes", "64x64:r4", "--tokens", "16"]) == 0
+    assert warmup_main(["--shapes", "64x64:r4", "--tokens", "16"]) == 0
     assert "no CUDA device" in capsys.readouterr().out
-    assert tune.main(["--show"]) == 0
+    assert warmup_main(["--show"]) == 0
     assert "0 rows" in capsys.readouterr().out
-    assert tune.warmup(["64x64"])["skipped"] == "no CUDA device"
+    assert warmup(["64x64"])["skipped"] == "no CUDA device"
 
 
 def test_cli_module_entry(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     env = dict(os.environ, **{dispatch.ENV_CACHE_DIR: str(tmp_path / "c")})
-    r = subprocess.run([sys.executable, "-m", "lycoris_ops.tuner.tune", "--shapes", "64x64"], env=env,
+    r = subprocess.run([sys.executable, "-m", "lycoris_ops.warmup", "--shapes", "64x64"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "nothing to tune" in r.stdout
 
 
 def test_parse_layer():
-    assert tune.parse_layer("4096x11008") == tune.Layer(4096, 11008, 16)
-    assert tune.parse_layer("64x32:r8") == tune.Layer(64, 32, 8)
-    assert tune.parse_layer("64x32x4") == tune.Layer(64, 32, 4)
+    assert parse_layer("4096x11008") == Layer(4096, 11008, 16)
+    assert parse_layer("64x32:r8") == Layer(64, 32, 8)
+    assert parse_layer("64x32x4") == Layer(64, 32, 4)
     with pytest.raises(ValueError, match="layer shape"):
-        tune.parse_layer("64")
+        parse_layer("64")
 
 
 def test_warmup_exported():
-    assert lycoris_ops.warmup is tune.warmup
+    assert lycoris_ops.warmup is warmup
 
 
 def test_parallel_threads_bounded_by_output_size(tmp_path, parallel_warm, monkeypatch):
     """Concurrent first calls hold one output set each: past the scratch budget the
     key falls back to one-after-the-other first calls."""
-    monkeypatch.setattr(tune, "PARALLEL_SCRATCH_BYTES", 3 * 4)  # room for one 3-float output
+    monkeypatch.setattr(timing, "PARALLEL_SCRATCH_BYTES", 3 * 4)  # room for one 3-float output
     seen = []
 
     def run(c):
-        seen.append(tune._in_worker())
+        seen.append(tune.in_worker())
         return torch.ones(3)
 
     _select(timer=FakeTimer({"block=64,num_warps=4": 1e-6, "block=128,num_warps=8": 2e-6, EAGER: 3e-6}), run=run)

@@ -18,11 +18,14 @@ triton = pytest.importorskip("triton")
 # bench/gpu_tuning.py tunes the real shapes and checks them against eager instead
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors)")
 
+from lycoris_ops._library import register as registry
 from lycoris_ops.backends import registry as dispatch, scope, select
 from lycoris_ops import testing  # noqa: E402
-from lycoris_ops.backends.triton import tuning as plans  # noqa: E402
+from lycoris_ops.backends.triton import ops as triton_ops  # noqa: E402
 from lycoris_ops.tuner import device, tune  # noqa: E402
-from lycoris_ops.backends.triton.tuning.glue import as_dict  # noqa: E402
+from lycoris_ops.testing.samples import Layer  # noqa: E402
+from lycoris_ops.tuner.keys import as_dict  # noqa: E402
+from lycoris_ops.warmup import _warm_all  # noqa: E402
 
 if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
@@ -37,7 +40,7 @@ def _fresh(tmp_path, monkeypatch):
     tune.clear()
     tune.set_tuning(None)
     tune.set_budget(0)  # every candidate (interpreted warm-ups are slow)
-    prev = tune.set_timer(lambda fn, c: (len(tune._label(c)) % 7 + 1) * 1e-6)  # no call: warm-up ran it
+    prev = tune.set_timer(lambda fn, c: (len(tune.label(c)) % 7 + 1) * 1e-6)  # no call: warm-up ran it
     yield
     tune.set_timer(prev)
     tune.clear()
@@ -63,12 +66,13 @@ def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
         assert tune.is_eager(got) or (isinstance(got, dict) and set(got) <= {"cfg", "grad_cfg", "gw_cfg", "vendor", "merge_vendor"}), got
         # the exact-argument front cache answers the next call
         assert pm.KWARGS[case.op](*args) is got
-        # plans.tuned: the op-set entry point (picked config or eager), equal to eager
-        out = plans.tuned(case.op, *args)
-        ref = getattr(importlib.import_module(f"lycoris_ops.reference.{plans._REFERENCE_OF[case.op]}"),
-                      case.op)(*args)
-        assert tune._mismatch(out, ref) is None
-    assert done == set(pm.KWARGS), f"no in-scope case for {set(pm.KWARGS) - done}"
+        # the op-set function (picked config or eager) and the launcher with the picked kwargs
+        # (where a fused config won), both equal to eager
+        ref = getattr(registry.FAMILY[case.op], case.op)(*args)
+        assert tune.mismatch(getattr(triton_ops, case.op)(*args), ref) is None
+        if not tune.is_eager(got):
+            assert tune.mismatch(pm.LAUNCHERS[case.op](*args, **got), ref) is None
+    assert done == set(pm.KWARGS) == set(pm.LAUNCHERS), f"no in-scope case for {set(pm.KWARGS) - done}"
     rows = tune.table().rows
     assert len(rows) == len(done)
     for key, row in rows.items():
@@ -116,8 +120,8 @@ def test_warmup_direct_path(monkeypatch):
         monkeypatch.setattr(pm, "facts", lambda d: device.synthetic())
     summary = {"calls": 0, "errors": []}
     gen = torch.Generator().manual_seed(0)
-    tune._warm_all([tune.Layer(48, 32, 4)], [8], torch.float32, torch.device("cpu"), gen,
-                   ["add_scaled", "ia3_fwd"], True, summary, True)
+    _warm_all([Layer(48, 32, 4)], [8], torch.float32, torch.device("cpu"), gen, ["add_scaled", "ia3_fwd"], True,
+              summary, True)
     assert summary == {"calls": 2, "errors": []}
     assert tune.stats()["tuned"] == 2 and len(tune.table().rows) == 2
 
@@ -173,12 +177,11 @@ def test_loha_bypass_bwd_vendor_candidate_at_large_16bit_shapes():
     """The vendor-GEMM twin (cuBLAS for the two T·O·I GEMMs) is offered where both are long
     (16-bit compute, T·O·I >= VENDOR_MIN_MACS), before eager and never first."""
     from lycoris_ops.backends.triton.tuning import loha as P
-    from lycoris_ops.backends.triton.kernels import loha as TL
 
     dev = device.synthetic()
     for T, D, R, dt, want in ((32768, 4096, 64, torch.bfloat16, 1), (8192, 3072, 32, torch.float16, 1),
                               (64, 256, 8, torch.bfloat16, 0), (8192, 3072, 32, torch.float32, 0)):
-        d = P._bypass_bwd_default(TL, T, D, R, dt)
+        d = P._bypass_bwd_default(T, D, R, dt)
         plan = P.plan_bypass_bwd(dev, T, D, D, R, dt, dt, dt, default=d)
         vendor = [c for c in plan.candidates if isinstance(c, dict) and c.get("vendor") and not c.get("merge_vendor")]
         assert len(vendor) == want and plan.candidates[-1] == tune.SENTINEL_EAGER
@@ -199,7 +202,7 @@ def test_loha_bypass_vendor_candidates_at_large_16bit_shapes():
     for T, D, R, dt, want, want_merge in ((32768, 4096, 64, torch.bfloat16, 1, 1), (8192, 3072, 32, torch.float16, 1, 1),
                                           (8192, 1024, 8, torch.bfloat16, 1, 0), (64, 256, 8, torch.bfloat16, 0, 0),
                                           (8192, 3072, 32, torch.float32, 0, 0)):
-        plan = P.plan_bypass_fwd(dev, T, D, D, R, dt, dt, dt, True, default=P._apply_default(TL, T, R, dt))
+        plan = P.plan_bypass_fwd(dev, T, D, D, R, dt, dt, dt, True, default=P._apply_default(T, R, dt))
         vendor = [c for c in plan.candidates if isinstance(c, dict) and c.get("vendor")]
         assert len(vendor) == want and plan.candidates[-1] == tune.SENTINEL_EAGER
         assert not plan.candidates[0].get("vendor") and len(plan.predicted) == len(plan.candidates)
@@ -208,7 +211,7 @@ def test_loha_bypass_vendor_candidates_at_large_16bit_shapes():
             kw = P._vendor_launch(TL.ApplyCfg, vendor[0])
             assert kw["vendor"] is True and kw["cfg"].strategy == "materialize"
             assert "vendor" not in P._vendor_launch(TL.ApplyCfg, plan.candidates[0])
-        d = P._bypass_bwd_default(TL, T, D, R, dt)
+        d = P._bypass_bwd_default(T, D, R, dt)
         bwd = P.plan_bypass_bwd(dev, T, D, D, R, dt, dt, dt, default=d)
         merge = [c for c in bwd.candidates if isinstance(c, dict) and c.get("merge_vendor")]
         assert len(merge) == want_merge and all(c["vendor"] for c in merge)
@@ -243,7 +246,6 @@ def test_oft_forward_shortlist_times_the_neumann_rebuild(x_dtype):
     plan starts elsewhere), and Gauss-Jordan configs beside it; the backward offers none
     (measured slower there: its registers halve the resident stream programs)."""
     from lycoris_ops.backends.triton.tuning import oft as P
-    from lycoris_ops.backends.triton.tuning.glue import as_dict
     from lycoris_ops.backends.triton.kernels.oft import FWD_CFG
 
     dev = device.synthetic()
@@ -266,7 +268,6 @@ def test_lokr_bypass_shortlists_offer_rounded_intermediates_at_16_bits():
 
     dev = device.synthetic()
     bf, f32 = torch.bfloat16, torch.float32
-    from lycoris_ops.backends.triton.tuning.glue import as_dict
     from lycoris_ops.backends.triton.kernels import lokr as TK
 
     for plan_of in (lambda cd: P.plan_bypass_fwd(dev, 32768, 64, 64, 64, 64, cd, cd, cd, True,

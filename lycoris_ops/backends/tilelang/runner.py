@@ -484,7 +484,7 @@ def _defers(op: str, args: Sequence[Any], parts, device, version) -> bool:
     """Whether this cold call defers its shortlist (``DEFER``): the key is neither memoized nor
     stored, it would be timed (tuning on, not compiling or capturing, not on a tuner worker)
     and children may be forked."""
-    return DEFER and tune.tuning_enabled() and not tune.unsafe_to_time() and not tune._in_worker() \
+    return DEFER and tune.tuning_enabled() and not tune.unsafe_to_time() and not tune.in_worker() \
         and precompile.usable_procs() >= 2 and not tune.stored(op, BACKEND, parts, device=device, version=version)
 
 
@@ -570,7 +570,8 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
         choice = tune.select_config(
             op, BACKEND, parts, cands,
             lambda c: eager(*args) if tune.is_eager(c) else _call(kernel, args, c),
-            device=device, version=version, reference=lambda: eager(*args), front=(_front, fk))
+            device=device, version=version, reference=lambda: eager(*args), front=(_front, fk),
+            prepare=precompile.precompile)
         if not shortlist and not tune.is_eager(choice):  # a stored or memoized choice: its kernels only
             precompile_call(kernel, args, [choice])
     if tune.is_eager(choice):

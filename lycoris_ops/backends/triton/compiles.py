@@ -32,6 +32,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from lycoris_ops.backends.triton.tuning import MODULE_OF
+from lycoris_ops.testing.samples import SAMPLES, parse_layer
 from lycoris_ops.tuner import tune
 from lycoris_ops.tuner.device import DeviceFacts, synthetic
 
@@ -182,24 +184,19 @@ def _planning(pm, dev: DeviceFacts, captured: list):
             setattr(obj, name, value)
 
 
-def _family_of(op: str):
-    for fam in tune._families():
-        if op in getattr(fam, "KWARGS", {}):
-            return fam
-    raise ValueError(f"lycoris_ops.backends.triton.compiles: no family planner has op {op!r}")
-
-
 def count(op: str, layer="4096x4096:r64", tokens: int = 32768, dtype=torch.bfloat16,
           dev: Optional[DeviceFacts] = None) -> Report:
     """The distinct Triton compilations of ``op``'s cold-key shortlist at ``layer``
-    (``tune.Layer`` or ``"OxI[:rR]"``) and ``tokens``, planned for ``dev`` (default a
+    (``Layer`` or ``"OxI[:rR]"``) and ``tokens``, planned for ``dev`` (default a
     synthetic H200)."""
     dev = dev or synthetic()
-    layer = tune.parse_layer(layer) if isinstance(layer, str) else layer
-    pm = _family_of(op)
+    layer = parse_layer(layer) if isinstance(layer, str) else layer
+    pm = MODULE_OF.get(op)
+    if pm is None:
+        raise ValueError(f"lycoris_ops.backends.triton.compiles: no Triton tuning has op {op!r}")
     with torch.no_grad():
-        args = next((a for o, a in pm.samples(layer, int(tokens), dtype, torch.device("meta"), None) if o == op),
-                    None)
+        args = next((a for samples in SAMPLES.values()
+                     for o, a in samples(layer, int(tokens), dtype, torch.device("meta"), None) if o == op), None)
     if args is None:
         raise ValueError(f"lycoris_ops.backends.triton.compiles: {op} has no sample at {layer}")
     from lycoris_ops.backends import select
@@ -214,11 +211,11 @@ def count(op: str, layer="4096x4096:r64", tokens: int = 32768, dtype=torch.bfloa
             if not captured:
                 raise RuntimeError(f"lycoris_ops.backends.triton.compiles: {op}'s glue did not reach tune.pick")
             _, plan, run_fused, kw = captured[0]
-            cands = tune._candidates(plan)
+            cands = list(plan() if callable(plan) else plan)
             resolve = kw.get("resolve") or (lambda c: c)
             seen: Dict[Launch, None] = {}
             for c in cands:
-                label = tune._label(c)
+                label = tune.label(c)
                 report.candidates.append(label)
                 if tune.is_eager(c):
                     continue

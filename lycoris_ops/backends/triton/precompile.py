@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 
 from lycoris_ops import settings
+from lycoris_ops.tuner import tune
 
 __all__ = ["ENV_PROCS", "Kernel", "Report", "tune_procs", "capturing", "capture", "compile_forked", "precompile",
            "stats"]
@@ -189,19 +190,12 @@ def capture(runs: Sequence[Callable[[], Any]], target=None) -> List[Kernel]:
     without autograd and as a tuner worker (a nested selection takes the planner's first
     pick, neither timed nor stored). A run that raises is skipped (its real first call
     reports it)."""
-    from lycoris_ops.tuner import tune
-
-    was_worker = getattr(tune._worker, "active", False)
-    tune._worker.active = True
-    try:
-        with torch.no_grad(), capturing(target) as kernels:
-            for run in runs:
-                try:
-                    run()
-                except Exception:
-                    pass
-    finally:
-        tune._worker.active = was_worker
+    with tune.worker(), torch.no_grad(), capturing(target) as kernels:
+        for run in runs:
+            try:
+                run()
+            except Exception:
+                pass
     return kernels
 
 
@@ -369,4 +363,6 @@ def precompile(runs: Sequence[Callable[[], Any]], procs: Optional[int] = None) -
     _totals["keys"] += 1
     for k in ("captured", "compiled", "children", "failures", "seconds"):
         _totals[k] += getattr(report, k)
+    log.debug("lycoris_ops tune: precompiled %d of %d kernels in %d processes (%d failed), %.2f s",
+              report.compiled, report.captured, report.children, report.failures, report.seconds)
     return report

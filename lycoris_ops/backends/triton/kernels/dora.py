@@ -256,7 +256,7 @@ def default_dora_cfg() -> DoraCfg:
     return DoraCfg()
 
 
-_MAX_SPLIT = 64
+MAX_SPLIT = 64
 
 
 @functools.lru_cache(maxsize=4096)
@@ -277,7 +277,7 @@ def _plan(R, NC, r_contig, bwd, n_sm, cfg: DoraCfg):
         br, bc = (cfg.br or 4), (cfg.bc or 512)
     n_chunks = max(1, cdiv(NC, bc))
     n_rt = cdiv(R, br)
-    split = cfg.split or max(1, min(_MAX_SPLIT, n_chunks, cdiv(2 * n_sm, n_rt)))
+    split = cfg.split or max(1, min(MAX_SPLIT, n_chunks, cdiv(2 * n_sm, n_rt)))
     cps = cdiv(n_chunks, split)
     split = cdiv(n_chunks, cps)
     return ("str", br, bc, split, cps)

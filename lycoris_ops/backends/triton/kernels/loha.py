@@ -53,12 +53,11 @@ import torch
 import triton
 import triton.language as tl
 
-from lycoris_ops.backends.triton.common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
+from lycoris_ops.backends.triton.common import cdiv, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
 from lycoris_ops.backends.triton.kernels.fusedkit import compute_dtype, reduce_launch, split_count, tile_2d, view_key
 
 __all__ = [
-    "ApplyCfg", "GradCfg", "MAX_HADA_RANK", "supported",
-    "loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd",
+    "ApplyCfg", "GradCfg", "MAX_HADA_RANK", "supported", "bypass_fwd", "bypass_bwd", "merge_bwd",
 ]
 
 #: the regenerating kernels hold the whole padded rank in registers
@@ -658,22 +657,3 @@ def bypass_bwd(grad, x, a1, b1, a2, b2, gamma, cfg: Optional[ApplyCfg] = None,
             grad, x, x, x, x, gw, gw, O, I, T, R, 1.0, grad.stride(1), grad.stride(0),
             x.stride(1), x.stride(0), 0, 0, 0, 0, 0, 0, 0, 0, gw.stride(0), gw.stride(1), **meta_w)
     return (gx,) + merge_bwd(gw, a1, b1, a2, b2, gamma, compute, grad_cfg, vendor=merge_vendor)
-
-
-# =============================================================================== op set (schema signatures)
-# Called by the CUDA dispatcher with validated, in-scope arguments (``scope.SCOPE``).
-
-
-def loha_merge_bwd(grad, a1, b1, a2, b2, gamma):
-    with device_guard(grad):
-        return merge_bwd(grad, a1, b1, a2, b2, gamma)
-
-
-def loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base=None):
-    with device_guard(x):
-        return bypass_fwd(x, a1, b1, a2, b2, gamma, base)
-
-
-def loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
-    with device_guard(x):
-        return bypass_bwd(grad, x, a1, b1, a2, b2, gamma)

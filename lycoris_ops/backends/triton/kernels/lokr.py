@@ -62,13 +62,12 @@ import torch
 import triton
 import triton.language as tl
 
-from lycoris_ops.backends.triton.common import (cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype)
+from lycoris_ops.backends.triton.common import (cdiv, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype)
 from lycoris_ops.backends.triton.kernels.fusedkit import (_chain_plane, chain_launch, chain_pair_launch, compute_dtype, dot_wide, reduce_launch, reduce_pair_launch, split_count, tile_2d, view_key)
 
 __all__ = [
     "MergeCfg", "BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass",
-    "lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd", "lokr_merge_bwd",
-    "lokr_bypass_fwd", "lokr_bypass_bwd", "merge_fwd", "merge_bwd", "bypass_fwd", "bypass_bwd",
+    "lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd", "lokr_merge_bwd", "merge_fwd", "merge_bwd", "bypass_fwd", "bypass_bwd",
 ]
 
 #: the bypass kernels hold whole (padded) factor dims in registers
@@ -806,43 +805,28 @@ def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None):
     return gx, g1, g2
 
 
-# =============================================================================== op set (schema signatures)
-# Called by the CUDA dispatcher with validated, in-scope arguments (``scope.SCOPE``).
+# =============================================================================== the merges in schema arguments
+# The launchers of the four merge ops: their schema arguments, then the launch config.
 
 
-def lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None):
+def lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype=None, cfg: Optional[MergeCfg] = None):
     a, b = w1.shape
     c, d = w2.shape
-    with device_guard(w2):
-        return merge_fwd(w1, None, w2, None, a, b, c, d, base, gamma, w2.dtype if out_dtype is None else out_dtype)
+    return merge_fwd(w1, None, w2, None, a, b, c, d, base, gamma, w2.dtype if out_dtype is None else out_dtype, cfg)
 
 
-def lokr_full_merge_bwd(grad, w1, w2, gamma):
+def lokr_full_merge_bwd(grad, w1, w2, gamma, cfg: Optional[MergeCfg] = None):
     a, b = w1.shape
     c, d = w2.shape
-    with device_guard(grad):
-        g1, _, g2, _ = merge_bwd(grad, w1, None, w2, None, a, b, c, d, gamma)
+    g1, _, g2, _ = merge_bwd(grad, w1, None, w2, None, a, b, c, d, gamma, cfg)
     return g1, g2
 
 
-def lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
+def lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, cfg: Optional[MergeCfg] = None):
     a, b, c, d = (int(s) for s in shape)
-    with device_guard(w2a):
-        return merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma,
-                         w2a.dtype if out_dtype is None else out_dtype)
+    return merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, w2a.dtype if out_dtype is None else out_dtype, cfg)
 
 
-def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
+def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, cfg: Optional[MergeCfg] = None):
     a, b, c, d = (int(s) for s in shape)
-    with device_guard(grad):
-        return merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma)
-
-
-def lokr_bypass_fwd(x, w1, w2, gamma, base=None):
-    with device_guard(x):
-        return bypass_fwd(x, w1, w2, gamma, base)
-
-
-def lokr_bypass_bwd(grad, x, w1, w2, gamma):
-    with device_guard(x):
-        return bypass_bwd(grad, x, w1, w2, gamma)
+    return merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, cfg)

@@ -48,10 +48,10 @@ import torch
 import triton
 import triton.language as tl
 
-from lycoris_ops.backends.triton.common import cdiv, device_guard, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
+from lycoris_ops.backends.triton.common import cdiv, dot_dtype, fast, needs_idx64, next_pow2, tl_dtype
 from lycoris_ops.backends.triton.kernels.fusedkit import compute_dtype, view_key
 
-__all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "lora_tucker_fwd", "tucker_fwd"]
+__all__ = ["TuckerCfg", "MAX_TUCKER_RANK", "supported", "tucker_fwd"]
 
 MAX_TUCKER_RANK = 128
 
@@ -329,9 +329,3 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg: Optional[TuckerCfg] = None):
         *c2[1].stride(), **meta,
         **(dict(CORE=True, CBR1=_p16(t1.shape[0]), CBR2=_p16(c2[1].shape[0]), KKC=kkc) if fused else {}))
     return y
-
-
-def lora_tucker_fwd(a1, t1, b1, a2, t2, b2, gamma):
-    """Op-set entry (validated, in-scope arguments)."""
-    with device_guard(a1):
-        return tucker_fwd(a1, t1, b1, a2, t2, b2, gamma)

@@ -12,43 +12,27 @@ from __future__ import annotations
 import functools
 import importlib
 
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import add as kernels
+from lycoris_ops.reference import add as reference
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import Work, cdiv, eager_time, esize, make_plan, predict, rank, tl_shortlist
+from lycoris_ops.tuner.keys import as_dict
+from lycoris_ops.tuner.cost import make_plan, predict, rank, tl_shortlist
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import add as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "add"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl())
-
-
-def _model(dev: DeviceFacts, numel: int, base_dtype, delta_dtype):
-    """(work(cfg), eager seconds) of ``add_scaled``; cfg in the Triton launcher's names."""
-    eb, ed = esize(base_dtype), esize(delta_dtype)
-
-    def work(c):
-        block, w = c["block"], c["num_warps"]
-        threads = 32 * w
-        if block < threads or block > 64 * threads:
-            return None
-        return Work(grid=cdiv(numel, block), warps=w, regs=3 * block, dram=numel * (2 * eb + ed),
-                    inflight=block * (eb + ed))
-
-    return work, eager_time(dev, [(numel * (ed + 4), 0), (numel * (eb + 4 + 4), 0), (numel * (4 + eb), 0)])
+    return tune.source_version(kernels)
 
 
 def plan_add_scaled(dev: DeviceFacts, numel: int, base_dtype, delta_dtype, *, default=None, n: int = 5):
-    work, eager = _model(dev, numel, base_dtype, delta_dtype)
+    work, eager = models.model(dev, numel, base_dtype, delta_dtype)
     cfgs = [dict(block=b, num_warps=w) for b in (256, 512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)]
     return make_plan("add_scaled", rank(cfgs, work, dev), tile_axes=("block",), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
@@ -67,7 +51,7 @@ def _add_tl(dev, base, delta, gamma, n: int = TL_N):
     tl = importlib.import_module("lycoris_ops.backends.tilelang.kernels.add")
     numel = base.numel()
     vec = tl.vec_width(numel, base.dtype, delta.dtype)
-    work, eager = _model(dev, numel, base.dtype, delta.dtype)
+    work, eager = models.model(dev, numel, base.dtype, delta.dtype)
 
     def tl_work(c):
         return work(dict(block=c["BV"] * vec, num_warps=c["threads"] // 32))
@@ -79,13 +63,6 @@ def _add_tl(dev, base, delta, gamma, n: int = TL_N):
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
 TILELANG = {"add_scaled": (_add_tl, lambda base, delta, *a: (base.numel(),))}
-
-
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"add_scaled": TL.add_scaled}[op](*args, **kw)
 
 
 _FRONT = tune.Front()
@@ -102,22 +79,16 @@ def add_scaled_kwargs(base, delta, gamma):
     if hit is not None:
         return hit
     numel = base.numel()
-    TL = _tl()
     key = tune.shape_key(base.dtype, tokens={"numel": numel}, flags={"delta": delta.dtype, "contig": (bc, dc)})
     return tune.pick(
         "add_scaled", BACKEND, key,
         lambda: plan_add_scaled(facts(dev), numel, base.dtype, delta.dtype,
-                                default=as_dict(TL.default_add_cfg(numel))),
-        lambda kw: launch("add_scaled", base, delta, gamma, **kw),
-        lambda: reference_module(FAMILY).add_scaled(base, delta, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.AddCfg(**c)}, front=(_FRONT, fk))
+                                default=as_dict(kernels.default_add_cfg(numel))),
+        lambda kw: kernels.add_scaled(base, delta, gamma, **kw),
+        lambda: reference.add_scaled(base, delta, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.AddCfg(**c)}, front=(_FRONT, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """add_scaled of a merged weight (out x in) for ``tune.warmup``."""
-    O, I = layer.out_features, layer.in_features
-    return [("add_scaled", (rand((O, I), dtype, device, gen), rand((O, I), dtype, device, gen), 1.0))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"add_scaled": add_scaled_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"add_scaled": kernels.add_scaled}

@@ -29,111 +29,35 @@ from __future__ import annotations
 import functools
 import importlib
 
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import boft as kernels, cayley, oft as oft_kernels
+from lycoris_ops.reference import boft as reference
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import STREAM_TILE_MAX, Work, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank
+from lycoris_ops.tuner.keys import as_dict
+from lycoris_ops.tuner.cost import STREAM_TILE_MAX, esize, make_shared_plan, p2, predict, rank
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import boft as models
 from lycoris_ops.backends.triton.tuning.oft import TL_N, tl_channels_first, tl_plan, with_split16
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "boft"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("cayley"), triton_module("oft"))
-
-
-def segments(m: int, nb: int, s: int, npos: int, sm: int, max_group: int, bp: int):
-    """[(L, GP, n_groups, split)] of ``triton.boft._plan``."""
-    half = s // 2
-    HP = p2(half)
-    lmax = 1
-    while (1 << (lmax + 1)) * HP <= max_group:
-        lmax += 1
-    n_tiles = cdiv(npos, bp)
-    C = nb * s
-    out, a = [], 0
-    while a < m:
-        L = min(lmax, m - a)
-        GP = max(16, (1 << L) * HP)
-        n_groups = C // (half << L)
-        split = max(1, min(_tl().auto_split(n_groups, sm), n_tiles))  # the launcher's own rule
-        out.append((L, GP, n_groups, split))
-        a += L
-    return out, n_tiles
-
-
-def _model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, seen=None):
-    """(work of a Triton config, eager seconds); ``seen``: drop configs whose launch signature
-    an earlier config had (None: score every config)."""
-    C = nb * s
-    SP = 2 * p2(s // 2)
-    # the Cayley factors of every block (one launch, the same for every config)
-    nbb = max(1, 2048 // (SP * SP))
-    cayley = Work(grid=cdiv(m * nb, nbb), warps=_tl().CAYLEY_WARPS, acc=3 * nbb * SP * SP, dram=m * nb * (s * s * eb + SP * SP * 4),
-                  fma=m * nb * 4.0 * SP ** 3, tc=False)
-
-    def work(c):
-        bp = c["bwd_block_p"] if bwd else c["block_p"]
-        fbp = c["block_p"]  # the backward's forward passes (segment inputs) use block_p
-        segs, n_tiles = segments(m, nb, s, npos, dev.sm_count, c["max_group"], bp)
-        f_tiles = cdiv(npos, fbp)
-        cw = _tl().chain_warps(c.get("chain_warps", 0), segs[0][1])
-        sig = (tuple(segs), bp, fbp if bwd else 0, c["num_warps"], c["num_stages"], cw)
-        if seen is not None and seen.setdefault(sig, id(c)) != id(c):
-            return None
-        # the group matrices J of every segment (one launch; stages gathered, an IEEE dot per stage after the first)
-        GP0 = segs[0][1]
-        n_j = sum(g for _, _, g, _ in segs)
-        works = [cayley, Work(grid=n_j, warps=cw, acc=3 * GP0 * GP0, dram=n_j * GP0 * GP0 * 4 + m * nb * SP * SP * 4,
-                              fma=sum(g * (L - 1) * 2.0 * GP ** 3 for L, GP, g, _ in segs), tc=False)]
-        for idx, (L, GP, n_groups, split) in enumerate(segs):
-            first, last = idx == 0, idx == len(segs) - 1
-            e_in = ex if first else 4
-            e_out = ex if last else 4
-            sector = max(1.0, 32.0 / max((GP if c_contig else bp) * min(e_in, e_out), 1))
-            grid = n_groups * split
-            dots = 3 * 2.0 * GP * GP * bp * n_tiles * n_groups
-            if not bwd:
-                works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"], acc=GP * bp + GP * GP,
-                                  smem=GP * bp * e_in, dram=npos * C * (e_in + e_out) * sector, mma=dots))
-            else:
-                if not last:  # segment input kept for the backward
-                    fsplit = max(1, min(_tl().auto_split(n_groups, dev.sm_count), f_tiles))
-                    fsector = max(1.0, 32.0 / max((GP if c_contig else fbp) * min(e_in, 4), 1))
-                    works.append(Work(grid=n_groups * fsplit, warps=c["num_warps"], stages=c["num_stages"],
-                                      acc=GP * fbp + GP * GP, smem=GP * fbp * e_in,
-                                      dram=npos * C * (e_in + 4) * fsector,
-                                      mma=3 * 2.0 * GP * GP * fbp * f_tiles * n_groups))
-                part = split * n_groups * GP * GP * 4
-                works.append(Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
-                                  acc=GP * bp * 2 + 2 * GP * GP, smem=2 * GP * bp * 4,
-                                  dram=npos * C * (3 * 4) * sector + part, mma=2 * dots))
-                works.append(Work(grid=n_groups * L, warps=_tl().chain_warps(c.get("chain_warps", 0), GP), acc=3 * GP * GP,
-                                  dram=part + n_groups * L * L * GP * GP * 4,
-                                  fma=n_groups * L * (L + 1) * 2.0 * GP ** 3, inflight=GP * GP * 4, tc=False))
-        return works
-
-    per_stage = [(nb * s * s * (eb + 4) * 3, nb * 4.0 * s ** 3), (npos * C * 4 * 2, 2.0 * npos * C * s),
-                 (npos * C * 4 * 2, 0)]
-    steps = [(npos * C * (ex + 4), 0)] + per_stage * m + [(npos * C * (4 + ex), 0)]
-    return work, eager_time(dev, steps * 3 if bwd else steps, tc=False)
+    return tune.source_version(kernels, cayley, oft_kernels)
 
 
 def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
     SP = 2 * p2(s // 2)
     seen = {}
-    work, eager = _model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, seen)
+    work, eager = models.model(dev, m, nb, s, npos, c_contig, bwd, ex, eb, auto_split=kernels.auto_split,
+                               chain_warps=kernels.chain_warps, cayley_warps=kernels.CAYLEY_WARPS, seen=seen)
 
     def structure(c):  # the segments: (stages, group rows) each; they decide every auxiliary launch
-        return tuple((L, GP) for L, GP, _, _ in segments(m, nb, s, npos, dev.sm_count, c["max_group"], 64)[0]), \
+        segs = models.segments(m, nb, s, npos, dev.sm_count, c["max_group"], 64, auto_split=kernels.auto_split)[0]
+        return tuple((L, GP) for L, GP, _, _ in segs), \
             c.get("chain_warps", 0)
 
     def compiles_ok(c):  # streamed tiles (x; G and x in the backward) within STREAM_TILE_MAX fp32 elements
@@ -141,14 +65,15 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
         lim = STREAM_TILE_MAX
         return (2 * GP * c["bwd_block_p"] <= lim and GP * c["block_p"] <= lim) if bwd else GP * c["block_p"] <= lim
 
-    def kernels(c):  # the Triton compilations of a config (backends/triton/kernels/boft.py: constexprs, dtypes, launch options)
+    def compiles(c):  # the Triton compilations of a config (backends/triton/kernels/boft.py: constexprs, dtypes, launch options)
         # the segments at the streaming tile (their splits decide where the chain runs); (L, GP) is
         # the same at any tile: ``structure``'s
-        full = segments(m, nb, s, npos, dev.sm_count, c["max_group"], c["bwd_block_p"] if bwd else c["block_p"])[0]
+        full = models.segments(m, nb, s, npos, dev.sm_count, c["max_group"], c["bwd_block_p"] if bwd else c["block_p"],
+                               auto_split=kernels.auto_split)[0]
         segs, cw = tuple((L, GP) for L, GP, _, _ in full), c.get("chain_warps", 0)
         run = (c["num_warps"], c["num_stages"], c["dot_prec"])
-        warps = _tl().chain_warps(cw, segs[0][1])
-        small = _tl().one_algebra_launch(m * nb, SP, sum(sg[2] for sg in full))
+        warps = kernels.chain_warps(cw, segs[0][1])
+        small = kernels.one_algebra_launch(m * nb, SP, sum(sg[2] for sg in full))
         if small:  # the stage algebra as one program
             out = {("algebra", SP, segs[0][1], warps)}
         else:
@@ -163,7 +88,7 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
             chain_in = small and full[idx][3] == 1  # the chain inside the streaming program
             out.add(("seg_bwd", GP, idx == 0, idx == last, c["bwd_block_p"], chain_in) + run)
             if not chain_in:
-                out.add(("chain", GP, _tl().chain_warps(cw, GP)))
+                out.add(("chain", GP, kernels.chain_warps(cw, GP)))
         return out
 
     bps = (32, 64, 128) if bwd else (32, 64, 128, 256)
@@ -176,13 +101,13 @@ def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):
     ranked = rank(cfgs, work, dev)
     seen.clear()
     # a 16-bit backward's split16 / bf16x3 twin takes the place of the model's last pick: within COMPILE_BUDGET
-    plan = make_shared_plan(op, ranked, kernels=kernels, structure=structure,
+    plan = make_shared_plan(op, ranked, kernels=compiles, structure=structure,
                             tile_axes=("bwd_block_p" if bwd else "block_p", "num_warps"),
                             n=n - 1 if bwd and ex == 2 else n, default=default,
                             default_s=predict(work, default, dev), eager_s=eager)
     # x and blocks 16-bit (so y, gx and g_blocks too): bf16x3 on the fp32 scratch, split16 on x
     # and G (triton/oft.BF16X3); blocks fp32: split16 only (g_blocks keeps fp32 accuracy)
-    return with_split16(plan, ex, _tl().BF16X3 if eb == 2 else "")
+    return with_split16(plan, ex, kernels.BF16X3 if eb == 2 else "")
 
 
 def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
@@ -193,16 +118,6 @@ def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig
 def plan_boft_bwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
                   default=None, n: int = 5):
     return _plan("boft_bwd", dev, m, nb, s, npos, c_contig, True, esize(x_dtype), esize(blocks_dtype), default, n)
-
-
-def _geom(blocks, x, axis):
-    ax = axis % x.dim()
-    npos = 1
-    for i, sz in enumerate(x.shape):
-        if i != ax:
-            npos *= int(sz)
-    m, nb, s = (int(v) for v in blocks.shape[:3])
-    return m, nb, s, npos, x.stride(ax) == 1
 
 
 # =============================================================================== TileLang models
@@ -223,9 +138,10 @@ def _tl_model(dev, blocks, x, axis, bwd):
     """The Triton model's work of a TileLang config (names mapped: one stage per segment,
     ``max_group`` = one butterfly pair of blocks; BT -> the streamed tile, threads -> warps;
     the backward's forward passes at the fixed apply tile) and eager; the group width GP."""
-    m, nb, s, npos, _ = _geom(blocks, x, axis)
-    work, eager = _model(dev, m, nb, s, npos, not _tl_sizes(blocks, x, axis)[3], bwd, esize(x.dtype),
-                         esize(blocks.dtype))
+    m, nb, s, npos, _ = models.geometry(blocks, x, axis)
+    work, eager = models.model(dev, m, nb, s, npos, not _tl_sizes(blocks, x, axis)[3], bwd, esize(x.dtype),
+                               esize(blocks.dtype), auto_split=kernels.auto_split, chain_warps=kernels.chain_warps,
+                               cayley_warps=kernels.CAYLEY_WARPS)
     fixed_bt = importlib.import_module("lycoris_ops.backends.tilelang.kernels.oft").APPLY["BT"]
 
     def tl_work(c):
@@ -262,19 +178,12 @@ def _bwd_tl(dev, grad, blocks, x, axis, cscale, scale, n: int = TL_N):
 
 def _tl_sizes(blocks, x, axis, *a):
     """(m, nb, s, channels-first layout); the positions stay bucketed (key_parts)."""
-    m, nb, s, _, _ = _geom(blocks, x, axis)
+    m, nb, s, _, _ = models.geometry(blocks, x, axis)
     return m, nb, s, tl_channels_first(x, axis % x.dim())
 
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
 TILELANG = {"boft_fwd": (_fwd_tl, _tl_sizes), "boft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
-
-
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"boft_fwd": TL.boft_fwd, "boft_bwd": TL.boft_bwd}[op](*args, **kw)
 
 
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
@@ -289,18 +198,17 @@ def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
     hit = _F_FWD.get(fk)
     if hit is not None:
         return hit
-    m, nb, s, npos, c_contig = _geom(blocks, x, axis)
-    TL = _tl()
+    m, nb, s, npos, c_contig = models.geometry(blocks, x, axis)
     key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"m": m, "nb": nb, "s": s},
                          flags={"blocks": blocks.dtype, "c_contig": c_contig, "rescale": rescale is not None,
                                 "diff": bool(diff)})
     return tune.pick(
         "boft_fwd", BACKEND, key,
         lambda: plan_boft_fwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_dict(TL.BoftCfg())),
-        lambda kw: launch("boft_fwd", blocks, x, axis, cscale, scale, rescale, diff, **kw),
-        lambda: reference_module(FAMILY).boft_fwd(blocks, x, axis, cscale, scale, rescale, diff),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_FWD, fk))
+                              default=as_dict(kernels.BoftCfg())),
+        lambda kw: kernels.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, **kw),
+        lambda: reference.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.BoftCfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
 def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
@@ -312,34 +220,18 @@ def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
     hit = _F_BWD.get(fk)
     if hit is not None:
         return hit
-    m, nb, s, npos, c_contig = _geom(blocks, x, axis)
-    TL = _tl()
+    m, nb, s, npos, c_contig = models.geometry(blocks, x, axis)
     key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"m": m, "nb": nb, "s": s},
                          flags={"blocks": blocks.dtype, "g": grad.dtype, "c_contig": c_contig})
     return tune.pick(
         "boft_bwd", BACKEND, key,
         lambda: plan_boft_bwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_dict(TL.BoftCfg())),
-        lambda kw: launch("boft_bwd", grad, blocks, x, axis, cscale, scale, **kw),
-        lambda: reference_module(FAMILY).boft_bwd(grad, blocks, x, axis, cscale, scale),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.BoftCfg(**c)}, front=(_F_BWD, fk))
+                              default=as_dict(kernels.BoftCfg())),
+        lambda kw: kernels.boft_bwd(grad, blocks, x, axis, cscale, scale, **kw),
+        lambda: reference.boft_bwd(grad, blocks, x, axis, cscale, scale),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.BoftCfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """BOFT (block 8, as many stages as fit) on a linear layer's input for ``tune.warmup``."""
-    I = layer.in_features
-    s = 8
-    if I % s:
-        return []
-    nb = I // s
-    m = 1
-    while m < 4 and nb % (1 << m) == 0:
-        m += 1
-    blocks = rand((m, nb, s, s), dtype, device, gen, 0.01)
-    x = rand((T, I), dtype, device, gen)
-    return [("boft_fwd", (blocks, x, -1, 1.0, 1.0, None, False)),
-            ("boft_bwd", (rand((T, I), dtype, device, gen), blocks, x, -1, 1.0, 1.0))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"boft_fwd": boft_fwd_kwargs, "boft_bwd": boft_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"boft_fwd": kernels.boft_fwd, "boft_bwd": kernels.boft_bwd}

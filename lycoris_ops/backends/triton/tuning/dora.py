@@ -17,43 +17,23 @@ from __future__ import annotations
 import functools
 import importlib
 
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import dora as kernels
+from lycoris_ops.reference import dora as reference
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank, tl_shortlist
+from lycoris_ops.tuner.keys import as_dict
+from lycoris_ops.tuner.cost import Work, cdiv, eager_time, esize, make_plan, predict, rank, tl_shortlist
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import dora as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "dora"
-_MAX_SPLIT = 64
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl())
-
-
-def layout(R: int, NC: int, r_contig: bool, bwd: bool, sm: int, c: dict):
-    """(mode, BR, BC, split) of ``triton.dora._plan`` for config ``c``."""
-    bc_res = max(16, p2(NC))
-    budget = c["resident_max"] // (2 if bwd else 1)
-    if r_contig:
-        br_res = max(32, min(128, budget // bc_res))
-    else:
-        br_res = max(1, min(64, budget // bc_res, p2(R)))
-    if br_res * bc_res <= budget and (cdiv(R, br_res) >= sm or R * NC <= 4 * budget):
-        return "res", br_res, bc_res, 1
-    br = c["br"] or (128 if r_contig else 4)
-    bc = c["bc"] or (32 if r_contig else 512)
-    n_chunks = max(1, cdiv(NC, bc))
-    split = c["split"] or max(1, min(_MAX_SPLIT, n_chunks, cdiv(2 * sm, cdiv(R, br))))
-    split = cdiv(n_chunks, cdiv(n_chunks, split))
-    return "str", br, bc, split
+    return tune.source_version(kernels)
 
 
 def _configs(dev: DeviceFacts, r_contig: bool):
@@ -70,31 +50,12 @@ def _configs(dev: DeviceFacts, r_contig: bool):
 
 def _plan(op, dev, R, NC, r_contig, bwd, ew, ed, ey, eg, default, n):
     seen = {}
-
-    def work(c):
-        mode, br, bc, split = layout(R, NC, r_contig, bwd, dev.sm_count, c)
-        sig = (mode, br, bc, split, c["num_warps"], c["num_stages"])
-        if seen.setdefault(sig, id(c)) != id(c):
-            return None  # the same launch as an earlier config
-        m = R * NC * (ew + ed)
-        w, s = c["num_warps"], c["num_stages"]
-        if mode == "res":
-            return Work(grid=cdiv(R, br), warps=w, stages=s, acc=br * bc * (2 if bwd else 1),
-                        dram=m + R * NC * (ey + eg) + R * 12, inflight=br * bc * (ew + ed + eg) // max(1, s))
-        part = (2 if bwd else 1) * split * R * 4
-        return [Work(grid=cdiv(R, br) * split, warps=w, stages=s, acc=br * bc, dram=m + R * NC * eg + part,
-                     inflight=br * bc * (ew + ed + eg)),
-                Work(grid=cdiv(R, br) * max(1, cdiv(NC, bc)), warps=w, stages=s, acc=br * bc,
-                     dram=m + R * NC * (ey + eg) + part + R * 8, inflight=br * bc * (ew + ed + eg))]
-
+    work, eager = models.model(dev, R, NC, r_contig, bwd, ew, ed, ey, eg, max_split=kernels.MAX_SPLIT, seen=seen)
     cfgs = _configs(dev, r_contig)
-    steps = [(R * NC * (ew + ed + 4), 0), (R * NC * 4, 0), (R * 16, 0), (R * NC * (4 + 4), 0), (R * NC * (4 + ey), 0)]
-    if bwd:
-        steps += [(R * NC * (eg + 4 + 4), 0), (R * NC * 4 * 3, 0), (R * NC * (4 + 4), 0)]
     ranked = rank(cfgs, work, dev)
     seen.clear()
     return make_plan(op, ranked, tile_axes=("resident_max", "br", "bc"), n=n, default=default,
-                     default_s=predict(work, default, dev), eager_s=eager_time(dev, steps))
+                     default_s=predict(work, default, dev), eager_s=eager)
 
 
 def plan_dora_fwd(dev: DeviceFacts, R: int, NC: int, r_contig: bool, w_dtype, delta_dtype, *, default=None,
@@ -163,13 +124,6 @@ TILELANG = {
 }
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"dora_fwd": TL.dora_fwd, "dora_bwd": TL.dora_bwd}[op](*args, **kw)
-
-
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
@@ -183,17 +137,16 @@ def dora_fwd_kwargs(w, dscale, mult, row_axis, delta=None):
     hit = _F_FWD.get(fk)
     if hit is not None:
         return hit
-    TL = _tl()
     key = tune.shape_key(w.dtype, exact={"R": R, "NC": NC},
                          flags={"r_contig": r_contig, "dscale": dscale.dtype,
                                 "delta": None if delta is None else delta.dtype})
     return tune.pick(
         "dora_fwd", BACKEND, key,
         lambda: plan_dora_fwd(facts(dev), R, NC, r_contig, w.dtype, None if delta is None else delta.dtype,
-                              default=as_dict(TL.DoraCfg())),
-        lambda kw: launch("dora_fwd", w, dscale, mult, row_axis, delta, **kw),
-        lambda: reference_module(FAMILY).dora_fwd(w, dscale, mult, row_axis, delta),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.DoraCfg(**c)}, front=(_F_FWD, fk))
+                              default=as_dict(kernels.DoraCfg())),
+        lambda kw: kernels.dora_fwd(w, dscale, mult, row_axis, delta, **kw),
+        lambda: reference.dora_fwd(w, dscale, mult, row_axis, delta),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.DoraCfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
 def dora_bwd_kwargs(grad, w, dscale, norms, mult, row_axis, delta=None):
@@ -207,32 +160,18 @@ def dora_bwd_kwargs(grad, w, dscale, norms, mult, row_axis, delta=None):
     hit = _F_BWD.get(fk)
     if hit is not None:
         return hit
-    TL = _tl()
     key = tune.shape_key(w.dtype, exact={"R": R, "NC": NC},
                          flags={"r_contig": r_contig, "dscale": dscale.dtype, "g": grad.dtype,
                                 "delta": None if delta is None else delta.dtype})
     return tune.pick(
         "dora_bwd", BACKEND, key,
         lambda: plan_dora_bwd(facts(dev), R, NC, r_contig, w.dtype, None if delta is None else delta.dtype,
-                              grad.dtype, default=as_dict(TL.DoraCfg())),
-        lambda kw: launch("dora_bwd", grad, w, dscale, norms, mult, row_axis, delta, **kw),
-        lambda: reference_module(FAMILY).dora_bwd(grad, w, dscale, norms, mult, row_axis, delta),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.DoraCfg(**c)}, front=(_F_BWD, fk))
+                              grad.dtype, default=as_dict(kernels.DoraCfg())),
+        lambda kw: kernels.dora_bwd(grad, w, dscale, norms, mult, row_axis, delta, **kw),
+        lambda: reference.dora_bwd(grad, w, dscale, norms, mult, row_axis, delta),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.DoraCfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """DoRA of a merged weight (out x in, norms over rows) for ``tune.warmup``."""
-    import torch
-
-    O, I = layer.out_features, layer.in_features
-    w = rand((O, I), dtype, device, gen, 0.02)
-    d = rand((O, I), dtype, device, gen, 0.002)
-    ds = rand((O,), torch.float32, device, gen).abs_() + 0.5
-    ref = reference_module(FAMILY)
-    _, norms = ref.dora_fwd(w, ds, 1.0, 0, d)
-    return [("dora_fwd", (w, ds, 1.0, 0, d)),
-            ("dora_bwd", (rand((O, I), dtype, device, gen), w, ds, norms, 1.0, 0, d))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"dora_fwd": dora_fwd_kwargs, "dora_bwd": dora_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"dora_fwd": kernels.dora_fwd, "dora_bwd": kernels.dora_bwd}

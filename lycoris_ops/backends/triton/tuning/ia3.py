@@ -15,40 +15,23 @@ from __future__ import annotations
 import functools
 import importlib
 
-import torch
-
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import ia3 as kernels
+from lycoris_ops.reference import ia3 as reference
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import Work, cdiv, eager_time, esize, make_plan, p2, predict, rank, tl_shortlist
+from lycoris_ops.tuner.keys import as_dict
+from lycoris_ops.tuner.cost import make_plan, p2, predict, rank, tl_shortlist
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import ia3 as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "ia3"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl())
-
-
-def geometry(shape, channel_axis: int):
-    """(M, N, C, ch_rows) of x seen as the kernels' matrix (see backends/triton/kernels/ia3.py)."""
-    ax = channel_axis % len(shape)
-    A = 1
-    for s in shape[:ax]:
-        A *= int(s)
-    B = 1
-    for s in shape[ax + 1:]:
-        B *= int(s)
-    C = int(shape[ax])
-    ch_rows = B != 1  # B = 0 (empty trailing dims): rows, so M·N = 0 and nothing launches
-    return (A * C, B, C, True) if ch_rows else (A, C, C, False)
+    return tune.source_version(kernels)
 
 
 def _tiles(M, N):
@@ -62,63 +45,16 @@ def _tiles(M, N):
     return sorted(set(out))
 
 
-def _sector(bn, N, e):
-    run = min(bn, N) * e
-    return max(1.0, 32.0 / max(run, 1))
-
-
-def _fwd_model(dev: DeviceFacts, M: int, N: int, C: int, x_dtype, w_dtype):
-    """(work(cfg), eager seconds) of ``ia3_fwd``; cfg in the Triton launcher's names."""
-    ex, ew = esize(x_dtype), esize(w_dtype)
-    eo = esize(torch.promote_types(x_dtype, w_dtype))
-
-    def work(c):
-        bm, bn, w = c["block_m"], c["block_n"], c["num_warps"]
-        if bm * bn < 32 * w or bm * bn > 64 * 32 * w:
-            return None
-        return Work(grid=cdiv(M, bm) * cdiv(N, bn), warps=w, regs=2 * bm * bn,
-                    dram=M * N * (ex + eo) * _sector(bn, N, ex) + C * ew, inflight=bm * bn * ex)
-
-    return work, eager_time(dev, [(C * (ew + 4), 0), (M * N * (ex + 4), 0), (M * N * (4 + eo), 0)])
-
-
 def plan_ia3_fwd(dev: DeviceFacts, M: int, N: int, C: int, x_dtype, w_dtype, *, default=None, n: int = 5):
-    work, eager = _fwd_model(dev, M, N, C, x_dtype, w_dtype)
+    work, eager = models.fwd_model(dev, M, N, C, x_dtype, w_dtype)
     cfgs = [dict(block_m=bm, block_n=bn, split=0, num_warps=w) for bm, bn in _tiles(M, N) for w in (2, 4, 8)]
     return make_plan("ia3_fwd", rank(cfgs, work, dev), tile_axes=("block_m", "block_n"), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
 
 
-def _bwd_model(dev: DeviceFacts, M: int, N: int, C: int, ch_rows: bool, x_dtype, w_dtype, g_dtype):
-    """(work(cfg), eager seconds) of ``ia3_bwd``; cfg in the Triton launcher's names."""
-    ex, ew, eg = esize(x_dtype), esize(w_dtype), esize(g_dtype)
-    A = M // max(C, 1) if ch_rows else M
-
-    def work(c):
-        bm, bn, w = c["block_m"], c["block_n"], c["num_warps"]
-        if bm * bn < 32 * w or bm * bn > 64 * 32 * w:
-            return None
-        if ch_rows:
-            tiles, steps = cdiv(M, bm), cdiv(N, bn)
-        else:
-            tiles, steps = cdiv(N, bn), cdiv(M, bm)
-        split = max(1, min(cdiv(2 * dev.sm_count, max(tiles, 1)), steps // 2))
-        direct = split == 1 and (A == 1 or not ch_rows)
-        k_rows = split * A if ch_rows else split
-        part = 0 if direct else k_rows * C * 4
-        works = [Work(grid=tiles * split, warps=w, regs=3 * bm * bn,
-                      dram=M * N * (eg + 2 * ex) * _sector(bn, N, ex) + C * ew + part, inflight=bm * bn * (eg + ex))]
-        if not direct:
-            works.append(Work(grid=cdiv(C, min(p2(C), 256)), warps=4, dram=part + C * ew, inflight=4096))
-        return works
-
-    return work, eager_time(dev, [(C * (ew + 4), 0), (M * N * (eg + 4), 0), (M * N * (4 + 4 + ex), 0),
-                                  (M * N * (eg + ex + 8), 0), (M * N * (4 + 4), 0), (C * (4 + ew), 0)])
-
-
 def plan_ia3_bwd(dev: DeviceFacts, M: int, N: int, C: int, ch_rows: bool, x_dtype, w_dtype, g_dtype, *,
                  default=None, n: int = 5):
-    work, eager = _bwd_model(dev, M, N, C, ch_rows, x_dtype, w_dtype, g_dtype)
+    work, eager = models.bwd_model(dev, M, N, C, ch_rows, x_dtype, w_dtype, g_dtype)
     cfgs = [dict(block_m=bm, block_n=bn, split=0, num_warps=w) for bm, bn in _tiles(M, N) for w in (2, 4, 8)]
     return make_plan("ia3_bwd", rank(cfgs, work, dev), tile_axes=("block_m", "block_n"), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
@@ -151,31 +87,24 @@ def _tl_plan(op, work, eager, dev, n):
 
 
 def _fwd_tl(dev, x, w, channel_axis, alpha, gamma, n: int = TL_N):
-    M, N, C, ch_rows = geometry(x.shape, channel_axis)
-    work, eager = _fwd_model(dev, M, N, C, x.dtype, w.dtype)
+    M, N, C, ch_rows = models.geometry(x.shape, channel_axis)
+    work, eager = models.fwd_model(dev, M, N, C, x.dtype, w.dtype)
     return _tl_plan("ia3_fwd", _tl_mapped(work, N, x.dtype), eager, dev, n)
 
 
 def _bwd_tl(dev, grad, x, w, channel_axis, alpha, gamma, n: int = TL_N):
-    M, N, C, ch_rows = geometry(x.shape, channel_axis)
-    work, eager = _bwd_model(dev, M, N, C, ch_rows, x.dtype, w.dtype, grad.dtype)
+    M, N, C, ch_rows = models.geometry(x.shape, channel_axis)
+    work, eager = models.bwd_model(dev, M, N, C, ch_rows, x.dtype, w.dtype, grad.dtype)
     return _tl_plan("ia3_bwd", _tl_mapped(work, N, x.dtype), eager, dev, n)
 
 
 def _sizes(x, w, channel_axis, *a):
     """The channel geometry (N, C, layout); the token rows M stay bucketed (key_parts)."""
-    return tuple(geometry(x.shape, channel_axis)[1:])
+    return tuple(models.geometry(x.shape, channel_axis)[1:])
 
 
 #: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
 TILELANG = {"ia3_fwd": (_fwd_tl, _sizes), "ia3_bwd": (_bwd_tl, lambda g, x, w, ax, *a: _sizes(x, w, ax))}
-
-
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"ia3_fwd": TL.ia3_fwd, "ia3_bwd": TL.ia3_bwd}[op](*args, **kw)
 
 
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
@@ -190,15 +119,14 @@ def ia3_fwd_kwargs(x, w, channel_axis, alpha, gamma):
     hit = _F_FWD.get(fk)
     if hit is not None:
         return hit
-    M, N, C, ch_rows = geometry(x.shape, channel_axis)
-    TL = _tl()
+    M, N, C, ch_rows = models.geometry(x.shape, channel_axis)
     key = tune.shape_key(x.dtype, tokens={"M": M}, exact={"N": N, "C": C}, flags={"w": w.dtype, "rows": ch_rows})
     return tune.pick(
         "ia3_fwd", BACKEND, key,
-        lambda: plan_ia3_fwd(facts(dev), M, N, C, x.dtype, w.dtype, default=as_dict(TL.default_ia3_fwd_cfg(M, N))),
-        lambda kw: launch("ia3_fwd", x, w, channel_axis, alpha, gamma, **kw),
-        lambda: reference_module(FAMILY).ia3_fwd(x, w, channel_axis, alpha, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.Ia3Cfg(**c)}, front=(_F_FWD, fk))
+        lambda: plan_ia3_fwd(facts(dev), M, N, C, x.dtype, w.dtype, default=as_dict(kernels.default_ia3_fwd_cfg(M, N))),
+        lambda kw: kernels.ia3_fwd(x, w, channel_axis, alpha, gamma, **kw),
+        lambda: reference.ia3_fwd(x, w, channel_axis, alpha, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.Ia3Cfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
 def ia3_bwd_kwargs(grad, x, w, channel_axis, alpha, gamma):
@@ -210,26 +138,18 @@ def ia3_bwd_kwargs(grad, x, w, channel_axis, alpha, gamma):
     hit = _F_BWD.get(fk)
     if hit is not None:
         return hit
-    M, N, C, ch_rows = geometry(x.shape, channel_axis)
-    TL = _tl()
+    M, N, C, ch_rows = models.geometry(x.shape, channel_axis)
     key = tune.shape_key(x.dtype, tokens={"M": M}, exact={"N": N, "C": C},
                          flags={"w": w.dtype, "g": grad.dtype, "rows": ch_rows})
     return tune.pick(
         "ia3_bwd", BACKEND, key,
         lambda: plan_ia3_bwd(facts(dev), M, N, C, ch_rows, x.dtype, w.dtype, grad.dtype,
-                             default=as_dict(TL.default_ia3_bwd_cfg(M, N, ch_rows))),
-        lambda kw: launch("ia3_bwd", grad, x, w, channel_axis, alpha, gamma, **kw),
-        lambda: reference_module(FAMILY).ia3_bwd(grad, x, w, channel_axis, alpha, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.Ia3Cfg(**c)}, front=(_F_BWD, fk))
+                             default=as_dict(kernels.default_ia3_bwd_cfg(M, N, ch_rows))),
+        lambda kw: kernels.ia3_bwd(grad, x, w, channel_axis, alpha, gamma, **kw),
+        lambda: reference.ia3_bwd(grad, x, w, channel_axis, alpha, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.Ia3Cfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """IA3 on a linear layer's activations (T x out) for ``tune.warmup``."""
-    O = layer.out_features
-    x = rand((T, O), dtype, device, gen)
-    w = rand((O,), dtype, device, gen, 0.1)
-    return [("ia3_fwd", (x, w, -1, 1.0, 1.0)), ("ia3_bwd", (rand((T, O), dtype, device, gen), x, w, -1, 1.0, 1.0))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"ia3_fwd": ia3_fwd_kwargs, "ia3_bwd": ia3_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"ia3_fwd": kernels.ia3_fwd, "ia3_bwd": kernels.ia3_bwd}

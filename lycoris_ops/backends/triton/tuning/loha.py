@@ -22,66 +22,39 @@ two E·Bᵀ products: 8·M·N·rp flops per job, G read once per job.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib
 
 import torch
 
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import fusedkit, loha as kernels
+from lycoris_ops.reference import loha as reference
+from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, compute_dtype, rand, reference_module, triton_module
+from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_stages, tl_threads)
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import loha as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "loha"
-MAX_HADA_RANK = 128
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("fusedkit"))
+    return tune.source_version(kernels, fusedkit)
 
 
 def _apply_configs(dev: DeviceFacts, M: int, R: int, tc: bool):
     rp = p2(R, 16)
-    strategies = ["materialize"] + (["regen"] if rp <= MAX_HADA_RANK else [])
+    strategies = ["materialize"] + (["regen"] if rp <= kernels.MAX_HADA_RANK else [])
     bms = [b for b in (16, 32, 64, 128) if b <= max(16, p2(M))]
     return [dict(block_m=bm, block_n=bn, block_k=bk, group_m=8, strategy=st, regen_max_tiles=2, tile_n=64,
                  tile_k=64, tile_r=32, num_warps=w, num_stages=s)
             for st in strategies for bm in bms for bn in (64, 128) for bk in (32, 64) for w in (4, 8)
             for s in dev.stages if tc or (bm * bn <= 64 * 64)]
-
-
-def _apply_works(dev, c, M, N, K, R, e, ex, eo, has_base, tc, *, dw_needed=True):
-    """The GEMM Y (M x N) = X (M x K)·Dᵀ with D (N x K) = ΔW regenerated or materialized."""
-    rp = p2(R, 16)
-    bm, bn, bk = c["block_m"], c["block_n"], c["block_k"]
-    n_m, n_n = cdiv(M, bm), cdiv(N, bn)
-    regen = c["strategy"] == "regen" and rp <= MAX_HADA_RANK
-    works = []
-    if not regen and dw_needed:
-        works.append(Work(grid=cdiv(N, c["tile_n"]) * cdiv(K, c["tile_k"]), warps=4, stages=2,
-                          acc=3 * c["tile_n"] * c["tile_k"], smem=2 * (c["tile_n"] + c["tile_k"]) * c["tile_r"] * e,
-                          dram=N * K * e + 2 * (N + K) * R * e, mma=4.0 * N * K * max(R, 16), tc=tc))
-    dram = gemm_reads(M * K * ex, n_n, dev) + M * N * eo * (2 if has_base else 1)
-    mma = 2.0 * M * N * K
-    if regen:
-        dram += 2 * (N + K) * R * e
-        mma += n_m * 4.0 * N * K * rp
-        acc, smem = bm * bn + 2 * bn * bk, (bm * bk + 2 * (bn * rp + rp * bk)) * e
-    else:
-        dram += gemm_reads(N * K * e, n_m, dev)
-        acc, smem = bm * bn, (bm + bn) * bk * e
-    works.append(Work(grid=n_m * n_n, warps=c["num_warps"], stages=c["num_stages"], acc=acc, smem=smem, dram=dram,
-                      mma=mma, tc=tc, mma_tile=bm * bn * bk))
-    return works
 
 
 def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype, has_base: bool,
@@ -90,15 +63,13 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     tc = compute != torch.float32
 
     def work(c):
-        return _apply_works(dev, c, T, O, I, R, e, ex, eo, has_base, tc)
+        return models.apply_works(dev, c, T, O, I, R, e, ex, eo, has_base, tc, max_regen_rank=kernels.MAX_HADA_RANK)
 
-    eager = eager_time(dev, [(2 * (O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * 12, 0),
-                       (O * I * (4 + e), 0), (T * I * ex + O * I * e + T * O * 4, 2.0 * T * O * I),
-                       (T * O * (4 + eo) * (2 if has_base else 1), 0)], tc=tc)
+    eager = models.bypass_fwd_eager(dev, T, I, O, R, e, ex, eo, has_base, tc)
     plan = make_plan("loha_bypass_fwd", rank(_apply_configs(dev, T, R, tc), work, dev),
                      tile_axes=("strategy", "block_m", "block_n", "block_k"), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
-    if tc and T * O * I >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+    if tc and T * O * I >= models.VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
         # ΔW by the tile kernel, the T·O·I GEMM by cuBLAS (triton/loha.bypass_fwd(vendor=True)):
         # timed against eager, never the untimed pick
         add_before_eager(plan, {**plan.candidates[0], "strategy": "materialize", "vendor": True})
@@ -111,47 +82,21 @@ def _grad_configs(dev: DeviceFacts, tc: bool):
             if tc or bm * bn <= 64 * 64]
 
 
-def _grad_works(dev, c, O, I, R, e, eg, tc):
-    rp = p2(R, 16)
-    works = []
-    for M, N in ((O, I), (I, O)):
-        bm, bn = c["block_m"], c["block_n"]
-        n_m, steps = cdiv(M, bm), cdiv(N, bn)
-        split = c.get("split") or max(1, min(cdiv(2 * dev.sm_count, n_m), max(1, steps // 2)))
-        split = max(1, min(split, steps))
-        part = 2 * split * M * R * 4 if split > 1 else 0
-        works.append(Work(grid=n_m * split, warps=c["num_warps"], stages=c["num_stages"],
-                          acc=2 * bm * rp + 3 * bm * bn, smem=(bm * bn * eg + 2 * rp * bn * e),
-                          dram=M * N * eg + gemm_reads(2 * (M + N) * R * e, n_m, dev) + part + 2 * M * R * e,
-                          mma=8.0 * M * N * rp, tc=tc, mma_tile=bm * bn * rp))
-        if split > 1:
-            works.append(Work(grid=cdiv(M * R, 32 * 64), warps=4, dram=part + 2 * M * R * e, inflight=8192))
-    if len(works) == 2:  # neither job splits: triton/loha.merge_bwd runs both as one launch (the pair kernel)
-        a, b = works
-        works = [dataclasses.replace(a, grid=a.grid + b.grid, dram=a.dram + b.dram, mma=a.mma + b.mma)]
-    return works
-
-
 def plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, *, default=None, n: int = 5):
     e, eg = esize(compute), esize(g_dtype)
     tc = compute != torch.float32
 
     def work(c):
-        return _grad_works(dev, c, O, I, R, e, eg, tc)
+        return models.grad_works(dev, c, O, I, R, e, eg, tc)
 
-    eager = eager_time(dev, [((O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * (eg + 12), 0)] * 4
-                       + [(O * I * e + I * R * e + O * R * 4, 2.0 * O * I * R)] * 4, tc=tc)
+    eager = models.merge_bwd_eager(dev, O, I, R, e, eg, tc)
     plan = make_plan("loha_merge_bwd", rank(_grad_configs(dev, tc), work, dev), tile_axes=("block_m", "block_n"),
                      n=n, default=default, default_s=predict(work, default, dev), eager_s=eager)
-    if tc and O * I * R >= MERGE_VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+    if tc and O * I * R >= models.MERGE_VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
         # E1, E2 by one Triton pass, the four contractions by cuBLAS (triton/loha.merge_bwd(vendor=True)):
         # the fused jobs regenerate P1, P2 twice; timed against eager, never the untimed pick
         add_before_eager(plan, {**plan.candidates[0], "vendor": True})
     return plan
-
-
-#: the merge backward's vendor-GEMM candidate from this many multiply-adds per contraction (O·I·R)
-MERGE_VENDOR_MIN_MACS = 1 << 26
 
 
 def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
@@ -160,13 +105,14 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     tc = compute != torch.float32
 
     def gx_works(c):  # gx (T x I, K = O, ΔWᵀ regenerated or materialized)
-        return _apply_works(dev, c, T, I, O, R, e, eg, ex, False, tc)
+        return models.apply_works(dev, c, T, I, O, R, e, eg, ex, False, tc, max_regen_rank=kernels.MAX_HADA_RANK)
 
     def gw_works(c):  # GW = Gᵀ·x (O x I, K = T, plain)
-        return _apply_works(dev, {**c, "strategy": "materialize"}, O, I, T, 0, e, eg, e, False, tc, dw_needed=False)
+        return models.apply_works(dev, {**c, "strategy": "materialize"}, O, I, T, 0, e, eg, e, False, tc,
+                                  max_regen_rank=kernels.MAX_HADA_RANK, dw_needed=False)
 
     def grads(c):
-        return _grad_works(dev, c, O, I, R, e, e, tc)
+        return models.grad_works(dev, c, O, I, R, e, e, tc)
 
     default = default or {}
     d_cfg, d_grad = default.get("cfg"), default.get("grad_cfg")
@@ -195,8 +141,8 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     else:
         shared.add(("grad_pair",))
 
-    def kernels(c):  # the Triton compilations of a gx config, plus the shared ones
-        regen = c["strategy"] == "regen" and rp <= MAX_HADA_RANK
+    def compiles(c):  # the Triton compilations of a gx config, plus the shared ones
+        regen = c["strategy"] == "regen" and rp <= kernels.MAX_HADA_RANK
         out = shared | {("gx", regen, c["block_m"], c["block_n"], c["block_k"], c["group_m"], c["num_warps"],
                          c["num_stages"])}
         if not regen:
@@ -206,29 +152,21 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     fixed = t_gw + t_grad
     g_rank = [(t + fixed, c) for t, c in rank(_apply_configs(dev, T, R, tc), gx_works, dev)]
     t_d = predict(gx_works, d_cfg, dev)
-    eager = eager_time(dev, [(2 * (O + I) * R * e + O * I * 4, 2.0 * O * I * R)] * 2 + [(O * I * 12, 0)] * 6
-                       + [(T * O * eg + O * I * e + T * I * 4, 2.0 * T * O * I),
-                          (T * O * eg + T * I * ex + O * I * 4, 2.0 * T * O * I)]
-                       + [(O * I * e + I * R * e + O * R * 4, 2.0 * O * I * R)] * 4, tc=tc)
-    plan = make_shared_plan("loha_bypass_bwd", g_rank, kernels=kernels,
+    eager = models.bypass_bwd_eager(dev, T, I, O, R, e, ex, eg, tc)
+    plan = make_shared_plan("loha_bypass_bwd", g_rank, kernels=compiles,
                             tile_axes=("strategy", "block_m", "block_n", "block_k"), n=n, default=d_cfg,
                             default_s=None if t_d is None else t_d + fixed, eager_s=eager)
     plan.candidates = [c if tune.is_eager(c) else {"cfg": c, "grad_cfg": grad_cfg, "gw_cfg": gw_cfg}
                        for c in plan.candidates]
-    if tc and T * O * I >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+    if tc and T * O * I >= models.VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
         # the two T·O·I GEMMs by cuBLAS, the rest fused (triton/loha.bypass_bwd(vendor=True)): timed
         # against eager, never the untimed pick; its ΔW tile kernel is the first candidate's
         first = plan.candidates[0]
         vendor = {**first, "cfg": {**first["cfg"], "strategy": "materialize"}, "vendor": True}
         add_before_eager(plan, vendor)
-        if O * I * R >= MERGE_VENDOR_MIN_MACS:  # and the factor gradients by the merge's vendor path
+        if O * I * R >= models.MERGE_VENDOR_MIN_MACS:  # and the factor gradients by the merge's vendor path
             add_before_eager(plan, {**vendor, "merge_vendor": True})
     return plan
-
-
-#: the backward's vendor-GEMM candidate from this many multiply-adds per large GEMM (T·O·I):
-#: where both big GEMMs are long enough for cuBLAS to beat the fused ones (the tuner then times it)
-VENDOR_MIN_MACS = 1 << 32
 
 
 # =============================================================================== TileLang models
@@ -271,10 +209,10 @@ def _tl_gemm_plan(op, dev: DeviceFacts, M: int, N: int, K: int, e: int, eo: int,
 
 def _tl_vendor_twin(plan, macs: int):
     """``plan`` with its fixed config's ``vendor`` form second (backends/tilelang/kernels/loha.py: the T·O·I
-    GEMMs by cuBLAS) from VENDOR_MIN_MACS multiply-adds a GEMM, as the Triton shortlists: the
+    GEMMs by cuBLAS) from models.VENDOR_MIN_MACS multiply-adds a GEMM, as the Triton shortlists: the
     model does not rank cuBLAS, so the tuner times it (second: tried even when a cold key's
     TileLang compiles overrun the tune budget; it compiles nothing the first does not)."""
-    if macs >= VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
+    if macs >= models.VENDOR_MIN_MACS and plan.candidates and not tune.is_eager(plan.candidates[0]):
         add_second(plan, {**plan.candidates[0], "vendor": True}, plan.predicted[0])
     return plan
 
@@ -354,43 +292,28 @@ TILELANG = {
 }
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"loha_bypass_fwd": TL.bypass_fwd, "loha_bypass_bwd": TL.bypass_bwd, "loha_merge_bwd": TL.merge_bwd}[op](*args, **kw)
-
-
-# =============================================================================== op-set glue
-
 _F_BFWD, _F_BBWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front()
 
 
-def _bypass_bwd_default(TL, T, O, R, compute):
+def _bypass_bwd_default(T, O, R, compute):
     """The tiles ``bypass_bwd`` runs with when called without ``cfg``, ``grad_cfg`` and
     ``gw_cfg``, spelled out: gx's (T token rows), GW = Gᵀ·x's (O rows, plain) and the merge
     backward's."""
-    return {"cfg": _apply_default(TL, T, R, compute), "grad_cfg": as_dict(TL.default_grad_cfg(R, compute)),
-            "gw_cfg": _spelled(TL, O, R, compute, regen=False)}
+    return {"cfg": _apply_default(T, R, compute), "grad_cfg": as_dict(kernels.default_grad_cfg(R, compute)),
+            "gw_cfg": _spelled(O, R, compute, regen=False)}
 
 
-def _apply_default(TL, M, R, compute):
+def _apply_default(M, R, compute):
     """``ApplyCfg()`` with the launcher's automatic choices spelled out (strategy, tiles)."""
-    auto = getattr(TL, "_regen", None)
-    if auto is not None:
-        regen = bool(auto(M, R, TL.ApplyCfg(), compute))
-    else:
-        bm = TL.default_apply_cfg(M, 1, 1, R, compute, True).block_m
-        regen = p2(R, 16) <= MAX_HADA_RANK and cdiv(M, bm) <= TL.ApplyCfg().regen_max_tiles
-    return _spelled(TL, M, R, compute, regen)
+    return _spelled(M, R, compute, bool(kernels._regen(M, R, kernels.ApplyCfg(), compute)))
 
 
-def _spelled(TL, M, R, compute, regen: bool):
+def _spelled(M, R, compute, regen: bool):
     """The launcher's automatic tiles for M rows and a given strategy, as an explicit config."""
-    d = TL.default_apply_cfg(M, 1, 1, R, compute, regen)
-    return as_dict(TL.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k,
-                               strategy="regen" if regen else "materialize", num_warps=d.num_warps,
-                               num_stages=TL.ApplyCfg().num_stages))
+    d = kernels.default_apply_cfg(M, 1, 1, R, compute, regen)
+    return as_dict(kernels.ApplyCfg(block_m=d.block_m, block_n=d.block_n, block_k=d.block_k,
+                                    strategy="regen" if regen else "materialize", num_warps=d.num_warps,
+                                    num_stages=kernels.ApplyCfg().num_stages))
 
 
 def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
@@ -407,16 +330,15 @@ def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
     O, R = (int(s) for s in a1.shape)
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     out = x.dtype if base is None else base.dtype
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "w": a1.dtype, "out": out, "base": base is not None})
     return tune.pick(
         "loha_bypass_fwd", BACKEND, key,
         lambda: plan_bypass_fwd(facts(dev), T, I, O, R, compute, x.dtype, out, base is not None,
-                                default=_apply_default(TL, T, R, compute)),
-        lambda kw: launch("loha_bypass_fwd", x, a1, b1, a2, b2, gamma, base, **kw),
-        lambda: reference_module(FAMILY).loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
-        device=dev, version=version(), resolve=lambda c: _vendor_launch(TL.ApplyCfg, c), front=(_F_BFWD, fk))
+                                default=_apply_default(T, R, compute)),
+        lambda kw: kernels.bypass_fwd(x, a1, b1, a2, b2, gamma, base, **kw),
+        lambda: reference.loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
+        device=dev, version=version(), resolve=lambda c: _vendor_launch(kernels.ApplyCfg, c), front=(_F_BFWD, fk), prepare=precompile.precompile)
 
 
 def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
@@ -431,22 +353,21 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
     T, I = (int(s) for s in x.shape)
     O, R = (int(s) for s in a1.shape)
     compute = compute_dtype(x.dtype, a1.dtype, b1.dtype, a2.dtype, b2.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "g": grad.dtype, "w": a1.dtype})
-    default = _bypass_bwd_default(TL, T, O, R, compute)
+    default = _bypass_bwd_default(T, O, R, compute)
     return tune.pick(
         "loha_bypass_bwd", BACKEND, key,
         lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype, default=default),
-        lambda kw: launch("loha_bypass_bwd", grad, x, a1, b1, a2, b2, gamma, **kw),
-        lambda: reference_module(FAMILY).loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma),
+        lambda kw: kernels.bypass_bwd(grad, x, a1, b1, a2, b2, gamma, **kw),
+        lambda: reference.loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma),
         device=dev, version=version(),
-        resolve=lambda c: {"cfg": TL.ApplyCfg(**c["cfg"]),
-                           "grad_cfg": None if c.get("grad_cfg") is None else TL.GradCfg(**c["grad_cfg"]),
-                           "gw_cfg": None if c.get("gw_cfg") is None else TL.ApplyCfg(**c["gw_cfg"]),
+        resolve=lambda c: {"cfg": kernels.ApplyCfg(**c["cfg"]),
+                           "grad_cfg": None if c.get("grad_cfg") is None else kernels.GradCfg(**c["grad_cfg"]),
+                           "gw_cfg": None if c.get("gw_cfg") is None else kernels.ApplyCfg(**c["gw_cfg"]),
                            **({"vendor": True} if c.get("vendor") else {}),
                            **({"merge_vendor": True} if c.get("merge_vendor") else {})},
-        front=(_F_BBWD, fk))
+        front=(_F_BBWD, fk), prepare=precompile.precompile)
 
 
 def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
@@ -461,15 +382,14 @@ def merge_bwd_kwargs(grad, a1, b1, a2, b2, gamma):
     O, R = (int(s) for s in a1.shape)
     I = int(b1.shape[1])
     compute = compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "R": R}, flags={"g": grad.dtype, "w": a1.dtype})
     return tune.pick(
         "loha_merge_bwd", BACKEND, key,
         lambda: plan_merge_bwd(facts(dev), O, I, R, compute, grad.dtype,
-                               default=as_dict(TL.default_grad_cfg(R, compute))),
-        lambda kw: launch("loha_merge_bwd", grad, a1, b1, a2, b2, gamma, **kw),
-        lambda: reference_module(FAMILY).loha_merge_bwd(grad, a1, b1, a2, b2, gamma),
-        device=dev, version=version(), resolve=lambda c: _vendor_launch(TL.GradCfg, c), front=(_F_MBWD, fk))
+                               default=as_dict(kernels.default_grad_cfg(R, compute))),
+        lambda kw: kernels.merge_bwd(grad, a1, b1, a2, b2, gamma, **kw),
+        lambda: reference.loha_merge_bwd(grad, a1, b1, a2, b2, gamma),
+        device=dev, version=version(), resolve=lambda c: _vendor_launch(kernels.GradCfg, c), front=(_F_MBWD, fk), prepare=precompile.precompile)
 
 
 def _vendor_launch(cfg_type, c):
@@ -479,17 +399,8 @@ def _vendor_launch(cfg_type, c):
     return {"cfg": cfg, "vendor": True} if c.get("vendor") else {"cfg": cfg}
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """(op, args) of one LoHa layer at T tokens, for ``tune.warmup``."""
-    O, I, r = layer.out_features, layer.in_features, layer.rank
-    a1, a2 = rand((O, r), dtype, device, gen, 0.1), rand((O, r), dtype, device, gen, 0.1)
-    b1, b2 = rand((r, I), dtype, device, gen, 0.1), rand((r, I), dtype, device, gen, 0.1)
-    x = rand((T, I), dtype, device, gen)
-    return [("loha_bypass_fwd", (x, a1, b1, a2, b2, 1.0, None)),
-            ("loha_bypass_bwd", (rand((T, O), dtype, device, gen), x, a1, b1, a2, b2, 1.0)),
-            ("loha_merge_bwd", (rand((O, I), dtype, device, gen), a1, b1, a2, b2, 1.0))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"loha_bypass_fwd": bypass_fwd_kwargs, "loha_bypass_bwd": bypass_bwd_kwargs,
           "loha_merge_bwd": merge_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"loha_bypass_fwd": kernels.bypass_fwd, "loha_bypass_bwd": kernels.bypass_bwd,
+             "loha_merge_bwd": kernels.merge_bwd}

@@ -33,43 +33,33 @@ import math
 
 import torch
 
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import fusedkit, lokr as kernels
+from lycoris_ops.reference import lokr as reference
+from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import (Work, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist)
+from lycoris_ops.tuner.keys import as_dict
+from lycoris_ops.tuner.cost import (Work, add_second, cdiv, esize, make_plan, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist)
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import lokr as models
 from lycoris_ops.backends.triton.tuning.oft import TL_ACC_PER_THREAD
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "lokr"
-REG_TILE = 16384  # OPS.md §4.4: fp32 register tile per program
-BWD_LIVE = 32768
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("fusedkit"))
-
-
-def _p16(n):
-    return p2(n, 16)
+    return tune.source_version(kernels, fusedkit)
 
 
 # =============================================================================== merges
 
-def _merge_geometry(a, b, c, d, swap):
-    return (a, b, c, d) if swap else (c, d, a, b)  # M1, N1 (tile), M2, N2 (loop)
-
-
 def _merge_configs(dev: DeviceFacts, a, b, c, d, r1, r2, grad):
     out = []
     for swap in (False, True):
-        M1, N1, _, _ = _merge_geometry(a, b, c, d, swap)
+        M1, N1, _, _ = models.merge_geometry(a, b, c, d, swap)
         for bm in (16, 32, 64, 128):
             if bm > max(16, p2(M1)):
                 continue
@@ -84,78 +74,38 @@ def _merge_configs(dev: DeviceFacts, a, b, c, d, r1, r2, grad):
     return out
 
 
-def _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, grad):
-    swap = cfg["swap"]
-    M1, N1, M2, N2 = _merge_geometry(a, b, c, d, swap)
-    rt, rl = (r1, r2) if swap else (r2, r1)  # tile side rank, loop side rank (0: whole)
-    bm, bn = cfg["block_m"], cfg["block_n"]
-    n_tiles = cdiv(M1, bm) * cdiv(N1, bn)
-    E = M2 * N2
-    split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E))
-    split = cdiv(E, cdiv(E, split))
-    run = (min(bn, N1) if not swap else 1) * (eo if not grad else e)
-    sector = max(1.0, 32.0 / run)
-    out_bytes = a * b * c * d * (eo + eb)
-    gen = 2.0 * M1 * N1 * rt * split + 2.0 * E * rl * n_tiles
-    works = [Work(grid=n_tiles * split, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=bm * bn * (2 if grad
-                  else 1), smem=(bm + bn) * cfg["block_r"] * e if rt else 0, dram=out_bytes * sector
-                  + (M1 * max(rt, 1) + max(rt, 1) * N1) * e * split + E * e, mma=gen, fma=a * b * c * d * 2.0,
-                  inflight=bm * bn * (eo + eb))]
-    if grad:
-        parts = (split * M1 * N1 if (rt or split > 1) else 0) + (n_tiles * E if (rl or n_tiles > 1) else 0)
-        works[0].dram += parts * 4
-        if parts:
-            works.append(Work(grid=cdiv(M1 * N1 + E, 2048), warps=4, dram=parts * 4 + (M1 * N1 + E) * e,
-                              mma=2.0 * (M1 * N1 * rt + E * rl), inflight=8192, launches=2 if (rt or rl) else 1))
-    return works
-
-
-def _merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, grad):
-    """Predicted seconds of the eager merge (sides, kron, scale and base; the backward's two
-    contractions and factor chains)."""
-    e = esize(compute)
-    O, I = a * c, b * d
-    steps = [((a + b) * max(r1, 1) * e + a * b * 4, 2.0 * a * b * r1), ((c + d) * max(r2, 1) * e + c * d * 4,
-                                                                         2.0 * c * d * r2),
-             (O * I * 4 + (a * b + c * d) * 4, 0), (O * I * (4 + eo + eb), 0)]
-    if grad:
-        steps += [(O * I * (eo + 4) * 2, 2.0 * O * I)] * 2 + [((a * b + c * d) * 8, 0)] * 4
-    return eager_time(dev, steps, tc=compute != torch.float32)
-
-
 def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: int, r2: int, compute, out_dtype,
                base_dtype, *, grad: bool = False, default=None, n: int = 5):
     """``lokr_(full_)merge_fwd`` (grad False; out/base dtypes) or ``..._bwd`` (grad True; out = G)."""
     e, eo, eb = esize(compute), esize(out_dtype), esize(base_dtype)
 
     def work(cfg):
-        return _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, grad)
+        return models.merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, grad)
 
     ranked = rank(_merge_configs(dev, a, b, c, d, r1, r2, grad), work, dev)
-    eager_s = _merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, grad)
+    eager_s = models.merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, grad)
     if not grad:
         return make_plan(op, ranked, tile_axes=("swap", "block_m", "block_n"), n=n, default=default,
                          default_s=predict(work, default, dev), eager_s=eager_s)
 
-    def kernels(cfg):  # the Triton compilations (backends/triton/kernels/lokr.py merge_bwd; the reductions' counts unspecialized)
+    def compiles(cfg):  # the Triton compilations (backends/triton/kernels/lokr.py merge_bwd; the reductions' counts unspecialized)
         swap = bool(cfg["swap"])
-        M1, N1, M2, N2 = _merge_geometry(a, b, c, d, swap)
+        M1, N1, M2, N2 = models.merge_geometry(a, b, c, d, swap)
         rt, rl = (r1, r2) if swap else (r2, r1)
         n_tiles, E = cdiv(M1, cfg["block_m"]) * cdiv(N1, cfg["block_n"]), M2 * N2
-        TK = triton_module("lokr")
-        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, TK._grad_split_cap(E, rt, M1, N1)))
+        split = max(1, min(cdiv(4 * dev.sm_count, n_tiles), E, kernels._grad_split_cap(E, rt, M1, N1)))
         grad_kernel = ("kron_grad", swap, cfg["block_m"], cfg["block_n"], cfg["block_r"], cfg["block_rl"],
                        cfg["num_warps"], cfg["num_stages"])
         reduces, chains = [], []
         for side, fact, parts in (("tile", rt, split), ("loop", rl, n_tiles)):
             if fact:  # g_a = (Σ partials)·bᵀ, g_b = aᵀ·(Σ partials), after a presum of a deep stack
                 chains.append(side)
-                if TK._presums(parts, *((M1, N1) if side == "tile" else (M2, N2))):
+                if kernels._presums(parts, *((M1, N1) if side == "tile" else (M2, N2))):
                     reduces.append(side)
             elif parts > 1:
                 reduces.append(side)
         dims = [(M1, N1, rt) if side == "tile" else (M2, N2, rl) for side in chains]
-        if TK._chain_fuses(n_tiles * split, len(reduces), dims):  # the chains inside the one program
+        if kernels._chain_fuses(n_tiles * split, len(reduces), dims):  # the chains inside the one program
             return {grad_kernel + ("chain",)}
         out = {grad_kernel}
         if reduces:  # two reduces share one launch (_fusedkit.reduce_pair_launch)
@@ -166,50 +116,21 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
 
     # the candidates share the tiled side (swap): the partial reductions / factor-gradient
     # GEMMs after the main kernel compile once per key
-    return make_shared_plan(op, ranked, kernels=kernels, structure=lambda cfg: bool(cfg["swap"]),
+    return make_shared_plan(op, ranked, kernels=compiles, structure=lambda cfg: bool(cfg["swap"]),
                             tile_axes=("block_m", "block_n"), n=n, default=default,
                             default_s=predict(work, default, dev), eager_s=eager_s)
 
 
 # =============================================================================== bypass
 
-def _fwd_cost(a, b, c, d, split):
-    return b * c * (d + (2 if split else 1) * a)
-
-
-def _fwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
-               has_base: bool):
-    """(work of a config, eager seconds) of ``lokr_bypass_fwd``."""
-    e, ex, eo = esize(compute), esize(x_dtype), esize(out_dtype)
-    tc = compute != torch.float32
-    split = compute != torch.float32
-
-    def work(cfg):
-        A, B, C, D = (c, d, a, b) if cfg["swap"] else (a, b, c, d)
-        bt, bc, bd, ba = cfg["block_t"], cfg["block_c"], cfg["block_d"], cfg["block_a"]
-        BB = _p16(B)
-        if bc > max(16, min(128, _p16(C))) or bd > _p16(D) or ba > _p16(A) or bt * BB * bc > REG_TILE:
-            return None
-        n_t, n_c = cdiv(T, bt), cdiv(C, bc)
-        mma = T * 2.0 * _fwd_cost(A, B, C, D, split and cfg.get("split", True))
-        return Work(grid=n_t * n_c, warps=cfg["num_warps"], stages=cfg["num_stages"],
-                    acc=bt * BB * bc + bt * ba * bc, smem=(bt * BB * bd * ex + bd * bc * e),
-                    dram=gemm_reads(T * b * d * ex, n_c, dev) + T * a * c * eo * (2 if has_base else 1)
-                    + (a * b + c * d) * e, mma=mma, tc=tc)
-
-    steps = [(T * b * d * ex + c * d * e + T * b * c * 4, 2.0 * T * b * c * d), (T * b * c * 8, 0),
-             (T * b * c * 4 + a * b * 4 + T * a * c * 4, 2.0 * T * a * b * c), (T * a * c * (4 + eo), 0)]
-    return work, eager_time(dev, steps, tc=tc)
-
-
 def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
                     has_base: bool, *, default=None, n: int = 5):
-    work, eager_s = _fwd_model(dev, T, a, b, c, d, compute, x_dtype, out_dtype, has_base)
+    work, eager_s = models.fwd_model(dev, T, a, b, c, d, compute, x_dtype, out_dtype, has_base)
     # split False (16-bit): Z = X_t·w2ᵀ rounded to 16 bits before w1·Z, where eager rounds it
     # (one dot instead of the hi/lo pair's two); the default keeps Z unrounded, and the
     # tuner checks every candidate against eager
     splits = (True,) if compute == torch.float32 else (True, False)
-    cfgs = [dict(block_t=bt, block_d=bd, block_c=bc, block_a=min(_p16(c if sw else a), 64), split=sp, swap=sw,
+    cfgs = [dict(block_t=bt, block_d=bd, block_c=bc, block_a=min(models.p16(c if sw else a), 64), split=sp, swap=sw,
                  num_warps=w, num_stages=s)
             for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
             for bc in (16, 32, 64, 128) for bd in (16, 64) for w in (4, 8) for s in (1, 2) for sp in splits]
@@ -226,70 +147,10 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
     return plan
 
 
-def _bwd_cost(a, b, c, d, split):
-    k = 2 if split else 1
-    return a * c * d + k * b * a * d + k * a * d * b + a * b * d + k * c * a * d
-
-
-def reduce_work(n_partials: int, n_out: int, dev: DeviceFacts, out_size: int) -> Work:
-    """``triton/_fusedkit.reduce_launch`` summing ``n_partials`` fp32 partials of ``n_out``
-    elements: its grid (``reduce_block`` elements a program) and its in-flight bytes (8
-    partial rows of that width a step)."""
-    be = triton_module("fusedkit").reduce_block(n_out, dev.sm_count)
-    return Work(grid=cdiv(n_out, be), warps=4, dram=n_partials * n_out * 4 + n_out * out_size,
-                inflight=8 * be * 4, name="reduce")
-
-
-def reduce_pair_work(n_partials: int, n_outs, dev: DeviceFacts, out_size: int) -> Work:
-    """``triton/_fusedkit.reduce_pair_launch``: two reductions of ``n_partials`` partials in
-    one grid, the tile width the larger output's."""
-    be = triton_module("fusedkit").reduce_block(max(n_outs), dev.sm_count)
-    return Work(grid=sum(cdiv(n, be) for n in n_outs), warps=4,
-                dram=sum(n_partials * n * 4 + n * out_size for n in n_outs), inflight=8 * be * 4, name="reduce")
-
-
-def _bwd_live(bt, ba, bb, bc, bd, passes, hi_lo=True):
-    k = 2 if hi_lo else 1  # H and P (BD wide) held as hi/lo pairs
-    tiles = bt * (ba * bc + k * ba * bd + k * bb * bd)
-    return tiles + (ba * bb + bc * bd if passes == 1 else max(ba * bb, bc * bd))
-
-
-def _bwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, g_dtype):
-    """(work of a config, eager seconds) of ``lokr_bypass_bwd``. ``work(cfg, live)``: ``live``
-    the fp32 elements a program keeps in registers (None: the Triton kernel's, at most BWD_LIVE)."""
-    e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
-    tc = compute != torch.float32
-    split = compute != torch.float32
-
-    def work(cfg, live=None):
-        A, B, C, D = (c, d, a, b) if cfg["swap"] else (a, b, c, d)
-        bt, passes = cfg["block_t"], cfg["passes"]
-        hi_lo = split and cfg.get("split", True)
-        if live is None:
-            live = _bwd_live(bt, _p16(A), _p16(B), _p16(C), _p16(D), passes, hi_lo)
-            if live > BWD_LIVE:
-                return None
-        n_tiles = cdiv(T, bt)
-        progs = _tl().bwd_grid(cfg.get("programs", 0), cfg["num_warps"], dev.sm_count, n_tiles,
-                               T * (A * C + B * D))[0]
-        part = progs * (A * B + C * D) * 4 if progs > 1 else 0
-        works = [Work(grid=progs, warps=cfg["num_warps"], stages=cfg["num_stages"], acc=live,
-                      dram=(T * a * c * eg + T * b * d * ex) * passes + T * b * d * ex + part,
-                      mma=T * 2.0 * _bwd_cost(A, B, C, D, hi_lo) * (1.1 if passes > 1 else 1.0), tc=tc,
-                      launches=passes, inflight=bt * (_p16(A) * _p16(C) * eg + _p16(B) * _p16(D) * ex))]
-        if part:  # both gradients' partial stacks: one launch (triton/_fusedkit.reduce_pair_launch)
-            works.append(reduce_pair_work(progs, (A * B, C * D), dev, e))
-        return works
-
-    O, I = a * c, b * d
-    steps = [(T * O * eg + c * d * e + T * a * d * 4, 2.0 * T * O * d)] * 4 + [(T * (O + I) * 8, 0)] * 3 \
-        + [(T * I * (4 + ex), 0)]
-    return work, eager_time(dev, steps, tc=tc)
-
-
 def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, g_dtype, *,
                     default=None, n: int = 5):
-    work, eager_s = _bwd_model(dev, T, a, b, c, d, compute, x_dtype, g_dtype)
+    work, eager_s = models.bwd_model(dev, T, a, b, c, d, compute, x_dtype, g_dtype, grid=kernels.bwd_grid,
+                                     reduce_block=fusedkit.reduce_block)
     # 16-bit: 4 warps only (8 were 1.5-3x slower at every setting the H200 timed, which
     # the model cannot see: triton/lokr.bwd_grid); programs 0 = the launcher's two per
     # SM at 4 warps, sm_count = one. split False: H and P rounded to 16 bits as eager rounds
@@ -373,7 +234,7 @@ def tl_kernels(op: str, dims, cfg: dict) -> tuple:
 def bypass_footprint(kind: str, dims, bt: int) -> tuple:
     """(shared-memory elements, fp32 fragment elements) of a bypass kernel on factors dims at
     bt tokens per step: ``backends/tilelang/kernels/lokr.py``'s allocations (padded dims)."""
-    Ap, Bp, Cp, Dp = (_p16(n) for n in dims)
+    Ap, Bp, Cp, Dp = (models.p16(n) for n in dims)
     if kind == "apply":  # xs, w1s, w2s, zs | z, y
         return bt * Bp * Dp + Ap * Bp + Cp * Dp + Bp * bt * Cp, bt * Bp * Cp + Ap * bt * Cp
     if kind == "wgrad1":  # xs, w2s, gs, zs | z, g1
@@ -455,10 +316,10 @@ def _tl_kron(op, dev, dims, r1, r2, compute, out_dtype, base, n):
         cfg = dict(block_m=k["BM"], block_n=k["BN"], block_r=16, block_rl=16, swap=False,
                    num_warps=k["threads"] // 32, num_stages=max(1, k.get("stages", 0)))
         if k.get("stream"):
-            return _merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, False)
-        return _merge_works(dev, {**cfg, "num_stages": 1}, 1, 1, a * c, b * d, 0, 0, e, eo, eb, False)
+            return models.merge_works(dev, cfg, a, b, c, d, r1, r2, e, eo, eb, False)
+        return models.merge_works(dev, {**cfg, "num_stages": 1}, 1, 1, a * c, b * d, 0, 0, e, eo, eb, False)
 
-    return _tl_plan(op, dev, dims, e, work, _merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, False), n)
+    return _tl_plan(op, dev, dims, e, work, models.merge_eager(dev, a, b, c, d, r1, r2, compute, eo, eb, False), n)
 
 
 def _tl_grads(op, dev, dims, r1, r2, compute, g_dtype, n):
@@ -474,19 +335,19 @@ def _tl_grads(op, dev, dims, r1, r2, compute, g_dtype, n):
             return None  # its finishing kernel's factor blocks would not fit shared memory
         cfg = dict(block_m=bc, block_n=bd, block_r=16, block_rl=16, swap=False, num_warps=threads // 32,
                    num_stages=max([1, *stages]))
-        works = _merge_works(dev, cfg, a, b, c, d, 0, 0, e, eg, 0, True)
+        works = models.merge_works(dev, cfg, a, b, c, d, 0, 0, e, eg, 0, True)
         if kind == "grads1":
             return works
         return [Work(grid=a * b, warps=threads // 32, acc=bc * bd, dram=a * b * c * d * eg + c * d * e,
                      fma=2.0 * a * b * c * d, inflight=bc * bd * eg)] + works
 
-    return _tl_plan(op, dev, dims, e, work, _merge_eager(dev, a, b, c, d, r1, r2, compute, eg, 0, True), n)
+    return _tl_plan(op, dev, dims, e, work, models.merge_eager(dev, a, b, c, d, r1, r2, compute, eg, 0, True), n)
 
 
 def _tl_apply_cfg(dims, bt: int, threads: int) -> dict:
     """The Triton forward bypass config of kron_apply's program: bt tokens, whole padded
     factors (block_a, block_c, block_d), no swap; threads -> warps, one stage."""
-    Ap, _, Cp, Dp = (_p16(n) for n in dims)
+    Ap, _, Cp, Dp = (models.p16(n) for n in dims)
     return dict(block_t=bt, block_c=Cp, block_d=Dp, block_a=Ap, split=True, swap=False, num_warps=threads // 32,
                 num_stages=1)
 
@@ -507,7 +368,7 @@ def _full_merge_bwd_tl(dev, grad, w1, w2, gamma, n: int = TL_N):
 
 def _tl_factored(w1a, w1b, w2a, w2b, shape) -> tuple:
     """(a, b, c, d, r1, r2) of a factored merge (rank 0: a whole factor)."""
-    return (*(int(s) for s in shape), *_ranks(w1b, w1a, w2b, w2a))
+    return (*(int(s) for s in shape), *models.ranks(w1b, w1a, w2b, w2a))
 
 
 def _merge_fwd_tl(dev, w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, n: int = TL_N):
@@ -540,7 +401,7 @@ def _with_staged_twin(plan, dev: DeviceFacts, kd, csize: int, osize: int, bsize:
 def _bypass_fwd_tl(dev, x, w1, w2, gamma, base=None, n: int = TL_N):
     """kron_apply through the Triton forward bypass model (``_tl_apply_cfg``)."""
     dims, compute = _tl_dims(w1, w2), compute_dtype(x.dtype, w1.dtype, w2.dtype)
-    work, eager = _fwd_model(dev, int(x.shape[0]), *dims, compute, x.dtype, x.dtype if base is None else base.dtype,
+    work, eager = models.fwd_model(dev, int(x.shape[0]), *dims, compute, x.dtype, x.dtype if base is None else base.dtype,
                              base is not None)
 
     def tl_work(k):
@@ -560,8 +421,9 @@ def _bypass_bwd_tl(dev, grad, x, w1, w2, gamma, n: int = TL_N):
     T, dims = int(x.shape[0]), _tl_dims(w1, w2)
     a, b, c, d = dims
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
-    gx_work, _ = _fwd_model(dev, T, b, a, d, c, compute, grad.dtype, x.dtype, False)
-    wg_work, eager = _bwd_model(dev, T, a, b, c, d, compute, x.dtype, grad.dtype)
+    gx_work, _ = models.fwd_model(dev, T, b, a, d, c, compute, grad.dtype, x.dtype, False)
+    wg_work, eager = models.bwd_model(dev, T, a, b, c, d, compute, x.dtype, grad.dtype, grid=kernels.bwd_grid,
+                                       reduce_block=fusedkit.reduce_block)
 
     def tl_work(k):
         (_, (kd, bt), threads), (_, (_, bt1), th1), (_, (_, bt2), th2) = tl_kernels("lokr_bypass_bwd", dims, k)
@@ -586,62 +448,26 @@ TILELANG = {
     "lokr_bypass_bwd": (_bypass_bwd_tl, lambda g, x, w1, w2, *a: _tl_dims(w1, w2)),
 }
 
-def _full_merge_fwd(w1, w2, base, gamma, out_dtype=None, **kw):
-    (a, b), (c, d) = w1.shape, w2.shape
-    return _tl().merge_fwd(w1, None, w2, None, a, b, c, d, base, gamma, w2.dtype if out_dtype is None else out_dtype,
-                           **kw)
-
-
-def _full_merge_bwd(grad, w1, w2, gamma, **kw):
-    (a, b), (c, d) = w1.shape, w2.shape
-    g1, _, g2, _ = _tl().merge_bwd(grad, w1, None, w2, None, a, b, c, d, gamma, **kw)
-    return g1, g2
-
-
-def _merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None, **kw):
-    a, b, c, d = (int(s) for s in shape)
-    return _tl().merge_fwd(w1a, w1b, w2a, w2b, a, b, c, d, base, gamma, w2a.dtype if out_dtype is None else out_dtype,
-                           **kw)
-
-
-def _merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, **kw):
-    a, b, c, d = (int(s) for s in shape)
-    return _tl().merge_bwd(grad, w1a, w1b, w2a, w2b, a, b, c, d, gamma, **kw)
-
-
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"lokr_full_merge_fwd": _full_merge_fwd, "lokr_full_merge_bwd": _full_merge_bwd,
-            "lokr_merge_fwd": _merge_fwd, "lokr_merge_bwd": _merge_bwd,
-            "lokr_bypass_fwd": TL.bypass_fwd, "lokr_bypass_bwd": TL.bypass_bwd}[op](*args, **kw)
-
-
-# =============================================================================== op-set glue
-
 _F = {k: tune.Front() for k in ("ffwd", "fbwd", "mfwd", "mbwd", "bfwd", "bbwd")}
 
 
-def _merge_default(TL, a, b, c, d, compute):
-    cfg = TL.default_merge_cfg(c, d, a, b, compute)
-    swap = TL._swap_default(a, b, c, d) if hasattr(TL, "_swap_default") else False
-    return {**as_dict(cfg), "swap": bool(swap)}
+def _merge_default(a, b, c, d, compute):
+    """The launcher's automatic merge config (default tiles, tiled side) spelled out."""
+    return {**as_dict(kernels.default_merge_cfg(c, d, a, b, compute)), "swap": bool(kernels._swap_default(a, b, c, d))}
 
 
 def _merge_kwargs(op, fk_name, fk, a, b, c, d, r1, r2, compute, out_dtype, base_dtype, grad, dev, fused, eager):
     hit = _F[fk_name].get(fk)
     if hit is not None:
         return hit
-    TL = _tl()
     key = tune.shape_key(compute, exact={"a": a, "b": b, "c": c, "d": d, "r1": r1, "r2": r2},
                          flags={"out": out_dtype, "base": base_dtype})
     return tune.pick(
         op, BACKEND, key,
         lambda: plan_merge(op, facts(dev), a, b, c, d, r1, r2, compute, out_dtype, base_dtype, grad=grad,
-                           default=_merge_default(TL, a, b, c, d, compute)),
-        fused, eager, device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.MergeCfg(**cfg)},
-        front=(_F[fk_name], fk))
+                           default=_merge_default(a, b, c, d, compute)),
+        fused, eager, device=dev, version=version(), resolve=lambda cfg: {"cfg": kernels.MergeCfg(**cfg)},
+        front=(_F[fk_name], fk), prepare=precompile.precompile)
 
 
 def full_merge_fwd_kwargs(w1, w2, base, gamma, out_dtype=None):
@@ -654,8 +480,8 @@ def full_merge_fwd_kwargs(w1, w2, base, gamma, out_dtype=None):
     fk = (w1.shape, w2.shape, w1.dtype, w2.dtype, None if base is None else base.dtype, out, dev)
     return _merge_kwargs("lokr_full_merge_fwd", "ffwd", fk, int(a), int(b), int(c), int(d), 0, 0,
                          compute_dtype(w1.dtype, w2.dtype), out, None if base is None else base.dtype, False, dev,
-                         lambda kw: launch("lokr_full_merge_fwd", w1, w2, base, gamma, out_dtype, **kw),
-                         lambda: reference_module(FAMILY).lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype))
+                         lambda kw: kernels.lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype, **kw),
+                         lambda: reference.lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype))
 
 
 def full_merge_bwd_kwargs(grad, w1, w2, gamma):
@@ -667,12 +493,8 @@ def full_merge_bwd_kwargs(grad, w1, w2, gamma):
     fk = (w1.shape, w2.shape, grad.dtype, w1.dtype, w2.dtype, dev)
     return _merge_kwargs("lokr_full_merge_bwd", "fbwd", fk, int(a), int(b), int(c), int(d), 0, 0,
                          compute_dtype(w1.dtype, w2.dtype), grad.dtype, None, True, dev,
-                         lambda kw: launch("lokr_full_merge_bwd", grad, w1, w2, gamma, **kw),
-                         lambda: reference_module(FAMILY).lokr_full_merge_bwd(grad, w1, w2, gamma))
-
-
-def _ranks(w1b, w1a, w2b, w2a):
-    return (0 if w1b is None else int(w1a.shape[1])), (0 if w2b is None else int(w2a.shape[1]))
+                         lambda kw: kernels.lokr_full_merge_bwd(grad, w1, w2, gamma, **kw),
+                         lambda: reference.lokr_full_merge_bwd(grad, w1, w2, gamma))
 
 
 def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
@@ -681,14 +503,14 @@ def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
     if dev.type not in DEVICE_TYPES:
         return {}
     a, b, c, d = (int(s) for s in shape)
-    r1, r2 = _ranks(w1b, w1a, w2b, w2a)
+    r1, r2 = models.ranks(w1b, w1a, w2b, w2a)
     out = w2a.dtype if out_dtype is None else out_dtype
     dts = tuple(None if t is None else t.dtype for t in (w1a, w1b, w2a, w2b, base))
     fk = (a, b, c, d, r1, r2, dts, out, dev)
     return _merge_kwargs("lokr_merge_fwd", "mfwd", fk, a, b, c, d, r1, r2,
                          compute_dtype(*dts[:4]), out, dts[4], False, dev,
-                         lambda kw: launch("lokr_merge_fwd", w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype, **kw),
-                         lambda: reference_module(FAMILY).lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma,
+                         lambda kw: kernels.lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype, **kw),
+                         lambda: reference.lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma,
                                                                          out_dtype))
 
 
@@ -698,12 +520,12 @@ def merge_bwd_kwargs(grad, w1a, w1b, w2a, w2b, shape, gamma):
     if dev.type not in DEVICE_TYPES:
         return {}
     a, b, c, d = (int(s) for s in shape)
-    r1, r2 = _ranks(w1b, w1a, w2b, w2a)
+    r1, r2 = models.ranks(w1b, w1a, w2b, w2a)
     dts = tuple(None if t is None else t.dtype for t in (w1a, w1b, w2a, w2b))
     fk = (a, b, c, d, r1, r2, dts, grad.dtype, dev)
     return _merge_kwargs("lokr_merge_bwd", "mbwd", fk, a, b, c, d, r1, r2, compute_dtype(*dts), grad.dtype, None,
-                         True, dev, lambda kw: launch("lokr_merge_bwd", grad, w1a, w1b, w2a, w2b, shape, gamma, **kw),
-                         lambda: reference_module(FAMILY).lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma))
+                         True, dev, lambda kw: kernels.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, **kw),
+                         lambda: reference.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma))
 
 
 def _bypass_default(default_fn, cost, T, a, b, c, d, compute):
@@ -727,22 +549,21 @@ def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
     (a, b), (c, d) = ((int(s) for s in w1.shape), (int(s) for s in w2.shape))
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
     out = x.dtype if base is None else base.dtype
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"a": a, "b": b, "c": c, "d": d},
                          flags={"x": x.dtype, "out": out, "base": base is not None})
 
     def plan():
         try:
-            default = _bypass_default(TL.default_bypass_fwd_cfg, _fwd_cost, T, a, b, c, d, compute)
+            default = _bypass_default(kernels.default_bypass_fwd_cfg, models.fwd_cost, T, a, b, c, d, compute)
         except Exception:
             default = None
         return plan_bypass_fwd(facts(dev), T, a, b, c, d, compute, x.dtype, out, base is not None, default=default)
 
     return tune.pick(
         "lokr_bypass_fwd", BACKEND, key, plan,
-        lambda kw: launch("lokr_bypass_fwd", x, w1, w2, gamma, base, **kw),
-        lambda: reference_module(FAMILY).lokr_bypass_fwd(x, w1, w2, gamma, base),
-        device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk))
+        lambda kw: kernels.bypass_fwd(x, w1, w2, gamma, base, **kw),
+        lambda: reference.lokr_bypass_fwd(x, w1, w2, gamma, base),
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": kernels.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk), prepare=precompile.precompile)
 
 
 def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
@@ -757,51 +578,28 @@ def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
     T = int(x.shape[0])
     (a, b), (c, d) = ((int(s) for s in w1.shape), (int(s) for s in w2.shape))
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"a": a, "b": b, "c": c, "d": d},
                          flags={"x": x.dtype, "g": grad.dtype})
 
     def plan():
         try:
-            default = _bypass_default(TL.default_bypass_bwd_cfg, _bwd_cost, T, a, b, c, d, compute)
+            default = _bypass_default(kernels.default_bypass_bwd_cfg, models.bwd_cost, T, a, b, c, d, compute)
         except Exception:
             default = None
         return plan_bypass_bwd(facts(dev), T, a, b, c, d, compute, x.dtype, grad.dtype, default=default)
 
     return tune.pick(
         "lokr_bypass_bwd", BACKEND, key, plan,
-        lambda kw: launch("lokr_bypass_bwd", grad, x, w1, w2, gamma, **kw),
-        lambda: reference_module(FAMILY).lokr_bypass_bwd(grad, x, w1, w2, gamma),
-        device=dev, version=version(), resolve=lambda cfg: {"cfg": TL.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk))
+        lambda kw: kernels.bypass_bwd(grad, x, w1, w2, gamma, **kw),
+        lambda: reference.lokr_bypass_bwd(grad, x, w1, w2, gamma),
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": kernels.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """(op, args) of one LoKr layer (factors near sqrt of each dim) at T tokens, for ``tune.warmup``."""
-    O, I, r = layer.out_features, layer.in_features, layer.rank
-
-    def split(n):
-        f = max(1, int(n ** 0.5))
-        while n % f:
-            f -= 1
-        return f, n // f
-
-    a, c = split(O)
-    b, d = split(I)
-    w1 = rand((a, b), dtype, device, gen, 0.1)
-    w2 = rand((c, d), dtype, device, gen, 0.1)
-    w2a, w2b = rand((c, r), dtype, device, gen, 0.1), rand((r, d), dtype, device, gen, 0.1)
-    out = [("lokr_full_merge_fwd", (w1, w2, None, 1.0, None)),
-           ("lokr_full_merge_bwd", (rand((O, I), dtype, device, gen), w1, w2, 1.0)),
-           ("lokr_merge_fwd", (w1, None, w2a, w2b, [a, b, c, d], None, 1.0, None)),
-           ("lokr_merge_bwd", (rand((O, I), dtype, device, gen), w1, None, w2a, w2b, [a, b, c, d], 1.0))]
-    if max(_p16(v) for v in (a, b, c, d)) <= 128:
-        x = rand((T, I), dtype, device, gen)
-        out += [("lokr_bypass_fwd", (x, w1, w2, 1.0, None)),
-                ("lokr_bypass_bwd", (rand((T, O), dtype, device, gen), x, w1, w2, 1.0))]
-    return out
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"lokr_full_merge_fwd": full_merge_fwd_kwargs, "lokr_full_merge_bwd": full_merge_bwd_kwargs,
           "lokr_merge_fwd": merge_fwd_kwargs, "lokr_merge_bwd": merge_bwd_kwargs,
           "lokr_bypass_fwd": bypass_fwd_kwargs, "lokr_bypass_bwd": bypass_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"lokr_full_merge_fwd": kernels.lokr_full_merge_fwd,
+             "lokr_full_merge_bwd": kernels.lokr_full_merge_bwd, "lokr_merge_fwd": kernels.lokr_merge_fwd,
+             "lokr_merge_bwd": kernels.lokr_merge_bwd, "lokr_bypass_fwd": kernels.bypass_fwd,
+             "lokr_bypass_bwd": kernels.bypass_bwd}

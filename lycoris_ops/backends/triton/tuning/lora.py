@@ -27,31 +27,25 @@ import importlib
 
 import torch
 
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import lora as kernels
+from lycoris_ops.reference import lora as reference
+from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, compute_dtype, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import (Work, add_before_eager, add_second, cdiv, eager_time, esize, gemm_reads, make_plan, p2, predict, rank, shortlist, smem_fits, tl_shortlist, tl_stages, tl_threads)
+from lycoris_ops.tuner.keys import as_dict
+from lycoris_ops.tuner.cost import (add_before_eager, add_second, esize, make_plan, p2, predict, rank, shortlist, smem_fits, tl_shortlist, tl_stages, tl_threads)
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import lora as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "lora"
 WARPS = (4, 8)
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl())
-
-
-def _auto_split(work_tiles: int, sm: int, max_split: int) -> int:
-    if work_tiles <= 0:
-        return 1
-    return max(1, min(cdiv(2 * sm, work_tiles), max_split))
+    return tune.source_version(kernels)
 
 
 #: configs measured best on an H200 at the e2e layer shapes (T=4096, r=32, I/O in
@@ -82,39 +76,9 @@ def _with_anchors(plan, anchors, work, dev: DeviceFacts):
     return tune.Plan(plan.op, cands, pred)
 
 
-# =============================================================================== models
-
-def _bypass_fwd_model(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
-                      has_base: bool):
-    """(work(cfg), eager seconds) of ``lora_bypass_fwd``; cfg in the Triton launcher's names."""
-    e, ex, eo = esize(compute), esize(x_dtype), esize(out_dtype)
-    rp = p2(R, 16)
-    tc = compute != torch.float32
-
-    def work(c):
-        bt, bi, bo = c["block_t"], c["block_i"], c["block_o"]
-        if not tc and bt * bo > 64 * 64:
-            return None  # IEEE fp32 dots run on FMA units: small tiles
-        n_t, n_o = cdiv(T, bt), cdiv(O, bo)
-        auto = _auto_split(n_t, dev.sm_count, n_o)
-        if c["o_split"] == 1 and auto == 1:
-            return None  # same launch as auto
-        split = max(1, min(c["o_split"] or auto, n_o))
-        split = cdiv(O, cdiv(n_o, split) * bo)
-        dram = T * I * ex + R * I * e + gemm_reads(O * R * e, n_t, dev) + T * O * eo * (2 if has_base else 1)
-        return Work(grid=n_t * split, warps=c["num_warps"], stages=c["num_stages"], acc=bt * rp + bt * bo,
-                    regs=bt * rp // 2, smem=max(bt * bi + rp * bi, bo * rp) * e, dram=dram,
-                    mma=2.0 * T * I * rp * split + 2.0 * T * O * rp, tc=tc, mma_tile=bt * rp * max(bi, bo))
-
-    eager = eager_time(dev, [(T * I * ex + R * I * e + T * R * 4, 2.0 * T * I * R), (T * R * (4 + e), 0),
-                             (T * R * e + O * R * e + T * O * 4, 2.0 * T * O * R),
-                             (T * O * (4 + eo) + (T * O * eo if has_base else 0), 0)], tc=tc)
-    return work, eager
-
-
 def plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
                     has_base: bool, *, default=None, n: int = 5):
-    work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
+    work, eager = models.bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
     bts = [b for b in (16, 32, 64, 128) if b <= max(16, p2(T))]
     cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, o_split=os_, num_warps=w, num_stages=s)
             for bt in bts for bi in (32, 64, 128, 256) for bo in (64, 128, 256) for os_ in (0, 1)
@@ -133,86 +97,23 @@ def _skinny_configs(dev: DeviceFacts, R: int, tc: bool):
             for bm in bms for bk in (32, 64, 128) for br in brs for w in WARPS for s in dev.stages]
 
 
-def _skinny_work(dev: DeviceFacts, c, MA, KA, MB, KB, R, e_big, e_small, e_out, e, tc):
-    """The skinny pair kernel (+ its reduce launch): out[m, r] = Σ_k big[m, k]·small[k, r]
-    for two jobs (MA x KA) and (MB x KB)."""
-    bm, bk = c["block_m"], c["block_k"]
-    br = c["block_r"] or min(p2(R, 16), 128)
-    if not tc and bm * br > 64 * 64:
-        return None
-    tiles_a, tiles_b, r_tiles = cdiv(MA, bm), cdiv(MB, bm), cdiv(R, br)
-    kmax = max(KA, KB)
-    split = c["split"] or _auto_split((tiles_a + tiles_b) * r_tiles, dev.sm_count, max(1, kmax // (4 * bk)))
-    split = max(1, min(split, max(1, cdiv(kmax, bk))))
-    part = 2.0 * split * (MA + MB) * R * 4 if split > 1 else 0.0
-    dram = (gemm_reads(MA * KA * e_big, r_tiles, dev) + gemm_reads(MB * KB * e_big, r_tiles, dev)
-            + gemm_reads(KA * R * e_small, tiles_a, dev) + gemm_reads(KB * R * e_small, tiles_b, dev)
-            + (MA + MB) * R * e_out + part / 2)
-    works = [Work(grid=(tiles_a + tiles_b) * split * r_tiles, warps=c["num_warps"], stages=c["num_stages"],
-                  acc=bm * br, smem=(bm * bk + bk * br) * e, dram=dram,
-                  mma=2.0 * (MA * KA + MB * KB) * br * r_tiles, tc=tc, mma_tile=bm * bk * br)]
-    if split > 1:
-        works.append(Work(grid=cdiv((MA + MB) * R, c.get("reduce_block", 1024)), warps=4,
-                          dram=part / 2 + (MA + MB) * R * e_out, inflight=4096))
-    return works
-
-
 def plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, out_dtype, *, default=None,
                    n: int = 5):
     e, eg, eo = esize(compute), esize(g_dtype), esize(out_dtype)
     tc = compute != torch.float32
     # job A: g_up (O, r) = G·downᵀ (K = I); job B: g_down (I rows) = Gᵀ·up (K = O)
     def work(c):
-        return _skinny_work(dev, c, O, I, I, O, R, eg, e, eo, e, tc)
+        return models.skinny_work(dev, c, O, I, I, O, R, eg, e, eo, e, tc)
 
     ranked = rank(_skinny_configs(dev, R, tc), work, dev)
     return make_plan("lora_merge_bwd", ranked, tile_axes=("block_m", "block_k", "block_r"), n=n,
                      default=default, default_s=predict(work, default, dev),
-                     eager_s=_merge_bwd_eager(dev, O, I, R, e, eg, eo, tc))
-
-
-def _merge_bwd_eager(dev: DeviceFacts, O: int, I: int, R: int, e: int, eg: int, eo: int, tc: bool) -> float:
-    return eager_time(dev, [(O * I * eg + I * R * e + O * R * 4, 2.0 * O * I * R), (O * R * (4 + eo), 0),
-                            (O * I * eg + O * R * e + I * R * 4, 2.0 * O * I * R), (I * R * (4 + eo), 0)], tc=tc)
-
-
-def _bypass_bwd_model(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype):
-    """(tok(cfg), red(skinny cfg), eager seconds) of ``lora_bypass_bwd``: the token kernel and
-    the skinny pair reduction, configs in the Triton launcher's names."""
-    e, ex, eg = esize(compute), esize(x_dtype), esize(g_dtype)
-    rp = p2(R, 16)
-    tc = compute != torch.float32
-
-    def tok(c):
-        bt, bi, bo = c["block_t"], c["block_i"], c["block_o"]
-        if not tc and bt * bi > 64 * 64:
-            return None
-        n_t, n_i = cdiv(T, bt), cdiv(I, bi)
-        auto = _auto_split(n_t, dev.sm_count, n_i)
-        if c["i_split"] == 1 and auto == 1:
-            return None  # same launch as auto
-        split = max(1, min(c["i_split"] or auto, max(n_i, 1)))
-        split = max(1, cdiv(I, cdiv(max(n_i, 1), split) * bi))
-        # with I ranges, h (a read of the token tile's whole x row) is the first range's
-        # alone: those programs are the critical path, as if every range read x
-        dram = T * O * eg + T * I * ex * split + T * I * ex + 2 * T * R * e + gemm_reads((O + I) * R * e, n_t, dev)
-        return Work(grid=n_t * split, warps=c["num_warps"], stages=c["num_stages"], acc=2 * bt * rp + bt * bi,
-                    smem=max(bt * bi + rp * bi, bt * bo + bo * rp) * e, dram=dram,
-                    mma=4.0 * T * I * rp + 2.0 * T * O * rp * split, tc=tc, mma_tile=bt * rp * max(bi, bo))
-
-    def red(c):  # g_up (O rows, K = T) and g_down (I rows, K = T)
-        return _skinny_work(dev, c, O, T, I, T, R, max(eg, ex), e, e, e, tc)
-
-    eager = eager_time(dev, [(T * I * ex + R * I * e, 2.0 * T * I * R), (T * O * eg + O * R * e, 2.0 * T * O * R),
-                             (T * R * e + R * I * e + T * I * 4, 2.0 * T * I * R), (T * I * (4 + ex), 0),
-                             (T * O * eg + T * R * e, 2.0 * T * O * R), (T * I * ex + T * R * e, 2.0 * T * I * R)],
-                       tc=tc)
-    return tok, red, eager
+                     eager_s=models.merge_bwd_eager(dev, O, I, R, e, eg, eo, tc))
 
 
 def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
                     default=None, n: int = 5):
-    tok, red, eager = _bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
+    tok, red, eager = models.bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
     tc = compute != torch.float32
     bts = [b for b in (16, 32, 64, 128) if b <= max(16, p2(T))]
     tok_cfgs = [dict(block_t=bt, block_i=bi, block_o=bo, i_split=isp, num_warps=w, num_stages=s)
@@ -238,34 +139,9 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x
     return _with_anchors(plan, [{**a, "red": red0} for a in BWD_ANCHORS] if red0 else [], both, dev)
 
 
-def _merge_fwd_model(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
-                     base_dtype):
-    """(work(cfg), eager seconds, the larger rank) of ``lora_merge_fwd``; Triton names."""
-    e, eo, eb = esize(compute), esize(out_dtype), esize(base_dtype)
-    tc = compute != torch.float32
-    two = 1 if mode == "plain" else 2
-    rmax = max(R1, R2 if two == 2 else 0)
-
-    def work(c):
-        bo, bi, br = c["block_o"], c["block_i"], c["block_r"]
-        if not tc and bo * bi > 64 * 64:
-            return None
-        n_o, n_i = cdiv(O, bo), cdiv(I, bi)
-        kr = cdiv(max(rmax, 1), br) * br
-        dram = O * I * (eo + eb) + two * (gemm_reads(O * rmax * e, n_i, dev) + gemm_reads(rmax * I * e, n_o, dev))
-        return Work(grid=n_o * n_i, warps=c["num_warps"], stages=c["num_stages"], acc=two * bo * bi,
-                    smem=two * (bo * br + br * bi) * e, dram=dram, mma=two * 2.0 * O * I * kr, tc=tc,
-                    mma_tile=bo * bi * br,
-                    inflight=bo * bi * (eo + eb) // 2 + (bo + bi) * br * e)
-
-    eager = eager_time(dev, [(O * rmax * e + rmax * I * e + O * I * 4, two * 2.0 * O * I * rmax)] * two
-                       + [(O * I * (4 + 4), 0)] * (two - 1) + [(O * I * (4 + eb + eo), 0)], tc=tc)
-    return work, eager, rmax
-
-
 def plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
                    base_dtype, *, default=None, n: int = 5):
-    work, eager, rmax = _merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
+    work, eager, rmax = models.merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
     brs = [b for b in (16, 32, 64) if b <= max(16, p2(rmax))]
     cfgs = [dict(block_o=bo, block_i=bi, block_r=br, num_warps=w, num_stages=s)
             for bo in (32, 64, 128, 256) for bi in (32, 64, 128, 256) for br in brs for w in WARPS
@@ -319,7 +195,7 @@ def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
     winner at the large one runs 4), where that depth differs from the fixed config's. Since
     the H200 timing of 2026-12-02 13:30 the fixed config runs 4 itself, so on devices with
     cp.async (depths up to 4) no twin is added; without it the twin runs the fixed tile at 2."""
-    work, eager = _bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
+    work, eager = models.bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
     e, eo = esize(compute), esize(out_dtype)
     rp = p2(R, 16)
 
@@ -347,7 +223,7 @@ def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute
                        n: int = TL_N):
     """``backends/tilelang/kernels/lora.py: bypass_bwd``'s shortlist: the token kernel (BT, BI, BK, stages,
     threads) with the skinny pair's best (sBM, sBK) for the tokens."""
-    tok, red, eager = _bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
+    tok, red, eager = models.bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
     rp = p2(R, 16)
 
     def tl_red(c):
@@ -376,7 +252,7 @@ def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: 
     ``merge_stream_kernel``'s fixed config, the stream configs whose shared memory fits
     (``stream_smem``; scored as a GEMM tile of the whole rank), then the GEMM form's fixed
     config (a config with ``BK`` runs ``gemm_kernel``), timed against them."""
-    work, eager, rmax = _merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
+    work, eager, rmax = models.merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
     kcap = max(16, p2(rmax))
     e, eo = esize(compute), esize(out_dtype)
     eb = esize(base_dtype)
@@ -410,7 +286,7 @@ def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype
     def tl_work(c):
         if not smem_fits(dev, L.pair_smem(c["BM"], c["BK"], c["stages"], R, e)):
             return None
-        return _skinny_work(dev, dict(block_m=c["BM"], block_k=c["BK"], block_r=0, split=0,
+        return models.skinny_work(dev, dict(block_m=c["BM"], block_k=c["BK"], block_r=0, split=0,
                                       num_warps=c["threads"] // 32, num_stages=c["stages"], reduce_block=1024),
                             O, I, I, O, R, eg, e, eo, e, tc)
 
@@ -418,7 +294,7 @@ def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype
     cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bk in sp["BK"]
             for s in tl_stages(dev, sp["stages"]) for th in sp["threads"]]
     return tl_shortlist("lora_merge_bwd", cfgs, tl_work, dev, dict(L.MERGE_BWD),
-                        _merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
+                        models.merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
 
 
 def _bypass_fwd_tl(dev, x, up, down, gamma, base=None):
@@ -465,15 +341,6 @@ TILELANG = {
 }
 
 
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"lora_bypass_fwd": TL.bypass_fwd, "lora_bypass_bwd": TL.bypass_bwd, "lora_merge_fwd": TL.merge_fwd, "lora_merge_bwd": TL.merge_bwd}[op](*args, **kw)
-
-
-# =============================================================================== op-set glue
-
 _F_BFWD, _F_BBWD, _F_MFWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front(), tune.Front()
 EAGER = tune.SENTINEL_EAGER
 
@@ -491,20 +358,19 @@ def bypass_fwd_kwargs(x, up, down, gamma, base=None):
     O, R = up.shape
     compute = compute_dtype(x.dtype, up.dtype, down.dtype)
     out_dtype = x.dtype if base is None else base.dtype
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "w": up.dtype, "out": out_dtype, "base": base is not None})
     return tune.pick(
         "lora_bypass_fwd", BACKEND, key,
         lambda: plan_bypass_fwd(facts(dev), T, I, O, R, compute, x.dtype, out_dtype, base is not None,
-                                default=as_dict(TL.default_bypass_fwd_cfg(T, I, O, R, compute))),
-        lambda kw: launch("lora_bypass_fwd", x, up, down, gamma, base, **kw),
-        lambda: reference_module(FAMILY).lora_bypass_fwd(x, up, down, gamma, base),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.BypassFwdCfg(**c)}, front=(_F_BFWD, fk))
+                                default=as_dict(kernels.default_bypass_fwd_cfg(T, I, O, R, compute))),
+        lambda kw: kernels.bypass_fwd(x, up, down, gamma, base, **kw),
+        lambda: reference.lora_bypass_fwd(x, up, down, gamma, base),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.BypassFwdCfg(**c)}, front=(_F_BFWD, fk), prepare=precompile.precompile)
 
 
-def _bwd_cfg(TL, c):
-    return {"cfg": TL.BypassBwdCfg(**{**c, "red": TL.SkinnyCfg(**c["red"]) if c.get("red") else None})}
+def _bwd_cfg(c):
+    return {"cfg": kernels.BypassBwdCfg(**{**c, "red": kernels.SkinnyCfg(**c["red"]) if c.get("red") else None})}
 
 
 def bypass_bwd_kwargs(grad, x, up, down, gamma):
@@ -519,16 +385,15 @@ def bypass_bwd_kwargs(grad, x, up, down, gamma):
     T, I = x.shape
     O, R = up.shape
     compute = compute_dtype(x.dtype, up.dtype, down.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, tokens={"T": T}, exact={"I": I, "O": O, "R": R},
                          flags={"x": x.dtype, "g": grad.dtype, "w": up.dtype})
     return tune.pick(
         "lora_bypass_bwd", BACKEND, key,
         lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype,
-                                default=as_dict(TL.default_bypass_bwd_cfg(T, I, O, R, compute))),
-        lambda kw: launch("lora_bypass_bwd", grad, x, up, down, gamma, **kw),
-        lambda: reference_module(FAMILY).lora_bypass_bwd(grad, x, up, down, gamma),
-        device=dev, version=version(), resolve=lambda c: _bwd_cfg(TL, c), front=(_F_BBWD, fk))
+                                default=as_dict(kernels.default_bypass_bwd_cfg(T, I, O, R, compute))),
+        lambda kw: kernels.bypass_bwd(grad, x, up, down, gamma, **kw),
+        lambda: reference.lora_bypass_bwd(grad, x, up, down, gamma),
+        device=dev, version=version(), resolve=lambda c: _bwd_cfg(c), front=(_F_BBWD, fk), prepare=precompile.precompile)
 
 
 def merge_fwd_kwargs(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
@@ -548,16 +413,15 @@ def merge_fwd_kwargs(a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
     R2 = 0 if plain else a2.shape[1]
     compute = compute_dtype(a1.dtype, b1.dtype) if plain else compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
     out = a1.dtype if out_dtype is None else out_dtype
-    TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "R1": R1, "R2": R2},
                          flags={"mode": mode, "out": out, "base": None if base is None else base.dtype})
     return tune.pick(
         "lora_merge_fwd", BACKEND, key,
         lambda: plan_merge_fwd(facts(dev), O, I, R1, R2, mode, compute, out, None if base is None else base.dtype,
-                               default=as_dict(TL.default_merge_fwd_cfg(O, I, max(R1, R2), mode, compute))),
-        lambda kw: launch("lora_merge_fwd", a1, b1, a2, b2, base, gamma, mode, out_dtype, **kw),
-        lambda: reference_module(FAMILY).lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.MergeFwdCfg(**c)}, front=(_F_MFWD, fk))
+                               default=as_dict(kernels.default_merge_fwd_cfg(O, I, max(R1, R2), mode, compute))),
+        lambda kw: kernels.merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype, **kw),
+        lambda: reference.lora_merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.MergeFwdCfg(**c)}, front=(_F_MFWD, fk), prepare=precompile.precompile)
 
 
 def merge_bwd_kwargs(grad, up, down, gamma):
@@ -572,36 +436,20 @@ def merge_bwd_kwargs(grad, up, down, gamma):
     O, R = up.shape
     I = down.shape[1]
     compute = compute_dtype(up.dtype, down.dtype)
-    TL = _tl()
     key = tune.shape_key(compute, exact={"O": O, "I": I, "R": R}, flags={"g": grad.dtype, "w": up.dtype})
     return tune.pick(
         "lora_merge_bwd", BACKEND, key,
         lambda: plan_merge_bwd(facts(dev), O, I, R, compute, grad.dtype, up.dtype,
-                               default=as_dict(TL.default_merge_bwd_cfg(O, I, R, compute))),
-        lambda kw: launch("lora_merge_bwd", grad, up, down, gamma, **kw),
-        lambda: reference_module(FAMILY).lora_merge_bwd(grad, up, down, gamma),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.SkinnyCfg(**c)}, front=(_F_MBWD, fk))
+                               default=as_dict(kernels.default_merge_bwd_cfg(O, I, R, compute))),
+        lambda kw: kernels.merge_bwd(grad, up, down, gamma, **kw),
+        lambda: reference.lora_merge_bwd(grad, up, down, gamma),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.SkinnyCfg(**c)}, front=(_F_MBWD, fk), prepare=precompile.precompile)
 
 
 # =============================================================================== warmup samples
 
-def samples(layer, T: int, dtype, device, gen):
-    """(op, args) of one LoRA layer (out x in, rank) at T tokens, for ``tune.warmup``."""
-    O, I, r = layer.out_features, layer.in_features, layer.rank
-    x = rand((T, I), dtype, device, gen)
-    up = rand((O, r), dtype, device, gen, 0.02)
-    down = rand((r, I), dtype, device, gen, 0.02)
-    g = rand((T, O), dtype, device, gen)
-    w = rand((O, I), dtype, device, gen, 0.02)
-    gw = rand((O, I), dtype, device, gen)
-    return [
-        ("lora_bypass_fwd", (x, up, down, 1.0, None)),
-        ("lora_bypass_bwd", (g, x, up, down, 1.0)),
-        ("lora_merge_fwd", (up, down, None, None, w, 1.0, "plain", None)),
-        ("lora_merge_bwd", (gw, up, down, 1.0)),
-    ]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"lora_bypass_fwd": bypass_fwd_kwargs, "lora_bypass_bwd": bypass_bwd_kwargs,
           "lora_merge_fwd": merge_fwd_kwargs, "lora_merge_bwd": merge_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"lora_bypass_fwd": kernels.bypass_fwd, "lora_bypass_bwd": kernels.bypass_bwd,
+             "lora_merge_fwd": kernels.merge_fwd, "lora_merge_bwd": kernels.merge_bwd}

@@ -35,87 +35,38 @@ import functools
 import importlib
 import math
 
+from lycoris_ops.backends.triton import precompile
+from lycoris_ops.backends.triton.kernels import cayley, oft as kernels
+from lycoris_ops.reference import oft as reference
 from lycoris_ops.tuner import tune
-from lycoris_ops.backends.triton.tuning.glue import as_dict, rand, reference_module, triton_module
-from lycoris_ops.tuner.cost import (STREAM_TILE_MAX, Work, add_before_eager, cdiv, eager_time, esize, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_threads)
+from lycoris_ops.tuner.keys import as_dict
+from lycoris_ops.tuner.cost import (STREAM_TILE_MAX, add_before_eager, esize, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_threads)
 from lycoris_ops.tuner.device import DeviceFacts, facts
+from lycoris_ops.tuner.models import oft as models
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
 DEVICE_TYPES = ("cuda",)
-FAMILY = "oft"
-
-
-def _tl():
-    return triton_module(FAMILY)
 
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(_tl(), triton_module("cayley"))
-
-
-def _group(K, S, c_contig, group, sm, bp, npos, bwd, neumann=False):
-    SP = p2(S)
-    want = group or (32 if c_contig else 16)
-    NB = max(1, max(16, want) // SP)
-    n_groups = cdiv(K, NB)
-    n_tiles = cdiv(npos, bp)
-    split = max(1, min(_tl().auto_split(n_groups, sm, bwd, neumann), n_tiles))  # the launcher's own rule
-    return SP, NB, NB * SP, n_groups, n_tiles, split
-
-
-def _sector(run_bytes):
-    return max(1.0, 32.0 / max(run_bytes, 1))
-
-
-def _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen=None):
-    """(work of a Triton config, eager seconds); ``seen``: drop configs whose launch signature
-    an earlier config had (None: score every config)."""
-    C = K * S
-
-    def work(c):
-        bp = c["bwd_block_p"] if bwd else c["block_p"]
-        neumann = c.get("neumann", False)
-        SP, NB, GP, n_groups, n_tiles, split = _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd,
-                                                      neumann)
-        sig = (NB, bp, c["num_warps"], c["num_stages"], neumann)
-        if seen is not None and seen.setdefault(sig, id(c)) != id(c):
-            return None
-        grid = n_groups * split
-        sector = _sector((GP if c_contig else bp) * ex)
-        streams = 3 if bwd else 2  # x, y (+ G)
-        cay = grid * NB * 4.0 * SP ** 3
-        dots = (2 if bwd else 1) * 3 * 2.0 * GP * GP * n_tiles * bp * n_groups
-        works = [Work(grid=grid, warps=c["num_warps"], stages=c["num_stages"],
-                      acc=GP * bp * (2 if bwd else 1) + GP * GP * (2 if bwd else 1),
-                      smem=GP * bp * ex * (2 if bwd else 1), dram=npos * C * ex * streams * sector
-                      + grid * NB * S * S * eb + (split * n_groups * GP * GP * 4 if bwd else 0),
-                      mma=dots, fma=cay)]
-        if bwd:
-            works.append(Work(grid=n_groups, warps=c.get("chain_warps", 4), acc=3 * GP * GP,
-                              dram=split * n_groups * GP * GP * 4 + 2 * C * S * eb, fma=n_groups * NB * 8.0 * SP ** 3,
-                              inflight=GP * GP * 4))
-        return works
-
-    steps = [(K * S * S * (eb + 4), 0), (K * S * S * 4 * 4, K * 4.0 * S ** 3), (npos * C * (ex + 4), 0),
-             (npos * C * 4 * 2, 2.0 * npos * C * S), (npos * C * (4 + ex), 0)]
-    return work, eager_time(dev, steps * 2 if bwd else steps, tc=False)
+    return tune.source_version(kernels, cayley)
 
 
 def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
     seen = {}
-    work, eager = _model(dev, K, S, npos, c_contig, bwd, ex, eb, seen)
+    work, eager = models.model(dev, K, S, npos, c_contig, bwd, ex, eb, auto_split=kernels.auto_split, seen=seen)
 
     def geometry(c):  # (NB, positions per tile) of the streaming kernel
         bp = c["bwd_block_p"] if bwd else c["block_p"]
-        return _group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd)[1], bp
+        return models.group(K, S, c_contig, c["group"], dev.sm_count, bp, npos, bwd, auto_split=kernels.auto_split)[1], bp
 
     def compiles_ok(c):  # streamed tiles (x; G and x in the backward) within STREAM_TILE_MAX
         NB, bp = geometry(c)
         return (2 if bwd else 1) * NB * p2(S) * bp <= STREAM_TILE_MAX
 
-    def kernels(c):  # the Triton compilations of a config (backends/triton/kernels/oft.py: constexprs and launch options)
+    def compiles(c):  # the Triton compilations of a config (backends/triton/kernels/oft.py: constexprs and launch options)
         NB, bp = geometry(c)
         if not bwd:
             return {("fwd", NB, bp, c["num_warps"], c["num_stages"], c["dot_prec"], c.get("neumann", False))}
@@ -131,7 +82,7 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
     cfgs = [c for c in cfgs if compiles_ok(c)]
     ranked = rank(cfgs, work, dev)
     seen.clear()
-    plan = make_shared_plan(op, ranked, kernels=kernels, structure=(lambda c: geometry(c)[0]) if bwd else None,
+    plan = make_shared_plan(op, ranked, kernels=compiles, structure=(lambda c: geometry(c)[0]) if bwd else None,
                             tile_axes=("bwd_block_p" if bwd else "block_p", "group"), n=n, default=default,
                             default_s=predict(work, default, dev), eager_s=eager)
     plan = with_split16(plan, ex)
@@ -168,7 +119,7 @@ def _with_wide_split16(plan, geometry) -> None:
     cands = plan.candidates
     if not cands or not isinstance(cands[0], dict):
         return
-    twin = dict(cands[0], dot_prec=_tl().SPLIT16, group=WIDE_GROUP, num_stages=3)
+    twin = dict(cands[0], dot_prec=kernels.SPLIT16, group=WIDE_GROUP, num_stages=3)
     NB, bp = geometry(twin)
     if NB == geometry(cands[0])[0] or 2 * WIDE_GROUP * bp > 2 * STREAM_TILE_MAX or twin in cands:
         return
@@ -182,7 +133,7 @@ def with_split16(plan, ex: int, dot_prec: str = ""):
     cands = plan.candidates
     if ex != 2 or not cands or not isinstance(cands[0], dict):
         return plan
-    twin = dict(cands[0], dot_prec=dot_prec or _tl().SPLIT16)
+    twin = dict(cands[0], dot_prec=dot_prec or kernels.SPLIT16)
     if twin not in cands:
         add_before_eager(plan, twin)
     return plan
@@ -250,15 +201,15 @@ def tl_channels_first(x, ax: int) -> bool:
 
 def _tl_shape(blocks, x, weight):
     """(K, S, npos, channels-first layout) as ``backends/tilelang/kernels/oft.py`` sees x (contiguous)."""
-    cf = tl_channels_first(x, rotated_axis(x, weight))
-    return int(blocks.shape[0]), int(blocks.shape[1]), geometry(x, weight)[0], cf
+    cf = tl_channels_first(x, models.rotated_axis(x, weight))
+    return int(blocks.shape[0]), int(blocks.shape[1]), models.geometry(x, weight)[0], cf
 
 
 def _tl_model(dev, K, S, npos, cf, bwd, ex, eb):
     """The Triton model's work of a TileLang config (names mapped: BT -> the streamed tile,
     threads -> warps, the group -> ``group``; no pipelined loop: one stage) and eager."""
     GP = _tl_oft().group_plan(S)[0]
-    work, eager = _model(dev, K, S, npos, not cf, bwd, ex, eb)
+    work, eager = models.model(dev, K, S, npos, not cf, bwd, ex, eb, auto_split=kernels.auto_split)
 
     def tl_work(c):
         return work(dict(block_p=c["BT"], bwd_block_p=c["BT"], group=GP, split=0, num_warps=c["threads"] // 32,
@@ -290,34 +241,11 @@ def _tl_sizes(blocks, x, rescale, cscale, shift, weight):
 TILELANG = {"oft_fwd": (_fwd_tl, _tl_sizes), "oft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
-def rotated_axis(x, weight: bool) -> int:
-    """The axis of x that diag-OFT rotates: 0 for a weight, else the channels (dim 1 of an
-    (N, C, *spatial) activation, the last of a (..., C) one)."""
-    return 0 if weight else (1 if x.dim() >= 3 else x.dim() - 1)
-
-
-def geometry(x, weight: bool):
-    """(npos, c_contig) of x around its rotated axis (see backends/triton/kernels/oft.py)."""
-    ax = rotated_axis(x, weight)
-    npos = 1
-    for i, s in enumerate(x.shape):
-        if i != ax:
-            npos *= int(s)
-    return npos, x.stride(ax) == 1
-
-
-def launch(op: str, *args, **kw):
-    """Run ``op`` (schema arguments) through its Triton launcher with the config keyword
-    arguments ``kw`` (``{}``: the launcher's defaults) - what the op-set function does."""
-    TL = _tl()
-    return {"oft_fwd": TL.oft_fwd, "oft_bwd": TL.oft_bwd}[op](*args, **kw)
-
-
 _F_FWD, _F_BWD = tune.Front(), tune.Front()
 
 
 def _key(blocks, x, rescale, weight, extra):
-    npos, c_contig = geometry(x, weight)
+    npos, c_contig = models.geometry(x, weight)
     K, S = int(blocks.shape[0]), int(blocks.shape[1])
     key = tune.shape_key(x.dtype, tokens={"P": npos}, exact={"K": K, "S": S},
                          flags={"blocks": blocks.dtype, "c_contig": c_contig, "weight": weight,
@@ -335,13 +263,12 @@ def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
     if hit is not None:
         return hit
     K, S, npos, c_contig, key = _key(blocks, x, rescale, weight, {})
-    TL = _tl()
     return tune.pick(
         "oft_fwd", BACKEND, key,
-        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.FWD_CFG)),
-        lambda kw: launch("oft_fwd", blocks, x, rescale, cscale, shift, weight, **kw),
-        lambda: reference_module(FAMILY).oft_fwd(blocks, x, rescale, cscale, shift, weight),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_FWD, fk))
+        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(kernels.FWD_CFG)),
+        lambda kw: kernels.oft_fwd(blocks, x, rescale, cscale, shift, weight, **kw),
+        lambda: reference.oft_fwd(blocks, x, rescale, cscale, shift, weight),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.OftCfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
 
 
 def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
@@ -354,27 +281,14 @@ def oft_bwd_kwargs(grad, blocks, x, rescale, cscale, shift, weight):
     if hit is not None:
         return hit
     K, S, npos, c_contig, key = _key(blocks, x, rescale, weight, {"g": grad.dtype})
-    TL = _tl()
     return tune.pick(
         "oft_bwd", BACKEND, key,
-        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(TL.OftCfg())),
-        lambda kw: launch("oft_bwd", grad, blocks, x, rescale, cscale, shift, weight, **kw),
-        lambda: reference_module(FAMILY).oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
-        device=dev, version=version(), resolve=lambda c: {"cfg": TL.OftCfg(**c)}, front=(_F_BWD, fk))
+        lambda: plan_oft_bwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(kernels.OftCfg())),
+        lambda kw: kernels.oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, **kw),
+        lambda: reference.oft_bwd(grad, blocks, x, rescale, cscale, shift, weight),
+        device=dev, version=version(), resolve=lambda c: {"cfg": kernels.OftCfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)
 
 
-def samples(layer, T: int, dtype, device, gen):
-    """Diag-OFT (block size 16 when it divides the features, else 8/4) on a linear layer's
-    input (T x in) for ``tune.warmup``."""
-    I = layer.in_features
-    S = next((s for s in (16, 8, 4, 2) if I % s == 0), None)
-    if S is None:
-        return []
-    blocks = rand((I // S, S, S), dtype, device, gen, 0.01)
-    x = rand((T, I), dtype, device, gen)
-    return [("oft_fwd", (blocks, x, None, 1.0, False, False)),
-            ("oft_bwd", (rand((T, I), dtype, device, gen), blocks, x, None, 1.0, False, False))]
-
-
-#: op name -> the function giving its launcher kwargs (schema arguments)
 KWARGS = {"oft_fwd": oft_fwd_kwargs, "oft_bwd": oft_bwd_kwargs}
+#: op -> the launcher those kwargs are for (schema arguments, then the kwargs)
+LAUNCHERS = {"oft_fwd": kernels.oft_fwd, "oft_bwd": kernels.oft_bwd}
