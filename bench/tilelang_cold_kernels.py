@@ -25,9 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=12)
     ap.add_argument("--small", action="store_true", help="8192 x 3072 (BOFT s = 24, LoRA r = 32)")
     args = ap.parse_args(argv)
-    from lycoris_ops.backends.triton.tuning import boft as plans_boft
+    from lycoris_ops.backends.tilelang.tuning import boft as plans_boft
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
     from lycoris_ops.tuner import tune
     from lycoris_ops.backends.tilelang import common as _common
     from lycoris_ops.backends.tilelang.kernels import boft, lora

@@ -184,7 +184,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     BT, each with its threads; the permuted channel map, fp32 GEMMs) compile for sm_90a at
     32- and 64-channel groups."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import oft as plans_oft
+    from lycoris_ops.backends.tilelang.tuning import oft as plans_oft
     from lycoris_ops.backends.tilelang.kernels import oft
     from tilelang_harness import compile_calls, corners
 
@@ -212,9 +212,9 @@ def test_shortlists_for_an_h200():
     configs (fp32 GEMMs: no BT = 128 backward at 64-channel groups), JSON-serializable."""
     import json
 
-    from lycoris_ops.backends.triton.tuning import boft as plans_boft
+    from lycoris_ops.backends.tilelang.tuning import boft as plans_boft
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import oft as plans_oft
+    from lycoris_ops.backends.tilelang.tuning import oft as plans_oft
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
     from lycoris_ops.backends.tilelang.kernels import oft
@@ -240,7 +240,7 @@ def test_shortlist_keeps_run_tiles():
     """Where the run kernels take the call (the small bench shape: 48-channel groups), the
     TileLang shortlist holds only tiles whose run kernels fit in shared memory: a larger one
     would build and run the gather kernels (the BT = 256 forward did, before)."""
-    from lycoris_ops.backends.triton.tuning import boft as plans_boft
+    from lycoris_ops.backends.tilelang.tuning import boft as plans_boft
     from lycoris_ops.tuner import device, tune
     from lycoris_ops.backends.tilelang.kernels import oft
 

@@ -197,7 +197,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     """Every (tile, threads) of add_scaled's TileLang space and the extremes of IA3's and
     DoRA's (both layouts, forward and backward) compile for sm_90a: the kernels a tuned key
     may build."""
-    from lycoris_ops.backends.triton.tuning import add as plans_add, dora as plans_dora, ia3 as plans_ia3
+    from lycoris_ops.backends.tilelang.tuning import add as plans_add, dora as plans_dora, ia3 as plans_ia3
     from lycoris_ops.backends.tilelang import runner as tl_pick
 
     for mod in (add, ia3, dora):

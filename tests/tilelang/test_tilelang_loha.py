@@ -144,7 +144,7 @@ def test_pair_form_by_size(monkeypatch):
     pair kernel's build is the longer), at or below it the pair; the planner shortlists the
     form the launcher takes."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import loha as plans_loha
+    from lycoris_ops.backends.tilelang.tuning import loha as plans_loha
 
     assert loha.pair_form(3072, 3072) and not loha.pair_form(4096, 4096)  # the defaults: as timed
     g = torch.Generator().manual_seed(10)
@@ -213,7 +213,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     """The corners of plans/loha.py's TileLang spaces compile for sm_90a at the first bench
     shape: the GEMM (row tile x stages x threads, the widest tiles) of both bypass ops,
     the gradient kernels at the extremes of their tile."""
-    from lycoris_ops.backends.triton.tuning import loha as plans_loha
+    from lycoris_ops.backends.tilelang.tuning import loha as plans_loha
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 

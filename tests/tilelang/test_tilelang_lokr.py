@@ -324,7 +324,7 @@ def test_the_fixed_configs_are_the_default_launch():
     """cfg None, ``{}`` and the spelled-out fixed config build the same kernels (the shortlist's
     untimed first pick is the launch the parity tests run), and the fixed configs are the
     builders' own defaults."""
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
 
     defaults = {name: inspect.signature(getattr(lokr, name)).parameters for name in CFG_ARGS}
     for name, keys in CFG_ARGS.items():
@@ -357,7 +357,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch, op):
     the bypass's whole 128 x 128 factors with 256 threads). The merges' factored forms
     build the same kernels with fp32 sides."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
     from tilelang_harness import compile_calls, corners
 
     monkeypatch.setattr(lokr, "arch_of", lambda d: "sm_90a")
@@ -404,7 +404,7 @@ def test_bypass_bwd_shortlist_builds_distinct_kernels(monkeypatch):
     token step ignores the rows 64 / 128 difference at the bench layers' factors, which the
     unfused kernels' geometry would count as two configs (a timed tie of one kernel)."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
 
@@ -432,7 +432,7 @@ def test_shortlists_for_an_h200():
     import json
 
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
 
@@ -474,7 +474,7 @@ def test_tile_space_legality():
     where every GEMM of a kernel has 128 rows, its fp32 fragments within the registers and its
     tiles within shared memory."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
 
     dev = device.synthetic()
     kron = plans_lokr.tl_configs(dev, "lokr_full_merge_fwd", (48, 48, 64, 64), 2)

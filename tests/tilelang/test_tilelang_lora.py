@@ -178,7 +178,7 @@ def test_twin_bypass_fwd_quick_twin(monkeypatch):
     """The cold call's quick twin of the forward (``TL_QUICK``: ``pipe_o`` off and 2 stages in
     the cfg, over ``BYPASS_FWD``): the serial O loop is built
     where the fixed form pipelines it (one group holds the 5 O tiles), and agrees with eager."""
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
 
     built = bypass_fwd_twin(monkeypatch, 0, plans_lora.TL_QUICK["lora_bypass_fwd"](dict(BT=16, BO=8, BK=16)), False)
     assert (built[-1][-4], built[-1][-2]) == (2, False), built[-1]  # 2 stages, the O loop serial
@@ -380,7 +380,7 @@ def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
     and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32): the configs whose
     staging fits take the all-κ kernel, the others the per-κ one."""
     from lycoris_ops.backends.tilelang import runner as tl_pick
-    from lycoris_ops.backends.triton.tuning import tucker as plans_tucker
+    from lycoris_ops.backends.tilelang.tuning import tucker as plans_tucker
 
     monkeypatch.setattr(tucker, "arch_of", lambda d: "sm_90a")
     sp = plans_tucker.TL_SPACE
@@ -420,7 +420,7 @@ def test_h200_shortlists_compile_sm90a(monkeypatch):
     """Every tile config the TileLang models shortlist for an H200 at the first bench shape
     (T=8192, 3072x3072, r=32, bf16) compiles for sm_90a: the kernels a cold key builds."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
     from lycoris_ops.backends.tilelang import runner as tl_pick
 
     calls = _sm90a_bench_calls(monkeypatch)
@@ -438,7 +438,7 @@ def test_h200_shortlists_compile_sm90a(monkeypatch):
 def _space_corners():
     """(op, cfg): per TileLang LoRA tile space (plans/lora.py), every combination of its
     row tile, stages and threads, each with the largest and the smallest other tiles."""
-    from lycoris_ops.backends.triton.tuning import lora as P
+    from lycoris_ops.backends.tilelang.tuning import lora as P
 
     out = [("lora_merge_fwd", dict(lora.MERGE_FWD))]  # the GEMM form's one config
     for op, sp, row, others in (("lora_bypass_fwd", P.TL_BYPASS_FWD, "BT", ("BO", "BK")),):

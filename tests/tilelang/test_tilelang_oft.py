@@ -250,7 +250,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     with its threads) compile for sm_90a: 16-bit and fp32 (TF32 split) GEMMs, 32- and
     64-channel groups; the largest tiles are the ones shared memory and registers allow."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import oft as plans_oft
+    from lycoris_ops.backends.tilelang.tuning import oft as plans_oft
     from tilelang_harness import compile_calls, corners
 
     monkeypatch.setattr(oft, "arch_of", lambda d: "sm_90a")
@@ -279,7 +279,7 @@ def test_shortlists_for_an_h200():
     import json
 
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import oft as plans_oft
+    from lycoris_ops.backends.tilelang.tuning import oft as plans_oft
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
 

@@ -15,7 +15,7 @@ non-contiguous or misaligned operands are read from a contiguous copy.
 import torch
 
 from lycoris_ops.reference import scalar_in
-from lycoris_ops.backends.tilelang.common import aligned, arch_of, cdiv, kernel, launch_config, tl_dtype
+from lycoris_ops.backends.tilelang.common import aligned, arch_of, kernel, launch_config, tl_dtype
 
 __all__ = ["add_kernel", "add_scaled", "vec_width", "compile_specs"]
 

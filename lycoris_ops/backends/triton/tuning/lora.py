@@ -23,7 +23,6 @@ Models (per program, compute dtype size e, padded rank rp = pow2(r) >= 16):
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 
@@ -33,7 +32,7 @@ from lycoris_ops.reference import lora as reference
 from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
 from lycoris_ops.tuner.keys import as_dict
-from lycoris_ops.tuner.cost import (add_before_eager, add_second, esize, make_plan, p2, predict, rank, shortlist, smem_fits, tl_shortlist, tl_stages, tl_threads)
+from lycoris_ops.tuner.cost import esize, make_plan, p2, predict, rank, shortlist
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import lora as models
 
@@ -148,197 +147,6 @@ def plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str
             for s in dev.stages if bo * bi <= 128 * 256]
     return make_plan("lora_merge_fwd", rank(cfgs, work, dev), tile_axes=("block_o", "block_i", "block_r"), n=n,
                      default=default, default_s=predict(work, default, dev), eager_s=eager)
-
-
-# =============================================================================== TileLang models
-
-#: TileLang threads per program: one or two warpgroups (sm_90's WGMMA issues per 128 threads;
-#: two only with 128-row tiles, one warpgroup per 64 rows)
-TL_THREADS = (128, 256)
-#: tile candidates of a TileLang shortlist besides its fixed default and eager: each is a
-#: TileLang compile (3-10 s on the H200 host, built in parallel children before the timing:
-#: ``backends/tilelang/runner.py``), so fewer than Triton's
-TL_N = 3
-
-
-def _tl_module():
-    return importlib.import_module("lycoris_ops.backends.tilelang.kernels.lora")
-
-
-#: The skinny kernel's and the LoRA backward token kernel's spaces stay at their fixed
-#: stages and threads: TileLang's lowering rejects 3 stages over the skinny kernel's runtime
-#: K-loop length ("Downcast from tirx.Sub to ir.IntImm") and the token kernel with 128-row
-#: tiles and 256 threads ("Not a canonical GMMA_MN layout") — compile errors, on the H200
-#: (bench/RESULTS.md 2026-11-30 16:03-16:43) as with nvcc alone here. Every corner of every
-#: space below compiles for sm_90a (tests/test_tilelang_lora.py: test_tile_space_corners_*).
-TL_SKINNY = dict(BM=(64,), BK=(32, 64), stages=(2,), threads=(128,))
-#: ``merge_bwd_pair_kernel``'s space (static K: deeper pipelines lower; H200: 128-wide K steps
-#: and 3-4 stages won, RESULTS.md 2026-12-02 14:00)
-TL_PAIR = dict(BM=(64,), BK=(64, 128), stages=(2, 3, 4), threads=(128,))
-TL_TOKEN = dict(BT=(64,), BI=(64, 128, 256), BK=(32, 64), stages=(2,), threads=(0,))
-#: the forwards' spaces (threads 256 only with 128-row tiles: ``cost.tl_threads``; stages also
-#: within the device's pipeline depths)
-TL_BYPASS_FWD = dict(BT=(64, 128), BO=(64, 128, 256), BK=(32, 64, 128), stages=(2, 3, 4), threads=TL_THREADS)
-#: ``merge_stream_kernel`` (``MERGE_FWD_FORM["stream"]``): row tile, column stripe, stages, threads;
-#: H200 (RESULTS.md 2026-12-02 15:41): 256-wide stripes, 128-row tiles and 3 stages ran slower
-TL_MERGE_STREAM = dict(BM=(64,), BN=(64, 128), stages=(2,), threads=(128,))
-
-
-def tl_plan_bypass_fwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, out_dtype,
-                       has_base: bool, *, n: int = TL_N):
-    """``backends/tilelang/kernels/lora.py: bypass_fwd_kernel``'s shortlist: (BT token rows, BO output
-    columns, BK reduction step, stages, threads), the Triton model with its names mapped
-    (BK = block_i, one O range split as the launcher's ``_per``); configs whose shared memory
-    (the staged form's output and base tiles included) does not fit are left out. Second:
-    the fixed config with the x·downᵀ loop at the device's deepest pipeline (the model picks
-    tiles, not depths: at both bench shapes every timed candidate ran 2 stages, and Triton's
-    winner at the large one runs 4), where that depth differs from the fixed config's. Since
-    the H200 timing of 2026-12-02 13:30 the fixed config runs 4 itself, so on devices with
-    cp.async (depths up to 4) no twin is added; without it the twin runs the fixed tile at 2."""
-    work, eager = models.bypass_fwd_model(dev, T, I, O, R, compute, x_dtype, out_dtype, has_base)
-    e, eo = esize(compute), esize(out_dtype)
-    rp = p2(R, 16)
-
-    def tl_work(c):
-        bt, bo, bk = c["BT"], c["BO"], c["BK"]
-        smem = (c["stages"] * (bt + rp) * bk + bt * rp + 2 * bo * rp) * e
-        smem += bt * bo * (eo + (eo if has_base else 0))  # the staged output and base tiles
-        if not smem_fits(dev, smem):  # every buffer (TileLang may overlap those that never live together)
-            return None
-        return work(dict(block_t=c["BT"], block_i=c["BK"], block_o=c["BO"], o_split=0,
-                         num_warps=c["threads"] // 32, num_stages=c["stages"]))
-
-    sp = TL_BYPASS_FWD
-    cfgs = [dict(BT=bt, BO=bo, BK=bk, stages=s, threads=th) for bt in sp["BT"] for bo in sp["BO"]
-            for bk in sp["BK"] for s in tl_stages(dev, sp["stages"]) for th in tl_threads(sp["threads"], bt)]
-    fixed = dict(_tl_module().BYPASS_FWD)
-    plan = tl_shortlist("lora_bypass_fwd", cfgs, tl_work, dev, fixed, eager, ("BT", "BO", "BK"), n)
-    deep = {**fixed, "stages": max(tl_stages(dev, sp["stages"]))}
-    if deep not in plan.candidates and tl_work(deep) is not None:
-        add_second(plan, deep, predict(tl_work, deep, dev))
-    return plan
-
-
-def tl_plan_bypass_bwd(dev: DeviceFacts, T: int, I: int, O: int, R: int, compute, x_dtype, g_dtype, *,
-                       n: int = TL_N):
-    """``backends/tilelang/kernels/lora.py: bypass_bwd``'s shortlist: the token kernel (BT, BI, BK, stages,
-    threads) with the skinny pair's best (sBM, sBK) for the tokens."""
-    tok, red, eager = models.bypass_bwd_model(dev, T, I, O, R, compute, x_dtype, g_dtype)
-    rp = p2(R, 16)
-
-    def tl_red(c):
-        return red(dict(block_m=c["sBM"], block_k=c["sBK"], block_r=0, split=0, num_warps=4, num_stages=2,
-                        reduce_block=1024))
-
-    def tl_work(c):
-        threads = c["threads"] or (256 if rp >= 128 else 128)
-        a = tok(dict(block_t=c["BT"], block_i=c["BI"], block_o=c["BK"], i_split=0, num_warps=threads // 32,
-                     num_stages=c["stages"]))
-        b = tl_red(c)
-        return None if a is None or b is None else [a] + b
-
-    reds = rank([dict(sBM=bm, sBK=bk) for bm in TL_SKINNY["BM"] for bk in TL_SKINNY["BK"]], tl_red, dev)
-    red0 = reds[0][1] if reds else dict(sBM=64, sBK=64)
-    cfgs = [dict(BT=bt, BI=bi, BK=bk, stages=s, threads=th, **red0) for bt in TL_TOKEN["BT"] for bi in TL_TOKEN["BI"]
-            for bk in TL_TOKEN["BK"] for s in TL_TOKEN["stages"] for th in TL_TOKEN["threads"]]
-    return tl_shortlist("lora_bypass_bwd", cfgs, tl_work, dev, dict(_tl_module().BYPASS_BWD), eager, ("BT", "BI", "BK"),
-                    n)
-
-
-def tl_plan_merge_fwd(dev: DeviceFacts, O: int, I: int, R1: int, R2: int, mode: str, compute, out_dtype,
-                      base_dtype, *, n: int = TL_N):
-    """``backends/tilelang/kernels/lora.py: gemm_kernel``'s shortlist for the merge: (BM, BN output tile, BK
-    rank step up to the padded rank, stages, threads). With ``MERGE_FWD_FORM["stream"]``:
-    ``merge_stream_kernel``'s fixed config, the stream configs whose shared memory fits
-    (``stream_smem``; scored as a GEMM tile of the whole rank), then the GEMM form's fixed
-    config (a config with ``BK`` runs ``gemm_kernel``), timed against them."""
-    work, eager, rmax = models.merge_fwd_model(dev, O, I, R1, R2, mode, compute, out_dtype, base_dtype)
-    kcap = max(16, p2(rmax))
-    e, eo = esize(compute), esize(out_dtype)
-    eb = esize(base_dtype)
-    chains = 1 if mode == "plain" else 2
-    L = _tl_module()
-
-    def stream_work(c):
-        if not smem_fits(dev, L.stream_smem(c["BM"], c["BN"], c["stages"], R1, R2 if chains == 2 else None, e,
-                                            eb if base_dtype is not None else 0, eo)):
-            return None
-        return work(dict(block_o=c["BM"], block_i=c["BN"], block_r=kcap, num_warps=c["threads"] // 32,
-                         num_stages=c["stages"]))
-
-    sp = TL_MERGE_STREAM
-    cfgs = [dict(BM=bm, BN=bn, stages=st, threads=th) for bm in sp["BM"] for bn in sp["BN"] for st in sp["stages"]
-            for th in sp["threads"]]
-    plan = tl_shortlist("lora_merge_fwd", cfgs, stream_work, dev, dict(L.MERGE_STREAM), eager, ("BM", "BN"), n)
-    add_before_eager(plan, dict(L.MERGE_FWD))
-    return plan
-
-
-def tl_plan_merge_bwd(dev: DeviceFacts, O: int, I: int, R: int, compute, g_dtype, out_dtype, *, n: int = TL_N):
-    """``backends/tilelang/kernels/lora.py: merge_bwd``'s shortlist for the pair G·downᵀ, Gᵀ·up: (BM rows, BK
-    reduction step, stages, threads). With ``MERGE_BWD_FORM["pair"]`` (one launch, a program
-    per row band, no split): the pair tiles whose shared memory fits (``pair_smem``), ranked by
-    the skinny model without a split; else ``skinny_kernel``'s space."""
-    e, eg, eo = esize(compute), esize(g_dtype), esize(out_dtype)
-    tc = compute != torch.float32
-    L = _tl_module()
-
-    def tl_work(c):
-        if not smem_fits(dev, L.pair_smem(c["BM"], c["BK"], c["stages"], R, e)):
-            return None
-        return models.skinny_work(dev, dict(block_m=c["BM"], block_k=c["BK"], block_r=0, split=0,
-                                      num_warps=c["threads"] // 32, num_stages=c["stages"], reduce_block=1024),
-                            O, I, I, O, R, eg, e, eo, e, tc)
-
-    sp = TL_PAIR
-    cfgs = [dict(BM=bm, BK=bk, stages=s, threads=th) for bm in sp["BM"] for bk in sp["BK"]
-            for s in tl_stages(dev, sp["stages"]) for th in sp["threads"]]
-    return tl_shortlist("lora_merge_bwd", cfgs, tl_work, dev, dict(L.MERGE_BWD),
-                        models.merge_bwd_eager(dev, O, I, R, e, eg, eo, tc), ("BM", "BK"), n)
-
-
-def _bypass_fwd_tl(dev, x, up, down, gamma, base=None):
-    T, I = x.shape
-    O, R = up.shape
-    return tl_plan_bypass_fwd(dev, T, I, O, R, compute_dtype(x.dtype, up.dtype, down.dtype), x.dtype,
-                              x.dtype if base is None else base.dtype, base is not None)
-
-
-def _bypass_bwd_tl(dev, grad, x, up, down, gamma):
-    T, I = x.shape
-    O, R = up.shape
-    return tl_plan_bypass_bwd(dev, T, I, O, R, compute_dtype(x.dtype, up.dtype, down.dtype), x.dtype, grad.dtype)
-
-
-def _merge_fwd_tl(dev, a1, b1, a2, b2, base, gamma, mode, out_dtype=None):
-    plain = mode == "plain"
-    compute = compute_dtype(a1.dtype, b1.dtype) if plain else compute_dtype(a1.dtype, b1.dtype, a2.dtype, b2.dtype)
-    return tl_plan_merge_fwd(dev, a1.shape[0], b1.shape[1], a1.shape[1], 0 if plain else a2.shape[1], mode, compute,
-                             a1.dtype if out_dtype is None else out_dtype, None if base is None else base.dtype)
-
-
-def _merge_bwd_tl(dev, grad, up, down, gamma):
-    return tl_plan_merge_bwd(dev, up.shape[0], down.shape[1], up.shape[1], compute_dtype(up.dtype, down.dtype),
-                             grad.dtype, up.dtype)
-
-
-#: op -> the quick twin of a deferred cold key's first config (``plans/tilelang.quick_twin``):
-#: the same tiles with the O loop serial (``pipe_o`` off) and the x·downᵀ loop 2 deep, whose
-#: build took 3.8-5.7 s against 6.7-7.4 for the fixed config at the large bench shape (sm_90a,
-#: the CPU host, ``bench/tilelang_build_profile.py lora --kernel bypass_fwd_kernel``; RESULTS.md
-#: 2026-12-06 07:55; the H100's host built the fixed one alone in 8 s small, 10 s large, the cold
-#: first call 9.3 / 10.7 s)
-TL_QUICK = {"lora_bypass_fwd": lambda cfg: {**(cfg or {}), "pipe_o": False, "stages": 2}}
-
-#: op -> (the TileLang shortlist of a call: f(DeviceFacts, *schema args) -> Plan, the exact
-#: sizes its tuning key adds: f(*schema args) -> tuple); read by ``backends/tilelang/runner.py``
-TILELANG = {
-    "lora_bypass_fwd": (_bypass_fwd_tl, lambda x, up, down, *a: (x.shape[1], up.shape[0], up.shape[1])),
-    "lora_bypass_bwd": (_bypass_bwd_tl, lambda g, x, up, down, *a: (x.shape[1], up.shape[0], up.shape[1])),
-    "lora_merge_fwd": (_merge_fwd_tl, lambda a1, b1, a2, b2, *a: (tuple(a1.shape), tuple(b1.shape),
-                                                                  None if a2 is None else tuple(a2.shape))),
-    "lora_merge_bwd": (_merge_bwd_tl, lambda g, up, down, *a: (tuple(up.shape), tuple(down.shape))),
-}
 
 
 _F_BFWD, _F_BBWD, _F_MFWD, _F_MBWD = tune.Front(), tune.Front(), tune.Front(), tune.Front()
