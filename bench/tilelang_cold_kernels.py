@@ -4,10 +4,10 @@
 
 For BOFT (32768 x 4096, s = 32, m = 8) and the LoRA bypass (32768 x 4096, r = 64), bf16
 (``--small``: the small bench shape, 8192 x 3072, s = 24, r = 32), the
-TileLang shortlist plans/<family>.py gives an H200 (``device.synthetic()``) is run under
-``tilelang._common.capturing`` (nothing built or launched; CPU tensors), and each config's
-kernels, and the new ones among them, are listed. ``--procs``: the children of one
-precompile round; the configs ``plans/tilelang.precompile_call`` keeps for a cold key are
+TileLang shortlist ``backends/tilelang/tuning/<family>.py`` gives an H200 (``device.synthetic()``) is
+run under ``backends/tilelang/common.capturing`` (nothing built or launched; CPU tensors), and each
+config's kernels, and the new ones among them, are listed. ``--procs``: the children of one
+precompile round; the configs ``runner.precompile_call`` keeps for a cold key are
 marked (with ``LYCORIS_TILELANG_DEFER=0``). The last line per op: the kernels a cold call
 builds with the default ``DEFER`` (the first config's) and those left to the background (the
 rest of the whole shortlist, which then no longer has to fit one round).
