@@ -19,7 +19,7 @@ pytest.importorskip("tilelang")
 from lycoris_ops.reference import boft as R_BOFT  # noqa: E402
 from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.backends.tilelang import common as _common
-from lycoris_ops.backends.tilelang.kernels import boft  # noqa: E402
+from lycoris_ops.backends.tilelang.kernels import boft, boft_compose  # noqa: E402
 from lycoris_ops.backends.tilelang.kernels import oft as _oft  # noqa: E402
 from tilelang_harness import IDS, MATRIX, NVCC  # noqa: E402
 
@@ -295,7 +295,7 @@ COMPOSE_CASES = [
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in COMPOSE_CASES])
 def test_boft_composed(m, nb, s, shape, has_rs, diff, units, monkeypatch, poisoned_empty):
     """Up to ``COMPOSE_MOST`` consecutive stages as one matrix J = E_{L-1}···E_0 on a 2^L-run
-    box (``_composed_matrices``, built in fp64 from the gathered stage matrices), forward,
+    box (``composed_matrices``, built in fp64 from the gathered stage matrices), forward,
     backward replay and stream (each stage's partials formed from the unit's Σ gᵀ·u on the
     host); units at least ``COMPOSE_BWD_SPLIT`` wide stream in two launches (gx by the
     forward's composed kernel with Jᵀ, then the partials alone), narrower ones (64, and 96 at
@@ -304,16 +304,16 @@ def test_boft_composed(m, nb, s, shape, has_rs, diff, units, monkeypatch, poison
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(13 * m + s, m, nb, s, shape, has_rs, dtype)
     runs = boft.run_groups(s, nb, x.element_size())
-    assert boft._compose_units(m, s, runs, boft.COMPOSE_MOST) == units
+    assert boft_compose.compose_units(m, s, runs, boft_compose.COMPOSE_MOST) == units
     seen = spy_units(monkeypatch, "_launch_composed")
     streamed = spy_units(monkeypatch, "_stream_composed")
     check_channels_last(blocks, rescale, x, grad, diff, dtype, " (composed)")
-    composed = [u for u in units if u[1] > 1 and not boft._one_box(*u, s, runs[0])]
+    composed = [u for u in units if u[1] > 1 and not boft_compose.one_box(*u, s, runs[0])]
     # the forward's composed units, then the replay's (all but the last unit) and the stream's, last first
     replay = [u for u in composed if u != units[-1]]
     stream = composed[::-1]
     # a split stream's gx is a composed launch too, inside the spied stream call
-    split = [u for u in stream if runs[0] << (u[1] - 1) >= boft.COMPOSE_BWD_SPLIT]
+    split = [u for u in stream if runs[0] << (u[1] - 1) >= boft_compose.COMPOSE_BWD_SPLIT]
     assert seen == composed + replay + split, seen
     assert streamed == stream, streamed
 
@@ -338,8 +338,8 @@ def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, m
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(7 * m + s, m, nb, s, shape, has_rs, dtype)
     runs = boft.run_groups(s, nb, x.element_size())
-    assert boft._compose_units(m, s, runs, 3) == fwd_units
-    assert boft._compose_units(m, s, runs, 3) == bwd_units
+    assert boft_compose.compose_units(m, s, runs, 3) == fwd_units
+    assert boft_compose.compose_units(m, s, runs, 3) == bwd_units
     boxes = spy_units(monkeypatch, "_stream_box")
     check_channels_last(blocks, rescale, x, grad, diff, dtype, " (leading stages as one box)")
     assert boxes == [bwd_units[0]], boxes
@@ -350,27 +350,27 @@ def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, m
 def test_boft_bwd_partials_over_splits(m, nb, s, shape, monkeypatch, poisoned_empty):
     """The backward's partials with the positions in several splits (``oft.SPLIT_PER_SM`` raised:
     a CPU has one "SM"): single stages keep theirs per split, a composed unit's stages go to split 0
-    with the other splits' rows zeroed (``_bwd_runs``; one split in all where every stage is in a
+    with the other splits' rows zeroed (``boft._bwd_runs``; one split in all where every stage is in a
     unit), under NaN-filled fresh buffers. gx and g_blocks against the fp64 reference."""
     monkeypatch.setattr(_oft, "SPLIT_PER_SM", 64)
     splits = []
-    real = boft._batch_partials
+    real = boft.batch_partials
 
     def spy(b, part, *a):
         splits.append(part.shape[0])
         return real(b, part, *a)
 
-    monkeypatch.setattr(boft, "_batch_partials", spy)
+    monkeypatch.setattr(boft, "batch_partials", spy)
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(5 * m + s, m, nb, s, shape, False, dtype)
     check_channels_last(blocks, None, x, grad, False, dtype, " (partials over splits)")
-    units = boft._compose_units(m, s, boft.run_groups(s, nb, x.element_size()), 3)
+    units = boft_compose.compose_units(m, s, boft.run_groups(s, nb, x.element_size()), 3)
     singles = any(k == 1 for _, k in units)
     assert splits and all(n > 1 if singles else n == 1 for n in splits), (units, splits)
 
 
 def test_composed_matrices_are_the_stage_product():
-    """``_composed_matrices`` of a 3-stage unit against the product of the three stages'
+    """``composed_matrices`` of a 3-stage unit against the product of the three stages'
     permuted block-diagonal matrices built densely from the run-basis group matrices: applied
     to every unit group's box of a random x, the same values as the stages one by one (fp64)."""
     m, nb, s = 3, 8, 32
@@ -380,7 +380,7 @@ def test_composed_matrices_are_the_stage_product():
     f = torch.randn(m * gps, GC, GC, generator=g, dtype=torch.float64)
     hi = f.float()
     lo = (f - hi.double()).float()
-    jh, jl = boft._composed_matrices(hi, lo, 0, 3, s, GC, gps, torch.float32)
+    jh, jl = boft_compose.composed_matrices(hi, lo, 0, 3, s, GC, gps, torch.float32)
     C, H = nb * s, GC // 2
     x = torch.randn(5, C, generator=g, dtype=torch.float64)
     u = x.clone()

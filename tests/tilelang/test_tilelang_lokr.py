@@ -25,7 +25,8 @@ pytest.importorskip("tilelang")
 from lycoris_ops.reference import lokr as REF  # noqa: E402
 from lycoris_ops.testing import lokr as CASES  # noqa: E402
 from lycoris_ops.backends.tilelang import common as _common
-from lycoris_ops.backends.tilelang.kernels import lokr
+from lycoris_ops.backends.tilelang.kernels import lokr, lokr_bypass
+from lycoris_ops.backends.tilelang.tuning import lokr as lokr_tuning  # noqa: E402
 from lycoris_ops.backends.tilelang import ops  # noqa: E402
 import tilelang_harness as harness  # noqa: E402
 from tilelang_harness import GPU, IDS, MATRIX, NVCC  # noqa: E402
@@ -41,7 +42,7 @@ def compare(op, args, dtype, tol=None):
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 @pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
 def test_kernels_compile(arch, dtype):
-    for builder, args in lokr.compile_specs(dtype):
+    for builder, args in lokr.compile_specs(dtype) + lokr_bypass.compile_specs(dtype):
         k = _common.compile_only(builder, arch, *args)
         assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
@@ -55,14 +56,14 @@ def test_async_one_pass_backward_compiles_for_sm90a():
 
     srcs = {}
     for asy in (False, True):
-        k = _common.compile_only(lokr.kron_wgrads_kernel, "sm_90a", 64, 64, 64, 64, "bfloat16", "float32", False,
+        k = _common.compile_only(lokr_bypass.kron_wgrads_kernel, "sm_90a", 64, 64, 64, 64, "bfloat16", "float32", False,
                                  128, 128, 4, "bfloat16", asy)
         src = k.get_kernel_source()
         srcs[asy] = (src.count("wgmma_ss<"), len(re.findall(r"warpgroup_wait<", src)))
     # 8 GEMMs a step in the three copies of the pipelined body (prologue, steady state, epilogue)
     assert srcs[False] == (24, 24) and srcs[True] == (24, 9), srcs
-    assert lokr.wgrads_async_fits(64, 64, 64, 64, 128, 128) and lokr.wgrads_async_fits(48, 48, 64, 64, 128, 128)
-    assert not lokr.wgrads_async_fits(3, 5, 7, 4, 128, 128)
+    assert lokr_bypass.wgrads_async_fits(64, 64, 64, 64, 128, 128) and lokr_bypass.wgrads_async_fits(48, 48, 64, 64, 128, 128)
+    assert not lokr_bypass.wgrads_async_fits(3, 5, 7, 4, 128, 128)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
@@ -75,7 +76,7 @@ def test_factored_merge_kernels_compile_for_sm90a(threads):
     bf = torch.bfloat16
     built = {}
     with mock.patch.object(lokr, "arch_of", lambda d: "sm_90a"), mock.patch.object(lokr, "num_sms", lambda d: 132), \
-            mock.patch.object(lokr, "smem_limit", lambda d: 227 * 1024):
+            mock.patch.object(lokr_bypass, "smem_limit", lambda d: 227 * 1024):
         for a, b, c, d in ((1, 1, 9, 9), (2, 2, 33, 9), (2, 2, 65, 13), (1, 2, 17, 40)):
             w1a, w1b, w2a, w2b = (torch.randn(*s_, dtype=bf) for s_ in ((a, 3), (3, b), (c, 5), (5, d)))
             with _common.capturing() as pending:
@@ -134,7 +135,7 @@ def test_gpu_async_one_pass_backward(dtype):
     """The one-pass bypass backward, its GEMM groups issued as async WGMMAs on sm_90a at 64-wide
     padded factors (``wgrads_async_fits``), against the eager body, token tails and a split
     token reduction included; the 3 x 5 x 7 x 4 layer takes the synchronous form."""
-    assert lokr.wgrads_async_fits(64, 64, 64, 64, 128, 128) and not lokr.wgrads_async_fits(3, 5, 7, 4, 128, 128)
+    assert lokr_bypass.wgrads_async_fits(64, 64, 64, 64, 128, 128) and not lokr_bypass.wgrads_async_fits(3, 5, 7, 4, 128, 128)
     g = torch.Generator().manual_seed(11)
 
     def m(*s, scale=1.0):
@@ -204,8 +205,8 @@ def _with_cfg(op, cfg, args, dtype):
     import functools
     import types
 
-    fn = getattr(lokr, op[len("lokr_"):])
-    mine = [p for p in _listed(fn, args, cfg) if p.builder.__module__ == lokr.__name__]
+    fn = lokr_tuning.LAUNCHERS[op]
+    mine = [p for p in _listed(fn, args, cfg) if p.builder.__module__ in (lokr.__name__, lokr_bypass.__name__)]
     assert mine, (op, cfg)
     for p in mine:
         names = CFG_ARGS[p.builder.__name__]
@@ -243,14 +244,14 @@ def _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, dev):
 def one_pass_does_not_fit(monkeypatch):
     """As at wide factors: the one-pass backward with gx does not fit shared memory, so gx runs
     through the apply kernel and the weight gradients through ``kron_wgrads_kernel`` alone."""
-    real = lokr.wgrads_smem
-    monkeypatch.setattr(lokr, "wgrads_smem", lambda *a: real(*a) if not a[7] else 1 << 40)
+    real = lokr_bypass.wgrads_smem
+    monkeypatch.setattr(lokr_bypass, "wgrads_smem", lambda *a: real(*a) if not a[7] else 1 << 40)
 
 
 def no_one_pass_fits(monkeypatch):
     """As at wide factors: no one-pass kernel fits a thread's registers, so the backward runs
     the apply kernel and the two separate wgrad kernels."""
-    monkeypatch.setattr(lokr, "WGRADS_MAX_FRAGMENT_REGS", 0)
+    monkeypatch.setattr(lokr_bypass, "WGRADS_MAX_FRAGMENT_REGS", 0)
 
 
 #: the backward's three paths (by the one-pass kernels' resources) -> the kernels it builds
@@ -268,8 +269,8 @@ def test_twin_bypass_paths(staged, path, monkeypatch):
     with small static step counts (splits past the last tile): padded factors, one token and a
     token tail, two configs (2 and 16 tokens a program). CPU twins at fp32; on a GPU the real
     kernels (bf16)."""
-    monkeypatch.setattr(lokr, "WGRAD_KPER", (2, 4, 64))
-    monkeypatch.setattr(lokr, "APPLY_KPER", (2, 4, 64))
+    monkeypatch.setattr(lokr_bypass, "WGRAD_KPER", (2, 4, 64))
+    monkeypatch.setattr(lokr_bypass, "APPLY_KPER", (2, 4, 64))
     force, kernels = BWD_PATHS[path]
     if force:
         force(monkeypatch)
@@ -281,7 +282,7 @@ def test_twin_bypass_paths(staged, path, monkeypatch):
                 cfg = {**cfg, "staged": staged}
                 _with_cfg(op, cfg, args, dtype)
                 if op == "lokr_bypass_bwd":
-                    built = {p.builder.__name__ for p in _listed(lokr.bypass_bwd, args, cfg)} - {"kron_finish_kernel"}
+                    built = {p.builder.__name__ for p in _listed(lokr_bypass.bypass_bwd, args, cfg)} - {"kron_finish_kernel"}
                     assert built == kernels, (path, built)
                 n += 1
     assert n == 16
@@ -308,12 +309,13 @@ def test_tile_config_cases_compile_sm90a(monkeypatch, cfgs, fused_bwd):
     one-pass kernel and (where it does not fit) the separate gx / weight-gradient ones."""
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
-    for mod in (lokr, tl_lora):
+    for mod in (lokr, lokr_bypass, tl_lora):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 132)
     if not fused_bwd:
         no_one_pass_fits(monkeypatch)
-    calls = [(getattr(lokr, op[len("lokr_"):]), args, cfg)
+    calls = [(lokr_tuning.LAUNCHERS[op], args, cfg)
              for op, cfg, args in _tile_config_cases(*cfgs, torch.bfloat16, "cpu")]
     captured, failed = harness.compile_calls(calls)
     # distinct kernels built: the one-pass backward is one kernel where the separate form is three
@@ -326,10 +328,11 @@ def test_the_fixed_configs_are_the_default_launch():
     builders' own defaults."""
     from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
 
-    defaults = {name: inspect.signature(getattr(lokr, name)).parameters for name in CFG_ARGS}
+    defaults = {name: inspect.signature(getattr(lokr, name, None) or getattr(lokr_bypass, name)).parameters
+                for name in CFG_ARGS}
     for name, keys in CFG_ARGS.items():
         fixed = {"kron_kernel": lokr.KRON, "kron_grad1_kernel": lokr.GRADS, "kron_grad2_kernel": lokr.GRADS,
-                 "kron_grads_kernel": lokr.GRADS, "kron_stream_kernel": lokr.KRON}.get(name, lokr.BYPASS)
+                 "kron_grads_kernel": lokr.GRADS, "kron_stream_kernel": lokr.KRON}.get(name, lokr_bypass.BYPASS)
         spelled = [defaults[name]["max_threads" if k == "threads" and "max_threads" in defaults[name] else k].default
                    for k in keys]
         assert spelled == [fixed[k] for k in keys], name
@@ -341,7 +344,7 @@ def test_the_fixed_configs_are_the_default_launch():
              "lokr_merge_fwd": (*f, None, 1.0), "lokr_merge_bwd": (G, *f, 1.0),
              "lokr_bypass_fwd": (x, w1, w2, 1.0), "lokr_bypass_bwd": (y, x, w1, w2, 1.0)}
     for op, args in calls.items():
-        fn = getattr(lokr, op[len("lokr_"):])
+        fn = lokr_tuning.LAUNCHERS[op]
         built = [[(p.builder.__name__, p.args) for p in _listed(fn, args, cfg)]
                  for cfg in (None, {}, plans_lokr.tl_fixed(op))]
         assert built[0] and built[0] == built[1] == built[2], (op, built)
@@ -361,12 +364,15 @@ def test_tile_space_corners_compile_sm90a(monkeypatch, op):
     from tilelang_harness import compile_calls, corners
 
     monkeypatch.setattr(lokr, "arch_of", lambda d: "sm_90a")
+
+    monkeypatch.setattr(lokr_bypass, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 132)
     dev = device.synthetic()
     bf = torch.bfloat16
     key = {"lokr_full_merge_fwd": lambda c: c["BM"] * c["BN"], "lokr_full_merge_bwd": lambda c: c["elems"]}.get(
         op, lambda c: c["rows"])
-    fn = getattr(lokr, op[len("lokr_"):])
+    fn = lokr_tuning.LAUNCHERS[op]
     shapes = {"lokr_full_merge_fwd": [((48, 48, 64, 64), 0)], "lokr_full_merge_bwd": [((48, 48, 64, 64), 0),
                                                                                        ((2, 2, 128, 128), 0)]}.get(
         op, [((48, 48, 64, 64), 8192), ((128, 128, 32, 32), 8192), ((128, 128, 128, 128), 1024)])
@@ -409,7 +415,10 @@ def test_bypass_bwd_shortlist_builds_distinct_kernels(monkeypatch):
     from lycoris_ops.tuner import tune
 
     monkeypatch.setattr(lokr, "arch_of", lambda d: "sm_90a")
+
+    monkeypatch.setattr(lokr_bypass, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 132)
     dev = device.synthetic()
     for dims in ((48, 48, 64, 64), (64, 64, 64, 64), (128, 128, 32, 32)):
         args = _h200_args(dims, 8192, torch.bfloat16)["lokr_bypass_bwd"]
@@ -418,7 +427,7 @@ def test_bypass_bwd_shortlist_builds_distinct_kernels(monkeypatch):
             if tune.is_eager(c):
                 continue
             with _common.capturing() as pending:
-                tl_pick._call(lokr.bypass_bwd, args, c)
+                tl_pick._call(lokr_bypass.bypass_bwd, args, c)
             # the program each builds (its TIR; the keys differ by the rows argument alone)
             builds.append(frozenset(p.builder(*p.args).script() for p in pending))
         assert all(builds) and len(set(builds)) == len(builds), (dims, builds)
@@ -438,7 +447,7 @@ def test_shortlists_for_an_h200():
 
     dev = device.synthetic()
     fixed = {"lokr_full_merge_fwd": lokr.KRON, "lokr_merge_fwd": lokr.KRON, "lokr_full_merge_bwd": lokr.GRADS,
-             "lokr_merge_bwd": lokr.GRADS, "lokr_bypass_fwd": lokr.BYPASS, "lokr_bypass_bwd": lokr.BYPASS}
+             "lokr_merge_bwd": lokr.GRADS, "lokr_bypass_fwd": lokr_bypass.BYPASS, "lokr_bypass_bwd": lokr_bypass.BYPASS}
     assert set(plans_lokr.TILELANG) == set(OPS) and set(OPS) <= set(tl_pick.models())
     for dims in ((48, 48, 64, 64), (64, 64, 64, 64), (128, 128, 32, 32)):
         for dt in (torch.bfloat16, torch.float16):
@@ -535,6 +544,7 @@ def test_one_pass_merge_bwd(stages, monkeypatch):
     tile rows past w2's edge, which the pipelined copy reads from the next block, count as
     zeros (else inf·0 = nan in the other blocks' g_w1). CPU twins at fp32 (GPU: bf16)."""
     monkeypatch.setattr(lokr, "num_sms", lambda d: 64)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 64)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     g = torch.Generator().manual_seed(5)
 
@@ -581,6 +591,7 @@ def test_streamed_merge_fwd(stages, monkeypatch):
     sides, w2's tiles generated in the kernel (T.gemm; ranks 70 and 6) or read from the plane
     (tiles below 16 x 16). CPU twins at fp32 (GPU: bf16)."""
     monkeypatch.setattr(lokr, "num_sms", lambda d: 3)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 3)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     g = torch.Generator().manual_seed(6)
 
@@ -624,16 +635,16 @@ def test_twin_fused_bwd_staged_gx(monkeypatch):
     """The one-pass backward where its gx block goes through shared memory (16-wide factors: 4
     tokens a step, 1024 elements a block) against the reference, a token tail included. CPU
     twin at fp32; on a GPU the real kernel (bf16)."""
-    monkeypatch.setattr(lokr, "WGRAD_KPER", (2, 4))
+    monkeypatch.setattr(lokr_bypass, "WGRAD_KPER", (2, 4))
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
-    assert lokr.wgrads_gx_stageable(16, 16, 16, 16, 128, 128, dtype.itemsize)
-    assert not lokr.wgrads_gx_stageable(3, 5, 7, 4, 128, 128, dtype.itemsize)  # the odd cases: from registers
+    assert lokr_bypass.wgrads_gx_stageable(16, 16, 16, 16, 128, 128, dtype.itemsize)
+    assert not lokr_bypass.wgrads_gx_stageable(3, 5, 7, 4, 128, 128, dtype.itemsize)  # the odd cases: from registers
     # the one-pass kernels fit sm_90's shared memory at the bench factors and at 128 x 64, not at
     # 256 (where bypass_bwd keeps the separate kernels)
-    limit = lokr.smem_limit(torch.device("cpu")) / lokr._SMEM_MARGIN
-    assert lokr.wgrads_smem(64, 64, 64, 64, 128, 128, 2, 2) <= limit
-    assert lokr.wgrads_smem(128, 128, 64, 64, 128, 128, 2, 2) <= limit
-    assert lokr.wgrads_smem(256, 256, 64, 64, 128, 128, 2, 0) > limit
+    limit = lokr_bypass.smem_limit(torch.device("cpu")) / lokr_bypass._SMEM_MARGIN
+    assert lokr_bypass.wgrads_smem(64, 64, 64, 64, 128, 128, 2, 2) <= limit
+    assert lokr_bypass.wgrads_smem(128, 128, 64, 64, 128, 128, 2, 2) <= limit
+    assert lokr_bypass.wgrads_smem(256, 256, 64, 64, 128, 128, 2, 0) > limit
     g = torch.Generator().manual_seed(5)
 
     def m(*s, scale=1.0):
@@ -651,13 +662,13 @@ def test_staged_apply_fits_its_pipeline():
     16-bit base the two base stages would not fit sm_90's 227 KiB (294 KiB with the planners'
     margin), so the register epilogue runs there."""
     cpu, bf = torch.device("cpu"), torch.bfloat16
-    p = dict(lokr.BYPASS)
-    assert lokr._apply_staged(p, 64, 64, 64, 64, bf, bf, bf, cpu)
-    assert not lokr._apply_staged({**p, "staged": False}, 64, 64, 64, 64, bf, bf, bf, cpu)
-    assert not lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, bf, cpu)
-    assert lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, None, cpu)  # no base: one block staged
+    p = dict(lokr_bypass.BYPASS)
+    assert lokr_bypass._apply_staged(p, 64, 64, 64, 64, bf, bf, bf, cpu)
+    assert not lokr_bypass._apply_staged({**p, "staged": False}, 64, 64, 64, 64, bf, bf, bf, cpu)
+    assert not lokr_bypass._apply_staged(p, 128, 128, 128, 128, bf, bf, bf, cpu)
+    assert lokr_bypass._apply_staged(p, 128, 128, 128, 128, bf, bf, None, cpu)  # no base: one block staged
     # two stages of the 128 x 128 base block: 2 · 128² · 2 bytes more than with none
-    assert (lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2) - lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 0)
+    assert (lokr_bypass.apply_smem(128, 128, 128, 128, 128, 2, 2, 2) - lokr_bypass.apply_smem(128, 128, 128, 128, 128, 2, 2, 0)
             == 2 * 128 * 128 * 2)
 
 
@@ -673,19 +684,20 @@ def test_factor_128_kernels_fit_shared_memory(monkeypatch, fused):
     from lycoris_ops.backends.tilelang import common as _common
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
-    for mod in (lokr, tl_lora):
+    for mod in (lokr, lokr_bypass, tl_lora):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 132)
     if not fused:
         no_one_pass_fits(monkeypatch)
     bf = torch.bfloat16
     x, base, w = torch.empty(300, 128 * 128, dtype=bf), torch.empty(300, 128 * 128, dtype=bf), torch.empty(128, 128, dtype=bf)
-    calls = [(lokr.bypass_fwd, (x, w, w, 0.7, base), {}), (lokr.bypass_fwd, (x, w, w, 0.7, None), {}),
-             (lokr.bypass_bwd, (base, x, w, w, 0.7), {})]
+    calls = [(lokr_bypass.bypass_fwd, (x, w, w, 0.7, base), {}), (lokr_bypass.bypass_fwd, (x, w, w, 0.7, None), {}),
+             (lokr_bypass.bypass_bwd, (base, x, w, w, 0.7), {})]
     captured, failed = harness.compile_calls(calls)
     assert captured >= 4 and not failed, failed
     # the check itself: the staged epilogue with two base stages at 128 is over the limit
-    over = _common.Pending(lokr.kron_apply_kernel, "sm_90a", (128, 128, 128, 128, "bfloat16", "bfloat16", "bfloat16",
+    over = _common.Pending(lokr_bypass.kron_apply_kernel, "sm_90a", (128, 128, 128, 128, "bfloat16", "bfloat16", "bfloat16",
                                                                128, 128, True, 16))  # staged
     (why,) = harness.compile_failures([over])
     assert "256 KiB of shared memory" in why[2], why
@@ -693,12 +705,12 @@ def test_factor_128_kernels_fit_shared_memory(monkeypatch, fused):
 
 @pytest.mark.parametrize("run,ns", [(0, 12), (4, 12), (4, 6), (8, 12), (3, 3)])
 def test_sum_partials_runs(run, ns, monkeypatch):
-    """``lokr._sum_partials`` (``PARTIAL_SUM_RUN``: runs of k partials summed first where k
+    """``lokr_bypass._sum_partials`` (``PARTIAL_SUM_RUN``: runs of k partials summed first where k
     divides ns and leaves two runs, else one sum) equals the plain sum of the ns partials."""
-    monkeypatch.setattr(lokr, "PARTIAL_SUM_RUN", run)
+    monkeypatch.setattr(lokr_bypass, "PARTIAL_SUM_RUN", run)
     g = torch.Generator().manual_seed(11)
     part = torch.randn(ns * 5, 7, generator=g)
-    got = lokr._sum_partials(part, ns, 5, 7)
+    got = lokr_bypass._sum_partials(part, ns, 5, 7)
     assert got.shape == (5, 7)
     torch.testing.assert_close(got, part.view(ns, 5, 7).double().sum(0).float(), rtol=1e-6, atol=1e-5)
 
@@ -707,13 +719,13 @@ def test_bypass_bwd_routes_by_the_one_pass_kernels_resources():
     """``bypass_bwd`` takes the one-pass kernel where its shared memory fits and its fp32
     accumulators fit a thread's registers (160 at the bench's 64-wide factors); w1 (64, 64)
     with w2 (128, 128) (D = 8192) holds 352 a thread: gx, g_w1 and g_w2 by the separate kernels."""
-    assert lokr.wgrads_fragment_regs(64, 64, 64, 64, 128, 128, True) == 160
-    assert lokr.wgrads_fragment_regs(64, 64, 128, 128, 128, 128, True) > lokr.WGRADS_MAX_FRAGMENT_REGS
+    assert lokr_bypass.wgrads_fragment_regs(64, 64, 64, 64, 128, 128, True) == 160
+    assert lokr_bypass.wgrads_fragment_regs(64, 64, 128, 128, 128, 128, True) > lokr_bypass.WGRADS_MAX_FRAGMENT_REGS
 
     def built(a, c):
         x, g = torch.zeros(8, a * c), torch.zeros(8, a * c)
         with _common.capturing() as pending:
-            lokr.bypass_bwd(g, x, torch.zeros(a, a), torch.zeros(c, c), 1.0)
+            lokr_bypass.bypass_bwd(g, x, torch.zeros(a, a), torch.zeros(c, c), 1.0)
         return sorted({p.builder.__name__ for p in pending})
 
     assert built(64, 64) == ["kron_finish_kernel", "kron_wgrads_kernel"]  # + the partials' sum
@@ -729,8 +741,9 @@ def test_wgrads_finish_launch(monkeypatch, gx):
     launch). CPU twin at fp32 (the fp32 w1 beside fp16 operands); on a GPU the real kernel (bf16)."""
     if not gx:
         one_pass_does_not_fit(monkeypatch)
-    monkeypatch.setattr(lokr, "WGRAD_KPER", (2,))
+    monkeypatch.setattr(lokr_bypass, "WGRAD_KPER", (2,))
     monkeypatch.setattr(lokr, "num_sms", lambda d: 2)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 2)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float16, "cpu")
     g = torch.Generator().manual_seed(13)
 
@@ -740,6 +753,6 @@ def test_wgrads_finish_launch(monkeypatch, gx):
     for (a, b, c, d), T in (((3, 5, 7, 4), 150), ((20, 3, 5, 33), 333)):
         for w1_dtype in (dtype, torch.float32):
             args = (m(T, a * c), m(T, b * d), m(a, b, scale=b ** -0.5, dt=w1_dtype), m(c, d, scale=d ** -0.5), 0.7)
-            built = {p.builder.__name__ for p in _listed(lokr.bypass_bwd, args, None)}
+            built = {p.builder.__name__ for p in _listed(lokr_bypass.bypass_bwd, args, None)}
             assert {"kron_wgrads_kernel", "kron_finish_kernel"} <= built, built
             compare("lokr_bypass_bwd", args, dtype)

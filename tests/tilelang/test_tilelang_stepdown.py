@@ -365,8 +365,6 @@ def test_elementwise_shortlists_for_an_h200():
     spaces = {**streaming, "lokr_full_merge_fwd": plans_lokr.TL_KRON, "lokr_merge_fwd": plans_lokr.TL_KRON,
               "lokr_full_merge_bwd": plans_lokr.TL_GRADS, "lokr_merge_bwd": plans_lokr.TL_GRADS,
               "lokr_bypass_fwd": plans_lokr.TL_BYPASS, "lokr_bypass_bwd": plans_lokr.TL_BYPASS}
-    from lycoris_ops.backends.tilelang.kernels import lokr as tl_lokr
-
     timed_twins = {"lokr_bypass_fwd": {"staged": False}, "loha_bypass_fwd": {"vendor": True}}
     for mod, op, args, fixed in ((plans_add, "add_scaled", (w, w, 1.0), dict(BV=256, threads=128)),
                                  (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),

@@ -26,9 +26,10 @@ The run kernels (``stage_runs_kernel``, ``stream_runs_kernel``; channels last, 1
 channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matrices are stored
 in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
 dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). Composed
-units: up to ``COMPOSE_MOST`` consecutive stages a launch as ONE matrix on a 2^L-run box,
-forward and backward (the backward's 96-wide units on mma.sync); the leading stages that
-share one box (κ <= GC/2) as one GC-wide matrix through the single stage kernels.
+units (``boft_compose.py``): up to ``COMPOSE_MOST`` consecutive stages a launch as ONE
+matrix on a 2^L-run box, forward and backward (the backward's 96-wide units on mma.sync);
+the leading stages that share one box (κ <= GC/2) as one GC-wide matrix through the single
+stage kernels.
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
@@ -40,31 +41,23 @@ Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 
 import torch
 
-from lycoris_ops.backends.tilelang.common import (CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype, without_wgmma)
+from lycoris_ops.backends.tilelang.common import (CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype,
+                                                  without_wgmma)
 from lycoris_ops.backends.tilelang.common import smem_limit as _smem_limit
-from lycoris_ops.backends.tilelang.kernels.oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel, chain_blocks, chain_kernel, direct_stages, position_view, tiling)
+from lycoris_ops.backends.tilelang.kernels.oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel,
+                                                       bwd_stream_kernel, direct_stages, position_view, tiling)
+from lycoris_ops.backends.tilelang.kernels.oft_cayley import cayley_kernel, chain_blocks, chain_kernel
 from lycoris_ops.backends.tilelang.kernels.oft import _cayley as _oft_cayley
+from lycoris_ops.backends.tilelang.kernels.boft_compose import (COMPOSE_BWD_SPLIT, COMPOSE_MOST, batch_partials,
+                                                                compose_units, one_box, unit_matrices)
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
-           "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "COMPOSE_MOST", "COMPOSE_BWD_SPLIT"]
+           "stage_runs_kernel", "stream_runs_kernel", "compile_specs"]
 
 _F32 = "float32"
-#: the most consecutive stages a launch applies as ONE matrix J = E_{L-1}···E_0 of width
-#: 2^(L-1)·GC on a 2^L-run box (``_compose_units``, ``_composed_matrices``; the product formed
-#: on the host in fp64, then split in a (hi, lo) pair), one three-term GEMM a tile, forward and
-#: backward (``_stream_composed``: gx = g·J and A = Σ gᵀ·u on the unit's box, the stages'
-#: partials from A on the host): measured faster than one launch a stage, and than 2
-COMPOSE_MOST = 3
-#: the composed backward's stream as two launches (``_stream_composed``) for units at least
-#: this wide: gx by the forward's composed kernel with Jᵀ, then the partials alone (64-position
-#: tiles, where the one-launch stream holds gx's tile beside its W x W accumulator and runs 32
-#: at W = 128); narrower units (96) measured faster in one launch
-COMPOSE_BWD_SPLIT = 128
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
-#: the widest composed matrix (a 128 x 128 (hi, lo) pair is 64 KiB of shared memory)
-_COMPOSE_WIDTH = 128
 #: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, as oft's
 #: fused kernels; less where the device's own limit is lower, ``smem_limit``); a tile config
 #: over it takes the gather path
@@ -77,7 +70,7 @@ _RUNS_SMEM = SMEM_SM90A
 # (or GC contiguous channels while 2κ_i <= GC). Seen as x.view(NP, C/2κ', 2, κ') with
 # κ' = max(κ_i, GC/2), a group's tile of BT positions is ONE box [p0:p0+BT, seg, 0:2,
 # j0:j0+GC/2]: one T.copy (TMA on sm_90a) in, one out. The box's row-major order is the
-# group's *run basis* (``oft._run_slot``), in which the Cayley kernel stores the group
+# group's *run basis* (``oft_cayley.run_slot``), in which the Cayley kernel stores the group
 # matrices and the chain kernel reads the partials, so the stream needs no channel map.
 # Between stages a value is a (hi, lo) pair of x's 16-bit dtype (hi = the fp32 value rounded,
 # lo = the rest: ~2^-16 relative, far below the 16-bit output's rounding; the same bytes as
@@ -108,7 +101,7 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
     a width every warp partition of T.gemm covers), u = U (+ UL when ``has_lo``), stored as a
     (hi, lo) pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a
     view (NP, C/Rκ', R, κ') of dtype d; a box is R runs of GC/R channels. R = 2^L: L stages as
-    ONE matrix F = E_{L-1}···E_0 in the box basis (``_composed_matrices``).
+    ONE matrix F = E_{L-1}···E_0 in the box basis (``composed_matrices``).
     Program (g, split) walks tiles split·tps … split·tps + tps − 1."""
     import tilelang.language as T
 
@@ -383,46 +376,6 @@ def _runs_cayley(bc, rs, m, nb, s, runs, trans, cscale, scale, cdt, arch):
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
 
 
-def _compose_at(i, L, m, s, runs) -> bool:
-    """Whether stages i … i + L − 1 can run as one composed unit: they exist, the unit's width
-    W = 2^(L-1)·GC is a multiple of 32 (a warp partition of T.gemm; 96 at the small bench
-    shape's GC = 48, which a single stage pads to 64; the backward's Σ gᵀ·u GEMM then runs on
-    mma.sync: sm_90's WGMMA takes its W rows 64 at a time) and at most ``_COMPOSE_WIDTH``, and
-    stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the box do not overlap)."""
-    W = runs[0] << (L - 1)
-    return i + L <= m and W % 32 == 0 and W <= _COMPOSE_WIDTH and ((s // 2) << i) >= runs[0] // 2
-
-
-def _leading(i, s, GC) -> bool:
-    """Whether stage i's κ is at most half a group (GC/2): its group is the GC channels in order."""
-    return ((s // 2) << i) <= GC // 2
-
-
-def _one_box(i, L, s, GC) -> bool:
-    """Whether the unit (i, L), L > 1, is the leading stages' single box: ``_leading`` up to
-    its last stage, so every stage's group is the same GC channels in order."""
-    return L > 1 and _leading(i + L - 1, s, GC)
-
-
-def _compose_units(m, s, runs, most):
-    """The launch units [(first stage, L)] with up to ``most`` stages composed: first the
-    leading stages that share one box (``_one_box``: one GC x GC matrix through the single
-    stage kernels, measured faster than stage 0 alone), then from there the largest L that
-    ``_compose_at`` allows (1 always can)."""
-    out, i = [], 0
-    while i < min(most, m) and _leading(i, s, runs[0]):
-        i += 1
-    if i > 1:
-        out.append((0, i))
-    else:
-        i = 0
-    while i < m:
-        L = max([n for n in range(2, most + 1) if _compose_at(i, n, m, s, runs)], default=1)
-        out.append((i, L))
-        i += L
-    return out
-
-
 def _compose_bt(W, bt, esize, arch, device, bwd=False, gx=True):
     """The largest tile of ``bt`` halved (at least 16) whose composed unit of width W fits
     shared memory (``bwd``: the stream kernel's, ``gx``: with its gx); the CPU twins' buffers
@@ -432,199 +385,16 @@ def _compose_bt(W, bt, esize, arch, device, bwd=False, gx=True):
     return bt
 
 
-_COMPOSE_GROUPS = {}
-
-
-def _compose_groups(i, L, s, GC, gps, device):
-    """Per stage k < L of the unit (i, L), the stage group each 2 x 2 block of E_k comes from:
-    (npg, 2^(L−k−1), 2^k) indices into the stage matrices (m·gps of them), by (unit group q,
-    the bits of tb above k, the bits below k). The box of unit group q is (tb, j), tb < 2^L,
-    j < H = GC/2, over channels seg·2^Lκ + tb·κ + j0 + j (κ = κ_i, seg = ⌊qH/κ⌋, j0 = qH mod κ);
-    stage i + k mixes (bit k of tb, j) at fixed other bits, with the group
-    g = ((seg·2^(L−k−1) + hi)·2^kκ + lo·κ + j0)/H. Cached per unit geometry and device."""
-    key = (i, L, s, GC, gps, str(device))
-    if key not in _COMPOSE_GROUPS:
-        H, kappa, R = GC // 2, (s // 2) << i, 1 << L
-        npg = gps >> (L - 1)
-        q = torch.arange(npg).view(npg, 1, 1)
-        seg, j0 = (q * H) // kappa, (q * H) % kappa
-        out = []
-        for k in range(L):
-            hi = torch.arange(R >> (k + 1)).view(1, -1, 1)
-            lo = torch.arange(1 << k).view(1, 1, -1)
-            out.append(((i + k) * gps + ((seg * (R >> (k + 1)) + hi) * (kappa << k) + lo * kappa + j0) // H).to(device))
-        _COMPOSE_GROUPS[key] = out
-    return _COMPOSE_GROUPS[key]
-
-
-def _composed_stages(f, firsts, L, s, GC, gps):
-    """The stage matrices E_0 … E_{L-1} of the units (i, L), i in ``firsts``, stacked along the
-    unit groups ((len(firsts)·npg, W, W) each) in the box basis (tb, j), fp64:
-    E_k[(hi, t, lo, j), (hi', t', lo', j')] = δ(hi, hi')·δ(lo, lo')·M[(t, j), (t', j')], M the
-    run-basis matrix (``f`` = fh + fl in fp64, its first GC rows / columns) of the group
-    ``_compose_groups`` names: one gather, one zero fill and one copy a stage for all the units."""
-    H = GC // 2
-    out = []
-    for grp in _batch_groups(firsts, L, s, GC, gps, f.device):
-        npg, nhi, nlo = grp.shape
-        m = f[grp].view(npg, nhi, nlo, 2, H, 2, H)
-        # E's nonzero entries are its (hi = hi', lo = lo') diagonals: zeros, then M into that view
-        e = f.new_zeros((npg, nhi, 2, nlo, H, nhi, 2, nlo, H))
-        e.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5).copy_(m.permute(0, 3, 4, 5, 6, 1, 2))
-        out.append(e.view(npg, nhi * 2 * nlo * H, nhi * 2 * nlo * H))
-    return out
-
-
-_BATCH_GROUPS = {}
-
-
-def _batch_groups(firsts, L, s, GC, gps, device):
-    """Per stage k < L, ``_compose_groups``' indices of the units (i, L), i in ``firsts``,
-    concatenated along the unit groups (a batch's: ``_composed_stages``, ``_batch_partials``);
-    cached like them."""
-    key = (tuple(firsts), L, s, GC, gps, str(device))
-    if key not in _BATCH_GROUPS:
-        per = [_compose_groups(i, L, s, GC, gps, device) for i in firsts]
-        _BATCH_GROUPS[key] = [torch.cat([g[k] for g in per]) for k in range(L)]
-    return _BATCH_GROUPS[key]
-
-
-class _Batch:
-    """The composed units of one geometry stacked (``_unit_matrices``): the leading box alone, or
-    every unit of one L. ``es``: the stage matrices E_0 … E_{L-1} and ``j`` = E_{L-1}···E_0 (fp64,
-    (n·npg, W, W) in the units' basis, unit n at rows n·npg …); ``pair``: J as the forward's
-    (hi, lo) (the box's padded to GP); ``tpair`` (backward): Jᵀ as its stream's (the box's padded
-    to GP; ``split``: the stream splits, ``COMPOSE_BWD_SPLIT`` from the units' width); ``pg``: the
-    streams' fp32 partials per split of every unit, (NS, n·npg, GEMM width²), for
-    ``_batch_partials`` after the last stream. One batch is one set of small host ops, not one a
-    unit (per-unit host algebra was a large share of the small bench shape's time)."""
-
-    def __init__(self, es, firsts, L, box, GP, dtype, bwd, split):
-        self.es, self.firsts, self.L, self.box, self.split = es, firsts, L, box, split
-        self.npg = es[0].shape[0] // len(firsts)
-        self.j = _product(es)
-        W = self.j.shape[-1]
-        self.pair = _padded_pair(self.j, GP, dtype) if box else _split16(self.j, dtype)
-        self.tpair, self.pg = None, None
-        if bwd:
-            gp = GP if box else W
-            if gp == self.pair[0].shape[-1]:  # Jᵀ's pair is J's transposed (rounding is per entry)
-                self.tpair = tuple(t.transpose(1, 2).contiguous() for t in self.pair)
-            else:
-                self.tpair = _padded_pair(self.j.transpose(1, 2), gp, dtype)
-
-    def rows(self, pair, n):
-        """Unit n's slice of a (hi, lo) pair of the batch."""
-        return tuple(t[n * self.npg:(n + 1) * self.npg] for t in pair)
-
-    def partials(self, nsplit, gp, device):
-        """``pg`` ((nsplit, n·npg, gp, gp) fp32), allocated by the first stream that writes it."""
-        if self.pg is None:
-            self.pg = torch.empty((nsplit, self.j.shape[0], gp, gp), device=device, dtype=torch.float32)
-        return self.pg
-
-
-def _unit_matrices(fh, fl, units, s, GC, gps, GP, dtype, bwd=False, split=False):
-    """{(i, L): (its ``_Batch``, its index n in it)} for every composed unit (L > 1) of ``units``:
-    the leading box (``_one_box``: the stages' own run-basis matrices) in a batch of its own, the
-    other units of one L stacked, formed with a few batched ops a batch. ``bwd``: with the
-    streams' Jᵀ pairs (``split``: ``COMPOSE_BWD_SPLIT`` from a width)."""
-    f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
-    out = {}
-    for i, L in units:
-        if _one_box(i, L, s, GC):
-            es = [f[(i + k) * gps:(i + k + 1) * gps] for k in range(L)]
-            out[(i, L)] = (_Batch(es, [i], L, True, GP, dtype, bwd, False), 0)
-    for L in sorted({k for _, k in units if k > 1}):
-        firsts = [i for i, k in units if k == L and not _one_box(i, k, s, GC)]
-        if not firsts:
-            continue
-        W = GC << (L - 1)
-        b = _Batch(_composed_stages(f, firsts, L, s, GC, gps), firsts, L, False, GP, dtype, bwd,
-                   bool(split) and W >= split)
-        for n, i in enumerate(firsts):
-            out[(i, L)] = (b, n)
-    return out
-
-
-def _product(es):
-    """E_{L-1}···E_0 of fp64 batches (bmm in fp64: no TF32 whatever the caller's matmul settings)."""
-    j = es[0]
-    for e in es[1:]:
-        j = torch.bmm(e, j)
-    return j
-
-
-def _split16(j, dtype):
-    """An fp64 matrix batch as the (hi, lo) pair of ``dtype`` the run kernels take."""
-    hi = j.to(dtype)
-    return hi, (j - hi.double()).to(dtype)
-
-
-def _composed_matrices(fh, fl, i, L, s, GC, gps, dtype):
-    """The unit (i, L)'s matrices J = E_{L-1}···E_0 per unit group (npg, W, W) in the box
-    basis, as a (hi, lo) pair of ``dtype`` (the ``pair`` of ``_unit_matrices``' batch)."""
-    return _unit_matrices(fh, fl, [(i, L)], s, GC, gps, GC, dtype)[(i, L)][0].pair
-
-
-def _batch_partials(b, part, s, GC, gps):
-    """Every stage's partials of the batch's units into split 0 of ``part`` (NS, m·gps, GP, GP;
-    the caller zeroes the other splits' rows where NS > 1), from A = Σ gᵀ·u over each unit (its
-    streams' ``pg`` summed over the splits): stage k's ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·
-    (E_{k-1}···E_0)ᵀ`` (``_stage_partials``). The box's are the stages' own run-basis rows; a
-    composed unit's each 2 x 2 block of P_k (the other bits equal) is the partial of the group
-    ``_compose_groups`` names (the inverse of ``_composed_stages``' placement), all units' in one
-    scatter a stage."""
-    W = b.j.shape[-1]
-    a = b.pg.sum(0)[:, :W, :W].double()
-    if b.box:
-        i = b.firsts[0]
-        for k, pk in _stage_partials(b.es, a):
-            part[0, (i + k) * gps:(i + k + 1) * gps, :GC, :GC] = pk.to(part.dtype)
-        return
-    H = GC // 2
-    groups = _batch_groups(b.firsts, b.L, s, GC, gps, part.device)
-    for k, pk in _stage_partials(b.es, a):
-        grp = groups[k]
-        npg, nhi, nlo = grp.shape
-        blocks = pk.view(npg, nhi, 2, nlo, H, nhi, 2, nlo, H)
-        blocks = blocks.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5)  # (npg, 2, H, 2, H, nhi, nlo)
-        part[0, grp.reshape(-1), :GC, :GC] = blocks.permute(0, 5, 6, 1, 2, 3, 4).reshape(-1, GC, GC).to(part.dtype)
-
-
-def _stage_partials(es, a):
-    """(k, P_k) for the stages of a unit, from the last:
-    ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ`` (Σ g^{k+1}·(u^k)ᵀ) from A = Σ gᵀ·u over the
-    unit, all in the unit's basis (fp64 batches)."""
-    L = len(es)
-    pre = [None] * L  # E_{k-1}···E_0
-    for k in range(1, L):
-        pre[k] = es[0] if k == 1 else torch.bmm(es[k - 1], pre[k - 1])
-    suf = None  # E_{L-1}···E_{k+1}
-    for k in reversed(range(L)):
-        pk = a if suf is None else torch.bmm(suf.transpose(1, 2), a)
-        if pre[k] is not None:
-            pk = torch.bmm(pk, pre[k].transpose(1, 2))
-        yield k, pk
-        suf = es[k] if suf is None else torch.bmm(suf, es[k])
-
-
-def _padded_pair(j, GP, dtype):
-    """A (n, GC, GC) fp64 batch zero-padded to (n, GP, GP), as the (hi, lo) pair of ``dtype``."""
-    GC = j.shape[-1]
-    return _split16(torch.nn.functional.pad(j, (0, GP - GC, 0, GP - GC)).contiguous(), dtype)
-
-
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     """boft_fwd by the run kernels: one Cayley launch, then one launch per unit (a stage, or up
-    to ``COMPOSE_MOST`` stages as one matrix, ``_compose_units``): the first reads x, units
+    to ``COMPOSE_MOST`` stages as one matrix, ``compose_units``): the first reads x, units
     between keep (hi, lo) pairs in two buffers in turn, the last stores y."""
     gps = nb // runs[1]
     fh, fl = _runs_cayley(bc, rs, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     src = (xv, None)
-    units = _compose_units(m, s, runs, COMPOSE_MOST)
-    mats = _unit_matrices(fh, fl, units, s, runs[0], gps, runs[2], xv.dtype)
+    units = compose_units(m, s, runs, COMPOSE_MOST)
+    mats = unit_matrices(fh, fl, units, s, runs[0], gps, runs[2], xv.dtype)
     for n, (i, k) in enumerate(units):
         last = n == len(units) - 1
         dst = (yv, None) if last else bufs[n % 2]
@@ -633,8 +403,8 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
 
 
 def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff, mats):
-    """The forward unit (i, k) of ``_compose_units``: one stage (``_launch_stage``) or k stages
-    as one matrix (J's pair of ``mats``, ``_unit_matrices``, by ``_launch_composed``); ``src`` /
+    """The forward unit (i, k) of ``compose_units``: one stage (``_launch_stage``) or k stages
+    as one matrix (J's pair of ``mats``, ``unit_matrices``, by ``_launch_composed``); ``src`` /
     ``dst``: (hi, lo or None), (NP, C)."""
     if k == 1:
         _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff)
@@ -654,7 +424,7 @@ def _box_view(t, s, i, R):
 
 
 def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
-    """Stages i … i + L − 1 as one matrix (``mats``: its (hi, lo) pair, ``_composed_matrices``)
+    """Stages i … i + L − 1 as one matrix (``mats``: its (hi, lo) pair, ``composed_matrices``)
     by ``stage_runs_kernel`` on the 2^L-run box view, W = 2^(L-1)·GC wide, at the largest tile
     that fits (``_compose_bt``)."""
     GC = runs[0]
@@ -670,7 +440,7 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
 def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     """The backward of the composed unit (i, L): ``gx = g·J`` (the Jᵀ pair)
     stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis, in
-    its batch's ``pg`` at the unit's rows: ``_batch_partials`` forms the stages' partials after the
+    its batch's ``pg`` at the unit's rows: ``batch_partials`` forms the stages' partials after the
     last stream) by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that
     fits (``_compose_bt``, ``_COMPOSE_BWD_THREADS``). ``COMPOSE_BWD_SPLIT`` (W at least that):
     two launches, gx by the forward's composed kernel (``stage_runs_kernel`` with the Jᵀ pair:
@@ -706,9 +476,9 @@ def _stream_stage(g, u, dst, th, tl_, part, i, s, runs, gps, p, arch, tps, goff=
 
 
 def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats, tiles):
-    """The backward of the leading stages' unit (i, L) (``_one_box``): ``_stream_stage`` with the
+    """The backward of the leading stages' unit (i, L) (``one_box``): ``_stream_stage`` with the
     unit's Jᵀ (gx = g·J), its partials A = Σ gᵀ·u (the stages' shared run basis) in its batch's
-    ``pg`` (``_batch_partials`` forms the stages' after the last stream); ``tiles``: the single
+    ``pg`` (``batch_partials`` forms the stages' after the last stream); ``tiles``: the single
     stages' (nsplit, tiles per split)."""
     b, _ = mats[(i, L)]
     nsplit, tps = tiles
@@ -735,20 +505,20 @@ def _halves(pair):
 
 def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arch):
     """boft_bwd by the run kernels: the forward replay keeps each unit's input (a stage, or up to
-    ``COMPOSE_MOST`` composed, ``_compose_units``) as a (hi, lo) pair, then per
+    ``COMPOSE_MOST`` composed, ``compose_units``) as a (hi, lo) pair, then per
     unit from the last one stream launch (gx as a pair, the last one in x's dtype; partials in
-    the run basis of each stage group, a composed unit's from its batch's, ``_batch_partials``),
+    the run basis of each stage group, a composed unit's from its batch's, ``batch_partials``),
     then one chain launch."""
     GC, NBr, GP = runs
     gps = nb // NBr
     dev = xv.device
     p = launch_config(STREAM, cfg)
-    units = _compose_units(m, s, runs, COMPOSE_MOST)
+    units = compose_units(m, s, runs, COMPOSE_MOST)
     singles = any(k == 1 for _, k in units)
     # F (the replay) and, where a stage streams alone, Fᵀ (its stream) from one Cayley launch
     pairs = _runs_cayley(bc, None, m, nb, s, runs, "both" if singles else False, cscale, scale, xv.dtype, arch)
     fh, fl = pairs[:2]
-    mats = _unit_matrices(fh, fl, units, s, GC, gps, GP, xv.dtype, bwd=True, split=COMPOSE_BWD_SPLIT)
+    mats = unit_matrices(fh, fl, units, s, GC, gps, GP, xv.dtype, bwd=True, split=COMPOSE_BWD_SPLIT)
     us = [(xv, None)]
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
@@ -768,7 +538,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         i, k = units[n]
         dst = (gxv, None) if n == 0 else gbuf[n % 2]
         u = us[n]
-        if _one_box(i, k, s, GC):
+        if one_box(i, k, s, GC):
             _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats, (nsplit, tps))
         elif k > 1:
             _stream_composed(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
@@ -776,7 +546,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
             _stream_stage(g, u, dst, *pairs[2:], part, i, s, runs, gps, p, arch, tps)
         g = dst
     for b in {id(b): b for b, _ in mats.values()}.values():
-        _batch_partials(b, part, s, GC, gps)
+        batch_partials(b, part, s, GC, gps)
     bd = tl_dtype(g_blocks.dtype)
     kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, chain_blocks(s, NBr))
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),

@@ -10,7 +10,7 @@ the two footprints; where the run kernels take the call, only tiles they fit
 from __future__ import annotations
 
 from lycoris_ops.backends.tilelang.common import arch_of_capability
-from lycoris_ops.backends.tilelang.kernels import boft as kernels, oft as oft_kernels
+from lycoris_ops.backends.tilelang.kernels import boft as kernels, oft as oft_kernels, oft_cayley
 from lycoris_ops.backends.tilelang.tuning import TL_N
 from lycoris_ops.backends.tilelang.tuning.oft import tl_channels_first, tl_plan
 # the Triton kernels' launch rules their work model takes (the TileLang model borrows that model)
@@ -71,4 +71,4 @@ TILELANG = {"boft_fwd": (_fwd_tl, _tl_sizes), "boft_bwd": (_bwd_tl, lambda g, *a
 #: op -> its launcher (what the op function runs: schema arguments, then ``cfg``)
 LAUNCHERS = {"boft_fwd": kernels.boft_fwd, "boft_bwd": kernels.boft_bwd}
 #: the kernel modules whose source hash versions this family's tuning rows (an edited kernel is timed again)
-SOURCES = (kernels, oft_kernels)
+SOURCES = (kernels, oft_kernels, oft_cayley)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from lycoris_ops.backends.tilelang.kernels import lokr as kernels, lora as lora_kernels
+from lycoris_ops.backends.tilelang.kernels import lokr as kernels, lokr_bypass as bypass_kernels, lora as lora_kernels
 from lycoris_ops.backends.tilelang.tuning import TL_N
 from lycoris_ops.backends.tilelang.tuning.oft import TL_ACC_PER_THREAD
 # the Triton backward's launch rules its work model takes (the TileLang model borrows that model)
@@ -19,7 +19,7 @@ from lycoris_ops.tuner.models import lokr as models
 #: w2 a program, its base blocks in registers or a ``stages``-deep pipeline), the gradient
 #: kernels' most tile elements and threads (TL_GRADS: the merge backwards; ``one_pass``: both
 #: gradients in one pass), the bypass kernels' most token rows per program and most threads
-#: (TL_BYPASS; a kernel takes 256 only where its GEMMs have >= 128 rows: ``kernels._threads``).
+#: (TL_BYPASS; a kernel takes 256 only where its GEMMs have >= 128 rows: ``bypass_kernels._threads``).
 #: ``tl_configs`` keeps a config when it builds kernels of its own (not the fixed config's,
 #: not an earlier config's) that fit (``tl_fits``); the corners compile for sm_90a
 #: (tests/tilelang/test_tilelang_lokr.py)
@@ -35,7 +35,7 @@ _TL_SPACES = {
     "lokr_merge_fwd": (TL_KRON, kernels.KRON, ("stream", "stages", "BM", "BN")),
     "lokr_full_merge_bwd": (TL_GRADS, kernels.GRADS, ("one_pass", "stages", "elems")),
     "lokr_merge_bwd": (TL_GRADS, kernels.GRADS, ("one_pass", "stages", "elems")),
-    "lokr_bypass_fwd": (TL_BYPASS, kernels.BYPASS, ("rows",)), "lokr_bypass_bwd": (TL_BYPASS, kernels.BYPASS, ("rows",)),
+    "lokr_bypass_fwd": (TL_BYPASS, bypass_kernels.BYPASS, ("rows",)), "lokr_bypass_bwd": (TL_BYPASS, bypass_kernels.BYPASS, ("rows",)),
 }
 
 
@@ -65,7 +65,7 @@ def tl_kernels(op: str, dims, cfg: dict) -> tuple:
         if cfg.get("one_pass"):
             return (("grads1", tile, cfg["threads"], cfg.get("stages", 0)),)
         return (("grads", tile, cfg["threads"]),)
-    geometry = {"apply": kernels.apply_geometry, "wgrad1": kernels.wgrad1_geometry, "wgrad2": kernels.wgrad2_geometry}
+    geometry = {"apply": bypass_kernels.apply_geometry, "wgrad1": bypass_kernels.wgrad1_geometry, "wgrad2": bypass_kernels.wgrad2_geometry}
     out = []
     for kind, kd in _bypass_kernels(op, dims):
         bt, threads = geometry[kind](*kd, cfg["rows"], cfg["threads"])
@@ -113,7 +113,7 @@ def tl_built(op: str, dims, cfg: dict) -> tuple:
     backward bypass (its one pass, ``kron_wgrads_kernel``, takes its token step from
     ``wgrads_geometry``: at 64 x 64 factors rows 64 and 128 build the same kernel)."""
     if op == "lokr_bypass_bwd":
-        return (("wgrads", (tuple(dims), *kernels.wgrads_geometry(*dims, cfg["rows"], cfg["threads"]))),)
+        return (("wgrads", (tuple(dims), *bypass_kernels.wgrads_geometry(*dims, cfg["rows"], cfg["threads"]))),)
     return tl_kernels(op, dims, cfg)
 
 
@@ -231,8 +231,8 @@ def _with_staged_twin(plan, dev: DeviceFacts, kd, csize: int, osize: int, bsize:
     at every shape (the launcher's default is staged), so the tuner times both. The backward's gx
     (no base) gets no twin: staged measured faster there, and each twin is one more cold build."""
     first = plan.candidates[0]
-    cf = kernels.launch_config(kernels.BYPASS, first)
-    if kernels.apply_staged_fits(*kd, cf["rows"], cf["threads"], csize, osize, bsize, dev.smem_per_block):
+    cf = bypass_kernels.launch_config(bypass_kernels.BYPASS, first)
+    if bypass_kernels.apply_staged_fits(*kd, cf["rows"], cf["threads"], csize, osize, bsize, dev.smem_per_block):
         add_second(plan, {**first, "staged": not first.get("staged", True)}, plan.predicted[0])
     return plan
 
@@ -289,6 +289,6 @@ TILELANG = {
 #: op -> its launcher (what the op function runs: schema arguments, then ``cfg``)
 LAUNCHERS = {"lokr_full_merge_fwd": kernels.full_merge_fwd, "lokr_full_merge_bwd": kernels.full_merge_bwd,
              "lokr_merge_fwd": kernels.merge_fwd, "lokr_merge_bwd": kernels.merge_bwd,
-             "lokr_bypass_fwd": kernels.bypass_fwd, "lokr_bypass_bwd": kernels.bypass_bwd}
+             "lokr_bypass_fwd": bypass_kernels.bypass_fwd, "lokr_bypass_bwd": bypass_kernels.bypass_bwd}
 #: the kernel modules whose source hash versions this family's tuning rows (an edited kernel is timed again)
-SOURCES = (kernels, lora_kernels)
+SOURCES = (kernels, bypass_kernels, lora_kernels)

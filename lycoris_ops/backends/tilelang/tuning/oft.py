@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from lycoris_ops.backends.tilelang.kernels import oft as kernels
+from lycoris_ops.backends.tilelang.kernels import oft as kernels, oft_cayley
 from lycoris_ops.backends.tilelang.tuning import TL_N
 # the Triton kernels' split rule its work model takes (the TileLang model borrows that model)
 from lycoris_ops.backends.triton.kernels import oft as triton_oft
@@ -96,4 +96,4 @@ TILELANG = {"oft_fwd": (_fwd_tl, _tl_sizes), "oft_bwd": (_bwd_tl, lambda g, *a: 
 #: op -> its launcher (what the op function runs: schema arguments, then ``cfg``)
 LAUNCHERS = {"oft_fwd": kernels.oft_fwd, "oft_bwd": kernels.oft_bwd}
 #: the kernel modules whose source hash versions this family's tuning rows (an edited kernel is timed again)
-SOURCES = (kernels,)
+SOURCES = (kernels, oft_cayley)
