@@ -156,7 +156,7 @@ def test_boft_gather_channels_last():
     check_channels_last(blocks, rescale, x, grad, True, dtype, " (gather)")
 
 
-#: non-default (forward, backward) configs inside plans/oft.py's TileLang spaces (BOFT shares them)
+#: non-default (forward, backward) configs inside tuning/oft.py's TileLang spaces (BOFT shares them)
 TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
              (dict(BT=64, threads=128), dict(BT=128, threads=256))]
 

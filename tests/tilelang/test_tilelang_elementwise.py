@@ -140,7 +140,7 @@ def test_ia3_bwd_pipelined(shape, per_sm, monkeypatch):
     check(gw, rw, dtype, "ia3_bwd gw (pipelined)")
 
 
-#: non-default configs inside the TileLang spaces of plans/add.py and plans/ia3.py (``TL_SPACE``)
+#: non-default configs inside the TileLang spaces of tuning/add.py and tuning/ia3.py (``TL_SPACE``)
 ADD_CFGS = [dict(BV=128, threads=256), dict(BV=1024, threads=128)]
 IA3_CFGS = [dict(vecs=256, threads=256), dict(vecs=2048, threads=128)]
 

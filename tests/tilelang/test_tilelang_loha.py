@@ -165,7 +165,7 @@ def test_pair_form_by_size(monkeypatch):
         assert cands[0] == loha.grads_fixed(O, I) == (loha.GRADS_PAIR if limit == O * I else loha.GRADS), cands
 
 
-#: non-default configs inside plans/loha.py's TileLang spaces (TL_GEMM, TL_GRADS / TL_GRADS_PAIR)
+#: non-default configs inside tuning/loha.py's TileLang spaces (TL_GEMM, TL_GRADS / TL_GRADS_PAIR)
 GEMM_CFG = dict(BM=64, BN=256, BK=32, stages=3, threads=128)
 GRADS_CFG = dict(BO=128, BI=32)
 
@@ -210,7 +210,7 @@ def test_gpu_tile_configs(monkeypatch):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 def test_tile_space_corners_compile_sm90a(monkeypatch):
-    """The corners of plans/loha.py's TileLang spaces compile for sm_90a at the first bench
+    """The corners of tuning/loha.py's TileLang spaces compile for sm_90a at the first bench
     shape: the GEMM (row tile x stages x threads, the widest tiles) of both bypass ops,
     the gradient kernels at the extremes of their tile."""
     from lycoris_ops.backends.tilelang.tuning import loha as plans_loha

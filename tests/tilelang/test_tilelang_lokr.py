@@ -9,7 +9,7 @@
    by side, the fp32 intermediate carried as a hi + lo pair) and its backward
    in fp16.
 3. On a GPU (skipped here): the op set against the eager bodies in fp16/bf16.
-4. Tuned launch configs (plans/lokr.py's ``TILELANG``): the launchers at non-default
+4. Tuned launch configs (tuning/lokr.py's ``TILELANG``): the launchers at non-default
    configs against the eager bodies (GPU, else CPU twins), the fixed configs as the
    default launch, the corners of the legal spaces compiled for sm_90a, the shortlists
    and legality rules on an H200's facts.
@@ -174,9 +174,9 @@ def test_gpu_parity(dtype, dims):
     compare("lokr_merge_fwd", (f[0], f[1], w2, None, [a, b, c, d], None, 0.5, torch.float32), dtype)
 
 
-# --------------------------------------------------------------------------- tuned launch configs (plans/lokr.py)
+# --------------------------------------------------------------------------- tuned launch configs (tuning/lokr.py)
 
-#: (merge forward, merge backward, bypass) configs inside plans/lokr.py's TileLang spaces, none the fixed one
+#: (merge forward, merge backward, bypass) configs inside tuning/lokr.py's TileLang spaces, none the fixed one
 TILE_CFGS = [(dict(BM=32, BN=64, threads=256), dict(elems=2048, threads=256), dict(rows=64, threads=256)),
              (dict(BM=64, BN=128, threads=128), dict(elems=8192, threads=128), dict(rows=256, threads=128)),
              (dict(BM=16, BN=256, threads=256), dict(elems=8192, threads=256), dict(rows=256, threads=256))]
@@ -353,7 +353,7 @@ def test_the_fixed_configs_are_the_default_launch():
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 @pytest.mark.parametrize("op", ["lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_bypass_fwd", "lokr_bypass_bwd"])
 def test_tile_space_corners_compile_sm90a(monkeypatch, op):
-    """The corners of plans/lokr.py's legal TileLang spaces compile for sm_90a (bf16): the
+    """The corners of tuning/lokr.py's legal TileLang spaces compile for sm_90a (bf16): the
     smallest and largest merge tiles, gradient tiles and token rows, each with its threads,
     at the bench layers' factors (3072: 48 x 48 (x) 64 x 64; 4096 as 128 x 128 (x) 32 x 32, the
     bypass kernels' two warpgroups) and at 128-wide factors (gradient tiles of 16-64 x 128;
@@ -478,7 +478,7 @@ def test_shortlists_for_an_h200():
 
 
 def test_tile_space_legality():
-    """plans/lokr.py's legality rules on an H200: merge tiles of 2048-8192 elements no larger
+    """tuning/lokr.py's legality rules on an H200: merge tiles of 2048-8192 elements no larger
     than the output; one config per distinct gradient tile; the bypass's 256 threads only
     where every GEMM of a kernel has 128 rows, its fp32 fragments within the registers and its
     tiles within shared memory."""

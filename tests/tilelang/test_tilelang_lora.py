@@ -270,7 +270,7 @@ def test_twin_merge_stream_steps_to_the_gemm(monkeypatch):
         assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
 
 
-#: non-default tiles of the four tuned ops, inside the spaces of plans/lora.py (``tl_plan_*``,
+#: non-default tiles of the four tuned ops, inside the spaces of tuning/lora.py (``tl_plan_*``,
 #: ``TL_SKINNY``, ``TL_TOKEN``): at the sizes below every tile is partial somewhere
 TILE_CFGS = {
     "lora_bypass_fwd": dict(BT=128, BO=64, BK=32, stages=3, threads=256),
@@ -436,7 +436,7 @@ def test_h200_shortlists_compile_sm90a(monkeypatch):
 
 
 def _space_corners():
-    """(op, cfg): per TileLang LoRA tile space (plans/lora.py), every combination of its
+    """(op, cfg): per TileLang LoRA tile space (tuning/lora.py), every combination of its
     row tile, stages and threads, each with the largest and the smallest other tiles."""
     from lycoris_ops.backends.tilelang.tuning import lora as P
 

@@ -219,7 +219,7 @@ def test_cayley_kernel_blocks(K, S):
             assert f[~mask].abs().max().item() == 0.0
 
 
-#: non-default (apply, stream) configs inside plans/oft.py's TileLang spaces (TL_APPLY, TL_STREAM)
+#: non-default (apply, stream) configs inside tuning/oft.py's TileLang spaces (TL_APPLY, TL_STREAM)
 TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
              (dict(BT=64, threads=128), dict(BT=128, threads=256))]
 
@@ -246,7 +246,7 @@ def test_tile_configs(K, S, shape, weight, fwd_cfg, bwd_cfg):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 def test_tile_space_corners_compile_sm90a(monkeypatch):
-    """The corners of plans/oft.py's legal TileLang spaces (smallest and largest BT, each
+    """The corners of tuning/oft.py's legal TileLang spaces (smallest and largest BT, each
     with its threads) compile for sm_90a: 16-bit and fp32 (TF32 split) GEMMs, 32- and
     64-channel groups; the largest tiles are the ones shared memory and registers allow."""
     from lycoris_ops.tuner import device

@@ -301,7 +301,7 @@ def test_lora_shortlists_for_an_h200():
                 assert 2 <= c["stages"] <= 4, (op, c)
                 if op == "lora_merge_bwd":  # the pair kernel: a static K loop, every tile in shared memory
                     assert c["threads"] == 128 and tl_lora.pair_smem(c["BM"], c["BK"], c["stages"], R, 2) <= 227 * 1024
-                elif op.endswith("_bwd"):  # the spaces that compiled on the H200 (plans/lora.py)
+                elif op.endswith("_bwd"):  # the spaces that compile for sm_90a (tuning/lora.py)
                     assert c["stages"] == 2 and c["threads"] in (0, 128), (op, c)
 
 
@@ -531,7 +531,7 @@ def _signature(args):
 
 
 def test_backward_calls_are_what_autograd_calls():
-    """``autograd.backward_calls`` (what plans/tilelang.py builds kernels for ahead of a first
+    """``autograd.backward_calls`` (what runner.py builds kernels for ahead of a first
     backward) names, for every forward case of the test tables, the ``*_bwd`` calls autograd
     then makes: the same ops, operand shapes and dtypes (the gradient a stand-in of the
     output's) and non-tensor arguments; none for the ops whose backward is its own rule."""
@@ -866,7 +866,7 @@ def test_a_cold_key_runs_a_quick_twin_while_the_whole_shortlist_builds(deferring
 
 
 def test_a_quick_twin_sets_a_form_key_of_the_lora_forward():
-    """lora_bypass_fwd's twin (plans/lora.py ``TL_QUICK``): the fixed config's tiles with the O loop
+    """lora_bypass_fwd's twin (tuning/lora.py ``TL_QUICK``): the fixed config's tiles with the O loop
     serial and the x·downᵀ loop 2 deep, keys the TileLang launcher reads (``stages`` of
     ``BYPASS_FWD``, ``pipe_o`` of ``bypass_fwd``)."""
     from lycoris_ops.backends.tilelang.tuning import lora as plans_lora

@@ -110,7 +110,7 @@ def _token_blocks_store(T, par, Rp: int, Np: int, R: int, N: int, BTt: int, Tn, 
     (+ Base))`` in odt (``Base`` None: no base). ``staged``: the base block is copied into bs
     whole and added into acc by a loop of its own, then the output block is written into outs
     (BTt, R, N) in Out's order and stored by one copy (one loop reading the base block and
-    writing the output block got a barrier in each step of the persistent form's epilogue:
+    writing the output block got a barrier in each step of the pipelined token loop's epilogue:
     TileLang's sync planning around the double-buffered base block). Else each element is
     stored (and its base read) from the registers, tokens past Tn skipped. Tn and the extents
     are closed over (as macro arguments TileLang would rename the kernel's dynamic ones)."""

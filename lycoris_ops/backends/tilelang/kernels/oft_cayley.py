@@ -65,7 +65,7 @@ def run_slot(T, pos, kappa, half):
     half), h = ⌊(c mod 2κ')/κ'⌋, j = c mod κ' (a group is one 2κ' segment's two runs).
     Truncating division (every operand is >= 0): with ``//`` / ``%`` TVM cannot prove the
     signs of these runtime values, writes each floor division as nested sign tests, and its
-    Simplify pass took about 3 s of every build of a kernel with this table."""
+    Simplify pass took seconds of every build of a kernel with this table."""
     div, mod = T.truncdiv, T.truncmod
     two = 2 * kappa
     c = div(pos, two) * two + mod(pos, 2) * kappa + div(mod(pos, two), 2)  # π(pos), as perm
