@@ -1,4 +1,4 @@
-"""GPU check of the TileLang tier's tuner (plans/tilelang.py): cold first calls with an empty
+"""GPU check of the TileLang tier's tuner (backends/tilelang/runner.py): cold first calls with an empty
 tuning table and an empty TileLang disk cache, a fresh process that must neither time nor
 compile, and the tuned tile configs against the kernels' fixed defaults and eager.
 
@@ -7,8 +7,7 @@ compile, and the tuned tile configs against the kernels' fixed defaults and eage
 
 Phases, each a fresh process, sharing one fresh ``LYCORIS_KERNEL_CACHE_DIR`` and
 ``TILELANG_CACHE_DIR``; every call goes through ``torch.ops.lycoris.<op>`` with
-``LYCORIS_KERNEL_BACKEND=tilelang`` (the planners' warm-up samples, ``plans/<family>.py:
-samples``):
+``LYCORIS_KERNEL_BACKEND=tilelang`` (the warm-up samples, ``lycoris_ops/testing/samples.py``):
 
 1. ``cold``: per (op, layer, tokens) the wall time of the first call (the first config's
    kernels built in forked children; with ``LYCORIS_TILELANG_DEFER=0`` the whole shortlist,
@@ -119,7 +118,7 @@ def worker(opts) -> int:
                                failed=new[0].get("failed") if new else None,
                                ok=ok, error=err)
                     if opts.compare and ok and op in tl_pick.models() and winner is not None:
-                        kernel = _op_function(op)
+                        kernel = tl_pick.LAUNCHERS[op]
                         win = winner
                         eager = reference.eager(op)
                         run_win = (lambda: eager(*args)) if tune.is_eager(win) else (
@@ -133,23 +132,6 @@ def worker(opts) -> int:
     print(json.dumps({"summary": True, "tuned": stats["tuned"], "timer_calls": stats["timer_calls"],
                       "table_hits": stats["table_hits"], "bad": bad}), flush=True)
     return 1 if bad else 0
-
-
-def _op_function(op: str):
-    """The TileLang op set's launcher of ``op`` (the function ``plans/tilelang.run`` calls)."""
-    from lycoris_ops.backends.tilelang.kernels import (add as tl_add, dora as tl_dora, ia3 as tl_ia3, loha as tl_loha, lora as tl_lora)
-    from lycoris_ops.backends.tilelang.kernels import (boft as tl_boft, lokr as tl_lokr, oft as tl_oft, tucker as tl_tucker)
-
-    return {"lora_bypass_fwd": tl_lora.bypass_fwd, "lora_bypass_bwd": tl_lora.bypass_bwd,
-            "lora_merge_fwd": tl_lora.merge_fwd, "lora_merge_bwd": tl_lora.merge_bwd,
-            "lora_tucker_fwd": tl_tucker.tucker_fwd, "add_scaled": tl_add.add_scaled, "ia3_fwd": tl_ia3.ia3_fwd,
-            "ia3_bwd": tl_ia3.ia3_bwd, "dora_fwd": tl_dora.dora_fwd, "dora_bwd": tl_dora.dora_bwd,
-            "loha_bypass_fwd": tl_loha.bypass_fwd, "loha_bypass_bwd": tl_loha.bypass_bwd,
-            "loha_merge_bwd": tl_loha.merge_bwd, "oft_fwd": tl_oft.oft_fwd, "oft_bwd": tl_oft.oft_bwd,
-            "boft_fwd": tl_boft.boft_fwd, "boft_bwd": tl_boft.boft_bwd,
-            "lokr_full_merge_fwd": tl_lokr.full_merge_fwd, "lokr_full_merge_bwd": tl_lokr.full_merge_bwd,
-            "lokr_merge_fwd": tl_lokr.merge_fwd, "lokr_merge_bwd": tl_lokr.merge_bwd,
-            "lokr_bypass_fwd": tl_lokr.bypass_fwd, "lokr_bypass_bwd": tl_lokr.bypass_bwd}[op]
 
 
 def _run_phase(phase: str, argv, env) -> list:

@@ -2,7 +2,7 @@
 
     python bench/tilelang_build_profile.py lokr 23 [--arch sm_90a]
     python bench/tilelang_build_profile.py lora --kernel bypass_fwd_kernel \
-        --args '[4096, 4096, 64, "bfloat16", null, "bfloat16", 64, 128, 64, 2, 128, true, false, false, 0]'
+        --args '[4096, 4096, 64, "bfloat16", null, "bfloat16", 64, 128, 64, 2, 128, true, 0]'
 
 builds entry N of ``lycoris_ops.backends.tilelang.kernels.<family>.compile_specs(bf16)`` (or the family's builder
 ``--kernel`` at ``--args``, a JSON list: a bench shape's kernel) once, in a fresh
@@ -13,9 +13,9 @@ total, the subprocesses (nvcc, the host compiler of the disk-cache export), the 
 TVM passes and the seconds in TileLang's Python macro parser (``eager.ast.mutate``), each
 timed by wrapping ``subprocess.Popen``, ``tvm.ir.transform.Pass.__call__`` and
 ``tilelang.language.eager.builder.mutate`` (whatever is installed there: with
-``_common``'s macro memo, the memo's hits and misses, also counted;
-``LYCORIS_TILELANG_MACRO_MEMO=0`` times TileLang's own). For #6's cold first calls: a cold
-call lasts about as long as its slowest kernel's build plus the timing.
+``common``'s macro memo, the memo's hits and misses, also counted;
+``LYCORIS_TILELANG_MACRO_MEMO=0`` times TileLang's own). A cold first call lasts about as
+long as its slowest kernel's build plus the timing.
 """
 from __future__ import annotations
 

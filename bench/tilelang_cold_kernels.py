@@ -4,10 +4,10 @@
 
 For BOFT (32768 x 4096, s = 32, m = 8) and the LoRA bypass (32768 x 4096, r = 64), bf16
 (``--small``: the small bench shape, 8192 x 3072, s = 24, r = 32), the
-TileLang shortlist plans/<family>.py gives an H200 (``device.synthetic()``) is run under
-``tilelang._common.capturing`` (nothing built or launched; CPU tensors), and each config's
-kernels, and the new ones among them, are listed. ``--procs``: the children of one
-precompile round; the configs ``plans/tilelang.precompile_call`` keeps for a cold key are
+TileLang shortlist ``backends/tilelang/tuning/<family>.py`` gives an H200 (``device.synthetic()``) is
+run under ``backends/tilelang/common.capturing`` (nothing built or launched; CPU tensors), and each
+config's kernels, and the new ones among them, are listed. ``--procs``: the children of one
+precompile round; the configs ``runner.precompile_call`` keeps for a cold key are
 marked (with ``LYCORIS_TILELANG_DEFER=0``). The last line per op: the kernels a cold call
 builds with the default ``DEFER`` (the first config's) and those left to the background (the
 rest of the whole shortlist, which then no longer has to fit one round).
@@ -25,9 +25,9 @@ def main(argv=None) -> int:
     ap.add_argument("--procs", type=int, default=12)
     ap.add_argument("--small", action="store_true", help="8192 x 3072 (BOFT s = 24, LoRA r = 32)")
     args = ap.parse_args(argv)
-    from lycoris_ops.backends.triton.tuning import boft as plans_boft
+    from lycoris_ops.backends.tilelang.tuning import boft as plans_boft
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
     from lycoris_ops.tuner import tune
     from lycoris_ops.backends.tilelang import common as _common
     from lycoris_ops.backends.tilelang.kernels import boft, lora

@@ -3,19 +3,18 @@ tables (``lycoris_ops.testing``: odd sizes, every layout and flag) build with th
 launch configs: the kernels a user's first call builds under ``LYCORIS_KERNEL_TUNE=off``.
 
 The GPU tests run only a few sizes per op; TileLang's lowering and nvcc have refused
-kernels at sizes no test used (LoKr's Kronecker build at d = 150, bench/RESULTS.md
-2026-12-01). This sweep compiles them all; each failure is printed with the compiler's
+kernels at sizes no test used (LoKr's Kronecker build at d = 150). This sweep compiles them all; each failure is printed with the compiler's
 error line. No GPU needed (nvcc on PATH); a long run with an empty TileLang cache (hundreds of
 kernels, several seconds each).
 
     python bench/tilelang_compile_sweep.py [--arch sm_90a] [--procs 2] [--dtypes bf16,fp16]
         [--ops oft_fwd,boft] [--top 10] [--shortlists] [--list]
 
-``--shortlists``: also every kernel of the tuner's shortlist for each case (the op's model in
-``plans/<family>.py`` with an H200's facts, ``plans.device.synthetic``): the configs a tuned
-first call builds (several times the kernels; it found the sm_90a WGMMA tile rule of
-``tilelang/lokr._warps_cover``, bench/RESULTS.md 2026-12-05 18:21). ``--list``: print the
-kernels and compile none.
+``--shortlists``: also every kernel of the tuner's shortlist for each case (the op's tuning
+space in ``backends/tilelang/tuning/<family>.py`` with an H200's facts,
+``tuner.device.synthetic``): the configs a tuned first call builds (several times the
+kernels; it found the sm_90a WGMMA tile rule of ``kernels/lokr._warps_cover``). ``--list``:
+print the kernels and compile none.
 
 ``--ops`` keeps the cases of ops whose names start with one of the given prefixes;
 ``--top`` lists the slowest kernels (seconds in one process each: TileLang's lowering,
@@ -24,7 +23,6 @@ nvcc and the disk-cache export; with --procs > 1 they share the cores).
 from __future__ import annotations
 
 import argparse
-import importlib
 import multiprocessing
 import os
 import sys
@@ -35,14 +33,12 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-MODULES = ("lora", "loha", "lokr", "tucker", "dora", "ia3", "add", "oft", "boft")
 
 
 def pending_kernels(arch: str, dtypes, ops=(), shortlists: bool = False):
     """(builder, arch, args) of every distinct kernel the in-scope test cases build (with the
     fixed configs; ``shortlists``: also with each config of the tuner's shortlist)."""
     import lycoris_ops  # noqa: F401  (registers the ops)
-    from gpu_tilelang_tune import _op_function
     from lycoris_ops.backends import scope
     from lycoris_ops import testing
     from lycoris_ops.backends.tilelang import runner as tl_pick
@@ -50,8 +46,8 @@ def pending_kernels(arch: str, dtypes, ops=(), shortlists: bool = False):
     from lycoris_ops.tuner.device import synthetic
     from lycoris_ops.backends.tilelang import common as _common
 
-    for name in MODULES:  # the launchers see a GPU of this arch (132 SMs: an H200's split choices)
-        mod = importlib.import_module(f"lycoris_ops.backends.tilelang.kernels.{name}")
+    kernel_modules = [m for n, m in sys.modules.items() if n.startswith("lycoris_ops.backends.tilelang.kernels.")]
+    for mod in kernel_modules:  # the launchers see a GPU of this arch (132 SMs: an H200's split choices)
         if hasattr(mod, "arch_of"):
             mod.arch_of = lambda d: arch
         if hasattr(mod, "num_sms"):
@@ -69,7 +65,7 @@ def pending_kernels(arch: str, dtypes, ops=(), shortlists: bool = False):
                     print(f"MODEL ERROR {op}:{cid}: {type(exc).__name__}: {exc}", flush=True)
             for cfg in cfgs:
                 try:
-                    tl_pick._call(_op_function(op), args, cfg)
+                    tl_pick._call(tl_pick.LAUNCHERS[op], args, cfg)
                 except Exception as exc:  # a launcher that fails before any build
                     print(f"LAUNCH ERROR {op}:{cid} {cfg or ''}: {type(exc).__name__}: {exc}", flush=True)
     print(f"{len(calls)} in-scope cases, {len(pending)} distinct kernels", flush=True)

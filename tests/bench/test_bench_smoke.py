@@ -100,16 +100,16 @@ def test_ptxas_smoke(family, args, pattern):
 
 @pytest.mark.parametrize("family", ["tucker", "boft", "oft", "lokr", "loha", "lokr_merge"])
 def test_variants_smoke(family, capsys):
-    """``bench/variants.py <family> --smoke``: every launch variant of the A/B script still runs
+    """``bench/experiments/variants.py <family> --smoke``: every launch variant of the A/B script still runs
     (CPU, Triton's interpreter, tiny sizes); the numerics column shows which variants round
     differently from base (BOFT: tf32x3 against the base's bf16x3 does; a forward's position
     split and the Cayley launch's warps do not)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
-        module = bench_script("variants.py", "lycoris_bench_variants")
+        module = bench_script("experiments/variants.py", "lycoris_bench_variants")
         assert module.main([family, "--smoke"]) == 0
         out = capsys.readouterr().out
     else:  # a GPU machine: this process's Triton compiles, so the interpreter needs a process of its own
-        proc = subprocess.run([sys.executable, os.path.join(BENCH, "variants.py"), family, "--smoke"],
+        proc = subprocess.run([sys.executable, os.path.join(BENCH, "experiments", "variants.py"), family, "--smoke"],
                               env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
                               timeout=900)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -123,42 +123,6 @@ def test_variants_smoke(family, capsys):
         assert diff[("fwd", "tf32x3")] > 0 and diff[("fwd", "split 4")] == 0 == diff[("fwd", "cayley 1 warps")]
 
 
-def test_tilelang_oft_variants_smoke(capsys):
-    """``bench/tilelang_oft_variants.py --smoke --parity``: the direct kernels' parity lines (two
-    store paths, and the fused Cayley solve) and rows of each kind of variant (the store paths,
-    the pipeline depth, the fused solve's one-wave and two-wave splits) and both Cayley rows
-    still run (TileLang's CPU twins, fp32, tiny sizes)."""
-    pytest.importorskip("tilelang")
-    module = bench_script("tilelang_oft_variants.py", "lycoris_bench_tl_oft")
-    rows = ("gather", "direct", "direct+stage", "direct s3", "direct+cayley", "cayley w2")
-    assert module.main(["--smoke", "--parity", "--shapes", "merge", "--variants", ",".join(rows)]) == 0
-    out = capsys.readouterr().out
-    assert out.count("  ok") == 12 and "FAIL" not in out and "failed" not in out, out
-    assert all(f"merge    {v:14}" in out for v in rows + ("cayley only", "cayley only pp")), out
-
-
-def test_tilelang_tucker_variants_smoke(capsys):
-    """``bench/tilelang_tucker_variants.py --smoke``: every kernel form (per κ, all κ, pipelined) runs for
-    one and two chains and agree (TileLang's CPU twins, fp32, tiny sizes)."""
-    pytest.importorskip("tilelang")
-    module = bench_script("tilelang_tucker_variants.py", "lycoris_bench_tl_tucker")
-    _agreeing_rows(capsys, module, ["--shapes", "small"], "small ", 2 * len(module.VARIANTS))
-
-
-def test_tilelang_boft_variants_smoke(capsys):
-    """``bench/tilelang_boft_variants.py --smoke``: the gather / runs / runs+compose3 rows run
-    and agree (TileLang's CPU twins, fp32, tiny sizes), and the composed launch units are
-    printed."""
-    pytest.importorskip("tilelang")
-    module = bench_script("tilelang_boft_variants.py", "lycoris_bench_tl_boft")
-    assert module.main(["--smoke", "--shapes", "large"]) == 0
-    out = capsys.readouterr().out
-    assert "failed" not in out and "composed (L <= 3): [(0, 3)]" in out, out
-    rows = [line.split() for line in out.splitlines() if line.startswith("large ") and "m=" not in line]
-    assert [r[1] for r in rows] == ["gather", "runs", "runs+compose3"], out
-    assert all(float(r[-1]) < 1e-4 for r in rows), out
-
-
 def _agreeing_rows(capsys, module, argv, prefixes, count, tol=1e-6):
     """``module.main(["--smoke", *argv])`` exits 0 and prints ``count`` table rows starting
     with ``prefixes``, none failed, each within ``tol`` of the first row's results."""
@@ -169,34 +133,12 @@ def _agreeing_rows(capsys, module, argv, prefixes, count, tol=1e-6):
     assert all(float(row.split()[-1]) < tol for row in rows), out
 
 
-def test_tilelang_lora_variants_smoke(capsys):
-    """``bench/tilelang_lora_variants.py --smoke``: every form of the bypass forward and
-    backward, the merge epilogues, LoKr's apply epilogues and merge-backward forms run and agree with the first
-    (TileLang's CPU twins, fp32, tiny sizes)."""
-    pytest.importorskip("tilelang")
-    module = bench_script("tilelang_lora_variants.py", "lycoris_bench_tl_lora")
-    _agreeing_rows(capsys, module, [], ("large ", "small "), 2 * len(module.VARIANTS))
-    # the x-loop depths and the O-loop groupings: forward only
-    bwd_rows = sum(not {"stages", "pipe_groups", "one_group"} & set(form) for form in module.VARIANTS.values())
-    _agreeing_rows(capsys, module, ["--op", "bypass_bwd", "--shapes", "small"], "small ", bwd_rows)
-    _agreeing_rows(capsys, module, ["--op", "merge", "--shapes", "small"], "small ", 3 * len(module.MERGE_VARIANTS))
-    _agreeing_rows(capsys, module, ["--op", "hada_bwd", "--shapes", "small"], "small ", len(module.HADA_BWD_VARIANTS),
-                   tol=1e-5)
-    # LoKr's fused weight gradients sum the token tiles in another order (fp32: ~1e-6 apart)
-    _agreeing_rows(capsys, module, ["--op", "lokr", "--shapes", "small"], "small ", len(module.LOKR_VARIANTS), tol=1e-5)
-    # the one-pass merge backward sums the (u, v) pairs in another order
-    _agreeing_rows(capsys, module, ["--op", "lokr_merge_bwd", "--shapes", "small"], "small ",
-                   len(module.LOKR_MERGE_BWD_VARIANTS), tol=1e-5)
-    _agreeing_rows(capsys, module, ["--op", "lokr_merge_fwd", "--shapes", "small"], "small ",
-                   len(module.LOKR_MERGE_FWD_VARIANTS), tol=1e-5)
-
-
 def test_tilelang_stream_variants_smoke(capsys):
-    """``bench/tilelang_stream_variants.py --smoke``: every split of the IA3 backward and every
+    """``bench/experiments/tilelang_stream_variants.py --smoke``: every split of the IA3 backward and every
     DoRA row tile run and agree with the first (TileLang's CPU twins, fp32, tiny sizes; the
     variants differ there)."""
     pytest.importorskip("tilelang")
-    module = bench_script("tilelang_stream_variants.py", "lycoris_bench_tl_stream")
+    module = bench_script("experiments/tilelang_stream_variants.py", "lycoris_bench_tl_stream")
     _agreeing_rows(capsys, module, [], ("large ", "small "), 2 * len(module.VARIANTS), tol=1e-5)
     _agreeing_rows(capsys, module, ["--op", "dora"], ("large ", "small "), 2 * len(module.DORA_VARIANTS), tol=1e-5)
 

@@ -19,7 +19,7 @@ pytest.importorskip("tilelang")
 from lycoris_ops.reference import boft as R_BOFT  # noqa: E402
 from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.backends.tilelang import common as _common
-from lycoris_ops.backends.tilelang.kernels import boft  # noqa: E402
+from lycoris_ops.backends.tilelang.kernels import boft, boft_compose  # noqa: E402
 from lycoris_ops.backends.tilelang.kernels import oft as _oft  # noqa: E402
 from tilelang_harness import IDS, MATRIX, NVCC  # noqa: E402
 
@@ -132,25 +132,31 @@ RUN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("runs,compose", [(True, 3), (True, 0), (False, 3)], ids=["runs", "runs-stages", "gather"])
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", RUN_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}-{'rs' if c[4] else 'nors'}-{'diff' if c[5] else 'plain'}"
                               for c in RUN_CASES])
-def test_boft_runs(m, nb, s, shape, has_rs, diff, runs, compose, monkeypatch):
+def test_boft_runs(m, nb, s, shape, has_rs, diff):
     """The run kernels (one box per group and tile, stage values as 16-bit (hi, lo) pairs, run
-    basis in the Cayley and chain kernels; ``compose`` 0: the forward one launch a stage, its
-    last with rescale and diff) and, on the same shapes, the gather path: all against the fp64
-    reference. The CPU twins run the run kernels at fp32 (exact GEMMs)."""
-    monkeypatch.setattr(boft, "RUNS", runs)
-    monkeypatch.setattr(boft, "COMPOSE_FWD", compose)
+    basis in the Cayley and chain kernels; the last unit with rescale and diff) against the
+    fp64 reference. The CPU twins run the run kernels at fp32 (exact GEMMs)."""
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(7 * m + s, m, nb, s, shape, has_rs, dtype)
     taken = boft._runs_plan(x, False, s, nb, _common.arch_of(x.device), boft.APPLY["BT"], False)
-    assert (taken is not None) == runs, taken
+    assert taken is not None, taken
     check_channels_last(blocks, rescale, x, grad, diff, dtype, "")
 
 
-#: non-default (forward, backward) configs inside plans/oft.py's TileLang spaces (BOFT shares them)
+def test_boft_gather_channels_last():
+    """Channels last without a run size (``run_groups`` None: 16 channels a group at most) takes
+    the gather kernels (the stage permutation as a channel map), against the fp64 reference."""
+    m, nb, s, shape = 3, 4, 4, (37, 16)
+    dtype = DTYPES[-1]
+    blocks, rescale, x, grad = inputs(29, m, nb, s, shape, True, dtype)
+    assert boft._runs_plan(x, False, s, nb, _common.arch_of(x.device), boft.APPLY["BT"], False) is None
+    check_channels_last(blocks, rescale, x, grad, True, dtype, " (gather)")
+
+
+#: non-default (forward, backward) configs inside tuning/oft.py's TileLang spaces (BOFT shares them)
 TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
              (dict(BT=64, threads=128), dict(BT=128, threads=256))]
 
@@ -178,7 +184,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     BT, each with its threads; the permuted channel map, fp32 GEMMs) compile for sm_90a at
     32- and 64-channel groups."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import oft as plans_oft
+    from lycoris_ops.backends.tilelang.tuning import oft as plans_oft
     from lycoris_ops.backends.tilelang.kernels import oft
     from tilelang_harness import compile_calls, corners
 
@@ -206,9 +212,9 @@ def test_shortlists_for_an_h200():
     configs (fp32 GEMMs: no BT = 128 backward at 64-channel groups), JSON-serializable."""
     import json
 
-    from lycoris_ops.backends.triton.tuning import boft as plans_boft
+    from lycoris_ops.backends.tilelang.tuning import boft as plans_boft
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import oft as plans_oft
+    from lycoris_ops.backends.tilelang.tuning import oft as plans_oft
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
     from lycoris_ops.backends.tilelang.kernels import oft
@@ -234,7 +240,7 @@ def test_shortlist_keeps_run_tiles():
     """Where the run kernels take the call (the small bench shape: 48-channel groups), the
     TileLang shortlist holds only tiles whose run kernels fit in shared memory: a larger one
     would build and run the gather kernels (the BT = 256 forward did, before)."""
-    from lycoris_ops.backends.triton.tuning import boft as plans_boft
+    from lycoris_ops.backends.tilelang.tuning import boft as plans_boft
     from lycoris_ops.tuner import device, tune
     from lycoris_ops.backends.tilelang.kernels import oft
 
@@ -276,58 +282,43 @@ def spy_units(monkeypatch, name):
     return seen
 
 
-# (m, nb, s, x shape, with rescale, diff, COMPOSE_FWD, the forward's units)
+# (m, nb, s, x shape, with rescale, diff, the units)
 COMPOSE_CASES = [
-    (3, 4, 32, (37, 128), True, True, 3, [(0, 3)]),                   # one 128-wide unit: rescale, diff
-    (5, 16, 8, (19, 128), False, True, 3, [(0, 1), (1, 1), (2, 3)]),  # κ < GC/2 first: singles, then composed
-    (4, 8, 32, (21, 256), True, False, 2, [(0, 2), (2, 2)]),          # 64-wide units
-    (4, 8, 32, (21, 256), False, False, 3, [(0, 3), (3, 1)]),         # a last single stage after a composed unit
-    (3, 4, 24, (21, 96), True, True, 3, [(0, 1), (1, 2)]),            # GC = 48 (a stage pads to 64): 96 wide
+    (3, 4, 32, (37, 128), True, True, [(0, 3)]),              # one 128-wide unit: rescale, diff
+    (2, 8, 32, (21, 256), True, False, [(0, 2)]),             # a 64-wide unit
+    (4, 8, 32, (21, 256), False, False, [(0, 3), (3, 1)]),    # a last single stage after a composed unit
+    (4, 8, 24, (13, 192), False, True, [(0, 2), (2, 2)]),     # GC = 48: the leading box, then 96 wide
 ]
 
 
-@pytest.mark.parametrize("pad", [False, True, "mma"], ids=["", "pad", "mma"])
-@pytest.mark.parametrize("bwd", [False, True, "split"], ids=["fwd", "fwd+bwd", "fwd+bwd-split"])
-@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,most,units", COMPOSE_CASES,
-                         ids=[f"m{c[0]}nb{c[1]}s{c[2]}-L{c[6]}" for c in COMPOSE_CASES])
-def test_boft_composed(m, nb, s, shape, has_rs, diff, most, units, bwd, pad, monkeypatch, poisoned_empty):
-    """``COMPOSE_FWD``: the forward applies up to L consecutive stages as one matrix
-    J = E_{L-1}···E_0 on a 2^L-run box (``_composed_matrices``, built in fp64 from the gathered
-    stage matrices); ``COMPOSE_BWD`` (``bwd``): the backward's replay and stream do too, each
-    stage's partials formed from the unit's Σ gᵀ·u on the host (``_composed_partials``).
-    ``split`` (``COMPOSE_BWD_SPLIT``): the stream as two launches, gx by the forward's composed
-    kernel with Jᵀ, then the partials alone. ``pad`` (``COMPOSE_BWD_PAD``): the backward composes
-    96-wide units too (GC = 48), its Σ gᵀ·u GEMM zero-padded to 128; ``mma``
-    (``COMPOSE_BWD_MMA``): unpadded, 96 x 96 (mma.sync on a GPU). Which stages compose, and
-    gx, g_blocks and y against the fp64 reference; spies count the composed launches."""
-    if pad and (not bwd or s != 24):
-        pytest.skip("the pad / mma forms change only the backward's 96-wide units (GC = 48)")
-    monkeypatch.setattr(boft, "COMPOSE_BWD_PAD", pad is True)
-    monkeypatch.setattr(boft, "COMPOSE_BWD_MMA", pad == "mma")
-    monkeypatch.setattr(boft, "COMPOSE_LEADING", False)  # these units: test_boft_leading_box has the leading box
-    monkeypatch.setattr(boft, "COMPOSE_FWD", most)
-    monkeypatch.setattr(boft, "COMPOSE_BWD", most if bwd else 0)
-    monkeypatch.setattr(boft, "COMPOSE_BWD_SPLIT", bwd == "split")
+@pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,units", COMPOSE_CASES,
+                         ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in COMPOSE_CASES])
+def test_boft_composed(m, nb, s, shape, has_rs, diff, units, monkeypatch, poisoned_empty):
+    """Up to ``COMPOSE_MOST`` consecutive stages as one matrix J = E_{L-1}···E_0 on a 2^L-run
+    box (``composed_matrices``, built in fp64 from the gathered stage matrices), forward,
+    backward replay and stream (each stage's partials formed from the unit's Σ gᵀ·u on the
+    host); units at least ``COMPOSE_BWD_SPLIT`` wide stream in two launches (gx by the
+    forward's composed kernel with Jᵀ, then the partials alone), narrower ones (64, and 96 at
+    GC = 48: mma.sync on a GPU) in one. Which stages compose, and gx, g_blocks and y against
+    the fp64 reference; spies count the composed launches."""
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(13 * m + s, m, nb, s, shape, has_rs, dtype)
     runs = boft.run_groups(s, nb, x.element_size())
-    assert boft._compose_units(m, s, runs, most) == units
+    assert boft_compose.compose_units(m, s, runs, boft_compose.COMPOSE_MOST) == units
     seen = spy_units(monkeypatch, "_launch_composed")
     streamed = spy_units(monkeypatch, "_stream_composed")
-    check_channels_last(blocks, rescale, x, grad, diff, dtype, f" (composed, L <= {most})")
-    composed = [u for u in units if u[1] > 1]
-    # the forward's composed units, then (bwd) the replay's (all but the last unit) and the stream's, last first
-    # 96-wide units only padded or on mma.sync: WGMMA takes 64 rows
-    bwd_units = boft._compose_units(m, s, runs, most, bwd=True)
-    assert bwd_units == ([(0, 1), (1, 1), (2, 1)] if s == 24 and not pad else units)
-    replay = [u for u in bwd_units[:-1] if u[1] > 1]
-    stream = [u for u in bwd_units if u[1] > 1][::-1]
-    # the split stream's gx is a composed launch too, inside the spied stream call
-    assert seen == composed + (replay if bwd else []) + (stream if bwd == "split" else []), seen
-    assert streamed == (stream if bwd else []), streamed
+    check_channels_last(blocks, rescale, x, grad, diff, dtype, " (composed)")
+    composed = [u for u in units if u[1] > 1 and not boft_compose.one_box(*u, s, runs[0])]
+    # the forward's composed units, then the replay's (all but the last unit) and the stream's, last first
+    replay = [u for u in composed if u != units[-1]]
+    stream = composed[::-1]
+    # a split stream's gx is a composed launch too, inside the spied stream call
+    split = [u for u in stream if runs[0] << (u[1] - 1) >= boft_compose.COMPOSE_BWD_SPLIT]
+    assert seen == composed + replay + split, seen
+    assert streamed == stream, streamed
 
 
-# (m, nb, s, x shape, with rescale, diff, the forward's units and the backward's with COMPOSE_LEADING)
+# (m, nb, s, x shape, with rescale, diff, the forward's units and the backward's)
 LEADING_CASES = [
     (3, 4, 24, (21, 96), True, True, [(0, 2), (2, 1)], [(0, 2), (2, 1)]),        # κ 12, 24 <= GC/2 = 24
     (2, 2, 24, (17, 48), True, True, [(0, 2)], [(0, 2)]),                        # the whole butterfly: rescale, diff
@@ -339,51 +330,47 @@ LEADING_CASES = [
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,fwd_units,bwd_units", LEADING_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in LEADING_CASES])
 def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, monkeypatch, poisoned_empty):
-    """``COMPOSE_LEADING``: the leading stages whose κ_i <= GC/2 share one box (each stage's
+    """The leading stages whose κ_i <= GC/2 share one box (each stage's
     group is the same GC channels in order), so they run as one GC x GC matrix through the
     single stage kernels, forward, replay and stream (``_stream_box``: the stages' partials
     from the unit's Σ gᵀ·u on the host). The units, and y, gx, g_blocks against the fp64
     reference; a spy counts the box streams."""
-    monkeypatch.setattr(boft, "COMPOSE_LEADING", True)
-    monkeypatch.setattr(boft, "COMPOSE_BWD_MMA", True)
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(7 * m + s, m, nb, s, shape, has_rs, dtype)
     runs = boft.run_groups(s, nb, x.element_size())
-    assert boft._compose_units(m, s, runs, 3) == fwd_units
-    assert boft._compose_units(m, s, runs, 3, bwd=True) == bwd_units
+    assert boft_compose.compose_units(m, s, runs, 3) == fwd_units
+    assert boft_compose.compose_units(m, s, runs, 3) == bwd_units
     boxes = spy_units(monkeypatch, "_stream_box")
     check_channels_last(blocks, rescale, x, grad, diff, dtype, " (leading stages as one box)")
     assert boxes == [bwd_units[0]], boxes
 
 
-@pytest.mark.parametrize("leading,m,nb,s,shape", [(False, 5, 16, 8, (300, 128)), (True, 3, 4, 24, (300, 96)),
-                                                   (True, 4, 8, 24, (300, 192))],
-                         ids=["singles+composed", "box+single", "box+composed"])
-def test_boft_bwd_partials_over_splits(leading, m, nb, s, shape, monkeypatch, poisoned_empty):
+@pytest.mark.parametrize("m,nb,s,shape", [(4, 8, 32, (300, 256)), (3, 4, 24, (300, 96)), (4, 8, 24, (300, 192))],
+                         ids=["composed+single", "box+single", "box+composed"])
+def test_boft_bwd_partials_over_splits(m, nb, s, shape, monkeypatch, poisoned_empty):
     """The backward's partials with the positions in several splits (``oft.SPLIT_PER_SM`` raised:
     a CPU has one "SM"): single stages keep theirs per split, a composed unit's stages go to split 0
-    with the other splits' rows zeroed (``_bwd_runs``; one split in all where every stage is in a
+    with the other splits' rows zeroed (``boft._bwd_runs``; one split in all where every stage is in a
     unit), under NaN-filled fresh buffers. gx and g_blocks against the fp64 reference."""
-    monkeypatch.setattr(boft, "COMPOSE_LEADING", leading)
     monkeypatch.setattr(_oft, "SPLIT_PER_SM", 64)
     splits = []
-    real = boft._batch_partials
+    real = boft.batch_partials
 
     def spy(b, part, *a):
         splits.append(part.shape[0])
         return real(b, part, *a)
 
-    monkeypatch.setattr(boft, "_batch_partials", spy)
+    monkeypatch.setattr(boft, "batch_partials", spy)
     dtype = DTYPES[-1]
     blocks, rescale, x, grad = inputs(5 * m + s, m, nb, s, shape, False, dtype)
     check_channels_last(blocks, None, x, grad, False, dtype, " (partials over splits)")
-    units = boft._compose_units(m, s, boft.run_groups(s, nb, x.element_size()), 3, bwd=True)
+    units = boft_compose.compose_units(m, s, boft.run_groups(s, nb, x.element_size()), 3)
     singles = any(k == 1 for _, k in units)
     assert splits and all(n > 1 if singles else n == 1 for n in splits), (units, splits)
 
 
 def test_composed_matrices_are_the_stage_product():
-    """``_composed_matrices`` of a 3-stage unit against the product of the three stages'
+    """``composed_matrices`` of a 3-stage unit against the product of the three stages'
     permuted block-diagonal matrices built densely from the run-basis group matrices: applied
     to every unit group's box of a random x, the same values as the stages one by one (fp64)."""
     m, nb, s = 3, 8, 32
@@ -393,7 +380,7 @@ def test_composed_matrices_are_the_stage_product():
     f = torch.randn(m * gps, GC, GC, generator=g, dtype=torch.float64)
     hi = f.float()
     lo = (f - hi.double()).float()
-    jh, jl = boft._composed_matrices(hi, lo, 0, 3, s, GC, gps, torch.float32)
+    jh, jl = boft_compose.composed_matrices(hi, lo, 0, 3, s, GC, gps, torch.float32)
     C, H = nb * s, GC // 2
     x = torch.randn(5, C, generator=g, dtype=torch.float64)
     u = x.clone()

@@ -125,10 +125,9 @@ def test_ia3(shape, axis, dtype):
 @pytest.mark.parametrize("per_sm", [2, 16])
 @pytest.mark.parametrize("shape", [(37, 19), (1000, 48), (5, 16)], ids=["tail", "split", "direct"])
 def test_ia3_bwd_pipelined(shape, per_sm, monkeypatch):
-    """``BWD_PIPE`` (channel last): the G and x tiles through shared memory in a pipelined
-    loop, at row tails, a token split whose last split runs past the rows (per_sm 16) and one
-    direct program; fp32 weights on the 16-bit activations."""
-    monkeypatch.setattr(ia3, "BWD_PIPE", True)
+    """The channel-last backward (the G and x tiles through shared memory in a pipelined loop)
+    at row tails, a token split whose last split runs past the rows (per_sm 16) and one direct
+    program; fp32 weights on the 16-bit activations."""
     monkeypatch.setattr(ia3, "BWD_PER_SM", per_sm)
     g = _gen(9)
     dtype = DTYPES[-1]
@@ -141,7 +140,7 @@ def test_ia3_bwd_pipelined(shape, per_sm, monkeypatch):
     check(gw, rw, dtype, "ia3_bwd gw (pipelined)")
 
 
-#: non-default configs inside the TileLang spaces of plans/add.py and plans/ia3.py (``TL_SPACE``)
+#: non-default configs inside the TileLang spaces of tuning/add.py and tuning/ia3.py (``TL_SPACE``)
 ADD_CFGS = [dict(BV=128, threads=256), dict(BV=1024, threads=128)]
 IA3_CFGS = [dict(vecs=256, threads=256), dict(vecs=2048, threads=128)]
 
@@ -198,7 +197,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     """Every (tile, threads) of add_scaled's TileLang space and the extremes of IA3's and
     DoRA's (both layouts, forward and backward) compile for sm_90a: the kernels a tuned key
     may build."""
-    from lycoris_ops.backends.triton.tuning import add as plans_add, dora as plans_dora, ia3 as plans_ia3
+    from lycoris_ops.backends.tilelang.tuning import add as plans_add, dora as plans_dora, ia3 as plans_ia3
     from lycoris_ops.backends.tilelang import runner as tl_pick
 
     for mod in (add, ia3, dora):

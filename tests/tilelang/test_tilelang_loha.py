@@ -69,9 +69,9 @@ def test_twin_regen_fp16():
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 def test_twin_materialized_and_split(monkeypatch):
     """ΔW materialized once (many tokens) and the split reductions of the factor grads (the
-    merge backward's two-job form)."""
+    merge backward's two-job form, taken by gradients past ``PAIR_MAX_ELEMS``)."""
     monkeypatch.setattr(loha, "REGEN_BUDGET", -1)
-    monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=False))
+    monkeypatch.setattr(loha, "PAIR_MAX_ELEMS", 0)
     g = torch.Generator().manual_seed(2)
     T, I, O, r = 11, 19, 37, 5
     f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g),
@@ -88,13 +88,12 @@ def test_twin_materialized_and_split(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_twin_merge_bwd_pair(dtype, monkeypatch):
-    """``loha_merge_bwd`` through the one-launch pair kernel (``GRADS_FORM``): bands of both
+    """``loha_merge_bwd`` through the one-launch pair kernel: bands of both
     gradients with partial last bands (O, I not multiples of BM), rank padding, a transposed G,
     mixed output dtypes, 32- and 64-wide bands, K steps wider than the band; the CPU twin without
     a GPU, the real kernel on one."""
     if GPU and dtype == torch.float32:
         pytest.skip("fp32 is outside the TileLang scope on a GPU (it would run as TF32)")
-    monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=True))
     calls = []
     real = loha.kernel
     monkeypatch.setattr(loha, "kernel", lambda b, *a: calls.append(b.__name__) or real(b, *a))
@@ -120,7 +119,6 @@ def test_twin_merge_bwd_pair(dtype, monkeypatch):
 def test_twin_merge_bwd_pair_steps_down(monkeypatch):
     """Where no pair tile fits the device's shared memory, the pair form takes fewer stages,
     then the two split jobs (fixed tile), and still matches eager."""
-    monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=True))
     monkeypatch.setattr(loha, "GRADS_PAIR", dict(BM=64, stages=2))
     calls = []
     real = loha.kernel
@@ -142,11 +140,11 @@ def test_twin_merge_bwd_pair_steps_down(monkeypatch):
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 def test_pair_form_by_size(monkeypatch):
-    """``GRADS_FORM["pair_max_elems"]``: gradients above it take the split jobs (the H200 tie at
-    4096², where the pair kernel's compile alone is ~10 s), at or below it the pair; the
-    planner shortlists the form the launcher takes."""
+    """``PAIR_MAX_ELEMS``: gradients above it take the split jobs (where the two tie and the
+    pair kernel's build is the longer), at or below it the pair; the planner shortlists the
+    form the launcher takes."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import loha as plans_loha
+    from lycoris_ops.backends.tilelang.tuning import loha as plans_loha
 
     assert loha.pair_form(3072, 3072) and not loha.pair_form(4096, 4096)  # the defaults: as timed
     g = torch.Generator().manual_seed(10)
@@ -159,7 +157,7 @@ def test_pair_form_by_size(monkeypatch):
     monkeypatch.setattr(loha, "kernel", lambda b, *a: calls.append(b.__name__) or real(b, *a))
     dev = device.synthetic()
     for limit, want in ((O * I, ["hada_grad_pair_kernel"]), (O * I - 1, ["hada_grad_a_kernel", "hada_grad_b_kernel"])):
-        monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=True, pair_max_elems=limit))
+        monkeypatch.setattr(loha, "PAIR_MAX_ELEMS", limit)
         del calls[:]
         compare("loha_merge_bwd", (G, *f, 0.6), torch.float32)
         assert calls == want, (limit, calls)
@@ -167,7 +165,7 @@ def test_pair_form_by_size(monkeypatch):
         assert cands[0] == loha.grads_fixed(O, I) == (loha.GRADS_PAIR if limit == O * I else loha.GRADS), cands
 
 
-#: non-default configs inside plans/loha.py's TileLang spaces (TL_GEMM, TL_GRADS / TL_GRADS_PAIR)
+#: non-default configs inside tuning/loha.py's TileLang spaces (TL_GEMM, TL_GRADS / TL_GRADS_PAIR)
 GEMM_CFG = dict(BM=64, BN=256, BK=32, stages=3, threads=128)
 GRADS_CFG = dict(BO=128, BI=32)
 
@@ -212,10 +210,10 @@ def test_gpu_tile_configs(monkeypatch):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 def test_tile_space_corners_compile_sm90a(monkeypatch):
-    """The corners of plans/loha.py's TileLang spaces compile for sm_90a at the first bench
+    """The corners of tuning/loha.py's TileLang spaces compile for sm_90a at the first bench
     shape: the GEMM (row tile x stages x threads, the widest tiles) of both bypass ops,
     the gradient kernels at the extremes of their tile."""
-    from lycoris_ops.backends.triton.tuning import loha as plans_loha
+    from lycoris_ops.backends.tilelang.tuning import loha as plans_loha
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
@@ -244,7 +242,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
             calls.append((True, loha.merge_bwd, args, dict(BM=bm, stages=max(pp["stages"]))))
     with _common.capturing() as pending:
         for pair, fn, args, cfg in calls:
-            monkeypatch.setattr(loha, "GRADS_FORM", dict(pair=pair))
+            monkeypatch.setattr(loha, "PAIR_MAX_ELEMS", loha.PAIR_MAX_ELEMS if pair else 0)
             tl_pick._call(fn, args, cfg)
     failed = harness.compile_failures(pending)
     assert len(pending) >= 16 and not failed, failed

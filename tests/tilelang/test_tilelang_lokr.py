@@ -9,7 +9,7 @@
    by side, the fp32 intermediate carried as a hi + lo pair) and its backward
    in fp16.
 3. On a GPU (skipped here): the op set against the eager bodies in fp16/bf16.
-4. Tuned launch configs (plans/lokr.py's ``TILELANG``): the launchers at non-default
+4. Tuned launch configs (tuning/lokr.py's ``TILELANG``): the launchers at non-default
    configs against the eager bodies (GPU, else CPU twins), the fixed configs as the
    default launch, the corners of the legal spaces compiled for sm_90a, the shortlists
    and legality rules on an H200's facts.
@@ -25,7 +25,8 @@ pytest.importorskip("tilelang")
 from lycoris_ops.reference import lokr as REF  # noqa: E402
 from lycoris_ops.testing import lokr as CASES  # noqa: E402
 from lycoris_ops.backends.tilelang import common as _common
-from lycoris_ops.backends.tilelang.kernels import lokr
+from lycoris_ops.backends.tilelang.kernels import lokr, lokr_bypass
+from lycoris_ops.backends.tilelang.tuning import lokr as lokr_tuning  # noqa: E402
 from lycoris_ops.backends.tilelang import ops  # noqa: E402
 import tilelang_harness as harness  # noqa: E402
 from tilelang_harness import GPU, IDS, MATRIX, NVCC  # noqa: E402
@@ -41,28 +42,28 @@ def compare(op, args, dtype, tol=None):
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 @pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
 def test_kernels_compile(arch, dtype):
-    for builder, args in lokr.compile_specs(dtype):
+    for builder, args in lokr.compile_specs(dtype) + lokr_bypass.compile_specs(dtype):
         k = _common.compile_only(builder, arch, *args)
         assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 def test_async_one_pass_backward_compiles_for_sm90a():
-    """``WGRADS_ASYNC`` (sm_90a only: async WGMMAs): 3 waits a step instead of 8, each group's
+    """``async_mma`` (sm_90a only: async WGMMAs): 3 waits a step instead of 8, each group's
     last GEMM synchronous (with the next stage's copies placed after it); the launcher asks
     for it only where every GEMM's M is a multiple of 64."""
     import re
 
     srcs = {}
     for asy in (False, True):
-        k = _common.compile_only(lokr.kron_wgrads_kernel, "sm_90a", 64, 64, 64, 64, "bfloat16", "float32", False,
+        k = _common.compile_only(lokr_bypass.kron_wgrads_kernel, "sm_90a", 64, 64, 64, 64, "bfloat16", "float32", False,
                                  128, 128, 4, "bfloat16", asy)
         src = k.get_kernel_source()
         srcs[asy] = (src.count("wgmma_ss<"), len(re.findall(r"warpgroup_wait<", src)))
     # 8 GEMMs a step in the three copies of the pipelined body (prologue, steady state, epilogue)
     assert srcs[False] == (24, 24) and srcs[True] == (24, 9), srcs
-    assert lokr.wgrads_async_fits(64, 64, 64, 64, 128, 128) and lokr.wgrads_async_fits(48, 48, 64, 64, 128, 128)
-    assert not lokr.wgrads_async_fits(3, 5, 7, 4, 128, 128)
+    assert lokr_bypass.wgrads_async_fits(64, 64, 64, 64, 128, 128) and lokr_bypass.wgrads_async_fits(48, 48, 64, 64, 128, 128)
+    assert not lokr_bypass.wgrads_async_fits(3, 5, 7, 4, 128, 128)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
@@ -75,7 +76,7 @@ def test_factored_merge_kernels_compile_for_sm90a(threads):
     bf = torch.bfloat16
     built = {}
     with mock.patch.object(lokr, "arch_of", lambda d: "sm_90a"), mock.patch.object(lokr, "num_sms", lambda d: 132), \
-            mock.patch.object(lokr, "smem_limit", lambda d: 227 * 1024):
+            mock.patch.object(lokr_bypass, "smem_limit", lambda d: 227 * 1024):
         for a, b, c, d in ((1, 1, 9, 9), (2, 2, 33, 9), (2, 2, 65, 13), (1, 2, 17, 40)):
             w1a, w1b, w2a, w2b = (torch.randn(*s_, dtype=bf) for s_ in ((a, 3), (3, b), (c, 5), (5, d)))
             with _common.capturing() as pending:
@@ -129,14 +130,12 @@ def test_twin_token_split():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("asy", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gpu_async_one_pass_backward(monkeypatch, dtype, asy):
-    """The one-pass bypass backward (``BWD_FUSED``), and with ``WGRADS_ASYNC`` its GEMM groups
-    issued as async WGMMAs (sm_90a, 64-wide padded factors), against the eager body, token
-    tails and a split token reduction included; the 3 x 5 x 7 x 4 layer keeps the synchronous
-    form."""
-    monkeypatch.setattr(lokr, "WGRADS_ASYNC", asy)
+def test_gpu_async_one_pass_backward(dtype):
+    """The one-pass bypass backward, its GEMM groups issued as async WGMMAs on sm_90a at 64-wide
+    padded factors (``wgrads_async_fits``), against the eager body, token tails and a split
+    token reduction included; the 3 x 5 x 7 x 4 layer takes the synchronous form."""
+    assert lokr_bypass.wgrads_async_fits(64, 64, 64, 64, 128, 128) and not lokr_bypass.wgrads_async_fits(3, 5, 7, 4, 128, 128)
     g = torch.Generator().manual_seed(11)
 
     def m(*s, scale=1.0):
@@ -175,9 +174,9 @@ def test_gpu_parity(dtype, dims):
     compare("lokr_merge_fwd", (f[0], f[1], w2, None, [a, b, c, d], None, 0.5, torch.float32), dtype)
 
 
-# --------------------------------------------------------------------------- tuned launch configs (plans/lokr.py)
+# --------------------------------------------------------------------------- tuned launch configs (tuning/lokr.py)
 
-#: (merge forward, merge backward, bypass) configs inside plans/lokr.py's TileLang spaces, none the fixed one
+#: (merge forward, merge backward, bypass) configs inside tuning/lokr.py's TileLang spaces, none the fixed one
 TILE_CFGS = [(dict(BM=32, BN=64, threads=256), dict(elems=2048, threads=256), dict(rows=64, threads=256)),
              (dict(BM=64, BN=128, threads=128), dict(elems=8192, threads=128), dict(rows=256, threads=128)),
              (dict(BM=16, BN=256, threads=256), dict(elems=8192, threads=256), dict(rows=256, threads=256))]
@@ -187,9 +186,9 @@ CFG_ARGS = {"kron_kernel": ("BM", "BN", "threads"), "kron_grad1_kernel": ("elems
             "kron_wgrad1_kernel": ("rows", "threads"), "kron_wgrad2_kernel": ("rows", "threads"),
             "kron_wgrads_kernel": ("rows", "threads"), "kron_grads_kernel": ("elems", "threads"),
             "kron_finish_kernel": (), "kron_stream_kernel": ("BM", "BN", "threads")}  # the one-pass backward's finishing launch: no tile of a config
-#: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``, ``split_base``; the wgrad
+#: builder flags after the config's arguments (``kron_apply_kernel``: ``staged``, ``kper``; the wgrad
 #: kernels: ``kper_static``; ``kron_grads_kernel`` / ``kron_stream_kernel``: ``stages``, ``steps``, ``r2``)
-TRAILING = {"kron_apply_kernel": 3, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 3,
+TRAILING = {"kron_apply_kernel": 2, "kron_wgrad1_kernel": 1, "kron_wgrad2_kernel": 1, "kron_wgrads_kernel": 3,
             "kron_grads_kernel": 3, "kron_stream_kernel": 3}
 
 
@@ -206,8 +205,8 @@ def _with_cfg(op, cfg, args, dtype):
     import functools
     import types
 
-    fn = getattr(lokr, op[len("lokr_"):])
-    mine = [p for p in _listed(fn, args, cfg) if p.builder.__module__ == lokr.__name__]
+    fn = lokr_tuning.LAUNCHERS[op]
+    mine = [p for p in _listed(fn, args, cfg) if p.builder.__module__ in (lokr.__name__, lokr_bypass.__name__)]
     assert mine, (op, cfg)
     for p in mine:
         names = CFG_ARGS[p.builder.__name__]
@@ -242,37 +241,49 @@ def _tile_config_cases(kron_cfg, grad_cfg, bypass_cfg, dtype, dev):
     return cases
 
 
-#: the flag each form of test_twin_apply_forms turns on, the others off (None: all three off)
-_FORM_FLAGS = {"wgrads": "WGRADS_FUSED", "split": "APPLY_SPLIT_BASE", "bwd": "BWD_FUSED"}
+def one_pass_does_not_fit(monkeypatch):
+    """As at wide factors: the one-pass backward with gx does not fit shared memory, so gx runs
+    through the apply kernel and the weight gradients through ``kron_wgrads_kernel`` alone."""
+    real = lokr_bypass.wgrads_smem
+    monkeypatch.setattr(lokr_bypass, "wgrads_smem", lambda *a: real(*a) if not a[7] else 1 << 40)
 
 
-@pytest.mark.parametrize("staged,kper,apply_kper,flag", [(False, (), (), None), (True, (), (), None),
-                                                         (True, (2, 4, 64), (), None),
-                                                         (True, (2, 4, 64), (2, 4, 64), None),
-                                                         (False, (3,), (3,), None), (True, (2, 4, 64), (2,), "wgrads"),
-                                                         (True, (2, 4, 64), (2, 4, 64), "split"),
-                                                         (True, (2, 4, 64), (2,), "bwd")],
-                         ids=["regs", "staged", "pipe", "persistent", "persist-regs", "fused-wgrads", "split-base",
-                              "fused-bwd"])
-def test_twin_apply_forms(staged, kper, apply_kper, flag, monkeypatch):
-    """Both epilogues of ``kron_apply_kernel`` (``APPLY_STAGED``: output and base blocks through
-    shared memory) in the bypass forward and backward, one tile a program or a static number
-    of them (``APPLY_KPER``), and the wgrad kernels' pipelined token loop (``WGRAD_KPER``:
-    static steps, splits past the last tile), or both weight gradients in one pass
-    (``WGRADS_FUSED``), the staged epilogue's base add split off (``APPLY_SPLIT_BASE``), the whole backward in
-    one pass (``BWD_FUSED``): padded factors, one token and a token tail, two configs (2 and 16
-    tokens a program). CPU twins at fp32; on a GPU the real kernels (bf16)."""
-    monkeypatch.setattr(lokr, "APPLY_STAGED", staged)
-    monkeypatch.setattr(lokr, "WGRAD_KPER", kper)
-    monkeypatch.setattr(lokr, "APPLY_KPER", apply_kper)
-    for key, name in _FORM_FLAGS.items():
-        monkeypatch.setattr(lokr, name, flag == key)
+def no_one_pass_fits(monkeypatch):
+    """As at wide factors: no one-pass kernel fits a thread's registers, so the backward runs
+    the apply kernel and the two separate wgrad kernels."""
+    monkeypatch.setattr(lokr_bypass, "WGRADS_MAX_FRAGMENT_REGS", 0)
+
+
+#: the backward's three paths (by the one-pass kernels' resources) -> the kernels it builds
+BWD_PATHS = {"one-pass": (None, {"kron_wgrads_kernel"}),
+             "wgrads": (one_pass_does_not_fit, {"kron_apply_kernel", "kron_wgrads_kernel"}),
+             "separate": (no_one_pass_fits, {"kron_apply_kernel", "kron_wgrad1_kernel", "kron_wgrad2_kernel"})}
+
+
+@pytest.mark.parametrize("path", sorted(BWD_PATHS))
+@pytest.mark.parametrize("staged", [True, False], ids=["staged", "regs"])
+def test_twin_bypass_paths(staged, path, monkeypatch):
+    """Both epilogues of ``kron_apply_kernel`` (a config's ``staged``: output and base blocks
+    through shared memory, or from the registers) in the bypass forward, and the backward's
+    three paths (the one pass with gx, the weight gradients in one pass, the separate kernels),
+    with small static step counts (splits past the last tile): padded factors, one token and a
+    token tail, two configs (2 and 16 tokens a program). CPU twins at fp32; on a GPU the real
+    kernels (bf16)."""
+    monkeypatch.setattr(lokr_bypass, "WGRAD_KPER", (2, 4, 64))
+    monkeypatch.setattr(lokr_bypass, "APPLY_KPER", (2, 4, 64))
+    force, kernels = BWD_PATHS[path]
+    if force:
+        force(monkeypatch)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     n = 0
     for cfgs in (TILE_CFGS[0], TILE_CFGS[2]):
         for op, cfg, args in _tile_config_cases(*cfgs, dtype, dev):
             if op.startswith("lokr_bypass"):
+                cfg = {**cfg, "staged": staged}
                 _with_cfg(op, cfg, args, dtype)
+                if op == "lokr_bypass_bwd":
+                    built = {p.builder.__name__ for p in _listed(lokr_bypass.bypass_bwd, args, cfg)} - {"kron_finish_kernel"}
+                    assert built == kernels, (path, built)
                 n += 1
     assert n == 16
 
@@ -293,17 +304,18 @@ def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
 @pytest.mark.parametrize("cfgs", [({}, {}, {}), TILE_CFGS[2]], ids=["fixed", "wide-256"])
 def test_tile_config_cases_compile_sm90a(monkeypatch, cfgs, fused_bwd):
     """The kernels of test_tile_configs' odd sizes compile for sm_90a (bf16), the fixed
-    configs too: the H200 found the Kronecker build's W1 gather at d = 150 ('__pack_bfloat162'
-    is undefined), which the bench-shape corners never reach. Both backward forms: the
-    one-pass kernel (``BWD_FUSED``, the default) and the separate gx / weight-gradient ones."""
+    configs too: a GPU run found the Kronecker build's W1 gather at d = 150 ('__pack_bfloat162'
+    is undefined), which the bench-shape corners never reach. Both backward paths: the
+    one-pass kernel and (where it does not fit) the separate gx / weight-gradient ones."""
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
-    for mod in (lokr, tl_lora):
+    for mod in (lokr, lokr_bypass, tl_lora):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
-    monkeypatch.setattr(lokr, "BWD_FUSED", fused_bwd)
-    monkeypatch.setattr(lokr, "WGRADS_FUSED", fused_bwd)
-    calls = [(getattr(lokr, op[len("lokr_"):]), args, cfg)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 132)
+    if not fused_bwd:
+        no_one_pass_fits(monkeypatch)
+    calls = [(lokr_tuning.LAUNCHERS[op], args, cfg)
              for op, cfg, args in _tile_config_cases(*cfgs, torch.bfloat16, "cpu")]
     captured, failed = harness.compile_calls(calls)
     # distinct kernels built: the one-pass backward is one kernel where the separate form is three
@@ -314,12 +326,13 @@ def test_the_fixed_configs_are_the_default_launch():
     """cfg None, ``{}`` and the spelled-out fixed config build the same kernels (the shortlist's
     untimed first pick is the launch the parity tests run), and the fixed configs are the
     builders' own defaults."""
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
 
-    defaults = {name: inspect.signature(getattr(lokr, name)).parameters for name in CFG_ARGS}
+    defaults = {name: inspect.signature(getattr(lokr, name, None) or getattr(lokr_bypass, name)).parameters
+                for name in CFG_ARGS}
     for name, keys in CFG_ARGS.items():
         fixed = {"kron_kernel": lokr.KRON, "kron_grad1_kernel": lokr.GRADS, "kron_grad2_kernel": lokr.GRADS,
-                 "kron_grads_kernel": lokr.GRADS, "kron_stream_kernel": lokr.KRON}.get(name, lokr.BYPASS)
+                 "kron_grads_kernel": lokr.GRADS, "kron_stream_kernel": lokr.KRON}.get(name, lokr_bypass.BYPASS)
         spelled = [defaults[name]["max_threads" if k == "threads" and "max_threads" in defaults[name] else k].default
                    for k in keys]
         assert spelled == [fixed[k] for k in keys], name
@@ -331,7 +344,7 @@ def test_the_fixed_configs_are_the_default_launch():
              "lokr_merge_fwd": (*f, None, 1.0), "lokr_merge_bwd": (G, *f, 1.0),
              "lokr_bypass_fwd": (x, w1, w2, 1.0), "lokr_bypass_bwd": (y, x, w1, w2, 1.0)}
     for op, args in calls.items():
-        fn = getattr(lokr, op[len("lokr_"):])
+        fn = lokr_tuning.LAUNCHERS[op]
         built = [[(p.builder.__name__, p.args) for p in _listed(fn, args, cfg)]
                  for cfg in (None, {}, plans_lokr.tl_fixed(op))]
         assert built[0] and built[0] == built[1] == built[2], (op, built)
@@ -340,23 +353,26 @@ def test_the_fixed_configs_are_the_default_launch():
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 @pytest.mark.parametrize("op", ["lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_bypass_fwd", "lokr_bypass_bwd"])
 def test_tile_space_corners_compile_sm90a(monkeypatch, op):
-    """The corners of plans/lokr.py's legal TileLang spaces compile for sm_90a (bf16): the
+    """The corners of tuning/lokr.py's legal TileLang spaces compile for sm_90a (bf16): the
     smallest and largest merge tiles, gradient tiles and token rows, each with its threads,
     at the bench layers' factors (3072: 48 x 48 (x) 64 x 64; 4096 as 128 x 128 (x) 32 x 32, the
     bypass kernels' two warpgroups) and at 128-wide factors (gradient tiles of 16-64 x 128;
     the bypass's whole 128 x 128 factors with 256 threads). The merges' factored forms
     build the same kernels with fp32 sides."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
     from tilelang_harness import compile_calls, corners
 
     monkeypatch.setattr(lokr, "arch_of", lambda d: "sm_90a")
+
+    monkeypatch.setattr(lokr_bypass, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 132)
     dev = device.synthetic()
     bf = torch.bfloat16
     key = {"lokr_full_merge_fwd": lambda c: c["BM"] * c["BN"], "lokr_full_merge_bwd": lambda c: c["elems"]}.get(
         op, lambda c: c["rows"])
-    fn = getattr(lokr, op[len("lokr_"):])
+    fn = lokr_tuning.LAUNCHERS[op]
     shapes = {"lokr_full_merge_fwd": [((48, 48, 64, 64), 0)], "lokr_full_merge_bwd": [((48, 48, 64, 64), 0),
                                                                                        ((2, 2, 128, 128), 0)]}.get(
         op, [((48, 48, 64, 64), 8192), ((128, 128, 32, 32), 8192), ((128, 128, 128, 128), 1024)])
@@ -368,7 +384,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch, op):
                 "lokr_bypass_fwd": (x, w1, w2, 1.0, y), "lokr_bypass_bwd": (y, x, w1, w2, 1.0)}[op]
         # with the fixed config: the fused backward's space may add no other build (``tl_built``)
         cfgs = plans_lokr.tl_configs(dev, op, (a, b, c, d), 2) + [plans_lokr.tl_fixed(op)]
-        assert len(cfgs) > 1 or op == "lokr_bypass_bwd" and lokr.BWD_FUSED, (op, a, b, c, d)
+        assert len(cfgs) > 1 or op == "lokr_bypass_bwd", (op, a, b, c, d)
         calls += [(fn, args, cfg) for cfg in corners(cfgs, key)]
     if op == "lokr_bypass_bwd":  # the 4096 layer's backward with both warpgroups on every GEMM of 128 rows
         assert any(cfg["threads"] == 256 for _, _, cfg in calls)
@@ -390,16 +406,19 @@ def _h200_args(dims, T, dt):
 
 def test_bypass_bwd_shortlist_builds_distinct_kernels(monkeypatch):
     """Each config the backward bypass's shortlist times builds kernels no other candidate
-    builds (what the launcher really builds, captured): with ``BWD_FUSED`` the fused pass's
+    builds (what the launcher really builds, captured): the one-pass backward's
     token step ignores the rows 64 / 128 difference at the bench layers' factors, which the
     unfused kernels' geometry would count as two configs (a timed tie of one kernel)."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
 
     monkeypatch.setattr(lokr, "arch_of", lambda d: "sm_90a")
+
+    monkeypatch.setattr(lokr_bypass, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 132)
     dev = device.synthetic()
     for dims in ((48, 48, 64, 64), (64, 64, 64, 64), (128, 128, 32, 32)):
         args = _h200_args(dims, 8192, torch.bfloat16)["lokr_bypass_bwd"]
@@ -408,7 +427,7 @@ def test_bypass_bwd_shortlist_builds_distinct_kernels(monkeypatch):
             if tune.is_eager(c):
                 continue
             with _common.capturing() as pending:
-                tl_pick._call(lokr.bypass_bwd, args, c)
+                tl_pick._call(lokr_bypass.bypass_bwd, args, c)
             # the program each builds (its TIR; the keys differ by the rows argument alone)
             builds.append(frozenset(p.builder(*p.args).script() for p in pending))
         assert all(builds) and len(set(builds)) == len(builds), (dims, builds)
@@ -422,13 +441,13 @@ def test_shortlists_for_an_h200():
     import json
 
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
 
     dev = device.synthetic()
     fixed = {"lokr_full_merge_fwd": lokr.KRON, "lokr_merge_fwd": lokr.KRON, "lokr_full_merge_bwd": lokr.GRADS,
-             "lokr_merge_bwd": lokr.GRADS, "lokr_bypass_fwd": lokr.BYPASS, "lokr_bypass_bwd": lokr.BYPASS}
+             "lokr_merge_bwd": lokr.GRADS, "lokr_bypass_fwd": lokr_bypass.BYPASS, "lokr_bypass_bwd": lokr_bypass.BYPASS}
     assert set(plans_lokr.TILELANG) == set(OPS) and set(OPS) <= set(tl_pick.models())
     for dims in ((48, 48, 64, 64), (64, 64, 64, 64), (128, 128, 32, 32)):
         for dt in (torch.bfloat16, torch.float16):
@@ -437,13 +456,13 @@ def test_shortlists_for_an_h200():
                 cands = list(plans_lokr.TILELANG[op][0](dev, *args).candidates)
                 assert cands[0] == fixed[op] and tune.is_eager(cands[-1]), (op, dims, cands)
                 twin = op == "lokr_bypass_fwd"
-                # the fused backward (BWD_FUSED): rows 64 and 128 build one kernel at these factors,
+                # the one-pass backward: rows 64 and 128 build one kernel at these factors,
                 # so its space may add nothing to the fixed config (``tl_built``)
-                least = 2 if op == "lokr_bypass_bwd" and lokr.BWD_FUSED else 3
+                least = 2 if op == "lokr_bypass_bwd" else 3
                 assert least <= len(cands) <= plans_lokr.TL_N + 2 + twin, (op, cands)
                 assert len(set(map(str, cands))) == len(cands), (op, cands)
                 if twin:
-                    assert cands[1] == {**fixed[op], "staged": not lokr.APPLY_STAGED}, (op, dims, cands)
+                    assert cands[1] == {**fixed[op], "staged": False}, (op, dims, cands)
                 legal = plans_lokr.tl_configs(dev, op, dims, 2)
                 for c in cands[1 + twin:-1]:
                     assert c in legal, (op, dims, dt, c)
@@ -459,12 +478,12 @@ def test_shortlists_for_an_h200():
 
 
 def test_tile_space_legality():
-    """plans/lokr.py's legality rules on an H200: merge tiles of 2048-8192 elements no larger
+    """tuning/lokr.py's legality rules on an H200: merge tiles of 2048-8192 elements no larger
     than the output; one config per distinct gradient tile; the bypass's 256 threads only
     where every GEMM of a kernel has 128 rows, its fp32 fragments within the registers and its
     tiles within shared memory."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lokr as plans_lokr
+    from lycoris_ops.backends.tilelang.tuning import lokr as plans_lokr
 
     dev = device.synthetic()
     kron = plans_lokr.tl_configs(dev, "lokr_full_merge_fwd", (48, 48, 64, 64), 2)
@@ -525,6 +544,7 @@ def test_one_pass_merge_bwd(stages, monkeypatch):
     tile rows past w2's edge, which the pipelined copy reads from the next block, count as
     zeros (else inf·0 = nan in the other blocks' g_w1). CPU twins at fp32 (GPU: bf16)."""
     monkeypatch.setattr(lokr, "num_sms", lambda d: 64)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 64)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     g = torch.Generator().manual_seed(5)
 
@@ -571,6 +591,7 @@ def test_streamed_merge_fwd(stages, monkeypatch):
     sides, w2's tiles generated in the kernel (T.gemm; ranks 70 and 6) or read from the plane
     (tiles below 16 x 16). CPU twins at fp32 (GPU: bf16)."""
     monkeypatch.setattr(lokr, "num_sms", lambda d: 3)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 3)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
     g = torch.Generator().manual_seed(6)
 
@@ -611,20 +632,19 @@ def test_new_forms_on_the_case_table(stages):
 
 
 def test_twin_fused_bwd_staged_gx(monkeypatch):
-    """The one-pass backward (``BWD_FUSED``) where its gx block goes through shared memory
-    (16-wide factors: 4 tokens a step, 1024 elements a block) against the reference, a
-    token tail included. CPU twin at fp32; on a GPU the real kernel (bf16)."""
-    monkeypatch.setattr(lokr, "BWD_FUSED", True)
-    monkeypatch.setattr(lokr, "WGRAD_KPER", (2, 4))
+    """The one-pass backward where its gx block goes through shared memory (16-wide factors: 4
+    tokens a step, 1024 elements a block) against the reference, a token tail included. CPU
+    twin at fp32; on a GPU the real kernel (bf16)."""
+    monkeypatch.setattr(lokr_bypass, "WGRAD_KPER", (2, 4))
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float32, "cpu")
-    assert lokr.wgrads_gx_stageable(16, 16, 16, 16, 128, 128, dtype.itemsize)
-    assert not lokr.wgrads_gx_stageable(3, 5, 7, 4, 128, 128, dtype.itemsize)  # the odd cases: from registers
+    assert lokr_bypass.wgrads_gx_stageable(16, 16, 16, 16, 128, 128, dtype.itemsize)
+    assert not lokr_bypass.wgrads_gx_stageable(3, 5, 7, 4, 128, 128, dtype.itemsize)  # the odd cases: from registers
     # the one-pass kernels fit sm_90's shared memory at the bench factors and at 128 x 64, not at
     # 256 (where bypass_bwd keeps the separate kernels)
-    limit = lokr.smem_limit(torch.device("cpu")) / lokr._SMEM_MARGIN
-    assert lokr.wgrads_smem(64, 64, 64, 64, 128, 128, 2, 2) <= limit
-    assert lokr.wgrads_smem(128, 128, 64, 64, 128, 128, 2, 2) <= limit
-    assert lokr.wgrads_smem(256, 256, 64, 64, 128, 128, 2, 0) > limit
+    limit = lokr_bypass.smem_limit(torch.device("cpu")) / lokr_bypass._SMEM_MARGIN
+    assert lokr_bypass.wgrads_smem(64, 64, 64, 64, 128, 128, 2, 2) <= limit
+    assert lokr_bypass.wgrads_smem(128, 128, 64, 64, 128, 128, 2, 2) <= limit
+    assert lokr_bypass.wgrads_smem(256, 256, 64, 64, 128, 128, 2, 0) > limit
     g = torch.Generator().manual_seed(5)
 
     def m(*s, scale=1.0):
@@ -636,18 +656,20 @@ def test_twin_fused_bwd_staged_gx(monkeypatch):
 
 
 def test_staged_apply_fits_its_pipeline():
-    """The staged apply epilogue only where its shared memory fits with the persistent form's
-    two stages of X and base (``apply_smem(pipelined=True)``): at 64-wide factors (the bench)
-    it runs; at 128-wide factors with a 16-bit base the two base stages would not fit sm_90's
-    227 KiB (294 KiB with the planners' margin), so the register epilogue runs there."""
+    """The staged apply epilogue (the default, a config's ``staged`` False turns it off) only
+    where its shared memory fits with the pipelined loop's two stages of X and base
+    (``apply_smem``): at 64-wide factors (the bench) it runs; at 128-wide factors with a
+    16-bit base the two base stages would not fit sm_90's 227 KiB (294 KiB with the planners'
+    margin), so the register epilogue runs there."""
     cpu, bf = torch.device("cpu"), torch.bfloat16
-    p = dict(lokr.BYPASS)
-    assert lokr.APPLY_KPER and lokr.APPLY_STAGED
-    assert lokr._apply_staged(p, 64, 64, 64, 64, bf, bf, bf, cpu)
-    assert not lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, bf, cpu)
-    assert lokr._apply_staged(p, 128, 128, 128, 128, bf, bf, None, cpu)  # no base: one block staged
-    assert (lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2, True, True)
-            > lokr.apply_smem(128, 128, 128, 128, 128, 2, 2, 2, True, False))
+    p = dict(lokr_bypass.BYPASS)
+    assert lokr_bypass._apply_staged(p, 64, 64, 64, 64, bf, bf, bf, cpu)
+    assert not lokr_bypass._apply_staged({**p, "staged": False}, 64, 64, 64, 64, bf, bf, bf, cpu)
+    assert not lokr_bypass._apply_staged(p, 128, 128, 128, 128, bf, bf, bf, cpu)
+    assert lokr_bypass._apply_staged(p, 128, 128, 128, 128, bf, bf, None, cpu)  # no base: one block staged
+    # two stages of the 128 x 128 base block: 2 · 128² · 2 bytes more than with none
+    assert (lokr_bypass.apply_smem(128, 128, 128, 128, 128, 2, 2, 2) - lokr_bypass.apply_smem(128, 128, 128, 128, 128, 2, 2, 0)
+            == 2 * 128 * 128 * 2)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
@@ -662,32 +684,33 @@ def test_factor_128_kernels_fit_shared_memory(monkeypatch, fused):
     from lycoris_ops.backends.tilelang import common as _common
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
-    for mod in (lokr, tl_lora):
+    for mod in (lokr, lokr_bypass, tl_lora):
         monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
     monkeypatch.setattr(lokr, "num_sms", lambda d: 132)
-    monkeypatch.setattr(lokr, "BWD_FUSED", fused)
-    monkeypatch.setattr(lokr, "WGRADS_FUSED", fused)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 132)
+    if not fused:
+        no_one_pass_fits(monkeypatch)
     bf = torch.bfloat16
     x, base, w = torch.empty(300, 128 * 128, dtype=bf), torch.empty(300, 128 * 128, dtype=bf), torch.empty(128, 128, dtype=bf)
-    calls = [(lokr.bypass_fwd, (x, w, w, 0.7, base), {}), (lokr.bypass_fwd, (x, w, w, 0.7, None), {}),
-             (lokr.bypass_bwd, (base, x, w, w, 0.7), {})]
+    calls = [(lokr_bypass.bypass_fwd, (x, w, w, 0.7, base), {}), (lokr_bypass.bypass_fwd, (x, w, w, 0.7, None), {}),
+             (lokr_bypass.bypass_bwd, (base, x, w, w, 0.7), {})]
     captured, failed = harness.compile_calls(calls)
     assert captured >= 4 and not failed, failed
     # the check itself: the staged epilogue with two base stages at 128 is over the limit
-    over = _common.Pending(lokr.kron_apply_kernel, "sm_90a", (128, 128, 128, 128, "bfloat16", "bfloat16", "bfloat16",
-                                                               128, 128, True, 16))
+    over = _common.Pending(lokr_bypass.kron_apply_kernel, "sm_90a", (128, 128, 128, 128, "bfloat16", "bfloat16", "bfloat16",
+                                                               128, 128, True, 16))  # staged
     (why,) = harness.compile_failures([over])
     assert "256 KiB of shared memory" in why[2], why
 
 
 @pytest.mark.parametrize("run,ns", [(0, 12), (4, 12), (4, 6), (8, 12), (3, 3)])
 def test_sum_partials_runs(run, ns, monkeypatch):
-    """``lokr._sum_partials`` (``PARTIAL_SUM_RUN``: runs of k partials summed first where k
+    """``lokr_bypass._sum_partials`` (``PARTIAL_SUM_RUN``: runs of k partials summed first where k
     divides ns and leaves two runs, else one sum) equals the plain sum of the ns partials."""
-    monkeypatch.setattr(lokr, "PARTIAL_SUM_RUN", run)
+    monkeypatch.setattr(lokr_bypass, "PARTIAL_SUM_RUN", run)
     g = torch.Generator().manual_seed(11)
     part = torch.randn(ns * 5, 7, generator=g)
-    got = lokr._sum_partials(part, ns, 5, 7)
+    got = lokr_bypass._sum_partials(part, ns, 5, 7)
     assert got.shape == (5, 7)
     torch.testing.assert_close(got, part.view(ns, 5, 7).double().sum(0).float(), rtol=1e-6, atol=1e-5)
 
@@ -696,30 +719,31 @@ def test_bypass_bwd_routes_by_the_one_pass_kernels_resources():
     """``bypass_bwd`` takes the one-pass kernel where its shared memory fits and its fp32
     accumulators fit a thread's registers (160 at the bench's 64-wide factors); w1 (64, 64)
     with w2 (128, 128) (D = 8192) holds 352 a thread: gx, g_w1 and g_w2 by the separate kernels."""
-    assert lokr.wgrads_fragment_regs(64, 64, 64, 64, 128, 128, True) == 160
-    assert lokr.wgrads_fragment_regs(64, 64, 128, 128, 128, 128, True) > lokr.WGRADS_MAX_FRAGMENT_REGS
+    assert lokr_bypass.wgrads_fragment_regs(64, 64, 64, 64, 128, 128, True) == 160
+    assert lokr_bypass.wgrads_fragment_regs(64, 64, 128, 128, 128, 128, True) > lokr_bypass.WGRADS_MAX_FRAGMENT_REGS
 
     def built(a, c):
         x, g = torch.zeros(8, a * c), torch.zeros(8, a * c)
         with _common.capturing() as pending:
-            lokr.bypass_bwd(g, x, torch.zeros(a, a), torch.zeros(c, c), 1.0)
+            lokr_bypass.bypass_bwd(g, x, torch.zeros(a, a), torch.zeros(c, c), 1.0)
         return sorted({p.builder.__name__ for p in pending})
 
-    assert built(64, 64) == ["kron_finish_kernel", "kron_wgrads_kernel"][not lokr.WGRADS_FINISH:]  # + the partials' sum
+    assert built(64, 64) == ["kron_finish_kernel", "kron_wgrads_kernel"]  # + the partials' sum
     assert built(64, 128) == ["kron_apply_kernel", "kron_wgrad1_kernel", "kron_wgrad2_kernel"]
 
 
 @pytest.mark.parametrize("gx", [True, False], ids=["one-pass-bwd", "wgrads"])
 def test_wgrads_finish_launch(monkeypatch, gx):
-    """``WGRADS_FINISH``: the one-pass weight gradients' fp32 partials (padded planes, Ap x Bp
+    """The one-pass weight gradients' fp32 partials (padded planes, Ap x Bp
     and Cp x Dp) summed and cast by one ``kron_finish_kernel`` launch of two whole jobs, against
     the reference: odd factors (3 x 5, 7 x 4 in 16 x 16 planes; 20 x 3, 5 x 33 in 32 x 16, 16 x 64),
     a token tail, several splits, and a w1 of another dtype than w2 (two output dtypes in the
     launch). CPU twin at fp32 (the fp32 w1 beside fp16 operands); on a GPU the real kernel (bf16)."""
-    monkeypatch.setattr(lokr, "WGRADS_FINISH", True)
-    monkeypatch.setattr(lokr, "BWD_FUSED", gx)
-    monkeypatch.setattr(lokr, "WGRAD_KPER", (2,))
+    if not gx:
+        one_pass_does_not_fit(monkeypatch)
+    monkeypatch.setattr(lokr_bypass, "WGRAD_KPER", (2,))
     monkeypatch.setattr(lokr, "num_sms", lambda d: 2)
+    monkeypatch.setattr(lokr_bypass, "num_sms", lambda d: 2)
     dtype, dev = (torch.bfloat16, "cuda") if GPU else (torch.float16, "cpu")
     g = torch.Generator().manual_seed(13)
 
@@ -729,6 +753,6 @@ def test_wgrads_finish_launch(monkeypatch, gx):
     for (a, b, c, d), T in (((3, 5, 7, 4), 150), ((20, 3, 5, 33), 333)):
         for w1_dtype in (dtype, torch.float32):
             args = (m(T, a * c), m(T, b * d), m(a, b, scale=b ** -0.5, dt=w1_dtype), m(c, d, scale=d ** -0.5), 0.7)
-            built = {p.builder.__name__ for p in _listed(lokr.bypass_bwd, args, None)}
+            built = {p.builder.__name__ for p in _listed(lokr_bypass.bypass_bwd, args, None)}
             assert {"kron_wgrads_kernel", "kron_finish_kernel"} <= built, built
             compare("lokr_bypass_bwd", args, dtype)

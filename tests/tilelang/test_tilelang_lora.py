@@ -48,9 +48,9 @@ def test_kernels_compile(arch, dtype):
 
 
 def test_without_warp_specialization_reaches_the_compiler(monkeypatch):
-    """A prim_func marked by ``_common.without_warp_specialization`` (and every kernel under
-    ``LYCORIS_TILELANG_WS=off``: ``WARP_SPECIALIZE`` False) compiles with TileLang's
-    ``tl.disable_warp_specialized``; an unmarked one without it."""
+    """A prim_func marked by ``_common.without_warp_specialization`` (``bypass_fwd_kernel``; and
+    every kernel under ``LYCORIS_TILELANG_WS=off``: ``WARP_SPECIALIZE`` False) compiles with
+    TileLang's ``tl.disable_warp_specialized``; an unmarked one (``skinny_kernel``) without it."""
     seen = []
 
     class Recorder:
@@ -59,11 +59,12 @@ def test_without_warp_specialization_reaches_the_compiler(monkeypatch):
             seen.append(pass_configs)
 
     monkeypatch.setattr(_common, "tl", lambda: Recorder)
-    args = (45, 29, 5, "float16", None, "float16", 64, 128, 64, 2, 128, True)
-    _common.compile_only(lora.bypass_fwd_kernel, "sm_90a", *args, True, False)  # ws=False: marked
-    _common.compile_only(lora.bypass_fwd_kernel, "sm_90a", *args, True, True)  # ws=True
+    fwd = (45, 29, 5, "float16", None, "float16", 64, 128, 64, 2, 128, True)
+    skinny = (29, None, 16, 5, True, False, False, True, "float16", "float16")
+    _common.compile_only(lora.bypass_fwd_kernel, "sm_90a", *fwd)  # marked
+    _common.compile_only(lora.skinny_kernel, "sm_90a", *skinny)  # unmarked
     monkeypatch.setattr(_common, "WARP_SPECIALIZE", False)
-    _common.compile_only(lora.bypass_fwd_kernel, "sm_90a", *args, True, True)
+    _common.compile_only(lora.skinny_kernel, "sm_90a", *skinny)
     assert [c.get("tl.disable_warp_specialized", False) for c in seen] == [True, False, True]
     assert all(c["tl.device_compile_flags"] == _common.GPU_PASS_CONFIGS["tl.device_compile_flags"] for c in seen)
 
@@ -110,11 +111,9 @@ def test_twin_split_k():
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-@pytest.mark.parametrize("pair", [True, False], ids=["pair", "skinny"])
-def test_twin_merge_bwd_forms(pair, monkeypatch):
-    """Both forms of ``merge_bwd`` against eager, and the pair form's step to the skinny
-    products where no pair tile fits shared memory (rank 200: Rp = 256)."""
-    monkeypatch.setattr(lora, "MERGE_BWD_FORM", dict(pair=pair, ws=False))
+def test_twin_merge_bwd_steps_to_skinny(monkeypatch):
+    """``merge_bwd`` runs the pair kernel, and the two skinny products where no pair tile fits
+    shared memory (rank 200: Rp = 256), both against eager."""
     calls = []
     real = lora.skinny
     monkeypatch.setattr(lora, "skinny", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -123,18 +122,16 @@ def test_twin_merge_bwd_forms(pair, monkeypatch):
         G, up, down = torch.randn(I, O, generator=g).t(), torch.randn(O, r, generator=g), torch.randn(r, I, generator=g)
         n = len(calls)
         compare("lora_merge_bwd", (G, up, down, 0.8), torch.float32)
-        assert len(calls) - n == (2 if (not pair or r == 200) else 0), (pair, r)
+        assert len(calls) - n == (2 if r == 200 else 0), r
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("ws", [True, False], ids=["ws", "nows"])
-def test_twin_merge_bwd_pair(dtype, ws, monkeypatch):
-    """``lora_merge_bwd`` through the one-launch pair kernel (``MERGE_BWD_FORM``): row bands of
-    both products, partial last bands (O, I not multiples of BM), rank padding, a transposed G;
-    the CPU twin without a GPU, the real kernel on one."""
+def test_twin_merge_bwd_pair(dtype):
+    """``lora_merge_bwd`` through the one-launch pair kernel: row bands of both products,
+    partial last bands (O, I not multiples of BM), rank padding, a transposed G; the CPU twin
+    without a GPU, the real kernel on one."""
     if GPU and dtype == torch.float32:
         pytest.skip("fp32 is outside the TileLang scope on a GPU (it would run as TF32)")
-    monkeypatch.setattr(lora, "MERGE_BWD_FORM", dict(pair=True, ws=ws))
     g = torch.Generator().manual_seed(5)
     dev = "cuda" if GPU else "cpu"
     for O, I, r in ((37, 300, 5), (130, 70, 17), (64, 64, 16)) if not GPU else ((200, 1000, 8), (3072, 517, 64)):
@@ -146,19 +143,15 @@ def test_twin_merge_bwd_pair(dtype, ws, monkeypatch):
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 @pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
-@pytest.mark.parametrize("staged,per,extra,pipe", [(False, 3, {}, (False, 0)), (True, 3, {}, (False, 0)),
-                                                  (True, 5, {}, (True, 0)),
-                                                  (True, 3, dict(pipe_groups=True), (True, 3)),
-                                                  (True, 3, dict(one_group=True), (True, 0))],
-                         ids=["plain", "staged", "staged-pipe", "staged-pipe-groups", "one-group"])
-def test_twin_bypass_fwd_forms(staged, per, extra, pipe, with_base, monkeypatch):
-    """The forward forms (``BYPASS_FWD_FORM``: base and output through shared memory, the O
-    loop pipelined where one group holds all 5 O tiles, or in groups of a static size with
-    ``pipe_groups``; ``one_group``: never split) at partial T and O tiles; with 2 groups of 3,
-    the second group's last step redoes the last tile (the clamp)."""
-    monkeypatch.setattr(lora, "BYPASS_FWD_FORM", dict(staged=staged, pipe_o=True, ws=True, **extra))
-    built = bypass_fwd_twin(monkeypatch, per, dict(BT=16, BO=8, BK=16), with_base)
-    assert (built[-1][-3], built[-1][-1]) == pipe, built[-1]  # (pipelined O loop, static group)
+@pytest.mark.parametrize("per,pipe_o,built_as", [(5, True, (True, 0)), (3, True, (True, 3)), (3, False, (False, 0))],
+                         ids=["one-group", "groups", "serial"])
+def test_twin_bypass_fwd_o_loop(per, pipe_o, built_as, with_base, monkeypatch):
+    """The forward's O loop at partial T and O tiles (5 O tiles): pipelined over all of them
+    where one group holds them, over groups of a static size where they are split (2 groups of
+    3: the second group's last step redoes the last tile, the clamp), serial with a config's
+    ``pipe_o`` False; the built kernel's (pipelined, static group) arguments say which."""
+    built = bypass_fwd_twin(monkeypatch, per, dict(BT=16, BO=8, BK=16, pipe_o=pipe_o), with_base)
+    assert tuple(built[-1][-2:]) == built_as, built[-1]
 
 
 def bypass_fwd_twin(monkeypatch, per, cfg, with_base):
@@ -182,23 +175,22 @@ def bypass_fwd_twin(monkeypatch, per, cfg, with_base):
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 def test_twin_bypass_fwd_quick_twin(monkeypatch):
-    """The cold call's quick twin of the forward (plans/lora.py ``TL_QUICK``: ``pipe_o`` off and 2
-    stages in the cfg, over ``BYPASS_FWD_FORM`` / ``BYPASS_FWD``): the serial O loop is built
+    """The cold call's quick twin of the forward (``TL_QUICK``: ``pipe_o`` off and 2 stages in
+    the cfg, over ``BYPASS_FWD``): the serial O loop is built
     where the fixed form pipelines it (one group holds the 5 O tiles), and agrees with eager."""
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
 
     built = bypass_fwd_twin(monkeypatch, 0, plans_lora.TL_QUICK["lora_bypass_fwd"](dict(BT=16, BO=8, BK=16)), False)
-    assert (built[-1][-6], built[-1][-3]) == (2, False), built[-1]  # 2 stages, the O loop serial
+    assert (built[-1][-4], built[-1][-2]) == (2, False), built[-1]  # 2 stages, the O loop serial
     built = bypass_fwd_twin(monkeypatch, 0, dict(BT=16, BO=8, BK=16), False)
-    assert built[-1][-3] is True  # the fixed form pipelines it
+    assert built[-1][-2] is True  # the fixed config pipelines it
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-@pytest.mark.parametrize("staged,per", [(False, 3), (True, 3), (True, 5)], ids=["plain", "staged", "staged-pipe"])
-def test_twin_bypass_bwd_forms(staged, per, monkeypatch):
-    """The backward token kernel's forms (``BYPASS_BWD_FORM``, as the forward's) at partial T
-    and I tiles: 5 I tiles, in 2 groups of 3 (the clamp) or one pipelined group."""
-    monkeypatch.setattr(lora, "BYPASS_BWD_FORM", dict(staged=staged, pipe_i=True, ws=True))
+@pytest.mark.parametrize("per", [3, 5], ids=["groups", "one-group"])
+def test_twin_bypass_bwd_i_loop(per, monkeypatch):
+    """The backward token kernel's gx loop at partial T and I tiles: 5 I tiles, in 2 serial
+    groups of 3 (the clamp) or one pipelined group."""
     monkeypatch.setattr(lora, "_per", lambda tiles, other, device: per)
     g = torch.Generator().manual_seed(7)
     T, I, O, r = 70, 37, 19, 5
@@ -212,11 +204,9 @@ def test_twin_bypass_bwd_forms(staged, per, monkeypatch):
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
 @pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
-@pytest.mark.parametrize("staged", [False, True], ids=["regs", "staged"])
-def test_twin_merge_forms(staged, mode, monkeypatch):
-    """The merge's both epilogues (``GEMM_STAGED``: base and output tiles through shared
-    memory) at partial tiles, with an fp32 base under fp32 factors and without a base."""
-    monkeypatch.setattr(lora, "GEMM_STAGED", staged)
+def test_twin_merge_gemm(mode):
+    """The merge by ``gemm_kernel`` (a tuned config with ``BK``) at partial tiles, with an fp32
+    base under fp32 factors and without a base."""
     g = torch.Generator().manual_seed(6)
     O, I, r = 37, 45, 5
     f = (torch.randn(O, r, generator=g), torch.randn(r, I, generator=g))
@@ -230,13 +220,12 @@ def test_twin_merge_forms(staged, mode, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
 def test_twin_merge_stream(mode, dtype, monkeypatch):
-    """The streamed merge (``MERGE_FWD_FORM["stream"]``: row tiles through a pipelined loop, a
+    """The streamed merge (``merge_stream_kernel``: row tiles through a pipelined loop, a
     stripe's B tiles loaded once) at partial row and column tiles, groups of 3 row tiles of 10
     (the last group redoes the last tile), ranks 5 and 9 (sum: two different ranks), an fp32
     base, no base, an fp32 output; the CPU twin without a GPU, the real kernel on one."""
     if GPU and dtype == torch.float32:
         pytest.skip("fp32 is outside the TileLang scope on a GPU (it would run as TF32)")
-    monkeypatch.setattr(lora, "MERGE_FWD_FORM", dict(stream=True))
     monkeypatch.setattr(lora, "MERGE_STREAM", dict(BM=16, BN=32, stages=2, threads=128))
     monkeypatch.setattr(lora, "_per", lambda tiles, other, device: 3)
     calls = []
@@ -263,7 +252,6 @@ def test_twin_merge_stream(mode, dtype, monkeypatch):
 def test_twin_merge_stream_steps_to_the_gemm(monkeypatch):
     """The streamed merge where its tile does not fit shared memory (``stream_smem``), or with a
     tuned GEMM tile (a config with ``BK``: the planner's timed GEMM form), runs ``gemm_kernel``."""
-    monkeypatch.setattr(lora, "MERGE_FWD_FORM", dict(stream=True))
     calls = []
     real = lora.kernel
     monkeypatch.setattr(lora, "kernel", lambda b, *a: calls.append(b.__name__) or real(b, *a))
@@ -282,7 +270,7 @@ def test_twin_merge_stream_steps_to_the_gemm(monkeypatch):
         assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
 
 
-#: non-default tiles of the four tuned ops, inside the spaces of plans/lora.py (``tl_plan_*``,
+#: non-default tiles of the four tuned ops, inside the spaces of tuning/lora.py (``tl_plan_*``,
 #: ``TL_SKINNY``, ``TL_TOKEN``): at the sizes below every tile is partial somewhere
 TILE_CFGS = {
     "lora_bypass_fwd": dict(BT=128, BO=64, BK=32, stages=3, threads=256),
@@ -343,21 +331,18 @@ def _tucker_case(dtype, device, two):
 
 
 #: TUCKER_CFGS stage past ``all_k_fits`` at fp32 (the twins' dtype): the per-κ kernel runs
-#: there in every form; bi32's staged tile (72 KB at fp32) fits
+#: there; bi32's staged tile (72 KB at fp32) fits: the all-κ kernel
 TUCKER_TWIN_CFGS = TUCKER_CFGS + [dict(BO=64, BI=32, threads=128)]
 
 
 @pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-@pytest.mark.parametrize("all_k", [False, True, "pipe", "pre"], ids=["per-k", "all-k", "all-k-pipe", "all-k-pre"])
 @pytest.mark.parametrize("cfg", TUCKER_TWIN_CFGS, ids=["bo128-t256", "bi256", "bi32"])
 @pytest.mark.parametrize("two", [False, True], ids=["1chain", "2chains"])
-def test_twin_tucker_tile_configs(two, cfg, all_k, monkeypatch):
-    """Every kernel form (``tucker.ALL_K``: every κ of a tile in one program, the output staged;
-    ``ALL_K_PIPE``: its κ loop pipelined; ``ALL_K_PRE``: over a·t precomputed) against the
-    reference, partial tiles in O and I (70 x 45 x 9); a spy checks which kernel ran."""
-    monkeypatch.setattr(tucker, "ALL_K", bool(all_k))
-    monkeypatch.setattr(tucker, "ALL_K_PIPE", all_k == "pipe")
-    monkeypatch.setattr(tucker, "ALL_K_PRE", all_k == "pre")
+def test_twin_tucker_tile_configs(two, cfg, monkeypatch):
+    """Both kernels (``tucker_pre_kernel``: every κ of a tile in one program over a·t
+    precomputed, the output staged, where that fits ``all_k_fits``; else the per-κ
+    ``tucker_kernel``) against the reference, partial tiles in O and I (70 x 45 x 9); a spy
+    checks which kernel ran."""
     built = []
     real = tucker.kernel
 
@@ -370,11 +355,7 @@ def test_twin_tucker_tile_configs(two, cfg, all_k, monkeypatch):
     got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
     assert got.shape == want.shape and harness.rel_err(got, want) <= harness.REL_TOL[torch.float32]
     (builder, a), = built
-    staged = bool(all_k) and cfg["BI"] == 32
-    if all_k == "pre" and staged:
-        assert builder is tucker.tucker_pre_kernel
-    else:
-        assert builder is tucker.tucker_kernel and a[-2:] == (staged, staged and all_k == "pipe"), a
+    assert builder is (tucker.tucker_pre_kernel if cfg["BI"] == 32 else tucker.tucker_kernel), a
 
 
 def test_tucker_all_k_fits():
@@ -385,26 +366,23 @@ def test_tucker_all_k_fits():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a CUDA device")
-@pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
-@pytest.mark.parametrize("cfg", TUCKER_CFGS, ids=["bo128-t256", "bi256"])
-def test_gpu_tucker_tile_configs(cfg, all_k, monkeypatch):
-    monkeypatch.setattr(tucker, "ALL_K", all_k)
+@pytest.mark.parametrize("cfg", TUCKER_CFGS + [dict(BO=64, BI=64, threads=128)], ids=["bo128-t256", "bi256", "fixed"])
+def test_gpu_tucker_tile_configs(cfg):
+    """The per-κ kernel (the first two tiles: their staging does not fit) and the all-κ one."""
     args = _tucker_case(torch.bfloat16, "cuda", True)
     got, want = tucker.tucker_fwd(*args, cfg=cfg), REF.lora_tucker_fwd(*args)
     assert harness.rel_err(got, want) <= harness.REL_TOL[torch.bfloat16]
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
-def test_tucker_tile_space_corners_compile_sm90a(all_k, monkeypatch):
+def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
     """Every (BO, threads) of the tucker TileLang space with the widest and narrowest BI, one
-    and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32); with ``ALL_K`` the
-    configs whose staging fits take the all-κ kernel."""
+    and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32): the configs whose
+    staging fits take the all-κ kernel, the others the per-κ one."""
     from lycoris_ops.backends.tilelang import runner as tl_pick
-    from lycoris_ops.backends.triton.tuning import tucker as plans_tucker
+    from lycoris_ops.backends.tilelang.tuning import tucker as plans_tucker
 
     monkeypatch.setattr(tucker, "arch_of", lambda d: "sm_90a")
-    monkeypatch.setattr(tucker, "ALL_K", all_k)
     sp = plans_tucker.TL_SPACE
     bf = torch.bfloat16
     a, t, b = torch.empty(3072, 32, dtype=bf), torch.empty(32, 32, 9, dtype=bf), torch.empty(32, 3072, dtype=bf)
@@ -419,7 +397,7 @@ def test_tucker_tile_space_corners_compile_sm90a(all_k, monkeypatch):
         tl_pick._call(tucker.tucker_fwd, (a5, t5, b5, a5, t5, b5, 1.0), dict(BO=128, BI=64, threads=256))
     failed = harness.compile_failures(pending)
     assert len(pending) == 13 and not failed, failed
-    assert any(p.args[-2] for p in pending) == all_k  # the builder's all_k flag
+    assert {p.builder for p in pending} == {tucker.tucker_kernel, tucker.tucker_pre_kernel}
 
 
 def _sm90a_bench_calls(monkeypatch):
@@ -442,7 +420,7 @@ def test_h200_shortlists_compile_sm90a(monkeypatch):
     """Every tile config the TileLang models shortlist for an H200 at the first bench shape
     (T=8192, 3072x3072, r=32, bf16) compiles for sm_90a: the kernels a cold key builds."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
     from lycoris_ops.backends.tilelang import runner as tl_pick
 
     calls = _sm90a_bench_calls(monkeypatch)
@@ -458,13 +436,12 @@ def test_h200_shortlists_compile_sm90a(monkeypatch):
 
 
 def _space_corners():
-    """(op, cfg): per TileLang LoRA tile space (plans/lora.py), every combination of its
+    """(op, cfg): per TileLang LoRA tile space (tuning/lora.py), every combination of its
     row tile, stages and threads, each with the largest and the smallest other tiles."""
-    from lycoris_ops.backends.triton.tuning import lora as P
+    from lycoris_ops.backends.tilelang.tuning import lora as P
 
-    out = []
-    for op, sp, row, others in (("lora_bypass_fwd", P.TL_BYPASS_FWD, "BT", ("BO", "BK")),
-                                ("lora_merge_fwd", P.TL_MERGE_FWD, "BM", ("BN", "BK"))):
+    out = [("lora_merge_fwd", dict(lora.MERGE_FWD))]  # the GEMM form's one config
+    for op, sp, row, others in (("lora_bypass_fwd", P.TL_BYPASS_FWD, "BT", ("BO", "BK")),):
         for r in sp[row]:
             for st in sp["stages"]:
                 for th in tl_threads(sp["threads"], r):
@@ -478,7 +455,7 @@ def _space_corners():
         out.append(("lora_bypass_bwd", dict(BT=pick(tok["BT"]), BI=pick(tok["BI"]), BK=pick(tok["BK"]),
                                             stages=pick(tok["stages"]), threads=pick(tok["threads"]),
                                             sBM=pick(sk["BM"]), sBK=pick(sk["BK"]))))
-        pr = P.TL_PAIR if lora.MERGE_BWD_FORM["pair"] else sk
+        pr = P.TL_PAIR
         out.append(("lora_merge_bwd", dict(BM=pick(pr["BM"]), BK=pick(pr["BK"]), stages=pick(pr["stages"]),
                                            threads=pick(pr["threads"]))))
     return out

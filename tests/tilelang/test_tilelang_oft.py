@@ -102,7 +102,7 @@ def test_oft(K, S, shape, weight, has_rs, shift, dtype):
 
 def test_direct_kernels_need_rows_of_16_bytes():
     """The direct kernels' rows (channels last: C; channels first: the positions) must be a
-    multiple of 16 bytes (TMA descriptors; the H200 refused 74-byte rows), else the gather path."""
+    multiple of 16 bytes (TMA descriptors refuse 74-byte rows), else the gather path."""
     bf, f32 = torch.bfloat16, torch.float32
     assert oft.direct_apply(True, 32, 32, bf, bf, "sm_90a", 40)
     assert not oft.direct_apply(True, 32, 32, bf, bf, "sm_90a", 37)
@@ -112,25 +112,6 @@ def test_direct_kernels_need_rows_of_16_bytes():
     assert not oft.direct_apply(False, 32, 32, f32, f32, "sm_90a", 72)  # fp32: the TF32 split
     assert oft.direct_apply(False, 32, 32, f32, f32, _common.CPU_ARCH, 36)
     assert not oft.direct_apply(True, 32, 32, f32, f32, _common.CPU_ARCH, 37)
-
-
-@pytest.mark.parametrize("shape,weight", [((37, 72), False), ((72, 40), True)], ids=["cl", "cf"])
-def test_direct_kernels_store_through_shared_memory(shape, weight, monkeypatch):
-    """``DIRECT_STAGE_OUT`` (the output tile stored through shared memory): the same values,
-    both layouts, a partial last group and a tail tile (bench/tilelang_oft_variants.py times it)."""
-    monkeypatch.setattr(oft, "DIRECT_STAGE_OUT", {"cl": True, "cf": True})
-    dtype = DTYPES[-1]
-    g = torch.Generator().manual_seed(17)
-    blocks = (0.2 * torch.randn(9, 8, 8, generator=g)).to(DEV)
-    x = torch.randn(*shape, generator=g).to(dtype).to(DEV)
-    grad = torch.randn(*shape, generator=g).to(dtype).to(DEV)
-    b6, x6, g6 = d64(blocks, x, grad)
-    check(oft.oft_fwd(blocks, x, None, 0.8, True, weight), R_OFT.oft_fwd(b6, x6, None, 0.8, True, weight), dtype,
-          "oft_fwd")
-    got = oft.oft_bwd(grad, blocks, x, None, 0.8, True, weight)
-    for what, a, b in zip(("gx", "g_blocks"), got, R_OFT.oft_bwd(g6, b6, x6, None, 0.8, True, weight)):
-        check(a, b, dtype, f"oft_bwd {what}")
-    assert any(k[1] == "apply_direct_kernel" and k[3][8] is True for k in _common._kernels)  # stage_out
 
 
 #: the direct-path cases of CASES (16-bit rows of 16-byte multiples; the CPU twins at fp32)
@@ -154,12 +135,14 @@ def spy_kernels(monkeypatch) -> list:
 @pytest.mark.parametrize("K,S,shape,weight,has_rs,shift", DIRECT_CASES,
                          ids=["cl-rs-shift", "cl-rot", "cf-w-rs-shift", "cf-conv-rs"])
 def test_direct_kernels_solve_cayley(K, S, shape, weight, has_rs, shift, fuse, monkeypatch):
-    """``FUSE_CAYLEY`` (the default): the direct kernels solve their group's Cayley transform
-    in their prologue (no F pair in memory, no Cayley launch); off (``fuse_cayley``'s fallback
-    where the fused pipeline would not fit): the Cayley launch, then the direct kernels read
-    the F pair. The same results as the reference either way, forward and backward, both
-    layouts, a partial last group, rescale and shift on and off."""
-    monkeypatch.setattr(oft, "FUSE_CAYLEY", fuse)
+    """Where ``fuse_cayley`` allows (always on a CPU twin) the direct kernels solve their
+    group's Cayley transform in their prologue (no F pair in memory, no Cayley launch); where
+    it does not (on sm_90a, a pipeline that would not fit shared memory: forced here) the
+    Cayley launch runs, then the direct kernels read the F pair. The same results as the
+    reference either way, forward and backward, both layouts, a partial last group, rescale
+    and shift on and off."""
+    if not fuse:
+        monkeypatch.setattr(oft, "fuse_cayley", lambda *a: False)
     seen = spy_kernels(monkeypatch)
     dtype = DTYPES[-1]
     g = torch.Generator().manual_seed(K * 31 + S)
@@ -178,7 +161,7 @@ def test_direct_kernels_solve_cayley(K, S, shape, weight, has_rs, shift, fuse, m
     assert names == (["apply_direct_kernel", "stream_direct_kernel", "chain_kernel"] if fuse else
                      ["cayley_kernel", "apply_direct_kernel", "cayley_kernel", "stream_direct_kernel",
                       "chain_kernel"]), names
-    solve = (_common.tl_dtype(blocks.dtype), "float32", S, has_rs, oft.GJ_PINGPONG)
+    solve = (_common.tl_dtype(blocks.dtype), "float32", S, has_rs)
     assert all((args[-1] == solve) == fuse for n, args in seen if n.endswith("direct_kernel"))
 
 
@@ -197,7 +180,7 @@ def test_fused_split_is_one_wave(monkeypatch):
 
 
 def test_fuse_cayley_needs_its_pipeline_to_fit(monkeypatch):
-    """``fuse_cayley``: only on the direct path with FUSE_CAYLEY; on sm_90a only where the F
+    """``fuse_cayley``: only on the direct path; on sm_90a only where the F
     pair plus the larger of the Gauss–Jordan scratch and the pipelined tiles fit 227 KB."""
     assert oft.fuse_cayley(True, "sm_90a", 64, 256, 2, False)  # 16 + 4 x 32 + 32 KB
     assert oft.fuse_cayley(True, "sm_90a", 64, 128, 2, True)  # 16 + 3 x 2 x 16 + 16 KB
@@ -207,18 +190,13 @@ def test_fuse_cayley_needs_its_pipeline_to_fit(monkeypatch):
     assert not oft.fuse_cayley(True, "sm_90a", 64, 256, 2, False)  # 16 + 8 x 32 + 32 KB > 227 KB
     assert not oft.fuse_cayley(True, "sm_90a", 64, 128, 2, True)
     assert oft.fuse_cayley(True, "sm_90a", 32, 64, 2, False)
-    monkeypatch.setattr(oft, "FUSE_CAYLEY", False)
-    assert not oft.fuse_cayley(True, "sm_90a", 32, 64, 2, False)
 
 
 @pytest.mark.parametrize("K,S", [(7, 5), (5, 16)], ids=["S5", "S16"])  # 6 blocks of 5 in 32; 2 of 16 in 32
-@pytest.mark.parametrize("pingpong", [False, True, "entries"], ids=["gj", "gj-pingpong", "gj-entries"])
-def test_cayley_kernel_blocks(pingpong, K, S, monkeypatch):
+def test_cayley_kernel_blocks(K, S):
     """The Cayley family alone: F (and Fᵀ, and both from one launch) of each packed block equals diag(ρ)·Rᵀ − I,
-    the padding and the off-block entries are exactly zero; with every Gauss–Jordan form
-    (``GJ_PINGPONG``; "entries" steps over the blocks' entries alone at S = 16, 2 x 256 >=
-    ``_GJ_ENTRIES_MIN``, and over the group at S = 5)."""
-    monkeypatch.setattr(oft, "GJ_PINGPONG", pingpong)
+    the padding and the off-block entries are exactly zero; the Gauss–Jordan steps over the
+    blocks' entries alone at S = 16 (2 x 256 >= ``_GJ_ENTRIES_MIN``), over the group at S = 5."""
     GP, NB, GC = oft.group_plan(S)
     g = torch.Generator().manual_seed(5)
     blocks = (0.3 * torch.randn(K, S, S, generator=g)).to(DEV)
@@ -241,7 +219,7 @@ def test_cayley_kernel_blocks(pingpong, K, S, monkeypatch):
             assert f[~mask].abs().max().item() == 0.0
 
 
-#: non-default (apply, stream) configs inside plans/oft.py's TileLang spaces (TL_APPLY, TL_STREAM)
+#: non-default (apply, stream) configs inside tuning/oft.py's TileLang spaces (TL_APPLY, TL_STREAM)
 TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
              (dict(BT=64, threads=128), dict(BT=128, threads=256))]
 
@@ -268,11 +246,11 @@ def test_tile_configs(K, S, shape, weight, fwd_cfg, bwd_cfg):
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
 def test_tile_space_corners_compile_sm90a(monkeypatch):
-    """The corners of plans/oft.py's legal TileLang spaces (smallest and largest BT, each
+    """The corners of tuning/oft.py's legal TileLang spaces (smallest and largest BT, each
     with its threads) compile for sm_90a: 16-bit and fp32 (TF32 split) GEMMs, 32- and
     64-channel groups; the largest tiles are the ones shared memory and registers allow."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import oft as plans_oft
+    from lycoris_ops.backends.tilelang.tuning import oft as plans_oft
     from tilelang_harness import compile_calls, corners
 
     monkeypatch.setattr(oft, "arch_of", lambda d: "sm_90a")
@@ -301,7 +279,7 @@ def test_shortlists_for_an_h200():
     import json
 
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import oft as plans_oft
+    from lycoris_ops.backends.tilelang.tuning import oft as plans_oft
     from lycoris_ops.backends.tilelang import runner as tl_pick
     from lycoris_ops.tuner import tune
 

@@ -42,12 +42,12 @@ def test_the_faster_runs_and_the_choice_is_kept(kernel_wins):
     tune.set_timer(_timer(1.0, 2.0, seen) if kernel_wins else _timer(2.0, 1.0, seen))
     kernel = _kernel(calls)
     base, delta = torch.randn(33, 17), torch.randn(33, 17)
-    got = tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+    got = tl_pick.run("add_scaled", (base, delta, 0.5), kernel)
     torch.testing.assert_close(got, eager_add_scaled(base, delta, 0.5))
     assert set(seen) == {"kernel", "eager"}  # both timed, once per key
     n_timed, n_calls = len(seen), len(calls)
     for gamma in (0.5, -2.0):  # another gamma: the same key (floats are not in it)
-        got = tl_pick.run("add_scaled", kernel, (base, delta, gamma))
+        got = tl_pick.run("add_scaled", (base, delta, gamma), kernel)
         torch.testing.assert_close(got, eager_add_scaled(base, delta, gamma))
     assert len(seen) == n_timed  # not timed again
     assert len(calls) == n_calls + (2 if kernel_wins else 0)  # eager won: the kernel no longer runs
@@ -71,12 +71,12 @@ def test_tuning_off_and_guards_take_the_kernel(monkeypatch):
     base, delta = torch.randn(5, 7), torch.randn(5, 7)
     tune.set_timer(_timer(2.0, 1.0, []))  # eager would win a timing
     tune.set_tuning(False)
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     assert len(calls) == 1  # no timing: the kernel
     tune.set_tuning(None)
     tune.clear()
     monkeypatch.setattr(tune, "unsafe_to_time", lambda: True)  # compiling / capturing
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     assert len(calls) == 2 and not tune.table().rows  # the kernel, nothing stored
 
 
@@ -90,6 +90,8 @@ def test_every_tilelang_op_goes_through_the_step_down():
     for op in OP_NAMES:
         src = inspect.getsource(getattr(ops, op))
         assert f'_tl_pick.run("{op}",' in src, op
+    # every op has its launcher and its tuning space (backends/tilelang/tuning)
+    assert set(tl_pick.LAUNCHERS) == set(tl_pick.models()) == set(OP_NAMES)
 
 
 def test_capture_lists_the_kernels_a_call_would_build():
@@ -112,8 +114,8 @@ def test_capture_lists_the_kernels_a_call_would_build():
 _FORKED_BUILD = """
 import os, sys
 import lycoris_ops
-from lycoris_ops.backends.triton.tuning import tilelang as tl_pick
-from lycoris_ops.backends.tilelang import _common as C
+from lycoris_ops.backends.tilelang import runner as tl_pick
+from lycoris_ops.backends.tilelang import common as C
 from lycoris_ops.backends.tilelang.kernels.add import add_kernel
 
 specs = [("float16", "float16", "float16", 4), ("bfloat16", "bfloat16", "bfloat16", 8)]
@@ -224,7 +226,7 @@ def test_tile_configs_are_timed_and_the_winner_runs(monkeypatch):
     x, up, down = torch.randn(40, 24, generator=g), torch.randn(16, 4, generator=g), torch.randn(4, 24, generator=g)
     from lycoris_ops.reference.lora import lora_bypass_fwd as eager_fwd
 
-    got = tl_pick.run("lora_bypass_fwd", kernel, (x, up, down, 0.5, None))
+    got = tl_pick.run("lora_bypass_fwd", (x, up, down, 0.5, None), kernel)
     torch.testing.assert_close(got, eager_fwd(x, up, down, 0.5, None))
     assert planned == ["lora_bypass_fwd"] and built == [shortlist]  # every config listed for the children
     assert {str(c) for c in seen} == set(cost)  # each candidate timed
@@ -234,7 +236,7 @@ def test_tile_configs_are_timed_and_the_winner_runs(monkeypatch):
     n_timed = len(seen)
     tune.clear(tables=True)  # a fresh process: the table file stays
     calls.clear()
-    tl_pick.run("lora_bypass_fwd", kernel, (x, up, down, 0.5, None))
+    tl_pick.run("lora_bypass_fwd", (x, up, down, 0.5, None), kernel)
     assert len(seen) == n_timed and planned == ["lora_bypass_fwd"]  # no timing, no planning
     assert calls == [big] and built[-1] == [big]  # the stored winner's kernels only
 
@@ -246,7 +248,7 @@ def test_tuning_off_takes_the_models_first_pick(monkeypatch):
     tune.set_tuning(False)
     calls = []
     x, up, down = torch.randn(8, 6), torch.randn(5, 2), torch.randn(2, 6)
-    tl_pick.run("lora_bypass_fwd", _planned_kernel(calls), (x, up, down, 1.0, None))
+    tl_pick.run("lora_bypass_fwd", (x, up, down, 1.0, None), _planned_kernel(calls))
     assert calls == [first]
 
 
@@ -265,7 +267,7 @@ def test_lora_shortlists_for_an_h200():
     fixed default among them), eager last, every config legal for the kernels (threads a
     multiple of 128, two warpgroups only with 128-row tiles, stages 2-4)."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
     dev = device.synthetic()
@@ -277,19 +279,19 @@ def test_lora_shortlists_for_an_h200():
                 ("lora_bypass_fwd", (x, up, down, 1.0, None), tl_lora.BYPASS_FWD, "BT"),
                 ("lora_bypass_bwd", (g, x, up, down, 1.0), tl_lora.BYPASS_BWD, "BT"),
                 ("lora_merge_fwd", (up, down, None, None, w, 1.0, "plain", None),
-                 tl_lora.MERGE_STREAM if tl_lora.MERGE_FWD_FORM["stream"] else tl_lora.MERGE_FWD, "BM"),
-                ("lora_merge_bwd", (w, up, down, 1.0), tl_lora.merge_bwd_fixed(), "BM")):
+                 tl_lora.MERGE_STREAM, "BM"),
+                ("lora_merge_bwd", (w, up, down, 1.0), tl_lora.MERGE_BWD, "BM")):
             plan = plans_lora.TILELANG[op][0](dev, *args)
             cands = list(plan.candidates)
             assert tune.is_eager(cands[-1]) and cands[0] == default, (op, cands)  # untimed: the fixed config
             # the forward's second: the fixed tile with the deepest x loop (the model picks tiles, not depths)
-            # the forward's fixed config runs its x loop at the deepest pipeline (H200-timed);
+            # the forward's fixed config runs its x loop at the deepest pipeline (measured);
             # no candidate twice
             assert op != "lora_bypass_fwd" or default["stages"] == 4, default
             assert len({tuple(sorted(c.items())) for c in cands[:-1]}) == len(cands) - 1, (op, cands)
             assert 3 <= len(cands) <= plans_lora.TL_N + 2, (op, cands)
             assert all(p > 0 for p in plan.predicted[:-1])
-            if op == "lora_merge_fwd" and tl_lora.MERGE_FWD_FORM["stream"]:
+            if op == "lora_merge_fwd":
                 # the stream configs, then the GEMM form's fixed tile timed against them
                 assert cands[-2] == tl_lora.MERGE_FWD and "BK" not in cands[0], cands
                 cands = cands[:-2] + cands[-1:]
@@ -299,7 +301,7 @@ def test_lora_shortlists_for_an_h200():
                 assert 2 <= c["stages"] <= 4, (op, c)
                 if op == "lora_merge_bwd":  # the pair kernel: a static K loop, every tile in shared memory
                     assert c["threads"] == 128 and tl_lora.pair_smem(c["BM"], c["BK"], c["stages"], R, 2) <= 227 * 1024
-                elif op.endswith("_bwd"):  # the spaces that compiled on the H200 (plans/lora.py)
+                elif op.endswith("_bwd"):  # the spaces that compile for sm_90a (tuning/lora.py)
                     assert c["stages"] == 2 and c["threads"] in (0, 128), (op, c)
 
 
@@ -307,7 +309,7 @@ def test_lora_bypass_fwd_shortlist_times_the_deep_twin(monkeypatch):
     """With a shallower fixed config, the LoRA bypass forward's shortlist times the fixed tile
     at the device's deepest pipeline second (the model picks tiles, not depths)."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
     monkeypatch.setattr(tl_lora, "BYPASS_FWD", {**tl_lora.BYPASS_FWD, "stages": 2})
@@ -319,16 +321,15 @@ def test_lora_bypass_fwd_shortlist_times_the_deep_twin(monkeypatch):
 
 
 def test_tucker_shortlist_runs_the_all_k_program():
-    """With ``tucker.ALL_K`` on, every config the TileLang tucker shortlist offers at the bench
+    """Every config the TileLang tucker shortlist offers at the bench
     shapes stages its output tile within ``all_k_fits`` (the per-κ program, about 5x slower,
     never reaches the timing), one and two chains."""
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import tucker as plans_tucker
+    from lycoris_ops.backends.tilelang.tuning import tucker as plans_tucker
     from lycoris_ops.backends.tilelang.kernels import tucker as tl_tucker
 
     dev = device.synthetic()
     bf = torch.bfloat16
-    assert tl_tucker.ALL_K
     for D, r in ((3072, 32), (4096, 64)):
         a, t, b = torch.empty(D, r, dtype=bf), torch.empty(r, r, 9, dtype=bf), torch.empty(r, D, dtype=bf)
         for two in (False, True):
@@ -344,11 +345,11 @@ def test_elementwise_shortlists_for_an_h200():
     key keeps the token rows bucketed (a new token count is not a new key). The forms the
     model cannot rank (LoKr's forward apply epilogue, LoHa's cuBLAS GEMMs) come second: the
     fixed config with that one key, timed only."""
-    from lycoris_ops.backends.triton.tuning import add as plans_add
+    from lycoris_ops.backends.tilelang.tuning import add as plans_add
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.triton.tuning import dora as plans_dora, ia3 as plans_ia3
-    from lycoris_ops.backends.triton.tuning import (boft as plans_boft, loha as plans_loha, lokr as plans_lokr, oft as plans_oft)
-    from lycoris_ops.backends.triton.tuning import tucker as plans_tucker
+    from lycoris_ops.backends.tilelang.tuning import dora as plans_dora, ia3 as plans_ia3
+    from lycoris_ops.backends.tilelang.tuning import (boft as plans_boft, loha as plans_loha, lokr as plans_lokr, oft as plans_oft)
+    from lycoris_ops.backends.tilelang.tuning import tucker as plans_tucker
 
     dev = device.synthetic()
     bf = torch.bfloat16
@@ -364,9 +365,7 @@ def test_elementwise_shortlists_for_an_h200():
     spaces = {**streaming, "lokr_full_merge_fwd": plans_lokr.TL_KRON, "lokr_merge_fwd": plans_lokr.TL_KRON,
               "lokr_full_merge_bwd": plans_lokr.TL_GRADS, "lokr_merge_bwd": plans_lokr.TL_GRADS,
               "lokr_bypass_fwd": plans_lokr.TL_BYPASS, "lokr_bypass_bwd": plans_lokr.TL_BYPASS}
-    from lycoris_ops.backends.tilelang.kernels import lokr as tl_lokr
-
-    timed_twins = {"lokr_bypass_fwd": {"staged": not tl_lokr.APPLY_STAGED}, "loha_bypass_fwd": {"vendor": True}}
+    timed_twins = {"lokr_bypass_fwd": {"staged": False}, "loha_bypass_fwd": {"vendor": True}}
     for mod, op, args, fixed in ((plans_add, "add_scaled", (w, w, 1.0), dict(BV=256, threads=128)),
                                  (plans_ia3, "ia3_fwd", (x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
                                  (plans_ia3, "ia3_bwd", (x, x, v, -1, 1.0, 1.0), dict(vecs=512, threads=128)),
@@ -392,9 +391,9 @@ def test_elementwise_shortlists_for_an_h200():
         cands = list(mod.TILELANG[op][0](dev, *args).candidates)
         twin = timed_twins.get(op)
         assert cands[0] == fixed and tune.is_eager(cands[-1]), (op, cands)
-        # the fused LoKr backward: no config of the space builds another kernel than the fixed one
+        # the one-pass LoKr backward: no config of the space builds another kernel than the fixed one
         # at these factors (its token step is the same at rows 64 and 128): the fixed and eager
-        least = 2 if op == "lokr_bypass_bwd" and tl_lokr.BWD_FUSED else 3
+        least = 2 if op == "lokr_bypass_bwd" else 3
         assert least <= len(cands) <= mod.TL_N + 2 + bool(twin), (op, cands)
         if twin:
             assert cands[1] == {**fixed, **twin}, (op, cands)
@@ -434,7 +433,7 @@ def test_a_kernel_tilelang_cannot_build_runs_eager(monkeypatch, caplog, guarded)
     base, delta = torch.randn(33, 17), torch.randn(33, 17)
     with caplog.at_level(logging.WARNING, logger="lycoris_ops.tune"):
         for gamma in (0.5, -2.0, 0.5):
-            got = tl_pick.run("add_scaled", tl_add.add_scaled, (base, delta, gamma))
+            got = tl_pick.run("add_scaled", (base, delta, gamma), tl_add.add_scaled)
             torch.testing.assert_close(got, eager_add_scaled(base, delta, gamma))
     assert len(tries) == 1, tries  # one build attempt: the failure is remembered
     assert sum("add_scaled runs its eager body" in r.getMessage() for r in caplog.records) == 1
@@ -476,18 +475,14 @@ def test_h200_shortlists_time_distinct_programs(large, monkeypatch):
     import sys
 
     from lycoris_ops.tuner import device
-    from lycoris_ops.backends.tilelang import common as _common, ops
+    from lycoris_ops.backends.tilelang import common as _common
 
     for name, mod in list(sys.modules.items()):
         if name.startswith("lycoris_ops.backends.tilelang.") and hasattr(mod, "arch_of"):
             monkeypatch.setattr(mod, "arch_of", lambda d: "sm_90a")
             if hasattr(mod, "num_sms"):
                 monkeypatch.setattr(mod, "num_sms", lambda d: 132)
-    calls, launcher = _bench_args(large), {}
-    with monkeypatch.context() as m:  # the launcher each op function hands the tuner
-        m.setattr(tl_pick, "run", lambda op, kernel, args: launcher.__setitem__(op, kernel))
-        for op, args in calls.items():
-            getattr(ops, op)(*args)
+    calls, launcher = _bench_args(large), tl_pick.LAUNCHERS  # the launcher each op function runs
     dev = device.synthetic()
     for op, args in calls.items():
         programs = []
@@ -536,7 +531,7 @@ def _signature(args):
 
 
 def test_backward_calls_are_what_autograd_calls():
-    """``autograd.backward_calls`` (what plans/tilelang.py builds kernels for ahead of a first
+    """``autograd.backward_calls`` (what runner.py builds kernels for ahead of a first
     backward) names, for every forward case of the test tables, the ``*_bwd`` calls autograd
     then makes: the same ops, operand shapes and dtypes (the gradient a stand-in of the
     output's) and non-tensor arguments; none for the ops whose backward is its own rule."""
@@ -622,26 +617,21 @@ def test_ahead_children_are_not_waited_for_and_their_kernels_not_built_twice(mon
 def test_a_forward_call_lists_its_backwards_kernels(monkeypatch):
     """``backward_pending``: a cold forward call whose inputs need gradients lists the kernels of
     its backward op's cold shortlist (the ``*_bwd`` call taking the TileLang tier), through the
-    TileLang op set with ``run`` in listing mode, as (the first config's, the rest's): the
+    op's launcher with ``run`` in listing mode, as (the first config's, the rest's): the
     backward's cold call waits for the first, defers the rest (``DEFER``; off: all first, one
     round of children; TUNE=off: the first config's only). Nothing where the backward's key is
     stored, where the call would take another tier, or where its kernels are being built ahead."""
     pytest.importorskip("tilelang")
     from lycoris_ops.backends import select
-    from lycoris_ops.backends.tilelang import ops as tl_ops
 
     seen = []
     vecs = {None: (2, 4), 8: (4, 8), 16: (16,), 32: (32, 64)}
-
-    def lora_bypass_bwd(grad, x, up, down, gamma):
-        return tl_pick.run("lora_bypass_bwd", stand_in, (grad, x, up, down, gamma))
 
     def stand_in(grad, x, up, down, gamma, cfg=None):
         seen.append((grad.shape, grad.dtype, x.shape, gamma))
         _stand_in_op_function(vecs[cfg["v"] if cfg else None])()
 
-    stand_in.__module__ = __name__
-    monkeypatch.setattr(tl_ops, "lora_bypass_bwd", lora_bypass_bwd)
+    monkeypatch.setitem(tl_pick.LAUNCHERS, "lora_bypass_bwd", stand_in)
     monkeypatch.setattr(select, "explain", lambda op, *a: "tilelang")
     monkeypatch.setattr(tl_pick, "candidates",
                         lambda op, args: [tl_pick.KERNEL, {"v": 8}, {"v": 16}, {"v": 32}, tune.SENTINEL_EAGER])
@@ -696,15 +686,15 @@ def test_a_cold_forward_starts_its_backwards_kernels(monkeypatch, grad, ahead_on
     monkeypatch.setattr(tl_pick, "precompile_call", precompile_call)
     tune.set_timer(_timer(1.0, 2.0, []))
     x, up, down = torch.randn(6, 8, requires_grad=grad), torch.randn(8, 2), torch.randn(2, 8)
-    tl_pick.run("lora_bypass_fwd", _planned_kernel([]), (x, up, down, 0.5, None))
+    tl_pick.run("lora_bypass_fwd", (x, up, down, 0.5, None), _planned_kernel([]))
     assert got == [["lora_bypass_fwd-bwd-kernels"] if grad and ahead_on and procs > 1 else []]
 
 
 _AHEAD_BUILD = """
 import os
 import lycoris_ops
-from lycoris_ops.backends.triton.tuning import tilelang as tl_pick
-from lycoris_ops.backends.tilelang import _common as C
+from lycoris_ops.backends.tilelang import runner as tl_pick
+from lycoris_ops.backends.tilelang import common as C
 from lycoris_ops.backends.tilelang.kernels.add import add_kernel
 
 fwd_specs = [("float16", "float16", "float16", 4), ("bfloat16", "bfloat16", "bfloat16", 8)]
@@ -831,16 +821,16 @@ def test_a_cold_key_runs_its_first_config_while_the_rest_builds(deferring):
     kernel = _configured_op_function(rec.calls)
     base, delta = torch.randn(33, 17), torch.randn(33, 17)
     for _ in range(3):
-        got = tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+        got = tl_pick.run("add_scaled", (base, delta, 0.5), kernel)
         torch.testing.assert_close(got, eager_add_scaled(base, delta, 0.5))
     assert rec.calls == [None, None, None] and not rec.timed and not tune.table().rows
     assert rec.built == [[4, 8]] and rec.forks == [(tl_pick.BACKGROUND_NICE, [16, 32])]
     pids = list(tl_pick._ahead)
     rec.exits[pids[0]] = 0  # one of the two children is done: still the first config
-    tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+    tl_pick.run("add_scaled", (base, delta, 0.5), kernel)
     assert rec.calls[-1] is None and not rec.timed
     rec.exits[pids[1]] = 0
-    got = tl_pick.run("add_scaled", kernel, (base, delta, 2.0))
+    got = tl_pick.run("add_scaled", (base, delta, 2.0), kernel)
     torch.testing.assert_close(got, eager_add_scaled(base, delta, 2.0))
     assert sorted(map(str, set(rec.timed))) == ["None", "a", "b", "eager"]  # the whole shortlist, timed once
     assert rec.built == [[4, 8]] and len(rec.forks) == 1  # nothing built again: all on disk
@@ -848,7 +838,7 @@ def test_a_cold_key_runs_its_first_config_while_the_rest_builds(deferring):
     (row,) = [r for k, r in tune.table().rows.items() if "|tilelang|add_scaled|" in k]
     assert row["config"] == {"v": "a"}
     n = len(rec.timed)
-    tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+    tl_pick.run("add_scaled", (base, delta, 0.5), kernel)
     assert len(rec.timed) == n and rec.calls[-1] == "a" and not tl_pick._deferred
     assert tl_pick.stats()["deferred_keys"] >= 1
 
@@ -862,28 +852,28 @@ def test_a_cold_key_runs_a_quick_twin_while_the_whole_shortlist_builds(deferring
     monkeypatch.setitem(tl_pick._quick, "add_scaled", lambda c: {**(c or {}), "v": "q"})
     kernel = _configured_op_function(rec.calls)
     base, delta = torch.randn(19, 7), torch.randn(19, 7)
-    got = tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+    got = tl_pick.run("add_scaled", (base, delta, 0.5), kernel)
     torch.testing.assert_close(got, eager_add_scaled(base, delta, 0.5))
     # the twin's one kernel in a child (children follow it), then the shortlist's four behind it
     assert rec.calls == ["q"] and not rec.timed
     assert rec.built == [[2]] and rec.forks == [(tl_pick.BACKGROUND_NICE, [4, 8, 16, 32])]
     for pid in list(tl_pick._ahead):
         rec.exits[pid] = 0
-    tl_pick.run("add_scaled", kernel, (base, delta, 0.5))
+    tl_pick.run("add_scaled", (base, delta, 0.5), kernel)
     assert sorted(map(str, set(rec.timed))) == ["None", "a", "b", "eager"] and rec.calls[-1] == "a"
     (row,) = [r for k, r in tune.table().rows.items() if "|tilelang|add_scaled|" in k]
     assert row["config"] == {"v": "a"}
 
 
 def test_a_quick_twin_sets_a_form_key_of_the_lora_forward():
-    """lora_bypass_fwd's twin (plans/lora.py ``TL_QUICK``): the fixed config's tiles with the O loop
-    serial and the x·downᵀ loop 2 deep, keys the TileLang launcher reads (a cfg's form keys over
-    ``BYPASS_FWD_FORM``)."""
-    from lycoris_ops.backends.triton.tuning import lora as plans_lora
+    """lora_bypass_fwd's twin (tuning/lora.py ``TL_QUICK``): the fixed config's tiles with the O loop
+    serial and the x·downᵀ loop 2 deep, keys the TileLang launcher reads (``stages`` of
+    ``BYPASS_FWD``, ``pipe_o`` of ``bypass_fwd``)."""
+    from lycoris_ops.backends.tilelang.tuning import lora as plans_lora
     from lycoris_ops.backends.tilelang.kernels import lora as tl_lora
 
     twin = plans_lora.TL_QUICK["lora_bypass_fwd"](tl_pick.KERNEL)
-    assert twin == {"pipe_o": False, "stages": 2} and set(twin) <= set(tl_lora.BYPASS_FWD) | set(tl_lora.BYPASS_FWD_FORM)
+    assert twin == {"pipe_o": False, "stages": 2} and set(twin) <= set(tl_lora.BYPASS_FWD) | {"pipe_o"}
     assert tl_pick.quick_twin("lora_bypass_fwd") is plans_lora.TL_QUICK["lora_bypass_fwd"]
 
 
@@ -893,14 +883,14 @@ def test_a_deferred_key_is_not_timed_while_capturing(deferring, monkeypatch):
     rec = deferring
     kernel = _configured_op_function(rec.calls)
     base, delta = torch.randn(8, 5), torch.randn(8, 5)
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     for pid in tl_pick._ahead:
         rec.exits[pid] = 0
     monkeypatch.setattr(tune, "unsafe_to_time", lambda: True)
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     assert rec.calls == [None, None] and not rec.timed and tl_pick._deferred
     monkeypatch.setattr(tune, "unsafe_to_time", lambda: False)
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     assert rec.calls[-1] == "a" and rec.timed and not tl_pick._deferred
 
 
@@ -908,10 +898,10 @@ def test_a_failed_background_child_leaves_its_kernels_to_the_timing_call(deferri
     rec = deferring
     kernel = _configured_op_function(rec.calls)
     base, delta = torch.randn(8, 5), torch.randn(8, 5)
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     (first_pid, second_pid) = list(tl_pick._ahead)
     rec.exits[first_pid], rec.exits[second_pid] = 0, 1  # 16's child built it, 32's failed
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     assert rec.timed and rec.calls[-1] == "a"
     # 32 is left to the timing call's own first call of "b" (one kernel: no children)
     assert rec.built == [[4, 8]] and {k[-1][-1] for k in tl_pick._built_ahead} == {16}
@@ -938,16 +928,16 @@ def test_when_a_cold_key_does_not_defer(deferring, monkeypatch, why):
     elif why == "capturing":
         monkeypatch.setattr(tune, "unsafe_to_time", lambda: True)
     elif why == "stored":
-        tl_pick.run("add_scaled", kernel, (base, delta, 1.0))  # deferred, then timed
+        tl_pick.run("add_scaled", (base, delta, 1.0), kernel)  # deferred, then timed
         for pid in tl_pick._ahead:
             rec.exits[pid] = 0
-        tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+        tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
         tune.clear(tables=False)  # a fresh process: the table row stays
         for record in (rec.built, rec.forks, rec.timed, rec.calls, tl_pick._built_ahead, C._kernels):
             record.clear()
     elif why == "built":
         tl_pick._built_ahead.update(p.key for p in _pending((16, 32)))
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     assert not tl_pick._deferred and not any(nice for nice, _ in rec.forks)
     expect = {"defer-off": ([[4, 8, 16]], ["None", "a", "eager"], "a"),  # b's 32: a 4th kernel on 3 children
               "tuning-off": ([[4, 8]], [], None),
@@ -966,7 +956,7 @@ def test_settle_waits_for_the_background_children(deferring, monkeypatch):
     monkeypatch.setattr(tl_pick, "DEFER_POLL_S", 3600.0)
     kernel = _configured_op_function(rec.calls)
     base, delta = torch.randn(8, 5), torch.randn(8, 5)
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     polls = []
     import time as _time
 
@@ -977,7 +967,7 @@ def test_settle_waits_for_the_background_children(deferring, monkeypatch):
 
     monkeypatch.setattr(_time, "sleep", sleep)
     assert tl_pick.settle(5.0) == 1 and not tl_pick._ahead and polls
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     assert rec.timed and rec.calls[-1] == "a" and tl_pick.settle() == 0
 
 
@@ -1007,8 +997,9 @@ _DEFERRED_BUILD = """
 import os, time
 import torch
 import lycoris_ops
-from lycoris_ops.backends.triton.tuning import tilelang as tl_pick, tune
-from lycoris_ops.backends.tilelang import _common as C
+from lycoris_ops.backends.tilelang import runner as tl_pick
+from lycoris_ops.tuner import tune
+from lycoris_ops.backends.tilelang import common as C
 from lycoris_ops.backends.tilelang.kernels.add import add_kernel
 
 vecs = {None: (4, 8), 16: (16,)}
@@ -1032,11 +1023,11 @@ def timer(fn, c):
     return 3.0 if tune.is_eager(c) else {None: 2.0, 16: 1.0}[(c or {}).get("v")]
 tune.set_timer(timer)
 base, delta = torch.randn(8, 8), torch.randn(8, 8)
-tl_pick.run("add_scaled", op_function, (base, delta, 0.5))
+tl_pick.run("add_scaled", (base, delta, 0.5), op_function)
 first_wrote = len(files())
 waiting = tl_pick.settle(600)
 before = files()
-out = tl_pick.run("add_scaled", op_function, (base, delta, 0.5))
+out = tl_pick.run("add_scaled", (base, delta, 0.5), op_function)
 assert torch.allclose(out, base + 0.5 * delta)
 (row,) = [r for k, r in tune.table().rows.items() if "|tilelang|add_scaled|" in k]
 st = tl_pick.stats()
@@ -1100,13 +1091,13 @@ def test_background_children_are_capped_and_the_rest_queued(deferring, monkeypat
 
     shapes = [torch.randn(n, 3) for n in range(1, 6)]
     for b in shapes:  # five cold keys, three background kernels each
-        tl_pick.run("add_scaled", op_function, (b, b, 1.0))
+        tl_pick.run("add_scaled", (b, b, 1.0), op_function)
     assert len(tl_pick._deferred) == 5 and max(alive_at_fork) == 4 == len(tl_pick._background)
     assert len(tl_pick._queue) == 15 - sum(len(k) for k, _ in tl_pick._ahead.values()) > 0
     last = shapes[-1]
     for pid in list(tl_pick._ahead):  # the first children exit: queued kernels take their place
         rec.exits[pid] = 0
-    tl_pick.run("add_scaled", op_function, (last, last, 1.0))  # its kernels were queued: still waiting
+    tl_pick.run("add_scaled", (last, last, 1.0), op_function)  # its kernels were queued: still waiting
     assert rec.calls[-1] == (5, None) and not rec.timed and max(alive_at_fork) == 4
     import time as _time
 
@@ -1115,7 +1106,7 @@ def test_background_children_are_capped_and_the_rest_queued(deferring, monkeypat
     assert max(alive_at_fork) == 4
     # each cold call's one first-config kernel built in a child, before its background children
     assert rec.built == [[1], [2], [3], [4], [5]]
-    tl_pick.run("add_scaled", op_function, (last, last, 1.0))
+    tl_pick.run("add_scaled", (last, last, 1.0), op_function)
     assert rec.calls[-1] == (5, "a") and rec.timed and len(rec.built) == 5  # timed; nothing built by the call
 
 
@@ -1137,12 +1128,12 @@ def test_a_deferred_first_config_that_cannot_build_runs_eager_until_the_timing(d
 
     base, delta = torch.randn(8, 5), torch.randn(8, 5)
     for _ in range(2):
-        torch.testing.assert_close(tl_pick.run("add_scaled", kernel, (base, delta, 1.0)),
+        torch.testing.assert_close(tl_pick.run("add_scaled", (base, delta, 1.0), kernel),
                                    eager_add_scaled(base, delta, 1.0))
     assert rec.calls == [] and tl_pick._deferred  # eager meanwhile, still deferred
     for pid in tl_pick._ahead:
         rec.exits[pid] = 0
-    tl_pick.run("add_scaled", kernel, (base, delta, 1.0))
+    tl_pick.run("add_scaled", (base, delta, 1.0), kernel)
     assert rec.calls[-1] == "a" and "None" not in map(str, rec.timed)  # the fixed config failed its first call
     (row,) = [r for k, r in tune.table().rows.items() if "|tilelang|add_scaled|" in k]
     assert row["config"] == {"v": "a"} and row.get("failed")

@@ -66,7 +66,7 @@ _failed: Dict[Tuple, "BuildError"] = {}
 
 class BuildError(RuntimeError):
     """TileLang could not build a kernel (its lowering or nvcc refused it): the op set's
-    caller (``plans/tilelang.run``) steps down to the op's eager body."""
+    caller (``runner.run``) steps down to the op's eager body."""
 
 
 class Pending:
@@ -127,9 +127,8 @@ def lang():
 # compiles it into a ``make_closure(<nonlocals>)`` that it calls with the closure's values.
 # Each T.gemm lowering defines its ldmatrix/mma macros anew (nested functions closing over
 # that lowering's emitter, buffers and offsets), so one build parses the same five functions
-# again and again: 135 calls, about 1.1 s of a 10.8 s build (bench/tilelang_build_profile.py
-# lokr 14, 27 lowerings for 9 T.gemm); with the memo 130 of them are hits (1.0 -> 0.1 s on a
-# 2-core machine, the build 8.5 -> 7.65 s), the CUDA source byte-identical.
+# again and again (about a tenth of a build's time, bench/tilelang_build_profile.py); with
+# the memo nearly all of them are hits, the CUDA source byte-identical.
 #
 # What ``mutate`` produces depends on the function's code (its source text, file, free
 # variable names), its globals dict (the closure's code runs in it, by reference) and the

@@ -1,79 +1,75 @@
 """The TileLang tier's tile selection and measured step-down: each TileLang op function
-against the op's eager body (and, where its family has a TileLang model, against other
-tile configs), timed once per (device, op, operand size buckets, dtypes, flags).
+against the op's eager body and other tile configs, timed once per (device, op, operand
+size buckets, dtypes, flags).
 
-The shortlist of a call:
-* ops with a TileLang model (``TILELANG`` of ``plans/<family>.py``: the LoRA family's
-  four ops, the tucker rebuild, LoHa's three, LoKr's six, ``add_scaled``, IA3, DoRA, diag-OFT's and BOFT's two each: 23 of the 23): the kernel's fixed config first
-  (the untimed pick), the model's best tile configs (tile shape, pipeline stages,
-  threads; the cost model of the family's Triton kernels with the names mapped) and
-  ``SENTINEL_EAGER``; the op function gets the winner as ``cfg=``;
-* calls without a model (an op outside ``MODEL_FAMILIES``, operands off CUDA): the
-  kernel's one launch configuration (``{}``) and ``SENTINEL_EAGER``.
+The shortlist of a call (``candidates``): on CUDA operands, the family's ``TILELANG``
+shortlist (``backends/tilelang/tuning/<family>.py``): the kernel's fixed config first (the
+untimed pick), the model's best tile configs (tile shape, pipeline stages, threads; the
+cost model of the family's Triton kernels with the names mapped) and ``SENTINEL_EAGER``;
+the op function gets the winner as ``cfg=``. Elsewhere the kernel's one launch
+configuration (``{}``) and ``SENTINEL_EAGER``.
 
-The tuner does the rest as for Triton (``tune.select_config``): best of three
-device-time rounds after a check against eager, the winner memoized and stored in
-``tuning.json`` under backend ``tilelang`` with the kernel file's source hash as version
-(an edited kernel is timed again), nothing timed while compiling, exporting or capturing
-a CUDA graph (the planner's first pick then runs, not stored), ``LYCORIS_KERNEL_TUNE=off``:
-the planner's first pick (a kernel config, never eager). Where eager wins, the op runs
-its eager body at that shape: the TileLang tier never runs a kernel a measurement
-showed slower.
+The tuner does the rest as for Triton (``tune.select_config``): best of three device-time
+rounds after a check against eager, the winner memoized and stored in ``tuning.json`` under
+backend ``tilelang`` with the family's kernel files' source hash as version (an edited
+kernel is timed again), nothing timed while compiling, exporting or capturing a CUDA graph
+(the planner's first pick then runs, not stored), ``LYCORIS_KERNEL_TUNE=off``: the planner's
+first pick (a kernel config, never eager). Where eager wins, the op runs its eager body at
+that shape: the TileLang tier never runs a kernel a measurement showed slower.
 
 A cold key's shortlist is built in the background (``DEFER``): its first call builds the
-kernels of the planner's first config only (the untimed pick ``LYCORIS_KERNEL_TUNE=off``
-runs) and runs that config, while lower-priority children (``BACKGROUND_NICE``) build the
-rest of the shortlist, which a cold shortlist no longer has to fit into one round of
-children; the key's first call after those children exit times the whole shortlist (its
-kernels load from the disk cache, 0.03-0.04 s each on the CPU host: bench/RESULTS.md
-2026-12-05) and stores the winner. Until then the
-first config runs, unchecked as under TUNE=off. ``settle()`` waits for those children (a
-benchmark's timed calls, ``tune.warmup``). The cold call's wall time is then one config's
-build, not a shortlist's: #6's cold first calls were 9-14.5 s with shortlists of 5-14
-kernels on 12 children.
+kernels of the planner's first config only (or its quick twin's, ``TL_QUICK``) and runs that
+config, while lower-priority children (``BACKGROUND_NICE``) build the rest of the
+shortlist; the key's first call after those children exit times the whole shortlist (its
+kernels load from the disk cache, a fraction of a build) and stores the winner. Until then
+the first config runs, unchecked as under TUNE=off. ``settle()`` waits for those children
+(a benchmark's timed calls, ``lycoris_ops.warmup``). The cold call's wall time is then one
+config's build, not a shortlist's.
 
 A cold forward call whose inputs need gradients also lists its backward's kernels
 (``backward_pending``: the ``*_bwd`` calls ``autograd.backward_calls`` names, with stand-ins
-of the outputs as their gradient, each through the TileLang op set with ``run`` listing its
-cold shortlist's kernels) and builds them in forked children of their own, once its own
-kernels are built (alone on the cores, they are the call's wait), without waiting for them
-(``AHEAD``): the first config's at the normal priority,
-the rest of each deferred shortlist in the background; the backward's cold call waits for the
-children building its first config's kernels and loads what they built.
+of the outputs as their gradient, each through ``run`` listing its cold shortlist's kernels)
+and builds them in forked children of their own, once its own kernels are built (alone on
+the cores, they are the call's wait), without waiting for them (``AHEAD``): the first
+config's at the normal priority, the rest of each deferred shortlist in the background; the
+backward's cold call waits for the children building its first config's kernels and loads
+what they built.
 
-Before the first call of an exact signature builds anything, the TileLang kernels it
-would build (``tilelang/_common.capturing``) are built at once in forked child
-processes (``precompile.compile_forked``, as for Triton's cold keys; same
-``LYCORIS_KERNEL_TUNE_PROCS`` and memory limit) into TileLang's disk cache, so the call
-only loads them: a TileLang compile takes 3-10 s on the H200's host and an op's first
-call builds up to 14. A child builds its share one after the other, so a cold shortlist
-keeps only the configs whose kernels fit one round of children (the fixed config and
-eager always).
+Before the first call of an exact signature builds anything, the TileLang kernels it would
+build (``common.capturing``) are built at once in forked child processes
+(``precompile.compile_forked``, as for Triton's cold keys; same
+``LYCORIS_KERNEL_TUNE_PROCS`` and memory limit) into TileLang's disk cache, so the call only
+loads them: a TileLang build takes seconds and an op's first call may build a dozen. A child
+builds its share one after the other, so a cold shortlist keeps only the configs whose
+kernels fit one round of children (the fixed config and eager always).
 
-Key: per tensor argument its dtype, rank and bucketed element count (``tune.bucket``:
-the token count of an activation and the size of a weight land in one bucket with
-their neighbours, which is enough for a two-way choice); per other argument its value,
-except floats (γ, scales: they do not change the cost); for ops with a model also the
-exact weight sizes (a tile choice is per layer shape).
+Key: per tensor argument its dtype, rank and bucketed element count (``tune.bucket``: the
+token count of an activation and the size of a weight land in one bucket with their
+neighbours, which is enough for a two-way choice); per other argument its value, except
+floats (γ, scales: they do not change the cost); the exact weight sizes the family's
+``TILELANG`` adds (a tile choice is per layer shape).
 """
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import signal
-import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from lycoris_ops import settings
+from lycoris_ops import reference
+from lycoris_ops._library import autograd
+from lycoris_ops.backends import select
+from lycoris_ops.backends.tilelang import common
+from lycoris_ops.backends.tilelang.common import BuildError
+from lycoris_ops.backends.tilelang.tuning import add, boft, dora, ia3, loha, lokr, lora, oft, tucker
 from lycoris_ops.backends.triton import precompile
 from lycoris_ops.tuner import tune
-from lycoris_ops import reference
-from lycoris_ops import settings
-from lycoris_ops.backends.tilelang.common import BuildError
+from lycoris_ops.tuner.device import facts
 
 __all__ = ["BACKEND", "KERNEL", "key_parts", "run", "precompile_call", "backward_pending", "settle", "stats"]
 
@@ -136,40 +132,43 @@ def stats() -> Dict[str, float]:
     return dict(_totals)
 
 
-#: the families whose plans/<family>.py has TileLang models (``TILELANG``)
-MODEL_FAMILIES = ("lora", "tucker", "loha", "lokr", "add", "ia3", "dora", "oft", "boft")
-_models: Dict[str, Tuple[Callable, Callable]] = {}
-#: op -> its quick twin (``TL_QUICK`` of plans/<family>.py, loaded with ``models``): cfg -> the
-#: config a deferred cold call runs instead of the shortlist's first, the same tiles in a form
-#: that builds in a fraction of the time; the whole shortlist (that first config too) then
-#: builds in the background
-_quick: Dict[str, Callable] = {}
+#: the families' tuning modules (``backends/tilelang/tuning``): each a ``TILELANG`` table, its
+#: ``LAUNCHERS`` and its kernels' ``SOURCES``
+FAMILIES = (lora, tucker, loha, lokr, add, ia3, dora, oft, boft)
+#: op -> (shortlist of a call: f(DeviceFacts, *args) -> Plan, exact sizes of its key: f(*args))
+_models: Dict[str, Tuple[Callable, Callable]] = {op: m for f in FAMILIES for op, m in f.TILELANG.items()}
+#: op -> the TileLang launcher its op function runs (schema arguments, ``cfg``)
+LAUNCHERS: Dict[str, Callable] = {op: fn for f in FAMILIES for op, fn in f.LAUNCHERS.items()}
+#: op -> the modules whose source hash versions its tuning rows
+_SOURCES = {op: f.SOURCES for f in FAMILIES for op in f.TILELANG}
+#: op -> its quick twin (``TL_QUICK``): cfg -> the config a deferred cold call runs instead of
+#: the shortlist's first, the same tiles in a form that builds in a fraction of the time; the
+#: whole shortlist (that first config too) then builds in the background
+_quick: Dict[str, Callable] = dict(lora.TL_QUICK)
 
 
 def models() -> Dict[str, Tuple[Callable, Callable]]:
     """op -> (shortlist of a call: f(DeviceFacts, *args) -> Plan, exact sizes: f(*args))."""
-    if not _models:
-        for family in MODEL_FAMILIES:
-            module = importlib.import_module(f"lycoris_ops.backends.triton.tuning.{family}")
-            _quick.update(getattr(module, "TL_QUICK", {}))
-            _models.update(module.TILELANG)
     return _models
 
 
 def quick_twin(op: str) -> Optional[Callable]:
     """``_quick``'s twin of ``op``'s first config, or None."""
-    models()
     return _quick.get(op)
+
+
+def version(op: str) -> str:
+    """The version of ``op``'s tuning rows: the source hash of its family's kernel modules."""
+    return tune.source_version(*_SOURCES[op])
 
 
 def candidates(op: str, args: Sequence[Any]):
     """The shortlist of this call: the model's (CUDA operands, op with a model), else the
     kernel's one configuration and eager."""
-    model = models().get(op)
+    model = _models.get(op)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     if model is None or device.type != "cuda":
         return [KERNEL, tune.SENTINEL_EAGER]
-    from lycoris_ops.tuner.device import facts
     return model[0](facts(device), *args)
 
 
@@ -183,8 +182,6 @@ def _shortlist_kernels(kernel: Callable, args: Sequence[Any], cands: Sequence[An
     a candidate is kept (appended to ``kept``) while its new kernels fit one round of ``procs``
     children (the first and eager always; ``kept`` None: none left out). Kernels of ``built``
     (keys: on disk already) are neither listed nor counted."""
-    from lycoris_ops.backends.tilelang import common as _common
-
     pending, seen, dropped = [], set(built or ()), []
     with torch.no_grad():
         for c in cands:
@@ -192,7 +189,7 @@ def _shortlist_kernels(kernel: Callable, args: Sequence[Any], cands: Sequence[An
                 if kept is not None:
                     kept.append(c)
                 continue
-            with _common.capturing() as listed:
+            with common.capturing() as listed:
                 try:
                     _call(kernel, args, c)  # nothing is built or launched: the kernels are listed
                 except Exception:
@@ -289,9 +286,8 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
     ``kept`` (a list): receives the candidates whose kernels fit ONE round of children, in
     order (the first fused candidate and eager always): a candidate whose new kernels would
     take the count past the children is left out of the shortlist. A child builds its share
-    one kernel after the other, so a second round doubles a cold call (the H200 host:
-    boft_bwd's 14 kernels on 12 children, 13.1 s). Kernels built by children of earlier calls
-    do not count.
+    one kernel after the other, so a second round doubles a cold call. Kernels built by
+    children of earlier calls do not count.
 
     Kernels that children building ahead (``ahead`` of an earlier call) are building are waited
     for, then loaded, not built again. ``ahead`` (``backward_pending``'s first-config kernels):
@@ -318,9 +314,8 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
         _totals["ahead_waits"] += 1
         _reap_ahead(busy, BACKGROUND_TIMEOUT_S)
     pending = [p for p in pending if p.key not in _built_ahead]
-    # this call's own kernels first, alone on the cores (the call waits for them: on the H100's
-    # 16-core host a cold lora_bypass forward's first config took 14.4 s with the ahead and
-    # background children building beside it, bench/RESULTS.md 2026-12-06 08:33); one kernel in a
+    # this call's own kernels first, alone on the cores (the call waits for them: with the ahead
+    # and background children building beside them they took much longer); one kernel in a
     # child too where children follow it (the call would build it itself, beside them)
     later = bool(ahead) or bool(background)
     forked = len(pending) >= 2 or (later and len(pending) == 1)
@@ -379,10 +374,6 @@ def backward_pending(op: str, args: Sequence[Any]) -> Tuple[list, list]:
     shortlists: what it defers, ``DEFER``). None of a call that would not take the TileLang
     tier or whose key is stored already, none built or being built ahead. A guess: ([], []) on
     any error, never a failure of the forward."""
-    from lycoris_ops._library import autograd
-    from lycoris_ops.backends import select
-    from lycoris_ops.backends.tilelang import ops as tl_ops
-
     try:
         names = [a.name for a in getattr(torch.ops.lycoris, op).default._schema.arguments]
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
@@ -397,7 +388,7 @@ def backward_pending(op: str, args: Sequence[Any]) -> Tuple[list, list]:
             _listing.pending = ([], [])
             try:
                 with torch.no_grad():
-                    getattr(tl_ops, bop)(*bargs)  # run() lists the call's cold-shortlist kernels
+                    run(bop, bargs)  # lists the call's cold-shortlist kernels
                 first, rest = _listing.pending
             finally:
                 _listing.pending = None
@@ -419,7 +410,7 @@ def backward_pending(op: str, args: Sequence[Any]) -> Tuple[list, list]:
 def key_parts(args: Sequence[Any], op: str = "") -> Tuple[Tuple[str, Any], ...]:
     """The key parts of one call (see the module docstring)."""
     parts = []
-    model = models().get(op) if op else None
+    model = _models.get(op) if op else None
     if model is not None:
         parts.append(("sizes", model[1](*args)))
     for i, a in enumerate(args):
@@ -465,9 +456,8 @@ def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[
     ``DEFER`` all to the first, as many as one round of children builds; TUNE=off: the first
     config's only). Nothing where the call's choice is known: in this process or stored."""
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
-    version = tune.source_version(sys.modules[kernel.__module__])
     if _front.get(_exact(op, args)) is not None or tune.stored(op, BACKEND, key_parts(args, op), device=device,
-                                                               version=version):
+                                                               version=version(op)):
         return
     cands, procs = list(candidates(op, args)), precompile.usable_procs()
     if not tune.tuning_enabled():
@@ -480,12 +470,12 @@ def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[
     listing[1].extend(rest)
 
 
-def _defers(op: str, args: Sequence[Any], parts, device, version) -> bool:
+def _defers(op: str, args: Sequence[Any], parts, device, ver) -> bool:
     """Whether this cold call defers its shortlist (``DEFER``): the key is neither memoized nor
     stored, it would be timed (tuning on, not compiling or capturing, not on a tuner worker)
     and children may be forked."""
     return DEFER and tune.tuning_enabled() and not tune.unsafe_to_time() and not tune.in_worker() \
-        and precompile.usable_procs() >= 2 and not tune.stored(op, BACKEND, parts, device=device, version=version)
+        and precompile.usable_procs() >= 2 and not tune.stored(op, BACKEND, parts, device=device, version=ver)
 
 
 def _defer(op: str, kernel: Callable, args: Sequence[Any], fk: tuple):
@@ -528,9 +518,9 @@ def _deferred_pick(fk: tuple, d: _Deferred):
     return None
 
 
-def run(op: str, kernel: Callable, args: Sequence[Any]):
-    """``kernel(*args)`` (the TileLang op function, validated in-scope arguments), or the
-    op's eager body where eager won this shape's timing or where TileLang could not build
+def run(op: str, args: Sequence[Any], kernel: Optional[Callable] = None):
+    """``kernel(*args)`` (the op's launcher, ``LAUNCHERS[op]`` unless given; validated in-scope
+    arguments), or the op's eager body where eager won this shape's timing or where TileLang could not build
     the chosen config's kernel (``BuildError``: TUNE=off, a guarded first pick, a stored
     row; logged once per op; a timed key never picks such a config).
 
@@ -539,6 +529,7 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
     whose inputs need gradients also starts building its backward's kernels
     (``backward_pending``, ``AHEAD``), in children it does not wait for: its backward's first
     call then loads them instead of compiling (the first training step's compile time)."""
+    kernel = kernel or LAUNCHERS[op]
     listing = getattr(_listing, "pending", None)
     if listing is not None:
         return _listed_only(op, kernel, args, listing)
@@ -549,11 +540,11 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
         choice = _deferred_pick(fk, deferred)
     if choice is None:
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        parts, version = key_parts(args, op), tune.source_version(sys.modules[kernel.__module__])
-        if deferred is None and _defers(op, args, parts, device, version):  # deferred once at most
+        parts, ver = key_parts(args, op), version(op)
+        if deferred is None and _defers(op, args, parts, device, ver):  # deferred once at most
             choice = _defer(op, kernel, args, fk)
     if choice is None:
-        eager = reference.eager(op)
+        eager = reference.step_down(op)
         shortlist = []
 
         def cands():  # planned on a miss only (a table hit plans nothing)
@@ -570,12 +561,12 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
         choice = tune.select_config(
             op, BACKEND, parts, cands,
             lambda c: eager(*args) if tune.is_eager(c) else _call(kernel, args, c),
-            device=device, version=version, reference=lambda: eager(*args), front=(_front, fk),
+            device=device, version=ver, reference=lambda: eager(*args), front=(_front, fk),
             prepare=precompile.precompile)
         if not shortlist and not tune.is_eager(choice):  # a stored or memoized choice: its kernels only
             precompile_call(kernel, args, [choice])
     if tune.is_eager(choice):
-        return reference.eager(op)(*args)
+        return reference.step_down(op)(*args)
     try:
         return _call(kernel, args, choice)
     except BuildError as exc:  # a kernel TileLang cannot build: this signature runs eager from now on
@@ -584,4 +575,4 @@ def run(op: str, kernel: Callable, args: Sequence[Any]):
         if op not in _build_warned:
             _build_warned.add(op)
             log.warning("lycoris_ops tilelang: %s runs its eager body here: %s", op, exc)
-        return reference.eager(op)(*args)
+        return reference.step_down(op)(*args)

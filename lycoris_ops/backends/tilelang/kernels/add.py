@@ -1,4 +1,4 @@
-"""TileLang kernel of ``add_scaled`` (OPS.md §2.8): ``out = base + γ·delta``.
+"""TileLang kernel of ``add_scaled`` (docs/ops.md §2.8): ``out = base + γ·delta``.
 
 One pass, one kernel: base and delta are read once each in their own dtypes
 (fp32 and one 16-bit type may mix: the reference TileLang kernel's one-dtype
@@ -15,14 +15,14 @@ non-contiguous or misaligned operands are read from a contiguous copy.
 import torch
 
 from lycoris_ops.reference import scalar_in
-from lycoris_ops.backends.tilelang.common import aligned, arch_of, cdiv, kernel, launch_config, tl_dtype
+from lycoris_ops.backends.tilelang.common import aligned, arch_of, kernel, launch_config, tl_dtype
 
 __all__ = ["add_kernel", "add_scaled", "vec_width", "compile_specs"]
 
 _THREADS = 128
 _BV = 256  # vectors per tile (2 per thread)
 _I32_LIMIT = 2**31 - 2**17
-#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (backends/triton/tuning/add.py:
+#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (backends/tilelang/tuning/add.py:
 #: ``tl_plan_add_scaled``) overrides BV (vectors per tile) and threads
 ADD = dict(BV=_BV, threads=_THREADS)
 

@@ -1,4 +1,4 @@
-"""TileLang kernels of BOFT (OPS.md §2.6): ``boft_fwd`` and ``boft_bwd``.
+"""TileLang kernels of BOFT (docs/ops.md §2.6): ``boft_fwd`` and ``boft_bwd``.
 
 Written from the math (``reference/boft.py`` is the oracle): everything fp32,
 one rounding at the store. Stage i (κ_i = 2^i·s/2) applies
@@ -15,7 +15,7 @@ to fp32 (TF32 hi + lo split, ~fp32 accuracy):
     rescale is folded into the rows of the last stage), then one apply launch
     per stage: stage 0 reads x, stages write fp32 ping-pong scratch, the last
     stage stores y in x's dtype and subtracts x when ``diff``.
-``boft_bwd`` (the plain chain, OPS.md §2.6.2): ONE Cayley launch for F and Fᵀ, m − 1
+``boft_bwd`` (the plain chain, docs/ops.md §2.6.2): ONE Cayley launch for F and Fᵀ, m − 1
     apply launches to keep the stage inputs u^1 … u^{m−1} (fp32 scratch), then
     per stage from the last one streaming launch (``gx = g·F``, fp32 partials
     ``P = Σ g_βᵀ·u_β`` in the permuted block basis) and ONE chain launch over
@@ -26,81 +26,38 @@ The run kernels (``stage_runs_kernel``, ``stream_runs_kernel``; channels last, 1
 channels at stage i are one TMA box of the view (NP, C/2κ', 2, κ'), its matrices are stored
 in that box's order (the run basis), and the values between stages are (hi, lo) pairs of x's
 dtype with three-term GEMMs (see the block comment above ``stage_runs_kernel``). Composed
-units: up to three consecutive stages a launch as ONE matrix on a 2^L-run box, forward
-(``COMPOSE_FWD``) and backward (``COMPOSE_BWD``; its 96-wide units on mma.sync,
-``COMPOSE_BWD_MMA``); ``COMPOSE_LEADING``: the leading stages that share one box (κ <= GC/2)
-as one GC-wide matrix through the single stage kernels.
+units (``boft_compose.py``): up to ``COMPOSE_MOST`` consecutive stages a launch as ONE
+matrix on a 2^L-run box, forward and backward (the backward's 96-wide units on mma.sync);
+the leading stages that share one box (κ <= GC/2) as one GC-wide matrix through the single
+stage kernels.
 
 Layouts: channels last (axis −1), weight (axis 0, (C, rest…)) and channels
 first ((N, C, *spatial)) all run (x read as (pre, C, post), contiguous).
 Tile configs: the streaming kernels' positions per tile and threads come from oft.py's
-``APPLY`` / ``STREAM``, or a tuned ``cfg`` over them (backends/triton/tuning/boft.py: ``TILELANG``).
+``APPLY`` / ``STREAM``, or a tuned ``cfg`` over them (backends/tilelang/tuning/boft.py: ``TILELANG``).
 
 Scope: s <= 64 (``scope.py``), fp16 / bf16 / fp32.
 """
 
 import torch
 
-from lycoris_ops.backends.tilelang.common import (CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype, without_wgmma)
+from lycoris_ops.backends.tilelang.common import (CPU_ARCH, SMEM_SM90A, aligned, arch_of, kernel, launch_config, tl_dtype,
+                                                  without_wgmma)
 from lycoris_ops.backends.tilelang.common import smem_limit as _smem_limit
-from lycoris_ops.backends.tilelang.kernels.oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel, bwd_stream_kernel, cayley_kernel, chain_blocks, chain_kernel, direct_stages, position_view, tiling)
-from lycoris_ops.backends.tilelang.kernels import oft as _oft
+from lycoris_ops.backends.tilelang.kernels.oft import (_BT_BWD, _BT_FWD, _THREADS, APPLY, STREAM, apply_kernel,
+                                                       bwd_stream_kernel, direct_stages, position_view, tiling)
+from lycoris_ops.backends.tilelang.kernels.oft_cayley import cayley_kernel, chain_blocks, chain_kernel
 from lycoris_ops.backends.tilelang.kernels.oft import _cayley as _oft_cayley
+from lycoris_ops.backends.tilelang.kernels.boft_compose import (COMPOSE_BWD_SPLIT, COMPOSE_MOST, batch_partials,
+                                                                compose_units, one_box, unit_matrices)
 
 __all__ = ["boft_fwd", "boft_bwd", "boft_groups", "run_groups", "runs_for", "runs_fit", "runs_smem", "smem_limit",
-           "stage_runs_kernel", "stream_runs_kernel", "compile_specs", "RUNS", "COMPOSE_FWD", "COMPOSE_BWD",
-           "COMPOSE_BWD_PAD", "COMPOSE_BWD_MMA", "COMPOSE_LEADING"]
+           "stage_runs_kernel", "stream_runs_kernel", "compile_specs"]
 
 _F32 = "float32"
-#: whether the launchers take the run kernels where ``run_groups`` allows (tests turn it off
-#: to reach the gather path with the same shapes)
-RUNS = True
-#: the forward's stages composed: each launch applies up to this many consecutive stages as ONE
-#: matrix J = E_{L-1}···E_0 of width 2^(L-1)·GC on a 2^L-run box (``_compose_units``,
-#: ``_composed_matrices``; the product formed on the host in fp64, then split in a (hi, lo)
-#: pair), one three-term GEMM a tile; 0: off (one launch a stage). At the bench's large shape
-#: (m = 8, GC = 32) 3 makes 3 launches of 128-wide GEMMs: on the H200 (bf16,
-#: bench/tilelang_boft_variants.py, RESULTS.md 2026-12-02 12:00) the forward went from 2.891 ms
-#: (stage pairs, two matrices a launch: a form since removed; 3.117 one launch a stage) to
-#: 1.714 ms; the small shape (GC = 48: 96-wide units) stayed at 0.93-0.95 ms
-COMPOSE_FWD = 3
-#: the backward's composed units (``_stream_composed``: gx = g·J and A = Σ gᵀ·u on the unit's
-#: box, the stages' partials from A on the host): the most stages a unit; 0: off (one launch a
-#: stage). On the H200 (bf16, bench/tilelang_boft_variants.py, RESULTS.md 2026-12-02 13:30) the
-#: large backward went from 7.699 ms (one launch a stage) to 4.537 (3 stages a unit, one launch
-#: each) and 4.315 (split, below; 2 stages: 5.224); the small shape stayed at 2.65-2.66 ms
-COMPOSE_BWD = 3
-#: the composed backward's stream as two launches (``_stream_composed``) for units at least
-#: this wide (True: every unit, False: none): gx by the forward's composed kernel with Jᵀ, then
-#: the partials alone (64-position tiles, where the one-launch stream holds gx's tile beside its
-#: W x W accumulator and runs 32 at W = 128). Timed with ``COMPOSE_BWD`` = 3 in the same table:
-#: 4.315 ms against 4.537 at the large shape (W = 128); at the small shape's W = 96
-#: (``COMPOSE_BWD_MMA``, H100, RESULTS.md 2026-12-06 05:27) one launch is the faster, 2.088 ms
-#: against 2.210
-COMPOSE_BWD_SPLIT = 128
-#: (off: slower) the backward composes units whose width W is a multiple of 32 but not of 64
-#: too (96 at the small bench shape's GC = 48, where it runs one launch a stage), its Σ gᵀ·u
-#: GEMM zero-padded to the next multiple of 64 (``_unit_gp``), as a single stage pads 48 to 64.
-#: H200, bf16, RESULTS.md 2026-12-03 08:40: small backward 2.810 ms against 2.652 unpadded
-COMPOSE_BWD_PAD = False
-#: the backward composes those units unpadded, the stream kernel's GEMMs on mma.sync (96 rows
-#: have no WGMMA warp partition; ``_common.without_wgmma``); ``COMPOSE_BWD_PAD`` takes precedence.
-#: H100, bf16, RESULTS.md 2026-12-06 05:27: small backward 2.088 ms against 2.617 with those
-#: units one launch a stage (the forward the same: 0.713 / 0.719)
-COMPOSE_BWD_MMA = True
-#: the leading stages whose κ_i <= GC/2 as ONE unit: their run views coincide (each stage's
-#: group is the same GC channels in order), so up to ``COMPOSE_FWD`` / ``COMPOSE_BWD`` of them
-#: apply as one GC x GC matrix J = F_{L-1}···F_0 through the single stage kernels
-#: (``_one_box``). At the small bench shape (s = 24, GC = 48: κ_0 = 12, κ_1 = 24) stages 0 and 1
-#: become one unit: 4 units for the 8 stages, against 5 with stage 0 alone. H100, bf16,
-#: RESULTS.md 2026-12-06 07:55: small forward 0.637 / 0.639 ms against 0.722 / 0.714, backward
-#: 1.882 / 1.878 against 2.084 / 2.085 (two alternating runs)
-COMPOSE_LEADING = True
 #: the composed stream kernel's least threads at W = 128: its W x W fp32 accumulator of A is
 #: 128 registers a thread with 128 threads (255 in all at sm_90a, 164 with 256)
 _COMPOSE_BWD_THREADS = 256
-#: the widest composed matrix (a 128 x 128 (hi, lo) pair is 64 KiB of shared memory)
-_COMPOSE_WIDTH = 128
 #: the most shared memory a run kernel may ask for (sm_90's opt-in per-block limit, as oft's
 #: fused kernels; less where the device's own limit is lower, ``smem_limit``); a tile config
 #: over it takes the gather path
@@ -113,7 +70,7 @@ _RUNS_SMEM = SMEM_SM90A
 # (or GC contiguous channels while 2κ_i <= GC). Seen as x.view(NP, C/2κ', 2, κ') with
 # κ' = max(κ_i, GC/2), a group's tile of BT positions is ONE box [p0:p0+BT, seg, 0:2,
 # j0:j0+GC/2]: one T.copy (TMA on sm_90a) in, one out. The box's row-major order is the
-# group's *run basis* (``oft._run_slot``), in which the Cayley kernel stores the group
+# group's *run basis* (``oft_cayley.run_slot``), in which the Cayley kernel stores the group
 # matrices and the chain kernel reads the partials, so the stream needs no channel map.
 # Between stages a value is a (hi, lo) pair of x's 16-bit dtype (hi = the fp32 value rounded,
 # lo = the rest: ~2^-16 relative, far below the 16-bit output's rounding; the same bytes as
@@ -144,7 +101,7 @@ def stage_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREAD
     a width every warp partition of T.gemm covers), u = U (+ UL when ``has_lo``), stored as a
     (hi, lo) pair Y, YL (``out_pair``) or once in Y, minus X0 (``diff``). Every operand is a
     view (NP, C/Rκ', R, κ') of dtype d; a box is R runs of GC/R channels. R = 2^L: L stages as
-    ONE matrix F = E_{L-1}···E_0 in the box basis (``COMPOSE_FWD``, ``_composed_matrices``).
+    ONE matrix F = E_{L-1}···E_0 in the box basis (``composed_matrices``).
     Program (g, split) walks tiles split·tps … split·tps + tps − 1."""
     import tilelang.language as T
 
@@ -214,9 +171,9 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
     (``out_pair``) or once in GX, and the fp32 partials ``P[split, goff + g] = Σ_t gᵀ·u`` over
     the program's positions (run basis), from g = G (+ GL when ``g_lo``) and the stage input
     u = U (+ UL when ``u_lo``). Positions past the end load as zeros (the copies' predicate)
-    and add nothing to P. R = 2^L: the composed unit of L stages (``COMPOSE_BWD``) on its
-    2^L-run box, F = Jᵀ, P in the box basis.
-    Without ``gx`` (``COMPOSE_BWD_SPLIT``): the partials only (F, GX, GXL untouched)."""
+    and add nothing to P. R = 2^L: the composed unit of L stages on its 2^L-run box, F = Jᵀ,
+    P in the box basis. Without ``gx`` (``COMPOSE_BWD_SPLIT``): the partials only (F, GX, GXL
+    untouched)."""
     import tilelang.language as T
 
     par = T.grid if cpu else T.Parallel
@@ -292,7 +249,8 @@ def stream_runs_kernel(d: str, GC: int, GP: int, BT: int, threads_: int = _THREA
                         T.copy(YL3, GXL[p0:p0 + BT, seg, 0:R, j0:j0 + H])
             T.copy(accp, P[sp, goff + g, 0, 0])
 
-    # GP a multiple of 32 only (COMPOSE_BWD_MMA's 96-wide units): Σ gᵀ·u has GP rows
+    # GP a multiple of 32 only (the backward's 96-wide units, unpadded: measured faster than
+    # padded to 128 or one launch a stage): Σ gᵀ·u has GP rows, WGMMA takes 64 at a time
     return without_wgmma(boft_stream_runs) if GP % 64 and not cpu else boft_stream_runs
 
 
@@ -330,7 +288,7 @@ def smem_limit(device: torch.device) -> int:
 def runs_for(x, cf, s, nb, arch):
     """(GC, NB, GP) when the run kernels can take this call at some tile, else None: channels
     last, x 16-bit (the CPU twins' exact fp32 GEMM too), a ``run_groups`` size."""
-    if not RUNS or cf or (x.dtype == torch.float32 and arch != CPU_ARCH):
+    if cf or (x.dtype == torch.float32 and arch != CPU_ARCH):
         return None
     return run_groups(s, nb, x.element_size())
 
@@ -381,7 +339,7 @@ def _cayley(bc, rs, m, nb, s, NB, GP, gps, trans, cscale, scale, arch):
 
 
 def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg=None):
-    """BOFT forward (OPS.md §2.6.1, see ``reference.boft.boft_fwd``): 1 + m launches; ``cfg``:
+    """BOFT forward (docs/ops.md §2.6.1, see ``reference.boft.boft_fwd``): 1 + m launches; ``cfg``:
     the apply kernels' tuned {BT, threads} over oft's ``APPLY`` (every stage the same)."""
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
@@ -418,261 +376,25 @@ def _runs_cayley(bc, rs, m, nb, s, runs, trans, cscale, scale, cdt, arch):
                        (m - 1) * gps, (s // 2) << (m - 1), m * gps, arch, gps=gps)
 
 
-def _compose_at(i, L, m, s, runs, bwd=False) -> bool:
-    """Whether stages i … i + L − 1 can run as one composed unit: they exist, the unit's width
-    W = 2^(L-1)·GC is a multiple of 32 (a warp partition of T.gemm; 96 at the small bench
-    shape's GC = 48, which a single stage pads to 64), of 64 for the backward (its Σ gᵀ·u
-    GEMM has W rows: sm_90's WGMMA takes them 64 at a time) unless ``COMPOSE_BWD_PAD`` pads
-    that GEMM or ``COMPOSE_BWD_MMA`` runs it on mma.sync, and its GEMM width (``_unit_gp``) at
-    most ``_COMPOSE_WIDTH``, and stage i's runs are whole (κ_i >= GC/2: the 2^L runs of the
-    box do not overlap)."""
-    W = runs[0] << (L - 1)
-    step = 64 if bwd and not (COMPOSE_BWD_PAD or COMPOSE_BWD_MMA) else 32
-    return (i + L <= m and W % step == 0 and _unit_gp(W, bwd) <= _COMPOSE_WIDTH
-            and ((s // 2) << i) >= runs[0] // 2)
-
-
-def _unit_gp(W: int, bwd: bool) -> int:
-    """The GEMM width of a composed unit W wide: W, or for the backward (``COMPOSE_BWD_PAD``)
-    W rounded up to a multiple of 64 (its Σ gᵀ·u has W rows; WGMMA takes 64 at a time)."""
-    return -(-W // 64) * 64 if bwd and COMPOSE_BWD_PAD else W
-
-
-def _leading(i, s, GC) -> bool:
-    """Whether stage i's κ is at most half a group (GC/2): its group is the GC channels in order."""
-    return ((s // 2) << i) <= GC // 2
-
-
-def _one_box(i, L, s, GC) -> bool:
-    """Whether the unit (i, L), L > 1, is the leading stages' single box (``COMPOSE_LEADING``):
-    ``_leading`` up to its last stage, so every stage's group is the same GC channels in order."""
-    return L > 1 and _leading(i + L - 1, s, GC)
-
-
-def _compose_units(m, s, runs, most, bwd=False):
-    """The launch units [(first stage, L)] with up to ``most`` stages composed: with
-    ``COMPOSE_LEADING`` first the leading stages that share one box (``_one_box``), then from
-    there the largest L that ``_compose_at`` allows (1 always can)."""
-    out, i = [], 0
-    if COMPOSE_LEADING:
-        while i < min(most, m) and _leading(i, s, runs[0]):
-            i += 1
-        if i > 1:
-            out.append((0, i))
-        else:
-            i = 0
-    while i < m:
-        L = max([n for n in range(2, most + 1) if _compose_at(i, n, m, s, runs, bwd)], default=1)
-        out.append((i, L))
-        i += L
-    return out
-
-
 def _compose_bt(W, bt, esize, arch, device, bwd=False, gx=True):
     """The largest tile of ``bt`` halved (at least 16) whose composed unit of width W fits
     shared memory (``bwd``: the stream kernel's, ``gx``: with its gx); the CPU twins' buffers
     are local."""
-    while bt > 16 and arch != CPU_ARCH and runs_smem(W, _unit_gp(W, bwd), bt, esize, direct_stages(arch), bwd,
-                                                     gx=gx) > smem_limit(device):
+    while bt > 16 and arch != CPU_ARCH and runs_smem(W, W, bt, esize, direct_stages(arch), bwd, gx=gx) > smem_limit(device):
         bt //= 2
     return bt
 
 
-_COMPOSE_GROUPS = {}
-
-
-def _compose_groups(i, L, s, GC, gps, device):
-    """Per stage k < L of the unit (i, L), the stage group each 2 x 2 block of E_k comes from:
-    (npg, 2^(L−k−1), 2^k) indices into the stage matrices (m·gps of them), by (unit group q,
-    the bits of tb above k, the bits below k). The box of unit group q is (tb, j), tb < 2^L,
-    j < H = GC/2, over channels seg·2^Lκ + tb·κ + j0 + j (κ = κ_i, seg = ⌊qH/κ⌋, j0 = qH mod κ);
-    stage i + k mixes (bit k of tb, j) at fixed other bits, with the group
-    g = ((seg·2^(L−k−1) + hi)·2^kκ + lo·κ + j0)/H. Cached per unit geometry and device."""
-    key = (i, L, s, GC, gps, str(device))
-    if key not in _COMPOSE_GROUPS:
-        H, kappa, R = GC // 2, (s // 2) << i, 1 << L
-        npg = gps >> (L - 1)
-        q = torch.arange(npg).view(npg, 1, 1)
-        seg, j0 = (q * H) // kappa, (q * H) % kappa
-        out = []
-        for k in range(L):
-            hi = torch.arange(R >> (k + 1)).view(1, -1, 1)
-            lo = torch.arange(1 << k).view(1, 1, -1)
-            out.append(((i + k) * gps + ((seg * (R >> (k + 1)) + hi) * (kappa << k) + lo * kappa + j0) // H).to(device))
-        _COMPOSE_GROUPS[key] = out
-    return _COMPOSE_GROUPS[key]
-
-
-def _composed_stages(f, firsts, L, s, GC, gps):
-    """The stage matrices E_0 … E_{L-1} of the units (i, L), i in ``firsts``, stacked along the
-    unit groups ((len(firsts)·npg, W, W) each) in the box basis (tb, j), fp64:
-    E_k[(hi, t, lo, j), (hi', t', lo', j')] = δ(hi, hi')·δ(lo, lo')·M[(t, j), (t', j')], M the
-    run-basis matrix (``f`` = fh + fl in fp64, its first GC rows / columns) of the group
-    ``_compose_groups`` names: one gather, one zero fill and one copy a stage for all the units."""
-    H = GC // 2
-    out = []
-    for grp in _batch_groups(firsts, L, s, GC, gps, f.device):
-        npg, nhi, nlo = grp.shape
-        m = f[grp].view(npg, nhi, nlo, 2, H, 2, H)
-        # E's nonzero entries are its (hi = hi', lo = lo') diagonals: zeros, then M into that view
-        e = f.new_zeros((npg, nhi, 2, nlo, H, nhi, 2, nlo, H))
-        e.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5).copy_(m.permute(0, 3, 4, 5, 6, 1, 2))
-        out.append(e.view(npg, nhi * 2 * nlo * H, nhi * 2 * nlo * H))
-    return out
-
-
-_BATCH_GROUPS = {}
-
-
-def _batch_groups(firsts, L, s, GC, gps, device):
-    """Per stage k < L, ``_compose_groups``' indices of the units (i, L), i in ``firsts``,
-    concatenated along the unit groups (a batch's: ``_composed_stages``, ``_batch_partials``);
-    cached like them."""
-    key = (tuple(firsts), L, s, GC, gps, str(device))
-    if key not in _BATCH_GROUPS:
-        per = [_compose_groups(i, L, s, GC, gps, device) for i in firsts]
-        _BATCH_GROUPS[key] = [torch.cat([g[k] for g in per]) for k in range(L)]
-    return _BATCH_GROUPS[key]
-
-
-class _Batch:
-    """The composed units of one geometry stacked (``_unit_matrices``): the leading box alone, or
-    every unit of one L. ``es``: the stage matrices E_0 … E_{L-1} and ``j`` = E_{L-1}···E_0 (fp64,
-    (n·npg, W, W) in the units' basis, unit n at rows n·npg …); ``pair``: J as the forward's
-    (hi, lo) (the box's padded to GP); ``tpair`` (backward): Jᵀ as its stream's (the box's padded
-    to GP, a unit's to its GEMM width ``_unit_gp``; unpadded where the stream splits: ``split``,
-    ``COMPOSE_BWD_SPLIT`` from the units' width); ``pg``: the
-    streams' fp32 partials per split of every unit, (NS, n·npg, GEMM width²), for
-    ``_batch_partials`` after the last stream. One batch is one set of small host ops, not one a
-    unit (at the small bench shape the host-side algebra was ~150 µs of the TileLang forward's
-    910, H100 profile; the backward's per-unit partials ~90 host ops of 98 launches)."""
-
-    def __init__(self, es, firsts, L, box, GP, dtype, bwd, split):
-        self.es, self.firsts, self.L, self.box, self.split = es, firsts, L, box, split
-        self.npg = es[0].shape[0] // len(firsts)
-        self.j = _product(es)
-        W = self.j.shape[-1]
-        self.pair = _padded_pair(self.j, GP, dtype) if box else _split16(self.j, dtype)
-        self.tpair, self.pg = None, None
-        if bwd:
-            gp = GP if box else (W if split else _unit_gp(W, True))
-            if gp == self.pair[0].shape[-1]:  # Jᵀ's pair is J's transposed (rounding is per entry)
-                self.tpair = tuple(t.transpose(1, 2).contiguous() for t in self.pair)
-            else:
-                self.tpair = _padded_pair(self.j.transpose(1, 2), gp, dtype)
-
-    def rows(self, pair, n):
-        """Unit n's slice of a (hi, lo) pair of the batch."""
-        return tuple(t[n * self.npg:(n + 1) * self.npg] for t in pair)
-
-    def partials(self, nsplit, gp, device):
-        """``pg`` ((nsplit, n·npg, gp, gp) fp32), allocated by the first stream that writes it."""
-        if self.pg is None:
-            self.pg = torch.empty((nsplit, self.j.shape[0], gp, gp), device=device, dtype=torch.float32)
-        return self.pg
-
-
-def _unit_matrices(fh, fl, units, s, GC, gps, GP, dtype, bwd=False, split=False):
-    """{(i, L): (its ``_Batch``, its index n in it)} for every composed unit (L > 1) of ``units``:
-    the leading box (``_one_box``: the stages' own run-basis matrices) in a batch of its own, the
-    other units of one L stacked, formed with a few batched ops a batch. ``bwd``: with the
-    streams' Jᵀ pairs (``split``: ``COMPOSE_BWD_SPLIT`` from a width)."""
-    f = fh[:, :GC, :GC].double() + fl[:, :GC, :GC].double()
-    out = {}
-    for i, L in units:
-        if _one_box(i, L, s, GC):
-            es = [f[(i + k) * gps:(i + k + 1) * gps] for k in range(L)]
-            out[(i, L)] = (_Batch(es, [i], L, True, GP, dtype, bwd, False), 0)
-    for L in sorted({k for _, k in units if k > 1}):
-        firsts = [i for i, k in units if k == L and not _one_box(i, k, s, GC)]
-        if not firsts:
-            continue
-        W = GC << (L - 1)
-        b = _Batch(_composed_stages(f, firsts, L, s, GC, gps), firsts, L, False, GP, dtype, bwd,
-                   bool(split) and W >= split)
-        for n, i in enumerate(firsts):
-            out[(i, L)] = (b, n)
-    return out
-
-
-def _product(es):
-    """E_{L-1}···E_0 of fp64 batches (bmm in fp64: no TF32 whatever the caller's matmul settings)."""
-    j = es[0]
-    for e in es[1:]:
-        j = torch.bmm(e, j)
-    return j
-
-
-def _split16(j, dtype):
-    """An fp64 matrix batch as the (hi, lo) pair of ``dtype`` the run kernels take."""
-    hi = j.to(dtype)
-    return hi, (j - hi.double()).to(dtype)
-
-
-def _composed_matrices(fh, fl, i, L, s, GC, gps, dtype):
-    """The unit (i, L)'s matrices J = E_{L-1}···E_0 per unit group (npg, W, W) in the box
-    basis, as a (hi, lo) pair of ``dtype`` (the ``pair`` of ``_unit_matrices``' batch)."""
-    return _unit_matrices(fh, fl, [(i, L)], s, GC, gps, GC, dtype)[(i, L)][0].pair
-
-
-def _batch_partials(b, part, s, GC, gps):
-    """Every stage's partials of the batch's units into split 0 of ``part`` (NS, m·gps, GP, GP;
-    the caller zeroes the other splits' rows where NS > 1), from A = Σ gᵀ·u over each unit (its
-    streams' ``pg`` summed over the splits): stage k's ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·
-    (E_{k-1}···E_0)ᵀ`` (``_stage_partials``). The box's are the stages' own run-basis rows; a
-    composed unit's each 2 x 2 block of P_k (the other bits equal) is the partial of the group
-    ``_compose_groups`` names (the inverse of ``_composed_stages``' placement), all units' in one
-    scatter a stage."""
-    W = b.j.shape[-1]
-    a = b.pg.sum(0)[:, :W, :W].double()
-    if b.box:
-        i = b.firsts[0]
-        for k, pk in _stage_partials(b.es, a):
-            part[0, (i + k) * gps:(i + k + 1) * gps, :GC, :GC] = pk.to(part.dtype)
-        return
-    H = GC // 2
-    groups = _batch_groups(b.firsts, b.L, s, GC, gps, part.device)
-    for k, pk in _stage_partials(b.es, a):
-        grp = groups[k]
-        npg, nhi, nlo = grp.shape
-        blocks = pk.view(npg, nhi, 2, nlo, H, nhi, 2, nlo, H)
-        blocks = blocks.diagonal(dim1=1, dim2=5).diagonal(dim1=2, dim2=5)  # (npg, 2, H, 2, H, nhi, nlo)
-        part[0, grp.reshape(-1), :GC, :GC] = blocks.permute(0, 5, 6, 1, 2, 3, 4).reshape(-1, GC, GC).to(part.dtype)
-
-
-def _stage_partials(es, a):
-    """(k, P_k) for the stages of a unit, from the last:
-    ``P_k = (E_{L-1}···E_{k+1})ᵀ·A·(E_{k-1}···E_0)ᵀ`` (Σ g^{k+1}·(u^k)ᵀ) from A = Σ gᵀ·u over the
-    unit, all in the unit's basis (fp64 batches)."""
-    L = len(es)
-    pre = [None] * L  # E_{k-1}···E_0
-    for k in range(1, L):
-        pre[k] = es[0] if k == 1 else torch.bmm(es[k - 1], pre[k - 1])
-    suf = None  # E_{L-1}···E_{k+1}
-    for k in reversed(range(L)):
-        pk = a if suf is None else torch.bmm(suf.transpose(1, 2), a)
-        if pre[k] is not None:
-            pk = torch.bmm(pk, pre[k].transpose(1, 2))
-        yield k, pk
-        suf = es[k] if suf is None else torch.bmm(suf, es[k])
-
-
-def _padded_pair(j, GP, dtype):
-    """A (n, GC, GC) fp64 batch zero-padded to (n, GP, GP), as the (hi, lo) pair of ``dtype``."""
-    GC = j.shape[-1]
-    return _split16(torch.nn.functional.pad(j, (0, GP - GC, 0, GP - GC)).contiguous(), dtype)
-
-
 def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
     """boft_fwd by the run kernels: one Cayley launch, then one launch per unit (a stage, or up
-    to ``COMPOSE_FWD`` stages as one matrix, ``_compose_units``): the first reads x, units
+    to ``COMPOSE_MOST`` stages as one matrix, ``compose_units``): the first reads x, units
     between keep (hi, lo) pairs in two buffers in turn, the last stores y."""
     gps = nb // runs[1]
     fh, fl = _runs_cayley(bc, rs, m, nb, s, runs, False, cscale, scale, xv.dtype, arch)
     bufs = [tuple(torch.empty_like(xv) for _ in range(2)) for _ in range(2)]
     src = (xv, None)
-    units = _compose_units(m, s, runs, COMPOSE_FWD)
-    mats = _unit_matrices(fh, fl, units, s, runs[0], gps, runs[2], xv.dtype)
+    units = compose_units(m, s, runs, COMPOSE_MOST)
+    mats = unit_matrices(fh, fl, units, s, runs[0], gps, runs[2], xv.dtype)
     for n, (i, k) in enumerate(units):
         last = n == len(units) - 1
         dst = (yv, None) if last else bufs[n % 2]
@@ -681,8 +403,8 @@ def _fwd_runs(bc, rs, xv, yv, m, nb, s, runs, cscale, scale, diff, p, arch):
 
 
 def _launch_unit(src, x0, fh, fl, dst, i, k, s, runs, gps, p, arch, diff, mats):
-    """The forward unit (i, k) of ``_compose_units``: one stage (``_launch_stage``) or k stages
-    as one matrix (J's pair of ``mats``, ``_unit_matrices``, by ``_launch_composed``); ``src`` /
+    """The forward unit (i, k) of ``compose_units``: one stage (``_launch_stage``) or k stages
+    as one matrix (J's pair of ``mats``, ``unit_matrices``, by ``_launch_composed``); ``src`` /
     ``dst``: (hi, lo or None), (NP, C)."""
     if k == 1:
         _launch_stage(src, x0, fh, fl, dst, i, s, runs, gps, p, arch, diff)
@@ -702,7 +424,7 @@ def _box_view(t, s, i, R):
 
 
 def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
-    """Stages i … i + L − 1 as one matrix (``mats``: its (hi, lo) pair, ``_composed_matrices``)
+    """Stages i … i + L − 1 as one matrix (``mats``: its (hi, lo) pair, ``composed_matrices``)
     by ``stage_runs_kernel`` on the 2^L-run box view, W = 2^(L-1)·GC wide, at the largest tile
     that fits (``_compose_bt``)."""
     GC = runs[0]
@@ -716,9 +438,9 @@ def _launch_composed(src, x0, mats, dst, i, L, s, runs, gps, p, arch, diff):
 
 
 def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
-    """The backward of the composed unit (i, L) (``COMPOSE_BWD``): ``gx = g·J`` (the Jᵀ pair)
+    """The backward of the composed unit (i, L): ``gx = g·J`` (the Jᵀ pair)
     stored as a pair or once in ``dst``, and A = Σ gᵀ·u (fp32 partials per split, box basis, in
-    its batch's ``pg`` at the unit's rows: ``_batch_partials`` forms the stages' partials after the
+    its batch's ``pg`` at the unit's rows: ``batch_partials`` forms the stages' partials after the
     last stream) by ``stream_runs_kernel`` on the 2^L-run box, W wide, at the largest tile that
     fits (``_compose_bt``, ``_COMPOSE_BWD_THREADS``). ``COMPOSE_BWD_SPLIT`` (W at least that):
     two launches, gx by the forward's composed kernel (``stage_runs_kernel`` with the Jᵀ pair:
@@ -726,7 +448,7 @@ def _stream_composed(g, u, dst, part, i, L, s, runs, gps, p, arch, mats):
     fragment, so tiles of 64 positions fit where the one-launch stream takes 32 at W = 128)."""
     GC = runs[0]
     W, R, x0 = GC << (L - 1), 1 << L, g[0]
-    GP = _unit_gp(W, True)  # the stream's GEMM width: W, or W zero-padded (COMPOSE_BWD_PAD)
+    GP = W  # the stream's GEMM width
     b, n = mats[(i, L)]
     split, jt = b.split, b.tpair
     if split:
@@ -754,9 +476,9 @@ def _stream_stage(g, u, dst, th, tl_, part, i, s, runs, gps, p, arch, tps, goff=
 
 
 def _stream_box(g, u, dst, part, i, L, s, runs, gps, p, arch, mats, tiles):
-    """The backward of the leading stages' unit (i, L) (``_one_box``): ``_stream_stage`` with the
+    """The backward of the leading stages' unit (i, L) (``one_box``): ``_stream_stage`` with the
     unit's Jᵀ (gx = g·J), its partials A = Σ gᵀ·u (the stages' shared run basis) in its batch's
-    ``pg`` (``_batch_partials`` forms the stages' after the last stream); ``tiles``: the single
+    ``pg`` (``batch_partials`` forms the stages' after the last stream); ``tiles``: the single
     stages' (nsplit, tiles per split)."""
     b, _ = mats[(i, L)]
     nsplit, tps = tiles
@@ -782,21 +504,21 @@ def _halves(pair):
 
 
 def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arch):
-    """boft_bwd by the run kernels: the forward replay keeps each unit's input (a stage, or with
-    ``COMPOSE_BWD`` up to that many composed, ``_compose_units``) as a (hi, lo) pair, then per
+    """boft_bwd by the run kernels: the forward replay keeps each unit's input (a stage, or up to
+    ``COMPOSE_MOST`` composed, ``compose_units``) as a (hi, lo) pair, then per
     unit from the last one stream launch (gx as a pair, the last one in x's dtype; partials in
-    the run basis of each stage group, a composed unit's from its batch's, ``_batch_partials``),
+    the run basis of each stage group, a composed unit's from its batch's, ``batch_partials``),
     then one chain launch."""
     GC, NBr, GP = runs
     gps = nb // NBr
     dev = xv.device
     p = launch_config(STREAM, cfg)
-    units = _compose_units(m, s, runs, COMPOSE_BWD, bwd=True)
+    units = compose_units(m, s, runs, COMPOSE_MOST)
     singles = any(k == 1 for _, k in units)
     # F (the replay) and, where a stage streams alone, Fᵀ (its stream) from one Cayley launch
     pairs = _runs_cayley(bc, None, m, nb, s, runs, "both" if singles else False, cscale, scale, xv.dtype, arch)
     fh, fl = pairs[:2]
-    mats = _unit_matrices(fh, fl, units, s, GC, gps, GP, xv.dtype, bwd=True, split=COMPOSE_BWD_SPLIT)
+    mats = unit_matrices(fh, fl, units, s, GC, gps, GP, xv.dtype, bwd=True, split=COMPOSE_BWD_SPLIT)
     us = [(xv, None)]
     for i, k in units[:-1]:
         dst = tuple(torch.empty_like(xv) for _ in range(2))
@@ -816,7 +538,7 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
         i, k = units[n]
         dst = (gxv, None) if n == 0 else gbuf[n % 2]
         u = us[n]
-        if _one_box(i, k, s, GC):
+        if one_box(i, k, s, GC):
             _stream_box(g, u, dst, part, i, k, s, runs, gps, p, arch, mats, (nsplit, tps))
         elif k > 1:
             _stream_composed(g, u, dst, part, i, k, s, runs, gps, p, arch, mats)
@@ -824,15 +546,15 @@ def _bwd_runs(bc, gv, xv, gxv, g_blocks, m, nb, s, runs, cscale, scale, cfg, arc
             _stream_stage(g, u, dst, *pairs[2:], part, i, s, runs, gps, p, arch, tps)
         g = dst
     for b in {id(b): b for b, _ in mats.values()}.values():
-        _batch_partials(b, part, s, GC, gps)
+        batch_partials(b, part, s, GC, gps)
     bd = tl_dtype(g_blocks.dtype)
-    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, _oft.GJ_PINGPONG, chain_blocks(s, NBr))
+    kc = kernel(chain_kernel, arch, bd, bd, s, NBr, GP, True, False, True, chain_blocks(s, NBr))
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=g_blocks.dtype), float(cscale), float(scale), gps)
 
 
 def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
-    """BOFT backward of the plain chain (OPS.md §2.6.2): returns gx (x's shape and dtype)
+    """BOFT backward of the plain chain (docs/ops.md §2.6.2): returns gx (x's shape and dtype)
     and g_blocks (blocks' shape and dtype). ``cfg``: the stream kernels' tuned {BT, threads}
     over oft's ``STREAM``; the forward replay keeps ``APPLY`` (its kernels are the forward's
     fixed ones, so a tuned key builds one kernel per candidate)."""
@@ -875,7 +597,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg=None):
         k(g, us[i], th, tl_, dst, part, i * gps, (s // 2) << i, tps)
         g = dst
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(blocks.dtype), s, NB, GP, True, False,
-                False, _oft.GJ_PINGPONG, chain_blocks(s, NB))
+                False, chain_blocks(s, NB))
     kc(part, bc.view(m * nb, s, s), bc.view(-1), g_blocks.view(m * nb, s, s),
        torch.empty((1,), device=dev, dtype=blocks.dtype), float(cscale), float(scale), 1)
     return gx, g_blocks
@@ -896,22 +618,20 @@ def compile_specs(dtype: torch.dtype):
         (cayley_kernel, (d, d, _F32, 4, 8, 32, True, False, True, "both")),
         (cayley_kernel, (d, d, d, 8, 4, 32, True, False, True, "both", True)),
         (chain_kernel, (d, d, 8, 4, 32, True, False, True)),
-        # GJ_PINGPONG "entries" (the default) at the small bench shape's s = 24 (2 blocks in 64):
-        # the blocks' entries a step
-        (cayley_kernel, (d, d, d, 24, 2, 64, True, False, True, False, True, "entries")),
-        (chain_kernel, (d, d, 24, 2, 64, True, False, True, "entries")),
-        (chain_kernel, (d, d, 24, 2, 64, True, False, True, "entries", True)),  # CHAIN_BLOCKS
+        # the small bench shape's s = 24 (2 blocks in 64): the Gauss–Jordan steps over the
+        # blocks' entries alone, and the chain's blocks form
+        (cayley_kernel, (d, d, d, 24, 2, 64, True, False, True, False, True)),
+        (chain_kernel, (d, d, 24, 2, 64, True, False, True)),
+        (chain_kernel, (d, d, 24, 2, 64, True, False, True, True)),
     ] + ([] if dtype == torch.float32 else [  # the run kernels: 16-bit streams only on a GPU
         (stage_runs_kernel, (d, 32, 32, _BT_FWD, _THREADS, 1, False, True, False)),
         (stage_runs_kernel, (d, 48, 64, _BT_FWD, _THREADS, 1, True, False, True)),
         (stream_runs_kernel, (d, 32, 32, _BT_BWD, _THREADS, 1, True, True, True)),
         (stream_runs_kernel, (d, 48, 64, _BT_BWD, _THREADS, 1, False, False, False)),
-        (stage_runs_kernel, (d, 128, 128, 64, _THREADS, 1, True, True, True, 8)),  # COMPOSE_FWD: 3 stages
+        (stage_runs_kernel, (d, 128, 128, 64, _THREADS, 1, True, True, True, 8)),  # 3 stages composed
         (stage_runs_kernel, (d, 96, 96, 64, _THREADS, 1, False, True, False, 4)),  # 2 stages at GC = 48
-        (stream_runs_kernel, (d, 128, 128, 32, 256, 1, True, True, True, 8)),  # COMPOSE_BWD: 3 stages
-        (stream_runs_kernel, (d, 128, 128, 64, 256, 1, True, True, False, 8, False)),  # COMPOSE_BWD_SPLIT
-        (stream_runs_kernel, (d, 96, 128, 64, 256, 1, True, True, False, 4, False)),  # COMPOSE_BWD_PAD, split
-        (stream_runs_kernel, (d, 96, 128, 32, 256, 1, True, True, True, 4)),  # COMPOSE_BWD_PAD, one launch
-        (stream_runs_kernel, (d, 96, 96, 64, _THREADS, 1, True, True, False, 4, False)),  # COMPOSE_BWD_MMA, split
-        (stream_runs_kernel, (d, 96, 96, 32, _THREADS, 1, True, True, True, 4)),  # COMPOSE_BWD_MMA, one launch
+        (stream_runs_kernel, (d, 128, 128, 32, 256, 1, True, True, True, 8)),  # the backward's 3 stages
+        (stream_runs_kernel, (d, 128, 128, 64, 256, 1, True, True, False, 8, False)),  # split: partials only
+        (stream_runs_kernel, (d, 96, 96, 64, _THREADS, 1, True, True, False, 4, False)),  # 96 wide: mma.sync
+        (stream_runs_kernel, (d, 96, 96, 32, _THREADS, 1, True, True, True, 4)),
     ])

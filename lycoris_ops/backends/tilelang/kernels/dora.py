@@ -1,4 +1,4 @@
-"""TileLang kernels of DoRA (OPS.md §2.4): ``dora_fwd`` and ``dora_bwd``.
+"""TileLang kernels of DoRA (docs/ops.md §2.4): ``dora_fwd`` and ``dora_bwd``.
 
 Same numerics as ``reference/dora.py``: ``M = w + delta`` is read in-kernel
 (each operand in its own dtype, summed in fp32) and never stored;
@@ -37,7 +37,7 @@ __all__ = ["dora_fwd_kernel", "dora_bwd_kernel", "dora_fwd", "dora_bwd", "compil
 
 _THREADS = 128
 _TILE_VECS = 512
-#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (backends/triton/tuning/dora.py:
+#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (backends/tilelang/tuning/dora.py:
 #: ``TILELANG``) overrides the vectors per tile and the threads
 DORA = dict(vecs=_TILE_VECS, threads=_THREADS)
 
@@ -231,14 +231,13 @@ def plan(R0: int, R1: int, row_axis: int, vec: int, device: torch.device, vecs: 
 
 #: row_axis 0: the most vectors of a row one column tile takes. A program's passes walk its
 #: rows' tiles serially, each a load latency (the loop is dynamic: no prefetch), so a wider
-#: tile means fewer serial steps (512: a 4096-wide bf16 row in one step).
-#: ``bench/tilelang_stream_variants.py --op dora`` (H200, bf16, RESULTS.md 2026-12-02 09:10),
-#: 128 / 256 / 512: fwd 0.027 / 0.021 / 0.020 ms, bwd 0.043 / 0.036 / 0.036 (large)
+#: tile means fewer serial steps (512: a 4096-wide bf16 row in one step; measured faster than
+#: 128 or 256 at the bench shapes)
 ROW_BC = 512
 
 
 def tiling(R0: int, R1: int, row_axis: int, vec: int, sms: int, vecs: int = _TILE_VECS):
-    """``plan`` on a GPU of ``sms`` SMs (also the planner's model: backends/triton/tuning/dora.py)."""
+    """``plan`` on a GPU of ``sms`` SMs (also the planner's model: backends/tilelang/tuning/dora.py)."""
     r1v = R1 // vec
     if row_axis == 0:
         bc = min(ROW_BC, vecs, next_pow2(r1v))

@@ -1,4 +1,4 @@
-"""TileLang kernels of IA3 (OPS.md §2.7): ``ia3_fwd`` and ``ia3_bwd``.
+"""TileLang kernels of IA3 (docs/ops.md §2.7): ``ia3_fwd`` and ``ia3_bwd``.
 
 x (any rank, read contiguous) is seen as (A, C, B): A = the dims before
 ``channel_axis``, C = the channel dim, B = the dims after it. Two tilings:
@@ -33,7 +33,7 @@ __all__ = ["ia3_fwd_kernel", "ia3_bwd_kernel", "colsum_kernel", "ia3_fwd", "ia3_
 
 _THREADS = 128
 _TILE_VECS = 512  # vectors per tile (4 per thread)
-#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (backends/triton/tuning/ia3.py:
+#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (backends/tilelang/tuning/ia3.py:
 #: ``tl_plan_*``) overrides the vectors per tile and the threads of the streaming kernel
 IA3 = dict(vecs=_TILE_VECS, threads=_THREADS)
 
@@ -90,14 +90,14 @@ def ia3_fwd_kernel(xd: str, wd: str, yd: str, ch_rows: bool, VEC: int, BM: int, 
 
 
 def ia3_bwd_kernel(gd: str, xd: str, wd: str, ch_rows: bool, direct: bool, VEC: int, BM: int, BN: int,
-                   threads_: int = _THREADS, pipe: bool = False, cpu: bool = False):
+                   threads_: int = _THREADS, cpu: bool = False):
     """gx = G·(α + γ·w[c]) and Σ G·x per channel over this program's share.
 
     ch_rows=False: x, G (A, CV, VEC); program (channel-vector tile, split s) walks
-    ``tps`` row tiles from s·tps; partial -> P[s, c] (direct: gw[c] = γ·Σ). ``pipe``
-    (``BWD_PIPE``): the G and x tiles are copied into shared memory in a pipelined loop (the
-    next tile loads during this one's arithmetic; rows past A read as zeros), compiled without
-    warp specialization.
+    ``tps`` row tiles from s·tps; partial -> P[s, c] (direct: gw[c] = γ·Σ). The G and x tiles
+    are copied into shared memory in a pipelined loop (the next tile loads during this one's
+    arithmetic; rows past A read as zeros: measured faster than reading them straight),
+    compiled without warp specialization.
     ch_rows=True: x, G (A, C, BV, VEC); program (a·nsplit + s, channel tile) walks
     ``tps`` vector tiles; partial -> P[a·nsplit + s, c] (direct: gw[c] = γ·Σ).
     """
@@ -119,28 +119,18 @@ def ia3_bwd_kernel(gd: str, xd: str, wd: str, ch_rows: bool, direct: bool, VEC: 
                 acc = alloc((BM, BN * VEC), "float32")
                 tot = alloc((BN * VEC,), "float32")
                 T.clear(acc)
-                if pipe:
-                    gs = shared((BM, BN, VEC), gd)
-                    xs = shared((BM, BN, VEC), xd)
-                    for t in T.Pipelined(tps, num_stages=2):
-                        r0 = (by * tps + t) * BM
-                        T.copy(G[r0:r0 + BM, c0:c0 + BN, 0:VEC], gs)
-                        T.copy(X[r0:r0 + BM, c0:c0 + BN, 0:VEC], xs)
-                        for i, j, v in par(BM, BN, VEC):
-                            g = T.cast(gs[i, j, v], "float32")
-                            if r0 + i < A and c0 + j < CV:
-                                GX[r0 + i, c0 + j, v] = T.cast(g * (alpha + gamma * T.cast(W[c0 + j, v], "float32")),
-                                                               xd)
-                            acc[i, j * VEC + v] += g * T.cast(xs[i, j, v], "float32")
-                else:
-                    for t in T.serial(tps):
-                        r0 = (by * tps + t) * BM
-                        for i, j, v in par(BM, BN, VEC):
-                            if r0 + i < A and c0 + j < CV:
-                                g = T.cast(G[r0 + i, c0 + j, v], "float32")
-                                GX[r0 + i, c0 + j, v] = T.cast(g * (alpha + gamma * T.cast(W[c0 + j, v], "float32")),
-                                                               xd)
-                                acc[i, j * VEC + v] += g * T.cast(X[r0 + i, c0 + j, v], "float32")
+                gs = shared((BM, BN, VEC), gd)
+                xs = shared((BM, BN, VEC), xd)
+                for t in T.Pipelined(tps, num_stages=2):
+                    r0 = (by * tps + t) * BM
+                    T.copy(G[r0:r0 + BM, c0:c0 + BN, 0:VEC], gs)
+                    T.copy(X[r0:r0 + BM, c0:c0 + BN, 0:VEC], xs)
+                    for i, j, v in par(BM, BN, VEC):
+                        g = T.cast(gs[i, j, v], "float32")
+                        if r0 + i < A and c0 + j < CV:
+                            GX[r0 + i, c0 + j, v] = T.cast(g * (alpha + gamma * T.cast(W[c0 + j, v], "float32")),
+                                                           xd)
+                        acc[i, j * VEC + v] += g * T.cast(xs[i, j, v], "float32")
                 T.reduce_sum(acc, tot, dim=0)
                 for jv in par(BN * VEC):
                     if c0 * VEC + jv < C:
@@ -149,7 +139,7 @@ def ia3_bwd_kernel(gd: str, xd: str, wd: str, ch_rows: bool, direct: bool, VEC: 
                         else:
                             P[by, c0 * VEC + jv] = tot[jv]
 
-        return ia3_bwd_cols if cpu or not pipe else without_warp_specialization(ia3_bwd_cols)
+        return ia3_bwd_cols if cpu else without_warp_specialization(ia3_bwd_cols)
 
     A, C, BV, K = T.dynamic("A C BV K")
 
@@ -250,14 +240,9 @@ def ia3_fwd(x: torch.Tensor, w: torch.Tensor, channel_axis: int, alpha: float, g
 
 
 #: programs per SM the backward's reduction split aims at: a program is 128 threads walking
-#: its tiles, so the bytes in flight on an SM scale with its programs
-#: (``bench/tilelang_stream_variants.py --op ia3``, H200, bf16, RESULTS.md 2026-12-02 09:10:
-#: 2 / 4 / 8 / 16 programs an SM 0.510 / 0.315 / 0.321 / 0.322 ms at the large shape unpipelined;
-#: pipelined 0.212 / 0.204)
+#: its tiles, so the bytes in flight on an SM scale with its programs (2 measured slower,
+#: more than 4 no faster)
 BWD_PER_SM = 4
-#: ``ia3_bwd_kernel(pipe=...)`` (channel last): the G and x tiles through shared memory in a
-#: pipelined loop. On: 0.204 ms against 0.315 unpipelined (large), 0.045 / 0.068 (small)
-BWD_PIPE = True
 
 
 def _split(tiles: int, other: int, device: torch.device, per_sm: int = 2) -> tuple:
@@ -292,7 +277,7 @@ def ia3_bwd(grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, channel_axis: 
         nsplit, tps = _split(cdiv(A, bm), ctiles, x.device, BWD_PER_SM)
         direct = nsplit == 1
         part = torch.empty((1 if direct else nsplit, C), device=x.device, dtype=torch.float32)
-        k = kernel(ia3_bwd_kernel, arch, *dts, False, direct, vec, bm, bn, p["threads"], BWD_PIPE)
+        k = kernel(ia3_bwd_kernel, arch, *dts, False, direct, vec, bm, bn, p["threads"])
         k(gc.view(A, cv, vec), xc.view(A, cv, vec), wc.view(cv, vec), gx.view(A, cv, vec), part, gwv,
           float(alpha), float(gamma), tps)
     else:
@@ -319,7 +304,6 @@ def compile_specs(dtype: torch.dtype):
         (ia3_fwd_kernel, (d, d, d, False, 8, 16, 32)),
         (ia3_fwd_kernel, (d, "float32", "float32", True, 8, 16, 32)),
         (ia3_bwd_kernel, (d, d, d, False, False, 8, 16, 32)),
-        (ia3_bwd_kernel, (d, d, d, False, False, 8, 16, 32, _THREADS, True)),  # BWD_PIPE
         (ia3_bwd_kernel, (d, d, d, True, True, 8, 16, 32)),
         (colsum_kernel, (d,)),
     ]

@@ -1,4 +1,4 @@
-"""TileLang kernels of LoHa (OPS.md §2.2): ``loha_merge_bwd``, ``loha_bypass_fwd``,
+"""TileLang kernels of LoHa (docs/ops.md §2.2): ``loha_merge_bwd``, ``loha_bypass_fwd``,
 ``loha_bypass_bwd``. (The LoHa merge forward is ``lora_merge_fwd`` mode
 ``hada``: ``lora.gemm_kernel``; the tucker merge is ``tucker.py``.)
 
@@ -26,8 +26,8 @@ and ``reference/loha.py`` (same rounding points):
     is split over ``nsplit`` programs when the outputs alone do not fill the
     GPU (fp32 partials, one torch sum).
 
-``hada_grad_pair_kernel`` - ``loha_merge_bwd`` in one launch (``GRADS_FORM``, up to
-    3072² gradients): the programs of both kernels above side by side, a BM-wide
+``hada_grad_pair_kernel`` - ``loha_merge_bwd`` in one launch (gradients of up to
+    ``PAIR_MAX_ELEMS`` elements): the programs of both kernels above side by side, a BM-wide
     band each with its whole reduction (no split, no partials, direct stores).
 
 ``loha_bypass_bwd``: ``gx`` as above (``hada_apply_kernel`` with
@@ -35,12 +35,11 @@ and ``reference/loha.py`` (same rounding points):
 ``lora.gemm_kernel`` (A read transposed, dynamic K = T), then the two
 ``loha_merge_bwd`` kernels on GW.
 
-A tuned config's ``vendor`` key (``backends/triton/tuning/loha.py``, the Triton op set's candidate of the same
-name): the T·O·I GEMMs (the forward's x·ΔWᵀ; the backward's gx and GW) by torch's GEMM
-(cuBLAS), rounded as the eager body rounds them, ΔW and the factor gradients still by the
-kernels above. The tuner times it against the TileLang GEMMs at large shapes (H200,
-bench/RESULTS.md 2026-12-02 09:36: TileLang's f+b 4.96 ms with its own GEMMs against
-eager's 4.86 and Triton's 4.68, whose shortlist times the same vendor form).
+A tuned config's ``vendor`` key (``backends/tilelang/tuning/loha.py``, as the Triton op set's
+candidate of the same name): the T·O·I GEMMs (the forward's x·ΔWᵀ; the backward's gx and GW)
+by torch's GEMM (cuBLAS), rounded as the eager body rounds them, ΔW and the factor gradients
+still by the kernels above. The tuner times it against the TileLang GEMMs: at large shapes
+cuBLAS's GEMMs can be the faster.
 
 fp32 operands would run as TF32: fp32 calls are outside the TileLang scope of
 these ops (``scope.py``). Operands are cast to the compute dtype and made
@@ -53,31 +52,25 @@ from lycoris_ops.backends.tilelang.kernels.lora import (_scaled_acc, _scopes, co
 from lycoris_ops.reference import gemm_epilogue, mm_rounded
 
 __all__ = ["hada_apply_kernel", "hada_grad_a_kernel", "hada_grad_b_kernel", "hada_grad_pair_kernel",
-           "bypass_fwd", "bypass_bwd", "merge_bwd", "compile_specs", "REGEN_BUDGET", "grads_fixed",
+           "bypass_fwd", "bypass_bwd", "merge_bwd", "compile_specs", "REGEN_BUDGET", "PAIR_MAX_ELEMS", "grads_fixed",
            "grads_pair_smem", "pair_form"]
 
 _ACC = "float32"
 #: regenerate ΔW inside the apply kernel while (token tiles - 1)·Rp stays below this
 REGEN_BUDGET = 160
 _BT = 64
-#: the fixed launch configs (the tuner's ``{}`` candidate). A tuned ``cfg`` (backends/triton/tuning/loha.py:
+#: the fixed launch configs (the tuner's ``{}`` candidate). A tuned ``cfg`` (backends/tilelang/tuning/loha.py:
 #: ``TILELANG``) overrides: for the bypass ops, the tile of the large GEMM of the materialized
 #: path (x·ΔWᵀ, G·ΔW); for ``loha_merge_bwd``, the gradient kernels' BO x BI tile
 APPLY_GEMM = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
 GRADS = dict(BO=64, BI=64)
-#: ``loha_merge_bwd``'s form: ``pair`` runs ``hada_grad_pair_kernel`` (one launch) for
-#: gradients of at most ``pair_max_elems`` elements (``pair_form``) where a pair tile fits
-#: shared memory (``grads_pair_smem``), else the two split jobs (``GRADS``). H200 (RESULTS.md
-#: 2026-12-02 15:29 / 15:57): the pair wins at 3072² (0.073 ms against 0.091) and ties at 4096²
-#: (0.125 / 0.127), where its one kernel, twice a split job's code, also takes ~10 s to compile
-#: against ~5 s for each split job (built side by side): 11.9 s cold first call over the 10 s
-GRADS_FORM = dict(pair=True, pair_max_elems=3072 * 3072)
-#: the pair kernel's fixed config: BM-wide bands and K steps, pipeline depth. H200, bf16
-#: (``bench/tilelang_lora_variants.py --op hada_bwd``, RESULTS.md 2026-12-02 15:29): 32-wide
-#: bands 0.073 ms against the split jobs' 0.091 at 3072² r32 (64-wide: 0.097: 96 programs on
-#: 132 SMs), 0.125 against 0.127 at 4096² r64; a third stage changes nothing
-#: K steps of BK = 64 (H100, bf16, ``gpu_variants.sh hada_k``, RESULTS.md 2026-12-06 02:21): 3072² r32
-#: 0.073 -> 0.067 ms, and as a pair at 4096² r64 0.126 -> 0.111 (BK 128: 0.097 / 0.148, slower)
+#: ``loha_merge_bwd`` runs ``hada_grad_pair_kernel`` (one launch) for gradients of at most this
+#: many elements where a pair tile fits shared memory (``grads_pair_smem``), else the two split
+#: jobs (``GRADS``): past it the two tie, and the pair's one kernel (twice a split job's code)
+#: builds in twice the time of either split job (built side by side)
+PAIR_MAX_ELEMS = 3072 * 3072
+#: the pair kernel's fixed config: BM-wide bands, K steps of BK, pipeline depth (measured
+#: faster than 64-wide bands, 128-wide steps or a third stage at the bench shapes)
 GRADS_PAIR = dict(BM=32, BK=64, stages=2)
 
 
@@ -211,7 +204,7 @@ def hada_grad_a_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
                 T.copy(g1, Out1[s * Op + o0, 0])
                 T.copy(g2, Out2[s * Op + o0, 0])
 
-    # warp specialization: f+b of lora_merge_hada 0.267 -> 0.180 ms without it (H200, 07:12)
+    # without warp specialization: measured faster (several programs an SM)
     return hada_grad_a if cpu else without_warp_specialization(hada_grad_a)
 
 
@@ -269,7 +262,7 @@ def hada_grad_b_kernel(O: int, I: int, r: int, dt: str, o1: str, o2: str, direct
                 T.copy(g1, Out1[s * Rp, i0])
                 T.copy(g2, Out2[s * Rp, i0])
 
-    # warp specialization: f+b of lora_merge_hada 0.267 -> 0.180 ms without it (H200, 07:12)
+    # without warp specialization: measured faster (several programs an SM)
     return hada_grad_b if cpu else without_warp_specialization(hada_grad_b)
 
 
@@ -279,7 +272,7 @@ def hada_grad_pair_kernel(O: int, I: int, r: int, dt: str, oa1: str, ob1: str, o
     band of g_a1, g_a2, the whole reduction over I), programs [⌈O/BM⌉, ⌈O/BM⌉ + ⌈I/BM⌉) are
     ``hada_grad_b``'s (one BM-column band of g_b1, g_b2, the whole reduction over O); K steps
     of BK (None: BM). No split, so no fp32 partials, no torch sum and no cast launches after it
-    (the two split jobs: up to six launches at the bench shapes); G is read twice, in one launch.
+    (the two split jobs: up to six launches); G is read twice, in one launch.
 
     A program's time is its serial chain of K steps (P = A·B, E = γ·G⊙P, then E·Bᵀ), so a K step
     wider than the band halves the chain at BK = 2·BM. The two branches then tile G as (BM, BK)
@@ -413,8 +406,8 @@ def bypass_fwd(x, a1, b1, a2, b2, gamma, base=None, cfg=None):
 
 
 def pair_form(O: int, I: int) -> bool:
-    """Whether ``loha_merge_bwd`` on an (O, I) gradient takes the pair kernel (``GRADS_FORM``)."""
-    return GRADS_FORM["pair"] and O * I <= GRADS_FORM.get("pair_max_elems", O * I)
+    """Whether ``loha_merge_bwd`` on an (O, I) gradient takes the pair kernel (``PAIR_MAX_ELEMS``)."""
+    return O * I <= PAIR_MAX_ELEMS
 
 
 def grads_fixed(O: int, I: int) -> dict:
@@ -519,6 +512,6 @@ def compile_specs(dtype: torch.dtype):
         (hada_apply_kernel, (True, 45, 29, 5, d, None, d)),
         (hada_grad_a_kernel, (29, 45, 5, d, d, d, True)),
         (hada_grad_b_kernel, (29, 45, 5, d, "float32", "float32", False)),
-        (hada_grad_pair_kernel, (29, 45, 5, d, d, "float32", d, d)),  # GRADS_FORM
+        (hada_grad_pair_kernel, (29, 45, 5, d, d, "float32", d, d)),
         (hada_grad_pair_kernel, (29, 45, 5, d, d, d, d, d, 32, 2, 64)),  # K steps wider than the band
     ]

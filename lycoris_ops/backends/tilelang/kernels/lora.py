@@ -1,7 +1,7 @@
-"""TileLang kernels of the LoRA / LoCon family (OPS.md §2.1): ``lora_bypass_fwd``,
+"""TileLang kernels of the LoRA / LoCon family (docs/ops.md §2.1): ``lora_bypass_fwd``,
 ``lora_bypass_bwd``, ``lora_merge_fwd`` (plain / hada / sum), ``lora_merge_bwd``.
 
-Written from the math of OPS.md §2.1 and the eager bodies of
+Written from the math of docs/ops.md §2.1 and the eager bodies of
 ``reference/lora.py`` (same dtypes and rounding points). Hopper idioms: every
 contraction is a ``T.gemm`` on shared-memory tiles with an fp32 fragment
 accumulator (WGMMA on sm_90a, mma.sync on sm_80), global->shared staging with
@@ -24,9 +24,8 @@ the C target - the CPU twin of the tests):
     deliberate rounding of §1.3 rule 8), then walks its O tiles:
     ``Y = γ·h·upᵀ (+ base)`` with one rounding at the store. ``per`` is a
     runtime argument (the grid is sized on the host from T), so no T enters
-    the cache key. ``BYPASS_FWD_FORM``: the O loop pipelined where one group
-    holds every O tile (``pipe_o``), or in groups of a static size where the O
-    tiles are split (``pipe_groups``).
+    the cache key. The O loop is pipelined (``pipe_o``), over every O tile
+    where one group holds them, else over groups of a static size.
 
 ``bypass_bwd_tok_kernel`` - the token pass of ``lora_bypass_bwd``. Program =
     (token tile, range of I tiles): ``h = x·downᵀ`` and ``q = G·up`` (both
@@ -41,11 +40,11 @@ the C target - the CPU twin of the tests):
     fp32 partials then, summed by one torch reduction (deterministic, no
     atomics).
 
-``merge_bwd_pair_kernel`` - ``lora_merge_bwd``'s two skinny products in one launch
-    (``MERGE_BWD_FORM``): a program per BM-row band of g_up or of g_downᵀ, whole
+``merge_bwd_pair_kernel`` - ``lora_merge_bwd``'s two skinny products in one launch:
+    a program per BM-row band of g_up or of g_downᵀ, whole
     reductions, direct stores.
 
-``merge_stream_kernel`` - ``lora_merge_fwd`` (``MERGE_FWD_FORM``), the whole
+``merge_stream_kernel`` - ``lora_merge_fwd``, the whole
     rank in one K step: a program per column stripe and group of row tiles,
     the stripe's B tiles loaded once, the row tiles through a pipelined loop
     (the next A and base tiles load during this tile's product and store).
@@ -84,7 +83,7 @@ def pad_rank(r: int) -> int:
 
 
 def compute_dtype(*tensors) -> torch.dtype:
-    """OPS.md §1.3 over the (validated) operands: ``_checks.promote_dtypes``."""
+    """docs/ops.md §1.3 over the (validated) operands: ``_checks.promote_dtypes``."""
     return promote_dtypes(*(t.dtype for t in tensors if t is not None))
 
 
@@ -154,18 +153,16 @@ def _scaled_acc(T, par, rows: int, cols: int, R, C):
 
 def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                       BT: int = 64, BO: int = 128, BK: int = 64, stages: int = 2, threads: int = 128,
-                      staged: bool = False, pipe_o: bool = False, ws: bool = True, pipe_per: int = 0,
-                      cpu: bool = False):
+                      pipe_o: bool = False, pipe_per: int = 0, cpu: bool = False):
     """``Y[T, O] = γ·round(x·downᵀ)·upᵀ (+ base)``; bdt None: no base.
 
     Program = (group of ``per`` O tiles, T tile): h = round(x·downᵀ) of the T tile once, then
-    each O tile of the group (``BYPASS_FWD_FORM``). ``staged``: the base tile is copied in
-    whole and the output tile leaves through shared memory in whole rows; a group past the
-    last O tile redoes the last one (same values: no guard). ``pipe_o`` (with ``staged``, one
-    group of every O tile): the O loop is pipelined, the next up / base tiles loading during
-    this tile's product; with ``pipe_per`` > 0, groups of that many O tiles (a static extent;
-    the last group's tiles past the last O tile redo it). ``ws`` False: compiled without warp
-    specialization (128 threads, several programs an SM instead of one)."""
+    each O tile of the group, the base tile copied in whole and the output tile leaving through
+    shared memory in whole rows; a group past the last O tile redoes the last one (same values:
+    no guard). ``pipe_o``: the O loop is pipelined, the next up / base tiles loading during this
+    tile's product (one group of every O tile; with ``pipe_per`` > 0, groups of that many O
+    tiles: a static extent, the last group's tiles past the last O tile redo it); else serial.
+    Compiled without warp specialization (128 threads, several programs an SM instead of one)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -176,7 +173,6 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
     bdt = bdt or _ACC
     n_o = -(-O // BO)
     scaled = _scaled_tile(T, par, BT, BO, odt)
-    scale = _scaled_acc(T, par, BT, BO, Tn, O)
     grouped = pipe_per > 0  # (Python values here: inside the prim_func `or` / `and` build TIR)
     all_o = pipe_o and not grouped
     npipe = pipe_per if grouped else n_o
@@ -191,10 +187,9 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
             us = shared((BO, Rp), dt)
             h = frag((BT, Rp), _ACC)
             y = frag((BT, BO), _ACC)
-            if staged:
-                ys = shared((BT, BO), odt)
-                if has_base:
-                    bs = shared((BT, BO), bdt)
+            ys = shared((BT, BO), odt)
+            if has_base:
+                bs = shared((BT, BO), bdt)
             t0 = bt * BT
             T.clear(h)
             for k in T.Pipelined(T.ceildiv(I, BK), num_stages=stages):
@@ -202,35 +197,28 @@ def bypass_fwd_kernel(I: int, O: int, r: int, dt: str, bdt, odt: str,
                 T.copy(Down[0, k * BK], ds)
                 T.gemm(xs, ds, h, transpose_B=True)
             T.copy(h, hs)  # the deliberate rounding of h to the compute dtype
-            if staged:
-                # pipe_o: one group of every O tile (per == n_o) or groups of pipe_per: a static
-                # extent (the pipeline's waits need one)
-                for j in (T.Pipelined(npipe, num_stages=2) if pipe_o else T.serial(per)):
-                    o0 = (j if all_o else T.min(bo * (pipe_per if grouped else per) + j, n_o - 1)) * BO
-                    T.copy(Up[o0, 0], us)
-                    if has_base:
-                        T.copy(Base[t0, o0], bs)
-                    T.gemm(hs, us, y, transpose_B=True, clear_accum=True)
-                    scaled(y, gamma, ys, bs if has_base else None)
-                    T.copy(ys, Y[t0, o0])
-            else:
-                for j in T.serial(per):
-                    o0 = (bo * per + j) * BO
-                    if o0 < O:
-                        T.copy(Up[o0, 0], us)
-                        T.gemm(hs, us, y, transpose_B=True, clear_accum=True)
-                        scale(y, gamma, Base if has_base else None, t0, o0)
-                        T.copy(y, Y[t0, o0])
+            # pipe_o: one group of every O tile (per == n_o) or groups of pipe_per: a static
+            # extent (the pipeline's waits need one)
+            for j in (T.Pipelined(npipe, num_stages=2) if pipe_o else T.serial(per)):
+                o0 = (j if all_o else T.min(bo * (pipe_per if grouped else per) + j, n_o - 1)) * BO
+                T.copy(Up[o0, 0], us)
+                if has_base:
+                    T.copy(Base[t0, o0], bs)
+                T.gemm(hs, us, y, transpose_B=True, clear_accum=True)
+                scaled(y, gamma, ys, bs if has_base else None)
+                T.copy(ys, Y[t0, o0])
 
-    return lora_bypass_fwd if ws or cpu else without_warp_specialization(lora_bypass_fwd)
+    return lora_bypass_fwd if cpu else without_warp_specialization(lora_bypass_fwd)
 
 
 def bypass_bwd_tok_kernel(I: int, O: int, r: int, dt: str, gxdt: str,
                           BT: int = 64, BK: int = 64, BI: int = 128, stages: int = 2, threads=None,
-                          staged: bool = False, pipe_i: bool = False, ws: bool = True, cpu: bool = False):
+                          pipe_i: bool = False, cpu: bool = False):
     """h = round(x·downᵀ), q = round(G·up) -> workspaces H, Q (T, Rp) (first I range);
-    ``gx = γ·q·down`` over the program's ``per`` I tiles. ``staged`` / ``pipe_i`` / ``ws``
-    (``BYPASS_BWD_FORM``): as ``bypass_fwd_kernel``'s forms, for the gx loop."""
+    ``gx = γ·q·down`` over the program's ``per`` I tiles, each leaving through shared memory in
+    whole rows (a group past the last I tile redoes it). ``pipe_i`` (one group of every I
+    tile): the I loop pipelined, as ``bypass_fwd_kernel``'s ``pipe_o``. Compiled without warp
+    specialization."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -272,25 +260,15 @@ def bypass_bwd_tok_kernel(I: int, O: int, r: int, dt: str, gxdt: str,
             T.copy(q, qs)  # q rounded to the compute dtype
             if bi == 0:
                 T.copy(qs, Q[t0, 0])
-            if staged:
-                gxs = shared((BT, BI), gxdt)
-                for j in (T.Pipelined(n_i, num_stages=2) if pipe_i else T.serial(per)):
-                    i0 = (j if pipe_i else T.min(bi * per + j, n_i - 1)) * BI
-                    T.copy(Down[0, i0], d2)
-                    T.gemm(qs, d2, gx, clear_accum=True)
-                    scaled(gx, gamma, gxs, None)
-                    T.copy(gxs, GX[t0, i0])
-            else:
-                for j in T.serial(per):
-                    i0 = (bi * per + j) * BI
-                    if i0 < I:
-                        T.copy(Down[0, i0], d2)
-                        T.gemm(qs, d2, gx, clear_accum=True)
-                        for a, c in par(BT, BI):
-                            gx[a, c] = gx[a, c] * gamma
-                        T.copy(gx, GX[t0, i0])
+            gxs = shared((BT, BI), gxdt)
+            for j in (T.Pipelined(n_i, num_stages=2) if pipe_i else T.serial(per)):
+                i0 = (j if pipe_i else T.min(bi * per + j, n_i - 1)) * BI
+                T.copy(Down[0, i0], d2)
+                T.gemm(qs, d2, gx, clear_accum=True)
+                scaled(gx, gamma, gxs, None)
+                T.copy(gxs, GX[t0, i0])
 
-    return lora_bypass_bwd_tok if ws or cpu else without_warp_specialization(lora_bypass_bwd_tok)
+    return lora_bypass_bwd_tok if cpu else without_warp_specialization(lora_bypass_bwd_tok)
 
 
 def skinny_kernel(M: int, K, NB: int, r: int, a_km: bool, b_nk: bool, out_t: bool, direct: bool,
@@ -356,15 +334,16 @@ def skinny_kernel(M: int, K, NB: int, r: int, a_km: bool, b_nk: bool, out_t: boo
 
 
 def merge_bwd_pair_kernel(O: int, I: int, r: int, dt: str, odt_up: str, odt_down: str, BM: int = 64, BK: int = 64,
-                          stages: int = 3, threads: int = 128, ws: bool = True, cpu: bool = False):
+                          stages: int = 3, threads: int = 128, cpu: bool = False):
     """``lora_merge_bwd`` in ONE launch: ``g_up = γ·G·downᵀ`` (O, r) and ``g_down = γ·upᵀ·G``
     (r, I), each program one BM-row band of one of them, its whole reduction inside.
 
     Programs [0, ⌈O/BM⌉) walk G's rows m0..m0+BM over I (G tile · Down tileᵀ); programs
     [⌈O/BM⌉, ⌈O/BM⌉ + ⌈I/BM⌉) walk G's columns m0..m0+BM over O (G tileᵀ · Up tile) and
     store the transposed (r, BM) block. No split of the reduction, so no fp32 partials, no
-    reduction and no cast launches after it (``skinny`` twice: up to six launches at the
-    bench shapes); G is read twice, as by the two skinny products, within one launch.
+    reduction and no cast launches after it (``skinny`` twice: up to six launches); G is read
+    twice, as by the two skinny products, within one launch. Compiled without warp
+    specialization (it would double the shared memory: one program an SM).
     """
     import tilelang.language as T
 
@@ -403,17 +382,17 @@ def merge_bwd_pair_kernel(O: int, I: int, r: int, dt: str, odt_up: str, odt_down
                     if m0 + i < I and n < r:
                         GD[n, m0 + i] = T.cast(acc_d[i, n] * gamma, odt_down)
 
-    return merge_bwd_pair if ws or cpu else without_warp_specialization(merge_bwd_pair)
+    return merge_bwd_pair if cpu else without_warp_specialization(merge_bwd_pair)
 
 
 def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, bdt, odt: str,
                 BM: int = 128, BN: int = 128, BK: int = 64, stages: int = 2, threads: int = 256,
-                staged: bool = False, cpu: bool = False):
+                cpu: bool = False):
     """``Y (M, N) = γ·P (+ base)`` with P = A·B (plain), (A·B)⊙(A2·B2) (hada, K2 = K1)
     or A·B + A2·B2 (sum). A (M, K1) or, ``a_km``, (K1, M); B (K1, N) or,
     ``b_nk``, (N, K1); A2 (M, K2), B2 (K2, N) row-major. M / K1 None: dynamic.
-    ``staged`` (``GEMM_STAGED``): the base tile is copied in whole and the output tile
-    leaves through shared memory (whole rows) instead of from the accumulator's registers."""
+    The base tile is copied in whole and the output tile leaves through shared memory (whole
+    rows), not from the accumulator's registers: measured faster in every merge mode."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -430,7 +409,6 @@ def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, b
     bsh = (Md, N) if has_base else (1,)
     bdt = bdt or _ACC
     scaled = _scaled_tile(T, par, BM, BN, odt)
-    scale = _scaled_acc(T, par, BM, BN, Md, N)
 
     @T.prim_func
     def gemm(A: T.Tensor(ashape, dt), B: T.Tensor(bshape, dt), A2: T.Tensor(a2shape, dt), B2: T.Tensor(b2shape, dt),
@@ -470,19 +448,15 @@ def gemm_kernel(M, N: int, K1, K2, mode: str, a_km: bool, b_nk: bool, dt: str, b
                     T.copy(A2[m0, k * BK], A2s)
                     T.copy(B2[k * BK, n0], B2s)
                     T.gemm(A2s, B2s, acc)
-            if staged:
-                ys = shared((BM, BN), odt)
-                if has_base:
-                    bs = shared((BM, BN), bdt)
-                    T.copy(Base[m0, n0], bs)
-                scaled(acc, gamma, ys, bs if has_base else None)
-                T.copy(ys, Y[m0, n0])
-            else:
-                scale(acc, gamma, Base if has_base else None, m0, n0)
-                T.copy(acc, Y[m0, n0])
+            ys = shared((BM, BN), odt)
+            if has_base:
+                bs = shared((BM, BN), bdt)
+                T.copy(Base[m0, n0], bs)
+            scaled(acc, gamma, ys, bs if has_base else None)
+            T.copy(ys, Y[m0, n0])
 
-    # without warp specialization (2 consumer warpgroups + a producer, one program an SM):
-    # lora_merge_sum fwd 0.057 -> 0.045 ms, hada 0.057 -> 0.053, plain / loha / lokr level (H200, 07:12)
+    # without warp specialization (2 consumer warpgroups and a producer take one program an
+    # SM): measured faster for the sum and hada merges, level for the others
     return gemm if cpu else without_warp_specialization(gemm)
 
 
@@ -562,71 +536,33 @@ def _tl(dtype: torch.dtype) -> str:
 
 
 #: The fixed launch configs: the ``{}`` candidate of the tuner (``backends/tilelang/runner.py``). A
-#: tuned ``cfg`` (the shortlists of ``backends/triton/tuning/lora.py``: ``tl_plan_*``) overrides any key.
+#: tuned ``cfg`` (the shortlists of ``backends/tilelang/tuning/lora.py``) overrides any key.
 #: ``BYPASS_FWD``'s stages: the x·downᵀ loop 4 tiles deep (on sm_90a TileLang overlaps that loop's
-#: buffers with the O loop's: 88 KiB of shared memory at 2, 3 or 4). H200, bf16,
-#: bench/tilelang_lora_variants.py (RESULTS.md 2026-12-02 13:30): 0.274 ms against 0.288 with 2
-#: at the large shape, 0.059 against 0.066 at the small one (3: 0.277 / 0.062)
+#: buffers with the O loop's, so the depth costs no shared memory): measured faster than 2 or 3
 BYPASS_FWD = dict(BT=64, BO=128, BK=64, stages=4, threads=128)
-#: ``bypass_fwd_kernel``'s form: ``staged`` (base and output tiles through shared memory),
-#: ``pipe_o`` (the O loop pipelined, where one group holds every O tile), ``ws`` (TileLang's
-#: warp specialization: one program an SM). All three as timed by
-#: ``bench/tilelang_lora_variants.py`` (H200, bf16, RESULTS.md 2026-12-02 07:20): 0.289 ms
-#: against 0.524 for the warp-specialized serial form at the large shape, 0.066 / 0.137 small
-#: ``pipe_groups``: the pipelined O loop also where the O tiles are split into groups (of a
-#: static size, one build per group size; the small bench shape: 3 groups of 8, whose loop ran
-#: serially without it): H200, bf16, RESULTS.md 2026-12-03 08:40, small 0.059 -> 0.049 ms, large
-#: unchanged at 0.275 (one group); ``one_group`` (off): never split them, 0.084 ms small
-BYPASS_FWD_FORM = dict(staged=True, pipe_o=True, ws=False, pipe_groups=True, one_group=False)
-#: ``bypass_bwd_tok_kernel``'s form (``staged``, ``pipe_i``, ``ws``: as ``BYPASS_FWD_FORM``,
-#: for the gx loop), as timed by ``bench/tilelang_lora_variants.py --op bypass_bwd`` (H200, bf16,
-#: RESULTS.md 2026-12-02 09:10): 0.514 ms against 0.715 warp-specialized at the large shape,
-#: 0.160 / 0.202 small (staged without the pipelined I loop: 0.521 / 0.159)
-BYPASS_BWD_FORM = dict(staged=True, pipe_i=True, ws=False)
 #: token kernel (BT, BI, BK, stages, threads; threads 0: by rank) + the skinny pair (sBM, sBK)
 BYPASS_BWD = dict(BT=64, BI=128, BK=64, stages=2, threads=0, sBM=64, sBK=64)
-#: ``gemm_kernel(staged=...)``: output (and base) tiles through shared memory. On: faster in
-#: all 6 cells of ``bench/tilelang_lora_variants.py --op merge`` (H200, bf16, 07:18; large
-#: plain 0.042 -> 0.030 ms, hada 0.053 -> 0.049, sum 0.044 -> 0.035)
-GEMM_STAGED = True
+#: ``gemm_kernel``'s tile: the merge where no stream tile fits, or timed against the stream
 MERGE_FWD = dict(BM=128, BN=128, BK=64, stages=2, threads=256)
-#: ``merge_fwd``'s form: ``stream`` runs ``merge_stream_kernel`` (row tiles streamed through a
-#: pipelined loop, the base tiles loading during the previous tile's product) where its tile
-#: fits shared memory, else ``gemm_kernel`` (``MERGE_FWD``)
-MERGE_FWD_FORM = dict(stream=True)
-#: ``merge_stream_kernel``'s fixed config (the row tiles a program takes: ``_per``). H200, bf16,
-#: ``bench/tilelang_lora_variants.py --op merge`` (RESULTS.md 2026-12-02 15:41), against the
-#: GEMM form's staged 128 x 128 tile: plain 0.020 / 0.021 ms (3072²) and 0.030 / 0.030 (4096²),
-#: hada 0.021 / 0.029 and 0.033 / 0.050, sum 0.020 / 0.023 and 0.033 / 0.035
+#: ``merge_stream_kernel``'s fixed config (the row tiles a program takes: ``_per``): measured
+#: faster than the GEMM form's 128 x 128 tile in every merge mode
 MERGE_STREAM = dict(BM=64, BN=128, stages=2, threads=128)
-#: ``merge_bwd``'s form: ``pair`` True, one launch of ``merge_bwd_pair_kernel`` (both products,
-#: each program's whole reduction inside: no partials; ``ws``: TileLang's warp specialization,
-#: which doubles its shared memory here: 144 KiB at 64 x 64 tiles, 3 stages, one program an SM);
-#: False, ``skinny`` twice (split reductions, fp32 partials summed and cast by torch: up to six
-#: launches). H200, bf16, ``bench/tilelang_lora_variants.py --op merge_bwd`` (RESULTS.md
-#: 2026-12-02 14:00): skinny 0.065 / 0.045 ms (large / small), pair 0.024 / 0.018, warp-specialized
-#: 0.026 / 0.020, 4 stages 0.021 / 0.015, 128-wide K steps at 3 stages 0.019 / 0.013
-MERGE_BWD_FORM = dict(pair=True, ws=False)
 #: the pair kernel's tile (BM rows a band, BK a K step): 192 KiB of shared memory at rank 64
 #: (``pair_smem``); a smaller K step or fewer stages where that does not fit, else ``skinny``
 MERGE_BWD = dict(BM=64, BK=128, stages=3, threads=128)
-#: the two skinny products' tile (``MERGE_BWD_FORM["pair"]`` off, or no pair tile fits)
+#: the two skinny products' tile where no pair tile fits (ranks past 128)
 MERGE_BWD_SKINNY = dict(BM=64, BK=64, stages=2, threads=128)
 
 
-def merge_bwd_fixed() -> dict:
-    """``merge_bwd``'s fixed config for the form in use (the tuner's untimed pick)."""
-    return MERGE_BWD if MERGE_BWD_FORM["pair"] else MERGE_BWD_SKINNY
-
-
-def pair_smem(BM: int, BK: int, stages: int, r: int, esize: int, ws: bool = False) -> int:
+def pair_smem(BM: int, BK: int, stages: int, r: int, esize: int) -> int:
     """Shared-memory bytes of ``merge_bwd_pair_kernel``: both branches' pipelined tiles (G and
-    a factor each; TileLang does not overlap the two branches), doubled when warp-specialized
-    (measured on the sm_90a builds)."""
-    return stages * 2 * BK * (BM + pad_rank(r)) * esize * (2 if ws else 1)
+    a factor each; TileLang does not overlap the two branches)."""
+    return stages * 2 * BK * (BM + pad_rank(r)) * esize
 
 
 def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
+    """``lora_bypass_fwd``; a config's ``pipe_o`` False (the cold key's quick twin,
+    ``tuning/lora.TL_QUICK``) runs the O loop serially: that kernel builds in about half the time."""
     T_, I = x.shape
     O, r = up.shape
     p = launch_config(BYPASS_FWD, cfg)
@@ -635,13 +571,12 @@ def bypass_fwd(x, up, down, gamma, base=None, cfg=None):
     y = torch.empty((T_, O), device=x.device, dtype=odt)
     BT, BO = p["BT"], p["BO"]
     n_o = cdiv(O, BO)
-    form = {**BYPASS_FWD_FORM, **{k: v for k, v in p.items() if k in BYPASS_FWD_FORM}}  # a cfg may set a form key
-    per = n_o if form.get("one_group") else _per(n_o, cdiv(T_, BT), x.device)
-    pipe = form["staged"] and form["pipe_o"]
-    grouped = pipe and per != n_o and form.get("pipe_groups", False)  # a static group size: one build each
+    per = _per(n_o, cdiv(T_, BT), x.device)
+    pipe = p.get("pipe_o", True)
+    grouped = pipe and per != n_o  # a static group size: one build each
     k = kernel(bypass_fwd_kernel, arch_of(x.device), I, O, r, _tl(c),
                None if base is None else _tl(base.dtype), _tl(odt), BT, BO, p["BK"], p["stages"], p["threads"],
-               form["staged"], pipe and (per == n_o or grouped), form["ws"], per if grouped else 0)
+               pipe, per if grouped else 0)
     b = dummy(x.device, torch.float32) if base is None else aligned(base.contiguous())
     k(prep(x, c), prep(up, c), prep(down, c), b, y, float(gamma), per)
     return y
@@ -690,9 +625,8 @@ def bypass_bwd(grad, x, up, down, gamma, cfg=None):
     BT, BI = p["BT"], p["BI"]
     n_i = cdiv(I, BI)
     per = _per(n_i, cdiv(T_, BT), dev)
-    form = BYPASS_BWD_FORM
     k = kernel(bypass_bwd_tok_kernel, arch_of(dev), I, O, r, _tl(c), _tl(x.dtype), BT, p["BK"], BI, p["stages"],
-               p["threads"] or None, form["staged"], form["staged"] and form["pipe_i"] and per == n_i, form["ws"])
+               p["threads"] or None, per == n_i)
     k(g, xc, u, d, ws[0], ws[1], gx, float(gamma), per)
     sk = dict(BM=p["sBM"], BK=p["sBK"])
     g_up = skinny(g, ws[0], r, True, False, False, gamma, up.dtype, c, **sk)      # γ·Gᵀ·h   (O, r)
@@ -711,8 +645,7 @@ def gemm(a, b, a2, b2, base, gamma, mode, out_dtype, compute, a_km=False, b_nk=F
     y = torch.empty((M, N), device=dev, dtype=out_dtype)
     bk = BK if dyn_k else min(BK, pad_rank(K1 if K2 is None else max(K1, K2)))  # no T in the key
     k = kernel(gemm_kernel, arch_of(dev), None if dyn_m else M, N, None if dyn_k else K1, K2, mode, a_km, b_nk,
-               _tl(compute), None if base is None else _tl(base.dtype), _tl(out_dtype), BM, BN, bk, stages, threads,
-               GEMM_STAGED)
+               _tl(compute), None if base is None else _tl(base.dtype), _tl(out_dtype), BM, BN, bk, stages, threads)
     dm = dummy(dev, compute)
     k(a, b, dm if a2 is None else a2, dm if b2 is None else b2,
       dummy(dev, torch.float32) if base is None else base, y, float(gamma))
@@ -756,7 +689,7 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
     f = [None if t is None else prep(t, c) for t in (a1, b1, a2, b2)]
     bs = None if base is None else aligned(base.contiguous())
     # a tuned config with BK is a GEMM tile (the planner times the GEMM form against the stream)
-    if MERGE_FWD_FORM["stream"] and not (cfg and "BK" in cfg) and a1.shape[0] and b1.shape[1]:
+    if not (cfg and "BK" in cfg) and a1.shape[0] and b1.shape[1]:
         y = _stream_merge(*f, bs, gamma, mode, odt, c, cfg)
         if y is not None:
             return y
@@ -765,24 +698,24 @@ def merge_fwd(a1, b1, a2, b2, base, gamma, mode, out_dtype=None, cfg=None):
 
 
 def merge_bwd(grad, up, down, gamma, cfg=None):
+    """``lora_merge_bwd`` by one ``merge_bwd_pair_kernel`` launch (no partials, no reduction
+    launches), at a smaller K step or fewer stages where the tile does not fit shared memory;
+    ranks too large for any pair tile take ``skinny`` twice."""
     c = compute_dtype(up, down)
     g, u, d = prep(grad, c), prep(up, c), prep(down, c)
     r = up.shape[1]
-    if MERGE_BWD_FORM["pair"]:
-        p = launch_config(MERGE_BWD, cfg)
-        (O, I), dev, ws = g.shape, g.device, MERGE_BWD_FORM["ws"]
-        limit = smem_limit(dev)
-        for bk, st in ((p["BK"], p["stages"]), (64, p["stages"]), (64, 2)):
-            if pair_smem(p["BM"], bk, st, r, g.element_size(), ws) <= limit:
-                g_up = torch.empty((O, r), device=dev, dtype=up.dtype)
-                g_down = torch.empty((r, I), device=dev, dtype=down.dtype)
-                k = kernel(merge_bwd_pair_kernel, arch_of(dev), O, I, r, _tl(c), _tl(up.dtype), _tl(down.dtype),
-                           p["BM"], bk, st, p["threads"], ws)
-                k(g, u, d, g_up, g_down, float(gamma))
-                return g_up, g_down
-        p = MERGE_BWD_SKINNY  # a rank too large for any pair tile: the tuned cfg was a pair tile
-    else:
-        p = launch_config(MERGE_BWD_SKINNY, cfg)
+    p = launch_config(MERGE_BWD, cfg)
+    (O, I), dev = g.shape, g.device
+    limit = smem_limit(dev)
+    for bk, st in ((p["BK"], p["stages"]), (64, p["stages"]), (64, 2)):
+        if pair_smem(p["BM"], bk, st, r, g.element_size()) <= limit:
+            g_up = torch.empty((O, r), device=dev, dtype=up.dtype)
+            g_down = torch.empty((r, I), device=dev, dtype=down.dtype)
+            k = kernel(merge_bwd_pair_kernel, arch_of(dev), O, I, r, _tl(c), _tl(up.dtype), _tl(down.dtype),
+                       p["BM"], bk, st, p["threads"])
+            k(g, u, d, g_up, g_down, float(gamma))
+            return g_up, g_down
+    p = MERGE_BWD_SKINNY  # the tuned cfg, if any, was a pair tile
     g_up = skinny(g, d, r, False, True, False, gamma, up.dtype, c, K=g.shape[1], **p)     # γ·G·downᵀ (O, r)
     g_down = skinny(g, u, r, True, False, True, gamma, down.dtype, c, K=g.shape[0], **p)  # γ·(Gᵀ·up)ᵀ (r, I)
     return g_up, g_down
@@ -793,19 +726,15 @@ def compile_specs(dtype: torch.dtype):
     d = tl_dtype(dtype)
     return [
         (bypass_fwd_kernel, (45, 29, 5, d, d, d)),
-        (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 128, 64, 2, 128, True, False, False)),  # BYPASS_FWD_FORM
-        (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 16, 64, 2, 128, True, True, False, 2)),  # pipe_groups
-        (bypass_fwd_kernel, (45, 29, 5, d, None, d, 64, 128, 64, 2, 128, True, True, False)),
-        (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 128, 64, 2, 128, True, True, True)),
+        (bypass_fwd_kernel, (45, 29, 5, d, d, d, 64, 16, 64, 2, 128, True, 2)),  # O tiles in pipelined groups
+        (bypass_fwd_kernel, (45, 29, 5, d, None, d, 64, 128, 64, 2, 128, True)),
         (bypass_bwd_tok_kernel, (45, 29, 5, d, d)),
-        (bypass_bwd_tok_kernel, (45, 29, 5, d, d, 64, 64, 128, 2, None, True, False, False)),  # BYPASS_BWD_FORM
-        (bypass_bwd_tok_kernel, (45, 29, 5, d, d, 64, 64, 128, 2, None, True, True, False)),
+        (bypass_bwd_tok_kernel, (45, 29, 5, d, d, 64, 64, 128, 2, None, True)),
         (skinny_kernel, (29, None, 16, 5, True, False, False, True, d, d)),
         (skinny_kernel, (45, 29, 5, 5, True, False, True, False, d, "float32")),
         (merge_bwd_pair_kernel, (45, 29, 5, d, d, d)),
-        (merge_bwd_pair_kernel, (45, 29, 5, d, d, d, 64, 64, 3, 128, False)),  # MERGE_BWD_FORM
-        (merge_stream_kernel, (45, 29, 5, 7, "sum", d, "float32", d)),  # MERGE_FWD_FORM
+        (merge_bwd_pair_kernel, (45, 29, 5, d, d, d, 64, 64, 3, 128)),
+        (merge_stream_kernel, (45, 29, 5, 7, "sum", d, "float32", d)),
         (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d)),
-        (gemm_kernel, (29, 45, 5, 5, "hada", False, False, d, "float32", d, 128, 128, 64, 2, 256, True)),  # staged
-        (gemm_kernel, (None, 45, 5, None, "plain", False, True, d, None, d, 128, 128, 64, 2, 256, True)),
+        (gemm_kernel, (None, 45, 5, None, "plain", False, True, d, None, d, 128, 128, 64, 2, 256)),
     ]

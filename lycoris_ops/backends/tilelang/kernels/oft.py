@@ -1,28 +1,19 @@
-"""TileLang kernels of diag-OFT (OPS.md §2.5): ``oft_fwd`` and ``oft_bwd``; the
-kernel families here are shared with BOFT (``boft.py``).
+"""TileLang kernels of diag-OFT (docs/ops.md §2.5): ``oft_fwd`` and ``oft_bwd``; the
+kernel families here are shared with BOFT (``boft.py``); the Cayley algebra (the group
+matrices' solve and the backward's chain) is ``oft_cayley.py``.
 
-Written from the math (``reference/oft.py`` is the oracle). Per block k:
-``Q_k = cscale·(B_k − B_kᵀ)``, ``M_k = (I − Q_k)⁻¹``, ``R_k = 2M_k − I``; diag-OFT
-applies ``F_k = diag(ρ_k)·R_kᵀ − shift·I`` to the S-channel slab of every
-position (column of a weight, token, pixel); BOFT applies
-``F = scale·R + (1 − scale)·I`` per stage (boft.py).
+Written from the math (``reference/oft.py`` is the oracle): diag-OFT applies
+``F_k = diag(ρ_k)·R_kᵀ − shift·I`` to the S-channel slab of every position (column of a
+weight, token, pixel); BOFT applies ``F = scale·R + (1 − scale)·I`` per stage (boft.py).
 
 Groups. NB = GP // S consecutive blocks are packed densely into one *group* of
 GC = NB·S channels, padded to GP (a power of two, 32 or 64): the group matrix
 is block-diagonal with zero padding, so one (BT x GP) · (GP x GP) tile GEMM
 applies NB blocks at once (``T.gemm`` on shared tiles).
 
-Kernel families:
+Streaming kernel families (the Cayley launch, ``oft_cayley.cayley_kernel``, writes the F
+pairs they read):
 
-``cayley_kernel`` (one program per group, tiny): the fp32 Cayley transform of
-    the group's blocks from the fp32-upcast raw blocks — Gauss–Jordan without
-    pivoting on the block-diagonal ``I − Q`` (valid: its symmetric part is I),
-    in shared memory, the group's NB blocks side by side: S steps of one barrier each
-    (``GJ_PINGPONG``: two buffer pairs, each step reading one and writing the other, over the
-    blocks' entries alone where ``"entries"``) — then F (or Fᵀ) with rescale / shift / scale
-    folded in, stored as a hi + lo pair in the GEMM dtype (hi = F rounded to a 16-bit type,
-    or to TF32 for fp32 GEMMs; lo = F − hi), so that the tensor-core GEMMs reproduce fp32 F
-    to about 2^-16 (16-bit) / 2^-21 (TF32).
 ``apply_kernel`` (grid: groups x position splits): streams tiles of BT
     positions: the (BT, GP) slab of x is gathered into shared memory (channel
     map ``chs``: identity for OFT, the stage permutation for BOFT) in the GEMM
@@ -31,19 +22,15 @@ Kernel families:
     through shared memory and stored once (optionally ``− x0`` for BOFT's diff).
 ``apply_direct_kernel`` (same grid): diag-OFT's forward where nothing needs the gather
     (GC = GP, 16-bit x, rows of a 16-byte multiple; either layout): the x tile by ``T.copy``
-    (TMA on sm_90a) in a ``T.Pipelined`` loop, the output by ``T.copy`` from the fragment
-    or through a shared tile (``DIRECT_STAGE_OUT``; ``direct_apply`` decides the path). By
-    default (``FUSE_CAYLEY``) each program solves its group's F in its prologue instead of
+    (TMA on sm_90a) in a ``T.Pipelined`` loop, the output through a shared tile in whole rows
+    (``direct_apply`` decides the path). Where its shared memory allows (``fuse_cayley``) each
+    program solves its group's F in its prologue (``oft_cayley.group_f_macro``) instead of
     reading the Cayley kernel's pair: one launch, the positions split for one wave.
 ``stream_direct_kernel``: the backward stream's twin of the same conditions (Fᵀ likewise).
 ``bwd_stream_kernel`` (same grid): per tile ``gx = G·F`` (as ``G·(Fᵀ)ᵀ`` with
     the Fᵀ pair) stored, and ``P += Gᵀ·X`` (dL/dF, fp32 fragment) over the
     program's positions; the partial P of each (split, group) goes to a small
-    fp32 scratch (deterministic, no atomics).
-``chain_kernel`` (one program per group, tiny): sums the partials, rebuilds M
-    by Gauss–Jordan, ``g_rescale = rowsum(P ⊙ Rᵀ)``, ``gR = (diag(ρ)·P)ᵀ`` (OFT)
-    or ``scale·P`` (BOFT), ``gQ = 2·Mᵀ·gR·Mᵀ``, ``g_blocks = cscale·(gQ − gQᵀ)``
-    (fp32 scalar loops, no TF32), stored in blocks' dtype.
+    fp32 scratch (deterministic, no atomics), which ``oft_cayley.chain_kernel`` reduces.
 
 Layouts: x is seen as (pre, C, post) around the rotated axis. post = 1
 (channels last: (T, C) activations) reads (T, C) rows; otherwise the kernel
@@ -52,7 +39,7 @@ reads x as (pre, C, post) (weights (C, L): pre = 1; conv activations
 contiguous (a non-contiguous input is copied first). Every size is a
 ``T.dynamic`` variable: one compiled kernel per (dtypes, S, layout, flags, tile
 config). The streaming kernels' positions per tile (BT) and threads are ``APPLY`` /
-``STREAM``, or a tuned ``cfg`` over them (backends/triton/tuning/oft.py: ``TILELANG``).
+``STREAM``, or a tuned ``cfg`` over them (backends/tilelang/tuning/oft.py: ``TILELANG``).
 
 Scope: S <= 64 (``scope.py``: "block" <= 64 for tilelang); fp16 / bf16 / fp32.
 """
@@ -60,67 +47,35 @@ import math
 
 import torch
 
-from lycoris_ops.backends.tilelang.common import (SMEM_SM90A, CPU_ARCH, aligned, arch_of, cdiv, kernel, launch_config, num_sms, tl_dtype)
+from lycoris_ops.backends.tilelang.common import (SMEM_SM90A, CPU_ARCH, aligned, arch_of, cdiv, kernel, launch_config,
+                                                  num_sms, tl_dtype)
+from lycoris_ops.backends.tilelang.kernels.oft_cayley import (THREADS as _THREADS, cayley_kernel, chain_blocks,
+                                                              chain_kernel, group_f_macro, perm, tf32_hi)
 
 __all__ = [
-    "cayley_kernel", "apply_kernel", "apply_direct_kernel", "bwd_stream_kernel", "stream_direct_kernel",
-    "chain_kernel", "direct_apply",
+    "apply_kernel", "apply_direct_kernel", "bwd_stream_kernel", "stream_direct_kernel", "direct_apply",
     "group_plan", "gemm_dtype", "oft_fwd", "oft_bwd", "compile_specs", "MAX_BLOCK", "APPLY", "STREAM",
-    "apply_smem", "stream_smem", "chain_blocks",
+    "apply_smem", "stream_smem",
 ]
 
 MAX_BLOCK = 64
-_THREADS = 128
 _BT_FWD = 128
 _BT_BWD = 64
 #: pipeline depth of the direct kernels' tiles (``apply_direct_kernel``, ``stream_direct_kernel``)
 #: on sm_90a (TMA); 1 elsewhere (``direct_stages``)
 _DIRECT_STAGES = 2
-#: per layout, whether the direct kernels store their output tile through shared memory (whole
-#: rows, TMA on sm_90a) instead of from the GEMM fragment, the same bits either way. On the H200,
-#: bf16 (bench/tilelang_oft_variants.py; bench/RESULTS.md 2026-12-02 00:00-00:15 and 01:34-01:41):
-#: channels last (32768 x 4096 activations) 2.4x faster forward, 1.5x backward; channels first
-#: (a 4096 x 4096 weight) 2.8x forward, 1.9x backward
-DIRECT_STAGE_OUT = {"cl": True, "cf": True}
-#: the direct kernels solve their group's Cayley transform in their prologue (no Cayley
-#: launch, F never in global memory) instead of reading the F pair ``cayley_kernel`` wrote.
-#: On, with the positions split for one wave and deeper pipelines (below). On the H200 (bf16,
-#: bench/tilelang_oft_variants.py, bench/RESULTS.md 2026-12-02 05:40), fwd / bwd ms against
-#: the separate Cayley launch: merge (4096 x 4096 weight) 0.033 / 0.069 against 0.049 / 0.091;
-#: bypass (32768 x 4096) 0.162 / 0.283 against 0.210 / 0.367. Split like the separate-launch
-#: kernels (about four waves, each program paying the serial solve) it was slower: 0.125 /
-#: 0.187 (merge) at 04:05
-FUSE_CAYLEY = True
 #: the position split (``tiling``) aims at SPLIT_PER_SM programs an SM. On sm_90a a direct
 #: kernel is warp-specialized, 256 threads at 240 registers (ptxas): ONE program an SM, so
-#: this is about four waves. The fused kernels (``FUSE_CAYLEY``) instead split for one wave
-#: of FUSED_PER_SM programs an SM (every program solves its group once, then streams), with
-#: FUSED_STAGES tiles in flight per direction (one program an SM needs more in flight than
-#: the direct kernels' ``_DIRECT_STAGES``; the H200 at 05:40: fwd 4, bwd 3 best)
+#: this is about four waves. The kernels that solve the Cayley transform themselves
+#: (``fuse_cayley``: measured faster than a Cayley launch before them, and slower when split
+#: like the others, every program paying the serial solve) split for one wave of FUSED_PER_SM
+#: programs an SM, with FUSED_STAGES tiles in flight per direction (one program an SM needs
+#: more in flight than the direct kernels' ``_DIRECT_STAGES``; measured best)
 SPLIT_PER_SM = 4
 FUSED_PER_SM = 1
 FUSED_STAGES = dict(fwd=4, bwd=3)
-#: the Cayley and chain kernels' Gauss–Jordan alternates between two buffer pairs, one barrier
-#: a step instead of two (the pivot row and column copied out, then the update). On the H200
-#: (bf16, 128 groups of 32, bench/RESULTS.md 2026-12-02 04:14) the Cayley launch took 0.016 /
-#: 0.019 ms (F / Fᵀ) against 0.025 / 0.028, F within 2e-6 of the two-barrier solve's.
-#: ``"entries"`` (on): each ping-pong step touches only the blocks' entries where there are at
-#: least ``_GJ_ENTRIES_MIN`` (``_cayley_macros``; BOFT at s = 24: 1152 of the 64 x 64 group's 4096
-#: entries a step), elsewhere the whole group's. The S-step block-parallel solve took BOFT's small
-#: bench Cayley launch from 200 to 93 µs (H100, bench/RESULTS.md 2026-12-05 21:29); the entries
-#: step then took its forward 0.740 / 0.733 -> 0.712 / 0.713 ms (H100, two alternating runs, bit
-#: for bit the same values; RESULTS.md 2026-12-06 03:10), the large shape (S = 32, one block a
-#: group) unchanged
-GJ_PINGPONG = "entries"
-#: the chain kernel sums the partials and forms gR, Mᵀ·gR and gQ over the blocks' entries alone
-#: (``chain_kernel``'s ``blocks``) instead of the whole GP x GP group (every other entry is zero or
-#: unused: 1152 of 4096 at BOFT's s = 24)
-CHAIN_BLOCKS = True
-#: the fewest block entries (NB·S²) for the ``"entries"`` step: at least the threads of any
-#: kernel that solves (the direct kernels run up to 384)
-_GJ_ENTRIES_MIN = 512
 #: the fixed launch configs of the streaming kernels (the tuner's ``{}`` candidate). A tuned
-#: ``cfg`` (backends/triton/tuning/oft.py, backends/triton/tuning/boft.py: ``TILELANG``) overrides the positions per tile (BT)
+#: ``cfg`` (backends/tilelang/tuning/oft.py, backends/tilelang/tuning/boft.py: ``TILELANG``) overrides the positions per tile (BT)
 #: and the threads: APPLY for the forward's apply kernel, STREAM for the backward's stream
 #: kernel (the Cayley and chain kernels are per group, tiny: fixed)
 APPLY = dict(BT=_BT_FWD, threads=_THREADS)
@@ -131,44 +86,6 @@ _F32 = "float32"
 
 
 # --------------------------------------------------------------------------- kernel helpers
-
-def _tf32_hi(T, f):
-    """f with its low 13 mantissa bits cleared (exactly representable in TF32)."""
-    bits = T.reinterpret(f, "uint32")
-    return T.reinterpret(T.bitwise_and(bits, T.uint32(0xFFFFE000)), "float32")
-
-
-def _hi_lo(T, f, cdt):
-    """(hi, lo) of the fp32 value f in the GEMM dtype cdt."""
-    if cdt == "float32":
-        hi = _tf32_hi(T, f)
-        return hi, f - hi
-    hi = T.cast(f, cdt)
-    return hi, T.cast(f - T.cast(hi, "float32"), cdt)
-
-
-def _perm(pos, kappa, has_perm):
-    """BOFT stage permutation π(pos) = ⌊pos/2κ⌋·2κ + (pos mod 2)·κ + ⌊(pos mod 2κ)/2⌋."""
-    if not has_perm:
-        return pos
-    two = 2 * kappa
-    return (pos // two) * two + (pos % 2) * kappa + (pos % two) // 2
-
-
-def _run_slot(T, pos, kappa, half):
-    """BOFT's run basis (``boft.py``: the stage kernels read a group as two runs of ``half``
-    channels): the slot of stage position ``pos`` (κ = ``kappa``) in its group's tile. Channel
-    c = π(pos) in the view (·, C/2κ', 2, κ') with κ' = max(κ, half): slot = h·half + (j mod
-    half), h = ⌊(c mod 2κ')/κ'⌋, j = c mod κ' (a group is one 2κ' segment's two runs).
-    Truncating division (every operand is >= 0): with ``//`` / ``%`` TVM cannot prove the
-    signs of these runtime values, writes each floor division as nested sign tests, and its
-    Simplify pass took about 3 s of every build of a kernel with this table."""
-    div, mod = T.truncdiv, T.truncmod
-    two = 2 * kappa
-    c = div(pos, two) * two + mod(pos, 2) * kappa + div(mod(pos, two), 2)  # π(pos), as _perm
-    kp = T.if_then_else(kappa > half, kappa, half)
-    return div(mod(c, 2 * kp), kp) * half + mod(mod(c, kp), half)
-
 
 def _direct_layout(T, cf, BT, GP):
     """(x shape, tile shape, tile, C) of the direct kernels. Channels last: x (NP, C), tiles
@@ -191,156 +108,6 @@ def _direct_layout(T, cf, BT, GP):
     return (NP, C), (BT, GP), tile, C
 
 
-def _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong=True):
-    """Macros of the per-group Cayley algebra (closures over the static sizes; ``pingpong``: the
-    kernel's ``GJ_PINGPONG``, which form the ping-pong step takes)."""
-    GC = NB * S
-
-    @T.macro
-    def build_system(B, A, Mi, g, cscale, KB):
-        # A = I − cscale·(B_k − B_kᵀ) on the group's valid block entries (identity padding), Mi = I;
-        # one store per entry (a store then an update of A made TileLang put a barrier between
-        # them, so each thread's block loads ran one after the other)
-        for i, j in par(GP, GP):
-            A[i, j] = T.if_then_else(i == j, 1.0, 0.0) - T.if_then_else(
-                i < GC and j < GC and i // S == j // S and g * NB + i // S < KB,
-                cscale * (T.cast(B[g * NB + i // S, i % S, j % S], "float32")
-                          - T.cast(B[g * NB + i // S, j % S, i % S], "float32")), 0.0)
-            Mi[i, j] = T.if_then_else(i == j, 1.0, 0.0)
-
-    # The system is block diagonal (NB blocks of S, identity padding past GC), so Gauss–Jordan
-    # runs the NB blocks side by side: step kk pivots on row kk of each block, S steps instead of
-    # GP (GP = 64 at s = 24: 24 for 64). Within a block the operations are the full solve's, in
-    # its order (its steps on other blocks only subtracted exact zeros); the entries off the
-    # blocks (zeros, the padding's identity) never change. ``GJ_PINGPONG == "entries"``: the
-    # ping-pong step loops over the blocks' NB·S² entries alone (1152 of 4096 at s = 24) where
-    # they are at least ``_GJ_ENTRIES_MIN``: a parallel loop shorter than the threads becomes one
-    # thread-guarded branch, and TileLang refuses the barrier the next step then needs inside it
-    # (S = 6, NB <= 2 at sm_90a: bench/tilelang_compile_sweep.py).
-    entries = pingpong == "entries" and NB * S * S >= _GJ_ENTRIES_MIN
-    solve_pingpong = bool(pingpong)
-
-    @T.macro
-    def gauss_jordan(A, Mi, ra, ri, ca):
-        # Mi <- A⁻¹ (A destroyed), no pivoting; ra/ri: each block's pivot row of A/Mi divided by
-        # its pivot, indexed by column (a pivot row is 0 outside its block), ca: each row's entry
-        # in its block's pivot column
-        for kk in T.serial(S):
-            for j in par(GP):
-                if j < GC:
-                    ra[j] = A[j // S * S + kk, j] / A[j // S * S + kk, j // S * S + kk]
-                    ri[j] = Mi[j // S * S + kk, j] / A[j // S * S + kk, j // S * S + kk]
-                    ca[j] = A[j, j // S * S + kk]
-            for i, j in par(GP, GP):
-                if i < GC and j < GC and i // S == j // S:
-                    if i == i // S * S + kk:
-                        A[i, j] = ra[j]
-                        Mi[i, j] = ri[j]
-                    else:
-                        A[i, j] = A[i, j] - ca[i] * ra[j]
-                        Mi[i, j] = Mi[i, j] - ca[i] * ri[j]
-
-    @T.macro
-    def gj_entry(A, Mi, A2, M2, i, j, pv):
-        # entry (i, j) of a block after the step whose pivot (of i's block) is row pv
-        rp = 1.0 / A[pv, pv]
-        if i == pv:
-            A2[i, j] = A[pv, j] * rp
-            M2[i, j] = Mi[pv, j] * rp
-        else:
-            A2[i, j] = A[i, j] - A[i, pv] * (A[pv, j] * rp)
-            M2[i, j] = Mi[i, j] - A[i, pv] * (Mi[pv, j] * rp)
-
-    @T.macro
-    def gj_step(A, Mi, A2, M2, kk):
-        # step kk of the block-parallel Gauss–Jordan from (A, Mi) into (A2, M2): nothing read is
-        # written, so the step needs the one barrier before the next step reads (A2, M2). The
-        # blocks' entries alone (``entries``; the rest copied once, gauss_jordan_pingpong), or
-        # every entry of the group (the rest copied each step)
-        if entries:
-            for b, r, c in par(NB, S, S):
-                gj_entry(A, Mi, A2, M2, b * S + r, b * S + c, b * S + kk)
-        else:
-            for i, j in par(GP, GP):
-                if i < GC and j < GC and i // S == j // S:
-                    gj_entry(A, Mi, A2, M2, i, j, i // S * S + kk)
-                else:
-                    A2[i, j] = A[i, j]
-                    M2[i, j] = Mi[i, j]
-
-    @T.macro
-    def gauss_jordan_pingpong(A, Mi, A2, M2):
-        # gauss_jordan's result (Mi <- A⁻¹) with one barrier a step instead of two: the steps
-        # alternate between the two buffer pairs; an odd S's last step lands in (A2, M2) and is
-        # copied back. ``entries``: the second pair takes the first's entries off the blocks
-        # first (only those: a copy of the blocks too would race the first step's stores)
-        if entries:
-            for i, j in par(GP, GP):
-                if i >= GC or j >= GC or i // S != j // S:
-                    A2[i, j] = A[i, j]
-                    M2[i, j] = Mi[i, j]
-        for k2 in T.serial(S // 2):
-            gj_step(A, Mi, A2, M2, 2 * k2)
-            gj_step(A2, M2, A, Mi, 2 * k2 + 1)
-        if S % 2 == 1:
-            gj_step(A, Mi, A2, M2, S - 1)
-            for i, j in par(GP, GP):
-                A[i, j] = A2[i, j]
-                Mi[i, j] = M2[i, j]
-
-    @T.macro
-    def invert_with(A, Mi, A2, M2):
-        # Mi <- A⁻¹: gauss_jordan_pingpong with (A2, M2) as its second buffer pair (``pingpong``;
-        # free buffers of the caller), or gauss_jordan with its pivot row and column
-        if solve_pingpong:
-            gauss_jordan_pingpong(A, Mi, A2, M2)
-        else:
-            ra = alloc_s((GP,), "float32")
-            ri = alloc_s((GP,), "float32")
-            ca = alloc_s((GP,), "float32")
-            gauss_jordan(A, Mi, ra, ri, ca)
-
-    @T.macro
-    def invert(A, Mi):
-        # invert_with, the second buffer pair its own
-        if solve_pingpong:
-            A2 = alloc_s((GP, GP), "float32")
-            M2 = alloc_s((GP, GP), "float32")
-            invert_with(A, Mi, A2, M2)
-        else:
-            invert_with(A, Mi, A, Mi)  # (no second pair: gauss_jordan)
-
-    @T.macro
-    def run_slots(slot, g, gps):
-        # BOFT's run basis (``runs``): the slot of each group position, an index table (simpler
-        # lowering than the expression at each use); the padding slots are themselves
-        for i in par(GP):
-            slot[i] = T.if_then_else(
-                i < GC, _run_slot(T, T.truncmod(g, gps) * GC + i, (S // 2) << T.truncdiv(g, gps), GC // 2), i)
-
-    @T.macro
-    def load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm):
-        # ρ of the group's rows (1 where there is no rescale, or before BOFT's last stage)
-        for i in par(GP):
-            if has_rescale:  # one store (see build_system)
-                rho[i] = T.if_then_else(g >= g_rs and i < GC and g * NB + i // S < KB,
-                                        T.cast(RS[_perm((g - g_rs) * GC + i, kappa, has_perm)], "float32"), 1.0)
-            else:
-                rho[i] = 1.0
-
-    def f_entry(Mi, rho, i, j, g, fcoef, KB, boft):
-        # entry (i, j) of the group matrix F from M = (I − Q)⁻¹ (an expression; 0 off the blocks)
-        eye = T.if_then_else(i == j, 1.0, 0.0)
-        if boft:
-            f = rho[i] * (fcoef * (2.0 * Mi[i, j] - eye) + (1.0 - fcoef) * eye)
-        else:
-            f = rho[i] * (2.0 * Mi[j, i] - eye) - fcoef * eye
-        # (a Python function, not parsed: T.And where the kernels write ``and``)
-        return T.if_then_else(T.And(T.And(i < GC, j < GC), T.And(i // S == j // S, g * NB + i // S < KB)), f, 0.0)
-
-    return build_system, (invert, invert_with), run_slots, load_rho, f_entry
-
-
 def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
     """Macros of the streaming kernels: load a group's channel map and F pair; a tile's
     coordinates; gather a (BT, GP) slab into shared memory."""
@@ -350,7 +117,7 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
     def load_group(FH, FL, Fh, Fl, chs, g, goff, nch, kappa):
         # chs[l]: the channel of slot l (π with kappa where permuted), 0 past the group's nch
         for l in par(GP):
-            chs[l] = T.if_then_else(l < nch, _perm(g * GC + l, kappa, has_perm), 0)
+            chs[l] = T.if_then_else(l < nch, perm(g * GC + l, kappa, has_perm), 0)
         for i, j in par(GP, GP):
             Fh[i, j] = FH[goff + g, i, j]
             Fl[i, j] = FL[goff + g, i, j]
@@ -371,7 +138,7 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
             for l, t in par(GP, BT):
                 v = T.if_then_else(t < rows and l < nch, T.cast(src[a, chs[l], p0 + t], "float32"), 0.0)
                 if split:
-                    h = _tf32_hi(T, v)
+                    h = tf32_hi(T, v)
                     if transposed:
                         dst_hi[l, t] = h
                         dst_lo[l, t] = v - h
@@ -387,7 +154,7 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
             for t, l in par(BT, GP):
                 v = T.if_then_else(t < rows and l < nch, T.cast(src[p0 + t, chs[l]], "float32"), 0.0)
                 if split:
-                    h = _tf32_hi(T, v)
+                    h = tf32_hi(T, v)
                     if transposed:
                         dst_hi[l, t] = h
                         dst_lo[l, t] = v - h
@@ -404,90 +171,6 @@ def _stream_macros(T, par, GP, GC, BT, cdt, cf, has_perm):
 
 
 # --------------------------------------------------------------------------- kernels
-
-def cayley_kernel(bd: str, rd: str, cdt: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool,
-                  has_perm: bool, trans: bool, runs: bool = False, pingpong: bool = False, cpu: bool = False):
-    """Group matrices F (trans: Fᵀ; ``"both"``: F and Fᵀ, one solve for the two pairs) as a (hi,
-    lo) pair in cdt, (NG, GP, GP) each.
-
-    OFT (boft=False): F = diag(ρ)·Rᵀ − fcoef·I (fcoef = shift). BOFT: F = fcoef·R +
-    (1 − fcoef)·I (fcoef = scale), rows scaled by ρ[π(pos)] for groups g >= g_rs
-    (the last stage; π with ``kappa`` when has_perm). OFT uses g_rs = 0 and
-    pos = g·GC + i. Blocks B (KB, S, S); group g holds blocks g·NB … g·NB + NB − 1.
-    ``runs`` (BOFT): rows and columns stored in the run basis of the group's stage
-    (``_run_slot``: stage g // gps, κ = S/2·2^stage) instead of stage positions; the
-    padding slots GC … GP − 1 stay where they are (zeros). ``pingpong``: Gauss–Jordan with one
-    barrier a step (two buffer pairs, ``GJ_PINGPONG``).
-    """
-    import tilelang.language as T
-
-    par = T.grid if cpu else T.Parallel
-    alloc_s = T.alloc_local if cpu else T.alloc_shared
-    threads = 1 if cpu else _THREADS
-    GC = NB * S
-    KB, NR, NG = T.dynamic("KB NR NG")
-    build_system, (invert, _), run_slots, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, NB, GP,
-                                                                              pingpong)
-
-    @T.macro
-    def solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot):
-        build_system(B, A, Mi, g, cscale, KB)
-        if runs:
-            run_slots(slot, g, gps)
-        load_rho(RS, rho, g, g_rs, kappa, KB, has_rescale, has_perm)
-        invert(A, Mi)
-
-    want_f = trans in (False, "both")  # the F pair; "both" also the Fᵀ pair, from the same solve
-    want_t = trans in (True, "both")
-
-    @T.macro
-    def put(H, L, g, r, c, fv):
-        H[g, r, c] = _hi_lo(T, fv, cdt)[0]
-        L[g, r, c] = _hi_lo(T, fv, cdt)[1]
-
-    @T.macro
-    def group(B, RS, FH, FL, TH, TL, cscale, fcoef, g_rs, kappa, gps, g):
-        # A's rows padded by one word: after the solve it holds Fᵀ, written down its columns
-        # (GP + 1 words apart: a different bank each) and read along its rows
-        A = alloc_s((GP, GP + 1), "float32")
-        Mi = alloc_s((GP, GP), "float32")
-        rho = alloc_s((GP,), "float32")
-        slot = alloc_s((GP if runs else 1,), "int32")
-        solve(B, RS, cscale, g_rs, kappa, gps, g, A, Mi, rho, slot)
-        for i, j in par(GP, GP):
-            fv = f_entry(Mi, rho, i, j, g, fcoef, KB, boft)
-            if want_f:
-                put(FH, FL, g, slot[i] if runs else i, slot[j] if runs else j, fv)
-            if want_t:
-                A[j, i] = fv
-        if want_t:
-            # Fᵀ stored along its rows: a warp's stores to TH / TL are consecutive words of a row
-            # (storing F's entries at (c, r) wrote one word a row, GP rows apart)
-            for i, j in par(GP, GP):
-                put(TH, TL, g, slot[i] if runs else i, slot[j] if runs else j, A[i, j])
-
-    if trans == "both":
-        # the backward's F (replay) and Fᵀ (stream) pairs from one solve: the Gauss–Jordan steps
-        # are the launch's time, the second pair's stores are GP² entries a group
-        @T.prim_func
-        def cayley_both(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
-                        FL: T.Tensor((NG, GP, GP), cdt), TH: T.Tensor((NG, GP, GP), cdt),
-                        TL: T.Tensor((NG, GP, GP), cdt), cscale: T.float32, fcoef: T.float32, g_rs: T.int32,
-                        kappa: T.int32, gps: T.int32):
-            with T.Kernel(NG, threads=threads) as g:
-                group(B, RS, FH, FL, TH, TL, cscale, fcoef, g_rs, kappa, gps, g)
-
-        return cayley_both
-
-    @T.prim_func  # one pair: F, or Fᵀ where trans (stored through the TH / TL slots of ``group``)
-    def cayley(B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd), FH: T.Tensor((NG, GP, GP), cdt),
-               FL: T.Tensor((NG, GP, GP), cdt), cscale: T.float32, fcoef: T.float32, g_rs: T.int32,
-               kappa: T.int32, gps: T.int32):
-        with T.Kernel(NG, threads=threads) as g:
-            group(B, RS, FH, FL, FH, FL, cscale, fcoef, g_rs, kappa, gps, g)
-
-    return cayley
-
 
 def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int, cf: bool, has_perm: bool,
                  diff: bool, threads_: int = _THREADS, cpu: bool = False):
@@ -557,20 +240,19 @@ def apply_kernel(xd: str, yd: str, x0d: str, cdt: str, GP: int, GC: int, BT: int
 
 
 def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
-                        stages: int = 1, cf: bool = False, stage_out: bool = False, cayley: tuple = (),
-                        cpu: bool = False):
+                        stages: int = 1, cf: bool = False, cayley: tuple = (), cpu: bool = False):
     """``apply_kernel`` where nothing needs a gather: the identity channel map, every group's
     GP channels used (GC = GP, S divides GP), no diff, and x already in the GEMM dtype
     (16-bit; the CPU twin's exact fp32 GEMM too). The x tile goes to shared memory by
     ``T.copy`` in a ``T.Pipelined`` loop (async copies, ``stages`` deep) instead of element
-    by element through the channel map, and the fp32 fragment is stored by ``T.copy`` (one
-    rounding; ``stage_out``: through a shared tile, whole rows), out-of-range positions and
-    channels predicated by T.copy.
+    by element through the channel map, and the fp32 fragment is stored by ``T.copy`` through a
+    shared tile, whole rows (one rounding; measured several times faster than from the
+    fragment), out-of-range positions and channels predicated by T.copy.
     Channels last: X, Y (NP, C), tile (BT, GP), ``acc = X·Fᵀ``. Channels first (``cf``):
     X, Y (PRE, C, NP), tile (GP, BT) of one pre index (a weight's rows are its channels),
     ``acc = F·X`` (the same product per position, no transposed operand).
     Group g uses F pair [g]; program (g, split) walks tiles split·tps … split·tps + tps − 1.
-    ``cayley`` = (blocks dtype, rescale dtype, S, has_rescale, pingpong): each program solves its
+    ``cayley`` = (blocks dtype, rescale dtype, S, has_rescale): each program solves its
     group's Cayley transform itself (``cayley_kernel``'s algebra, in its prologue) from the
     blocks B (KB, S, S), rescale RS, cscale and shift instead of reading an F pair: no
     Cayley launch before it, and F never in global memory."""
@@ -581,13 +263,13 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
     threads = 1 if cpu else threads_
     xshape, tshape, tile, C = _direct_layout(T, cf, BT, GP)
     NG = T.dynamic("NG")
-    group_f = _group_f_macro(T, cpu, GP, cdt, cayley, False)
+    group_f = group_f_macro(T, cpu, GP, cdt, cayley, False)
 
     @T.macro
     def tiles(X, Y, Fh, Fl, g, sp, tps):
         Xs = alloc_s(tshape, cdt)
         acc = alloc_f(tshape, "float32")
-        Ys = alloc_s(tshape if stage_out else (1, 1), yd)
+        Ys = alloc_s(tshape, yd)
         for tt in T.Pipelined(tps, num_stages=stages):
             T.copy(tile(X, g, sp * tps + tt), Xs)
             T.clear(acc)
@@ -597,11 +279,9 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
             else:  # y = x·Fᵀ per row
                 T.gemm(Xs, Fh, acc, transpose_B=True)
                 T.gemm(Xs, Fl, acc, transpose_B=True)
-            if stage_out:  # through shared memory: whole-row stores instead of fragment pairs
-                T.copy(acc, Ys)
-                T.copy(Ys, tile(Y, g, sp * tps + tt))
-            else:
-                T.copy(acc, tile(Y, g, sp * tps + tt))
+            # through shared memory: whole-row stores instead of fragment pairs
+            T.copy(acc, Ys)
+            T.copy(Ys, tile(Y, g, sp * tps + tt))
 
     if cayley:
         bd, rd, S = cayley[:3]
@@ -630,38 +310,6 @@ def apply_direct_kernel(xd: str, yd: str, cdt: str, GP: int, BT: int, threads_: 
             tiles(X, Y, Fh, Fl, g, sp, tps)
 
     return oft_apply_direct
-
-
-def _group_f_macro(T, cpu: bool, GP: int, cdt: str, cayley: tuple, trans: bool):
-    """The direct kernels' prologue when they solve the Cayley transform themselves
-    (``cayley`` = (blocks dtype, rescale dtype, S, has_rescale, pingpong); None when they read an F
-    pair): diag-OFT's F (``trans``: Fᵀ) of group g as a (hi, lo) pair in shared tiles."""
-    if not cayley:
-        return None
-    _, _, S, has_rescale, pingpong = cayley
-    par = T.grid if cpu else T.Parallel
-    alloc_s = T.alloc_local if cpu else T.alloc_shared
-    build_system, (invert, _), _, load_rho, f_entry = _cayley_macros(T, par, alloc_s, S, GP // S, GP,
-                                                                      pingpong)
-
-    @T.macro
-    def group_f(B, RS, Fh, Fl, g, cscale, fcoef, KB):
-        A = alloc_s((GP, GP), "float32")
-        Mi = alloc_s((GP, GP), "float32")
-        rho = alloc_s((GP,), "float32")
-        build_system(B, A, Mi, g, cscale, KB)
-        load_rho(RS, rho, g, 0, 0, KB, has_rescale, False)
-        invert(A, Mi)
-        for i, j in par(GP, GP):
-            fv = f_entry(Mi, rho, i, j, g, fcoef, KB, False)
-            if trans:
-                Fh[j, i] = _hi_lo(T, fv, cdt)[0]
-                Fl[j, i] = _hi_lo(T, fv, cdt)[1]
-            else:
-                Fh[i, j] = _hi_lo(T, fv, cdt)[0]
-                Fl[i, j] = _hi_lo(T, fv, cdt)[1]
-
-    return group_f
 
 
 def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT: int, cf: bool, has_perm: bool,
@@ -737,11 +385,10 @@ def bwd_stream_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, GC: int, BT
 
 
 def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int, threads_: int = _THREADS,
-                         stages: int = 1, cf: bool = False, stage_out: bool = False, cayley: tuple = (),
-                         cpu: bool = False):
+                         stages: int = 1, cf: bool = False, cayley: tuple = (), cpu: bool = False):
     """``bwd_stream_kernel`` where nothing needs a gather (as ``apply_direct_kernel``: GC = GP,
     G and x in the 16-bit GEMM dtype; the CPU twin at fp32): the G and x tiles by ``T.copy``
-    in a ``T.Pipelined`` loop, gx stored by ``T.copy``. Positions past the end load as zeros
+    in a ``T.Pipelined`` loop, gx stored by ``T.copy`` through a shared tile. Positions past the end load as zeros
     (T.copy's predicate), so they add nothing to P.
     Channels last: tiles (BT, GP), ``gx = G·(Fᵀ)ᵀ``, ``P += Gᵀ·X`` (``transpose_A``).
     Channels first (``cf``, (PRE, C, NP)): tiles (GP, BT), ``gx = Fᵀ·G``, ``P += G·Xᵀ``.
@@ -753,7 +400,7 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
     threads = 1 if cpu else threads_
     xshape, tshape, tile, C = _direct_layout(T, cf, BT, GP)
     NG, NS, NGP = T.dynamic("NG NS NGP")
-    group_f = _group_f_macro(T, cpu, GP, cdt, cayley, True)
+    group_f = group_f_macro(T, cpu, GP, cdt, cayley, True)
 
     @T.macro
     def tiles(G, X, GX, P, Fh, Fl, g, sp, tps):
@@ -761,7 +408,7 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
         Xs = alloc_s(tshape, cdt)
         acc = alloc_f(tshape, "float32")
         accp = alloc_f((GP, GP), "float32")
-        Ys = alloc_s(tshape if stage_out else (1, 1), gxd)
+        Ys = alloc_s(tshape, gxd)
         T.clear(accp)
         for tt in T.Pipelined(tps, num_stages=stages):
             T.copy(tile(G, g, sp * tps + tt), Gs)
@@ -775,11 +422,8 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
                 T.gemm(Gs, Fh, acc, transpose_B=True)
                 T.gemm(Gs, Fl, acc, transpose_B=True)
                 T.gemm(Gs, Xs, accp, transpose_A=True)
-            if stage_out:
-                T.copy(acc, Ys)
-                T.copy(Ys, tile(GX, g, sp * tps + tt))
-            else:
-                T.copy(acc, tile(GX, g, sp * tps + tt))
+            T.copy(acc, Ys)
+            T.copy(Ys, tile(GX, g, sp * tps + tt))
         T.copy(accp, P[sp, g, 0, 0])
 
     if cayley:
@@ -813,175 +457,7 @@ def stream_direct_kernel(gd: str, xd: str, gxd: str, cdt: str, GP: int, BT: int,
     return oft_stream_direct
 
 
-def chain_kernel(bd: str, rd: str, S: int, NB: int, GP: int, boft: bool, has_rescale: bool, runs: bool = False,
-                 pingpong: bool = False, blocks: bool = False, cpu: bool = False):
-    """Cayley-chain backward per group from the fp32 partials P (NS, NG, GP, GP) (``runs``:
-    BOFT's partials in the run basis of the group's stage, ``_run_slot``; stage g // gps).
-
-    OFT: g_rescale[g·GC + i] = Σ_j P[i,j]·R[j,i] (has_rescale), gR = (diag(ρ)·P)ᵀ;
-    BOFT: gR = fcoef·P (fcoef = scale). Then gQ = 2·Mᵀ·gR·Mᵀ and
-    GB[k] = cscale·(gQ − gQᵀ) on each block, in blocks' dtype. ``pingpong``: as
-    ``cayley_kernel``'s (``GJ_PINGPONG``). ``blocks`` (``CHAIN_BLOCKS``): the split sum and the
-    two products over the blocks' NB·S² entries alone (every other entry of gR, Mᵀ·gR and gQ is
-    zero or unused), the products' sums in registers.
-    """
-    import tilelang.language as T
-
-    par = T.grid if cpu else T.Parallel
-    alloc_s = T.alloc_local if cpu else T.alloc_shared
-    alloc_f = T.alloc_local if cpu else T.alloc_fragment
-    threads = 1 if cpu else _THREADS
-    GC = NB * S
-    KB, NR, NGR, NG, NS = T.dynamic("KB NR NGR NG NS")
-    build_system, (_, invert_with), run_slots, load_rho, _ = _cayley_macros(T, par, alloc_s, S, NB, GP, pingpong)
-    full_chain, block_chain = _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, bd,
-                                            invert_with)
-
-    @T.prim_func
-    def oft_chain(P: T.Tensor((NS, NG, GP, GP), _F32), B: T.Tensor((KB, S, S), bd), RS: T.Tensor((NR,), rd),
-                  GB: T.Tensor((KB, S, S), bd), GR: T.Tensor((NGR,), bd), cscale: T.float32, fcoef: T.float32,
-                  gps: T.int32):
-        with T.Kernel(NG, threads=threads) as g:
-            A = alloc_s((GP, GP), "float32")
-            Mi = alloc_s((GP, GP), "float32")
-            rho = alloc_s((GP,), "float32")
-            Ps = alloc_s((GP, GP), "float32")
-            gR = alloc_s((GP, GP), "float32")
-            T1 = alloc_s((GP, GP), "float32")
-            slot = alloc_s((GP if runs else 1,), "int32")
-            build_system(B, A, Mi, g, cscale, KB)
-            load_rho(RS, rho, g, 0, 0, KB, has_rescale, False)
-            if runs:
-                run_slots(slot, g, gps)
-            if blocks:
-                block_chain(P, GB, GR, cscale, fcoef, g, A, Mi, rho, Ps, gR, T1, slot, KB, NS)
-            else:
-                full_chain(P, GB, GR, cscale, fcoef, g, A, Mi, rho, Ps, gR, T1, slot, KB, NS)
-
-    return oft_chain
-
-
-def _chain_macros(T, par, alloc_s, alloc_f, S, NB, GP, boft, has_rescale, runs, bd, invert_with):
-    """The two bodies of ``chain_kernel`` after the system is built: ``full_chain`` over the
-    group's GP x GP entries, ``block_chain`` over its blocks' entries alone."""
-    GC = NB * S
-
-    @T.macro
-    def rescale_grad(GR, Ps, Mi, g, KB, accr, full):
-        # g_rescale[i] = Σ_j Ps[i, j]·R[j, i], R = 2M − I (Ps is zero off the blocks: ``full`` sums
-        # the whole row, else the S columns of row i's block)
-        T.clear(accr)
-        for jj in T.serial(GP if full else S):
-            for i in par(GP):
-                if full:
-                    accr[i] += Ps[i, jj] * (2.0 * Mi[jj, i] - T.if_then_else(i == jj, 1.0, 0.0))
-                elif i < GC:
-                    accr[i] += Ps[i, i // S * S + jj] * (2.0 * Mi[i // S * S + jj, i]
-                                                         - T.if_then_else(i == i // S * S + jj, 1.0, 0.0))
-        for i in par(GP):
-            if i < GC and g * NB + i // S < KB:
-                GR[g * GC + i] = T.cast(accr[i], bd)
-
-    @T.macro
-    def full_chain(P, GB, GR, cscale, fcoef, g, A, Mi, rho, Ps, gR, T1, slot, KB, NS):
-        acc = alloc_f((GP, GP), "float32")
-        T.clear(acc)
-        for s in T.serial(NS):
-            for i, j in par(GP, GP):
-                if runs:
-                    acc[i, j] += P[s, g, slot[i], slot[j]]
-                else:
-                    acc[i, j] += P[s, g, i, j]
-        for i, j in par(GP, GP):
-            Ps[i, j] = T.if_then_else(
-                i < GC and j < GC and i // S == j // S and g * NB + i // S < KB, acc[i, j], 0.0)
-        invert_with(A, Mi, gR, T1)  # gR and T1 are free until after the solve
-        if boft:
-            for i, j in par(GP, GP):
-                gR[i, j] = fcoef * Ps[i, j]
-        else:
-            for i, j in par(GP, GP):
-                gR[i, j] = rho[j] * Ps[j, i]
-            if has_rescale:
-                accr = alloc_f((GP,), "float32")
-                rescale_grad(GR, Ps, Mi, g, KB, accr, True)
-        # T1 = Mᵀ·gR, then gQ = 2·T1·Mᵀ (kept in A). M is block diagonal, so each sum runs over
-        # the S indices of a block (row i's for Mᵀ·gR, column j's for ·Mᵀ): only gQ's diagonal
-        # blocks are used. Rows past GC (padding) sum nothing.
-        T.clear(acc)
-        for ll in T.serial(S):
-            for i, j in par(GP, GP):
-                if i < GC:
-                    acc[i, j] += Mi[i // S * S + ll, i] * gR[i // S * S + ll, j]
-        T.copy(acc, T1)
-        T.clear(acc)
-        for ll in T.serial(S):
-            for i, j in par(GP, GP):
-                if j < GC:
-                    acc[i, j] += T1[i, j // S * S + ll] * Mi[j, j // S * S + ll]
-        T.copy(acc, A)
-        for i, j in par(GP, GP):
-            if i < GC and j < GC and i // S == j // S and g * NB + i // S < KB:
-                GB[g * NB + i // S, i % S, j % S] = T.cast(2.0 * cscale * (A[i, j] - A[j, i]), bd)
-
-    @T.macro
-    def block_chain(P, GB, GR, cscale, fcoef, g, A, Mi, rho, Ps, gR, T1, slot, KB, NS):
-        # full_chain's algebra on the blocks' entries (b, r, c) -> (b·S + r, b·S + c) alone: gR,
-        # Mᵀ·gR and gQ are block diagonal, so every sum runs over a block's S indices; the two
-        # products accumulate in a (NB, S, S) fragment (NB·S² / threads entries a thread)
-        accb = alloc_f((NB, S, S), "float32")
-        T.clear(accb)
-        for s in T.serial(NS):
-            for b, r, c in par(NB, S, S):
-                if runs:
-                    accb[b, r, c] += P[s, g, slot[b * S + r], slot[b * S + c]]
-                else:
-                    accb[b, r, c] += P[s, g, b * S + r, b * S + c]
-        for b, r, c in par(NB, S, S):
-            Ps[b * S + r, b * S + c] = accb[b, r, c]
-        invert_with(A, Mi, gR, T1)  # gR and T1 are free until after the solve
-        for b, r, c in par(NB, S, S):
-            if boft:
-                gR[b * S + r, b * S + c] = fcoef * Ps[b * S + r, b * S + c]
-            else:
-                gR[b * S + r, b * S + c] = rho[b * S + c] * Ps[b * S + c, b * S + r]
-        if has_rescale and not boft:
-            accr = alloc_f((GP,), "float32")
-            rescale_grad(GR, Ps, Mi, g, KB, accr, False)
-        # Mᵀ's blocks into A (free after the solve): the second product then reads along rows (a
-        # thread's neighbours in c read neighbouring words, not one bank GP words apart)
-        for b, r, c in par(NB, S, S):
-            A[b * S + r, b * S + c] = Mi[b * S + c, b * S + r]
-        T.clear(accb)
-        for ll in T.serial(S):
-            for b, r, c in par(NB, S, S):
-                accb[b, r, c] += Mi[b * S + ll, b * S + r] * gR[b * S + ll, b * S + c]
-        for b, r, c in par(NB, S, S):
-            T1[b * S + r, b * S + c] = accb[b, r, c]
-        T.clear(accb)
-        for ll in T.serial(S):
-            for b, r, c in par(NB, S, S):
-                accb[b, r, c] += T1[b * S + r, b * S + ll] * A[b * S + ll, b * S + c]
-        for b, r, c in par(NB, S, S):
-            Ps[b * S + r, b * S + c] = accb[b, r, c]  # gQ / 2 (Ps is read no more)
-        for b, r, c in par(NB, S, S):
-            if g * NB + b < KB:
-                GB[g * NB + b, r, c] = T.cast(2.0 * cscale * (Ps[b * S + r, b * S + c] - Ps[b * S + c, b * S + r]),
-                                              bd)
-
-    return full_chain, block_chain
-
-
 # --------------------------------------------------------------------------- host side
-
-def chain_blocks(S: int, NB: int) -> bool:
-    """``chain_kernel``'s ``blocks`` form: ``CHAIN_BLOCKS``, where the blocks have at least
-    ``_GJ_ENTRIES_MIN`` entries (a parallel loop over fewer than the threads is one guarded branch)
-    and a whole number of them a thread (TileLang finds no layout for the (NB, S, S) fragment
-    otherwise: S = 24 or 40 alone at 128 threads, sm_90a)."""
-    n = NB * S * S
-    return CHAIN_BLOCKS and n >= _GJ_ENTRIES_MIN and n % _THREADS == 0
-
 
 def apply_smem(GP: int, BT: int, csize: int) -> int:
     """Shared-memory bytes of ``apply_kernel`` (GEMM operands of ``csize`` bytes): the channel
@@ -1048,13 +524,13 @@ def _cayley(blocks, rs, cdt, S, NB, GP, boft, has_perm, trans, cscale, fcoef, g_
     outs = [torch.empty((ng, GP, GP), device=blocks.device, dtype=cdt) for _ in range(2 * pairs)]
     rsv = _rescale_operand(blocks, rs)
     k = kernel(cayley_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), tl_dtype(cdt), S, NB, GP, boft,
-               rs is not None, has_perm, trans, gps > 0, GJ_PINGPONG)
+               rs is not None, has_perm, trans, gps > 0)
     k(blocks.view(-1, S, S), rsv, *outs, float(cscale), float(fcoef), int(g_rs), int(kappa), max(int(gps), 1))
     return tuple(outs)
 
 
 def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg=None):
-    """Diag-OFT forward (OPS.md §2.5.1, see ``reference.oft.oft_fwd``): one direct kernel that
+    """Diag-OFT forward (docs/ops.md §2.5.1, see ``reference.oft.oft_fwd``): one direct kernel that
     solves the Cayley transform itself (``fuse_cayley``), else Cayley + apply kernels;
     ``cfg``: the apply kernel's tuned {BT, threads} over ``APPLY``."""
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
@@ -1102,7 +578,7 @@ def _rescale_operand(blocks: torch.Tensor, rs) -> torch.Tensor:
 
 def _cayley_args(blocks: torch.Tensor, rsv: torch.Tensor, has_rescale: bool) -> tuple:
     """The direct kernels' ``cayley`` builder argument for these operands."""
-    return tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), blocks.shape[-1], has_rescale, GJ_PINGPONG
+    return tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), blocks.shape[-1], has_rescale
 
 
 def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dtype, arch: str,
@@ -1112,26 +588,27 @@ def direct_apply(cf: bool, GP: int, GC: int, x_dtype: torch.dtype, cdt: torch.dt
     channel, x in the GEMM dtype (16-bit: no TF32 split of x; the CPU twin's GEMM is exact
     fp32, so it takes it at fp32 too), and rows of ``inner`` elements (the kernel view's last
     axis: C channels last, the positions after the channel axis channels first) a multiple of
-    16 bytes: a TMA descriptor (sm_90a) takes no other row stride (the H200 refused a
-    (72, 37) bf16 weight: 74-byte rows), and 16-byte cp.async copies (sm_80) need it too."""
+    16 bytes: a TMA descriptor (sm_90a) takes no other row stride (a (72, 37) bf16 weight's
+    74-byte rows were refused), and 16-byte cp.async copies (sm_80) need it too."""
     return (GC == GP and x_dtype == cdt and (cdt != torch.float32 or arch == CPU_ARCH)
             and inner * x_dtype.itemsize % 16 == 0)
 
 
 def direct_flags(arch: str, cf: bool, fused: str = "") -> tuple:
-    """The direct kernels' trailing builder arguments on ``arch``: (pipeline depth, layout,
-    store through shared memory); ``fused`` ("fwd" / "bwd"): the ``FUSE_CAYLEY`` kernels' depth."""
+    """The direct kernels' trailing builder arguments on ``arch``: (pipeline depth, layout);
+    ``fused`` ("fwd" / "bwd"): the depth of the kernels that solve the Cayley transform."""
     stages = (FUSED_STAGES[fused] if fused else _DIRECT_STAGES) if arch == "sm_90a" else 1
-    return stages, cf, DIRECT_STAGE_OUT["cf" if cf else "cl"]
+    return stages, cf
 
 
 def fuse_cayley(direct: bool, arch: str, GP: int, BT: int, csize: int, bwd: bool) -> bool:
-    """Whether the direct kernel solves the Cayley transform itself (``FUSE_CAYLEY``): on the
-    direct path, and on sm_90a only where its shared memory with ``FUSED_STAGES`` tiles in
-    flight fits a block: the F pair, then the larger of the Gauss–Jordan scratch (four fp32
-    GP x GP buffers; TileLang reuses it for the tiles once the solve is done) and the
-    pipelined tiles (x; the backward G and x) with the output stage."""
-    if not (direct and FUSE_CAYLEY):
+    """Whether the direct kernel solves the Cayley transform itself (one launch, F never in
+    global memory): on the direct path, and on sm_90a only where its shared memory with
+    ``FUSED_STAGES`` tiles in flight fits a block: the F pair, then the larger of the
+    Gauss–Jordan scratch (four fp32 GP x GP buffers; TileLang reuses it for the tiles once
+    the solve is done) and the pipelined tiles (x; the backward G and x) with the output
+    stage. Elsewhere a Cayley launch writes the F pair the direct kernel reads."""
+    if not direct:
         return False
     if arch != "sm_90a":
         return True
@@ -1149,7 +626,7 @@ def direct_stages(arch: str) -> int:
 
 
 def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
-    """Diag-OFT backward (OPS.md §2.5.2): stream (solving Fᵀ itself: ``fuse_cayley``; else after a
+    """Diag-OFT backward (docs/ops.md §2.5.2): stream (solving Fᵀ itself: ``fuse_cayley``; else after a
     Cayley (Fᵀ) launch) + chain kernels; ``cfg``: the
     stream kernel's tuned {BT, threads} over ``STREAM``.
 
@@ -1198,7 +675,7 @@ def oft_bwd(grad, blocks, x, rescale, cscale, shift, weight, cfg=None):
                         tl_dtype(cdt), GP, GC, p["BT"], cf, False, p["threads"])
             ks(gv, xv, fh, fl, gx.view(xv.shape), part, 0, 0, tps)
     kc = kernel(chain_kernel, arch, tl_dtype(blocks.dtype), tl_dtype(rsv.dtype), S, NB, GP, False, rs is not None,
-                False, GJ_PINGPONG, chain_blocks(S, NB))
+                False, chain_blocks(S, NB))
     gr = g_rescale if rs is not None else torch.empty((1,), device=dev, dtype=blocks.dtype)
     kc(part, bc, rsv, g_blocks, gr, float(cscale), 1.0, 1)
     return gx, g_blocks, g_rescale
@@ -1209,19 +686,19 @@ def compile_specs(dtype: torch.dtype):
     d = tl_dtype(dtype)
     return [
         (cayley_kernel, (d, d, d, 5, 6, 32, False, True, False, False)),
-        (cayley_kernel, (d, d, d, 16, 4, 64, False, True, False, True, False, True)),  # GJ_PINGPONG
+        (cayley_kernel, (d, d, d, 16, 4, 64, False, True, False, True, False)),
         (apply_kernel, (d, d, d, d, 32, 30, _BT_FWD, False, False, False)),
         (apply_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_FWD, True, False, False)),
-        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True)),
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False)),
         (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, True)),
         (bwd_stream_kernel, (d, d, d, d, 32, 30, _BT_BWD, False, False)),
         (bwd_stream_kernel, ("float32", "float32", "float32", "float32", 32, 32, _BT_BWD, True, False)),
-        (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, False, True)),
+        (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, False)),
         (stream_direct_kernel, (d, d, d, d, 32, _BT_BWD, _THREADS, 1, True)),
-        # FUSE_CAYLEY: the group's Cayley solve in the direct kernels' prologue
-        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, True, ("float32", "float32", 8, True, True))),
-        (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, True, (d, d, 16, False, False))),
+        # the group's Cayley solve in the direct kernels' prologue
+        (apply_direct_kernel, (d, d, d, 32, _BT_FWD, _THREADS, 1, False, ("float32", "float32", 8, True))),
+        (stream_direct_kernel, (d, d, d, d, 64, _BT_BWD, _THREADS, 1, True, (d, d, 16, False))),
         (chain_kernel, (d, d, 5, 6, 32, False, True)),
-        (chain_kernel, (d, d, 16, 4, 64, False, True, False, True)),  # GJ_PINGPONG
-        (chain_kernel, (d, d, 16, 4, 64, False, True, False, True, True)),  # CHAIN_BLOCKS, with g_rescale
+        (chain_kernel, (d, d, 16, 4, 64, False, True, False)),
+        (chain_kernel, (d, d, 16, 4, 64, False, True, False, True)),  # blocks, with g_rescale
     ]

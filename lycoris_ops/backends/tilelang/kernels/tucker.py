@@ -1,19 +1,23 @@
-"""TileLang kernel of the tucker rebuild (OPS.md §2.1.5): ``lora_tucker_fwd``.
+"""TileLang kernels of the tucker rebuild (docs/ops.md §2.1.5): ``lora_tucker_fwd``.
 
 ``C[o, i, κ] = Σ_q round(Σ_p a[o,p]·t[p,q,κ])·b[q,i]``; ``Y = γ·C1`` or, with
 the second chain, ``Y = (γ·C1)⊙C2``. Written from the math and
 ``reference/lora.py`` (the partial product a·t is rounded to the compute
 dtype before ·b, fp32 accumulation, one rounding at the store).
 
-``tucker_kernel`` - program = (κ, I tile, O tile), κ fastest so the programs
+``tucker_pre_kernel`` - where its staged output tile fits (``all_k_fits``): a·t precomputed
+    for every κ by one torch matmul, then program = (I tile, O tile) computing every κ of
+    its tile, one product a κ, the (BO, BI·Kk) output tile staged in shared memory and stored
+    as whole rows (a per-κ program stores every Kk-th element: a 32-byte sector written per
+    2-byte element). Measured several times faster than the per-κ kernel.
+``tucker_kernel`` - elsewhere: program = (κ, I tile, O tile), κ fastest so the programs
     writing the interleaved κ columns of one (O, I) tile run together. Per
     chain: ``T.gemm`` of the a rows (BO x Rap) with the core slice t[:, :, κ]
     (host-permuted to (Kk, R, R') so the slice is a compact tile) into an fp32
     fragment, rounded into shared memory, then ``T.gemm`` with the b columns
-    (Rbp x BI). The ranks are padded to powers of two >= 16 (zero-filled;
-    the scope caps them at 64). Output (O, I, Kk) in a1's dtype, stored with
-    the κ stride.
+    (Rbp x BI). Output (O, I, Kk) in a1's dtype, stored with the κ stride.
 
+The ranks are padded to powers of two >= 16 (zero-filled; the scope caps them at 64).
 fp32 operands would run as TF32: fp32 calls step down (``scope.py``).
 Operands are cast to the compute dtype and made contiguous on the host
 (a transposed a1, as LoHa passes it, is copied).
@@ -26,29 +30,15 @@ from lycoris_ops.backends.tilelang.kernels.lora import _scopes, compute_dtype, p
 __all__ = ["tucker_kernel", "tucker_pre_kernel", "tucker_fwd", "compile_specs"]
 
 _ACC = "float32"
-#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (backends/triton/tuning/tucker.py:
+#: the fixed launch config (the tuner's ``{}`` candidate); a tuned ``cfg`` (backends/tilelang/tuning/tucker.py:
 #: ``TILELANG``) overrides the output tile (BO x BI) and the threads
 TUCKER = dict(BO=64, BI=64, threads=128)
-#: ``all_k``: a program computes every κ of its (O, I) tile, stages the (BO, BI·Kk) output
-#: tile in shared memory and stores whole rows, instead of one κ a program storing every
-#: Kk-th element (2-byte stores Kk·2 bytes apart: a 32-byte sector written per element).
-#: On: 4.7x / 5.2x faster than per-κ at the large / small bench shape, one chain (H200, bf16,
-#: ``bench/tilelang_tucker_variants.py``, RESULTS.md 2026-12-02 06:50); ``all_k_fits`` keeps
-#: the per-κ kernel for tiles whose staging would not fit ``_ALL_K_SMEM``
-ALL_K = True
-#: ``tucker_kernel(pipe_k=...)``: the all-κ program's κ loop pipelined. Off: 0.312 ms against
-#: ``ALL_K_PRE``'s 0.280 (``bench/tilelang_tucker_variants.py``, 2026-12-02 09:10)
-ALL_K_PIPE = False
-#: ``tucker_pre_kernel``: the all-κ program over a·t precomputed for every κ by one torch
-#: matmul (Kk·O·Rb values, 4.7 MB at the large bench shape), one product a κ instead of two.
-#: On: ``bench/tilelang_tucker_variants.py`` (H200, bf16, RESULTS.md 2026-12-02 09:10): 0.280 ms
-#: against 0.333 for the all-κ program (0.395 / 0.537 with two chains; small 0.153 / 0.168)
-ALL_K_PRE = True
+#: the all-κ kernel's shared-memory budget: sm_80's 163 KB block, with a margin
 _ALL_K_SMEM = 160 * 1024
 
 
 def all_k_fits(BO: int, BI: int, Kk: int, pa: int, pb: int, chains: int, e: int, eo: int) -> bool:
-    """Whether the ``all_k`` kernel's shared memory (per chain the a, t, a·t and b tiles; the
+    """Whether the all-κ kernel's shared memory (per chain the a, t, a·t and b tiles; the
     staged output tile) fits ``_ALL_K_SMEM`` (sm_80's 163 KB block, with a margin)."""
     return chains * (BO * pa + pa * pb + BO * pb + pb * BI) * e + BO * BI * Kk * eo <= _ALL_K_SMEM
 
@@ -67,14 +57,9 @@ def _store_rows(T, par, BO: int, W: int, O: int, IK: int):
 
 
 def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str, odt: str,
-                  BO: int = 64, BI: int = 64, threads: int = 128, all_k: bool = False, pipe_k: bool = False,
-                  cpu: bool = False):
+                  BO: int = 64, BI: int = 64, threads: int = 128, cpu: bool = False):
     """One chain (R2a None) or the hadamard of two. A (O, Ra), Tc (Kk, Ra, Rb), B (Rb, I).
-
-    Grid (κ, I tile, O tile), Y (O, I, Kk); ``all_k``: grid (1, I tile, O tile), Y seen as
-    (O, I·Kk), every κ of the tile computed in the program and the output tile staged as
-    (BO, BI·Kk) (κ fastest, Y's own order), then stored row by row (``ALL_K``); ``pipe_k``
-    (``ALL_K_PIPE``) pipelines that κ loop: the next core slices load during this κ's products."""
+    Grid (κ, I tile, O tile), Y (O, I, Kk)."""
     import tilelang.language as T
 
     shared, frag, par, nthreads = _scopes(T, cpu)
@@ -84,9 +69,7 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
     s2a = (O, R2a) if two else (1,)
     s2t = (Kk, R2a, R2b) if two else (1,)
     s2b = (R2b, I) if two else (1,)
-    KG, KL = (1, Kk) if all_k else (Kk, 1)  # κ: grid extent, then loop extent in a program
-    W = BI * Kk
-    store_rows = _store_rows(T, par, BO, W, O, I * Kk)
+    KG, KL = Kk, 1  # κ: grid extent, then loop extent in a program
 
     @T.macro
     def chain(Tc, a_s, t_s, at_s, b_s, f, c, k, pa, pb):
@@ -100,7 +83,7 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
     @T.prim_func
     def tucker(A1: T.Tensor((O, R1a), dt), T1: T.Tensor((Kk, R1a, R1b), dt), B1: T.Tensor((R1b, I), dt),
                A2: T.Tensor(s2a, dt), T2: T.Tensor(s2t, dt), B2: T.Tensor(s2b, dt),
-               Y: T.Tensor((O, I * Kk) if all_k else (O, I, Kk), odt), gamma: T.float32):
+               Y: T.Tensor((O, I, Kk), odt), gamma: T.float32):
         with T.Kernel(KG, T.ceildiv(I, BI), T.ceildiv(O, BO), threads=nthreads(threads)) as (kg, bi, bo):
             a1s = shared((BO, P1a), dt)
             t1s = shared((P1a, P1b), dt)
@@ -115,37 +98,29 @@ def tucker_kernel(O: int, I: int, Kk: int, R1a: int, R1b: int, R2a, R2b, dt: str
                 b2s = shared((P2b, BI), dt)
                 f2 = frag((BO, P2b), _ACC)
                 c2 = frag((BO, BI), _ACC)
-            if all_k:
-                ys = shared((BO, W), odt)
             o0 = bo * BO
             i0 = bi * BI
-            T.copy(A1[o0, 0], a1s)  # the a rows and b columns of the tile (all_k: once for every κ)
+            T.copy(A1[o0, 0], a1s)  # the a rows and b columns of the tile
             T.copy(B1[0, i0], b1s)
             if two:
                 T.copy(A2[o0, 0], a2s)
                 T.copy(B2[0, i0], b2s)
-            for kl in (T.Pipelined(KL, num_stages=2) if all_k and pipe_k else T.serial(KL)):
-                k = kg + kl  # one of the two is 0
+            for kl in T.serial(KL):
+                k = kg + kl  # kl is 0
                 chain(T1, a1s, t1s, at1, b1s, f1, c1, k, P1a, P1b)
                 if two:
                     chain(T2, a2s, t2s, at2, b2s, f2, c2, k, P2a, P2b)
                 for i, j in par(BO, BI):
                     v = c1[i, j] * gamma * c2[i, j] if two else c1[i, j] * gamma
-                    if all_k:
-                        ys[i, j * Kk + k] = T.cast(v, odt)
-                    elif o0 + i < O and i0 + j < I:
+                    if o0 + i < O and i0 + j < I:
                         Y[o0 + i, i0 + j, k] = T.cast(v, odt)
-            if all_k:
-                store_rows(ys, Y, o0, i0 * Kk)
 
-    # pipelined, TileLang would warp-specialize it: 256 threads, one program an SM, where the
-    # all-κ program's serial products and stores want several
-    return without_warp_specialization(tucker) if pipe_k and not cpu else tucker
+    return tucker
 
 
 def tucker_pre_kernel(O: int, I: int, Kk: int, R1b: int, R2b, dt: str, odt: str,
                       BO: int = 64, BI: int = 64, threads: int = 128, cpu: bool = False):
-    """The all-κ program over a·t precomputed (``ALL_K_PRE``): AT (Kk, O, Rb) = round(a·t[:, :, κ])
+    """The all-κ program over a·t precomputed: AT (Kk, O, Rb) = round(a·t[:, :, κ])
     per chain, B (Rb, I); Y (O, I·Kk) = γ·AT1[κ]·B1 (⊙ AT2[κ]·B2). Grid (I tile, O tile); the
     κ loop pipelined (the next AT tiles load during this κ's product), one product a κ and
     chain, the (BO, BI·Kk) output tile staged in shared memory and stored as whole rows.
@@ -210,11 +185,10 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
     two = a2 is not None
     R2a, R2b = (t2.shape[0], t2.shape[1]) if two else (None, None)
     ranks = (R1a, R1b) + ((R2a, R2b) if two else ())
-    all_k = ALL_K and all_k_fits(p["BO"], p["BI"], Kk, max(pad_rank(r) for r in ranks[0::2]),
-                                 max(pad_rank(r) for r in ranks[1::2]), 2 if two else 1, c.itemsize,
-                                 y.element_size())
+    all_k = all_k_fits(p["BO"], p["BI"], Kk, max(pad_rank(r) for r in ranks[0::2]),
+                       max(pad_rank(r) for r in ranks[1::2]), 2 if two else 1, c.itemsize, y.element_size())
     z = None if two else torch.zeros(1, device=dev, dtype=c)  # the absent chain's operands
-    if all_k and ALL_K_PRE:
+    if all_k:
         k = kernel(tucker_pre_kernel, arch_of(dev), O, I, Kk, R1b, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
                    p["BI"], p["threads"])
         second = (_at(a2, t2, c), prep(b2, c)) if two else (z, z)
@@ -223,8 +197,8 @@ def tucker_fwd(a1, t1, b1, a2, t2, b2, gamma, cfg=None):
     args = [prep(a1, c), prep(t1.permute(2, 0, 1), c), prep(b1, c)]
     args += [prep(a2, c), prep(t2.permute(2, 0, 1), c), prep(b2, c)] if two else [z, z, z]
     k = kernel(tucker_kernel, arch_of(dev), O, I, Kk, R1a, R1b, R2a, R2b, tl_dtype(c), tl_dtype(a1.dtype), p["BO"],
-               p["BI"], p["threads"], all_k, all_k and ALL_K_PIPE)
-    k(*args, y.view(O, I * Kk) if all_k else y, float(gamma))
+               p["BI"], p["threads"])
+    k(*args, y, float(gamma))
     return y
 
 
@@ -232,8 +206,6 @@ def compile_specs(dtype: torch.dtype):
     """(builder, args) of the kernel family of this file at a small config (CI compile check)."""
     d = tl_dtype(dtype)
     return [(tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d)),
-            (tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d, 64, 64, 128, True)),  # ALL_K
-            (tucker_kernel, (13, 7, 9, 4, 4, None, None, d, d, 64, 64, 128, True)),
-            (tucker_kernel, (13, 7, 9, 4, 4, 3, 3, d, d, 64, 64, 128, True, True)),  # ALL_K_PIPE
-            (tucker_pre_kernel, (13, 7, 9, 4, 3, d, d)),  # ALL_K_PRE
+            (tucker_kernel, (13, 7, 9, 4, 4, None, None, d, d)),
+            (tucker_pre_kernel, (13, 7, 9, 4, 3, d, d)),
             (tucker_pre_kernel, (13, 7, 9, 4, None, d, d))]

@@ -5,14 +5,13 @@ dtypes and whether each operand is one contiguous run (strided views read slower
 from __future__ import annotations
 
 import functools
-import importlib
 
 from lycoris_ops.backends.triton import precompile
 from lycoris_ops.backends.triton.kernels import add as kernels
 from lycoris_ops.reference import add as reference
 from lycoris_ops.tuner import tune
 from lycoris_ops.tuner.keys import as_dict
-from lycoris_ops.tuner.cost import make_plan, predict, rank, tl_shortlist
+from lycoris_ops.tuner.cost import make_plan, predict, rank
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import add as models
 
@@ -31,33 +30,6 @@ def plan_add_scaled(dev: DeviceFacts, numel: int, base_dtype, delta_dtype, *, de
     cfgs = [dict(block=b, num_warps=w) for b in (256, 512, 1024, 2048, 4096, 8192) for w in (2, 4, 8, 16)]
     return make_plan("add_scaled", rank(cfgs, work, dev), tile_axes=("block",), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
-
-
-# =============================================================================== TileLang model
-
-#: ``backends/tilelang/kernels/add.py``'s kernel: 16-byte vectors per tile and threads (every combination
-#: compiles for sm_90a: tests/test_tilelang_elementwise.py)
-TL_SPACE = dict(BV=(128, 256, 512, 1024), threads=(128, 256))
-TL_N = 3
-
-
-def _add_tl(dev, base, delta, gamma, n: int = TL_N):
-    """The TileLang shortlist of one call: the fixed config first, then the model's best, eager."""
-    tl = importlib.import_module("lycoris_ops.backends.tilelang.kernels.add")
-    numel = base.numel()
-    vec = tl.vec_width(numel, base.dtype, delta.dtype)
-    work, eager = models.model(dev, numel, base.dtype, delta.dtype)
-
-    def tl_work(c):
-        return work(dict(block=c["BV"] * vec, num_warps=c["threads"] // 32))
-
-    default = dict(tl.ADD)
-    cfgs = [dict(BV=b, threads=t) for b in TL_SPACE["BV"] for t in TL_SPACE["threads"]]
-    return tl_shortlist("add_scaled", cfgs, tl_work, dev, default, eager, ("BV",), n)
-
-
-#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
-TILELANG = {"add_scaled": (_add_tl, lambda base, delta, *a: (base.numel(),))}
 
 
 _FRONT = tune.Front()

@@ -7,14 +7,10 @@ Shortlist (``cost.make_shared_plan``): every candidate has the first one's segme
 the candidates differ in the streaming kernels' tiles, warps and stages (streamed tiles of
 at most ``STREAM_TILE_MAX`` fp32 elements); one segment: 2 + 5 compiles forward, 3 + 5
 backward.
-
-TileLang (``TILELANG``): the per-stage streaming kernels' tile and threads in
-backends/triton/tuning/oft.py's spaces, scored by the model above with one stage per segment.
 """
 from __future__ import annotations
 
 import functools
-import importlib
 
 from lycoris_ops.backends.triton import precompile
 from lycoris_ops.backends.triton.kernels import boft as kernels, cayley, oft as oft_kernels
@@ -24,7 +20,7 @@ from lycoris_ops.tuner.keys import as_dict
 from lycoris_ops.tuner.cost import STREAM_TILE_MAX, esize, make_shared_plan, p2, predict, rank
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import boft as models
-from lycoris_ops.backends.triton.tuning.oft import TL_N, tl_channels_first, tl_plan, with_split16
+from lycoris_ops.backends.triton.tuning.oft import with_split16
 
 BACKEND = "triton"
 #: device types whose calls are tuned (others get the launcher defaults: ``{}``); tests add "cpu"
@@ -105,72 +101,6 @@ def plan_boft_fwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig
 def plan_boft_bwd(dev: DeviceFacts, m: int, nb: int, s: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
                   default=None, n: int = 5):
     return _plan("boft_bwd", dev, m, nb, s, npos, c_contig, True, esize(x_dtype), esize(blocks_dtype), default, n)
-
-
-# =============================================================================== TileLang models
-
-#: ``backends/tilelang/kernels/boft.py`` runs one kernel per stage: its run kernels (channels last, 16-bit x)
-#: or diag-OFT's gather kernels (fp32 GEMMs) otherwise. The spaces and legality are
-#: backends/triton/tuning/oft.py's for the gather kernels (TL_APPLY for boft_fwd, TL_STREAM for boft_bwd's
-#: stream launches; the backward's forward replay keeps the fixed apply config), the larger of
-#: the two footprints; a config whose run kernel would not fit takes the gather kernels
-#: (``tilelang.boft.runs_smem``)
-
-
-def _tl_boft():
-    return importlib.import_module("lycoris_ops.backends.tilelang.kernels.boft")
-
-
-def _tl_model(dev, blocks, x, axis, bwd):
-    """The Triton model's work of a TileLang config (names mapped: one stage per segment,
-    ``max_group`` = one butterfly pair of blocks; BT -> the streamed tile, threads -> warps;
-    the backward's forward passes at the fixed apply tile) and eager; the group width GP."""
-    m, nb, s, npos, _ = models.geometry(blocks, x, axis)
-    work, eager = models.model(dev, m, nb, s, npos, not _tl_sizes(blocks, x, axis)[3], bwd, esize(x.dtype),
-                               esize(blocks.dtype), auto_split=kernels.auto_split, chain_warps=kernels.chain_warps,
-                               cayley_warps=kernels.CAYLEY_WARPS)
-    fixed_bt = importlib.import_module("lycoris_ops.backends.tilelang.kernels.oft").APPLY["BT"]
-
-    def tl_work(c):
-        return work(dict(max_group=2 * p2(s // 2), block_p=fixed_bt if bwd else c["BT"], bwd_block_p=c["BT"],
-                         split=0, num_warps=c["threads"] // 32, num_stages=1, dot_prec="tf32x3", chain_warps=0))
-    return tl_work, eager, _tl_boft().boft_groups(s, nb)[0]
-
-
-def _tl_run_fits(dev, blocks, x, axis, bwd: bool):
-    """Where the run kernels take the call (``tilelang.boft.runs_for``: channels last, 16-bit
-    x, a ``run_groups`` size), a config filter: only tiles whose run kernels fit in shared
-    memory. A larger tile would build and run the gather kernels instead (6x slower at
-    32768 x 4096, bench/RESULTS.md 2026-12-02 02:06, and slower to build: a cold key's time)."""
-    TB = _tl_boft()
-    m, nb, s, cf = _tl_sizes(blocks, x, axis)
-    arch = importlib.import_module("lycoris_ops.backends.tilelang.common").arch_of_capability(dev.capability)
-    runs = TB.runs_for(x, cf, s, nb, arch)
-    if runs is None:
-        return None
-    limit = min(dev.smem_per_block, TB.smem_limit(x.device))
-    return lambda c: TB.runs_fit(runs, c["BT"], esize(x.dtype), arch, bwd, limit)
-
-
-def _fwd_tl(dev, blocks, x, axis, cscale, scale, rescale, diff, n: int = TL_N):
-    work, eager, GP = _tl_model(dev, blocks, x, axis, False)
-    return tl_plan("boft_fwd", dev, work, eager, GP, 4, False, n,  # gather kernels' fp32 GEMMs: 4-byte operands
-                   _tl_run_fits(dev, blocks, x, axis, False))
-
-
-def _bwd_tl(dev, grad, blocks, x, axis, cscale, scale, n: int = TL_N):
-    work, eager, GP = _tl_model(dev, blocks, x, axis, True)
-    return tl_plan("boft_bwd", dev, work, eager, GP, 4, True, n, _tl_run_fits(dev, blocks, x, axis, True))
-
-
-def _tl_sizes(blocks, x, axis, *a):
-    """(m, nb, s, channels-first layout); the positions stay bucketed (key_parts)."""
-    m, nb, s, _, _ = models.geometry(blocks, x, axis)
-    return m, nb, s, tl_channels_first(x, axis % x.dim())
-
-
-#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
-TILELANG = {"boft_fwd": (_fwd_tl, _tl_sizes), "boft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
 _F_FWD, _F_BWD = tune.Front(), tune.Front()

@@ -5,14 +5,13 @@ Key: bucketed M, exact N, the row kind, dtypes.
 from __future__ import annotations
 
 import functools
-import importlib
 
 from lycoris_ops.backends.triton import precompile
 from lycoris_ops.backends.triton.kernels import ia3 as kernels
 from lycoris_ops.reference import ia3 as reference
 from lycoris_ops.tuner import tune
 from lycoris_ops.tuner.keys import as_dict
-from lycoris_ops.tuner.cost import make_plan, p2, predict, rank, tl_shortlist
+from lycoris_ops.tuner.cost import make_plan, p2, predict, rank
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import ia3 as models
 
@@ -50,53 +49,6 @@ def plan_ia3_bwd(dev: DeviceFacts, M: int, N: int, C: int, ch_rows: bool, x_dtyp
     cfgs = [dict(block_m=bm, block_n=bn, split=0, num_warps=w) for bm, bn in _tiles(M, N) for w in (2, 4, 8)]
     return make_plan("ia3_bwd", rank(cfgs, work, dev), tile_axes=("block_m", "block_n"), n=n, default=default,
                      default_s=predict(work, default, dev), eager_s=eager)
-
-
-# =============================================================================== TileLang models
-
-#: ``backends/tilelang/kernels/ia3.py``'s streaming kernels: vectors per tile (rows x a minor extent of up to 32
-#: 16-byte vectors) and threads; every combination compiles for sm_90a
-#: (tests/test_tilelang_elementwise.py)
-TL_SPACE = dict(vecs=(256, 512, 1024, 2048), threads=(128, 256))
-TL_N = 3
-
-
-def _tl_mapped(work, N: int, x_dtype):
-    """The Triton model's work of a TileLang config: its tile (rows x vectors) in elements."""
-    tl = importlib.import_module("lycoris_ops.backends.tilelang.kernels.ia3")
-    vec = tl._vec(N, x_dtype)
-
-    def tl_work(c):
-        bm, bn = tl._tile(N // vec, c["vecs"])
-        return work(dict(block_m=bm, block_n=bn * vec, split=0, num_warps=c["threads"] // 32))
-    return tl_work
-
-
-def _tl_plan(op, work, eager, dev, n):
-    default = dict(importlib.import_module("lycoris_ops.backends.tilelang.kernels.ia3").IA3)
-    cfgs = [dict(vecs=v, threads=t) for v in TL_SPACE["vecs"] for t in TL_SPACE["threads"]]
-    return tl_shortlist(op, cfgs, work, dev, default, eager, ("vecs",), n)
-
-
-def _fwd_tl(dev, x, w, channel_axis, alpha, gamma, n: int = TL_N):
-    M, N, C, ch_rows = models.geometry(x.shape, channel_axis)
-    work, eager = models.fwd_model(dev, M, N, C, x.dtype, w.dtype)
-    return _tl_plan("ia3_fwd", _tl_mapped(work, N, x.dtype), eager, dev, n)
-
-
-def _bwd_tl(dev, grad, x, w, channel_axis, alpha, gamma, n: int = TL_N):
-    M, N, C, ch_rows = models.geometry(x.shape, channel_axis)
-    work, eager = models.bwd_model(dev, M, N, C, ch_rows, x.dtype, w.dtype, grad.dtype)
-    return _tl_plan("ia3_bwd", _tl_mapped(work, N, x.dtype), eager, dev, n)
-
-
-def _sizes(x, w, channel_axis, *a):
-    """The channel geometry (N, C, layout); the token rows M stay bucketed (key_parts)."""
-    return tuple(models.geometry(x.shape, channel_axis)[1:])
-
-
-#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
-TILELANG = {"ia3_fwd": (_fwd_tl, _sizes), "ia3_bwd": (_bwd_tl, lambda g, x, w, ax, *a: _sizes(x, w, ax))}
 
 
 _F_FWD, _F_BWD = tune.Front(), tune.Front()

@@ -11,24 +11,17 @@ Shortlist (``cost.make_shared_plan``): every kernel variant rebuilds the Cayley 
 registers, so each costs a full compile: at most 4 fused candidates, streamed tiles of at
 most ``STREAM_TILE_MAX`` fp32 elements; the backward's candidates share the first one's
 channel group (NB), so the chain kernel (its config = NB) compiles once per key.
-
-TileLang (``TILELANG``, ``backends/tilelang/runner.py``): the streaming kernel's positions per tile
-and threads (TL_APPLY, TL_STREAM; shared with BOFT), scored by the model above with the
-names mapped; only configs whose tiles fit shared memory and registers at the op's group
-width; the fixed config first. A cold key builds at most TL_N + 1 streaming kernels.
 """
 from __future__ import annotations
 
 import functools
-import importlib
-import math
 
 from lycoris_ops.backends.triton import precompile
 from lycoris_ops.backends.triton.kernels import cayley, oft as kernels
 from lycoris_ops.reference import oft as reference
 from lycoris_ops.tuner import tune
 from lycoris_ops.tuner.keys import as_dict
-from lycoris_ops.tuner.cost import (STREAM_TILE_MAX, add_before_eager, esize, make_shared_plan, p2, predict, rank, smem_fits, tl_shortlist, tl_threads)
+from lycoris_ops.tuner.cost import STREAM_TILE_MAX, add_before_eager, esize, make_shared_plan, p2, predict, rank
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import oft as models
 
@@ -135,98 +128,6 @@ def plan_oft_fwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_
 def plan_oft_bwd(dev: DeviceFacts, K: int, S: int, npos: int, c_contig: bool, x_dtype, blocks_dtype, *,
                  default=None, n: int = 4):
     return _plan("oft_bwd", dev, K, S, npos, c_contig, True, esize(x_dtype), esize(blocks_dtype), default, n)
-
-
-# =============================================================================== TileLang models
-
-#: ``backends/tilelang/kernels/oft.py``'s streaming kernels (shared with BOFT): positions per tile (BT) and
-#: threads of the forward's apply kernel (TL_APPLY) and of the backward's stream kernel
-#: (TL_STREAM); 256 threads only with 128-row tiles (the gx / y GEMM's warpgroups); a config
-#: must fit the block's shared memory (``tl_legal``). The corners compile for sm_90a
-#: (tests/test_tilelang_oft.py)
-TL_APPLY = dict(BT=(64, 128, 256), threads=(128, 256))
-TL_STREAM = dict(BT=(32, 64, 128), threads=(128, 256))
-TL_N = 3
-#: fp32 accumulator registers per thread a TileLang config may hold (the (BT x GP) tile,
-#: plus the backward's GP x GP partial): beyond it the fragment spills
-TL_ACC_PER_THREAD = 128
-
-
-def _tl_oft():
-    return importlib.import_module("lycoris_ops.backends.tilelang.kernels.oft")
-
-
-def tl_legal(dev: DeviceFacts, c: dict, GP: int, csize: int, bwd: bool) -> bool:
-    """Whether the TileLang config ``c`` fits one block: the kernel's shared memory (with the
-    planners' margin for the compiler's scratch) and its accumulator registers."""
-    TLO = _tl_oft()
-    smem = (TLO.stream_smem if bwd else TLO.apply_smem)(GP, c["BT"], csize)
-    acc = c["BT"] * GP + (GP * GP if bwd else 0)
-    return smem_fits(dev, smem) and acc <= TL_ACC_PER_THREAD * c["threads"]
-
-
-def tl_configs(dev: DeviceFacts, GP: int, csize: int, bwd: bool) -> list:
-    """The legal configs of TL_STREAM (bwd) or TL_APPLY for groups of GP channels."""
-    sp = TL_STREAM if bwd else TL_APPLY
-    cfgs = [dict(BT=bt, threads=t) for bt in sp["BT"] for t in tl_threads(sp["threads"], bt)]
-    return [c for c in cfgs if tl_legal(dev, c, GP, csize, bwd)]
-
-
-def tl_plan(op: str, dev: DeviceFacts, work, eager: float, GP: int, csize: int, bwd: bool, n: int, keep=None):
-    """The shortlist of a streaming kernel: the fixed config first, the model's best legal
-    configs (``keep``: only those it accepts), eager (oft_* and boft_*)."""
-    TLO = _tl_oft()
-    default = dict(TLO.STREAM if bwd else TLO.APPLY)
-    cfgs = [c for c in tl_configs(dev, GP, csize, bwd) if keep is None or keep(c)]
-    return tl_shortlist(op, cfgs, work, dev, default, eager, ("BT",), n)
-
-
-def tl_channels_first(x, ax: int) -> bool:
-    """Whether ``backends/tilelang/kernels/oft.py`` (and BOFT) reads x as channels first: x is seen as
-    (pre, C, post) around the rotated axis ``ax``, channels first when post != 1."""
-    return math.prod(int(s) for s in x.shape[ax + 1:]) != 1
-
-
-def _tl_shape(blocks, x, weight):
-    """(K, S, npos, channels-first layout) as ``backends/tilelang/kernels/oft.py`` sees x (contiguous)."""
-    cf = tl_channels_first(x, models.rotated_axis(x, weight))
-    return int(blocks.shape[0]), int(blocks.shape[1]), models.geometry(x, weight)[0], cf
-
-
-def _tl_model(dev, K, S, npos, cf, bwd, ex, eb):
-    """The Triton model's work of a TileLang config (names mapped: BT -> the streamed tile,
-    threads -> warps, the group -> ``group``; no pipelined loop: one stage) and eager."""
-    GP = _tl_oft().group_plan(S)[0]
-    work, eager = models.model(dev, K, S, npos, not cf, bwd, ex, eb, auto_split=kernels.auto_split)
-
-    def tl_work(c):
-        return work(dict(block_p=c["BT"], bwd_block_p=c["BT"], group=GP, split=0, num_warps=c["threads"] // 32,
-                         num_stages=1, dot_prec="tf32x3", chain_warps=4))
-    return tl_work, eager, GP
-
-
-def _fwd_tl(dev, blocks, x, rescale, cscale, shift, weight, n: int = TL_N):
-    K, S, npos, cf = _tl_shape(blocks, x, weight)
-    work, eager, GP = _tl_model(dev, K, S, npos, cf, False, esize(x.dtype), esize(blocks.dtype))
-    csize = esize(_tl_oft().gemm_dtype(x.dtype))
-    return tl_plan("oft_fwd", dev, work, eager, GP, csize, False, n)
-
-
-def _bwd_tl(dev, grad, blocks, x, rescale, cscale, shift, weight, n: int = TL_N):
-    K, S, npos, cf = _tl_shape(blocks, x, weight)
-    work, eager, GP = _tl_model(dev, K, S, npos, cf, True, esize(x.dtype), esize(blocks.dtype))
-    csize = esize(_tl_oft().gemm_dtype(x.dtype, grad.dtype))
-    return tl_plan("oft_bwd", dev, work, eager, GP, csize, True, n)
-
-
-def _tl_sizes(blocks, x, rescale, cscale, shift, weight):
-    """(K, S, channels-first layout); the positions stay bucketed (key_parts)."""
-    K, S, _, cf = _tl_shape(blocks, x, weight)
-    return K, S, cf
-
-
-#: op -> (TileLang shortlist f(DeviceFacts, *schema args) -> Plan, exact sizes of its key); ``backends/tilelang/runner.py``
-TILELANG = {"oft_fwd": (_fwd_tl, _tl_sizes), "oft_bwd": (_bwd_tl, lambda g, *a: _tl_sizes(*a))}
 
 
 _F_FWD, _F_BWD = tune.Front(), tune.Front()

@@ -1,7 +1,10 @@
 """A/B of TileLang's streaming kernels (IA3's backward split, DoRA's row tiles), in one
 process, on a GPU:
 
-    python bench/tilelang_stream_variants.py [--op ia3|dora] [--shapes large,small] [--variants ...]
+    python bench/experiments/tilelang_stream_variants.py [--op ia3|dora] [--shapes large,small] [--variants ...]
+
+It times constants of the kernels' launch rules that the tuner does not time (the tuner
+times tile configs), to revisit them on new hardware.
 
 For each bench shape and each variant the op-set launcher is called directly (no tuner, the
 fixed tile config) and the table gives its device time (``timing.DeviceTimer``: L2 flushed,
@@ -13,8 +16,7 @@ difference of the results from the first variant's.
 ``ia3.ia3_bwd``; a variant sets ``ia3.BWD_PER_SM``, the programs per SM the token split aims
 at (``per_sm N``): the streaming program walks its row tiles with no prefetch, so the bytes
 in flight on an SM grow with the programs on it, and so do the fp32 partials of the channel
-sums; ``pipe N``: the same with ``ia3.BWD_PIPE`` (the G and x tiles through shared memory in
-a pipelined loop). Floor: G, x read, gx written. ``--layout first``: the same tokens as
+sums. Floor: G, x read, gx written. ``--layout first``: the same tokens as
 (8, channels, tokens/8), channels first (axis 1, a conv's layout), which ``BWD_PER_SM`` also
 steers.
 
@@ -34,15 +36,14 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: specs, timing
 import specs  # noqa: E402
 import timing as T  # noqa: E402
 
 #: name -> (tokens, channels)
 SHAPES = {"large": (32768, 4096), "small": (8192, 3072)}
 SMOKE = {"large": (1000, 48), "small": (536, 24)}  # 16 and 9 IA3 row tiles: the splits differ; 8 | tokens
-VARIANTS = {**{f"per_sm {n}": dict(BWD_PER_SM=n, BWD_PIPE=False) for n in (2, 4, 8, 16)},
-            **{f"pipe {n}": dict(BWD_PER_SM=n, BWD_PIPE=True) for n in (2, 4)}}
+VARIANTS = {f"per_sm {n}": dict(BWD_PER_SM=n) for n in (2, 4, 8, 16)}
 #: DoRA: variant -> dora.ROW_BC
 DORA_VARIANTS = {f"bc {n}": n for n in (128, 256, 512)}
 #: DoRA's smoke widths (fp32, vectors of 4): 1032 channels (258 vectors: tiles of 128, 256, 512

@@ -1,6 +1,6 @@
 """A/B of launch variants of one kernel family, in one process (the tuner's shortlist aside).
 
-    python bench/variants.py tucker|boft|oft|lokr|loha|lokr_merge [--shapes small,large] [--phases fwd,bwd] [--profile] [--smoke]
+    python bench/experiments/variants.py tucker|boft|oft|lokr|loha|lokr_merge [--shapes small,large] [--phases fwd,bwd] [--profile] [--smoke]
 
 Each variant is one config of the family's Triton launcher, called directly (no tuner,
 no op dispatch): device time per call (``timing.DeviceTimer``: L2 flushed, launch gaps
@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: timing
 import timing as T  # noqa: E402
 
 SHAPES = {  # family -> shape name -> geometry
