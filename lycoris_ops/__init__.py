@@ -49,8 +49,26 @@ __all__ = [
     "available_backends", "fused_backends", "resolve_backend", "set_backend", "use_backend",
 ]
 from lycoris_ops.report import explain  # noqa: E402  (what runs fused, per adapted layer)
+
+
+def clear_caches() -> None:
+    """Forget every decision this process cached, as a fresh process would start: the per-call
+    backend choices, the tuned configs in memory (the tables on disk stay and are read again),
+    the device facts, the validated call signatures, and each loaded op set's own caches."""
+    from lycoris_ops.backends import registry, select
+    from lycoris_ops.reference import checks
+    from lycoris_ops.tuner import device, tune
+
+    select.clear()
+    tune.clear()
+    device.clear()
+    checks.clear_cached_checks()
+    for opset in registry.loaded_opsets():
+        getattr(opset, "clear_caches", lambda: None)()
+
+
 from lycoris_ops.integrations.peft import patch_peft, unpatch_peft  # noqa: E402
-__all__ += ["explain", "patch_peft", "unpatch_peft"]
+__all__ += ["explain", "patch_peft", "unpatch_peft", "clear_caches"]
 
 from lycoris_ops.integrations import lycoris_lora as _lycoris_lora  # noqa: E402
 _lycoris_lora.install()  # then `import lycoris` (lycoris-lora 4.1) runs on these ops

@@ -103,6 +103,11 @@ def opset(name: str):
     return module
 
 
+def loaded_opsets() -> Tuple[object, ...]:
+    """The op-set modules imported so far (none is imported to answer)."""
+    return tuple(m for m in _opsets.values() if m is not None)
+
+
 def opset_error(name: str) -> Optional[str]:
     opset(name)
     return _opset_errors.get(name) or (None if _opsets.get(name) is not None else probe_error(name))

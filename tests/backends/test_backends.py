@@ -720,3 +720,19 @@ def test_use_backend_restores_the_env_setting(monkeypatch):
         assert dispatch.backend_setting() == "torch"
     with pytest.raises(ValueError, match="valid values"):
         dispatch.backend_setting()  # and the invalid value is back afterwards
+
+
+def test_clear_caches_forgets_the_cached_choices():
+    """lycoris_ops.clear_caches(): the per-call choices, the tuner's memo and each loaded op
+    set's caches are empty after it, and the next call answers as before."""
+    import lycoris_ops
+    from lycoris_ops.tuner import tune
+
+    b, d = bd()
+    want = torch.ops.lycoris.add_scaled(b, d, 0.5)
+    k = select.kernel("add_scaled", _add)
+    k(b, d, 0.5)
+    assert k._lycoris_state.cache
+    lycoris_ops.clear_caches()
+    assert not k._lycoris_state.cache and not tune._memo
+    torch.testing.assert_close(torch.ops.lycoris.add_scaled(b, d, 0.5), want)
