@@ -13,7 +13,6 @@ and why.
 from __future__ import annotations
 
 import argparse
-import importlib
 import importlib.metadata as md
 import os
 import sys
@@ -122,6 +121,7 @@ def main(argv=None) -> int:
     import lycoris_ops
     from lycoris_ops.backends import registry as dispatch, select
     from lycoris_ops import settings
+    from lycoris_ops.tuner import tune
 
     print(f"lycoris_ops {lycoris_ops.__version__}  ({os.path.dirname(lycoris_ops.__file__)})")
     cuda = getattr(torch.version, "cuda", None)
@@ -172,13 +172,7 @@ def main(argv=None) -> int:
     for var in ("TORCHDYNAMO_DISABLE", "TRITON_INTERPRET", "TILELANG_CACHE_DIR"):
         print(f"  {var}={os.environ[var]!r}" if var in os.environ else f"  {var} (unset)")
     print(f"  tuning: {'on' if dispatch.tuning_enabled() else 'off'}")
-    path = dispatch.tuning_table_path()
-    try:  # the tuner may own the path
-        tune = importlib.import_module("lycoris_ops.tuner.tune")
-        path = getattr(tune, "table_path", lambda: path)() if callable(getattr(tune, "table_path", None)) \
-            else getattr(tune, "TABLE_PATH", path)
-    except Exception:
-        pass
+    path = tune.table_path()
     print(f"  tuning table: {path} ({'exists' if os.path.exists(path) else 'not written yet'})")
 
     if opts.no_samples:

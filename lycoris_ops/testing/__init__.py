@@ -12,7 +12,7 @@ import torch
 
 from lycoris_ops._library.optable import FAMILIES  # the op table's families
 
-#: relative Frobenius distance allowed against an fp64 oracle (OPS.md §8)
+#: relative Frobenius distance allowed against an fp64 oracle (docs/ops.md §8)
 REL_TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 1e-2, torch.bfloat16: 4e-2}
 
 

@@ -1,4 +1,4 @@
-"""Cases for ``add_scaled`` (OPS.md §2.8)."""
+"""Cases for ``add_scaled`` (docs/ops.md §2.8)."""
 from __future__ import annotations
 
 import torch

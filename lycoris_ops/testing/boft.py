@@ -1,4 +1,4 @@
-"""BOFT cases (OPS.md §2.6): m = 1 … log2(nb)+1, odd block counts of channels
+"""BOFT cases (docs/ops.md §2.6): m = 1 … log2(nb)+1, odd block counts of channels
 (s = 6), every axis (0, −1, 1 on 3-D/4-D, a positive last axis), scale ≠ 1,
 rescale, diff, a non-contiguous x and an empty token dim."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Cases for ``dora_fwd`` / ``dora_bwd`` (OPS.md §2.4)."""
+"""Cases for ``dora_fwd`` / ``dora_bwd`` (docs/ops.md §2.4)."""
 from __future__ import annotations
 
 import torch

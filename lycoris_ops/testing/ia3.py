@@ -1,4 +1,4 @@
-"""Cases for ``ia3_fwd`` / ``ia3_bwd`` (OPS.md §2.7)."""
+"""Cases for ``ia3_fwd`` / ``ia3_bwd`` (docs/ops.md §2.7)."""
 from __future__ import annotations
 
 import torch

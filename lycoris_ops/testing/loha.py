@@ -1,4 +1,4 @@
-"""LoHa case table (OPS.md §2.2): valid calls of the three LoHa ops
+"""LoHa case table (docs/ops.md §2.2): valid calls of the three LoHa ops
 (the LoHa merge forward is ``lora_merge_fwd`` mode hada, in testing/lora.py)."""
 from __future__ import annotations
 

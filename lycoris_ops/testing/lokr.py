@@ -1,4 +1,4 @@
-"""LoKr case table (OPS.md §2.3): valid calls of the six LoKr ops.
+"""LoKr case table (docs/ops.md §2.3): valid calls of the six LoKr ops.
 
 Sizes are odd and tiny (a few thousand elements); each op has cases with and
 without base / out_dtype, a non-contiguous operand, every factored/whole

@@ -1,4 +1,4 @@
-"""LoRA / LoCon case table (OPS.md §2.1): valid calls of the five LoRA ops.
+"""LoRA / LoCon case table (docs/ops.md §2.1): valid calls of the five LoRA ops.
 
 Odd, tiny sizes; each op with and without base / out_dtype, a non-contiguous
 operand, every merge mode, one- and two-chain tucker (a transposed a1 as LoHa

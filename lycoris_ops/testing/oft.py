@@ -1,4 +1,4 @@
-"""Diag-OFT cases (OPS.md §2.5): weight and activation layouts (2-D, 3-D, 4-D),
+"""Diag-OFT cases (docs/ops.md §2.5): weight and activation layouts (2-D, 3-D, 4-D),
 odd K/S/L/T, rescale on/off (including a module-shaped (O, 1) rescale), shift
 on/off, a non-contiguous x, and a constraint factor cscale ≠ 1."""
 from __future__ import annotations
