@@ -13,11 +13,13 @@ read by ``registry``/``select``: ``DEVICE_TYPES`` (default ``("cuda",)``), ``DTY
 ``MIN_CAPABILITY``.
 """
 import importlib.util as _ilu
+import inspect
 
 # whether tilelang is installed, without importing it (its import takes seconds): else the backend is absent
 if _ilu.find_spec("tilelang") is None:
     raise ImportError("lycoris_ops.backends.tilelang.ops needs the tilelang package")
 
+from lycoris_ops import reference  # noqa: E402
 from lycoris_ops._library.optable import OPS  # noqa: E402
 from lycoris_ops.backends.tilelang import common, runner  # noqa: E402
 from lycoris_ops.tuner import tune  # noqa: E402
@@ -29,6 +31,7 @@ def _op_set_function(op: str):
             return runner.run(op, args)
 
     run.__name__ = run.__qualname__ = op
+    run.__signature__ = inspect.signature(reference.step_down(op))  # the schema's argument names
     run.__doc__ = f"lycoris.{op} on TileLang: runner.run({op!r}, args)."
     return run
 

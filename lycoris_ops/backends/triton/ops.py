@@ -13,6 +13,8 @@ no GPU.
 """
 from __future__ import annotations
 
+import inspect
+
 import triton  # noqa: F401  (the probe: no triton, no op set)
 
 from lycoris_ops import reference
@@ -32,6 +34,7 @@ def _op_set_function(op: str):
             return eager(*args) if is_eager(kw) else launch(*args, **kw)
 
     run.__name__ = run.__qualname__ = op
+    run.__signature__ = inspect.signature(eager)  # the schema's argument names
     run.__doc__ = (f"lycoris.{op} on Triton: {tuning.__name__}.KWARGS[{op!r}] picks the config of "
                    f"{launch.__module__}.{launch.__name__}.")
     return run
