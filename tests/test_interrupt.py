@@ -48,8 +48,9 @@ INNER = textwrap.dedent(f"""
 
     def test_sweep(monkeypatch):
         def slow_nvcc(*args, **kwargs):  # an nvcc that takes its time: the Ctrl-C lands in it
-            open(os.environ["READY"], "w").close()
-            subprocess.run(["sleep", "120"])
+            nvcc = subprocess.Popen(["sleep", "120"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            open(os.environ["READY"], "w").close()  # the Ctrl-C comes after: it reaches sleep too
+            nvcc.wait()
 
         _common.tl()
         monkeypatch.setattr(nvcc, "compile_cuda", slow_nvcc)
