@@ -52,7 +52,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.6"],
         "tilelang": ["tilelang==0.1.15"],
-        "test": ["pytest", "expecttest", "numpy", "peft>=0.21"],  # peft: the patch_peft tests run against PEFT itself
+        "test": ["pytest", "pytest-xdist", "expecttest", "numpy", "peft>=0.21"],  # peft: the patch_peft tests run against PEFT itself
         "bench": ["numpy", "matplotlib"],
     },
     ext_modules=[
