@@ -34,7 +34,7 @@ declare -A RUNS=(
   [ia3_cf]="bench/tilelang_stream_variants.py --op ia3 --layout first --variants per_sm\ 2,per_sm\ 4,pipe\ 2,pipe\ 4"
   [dora]="bench/tilelang_stream_variants.py --op dora"
   [lokr_sum]="bench/tilelang_lora_variants.py --op lokr --variants fused\\ bwd,fused\\ bwd\\ sum8,fused\\ bwd\\ sum32"
-  [lokr_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k fused\\ or\\ split\\ or\\ sum_partials"
+  [lokr_tests]="-m pytest -q -n 3 -m '' -p no:cacheprovider tests/test_tilelang_lokr.py -k fused\\ or\\ split\\ or\\ sum_partials"
   [host]="bench/host_overhead.py --ops"
   [profile_t]="bench/kernel_profile.py --backend triton --specs lokr_bypass,loha_bypass,lora_bypass"
   [profile]="bench/kernel_profile.py --specs lokr_bypass,lora_bypass,boft"
@@ -44,18 +44,18 @@ declare -A RUNS=(
   # the LoHa pair kernel's K step wider than its band (GRADS_PAIR BK): a program's serial chain of steps halves
   [hada_k]="bench/tilelang_lora_variants.py --op hada_bwd --variants pair\\ 32,pair\\ 32\\ k64,pair\\ 32\\ k128,pair\\ 32\\ k128\\ s1,pair\\ 64\\ k128,split"
   [merge]="bench/tilelang_lora_variants.py --op merge --variants staged,stream,stream\\ s3,stream\\ n256,stream\\ m128"
-  [merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lora.py -k merge_stream"
-  [loha_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"
-  [boft_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_boft.py -k compose\\ or\\ leading"
+  [merge_tests]="-m pytest -q -n 3 -m '' -p no:cacheprovider tests/test_tilelang_lora.py -k merge_stream"
+  [loha_tests]="-m pytest -q -n 3 -m '' -p no:cacheprovider tests/test_tilelang_loha.py -k pair\\ or\\ parity\\ or\\ tile"
+  [boft_tests]="-m pytest -q -n 3 -m '' -p no:cacheprovider tests/test_tilelang_boft.py -k compose\\ or\\ leading"
   # the Triton launch options wired in and off (RESULTS 2026-12-04 21:20): BOFT's position-major
   # tiles and Cayley warps, diag-OFT's L2 prefetch; their GPU parity first
   # (t_boft compiles ~20 configs a shape: LYCORIS_VARIANT_SECONDS=280)
-  [t_oft_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_triton_oft.py tests/test_boft.py tests/test_oft.py"
+  [t_oft_tests]="-m pytest -q -n 8 -m '' -p no:cacheprovider tests/test_triton_oft.py tests/test_boft.py tests/test_oft.py"
   [t_boft]="bench/variants.py boft --shapes small,large"
   [t_oft]="bench/variants.py oft --shapes large,small --phases fwd"
   # TileLang's one-pass LoKr merge backward and streamed forward (GRADS one_pass, KRON stream: tuned configs' keys,
   # off in the fixed configs)
-  [lokr_merge_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k one_pass\\ or\\ streamed\\ or\\ tile_configs\\ or\\ parity"
+  [lokr_merge_tests]="-m pytest -q -n 3 -m '' -p no:cacheprovider tests/test_tilelang_lokr.py -k one_pass\\ or\\ streamed\\ or\\ tile_configs\\ or\\ parity"
   [lokr_merge_bwd]="bench/tilelang_lora_variants.py --op lokr_merge_bwd"
   [lokr_merge_fwd]="bench/tilelang_lora_variants.py --op lokr_merge_fwd"
   # where one TileLang build's seconds go on the device's host (3-10 s there, 2.4 s median on the CPU host:
@@ -67,10 +67,10 @@ declare -A RUNS=(
   # and a warm process that must time and build nothing
   # the one-pass LoKr bypass backward (g_w1 from U = G·W2 since 2026-12-05) against its async-WGMMA form
   [lokr_async]="bench/tilelang_lora_variants.py --op lokr --variants fused\\ bwd,fused\\ bwd\\ async,fused\\ bwd\\ finish,fused\\ bwd\\ async\\ finish"
-  [lokr_async_tests]="-m pytest -q -n 3 -p no:cacheprovider tests/test_tilelang_lokr.py -k async\\ or\\ staged_gx\\ or\\ wgrads_finish"
+  [lokr_async_tests]="-m pytest -q -n 3 -m '' -p no:cacheprovider tests/test_tilelang_lokr.py -k async\\ or\\ staged_gx\\ or\\ wgrads_finish"
   # TileLang's Cayley / chain Gauss–Jordan stepping over the blocks' entries alone (oft.GJ_PINGPONG "entries", the default):
   # its GPU parity (every solve form), then the A/B against each step over the whole group (BOFT small: s = 24, 2 blocks in 64)
-  [gj_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_tilelang_oft.py tests/test_tilelang_boft.py -k cayley\\ or\\ test_oft\\ or\\ test_boft"
+  [gj_tests]="-m pytest -q -n 8 -m '' -p no:cacheprovider tests/test_tilelang_oft.py tests/test_tilelang_boft.py -k cayley\\ or\\ test_oft\\ or\\ test_boft"
   [gj_entries]="bench/tilelang_boft_variants.py --shapes small,large --variants gj\\ steps,gj\\ entries"
   # the backward's 96-wide composed units (BOFT small: GC = 48) unpadded, the stream on mma.sync (COMPOSE_BWD_MMA,
   # on since 2026-12-06): boft_tests first (its "mma" cases), then the A/B against those units one launch a stage
@@ -80,7 +80,7 @@ declare -A RUNS=(
   [boft_lead]="bench/tilelang_boft_variants.py --shapes small --variants defaults,leading,defaults,leading"
   # the chain kernel over the blocks' entries (oft.CHAIN_BLOCKS, on) and Cayley's row-wise Fᵀ stores: their GPU
   # parity (every oft / boft chain and Cayley form, the batched partials), then the chain A/B
-  [chain_tests]="-m pytest -q -n 8 -p no:cacheprovider tests/test_tilelang_oft.py tests/test_tilelang_boft.py -k not\\ compile"
+  [chain_tests]="-m pytest -q -n 8 -m '' -p no:cacheprovider tests/test_tilelang_oft.py tests/test_tilelang_boft.py -k not\\ compile"
   [boft_chain]="bench/tilelang_boft_variants.py --shapes small,large --variants chain\\ full,chain\\ blocks,chain\\ full,chain\\ blocks"
   # BOFT small's kernels one by one under each backend: where TileLang's backward spends what Triton's does not
   [profile_boft]="bench/kernel_profile.py --specs boft --shape small --backend tilelang"

@@ -98,7 +98,8 @@ def test_ptxas_smoke(family, args, pattern):
     assert m and 0 < int(m[1]) <= 255 and int(m[2]) == 0, proc.stdout
 
 
-@pytest.mark.parametrize("family", ["tucker", "boft", "oft", "lokr", "loha", "lokr_merge"])
+@pytest.mark.parametrize("family", ["loha", *(pytest.param(f, marks=pytest.mark.slow)  # 5 to 80 s each
+                                              for f in ("tucker", "boft", "oft", "lokr", "lokr_merge"))])
 def test_variants_smoke(family, capsys):
     """``bench/variants.py <family> --smoke``: every launch variant of the A/B script still runs
     (CPU, Triton's interpreter, tiny sizes); the numerics column shows which variants round
@@ -123,6 +124,7 @@ def test_variants_smoke(family, capsys):
         assert diff[("fwd", "tf32x3")] > 0 and diff[("fwd", "split 4")] == 0 == diff[("fwd", "cayley 1 warps")]
 
 
+@pytest.mark.slow
 def test_tilelang_oft_variants_smoke(capsys):
     """``bench/tilelang_oft_variants.py --smoke --parity``: the direct kernels' parity lines (two
     store paths, and the fused Cayley solve) and rows of each kind of variant (the store paths,
@@ -137,6 +139,7 @@ def test_tilelang_oft_variants_smoke(capsys):
     assert all(f"merge    {v:14}" in out for v in rows + ("cayley only", "cayley only pp")), out
 
 
+@pytest.mark.slow
 def test_tilelang_tucker_variants_smoke(capsys):
     """``bench/tilelang_tucker_variants.py --smoke``: every kernel form (per κ, all κ, pipelined) runs for
     one and two chains and agree (TileLang's CPU twins, fp32, tiny sizes)."""
@@ -145,6 +148,7 @@ def test_tilelang_tucker_variants_smoke(capsys):
     _agreeing_rows(capsys, module, ["--shapes", "small"], "small ", 2 * len(module.VARIANTS))
 
 
+@pytest.mark.slow
 def test_tilelang_boft_variants_smoke(capsys):
     """``bench/tilelang_boft_variants.py --smoke``: the gather / runs / runs+compose3 rows run
     and agree (TileLang's CPU twins, fp32, tiny sizes), and the composed launch units are
@@ -169,6 +173,7 @@ def _agreeing_rows(capsys, module, argv, prefixes, count, tol=1e-6):
     assert all(float(row.split()[-1]) < tol for row in rows), out
 
 
+@pytest.mark.slow
 def test_tilelang_lora_variants_smoke(capsys):
     """``bench/tilelang_lora_variants.py --smoke``: every form of the bypass forward and
     backward, the merge epilogues, LoKr's apply epilogues and merge-backward forms run and agree with the first
@@ -191,6 +196,7 @@ def test_tilelang_lora_variants_smoke(capsys):
                    len(module.LOKR_MERGE_FWD_VARIANTS), tol=1e-5)
 
 
+@pytest.mark.slow
 def test_tilelang_stream_variants_smoke(capsys):
     """``bench/tilelang_stream_variants.py --smoke``: every split of the IA3 backward and every
     DoRA row tile run and agree with the first (TileLang's CPU twins, fp32, tiny sizes; the
@@ -214,13 +220,12 @@ def test_kernel_profile_smoke(capsys):
     assert all(" in " in h and (" ops," in h) for h in heads), heads
 
 
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_tilelang_build_profile_smoke(tmp_path):
     """``bench/tilelang_build_profile.py add 0``: one real sm_90a build (nvcc), its seconds split
     into nvcc, TileLang's passes and macro parsing; the parts stay within the total."""
-    import shutil
     pytest.importorskip("tilelang")
-    if not shutil.which("nvcc"):
-        pytest.skip("needs nvcc on PATH")
     out = subprocess.run([sys.executable, os.path.join(BENCH, "tilelang_build_profile.py"), "add", "0",
                           "--cache", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -231,6 +236,7 @@ def test_tilelang_build_profile_smoke(tmp_path):
     assert "tl.LowerTileOp" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_tilelang_compile_sweep_lists_shortlists():
     """``bench/tilelang_compile_sweep.py --list``: the kernels of LoKr's bypass cases with the
     fixed configs, then with the tuner's shortlists too (a superset, with more kernels: the

@@ -20,8 +20,11 @@ import lycoris_ops
 from lycoris_ops import _C, _launch_record, registry
 from lycoris_ops.testing import cases, check_bf16_against_eager
 
-REPLAY = torch.cuda.is_available() and registry.replay_enabled()
-needs_replay = pytest.mark.skipif(not REPLAY, reason="needs CUDA and _C built with its CUDA launch path")
+
+def needs_replay(test):
+    """A CUDA test (the gpu marker) of _C's CUDA launch path (skipped where _C was built without it)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not registry.replay_enabled(),
+                                              reason="_C is built without its CUDA launch path")(test))
 
 
 def _watched(fn):

@@ -26,7 +26,7 @@ from lycoris_ops.reference import lora as REF  # noqa: E402
 from lycoris_ops.testing import lora as CASES  # noqa: E402
 from lycoris_ops.tilelang import _common, lora, ops, tucker  # noqa: E402
 import tilelang_harness as harness  # noqa: E402
-from tilelang_harness import GPU, IDS, MATRIX, NVCC  # noqa: E402
+from tilelang_harness import CASE_PARTS, COMPILE_CASES, GPU, case_part, compile_part  # noqa: E402
 
 OPS = ["lora_merge_fwd", "lora_merge_bwd", "lora_bypass_fwd", "lora_bypass_bwd", "lora_tucker_fwd"]
 
@@ -35,11 +35,11 @@ def compare(op, args, dtype, tol=None):
     harness.compare(ops, REF, op, args, dtype, tol)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
-def test_kernels_compile(arch, dtype):
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch,dtype,part", COMPILE_CASES)
+def test_kernels_compile(arch, dtype, part):
     for family in (lora, tucker):
-        for builder, args in family.compile_specs(dtype):
+        for builder, args in compile_part(family.compile_specs(dtype), part):
             k = _common.compile_only(builder, arch, *args)
             assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
@@ -74,13 +74,15 @@ def test_opset_signatures():
         assert params == schema, op
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-def test_twin_case_table_fp32():
-    for case in CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)):
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("part", CASE_PARTS)
+def test_twin_case_table_fp32(part):
+    for case in case_part(CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)), part):
         compare(case.op, case.args, torch.float32)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_core_fp16():
     """The bypass chain (h rounded to fp16 before ·upᵀ), its backward and the hada merge in fp16."""
     keep = {"bypass", "bypass-base-nc", "bypass-mixed_fp32", "bypass_bwd", "merge-hada", "tucker-1chain"}
@@ -92,7 +94,8 @@ def test_twin_core_fp16():
     assert n == len(keep)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_split_k():
     """Enough tokens for the split-K partial path of the skinny kernel (g_up, g_down) and
     several O ranges per token tile in the forward."""
@@ -106,7 +109,8 @@ def test_twin_split_k():
     compare("lora_merge_bwd", (Gw, up, torch.randn(r, 300, generator=g), 1.1), torch.float32)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("pair", [True, False], ids=["pair", "skinny"])
 def test_twin_merge_bwd_forms(pair, monkeypatch):
     """Both forms of ``merge_bwd`` against eager, and the pair form's step to the skinny
@@ -123,6 +127,7 @@ def test_twin_merge_bwd_forms(pair, monkeypatch):
         assert len(calls) - n == (2 if (not pair or r == 200) else 0), (pair, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("ws", [True, False], ids=["ws", "nows"])
 def test_twin_merge_bwd_pair(dtype, ws, monkeypatch):
@@ -141,7 +146,8 @@ def test_twin_merge_bwd_pair(dtype, ws, monkeypatch):
             compare("lora_merge_bwd", (G.to(dev, dtype), up, down, -0.7), dtype)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
 @pytest.mark.parametrize("staged,per,extra,pipe", [(False, 3, {}, (False, 0)), (True, 3, {}, (False, 0)),
                                                   (True, 5, {}, (True, 0)),
@@ -177,7 +183,7 @@ def bypass_fwd_twin(monkeypatch, per, cfg, with_base):
     return built
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.cpu_only
 def test_twin_bypass_fwd_quick_twin(monkeypatch):
     """The cold call's quick twin of the forward (plans/lora.py ``TL_QUICK``: ``pipe_o`` off and 2
     stages in the cfg, over ``BYPASS_FWD_FORM`` / ``BYPASS_FWD``): the serial O loop is built
@@ -190,7 +196,8 @@ def test_twin_bypass_fwd_quick_twin(monkeypatch):
     assert built[-1][-3] is True  # the fixed form pipelines it
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("staged,per", [(False, 3), (True, 3), (True, 5)], ids=["plain", "staged", "staged-pipe"])
 def test_twin_bypass_bwd_forms(staged, per, monkeypatch):
     """The backward token kernel's forms (``BYPASS_BWD_FORM``, as the forward's) at partial T
@@ -207,7 +214,8 @@ def test_twin_bypass_bwd_forms(staged, per, monkeypatch):
         assert harness.rel_err(a, b) <= harness.REL_TOL[torch.float32], k
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
 @pytest.mark.parametrize("staged", [False, True], ids=["regs", "staged"])
 def test_twin_merge_forms(staged, mode, monkeypatch):
@@ -224,6 +232,7 @@ def test_twin_merge_forms(staged, mode, monkeypatch):
         assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32], (mode, base is None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
 def test_twin_merge_stream(mode, dtype, monkeypatch):
@@ -256,7 +265,7 @@ def test_twin_merge_stream(mode, dtype, monkeypatch):
         assert harness.rel_err(got, want) <= harness.REL_TOL[dtype], (mode, base is None, odt)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.cpu_only
 def test_twin_merge_stream_steps_to_the_gemm(monkeypatch):
     """The streamed merge where its tile does not fit shared memory (``stream_smem``), or with a
     tuned GEMM tile (a config with ``BK``: the planner's timed GEMM form), runs ``gemm_kernel``."""
@@ -307,7 +316,8 @@ def _tile_case(op, dtype, device="cpu"):
     }[op]
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("op", sorted(TILE_CFGS))
 def test_twin_tile_configs(op):
     """The launchers honour a tuned ``cfg`` (tile sizes; threads and stages are GPU-only)."""
@@ -344,7 +354,8 @@ def _tucker_case(dtype, device, two):
 TUCKER_TWIN_CFGS = TUCKER_CFGS + [dict(BO=64, BI=32, threads=128)]
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("all_k", [False, True, "pipe", "pre"], ids=["per-k", "all-k", "all-k-pipe", "all-k-pre"])
 @pytest.mark.parametrize("cfg", TUCKER_TWIN_CFGS, ids=["bo128-t256", "bi256", "bi32"])
 @pytest.mark.parametrize("two", [False, True], ids=["1chain", "2chains"])
@@ -381,7 +392,7 @@ def test_tucker_all_k_fits():
     assert not tucker.all_k_fits(64, 64, 9, 64, 64, 2, 2, 4)  # fp32 output: 64 + 144 KB
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
 @pytest.mark.parametrize("cfg", TUCKER_CFGS, ids=["bo128-t256", "bi256"])
 def test_gpu_tucker_tile_configs(cfg, all_k, monkeypatch):
@@ -391,7 +402,8 @@ def test_gpu_tucker_tile_configs(cfg, all_k, monkeypatch):
     assert harness.rel_err(got, want) <= harness.REL_TOL[torch.bfloat16]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 @pytest.mark.parametrize("all_k", [False, True], ids=["per-k", "all-k"])
 def test_tucker_tile_space_corners_compile_sm90a(all_k, monkeypatch):
     """Every (BO, threads) of the tucker TileLang space with the widest and narrowest BI, one
@@ -433,7 +445,8 @@ def _sm90a_bench_calls(monkeypatch):
             "lora_merge_bwd": (lora.merge_bwd, (w, up, down, 1.0))}
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_h200_shortlists_compile_sm90a(monkeypatch):
     """Every tile config the TileLang models shortlist for an H200 at the first bench shape
     (T=8192, 3072x3072, r=32, bf16) compiles for sm_90a: the kernels a cold key builds."""
@@ -478,7 +491,8 @@ def _space_corners():
     return out
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_tile_space_corners_compile_sm90a(monkeypatch):
     """Every corner of the TileLang LoRA tile spaces compiles for sm_90a at the first bench
     shape: TileLang's lowering rejects some combinations (3 stages over a runtime K loop,
@@ -496,7 +510,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
 
 # ----------------------------------------------------------------------------- 3. GPU
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,r", [(torch.bfloat16, 8), (torch.float16, 128), (torch.bfloat16, 100)],
                          ids=["bf16-r8", "fp16-r128", "bf16-r100"])
 def test_gpu_parity(dtype, r):
@@ -522,7 +536,7 @@ def test_gpu_parity(dtype, r):
     compare("lora_tucker_fwd", (m(R, 48).t(), m(R, R, 9), m(R, 40), m(48, R), m(R, R, 9), m(R, 40), 0.7), dtype)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", sorted(TILE_CFGS))
 def test_gpu_tile_configs(op):
     """Each tuned op with a non-default tile config on the GPU, bf16 (the forward's: two

@@ -457,6 +457,7 @@ def _bench_args(large: bool) -> dict:
             "boft_fwd": (bb, x, -1, 1.0, 1.0, None, False), "boft_bwd": (x, bb, x, -1, 1.0, 1.0)}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("large", [False, True], ids=["small", "large"])
 def test_h200_shortlists_time_distinct_programs(large, monkeypatch):
     """Every candidate of an H200 shortlist at a bench shape builds TileLang programs no other
@@ -726,6 +727,7 @@ print("ahead", st["ahead_kernels"], st["ahead_children"] >= 1, "waits", st["ahea
 """
 
 
+@pytest.mark.slow
 def test_kernels_built_ahead_load_in_the_backward(tmp_path):
     """Real forks (no GPU: nvcc only): a forward-like precompile builds its two kernels and
     leaves children (as many as the spare cores allow) building the 'backward' kernels ahead;
@@ -1037,6 +1039,7 @@ print("ran", ran[0], ran[-1], "waiting", waiting, "deferred", st["deferred_keys"
 """
 
 
+@pytest.mark.slow
 def test_a_deferred_shortlist_builds_in_the_background_and_loads(tmp_path):
     """Real forks (no GPU: nvcc only): the cold call builds the first config's two kernels in
     children and runs it; a low-priority child builds the other config's kernel; after

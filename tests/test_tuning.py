@@ -916,3 +916,24 @@ def test_a_noise_sized_lead_keeps_the_planners_earlier_candidate():
     far = tune.TIE_MARGIN * 1.05
     t = FakeTimer({"block=64,num_warps=4": far * 1e-6, "block=128,num_warps=8": 1e-6, EAGER: 5e-6})
     assert _select(key=(("dtype", "bfloat16"), ("T", 4096)), timer=t) == B  # another key: timed afresh
+
+
+def test_a_ctrl_c_drops_the_first_calls_not_started():
+    """A Ctrl-C while the worker threads run the candidates' first calls (each a compile on a
+    GPU): the calls not yet started are cancelled and the interrupt goes on, instead of
+    waiting for every candidate's compile."""
+    import threading
+    import time
+
+    started, lock = [], threading.Lock()
+
+    def run(c):
+        with lock:
+            started.append(c)
+        if c == 0:
+            raise KeyboardInterrupt  # what fut.result() then raises in the waiting thread
+        time.sleep(0.2)
+
+    with pytest.raises(KeyboardInterrupt):
+        tune._warm_parallel(list(range(16)), list(range(16)), run, None, 2, {})
+    assert len(started) <= 4, started
