@@ -78,7 +78,7 @@ setup(
     extras_require={
         "triton": ["triton>=3.6"],
         "tilelang": ["tilelang==0.1.15"],
-        "test": ["pytest", "expecttest", "numpy", "peft>=0.21",  # peft: the patch_peft tests run against PEFT itself
+        "test": ["pytest", "pytest-xdist", "expecttest", "numpy", "peft>=0.21",  # peft: the patch_peft tests run against PEFT itself
                  "lycoris-lora==4.1.3", "einops", "toml"],  # lycoris-lora: the LyCORIS file tests run against it
         "bench": ["numpy", "matplotlib"],
     },

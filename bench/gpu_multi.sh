@@ -27,7 +27,7 @@ if [ "$what" = all ] || [ "$what" = parity ]; then
   # the reference runs while the tests run (its own process, GPU 0 only)
   CUDA_VISIBLE_DEVICES=0 $py examples/multigpu_train.py --out "$out/mg_ref.json" >"$out/mg_ref.log" 2>&1 &
   ref_pid=$!
-  LYCORIS_KERNEL_TUNE=off $py -m pytest -q -n 4 -p no:cacheprovider tests/backends/test_multi_gpu.py >"$out/mg_tests.log" 2>&1; rc=$?
+  LYCORIS_KERNEL_TUNE=off $py -m pytest -q -n 4 -m "" -p no:cacheprovider tests/backends/test_multi_gpu.py >"$out/mg_tests.log" 2>&1; rc=$?
   tail -8 "$out/mg_tests.log"; echo "tests: exit $rc in $((SECONDS - t0)) s"; [ $rc -eq 0 ] || status=1
   note "device-index tests: $(tail -1 "$out/mg_tests.log")"
   wait $ref_pid; rc=$?; cat "$out/mg_ref.log" | tail -6; [ $rc -eq 0 ] || status=1

@@ -44,7 +44,7 @@ if [ "${1:-}" = tune ]; then
   shift
   if [ "${LYCORIS_TESTS_SECONDS:-120}" != 0 ]; then
     echo "== GPU tests of the tuned tile configs"
-    timeout -s INT "${LYCORIS_TESTS_SECONDS:-120}" $py -m pytest -q -p no:cacheprovider \
+    timeout -s INT "${LYCORIS_TESTS_SECONDS:-120}" $py -m pytest -q -m "" -p no:cacheprovider \
       ${LYCORIS_TESTS:-tests/tilelang/test_tilelang_lora.py -k gpu_tile_configs} 2>&1 | tail -5
   fi
   echo "== TileLang tuning (bench/gpu_tilelang_tune.py $*)"
@@ -69,7 +69,7 @@ gpu_tests() {  # LYCORIS_TESTS (pytest arguments), after the sweeps: their kerne
   [ -n "${LYCORIS_TESTS:-}" ] || return 0
   echo "== GPU tests: $LYCORIS_TESTS"
   (export CUDA_VISIBLE_DEVICES=$sweep_gpu
-   eval "timeout -s INT ${LYCORIS_TESTS_SECONDS:-120} $py -m pytest -q -p no:cacheprovider $LYCORIS_TESTS") 2>&1 \
+   eval "timeout -s INT ${LYCORIS_TESTS_SECONDS:-120} $py -m pytest -q -m '' -p no:cacheprovider $LYCORIS_TESTS") 2>&1 \
     | tee "$work/tests.log" | tail -5
 }
 

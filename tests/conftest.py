@@ -3,24 +3,44 @@
 Without a GPU, Triton kernels run under its interpreter on CPU tensors; the
 variable must be set before triton is first imported (one process is either
 interpreted or not, so the compile-only checks run in subprocesses).
+
+Markers (declared in pyproject.toml): ``slow`` tests (exhaustive sweeps) run only where
+``-m`` selects them (``-m slow``; pyproject's addopts deselect them otherwise); a
+parametrized test marked ``quick_if(predicate)`` has its cases whose parameters fail the
+predicate marked ``slow``; ``gpu``, ``cpu_only`` and ``nvcc`` tests are skipped where
+``SKIPS`` says.
 """
 import os
+import shutil
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
+CUDA = torch.cuda.is_available()
+if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # the CPU run's tensors are tiny: intra-op threads only spin (one thread halves its time on
+    # 2 cores, and -n 2's workers do not fight over the cores); the tests' subprocesses too
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+#: marker -> (skip it here?, why)
+SKIPS = {
+    "gpu": (not CUDA, "needs a CUDA device"),
+    "cpu_only": (CUDA, "CPU twins and interpreter checks: on a GPU the real kernels are checked"),
+    "nvcc": (shutil.which("nvcc") is None, "nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)"),
+}
 
 
+@pytest.hookimpl(tryfirst=True)  # before the -m selection
 def pytest_collection_modifyitems(config, items):
-    """``@pytest.mark.gpu`` tests are skipped where no CUDA device is visible."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        quick = item.get_closest_marker("quick_if")
+        if quick is not None and not quick.args[0](**item.callspec.params):
+            item.add_marker(pytest.mark.slow)
+        for name, (skip, why) in SKIPS.items():
+            if skip and name in item.keywords:
+                item.add_marker(pytest.mark.skip(reason=why))
 
 
 @pytest.fixture

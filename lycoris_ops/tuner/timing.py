@@ -248,14 +248,18 @@ def _warm_parallel(cands, idx, run, ref, threads, errors) -> bool:
     oom = False
     with ThreadPoolExecutor(max_workers=min(threads, len(idx)), thread_name_prefix="lycoris-tune") as pool:
         futures = {i: pool.submit(first_call, i) for i in idx}
-        for i, fut in futures.items():
-            try:
-                bad = fut.result()
-                if bad is not None:
-                    errors[i] = f"disagrees with eager: {bad}"
-            except Exception as exc:
-                was_oom, errors[i] = failure(exc)
-                oom = oom or was_oom
+        try:
+            for i, fut in futures.items():
+                try:
+                    bad = fut.result()
+                    if bad is not None:
+                        errors[i] = f"disagrees with eager: {bad}"
+                except Exception as exc:
+                    was_oom, errors[i] = failure(exc)
+                    oom = oom or was_oom
+        except BaseException:  # a Ctrl-C: the first calls not started are dropped, not waited for
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
     if cuda:
         stream.synchronize()  # the workers' launches are done before anything is timed
     return oom

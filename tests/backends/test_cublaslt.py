@@ -8,9 +8,6 @@ import torch
 from lycoris_ops.reference import cublaslt as _cublaslt
 from lycoris_ops.reference import gemm_epilogue
 
-CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="cuBLASLt needs a CUDA device")
-
 
 def _excess(got, base, a, b, alpha):
     """Largest |got - exact| over what one rounding of the output plus the fp32 accumulation may
@@ -99,7 +96,7 @@ def test_operand_declines_other_strides_and_alignment_is_a_power_of_two():
     assert _cublaslt._alignment(t, 60) <= 8  # a 120-byte pitch
 
 
-@needs_cuda
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("layout", ["rr", "rc", "cr", "cc", "pitched"])
 @pytest.mark.parametrize("mkn", [(37, 61, 45), (1024, 520, 768)])
@@ -131,7 +128,7 @@ def test_addmm_matches_formula(dtype, layout, mkn):
         assert _err(got, base, a, b, 0.75) <= 1.0001 * theirs
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_addmm_declines_what_it_cannot_lay_out():
     a = torch.randn(8, 12, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(6, 20, device="cuda", dtype=torch.bfloat16)[:, ::2]  # (6, 10), neither stride 1
@@ -144,7 +141,7 @@ def test_addmm_declines_what_it_cannot_lay_out():
     assert torch.equal(got, torch.addmm(base, a[:, :6], b))
 
 
-@needs_cuda
+@pytest.mark.gpu
 def test_addmm_cuda_graph_replay():
     M, K, N = 96, 80, 72
     a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)

@@ -18,7 +18,7 @@ from lycoris_ops import nn as lnn
 from lycoris_ops import testing
 from lycoris_ops.tuner import tune
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+pytestmark = pytest.mark.gpu
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "examples"))
 

@@ -22,8 +22,11 @@ from lycoris_ops import reference
 from lycoris_ops._library import launch_record as _launch_record, register as registry
 from lycoris_ops.testing import cases, check_bf16_against_eager
 
-REPLAY = torch.cuda.is_available() and registry.replay_enabled()
-needs_replay = pytest.mark.skipif(not REPLAY, reason="needs CUDA and _C built with its CUDA launch path")
+
+def needs_replay(test):
+    """A CUDA test (the gpu marker) of _C's CUDA launch path (skipped where _C was built without it)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not registry.replay_enabled(),
+                                              reason="_C is built without its CUDA launch path")(test))
 
 
 def _watched(fn):

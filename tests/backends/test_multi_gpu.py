@@ -26,7 +26,11 @@ from lycoris_ops import testing
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN = os.path.join(ROOT, "examples", "multigpu_train.py")
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-needs_two_gpus = pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")
+
+
+def needs_two_gpus(test):
+    """A CUDA test (the gpu marker) that needs a second device."""
+    return pytest.mark.gpu(pytest.mark.skipif(not TWO_GPUS, reason="needs two CUDA devices")(test))
 
 
 def _run(cmd, **kw):
@@ -36,6 +40,7 @@ def _run(cmd, **kw):
     return p.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available() and not TWO_GPUS, reason="one GPU: the CPU run is not the point here")
 def test_ddp_and_fsdp2_follow_the_single_device_curve(tmp_path):
     ref, run = tmp_path / "ref.json", tmp_path / "dist.json"

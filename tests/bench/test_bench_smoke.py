@@ -98,7 +98,8 @@ def test_ptxas_smoke(family, args, pattern):
     assert m and 0 < int(m[1]) <= 255 and int(m[2]) == 0, proc.stdout
 
 
-@pytest.mark.parametrize("family", ["tucker", "boft", "oft", "lokr", "loha", "lokr_merge"])
+@pytest.mark.parametrize("family", ["loha", *(pytest.param(f, marks=pytest.mark.slow)  # 5 to 80 s each
+                                              for f in ("tucker", "boft", "oft", "lokr", "lokr_merge"))])
 def test_variants_smoke(family, capsys):
     """``bench/experiments/variants.py <family> --smoke``: every launch variant of the A/B script still runs
     (CPU, Triton's interpreter, tiny sizes); the numerics column shows which variants round
@@ -133,6 +134,7 @@ def _agreeing_rows(capsys, module, argv, prefixes, count, tol=1e-6):
     assert all(float(row.split()[-1]) < tol for row in rows), out
 
 
+@pytest.mark.slow
 def test_tilelang_stream_variants_smoke(capsys):
     """``bench/experiments/tilelang_stream_variants.py --smoke``: every split of the IA3 backward and every
     DoRA row tile run and agree with the first (TileLang's CPU twins, fp32, tiny sizes; the
@@ -156,13 +158,12 @@ def test_kernel_profile_smoke(capsys):
     assert all(" in " in h and (" ops," in h) for h in heads), heads
 
 
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_tilelang_build_profile_smoke(tmp_path):
     """``bench/tilelang_build_profile.py add 0``: one real sm_90a build (nvcc), its seconds split
     into nvcc, TileLang's passes and macro parsing; the parts stay within the total."""
-    import shutil
     pytest.importorskip("tilelang")
-    if not shutil.which("nvcc"):
-        pytest.skip("needs nvcc on PATH")
     out = subprocess.run([sys.executable, os.path.join(BENCH, "tilelang_build_profile.py"), "add", "0",
                           "--cache", str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -173,6 +174,7 @@ def test_tilelang_build_profile_smoke(tmp_path):
     assert "tl.LowerTileOp" in out.stdout, out.stdout
 
 
+@pytest.mark.slow
 def test_tilelang_compile_sweep_lists_shortlists():
     """``bench/tilelang_compile_sweep.py --list``: the kernels of LoKr's bypass cases with the
     fixed configs, then with the tuner's shortlists too (a superset, with more kernels: the

@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow
 def test_e2e_smoke_with_profile(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--profile",
                         "--adapters", "lora,lokr", "--out", str(tmp_path)],
@@ -53,6 +56,7 @@ def test_plot_rows_merge_runs(tmp_path):
                                                                         ("lora_bypass", "fwd", "2.5")]
 
 
+@pytest.mark.slow
 def test_host_overhead_layers_runs():
     """bench/host_overhead.py --layers (the adapter layers' host time quoted in RESULTS)."""
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "host_overhead.py"), "--layers", "--device", "cpu",

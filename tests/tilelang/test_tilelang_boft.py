@@ -21,7 +21,8 @@ from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.backends.tilelang import common as _common
 from lycoris_ops.backends.tilelang.kernels import boft, boft_compose  # noqa: E402
 from lycoris_ops.backends.tilelang.kernels import oft as _oft  # noqa: E402
-from tilelang_harness import IDS, MATRIX, NVCC  # noqa: E402
+from tilelang_harness import COMPILE_CASES, IDS, compile_part  # noqa: E402
+from sweep import sweep  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float32]
@@ -58,10 +59,10 @@ def check_channels_last(blocks, rescale, x, grad, diff, dtype, what):
     check(gb, rb, dtype, f"boft_bwd g_blocks{what}")
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
-def test_kernels_compile(arch, dtype):
-    for builder, args in boft.compile_specs(dtype):
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch,dtype,part", COMPILE_CASES)
+def test_kernels_compile(arch, dtype, part):
+    for builder, args in compile_part(boft.compile_specs(dtype), part):
         src = _common.compile_only(builder, arch, *args).get_kernel_source()
         assert "__global__" in src, (builder.__name__, args)
 
@@ -84,7 +85,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[IDS[d] for d in DTYPES])
-@pytest.mark.parametrize("m,nb,s,shape,axis,has_rs,diff", CASES,
+@pytest.mark.parametrize("m,nb,s,shape,axis,has_rs,diff", sweep(CASES),
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}-ax{c[4]}-{'rs' if c[5] else 'nors'}-{'diff' if c[6] else 'plain'}"
                               for c in CASES])
 def test_boft(m, nb, s, shape, axis, has_rs, diff, dtype):
@@ -132,6 +133,7 @@ RUN_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff", RUN_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}-{'rs' if c[4] else 'nors'}-{'diff' if c[5] else 'plain'}"
                               for c in RUN_CASES])
@@ -161,6 +163,7 @@ TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
              (dict(BT=64, threads=128), dict(BT=128, threads=256))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fwd_cfg,bwd_cfg", TILE_CFGS, ids=["bt256-bt32", "bt64-bt128"])
 @pytest.mark.parametrize("m,nb,s,shape,axis", [(3, 4, 4, (300, 16), -1), (2, 4, 4, (2, 16, 9, 17), 1)],
                          ids=["cl", "cf"])
@@ -178,7 +181,8 @@ def test_tile_configs(m, nb, s, shape, axis, fwd_cfg, bwd_cfg):
     check(gb, rb, dtype, f"boft_bwd g_blocks {bwd_cfg}")
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_tile_space_corners_compile_sm90a(monkeypatch):
     """The corners of the legal TileLang spaces of boft_fwd / boft_bwd (smallest and largest
     BT, each with its threads; the permuted channel map, fp32 GEMMs) compile for sm_90a at
@@ -291,6 +295,7 @@ COMPOSE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,units", COMPOSE_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in COMPOSE_CASES])
 def test_boft_composed(m, nb, s, shape, has_rs, diff, units, monkeypatch, poisoned_empty):
@@ -327,6 +332,7 @@ LEADING_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,nb,s,shape,has_rs,diff,fwd_units,bwd_units", LEADING_CASES,
                          ids=[f"m{c[0]}nb{c[1]}s{c[2]}" for c in LEADING_CASES])
 def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, monkeypatch, poisoned_empty):
@@ -345,6 +351,7 @@ def test_boft_leading_box(m, nb, s, shape, has_rs, diff, fwd_units, bwd_units, m
     assert boxes == [bwd_units[0]], boxes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("m,nb,s,shape", [(4, 8, 32, (300, 256)), (3, 4, 24, (300, 96)), (4, 8, 24, (300, 192))],
                          ids=["composed+single", "box+single", "box+composed"])
 def test_boft_bwd_partials_over_splits(m, nb, s, shape, monkeypatch, poisoned_empty):

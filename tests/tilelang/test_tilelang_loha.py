@@ -24,7 +24,7 @@ from lycoris_ops.backends.tilelang import common as _common
 from lycoris_ops.backends.tilelang.kernels import loha
 from lycoris_ops.backends.tilelang import ops  # noqa: E402
 import tilelang_harness as harness  # noqa: E402
-from tilelang_harness import GPU, IDS, MATRIX, NVCC  # noqa: E402
+from tilelang_harness import CASE_PARTS, COMPILE_CASES, GPU, case_part, compile_part  # noqa: E402
 
 OPS = ["loha_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd"]
 
@@ -33,10 +33,10 @@ def compare(op, args, dtype, tol=None):
     harness.compare(ops, REF, op, args, dtype, tol)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
-def test_kernels_compile(arch, dtype):
-    for builder, args in loha.compile_specs(dtype):
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch,dtype,part", COMPILE_CASES)
+def test_kernels_compile(arch, dtype, part):
+    for builder, args in compile_part(loha.compile_specs(dtype), part):
         k = _common.compile_only(builder, arch, *args)
         assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
@@ -48,13 +48,15 @@ def test_opset_signatures():
         assert params == schema, op
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-def test_twin_case_table_fp32():
-    for case in CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)):
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("part", CASE_PARTS)
+def test_twin_case_table_fp32(part):
+    for case in case_part(CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)), part):
         compare(case.op, case.args, torch.float32)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_regen_fp16():
     """The regenerated ΔW tile, rounded to fp16 before it multiplies x (forward and gx)."""
     keep = {"bypass", "bypass-mixed_fp32", "bypass_bwd"}
@@ -66,7 +68,8 @@ def test_twin_regen_fp16():
     assert n == len(keep)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_materialized_and_split(monkeypatch):
     """ΔW materialized once (many tokens) and the split reductions of the factor grads (the
     merge backward's two-job form, taken by gradients past ``PAIR_MAX_ELEMS``)."""
@@ -86,6 +89,7 @@ def test_twin_materialized_and_split(monkeypatch):
     compare("loha_merge_bwd", (torch.randn(O2, I2, generator=g), *f2, 0.9), torch.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_twin_merge_bwd_pair(dtype, monkeypatch):
     """``loha_merge_bwd`` through the one-launch pair kernel: bands of both
@@ -115,7 +119,8 @@ def test_twin_merge_bwd_pair(dtype, monkeypatch):
             assert set(calls) == {"hada_grad_pair_kernel"} and (GPU or len(calls) == 1), calls
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_merge_bwd_pair_steps_down(monkeypatch):
     """Where no pair tile fits the device's shared memory, the pair form takes fewer stages,
     then the two split jobs (fixed tile), and still matches eager."""
@@ -138,7 +143,8 @@ def test_twin_merge_bwd_pair_steps_down(monkeypatch):
         assert names == want and len(calls) == len(want), calls
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_pair_form_by_size(monkeypatch):
     """``PAIR_MAX_ELEMS``: gradients above it take the split jobs (where the two tie and the
     pair kernel's build is the longer), at or below it the pair; the planner shortlists the
@@ -196,19 +202,21 @@ def _check_tile_configs(dtype, device, monkeypatch):
             assert harness.rel_err(a, b) <= harness.REL_TOL[dtype], (op, k, harness.rel_err(a, b))
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_tile_configs(monkeypatch):
     """The launchers honour a tuned ``cfg`` (the GEMM tile, the gradient kernels' tile, the
     bypass ops' ``vendor`` form)."""
     _check_tile_configs(torch.float32, "cpu", monkeypatch)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_gpu_tile_configs(monkeypatch):
     _check_tile_configs(torch.bfloat16, "cuda", monkeypatch)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_tile_space_corners_compile_sm90a(monkeypatch):
     """The corners of tuning/loha.py's TileLang spaces compile for sm_90a at the first bench
     shape: the GEMM (row tile x stages x threads, the widest tiles) of both bypass ops,
@@ -249,7 +257,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     assert sum(p.builder is loha.hada_grad_pair_kernel for p in pending) == 4
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,r", [(torch.bfloat16, 16), (torch.float16, 128), (torch.bfloat16, 5)],
                          ids=["bf16-r16", "fp16-r128", "bf16-r5"])
 def test_gpu_parity(dtype, r):

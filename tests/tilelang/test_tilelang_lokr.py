@@ -29,7 +29,7 @@ from lycoris_ops.backends.tilelang.kernels import lokr, lokr_bypass
 from lycoris_ops.backends.tilelang.tuning import lokr as lokr_tuning  # noqa: E402
 from lycoris_ops.backends.tilelang import ops  # noqa: E402
 import tilelang_harness as harness  # noqa: E402
-from tilelang_harness import GPU, IDS, MATRIX, NVCC  # noqa: E402
+from tilelang_harness import CASE_PARTS, COMPILE_CASES, GPU, case_part, compile_part  # noqa: E402
 
 OPS = ["lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd", "lokr_merge_bwd",
        "lokr_bypass_fwd", "lokr_bypass_bwd"]
@@ -39,15 +39,16 @@ def compare(op, args, dtype, tol=None):
     harness.compare(ops, REF, op, args, dtype, tol)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
-def test_kernels_compile(arch, dtype):
-    for builder, args in lokr.compile_specs(dtype) + lokr_bypass.compile_specs(dtype):
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch,dtype,part", COMPILE_CASES)
+def test_kernels_compile(arch, dtype, part):
+    for builder, args in compile_part(lokr.compile_specs(dtype) + lokr_bypass.compile_specs(dtype), part):
         k = _common.compile_only(builder, arch, *args)
         assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_async_one_pass_backward_compiles_for_sm90a():
     """``async_mma`` (sm_90a only: async WGMMAs): 3 waits a step instead of 8, each group's
     last GEMM synchronous (with the next stage's copies placed after it); the launcher asks
@@ -66,7 +67,8 @@ def test_async_one_pass_backward_compiles_for_sm90a():
     assert not lokr_bypass.wgrads_async_fits(3, 5, 7, 4, 128, 128)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 @pytest.mark.parametrize("threads", [128, 256])
 def test_factored_merge_kernels_compile_for_sm90a(threads):
     """Every kernel a factored merge (forward streamed, backward one pass) would build on an
@@ -102,13 +104,14 @@ def test_opset_signatures():
         assert params == schema, op
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-def test_twin_case_table_fp32():
-    for case in CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)):
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("part", CASE_PARTS)
+def test_twin_case_table_fp32(part):
+    for case in case_part(CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)), part):
         compare(case.op, case.args, torch.float32)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.cpu_only
 def test_twin_bypass_fp16():
     """w1·X_t·w2ᵀ with the hi/lo intermediate, and its three gradients, in fp16."""
     n = 0
@@ -119,7 +122,7 @@ def test_twin_bypass_fp16():
     assert n == 2
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.cpu_only
 def test_twin_token_split():
     """Enough tokens for the split token reduction of g_w1 / g_w2 (fp32 partials)."""
     g = torch.Generator().manual_seed(2)
@@ -129,7 +132,7 @@ def test_twin_token_split():
             torch.float32)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_async_one_pass_backward(dtype):
     """The one-pass bypass backward, its GEMM groups issued as async WGMMAs on sm_90a at 64-wide
@@ -147,7 +150,7 @@ def test_gpu_async_one_pass_backward(dtype):
             compare("lokr_bypass_bwd", (m(T, a * c), m(T, b * d), w1, w2, 0.7), dtype)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,dims", [(torch.bfloat16, (16, 32, 24, 12)), (torch.float16, (128, 128, 16, 16)),
                                         (torch.bfloat16, (4, 5, 128, 128)), (torch.bfloat16, (100, 3, 2, 100))],
                          ids=["bf16-mixed", "fp16-w1_128", "bf16-w2_128", "bf16-skewed"])
@@ -260,6 +263,7 @@ BWD_PATHS = {"one-pass": (None, {"kron_wgrads_kernel"}),
              "separate": (no_one_pass_fits, {"kron_apply_kernel", "kron_wgrad1_kernel", "kron_wgrad2_kernel"})}
 
 
+@pytest.mark.quick_if(lambda staged, path: staged and path == "one-pass")
 @pytest.mark.parametrize("path", sorted(BWD_PATHS))
 @pytest.mark.parametrize("staged", [True, False], ids=["staged", "regs"])
 def test_twin_bypass_paths(staged, path, monkeypatch):
@@ -288,6 +292,7 @@ def test_twin_bypass_paths(staged, path, monkeypatch):
     assert n == 16
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kron_cfg,grad_cfg,bypass_cfg", TILE_CFGS, ids=["small-tiles", "big-tiles", "wide-256"])
 def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
     """The six launchers honour a tuned ``cfg`` at odd sizes (``_tile_config_cases``); on a
@@ -297,9 +302,11 @@ def test_tile_configs(kron_cfg, grad_cfg, bypass_cfg):
         _with_cfg(op, cfg, args, dtype)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.skipif(GPU, reason="the GPU run builds these kernels for real (test_tile_configs); there, kernels an "
-                                "earlier test of the worker built for sm_90a are cached, so fewer are captured")
+@pytest.mark.slow
+@pytest.mark.nvcc
+# cpu_only: the GPU run builds these kernels for real (test_tile_configs); there, kernels an earlier
+# test of the worker built for sm_90a are cached, so fewer are captured
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("fused_bwd", [True, False], ids=["one-pass-bwd", "separate-bwd"])
 @pytest.mark.parametrize("cfgs", [({}, {}, {}), TILE_CFGS[2]], ids=["fixed", "wide-256"])
 def test_tile_config_cases_compile_sm90a(monkeypatch, cfgs, fused_bwd):
@@ -350,7 +357,8 @@ def test_the_fixed_configs_are_the_default_launch():
         assert built[0] and built[0] == built[1] == built[2], (op, built)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 @pytest.mark.parametrize("op", ["lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_bypass_fwd", "lokr_bypass_bwd"])
 def test_tile_space_corners_compile_sm90a(monkeypatch, op):
     """The corners of tuning/lokr.py's legal TileLang spaces compile for sm_90a (bf16): the
@@ -533,6 +541,7 @@ def test_generated_w2_tiles_need_warps_to_share_them():
     assert lokr._generated(w2a, w2b, torch.bfloat16, (16, 16), torch.device("cpu"), 128)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [0, 3], ids=["registers", "pipelined"])
 def test_one_pass_merge_bwd(stages, monkeypatch):
     """The merge backwards in one pass over G (``kron_grads_kernel``, ``GRADS["one_pass"]``) and
@@ -582,6 +591,7 @@ def test_one_pass_merge_bwd(stages, monkeypatch):
     assert harness.rel_err(got[[0, 2]], want[[0, 2]]) <= harness.REL_TOL[dtype]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stages", [0, 3], ids=["registers", "pipelined"])
 def test_streamed_merge_fwd(stages, monkeypatch):
     """The merges streamed per tile of w2 (``kron_stream_kernel``, ``KRON["stream"]``) against the
@@ -613,8 +623,8 @@ def test_streamed_merge_fwd(stages, monkeypatch):
         assert [p.args[-1] for p in streams] == [r2 if r2 and min(tile) >= 16 else 0], (a, b, c, d)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels (test_one_pass_merge_bwd, "
-                                "test_streamed_merge_fwd)")
+@pytest.mark.slow
+@pytest.mark.cpu_only  # the GPU run checks the real kernels (test_one_pass_merge_bwd, test_streamed_merge_fwd)
 @pytest.mark.parametrize("stages", [0, 3], ids=["registers", "pipelined"])
 def test_new_forms_on_the_case_table(stages):
     """The streamed merges and the one-pass merge backwards over the whole case table (every
@@ -631,6 +641,7 @@ def test_new_forms_on_the_case_table(stages):
     assert n >= 10, n
 
 
+@pytest.mark.slow
 def test_twin_fused_bwd_staged_gx(monkeypatch):
     """The one-pass backward where its gx block goes through shared memory (16-wide factors: 4
     tokens a step, 1024 elements a block) against the reference, a token tail included. CPU
@@ -672,8 +683,9 @@ def test_staged_apply_fits_its_pipeline():
             == 2 * 128 * 128 * 2)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.skipif(GPU, reason="CPU hosts: on the GPU, kernels an earlier test built are cached and not captured")
+@pytest.mark.slow
+@pytest.mark.nvcc
+@pytest.mark.cpu_only  # on the GPU, kernels an earlier test built are cached and not captured
 @pytest.mark.parametrize("fused", [False, True], ids=["separate", "fused-bwd"])
 def test_factor_128_kernels_fit_shared_memory(monkeypatch, fused):
     """At the scope's largest factors (128) with a 16-bit base, every kernel the bypass
@@ -732,6 +744,7 @@ def test_bypass_bwd_routes_by_the_one_pass_kernels_resources():
     assert built(64, 128) == ["kron_apply_kernel", "kron_wgrad1_kernel", "kron_wgrad2_kernel"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gx", [True, False], ids=["one-pass-bwd", "wgrads"])
 def test_wgrads_finish_launch(monkeypatch, gx):
     """The one-pass weight gradients' fp32 partials (padded planes, Ap x Bp

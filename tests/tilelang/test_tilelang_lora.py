@@ -29,7 +29,7 @@ from lycoris_ops.backends.tilelang.kernels import lora
 from lycoris_ops.backends.tilelang import ops
 from lycoris_ops.backends.tilelang.kernels import tucker  # noqa: E402
 import tilelang_harness as harness  # noqa: E402
-from tilelang_harness import GPU, IDS, MATRIX, NVCC  # noqa: E402
+from tilelang_harness import CASE_PARTS, COMPILE_CASES, GPU, case_part, compile_part  # noqa: E402
 
 OPS = ["lora_merge_fwd", "lora_merge_bwd", "lora_bypass_fwd", "lora_bypass_bwd", "lora_tucker_fwd"]
 
@@ -38,11 +38,11 @@ def compare(op, args, dtype, tol=None):
     harness.compare(ops, REF, op, args, dtype, tol)
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
-def test_kernels_compile(arch, dtype):
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch,dtype,part", COMPILE_CASES)
+def test_kernels_compile(arch, dtype, part):
     for family in (lora, tucker):
-        for builder, args in family.compile_specs(dtype):
+        for builder, args in compile_part(family.compile_specs(dtype), part):
             k = _common.compile_only(builder, arch, *args)
             assert "__global__" in k.get_kernel_source(), (builder.__name__, args)
 
@@ -78,13 +78,15 @@ def test_opset_signatures():
         assert params == schema, op
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
-def test_twin_case_table_fp32():
-    for case in CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)):
+@pytest.mark.cpu_only
+@pytest.mark.parametrize("part", CASE_PARTS)
+def test_twin_case_table_fp32(part):
+    for case in case_part(CASES.cases(torch.float32, "cpu", False, torch.Generator().manual_seed(0)), part):
         compare(case.op, case.args, torch.float32)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_core_fp16():
     """The bypass chain (h rounded to fp16 before ·upᵀ), its backward and the hada merge in fp16."""
     keep = {"bypass", "bypass-base-nc", "bypass-mixed_fp32", "bypass_bwd", "merge-hada", "tucker-1chain"}
@@ -96,7 +98,8 @@ def test_twin_core_fp16():
     assert n == len(keep)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_split_k():
     """Enough tokens for the split-K partial path of the skinny kernel (g_up, g_down) and
     several O ranges per token tile in the forward."""
@@ -110,7 +113,8 @@ def test_twin_split_k():
     compare("lora_merge_bwd", (Gw, up, torch.randn(r, 300, generator=g), 1.1), torch.float32)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 def test_twin_merge_bwd_steps_to_skinny(monkeypatch):
     """``merge_bwd`` runs the pair kernel, and the two skinny products where no pair tile fits
     shared memory (rank 200: Rp = 256), both against eager."""
@@ -125,6 +129,7 @@ def test_twin_merge_bwd_steps_to_skinny(monkeypatch):
         assert len(calls) - n == (2 if r == 200 else 0), r
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 def test_twin_merge_bwd_pair(dtype):
     """``lora_merge_bwd`` through the one-launch pair kernel: row bands of both products,
@@ -141,7 +146,8 @@ def test_twin_merge_bwd_pair(dtype):
             compare("lora_merge_bwd", (G.to(dev, dtype), up, down, -0.7), dtype)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("with_base", [True, False], ids=["base", "nobase"])
 @pytest.mark.parametrize("per,pipe_o,built_as", [(5, True, (True, 0)), (3, True, (True, 3)), (3, False, (False, 0))],
                          ids=["one-group", "groups", "serial"])
@@ -173,7 +179,7 @@ def bypass_fwd_twin(monkeypatch, per, cfg, with_base):
     return built
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.cpu_only
 def test_twin_bypass_fwd_quick_twin(monkeypatch):
     """The cold call's quick twin of the forward (``TL_QUICK``: ``pipe_o`` off and 2 stages in
     the cfg, over ``BYPASS_FWD``): the serial O loop is built
@@ -186,7 +192,8 @@ def test_twin_bypass_fwd_quick_twin(monkeypatch):
     assert built[-1][-2] is True  # the fixed config pipelines it
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("per", [3, 5], ids=["groups", "one-group"])
 def test_twin_bypass_bwd_i_loop(per, monkeypatch):
     """The backward token kernel's gx loop at partial T and I tiles: 5 I tiles, in 2 serial
@@ -202,7 +209,8 @@ def test_twin_bypass_bwd_i_loop(per, monkeypatch):
         assert harness.rel_err(a, b) <= harness.REL_TOL[torch.float32], k
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
 def test_twin_merge_gemm(mode):
     """The merge by ``gemm_kernel`` (a tuned config with ``BK``) at partial tiles, with an fp32
@@ -217,6 +225,7 @@ def test_twin_merge_gemm(mode):
         assert harness.rel_err(got, want) <= harness.REL_TOL[torch.float32], (mode, base is None)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("mode", ["plain", "hada", "sum"])
 def test_twin_merge_stream(mode, dtype, monkeypatch):
@@ -248,7 +257,7 @@ def test_twin_merge_stream(mode, dtype, monkeypatch):
         assert harness.rel_err(got, want) <= harness.REL_TOL[dtype], (mode, base is None, odt)
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.cpu_only
 def test_twin_merge_stream_steps_to_the_gemm(monkeypatch):
     """The streamed merge where its tile does not fit shared memory (``stream_smem``), or with a
     tuned GEMM tile (a config with ``BK``: the planner's timed GEMM form), runs ``gemm_kernel``."""
@@ -298,7 +307,8 @@ def _tile_case(op, dtype, device="cpu"):
     }[op]
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("op", sorted(TILE_CFGS))
 def test_twin_tile_configs(op):
     """The launchers honour a tuned ``cfg`` (tile sizes; threads and stages are GPU-only)."""
@@ -335,7 +345,8 @@ def _tucker_case(dtype, device, two):
 TUCKER_TWIN_CFGS = TUCKER_CFGS + [dict(BO=64, BI=32, threads=128)]
 
 
-@pytest.mark.skipif(GPU, reason="CPU twins: the GPU run checks the real kernels")
+@pytest.mark.slow
+@pytest.mark.cpu_only
 @pytest.mark.parametrize("cfg", TUCKER_TWIN_CFGS, ids=["bo128-t256", "bi256", "bi32"])
 @pytest.mark.parametrize("two", [False, True], ids=["1chain", "2chains"])
 def test_twin_tucker_tile_configs(two, cfg, monkeypatch):
@@ -365,7 +376,7 @@ def test_tucker_all_k_fits():
     assert not tucker.all_k_fits(64, 64, 9, 64, 64, 2, 2, 4)  # fp32 output: 64 + 144 KB
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", TUCKER_CFGS + [dict(BO=64, BI=64, threads=128)], ids=["bo128-t256", "bi256", "fixed"])
 def test_gpu_tucker_tile_configs(cfg):
     """The per-κ kernel (the first two tiles: their staging does not fit) and the all-κ one."""
@@ -374,7 +385,8 @@ def test_gpu_tucker_tile_configs(cfg):
     assert harness.rel_err(got, want) <= harness.REL_TOL[torch.bfloat16]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_tucker_tile_space_corners_compile_sm90a(monkeypatch):
     """Every (BO, threads) of the tucker TileLang space with the widest and narrowest BI, one
     and two chains, compiles for sm_90a (3x3 conv, 3072 channels, rank 32): the configs whose
@@ -415,7 +427,8 @@ def _sm90a_bench_calls(monkeypatch):
             "lora_merge_bwd": (lora.merge_bwd, (w, up, down, 1.0))}
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_h200_shortlists_compile_sm90a(monkeypatch):
     """Every tile config the TileLang models shortlist for an H200 at the first bench shape
     (T=8192, 3072x3072, r=32, bf16) compiles for sm_90a: the kernels a cold key builds."""
@@ -461,7 +474,8 @@ def _space_corners():
     return out
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_tile_space_corners_compile_sm90a(monkeypatch):
     """Every corner of the TileLang LoRA tile spaces compiles for sm_90a at the first bench
     shape: TileLang's lowering rejects some combinations (3 stages over a runtime K loop,
@@ -479,7 +493,7 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
 
 # ----------------------------------------------------------------------------- 3. GPU
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype,r", [(torch.bfloat16, 8), (torch.float16, 128), (torch.bfloat16, 100)],
                          ids=["bf16-r8", "fp16-r128", "bf16-r100"])
 def test_gpu_parity(dtype, r):
@@ -505,7 +519,7 @@ def test_gpu_parity(dtype, r):
     compare("lora_tucker_fwd", (m(R, 48).t(), m(R, R, 9), m(R, 40), m(48, R), m(R, R, 9), m(R, 40), 0.7), dtype)
 
 
-@pytest.mark.skipif(not GPU, reason="needs a CUDA device")
+@pytest.mark.gpu
 @pytest.mark.parametrize("op", sorted(TILE_CFGS))
 def test_gpu_tile_configs(op):
     """Each tuned op with a non-default tile config on the GPU, bf16 (the forward's: two

@@ -23,7 +23,8 @@ from lycoris_ops.reference import oft as R_OFT  # noqa: E402
 from lycoris_ops.testing import REL_TOL, rel_err  # noqa: E402
 from lycoris_ops.backends.tilelang import common as _common
 from lycoris_ops.backends.tilelang.kernels import oft  # noqa: E402
-from tilelang_harness import IDS, MATRIX, NVCC  # noqa: E402
+from tilelang_harness import COMPILE_CASES, IDS, compile_part  # noqa: E402
+from sweep import sweep  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16] if DEV == "cuda" else [torch.float32]
@@ -39,10 +40,10 @@ def d64(*ts):
     return [None if t is None else t.detach().double().cpu() for t in ts]
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.parametrize("arch,dtype", MATRIX, ids=[f"{a}-{IDS[d]}" for a, d in MATRIX])
-def test_kernels_compile(arch, dtype):
-    for builder, args in oft.compile_specs(dtype):
+@pytest.mark.nvcc
+@pytest.mark.parametrize("arch,dtype,part", COMPILE_CASES)
+def test_kernels_compile(arch, dtype, part):
+    for builder, args in compile_part(oft.compile_specs(dtype), part):
         src = _common.compile_only(builder, arch, *args).get_kernel_source()
         assert "__global__" in src, (builder.__name__, args)
         cdt = {oft.apply_kernel: 3, oft.apply_direct_kernel: 2}.get(builder)
@@ -74,7 +75,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=[IDS[d] for d in DTYPES])
-@pytest.mark.parametrize("K,S,shape,weight,has_rs,shift", CASES,
+@pytest.mark.parametrize("K,S,shape,weight,has_rs,shift", sweep(CASES, quick=(0, 8)),  # gather, direct
                          ids=[f"K{c[0]}S{c[1]}-{'w' if c[3] else len(c[2])}d-{'rs' if c[4] else 'nors'}-"
                               f"{'shift' if c[5] else 'rot'}" for c in CASES])
 def test_oft(K, S, shape, weight, has_rs, shift, dtype):
@@ -131,6 +132,7 @@ def spy_kernels(monkeypatch) -> list:
     return seen
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "cayley-launch"])
 @pytest.mark.parametrize("K,S,shape,weight,has_rs,shift", DIRECT_CASES,
                          ids=["cl-rs-shift", "cl-rot", "cf-w-rs-shift", "cf-conv-rs"])
@@ -192,6 +194,7 @@ def test_fuse_cayley_needs_its_pipeline_to_fit(monkeypatch):
     assert oft.fuse_cayley(True, "sm_90a", 32, 64, 2, False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("K,S", [(7, 5), (5, 16)], ids=["S5", "S16"])  # 6 blocks of 5 in 32; 2 of 16 in 32
 def test_cayley_kernel_blocks(K, S):
     """The Cayley family alone: F (and Fᵀ, and both from one launch) of each packed block equals diag(ρ)·Rᵀ − I,
@@ -224,6 +227,7 @@ TILE_CFGS = [(dict(BT=256, threads=256), dict(BT=32, threads=128)),
              (dict(BT=64, threads=128), dict(BT=128, threads=256))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fwd_cfg,bwd_cfg", TILE_CFGS, ids=["bt256-bt32", "bt64-bt128"])
 @pytest.mark.parametrize("K,S,shape,weight", [(7, 5, (300, 35), False), (7, 5, (2, 35, 9, 17), False)],
                          ids=["cl", "cf"])
@@ -244,7 +248,8 @@ def test_tile_configs(K, S, shape, weight, fwd_cfg, bwd_cfg):
         check(a, b, dtype, f"oft_bwd {what} {bwd_cfg}")
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
+@pytest.mark.slow
+@pytest.mark.nvcc
 def test_tile_space_corners_compile_sm90a(monkeypatch):
     """The corners of tuning/oft.py's legal TileLang spaces (smallest and largest BT, each
     with its threads) compile for sm_90a: 16-bit and fp32 (TF32 split) GEMMs, 32- and

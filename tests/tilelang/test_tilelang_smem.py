@@ -9,11 +9,11 @@ import torch
 pytest.importorskip("tilelang")
 
 import tilelang_harness as harness  # noqa: E402
-from tilelang_harness import GPU, NVCC  # noqa: E402
 
 
-@pytest.mark.skipif(NVCC is None, reason="nvcc is not on PATH: the CUDA compile check needs it (no GPU needed)")
-@pytest.mark.skipif(GPU, reason="CPU hosts: on the GPU, kernels an earlier test built are cached and not captured")
+@pytest.mark.slow
+@pytest.mark.nvcc
+@pytest.mark.cpu_only  # on the GPU, kernels an earlier test built are cached and not captured
 @pytest.mark.parametrize("family", ["lora", "loha", "tucker", "oft"])
 def test_scope_extremes_fit_shared_memory(monkeypatch, family):
     """sm_90a, bf16, the launchers' default configs: LoRA's bypass forward and backward and the

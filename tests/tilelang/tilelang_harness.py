@@ -1,20 +1,54 @@
 """What the TileLang test files share: the compile matrix and the op-set-vs-eager check."""
 import os
 import re
-import shutil
 
+import pytest
 import torch
 
 from lycoris_ops.testing import REL_TOL, rel_err
 
-#: nvcc compiles the CUDA checks (no GPU needed)
-NVCC = shutil.which("nvcc")
 #: (arch, dtype) pairs compiled by default; LYCORIS_TILELANG_FULL_COMPILE=1 adds the other two
 MATRIX = [("sm_90a", torch.bfloat16), ("sm_80", torch.float16)]
 if os.environ.get("LYCORIS_TILELANG_FULL_COMPILE", "") not in ("", "0"):
     MATRIX += [("sm_90a", torch.float16), ("sm_80", torch.bfloat16)]
 IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 GPU = torch.cuda.is_available()
+#: test_kernels_compile's cases (arch, dtype, part of compile_specs): the quick suite builds each
+#: builder's default config for MATRIX's first pair; ``-m slow`` the other specs and pairs
+COMPILE_CASES = [
+    pytest.param(*MATRIX[0], "defaults", id=f"{MATRIX[0][0]}-{IDS[MATRIX[0][1]]}-defaults"),
+    pytest.param(*MATRIX[0], "others", id=f"{MATRIX[0][0]}-{IDS[MATRIX[0][1]]}-others", marks=pytest.mark.slow),
+    *(pytest.param(a, d, "all", id=f"{a}-{IDS[d]}", marks=pytest.mark.slow) for a, d in MATRIX[1:]),
+]
+
+
+def compile_part(specs, part):
+    """A family's ``compile_specs`` cut to ``part``: "defaults" has each builder's spec with
+    the fewest arguments (the most left at their defaults; the first of those), "others" the
+    rest, "all" every spec."""
+    if part == "all":
+        return list(specs)
+    fewest = {}
+    for i, (builder, args) in enumerate(specs):
+        if builder not in fewest or len(args) < len(specs[fewest[builder]][1]):
+            fewest[builder] = i
+    defaults = set(fewest.values())
+    return [s for i, s in enumerate(specs) if (i in defaults) == (part == "defaults")]
+
+
+#: test_twin_case_table_fp32's parts of a case table: each op's first case (quick), the others (slow)
+CASE_PARTS = [pytest.param("first", id="first"), pytest.param("others", id="others", marks=pytest.mark.slow)]
+
+
+def case_part(cases, part):
+    """The cases of a case table (``lycoris_ops.testing``) in ``part``: "first" has each op's
+    first case, "others" the rest."""
+    seen, picked = set(), []
+    for case in cases:
+        if (case.op not in seen) == (part == "first"):
+            picked.append(case)
+        seen.add(case.op)
+    return picked
 
 
 def outs(x):

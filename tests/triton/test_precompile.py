@@ -351,7 +351,7 @@ _GPU_COLD_KEY = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_gpu_cold_key_compiled_by_children(tmp_path):
     """A cold lora_bypass_bwd key (empty table, empty Triton cache): every kernel the
     tuner's first calls need was compiled by forked children - the parent's compiles are

@@ -317,7 +317,7 @@ def _misaligned(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.skipif(DEV != "cuda", reason="the direct launch path runs on CUDA only")
+@pytest.mark.gpu  # the direct launch path runs on CUDA only
 @pytest.mark.parametrize("case", [c for c in cases() if c.tensors()], ids=lambda c: f"{c.op}-{c.id}")
 def test_repeated_calls_through_direct_launches(case):
     """Every op called three times on CUDA (bf16): the JIT path, then the cached direct

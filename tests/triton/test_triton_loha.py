@@ -266,6 +266,7 @@ def o_tucker(a, t, b):
     return torch.einsum("op,pqk,qi->oik", a, t, b)
 
 
+@pytest.mark.quick_if(lambda dtype, two, Kk, block_o, o_pack: dtype == torch.bfloat16 and Kk in (5, 17))
 @pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
 @pytest.mark.parametrize("two", [False, True], ids=["one", "hada"])
 @pytest.mark.parametrize("Kk,block_o", [(5, 4), (9, 1), (1, 3), (17, 2)], ids=["k5-4rows", "k9-1row", "k1", "k17"])

@@ -937,3 +937,24 @@ def test_tuner_core_imports_no_backend():
                 continue
             bad += [f"{path.name}: {n}" for n in names if n.startswith("lycoris_ops") and not n.startswith(allowed)]
     assert not bad, bad
+
+
+def test_a_ctrl_c_drops_the_first_calls_not_started():
+    """A Ctrl-C while the worker threads run the candidates' first calls (each a compile on a
+    GPU): the calls not yet started are cancelled and the interrupt goes on, instead of
+    waiting for every candidate's compile."""
+    import threading
+    import time
+
+    started, lock = [], threading.Lock()
+
+    def run(c):
+        with lock:
+            started.append(c)
+        if c == 0:
+            raise KeyboardInterrupt  # what fut.result() then raises in the waiting thread
+        time.sleep(0.2)
+
+    with pytest.raises(KeyboardInterrupt):
+        timing._warm_parallel(list(range(16)), list(range(16)), run, None, 2, {})
+    assert len(started) <= 4, started

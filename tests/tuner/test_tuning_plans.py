@@ -16,7 +16,7 @@ triton = pytest.importorskip("triton")
 
 # every candidate runs on CPU tensors under the Triton interpreter; on a GPU machine
 # bench/gpu_tuning.py tunes the real shapes and checks them against eager instead
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter test (CPU tensors)")
+pytestmark = pytest.mark.cpu_only
 
 from lycoris_ops import reference
 from lycoris_ops.backends import registry as dispatch, scope, select
@@ -80,7 +80,8 @@ def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
         assert len(row["times"]) >= 2, (key, row)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.bfloat16],
+                         ids=["fp32", "bf16"])
 def test_tucker_one_launch_call_is_not_timed(dtype, monkeypatch):
     """A rebuild small enough for one program that builds its own AT keeps the launcher's
     default (one launch) instead of a timed tile; a larger one is timed."""

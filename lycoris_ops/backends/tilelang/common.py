@@ -108,7 +108,7 @@ def tl():
     """The ``tilelang`` module (imported on first use; installs the macro memo once)."""
     import tilelang
     if not _memo["tried"]:
-        _install_macro_memo()
+        _first_use()
     return tilelang
 
 
@@ -116,8 +116,19 @@ def lang():
     """``tilelang.language`` (imported on first use; builders ``import tilelang.language as T``)."""
     import tilelang.language as lang
     if not _memo["tried"]:
-        _install_macro_memo()
+        _first_use()
     return lang
+
+
+def _first_use() -> None:
+    """Once per process, after ``import tilelang``: Ctrl-C during a build stays a
+    ``KeyboardInterrupt`` (tvm_ffi turns an exception type it does not know, raised in the
+    Python callback that runs nvcc, into a bare ``RuntimeError``: callers took it for a
+    kernel that cannot build and went on); then the macro memo."""
+    from tvm_ffi import register_error
+
+    register_error("KeyboardInterrupt", KeyboardInterrupt)
+    _install_macro_memo()
 
 
 # ----------------------------------------------------------------------------- the macro memo
