@@ -15,8 +15,13 @@
 #   5. bridge: bench/gpu_bridge.py bench (lycoris-lora networks on our ops against its own).
 # Logs and JSON land in ${OUT:-bench/out}/; .whl/ (lycoris-lora and its pure-Python needs) is
 # installed into /tmp/peer_site for the peer columns.
+# Environment (all optional): STAGES (default "parity bench matrix bridge"; the build always
+# runs), PARITY_ARGS / MATRIX_ARGS / BRIDGE_ARGS (extra arguments of those scripts), and each
+# stage's cap in seconds: PARITY_S (130), BENCH_S (75 a side), MATRIX_S (190), BRIDGE_S (100).
 set -uo pipefail
-before=${1:?usage: gpu_before_after.sh BEFORE_DIR [SECONDS]}
+before=$(cd "${1:?usage: gpu_before_after.sh BEFORE_DIR [SECONDS]}" && pwd) || exit 2
+stages=" ${STAGES:-parity bench matrix bridge} "
+want() { [[ "$stages" == *" $1 "* ]]; }
 budget=${2:-560}
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$here/bench/out}; mkdir -p "$out"
@@ -36,30 +41,39 @@ echo "== build ($(date -u +%FT%TZ))"
 (cd "$here" && MAX_JOBS=8 $py setup.py -q build_ext --inplace >"$out/build_after.log" 2>&1) &
 wait
 for t in "$before" "$here"; do
-  PYTHONPATH=$t $py -c "import torch, triton, lycoris_ops as L; print(L.__file__, torch.__version__, triton.__version__, torch.cuda.get_device_name())" \
+  (cd "$t" && PYTHONPATH=$t $py -c "import torch, triton, lycoris_ops as L; print(L.__file__, torch.__version__, triton.__version__, torch.cuda.get_device_name())") \
     || { tail -20 "$out"/build_*.log; exit 1; }
 done
 echo "built in $((SECONDS - start)) s"
 
+if want parity; then
 echo "== parity (this tree)"
-PYTHONPATH=$here timeout "$(cap 130)" $py "$here/bench/gpu_backends.py" --dtypes float32,bfloat16,float16 >"$out/parity.log" 2>&1
+PYTHONPATH=$here timeout "$(cap "${PARITY_S:-130}")" $py "$here/bench/gpu_backends.py" --dtypes float32,bfloat16,float16 \
+  ${PARITY_ARGS:-} >"$out/parity.log" 2>&1
 echo "parity: exit $?"; grep -E "FAIL|mismatch|graph break|^(all|cases|summary)" "$out/parity.log" | tail -15; tail -3 "$out/parity.log"
+fi
 
-for side in before after; do
+want bench && for side in before after; do
   tree=$before; [ $side = after ] && tree=$here
   echo "== bench --quick ($side)"
-  (cd "$tree" && PYTHONPATH=$tree timeout "$(cap 75)" $py bench/bench.py --quick --no-host --max-seconds 60 \
+  (cd "$tree" && PYTHONPATH=$tree timeout "$(cap "${BENCH_S:-75}")" $py bench/bench.py --quick --no-host --max-seconds "$(( ${BENCH_S:-75} - 15 ))" \
      --out "$out/bench_$side" --results "$out/bench_$side.md" >"$out/bench_$side.log" 2>&1)
   echo "bench $side: exit $?"; tail -22 "$out/bench_$side.log"
 done
 
+if want matrix; then
 echo "== matrix"
-PYTHONPATH=$here timeout "$(cap 190)" $py "$here/bench/matrix.py" --seconds "$(( $(cap 190) - 25 ))" --out "$out/matrix" \
-  --results "$out/matrix/RESULTS.md" >"$out/matrix.log" 2>&1
+# the matrix's own budget ends a minute before the cap: its summary and plot come after the cells
+m=$(cap "${MATRIX_S:-190}")
+PYTHONPATH=$here timeout "$m" $py "$here/bench/matrix.py" --seconds "$(( m > 120 ? m - 60 : m / 2 ))" --out "$out/matrix" \
+  --results "$out/matrix/RESULTS.md" ${MATRIX_ARGS:-} >"$out/matrix.log" 2>&1
 echo "matrix: exit $?"; tail -40 "$out/matrix.log"
+fi
 
+if want bridge; then
 echo "== bridge"
-PYTHONPATH=$here timeout "$(cap 100)" $py "$here/bench/gpu_bridge.py" bench --models transformer --steps 10 --warmup 2 \
-  --out "$out/bridge" >"$out/bridge.log" 2>&1
+PYTHONPATH=$here timeout "$(cap "${BRIDGE_S:-100}")" $py "$here/bench/gpu_bridge.py" bench --models transformer --steps 10 --warmup 2 \
+  --out "$out/bridge" ${BRIDGE_ARGS:-} >"$out/bridge.log" 2>&1
 echo "bridge: exit $?"; tail -25 "$out/bridge.log"
+fi
 echo "== done in $((SECONDS - start)) s"

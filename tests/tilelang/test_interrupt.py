@@ -4,7 +4,7 @@ TileLang runs nvcc from a Python callback inside its C++ codegen (tvm_ffi). A te
 Ctrl-C reaches nvcc and Python alike; the ``KeyboardInterrupt`` raised in the callback used
 to come back out of tvm_ffi as a bare ``RuntimeError``, which a compile sweep collects as
 one more kernel that failed to build (and the tuner as a kernel to run eager instead): the
-run went on to the next kernel and the next test. ``tilelang/_common._first_use`` keeps it
+run went on to the next kernel and the next test. ``backends/tilelang/common._first_use`` keeps it
 a ``KeyboardInterrupt``.
 """
 import os
@@ -25,7 +25,8 @@ ADD_ARGS = ("float16", "float32", "float16", 2, 64, 96)
 def test_an_interrupted_build_raises_keyboard_interrupt(tmp_path, monkeypatch):
     from tilelang.contrib import nvcc
 
-    from lycoris_ops.tilelang import _common, add
+    from lycoris_ops.backends.tilelang import common as _common
+    from lycoris_ops.backends.tilelang.kernels import add
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -43,7 +44,8 @@ INNER = textwrap.dedent(f"""
 
     from tilelang.contrib import nvcc
 
-    from lycoris_ops.tilelang import _common, add
+    from lycoris_ops.backends.tilelang import common as _common
+    from lycoris_ops.backends.tilelang.kernels import add
 
 
     def test_sweep(monkeypatch):
