@@ -531,11 +531,11 @@ def run_peer(args, spec_list, cfgs, budget) -> dict:
     return peer_subprocess(cmd, path, budget, args.peer_path, os.path.join(os.path.abspath(args.out), "peer-cache"))
 
 
-def peer_subprocess(cmd, path, budget, peer_path, cache_dir) -> dict:
+def peer_subprocess(cmd, path, budget, peer_path, cache_dir, grace: float = 120.0) -> dict:
     """Run bench/peer_lycoris.py's command line ``cmd`` (which writes its JSON to ``path``) with
     ``peer_path`` on its PYTHONPATH and lycoris-lora's tuning table under ``cache_dir``; its log
     lands beside ``path``. Returns the JSON (or {'ok': False, 'error': ...}); a peer killed at
-    ``budget`` + 120 s keeps the rows it wrote."""
+    ``budget`` + ``grace`` s keeps the rows it wrote."""
     out_dir = os.path.dirname(os.path.abspath(path))
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ)
@@ -546,13 +546,13 @@ def peer_subprocess(cmd, path, budget, peer_path, cache_dir) -> dict:
         os.remove(path)
     error = None
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget + 120)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=budget + grace)
         with open(os.path.join(out_dir, "peer.log"), "w") as f:
             f.write(proc.stdout[-20000:] + "\n--- stderr ---\n" + proc.stderr[-20000:])
         if proc.returncode != 0:
             error = f"peer subprocess exit {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}"[:300]
     except subprocess.TimeoutExpired:
-        error = f"peer subprocess timed out after {budget + 120:.0f}s (rows so far kept)"
+        error = f"peer subprocess timed out after {budget + grace:.0f}s (rows so far kept)"
     except Exception as exc:
         error = f"peer subprocess failed: {type(exc).__name__}: {exc}"[:300]
     try:

@@ -857,7 +857,9 @@ class Matrix:
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()  # the peer shares the GPU
         print(f"-- peer: {len(cells)} cells, {budget:.0f} s", file=sys.stderr, flush=True)
-        report = B.peer_subprocess(cmd, path, budget, a.peer_path, os.path.join(self.root, "peer-tuning"))
+        # a short grace: the run's own budget (and a device call's limit) ends soon after the peer's
+        report = B.peer_subprocess(cmd, path, budget, a.peer_path, os.path.join(self.root, "peer-tuning"),
+                                   grace=PEER_START_S + 10)
         self.peer_version = report.get("version", "n/a")
         if report.get("error"):
             self.notes.append(f"peer: {report['error']}")

@@ -131,6 +131,9 @@ def bypass(x: torch.Tensor, up: torch.Tensor, down: torch.Tensor, scale: float =
         h = conv(xc, down.to(c).reshape(down.shape[0], down.shape[1], *ones))
         h = conv(h, mid.to(c), stride=stride, padding=padding, dilation=dilation)
     y = conv(h, up.to(c).reshape(O, r, *ones))
+    if base is not None and base.dtype == c:
+        # one kernel, as the user's `base + γ·conv(…)`: torch.add scales and adds in fp32 and rounds once
+        return torch.add(base, y, alpha=float(scale))
     y = y.to(_acc(c)) * float(scale)
     if base is None:
         return y.to(x.dtype)
