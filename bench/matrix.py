@@ -609,6 +609,10 @@ def parse_args(argv=None):
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, fp32 + bf16: ours agrees with eager")
     ap.add_argument("--list", action="store_true", help="print the cells in run order and exit")
     ap.add_argument("--report", default=None, metavar="JSON", help="only the summary of a saved JSON")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile the selected cells instead of timing them: ours and the eager formula, "
+                         "fwd+bwd under torch.profiler, the top --top kernels of each by device time")
+    ap.add_argument("--top", type=int, default=12, help="--profile: rows per table")
     ap.add_argument("--plot", default=None, metavar="JSON", help="only the heat map of a saved JSON")
     ap.add_argument("--plot-out", default=os.path.join(HERE, "matrix_heatmap.png"))
     args = ap.parse_args(argv)
@@ -1093,6 +1097,43 @@ def smoke_failures(doc: dict, every_algo: bool) -> List[str]:
     return bad
 
 
+def profile_cells(args, cells) -> List[str]:
+    """``--profile``: where a cell's time goes. Per cell, ours and the eager formula run three
+    fwd+bwd steps (after two warm-up steps, which also tune and compile) under torch.profiler;
+    each prints its kernels by self device time (CPU time on a CPU run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    gen = torch.Generator(device=dev).manual_seed(args.seed)
+    lines = []
+    for cell in cells:
+        form = FORMS[cell["form"]]
+        inp = form.build(cell["dims"], S.DTYPES[cell["dtype"]], dev, gen)
+        ts = [t.requires_grad_(k in form.grads) for k, t in inp.items()]
+        targets = [t for k, t in zip(inp, ts) if k in form.grads]
+        for name, fn in (("ours", form.ours), ("eager", form.eager)):
+            def step():
+                out = fn(*ts)
+                torch.autograd.grad(out, targets, torch.ones_like(out))
+            try:
+                for _ in range(2):
+                    step()
+                if cuda:
+                    torch.cuda.synchronize(dev)
+                with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                    for _ in range(3):
+                        step()
+                    if cuda:
+                        torch.cuda.synchronize(dev)
+                key = "self_device_time_total" if cuda else "self_cpu_time_total"
+                table = prof.key_averages().table(sort_by=key, row_limit=args.top)
+            except Exception as exc:  # one cell's failure should not hide the others' profiles
+                table = f"failed: {type(exc).__name__}: {exc}"[:500]
+            lines += [f"== {cell['id']} {cell['sizes']}: {name}, 3 steps fwd+bwd", table]
+    return lines
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot:
@@ -1109,6 +1150,9 @@ def main(argv=None) -> int:
             for c in cells:
                 print(f"{c['prio']} {c['id']} {c['sizes']}")
             print(f"{len(cells)} cells")
+            return 0
+        if args.profile:
+            print("\n".join(profile_cells(args, cells)), flush=True)
             return 0
         env = B.environment(args)
         env["backend"] = args.backend or "auto"
