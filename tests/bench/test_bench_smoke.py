@@ -189,3 +189,15 @@ def test_tilelang_compile_sweep_lists_shortlists():
         return {line for line in r.stdout.splitlines() if "_kernel(" in line}
     fixed, tuned = listed(), listed("--shortlists")
     assert fixed and fixed < tuned, (len(fixed), len(tuned))
+
+
+@pytest.mark.slow
+def test_lokr_stepdown_forms_smoke(capsys):
+    """``bench/experiments/lokr_stepdown_forms.py`` on the CPU (256 tokens): each form, eager and
+    compiled, within bf16 rounding of the fp32 reference."""
+    module = bench_script("experiments/lokr_stepdown_forms.py", "lycoris_bench_lokr_forms")
+    assert module.main(["--device", "cpu", "--shapes", "f-1-3072"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("f-1-3072")]
+    assert [(r[1], r[2]) for r in rows] == [(f, m) for f in ("matmul", "einsum", "formula") for m in ("eager", "compile")]
+    assert all(float(e) < 2e-2 for r in rows if r[1] != "formula" for e in r[-2:]), rows
+

@@ -46,6 +46,15 @@ def test_matrix_smoke(tmp_path, capsys, matrix):
     assert (tmp_path / "again" / "matrix-summary.md").read_text() == summary
 
 
+def test_matrix_profile_smoke(capsys, matrix):
+    """``--profile``: per selected cell, ours and the eager formula under torch.profiler, our
+    op in ours' table."""
+    assert matrix.main(["--profile", "--smoke", "--device", "cpu", "--algo", "lora", "--limit", "1",
+                        "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("3 steps fwd+bwd") == 2 and "lycoris::lora_bypass_fwd" in out and "failed" not in out, out
+
+
 @pytest.mark.slow
 def test_matrix_peer_smoke(tmp_path, capsys, matrix):
     """The lycoris-lora column: its subprocess runs the cells' forms and their readings match
