@@ -79,7 +79,8 @@ setup(
         "triton": ["triton>=3.6"],
         "tilelang": ["tilelang==0.1.15"],
         "test": ["pytest", "pytest-xdist", "expecttest", "numpy", "peft>=0.21",  # peft: the patch_peft tests run against PEFT itself
-                 "lycoris-lora==4.1.3", "einops", "toml"],  # lycoris-lora: the LyCORIS file tests run against it
+                 "lycoris-lora==4.1.3", "einops", "toml",  # lycoris-lora: the LyCORIS file tests run against it
+                 "bitsandbytes>=0.45", "torchao"],  # QLoRA bases: the patched PEFT layers on quantized Linear (CPU)
         "bench": ["numpy", "matplotlib"],
     },
     ext_modules=[

@@ -86,13 +86,7 @@ def boft(geo, dtype, dev, gen):
         [(f"block_p 64 split {n}", dict(block_p=64, bwd_block_p=64, split=n)) for n in (0, 12)] + \
         [("2 stages split 12", dict(num_stages=2, split=12)), ("8 warps split 12", dict(num_warps=8, split=12))]
     variants += [(f"cayley {w} warps", dict(cayley_warps=w)) for w in (1, 2)]
-    # position-major tiles (x channels last: triton/boft._stream_offsets), at the base and the splits that were best
-    variants += [("position-major", dict(pos_major=True))] + \
-        [(f"position-major split {n}", dict(pos_major=True, split=n)) for n in (4, 24)] + \
-        [("position-major block_p 64", dict(pos_major=True, block_p=64, bwd_block_p=64)),
-         ("position-major max_group x2", dict(pos_major=True, max_group=2 * base.max_group))] + \
-        [("pad slots", dict(dense=False)), ("position-major pad slots", dict(pos_major=True, dense=False))]
-    # (the base's scratch is dense since 2026-12-05: the padded form is the variant)
+    variants += [("max_group x2", dict(max_group=2 * base.max_group)), ("pad slots", dict(dense=False))]
 
     def with_cayley_warps(w, fn):  # the Cayley launch's warps are a module constant, not a config field
         def run():
@@ -133,8 +127,7 @@ def oft(geo, dtype, dev, gen):
          ((2, 3), (2, 4), (4, 6))] + \
         [("neumann w2 split 4 s3", dict(nm, num_warps=2, split=4, num_stages=3)),  # 4 two-warp programs / SM
          ("neumann w2 split 4 bp /2 s4", dict(nm, num_warps=2, split=4, block_p=base.block_p // 2, num_stages=4)),
-         ("neumann w8 split 1 s3", dict(nm, num_warps=8, split=1, num_stages=3))] + \
-        [(f"neumann s3 prefetch {n}", dict(nm, num_stages=3, prefetch=n)) for n in (2, 4, 8)]  # the launcher default + L2
+         ("neumann w8 split 1 s3", dict(nm, num_warps=8, split=1, num_stages=3))]
     bwd = [("base split16", {}), ("neumann", nm), ("group 64 s3", dict(group=64, num_stages=3)),
            ("s3", dict(num_stages=3)), ("group 64 s4", dict(group=64, num_stages=4))]
     out = {"fwd": [], "bwd": []}

@@ -248,9 +248,10 @@ def test_tile_space_corners_compile_sm90a(monkeypatch):
     for bm in pp["BM"]:
         for args in ((w, a, b, a, b, 1.0), (w, a128, b128, a128, b128, 1.0)):
             calls.append((True, loha.merge_bwd, args, dict(BM=bm, stages=max(pp["stages"]))))
+    pair_max = loha.PAIR_MAX_ELEMS
     with _common.capturing() as pending:
         for pair, fn, args, cfg in calls:
-            monkeypatch.setattr(loha, "PAIR_MAX_ELEMS", loha.PAIR_MAX_ELEMS if pair else 0)
+            monkeypatch.setattr(loha, "PAIR_MAX_ELEMS", pair_max if pair else 0)
             tl_pick._call(fn, args, cfg)
     failed = harness.compile_failures(pending)
     assert len(pending) >= 16 and not failed, failed
