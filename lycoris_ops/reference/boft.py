@@ -38,6 +38,22 @@ def stage_permutation(i: int, s: int, C: int, device=None):
     return perm, inv
 
 
+def _to_blocks(u: torch.Tensor, i: int, nb: int, s: int) -> torch.Tensor:
+    """``u.index_select(1, perm_i).reshape(pre, nb, s, post)`` as a reshape/transpose: position
+    g·2κ + 2j + h holds channel g·2κ + h·κ + j. Static strides, so a compiled graph folds the
+    shuffle into its copies instead of a gather by an index tensor."""
+    pre, C, post = u.shape
+    k = (s // 2) << i
+    return u.reshape(pre, C // (2 * k), 2, k, post).transpose(2, 3).reshape(pre, nb, s, post)
+
+
+def _from_blocks(w: torch.Tensor, i: int) -> torch.Tensor:
+    """The inverse of ``_to_blocks``: (pre, nb, s, post) blocks back to (pre, C, post) channels."""
+    pre, nb, s, post = w.shape
+    C, k = nb * s, (s // 2) << i
+    return w.reshape(pre, C // (2 * k), k, 2, post).transpose(2, 3).reshape(pre, C, post)
+
+
 def _check_common(op, blocks, x, axis, cscale, scale, rescale=None, grad=None):
     _checks.tensor(op, "blocks", blocks, 4, "(m, nb, s, s)")
     m, nb, s = blocks.shape[0], blocks.shape[1], blocks.shape[2]
@@ -124,13 +140,9 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
     td = token_dtype(x, dt, native)
     f = cast(f, td)
     x0 = channel_view(x, ax).to(td)
-    pre, post = x0.shape[0], x0.shape[2]
     u = x0
     for i in range(m):
-        perm, inv = stage_permutation(i, s, C, x.device)
-        v = u.index_select(1, perm).reshape(pre, nb, s, post)
-        w = torch.einsum("bpq,nbqt->nbpt", f[i], v)
-        u = w.reshape(pre, C, post).index_select(1, inv)
+        u = _from_blocks(torch.einsum("bpq,nbqt->nbpt", f[i], _to_blocks(u, i, nb, s)), i)
     if rescale is not None:
         u = u * rescale.reshape(1, C, 1).to(td)
     if diff:
@@ -150,29 +162,22 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
     check_boft_bwd(grad, blocks, x, axis, cscale, scale)
     m, nb, s, ax = _geometry(blocks, x, axis)
     dt = work_dtype(grad, blocks, x)
-    C = nb * s
     f, m_inv = _stage_matrices(blocks, cscale, scale, dt)
     td = token_dtype(x, dt, native)
     f_t = cast(f, td)
     u = channel_view(x, ax).to(td)
-    pre, post = u.shape[0], u.shape[2]
-    perms = [stage_permutation(i, s, C, x.device) for i in range(m)]
     stage_inputs = []
     for i in range(m):
-        perm, inv = perms[i]
-        v = u.index_select(1, perm).reshape(pre, nb, s, post)
+        v = _to_blocks(u, i, nb, s)
         stage_inputs.append(v)
         if i + 1 < m:
-            w = torch.einsum("bpq,nbqt->nbpt", f_t[i], v)
-            u = w.reshape(pre, C, post).index_select(1, inv)
+            u = _from_blocks(torch.einsum("bpq,nbqt->nbpt", f_t[i], v), i)
     g = channel_view(grad, ax).to(td)
     g_r = []  # stage m-1 first (appended: torch 2.11's Dynamo cannot trace a list's item store)
     for i in reversed(range(m)):
-        perm, inv = perms[i]
-        gw = g.index_select(1, perm).reshape(pre, nb, s, post)
+        gw = _to_blocks(g, i, nb, s)
         g_r.append(scale * torch.einsum("nbpt,nbqt->bpq", gw, stage_inputs[i]).to(dt))
-        gv = torch.einsum("bpq,nbpt->nbqt", f_t[i], gw)
-        g = gv.reshape(pre, C, post).index_select(1, inv)
+        g = _from_blocks(torch.einsum("bpq,nbpt->nbqt", f_t[i], gw), i)
     g_blocks = cayley_backward(torch.stack(g_r[::-1]), m_inv, cscale)
     return g.reshape(x.shape).to(x.dtype).contiguous(), cast(g_blocks, blocks.dtype).contiguous()
 

@@ -338,3 +338,19 @@ def test_functional_dtypes():
     assert rel_err(dW, lyco_merge(blocks.double(), W.double(), None, 0.0, 1.0, True)) < REL_TOL[torch.float32]
     c = F_boft.constraint_scale(blocks, 0.4)
     torch.testing.assert_close(F_boft.bypass(blocks, y, None, cscale=c), out)
+
+
+@pytest.mark.parametrize("m,nb,s", [(3, 4, 6), (7, 64, 48), (1, 2, 2), (2, 2, 4)], ids=str)
+def test_stage_shuffles_are_the_stage_permutations(m, nb, s):
+    """The bodies move channels into each stage's blocks by reshape/transpose
+    (``_to_blocks`` / ``_from_blocks``): the same elements as gathering by ``stage_permutation``
+    and its inverse, every stage, channel-first, channels-last and (N, C, spatial) views."""
+    from lycoris_ops.reference import boft as B
+    C = nb * s
+    for pre, post in [(5, 1), (1, 7), (3, 2)]:
+        u = torch.randn(pre, C, post)
+        w = torch.randn(pre, nb, s, post)
+        for i in range(m):
+            perm, inv = B.stage_permutation(i, s, C, u.device)
+            assert torch.equal(B._to_blocks(u, i, nb, s), u.index_select(1, perm).reshape(pre, nb, s, post))
+            assert torch.equal(B._from_blocks(w, i), w.reshape(pre, C, post).index_select(1, inv))
