@@ -1,5 +1,6 @@
 """bench/e2e.py keeps working: the CPU smoke run (tiny dims, no compile) with the
-per-step profile, whose categories must see our ops in our rows only; bench/plot.py's
+per-step profile, whose categories must see our ops in our rows only; the unet model with
+new adapters and lycoris-lora's rows; bench/plot.py's
 row selection; bench/host_overhead.py --layers."""
 import json
 import os
@@ -21,11 +22,36 @@ def test_e2e_smoke_with_profile(tmp_path):
     assert not [r for r in rows if r["error"]], rows
     assert [r["variant"] for r in rows].count("base-eager") == 1
     for r in rows:
+        if r["variant"].startswith("lyco"):  # measured in lycoris-lora's own process, not profiled
+            assert r["profile"] is None, r
+            continue
         prof = r["profile"]
         assert prof["total"] > 0 and prof["GEMM"] > 0, r
         ours = r["variant"].startswith("ours") or "ops" in r["variant"]
         assert (prof["lycoris ops"] > 0) == ours, r
     assert "One profiled step per row" in (tmp_path / "e2e.md").read_text()
+
+
+def test_e2e_smoke_unet_new_adapters(tmp_path):
+    """The unet model with LoKr factor 8 and BOFT: ours and lycoris-lora's rows measured, PEFT's
+    BOFT n/a with its reason (one split for every layer: the 32-wide context's to_k/to_v)."""
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "e2e.py"), "--smoke", "--model", "unet",
+                        "--adapters", "lokr8,boft", "--variants", "base-eager,peft-eager,ours-eager,lyco-eager",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    out = json.loads((tmp_path / "e2e.json").read_text())
+    assert out["meta"]["model"] == "unet"
+    rows = {(r["adapter"], r["variant"]): r for r in out["rows"]}
+    assert not [r for r in rows.values() if r["error"]], rows
+    for a in ("lokr8", "boft"):
+        ours = rows[(a, "ours-eager")]
+        assert ours["ms"] > 0 and ours["note"].startswith("12/14 layers on our ops (rest: LoKr conv"
+                                                          if a == "lokr8" else "14/14 layers on our ops"), ours
+        lyco = rows[(a, "lyco-eager")]
+        assert lyco["ms"] > 0 or lyco["note"] == "n/a: lycoris-lora is not importable", lyco
+    assert rows[("lokr8", "peft-eager")]["ms"] > 0
+    assert rows[("boft", "peft-eager")]["note"].startswith("n/a: PEFT's BOFT"), rows[("boft", "peft-eager")]
+    assert "| boft | peft-eager | nan |" in (tmp_path / "e2e.md").read_text()
 
 
 def test_plot_rows_merge_runs(tmp_path):
