@@ -16,6 +16,8 @@ import shutil
 import pytest
 import torch
 
+# no test downloads from the Hub; bitsandbytes' import otherwise spends seconds asking it for kernels
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
