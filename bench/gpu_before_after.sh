@@ -17,7 +17,8 @@
 # installed into /tmp/peer_site for the peer columns.
 # Environment (all optional): STAGES (default "parity bench matrix bridge"; the build always
 # runs), PARITY_ARGS / MATRIX_ARGS / BRIDGE_ARGS (extra arguments of those scripts), and each
-# stage's cap in seconds: PARITY_S (130), BENCH_S (75 a side), MATRIX_S (190), BRIDGE_S (100).
+# stage's cap in seconds: PARITY_S (130), BENCH_S (75 a side), MATRIX_S (190), BRIDGE_S (100);
+# PACK=1: everything under the output folder packed into its all.tgz at the end.
 set -uo pipefail
 before=$(cd "${1:?usage: gpu_before_after.sh BEFORE_DIR [SECONDS]}" && pwd) || exit 2
 stages=" ${STAGES:-parity bench matrix bridge} "
@@ -77,3 +78,7 @@ PYTHONPATH=$here timeout "$(cap "${BRIDGE_S:-100}")" $py "$here/bench/gpu_bridge
 echo "bridge: exit $?"; tail -25 "$out/bridge.log"
 fi
 echo "== done in $((SECONDS - start)) s"
+# a device call returns at most 8 files: PACK=1 leaves one archive of everything in $out
+if [ "${PACK:-0}" = 1 ]; then
+  tar -czf "$out.tgz" -C "$out" --exclude='*cache*' --exclude='*tuning*' . && rm -rf "${out:?}"/* && mv "$out.tgz" "$out/all.tgz"
+fi
