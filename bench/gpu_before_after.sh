@@ -7,8 +7,9 @@
 # .before`, carried beside the checkout). Stages, each capped so the whole call ends inside
 # SECONDS (default 560):
 #   1. build: both trees' extensions in place, side by side (setup.py build_ext --inplace);
-#   2. parity: bench/gpu_backends.py on this tree (every op's cases on CUDA under each backend
-#      against the CPU result, then inside torch.compile(fullgraph=True));
+#   2. parity: bench/gpu_backends.py on this tree, with parity_before first on the earlier one
+#      (every op's cases on CUDA under each backend against the CPU result, then inside
+#      torch.compile(fullgraph=True));
 #   3. bench: bench/bench.py --quick in the earlier tree, then in this one (the ratios to
 #      compare, measured in the same call);
 #   4. matrix: bench/matrix.py (the shape matrix, as far as its budget reaches);
@@ -16,8 +17,8 @@
 # Logs and JSON land in ${OUT:-bench/out}/; .whl/ (lycoris-lora and its pure-Python needs) is
 # installed into /tmp/peer_site for the peer columns.
 # Environment (all optional): STAGES (default "parity bench matrix bridge"; the build always
-# runs), PARITY_ARGS / MATRIX_ARGS / BRIDGE_ARGS (extra arguments of those scripts), and each
-# stage's cap in seconds: PARITY_S (130), BENCH_S (75 a side), MATRIX_S (190), BRIDGE_S (100);
+# runs; "parity_before" adds the earlier tree's parity sweep), PARITY_ARGS / MATRIX_ARGS /
+# BRIDGE_ARGS (extra arguments of those scripts), and each stage's cap in seconds: PARITY_S (130), BENCH_S (75 a side), MATRIX_S (190), BRIDGE_S (100);
 # PACK=1: everything under the output folder packed into its all.tgz at the end.
 set -uo pipefail
 before=$(cd "${1:?usage: gpu_before_after.sh BEFORE_DIR [SECONDS]}" && pwd) || exit 2
@@ -47,12 +48,16 @@ for t in "$before" "$here"; do
 done
 echo "built in $((SECONDS - start)) s"
 
-if want parity; then
-echo "== parity (this tree)"
-PYTHONPATH=$here timeout "$(cap "${PARITY_S:-130}")" $py "$here/bench/gpu_backends.py" --dtypes float32,bfloat16,float16 \
-  ${PARITY_ARGS:-} >"$out/parity.log" 2>&1
-echo "parity: exit $?"; grep -E "FAIL|mismatch|graph break|^(all|cases|summary)" "$out/parity.log" | tail -15; tail -3 "$out/parity.log"
-fi
+# parity: this tree; parity_before (also in STAGES): the earlier tree's sweep first, the same arguments
+want parity_before && sides="before after" || sides="after"
+want parity && for side in $sides; do
+  tree=$before; [ $side = after ] && tree=$here
+  echo "== parity ($side)"
+  (cd "$tree" && PYTHONPATH=$tree timeout "$(cap "${PARITY_S:-130}")" $py bench/gpu_backends.py --dtypes float32,bfloat16,float16 \
+     ${PARITY_ARGS:-} >"$out/parity_$side.log" 2>&1)
+  echo "parity $side: exit $?"; grep -E "FAIL|mismatch|graph break|^(all|cases|summary)" "$out/parity_$side.log" | tail -15
+  tail -3 "$out/parity_$side.log"
+done
 
 want bench && for side in before after; do
   tree=$before; [ $side = after ] && tree=$here
