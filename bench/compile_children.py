@@ -4,11 +4,11 @@
     python bench/compile_children.py --tilelang         # BOFT's TileLang kernels: one after the other vs children
 
 ``--forks``: the seconds 4 forks (and their exits) take with 0, 2 and 8 GiB of
-anonymous memory in the parent: the basis of ``plans/precompile.py: FORK_S_PER_GIB``.
+anonymous memory in the parent: the basis of ``tuner/build_pool.py: FORK_S_PER_GIB``.
 ``--tilelang``: ``tilelang/boft.py: compile_specs(bf16)`` compiled for sm_90a, each
 phase in a fresh process with an empty ``TILELANG_CACHE_DIR`` (TileLang also keeps an
 in-memory cache, which forked children would inherit): one after the other; then one
-forked child per kernel through ``precompile.compile_forked``, followed by the parent's
+forked child per kernel through ``build_pool.compile_forked``, followed by the parent's
 own build of the same kernels (a load from the disk cache the children filled).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 
 
 def forks(sizes=(0, 2, 8), n=4):
-    from lycoris_ops.backends.triton import precompile
+    from lycoris_ops.tuner import build_pool
 
     for gib in sizes:
         x = torch.ones(int(gib * 2**30 / 4)) if gib else None
@@ -35,16 +35,16 @@ def forks(sizes=(0, 2, 8), n=4):
             if pid == 0:
                 os._exit(0)
             pids.append(pid)
-        forked = time.perf_counter() - t0
+        fork_s = time.perf_counter() - t0
         for p in pids:
             os.waitpid(p, 0)
-        print(f"{gib} GiB added (RssAnon {precompile.anon_gib():.2f} GiB): {n} forks {forked:.3f} s, "
+        print(f"{gib} GiB added (RssAnon {build_pool.anon_gib():.2f} GiB): {n} forks {fork_s:.3f} s, "
               f"with their exits {time.perf_counter() - t0:.3f} s")
         del x
 
 
 def tilelang_phase(phase: str):
-    from lycoris_ops.backends.triton import precompile
+    from lycoris_ops.tuner import build_pool
     from lycoris_ops.backends.tilelang import common as C
     from lycoris_ops.backends.tilelang.kernels import boft
 
@@ -55,7 +55,7 @@ def tilelang_phase(phase: str):
             p.build()
         print(f"{len(pending)} kernels one after the other: {time.perf_counter() - t0:.2f} s", flush=True)
         return
-    children, failures = precompile.compile_forked(pending, len(pending), timeout_s=600)
+    children, failures = build_pool.compile_forked(pending, len(pending), timeout_s=600)
     t1 = time.perf_counter()
     print(f"{len(pending)} kernels in {children} forked children: {t1 - t0:.2f} s ({failures} failed)", flush=True)
     for p in pending:

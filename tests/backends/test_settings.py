@@ -12,7 +12,7 @@ import pytest
 import lycoris_ops  # noqa: F401
 from lycoris_ops.backends import registry as dispatch
 from lycoris_ops import settings
-from lycoris_ops.backends.triton import precompile
+from lycoris_ops.tuner import build_pool
 from lycoris_ops.tuner import tune
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -93,7 +93,7 @@ def test_budget_values(monkeypatch):
 
 @pytest.mark.parametrize("name", COUNTS)
 def test_counts(name, monkeypatch):
-    read = tune.tune_threads if name == tune.ENV_THREADS else precompile.tune_procs
+    read = tune.tune_threads if name == tune.ENV_THREADS else build_pool.tune_procs
     monkeypatch.setenv(name, "3")
     assert read() == 3
     monkeypatch.setenv(name, "0")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lycoris_ops  # noqa: F401  (registers the ops)
-from lycoris_ops.backends.triton import precompile
+from lycoris_ops.tuner import build_pool
 from lycoris_ops.backends.tilelang import runner as tl_pick
 from lycoris_ops.tuner import tune
 from lycoris_ops.reference.add import add_scaled as eager_add_scaled
@@ -15,7 +15,7 @@ from lycoris_ops.reference.add import add_scaled as eager_add_scaled
 
 @pytest.fixture(autouse=True)
 def _fresh(fresh_tuner, monkeypatch):
-    monkeypatch.setenv(precompile.ENV_PROCS, "0")  # the stand-in kernels build nothing (see the last tests)
+    monkeypatch.setenv(build_pool.ENV_PROCS, "0")  # the stand-in kernels build nothing (see the last tests)
     yield
 
 
@@ -169,9 +169,9 @@ def test_a_cold_shortlist_keeps_what_one_round_of_children_builds(monkeypatch):
         for v in vecs[cfg["v"] if cfg else None]:
             C.kernel(add_kernel, "sm_90a", "float16", "float16", "float16", v)(None, None, None)
 
-    monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 3)
+    monkeypatch.setattr(build_pool, "usable_procs", lambda procs=None: 3)
     forked = []
-    monkeypatch.setattr(precompile, "compile_forked",
+    monkeypatch.setattr(build_pool, "compile_forked",
                         lambda ks, procs, timeout_s=0: forked.append([p.args[-1] for p in ks]) or (len(ks), 0))
     a, b, c, big = ({"v": k} for k in ("a", "b", "c", "big"))
     kept = []
@@ -182,7 +182,7 @@ def test_a_cold_shortlist_keeps_what_one_round_of_children_builds(monkeypatch):
     tl_pick.precompile_call(op_function, (), [big, a, tune.SENTINEL_EAGER], kept=kept)
     assert kept == [big, tune.SENTINEL_EAGER] and forked[-1] == [1, 2, 4, 8, 16]  # the first stays
     kept.clear()
-    monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 0)  # no children: nothing left out
+    monkeypatch.setattr(build_pool, "usable_procs", lambda procs=None: 0)  # no children: nothing left out
     tl_pick.precompile_call(op_function, (), [tl_pick.KERNEL, a, b, tune.SENTINEL_EAGER], kept=kept)
     assert kept == [tl_pick.KERNEL, a, b, tune.SENTINEL_EAGER] and len(forked) == 2
 
@@ -586,15 +586,15 @@ def test_ahead_children_are_not_waited_for_and_their_kernels_not_built_twice(mon
     pytest.importorskip("tilelang")
     import os
 
-    monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 4)
-    monkeypatch.setattr(precompile, "cpus", lambda: 8)
+    monkeypatch.setattr(build_pool, "usable_procs", lambda procs=None: 4)
+    monkeypatch.setattr(build_pool, "cpus", lambda: 8)
     monkeypatch.setattr(tl_pick, "_ahead", {})
     monkeypatch.setattr(tl_pick, "_built_ahead", set())
     forks, waits, built, order = [], [], [], []
-    monkeypatch.setattr(precompile, "fork_builds",
+    monkeypatch.setattr(build_pool, "fork_builds",
                         lambda ks, procs, nice=0: order.append("fork") or forks.append((procs, [p.args[-1] for p in ks]))
                         or [(1000 + i, list(ks[i::procs])) for i in range(min(procs, len(ks)))])
-    monkeypatch.setattr(precompile, "compile_forked",
+    monkeypatch.setattr(build_pool, "compile_forked",
                         lambda ks, procs, timeout_s=0: order.append("build") or built.append([p.args[-1] for p in ks])
                         or (len(ks), 0))
     exits = {1000: 0, 1001: 1}  # the second ahead child failed
@@ -639,7 +639,7 @@ def test_a_forward_call_lists_its_backwards_kernels(monkeypatch):
     monkeypatch.setattr(select, "explain", lambda op, *a: "tilelang")
     monkeypatch.setattr(tl_pick, "candidates",
                         lambda op, args: [tl_pick.KERNEL, {"v": 8}, {"v": 16}, {"v": 32}, tune.SENTINEL_EAGER])
-    monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 4)
+    monkeypatch.setattr(build_pool, "usable_procs", lambda procs=None: 4)
     monkeypatch.setattr(tl_pick, "_ahead", {})
     monkeypatch.setattr(tl_pick, "_built_ahead", set())
     x, up, down = torch.randn(6, 8), torch.randn(8, 2), torch.randn(2, 8)
@@ -678,7 +678,7 @@ def test_a_cold_forward_starts_its_backwards_kernels(monkeypatch, grad, ahead_on
     while compiling or capturing: ``tune.unsafe_to_time``)."""
     got = []
     monkeypatch.setattr(tl_pick, "AHEAD", ahead_on)
-    monkeypatch.setattr(precompile, "usable_procs", lambda procs_=None: procs)
+    monkeypatch.setattr(build_pool, "usable_procs", lambda procs_=None: procs)
     monkeypatch.setattr(tl_pick, "backward_pending", lambda op, args: ([f"{op}-bwd-kernels"], []))
     monkeypatch.setattr(tl_pick, "candidates", lambda op, args: [tl_pick.KERNEL, tune.SENTINEL_EAGER])
 
@@ -790,8 +790,8 @@ def deferring(monkeypatch):
     monkeypatch.setattr(C, "_kernels", {})
     monkeypatch.setattr(tl_pick, "DEFER", True)
     monkeypatch.setattr(tl_pick, "DEFER_POLL_S", 0.0)
-    monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 4)
-    monkeypatch.setattr(precompile, "cpus", lambda: 8)
+    monkeypatch.setattr(build_pool, "usable_procs", lambda procs=None: 4)
+    monkeypatch.setattr(build_pool, "cpus", lambda: 8)
     monkeypatch.setattr(tl_pick, "_ahead", {})
     monkeypatch.setattr(tl_pick, "_built_ahead", set())
     monkeypatch.setattr(tl_pick, "candidates",
@@ -802,8 +802,8 @@ def deferring(monkeypatch):
         rec.forks.append((nice, sorted(p.args[-1] for p in ks)))
         return [(pid, list(ks[i::procs])) for i, pid in enumerate(pids)]
 
-    monkeypatch.setattr(precompile, "fork_builds", fork_builds)
-    monkeypatch.setattr(precompile, "compile_forked",
+    monkeypatch.setattr(build_pool, "fork_builds", fork_builds)
+    monkeypatch.setattr(build_pool, "compile_forked",
                         lambda ks, procs, timeout_s=0: rec.built.append(sorted(p.args[-1] for p in ks)) or (len(ks), 0))
     monkeypatch.setattr(os, "waitpid", lambda pid, flags: (pid, rec.exits[pid] << 8) if pid in rec.exits else (0, 0))
 
@@ -925,11 +925,11 @@ def test_when_a_cold_key_does_not_defer(deferring, monkeypatch, why):
     base, delta = torch.randn(8, 5), torch.randn(8, 5)
     if why == "defer-off":
         monkeypatch.setattr(tl_pick, "DEFER", False)
-        monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 3)
+        monkeypatch.setattr(build_pool, "usable_procs", lambda procs=None: 3)
     elif why == "tuning-off":
         tune.set_tuning(False)
     elif why == "no-children":
-        monkeypatch.setattr(precompile, "usable_procs", lambda procs=None: 1)
+        monkeypatch.setattr(build_pool, "usable_procs", lambda procs=None: 1)
     elif why == "capturing":
         monkeypatch.setattr(tune, "unsafe_to_time", lambda: True)
     elif why == "stored":
@@ -992,7 +992,7 @@ def test_background_children_run_at_a_lower_priority(tmp_path):
                 f.write(str(os.nice(0)))
 
     base = os.nice(0)
-    forked = precompile.fork_builds([Probe(tmp_path / "n0"), Probe(tmp_path / "n1")], 2, nice=5)
+    forked = build_pool.fork_builds([Probe(tmp_path / "n0"), Probe(tmp_path / "n1")], 2, nice=5)
     for pid, _ in forked:
         os.waitpid(pid, 0)
     assert [int((tmp_path / f"n{i}").read_text()) for i in range(2)] == [min(base + 5, 19)] * 2
@@ -1072,7 +1072,7 @@ def test_background_children_are_capped_and_the_rest_queued(deferring, monkeypat
 
     rec = deferring
     alive_at_fork = []
-    fork = precompile.fork_builds
+    fork = build_pool.fork_builds
 
     def counted(ks, procs, nice=0):
         forked = fork(ks, procs, nice)
@@ -1080,7 +1080,7 @@ def test_background_children_are_capped_and_the_rest_queued(deferring, monkeypat
             alive_at_fork.append(len(tl_pick._background) + len(forked))
         return forked
 
-    monkeypatch.setattr(precompile, "fork_builds", counted)
+    monkeypatch.setattr(build_pool, "fork_builds", counted)
 
     def op_function(base, delta, gamma, cfg=None):  # distinct kernels per row count: nothing shared
         n, v = base.shape[0], (cfg or {}).get("v")

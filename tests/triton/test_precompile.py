@@ -20,7 +20,7 @@ import torch
 
 from lycoris_ops.backends import registry as dispatch
 from lycoris_ops.backends.triton import precompile
-from lycoris_ops.tuner import tune
+from lycoris_ops.tuner import build_pool, tune
 
 EAGER = tune.SENTINEL_EAGER
 A = {"block": 64, "num_warps": 4}
@@ -43,15 +43,15 @@ def _gpu_target():
 # ----------------------------------------------------------------------------- switch
 
 def test_procs_from_env(monkeypatch):
-    monkeypatch.delenv(precompile.ENV_PROCS, raising=False)
+    monkeypatch.delenv(build_pool.ENV_PROCS, raising=False)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert precompile.tune_procs() == max(0, min(precompile.MAX_DEFAULT_PROCS, cpus - 1))
-    monkeypatch.setenv(precompile.ENV_PROCS, "3")
-    assert precompile.tune_procs() == 3
+    assert build_pool.tune_procs() == max(0, min(build_pool.MAX_DEFAULT_PROCS, cpus - 1))
+    monkeypatch.setenv(build_pool.ENV_PROCS, "3")
+    assert build_pool.tune_procs() == 3
     for bad in ("-2", "junk"):  # an error naming the variable, never a silent default
-        monkeypatch.setenv(precompile.ENV_PROCS, bad)
+        monkeypatch.setenv(build_pool.ENV_PROCS, bad)
         with pytest.raises(ValueError, match=f"LYCORIS_KERNEL_TUNE_PROCS='{bad}' is not valid"):
-            precompile.tune_procs()
+            build_pool.tune_procs()
 
 
 @pytest.mark.parametrize("procs", [0, 1])
@@ -61,7 +61,7 @@ def test_zero_or_one_proc_disables(procs, monkeypatch):
         raise AssertionError("must not run")
 
     assert precompile.precompile([run, run], procs=procs) is None
-    monkeypatch.setenv(precompile.ENV_PROCS, str(procs))
+    monkeypatch.setenv(build_pool.ENV_PROCS, str(procs))
     assert precompile.precompile([run, run]) is None
 
 
@@ -160,11 +160,11 @@ class _Job:
 @no_fork
 def test_children_share_round_robin(tmp_path):
     jobs = [_Job(tmp_path / f"job{i}") for i in range(5)]
-    assert precompile.compile_forked(jobs, 2) == (2, 0)
+    assert build_pool.compile_forked(jobs, 2) == (2, 0)
     pids = [int((tmp_path / f"job{i}").read_text()) for i in range(5)]
     assert os.getpid() not in pids
     assert pids[0] == pids[2] == pids[4] != pids[1] == pids[3]
-    assert precompile.compile_forked(jobs[:1], 8) == (1, 0)  # no more children than kernels
+    assert build_pool.compile_forked(jobs[:1], 8) == (1, 0)  # no more children than kernels
 
 
 @no_fork
@@ -172,7 +172,7 @@ def test_child_failure_reported_parent_unharmed(tmp_path):
     """A kernel that raises fails its child (the child still compiles its other kernels);
     the parent just counts it."""
     jobs = [_Job(tmp_path / "a", "raise"), _Job(tmp_path / "b"), _Job(tmp_path / "c")]
-    assert precompile.compile_forked(jobs, 2) == (2, 1)
+    assert build_pool.compile_forked(jobs, 2) == (2, 1)
     assert (tmp_path / "b").exists() and (tmp_path / "c").exists()
 
 
@@ -180,7 +180,7 @@ def test_child_failure_reported_parent_unharmed(tmp_path):
 def test_child_past_deadline_killed(tmp_path):
     jobs = [_Job(tmp_path / "a", "hang"), _Job(tmp_path / "b")]
     t0 = time.monotonic()
-    assert precompile.compile_forked(jobs, 2, timeout_s=1.0) == (2, 1)
+    assert build_pool.compile_forked(jobs, 2, timeout_s=1.0) == (2, 1)
     assert time.monotonic() - t0 < 30
     assert (tmp_path / "b").exists() and not (tmp_path / "a").exists()
 
@@ -274,6 +274,7 @@ _FORK_COMPILE = textwrap.dedent("""
 
     driver.set_active(FakeDriver())
     from lycoris_ops.backends.triton import common as _common, precompile as P
+    from lycoris_ops.tuner import build_pool
     from lycoris_ops.backends.triton.kernels import add as A
     _common._current_device = lambda: 0  # FastJIT's key
 
@@ -285,7 +286,7 @@ _FORK_COMPILE = textwrap.dedent("""
     out["captured"] = len(kernels)
     out["fastjit_kept"] = len(_common.fast(A._add_scaled_kernel).cache)
     out["on_disk_before"] = [P.on_disk(k) for k in kernels]
-    out["forked"] = P.compile_forked(kernels, 2)
+    out["forked"] = build_pool.compile_forked(kernels, 2)
     out["on_disk_after"] = [P.on_disk(k) for k in kernels]
     out["cache_exts"] = sorted({f.rsplit(".", 1)[-1] for _, _, fs in os.walk(os.environ["TRITON_CACHE_DIR"])
                                 for f in fs})
@@ -358,7 +359,7 @@ def test_gpu_cold_key_compiled_by_children(tmp_path):
     all cache hits - and the result equals eager."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", dispatch.ENV_TUNE)}
     env.update({"TRITON_CACHE_DIR": str(tmp_path / "triton"), dispatch.ENV_CACHE_DIR: str(tmp_path / "cache"),
-                dispatch.ENV_BACKEND: "triton", precompile.ENV_PROCS: "4"})
+                dispatch.ENV_BACKEND: "triton", build_pool.ENV_PROCS: "4"})
     r = subprocess.run([sys.executable, "-c", _GPU_COLD_KEY], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout.split("RESULT ", 1)[1])
@@ -371,11 +372,11 @@ def test_gpu_cold_key_compiled_by_children(tmp_path):
 def test_fork_limit_follows_the_parents_memory(monkeypatch):
     """Forks cost in proportion to the parent's anonymous memory: a small process gets
     every child it asks for, a large one fewer, a very large one none (threads only)."""
-    assert precompile.fork_limit(0.0) >= precompile.MAX_DEFAULT_PROCS
-    assert precompile.fork_limit(1.0) >= precompile.MAX_DEFAULT_PROCS
-    assert 2 <= precompile.fork_limit(8.0) < precompile.MAX_DEFAULT_PROCS
-    assert precompile.fork_limit(64.0) < 2
-    assert precompile.anon_gib() >= 0.0
+    assert build_pool.fork_limit(0.0) >= build_pool.MAX_DEFAULT_PROCS
+    assert build_pool.fork_limit(1.0) >= build_pool.MAX_DEFAULT_PROCS
+    assert 2 <= build_pool.fork_limit(8.0) < build_pool.MAX_DEFAULT_PROCS
+    assert build_pool.fork_limit(64.0) < 2
+    assert build_pool.anon_gib() >= 0.0
     ran = []
-    monkeypatch.setattr(precompile, "anon_gib", lambda: 64.0)
+    monkeypatch.setattr(build_pool, "anon_gib", lambda: 64.0)
     assert precompile.precompile([lambda: ran.append(1)], procs=8) is None and ran == []

@@ -37,7 +37,7 @@ what they built.
 
 Before the first call of an exact signature builds anything, the TileLang kernels it would
 build (``common.capturing``) are built at once in forked child processes
-(``precompile.compile_forked``, as for Triton's cold keys; same
+(``build_pool.compile_forked``, as for Triton's cold keys; same
 ``LYCORIS_KERNEL_TUNE_PROCS`` and memory limit) into TileLang's disk cache, so the call only
 loads them: a TileLang build takes seconds and an op's first call may build a dozen. A child
 builds its share one after the other, so a cold shortlist keeps only the configs whose
@@ -68,6 +68,7 @@ from lycoris_ops.backends.tilelang import common
 from lycoris_ops.backends.tilelang.common import BuildError
 from lycoris_ops.backends.tilelang.tuning import add, boft, dora, ia3, loha, lokr, lora, oft, tucker
 from lycoris_ops.backends.triton import precompile
+from lycoris_ops.tuner import build_pool
 from lycoris_ops.tuner import tune
 from lycoris_ops.tuner.device import facts
 
@@ -232,7 +233,7 @@ def _reap_ahead(wait_for: Sequence[int] = (), wait_s: float = 0.0) -> None:
             _pump()
         if not any(pid in _ahead for pid in wait_for) or time.monotonic() >= end:
             return
-        time.sleep(precompile.POLL_S)
+        time.sleep(build_pool.POLL_S)
 
 
 def _building() -> set:
@@ -249,7 +250,7 @@ def _fork_ahead(kernels: Sequence[Any], children: int, nice: int, timeout_s: flo
     if not kernels:
         return 0, 0
     deadline = time.monotonic() + timeout_s
-    forked = precompile.fork_builds(list(kernels), children, nice=nice)
+    forked = build_pool.fork_builds(list(kernels), children, nice=nice)
     for pid, share in forked:
         _ahead[pid] = (frozenset(p.key for p in share), deadline)
         if nice:
@@ -261,7 +262,7 @@ def _pump(most: Optional[int] = None) -> None:
     """Fork the queued background kernels into the children that may still run
     (``usable_procs()`` at once, at most ``most`` now). Where no child can be forked, the
     queue is dropped: the calls that need those kernels build them."""
-    room = precompile.usable_procs() - len(_background)
+    room = build_pool.usable_procs() - len(_background)
     if most is not None:
         room = min(room, most)
     if room < 1 or not _queue:
@@ -296,7 +297,7 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
     ``BACKGROUND_NICE``."""
     if _ahead:
         _reap_ahead()  # the ahead children that are done
-    procs = precompile.usable_procs()
+    procs = build_pool.usable_procs()
     if procs < 2 or tune.unsafe_to_time():
         if kept is not None:
             kept.extend(cands)
@@ -320,7 +321,7 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
     later = bool(ahead) or bool(background)
     forked = len(pending) >= 2 or (later and len(pending) == 1)
     if forked:
-        children, failures = precompile.compile_forked(pending, procs, timeout_s=TIMEOUT_S)
+        children, failures = build_pool.compile_forked(pending, procs, timeout_s=TIMEOUT_S)
         spent = time.perf_counter() - t0
         for k, v in (("calls", 1), ("kernels", len(pending)), ("children", children), ("failures", failures),
                      ("seconds", spent)):
@@ -329,7 +330,7 @@ def precompile_call(kernel: Callable, args: Sequence[Any], cands: Sequence[Any] 
                  children, failures, spent)
     # then, not waited for: the first configs' kernels of the backward (its call will wait for
     # them), the background's on the cores left, at a lower priority
-    spare = max(1, min(procs, precompile.cpus() - 1))
+    spare = max(1, min(procs, build_pool.cpus() - 1))
     n_ahead, k = _fork_ahead(ahead, spare, 0, TIMEOUT_S)
     _totals["ahead_children"] += n_ahead
     _totals["ahead_kernels"] += k
@@ -358,7 +359,7 @@ def _builds_ahead(args: Sequence[Any]) -> bool:
     flow back through it (grad mode, an input that requires one), and children may be forked
     (not compiling or capturing, at least two)."""
     return AHEAD and torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args) \
-        and not tune.unsafe_to_time() and precompile.usable_procs() >= 2
+        and not tune.unsafe_to_time() and build_pool.usable_procs() >= 2
 
 
 def _meta(a):
@@ -459,7 +460,7 @@ def _listed_only(op: str, kernel: Callable, args: Sequence[Any], listing: Tuple[
     if _front.get(_exact(op, args)) is not None or tune.stored(op, BACKEND, key_parts(args, op), device=device,
                                                                version=version(op)):
         return
-    cands, procs = list(candidates(op, args)), precompile.usable_procs()
+    cands, procs = list(candidates(op, args)), build_pool.usable_procs()
     if not tune.tuning_enabled():
         cands = cands[:1]
     if not (DEFER and tune.tuning_enabled()):
@@ -475,7 +476,7 @@ def _defers(op: str, args: Sequence[Any], parts, device, ver) -> bool:
     stored, it would be timed (tuning on, not compiling or capturing, not on a tuner worker)
     and children may be forked."""
     return DEFER and tune.tuning_enabled() and not tune.unsafe_to_time() and not tune.in_worker() \
-        and precompile.usable_procs() >= 2 and not tune.stored(op, BACKEND, parts, device=device, version=ver)
+        and build_pool.usable_procs() >= 2 and not tune.stored(op, BACKEND, parts, device=device, version=ver)
 
 
 def _defer(op: str, kernel: Callable, args: Sequence[Any], fk: tuple):
@@ -490,7 +491,7 @@ def _defer(op: str, kernel: Callable, args: Sequence[Any], fk: tuple):
         return None
     if _ahead:
         _reap_ahead()
-    _, rest, first = _first_and_rest(op, kernel, args, cands, precompile.usable_procs(), built=_built_ahead)
+    _, rest, first = _first_and_rest(op, kernel, args, cands, build_pool.usable_procs(), built=_built_ahead)
     if not rest:
         return None  # the rest is built: timed now
     ahead, behind = backward_pending(op, args) if _builds_ahead(args) else ([], [])

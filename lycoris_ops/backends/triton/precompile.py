@@ -14,7 +14,7 @@ holds the GIL, so threads barely overlap the compiles; processes do.
    (``FastJIT`` keeps nothing: the launch returns None). Calls from other threads go
    to the hook installed before (if any);
 2. the kernels not already in Triton's on-disk cache are compiled by up to
-   ``LYCORIS_KERNEL_TUNE_PROCS`` forked children (default ``min(12, CPUs - 1)``; 0 or
+   ``LYCORIS_KERNEL_TUNE_PROCS`` forked children (``tuner/build_pool.py``; default ``min(12, CPUs - 1)``; 0 or
    1: no precompile), round robin, with the same ``triton.compile`` call
    ``JITFunction._do_compile`` makes (same source, target and options: same cache
    entry), then builds the kernel's host launcher (Triton 3.6 compiles one per
@@ -28,43 +28,20 @@ POSIX only (``os.fork``).
 from __future__ import annotations
 
 import contextlib
-import gc
 import hashlib
 import json
 import logging
-import os
-import signal
-import sys
 import threading
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from lycoris_ops import settings
-from lycoris_ops.tuner import tune
+from lycoris_ops.tuner import build_pool, tune
 
-__all__ = ["ENV_PROCS", "Kernel", "Report", "tune_procs", "capturing", "capture", "compile_forked", "precompile",
-           "stats"]
+__all__ = ["Kernel", "Report", "capturing", "capture", "on_disk", "precompile", "stats"]
 
-ENV_PROCS = "LYCORIS_KERNEL_TUNE_PROCS"
-#: most children by default (each compiles its share one kernel after the other). 12: the
-#: largest cold keys build 10-11 kernels (Triton's loha_bypass_bwd, TileLang's boft_bwd),
-#: which fewer children build in two rounds
-MAX_DEFAULT_PROCS = 12
-#: seconds the parent waits for all children before killing the rest (their kernels are
-#: then compiled by the first calls, as without precompile)
-TIMEOUT_S = 30.0
-#: fork costs time in proportion to the parent's anonymous memory (page tables copied, then
-#: torn down at the child's exit): FORK_S_PER_GIB seconds per GiB per child, as measured
-#: (``bench/compile_children.py --forks``). Children are limited so that their forks cost at
-#: most FORK_BUDGET_S together; fewer than 2: no precompile.
-FORK_S_PER_GIB = 0.025
-FORK_BUDGET_S = 0.5
-#: seconds between two polls of the children's exit
-POLL_S = 0.002
 
 log = logging.getLogger("lycoris_ops.tune")
 _warned: set = set()
@@ -122,21 +99,6 @@ class Report:
     children: int = 0
     failures: int = 0
     seconds: float = 0.0
-
-
-def cpus() -> int:
-    """The CPUs this process may use (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def tune_procs() -> int:
-    """Child processes that compile a cold key's kernels (``LYCORIS_KERNEL_TUNE_PROCS``;
-    default ``min(12, CPUs this process may use - 1)``; 0/1: no precompile)."""
-    procs = settings.get(ENV_PROCS)
-    return max(0, min(MAX_DEFAULT_PROCS, cpus() - 1)) if procs is None else procs
 
 
 def stats() -> Dict[str, float]:
@@ -219,128 +181,12 @@ def on_disk(kernel: Kernel) -> bool:
         return False
 
 
-def _child(kernels: Sequence[Kernel], nice: int = 0) -> None:
-    """A forked child: build ``kernels`` (into Triton's / TileLang's on-disk cache) and
-    leave at once, status 1 if one failed; no atexit handlers, no CUDA. ``nice``: added to
-    its niceness first (the compilers it starts inherit it)."""
-    status = 1
-    try:
-        if nice:
-            with contextlib.suppress(OSError):
-                os.nice(nice)
-        try:
-            from triton import knobs
-        except ImportError:  # TileLang jobs without Triton installed
-            knobs = None
-
-        # the parent's objects are not this process's to finalize (a CUDA tensor in a cycle),
-        # nor its Python handlers (a trainer's checkpoint on SIGTERM, a profiler's compile
-        # listener): they may touch CUDA
-        gc.disable()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)
-        if knobs is not None:
-            knobs.compilation.listener = None
-        failed = 0
-        for k in kernels:  # a job: anything with build() (Kernel; tilelang/common.Pending)
-            try:
-                k.build()
-            except Exception:
-                failed += 1
-        status = 1 if failed else 0
-    finally:
-        os._exit(status)
-
-
-def fork_builds(kernels: Sequence, procs: int, nice: int = 0) -> List[Tuple[int, list]]:
-    """Fork up to ``procs`` children that each ``build()`` their round-robin share of ``kernels``
-    and exit (0: all built); returns (pid, share) of each, without waiting. A share whose fork
-    fails (no memory, no process slot) is left to the first calls. ``nice``: the children's
-    added niceness (builds no call waits for yet)."""
-    shares = [list(kernels[i::procs]) for i in range(min(procs, len(kernels)))]
-    for stream in (sys.stdout, sys.stderr):  # a child must not write the parent's buffered output again
-        with contextlib.suppress(AttributeError, ValueError, OSError):  # None, closed
-            stream.flush()
-    out = []
-    for share in shares:
-        with warnings.catch_warnings():  # Python 3.12: forking a multi-threaded process
-            warnings.simplefilter("ignore", DeprecationWarning)
-            try:
-                pid = os.fork()
-            except OSError:
-                break
-        if pid == 0:
-            _child(share, nice)  # never returns
-        out.append((pid, share))
-    return out
-
-
-def compile_forked(kernels: Sequence[Kernel], procs: int, timeout_s: float = TIMEOUT_S) -> Tuple[int, int]:
-    """Build ``kernels`` (``build()`` each) in up to ``procs`` forked children (round robin) and wait for
-    them, killing those still running after ``timeout_s``. Returns (children, failed or
-    killed children). A share whose fork fails (no memory, no process slot) is left to
-    the first calls."""
-    pending: List[int] = []
-    children = failures = 0
-    try:
-        pending += [pid for pid, _ in fork_builds(kernels, procs)]
-        children = len(pending)
-        deadline = time.monotonic() + timeout_s
-        while pending and time.monotonic() < deadline:
-            for pid in list(pending):
-                try:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): status unknown
-                    done, status = pid, 0
-                if done:
-                    pending.remove(pid)
-                    failures += os.waitstatus_to_exitcode(status) != 0
-            if pending:
-                time.sleep(POLL_S)
-    finally:
-        for pid in pending:  # past the deadline (or the parent was interrupted)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
-            failures += 1
-    return children, failures
-
-
-def anon_gib() -> float:
-    """This process's anonymous resident memory in GiB (``RssAnon``; 0 where unknown)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("RssAnon:"):
-                    return int(line.split()[1]) / (1 << 20)  # kB
-    except (OSError, ValueError, IndexError):
-        pass
-    return 0.0
-
-
-def fork_limit(gib: Optional[float] = None) -> int:
-    """Most children whose forks together stay within ``FORK_BUDGET_S`` for a parent with
-    ``gib`` GiB of anonymous memory (default: this process's)."""
-    gib = anon_gib() if gib is None else gib
-    per_fork = FORK_S_PER_GIB * gib
-    return 1 << 16 if per_fork <= 0 else int(FORK_BUDGET_S / per_fork)
-
-
-def usable_procs(procs: Optional[int] = None) -> int:
-    """Children a precompile may fork: ``procs`` (default ``tune_procs()``) within
-    ``fork_limit()`` (a parent with a large memory footprint, a training process holding
-    tens of GiB, gets fewer or none); 0 without ``os.fork``. Below 2: no precompile."""
-    if not hasattr(os, "fork"):
-        return 0
-    return min(tune_procs() if procs is None else procs, fork_limit())
-
-
 def precompile(runs: Sequence[Callable[[], Any]], procs: Optional[int] = None) -> Optional[Report]:
     """Compile what ``runs`` (the fused candidates' first calls) would compile, in forked
     children, when that is at least two kernels not yet on disk. None when
     ``usable_procs(procs)`` is below 2 (disabled, or forking this process would cost more
     than it saves)."""
-    procs = usable_procs(procs)
+    procs = build_pool.usable_procs(procs)
     if procs < 2:
         return None
     t0 = time.perf_counter()
@@ -351,7 +197,7 @@ def precompile(runs: Sequence[Callable[[], Any]], procs: Optional[int] = None) -
         todo = [k for k in kernels if not on_disk(k)]
         if len(todo) >= 2:
             report.compiled = len(todo)
-            report.children, report.failures = compile_forked(todo, procs)
+            report.children, report.failures = build_pool.compile_forked(todo, procs)
     except Exception as exc:  # an optimization only: the first calls compile in-process as before
         report.failures += 1
         why = f"{type(exc).__name__}: {exc}"
