@@ -11,18 +11,26 @@ warm-up:
 
 Each line: the config, the plan's grid, and the relative error of gx, g_w1, g_w2 against fp64.
 """
+import os
 import sys
-import torch, triton
-import lycoris_ops
-print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
-from lycoris_ops.backends.triton.kernels import lokr_bypass as TKB
-from lycoris_ops.reference import lokr as R
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from timing import rel_err  # noqa: E402
+
+import lycoris_ops  # noqa: E402,F401  (registers the ops)
+from lycoris_ops.backends.triton.kernels import lokr_bypass as TKB  # noqa: E402
+from lycoris_ops.reference import lokr as R  # noqa: E402
+
+print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name(), flush=True)
+
+
 def rel(a, b):
-    a = a.double(); b = b.double()
-    if not torch.isfinite(a).all(): return float("inf")
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+    return float("inf") if not torch.isfinite(a).all() else rel_err(a, b)
+
 
 mode = sys.argv[1]
 T = int(sys.argv[2])

@@ -21,7 +21,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from timing import DeviceTimer  # noqa: E402
+from timing import DeviceTimer, _tensors, rel_err  # noqa: E402
 
 from lycoris_ops.reference import lokr as R  # noqa: E402
 
@@ -85,9 +85,7 @@ def main(argv=None) -> int:
         ref_g = R.lokr_bypass_bwd(grad.float(), x.float(), w1.float(), w2.float(), gamma)
 
         def err(got, ref):
-            got = got if isinstance(got, (tuple, list)) else (got,)
-            ref = ref if isinstance(ref, (tuple, list)) else (ref,)
-            return max(((g.float() - r).norm() / r.norm().clamp_min(1e-30)).item() for g, r in zip(got, ref))
+            return max(rel_err(g, r) for g, r in zip(_tensors(got), _tensors(ref)))
 
         forms = {"matmul": (R.lokr_bypass_fwd_native, R.lokr_bypass_bwd_native), "einsum": (fwd_einsum, bwd_einsum)}
         for form, (f, b) in forms.items():

@@ -281,12 +281,10 @@ def lokr_bypass_conv(x: torch.Tensor, w1: Optional[torch.Tensor] = None, w1a: Op
     z = _CONV[nd](x.to(cd).reshape((N * b, d) + spatial), w2.to(cd), None, stride, padding, dilation)
     z = z.reshape((N, b, c) + tuple(z.shape[2:]))
     y = torch.einsum("uv,nvi...->nui...", w1.to(cd), z).reshape((N, a * c) + tuple(z.shape[3:]))
-    if base is not None:
-        C.tensor(fn, "base", base)
-        _same_shape(fn, "base", base, tuple(y.shape), "(N, a*c, *spatial_out)")
-        if base.dtype == y.dtype == x.dtype:
-            return torch.add(base, y, alpha=scale)  # one kernel: scaled and added in fp32, rounded once
-    y = (y * scale).to(x.dtype)
-    if base is not None:
-        y = base + y
-    return y
+    if base is None:
+        return (y * scale).to(x.dtype)
+    C.tensor(fn, "base", base)
+    _same_shape(fn, "base", base, tuple(y.shape), "(N, a*c, *spatial_out)")
+    if base.dtype == y.dtype == x.dtype:
+        return torch.add(base, y, alpha=scale)  # one kernel: scaled and added in fp32, rounded once
+    return base + (y * scale).to(x.dtype)

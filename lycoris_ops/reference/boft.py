@@ -38,13 +38,13 @@ def stage_permutation(i: int, s: int, C: int, device=None):
     return perm, inv
 
 
-def _to_blocks(u: torch.Tensor, i: int, nb: int, s: int) -> torch.Tensor:
+def _to_blocks(u: torch.Tensor, i: int, s: int) -> torch.Tensor:
     """``u.index_select(1, perm_i).reshape(pre, nb, s, post)`` as a reshape/transpose: position
     g·2κ + 2j + h holds channel g·2κ + h·κ + j. Static strides, so a compiled graph folds the
     shuffle into its copies instead of a gather by an index tensor."""
     pre, C, post = u.shape
     k = (s // 2) << i
-    return u.reshape(pre, C // (2 * k), 2, k, post).transpose(2, 3).reshape(pre, nb, s, post)
+    return u.reshape(pre, C // (2 * k), 2, k, post).transpose(2, 3).reshape(pre, C // s, s, post)
 
 
 def _from_blocks(w: torch.Tensor, i: int) -> torch.Tensor:
@@ -142,7 +142,7 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
     x0 = channel_view(x, ax).to(td)
     u = x0
     for i in range(m):
-        u = _from_blocks(torch.einsum("bpq,nbqt->nbpt", f[i], _to_blocks(u, i, nb, s)), i)
+        u = _from_blocks(torch.einsum("bpq,nbqt->nbpt", f[i], _to_blocks(u, i, s)), i)
     if rescale is not None:
         u = u * rescale.reshape(1, C, 1).to(td)
     if diff:
@@ -168,14 +168,14 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
     u = channel_view(x, ax).to(td)
     stage_inputs = []
     for i in range(m):
-        v = _to_blocks(u, i, nb, s)
+        v = _to_blocks(u, i, s)
         stage_inputs.append(v)
         if i + 1 < m:
             u = _from_blocks(torch.einsum("bpq,nbqt->nbpt", f_t[i], v), i)
     g = channel_view(grad, ax).to(td)
     g_r = []  # stage m-1 first (appended: torch 2.11's Dynamo cannot trace a list's item store)
     for i in reversed(range(m)):
-        gw = _to_blocks(g, i, nb, s)
+        gw = _to_blocks(g, i, s)
         g_r.append(scale * torch.einsum("nbpt,nbqt->bpq", gw, stage_inputs[i]).to(dt))
         g = _from_blocks(torch.einsum("bpq,nbpt->nbqt", f_t[i], gw), i)
     g_blocks = cayley_backward(torch.stack(g_r[::-1]), m_inv, cscale)

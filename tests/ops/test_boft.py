@@ -352,5 +352,5 @@ def test_stage_shuffles_are_the_stage_permutations(m, nb, s):
         w = torch.randn(pre, nb, s, post)
         for i in range(m):
             perm, inv = B.stage_permutation(i, s, C, u.device)
-            assert torch.equal(B._to_blocks(u, i, nb, s), u.index_select(1, perm).reshape(pre, nb, s, post))
+            assert torch.equal(B._to_blocks(u, i, s), u.index_select(1, perm).reshape(pre, nb, s, post))
             assert torch.equal(B._from_blocks(w, i), w.reshape(pre, C, post).index_select(1, inv))
