@@ -18,7 +18,9 @@
 # installed into /tmp/peer_site for the peer columns.
 # Environment (all optional): STAGES (default "parity bench matrix bridge"; the build always
 # runs; "parity_before" adds the earlier tree's parity sweep), PARITY_ARGS / MATRIX_ARGS /
-# BRIDGE_ARGS (extra arguments of those scripts), and each stage's cap in seconds: PARITY_S (130), BENCH_S (75 a side), MATRIX_S (190), BRIDGE_S (100);
+# BRIDGE_ARGS (extra arguments of those scripts), PARITY_GROUPS (the parity sweep's family groups, run
+# concurrently), and each stage's cap in seconds: PARITY_S (130), BENCH_S (75 a side), MATRIX_S (190),
+# BRIDGE_S (100);
 # PACK=1: everything under the output folder packed into its all.tgz at the end.
 set -uo pipefail
 before=$(cd "${1:?usage: gpu_before_after.sh BEFORE_DIR [SECONDS]}" && pwd) || exit 2
@@ -48,16 +50,26 @@ for t in "$before" "$here"; do
 done
 echo "built in $((SECONDS - start)) s"
 
-# parity: this tree; parity_before (also in STAGES): the earlier tree's sweep first, the same arguments
+# parity: this tree; parity_before (also in STAGES): the earlier tree's sweep first, the same arguments.
+# PARITY_GROUPS="lokr oft dora,loha ...": one process per family group and tree, all at once (a
+# correctness sweep, compile-bound: the host's cores, not the GPU, set its time)
 want parity_before && sides="before after" || sides="after"
-want parity && for side in $sides; do
-  tree=$before; [ $side = after ] && tree=$here
-  echo "== parity ($side)"
-  (cd "$tree" && PYTHONPATH=$tree timeout "$(cap "${PARITY_S:-130}")" $py bench/gpu_backends.py --dtypes float32,bfloat16,float16 \
-     ${PARITY_ARGS:-} >"$out/parity_$side.log" 2>&1)
-  echo "parity $side: exit $?"; grep -E "FAIL|mismatch|graph break|^(all|cases|summary)" "$out/parity_$side.log" | tail -15
-  tail -3 "$out/parity_$side.log"
-done
+parity_run() {  # side group
+  local tree=$before log="$out/parity_$1${2:+_${2//,/-}}.log"; [ "$1" = after ] && tree=$here
+  (cd "$tree" && PYTHONPATH=$tree timeout "$pcap" $py bench/gpu_backends.py --dtypes float32,bfloat16,float16 \
+     ${2:+--families $2} --max-seconds "$(( pcap - 20 ))" ${PARITY_ARGS:-} >"$log" 2>&1)
+  echo "parity $1 ${2:-all}: exit $?"; grep -E "FAIL|mismatch|Traceback|Error" "$log" | head -5; tail -2 "$log"
+}
+if want parity; then
+  pcap=$(cap "${PARITY_S:-130}")
+  if [ -n "${PARITY_GROUPS:-}" ]; then
+    echo "== parity ($sides; groups: $PARITY_GROUPS; cap $pcap s)"
+    for side in $sides; do for g in $PARITY_GROUPS; do parity_run "$side" "$g" >"$out/.p_${side}_$g" & done; done
+    wait; cat "$out"/.p_*; rm -f "$out"/.p_*
+  else
+    for side in $sides; do echo "== parity ($side)"; parity_run "$side" ""; done
+  fi
+fi
 
 want bench && for side in before after; do
   tree=$before; [ $side = after ] && tree=$here
