@@ -362,10 +362,17 @@ def lokr_bypass_bwd(grad, x, w1, w2, gamma):
 
 # --------------------------------------------------------------------------- CUDA step-down
 
+def _mix(w: torch.Tensor, t3: torch.Tensor) -> torch.Tensor:
+    """``w·t3[t]`` for every token: w (p, q) on the middle axis of t3 (T, q, n) -> (T, p, n), one
+    batched GEMM whose w operand is a stride-0 batch (no token-sized permute)."""
+    return torch.bmm(w.expand(t3.shape[0], *w.shape), t3)
+
+
 def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
     """The step-down body on CUDA (docs/ops.md §1.5): ``lokr_bypass_fwd`` with 16-bit operands
-    kept 16-bit — two GEMMs with fp32 accumulation, the intermediate rounded to the compute
-    dtype, γ and base in one 16-bit ``add``. fp32 / fp64 compute: the exact body."""
+    kept 16-bit — a GEMM over all tokens for the w2 side and a batched GEMM for the w1 mix, fp32
+    accumulation, the intermediate rounded to the compute dtype, γ and base in one 16-bit
+    ``add``. Neither order permutes a token-sized tensor. fp32 / fp64 compute: the exact body."""
     ((_, dtype),) = check_lokr_bypass_fwd(x, w1, w2, gamma, base)
     cd = C.compute_dtype("lokr_bypass_fwd", x=x, w1=w1, w2=w2)
     if cd not in C.HALF_DTYPES:
@@ -375,10 +382,10 @@ def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
     T = x.shape[0]
     X = cast(x, cd).reshape(T, b, d)
     w1c, w2c = cast(w1, cd), cast(w2, cd)
-    if b * c * (a + d) <= a * d * (b + c):
-        y = torch.matmul(w1c, torch.matmul(X, w2c.t()))
-    else:
-        y = torch.matmul(torch.matmul(w1c, X), w2c.t())
+    if b * c * (a + d) <= a * d * (b + c):  # X_t·w2ᵀ over all tokens (T·b, c), then the w1 mix
+        y = _mix(w1c, (X.reshape(T * b, d) @ w2c.t()).reshape(T, b, c))
+    else:  # the w1 mix (T, a, d), then ·w2ᵀ over all tokens
+        y = _mix(w1c, X).reshape(T * a, d) @ w2c.t()
     y = y.reshape(T, a * c)
     if base is None:
         return cast(y * float(gamma), dtype).contiguous()
@@ -387,8 +394,9 @@ def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
 
 def lokr_bypass_bwd_native(grad, x, w1, w2, gamma):
     """The step-down body of ``lokr_bypass_bwd`` (docs/ops.md §1.5): every product a 16-bit
-    GEMM with fp32 accumulation, the token-sized intermediates rounded to the compute dtype.
-    fp32 / fp64 compute: the exact body."""
+    (batched) GEMM with fp32 accumulation, the token-sized intermediates rounded to the compute
+    dtype, the weight gradients' token sums in fp32; no token-sized permute except g_w1's where
+    its per-token partials would be larger. fp32 / fp64 compute: the exact body."""
     (_, dx), (_, d1), (_, d2) = check_lokr_bypass_bwd(grad, x, w1, w2, gamma)
     cd = C.compute_dtype("lokr_bypass_bwd", x=x, w1=w1, w2=w2)
     if cd not in C.HALF_DTYPES:
@@ -397,14 +405,22 @@ def lokr_bypass_bwd_native(grad, x, w1, w2, gamma):
     a, b = w1.shape
     c, d = w2.shape
     T = x.shape[0]
-    G = cast(grad, cd).reshape(T, a, c)
+    G = cast(grad, cd).reshape(T * a, c)
     X = cast(x, cd).reshape(T, b, d)
     w1c, w2c = cast(w1, cd), cast(w2, cd)
-    H = torch.matmul(G, w2c)  # G_t·w2 (T, a, d)
-    gx = torch.matmul(w1c.t(), H).reshape(T, b * d)  # w1ᵀ·G_t·w2
-    # Σ_t over the token dim folded into one GEMM each, fp32 out (the weight gradients are small)
-    g_w1 = mm32(H.transpose(0, 1).reshape(a, T * d), X.transpose(0, 1).reshape(b, T * d).t())
-    R = torch.matmul(G.transpose(1, 2), w1c)  # G_tᵀ·w1 (T, c, b)
-    g_w2 = mm32(R.permute(1, 0, 2).reshape(c, T * b), X.reshape(T * b, d))
+    H = (G @ w2c).reshape(T, a, d)  # G_t·w2
+    gx = _mix(w1c.t(), H).reshape(T, b * d)  # w1ᵀ·G_t·w2
+    # g_w1 = Σ_t H_t·X_tᵀ: per-token (a, b) fp32 partials summed, or one GEMM over (t, j) after
+    # permuting H and X, whichever moves fewer bytes
+    if 2 * a * b <= (a + b) * d:
+        g_w1 = mm32(H, X.transpose(1, 2)).sum(0)
+    else:
+        g_w1 = mm32(H.transpose(0, 1).reshape(a, T * d), X.transpose(0, 1).reshape(b, T * d).t())
+    # g_w2 = Σ_t G_tᵀ·(w1·X_t) = Gᵀ·P over the (t, u) rows, or Σ_t (w1ᵀ·G_t)ᵀ·X_t over (t, v):
+    # the smaller mix
+    if a * d <= b * c:
+        g_w2 = mm32(G.t(), _mix(w1c, X).reshape(T * a, d))
+    else:
+        g_w2 = mm32(_mix(w1c.t(), G.reshape(T, a, c)).reshape(T * b, c).t(), X.reshape(T * b, d))
     return (cast(gx * gamma, dx).contiguous(), cast(g_w1 * gamma, d1).contiguous(),
             cast(g_w2 * gamma, d2).contiguous())

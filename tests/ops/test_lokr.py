@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import lycoris_ops  # noqa: F401
 from lycoris_ops.functional import lokr as FL
+from lycoris_ops.reference import lokr as lokr_ops
 from lycoris_ops.testing import REL_TOL, rel_err
 from lycoris_ops.testing import cases as all_cases
 
@@ -587,3 +588,37 @@ def test_functional_errors():
         FL.lokr_weight(w1=w1.to(torch.float16), w2=w2.to(torch.bfloat16))
     with pytest.raises(ValueError, match="x"):
         FL.lokr_bypass(torch.randn(2, 9, dtype=torch.float64), w1=w1, w2=w2)
+
+
+# (w1 shape, w2 shape): each picks a different branch of the CUDA step-down body
+# (reference.lokr.lokr_bypass_*_native): forward order, g_w1's token sum, g_w2's mix
+STEP_DOWN_FACTORS = [
+    ((8, 8), (48, 48)),   # X·w2ᵀ first; g_w1 from per-token partials; g_w2 through w1·X
+    ((3, 40), (20, 7)),   # the w1 mix first
+    ((24, 20), (6, 3)),   # g_w1 as one GEMM over (t, j)
+    ((24, 2), (3, 16)),   # g_w2 through w1ᵀ·G
+]
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+@pytest.mark.parametrize("shapes", STEP_DOWN_FACTORS, ids=lambda s: f"w1{s[0]}-w2{s[1]}")
+def test_bypass_step_down_body_against_kron(shapes, dtype):
+    """The 16-bit step-down body at every branch, with a non-contiguous x and a base, against
+    the explicit fp64 Kronecker product (forward) and autograd through it (backward)."""
+    (a, b), (c, d) = shapes
+    g = torch.Generator().manual_seed(a * 1000 + d)
+    T = 29
+    x = torch.randn(b * d, T, generator=g).to(dtype).t()  # non-contiguous (T, b·d)
+    w1 = torch.randn(a, b, generator=g).to(dtype)
+    w2 = (torch.randn(c, d, generator=g) * 0.2).to(dtype)
+    base = torch.randn(T, a * c, generator=g).to(dtype)
+    G = torch.randn(T, a * c, generator=g).to(dtype)
+    xd, w1d, w2d = (t.double().requires_grad_() for t in (x, w1, w2))
+    ref = 0.7 * xd @ torch.kron(w1d, w2d).t()
+    got = lokr_ops.lokr_bypass_fwd_native(x, w1, w2, 0.7, base)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert rel_err(got, ref + base.double()) <= REL_TOL[dtype]
+    want = torch.autograd.grad(ref, (xd, w1d, w2d), G.double())
+    for got_g, want_g, like in zip(lokr_ops.lokr_bypass_bwd_native(G, x, w1, w2, 0.7), want, (x, w1, w2)):
+        assert got_g.dtype == like.dtype and got_g.shape == like.shape and got_g.is_contiguous()
+        assert rel_err(got_g, want_g) <= REL_TOL[dtype], (got_g - want_g).abs().max()
