@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     failures, rows, tiers = [], 0, Counter()
     caught = []
     graph_breaks = torch._dynamo.utils.counters["graph_break"]
-    header = f"{'op / case':44s} {'dtype':8s} " + " ".join(f"{b:>16s}" for b in backends) + "  graph"
+    header = f"{'op / case':44s} {'dtype':8s} " + " ".join(f"{b:>16s}" for b in backends) + "  graph      s"
     print(header)
     print("-" * len(header))
     index = 0
@@ -128,6 +128,7 @@ def main(argv=None) -> int:
                     break
                 index += 1
                 label = f"{case.op}/{case.id}"[:44]
+                case_start = time.time()
                 cells, notes = [], []
                 try:
                     want = case()  # the CPU kernel (eager body)
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
                     graph = _graph_check(case, gcase, want, dtype, index, backends, usable, opts, notes, failures,
                                          label, device)
                 rows += 1
-                print(f"{label:44s} {str(dtype)[6:]:8s} " + " ".join(f"{c:>16s}" for c in cells) + f"  {graph}")
+                print(f"{label:44s} {str(dtype)[6:]:8s} " + " ".join(f"{c:>16s}" for c in cells)
+                      + f"  {graph:5s} {time.time() - case_start:6.1f}")  # the case's seconds: first calls tune
                 for n in notes:
                     print(f"    {n}")
             if stopped:
