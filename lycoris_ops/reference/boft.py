@@ -3,7 +3,12 @@ along one channel axis, with a module multiplier folded into every stage, an
 optional per-channel rescale after the last stage and an optional difference.
 
 Numerics: everything (Cayley, stages, epilogues) in float32 — float64 when every
-tensor operand is float64 (gradcheck) — rounded once to x's dtype.
+tensor operand is float64 (gradcheck) — rounded once to x's dtype. The CUDA
+step-down bodies (``native=True`` with a 16-bit x) keep the Cayley transforms in
+float32 but run every stage as a batched GEMM in x's dtype (fp32 accumulation,
+rounded per stage), with the rescale folded into the last stage's matrices (rounded
+to x's dtype with them) and the block gradients' token sums returned in fp32 where
+``torch.bmm`` has an fp32 output for 16-bit operands (CUDA), else rounded to x's dtype.
 
 Stage geometry (§2.6.1), implemented literally with index tensors built from the
 static sizes: with ``κ_i = 2^i·s/2``, position p of stage i holds channel
@@ -23,6 +28,11 @@ from lycoris_ops.reference.oft import cayley, cayley_backward, channel_view, tok
 
 __all__ = ["check_boft_fwd", "boft_fwd", "check_boft_bwd", "boft_bwd", "boft_fwd_native", "boft_bwd_native",
            "stage_permutation"]
+
+try:  # bmm with an fp32 output for 16-bit operands (CUDA only): a long token sum rounded once to fp32
+    _BMM_FP32_OUT = torch._C._dispatch_has_kernel_for_dispatch_key("aten::bmm.dtype", "CUDA")
+except RuntimeError:  # a torch without the overload
+    _BMM_FP32_OUT = False
 
 
 def stage_permutation(i: int, s: int, C: int, device=None):
@@ -122,6 +132,118 @@ def _stage_matrices(blocks, cscale, scale, dt):
     return f, m_inv
 
 
+# The step-down bodies keep the tokens block-major, (nb, s, N) with the N = pre·post token
+# positions innermost: every stage is one bmm, every change of stage one permuting copy of whole
+# N-runs (no index tensors, no einsum permutes). A block's rows are in position order
+# p = 2·l + e (e the κ-half bit, l < s/2), except stage 0's input rows and the last stage's output
+# rows, in (e, l) order: the channels of a block in order at stage 0 (x is read as a view), and
+# runs of s/2 channels at the last stage (the output is written by one strided copy).
+
+def _native_matrices(f, rescale, td):
+    """The m stage matrices in the token dtype, each (nb, s, s) contiguous: stage 0's columns
+    and the last stage's rows in (e, l) order, the last stage's rows times their channels' rescale."""
+    m, nb, s = f.shape[0], f.shape[1], f.shape[2]
+    hs, G, J = s // 2, nb >> (m - 1), 1 << (m - 1)
+    mats = []
+    for i in range(m):
+        v = f[i].view(nb, hs, 2, hs, 2)  # (β, l, e | l, e)
+        v = v.permute(0, *((2, 1) if i == m - 1 else (1, 2)), *((4, 3) if i == 0 else (3, 4)))
+        if i == m - 1 and rescale is not None:
+            # the last stage's block (g, j) row (e, l) is channel g·2κ + e·κ + j·s/2 + l
+            rs = rescale.reshape(G, 2, J, hs, 1, 1).to(f.dtype).transpose(1, 2)
+            v = (v.unflatten(0, (G, J)) * rs).flatten(0, 1)
+        mats.append(v.to(td, memory_format=torch.contiguous_format).view(nb, s, s))
+    return mats
+
+
+def _native_from_storage(q, first, last):
+    """A (nb, s, s) block matrix with storage-ordered rows/columns (as ``_native_matrices``) in
+    position order, as a (nb, s/2, 2, s/2, 2) view (``torch.stack`` lays it out)."""
+    nb, s = q.shape[0], q.shape[1]
+    hs = s // 2
+    q = q.view(nb, *((2, hs) if last else (hs, 2)), *((2, hs) if first else (hs, 2)))
+    return q.permute(0, *((2, 1) if last else (1, 2)), *((4, 3) if first else (3, 4)))
+
+
+def _native_next(o, i):
+    """Stage i's output (nb, s, N), rows in position order, as stage i+1's input: block
+    (g, h', j) row (l, e) holds what is block (g, e, j) row (l, h') of stage i+1 (one copy)."""
+    nb, s, n = o.shape
+    k = 1 << i
+    return o.view(nb // (2 * k), 2, k, s // 2, 2, n).transpose(1, 4).reshape(nb, s, n)
+
+
+def _native_input(x0, nb, s):
+    """(pre, C, post) as stage 0's block-major input (nb, s, pre·post): a strided view when pre
+    or post is 1 (bmm reads it as is), else one copy."""
+    pre, _, post = x0.shape
+    return x0.view(pre, nb, s, post).permute(1, 2, 0, 3).reshape(nb, s, pre * post)
+
+
+def _native_gram(g, u, dt):
+    """``Σ_n g[β, :, n]·u[β, :, n]ᵀ`` (nb, s, s) in dt: the token sum accumulated in fp32, rounded
+    once to fp32 where bmm has that output (CUDA), else to the token dtype."""
+    if _BMM_FP32_OUT and g.is_cuda and dt == torch.float32:
+        return torch.bmm(g, u.transpose(1, 2), out_dtype=torch.float32)
+    return torch.bmm(g, u.transpose(1, 2)).to(dt)
+
+
+def _boft_fwd_native(f, x, ax, m, nb, s, rescale, diff):
+    """``boft_fwd`` on a 16-bit x: stage products as bmm in x's dtype, block-major tokens."""
+    x0 = channel_view(x, ax)
+    pre, _, post = x0.shape
+    mats = _native_matrices(f, rescale, x.dtype)
+    u = _native_input(x0, nb, s)
+    for i in range(m - 1):
+        u = _native_next(torch.bmm(mats[i], u), i)
+    G, J, hs = nb >> (m - 1), 1 << (m - 1), s // 2
+    # the output's channel g·2κ + e·κ + j·s/2 + l is the last stage's block (g, j) row (e, l)
+    if post == 1:  # channels last: the product token-major, so the final copy moves s/2-runs
+        y = torch.bmm(u.transpose(1, 2), mats[m - 1].transpose(1, 2))
+        y = y.view(G, J, pre, 2, hs, 1).permute(2, 0, 3, 1, 4, 5)
+    else:
+        y = torch.bmm(mats[m - 1], u).view(G, J, 2, hs, pre, post).permute(4, 0, 2, 1, 3, 5)
+    if not diff:
+        return y.reshape(x.shape).contiguous()
+    x0 = x0.view(pre, G, 2, J, hs, post)
+    if torch.compiler.is_compiling() or y.requires_grad:  # out= neither traces nor records autograd
+        return (y - x0).reshape(x.shape).contiguous()  # (a compiler fuses the two passes itself)
+    # the difference writes the reordered output: one pass instead of a copy and a subtraction
+    out = torch.empty((pre, G, 2, J, hs, post), dtype=x.dtype, device=x.device)
+    return torch.sub(y, x0, out=out).view(x.shape)
+
+
+def _boft_bwd_native(grad, f, x, ax, m, nb, s, dt):
+    """``boft_bwd``'s token part on a 16-bit x: gx and the stacked ``P_{i,β}`` (m, nb, s, s) in dt,
+    the stage inputs recomputed and kept block-major, every product a bmm in x's dtype."""
+    td = x.dtype
+    x0 = channel_view(x, ax)
+    pre, _, post = x0.shape
+    mats = _native_matrices(f, None, td)
+    u = _native_input(x0, nb, s)
+    stage_inputs = [u]
+    for i in range(m - 1):
+        u = _native_next(torch.bmm(mats[i], u), i)
+        stage_inputs.append(u)
+    G, J, hs = nb >> (m - 1), 1 << (m - 1), s // 2
+    g3 = cast(channel_view(grad, ax), td)
+    if post == 1:  # token-major (one copy of s/2-runs), read through a transposed view
+        g = g3.view(pre, G, 2, J, hs).permute(1, 3, 0, 2, 4).reshape(nb, pre, s).transpose(1, 2)
+    else:
+        g = g3.view(pre, G, 2, J, hs, post).permute(1, 3, 2, 4, 0, 5).reshape(nb, s, pre * post)
+    g_r = []  # stage m-1 first (appended: torch 2.11's Dynamo cannot trace a list's item store)
+    for i in reversed(range(m)):
+        g_r.append(_native_from_storage(_native_gram(g, stage_inputs[i], dt), i == 0, i == m - 1))
+        if i > 0:
+            g = _native_next(torch.bmm(mats[i].transpose(1, 2), g), i - 1)
+    # stage 0's columns are the channels of a block in order
+    if post == 1:
+        gx = torch.bmm(g.transpose(1, 2), mats[0]).transpose(0, 1)
+    else:
+        gx = torch.bmm(mats[0].transpose(1, 2), g).view(nb, s, pre, post).permute(2, 0, 1, 3)
+    return gx.reshape(x.shape).contiguous(), torch.stack(g_r[::-1]).reshape(m, nb, s, s)
+
+
 def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, scale: float,
              rescale: Optional[torch.Tensor], diff: bool, *, native: bool = False) -> torch.Tensor:
     """BOFT butterfly (docs/ops.md §2.6.1).
@@ -138,6 +260,8 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
     C = nb * s
     f, _ = _stage_matrices(blocks, cscale, scale, dt)
     td = token_dtype(x, dt, native)
+    if td != dt:
+        return _boft_fwd_native(f, x, ax, m, nb, s, rescale, diff)
     f = cast(f, td)
     x0 = channel_view(x, ax).to(td)
     u = x0
@@ -164,6 +288,10 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
     dt = work_dtype(grad, blocks, x)
     f, m_inv = _stage_matrices(blocks, cscale, scale, dt)
     td = token_dtype(x, dt, native)
+    if td != dt:
+        gx, p = _boft_bwd_native(grad, f, x, ax, m, nb, s, dt)
+        g_r = p if scale == 1.0 else scale * p
+        return gx, cast(cayley_backward(g_r, m_inv, cscale), blocks.dtype).contiguous()
     f_t = cast(f, td)
     u = channel_view(x, ax).to(td)
     stage_inputs = []
@@ -183,12 +311,17 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
 
 
 def boft_fwd_native(blocks, x, axis, cscale, scale, rescale, diff):
-    """The step-down body on CUDA (docs/ops.md §1.5): the Cayley transforms in fp32, every
-    stage's rotation of x in x's 16-bit dtype with fp32 accumulation (rounded per stage)."""
+    """The step-down body on CUDA (docs/ops.md §1.5): the Cayley transforms in fp32; for a
+    16-bit x, every stage one bmm in x's dtype (fp32 accumulation, rounded per stage) over the
+    block-major tokens and one permuting copy into the next stage's blocks, the rescale folded
+    into the last stage's matrices and the difference written by the final reorder. A 32/64-bit
+    x runs the exact body."""
     return boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, native=True)
 
 
 def boft_bwd_native(grad, blocks, x, axis, cscale, scale):
-    """The step-down body of ``boft_bwd`` (docs/ops.md §1.5): the stage products in x's
-    16-bit dtype with fp32 accumulation, the Cayley chain in fp32."""
+    """The step-down body of ``boft_bwd`` (docs/ops.md §1.5): for a 16-bit x, the stage inputs
+    recomputed as in ``boft_fwd_native`` and kept block-major, the block gradients (token sums
+    accumulated in fp32) and the token gradient's stages as bmm in x's dtype, one permuting copy
+    a stage; the Cayley chain in fp32. A 32/64-bit x runs the exact body."""
     return boft_bwd(grad, blocks, x, axis, cscale, scale, native=True)

@@ -66,3 +66,91 @@ def test_lokr_step_down_at_a_wide_factor():
     want = reference.lokr.lokr_bypass_bwd(G.double(), x.double(), w1.double(), w2.double(), 0.5)
     for a, b in zip(got, want):
         assert a.dtype == torch.bfloat16 and rel_err(a, b) <= REL_TOL[torch.bfloat16]
+
+
+# BOFT at a step-down geometry (block s = 48, out of the fused kernels' scope): 3 stages of 8
+# blocks on a 384-channel axis, channels last, conv (N, C, H, W) and weight (C, rest) layouts.
+BOFT_WIDE = [
+    pytest.param((37, 384), -1, torch.bfloat16, torch.float32, True, True, id="channels_last-bf16-rescale-diff"),
+    pytest.param((2, 384, 3, 5), 1, torch.float16, torch.float16, False, False, id="conv-fp16"),
+    pytest.param((384, 3, 5), 0, torch.bfloat16, torch.bfloat16, True, False, id="weight-bf16-rescale"),
+]
+
+
+def _boft_wide(shape, dtype, blocks_dtype, rescale):
+    g = torch.Generator().manual_seed(5)
+    blocks = (torch.randn(3, 8, 48, 48, generator=g) * 0.05).to(blocks_dtype)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    rs = (1.0 + 0.1 * torch.randn(384, generator=g)).to(dtype) if rescale else None
+    return blocks, x, rs, torch.randn(*shape, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("shape,axis,dtype,blocks_dtype,rescale,diff", BOFT_WIDE)
+def test_boft_step_down_at_a_wide_block(shape, axis, dtype, blocks_dtype, rescale, diff):
+    """The step-down BOFT body at s = 48, each layout: forward and backward within the dtype's
+    tolerance of the fp64 exact body, in x's / blocks' dtype, contiguous."""
+    blocks, x, rs, G = _boft_wide(shape, dtype, blocks_dtype, rescale)
+    y = reference.boft.boft_fwd_native(blocks, x, axis, 1.0, 0.8, rs, diff)
+    ref = reference.boft.boft_fwd(blocks.double(), x.double(), axis, 1.0, 0.8,
+                                  None if rs is None else rs.double(), diff)
+    assert y.shape == x.shape and y.dtype == dtype and y.is_contiguous()
+    assert rel_err(y, ref) <= REL_TOL[dtype], rel_err(y, ref)
+    gx, g_blocks = reference.boft.boft_bwd_native(G, blocks, x, axis, 1.0, 0.8)
+    want = reference.boft.boft_bwd(G.double(), blocks.double(), x.double(), axis, 1.0, 0.8)
+    assert gx.shape == x.shape and gx.dtype == dtype and gx.is_contiguous()
+    assert g_blocks.shape == blocks.shape and g_blocks.dtype == blocks_dtype and g_blocks.is_contiguous()
+    for got, w in zip((gx, g_blocks), want):
+        assert rel_err(got, w) <= REL_TOL[dtype], rel_err(got, w)
+
+
+class _TokenCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the copies (clone / copy_ / dtype casts) that write at least ``numel`` elements."""
+
+    COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default, torch.ops.aten._to_copy.default}
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.count = numel, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.COPIES and out.numel() >= self.numel:
+            self.count += 1
+        return out
+
+
+@pytest.mark.parametrize("shape,axis,dtype,blocks_dtype,rescale,diff", [
+    pytest.param((301, 384), -1, torch.bfloat16, torch.float32, True, True, id="channels_last"),
+    pytest.param((2, 384, 9, 11), 1, torch.float16, torch.float16, False, False, id="conv"),
+    pytest.param((384, 200), 0, torch.bfloat16, torch.bfloat16, True, False, id="weight"),
+])
+def test_boft_step_down_copies_tokens_once_a_stage(shape, axis, dtype, blocks_dtype, rescale, diff):
+    """The step-down BOFT body moves the tokens at most once a stage between its GEMMs (the
+    reorders bmm reads through strides are not copies): forward ≤ m + 1 token-sized copies,
+    backward (which recomputes the stage inputs) ≤ 2m + 1. x is larger than all the blocks,
+    so that no copy of the stage matrices counts."""
+    blocks, x, rs, G = _boft_wide(shape, dtype, blocks_dtype, rescale)
+    assert x.numel() > blocks.numel()
+    m = blocks.shape[0]
+    with _TokenCopies(x.numel()) as fwd:
+        reference.boft.boft_fwd_native(blocks, x, axis, 1.0, 0.8, rs, diff)
+    with _TokenCopies(x.numel()) as bwd:
+        reference.boft.boft_bwd_native(G, blocks, x, axis, 1.0, 0.8)
+    assert fwd.count <= m + 1 and bwd.count <= 2 * m + 1, (fwd.count, bwd.count)
+
+
+def test_boft_step_down_compiles_with_dynamic_shapes():
+    """The compile tier compiles the step-down body on CUDA, and Dynamo turns the sizes
+    symbolic after a recompile: the body's views must hold for symbolic block sizes (a
+    ``.view`` of the stacked block gradients failed inductor there)."""
+    from lycoris_ops.reference import boft as B
+
+    bwd = torch.compile(B.boft_bwd_native, dynamic=True, fullgraph=True)
+    g = torch.Generator().manual_seed(5)
+    for m, nb, s, T in ((1, 4, 6, 5),):
+        blocks = torch.randn(m, nb, s, s, generator=g) * 0.1
+        x = torch.randn(T, nb * s, generator=g).bfloat16()
+        grad = torch.randn(T, nb * s, generator=g).bfloat16()
+        for got, want in zip(bwd(grad, blocks, x, -1, 1.0, 1.0), B.boft_bwd_native(grad, blocks, x, -1, 1.0, 1.0)):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert rel_err(got.float(), want.float()) <= 1e-2
