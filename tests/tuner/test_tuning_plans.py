@@ -281,3 +281,31 @@ def test_lokr_bypass_shortlists_offer_rounded_intermediates_at_16_bits():
     plan = P.plan_bypass_fwd(dev, 32768, 64, 64, 64, 64, bf, bf, bf, True, default=as_dict(TK.BypassFwdCfg()))
     assert plan.candidates[0] == as_dict(TK.BypassFwdCfg()) and plan.candidates[1]["split"] is False
     assert len(plan.predicted) == len(plan.candidates) and plan.candidates[-1] == tune.SENTINEL_EAGER
+
+
+def test_lokr_bypass_bwd_caps_block_t_where_factor_dims_are_padded(monkeypatch):
+    """A padded factor dim caps the bypass backward's token tile at PADDED_BWD_ROWS G-tile rows
+    (its sm_90 build was wrong past it; exact under the interpreter): the plan clamps any
+    config, the shortlist holds none above the cap, power-of-two dims keep block_t up to 16."""
+    from lycoris_ops.backends.triton.kernels import lokr_bypass as TK
+    from lycoris_ops.backends.triton.tuning import lokr as P
+
+    monkeypatch.setattr(TK, "num_sms", lambda device: 132)
+    TK._bypass_bwd_plan.cache_clear()
+    bf = torch.bfloat16
+    assert TK.max_bwd_block_t(40, 16, 64, 20) == 1  # a=40 pads to 64: 64 rows at block_t 1
+    assert TK.max_bwd_block_t(7, 2, 4, 11) == 4
+    assert TK.max_bwd_block_t(64, 64, 64, 64) == TK.max_bwd_block_t(16, 16, 16, 16) == 16
+    for cfg in (TK.BypassBwdCfg(block_t=4, passes=1), TK.BypassBwdCfg(block_t=8, swap=True, passes=2)):
+        meta = TK._bypass_bwd_plan(8192, 40, 16, 64, 20, (), bf, "cpu", cfg)[-1]
+        assert meta["BT"] * meta["BA"] <= TK.PADDED_BWD_ROWS, (cfg, meta["BT"], meta["BA"])
+    assert TK.default_bypass_bwd_cfg(8192, 7, 2, 4, 11, bf).block_t <= 4
+    dev = device.synthetic()
+    for a, b, c, d in ((40, 16, 64, 20), (7, 2, 4, 11)):
+        plan = P.plan_bypass_bwd(dev, 8192, a, b, c, d, bf, bf, bf)
+        for cand in (c_ for c_ in plan.candidates if isinstance(c_, dict)):
+            dims = (c, d, a, b) if cand["swap"] else (a, b, c, d)
+            assert cand["block_t"] <= TK.max_bwd_block_t(*dims), cand
+    assert max(c_["block_t"] for c_ in P.plan_bypass_bwd(dev, 8192, 16, 16, 16, 16, bf, bf, bf).candidates
+               if isinstance(c_, dict)) > 1
+    TK._bypass_bwd_plan.cache_clear()

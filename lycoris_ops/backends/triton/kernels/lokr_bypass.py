@@ -46,6 +46,19 @@ def _p16(n: int) -> int:
     return max(16, next_pow2(n))
 
 
+#: with a padded factor dim, the backward's sm_90 build computed a wrong second weight gradient
+#: (or faulted) once a G tile held more rows (block_t · padded A) than this, while the
+#: interpreter was exact (bench/experiments/lokr_bwd_candidates.py); the plan caps block_t
+PADDED_BWD_ROWS = 64
+
+
+def max_bwd_block_t(A: int, B: int, C: int, D: int) -> int:
+    """The largest ``block_t`` the bypass backward takes for kernel dims (A, B, C, D)."""
+    if all(n == _p16(n) for n in (A, B, C, D)):
+        return 16
+    return max(1, PADDED_BWD_ROWS // _p16(A))
+
+
 def supported_bypass(a: int, b: int, c: int, d: int) -> bool:
     """Whether the fused bypass kernels take w1 (a, b), w2 (c, d)."""
     return _p16(max(a, b, c, d)) <= MAX_BYPASS_DIM
@@ -265,7 +278,7 @@ def default_bypass_bwd_cfg(T, A, B, C, D, compute) -> BypassBwdCfg:
         passes, bd = (3, min(_p16(D), 32)) if f32 else (2, min(_p16(D), 64))
     tiles = _bwd_tiles(ba, bb, bc, bd)
     bt = 1
-    while bt < 16 and 2 * bt * tiles <= tb and bt < next_pow2(max(T, 1)):
+    while bt < max_bwd_block_t(A, B, C, D) and 2 * bt * tiles <= tb and bt < next_pow2(max(T, 1)):
         bt *= 2
     return BypassBwdCfg(block_t=bt, block_d=bd, passes=passes, num_warps=8 if f32 else 4)
 
@@ -364,7 +377,7 @@ def _bypass_bwd_plan(T, a, b, c, d, views, compute, device, cfg: BypassBwdCfg):
         swap = cfg.swap
     A, B, C, D = (c, d, a, b) if swap else (a, b, c, d)
     dflt = default_bypass_bwd_cfg(T, A, B, C, D, compute)
-    bt = cfg.block_t or dflt.block_t
+    bt = min(cfg.block_t or dflt.block_t, max_bwd_block_t(A, B, C, D))
     passes = cfg.passes or dflt.passes
     bd = cfg.block_d or dflt.block_d
     n_tiles = cdiv(T, bt)

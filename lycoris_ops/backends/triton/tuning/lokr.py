@@ -134,7 +134,8 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
     f32 = compute == torch.float32
     warps, splits = ((4, 8), (True,)) if f32 else ((4,), (True, False))
     cfgs = [dict(block_t=bt, passes=p, programs=pr, split=sp, swap=sw, num_warps=w, num_stages=s)
-            for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
+            for sw in (False, True) for bt in (1, 2, 4, 8, 16)
+            if bt <= max(1, p2(T)) and bt <= bypass_kernels.max_bwd_block_t(*((c, d, a, b) if sw else (a, b, c, d)))
             for p in (1, 2) for w in warps for s in (1, 2) for pr in ((0, dev.sm_count) if w == 4 else (0,))
             for sp in splits]
     return make_plan("lokr_bypass_bwd", rank(cfgs, work, dev), tile_axes=("programs", "swap", "block_t", "passes"),
