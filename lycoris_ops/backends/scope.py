@@ -91,6 +91,11 @@ def _lokr_factors(w1, w2) -> Dict[str, int]:
     return {"factor": pad(max(int(s) for s in tuple(w1.shape) + tuple(w2.shape)))}
 
 
+def _lokr_held(w1, w2) -> Dict[str, int]:
+    """The LoKr forward's quantities: every factor dim, and the smaller inner dim (b or d)."""
+    return {**_lokr_factors(w1, w2), "held": min(pad(int(w1.shape[1])), pad(int(w2.shape[1])))}
+
+
 def _same_dtype(base, delta, gamma) -> Optional[str]:
     if base.dtype != delta.dtype:
         return f"base is {base.dtype} but delta is {delta.dtype} (the kernel takes one dtype)"
@@ -146,8 +151,9 @@ SCOPE: Dict[str, OpScope] = {
         None if w1b is None and w2b is None else _tc16(w1a, w1b, w2a, w2b))}),
     "lokr_merge_bwd": OpScope(rules={"tilelang": lambda grad, w1a, w1b, w2a, w2b, shape, gamma: (
         None if w1b is None and w2b is None else _tc16(w1a, w1b, w2a, w2b))}),
-    "lokr_bypass_fwd": OpScope(measure=lambda x, w1, w2, gamma, base=None: _lokr_factors(w1, w2),
-                               limits={"factor": {ANY: 128}},
+    "lokr_bypass_fwd": OpScope(measure=lambda x, w1, w2, gamma, base=None: _lokr_held(w1, w2),
+                               # triton: holds only the inner dim of one contraction order
+                               limits={"factor": {"triton": None, ANY: 128}, "held": {"triton": 128, ANY: None}},
                                rules={"tilelang": lambda x, w1, w2, gamma, base=None: _tc16(x, w1, w2)}),
     "lokr_bypass_bwd": OpScope(measure=lambda grad, x, w1, w2, gamma: _lokr_factors(w1, w2),
                                limits={"factor": {ANY: 128}},

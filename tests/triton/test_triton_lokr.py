@@ -336,6 +336,29 @@ def test_reduce_pair(S, T):
 def test_scope_limits():
     assert TKB.supported_bypass(3, 5, 128, 100)
     assert not TKB.supported_bypass(3, 5, 129, 9)
+    # the forward holds b (or d, swapped) only
+    assert TKB.fwd_swaps(4, 4, 768, 768) == (False,) and TKB.fwd_swaps(768, 768, 4, 4) == (True,)
+    assert TKB.fwd_swaps(8, 8, 64, 64) == (False, True) and TKB.fwd_swaps(3, 200, 5, 300) == ()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS.get)
+@pytest.mark.parametrize("dims", [(3, 5, 150, 200, False), (200, 150, 5, 3, True)], ids=["wide-w2", "wide-w1"])
+def test_bypass_fwd_past_the_backward_scope(dtype, dims):
+    """Factor dims past the backward's 128 (LoKr factor=4/8 gives w2 sides of 384-1792): the
+    forward tiles c and loops over d (or the swapped pair), whichever order is asked for."""
+    a, b, c, d, must_swap = dims
+    g = gen(9)
+    T = 5
+    x = mk((T, b * d), dtype, g, nc=True)
+    w1, w2 = mk((a, b), dtype, g), mk_t((c, d), dtype, g)
+    base = mk((T, a * c), dtype, g)
+    cd = cd_of(x, w1, w2)
+    want = o_bypass(d64(x, cd), d64(w1, cd), d64(w2, cd), GAMMA, d64(base, torch.float64))
+    assert TKB.fwd_swaps(a, b, c, d) == (must_swap,)
+    for swap in (None, False, True):  # an order it cannot hold falls back to the one it can
+        y = TKB.bypass_fwd(x, w1, w2, GAMMA, base, TKB.BypassFwdCfg(swap=swap))
+        assert y.shape == (T, a * c) and y.dtype == dtype
+        close(y, want, REL_TOL[dtype], f"bypass fwd swap={swap}")
 
 
 def test_op_set_exports():

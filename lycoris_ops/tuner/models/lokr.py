@@ -97,7 +97,7 @@ def fwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute,
         A, B, C, D = (c, d, a, b) if cfg["swap"] else (a, b, c, d)
         bt, bc, bd, ba = cfg["block_t"], cfg["block_c"], cfg["block_d"], cfg["block_a"]
         BB = p16(B)
-        if bc > max(16, min(128, p16(C))) or bd > p16(D) or ba > p16(A) or bt * BB * bc > REG_TILE:
+        if BB > 128 or bc > max(16, min(128, p16(C))) or bd > p16(D) or ba > p16(A) or bt * BB * bc > REG_TILE:
             return None
         n_t, n_c = cdiv(T, bt), cdiv(C, bc)
         mma = T * 2.0 * fwd_cost(A, B, C, D, split and cfg.get("split", True))

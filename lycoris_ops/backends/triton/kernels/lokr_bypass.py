@@ -19,8 +19,10 @@ rounding points).
     single program). ``passes=2`` / ``3`` split (gx, g_w1) and g_w2 (or all three)
     into separate launches to relieve registers (G and x read 2-3 times).
 
-Limits (scope): the bypass kernels keep whole padded factor dims in registers:
-``pow2(max(a, b, c, d), ≥16) <= 128`` (``supported_bypass``). fp16 / bf16 / fp32 only
+Limits (scope): the forward holds the whole padded inner dim of its contraction order
+(b, or d when swapped) and tiles the others: ``pow2(min(b, d), ≥16) <= 128`` (``fwd_swaps``);
+the backward keeps every padded factor dim in registers: ``pow2(max(a, b, c, d), ≥16) <= 128``
+(``supported_bypass``). fp16 / bf16 / fp32 only
 (fp64 goes eager).
 """
 from __future__ import annotations
@@ -36,7 +38,7 @@ from lycoris_ops.backends.triton.common import cdiv, dot_dtype, fast, needs_idx6
 from lycoris_ops.backends.triton.kernels.fusedkit import (compute_dtype, dot_wide, reduce_launch, reduce_pair_launch,
                                                           view_key)
 
-__all__ = ["BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass", "bypass_fwd", "bypass_bwd"]
+__all__ = ["BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass", "fwd_swaps", "bypass_fwd", "bypass_bwd"]
 
 #: the bypass kernels hold whole (padded) factor dims in registers
 MAX_BYPASS_DIM = 128
@@ -60,8 +62,14 @@ def max_bwd_block_t(A: int, B: int, C: int, D: int) -> int:
 
 
 def supported_bypass(a: int, b: int, c: int, d: int) -> bool:
-    """Whether the fused bypass kernels take w1 (a, b), w2 (c, d)."""
+    """Whether the fused bypass backward takes w1 (a, b), w2 (c, d)."""
     return _p16(max(a, b, c, d)) <= MAX_BYPASS_DIM
+
+
+def fwd_swaps(a: int, b: int, c: int, d: int) -> tuple:
+    """The contraction orders (``swap`` values) the forward kernel takes: it holds the whole
+    padded inner factor dim (b; d when swapped) and tiles or loops the other three."""
+    return tuple(sw for sw, held in ((False, b), (True, d)) if _p16(held) <= MAX_BYPASS_DIM)
 
 
 # =============================================================================== kernels
@@ -317,6 +325,11 @@ def _bypass_fwd_plan(T, a, b, c, d, views, has_base, compute, device, cfg: Bypas
         swap = _fwd_cost(c, d, a, b, split) * 4 < _fwd_cost(a, b, c, d, split) * 3
     else:
         swap = cfg.swap
+    allowed = fwd_swaps(a, b, c, d)
+    if swap not in allowed:
+        if not allowed:
+            raise ValueError(f"lokr_bypass_fwd: w1 {(a, b)}, w2 {(c, d)}: b or d must be <= {MAX_BYPASS_DIM}")
+        swap = allowed[0]
     A, B, C, D = (c, d, a, b) if swap else (a, b, c, d)
     dflt = default_bypass_fwd_cfg(T, A, B, C, D, compute)
     bt = cfg.block_t or dflt.block_t

@@ -108,7 +108,7 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
     splits = (True,) if compute == torch.float32 else (True, False)
     cfgs = [dict(block_t=bt, block_d=bd, block_c=bc, block_a=min(models.p16(c if sw else a), 64), split=sp, swap=sw,
                  num_warps=w, num_stages=s)
-            for sw in (False, True) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
+            for sw in bypass_kernels.fwd_swaps(a, b, c, d) for bt in (1, 2, 4, 8, 16) if bt <= max(1, p2(T))
             for bc in (16, 32, 64, 128) for bd in (16, 64) for w in (4, 8) for s in (1, 2) for sp in splits]
     plan = make_plan("lokr_bypass_fwd", rank(cfgs, work, dev), tile_axes=("swap", "block_t", "block_c", "block_d"),
                      n=n, default=default, default_s=predict(work, default, dev), eager_s=eager_s)
@@ -222,10 +222,13 @@ def merge_bwd_kwargs(grad, w1a, w1b, w2a, w2b, shape, gamma):
                          lambda: reference.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma))
 
 
-def _bypass_default(default_fn, cost, T, a, b, c, d, compute):
-    """The launcher's automatic config (default tiles, cheaper contraction order) spelled out."""
+def _bypass_default(default_fn, cost, T, a, b, c, d, compute, swaps=(False, True)):
+    """The launcher's automatic config (default tiles, cheaper contraction order of ``swaps``)
+    spelled out."""
     split = compute != torch.float32
     swap = cost(c, d, a, b, split) * 4 < cost(a, b, c, d, split) * 3
+    if swap not in swaps:
+        swap = swaps[0]
     A, B, C, D = (c, d, a, b) if swap else (a, b, c, d)
     return {**as_dict(default_fn(T, A, B, C, D, compute)), "swap": swap}
 
@@ -248,7 +251,8 @@ def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
 
     def plan():
         try:
-            default = _bypass_default(bypass_kernels.default_bypass_fwd_cfg, models.fwd_cost, T, a, b, c, d, compute)
+            default = _bypass_default(bypass_kernels.default_bypass_fwd_cfg, models.fwd_cost, T, a, b, c, d, compute,
+                                      bypass_kernels.fwd_swaps(a, b, c, d))
         except Exception:
             default = None
         return plan_bypass_fwd(facts(dev), T, a, b, c, d, compute, x.dtype, out, base is not None, default=default)
