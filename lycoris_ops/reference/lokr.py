@@ -371,8 +371,9 @@ def _mix(w: torch.Tensor, t3: torch.Tensor) -> torch.Tensor:
 def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
     """The step-down body on CUDA (docs/ops.md §1.5): ``lokr_bypass_fwd`` with 16-bit operands
     kept 16-bit — a GEMM over all tokens for the w2 side and a batched GEMM for the w1 mix, fp32
-    accumulation, the intermediate rounded to the compute dtype, γ and base in one 16-bit
-    ``add``. Neither order permutes a token-sized tensor. fp32 / fp64 compute: the exact body."""
+    accumulation, the intermediate rounded to the compute dtype; γ and base in one ``add``, or
+    without a base γ folded into w1. Neither order permutes a token-sized tensor. fp32 / fp64
+    compute: the exact body."""
     ((_, dtype),) = check_lokr_bypass_fwd(x, w1, w2, gamma, base)
     cd = C.compute_dtype("lokr_bypass_fwd", x=x, w1=w1, w2=w2)
     if cd not in C.HALF_DTYPES:
@@ -381,22 +382,24 @@ def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
     c, d = w2.shape
     T = x.shape[0]
     X = cast(x, cd).reshape(T, b, d)
-    w1c, w2c = cast(w1, cd), cast(w2, cd)
+    # without a base, γ goes into the small w1 (one rounding to the compute dtype), not a pass over y
+    w1c, w2c = cast(w1 if base is not None else w1.float() * float(gamma), cd), cast(w2, cd)
     if b * c * (a + d) <= a * d * (b + c):  # X_t·w2ᵀ over all tokens (T·b, c), then the w1 mix
         y = _mix(w1c, (X.reshape(T * b, d) @ w2c.t()).reshape(T, b, c))
     else:  # the w1 mix (T, a, d), then ·w2ᵀ over all tokens
         y = _mix(w1c, X).reshape(T * a, d) @ w2c.t()
     y = y.reshape(T, a * c)
     if base is None:
-        return cast(y * float(gamma), dtype).contiguous()
+        return cast(y, dtype).contiguous()
     return torch.add(cast(base, dtype), cast(y, dtype), alpha=float(gamma)).contiguous()
 
 
 def lokr_bypass_bwd_native(grad, x, w1, w2, gamma):
     """The step-down body of ``lokr_bypass_bwd`` (docs/ops.md §1.5): every product a 16-bit
     (batched) GEMM with fp32 accumulation, the token-sized intermediates rounded to the compute
-    dtype, the weight gradients' token sums in fp32; no token-sized permute except g_w1's where
-    its per-token partials would be larger. fp32 / fp64 compute: the exact body."""
+    dtype, γ folded into gx's w1 factor, the weight gradients' token sums in fp32; no token-sized
+    permute except g_w1's where its per-token partials would be larger. fp32 / fp64 compute: the
+    exact body."""
     (_, dx), (_, d1), (_, d2) = check_lokr_bypass_bwd(grad, x, w1, w2, gamma)
     cd = C.compute_dtype("lokr_bypass_bwd", x=x, w1=w1, w2=w2)
     if cd not in C.HALF_DTYPES:
@@ -409,7 +412,7 @@ def lokr_bypass_bwd_native(grad, x, w1, w2, gamma):
     X = cast(x, cd).reshape(T, b, d)
     w1c, w2c = cast(w1, cd), cast(w2, cd)
     H = (G @ w2c).reshape(T, a, d)  # G_t·w2
-    gx = _mix(w1c.t(), H).reshape(T, b * d)  # w1ᵀ·G_t·w2
+    gx = _mix(cast(w1.float() * gamma, cd).t(), H).reshape(T, b * d)  # γ·w1ᵀ·G_t·w2: γ in the small factor
     # g_w1 = Σ_t H_t·X_tᵀ: per-token (a, b) fp32 partials summed, or one GEMM over (t, j) after
     # permuting H and X, whichever moves fewer bytes
     if 2 * a * b <= (a + b) * d:
@@ -422,5 +425,5 @@ def lokr_bypass_bwd_native(grad, x, w1, w2, gamma):
         g_w2 = mm32(G.t(), _mix(w1c, X).reshape(T * a, d))
     else:
         g_w2 = mm32(_mix(w1c.t(), G.reshape(T, a, c)).reshape(T * b, c).t(), X.reshape(T * b, d))
-    return (cast(gx * gamma, dx).contiguous(), cast(g_w1 * gamma, d1).contiguous(),
+    return (cast(gx, dx).contiguous(), cast(g_w1 * gamma, d1).contiguous(),
             cast(g_w2 * gamma, d2).contiguous())

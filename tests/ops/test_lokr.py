@@ -618,6 +618,8 @@ def test_bypass_step_down_body_against_kron(shapes, dtype):
     got = lokr_ops.lokr_bypass_fwd_native(x, w1, w2, 0.7, base)
     assert got.dtype == dtype and got.is_contiguous()
     assert rel_err(got, ref + base.double()) <= REL_TOL[dtype]
+    got = lokr_ops.lokr_bypass_fwd_native(x, w1, w2, 0.7)  # γ folded into w1
+    assert got.dtype == dtype and got.is_contiguous() and rel_err(got, ref) <= REL_TOL[dtype]
     want = torch.autograd.grad(ref, (xd, w1d, w2d), G.double())
     for got_g, want_g, like in zip(lokr_ops.lokr_bypass_bwd_native(G, x, w1, w2, 0.7), want, (x, w1, w2)):
         assert got_g.dtype == like.dtype and got_g.shape == like.shape and got_g.is_contiguous()
