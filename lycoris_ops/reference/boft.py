@@ -23,16 +23,11 @@ from typing import Optional
 import torch
 
 from lycoris_ops.reference import checks as _checks
-from lycoris_ops.reference import cast
+from lycoris_ops.reference import cast, mm32
 from lycoris_ops.reference.oft import cayley, cayley_backward, channel_view, token_dtype, work_dtype
 
 __all__ = ["check_boft_fwd", "boft_fwd", "check_boft_bwd", "boft_bwd", "boft_fwd_native", "boft_bwd_native",
            "stage_permutation"]
-
-try:  # bmm with an fp32 output for 16-bit operands (CUDA only): a long token sum rounded once to fp32
-    _BMM_FP32_OUT = torch._C._dispatch_has_kernel_for_dispatch_key("aten::bmm.dtype", "CUDA")
-except RuntimeError:  # a torch without the overload
-    _BMM_FP32_OUT = False
 
 
 def stage_permutation(i: int, s: int, C: int, device=None):
@@ -181,10 +176,10 @@ def _native_input(x0, nb, s):
 
 
 def _native_gram(g, u, dt):
-    """``Σ_n g[β, :, n]·u[β, :, n]ᵀ`` (nb, s, s) in dt: the token sum accumulated in fp32, rounded
-    once to fp32 where bmm has that output (CUDA), else to the token dtype."""
-    if _BMM_FP32_OUT and g.is_cuda and dt == torch.float32:
-        return torch.bmm(g, u.transpose(1, 2), out_dtype=torch.float32)
+    """``Σ_n g[β, :, n]·u[β, :, n]ᵀ`` (nb, s, s) in dt: the token sum accumulated in fp32; on CUDA
+    ``mm32``'s fp32 output, elsewhere rounded to the token dtype (no fp32 copies of the tokens)."""
+    if g.is_cuda:
+        return mm32(g, u.transpose(1, 2)).to(dt)
     return torch.bmm(g, u.transpose(1, 2)).to(dt)
 
 
