@@ -318,18 +318,21 @@ def _fwd_cost(a, b, c, d, split):
     return b * c * (d + (2 if split else 1) * a)
 
 
+def fwd_swap(a, b, c, d, split) -> bool:
+    """The forward's contraction order where the config leaves it open: the cheaper of the
+    orders it takes (``fwd_swaps``)."""
+    allowed = fwd_swaps(a, b, c, d)
+    if not allowed:
+        raise ValueError(f"lokr_bypass_fwd: w1 {(a, b)}, w2 {(c, d)}: b or d must be <= {MAX_BYPASS_DIM}")
+    swap = _fwd_cost(c, d, a, b, split) * 4 < _fwd_cost(a, b, c, d, split) * 3
+    return swap if swap in allowed else allowed[0]
+
+
 @functools.lru_cache(maxsize=4096)
 def _bypass_fwd_plan(T, a, b, c, d, views, has_base, compute, device, cfg: BypassFwdCfg):
     split = cfg.split and compute != torch.float32
-    if cfg.swap is None:
-        swap = _fwd_cost(c, d, a, b, split) * 4 < _fwd_cost(a, b, c, d, split) * 3
-    else:
-        swap = cfg.swap
-    allowed = fwd_swaps(a, b, c, d)
-    if swap not in allowed:
-        if not allowed:
-            raise ValueError(f"lokr_bypass_fwd: w1 {(a, b)}, w2 {(c, d)}: b or d must be <= {MAX_BYPASS_DIM}")
-        swap = allowed[0]
+    # None, or an order the kernel cannot hold: the cheaper order it takes
+    swap = cfg.swap if cfg.swap in fwd_swaps(a, b, c, d) else fwd_swap(a, b, c, d, split)
     A, B, C, D = (c, d, a, b) if swap else (a, b, c, d)
     dflt = default_bypass_fwd_cfg(T, A, B, C, D, compute)
     bt = cfg.block_t or dflt.block_t
@@ -381,13 +384,15 @@ def _bwd_cost(a, b, c, d, split):
     return a * c * d + k * b * a * d + k * a * d * b + a * b * d + k * c * a * d
 
 
+def bwd_swap(a, b, c, d, split) -> bool:
+    """The backward's contraction order where the config leaves it open: the cheaper one."""
+    return _bwd_cost(c, d, a, b, split) * 4 < _bwd_cost(a, b, c, d, split) * 3
+
+
 @functools.lru_cache(maxsize=4096)
 def _bypass_bwd_plan(T, a, b, c, d, views, compute, device, cfg: BypassBwdCfg):
     split = cfg.split and compute != torch.float32
-    if cfg.swap is None:
-        swap = _bwd_cost(c, d, a, b, split) * 4 < _bwd_cost(a, b, c, d, split) * 3
-    else:
-        swap = cfg.swap
+    swap = bwd_swap(a, b, c, d, split) if cfg.swap is None else cfg.swap
     A, B, C, D = (c, d, a, b) if swap else (a, b, c, d)
     dflt = default_bypass_bwd_cfg(T, A, B, C, D, compute)
     bt = min(cfg.block_t or dflt.block_t, max_bwd_block_t(A, B, C, D))

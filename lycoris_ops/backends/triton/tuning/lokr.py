@@ -222,13 +222,10 @@ def merge_bwd_kwargs(grad, w1a, w1b, w2a, w2b, shape, gamma):
                          lambda: reference.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma))
 
 
-def _bypass_default(default_fn, cost, T, a, b, c, d, compute, swaps=(False, True)):
-    """The launcher's automatic config (default tiles, cheaper contraction order of ``swaps``)
+def _bypass_default(default_fn, auto_swap, T, a, b, c, d, compute):
+    """The launcher's automatic config (default tiles, the launcher's own contraction order)
     spelled out."""
-    split = compute != torch.float32
-    swap = cost(c, d, a, b, split) * 4 < cost(a, b, c, d, split) * 3
-    if swap not in swaps:
-        swap = swaps[0]
+    swap = auto_swap(a, b, c, d, compute != torch.float32)
     A, B, C, D = (c, d, a, b) if swap else (a, b, c, d)
     return {**as_dict(default_fn(T, A, B, C, D, compute)), "swap": swap}
 
@@ -251,8 +248,8 @@ def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
 
     def plan():
         try:
-            default = _bypass_default(bypass_kernels.default_bypass_fwd_cfg, models.fwd_cost, T, a, b, c, d, compute,
-                                      bypass_kernels.fwd_swaps(a, b, c, d))
+            default = _bypass_default(bypass_kernels.default_bypass_fwd_cfg, bypass_kernels.fwd_swap, T, a, b, c, d,
+                                      compute)
         except Exception:
             default = None
         return plan_bypass_fwd(facts(dev), T, a, b, c, d, compute, x.dtype, out, base is not None, default=default)
@@ -281,7 +278,8 @@ def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
 
     def plan():
         try:
-            default = _bypass_default(bypass_kernels.default_bypass_bwd_cfg, models.bwd_cost, T, a, b, c, d, compute)
+            default = _bypass_default(bypass_kernels.default_bypass_bwd_cfg, bypass_kernels.bwd_swap, T, a, b, c, d,
+                                      compute)
         except Exception:
             default = None
         return plan_bypass_bwd(facts(dev), T, a, b, c, d, compute, x.dtype, grad.dtype, default=default)
