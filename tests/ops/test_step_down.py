@@ -147,10 +147,10 @@ def test_boft_step_down_compiles_with_dynamic_shapes():
 
     bwd = torch.compile(B.boft_bwd_native, dynamic=True, fullgraph=True)
     g = torch.Generator().manual_seed(5)
-    for m, nb, s, T in ((1, 4, 6, 5),):
-        blocks = torch.randn(m, nb, s, s, generator=g) * 0.1
-        x = torch.randn(T, nb * s, generator=g).bfloat16()
-        grad = torch.randn(T, nb * s, generator=g).bfloat16()
-        for got, want in zip(bwd(grad, blocks, x, -1, 1.0, 1.0), B.boft_bwd_native(grad, blocks, x, -1, 1.0, 1.0)):
-            assert got.shape == want.shape and got.dtype == want.dtype
-            assert rel_err(got.float(), want.float()) <= 1e-2
+    m, nb, s, T = 1, 4, 6, 5  # one stage: the failing graph
+    blocks = torch.randn(m, nb, s, s, generator=g) * 0.1
+    x = torch.randn(T, nb * s, generator=g).bfloat16()
+    grad = torch.randn(T, nb * s, generator=g).bfloat16()
+    for got, want in zip(bwd(grad, blocks, x, -1, 1.0, 1.0), B.boft_bwd_native(grad, blocks, x, -1, 1.0, 1.0)):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert rel_err(got.float(), want.float()) <= 1e-2
