@@ -2,12 +2,15 @@
 reports them for sm_90 - on this host, no GPU (Triton's ptxas; the interpreter off).
 
     python bench/ptxas.py lokr [--tokens 32768] [--a 64] [--c 64] [--dtype bf16] [--smoke]
+    python bench/ptxas.py lokr-fwd [--tokens 8192] [--a 8] [--c 384] [--dtype bf16]
     python bench/ptxas.py oft [--tokens 32768] [--width 4096] [--block 32] [--dtype bf16] [--smoke]
 
 ``lokr``: the LoKr bypass backward, one line per (tokens per program, warps, stages, one
 pass) at 64x64 factors by default: what the register model of
 ``triton/lokr.default_bypass_bwd_cfg`` and plans/lokr is checked against (bench/RESULTS.md,
 2026-12-01 15:30-16:00).
+``lokr-fwd``: the LoKr bypass forward with w1 a x a, w2 c x c (c past the backward's 128:
+LoKr factor=4/8/16), the launcher's default config and the tuner's widest token tile.
 ``oft``: the diag-OFT forward stream and the backward's stream and chain kernels, with the
 Cayley factor by Gauss-Jordan or by the Neumann series (``neumann``), at 2 and 3 stages:
 the series' registers decide the resident programs a SM (``triton/oft.WAVE_NEUMANN``;
@@ -54,6 +57,27 @@ def lokr(args, dtype) -> None:
         _report(sink, f"tokens {bt} warps {warps} stages {stages}", {"_bypass_bwd_kernel"})
 
 
+def lokr_fwd(args, dtype) -> None:
+    import torch
+
+    from lycoris_ops.backends.triton import compiles
+    from lycoris_ops.backends.triton.kernels import lokr_bypass as TK
+
+    T, a, c = args.tokens, args.a, args.c
+    meta = torch.device("meta")
+    x, base = torch.empty(T, a * c, device=meta, dtype=dtype), torch.empty(T, a * c, device=meta, dtype=dtype)
+    w1, w2 = torch.empty(a, a, device=meta, dtype=dtype), torch.empty(c, c, device=meta, dtype=dtype)
+    print(f"lokr_bypass_fwd kernel, {T} tokens, {a}x{a} (x) {c}x{c}, {args.dtype}, sm_90, with a base")
+    for name, cfg in (("default", TK.BypassFwdCfg()),
+                      ("widest", TK.BypassFwdCfg(block_t=16, block_c=128, block_d=64, num_warps=8))):
+        meta_args = TK._bypass_fwd_plan(T, a, a, c, c, (), True, dtype, meta, cfg)[3]
+        tiles = " ".join(f"{k} {meta_args[k]}" for k in ("BT", "BB", "BC", "BD", "BA", "num_warps"))
+        sink: list = []
+        with compiles._intercept(sink):
+            TK.bypass_fwd(x, w1, w2, 1.0, base, cfg)
+        _report(sink, f"{name} ({tiles})", {"_bypass_fwd_kernel"})
+
+
 def oft(args, dtype) -> None:
     import torch
 
@@ -81,7 +105,7 @@ def oft(args, dtype) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("family", choices=("lokr", "oft"))
+    ap.add_argument("family", choices=("lokr", "lokr-fwd", "oft"))
     ap.add_argument("--tokens", type=int, default=32768, help="tokens (lokr) or positions (oft)")
     ap.add_argument("--a", type=int, default=64, help="lokr: w1 is a x a")
     ap.add_argument("--c", type=int, default=64, help="lokr: w2 is c x c")
@@ -96,7 +120,7 @@ def main(argv=None) -> int:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    {"lokr": lokr, "oft": oft}[args.family](args, dtype)
+    {"lokr": lokr, "lokr-fwd": lokr_fwd, "oft": oft}[args.family](args, dtype)
     return 0
 
 
