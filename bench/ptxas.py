@@ -68,8 +68,9 @@ def lokr_fwd(args, dtype) -> None:
     x, base = torch.empty(T, a * c, device=meta, dtype=dtype), torch.empty(T, a * c, device=meta, dtype=dtype)
     w1, w2 = torch.empty(a, a, device=meta, dtype=dtype), torch.empty(c, c, device=meta, dtype=dtype)
     print(f"lokr_bypass_fwd kernel, {T} tokens, {a}x{a} (x) {c}x{c}, {args.dtype}, sm_90, with a base")
-    for name, cfg in (("default", TK.BypassFwdCfg()),
-                      ("widest", TK.BypassFwdCfg(block_t=16, block_c=128, block_d=64, num_warps=8))):
+    configs = [("default", TK.BypassFwdCfg()),
+               ("widest", TK.BypassFwdCfg(block_t=16, block_c=128, block_d=64, num_warps=8))]
+    for name, cfg in configs[:1] if args.smoke else configs:
         meta_args = TK._bypass_fwd_plan(T, a, a, c, c, (), True, dtype, meta, cfg)[3]
         tiles = " ".join(f"{k} {meta_args[k]}" for k in ("BT", "BB", "BC", "BD", "BA", "num_warps"))
         sink: list = []

@@ -80,9 +80,11 @@ def test_bench_shell_scripts_parse(script):
 @pytest.mark.parametrize("family,args,pattern", [
     ("lokr", ["--a", "16", "--c", "16"], r"tokens 1 warps 4 stages 1: _bypass_bwd_kernel (\d+) registers, "
                                           r"spill stores (\d+) B"),
+    ("lokr-fwd", ["--tokens", "64", "--a", "4", "--c", "160"], r"default \(.*\): _bypass_fwd_kernel (\d+) registers, "
+                                                                r"spill stores (\d+) B"),
     ("oft", ["--tokens", "256", "--width", "64"], r"fwd neumann stages 3: _oft_fwd_kernel (\d+) registers, "
                                                    r"spill stores (\d+) B"),
-], ids=["lokr", "oft"])
+], ids=["lokr", "lokr-fwd", "oft"])
 def test_ptxas_smoke(family, args, pattern):
     """``bench/ptxas.py <family> --smoke`` (the interpreter off, as the script needs): one
     config of the family built for sm_90 and its ptxas register report read back."""
