@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lycoris_ops  # noqa: F401
 from lycoris_ops.integrations.peft import patch_peft, peft_available, unpatch_peft
+from lycoris_ops.integrations.peft.oft import _peft_conv_weight_path
 from lycoris_ops.testing import REL_TOL, rel_err
 
 peft = pytest.importorskip("peft")
@@ -357,8 +358,13 @@ def _oft_boft_cases():
         torch.manual_seed(0)
         return nn.Sequential(nn.Embedding(11, 12), nn.Linear(12, 5))
 
+    def conv_geom():  # non-square kernels, dilation, string and asymmetric padding, stride
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(4, 6, (3, 2), padding="same", dilation=(2, 1)), nn.GELU(),
+                             nn.Conv2d(6, 4, (2, 3), padding=(1, 0), stride=(2, 1)))
+
     # name: (model, config, x maker, patched layer count, fbd extension, lycoris op expected)
-    return {
+    cases = {
         "oft-r3": (lin_oft, oft(r=3, target_modules=t2), tok(15), 2, None, "oft_fwd"),  # S = 5, 7
         "oft-bs3-nobias": (lambda: lin_oft(False), oft(oft_block_size=3, target_modules=t2), tok(15), 2, None,
                            "oft_fwd"),
@@ -380,6 +386,13 @@ def _oft_boft_cases():
         "boft-conv-1": (conv_boft, boft(boft_block_size=0, boft_block_num=4, target_modules=["0"]),
                         img(4, 6), 1, None, "oft_fwd"),  # s = 9
     }
+    if _peft_conv_weight_path():  # PEFT before 0.22 builds these layers for square kernels only
+        cases.update({
+            "oft-conv-geom": (conv_geom, oft(r=4, target_modules=t2), img(4, 7), 2, None, "oft_fwd"),  # S = 6, 9
+            "boft-conv-geom": (conv_geom, boft(boft_block_size=6, boft_n_butterfly_factor=2, target_modules=["0"]),
+                               img(4, 7), 1, _FakeFbd, "boft_fwd"),
+        })
+    return cases
 
 
 @pytest.fixture
@@ -455,7 +468,7 @@ def test_oft_boft_patched_matches_peft(name, big, fbd, monkeypatch):
     with torch.no_grad():
         y_eval = m(x)
         m.merge_adapter()
-        if name != "oft-conv":  # PEFT's OFT conv forward (unfold/rotate/fold) is not its merged weight
+        if _peft_conv_weight_path() or name != "oft-conv":  # PEFT < 0.22: OFT conv unfold/rotate/fold
             assert rel_err(m(x), y_eval) < 1e-4
         m.unmerge_adapter()
         with m.disable_adapter():
@@ -479,7 +492,7 @@ def test_oft_boft_patched_bf16(name, fbd, monkeypatch):
         _compare(got, ref, REL_TOL[torch.bfloat16], name)
 
 
-@pytest.mark.parametrize("name", ["oft-r3", "boft-2"])
+@pytest.mark.parametrize("name", ["oft-r3", "boft-2", "oft-conv"])
 def test_oft_boft_two_adapters(name, fbd, monkeypatch):
     """Two active adapters compose in PEFT's order."""
     m, mk, n, op = _build(name, fbd)

@@ -5,8 +5,10 @@
   does) when the call has at most ``out_features`` tokens, else on the weight's input
   channels (``W·Rᵀ``, then one ``linear``). ``coft`` (PEFT's in-place per-block projection
   under ``no_grad``, repeated as its forward does) and ``block_share`` are supported; a
-  conv rotates the stride-1 unfolded patches and folds them back with PEFT's own
-  ``_unfold``/``_fold``; an embedding rotates the looked-up rows.
+  conv follows the installed PEFT: from 0.22 it rotates the weight's flattened input
+  channels (``W·Rᵀ``, any conv geometry), before it rotated the stride-1 unfolded patches
+  and folded them back with PEFT's own ``_unfold``/``_fold``; an embedding rotates the
+  looked-up rows.
 - PEFT's default Cayley-Neumann series (``use_cayley_neumann=True``) falls back: it is a
   truncated series, not the exact transform the ops compute, and the outputs differ by far
   more than a dtype tolerance once the blocks move from zero; PEFT's forward keeps the
@@ -16,7 +18,9 @@
   ``cscale=0.5`` (PEFT's ``½(B − Bᵀ)``); several stages run on ``boft_fwd`` over the
   weight's input channels, PEFT's blocks gathered into the op's block order (an index
   built once per adapter from ``boft_P``, checked to give the same channel partition in
-  every stage, else the layer falls back). ``boft_s`` scales the output channels.
+  every stage, else the layer falls back). ``boft_s`` scales the output channels. A conv
+  runs through the base layer's ``_conv_forward`` from PEFT 0.22 (any kernel, padding,
+  dilation), before through ``F.conv2d`` with the first padding and stride, as PEFT did.
 - Cayley transforms and rotations run in float32 inside the op, rounded once to the rotated
   tensor's dtype (a rotated BOFT weight is then scaled by ``boft_s`` and rounded again).
 """
@@ -34,12 +38,12 @@ from lycoris_ops.reference.boft import stage_permutation
 
 _R_NEUMANN = "OFT with the Cayley-Neumann series (use_cayley_neumann=True, PEFT's default)"
 _R_OFT_DROPOUT = "OFT module dropout in training"
-_R_OFT_UNBATCHED = "unbatched (3-D) input to an OFT Conv2d"
+_R_OFT_UNBATCHED = "unbatched (3-D) input to an OFT Conv2d (PEFT before 0.22)"
 _R_OFT_BASE = "OFT/BOFT on a base other than nn.Linear/nn.Conv2d/nn.Embedding (Conv1D, quantized)"
 _R_BOFT_DROPOUT = "BOFT dropout in training"
 _R_BOFT_NO_FBD = "BOFT with several stages and no CUDA block-diagonal extension (PEFT's forward raises too)"
 _R_BOFT_PARTITION = "BOFT stage permutation that boft_fwd's butterfly cannot express"
-_R_BOFT_CONV = "BOFT conv with a non-square kernel, string padding or input casting disabled"
+_R_BOFT_CONV = "BOFT conv with input casting disabled, or a non-square kernel or string padding (PEFT before 0.22)"
 
 # PEFT's OFT block k: Q_k = M_k − M_kᵀ with M_k the vector scattered above the
 # diagonal, R_k = (I − Q_k)(I + Q_k)⁻¹ (exact branch), and the layer feeds
@@ -48,6 +52,16 @@ _R_BOFT_CONV = "BOFT conv with a non-square kernel, string padding or input cast
 # ``Q' = B − Bᵀ``: with B = M_kᵀ (the vector below the diagonal) Q' = −Q_k and
 # R' = R_k. Rotating the weight instead (``W' = W·blockdiag(R)ᵀ``, the op applied
 # to W's rows) needs R' = R_kᵀ, i.e. B = M_k.
+
+
+@functools.lru_cache(maxsize=None)
+def _peft_conv_weight_path() -> bool:
+    """True from PEFT 0.22, whose OFT conv rotates the weight instead of unfolded patches
+    and whose BOFT conv calls the base layer's ``_conv_forward``: the patched forwards
+    reproduce the installed version's numbers."""
+    from packaging.version import Version
+    import peft
+    return Version(peft.__version__) >= Version("0.22.0.dev0")
 
 
 def _oft_blocks(mod, lower: bool) -> torch.Tensor:
@@ -113,20 +127,30 @@ def _oft_linear_forward(self, x, *args, **kwargs):
 
 
 def _oft_conv2d_forward(self, x, *args, **kwargs):
+    new = _peft_conv_weight_path()
     reason = (call_reason(args, kwargs) or _oft_reason(self, self.oft_R, nn.Conv2d)
-              or (None if x.dim() == 4 else _R_OFT_UNBATCHED))
+              or (None if new or x.dim() == 4 else _R_OFT_UNBATCHED))
     if reason is not None:
         return fallback(self, reason, x, args, kwargs)
     prev = x.dtype
-    h = x
-    for a in active_in(self, self.oft_R):
-        mod = self.oft_R[a]
+    mods = [self.oft_R[a] for a in active_in(self, self.oft_R)]
+    for mod in mods:
         _oft_project(mod)
+    base = self.get_base_layer()
+    if new:  # W·(R_1·R_2…)ᵀ on the flattened filters, the conv in the base weight's dtype
+        W = base.weight
+        w = W.reshape(W.shape[0], -1)
+        for mod in reversed(mods):
+            w = _oft_rotate(_oft_blocks(mod, lower=False), w.to(mod.weight.dtype))
+        w = w.reshape(W.shape).to(W.dtype)
+        return base._conv_forward(self._cast_input_dtype(x, W.dtype), w, base.bias).to(prev)
+    h = x
+    for mod in mods:
         h = h.to(mod.weight.dtype)
         shape = h.shape
         u = _oft_rotate(_oft_blocks(mod, lower=True), mod._unfold(h))
         h = mod._fold(u, shape)
-    return self.get_base_layer()(h.to(prev)).to(prev)
+    return base(h.to(prev)).to(prev)
 
 
 def _oft_embedding_forward(self, x, *args, **kwargs):
@@ -208,8 +232,8 @@ def _boft_reason(self, base_cls) -> Optional[str]:
     base = self.get_base_layer()
     if type(base) is not base_cls or getattr(self, "fan_in_fan_out", False):
         return _R_OFT_BASE
-    if base_cls is nn.Conv2d and (not self.cast_input_dtype_enabled or isinstance(base.padding, str)
-                                  or base.kernel_size[0] != base.kernel_size[1]):
+    if base_cls is nn.Conv2d and (not self.cast_input_dtype_enabled or (not _peft_conv_weight_path() and (
+            isinstance(base.padding, str) or base.kernel_size[0] != base.kernel_size[1]))):
         return _R_BOFT_CONV
     active = active_in(self, self.boft_R)
     if not active:
@@ -286,7 +310,10 @@ def _boft_conv2d_forward(self, x, *args, **kwargs):
     w = _boft_rotate_weight(self, plans, W.reshape(W.shape[0], -1))
     w = (w * _boft_scale(self, plans, conv=True)).to(W.dtype).view(W.shape)
     bias = base.bias.to(W.dtype) if base.bias is not None else None
-    y = F.conv2d(x.to(W.dtype), w, bias, padding=base.padding[0], stride=base.stride[0])
+    if _peft_conv_weight_path():
+        y = base._conv_forward(x.to(W.dtype), w, bias)
+    else:
+        y = F.conv2d(x.to(W.dtype), w, bias, padding=base.padding[0], stride=base.stride[0])
     return y.to(prev)
 
 
