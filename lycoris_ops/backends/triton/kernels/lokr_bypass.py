@@ -37,6 +37,7 @@ import triton.language as tl
 from lycoris_ops.backends.triton.common import cdiv, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype
 from lycoris_ops.backends.triton.kernels.fusedkit import (compute_dtype, dot_wide, reduce_launch, reduce_pair_launch,
                                                           view_key)
+from lycoris_ops.tuner.models.lokr import bwd_cost, fwd_cost  # the work model's counts: one formula
 
 __all__ = ["BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass", "fwd_swaps", "bypass_fwd", "bypass_bwd"]
 
@@ -314,17 +315,13 @@ def bwd_grid(programs: int, num_warps: int, n_sm: int, n_tiles: int, elems: int 
 # =============================================================================== launchers
 
 
-def _fwd_cost(a, b, c, d, split):
-    return b * c * (d + (2 if split else 1) * a)
-
-
 def fwd_swap(a, b, c, d, split) -> bool:
     """The forward's contraction order where the config leaves it open: the cheaper of the
     orders it takes (``fwd_swaps``)."""
     allowed = fwd_swaps(a, b, c, d)
     if not allowed:
         raise ValueError(f"lokr_bypass_fwd: w1 {(a, b)}, w2 {(c, d)}: b or d must be <= {MAX_BYPASS_DIM}")
-    swap = _fwd_cost(c, d, a, b, split) * 4 < _fwd_cost(a, b, c, d, split) * 3
+    swap = fwd_cost(c, d, a, b, split) * 4 < fwd_cost(a, b, c, d, split) * 3
     return swap if swap in allowed else allowed[0]
 
 
@@ -379,14 +376,9 @@ def bypass_fwd(x, w1, w2, gamma, base=None, cfg: Optional[BypassFwdCfg] = None):
     return y
 
 
-def _bwd_cost(a, b, c, d, split):
-    k = 2 if split else 1
-    return a * c * d + k * b * a * d + k * a * d * b + a * b * d + k * c * a * d
-
-
 def bwd_swap(a, b, c, d, split) -> bool:
     """The backward's contraction order where the config leaves it open: the cheaper one."""
-    return _bwd_cost(c, d, a, b, split) * 4 < _bwd_cost(a, b, c, d, split) * 3
+    return bwd_cost(c, d, a, b, split) * 4 < bwd_cost(a, b, c, d, split) * 3
 
 
 @functools.lru_cache(maxsize=4096)
