@@ -4,6 +4,7 @@ reports them for sm_90 - on this host, no GPU (Triton's ptxas; the interpreter o
     python bench/ptxas.py lokr [--tokens 32768] [--a 64] [--c 64] [--dtype bf16] [--smoke]
     python bench/ptxas.py lokr-fwd [--tokens 8192] [--a 8] [--c 384] [--dtype bf16]
     python bench/ptxas.py oft [--tokens 32768] [--width 4096] [--block 32] [--dtype bf16] [--smoke]
+    python bench/ptxas.py boft [--tokens 8192] [--width 3072] [--block 48] [--dtype bf16] [--smoke]
 
 ``lokr``: the LoKr bypass backward, one line per (tokens per program, warps, stages, one
 pass) at 64x64 factors by default: what the register model of
@@ -15,6 +16,10 @@ LoKr factor=4/8/16), the launcher's default config and the tuner's widest token 
 Cayley factor by Gauss-Jordan or by the Neumann series (``neumann``), at 2 and 3 stages:
 the series' registers decide the resident programs a SM (``triton/oft.WAVE_NEUMANN``;
 RESULTS 2026-12-01 17:30-18:10).
+``boft``: every kernel of a BOFT forward and backward (LyCORIS's stage count for the block),
+the launcher's default config at split16 and bf16x3: what a block past 32 costs in
+registers, spills and compile seconds (each line times its build; a warm
+``TRITON_CACHE_DIR`` makes that time small).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import argparse
 import itertools
 import os
 import sys
+import time
 
 DTYPES = ("bf16", "fp16", "fp32")
 
@@ -32,9 +38,11 @@ def _report(sink, name: str, kernels=None) -> None:
     for launch in dict.fromkeys(sink):
         short = launch.kernel.rsplit(".", 1)[-1]
         if kernels is None or short in kernels:
+            t0 = time.perf_counter()
             u = compiles.ptxas_usage(compiles.build(launch))
             print(f"  {name}: {short} {u['registers']} registers, spill stores {u['spill_stores']} B, "
-                  f"loads {u['spill_loads']} B, shared {u['shared']} B", flush=True)
+                  f"loads {u['spill_loads']} B, shared {u['shared']} B, built in {time.perf_counter() - t0:.1f} s",
+                  flush=True)
 
 
 def lokr(args, dtype) -> None:
@@ -104,14 +112,41 @@ def oft(args, dtype) -> None:
             _report(sink, f"{phase} {name}")
 
 
+def boft(args, dtype) -> None:
+    import torch
+
+    from lycoris_ops.backends.triton import compiles
+    from lycoris_ops.backends.triton.kernels import boft as TB
+    from lycoris_ops.backends.triton.kernels import oft as TO
+
+    P, C, s = args.tokens, args.width, args.block
+    nb = C // s
+    m = nb.bit_length()  # LyCORIS's butterfly: log2(nb) + 1 stages
+    while m > 1 and nb % (1 << (m - 1)):
+        m -= 1
+    meta = torch.device("meta")
+    x, g = (torch.empty(P, C, device=meta, dtype=dtype) for _ in range(2))
+    blocks = torch.empty(m, nb, s, s, device=meta, dtype=torch.float32)
+    print(f"BOFT kernels, {P} positions x {C} channels, {m} stages of {nb} blocks of {s}, {args.dtype}, sm_90")
+    precs = (TO.SPLIT16,) if args.smoke else (TO.SPLIT16, TB.BF16X3)
+    for prec in precs:
+        cfg = TB.BoftCfg(dot_prec=prec)
+        for phase, call in (("fwd", lambda: TB.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False, cfg=cfg)),
+                            ("bwd", lambda: TB.boft_bwd(g, blocks, x, -1, 1.0, 1.0, cfg=cfg))):
+            sink: list = []
+            with compiles._intercept(sink):
+                call()
+            _report(sink, f"{phase} {prec}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("family", choices=("lokr", "lokr-fwd", "oft"))
+    ap.add_argument("family", choices=("lokr", "lokr-fwd", "oft", "boft"))
     ap.add_argument("--tokens", type=int, default=32768, help="tokens (lokr) or positions (oft)")
     ap.add_argument("--a", type=int, default=64, help="lokr: w1 is a x a")
     ap.add_argument("--c", type=int, default=64, help="lokr: w2 is c x c")
-    ap.add_argument("--width", type=int, default=4096, help="oft: channels")
-    ap.add_argument("--block", type=int, default=32, help="oft: block size S")
+    ap.add_argument("--width", type=int, default=None, help="oft / boft: channels (default 4096 / 3072)")
+    ap.add_argument("--block", type=int, default=None, help="oft / boft: block size (default 32 / 48)")
     ap.add_argument("--dtype", default="bf16", choices=DTYPES)
     ap.add_argument("--smoke", action="store_true", help="one config: the CI check")
     args = ap.parse_args(argv)
@@ -121,7 +156,10 @@ def main(argv=None) -> int:
     import torch
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    {"lokr": lokr, "lokr-fwd": lokr_fwd, "oft": oft}[args.family](args, dtype)
+    wide = args.family == "boft"
+    args.width = args.width or (3072 if wide else 4096)
+    args.block = args.block or (48 if wide else 32)
+    {"lokr": lokr, "lokr-fwd": lokr_fwd, "oft": oft, "boft": boft}[args.family](args, dtype)
     return 0
 
 

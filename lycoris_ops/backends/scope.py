@@ -15,10 +15,10 @@ fails for lack of a kernel. Two kinds of rules live here:
 
 Limits are keyed by backend, ``"*"`` being the value for any backend not
 listed (docs/ops.md §4.4): the tucker rank and the hadamard rank are checked here,
-BOFT has a block cap, and each backend has its own diag-OFT cap.
+and diag-OFT and BOFT have a block cap.
 
 An op set reads its caps with ``limit(op, quantity, backend)`` (e.g.
-``limit("oft_fwd", "block", "triton")`` -> 32) and may assume every call it
+``limit("oft_fwd", "block", "triton")`` -> 64) and may assume every call it
 receives passed ``why_not(op, backend, args) is None``. Everything here reads
 shapes, dtypes and flags only: never tensor data (no host sync).
 """
@@ -113,8 +113,8 @@ def _tc16(*tensors) -> Optional[str]:
     return "fp32 compute dtype (TileLang tensor-core GEMMs would run it as TF32)"
 
 
-_OFT_LIMITS = {"block": {"triton": 32, "tilelang": 64, ANY: 32}}
-_BOFT_LIMITS = {"block": {"triton": 32, ANY: 64}}  # triton: stage algebra in registers, s <= 32
+_OFT_LIMITS = {"block": {ANY: 64}}  # the padded block's Cayley solve in registers
+_BOFT_LIMITS = {"block": {ANY: 64}}
 
 #: op -> its fused scope. Ops absent from a backend's op set step down regardless.
 SCOPE: Dict[str, OpScope] = {

@@ -158,11 +158,12 @@ def test_rank_past_register_budget_steps_down(mocks):
 
 
 def test_per_backend_limit_steps_to_the_other_fused_backend(mocks, monkeypatch):
-    monkeypatch.setitem(scope._OFT_LIMITS["block"], "mockb", 64)
+    monkeypatch.setitem(scope._OFT_LIMITS["block"], "mocka", 32)
     assert scope.limit("oft_fwd", "block", "mocka") == 32
     assert scope.limit("oft_fwd", "block", "mockb") == 64
-    assert scope.limit("oft_fwd", "block", "triton") == 32
+    assert scope.limit("oft_fwd", "block", "triton") == 64
     assert scope.limit("oft_fwd", "block", "tilelang") == 64
+    assert scope.limit("boft_fwd", "block", "triton") == 64
     k = kern("oft_fwd", _oft, mocks)
     x = torch.randn(2 * 48, 5)
     k(torch.randn(2, 20, 20), torch.randn(40, 5), None, 1.0, True, True)  # S=20 -> 32: mocka

@@ -81,9 +81,13 @@ OFT_LAYOUTS = [
     ("linear", 4, 4, (9, 16), False, False),
     ("conv", 2, 3, (2, 6, 3, 5), False, False),
     ("linear_s1", 6, 1, (5, 6), False, True),
+    # past the series' NEUMANN_MAX_BLOCK: 64-row groups, Gauss-Jordan
+    ("linear_s48", 2, 48, (5, 96), False, True),
 ]
 
 
+@pytest.mark.quick_if(lambda layout, dtype, dot_prec: layout[2] <= 32 or (  # a wide block: one case
+    dtype == torch.bfloat16 and dot_prec == TO.SPLIT16))
 @pytest.mark.parametrize("dot_prec", ["tf32x3", TO.SPLIT16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("layout", OFT_LAYOUTS, ids=[c[0] for c in OFT_LAYOUTS])
@@ -240,7 +244,12 @@ BOFT_LAYOUTS = [
     # s/2 = 3 < HP = 4: the packed scratch between segments has pad slots (never written)
     ("conv_s6_segments", 3, 4, 6, (2, 24, 3), 1, 8),
     ("linear_s6_segments", 3, 4, 6, (5, 24), -1, 8),
+    # past 32: 64-row groups (every stage a segment); s/2 = 20, 24 < HP = 32: pad slots
+    ("linear_s40", 2, 2, 40, (5, 80), -1, None),
+    ("weight_s48", 3, 4, 48, (192, 3), 0, None),
 ]
+#: the layouts whose Cayley factors fit one ``_boft_cayley`` program (CAYLEY_ELEMS): s <= 16
+ONE_BATCH_LAYOUTS = [c for c in BOFT_LAYOUTS if c[3] <= 16]
 
 
 @pytest.mark.quick_if(lambda dtype, dot_prec, dense, **_:  # each layout once
@@ -282,7 +291,7 @@ def test_boft(dtype, layout, dot_prec, dense):
 
 @pytest.mark.quick_if(lambda layout, **_: layout[0] in ("weight_fused", "weight_segments"))
 @pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("layout", BOFT_LAYOUTS, ids=[c[0] for c in BOFT_LAYOUTS])
+@pytest.mark.parametrize("layout", ONE_BATCH_LAYOUTS, ids=[c[0] for c in ONE_BATCH_LAYOUTS])
 def test_boft_stage_algebra_one_launch_or_two(layout, split, monkeypatch):
     """The stage algebra as one program (``_boft_algebra``: every Cayley factor, a barrier,
     every group matrix in turn) gives the two-launch result (``_boft_cayley`` then
@@ -372,8 +381,10 @@ def test_boft_plan_segments():
     assert [(sg.a, sg.L) for sg in plan[4]] == [(0, 2), (2, 1)]
     plan = TB._plan(2, 2, 32, 100, 2, False, BoftCfg())       # s=32: one stage per segment
     assert [(sg.a, sg.L) for sg in plan[4]] == [(0, 1), (1, 1)]
+    plan = TB._plan(3, 4, 48, 100, 2, False, BoftCfg(max_group=64))  # s=48: groups of 64 rows, one stage each
+    assert plan[1] == 64 and [(sg.a, sg.L, sg.NB) for sg in plan[4]] == [(0, 1, 1), (1, 1, 1), (2, 1, 1)]
     with pytest.raises(ValueError, match="block size"):
-        TB._plan(1, 2, 34, 100, 2, False, BoftCfg())
+        TB._plan(1, 2, 66, 100, 2, False, BoftCfg())
 
 
 _COMPILE = textwrap.dedent("""
@@ -458,10 +469,21 @@ _COMPILE = textwrap.dedent("""
     build(B._boft_seg_fwd, dict(dense, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, IN_PACKED=True,
                                 OUT_PACKED=True, **x3))
     build(B._boft_seg_bwd, dict(dense, G_PACKED=True, U_PACKED=True, OUT_PACKED=True, **x3))
+    # blocks past 32 (s = 48): 64-row groups, a stage each; diag-OFT by Gauss-Jordan
+    wide = dict(MODE=0, IDX64=False, HP=32, SP=64, NB=1, HALF=24)
+    build(B._boft_cayley, dict(NBB=1, SP=64), {"blocks_ptr": "*bf16"})
+    build(B._boft_segmat, dict(HP=32, SP=64, NB=1), num_warps=8)
+    build(B._boft_seg_fwd, dict(wide, HAS_RESCALE=False, DIFF_FOLD=False, DIFF_LOAD=False, BLOCK_P=64,
+                                OUT_PACKED=True, **split16), bf)
+    build(B._boft_seg_bwd, dict(wide, BLOCK_P=32, G_PACKED=True, U_PACKED=True, **split16), bf)
+    build(B._boft_chain, dict(HP=32, SP=64, NB=1), {"gb_ptr": "*bf16"}, num_warps=8)
+    build(O._oft_fwd_kernel, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=64, BLOCK_P=64, **split16), bf)
+    build(O._oft_bwd_stream, dict(HAS_RESCALE=True, MODE=0, IDX64=False, NB=1, SP=64, BLOCK_P=32, **split16), bf)
+    build(O._oft_bwd_chain, dict(HAS_RESCALE=True, NB=1, SP=64), {"gb_ptr": "*bf16", "gr_ptr": "*bf16"})
 """)
 
 
-@pytest.mark.parametrize("part,builds", [("first", 9), pytest.param("others", 19, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("part,builds", [("first", 9), pytest.param("others", 27, marks=pytest.mark.slow)])
 def test_oft_boft_kernels_compile_sm90(part, builds):
     """Every diag-OFT / BOFT kernel compiles to a cubin for sm_90 (no GPU needed;
     own process, since a process is either interpreted or compiled): the quick suite

@@ -261,6 +261,30 @@ def test_oft_forward_shortlist_times_the_neumann_rebuild(x_dtype):
     assert not any(isinstance(c, dict) and c.get("neumann") for c in bwd.candidates)
 
 
+def test_oft_boft_plans_past_block_32():
+    """Blocks of 33 to 64 (padded 64): the diag-OFT forward's default and shortlist take
+    Gauss-Jordan only (the series' 64-wide dots spill), and every BOFT candidate, the
+    launcher's default first, streams tiles within ``STREAM_TILE_MAX`` of its 64-row groups."""
+    from lycoris_ops.backends.triton.kernels import boft as TB, oft as TO
+    from lycoris_ops.backends.triton.tuning import boft as PB, oft as P
+    from lycoris_ops.tuner.cost import STREAM_TILE_MAX
+
+    dev = device.synthetic()
+    assert TO.fwd_cfg(32).neumann and not TO.fwd_cfg(48).neumann and not TO.fwd_cfg(33).neumann
+    plan = P.plan_oft_fwd(dev, 64, 48, 8192, True, torch.bfloat16, torch.float32, default=as_dict(TO.fwd_cfg(48)))
+    fused = [c for c in plan.candidates if isinstance(c, dict)]
+    assert fused and not any(c.get("neumann") for c in fused)
+    for bwd in (False, True):
+        plan_of = PB.plan_boft_bwd if bwd else PB.plan_boft_fwd
+        default = as_dict(TB.default_boft_cfg(48))
+        plan = plan_of(dev, 7, 64, 48, 8192, True, torch.bfloat16, torch.float32, default=default)
+        fused = [c for c in plan.candidates if isinstance(c, dict)]
+        assert fused[0] == default and plan.candidates[-1] == tune.SENTINEL_EAGER
+        for c in fused:
+            assert (2 * 64 * c["bwd_block_p"] if bwd else 64 * c["block_p"]) <= STREAM_TILE_MAX, c
+    assert TB.default_boft_cfg(32) == TB.BoftCfg()
+
+
 def test_lokr_bypass_shortlists_offer_rounded_intermediates_at_16_bits():
     """The LoKr bypass forward and backward shortlists hold ``split=False`` candidates (the
     fp32 intermediates rounded to 16 bits where eager rounds them) at 16-bit compute only;

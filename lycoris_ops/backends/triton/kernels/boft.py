@@ -30,7 +30,7 @@ applies it with one ``tl.dot`` per tile. R itself is never materialized.
 
 Segments. The m stages are cut into segments of at most ``L_max`` stages, the
 largest L with ``2^L·pow2(s/2) <= max_group`` (default 32 channels per group;
-a single stage is always one segment, for s <= 32). When ``2^(m−1)·s`` fits
+a single stage is always one segment: a group of 2·pow2(s/2) rows). When ``2^(m−1)·s`` fits
 (``L_max >= m``) the whole butterfly is ONE segment.
 
 Passes (after the stage-algebra launches):
@@ -87,8 +87,8 @@ Layout: x is seen as (pre, C, post) around the channel axis (axis 0: weight;
 last: channels last; other: (N, C, *spatial)); any strides, pre and post dims
 each collapsed to one strided run (else a contiguous copy).
 
-Scope: s <= 32 (pow2(s) <= 32); any m (segmented); float16 / bfloat16 /
-float32 (fp64 goes to eager).
+Scope: s <= 64 (2·pow2(s/2) <= 64: past 32 a group is one stage's block, so every stage is a
+segment); any m (segmented); float16 / bfloat16 / float32 (fp64 goes to eager).
 Calls arrive validated by ``check_boft_*`` and inside ``lycoris_ops.backends.scope`` (the op
 set's contract); the launchers do not re-validate.
 """
@@ -107,9 +107,9 @@ from lycoris_ops.backends.triton.kernels.oft import (BF16X3, _HALF, bwd_dots, do
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 
-#: largest block size s the kernels take (padded to a power of two); larger
-#: blocks make the in-register stage algebra too big to compile quickly
-MAX_BLOCK = 32
+#: largest block size s the kernels take (padded to a power of two): the stage algebra and the
+#: chain hold (64, 64) fp32 matrices in registers; a 128-row group would not fit them
+MAX_BLOCK = 64
 #: register elements of one ``_boft_cayley`` program (NBB = this / SP² blocks at a time)
 CAYLEY_ELEMS = 2048
 #: warps of a ``_boft_cayley`` program. Its Gauss–Jordan steps are serial, and each step's row and
@@ -526,7 +526,11 @@ class BoftCfg(NamedTuple):
     dense: bool = True
 
 
-def default_boft_cfg() -> BoftCfg:
+def default_boft_cfg(s: int) -> BoftCfg:
+    """The launcher's default for block size s: past 32 the groups are 64 rows, and the
+    streamed tiles shrink to the tuner's element budget (64 positions forward, 32 backward)."""
+    if 2 * next_pow2(s // 2) > 32:
+        return BoftCfg(block_p=64, bwd_block_p=32)
     return BoftCfg()
 
 
@@ -629,7 +633,7 @@ def boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, cfg: Optional[BoftCf
     """BOFT butterfly (docs/ops.md §2.6.1, see ``reference.boft.boft_fwd``): the Cayley factors and the
     group matrices (two small launches), then one streaming kernel per segment (one in all when
     ``2^(m−1)·s`` fits a group)."""
-    cfg = cfg or BoftCfg()
+    cfg = cfg or default_boft_cfg(int(blocks.shape[2]))
     m, nb, s, ax, x, pre, post, xs, (HP, SP, bp, n_tiles, segs) = _prep(blocks, x, axis, cfg, False)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)
     if y.numel() == 0:
@@ -705,7 +709,7 @@ def boft_bwd(grad, blocks, x, axis, cscale, scale, cfg: Optional[BoftCfg] = None
     """Gradients of the plain chain (docs/ops.md §2.6.2, see ``reference.boft.boft_bwd``).
 
     Returns gx (x's shape and dtype) and g_blocks (blocks' shape and dtype)."""
-    cfg = cfg or BoftCfg()
+    cfg = cfg or default_boft_cfg(int(blocks.shape[2]))
     m, nb, s, ax, x, pre, post, xs, (HP, SP, bp, n_tiles, segs) = _prep(blocks, x, axis, cfg, True)
     dev = x.device
     gx = torch.empty(x.shape, device=dev, dtype=x.dtype)

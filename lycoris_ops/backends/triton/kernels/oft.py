@@ -48,7 +48,7 @@ Layout: any strides. Pre and post dims are each collapsed to one strided run;
 an x / grad whose pre or post dims do not collapse (rare) is read from a
 contiguous copy.
 
-Scope: S <= 64 (SP = pow2(S) <= 64; the dispatcher's default limit is 32);
+Scope: S <= 64 (SP = pow2(S) <= 64; the series only up to ``NEUMANN_MAX_BLOCK``);
 float16 / bfloat16 / float32 operands (fp64 goes to eager).
 Calls arrive validated by ``check_oft_*`` and inside ``lycoris_ops.backends.scope`` (the op
 set's contract); the launchers do not re-validate.
@@ -349,6 +349,15 @@ def default_oft_cfg() -> OftCfg:
 #: programs per SM (WAVE_NEUMANN), 3 stages, split16 dots at 16 bits (fp32 x: tf32x3);
 #: measured faster than the Gauss-Jordan default at the bench shapes
 FWD_CFG = OftCfg(num_stages=3, dot_prec="split16", neumann=True)
+#: widest padded block the series rebuilds: at 64 its (64, 64) fp32 dots spill registers and
+#: compile several times slower than the Gauss-Jordan loop (``bench/ptxas.py oft --block 64``)
+NEUMANN_MAX_BLOCK = 32
+
+
+def fwd_cfg(S: int) -> OftCfg:
+    """The forward launcher's default for block size S: ``FWD_CFG``, by Gauss-Jordan past
+    ``NEUMANN_MAX_BLOCK``."""
+    return FWD_CFG if next_pow2(S) <= NEUMANN_MAX_BLOCK else FWD_CFG._replace(neumann=False)
 
 
 def positions_view(t: torch.Tensor, ax: int):
@@ -447,7 +456,7 @@ def _prep(blocks, x, rescale, weight, cfg, bwd):
 
 def oft_fwd(blocks, x, rescale, cscale, shift, weight, cfg: Optional[OftCfg] = None):
     """Diag-OFT forward (docs/ops.md §2.5.1, see ``reference.oft.oft_fwd``): one kernel."""
-    cfg = cfg or FWD_CFG
+    cfg = cfg or fwd_cfg(int(blocks.shape[-1]))
     K, S, ax, x, pre, post, xs, (NB, SP, n_groups, n_tiles, split, bp), rs = _prep(blocks, x, rescale, weight,
                                                                                   cfg, False)
     y = torch.empty(x.shape, device=x.device, dtype=x.dtype)

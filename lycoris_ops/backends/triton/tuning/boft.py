@@ -122,7 +122,7 @@ def boft_fwd_kwargs(blocks, x, axis, cscale, scale, rescale, diff):
     return tune.pick(
         "boft_fwd", BACKEND, key,
         lambda: plan_boft_fwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_dict(kernels.BoftCfg())),
+                              default=as_dict(kernels.default_boft_cfg(s))),
         lambda kw: kernels.boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, **kw),
         lambda: reference.boft_fwd_native(blocks, x, axis, cscale, scale, rescale, diff),
         device=dev, version=version(), resolve=lambda c: {"cfg": kernels.BoftCfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
@@ -143,7 +143,7 @@ def boft_bwd_kwargs(grad, blocks, x, axis, cscale, scale):
     return tune.pick(
         "boft_bwd", BACKEND, key,
         lambda: plan_boft_bwd(facts(dev), m, nb, s, npos, c_contig, x.dtype, blocks.dtype,
-                              default=as_dict(kernels.BoftCfg())),
+                              default=as_dict(kernels.default_boft_cfg(s))),
         lambda kw: kernels.boft_bwd(grad, blocks, x, axis, cscale, scale, **kw),
         lambda: reference.boft_bwd_native(grad, blocks, x, axis, cscale, scale),
         device=dev, version=version(), resolve=lambda c: {"cfg": kernels.BoftCfg(**c)}, front=(_F_BWD, fk), prepare=precompile.precompile)

@@ -2,10 +2,11 @@
 ``oft_bwd``. Work model: ``tuner/models/oft.py``. Key: exact K, S, bucketed positions,
 channel contiguity, rescale present, dtypes.
 
-The forward launcher's default (``kernels.FWD_CFG``) rebuilds the Cayley factor by the
+The forward launcher's default (``kernels.fwd_cfg``) rebuilds the Cayley factor by the
 Neumann series (``cayley.neumann_inverse``; ``neumann``: its registers leave two resident
-programs a SM, and the split follows: ``auto_split``); the shortlist always holds one such
-config and Gauss-Jordan ones beside it (``_with_neumann``), decided by timing.
+programs a SM, and the split follows: ``auto_split``); up to ``kernels.NEUMANN_MAX_BLOCK``
+the shortlist always holds one such config and Gauss-Jordan ones beside it
+(``_with_neumann``), decided by timing; past it, Gauss-Jordan only.
 
 Shortlist (``cost.make_shared_plan``): every kernel variant rebuilds the Cayley factors in
 registers, so each costs a full compile: at most 4 fused candidates, streamed tiles of at
@@ -69,7 +70,7 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
     plan = with_split16(plan, ex)
     if bwd and ex == 2:
         _with_wide_split16(plan, geometry)
-    if not bwd:
+    if not bwd and p2(S) <= kernels.NEUMANN_MAX_BLOCK:
         _with_neumann(plan)
     return plan
 
@@ -154,7 +155,7 @@ def oft_fwd_kwargs(blocks, x, rescale, cscale, shift, weight):
     K, S, npos, c_contig, key = _key(blocks, x, rescale, weight, {})
     return tune.pick(
         "oft_fwd", BACKEND, key,
-        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(kernels.FWD_CFG)),
+        lambda: plan_oft_fwd(facts(dev), K, S, npos, c_contig, x.dtype, blocks.dtype, default=as_dict(kernels.fwd_cfg(S))),
         lambda kw: kernels.oft_fwd(blocks, x, rescale, cscale, shift, weight, **kw),
         lambda: reference.oft_fwd_native(blocks, x, rescale, cscale, shift, weight),
         device=dev, version=version(), resolve=lambda c: {"cfg": kernels.OftCfg(**c)}, front=(_F_FWD, fk), prepare=precompile.precompile)
