@@ -17,7 +17,7 @@ Cayley factor by Gauss-Jordan or by the Neumann series (``neumann``), at 2 and 3
 the series' registers decide the resident programs a SM (``triton/oft.WAVE_NEUMANN``;
 RESULTS 2026-12-01 17:30-18:10).
 ``boft``: every kernel of a BOFT forward and backward (LyCORIS's stage count for the block),
-the launcher's default config at split16 and bf16x3: what a block past 32 costs in
+the launcher's default config (``default_boft_cfg``) at split16 and bf16x3: what a block past 32 costs in
 registers, spills and compile seconds (each line times its build; a warm
 ``TRITON_CACHE_DIR`` makes that time small).
 """
@@ -130,9 +130,10 @@ def boft(args, dtype) -> None:
     print(f"BOFT kernels, {P} positions x {C} channels, {m} stages of {nb} blocks of {s}, {args.dtype}, sm_90")
     precs = (TO.SPLIT16,) if args.smoke else (TO.SPLIT16, TB.BF16X3)
     for prec in precs:
-        cfg = TB.BoftCfg(dot_prec=prec)
-        for phase, call in (("fwd", lambda: TB.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False, cfg=cfg)),
-                            ("bwd", lambda: TB.boft_bwd(g, blocks, x, -1, 1.0, 1.0, cfg=cfg))):
+        cfg = TB.default_boft_cfg(s)._replace(dot_prec=prec)
+        calls = (("fwd", lambda: TB.boft_fwd(blocks, x, -1, 1.0, 1.0, None, False, cfg=cfg)),
+                 ("bwd", lambda: TB.boft_bwd(g, blocks, x, -1, 1.0, 1.0, cfg=cfg)))
+        for phase, call in calls[:1] if args.smoke else calls:
             sink: list = []
             with compiles._intercept(sink):
                 call()

@@ -84,7 +84,9 @@ def test_bench_shell_scripts_parse(script):
                                                                 r"spill stores (\d+) B"),
     ("oft", ["--tokens", "256", "--width", "64"], r"fwd neumann stages 3: _oft_fwd_kernel (\d+) registers, "
                                                    r"spill stores (\d+) B"),
-], ids=["lokr", "lokr-fwd", "oft"])
+    ("boft", ["--tokens", "256", "--width", "192", "--block", "48"], r"fwd split16: _boft_seg_fwd (\d+) registers, "
+                                                                     r"spill stores (\d+) B"),
+], ids=["lokr", "lokr-fwd", "oft", "boft"])
 def test_ptxas_smoke(family, args, pattern):
     """``bench/ptxas.py <family> --smoke`` (the interpreter off, as the script needs): one
     config of the family built for sm_90 and its ptxas register report read back."""
