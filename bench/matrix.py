@@ -585,6 +585,7 @@ def parse_args(argv=None):
     ap.add_argument("--model", default="", help="comma list of sd15,sdxl,flux,llama3-8b,bench")
     ap.add_argument("--layer", default="", help="only layers whose name contains this")
     ap.add_argument("--dtype", default="", help="comma list of bf16,fp16,fp32")
+    ap.add_argument("--setting", default="", help="comma list of setting labels, e.g. dim64,f8,r16")
     ap.add_argument("--full", action="store_true", help="every layer at the default, then every setting everywhere")
     ap.add_argument("--limit", type=int, default=0, help="the first N cells (after the filters and --skip-done)")
     ap.add_argument("--seconds", type=float, default=None, help="time budget of the run (default 450; smoke 120)")
@@ -650,6 +651,8 @@ def select_cells(args, done=()) -> List[dict]:
         cells = [c for c in cells if args.layer in c["layer"]]
     if args.dtype:
         cells = [c for c in cells if c["dtype"] in args.dtype.split(",")]
+    if args.setting:
+        cells = [c for c in cells if c["setting"] in args.setting.split(",")]
     cells = [c for c in cells if c["id"] not in done]
     return cells[:args.limit] if args.limit else cells
 
@@ -1170,7 +1173,8 @@ def main(argv=None) -> int:
     lines.append(f"json: {args.json}; summary appended to {args.results}")
     rc = 0
     if args.smoke:
-        bad = smoke_failures(doc, not (args.algo or args.model or args.layer or args.dtype or args.limit))
+        bad = smoke_failures(doc, not (args.algo or args.model or args.layer or args.dtype or args.setting
+                                       or args.limit))
         lines.append("smoke: " + ("OK, every cell agrees with its eager formula" if not bad else
                                   f"{len(bad)} problem(s):\n  " + "\n  ".join(bad)))
         rc = 1 if bad else 0

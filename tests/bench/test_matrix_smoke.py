@@ -90,6 +90,13 @@ def test_matrix_shapes(matrix):
     # a factored w2 only where LyCORIS factors it (rank < max(c, d) / 2)
     assert all(c["dims"]["r"] < max(c["dims"]["c"], c["dims"]["d"]) / 2 for c in cells if c["form"].endswith("factored"))
     assert {c["algo"] for c in cells if c["dtype"] == "fp16"} == set(matrix.SETTINGS)
+    # --setting: the cells of those setting labels only (the blocks past 32, say)
+    args = matrix.argparse.Namespace(smoke=False, full=True, algo="oft,boft", model="", layer="", dtype="bf16",
+                                     setting="dim64", limit=0)
+    picked = matrix.select_cells(args)
+    assert picked and {c["setting"] for c in picked} == {"dim64"}
+    assert {c["id"] for c in picked} == {c["id"] for c in cells if c["setting"] == "dim64" and c["dtype"] == "bf16"
+                                         and c["algo"].split("-")[0] in ("oft", "boft")}
 
 
 def test_matrix_gpu_plan_on_meta(matrix, monkeypatch):
