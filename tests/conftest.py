@@ -8,8 +8,11 @@ Markers (declared in pyproject.toml): ``slow`` tests (exhaustive sweeps) run onl
 ``-m`` selects them (``-m slow``; pyproject's addopts deselect them otherwise); a
 parametrized test marked ``quick_if(predicate)`` has its cases whose parameters fail the
 predicate marked ``slow``; ``gpu``, ``cpu_only`` and ``nvcc`` tests are skipped where
-``SKIPS`` says.
+``SKIPS`` says. Under the interpreter every Triton launch is bounds-checked
+(``interpreter_bounds.py``).
 """
+import contextlib
+import importlib.util
 import os
 import shutil
 
@@ -43,6 +46,16 @@ def pytest_collection_modifyitems(config, items):
         for name, (skip, why) in SKIPS.items():
             if skip and name in item.keywords:
                 item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_bounds():
+    """Every interpreted Triton load and store inside the launch's tensors (a GPU would fault)."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") is not None
+    if interpreted:
+        from interpreter_bounds import checked
+    with checked() if interpreted else contextlib.nullcontext():
+        yield
 
 
 @pytest.fixture
