@@ -476,7 +476,7 @@ def test_oft_boft_patched_matches_peft(name, big, fbd, monkeypatch):
     assert unpatch_peft(m) == n
 
 
-@pytest.mark.parametrize("name", ["oft-r3", "boft-1", "boft-2"])
+@pytest.mark.parametrize("name", ["oft-r3", "boft-1", "boft-2", "oft-conv", "boft-conv-2"])
 def test_oft_boft_patched_bf16(name, fbd, monkeypatch):
     """bf16 base layers (PEFT keeps the adapter in fp32): within bf16 tolerance of PEFT."""
     m, mk, n, op = _build(name, fbd, torch.bfloat16)
