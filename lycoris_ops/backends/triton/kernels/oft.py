@@ -354,10 +354,16 @@ FWD_CFG = OftCfg(num_stages=3, dot_prec="split16", neumann=True)
 NEUMANN_MAX_BLOCK = 32
 
 
+def neumann_fits(S: int) -> bool:
+    """Whether blocks of size S may rebuild their Cayley factor by the series (padded S up to
+    ``NEUMANN_MAX_BLOCK``): the launcher's default and the tuner's shortlist both ask."""
+    return next_pow2(S) <= NEUMANN_MAX_BLOCK
+
+
 def fwd_cfg(S: int) -> OftCfg:
-    """The forward launcher's default for block size S: ``FWD_CFG``, by Gauss-Jordan past
-    ``NEUMANN_MAX_BLOCK``."""
-    return FWD_CFG if next_pow2(S) <= NEUMANN_MAX_BLOCK else FWD_CFG._replace(neumann=False)
+    """The forward launcher's default for block size S: ``FWD_CFG``, by Gauss-Jordan where
+    the series does not fit (``neumann_fits``)."""
+    return FWD_CFG if neumann_fits(S) else FWD_CFG._replace(neumann=False)
 
 
 def positions_view(t: torch.Tensor, ax: int):

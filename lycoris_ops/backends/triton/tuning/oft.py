@@ -4,7 +4,7 @@ channel contiguity, rescale present, dtypes.
 
 The forward launcher's default (``kernels.fwd_cfg``) rebuilds the Cayley factor by the
 Neumann series (``cayley.neumann_inverse``; ``neumann``: its registers leave two resident
-programs a SM, and the split follows: ``auto_split``); up to ``kernels.NEUMANN_MAX_BLOCK``
+programs a SM, and the split follows: ``auto_split``); where it fits (``kernels.neumann_fits``)
 the shortlist always holds one such config and Gauss-Jordan ones beside it
 (``_with_neumann``), decided by timing; past it, Gauss-Jordan only.
 
@@ -70,7 +70,7 @@ def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):
     plan = with_split16(plan, ex)
     if bwd and ex == 2:
         _with_wide_split16(plan, geometry)
-    if not bwd and p2(S) <= kernels.NEUMANN_MAX_BLOCK:
+    if not bwd and kernels.neumann_fits(S):
         _with_neumann(plan)
     return plan
 
