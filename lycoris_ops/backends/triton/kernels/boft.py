@@ -104,6 +104,7 @@ import triton.language as tl
 from lycoris_ops.backends.triton.common import cdiv, device_guard, fast, needs_idx64, next_pow2, num_sms
 from lycoris_ops.backends.triton.kernels.cayley import batched_inverse, skew_system
 from lycoris_ops.backends.triton.kernels.oft import (BF16X3, _HALF, bwd_dots, dot_mode, dot_split16, dot_x3, hilo, pos_mode, pos_offsets, positions_view, split16, wave_split)
+from lycoris_ops.tuner.cost import STREAM_TILE_MAX
 
 __all__ = ["BoftCfg", "boft_fwd", "boft_bwd", "MAX_BLOCK"]
 
@@ -527,11 +528,12 @@ class BoftCfg(NamedTuple):
 
 
 def default_boft_cfg(s: int) -> BoftCfg:
-    """The launcher's default for block size s: past 32 the groups are 64 rows, and the
-    streamed tiles shrink to the tuner's element budget (64 positions forward, 32 backward)."""
-    if 2 * next_pow2(s // 2) > 32:
-        return BoftCfg(block_p=64, bwd_block_p=32)
-    return BoftCfg()
+    """The launcher's default for block size s: ``BoftCfg``'s tiles, shrunk where a one-stage
+    group (2·pow2(s/2) rows: 64 past s = 32) would stream more than the tuner's
+    ``STREAM_TILE_MAX`` fp32 elements (the backward streams two tiles)."""
+    rows, dflt = 2 * next_pow2(s // 2), BoftCfg()
+    return dflt._replace(block_p=min(dflt.block_p, STREAM_TILE_MAX // rows),
+                         bwd_block_p=min(dflt.bwd_block_p, STREAM_TILE_MAX // (2 * rows)))
 
 
 def chain_warps(requested: int, GP: int) -> int:
