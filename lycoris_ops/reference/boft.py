@@ -254,16 +254,14 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
     dt = work_dtype(blocks, x, rescale)
     C = nb * s
     f, _ = _stage_matrices(blocks, cscale, scale, dt)
-    td = token_dtype(x, dt, native)
-    if td != dt:
+    if token_dtype(x, dt, native) != dt:
         return _boft_fwd_native(f, x, ax, m, nb, s, rescale, diff)
-    f = cast(f, td)
-    x0 = channel_view(x, ax).to(td)
+    x0 = channel_view(x, ax).to(dt)
     u = x0
     for i in range(m):
         u = _from_blocks(torch.einsum("bpq,nbqt->nbpt", f[i], _to_blocks(u, i, s)), i)
     if rescale is not None:
-        u = u * rescale.reshape(1, C, 1).to(td)
+        u = u * rescale.reshape(1, C, 1).to(dt)
     if diff:
         u = u - x0
     return u.reshape(x.shape).to(x.dtype).contiguous()
@@ -282,25 +280,23 @@ def boft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, axis: in
     m, nb, s, ax = _geometry(blocks, x, axis)
     dt = work_dtype(grad, blocks, x)
     f, m_inv = _stage_matrices(blocks, cscale, scale, dt)
-    td = token_dtype(x, dt, native)
-    if td != dt:
+    if token_dtype(x, dt, native) != dt:
         gx, p = _boft_bwd_native(grad, f, x, ax, m, nb, s, dt)
         g_r = p if scale == 1.0 else scale * p
         return gx, cast(cayley_backward(g_r, m_inv, cscale), blocks.dtype).contiguous()
-    f_t = cast(f, td)
-    u = channel_view(x, ax).to(td)
+    u = channel_view(x, ax).to(dt)
     stage_inputs = []
     for i in range(m):
         v = _to_blocks(u, i, s)
         stage_inputs.append(v)
         if i + 1 < m:
-            u = _from_blocks(torch.einsum("bpq,nbqt->nbpt", f_t[i], v), i)
-    g = channel_view(grad, ax).to(td)
+            u = _from_blocks(torch.einsum("bpq,nbqt->nbpt", f[i], v), i)
+    g = channel_view(grad, ax).to(dt)
     g_r = []  # stage m-1 first (appended: torch 2.11's Dynamo cannot trace a list's item store)
     for i in reversed(range(m)):
         gw = _to_blocks(g, i, s)
-        g_r.append(scale * torch.einsum("nbpt,nbqt->bpq", gw, stage_inputs[i]).to(dt))
-        g = _from_blocks(torch.einsum("bpq,nbpt->nbqt", f_t[i], gw), i)
+        g_r.append(scale * torch.einsum("nbpt,nbqt->bpq", gw, stage_inputs[i]))
+        g = _from_blocks(torch.einsum("bpq,nbpt->nbqt", f[i], gw), i)
     g_blocks = cayley_backward(torch.stack(g_r[::-1]), m_inv, cscale)
     return g.reshape(x.shape).to(x.dtype).contiguous(), cast(g_blocks, blocks.dtype).contiguous()
 
