@@ -428,6 +428,16 @@ def main(argv=None):
     lyco = lyco_rows(args, adapters, [v for v in variants(args, device) if v.startswith("lyco")])
     x = make_input(args, device, dtype)
     rows = []
+    os.makedirs(args.out, exist_ok=True)
+    meta = dict(model=args.model, dim=args.dim, heads=args.heads, layers=args.layers, rank=args.rank,
+                dtype=args.dtype, device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+                torch=torch.__version__)
+    meta.update(dict(spatial=args.spatial, batch=args.batch, ctx=(args.ctx_tokens, args.ctx_dim)) if unet
+                else dict(tokens=args.tokens))
+
+    def save():  # after every row, so a run cut by its time limit keeps the rows it measured
+        with open(os.path.join(args.out, "e2e.json"), "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
     for adapter in adapters:
         base_ms = {}
         for v in variants(args, device):
@@ -479,14 +489,8 @@ def main(argv=None):
             del model, params
             if device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    meta = dict(model=args.model, dim=args.dim, heads=args.heads, layers=args.layers, rank=args.rank,
-                dtype=args.dtype, device=torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
-                torch=torch.__version__)
-    meta.update(dict(spatial=args.spatial, batch=args.batch, ctx=(args.ctx_tokens, args.ctx_dim)) if unet
-                else dict(tokens=args.tokens))
-    with open(os.path.join(args.out, "e2e.json"), "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+            save()
+    save()
     md = [f"E2E training step ({meta}); x = eager PEFT (or plain) / row\n",
           "| adapter | variant | ms | x | peak GiB | note |", "| --- | --- | --- | --- | --- | --- |"]
     md += [f"| {r['adapter']} | {r['variant']} | {r['ms']:.2f} | {r['x_eager']:.2f} | {r['peak_gib']:.2f} | "
