@@ -95,16 +95,20 @@ class DoRALinear(LoRALinear):
         if self.base.weight.requires_grad:
             return F.linear(x, self._weight(), self.base.bias)
         s = self._rescale()
+        # the rescale on ia3_fwd (y = t⊙s): its backward is one pass for G⊙s and Σ G⊙t, where
+        # a mul's autograd runs two token-sized muls and a sum
         if not self.wd_on_out:
-            x = x * s.to(x.dtype)
+            x = torch.ops.lycoris.ia3_fwd(x, s.to(x.dtype), -1, 0.0, 1.0)
         z = _locon.bypass(x, self.lora_up, self.lora_down, self.scale, base=F.linear(x, self.base.weight))
         if self.wd_on_out:
-            s = s.to(z.dtype)
-            return z * s if self.base.bias is None else torch.addcmul(self.base.bias, z, s)
+            z = torch.ops.lycoris.ia3_fwd(z, s.to(z.dtype), -1, 0.0, 1.0)
         return z if self.base.bias is None else z + self.base.bias
 
     def route(self):
-        return ("lycoris.dora_fwd" if self.base.weight.requires_grad else "lycoris.lora_bypass_fwd"), None
+        # the op making the output: per output row the rescale comes last (ia3_fwd on the bypass's output)
+        if self.base.weight.requires_grad:
+            return "lycoris.dora_fwd", None
+        return ("lycoris.ia3_fwd" if self.wd_on_out else "lycoris.lora_bypass_fwd"), None
 
     def merged_weight(self):
         return self._weight(), None
