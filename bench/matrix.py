@@ -614,6 +614,8 @@ def parse_args(argv=None):
                     help="profile the selected cells instead of timing them: ours and the eager formula, "
                          "fwd+bwd under torch.profiler, the top --top kernels of each by device time")
     ap.add_argument("--top", type=int, default=12, help="--profile: rows per table")
+    ap.add_argument("--flagged", default=None, metavar="JSON",
+                    help="only the cells a saved run flagged (ours < 1.0x the faster reference, fwd or f+b)")
     ap.add_argument("--plot", default=None, metavar="JSON", help="only the heat map of a saved JSON")
     ap.add_argument("--plot-out", default=os.path.join(HERE, "matrix_heatmap.png"))
     args = ap.parse_args(argv)
@@ -653,6 +655,10 @@ def select_cells(args, done=()) -> List[dict]:
         cells = [c for c in cells if c["dtype"] in args.dtype.split(",")]
     if args.setting:
         cells = [c for c in cells if c["setting"] in args.setting.split(",")]
+    if args.flagged:
+        flagged = {c["id"] for c in load_json(args.flagged)["cells"]
+                   if any(r[0] < 1.0 for ph, r in cell_ratios(c).items() if ph in PHASES)}
+        cells = [c for c in cells if c["id"] in flagged]
     cells = [c for c in cells if c["id"] not in done]
     return cells[:args.limit] if args.limit else cells
 
@@ -1101,9 +1107,10 @@ def smoke_failures(doc: dict, every_algo: bool) -> List[str]:
 
 
 def profile_cells(args, cells) -> List[str]:
-    """``--profile``: where a cell's time goes. Per cell, ours and the eager formula run three
-    fwd+bwd steps (after two warm-up steps, which also tune and compile) under torch.profiler;
-    each prints its kernels by self device time (CPU time on a CPU run)."""
+    """``--profile``: where a cell's time goes. Per cell, ours, the eager formula and its
+    ``torch.compile`` (not on CPU runs) run three fwd+bwd steps (after two warm-up steps, which
+    also tune and compile) under torch.profiler; each prints its kernels by self device time
+    (CPU time on a CPU run)."""
     from torch.profiler import ProfilerActivity, profile
 
     dev = torch.device(args.device)
@@ -1115,7 +1122,10 @@ def profile_cells(args, cells) -> List[str]:
         inp = form.build(cell["dims"], S.DTYPES[cell["dtype"]], dev, gen)
         ts = [t.requires_grad_(k in form.grads) for k, t in inp.items()]
         targets = [t for k, t in zip(inp, ts) if k in form.grads]
-        for name, fn in (("ours", form.ours), ("eager", form.eager)):
+        fns = [("ours", form.ours), ("eager", form.eager)]
+        if cuda:
+            fns.append(("compile", torch.compile(form.eager, dynamic=False)))
+        for name, fn in fns:
             def step():
                 out = fn(*ts)
                 torch.autograd.grad(out, targets, torch.ones_like(out))

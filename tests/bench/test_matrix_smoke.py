@@ -55,6 +55,19 @@ def test_matrix_profile_smoke(capsys, matrix):
     assert out.count("3 steps fwd+bwd") == 2 and "lycoris::lora_bypass_fwd" in out and "failed" not in out, out
 
 
+def test_matrix_flagged_selects_the_cells_under_one(tmp_path, capsys, matrix):
+    """``--flagged JSON`` keeps the planned cells that JSON measured below 1.0x, fwd or f+b."""
+    args = matrix.parse_args(["--smoke"])
+    ids = [c["id"] for c in matrix.select_cells(args)][:3]
+    ms = {"fwd": 1.0, "fwdbwd": 2.0}
+    cells = [dict(id=ids[0], ours=ms, eager={"fwd": 0.9, "fwdbwd": 3.0}),  # fwd 0.9x: flagged
+             dict(id=ids[1], ours=ms, eager={"fwd": 1.5, "fwdbwd": 3.0}),  # faster in both
+             dict(id=ids[2], ours=ms, eager={"fwd": 1.5, "fwdbwd": 3.0}, compile={"fwd": 1.2, "fwdbwd": 1.9})]
+    (tmp_path / "m.json").write_text(json.dumps({"cells": cells}))
+    picked = matrix.select_cells(matrix.parse_args(["--smoke", "--flagged", str(tmp_path / "m.json")]))
+    assert [c["id"] for c in picked] == [ids[0], ids[2]]
+
+
 @pytest.mark.slow
 def test_matrix_peer_smoke(tmp_path, capsys, matrix):
     """The lycoris-lora column: its subprocess runs the cells' forms and their readings match
