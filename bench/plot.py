@@ -4,8 +4,8 @@
         [--out bench/e2e_ratios.png]
 
 Left panel: each training-step row of ``bench/e2e.py`` as its speed-up over the eager PEFT
-row of the same run (several runs: a later file replaces an earlier row of the same adapter
-and variant). Right panel: eager / ours per op from ``bench/bench.py``'s CSV, ours being the
+row of the same run (several runs: a later file replaces an earlier row of the same model,
+adapter and variant; rows are labelled with their model when the files hold more than one). Right panel: eager / ours per op from ``bench/bench.py``'s CSV, ours being the
 tier ``auto`` takes (the CSV's ``ours == yes`` rows), forward and forward+backward per shape
 and dtype (a later CSV replaces an earlier row of the same spec, shape, dtype and phase).
 Needs matplotlib.
@@ -21,9 +21,11 @@ def e2e_rows(paths: Sequence[str]) -> List[dict]:
     rows: Dict[tuple, dict] = {}
     for p in paths:
         with open(p) as f:
-            for r in json.load(f)["rows"]:
-                if r.get("x_eager") == r.get("x_eager"):  # not NaN (a base row without a PEFT reference)
-                    rows[(r["adapter"], r["variant"])] = r
+            doc = json.load(f)
+        model = doc.get("meta", {}).get("model", "transformer")
+        for r in doc["rows"]:
+            if r.get("x_eager") == r.get("x_eager"):  # not NaN (a base row without a PEFT reference)
+                rows[(model, r["adapter"], r["variant"])] = dict(r, model=model)
     return list(rows.values())
 
 
@@ -47,7 +49,10 @@ def plot(rows: List[dict], per_op: Optional[List[dict]], path: str) -> None:
     ax = axes[0][0]
     ax.bar(range(len(rows)), [r["x_eager"] for r in rows])
     ax.axhline(1.0, color="k", lw=0.8)
-    ax.set_xticks(range(len(rows)), [f"{r['adapter']}\n{r['variant']}" for r in rows], rotation=90, fontsize=7)
+    models = {r.get("model", "transformer") for r in rows}
+    label = (lambda r: f"{r['model']} {r['adapter']}\n{r['variant']}") if len(models) > 1 else \
+        (lambda r: f"{r['adapter']}\n{r['variant']}")
+    ax.set_xticks(range(len(rows)), [label(r) for r in rows], rotation=90, fontsize=7)
     ax.set_ylabel("step speed-up vs eager PEFT")
     ax.set_title("end-to-end training step")
     if per_op:

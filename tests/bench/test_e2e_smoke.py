@@ -55,7 +55,7 @@ def test_e2e_smoke_unet_new_adapters(tmp_path):
 
 
 def test_plot_rows_merge_runs(tmp_path):
-    """bench/plot.py: a later e2e file replaces an adapter/variant row, NaN rows drop; per-op
+    """bench/plot.py: a later e2e file replaces a model/adapter/variant row, NaN rows drop; per-op
     rows are the CSV's ``ours == yes`` rows, a later CSV replacing the same key."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import plot
@@ -70,6 +70,13 @@ def test_plot_rows_merge_runs(tmp_path):
     rows = {(r["adapter"], r["variant"]): r["x_eager"]
             for r in plot.e2e_rows([str(tmp_path / "a.json"), str(tmp_path / "b.json")])}
     assert rows == {("lora", "ours-compiled"): 1.2, ("lokr", "ours-compiled"): 1.5}
+    # another model's run keeps its own rows beside them
+    (tmp_path / "u.json").write_text(json.dumps({"meta": {"model": "unet"}, "rows": [
+        {"adapter": "lora", "variant": "ours-compiled", "x_eager": 0.9}]}))
+    rows = {(r["model"], r["adapter"], r["variant"]): r["x_eager"]
+            for r in plot.e2e_rows([str(tmp_path / n) for n in ("a.json", "b.json", "u.json")])}
+    assert rows == {("transformer", "lora", "ours-compiled"): 1.2, ("transformer", "lokr", "ours-compiled"): 1.5,
+                    ("unet", "lora", "ours-compiled"): 0.9}
     head = "kind,spec,shape,dtype,column,ours,phase,x_eager\n"
     (tmp_path / "a.csv").write_text(head + "time,lora_bypass,large,bf16,triton,yes,fwd,2.0\n"
                                     "time,lora_bypass,large,bf16,eager,,fwd,1\n"
