@@ -147,7 +147,7 @@ def _native_matrices(f, rescale, td):
             # the last stage's block (g, j) row (e, l) is channel g·2κ + e·κ + j·s/2 + l
             rs = rescale.reshape(G, 2, J, hs, 1, 1).to(f.dtype).transpose(1, 2)
             v = (v.unflatten(0, (G, J)) * rs).flatten(0, 1)
-        mats.append(v.to(td, memory_format=torch.contiguous_format).view(nb, s, s))
+        mats.append(v.to(td).contiguous().view(nb, s, s))  # (.to keeps a view as is when td is its dtype)
     return mats
 
 
@@ -255,6 +255,8 @@ def boft_fwd(blocks: torch.Tensor, x: torch.Tensor, axis: int, cscale: float, sc
     C = nb * s
     f, _ = _stage_matrices(blocks, cscale, scale, dt)
     if token_dtype(x, dt, native) != dt:
+        if diff:  # u − x cancels at small rotations: the stages' 16-bit rounding is of x's size
+            return _boft_fwd_native(f, x.to(dt), ax, m, nb, s, rescale, diff).to(x.dtype)
         return _boft_fwd_native(f, x, ax, m, nb, s, rescale, diff)
     x0 = channel_view(x, ax).to(dt)
     u = x0
@@ -305,8 +307,9 @@ def boft_fwd_native(blocks, x, axis, cscale, scale, rescale, diff):
     """The step-down body on CUDA (docs/ops.md §1.5): the Cayley transforms in fp32; for a
     16-bit x, every stage one bmm in x's dtype (fp32 accumulation, rounded per stage) over the
     block-major tokens and one permuting copy into the next stage's blocks, the rescale folded
-    into the last stage's matrices and the difference written by the final reorder. A 32/64-bit
-    x runs the exact body."""
+    into the last stage's matrices and the difference written by the final reorder; with
+    ``diff`` the same stages on an fp32 copy of x (rounded once at the end). A 32/64-bit x runs
+    the exact body."""
     return boft_fwd(blocks, x, axis, cscale, scale, rescale, diff, native=True)
 
 

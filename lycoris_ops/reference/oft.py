@@ -132,11 +132,15 @@ def check_oft_bwd(grad, blocks, x, rescale, cscale, shift, weight):
 
 # ------------------------------------------------------------------------- bodies
 
-def _f_matrix(r, rescale, K, S, dtype):
-    """``diag(ρ_k)·R_kᵀ`` per block, (K, S, S) (the shift is applied separately)."""
+def _f_matrix(r, rescale, K, S, dtype, shift=False):
+    """``F_k = diag(ρ_k)·R_kᵀ − shift·I`` per block, (K, S, S), in the work dtype: the shift
+    is taken off before a 16-bit body rounds F, so the difference F·x never cancels in 16 bits
+    (R·x − x would: its rounding is of x's size, the difference at small rotations far less)."""
     ft = r.transpose(-1, -2)
     if rescale is not None:
         ft = rescale.reshape(K, S, 1).to(dtype) * ft
+    if shift:
+        ft = ft - torch.eye(S, dtype=ft.dtype, device=ft.device)
     return ft
 
 
@@ -162,14 +166,12 @@ def oft_fwd(blocks: torch.Tensor, x: torch.Tensor, rescale: Optional[torch.Tenso
     dt = work_dtype(blocks, x, rescale)
     r, _ = cayley(blocks, cscale, dt)
     td = token_dtype(x, dt, native)
-    f = cast(_f_matrix(r, rescale, K, S, dt), td)
+    f = cast(_f_matrix(r, rescale, K, S, dt, shift), td)
     ax = _oft_axis(x, weight)
     xv = channel_view(x, ax).to(td)
     pre, post = xv.shape[0], xv.shape[2]
     xv = xv.reshape(pre, K, S, post)
     out = torch.einsum("kij,nkjt->nkit", f, xv)
-    if shift:
-        out = out - xv
     return out.reshape(x.shape).to(x.dtype).contiguous()
 
 
@@ -187,7 +189,7 @@ def oft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, rescale: 
     K, S = blocks.shape[0], blocks.shape[1]
     dt = work_dtype(grad, blocks, x, rescale)
     r, m = cayley(blocks, cscale, dt)
-    f = _f_matrix(r, rescale, K, S, dt)
+    f = _f_matrix(r, rescale, K, S, dt, shift)
     td = token_dtype(x, dt, native)
     ax = _oft_axis(x, weight)
     xv = channel_view(x, ax).to(td)
@@ -196,8 +198,6 @@ def oft_bwd(grad: torch.Tensor, blocks: torch.Tensor, x: torch.Tensor, rescale: 
     gv = channel_view(grad, ax).to(td).reshape(pre, K, S, post)
 
     gx = torch.einsum("kij,nkit->nkjt", cast(f, td), gv)
-    if shift:
-        gx = gx - gv
     p = torch.einsum("nkit,nkjt->kij", gv, xv).to(dt)  # dL/dF_k
     if rescale is not None:
         g_rescale = (p * r.transpose(-1, -2)).sum(-1).reshape(K * S)

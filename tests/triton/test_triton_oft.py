@@ -373,6 +373,28 @@ def test_boft_small_rotation_diff_is_accurate(xshape, axis, dtype, dot_prec):
     assert rel_err(y, y0) < 1e-2
 
 
+@pytest.mark.parametrize("op", ["oft_fwd", "oft_bwd", "boft_fwd"])
+def test_tuner_keeps_the_kernels_at_small_rotations(op):
+    """What the nn adapters ask at the start of training (diff / shift, blocks about 1e-3, bf16):
+    each fused kernel's launcher default passes the tuner's check against the step-down body
+    (``tune.mismatch``). The 16-bit step-down body once rounded R·x before subtracting x, and
+    the tuner then rejected every kernel of these keys for its 0.1 relative difference."""
+    from lycoris_ops import reference
+    from lycoris_ops.tuner import tune
+
+    gen = torch.Generator().manual_seed(23)
+    x = _make((37, 192), torch.bfloat16, gen)
+    grad = _make((37, 192), torch.bfloat16, gen)
+    if op == "boft_fwd":
+        args = (_make((3, 8, 24, 24), torch.float32, gen, scale=1e-3), x, -1, 1.0, 1.0, None, True)
+        fused = TB.boft_fwd(*args)
+    else:
+        blocks = _make((6, 32, 32), torch.float32, gen, scale=1e-3)
+        args = (blocks, x, None, 1.0, True, False) if op == "oft_fwd" else (grad, blocks, x, None, 1.0, True, False)
+        fused = (TO.oft_fwd if op == "oft_fwd" else TO.oft_bwd)(*args)
+    assert tune.mismatch(fused, reference.step_down(op)(*args)) is None
+
+
 def test_boft_plan_segments():
     """Stages are fused while a channel group fits ``max_group``; one stage always runs."""
     plan = TB._plan(4, 8, 4, 100, 2, False, BoftCfg())        # s=4: 2^4·2 = 32 -> all 4 stages fused
