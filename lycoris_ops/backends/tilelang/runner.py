@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import signal
 import threading
 import time
@@ -159,8 +160,9 @@ def quick_twin(op: str) -> Optional[Callable]:
 
 
 def version(op: str) -> str:
-    """The version of ``op``'s tuning rows: the source hash of its family's kernel modules."""
-    return tune.source_version(*_SOURCES[op])
+    """The version of ``op``'s tuning rows: the source hash of its family's kernel modules and
+    of the step-down body it is timed and checked against."""
+    return tune.source_version(*_SOURCES[op], sys.modules[reference.step_down(op).__module__])
 
 
 def candidates(op: str, args: Sequence[Any]):

@@ -29,7 +29,7 @@ DEVICE_TYPES = ("cuda",)
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(kernels, cayley, oft_kernels)
+    return tune.source_version(kernels, cayley, oft_kernels, reference)
 
 
 def _plan(op, dev, m, nb, s, npos, c_contig, bwd, ex, eb, default, n):

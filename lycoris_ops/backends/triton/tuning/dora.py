@@ -25,7 +25,7 @@ DEVICE_TYPES = ("cuda",)
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(kernels)
+    return tune.source_version(kernels, reference)
 
 
 def _configs(dev: DeviceFacts, r_contig: bool):

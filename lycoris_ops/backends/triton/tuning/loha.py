@@ -34,7 +34,7 @@ DEVICE_TYPES = ("cuda",)
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(kernels, fusedkit)
+    return tune.source_version(kernels, fusedkit, reference)
 
 
 def _apply_configs(dev: DeviceFacts, M: int, R: int, tc: bool):

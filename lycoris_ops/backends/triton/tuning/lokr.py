@@ -27,7 +27,7 @@ DEVICE_TYPES = ("cuda",)
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(kernels, bypass_kernels, fusedkit)
+    return tune.source_version(kernels, bypass_kernels, fusedkit, reference)
 
 
 # =============================================================================== merges

@@ -33,7 +33,7 @@ WARPS = (4, 8)
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(kernels)
+    return tune.source_version(kernels, reference)
 
 
 #: configs measured best at the e2e layer shapes (T=4096, r=32, I/O in 3072..12288;

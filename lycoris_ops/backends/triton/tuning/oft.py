@@ -33,7 +33,7 @@ DEVICE_TYPES = ("cuda",)
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(kernels, cayley)
+    return tune.source_version(kernels, cayley, reference)
 
 
 def _plan(op, dev, K, S, npos, c_contig, bwd, ex, eb, default, n):

@@ -25,7 +25,7 @@ DEVICE_TYPES = ("cuda",)
 
 @functools.lru_cache(maxsize=None)
 def version() -> str:
-    return tune.source_version(kernels, fusedkit)
+    return tune.source_version(kernels, fusedkit, reference)
 
 
 def plan_tucker_fwd(dev: DeviceFacts, O: int, I: int, Kk: int, ranks, compute, out_dtype, *, default=None,
