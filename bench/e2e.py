@@ -31,7 +31,8 @@ Rows per adapter (when available):
 - ``ours-eager`` / ``ours-compiled``     ``lycoris_ops.nn`` adapters
 - ``lyco-eager`` / ``lyco-compiled``     lycoris-lora's own ``LycorisNetwork`` on the same layers,
                            run by ``e2e_lyco.py`` in a process that never imports lycoris_ops,
-                           ``LYCORIS_KERNEL_BACKEND=torch`` (n/a when lycoris-lora is not importable)
+                           ``LYCORIS_KERNEL_BACKEND=torch`` (lycoris-lora from this environment or
+                           ``LYCORIS_PEER_PATH``; n/a when neither has it)
 - ``ours-graphs``          ``torch.compile(mode="reduce-overhead")`` of ``ours`` (CUDA graphs), CUDA only
 - ``base-eager``           no adapters: the frozen blocks' forward and input-gradient backward, the
                            floor under every row (what adapter fusion cannot remove)
@@ -356,13 +357,17 @@ def lyco_rows(args, adapters, wanted):
                          x_eager=float("nan"), error="", baseline="lyco-eager", profile=None, note=""), **kw)
     if not wanted:
         return {}
-    if importlib.util.find_spec("lycoris") is None:  # find_spec does not import it
+    # lycoris-lora from this environment, or from LYCORIS_PEER_PATH (a --target install, as matrix.py's)
+    peer = os.environ.get("LYCORIS_PEER_PATH", "")
+    if importlib.util.find_spec("lycoris") is None and not (peer and os.path.isdir(os.path.join(peer, "lycoris"))):
         return {(a, v): stub(a, v, note="n/a: lycoris-lora is not importable") for a in adapters for v in wanted}
     cfg = dict(args=dict(model=args.model, dim=args.dim, heads=args.heads, tokens=args.tokens, batch=args.batch,
                          layers=args.layers, rank=args.rank, spatial=args.spatial, ctx_dim=args.ctx_dim,
                          ctx_tokens=args.ctx_tokens, dtype=args.dtype, device=args.device, reps=args.reps,
                          warmup=args.warmup), adapters=adapters, variants=wanted)
     env = dict(os.environ, LYCORIS_KERNEL_BACKEND="torch", PYTHONUNBUFFERED="1")
+    if peer:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (peer, env.get("PYTHONPATH", "")) if p)
     p = subprocess.run([sys.executable, os.path.join(HERE, "e2e_lyco.py"), json.dumps(cfg)], env=env,
                        capture_output=True, text=True)
     got = {}

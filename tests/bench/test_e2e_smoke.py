@@ -97,3 +97,31 @@ def test_host_overhead_layers_runs():
     assert p.returncode == 0, p.stderr[-3000:]
     rows = [ln for ln in p.stdout.splitlines() if ln.strip().endswith(" us")]
     assert any("DoRALinear" in r for r in rows) and any("nn.Linear" in r for r in rows), p.stdout
+
+
+def test_lyco_rows_find_lycoris_on_the_peer_path(tmp_path, monkeypatch):
+    """lycoris-lora installed with ``--target`` (LYCORIS_PEER_PATH, as on the GPU machine) is
+    found, and its process gets that path; without it anywhere the rows are n/a."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import argparse
+    import importlib.util
+    import e2e
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "lycoris" else real(name, *a))
+    args = argparse.Namespace(model="transformer", dim=64, heads=4, tokens=8, batch=1, layers=1, rank=4, spatial=8,
+                              ctx_dim=32, ctx_tokens=7, dtype="fp32", device="cpu", reps=1, warmup=1)
+    monkeypatch.delenv("LYCORIS_PEER_PATH", raising=False)
+    assert "not importable" in e2e.lyco_rows(args, ["lora"], ["lyco-eager"])[("lora", "lyco-eager")]["note"]
+    (tmp_path / "lycoris").mkdir()
+    monkeypatch.setenv("LYCORIS_PEER_PATH", str(tmp_path))
+    seen = {}
+
+    def fake_run(cmd, env, **kw):
+        seen["path"] = env["PYTHONPATH"].split(os.pathsep)
+        row = dict(adapter="lora", variant="lyco-eager", ms=1.0, peak_gib=0.0, cold_s=0.1)
+        return subprocess.CompletedProcess(cmd, 0, stdout="ROW " + json.dumps(row) + "\n", stderr="")
+
+    monkeypatch.setattr(e2e.subprocess, "run", fake_run)
+    row = e2e.lyco_rows(args, ["lora"], ["lyco-eager"])[("lora", "lyco-eager")]
+    assert row["ms"] == 1.0 and not row["note"] and seen["path"][0] == str(tmp_path)
