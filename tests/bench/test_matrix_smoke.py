@@ -105,7 +105,7 @@ def test_matrix_shapes(matrix):
     assert {c["algo"] for c in cells if c["dtype"] == "fp16"} == set(matrix.SETTINGS)
     # --setting: the cells of those setting labels only (the blocks past 32, say)
     args = matrix.argparse.Namespace(smoke=False, full=True, algo="oft,boft", model="", layer="", dtype="bf16",
-                                     setting="dim64", limit=0)
+                                     setting="dim64", limit=0, flagged=None)
     picked = matrix.select_cells(args)
     assert picked and {c["setting"] for c in picked} == {"dim64"}
     assert {c["id"] for c in picked} == {c["id"] for c in cells if c["setting"] == "dim64" and c["dtype"] == "bf16"
