@@ -3,9 +3,9 @@
 Keys: ``<device name>|<backend>|<op>|v<kernel version>|<k=v,...>`` where the parts are the
 op's bucketed shape, dtypes and flags (``shape_key``). Token-like axes (tokens, numel of
 elementwise ops, positions streamed by OFT/BOFT/IA3) are bucketed by ``bucket``: up to
-4096 -> the next power of two, above -> the next multiple of 4096; weight dimensions are
-exact. The kernel version (``source_version``) changes when a kernel's source changes,
-which invalidates that kernel's rows only.
+4096 -> the next power of two, 4097-8192 -> 6144 or 8192, above -> the next multiple of
+4096; weight dimensions are exact. The version (``source_version``) changes when a kernel's
+or its family's reference source changes, which invalidates that family's rows only.
 """
 from __future__ import annotations
 
@@ -60,13 +60,16 @@ def as_dict(cfg) -> Optional[Dict[str, Any]]:
 
 
 def bucket(n: int) -> int:
-    """Bucket of a token-like size: <= 4096 -> next power of two (minimum 1),
+    """Bucket of a token-like size: <= 4096 -> next power of two (minimum 1); 4097-8192 ->
+    6144 or 8192 (one bucket there put Flux's 4608 tokens under the choice timed at 8192);
     larger -> next multiple of 4096."""
     n = int(n)
     if n <= 1:
         return 1
     if n <= 4096:
         return 1 << (n - 1).bit_length()
+    if n <= 6144:
+        return 6144
     return -(-n // 4096) * 4096
 
 
