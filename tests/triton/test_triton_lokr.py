@@ -361,30 +361,6 @@ def test_bypass_fwd_past_the_backward_scope(dtype, dims):
         close(y, want, REL_TOL[dtype], f"bypass fwd swap={swap}")
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=IDS.get)
-@pytest.mark.parametrize("base_dtype", [None, "same", torch.float32], ids=["nobase", "base", "fp32base"])
-def test_bypass_dense(dtype, base_dtype):
-    """``dense=True`` (the tuner's candidate where a Kronecker factor is small): ΔW by the merge
-    kernel and the token products by torch's GEMM, forward and backward, against the oracle;
-    the factors wide past the fused backward's scope (w2 150x200, as ``factor=4`` gives)."""
-    g = gen(12)
-    T, a, b, c, d = 9, 3, 2, 150, 200
-    x = mk((T, b * d), dtype, g, nc=True)
-    w1, w2 = mk((a, b), dtype, g), mk_t((c, d), dtype, g)
-    base = None if base_dtype is None else mk((T, a * c), dtype if base_dtype == "same" else base_dtype, g)
-    y = TKB.bypass_fwd(x, w1, w2, GAMMA, base, dense=True)
-    assert y.shape == (T, a * c) and y.dtype == (dtype if base is None else base.dtype)
-    close(y, o_bypass(d64(x, dtype), d64(w1, dtype), d64(w2, dtype), GAMMA, d64(base, torch.float64)),
-          REL_TOL[dtype], "dense bypass fwd")
-    grad = mk((T, a * c), dtype, g, nc=True)
-    ps = [d64(t, dtype).requires_grad_() for t in (x, w1, w2)]
-    o_bypass(*ps, GAMMA).backward(d64(grad, dtype))
-    for name, gt, p, src in zip(("gx", "g_w1", "g_w2"), TKB.bypass_bwd(grad, x, w1, w2, GAMMA, dense=True), ps,
-                                (x, w1, w2)):
-        assert gt.shape == src.shape and gt.dtype == src.dtype
-        close(gt, p.grad, REL_TOL[dtype], f"dense bypass bwd {name}")
-
-
 def test_op_set_exports():
     from lycoris_ops.backends.triton import ops
 

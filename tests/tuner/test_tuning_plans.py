@@ -240,33 +240,6 @@ def test_loha_merge_bwd_vendor_candidate():
             assert "vendor" not in P._vendor_launch(TL.GradCfg, plan.candidates[0])
 
 
-def test_dense_candidate_is_timed_where_a_factor_is_small():
-    """The shortlists time the dense candidate (before eager, never first) where a Kronecker
-    factor is small (``factor`` 4 / 8 on 3072) and the GEMM long; not at ``factor=-1`` or
-    ``factor=16``, not in fp32 or mixed dtypes; a stored dense row resolves to ``dense=True``."""
-    from lycoris_ops.backends.triton.kernels import lokr_bypass as TKB
-    from lycoris_ops.backends.triton.tuning import lokr as TL
-
-    dev = device.synthetic()
-    bf, f32 = torch.bfloat16, torch.float32
-
-    def has_dense(plan):
-        assert plan.candidates[0] != TL.DENSE and tune.is_eager(plan.candidates[-1])
-        return TL.DENSE in plan.candidates
-
-    for (a, c), want in (((4, 768), True), ((8, 384), True), ((16, 192), False), ((48, 64), False)):
-        assert has_dense(TL.plan_bypass_fwd(dev, 4608, a, a, c, c, bf, bf, bf, True)) == want, (a, c)
-    # the backward's shortlist has no fused candidate past factor dims of 128 (eager alone): none there
-    assert not has_dense(TL.plan_bypass_bwd(dev, 4608, 4, 4, 768, 768, bf, bf, bf))
-    assert has_dense(TL.plan_bypass_bwd(dev, 32768, 4, 4, 128, 128, bf, bf, bf))
-    assert not has_dense(TL.plan_bypass_bwd(dev, 32768, 48, 48, 64, 64, bf, bf, bf))
-    assert not has_dense(TL.plan_bypass_fwd(dev, 4608, 4, 4, 768, 768, f32, f32, f32, True))
-    assert not has_dense(TL.plan_bypass_fwd(dev, 4608, 4, 4, 768, 768, f32, bf, bf, True))  # mixed: fp32 compute
-    assert not has_dense(TL.plan_bypass_bwd(dev, 32768, 4, 4, 128, 128, bf, bf, f32))
-    assert not has_dense(TL.plan_bypass_fwd(dev, 64, 4, 4, 768, 768, bf, bf, bf, True))  # a short GEMM
-    assert TL._bypass_launch(TKB.BypassFwdCfg, dict(TL.DENSE)) == {"dense": True}
-
-
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 def test_oft_forward_shortlist_times_the_neumann_rebuild(x_dtype):
     """The diag-OFT forward's shortlist holds a config with the Cayley factor by

@@ -86,22 +86,6 @@ def fwd_cost(a, b, c, d, split):
     return b * c * (d + (2 if split else 1) * a)
 
 
-#: the dense candidate (ΔW = γ·w1⊗w2 by the merge kernel, the token products by cuBLAS: the
-#: formula a user writes) where it does at most this many times the structured route's
-#: multiply-adds: a Kronecker factor so small (``factor`` 4 or 8) that the structured route's
-#: w1 mix runs far below cuBLAS's rate. And from this many multiply-adds of its T·O·I GEMM.
-DENSE_MAX_MAC_RATIO = 8
-DENSE_MIN_MACS = 1 << 32
-
-
-def dense_pays(T: int, a: int, b: int, c: int, d: int) -> bool:
-    """Whether the bypass shortlists time the dense candidate (16-bit operands of one dtype:
-    the caller's check)."""
-    dense = a * b * c * d
-    structured = min(fwd_cost(a, b, c, d, False), fwd_cost(c, d, a, b, False))
-    return T * dense >= DENSE_MIN_MACS and dense <= DENSE_MAX_MAC_RATIO * structured
-
-
 def fwd_model(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
               has_base: bool):
     """(work of a config, eager seconds) of ``lokr_bypass_fwd``."""

@@ -37,7 +37,6 @@ import triton.language as tl
 from lycoris_ops.backends.triton.common import cdiv, dot_dtype, fast, needs_idx64, next_pow2, num_sms, tl_dtype
 from lycoris_ops.backends.triton.kernels.fusedkit import (compute_dtype, dot_wide, reduce_launch, reduce_pair_launch,
                                                           view_key)
-from lycoris_ops.backends.triton.kernels import lokr as merge_kernels
 from lycoris_ops.tuner.models.lokr import bwd_cost, fwd_cost  # the work model's counts: one formula
 
 __all__ = ["BypassFwdCfg", "BypassBwdCfg", "MAX_BYPASS_DIM", "supported_bypass", "fwd_swaps", "bypass_fwd", "bypass_bwd"]
@@ -350,26 +349,11 @@ def _x3(t, n_mid, n_in, swap):
     return (s0, s1, n_in * s1) if swap else (s0, n_in * s1, s1)
 
 
-def _dense_delta(w1, w2, gamma, dtype):
-    """``γ·kron(w1, w2)`` (a·c, b·d) in ``dtype``, by the merge kernel at its default tiles."""
-    return merge_kernels.lokr_full_merge_fwd(w1, w2, None, gamma, dtype)
-
-
-def bypass_fwd(x, w1, w2, gamma, base=None, cfg: Optional[BypassFwdCfg] = None, dense: bool = False):
-    """``Y[t] = γ·vec(w1·X_t·w2ᵀ) (+ base)``, X_t = x[t] as (b, d); output (T, a·c).
-
-    ``dense`` (a tuner candidate, ``models.lokr.dense_pays``; x, w1, w2 of one dtype): ΔW by
-    the merge kernel, then one cuBLAS GEMM over the tokens with base added in its epilogue."""
+def bypass_fwd(x, w1, w2, gamma, base=None, cfg: Optional[BypassFwdCfg] = None):
+    """``Y[t] = γ·vec(w1·X_t·w2ᵀ) (+ base)``, X_t = x[t] as (b, d); output (T, a·c)."""
     T = x.shape[0]
     a, b = w1.shape
     c, d = w2.shape
-    if dense and T and a * c and b * d:
-        dw = _dense_delta(w1, w2, gamma, x.dtype)
-        if base is None:
-            return x.mm(dw.t())
-        if base.dtype == x.dtype:
-            return torch.addmm(base, x, dw.t())
-        return torch.add(base, x.mm(dw.t()).to(base.dtype))
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
     y = torch.empty((T, a * c), device=x.device, dtype=x.dtype if base is None else base.dtype)
     if y.numel() == 0:
@@ -417,19 +401,11 @@ def _bypass_bwd_plan(T, a, b, c, d, views, compute, device, cfg: BypassBwdCfg):
     return swap, (A, B, C, D), (progs, cdiv(D, bd)), per, flags, meta
 
 
-def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None, dense: bool = False):
-    """(gx (T, b·d) in x's dtype, g_w1 (a, b) in w1's, g_w2 (c, d) in w2's).
-
-    ``dense`` (as ``bypass_fwd``'s; grad of x's dtype too): ΔW by the merge kernel,
-    ``gx = G·ΔW`` and ``gΔW = Gᵀ·x`` by cuBLAS (gΔW rounded to x's dtype, as the formula's
-    autograd rounds it), the factor gradients by the merge backward kernel."""
+def bypass_bwd(grad, x, w1, w2, gamma, cfg: Optional[BypassBwdCfg] = None):
+    """(gx (T, b·d) in x's dtype, g_w1 (a, b) in w1's, g_w2 (c, d) in w2's)."""
     T = x.shape[0]
     a, b = w1.shape
     c, d = w2.shape
-    if dense and T and a * c and b * d:
-        gdw = grad.t().mm(x)
-        g1, g2 = merge_kernels.lokr_full_merge_bwd(gdw, w1, w2, gamma)
-        return grad.mm(_dense_delta(w1, w2, gamma, x.dtype)), g1, g2
     dev = x.device
     compute = compute_dtype(x.dtype, w1.dtype, w2.dtype)
     gx = torch.empty((T, b * d), device=dev, dtype=x.dtype)

@@ -16,7 +16,7 @@ from lycoris_ops.reference import lokr as reference
 from lycoris_ops.reference.checks import promote_dtypes as compute_dtype
 from lycoris_ops.tuner import tune
 from lycoris_ops.tuner.keys import as_dict
-from lycoris_ops.tuner.cost import add_before_eager, add_second, cdiv, esize, make_plan, make_shared_plan, p2, predict, rank
+from lycoris_ops.tuner.cost import add_second, cdiv, esize, make_plan, make_shared_plan, p2, predict, rank
 from lycoris_ops.tuner.device import DeviceFacts, facts
 from lycoris_ops.tuner.models import lokr as models
 
@@ -99,22 +99,6 @@ def plan_merge(op: str, dev: DeviceFacts, a: int, b: int, c: int, d: int, r1: in
 
 # =============================================================================== bypass
 
-#: the bypass candidate that builds ΔW and runs the token products on cuBLAS (the launchers' ``dense``)
-DENSE = {"dense": True}
-
-
-def _dense_wanted(plan, compute, dtypes, T, a, b, c, d) -> bool:
-    """Whether a bypass shortlist times ``DENSE``: 16-bit operands of one dtype where
-    ``models.dense_pays``, beside fused candidates (timed before eager, never the untimed pick)."""
-    return (compute != torch.float32 and all(t == compute for t in dtypes) and models.dense_pays(T, a, b, c, d)
-            and bool(plan.candidates) and not tune.is_eager(plan.candidates[0]))
-
-
-def _bypass_launch(cfg_type, c):
-    """Launcher kwargs of a bypass candidate: ``dense``, or its tile config."""
-    return {"dense": True} if c.get("dense") else {"cfg": cfg_type(**c)}
-
-
 def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, compute, x_dtype, out_dtype,
                     has_base: bool, *, default=None, n: int = 5):
     work, eager_s = models.fwd_model(dev, T, a, b, c, d, compute, x_dtype, out_dtype, has_base)
@@ -136,8 +120,6 @@ def plan_bypass_fwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
                         if isinstance(c, dict) and math.isfinite(t)), (None, math.inf))
         if best is not None:
             add_second(plan, dict(best, split=False), t)
-    if _dense_wanted(plan, compute, (x_dtype,), T, a, b, c, d):
-        add_before_eager(plan, DENSE)
     return plan
 
 
@@ -156,11 +138,8 @@ def plan_bypass_bwd(dev: DeviceFacts, T: int, a: int, b: int, c: int, d: int, co
             if bt <= max(1, p2(T)) and bt <= bypass_kernels.max_bwd_block_t(*((c, d, a, b) if sw else (a, b, c, d)))
             for p in (1, 2) for w in warps for s in (1, 2) for pr in ((0, dev.sm_count) if w == 4 else (0,))
             for sp in splits]
-    plan = make_plan("lokr_bypass_bwd", rank(cfgs, work, dev), tile_axes=("programs", "swap", "block_t", "passes"),
+    return make_plan("lokr_bypass_bwd", rank(cfgs, work, dev), tile_axes=("programs", "swap", "block_t", "passes"),
                      n=n, default=default, default_s=predict(work, default, dev), eager_s=eager_s)
-    if _dense_wanted(plan, compute, (x_dtype, g_dtype), T, a, b, c, d):
-        add_before_eager(plan, DENSE)
-    return plan
 
 
 _F = {k: tune.Front() for k in ("ffwd", "fbwd", "mfwd", "mbwd", "bfwd", "bbwd")}
@@ -279,7 +258,7 @@ def bypass_fwd_kwargs(x, w1, w2, gamma, base=None):
         "lokr_bypass_fwd", BACKEND, key, plan,
         lambda kw: bypass_kernels.bypass_fwd(x, w1, w2, gamma, base, **kw),
         lambda: reference.lokr_bypass_fwd_native(x, w1, w2, gamma, base),
-        device=dev, version=version(), resolve=lambda cfg: _bypass_launch(bypass_kernels.BypassFwdCfg, cfg), front=(_F["bfwd"], fk), prepare=precompile.precompile)
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": bypass_kernels.BypassFwdCfg(**cfg)}, front=(_F["bfwd"], fk), prepare=precompile.precompile)
 
 
 def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
@@ -309,7 +288,7 @@ def bypass_bwd_kwargs(grad, x, w1, w2, gamma):
         "lokr_bypass_bwd", BACKEND, key, plan,
         lambda kw: bypass_kernels.bypass_bwd(grad, x, w1, w2, gamma, **kw),
         lambda: reference.lokr_bypass_bwd_native(grad, x, w1, w2, gamma),
-        device=dev, version=version(), resolve=lambda cfg: _bypass_launch(bypass_kernels.BypassBwdCfg, cfg), front=(_F["bbwd"], fk), prepare=precompile.precompile)
+        device=dev, version=version(), resolve=lambda cfg: {"cfg": bypass_kernels.BypassBwdCfg(**cfg)}, front=(_F["bbwd"], fk), prepare=precompile.precompile)
 
 
 KWARGS = {"lokr_full_merge_fwd": full_merge_fwd_kwargs, "lokr_full_merge_bwd": full_merge_bwd_kwargs,
