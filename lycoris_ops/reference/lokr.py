@@ -362,6 +362,22 @@ def lokr_bypass_bwd(grad, x, w1, w2, gamma):
 
 # --------------------------------------------------------------------------- CUDA step-down
 
+#: the step-down bodies take the dense route (ΔW = γ·kron(w1, w2), then token GEMMs: the
+#: formula a user writes) where it does at most this many times the structured route's
+#: multiply-adds — a Kronecker factor so small (``factor`` 4: about 4x; the structured route
+#: still wins at ``factor`` 8, about 8x) that its mix runs far below the GEMM rate — and its
+#: T·O·I GEMM is at least this long
+DENSE_MAX_MAC_RATIO = 5
+DENSE_MIN_MACS = 1 << 32
+
+
+def dense_route(T: int, a: int, b: int, c: int, d: int) -> bool:
+    """Whether the step-down bodies build ΔW and run dense GEMMs (``DENSE_MAX_MAC_RATIO``)."""
+    dense = a * b * c * d
+    structured = min(b * c * (a + d), a * d * (b + c))  # the forward's two contraction orders
+    return T * dense >= DENSE_MIN_MACS and dense <= DENSE_MAX_MAC_RATIO * structured
+
+
 def _mix(w: torch.Tensor, t3: torch.Tensor) -> torch.Tensor:
     """``w·t3[t]`` for every token: w (p, q) on the middle axis of t3 (T, q, n) -> (T, p, n), one
     batched GEMM whose w operand is a stride-0 batch (no token-sized permute)."""
@@ -381,6 +397,10 @@ def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
     a, b = w1.shape
     c, d = w2.shape
     T = x.shape[0]
+    if dense_route(T, a, b, c, d):  # γ·kron rounded once, then one GEMM with base in its epilogue
+        dw = cast(torch.kron(w1.float(), w2.float()) * float(gamma), cd)
+        y = cast(x, cd) @ dw.t()
+        return (cast(y, dtype) if base is None else torch.add(cast(base, dtype), cast(y, dtype))).contiguous()
     X = cast(x, cd).reshape(T, b, d)
     # without a base, γ goes into the small w1 (one rounding to the compute dtype), not a pass over y
     w1c, w2c = cast(w1 if base is not None else w1.float() * float(gamma), cd), cast(w2, cd)
@@ -408,6 +428,8 @@ def lokr_bypass_bwd_native(grad, x, w1, w2, gamma):
     a, b = w1.shape
     c, d = w2.shape
     T = x.shape[0]
+    if dense_route(T, a, b, c, d):
+        return _bypass_bwd_dense(cast(grad, cd), cast(x, cd), w1, w2, gamma, cd, dx, d1, d2)
     G = cast(grad, cd).reshape(T * a, c)
     X = cast(x, cd).reshape(T, b, d)
     w1c, w2c = cast(w1, cd), cast(w2, cd)
@@ -427,3 +449,16 @@ def lokr_bypass_bwd_native(grad, x, w1, w2, gamma):
         g_w2 = mm32(_mix(w1c.t(), G.reshape(T, a, c)).reshape(T * b, c).t(), X.reshape(T * b, d))
     return (cast(gx, dx).contiguous(), cast(g_w1 * gamma, d1).contiguous(),
             cast(g_w2 * gamma, d2).contiguous())
+
+
+def _bypass_bwd_dense(G, x, w1, w2, gamma, cd, dx, d1, d2):
+    """``lokr_bypass_bwd_native``'s dense route: ``gx = G·ΔW`` with ΔW = γ·kron(w1, w2) rounded to
+    the compute dtype, ``gΔW = Gᵀ·x`` over all tokens (fp32 accumulation and output), and the
+    factor gradients from gΔW viewed (a, c, b, d): ``g_w1 = γ·Σ gΔW·w2``, ``g_w2 = γ·Σ gΔW·w1``."""
+    a, b = w1.shape
+    c, d = w2.shape
+    gx = G @ cast(torch.kron(w1.float(), w2.float()) * gamma, cd)
+    gdw = mm32(G.t(), x).reshape(a, c, b, d)
+    g_w1 = torch.einsum("kcjd,cd->kj", gdw, w2.float()) * gamma
+    g_w2 = torch.einsum("kcjd,kj->cd", gdw, w1.float()) * gamma
+    return cast(gx, dx).contiguous(), cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()

@@ -68,6 +68,49 @@ def test_lokr_step_down_at_a_wide_factor():
         assert a.dtype == torch.bfloat16 and rel_err(a, b) <= REL_TOL[torch.bfloat16]
 
 
+def test_lokr_step_down_dense_route_where_a_factor_is_small():
+    """LoKr ``factor=4`` on 3072 channels at Flux's 4608 tokens: the step-down bodies build ΔW
+    and run dense GEMMs (the user's formula), where the structured route's mix over a 4-wide
+    factor runs far below the GEMM rate; ``factor`` 8 (where the structured route measured
+    faster than the formula), 16, -1 and short GEMMs keep it."""
+    L = reference.lokr
+    assert L.dense_route(4608, 4, 4, 768, 768) and L.dense_route(8192, 4, 4, 1024, 1024)
+    assert L.dense_route(4608, 768, 768, 4, 4)  # the small factor as w2
+    assert not L.dense_route(4608, 8, 8, 384, 384) and not L.dense_route(4608, 16, 16, 192, 192)
+    assert not L.dense_route(4608, 48, 48, 64, 64)
+    assert not L.dense_route(64, 4, 4, 768, 768)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("base_dtype", [None, "same", torch.float32], ids=["nobase", "base", "fp32base"])
+def test_lokr_step_down_dense_route(dtype, base_dtype, monkeypatch):
+    """The dense route (taken here at a small size: its GEMM-length threshold lowered) against the
+    fp64 oracle, forward with and without base and backward, in the operands' dtypes."""
+    L = reference.lokr
+    monkeypatch.setattr(L, "DENSE_MIN_MACS", 0)
+    T, a, b, c, d = 29, 2, 3, 40, 50
+    assert L.dense_route(T, a, b, c, d)
+    kron = torch.kron
+    calls = []
+    monkeypatch.setattr(torch, "kron", lambda *args: calls.append(1) or kron(*args))
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(T, b * d, generator=g).to(dtype)
+    w1, w2 = torch.randn(a, b, generator=g).to(dtype), (torch.randn(c, d, generator=g) * 0.1).to(dtype)
+    base = None if base_dtype is None else torch.randn(T, a * c, generator=g).to(dtype if base_dtype == "same"
+                                                                                 else base_dtype)
+    y = L.lokr_bypass_fwd_native(x, w1, w2, 0.7, base)
+    want = L.lokr_bypass_fwd(x.double(), w1.double(), w2.double(), 0.7, None if base is None else base.double())
+    assert y.dtype == (dtype if base is None else base.dtype) and y.is_contiguous()
+    assert rel_err(y, want) <= REL_TOL[dtype], rel_err(y, want)
+    G = torch.randn(T, a * c, generator=g).to(dtype)
+    got = L.lokr_bypass_bwd_native(G, x, w1, w2, 0.7)
+    ref = L.lokr_bypass_bwd(G.double(), x.double(), w1.double(), w2.double(), 0.7)
+    for out, r, src in zip(got, ref, (x, w1, w2)):
+        assert out.shape == src.shape and out.dtype == dtype and out.is_contiguous()
+        assert rel_err(out, r) <= REL_TOL[dtype], rel_err(out, r)
+    assert len(calls) == 2  # both took the dense route
+
+
 # BOFT at a step-down geometry (block s = 48, out of the fused kernels' scope): 3 stages of 8
 # blocks on a 384-channel axis, channels last, conv (N, C, H, W) and weight (C, rest) layouts.
 BOFT_WIDE = [
