@@ -186,8 +186,11 @@ SMOKE_MAIN_DTYPE, SMOKE_SUBSET_DTYPES = "fp32", ("bf16",)
 #: contract thresholds (issue #60)
 MIN_RATIO, AIM_RATIO, COLD_MAX_S = 1.0, 1.5, 2.0
 #: the peer subprocess: its process start-up (torch, lycoris-lora, CUDA: not in its own budget), and
-#: the least budget left worth starting it for
-PEER_START_S, PEER_MIN_S = 15.0, 30.0
+#: the least budget left worth starting it for; REPORT_S is kept after it for the summary, so a
+#: run ends within --seconds (a caller's own time limit a little above it does not cut the peer)
+PEER_START_S, PEER_MIN_S, REPORT_S = 15.0, 45.0, 10.0
+#: how long the peer may run past its budget (start-up, its last cell) before it is killed
+PEER_GRACE_S = PEER_START_S + 10
 #: the JSON is rewritten after a cell at most this often (a killed run loses less than this)
 DUMP_EVERY_S = 5.0
 
@@ -852,7 +855,7 @@ class Matrix:
         left = end - time.perf_counter()
         if not a.no_peer and done and not self.context_lost:
             if left >= PEER_MIN_S:
-                self.run_peer(done, left - PEER_START_S)
+                self.run_peer(done, left - REPORT_S - PEER_GRACE_S)
             else:
                 self.notes.append(f"peer not run: {left:.0f} s left of the budget")
         self.dump()
@@ -870,9 +873,9 @@ class Matrix:
         if self.dev.type == "cuda":
             torch.cuda.empty_cache()  # the peer shares the GPU
         print(f"-- peer: {len(cells)} cells, {budget:.0f} s", file=sys.stderr, flush=True)
-        # a short grace: the run's own budget (and a device call's limit) ends soon after the peer's
+        # killed at its budget + PEER_GRACE_S, REPORT_S before the end of the run (run())
         report = B.peer_subprocess(cmd, path, budget, a.peer_path, os.path.join(self.root, "peer-tuning"),
-                                   grace=PEER_START_S + 10)
+                                   grace=PEER_GRACE_S)
         self.peer_version = report.get("version", "n/a")
         if report.get("error"):
             self.notes.append(f"peer: {report['error']}")
