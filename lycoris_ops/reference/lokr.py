@@ -371,11 +371,16 @@ DENSE_MAX_MAC_RATIO = 5
 DENSE_MIN_MACS = 1 << 32
 
 
+def _structured_macs(a: int, b: int, c: int, d: int):
+    """Multiply-adds per token of the forward's two contraction orders: X_t·w2ᵀ then the w1
+    mix, and the w1 mix then ·w2ᵀ."""
+    return b * c * (a + d), a * d * (b + c)
+
+
 def dense_route(T: int, a: int, b: int, c: int, d: int) -> bool:
     """Whether the step-down bodies build ΔW and run dense GEMMs (``DENSE_MAX_MAC_RATIO``)."""
     dense = a * b * c * d
-    structured = min(b * c * (a + d), a * d * (b + c))  # the forward's two contraction orders
-    return T * dense >= DENSE_MIN_MACS and dense <= DENSE_MAX_MAC_RATIO * structured
+    return T * dense >= DENSE_MIN_MACS and dense <= DENSE_MAX_MAC_RATIO * min(_structured_macs(a, b, c, d))
 
 
 def _mix(w: torch.Tensor, t3: torch.Tensor) -> torch.Tensor:
@@ -397,14 +402,14 @@ def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
     a, b = w1.shape
     c, d = w2.shape
     T = x.shape[0]
-    if dense_route(T, a, b, c, d):  # γ·kron rounded once, then one GEMM with base in its epilogue
-        dw = cast(torch.kron(w1.float(), w2.float()) * float(gamma), cd)
-        y = cast(x, cd) @ dw.t()
+    if dense_route(T, a, b, c, d):  # γ·kron rounded once to the compute dtype, one GEMM, then base
+        y = cast(x, cd) @ lokr_full_merge_fwd(w1, w2, None, gamma, cd).t()
         return (cast(y, dtype) if base is None else torch.add(cast(base, dtype), cast(y, dtype))).contiguous()
     X = cast(x, cd).reshape(T, b, d)
     # without a base, γ goes into the small w1 (one rounding to the compute dtype), not a pass over y
     w1c, w2c = cast(w1 if base is not None else w1.float() * float(gamma), cd), cast(w2, cd)
-    if b * c * (a + d) <= a * d * (b + c):  # X_t·w2ᵀ over all tokens (T·b, c), then the w1 mix
+    w2_first, w1_first = _structured_macs(a, b, c, d)
+    if w2_first <= w1_first:  # X_t·w2ᵀ over all tokens (T·b, c), then the w1 mix
         y = _mix(w1c, (X.reshape(T * b, d) @ w2c.t()).reshape(T, b, c))
     else:  # the w1 mix (T, a, d), then ·w2ᵀ over all tokens
         y = _mix(w1c, X).reshape(T * a, d) @ w2c.t()
@@ -455,10 +460,6 @@ def _bypass_bwd_dense(G, x, w1, w2, gamma, cd, dx, d1, d2):
     """``lokr_bypass_bwd_native``'s dense route: ``gx = G·ΔW`` with ΔW = γ·kron(w1, w2) rounded to
     the compute dtype, ``gΔW = Gᵀ·x`` over all tokens (fp32 accumulation and output), and the
     factor gradients from gΔW viewed (a, c, b, d): ``g_w1 = γ·Σ gΔW·w2``, ``g_w2 = γ·Σ gΔW·w1``."""
-    a, b = w1.shape
-    c, d = w2.shape
-    gx = G @ cast(torch.kron(w1.float(), w2.float()) * gamma, cd)
-    gdw = mm32(G.t(), x).reshape(a, c, b, d)
-    g_w1 = torch.einsum("kcjd,cd->kj", gdw, w2.float()) * gamma
-    g_w2 = torch.einsum("kcjd,kj->cd", gdw, w1.float()) * gamma
+    gx = G @ lokr_full_merge_fwd(w1, w2, None, gamma, cd)
+    g_w1, g_w2 = _kron_grads(mm32(G.t(), x), w1.float(), w2.float(), gamma)  # gΔW kept fp32
     return cast(gx, dx).contiguous(), cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()
