@@ -659,8 +659,7 @@ def select_cells(args, done=()) -> List[dict]:
     if args.setting:
         cells = [c for c in cells if c["setting"] in args.setting.split(",")]
     if args.flagged:
-        flagged = {c["id"] for c in load_json(args.flagged)["cells"]
-                   if any(r[0] < 1.0 for ph, r in cell_ratios(c).items() if ph in PHASES)}
+        flagged = {c["id"] for c in load_json(args.flagged)["cells"] if below_contract(cell_ratios(c))}
         cells = [c for c in cells if c["id"] in flagged]
     cells = [c for c in cells if c["id"] not in done]
     return cells[:args.limit] if args.limit else cells
@@ -914,6 +913,11 @@ def cell_ratios(c: dict) -> dict:
     return out
 
 
+def below_contract(ratios: dict) -> bool:
+    """Whether a cell's ``cell_ratios`` fall under MIN_RATIO, forward or forward+backward."""
+    return any(ratios.get(p, (MIN_RATIO,))[0] < MIN_RATIO for p in PHASES)
+
+
 def failure(c: dict) -> str:
     """Why a cell has no valid result: ours or eager failed (or disagreed), or it did not build."""
     for col in ("ours", "eager"):
@@ -960,7 +964,7 @@ def algo_row(algo: str, cells: List[dict]) -> Tuple[str, List[tuple], List[dict]
     colds = [(cold_s(c), c) for c in measured if cold_s(c) is not None]
     wrong = [c for c in measured if str(c["ours"].get("error", "")).startswith("disagrees")]
     failed = [c for c in mine if c not in wrong and failure(c)]
-    flagged = [(c, r) for c, r in rs if any(r.get(p, (MIN_RATIO,))[0] < MIN_RATIO for p in PHASES)]
+    flagged = [(c, r) for c, r in rs if below_contract(r)]
     line = (f"{algo:<20}{len(measured):>6} | {_x(_geomean(x for x, _ in f), 8)} {_x(_worst(f), 7)} | "
             f"{_x(_geomean(x for x, _ in b), 8)} {_x(_worst(b), 7)} | "
             f"{sum(x < MIN_RATIO for x in both):>5} {sum(x >= AIM_RATIO for x in both):>6} | "

@@ -5,7 +5,8 @@
 
 Left panel: each training-step row of ``bench/e2e.py`` as its speed-up over the eager PEFT
 row of the same run (several runs: a later file replaces an earlier row of the same model,
-adapter and variant; rows are labelled with their model when the files hold more than one). Right panel: eager / ours per op from ``bench/bench.py``'s CSV, ours being the
+adapter and variant; rows are labelled with their model when the files hold more than one).
+Right panel: eager / ours per op from ``bench/bench.py``'s CSV, ours being the
 tier ``auto`` takes (the CSV's ``ours == yes`` rows), forward and forward+backward per shape
 and dtype (a later CSV replaces an earlier row of the same spec, shape, dtype and phase).
 Needs matplotlib.
