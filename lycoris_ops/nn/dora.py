@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lycoris_ops.functional import dora as _dora
+from lycoris_ops.functional import ia3 as _ia3
 from lycoris_ops.functional import locon as _locon
 from lycoris_ops.nn.loha import LoHaConv2d, LoHaLinear
 from lycoris_ops.nn.lokr import LoKrConv2d, LoKrLinear
@@ -95,13 +96,13 @@ class DoRALinear(LoRALinear):
         if self.base.weight.requires_grad:
             return F.linear(x, self._weight(), self.base.bias)
         s = self._rescale()
-        # the rescale on ia3_fwd (y = t⊙s): its backward is one pass for G⊙s and Σ G⊙t, where
-        # a mul's autograd runs two token-sized muls and a sum
+        # the rescale on ia3_fwd (y = t⊙s, IA3's diff form): its backward is one pass for G⊙s and
+        # Σ G⊙t, where a mul's autograd runs two token-sized muls and a sum
         if not self.wd_on_out:
-            x = torch.ops.lycoris.ia3_fwd(x, s.to(x.dtype), -1, 0.0, 1.0)
+            x = _ia3.ia3_scale(x, s.to(x.dtype), -1, diff=True)
         z = _locon.bypass(x, self.lora_up, self.lora_down, self.scale, base=F.linear(x, self.base.weight))
         if self.wd_on_out:
-            z = torch.ops.lycoris.ia3_fwd(z, s.to(z.dtype), -1, 0.0, 1.0)
+            z = _ia3.ia3_scale(z, s.to(z.dtype), -1, diff=True)
         return z if self.base.bias is None else z + self.base.bias
 
     def route(self):
