@@ -620,6 +620,9 @@ def parse_args(argv=None):
     ap.add_argument("--flagged", default=None, metavar="JSON",
                     help="only the cells a saved run flagged (ours < 1.0x the faster reference, fwd or f+b)")
     ap.add_argument("--plot", default=None, metavar="JSON", help="only the heat map of a saved JSON")
+    ap.add_argument("--peer-only", default=None, metavar="JSON",
+                    help="only the lycoris-lora column, for a saved JSON's measured cells that lack it (same "
+                         "GPU model as the saved run: ours is not re-timed), in --seconds; writes --json")
     ap.add_argument("--plot-out", default=os.path.join(HERE, "matrix_heatmap.png"))
     args = ap.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
@@ -1154,6 +1157,35 @@ def profile_cells(args, cells) -> List[str]:
     return lines
 
 
+def peer_only(args) -> int:
+    """``--peer-only``: the lycoris-lora column of a saved run, added in a later process. The
+    peer's ratio divides its time by ours from the saved run, so the GPU model must be the same."""
+    doc = load_json(args.peer_only)
+    env = B.environment(args)
+    saved_gpu, gpu = (doc.get("env") or {}).get("gpu"), env.get("gpu")
+    if saved_gpu != gpu:
+        print(f"--peer-only: {args.peer_only} was measured on {saved_gpu!r}, this process runs on {gpu!r}: "
+              "the peer's times would be divided by another GPU's; run the matrix here instead", file=sys.stderr)
+        return 2
+    todo = [c for c in doc["cells"] if c.get("ours") and not c.get("peer")]
+    with fresh_caches() as root:
+        m = Matrix(args, [], doc["cells"], root)
+        m.env, m.bw = doc.get("env"), doc.get("bandwidth_Bps")
+        m.notes = list(doc.get("notes") or []) + [
+            f"lycoris-lora column added by --peer-only on {env.get('date')} (commit {env.get('commit')}, "
+            f"{len(todo)} cells asked)"]
+        m.args.argv = list(doc.get("argv") or []) + ["+ --peer-only"]
+        t0 = time.perf_counter()
+        if todo:
+            m.run_peer(todo, args.seconds - REPORT_S - PEER_GRACE_S)
+        m.dump()
+        print(f"-- peer-only: {sum(bool(c.get('peer')) for c in todo)} of {len(todo)} cells in "
+              f"{time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    out = load_json(args.json)
+    print("\n".join(write_report(out, args, args.json)), flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.plot:
@@ -1163,6 +1195,8 @@ def main(argv=None) -> int:
         lines = write_report(load_json(args.report), args, args.report)
         print("\n".join(lines))
         return 0
+    if args.peer_only:
+        return peer_only(args)
     with fresh_caches() as root:
         kept = [c for c in load_json(args.skip_done)["cells"] if c.get("ours")] if args.skip_done else []
         cells = select_cells(args, {c["id"] for c in kept})

@@ -82,6 +82,29 @@ def test_matrix_peer_smoke(tmp_path, capsys, matrix):
         assert c["peer"]["match"] and c["peer"]["fwd"] and c["peer"]["fwdbwd"], c
 
 
+@pytest.mark.slow
+def test_matrix_peer_only_adds_the_column(tmp_path, capsys, matrix):
+    """``--peer-only JSON``: a saved run without the peer gets its lycoris-lora column (ours not
+    re-timed), and a JSON from another GPU model is refused."""
+    if importlib.util.find_spec("lycoris") is None:
+        pytest.skip("lycoris-lora is not installed")
+    assert matrix.main(["--smoke", "--no-peer", "--algo", "lora", "--layer", "square", "--dtype", "fp32",
+                        "--limit", "2", "--out", str(tmp_path)]) == 0
+    saved = json.load(open(tmp_path / "matrix.json"))
+    assert not any(c.get("peer") for c in saved["cells"])
+    capsys.readouterr()
+    assert matrix.main(["--smoke", "--peer-only", str(tmp_path / "matrix.json"), "--json", str(tmp_path / "p.json"),
+                        "--out", str(tmp_path), "--seconds", "100"]) == 0, capsys.readouterr().out[-3000:]
+    doc = json.load(open(tmp_path / "p.json"))
+    for before, c in zip(saved["cells"], doc["cells"]):
+        assert c["ours"] == before["ours"] and c["peer"]["match"] and c["peer"]["fwdbwd"], c
+    assert any("--peer-only" in n for n in doc["notes"])
+    saved["env"]["gpu"] = "another GPU"
+    (tmp_path / "other.json").write_text(json.dumps(saved))
+    assert matrix.main(["--smoke", "--peer-only", str(tmp_path / "other.json"), "--out", str(tmp_path)]) == 2
+    assert "another GPU" in capsys.readouterr().err
+
+
 def test_matrix_shapes(matrix):
     """LyCORIS's factorizations give the sizes issue #60 names; the known-bad cells run first."""
     assert matrix.butterfly_blocks(3072, 32) == (24, 128)
