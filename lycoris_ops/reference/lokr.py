@@ -383,6 +383,27 @@ def dense_route(T: int, a: int, b: int, c: int, d: int) -> bool:
     return T * dense >= DENSE_MIN_MACS and dense <= DENSE_MAX_MAC_RATIO * min(_structured_macs(a, b, c, d))
 
 
+def _dense_delta(w1: torch.Tensor, w2: torch.Tensor, gamma, cd: torch.dtype) -> torch.Tensor:
+    """``γ·kron(w1, w2)`` (a·c, b·d) in ``cd``: fp32 products rounded once, written in one pass
+    (``lokr_full_merge_fwd`` makes fp32 kron, scaled and cast copies of the O·I matrix)."""
+    a, b = w1.shape
+    c, d = w2.shape
+    out = torch.empty((a, c, b, d), dtype=cd, device=w2.device)
+    torch.mul((w1.float() * float(gamma))[:, None, :, None], w2.float()[None, :, None, :], out=out)
+    return out.view(a * c, b * d)
+
+
+def _kron_grads_dense(g: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gamma: float):
+    """``_kron_grads`` of an fp32 gΔW (a·c, b·d) as batched matrix-vector products over its
+    (a, c) row blocks: no permuted copy of the O·I matrix (einsum makes one per factor)."""
+    a, b = w1.shape
+    c, d = w2.shape
+    g4 = g.view(a, c, b, d)
+    g_w1 = torch.matmul(g4, w2.reshape(1, c, d, 1)).sum(1).view(a, b) * gamma  # Σ_ij G4[u,i,v,j]·w2[i,j]
+    g_w2 = torch.matmul(w1.reshape(a, 1, 1, b), g4).sum(0).view(c, d) * gamma  # Σ_uv G4[u,i,v,j]·w1[u,v]
+    return g_w1, g_w2
+
+
 def _mix(w: torch.Tensor, t3: torch.Tensor) -> torch.Tensor:
     """``w·t3[t]`` for every token: w (p, q) on the middle axis of t3 (T, q, n) -> (T, p, n), one
     batched GEMM whose w operand is a stride-0 batch (no token-sized permute)."""
@@ -402,8 +423,11 @@ def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
     a, b = w1.shape
     c, d = w2.shape
     T = x.shape[0]
-    if dense_route(T, a, b, c, d):  # γ·kron rounded once to the compute dtype, one GEMM, then base
-        y = cast(x, cd) @ lokr_full_merge_fwd(w1, w2, None, gamma, cd).t()
+    if dense_route(T, a, b, c, d):  # γ·kron rounded once to the compute dtype, one GEMM
+        dw = _dense_delta(w1, w2, gamma, cd)
+        if base is not None and base.dtype == cd == dtype:  # base as the GEMM's C: no pass of its own
+            return torch.addmm(base, cast(x, cd), dw.t()).contiguous()
+        y = cast(x, cd) @ dw.t()
         return (cast(y, dtype) if base is None else torch.add(cast(base, dtype), cast(y, dtype))).contiguous()
     X = cast(x, cd).reshape(T, b, d)
     # without a base, γ goes into the small w1 (one rounding to the compute dtype), not a pass over y
@@ -460,6 +484,6 @@ def _bypass_bwd_dense(G, x, w1, w2, gamma, cd, dx, d1, d2):
     """``lokr_bypass_bwd_native``'s dense route: ``gx = G·ΔW`` with ΔW = γ·kron(w1, w2) rounded to
     the compute dtype, ``gΔW = Gᵀ·x`` over all tokens (fp32 accumulation and output), and the
     factor gradients from gΔW viewed (a, c, b, d): ``g_w1 = γ·Σ gΔW·w2``, ``g_w2 = γ·Σ gΔW·w1``."""
-    gx = G @ lokr_full_merge_fwd(w1, w2, None, gamma, cd)
-    g_w1, g_w2 = _kron_grads(mm32(G.t(), x), w1.float(), w2.float(), gamma)  # gΔW kept fp32
+    gx = G @ _dense_delta(w1, w2, gamma, cd)
+    g_w1, g_w2 = _kron_grads_dense(mm32(G.t(), x), w1.float(), w2.float(), gamma)  # gΔW kept fp32
     return cast(gx, dx).contiguous(), cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()

@@ -90,9 +90,9 @@ def test_lokr_step_down_dense_route(dtype, base_dtype, monkeypatch):
     monkeypatch.setattr(L, "DENSE_MIN_MACS", 0)
     T, a, b, c, d = 29, 2, 3, 40, 50
     assert L.dense_route(T, a, b, c, d)
-    kron = L._kron
+    dense = L._dense_delta
     calls = []
-    monkeypatch.setattr(L, "_kron", lambda *args: calls.append(1) or kron(*args))
+    monkeypatch.setattr(L, "_dense_delta", lambda *args: calls.append(1) or dense(*args))
     g = torch.Generator().manual_seed(21)
     x = torch.randn(T, b * d, generator=g).to(dtype)
     w1, w2 = torch.randn(a, b, generator=g).to(dtype), (torch.randn(c, d, generator=g) * 0.1).to(dtype)
@@ -109,6 +109,22 @@ def test_lokr_step_down_dense_route(dtype, base_dtype, monkeypatch):
         assert out.shape == src.shape and out.dtype == dtype and out.is_contiguous()
         assert rel_err(out, r) <= REL_TOL[dtype], rel_err(out, r)
     assert len(calls) == 2  # both took the dense route
+
+
+@pytest.mark.parametrize("a,b,c,d", [(4, 4, 24, 24), (3, 5, 7, 2), (1, 6, 9, 1)])
+def test_lokr_dense_route_pieces(a, b, c, d):
+    """The dense route's ΔW (one pass, one rounding) and its factor gradients (no permuted copy)
+    equal the merge op's kron and ``_kron_grads`` (fp64: exactly the same sums)."""
+    L = reference.lokr
+    g = torch.Generator().manual_seed(a * 100 + d)
+    w1, w2 = torch.randn(a, b, generator=g, dtype=torch.float64), torch.randn(c, d, generator=g, dtype=torch.float64)
+    want = L.lokr_full_merge_fwd(w1, w2, None, 0.3, torch.float32)
+    torch.testing.assert_close(L._dense_delta(w1, w2, 0.3, torch.float32), want, rtol=2 ** -22, atol=0)
+    for dt in (torch.bfloat16, torch.float16):
+        assert rel_err(L._dense_delta(w1, w2, 0.3, dt), want.double()) <= 2 ** -8
+    G = torch.randn(a * c, b * d, generator=g, dtype=torch.float64)
+    for got, ref in zip(L._kron_grads_dense(G, w1, w2, 0.3), L._kron_grads(G, w1, w2, 0.3)):
+        torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
 # BOFT at a step-down geometry (block s = 48, out of the fused kernels' scope): 3 stages of 8
