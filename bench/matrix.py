@@ -661,9 +661,10 @@ def select_cells(args, done=()) -> List[dict]:
         cells = [c for c in cells if c["dtype"] in args.dtype.split(",")]
     if args.setting:
         cells = [c for c in cells if c["setting"] in args.setting.split(",")]
-    if args.flagged:
-        flagged = {c["id"] for c in load_json(args.flagged)["cells"] if below_contract(cell_ratios(c))}
-        cells = [c for c in cells if c["id"] in flagged]
+    if args.flagged:  # worst first: --limit / a time limit keeps the cells furthest under the contract
+        worst = {c["id"]: worst_ratio(r) for c in load_json(args.flagged)["cells"]
+                 for r in [cell_ratios(c)] if below_contract(r)}
+        cells = sorted((c for c in cells if c["id"] in worst), key=lambda c: worst[c["id"]])
     cells = [c for c in cells if c["id"] not in done]
     return cells[:args.limit] if args.limit else cells
 
@@ -921,6 +922,11 @@ def below_contract(ratios: dict) -> bool:
     return any(ratios.get(p, (MIN_RATIO,))[0] < MIN_RATIO for p in PHASES)
 
 
+def worst_ratio(ratios: dict) -> float:
+    """The lower of a cell's forward and forward+backward ratios (inf where neither is measured)."""
+    return min((ratios[p][0] for p in PHASES if p in ratios), default=float("inf"))
+
+
 def failure(c: dict) -> str:
     """Why a cell has no valid result: ours or eager failed (or disagreed), or it did not build."""
     for col in ("ours", "eager"):
@@ -1002,7 +1008,7 @@ def summary_lines(doc: dict) -> List[str]:
     lines.append(f"{'all':<20}{len(measured):>6} | {_x(_geomean(r['fwd'][0] for r in allr if 'fwd' in r), 8)} "
                  f"{'':>7} | {_x(_geomean(r['fwdbwd'][0] for r in allr if 'fwdbwd' in r), 8)}")
     lines += ["", f"flagged (ours < {MIN_RATIO:.1f}x the faster reference, fwd or f+b): {len(flagged)}"]
-    for c, r in sorted(flagged, key=lambda t: min(t[1].get(p, (9e9,))[0] for p in PHASES)):
+    for c, r in sorted(flagged, key=lambda t: worst_ratio(t[1])):
         parts = [f"{name} {r[p][0]:.2f}x: ours {c['ours'][p]:.3g} ms, {r[p][1]} {c[r[p][1]][p]:.3g}, floor "
                  f"{c.get('floor_' + p + '_ms', float('nan')):.3g}" for p, name in (("fwd", "fwd"), ("fwdbwd", "f+b"))
                  if p in r]

@@ -56,16 +56,20 @@ def test_matrix_profile_smoke(capsys, matrix):
 
 
 def test_matrix_flagged_selects_the_cells_under_one(tmp_path, capsys, matrix):
-    """``--flagged JSON`` keeps the planned cells that JSON measured below 1.0x, fwd or f+b."""
+    """``--flagged JSON`` keeps the planned cells that JSON measured below 1.0x, fwd or f+b,
+    worst first (so ``--limit`` keeps the cells furthest under the contract)."""
     args = matrix.parse_args(["--smoke"])
-    ids = [c["id"] for c in matrix.select_cells(args)][:3]
+    ids = [c["id"] for c in matrix.select_cells(args)][:4]
     ms = {"fwd": 1.0, "fwdbwd": 2.0}
     cells = [dict(id=ids[0], ours=ms, eager={"fwd": 0.9, "fwdbwd": 3.0}),  # fwd 0.9x: flagged
              dict(id=ids[1], ours=ms, eager={"fwd": 1.5, "fwdbwd": 3.0}),  # faster in both
-             dict(id=ids[2], ours=ms, eager={"fwd": 1.5, "fwdbwd": 3.0}, compile={"fwd": 1.2, "fwdbwd": 1.9})]
+             dict(id=ids[2], ours=ms, eager={"fwd": 1.5, "fwdbwd": 3.0}, compile={"fwd": 1.2, "fwdbwd": 1.9}),
+             dict(id=ids[3], ours=ms, eager={"fwd": 1.5, "fwdbwd": 1.0})]  # f+b 0.5x: the worst
     (tmp_path / "m.json").write_text(json.dumps({"cells": cells}))
     picked = matrix.select_cells(matrix.parse_args(["--smoke", "--flagged", str(tmp_path / "m.json")]))
-    assert [c["id"] for c in picked] == [ids[0], ids[2]]
+    assert [c["id"] for c in picked] == [ids[3], ids[0], ids[2]]
+    limited = matrix.select_cells(matrix.parse_args(["--smoke", "--flagged", str(tmp_path / "m.json"), "--limit", "1"]))
+    assert [c["id"] for c in limited] == [ids[3]]
 
 
 @pytest.mark.slow
