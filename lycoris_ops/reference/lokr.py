@@ -239,6 +239,12 @@ def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
     w1 = _side(w1a, w1b, cd, acc)
     w2 = _side(w2a, w2b, cd, acc)
     g_w1, g_w2 = _kron_grads(_up(grad, cd, acc), w1, w2, float(gamma))
+    return _factored_grads(grad, g_w1, g_w2, w1a, w1b, w2a, w2b, specs, cd, acc)
+
+
+def _factored_grads(grad, g_w1, g_w2, w1a, w1b, w2a, w2b, specs, cd, acc):
+    """``lokr_merge_bwd``'s outputs from g_w1, g_w2 (acc): through each factored side
+    (``g_wa = g_w·wbᵀ``, ``g_wb = waᵀ·g_w``), each rounded once to its input's dtype."""
     outs = []
     for g_w, wa, wb in ((g_w1, w1a, w1b), (g_w2, w2a, w2b)):
         if wb is None:
@@ -252,6 +258,32 @@ def lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma):
         else:
             result.append(cast(g, dt).contiguous())
     return tuple(result)
+
+
+def lokr_full_merge_bwd_native(grad, w1, w2, gamma):
+    """The step-down body of ``lokr_full_merge_bwd`` (docs/ops.md §1.5): with a 16-bit compute
+    dtype, G is read in that dtype by two batched GEMMs with fp32 accumulation
+    (``_kron_grads_batched``), no fp32 or permuted copy of the O·I gradient. Else the exact body."""
+    (_, d1), (_, d2) = check_lokr_full_merge_bwd(grad, w1, w2, gamma)
+    cd = C.compute_dtype("lokr_full_merge_bwd", w1=w1, w2=w2)
+    if cd not in C.HALF_DTYPES:
+        return lokr_full_merge_bwd(grad, w1, w2, gamma)
+    g_w1, g_w2 = _kron_grads_batched(cast(grad, cd), w1.float(), w2.float(), float(gamma))
+    return cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()
+
+
+def lokr_merge_bwd_native(grad, w1a, w1b, w2a, w2b, shape, gamma):
+    """The step-down body of ``lokr_merge_bwd``: ``lokr_full_merge_bwd_native``'s products with
+    the regenerated sides w1, w2 rounded to the 16-bit compute dtype, then the factored sides'
+    chain in fp32 as the exact body. Else the exact body."""
+    specs = check_lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma)
+    cd = C.compute_dtype("lokr_merge_bwd", w1a=w1a, w1b=w1b, w2a=w2a, w2b=w2b)
+    if cd not in C.HALF_DTYPES:
+        return lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma)
+    acc = _acc(cd)
+    w1, w2 = _side(w1a, w1b, cd, acc), _side(w2a, w2b, cd, acc)
+    g_w1, g_w2 = _kron_grads_batched(cast(grad, cd), w1, w2, float(gamma))
+    return _factored_grads(grad, g_w1, g_w2, w1a, w1b, w2a, w2b, specs, cd, acc)
 
 
 # ---------------------------------------------------------------------------
@@ -393,14 +425,17 @@ def _dense_delta(w1: torch.Tensor, w2: torch.Tensor, gamma, cd: torch.dtype) -> 
     return out.view(a * c, b * d)
 
 
-def _kron_grads_dense(g: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gamma: float):
-    """``_kron_grads`` of an fp32 gΔW (a·c, b·d) as batched matrix-vector products over its
-    (a, c) row blocks: no permuted copy of the O·I matrix (einsum makes one per factor)."""
+def _kron_grads_batched(g: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, gamma: float):
+    """``_kron_grads`` of g (a·c, b·d) as two batched matrix-vector products over its (a, c) row
+    blocks (``mm32``: fp32 accumulation and output): no permuted copy of g (einsum makes one per
+    factor) and, for a 16-bit g, no fp32 copy either; the factors are rounded to g's dtype."""
     a, b = w1.shape
     c, d = w2.shape
-    g4 = g.view(a, c, b, d)
-    g_w1 = torch.matmul(g4, w2.reshape(1, c, d, 1)).sum(1).view(a, b) * gamma  # Σ_ij G4[u,i,v,j]·w2[i,j]
-    g_w2 = torch.matmul(w1.reshape(a, 1, 1, b), g4).sum(0).view(c, d) * gamma  # Σ_uv G4[u,i,v,j]·w1[u,v]
+    g3 = g.reshape(a * c, b, d)
+    w2e = cast(w2, g.dtype).reshape(1, c, d, 1).expand(a, c, d, 1).reshape(a * c, d, 1)
+    w1e = cast(w1, g.dtype).reshape(a, 1, 1, b).expand(a, c, 1, b).reshape(a * c, 1, b)
+    g_w1 = mm32(g3, w2e).view(a, c, b).sum(1) * gamma  # Σ_ij G4[u,i,v,j]·w2[i,j]
+    g_w2 = mm32(w1e, g3).view(a, c, d).sum(0) * gamma  # Σ_uv G4[u,i,v,j]·w1[u,v]
     return g_w1, g_w2
 
 
@@ -485,5 +520,5 @@ def _bypass_bwd_dense(G, x, w1, w2, gamma, cd, dx, d1, d2):
     the compute dtype, ``gΔW = Gᵀ·x`` over all tokens (fp32 accumulation and output), and the
     factor gradients from gΔW viewed (a, c, b, d): ``g_w1 = γ·Σ gΔW·w2``, ``g_w2 = γ·Σ gΔW·w1``."""
     gx = G @ _dense_delta(w1, w2, gamma, cd)
-    g_w1, g_w2 = _kron_grads_dense(mm32(G.t(), x), w1.float(), w2.float(), gamma)  # gΔW kept fp32
+    g_w1, g_w2 = _kron_grads_batched(mm32(G.t(), x), w1.float(), w2.float(), gamma)  # gΔW kept fp32
     return cast(gx, dx).contiguous(), cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()

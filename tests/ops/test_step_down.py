@@ -14,10 +14,11 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def test_which_ops_have_a_step_down_body():
-    """The ops whose exact body widens token-sized tensors to fp32 have a 16-bit one; the
-    others' exact body already runs 16-bit GEMMs with fp32 accumulation."""
+    """The ops whose exact body widens token-sized (or, LoKr's merge backwards, weight-sized)
+    tensors to fp32 have a 16-bit one; the others' exact body already runs 16-bit GEMMs with
+    fp32 accumulation."""
     assert set(NATIVE) == {"lokr_bypass_fwd", "lokr_bypass_bwd", "oft_fwd", "oft_bwd", "boft_fwd", "boft_bwd",
-                           "ia3_fwd", "ia3_bwd"}
+                           "ia3_fwd", "ia3_bwd", "lokr_full_merge_bwd", "lokr_merge_bwd"}
 
 
 def _cases(op, dtype):
@@ -123,7 +124,7 @@ def test_lokr_dense_route_pieces(a, b, c, d):
     for dt in (torch.bfloat16, torch.float16):
         assert rel_err(L._dense_delta(w1, w2, 0.3, dt), want.double()) <= 2 ** -8
     G = torch.randn(a * c, b * d, generator=g, dtype=torch.float64)
-    for got, ref in zip(L._kron_grads_dense(G, w1, w2, 0.3), L._kron_grads(G, w1, w2, 0.3)):
+    for got, ref in zip(L._kron_grads_batched(G, w1, w2, 0.3), L._kron_grads(G, w1, w2, 0.3)):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 

@@ -188,7 +188,7 @@ def full_merge_bwd_kwargs(grad, w1, w2, gamma):
     return _merge_kwargs("lokr_full_merge_bwd", "fbwd", fk, int(a), int(b), int(c), int(d), 0, 0,
                          compute_dtype(w1.dtype, w2.dtype), grad.dtype, None, True, dev,
                          lambda kw: kernels.lokr_full_merge_bwd(grad, w1, w2, gamma, **kw),
-                         lambda: reference.lokr_full_merge_bwd(grad, w1, w2, gamma))
+                         lambda: reference.lokr_full_merge_bwd_native(grad, w1, w2, gamma))
 
 
 def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
@@ -219,7 +219,7 @@ def merge_bwd_kwargs(grad, w1a, w1b, w2a, w2b, shape, gamma):
     fk = (a, b, c, d, r1, r2, dts, grad.dtype, dev)
     return _merge_kwargs("lokr_merge_bwd", "mbwd", fk, a, b, c, d, r1, r2, compute_dtype(*dts), grad.dtype, None,
                          True, dev, lambda kw: kernels.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma, **kw),
-                         lambda: reference.lokr_merge_bwd(grad, w1a, w1b, w2a, w2b, shape, gamma))
+                         lambda: reference.lokr_merge_bwd_native(grad, w1a, w1b, w2a, w2b, shape, gamma))
 
 
 def _bypass_default(default_fn, auto_swap, T, a, b, c, d, compute):
