@@ -239,6 +239,21 @@ def lokr_bypass(x: torch.Tensor, w1: Optional[torch.Tensor] = None, w1a: Optiona
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
+#: below this many w2 output channels the structured conv (N·b images of d channels into c)
+#: fills too little of a GEMM tile to beat the layer's own conv: the formula runs instead
+STRUCTURED_CONV_MIN_C = 32
+
+
+def _w2_out_channels(w2, w2a, t2) -> Optional[int]:
+    """c of the conv side (whole, factored or tucker), None where the factors are malformed
+    (the structured route's checks then say why)."""
+    if w2 is not None:
+        return int(w2.shape[0]) if w2.dim() else None
+    if w2a is None or w2a.dim() < 2:
+        return None
+    return int(w2a.shape[1] if t2 is not None else w2a.shape[0])
+
+
 def lokr_bypass_conv(x: torch.Tensor, w1: Optional[torch.Tensor] = None, w1a: Optional[torch.Tensor] = None,
                      w1b: Optional[torch.Tensor] = None, w2: Optional[torch.Tensor] = None,
                      w2a: Optional[torch.Tensor] = None, w2b: Optional[torch.Tensor] = None,
@@ -252,19 +267,23 @@ def lokr_bypass_conv(x: torch.Tensor, w1: Optional[torch.Tensor] = None, w1a: Op
     (a·c, b·d, *kernel) Kronecker weight, computed without building ΔW when
     groups == 1: x (N, b·d, *S) is viewed as (N·b, d, *S), convolved with w2
     (c, d, *kernel) using the layer's stride/padding/dilation, and the b axis is
-    contracted with w1: ``y[n, u·c+i] = Σ_v w1[u, v]·z[n, v, i]``. With groups > 1
-    ΔW is built (``lokr_weight``) and the layer's conv runs with it. 1-D, 2-D and
-    3-D convs. Output (N, a·c, *S') in x's dtype.
+    contracted with w1: ``y[n, u·c+i] = Σ_v w1[u, v]·z[n, v, i]``. With groups > 1,
+    or a w2 of fewer than ``STRUCTURED_CONV_MIN_C`` output channels, ΔW is built
+    (``lokr_weight``) and the layer's conv runs with it. 1-D, 2-D and 3-D convs.
+    Output (N, a·c, *S') in x's dtype.
     """
     fn = "lokr_bypass_conv"
     C.tensor(fn, "x", x)
     scale = C.float_arg(fn, "scale", scale)
     cd = _compute(fn, x, w1, w1a, w1b, w2, w2a, w2b, t2)
-    if groups != 1:
+    c2 = _w2_out_channels(w2, w2a, t2)
+    if groups != 1 or (c2 is not None and c2 < STRUCTURED_CONV_MIN_C):
         dw = lokr_weight(w1, w1a, w1b, w2, w2a, w2b, t2, scale=scale).to(cd)
         nd = dw.dim() - 2
         if nd not in _CONV or x.dim() != nd + 2:
             C.fail(fn, f"x must be (N, C, *spatial) with {nd} spatial dims, got {tuple(x.shape)}")
+        if x.shape[1] != dw.shape[1] * groups:
+            C.fail(fn, f"x.shape[1] must be b*d*groups = {dw.shape[1] * groups}, got {x.shape[1]}")
         y = _CONV[nd](x.to(cd), dw, None, stride, padding, dilation, groups).to(x.dtype)
         return y if base is None else base + y
     w1, w2 = _whole_sides(fn, w1, w1a, w1b, w2, w2a, w2b, t2, cd)

@@ -12,7 +12,7 @@ module             forward (``s = alpha/rank·multiplier``)                     
 ``LoHaLinear``     ``base(x) + s·x·((w1a·w1b)⊙(w2a·w2b))ᵀ``                   ``loha.bypass``
 ``LoHaConv2d``     ``base(x) + conv(x, s·ΔW)`` (ΔW via the merge op)           ``loha.bypass``
 ``LoKrLinear``     ``base(x) + s·x·kron(w1, w2)ᵀ`` (w2 = w2a·w2b if factored)  ``lokr.lokr_bypass``
-``LoKrConv2d``     ``base(x) + conv(x, s·kron(w1, w2))`` (ΔW never built)      ``lokr.lokr_bypass_conv``
+``LoKrConv2d``     ``base(x) + conv(x, s·kron(w1, w2))`` (ΔW: narrow w2 only)  ``lokr.lokr_bypass_conv``
 ``DoRALinear``     ``F.linear(x, wd(W + α/r·up·down), b)`` (m only in wd)       ``locon.bypass`` +
                                                                                ``dora.lowrank_norm_terms``
 ``DoRAConv2d``     ``conv(x, wd(W + α/r·ΔW), b)`` (W' built each call)       ``dora.weight_decompose``

@@ -89,7 +89,8 @@ class LoKrConv2d(LoKrLinear):
     over the kernel, w2 (c, d, kh, kw) whole or w2a (c, r)·w2b (r, d, kh, kw) (factored when
     ``rank < max(c, d)/2``); a LyCORIS state dict may also hold the tucker side (``lokr_t2``
     (r, r, kh, kw), w2a (r, c), w2b (r, d)). Forward: ``lokr_bypass_conv`` (x convolved with w2
-    per group of d input channels, then contracted with w1; ΔW never built)."""
+    per group of d input channels, then contracted with w1; ΔW built only for a w2 narrower than
+    ``STRUCTURED_CONV_MIN_C`` output channels, where the layer's own conv is faster)."""
 
     bases = (nn.Conv2d,)
 

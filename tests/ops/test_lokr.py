@@ -535,8 +535,15 @@ def test_functional_bypass_linear(dtype):
                 assert rel_err(gg, ee) <= REL_TOL[dtype] * (2 if dtype in HALF else 1), (name, k)
 
 
+@pytest.mark.parametrize("route", ("structured", "formula"))
 @pytest.mark.parametrize("dtype", (torch.float64, torch.float32), ids=str)
-def test_functional_bypass_conv(dtype):
+def test_functional_bypass_conv(dtype, route, monkeypatch):
+    """Both routes of a groups == 1 conv: the structured one (x viewed as N·b images of d
+    channels) and the formula's (ΔW built, one conv; a w2 narrower than STRUCTURED_CONV_MIN_C)."""
+    monkeypatch.setattr(FL, "STRUCTURED_CONV_MIN_C", 0 if route == "structured" else 1 << 30)
+    built = []
+    lokr_weight = FL.lokr_weight
+    monkeypatch.setattr(FL, "lokr_weight", lambda *a, **k: built.append(1) or lokr_weight(*a, **k))
     g = torch.Generator().manual_seed(7)
     for name, p, formula in _weight_configs(g, dtype):
         if name in ("whole", "both", "side1", "side2"):
@@ -571,6 +578,23 @@ def test_functional_bypass_conv(dtype):
     exp = torch.autograd.grad(yref, [xr] + list(ref_p.values()), G)
     for gg, ee in zip(got, exp):
         assert rel_err(gg, ee) < 1e-12
+    # the groups == 1 calls built ΔW exactly on the formula's route (the groups path always does)
+    groups1 = sum(1 for name, _, _ in _weight_configs(torch.Generator().manual_seed(7), dtype)
+                  if name not in ("whole", "both", "side1", "side2")) * 2 + 1
+    groups2 = groups1 // 2
+    assert len(built) == groups2 + (groups1 if route == "formula" else 0)
+
+
+def test_lokr_conv_route_by_w2_width():
+    """A conv w2 narrower than STRUCTURED_CONV_MIN_C output channels (SD 1.5's 320 channels at
+    factor -1: w2 20x20) takes the formula's route; 32 and wider (SDXL's 640: 32x32) the
+    structured one; whole, factored and tucker sides alike."""
+    r = torch.randn
+    assert FL._w2_out_channels(r(20, 20, 3, 3), None, None) == 20
+    assert FL._w2_out_channels(None, r(32, 4), None) == 32  # factored: w2a (c, r)
+    assert FL._w2_out_channels(None, r(4, 40), r(4, 4, 3, 3)) == 40  # tucker: w2a (r, c)
+    assert FL._w2_out_channels(None, None, None) is None
+    assert FL.STRUCTURED_CONV_MIN_C == 32
 
 
 def test_functional_errors():
