@@ -260,6 +260,27 @@ def _factored_grads(grad, g_w1, g_w2, w1a, w1b, w2a, w2b, specs, cd, acc):
     return tuple(result)
 
 
+def lokr_full_merge_fwd_native(w1, w2, base, gamma, out_dtype=None):
+    """The step-down body of ``lokr_full_merge_fwd``: with a 16-bit compute dtype the exact
+    body's math in one broadcast pass (``_kron_epilogue``); else the exact body."""
+    ((_, dtype),) = check_lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype)
+    cd = C.compute_dtype("lokr_full_merge_fwd", w1=w1, w2=w2)
+    if cd not in C.HALF_DTYPES:
+        return lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype)
+    return _kron_epilogue(_up(w1, cd, torch.float32), _up(w2, cd, torch.float32), gamma, base, dtype)
+
+
+def lokr_merge_fwd_native(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
+    """The step-down body of ``lokr_merge_fwd``: the sides generated in fp32 (small GEMMs), then
+    ``_kron_epilogue``'s one pass; else the exact body."""
+    ((_, dtype),) = check_lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype)
+    cd = C.compute_dtype("lokr_merge_fwd", w1a=w1a, w1b=w1b, w2a=w2a, w2b=w2b)
+    if cd not in C.HALF_DTYPES:
+        return lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype)
+    acc = _acc(cd)
+    return _kron_epilogue(_side(w1a, w1b, cd, acc), _side(w2a, w2b, cd, acc), gamma, base, dtype)
+
+
 def lokr_full_merge_bwd_native(grad, w1, w2, gamma):
     """The step-down body of ``lokr_full_merge_bwd`` (docs/ops.md §1.5): with a 16-bit compute
     dtype, G is read in that dtype by two batched GEMMs with fp32 accumulation
@@ -415,13 +436,18 @@ def dense_route(T: int, a: int, b: int, c: int, d: int) -> bool:
     return T * dense >= DENSE_MIN_MACS and dense <= DENSE_MAX_MAC_RATIO * min(_structured_macs(a, b, c, d))
 
 
-def _dense_delta(w1: torch.Tensor, w2: torch.Tensor, gamma, cd: torch.dtype) -> torch.Tensor:
-    """``γ·kron(w1, w2)`` (a·c, b·d) in ``cd``: fp32 products rounded once, written in one pass
-    (``lokr_full_merge_fwd`` makes fp32 kron, scaled and cast copies of the O·I matrix)."""
+def _kron_epilogue(w1: torch.Tensor, w2: torch.Tensor, gamma, base, dtype: torch.dtype) -> torch.Tensor:
+    """``γ·kron(w1, w2) [+ base]`` (a·c, b·d) in ``dtype`` in one broadcast pass: the products, γ
+    and the base add in the promoted dtype of w1, w2 (fp32 / fp64) and base, rounded once (the
+    exact bodies write an fp32 kron, a scaled copy and the sum before the cast)."""
     a, b = w1.shape
     c, d = w2.shape
-    out = torch.empty((a, c, b, d), dtype=cd, device=w2.device)
-    torch.mul((w1.float() * float(gamma))[:, None, :, None], w2.float()[None, :, None, :], out=out)
+    out = torch.empty((a, c, b, d), dtype=dtype, device=w2.device)
+    w1e, w2e = w1[:, None, :, None], w2[None, :, None, :]
+    if base is None:
+        torch.mul(w1e * float(gamma), w2e, out=out)
+    else:
+        torch.addcmul(base.reshape(a, c, b, d), w1e, w2e, value=float(gamma), out=out)
     return out.view(a * c, b * d)
 
 
@@ -459,7 +485,7 @@ def lokr_bypass_fwd_native(x, w1, w2, gamma, base=None):
     c, d = w2.shape
     T = x.shape[0]
     if dense_route(T, a, b, c, d):  # γ·kron rounded once to the compute dtype, one GEMM
-        dw = _dense_delta(w1, w2, gamma, cd)
+        dw = _kron_epilogue(w1.float(), w2.float(), gamma, None, cd)
         if base is not None and base.dtype == cd == dtype:  # base as the GEMM's C: no pass of its own
             return torch.addmm(base, cast(x, cd), dw.t()).contiguous()
         y = cast(x, cd) @ dw.t()
@@ -519,6 +545,6 @@ def _bypass_bwd_dense(G, x, w1, w2, gamma, cd, dx, d1, d2):
     """``lokr_bypass_bwd_native``'s dense route: ``gx = G·ΔW`` with ΔW = γ·kron(w1, w2) rounded to
     the compute dtype, ``gΔW = Gᵀ·x`` over all tokens (fp32 accumulation and output), and the
     factor gradients from gΔW viewed (a, c, b, d): ``g_w1 = γ·Σ gΔW·w2``, ``g_w2 = γ·Σ gΔW·w1``."""
-    gx = G @ _dense_delta(w1, w2, gamma, cd)
+    gx = G @ _kron_epilogue(w1.float(), w2.float(), gamma, None, cd)
     g_w1, g_w2 = _kron_grads_batched(mm32(G.t(), x), w1.float(), w2.float(), gamma)  # gΔW kept fp32
     return cast(gx, dx).contiguous(), cast(g_w1, d1).contiguous(), cast(g_w2, d2).contiguous()

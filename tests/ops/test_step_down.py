@@ -18,7 +18,8 @@ def test_which_ops_have_a_step_down_body():
     tensors to fp32 have a 16-bit one; the others' exact body already runs 16-bit GEMMs with
     fp32 accumulation."""
     assert set(NATIVE) == {"lokr_bypass_fwd", "lokr_bypass_bwd", "oft_fwd", "oft_bwd", "boft_fwd", "boft_bwd",
-                           "ia3_fwd", "ia3_bwd", "lokr_full_merge_bwd", "lokr_merge_bwd"}
+                           "ia3_fwd", "ia3_bwd", "lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd",
+                           "lokr_merge_bwd"}
 
 
 def _cases(op, dtype):
@@ -91,9 +92,9 @@ def test_lokr_step_down_dense_route(dtype, base_dtype, monkeypatch):
     monkeypatch.setattr(L, "DENSE_MIN_MACS", 0)
     T, a, b, c, d = 29, 2, 3, 40, 50
     assert L.dense_route(T, a, b, c, d)
-    dense = L._dense_delta
+    dense = L._kron_epilogue
     calls = []
-    monkeypatch.setattr(L, "_dense_delta", lambda *args: calls.append(1) or dense(*args))
+    monkeypatch.setattr(L, "_kron_epilogue", lambda *args: calls.append(1) or dense(*args))
     g = torch.Generator().manual_seed(21)
     x = torch.randn(T, b * d, generator=g).to(dtype)
     w1, w2 = torch.randn(a, b, generator=g).to(dtype), (torch.randn(c, d, generator=g) * 0.1).to(dtype)
@@ -120,9 +121,12 @@ def test_lokr_dense_route_pieces(a, b, c, d):
     g = torch.Generator().manual_seed(a * 100 + d)
     w1, w2 = torch.randn(a, b, generator=g, dtype=torch.float64), torch.randn(c, d, generator=g, dtype=torch.float64)
     want = L.lokr_full_merge_fwd(w1, w2, None, 0.3, torch.float32)
-    torch.testing.assert_close(L._dense_delta(w1, w2, 0.3, torch.float32), want, rtol=2 ** -22, atol=0)
+    torch.testing.assert_close(L._kron_epilogue(w1, w2, 0.3, None, torch.float32), want, rtol=2 ** -22, atol=0)
     for dt in (torch.bfloat16, torch.float16):
-        assert rel_err(L._dense_delta(w1, w2, 0.3, dt), want.double()) <= 2 ** -8
+        assert rel_err(L._kron_epilogue(w1, w2, 0.3, None, dt), want.double()) <= 2 ** -8
+    base = torch.randn(a * c, b * d, generator=g, dtype=torch.float64).t().contiguous().t()  # non-contiguous
+    want = L.lokr_full_merge_fwd(w1, w2, base, 0.3, torch.float32)
+    torch.testing.assert_close(L._kron_epilogue(w1, w2, 0.3, base, torch.float32), want, rtol=2 ** -22, atol=0)
     G = torch.randn(a * c, b * d, generator=g, dtype=torch.float64)
     for got, ref in zip(L._kron_grads_batched(G, w1, w2, 0.3), L._kron_grads(G, w1, w2, 0.3)):
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)

@@ -175,7 +175,7 @@ def full_merge_fwd_kwargs(w1, w2, base, gamma, out_dtype=None):
     return _merge_kwargs("lokr_full_merge_fwd", "ffwd", fk, int(a), int(b), int(c), int(d), 0, 0,
                          compute_dtype(w1.dtype, w2.dtype), out, None if base is None else base.dtype, False, dev,
                          lambda kw: kernels.lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype, **kw),
-                         lambda: reference.lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype))
+                         lambda: reference.lokr_full_merge_fwd_native(w1, w2, base, gamma, out_dtype))
 
 
 def full_merge_bwd_kwargs(grad, w1, w2, gamma):
@@ -204,7 +204,7 @@ def merge_fwd_kwargs(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
     return _merge_kwargs("lokr_merge_fwd", "mfwd", fk, a, b, c, d, r1, r2,
                          compute_dtype(*dts[:4]), out, dts[4], False, dev,
                          lambda kw: kernels.lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype, **kw),
-                         lambda: reference.lokr_merge_fwd(w1a, w1b, w2a, w2b, shape, base, gamma,
+                         lambda: reference.lokr_merge_fwd_native(w1a, w1b, w2a, w2b, shape, base, gamma,
                                                                          out_dtype))
 
 
