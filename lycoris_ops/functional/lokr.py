@@ -254,6 +254,17 @@ def _w2_out_channels(w2, w2a, t2) -> Optional[int]:
     return int(w2a.shape[1] if t2 is not None else w2a.shape[0])
 
 
+def conv_formula_op(w1=None, w1a=None, w1b=None, w2=None, w2a=None, w2b=None, t2=None) -> Optional[str]:
+    """The merge op ``lokr_bypass_conv`` builds ΔW with where a groups == 1 conv takes the
+    formula's route (a w2 narrower than ``STRUCTURED_CONV_MIN_C``), else None (the structured
+    conv). ``lokr_weight``'s routing: both sides whole -> the full merge, else the factored one."""
+    c2 = _w2_out_channels(w2, w2a, t2)
+    if c2 is None or c2 >= STRUCTURED_CONV_MIN_C:
+        return None
+    whole = w1 is not None and (w2 is not None or t2 is not None)
+    return "lycoris.lokr_full_merge_fwd" if whole else "lycoris.lokr_merge_fwd"
+
+
 def lokr_bypass_conv(x: torch.Tensor, w1: Optional[torch.Tensor] = None, w1a: Optional[torch.Tensor] = None,
                      w1b: Optional[torch.Tensor] = None, w2: Optional[torch.Tensor] = None,
                      w2a: Optional[torch.Tensor] = None, w2b: Optional[torch.Tensor] = None,
@@ -276,8 +287,7 @@ def lokr_bypass_conv(x: torch.Tensor, w1: Optional[torch.Tensor] = None, w1a: Op
     C.tensor(fn, "x", x)
     scale = C.float_arg(fn, "scale", scale)
     cd = _compute(fn, x, w1, w1a, w1b, w2, w2a, w2b, t2)
-    c2 = _w2_out_channels(w2, w2a, t2)
-    if groups != 1 or (c2 is not None and c2 < STRUCTURED_CONV_MIN_C):
+    if groups != 1 or conv_formula_op(w1, w1a, w1b, w2, w2a, w2b, t2) is not None:
         dw = lokr_weight(w1, w1a, w1b, w2, w2a, w2b, t2, scale=scale).to(cd)
         nd = dw.dim() - 2
         if nd not in _CONV or x.dim() != nd + 2:

@@ -100,4 +100,5 @@ class LoKrConv2d(LoKrLinear):
                                       padding=b.padding, dilation=b.dilation)
 
     def route(self):
-        return None, "LoKr conv: eager grouped conv chain (no conv bypass op)"
+        op = _lokr.conv_formula_op(**self.factors())  # a narrow w2: ΔW by the merge op, one conv
+        return (op, None) if op else (None, "LoKr conv: eager grouped conv chain (no conv bypass op)")

@@ -595,6 +595,11 @@ def test_lokr_conv_route_by_w2_width():
     assert FL._w2_out_channels(None, r(4, 40), r(4, 4, 3, 3)) == 40  # tucker: w2a (r, c)
     assert FL._w2_out_channels(None, None, None) is None
     assert FL.STRUCTURED_CONV_MIN_C == 32
+    w1 = r(16, 16)
+    assert FL.conv_formula_op(w1=w1, w2=r(20, 20, 3, 3)) == "lycoris.lokr_full_merge_fwd"
+    assert FL.conv_formula_op(w1=w1, w2a=r(20, 4), w2b=r(4, 20, 3, 3)) == "lycoris.lokr_merge_fwd"
+    assert FL.conv_formula_op(w1a=r(16, 2), w1b=r(2, 16), w2=r(20, 20, 3, 3)) == "lycoris.lokr_merge_fwd"
+    assert FL.conv_formula_op(w1=w1, w2=r(32, 32, 3, 3)) is None
 
 
 def test_functional_errors():
