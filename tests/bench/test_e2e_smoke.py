@@ -45,8 +45,8 @@ def test_e2e_smoke_unet_new_adapters(tmp_path):
     assert not [r for r in rows.values() if r["error"]], rows
     for a in ("lokr8", "boft"):
         ours = rows[(a, "ours-eager")]
-        assert ours["ms"] > 0 and ours["note"].startswith("12/14 layers on our ops (rest: LoKr conv"
-                                                          if a == "lokr8" else "14/14 layers on our ops"), ours
+        # at the smoke widths LoKr's conv w2 is narrow: those layers build ΔW by the merge op
+        assert ours["ms"] > 0 and ours["note"].startswith("14/14 layers on our ops"), ours
         lyco = rows[(a, "lyco-eager")]
         assert lyco["ms"] > 0 or lyco["note"] == "n/a: lycoris-lora is not importable", lyco
     assert rows[("lokr8", "peft-eager")]["ms"] > 0

@@ -157,6 +157,19 @@ def test_explain_nn_adapters(cls, kw):
     assert {r.reason for r in explain(m)} == {"merged into the base weight"}
 
 
+def test_explain_lokr_conv_structured_route():
+    """A LoKr conv whose w2 is at least STRUCTURED_CONV_MIN_C wide runs the structured conv chain,
+    which calls no lycoris op: its row is the fallback with the reason (a narrow one, above,
+    names the merge op)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(lnn.LoKrConv2d(nn.Conv2d(256, 256, 3, padding=1), factor=4))  # w2 64x64
+    (row,) = explain(m)
+    assert not row.fused and row.reason.startswith("LoKr conv: eager grouped conv chain"), row
+    _perturb(m)
+    _, ops = _forward_ops(m, torch.randn(1, 256, 4, 4), [row.name])
+    assert not ops, ops
+
+
 def test_explain_nn_dora_trainable_base():
     """DoRALinear with a trainable base weight takes the merged path (dora_fwd)."""
     m, x = _nn_model(lnn.DoRALinear, {"rank": 2})
