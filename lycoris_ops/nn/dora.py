@@ -90,7 +90,9 @@ class DoRALinear(LoRALinear):
         d = self.dora_scale.reshape(-1)
         n, _, _ = _AdaptedNorms.apply(self.base.weight, torch.finfo(d.dtype).eps, self.lora_up, self.lora_down,
                                       self.scale, 0 if self.wd_on_out else 1)
-        return (d.to(n.dtype) / n).mul_(self.multiplier).add_(1 - self.multiplier)
+        s = torch.div(d, n)  # promoted to n's fp32
+        # multiplier 1 (the usual case) needs no blend: two launches fewer per layer and step
+        return s if self.multiplier == 1.0 else s.mul_(self.multiplier).add_(1 - self.multiplier)
 
     def adapter_forward(self, x):
         if self.base.weight.requires_grad:
