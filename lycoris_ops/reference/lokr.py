@@ -267,7 +267,8 @@ def lokr_full_merge_fwd_native(w1, w2, base, gamma, out_dtype=None):
     cd = C.compute_dtype("lokr_full_merge_fwd", w1=w1, w2=w2)
     if cd not in C.HALF_DTYPES:
         return lokr_full_merge_fwd(w1, w2, base, gamma, out_dtype)
-    return _kron_epilogue(_up(w1, cd, torch.float32), _up(w2, cd, torch.float32), gamma, base, dtype)
+    acc = _acc(cd)
+    return _kron_epilogue(_up(w1, cd, acc), _up(w2, cd, acc), gamma, base, dtype)
 
 
 def lokr_merge_fwd_native(w1a, w1b, w2a, w2b, shape, base, gamma, out_dtype=None):
