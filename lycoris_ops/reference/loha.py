@@ -145,3 +145,46 @@ def loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma):
     gx = gemm_epilogue(g, dw, x.dtype, gamma).contiguous()
     gw = mm_rounded(g.t(), xc, c)
     return (gx,) + _hada_grads(gw, p1, p2, a1, b1, a2, b2, gamma, c)
+
+
+# ---------------------------------------------------------------------------
+# step-down bodies (docs/ops.md §1.5): the O·I products in the 16-bit compute dtype
+
+
+def _delta_native(a1, b1, a2, b2, c):
+    """``P1 = a1·b1``, ``P2 = a2·b2`` each rounded to ``c`` by one 16-bit GEMM, and their
+    product ``ΔW`` rounded again: the user's formula, without the exact body's three fp32
+    O·I passes."""
+    p1 = mm_rounded(cast(a1, c), cast(b1, c), c)
+    p2 = mm_rounded(cast(a2, c), cast(b2, c), c)
+    return p1, p2, p1 * p2
+
+
+def loha_bypass_fwd_native(x, a1, b1, a2, b2, gamma, base=None):
+    """The step-down body of ``loha_bypass_fwd``: with a 16-bit compute dtype ΔW built in that
+    dtype (``_delta_native``), then the exact body's one GEMM with its epilogue; else the
+    exact body."""
+    ((_, dt),) = check_loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base)
+    c = C.compute_dtype("loha_bypass_fwd", x=x, a1=a1, b1=b1, a2=a2, b2=b2)
+    if c not in C.HALF_DTYPES:
+        return loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base)
+    _, _, dw = _delta_native(a1, b1, a2, b2, c)
+    return gemm_epilogue(cast(x, c), dw.t(), dt, gamma, base).contiguous()
+
+
+def loha_bypass_bwd_native(grad, x, a1, b1, a2, b2, gamma):
+    """The step-down body of ``loha_bypass_bwd``: with a 16-bit compute dtype ΔW regenerated in
+    that dtype, ``γ·Gᵀ·x`` rounded once by one GEMM, ``E1 = γGW⊙P2`` and ``E2 = γGW⊙P1`` each
+    one 16-bit pass (over P2, P1 in place), then the exact body's four small contractions;
+    else the exact body."""
+    check_loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma)
+    c = C.compute_dtype("loha_bypass_bwd", x=x, a1=a1, b1=b1, a2=a2, b2=b2)
+    if c not in C.HALF_DTYPES:
+        return loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma)
+    g, xc = cast(grad, c), cast(x, c)
+    p1, p2, dw = _delta_native(a1, b1, a2, b2, c)
+    gx = gemm_epilogue(g, dw, x.dtype, gamma).contiguous()
+    del dw
+    gw = gemm_epilogue(g.t(), xc, c, gamma)
+    return (gx,) + hada_contractions(p2.mul_(gw), p1.mul_(gw), a1, b1, a2, b2, c)
+

@@ -14,12 +14,12 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def test_which_ops_have_a_step_down_body():
-    """The ops whose exact body widens token-sized (or, LoKr's merge backwards, weight-sized)
-    tensors to fp32 have a 16-bit one; the others' exact body already runs 16-bit GEMMs with
+    """The ops whose exact body widens token-sized (or, LoKr's merges and LoHa's bypass,
+    weight-sized) tensors to fp32 have a 16-bit one; the others' exact body already runs 16-bit GEMMs with
     fp32 accumulation."""
     assert set(NATIVE) == {"lokr_bypass_fwd", "lokr_bypass_bwd", "oft_fwd", "oft_bwd", "boft_fwd", "boft_bwd",
                            "ia3_fwd", "ia3_bwd", "lokr_full_merge_fwd", "lokr_full_merge_bwd", "lokr_merge_fwd",
-                           "lokr_merge_bwd"}
+                           "lokr_merge_bwd", "loha_bypass_fwd", "loha_bypass_bwd"}
 
 
 def _cases(op, dtype):
