@@ -267,6 +267,7 @@ def profile_step(step, device) -> dict:
         return found, op
 
     ours = {}  # (lycoris op, kernel) -> [launches, us]: where our ops' time goes
+    every = {}  # kernel -> [launches, us]: the whole step's, peers' rows included (what a miss is made of)
 
     for e in prof.events():
         own = sum(k.duration for k in e.kernels) if cuda else e.self_cpu_time_total  # us
@@ -276,6 +277,10 @@ def profile_step(step, device) -> dict:
         cat, op = category(e)
         if cat is not None:
             out[cat] += own
+        for k in e.kernels if cuda else ():
+            slot = every.setdefault(k.name[:90], [0, 0.0])
+            slot[0] += 1
+            slot[1] += k.duration
         if cat == "lycoris ops" and cuda:
             for k in e.kernels:
                 slot = ours.setdefault((op, k.name[:70]), [0, 0.0])
@@ -286,6 +291,8 @@ def profile_step(step, device) -> dict:
     out["total"] = total / 1e3
     top = sorted(ours.items(), key=lambda kv: -kv[1][1])[:14]
     out["kernels"] = [(op, k, n, us / 1e3) for (op, k), (n, us) in top]
+    out["launches"] = sum(n for n, _ in every.values())
+    out["top"] = [(k, n, us / 1e3) for k, (n, us) in sorted(every.items(), key=lambda kv: -kv[1][1])[:16]]
     return out
 
 
@@ -502,7 +509,7 @@ def main(argv=None):
            f"{(r.get('note') or '') + (' error: ' + r['error'] if r['error'] else '')} |" for r in rows]
     profiled = [r for r in rows if r.get("profile")]
     if profiled:
-        cats = [c for c in profiled[0]["profile"] if c != "kernels"]
+        cats = [c for c in profiled[0]["profile"] if c not in ("kernels", "top", "launches")]
         unit = "device ms" if device.startswith("cuda") else "CPU ms"
         md += ["", f"One profiled step per row ({unit}; GEMM = every matmul and conv, the frozen base's and unfused "
                    "adapters'; `other` = the rest: adds, casts, copies, Inductor's fused kernels):", "",
@@ -513,6 +520,10 @@ def main(argv=None):
             if r["profile"].get("kernels"):
                 md += ["", f"Our ops' kernels, {r['adapter']} {r['variant']} (op, kernel, launches, device ms):", ""]
                 md += [f"    {op:28s} {k:70s} {n:4d} {ms:7.3f}" for op, k, n, ms in r["profile"]["kernels"]]
+            if r["profile"].get("top"):
+                md += ["", f"Top kernels of the step, {r['adapter']} {r['variant']} ({r['profile']['launches']} "
+                           "launches; kernel, launches, device ms):", ""]
+                md += [f"    {k:90s} {n:4d} {ms:7.3f}" for k, n, ms in r["profile"]["top"]]
     with open(os.path.join(args.out, "e2e.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     print("\n".join(md))
