@@ -36,6 +36,7 @@ Rows per adapter (when available):
 - ``ours-graphs``          ``torch.compile(mode="reduce-overhead")`` of ``ours`` (CUDA graphs), CUDA only
 - ``base-eager``           no adapters: the frozen blocks' forward and input-gradient backward, the
                            floor under every row (what adapter fusion cannot remove)
+- ``base-compiled``        ``torch.compile`` of ``base-eager``: the floor under the compiled rows
 
 Reports median step time (ms), speed-up vs the row's eager baseline, and peak
 memory (``torch.cuda.max_memory_allocated`` over the measured steps), and a note: layers on
@@ -346,7 +347,7 @@ def variants(args, device):
     v = (["peft-eager", "peft-compiled", "peft-ops-eager", "peft-ops-compiled"] if have_peft
          else ["plain-eager", "plain-compiled"])
     v += ["ours-eager", "ours-compiled", "lyco-eager", "lyco-compiled"]
-    v.insert(0, "base-eager")  # the floor every row shares: no adapters
+    v[:0] = ["base-eager", "base-compiled"]  # the floor every row shares: no adapters
     if torch.device(device).type == "cuda" and not args.quick:
         v.append("ours-graphs")
     if args.no_compile:
@@ -453,7 +454,7 @@ def main(argv=None):
     for adapter in adapters:
         base_ms = {}
         for v in variants(args, device):
-            if v == "base-eager" and any(r["variant"] == v for r in rows):
+            if v.startswith("base-") and any(r["variant"] == v for r in rows):
                 continue  # adapter-independent: measured once
             if v.startswith("lyco"):
                 rows.append(lyco[(adapter, v)])
