@@ -204,7 +204,7 @@ def bypass_fwd_kwargs(x, a1, b1, a2, b2, gamma, base=None):
         lambda: plan_bypass_fwd(facts(dev), T, I, O, R, compute, x.dtype, out, base is not None,
                                 default=_apply_default(T, R, compute)),
         lambda kw: kernels.bypass_fwd(x, a1, b1, a2, b2, gamma, base, **kw),
-        lambda: reference.loha_bypass_fwd(x, a1, b1, a2, b2, gamma, base),
+        lambda: reference.loha_bypass_fwd_native(x, a1, b1, a2, b2, gamma, base),
         device=dev, version=version(), resolve=lambda c: _vendor_launch(kernels.ApplyCfg, c), front=(_F_BFWD, fk), prepare=precompile.precompile)
 
 
@@ -227,7 +227,7 @@ def bypass_bwd_kwargs(grad, x, a1, b1, a2, b2, gamma):
         "loha_bypass_bwd", BACKEND, key,
         lambda: plan_bypass_bwd(facts(dev), T, I, O, R, compute, x.dtype, grad.dtype, default=default),
         lambda kw: kernels.bypass_bwd(grad, x, a1, b1, a2, b2, gamma, **kw),
-        lambda: reference.loha_bypass_bwd(grad, x, a1, b1, a2, b2, gamma),
+        lambda: reference.loha_bypass_bwd_native(grad, x, a1, b1, a2, b2, gamma),
         device=dev, version=version(),
         resolve=lambda c: {"cfg": kernels.ApplyCfg(**c["cfg"]),
                            "grad_cfg": None if c.get("grad_cfg") is None else kernels.GradCfg(**c["grad_cfg"]),
