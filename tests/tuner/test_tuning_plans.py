@@ -333,3 +333,45 @@ def test_lokr_bypass_bwd_caps_block_t_where_factor_dims_are_padded(monkeypatch):
     assert max(c_["block_t"] for c_ in P.plan_bypass_bwd(dev, 8192, 16, 16, 16, 16, bf, bf, bf).candidates
                if isinstance(c_, dict)) > 1
     TK._bypass_bwd_plan.cache_clear()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_candidate_is_the_step_down_body(family, monkeypatch):
+    """What the tuner times as ``eager`` is what a win of eager runs: the op's step-down body
+    (``reference.step_down``), not the exact body where the two differ (LoHa's tuner timed the
+    exact body, whose fp32 O·I passes lost to fused candidates the step-down body beats)."""
+    import sys
+
+    pm = importlib.import_module(f"lycoris_ops.backends.triton.tuning.{family}")
+    monkeypatch.setattr(pm, "DEVICE_TYPES", ("cpu", "cuda"))
+    monkeypatch.setattr(pm, "facts", lambda d: device.synthetic())
+    seen = {}
+
+    def fake_select(op, backend, key_parts, candidates, run_candidate, **kw):
+        seen[op] = run_candidate
+        return tune.SENTINEL_EAGER
+
+    monkeypatch.setattr(tune, "select_config", fake_select)
+    if family == "tucker":  # the test cases are one-launch calls, which are not timed
+        monkeypatch.setattr(importlib.import_module("lycoris_ops.backends.triton.kernels.tucker"), "CORE_FUSE_TILES", 0)
+    cases = testing.cases("lora" if family == "tucker" else family, dtype=torch.float32, device="cpu")
+    checked = set()
+    for case in cases:
+        if case.op not in pm.KWARGS or case.op in checked:
+            continue
+        args = select._full_args(case.op, case.args)
+        if scope.why_not(case.op, "triton", args) is not None:
+            continue
+        seen.clear()
+        pm.KWARGS[case.op](*args)
+        if case.op not in seen:  # a call the launcher's default serves untimed (one launch)
+            continue
+        body = reference.step_down(case.op)
+        calls = []
+        with monkeypatch.context() as mp:  # the body's module attribute, which the candidate looks up
+            mp.setattr(sys.modules[body.__module__], body.__name__,
+                       lambda *a, _b=body, **k: calls.append(1) or _b(*a, **k))
+            seen[case.op](tune.SENTINEL_EAGER)
+        assert calls, f"{case.op}: the tuner's eager candidate is not {body.__module__}.{body.__name__}"
+        checked.add(case.op)
+    assert checked, family
