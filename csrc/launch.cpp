@@ -119,6 +119,8 @@ struct KeyHash {
 };
 
 constexpr int kRecordAt = 3;  // the call of a signature that is recorded (tuning and JIT done by then)
+// calls until the next try where a recorded call met a tuning still deferred (its config not final)
+constexpr int kRetryAfter = 64;
 constexpr size_t kMaxKeys = 4096;
 
 struct OpState {
@@ -376,10 +378,12 @@ struct CudaKernel final : c10::OperatorKernel {
     PyRef result(PyObject_Call(record ? st->recorder : st->python_kernel, args.p, nullptr));
     PyObject* out = result.p;
     std::shared_ptr<const Plan> recorded;
-    if (record) {  // (outputs, plan or None)
+    bool retry = false;
+    if (record) {  // (outputs, plan or None, or False: no plan yet, record a later call)
       LYCORIS_CHECK(PyTuple_Check(out) && PyTuple_GET_SIZE(out) == 2, st->name, ": recorder result");
       PyObject* p = PyTuple_GET_ITEM(out, 1);
-      if (p != Py_None) recorded = parse_plan(p);
+      retry = p == Py_False;
+      if (p != Py_None && !retry) recorded = parse_plan(p);
       out = PyTuple_GET_ITEM(out, 0);
     }
     stack->erase(stack->begin() + first, stack->end());
@@ -389,7 +393,8 @@ struct CudaKernel final : c10::OperatorKernel {
       auto it = st->entries.find(recorded_key);
       if (it != st->entries.end()) {
         it->second.plan = recorded;
-        it->second.python_only = !recorded;
+        it->second.python_only = !recorded && !retry;
+        if (retry) it->second.calls = kRecordAt - kRetryAfter;
       }
     }
   }

@@ -40,8 +40,8 @@ def warmup(layers: Iterable, *, tokens: Sequence[int] = (1024,), dtype=torch.bfl
     ``backward=False`` skips the ``*_bwd`` ops). ``budget``: per-key warm-up budget while
     pre-tuning (default None = no limit: the whole shortlist is timed). ``direct``: tune
     the Triton configs through the Triton tuning's ``KWARGS`` instead of calling the ops
-    (which tune whatever backend the dispatcher picks). TileLang keys that deferred their
-    shortlists are waited for and called once more, so they are timed too. Returns a
+    (which tune whatever backend the dispatcher picks). Keys that deferred their shortlists
+    (Triton's and TileLang's) are waited for and called once more, so they are timed too. Returns a
     summary (calls made, keys tuned, table hits, seconds). Without CUDA it does nothing."""
     summary: Dict[str, Any] = {"calls": 0, "tuned": 0, "table_hits": 0, "seconds": 0.0, "errors": []}
     if not torch.cuda.is_available():
@@ -64,10 +64,10 @@ def warmup(layers: Iterable, *, tokens: Sequence[int] = (1024,), dtype=torch.bfl
     previous_budget = tune.set_budget(0.0 if budget is None else budget)
     try:
         _warm_all(parsed, tokens, dtype, dev, gen, ops, backward, summary, direct)
-        # the TileLang runner is looked up, not imported: only a process that loaded it can
-        # hold keys that deferred their shortlists
+        # keys that deferred their shortlists (the tuner's, Triton's; the TileLang runner's, looked
+        # up, not imported: only a process that loaded it can hold them) are timed by a second pass
         runner = sys.modules.get("lycoris_ops.backends.tilelang.runner")
-        if runner is not None and runner.settle():
+        if tune.settle() + (runner.settle() if runner is not None else 0):
             again: Dict[str, Any] = {"calls": 0, "errors": []}
             _warm_all(parsed, tokens, dtype, dev, gen, ops, backward, again, direct)  # they time them now
             summary["errors"] += again["errors"]

@@ -265,12 +265,17 @@ _kept = {}
 
 
 def recorder(op: str, kernel: Callable, tier_of: Callable) -> Callable:
-    """The function csrc/launch.cpp calls at a signature's recorded call: ``(outputs, plan or None)``.
+    """The function csrc/launch.cpp calls at a signature's recorded call: ``(outputs, plan or None)``,
+    or ``(outputs, False)`` where the call ran a deferred key's first config (``tune``'s
+    deferred cold keys): no plan yet, a later call of the signature is recorded.
 
     ``kernel``: the op's Python CUDA kernel; ``tier_of(*args)``: the backend tier
     that served these arguments (a plan is made for the ``triton`` tier only)."""
 
     def record(*args):
+        from lycoris_ops.tuner import tune  # the tuner's state, read at a recorded call only
+
+        deferred = tune.deferred_calls()
         try:
             _install_launch_watch()
         except Exception as exc:  # noqa: BLE001 - an unknown Triton: no plans, calls stay in Python
@@ -287,6 +292,9 @@ def recorder(op: str, kernel: Callable, tier_of: Callable) -> Callable:
             foreign = _local.foreign
         finally:
             _local.launches, _local.foreign = outer, outer_foreign
+        if tune.deferred_calls() != deferred:  # ran a deferred key's first config: not its final pick
+            refusals[op] = "a tuning was still deferred (a later call is recorded)"
+            return out, False
         if foreign:
             refusals[op] = f"the call ran {foreign}"
             return out, None

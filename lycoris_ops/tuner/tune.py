@@ -17,6 +17,15 @@ Flow of ``select_config(op, backend, key_parts, candidates, run_candidate)``:
    (merge with the rows on disk + atomic replace, see ``store.py``), and one line is
    logged (logger ``lycoris_ops.tune``: op, shape bucket, winner, time).
 
+Deferred cold keys (``LYCORIS_KERNEL_TUNE_DEFER``, default on): where the backend registered a
+deferrer (``register_deferrer``; Triton's builds the planner's first config's kernels and
+starts low-priority children building the rest of the shortlist), a cold CUDA key's first
+call runs that first config, unchecked as with tuning off, and so do the key's calls until
+the children are done; the first call after that times the shortlist (its kernels load from
+the disk cache) as in step 3. ``settle()`` waits for those children (a benchmark before its
+timed calls, ``lycoris_ops.warmup``). The cold call then costs one config's compiles, not
+a shortlist's compiles and timing.
+
 ``SENTINEL_EAGER`` is a candidate like the others: if it wins, the op runs its
 eager body at that shape and the row records ``"eager"``. Keys: ``keys.py``. Table file:
 ``{"version": 1, "rows": {key: row}}``; a corrupt file or another format version is
@@ -67,6 +76,7 @@ __all__ = [
     # the selection
     "TABLE_VERSION", "select_config", "stored", "pick", "set_tuning", "tuning_enabled", "set_budget", "tune_budget",
     "set_timer", "tune_threads", "table", "table_path", "unsafe_to_time", "stats", "clear", "Front",
+    "register_deferrer", "defer_enabled", "settle", "pending", "deferred_calls",
 ]
 
 log = logging.getLogger("lycoris_ops.tune")
@@ -78,6 +88,11 @@ MEMO_MAX = 1 << 16
 ENV_TUNE = "LYCORIS_KERNEL_TUNE"
 ENV_BUDGET = "LYCORIS_KERNEL_TUNE_BUDGET"
 ENV_THREADS = "LYCORIS_KERNEL_TUNE_THREADS"
+ENV_DEFER = "LYCORIS_KERNEL_TUNE_DEFER"
+#: seconds between two looks at a deferred key's children (its calls run the first config)
+DEFER_POLL_S = 0.05
+#: device types whose cold keys may defer (tests add "cpu" with a fake deferrer)
+DEFER_DEVICES = {"cuda"}
 #: default seconds a cold key may spend compiling candidates before the rest are skipped
 DEFAULT_BUDGET_S = settings.SETTINGS[ENV_BUDGET].default
 
@@ -89,7 +104,14 @@ _memo: Dict[tuple, "_Entry"] = {}
 _tables: Dict[str, JsonTable] = {}
 _fronts: List[dict] = []
 _names: Dict[tuple, str] = {}
-_stats = {"tuned": 0, "timer_calls": 0, "table_hits": 0, "first_pick": 0, "guarded": 0, "tune_s": 0.0}
+_stats = {"tuned": 0, "timer_calls": 0, "table_hits": 0, "first_pick": 0, "guarded": 0, "deferred": 0,
+          "tune_s": 0.0}
+#: backend -> deferrer(first_runs, rest_runs): a ``Background`` building the rest, or None (nothing to defer)
+_deferrers: Dict[str, Callable[[list, list], Any]] = {}
+#: memo key -> the deferred key's state while its shortlist builds
+_pending: Dict[tuple, "_Pending"] = {}
+#: per thread: calls answered with a deferred key's first config (``deferred_calls``)
+_deferred_local = threading.local()
 
 
 @dataclass
@@ -97,6 +119,13 @@ class _Entry:
     value: Any  # resolved config (or SENTINEL_EAGER)
     candidate: Candidate
     tuned: bool  # False: the planner's pick with tuning off (retimed when tuning is on again)
+
+
+@dataclass
+class _Pending:
+    value: Any  # the resolved first config, run until the background is done
+    background: Any  # ``.done() -> bool``, ``.wait(timeout_s)``, ``.cancel()``
+    next_look: float = 0.0
 
 
 # --------------------------------------------------------------------------- settings
@@ -149,6 +178,51 @@ def set_budget(seconds: Optional[float]) -> float:
     return previous
 
 
+def defer_enabled() -> bool:
+    """Whether cold keys may defer their shortlist (``LYCORIS_KERNEL_TUNE_DEFER``)."""
+    return settings.get(ENV_DEFER)
+
+
+def register_deferrer(backend: str, deferrer: Optional[Callable[[list, list], Any]]) -> None:
+    """``deferrer(first_runs, rest_runs)`` for ``backend``'s cold keys (None: remove):
+    ``first_runs`` is the planner's first config's call, ``rest_runs`` the other fused
+    candidates' calls; it readies the first's kernels and returns a handle on what builds the
+    rest (``done()``, ``wait(timeout_s)``, ``cancel()``), or None when nothing is left to build
+    (the key is timed at once). The tuner core imports no backend: a backend registers itself."""
+    if deferrer is None:
+        _deferrers.pop(backend, None)
+    else:
+        _deferrers[backend] = deferrer
+
+
+def deferred_calls() -> int:
+    """Selections this thread answered with a deferred key's first config (not its final pick):
+    a launch recorder compares it before and after a call, and records none of such a call."""
+    return getattr(_deferred_local, "n", 0)
+
+
+def _count_deferred() -> None:
+    _deferred_local.n = deferred_calls() + 1
+
+
+def pending() -> int:
+    """Keys whose calls run their first config while their shortlist builds."""
+    return len(_pending)
+
+
+def settle(timeout_s: float = 600.0) -> int:
+    """Wait up to ``timeout_s`` for the deferred keys' background builds, so that each key's
+    next call times its shortlist (a benchmark before its timed calls, ``warmup``). Returns
+    the keys whose next call will."""
+    end = time.monotonic() + timeout_s
+    with _lock:
+        waiting = list(_pending.values())
+    for p in waiting:
+        p.background.wait(max(0.0, end - time.monotonic()))
+        p.next_look = 0.0
+    return len(waiting)
+
+
 def set_timer(timer: Optional[Timer]) -> Optional[Timer]:
     """Replace the timer (``timer(fn, candidate) -> seconds per call`` for one round);
     ``None`` restores CUDA-event timing. Returns the previous one."""
@@ -193,6 +267,9 @@ def clear(*, tables: bool = True) -> None:
     with _lock:
         _memo.clear()
         _clear_fronts()
+        for p in _pending.values():  # a deferred key's children: no call will wait for them
+            p.background.cancel()
+        _pending.clear()
         if tables:
             _tables.clear()
             _budget[0] = None
@@ -348,6 +425,15 @@ def _select_locked(op, backend, candidates, run_candidate, dev_id, parts, mkey, 
                 _stats["table_hits"] += 1
                 _memoize(mkey, _Entry(value, c, True), front)
                 return value
+    waiting = _pending.get(mkey)
+    if waiting is not None:  # a deferred key: its first config until the background is done
+        now = time.monotonic()
+        if now < waiting.next_look or unsafe_to_time() or in_worker() or not waiting.background.done():
+            if now >= waiting.next_look:
+                waiting.next_look = now + DEFER_POLL_S
+            _count_deferred()
+            return waiting.value
+        del _pending[mkey]  # built: timed below, its kernels loaded from the disk cache
     cands = _candidates(candidates)
     use_timer = timer or _timer[0]
     if unsafe_to_time():
@@ -358,6 +444,10 @@ def _select_locked(op, backend, candidates, run_candidate, dev_id, parts, mkey, 
         value = _resolve(resolve, cands[0])
         _memoize(mkey, _Entry(value, cands[0], False), front)
         return value
+    if waiting is None:
+        value = _defer(op, backend, cands, run_candidate, dev_id, skey, mkey, resolve)
+        if value is not None:
+            return value
     t0 = time.perf_counter()
     # the operands' GPU current while timing (events and launches on its current stream)
     on_device = torch.cuda.device(dev_id[1]) if dev_id[0] == "cuda" else contextlib.nullcontext()
@@ -394,6 +484,32 @@ def _select_locked(op, backend, candidates, run_candidate, dev_id, parts, mkey, 
     log.info("lycoris_ops tune: %s [%s] -> %s %.4f ms (%d candidates, %.2f s)%s", op,
              skey.rsplit("|", 1)[-1], label(c), best[winner] * 1e3, len(cands) - len(skipped), spent,
              " (not stored: out of memory during timing)" if oom else "")
+    return value
+
+
+def _defer(op, backend, cands, run_candidate, dev_id, skey, mkey, resolve):
+    """A cold key's first call under ``LYCORIS_KERNEL_TUNE_DEFER``: the backend's deferrer
+    readies the first config and builds the rest of the shortlist in the background; returns
+    the resolved first config (this call's and the key's until then), or None (time now)."""
+    deferrer = _deferrers.get(backend)
+    fused = [c for c in cands[1:] if not is_eager(c)]
+    if (deferrer is None or dev_id[0] not in DEFER_DEVICES or not defer_enabled() or is_eager(cands[0])
+            or not fused):
+        return None
+    try:
+        background = deferrer([lambda: run_candidate(cands[0])], [lambda c=c: run_candidate(c) for c in fused])
+    except Exception as exc:  # an optimization only: the key is timed now
+        log.warning("lycoris_ops tune: %s: deferring its shortlist failed (%s: %s); timing it now", op,
+                    type(exc).__name__, exc)
+        return None
+    if background is None:
+        return None
+    value = _resolve(resolve, cands[0])
+    _pending[mkey] = _Pending(value, background, time.monotonic() + DEFER_POLL_S)
+    _stats["deferred"] += 1
+    _count_deferred()
+    log.info("lycoris_ops tune: %s [%s] runs %s while %d candidates build", op, skey.rsplit("|", 1)[-1],
+             label(cands[0]), len(fused))
     return value
 
 

@@ -88,6 +88,23 @@ def test_foreign_work_refuses_the_plan():
     assert plan is not None
 
 
+def test_a_deferred_tuning_defers_the_plan():
+    """A recorded call that ran a deferred key's first config (the tuner counts it:
+    ``tune.deferred_calls``) returns ``False`` for its plan: csrc/launch.cpp records a later
+    call of the signature instead of replaying a config that is not the key's final pick."""
+    from lycoris_ops.tuner import tune
+
+    def kernel(x):
+        tune._count_deferred()  # what select_config does when it answers with a first config
+        return torch.empty_like(x)
+
+    out, plan = _launch_record.recorder("test_deferred", kernel, lambda *a: "triton")(torch.randn(3))
+    assert plan is False and out.shape == (3,)
+    assert "deferred" in _launch_record.refusals["test_deferred"]
+    out, plan = _launch_record.recorder("test_settled", lambda x: torch.empty_like(x), lambda *a: "triton")(torch.randn(2))
+    assert plan is not None and plan is not False
+
+
 def test_plan_maps_outputs_and_refuses_strangers():
     x = torch.randn(5, 3)
     watch, out = _watched(lambda: torch.empty(4, 6)[:, 2:])

@@ -959,3 +959,126 @@ def test_a_ctrl_c_drops_the_first_calls_not_started():
     with pytest.raises(KeyboardInterrupt):
         timing._warm_parallel(list(range(16)), list(range(16)), run, None, 2, {})
     assert len(started) <= 4, started
+
+
+class FakeBackground:
+    """A deferred shortlist's builds: done once ``finish()`` is called."""
+
+    def __init__(self):
+        self.finished = self.cancelled = False
+        self.waited = 0
+
+    def finish(self):
+        self.finished = True
+
+    def done(self):
+        return self.finished
+
+    def wait(self, timeout_s):
+        self.waited += 1
+        self.finished = True
+        return True
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.fixture
+def deferring(monkeypatch):
+    """Deferral on for CPU keys of backend "triton", with a fake deferrer recording its calls."""
+    monkeypatch.setenv(tune.ENV_DEFER, "1")
+    monkeypatch.setattr(tune, "DEFER_DEVICES", {"cuda", "cpu"})
+    monkeypatch.setattr(tune, "DEFER_POLL_S", 0.0)
+    calls = []
+
+    def deferrer(first, rest):
+        bg = FakeBackground()
+        calls.append((len(first), len(rest), bg))
+        for run in first:  # what the real deferrer does: the first config's kernels readied
+            run()
+        return bg
+
+    previous = tune._deferrers.get("triton")
+    tune.register_deferrer("triton", deferrer)
+    yield calls
+    tune.register_deferrer("triton", previous)
+
+
+def test_deferred_cold_key_runs_its_first_config_until_built(tmp_path, deferring):
+    """A cold key's first call returns the planner's first config without timing; so do its
+    calls while the background builds (none recorded by a launch recorder: ``deferred_calls``);
+    the first call after the builds finish times the shortlist and stores the winner."""
+    t = FakeTimer({"block=64,num_warps=4": 3e-6, "block=128,num_warps=8": 1e-6, EAGER: 2e-6})
+    before = tune.deferred_calls()
+    assert _select(timer=t) == A and t.calls == []
+    (first, rest, bg), = deferring
+    assert (first, rest) == (1, 1)  # B is the other fused candidate; eager is not built
+    assert tune.pending() == 1 and tune.stats()["deferred"] == 1
+    assert _select(timer=t) == A and t.calls == [] and not (tmp_path / "cache" / "tuning.json").exists()
+    assert tune.deferred_calls() == before + 2
+    bg.finish()
+    assert _select(timer=t) == B and len(t.calls) >= 3  # timed now
+    assert tune.pending() == 0 and len(deferring) == 1  # deferred once
+    (row,) = _rows(tmp_path).values()
+    assert row["config"] == B
+    assert _select(timer=t) == B and tune.deferred_calls() == before + 2  # memoized: final pick
+
+
+def test_settle_waits_for_the_background(deferring):
+    t = FakeTimer({"block=64,num_warps=4": 3e-6, "block=128,num_warps=8": 1e-6, EAGER: 2e-6})
+    assert _select(timer=t) == A
+    bg = deferring[0][2]
+    assert tune.settle() == 1 and bg.waited == 1
+    assert _select(timer=t) == B
+
+
+@pytest.mark.parametrize("case", ["stored", "off", "eager_first", "one_fused", "no_background", "env_off",
+                                  "raises"])
+def test_no_deferral(case, tmp_path, deferring, monkeypatch):
+    """A key is timed at once (or takes its first pick untimed, tuning off) where there is
+    nothing to defer: a stored row, TUNE=off, an eager first candidate, no other fused candidate,
+    a deferrer with nothing left to build or that raises, LYCORIS_KERNEL_TUNE_DEFER=0."""
+    t = FakeTimer({"block=64,num_warps=4": 3e-6, "block=128,num_warps=8": 1e-6, EAGER: 2e-6})
+    cands, want = (A, B, EAGER), B
+    if case == "stored":
+        assert _select(timer=t, cands=(B, EAGER)) == B  # one fused candidate: timed, stored
+        tune.clear()
+        cands = (B, A, EAGER)  # the stored row answers
+        t = FakeTimer({})
+    elif case == "off":
+        tune.set_tuning(False)
+        want = A
+    elif case == "eager_first":
+        cands = (EAGER, A, B)
+    elif case == "one_fused":
+        cands, want = (A, EAGER), EAGER
+    elif case == "no_background":
+        tune.register_deferrer("triton", lambda first, rest: None)
+    elif case == "env_off":
+        monkeypatch.setenv(tune.ENV_DEFER, "0")
+    elif case == "raises":
+        tune.register_deferrer("triton", lambda first, rest: 1 / 0)
+    try:
+        got = _select(timer=t, cands=cands)
+    finally:
+        tune.set_tuning(None)
+    assert tune.pending() == 0
+    assert got == want
+
+
+def test_clear_cancels_the_background(deferring):
+    assert _select(timer=FakeTimer({})) == A
+    bg = deferring[0][2]
+    tune.clear()
+    assert bg.cancelled and tune.pending() == 0
+
+
+def test_triton_deferrer_times_at_once_without_children(monkeypatch):
+    """Triton's deferrer (``precompile.defer``) defers nothing where fewer than two children
+    may be forked: the key is timed at once, as before deferral."""
+    precompile = pytest.importorskip("lycoris_ops.backends.triton.precompile")
+    from lycoris_ops.tuner import build_pool
+
+    monkeypatch.setattr(build_pool, "usable_procs", lambda procs=None: 1)
+    assert precompile.defer([lambda: None], [lambda: None]) is None
+    assert tune._deferrers.get("triton") is precompile.defer

@@ -21,6 +21,12 @@ holds the GIL, so threads barely overlap the compiles; processes do.
    signature with the host C compiler; also cached on disk). A child never touches
    CUDA and leaves with ``os._exit``.
 
+``defer(first_runs, rest_runs)`` (the tuner's deferrer for Triton, ``tune.register_deferrer``,
+``LYCORIS_KERNEL_TUNE_DEFER``): the first config's kernels as above (waited for), the rest of
+the shortlist's by children at a lower priority (``BACKGROUND_NICE``) that no call waits for;
+the key's calls run the first config until they are done (``Background``), then one call times
+the shortlist with every kernel on disk.
+
 Nothing here is required for correctness: a kernel a child did not compile (failed,
 killed at the deadline, never captured) is compiled by its first call as before.
 POSIX only (``os.fork``).
@@ -31,6 +37,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -40,12 +48,19 @@ import torch
 
 from lycoris_ops.tuner import build_pool, tune
 
-__all__ = ["Kernel", "Report", "capturing", "capture", "on_disk", "precompile", "stats"]
+__all__ = ["Kernel", "Report", "Background", "capturing", "capture", "on_disk", "precompile", "defer", "stats"]
+
+#: niceness of the children building a deferred shortlist (no call waits for them; the first
+#: config's compiles and the caller's own work keep the CPUs)
+BACKGROUND_NICE = 10
+#: seconds a background child may take before it is killed (its kernels are then compiled by
+#: the timing call, as without precompile)
+BACKGROUND_TIMEOUT_S = 300.0
 
 
 log = logging.getLogger("lycoris_ops.tune")
 _warned: set = set()
-_totals = {"keys": 0, "captured": 0, "compiled": 0, "children": 0, "failures": 0, "seconds": 0.0}
+_totals = {"keys": 0, "captured": 0, "compiled": 0, "children": 0, "failures": 0, "seconds": 0.0, "deferred": 0}
 
 
 @dataclass
@@ -211,3 +226,66 @@ def precompile(runs: Sequence[Callable[[], Any]], procs: Optional[int] = None) -
     log.debug("lycoris_ops tune: precompiled %d of %d kernels in %d processes (%d failed), %.2f s",
               report.compiled, report.captured, report.children, report.failures, report.seconds)
     return report
+
+
+class Background:
+    """The children building a deferred key's shortlist (``fork_builds``' pids), reaped without
+    blocking: ``done()`` once every child exited or the deadline passed (the rest killed)."""
+
+    def __init__(self, pids: Sequence[int], timeout_s: float = BACKGROUND_TIMEOUT_S):
+        self.pids = list(pids)
+        self.deadline = time.monotonic() + timeout_s
+        self.failures = 0
+
+    def done(self) -> bool:
+        for pid in list(self.pids):
+            try:
+                got, status = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): status unknown
+                got, status = pid, 0
+            if got:
+                self.pids.remove(pid)
+                self.failures += os.waitstatus_to_exitcode(status) != 0
+        if self.pids and time.monotonic() >= self.deadline:
+            self.cancel()
+        return not self.pids
+
+    def wait(self, timeout_s: float) -> bool:
+        end = time.monotonic() + timeout_s
+        while not self.done() and time.monotonic() < end:
+            time.sleep(build_pool.POLL_S * 10)
+        return not self.pids
+
+    def cancel(self) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            self.failures += 1
+        self.pids = []
+
+
+def defer(first_runs: Sequence[Callable[[], Any]], rest_runs: Sequence[Callable[[], Any]],
+          procs: Optional[int] = None) -> Optional[Background]:
+    """The tuner's deferrer for Triton cold keys: compile the first config's kernels (in
+    children when two or more, waited for), then fork low-priority children compiling the rest
+    of the shortlist's kernels not on disk yet and return them (``Background``), without
+    waiting. None (the key is timed at once, as without deferral) when fewer than two
+    children can be forked or nothing of the rest is left to compile."""
+    procs = build_pool.usable_procs(procs)
+    if procs < 2:
+        return None
+    first = [k for k in capture(first_runs) if not on_disk(k)]
+    if len(first) >= 2:
+        build_pool.compile_forked(first, procs)
+    rest = [k for k in capture(rest_runs) if not on_disk(k)]  # what the first's children built is on disk
+    if not rest:
+        return None
+    forked = build_pool.fork_builds(rest, procs, nice=BACKGROUND_NICE)
+    if not forked:
+        return None
+    _totals["deferred"] += 1
+    return Background([pid for pid, _ in forked])
+
+
+tune.register_deferrer("triton", defer)
