@@ -50,14 +50,19 @@ def cold_call(fn: Callable, device) -> tuple:
 
 
 def settle_background() -> Optional[float]:
-    """Seconds waited for the TileLang tier's background builds (a deferred cold key's
-    shortlist, ``plans/tilelang.settle``), after which the key's next call times that
-    shortlist; None when nothing was building (or the tier was never imported)."""
+    """Seconds waited for the background builds of deferred cold keys (the tuner's, Triton's:
+    ``tune.settle``; the TileLang tier's: ``plans/tilelang.settle``), after which each key's
+    next call times its shortlist; None when nothing was building."""
+    from lycoris_ops.tuner import tune
+
     tl_pick = sys.modules.get("lycoris_ops.backends.tilelang.runner")
-    if tl_pick is None or not (tl_pick._deferred or tl_pick._ahead):
+    tl_busy = tl_pick is not None and bool(tl_pick._deferred or tl_pick._ahead)
+    if not tl_busy and not tune.pending():
         return None
     t0 = time.perf_counter()
-    tl_pick.settle()
+    tune.settle()
+    if tl_busy:
+        tl_pick.settle()
     return time.perf_counter() - t0
 
 
