@@ -119,8 +119,6 @@ struct KeyHash {
 };
 
 constexpr int kRecordAt = 3;  // the call of a signature that is recorded (tuning and JIT done by then)
-// calls until the next try where a recorded call met a tuning still deferred (its config not final)
-constexpr int kRetryAfter = 64;
 constexpr size_t kMaxKeys = 4096;
 
 struct OpState {
@@ -378,12 +376,10 @@ struct CudaKernel final : c10::OperatorKernel {
     PyRef result(PyObject_Call(record ? st->recorder : st->python_kernel, args.p, nullptr));
     PyObject* out = result.p;
     std::shared_ptr<const Plan> recorded;
-    bool retry = false;
-    if (record) {  // (outputs, plan or None, or False: no plan yet, record a later call)
+    if (record) {  // (outputs, plan or None)
       LYCORIS_CHECK(PyTuple_Check(out) && PyTuple_GET_SIZE(out) == 2, st->name, ": recorder result");
       PyObject* p = PyTuple_GET_ITEM(out, 1);
-      retry = p == Py_False;
-      if (p != Py_None && !retry) recorded = parse_plan(p);
+      if (p != Py_None) recorded = parse_plan(p);
       out = PyTuple_GET_ITEM(out, 0);
     }
     stack->erase(stack->begin() + first, stack->end());
@@ -393,8 +389,7 @@ struct CudaKernel final : c10::OperatorKernel {
       auto it = st->entries.find(recorded_key);
       if (it != st->entries.end()) {
         it->second.plan = recorded;
-        it->second.python_only = !recorded && !retry;
-        if (retry) it->second.calls = kRecordAt - kRetryAfter;
+        it->second.python_only = !recorded;
       }
     }
   }

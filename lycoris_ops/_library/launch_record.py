@@ -265,9 +265,10 @@ _kept = {}
 
 
 def recorder(op: str, kernel: Callable, tier_of: Callable) -> Callable:
-    """The function csrc/launch.cpp calls at a signature's recorded call: ``(outputs, plan or None)``,
-    or ``(outputs, False)`` where the call ran a deferred key's first config (``tune``'s
-    deferred cold keys): no plan yet, a later call of the signature is recorded.
+    """The function csrc/launch.cpp calls at a signature's recorded call: ``(outputs, plan or None)``.
+    None also where the call ran a deferred key's first config (``tune``'s deferred cold keys):
+    the signature stays in Python until the key's final pick clears every plan
+    (``register.py``), and a later call of it is recorded then.
 
     ``kernel``: the op's Python CUDA kernel; ``tier_of(*args)``: the backend tier
     that served these arguments (a plan is made for the ``triton`` tier only)."""
@@ -293,8 +294,8 @@ def recorder(op: str, kernel: Callable, tier_of: Callable) -> Callable:
         finally:
             _local.launches, _local.foreign = outer, outer_foreign
         if tune.deferred_calls() != deferred:  # ran a deferred key's first config: not its final pick
-            refusals[op] = "a tuning was still deferred (a later call is recorded)"
-            return out, False
+            refusals[op] = "a tuning was still deferred (recorded again once it is final)"
+            return out, None
         if foreign:
             refusals[op] = f"the call ran {foreign}"
             return out, None

@@ -76,7 +76,7 @@ __all__ = [
     # the selection
     "TABLE_VERSION", "select_config", "stored", "pick", "set_tuning", "tuning_enabled", "set_budget", "tune_budget",
     "set_timer", "tune_threads", "table", "table_path", "unsafe_to_time", "stats", "clear", "Front",
-    "register_deferrer", "defer_enabled", "settle", "pending", "deferred_calls",
+    "register_deferrer", "defer_enabled", "settle", "pending", "deferred_calls", "on_deferred_final",
 ]
 
 log = logging.getLogger("lycoris_ops.tune")
@@ -112,6 +112,8 @@ _deferrers: Dict[str, Callable[[list, list], Any]] = {}
 _pending: Dict[tuple, "_Pending"] = {}
 #: per thread: calls answered with a deferred key's first config (``deferred_calls``)
 _deferred_local = threading.local()
+#: called after a deferred key got its final pick (``on_deferred_final``)
+_final_hooks: List[Callable[[], Any]] = []
 
 
 @dataclass
@@ -203,6 +205,13 @@ def deferred_calls() -> int:
 
 def _count_deferred() -> None:
     _deferred_local.n = deferred_calls() + 1
+
+
+def on_deferred_final(hook: Callable[[], Any]) -> None:
+    """Call ``hook()`` each time a deferred key gets its final pick (the C++ launch replay
+    forgets its plans: the calls that ran the key's first config were not recorded)."""
+    if hook not in _final_hooks:
+        _final_hooks.append(hook)
 
 
 def pending() -> int:
@@ -463,6 +472,9 @@ def _select_locked(op, backend, candidates, run_candidate, dev_id, parts, mkey, 
     for i, why in errors.items():
         log.warning("lycoris_ops tune: %s [%s] candidate %s failed: %s", op, skey.rsplit("|", 1)[-1],
                     label(cands[i]), why)
+    if waiting is not None:  # a deferred key's final pick follows
+        for hook in _final_hooks:
+            hook()
     if winner < 0:  # every candidate failed: the planner's pick for this process, not stored
         value = _resolve(resolve, cands[0])
         _memoize(mkey, _Entry(value, cands[0], True), front)

@@ -90,8 +90,9 @@ def test_foreign_work_refuses_the_plan():
 
 def test_a_deferred_tuning_defers_the_plan():
     """A recorded call that ran a deferred key's first config (the tuner counts it:
-    ``tune.deferred_calls``) returns ``False`` for its plan: csrc/launch.cpp records a later
-    call of the signature instead of replaying a config that is not the key's final pick."""
+    ``tune.deferred_calls``) gets no plan (a replay would keep a config that is not the key's
+    final pick); the key's final pick clears every plan (``register.py`` hooks
+    ``_C._clear_launch_plans`` on ``tune.on_deferred_final``), so the signature is recorded again."""
     from lycoris_ops.tuner import tune
 
     def kernel(x):
@@ -99,10 +100,12 @@ def test_a_deferred_tuning_defers_the_plan():
         return torch.empty_like(x)
 
     out, plan = _launch_record.recorder("test_deferred", kernel, lambda *a: "triton")(torch.randn(3))
-    assert plan is False and out.shape == (3,)
+    assert plan is None and out.shape == (3,)
     assert "deferred" in _launch_record.refusals["test_deferred"]
     out, plan = _launch_record.recorder("test_settled", lambda x: torch.empty_like(x), lambda *a: "triton")(torch.randn(2))
-    assert plan is not None and plan is not False
+    assert plan is not None
+    if registry.replay_enabled():
+        assert _C._clear_launch_plans in tune._final_hooks
 
 
 def test_plan_maps_outputs_and_refuses_strangers():

@@ -989,6 +989,7 @@ def deferring(monkeypatch):
     monkeypatch.setenv(tune.ENV_DEFER, "1")
     monkeypatch.setattr(tune, "DEFER_DEVICES", {"cuda", "cpu"})
     monkeypatch.setattr(tune, "DEFER_POLL_S", 0.0)
+    monkeypatch.setattr(tune, "_final_hooks", list(tune._final_hooks))  # a test's hooks end with it
     calls = []
 
     def deferrer(first, rest):
@@ -1016,8 +1017,10 @@ def test_deferred_cold_key_runs_its_first_config_until_built(tmp_path, deferring
     assert tune.pending() == 1 and tune.stats()["deferred"] == 1
     assert _select(timer=t) == A and t.calls == [] and not (tmp_path / "cache" / "tuning.json").exists()
     assert tune.deferred_calls() == before + 2
+    finals = []
+    tune.on_deferred_final(lambda: finals.append(1))
     bg.finish()
-    assert _select(timer=t) == B and len(t.calls) >= 3  # timed now
+    assert _select(timer=t) == B and len(t.calls) >= 3 and finals == [1]  # timed now; the hooks told
     assert tune.pending() == 0 and len(deferring) == 1  # deferred once
     (row,) = _rows(tmp_path).values()
     assert row["config"] == B
