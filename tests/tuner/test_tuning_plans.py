@@ -46,32 +46,41 @@ def _fresh(tmp_path, monkeypatch):
     tune.clear()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
+def _tuned_family(family, monkeypatch):
+    """The family's Triton tuning module, tuning CPU calls with synthetic device facts, and
+    (op, full arguments) of each op's first fp32 test case in Triton's scope."""
     pm = importlib.import_module(f"lycoris_ops.backends.triton.tuning.{family}")
     monkeypatch.setattr(pm, "DEVICE_TYPES", ("cpu", "cuda"))
     monkeypatch.setattr(pm, "facts", lambda d: device.synthetic())
     if family == "tucker":  # the test cases are one-launch calls, which are not timed
         monkeypatch.setattr(importlib.import_module("lycoris_ops.backends.triton.kernels.tucker"), "CORE_FUSE_TILES", 0)
-    cases = testing.cases("lora" if family == "tucker" else family, dtype=torch.float32, device="cpu")
-    done = set()
-    for case in cases:
-        if case.op not in pm.KWARGS or case.op in done:
+    calls, seen = [], set()
+    for case in testing.cases("lora" if family == "tucker" else family, dtype=torch.float32, device="cpu"):
+        if case.op not in pm.KWARGS or case.op in seen:
             continue
         args = select._full_args(case.op, case.args)
-        if scope.why_not(case.op, "triton", args) is not None:
-            continue
-        done.add(case.op)
-        got = pm.KWARGS[case.op](*args)
+        if scope.why_not(case.op, "triton", args) is None:
+            seen.add(case.op)
+            calls.append((case.op, args))
+    return pm, calls
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_candidate_runs_and_matches_eager(family, monkeypatch):
+    pm, calls = _tuned_family(family, monkeypatch)
+    done = set()
+    for op, args in calls:
+        done.add(op)
+        got = pm.KWARGS[op](*args)
         assert tune.is_eager(got) or (isinstance(got, dict) and set(got) <= {"cfg", "grad_cfg", "gw_cfg", "vendor", "merge_vendor"}), got
         # the exact-argument front cache answers the next call
-        assert pm.KWARGS[case.op](*args) is got
+        assert pm.KWARGS[op](*args) is got
         # the op-set function (picked config or eager) and the launcher with the picked kwargs
         # (where a fused config won), both equal to eager
-        ref = reference.eager(case.op)(*args)
-        assert tune.mismatch(getattr(triton_ops, case.op)(*args), ref) is None
+        ref = reference.eager(op)(*args)
+        assert tune.mismatch(getattr(triton_ops, op)(*args), ref) is None
         if not tune.is_eager(got):
-            assert tune.mismatch(pm.LAUNCHERS[case.op](*args, **got), ref) is None
+            assert tune.mismatch(pm.LAUNCHERS[op](*args, **got), ref) is None
     assert done == set(pm.KWARGS) == set(pm.LAUNCHERS), f"no in-scope case for {set(pm.KWARGS) - done}"
     rows = tune.table().rows
     assert len(rows) == len(done)
@@ -342,9 +351,7 @@ def test_eager_candidate_is_the_step_down_body(family, monkeypatch):
     exact body, whose fp32 O·I passes lost to fused candidates the step-down body beats)."""
     import sys
 
-    pm = importlib.import_module(f"lycoris_ops.backends.triton.tuning.{family}")
-    monkeypatch.setattr(pm, "DEVICE_TYPES", ("cpu", "cuda"))
-    monkeypatch.setattr(pm, "facts", lambda d: device.synthetic())
+    pm, calls = _tuned_family(family, monkeypatch)
     seen = {}
 
     def fake_select(op, backend, key_parts, candidates, run_candidate, **kw):
@@ -352,26 +359,18 @@ def test_eager_candidate_is_the_step_down_body(family, monkeypatch):
         return tune.SENTINEL_EAGER
 
     monkeypatch.setattr(tune, "select_config", fake_select)
-    if family == "tucker":  # the test cases are one-launch calls, which are not timed
-        monkeypatch.setattr(importlib.import_module("lycoris_ops.backends.triton.kernels.tucker"), "CORE_FUSE_TILES", 0)
-    cases = testing.cases("lora" if family == "tucker" else family, dtype=torch.float32, device="cpu")
     checked = set()
-    for case in cases:
-        if case.op not in pm.KWARGS or case.op in checked:
-            continue
-        args = select._full_args(case.op, case.args)
-        if scope.why_not(case.op, "triton", args) is not None:
-            continue
+    for op, args in calls:
         seen.clear()
-        pm.KWARGS[case.op](*args)
-        if case.op not in seen:  # a call the launcher's default serves untimed (one launch)
+        pm.KWARGS[op](*args)
+        if op not in seen:  # a call the launcher's default serves untimed (one launch)
             continue
-        body = reference.step_down(case.op)
-        calls = []
+        body = reference.step_down(op)
+        hits = []
         with monkeypatch.context() as mp:  # the body's module attribute, which the candidate looks up
             mp.setattr(sys.modules[body.__module__], body.__name__,
-                       lambda *a, _b=body, **k: calls.append(1) or _b(*a, **k))
-            seen[case.op](tune.SENTINEL_EAGER)
-        assert calls, f"{case.op}: the tuner's eager candidate is not {body.__module__}.{body.__name__}"
-        checked.add(case.op)
+                       lambda *a, _b=body, **k: hits.append(1) or _b(*a, **k))
+            seen[op](tune.SENTINEL_EAGER)
+        assert hits, f"{op}: the tuner's eager candidate is not {body.__module__}.{body.__name__}"
+        checked.add(op)
     assert checked, family
