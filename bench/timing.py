@@ -53,14 +53,16 @@ def settle_background() -> Optional[float]:
     """Seconds waited for the background builds of deferred cold keys (the tuner's, Triton's:
     ``tune.settle``; the TileLang tier's: ``plans/tilelang.settle``), after which each key's
     next call times its shortlist; None when nothing was building."""
-    from lycoris_ops.tuner import tune
-
+    # looked up, not imported: a process that never loaded lycoris_ops (lycoris-lora's, whose
+    # own ops take the same namespace) has nothing deferred
+    tune = sys.modules.get("lycoris_ops.tuner.tune")
     tl_pick = sys.modules.get("lycoris_ops.backends.tilelang.runner")
     tl_busy = tl_pick is not None and bool(tl_pick._deferred or tl_pick._ahead)
-    if not tl_busy and not tune.pending():
+    if not tl_busy and not (tune is not None and tune.pending()):
         return None
     t0 = time.perf_counter()
-    tune.settle()
+    if tune is not None:
+        tune.settle()
     if tl_busy:
         tl_pick.settle()
     return time.perf_counter() - t0
