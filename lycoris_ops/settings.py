@@ -120,8 +120,9 @@ SETTINGS: Dict[str, Setting] = {s.name: s for s in (
             "worker threads running a cold key's candidates' first calls on CUDA"),
     Setting("LYCORIS_KERNEL_TUNE_PROCS", None, "min(12, CPUs - 1)", "an integer >= 0 (0/1: none)", _count,
             "forked child processes compiling a cold key's Triton kernels before its first calls"),
-    Setting("LYCORIS_KERNEL_TUNE_DEFER", True, "1", _SWITCH, _switch,
-            "0: a cold Triton key's first call compiles and times its whole shortlist before it returns"),
+    Setting("LYCORIS_KERNEL_TUNE_DEFER", False, "0", _SWITCH, _switch,
+            "1: a cold Triton key's first call compiles and runs its first config only, the rest of its "
+            "shortlist compiling in the background (timed at a later call)"),
     Setting("LYCORIS_KERNEL_REPLAY", True, "1", _SWITCH, _switch,
             "0: the CUDA key keeps the Python kernel instead of replaying recorded Triton launches from C++"),
     Setting("LYCORIS_CUBLASLT", True, "1", _SWITCH, _switch,

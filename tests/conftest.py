@@ -21,9 +21,6 @@ import torch
 
 # no test downloads from the Hub; bitsandbytes' import otherwise spends seconds asking it for kernels
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# the GPU tests check what a cold call tunes at once; the deferral of cold keys has its own
-# tests (tests/tuner/test_tuning.py), which turn it on
-os.environ.setdefault("LYCORIS_KERNEL_TUNE_DEFER", "0")
 CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")

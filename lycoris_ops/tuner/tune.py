@@ -17,14 +17,17 @@ Flow of ``select_config(op, backend, key_parts, candidates, run_candidate)``:
    (merge with the rows on disk + atomic replace, see ``store.py``), and one line is
    logged (logger ``lycoris_ops.tune``: op, shape bucket, winner, time).
 
-Deferred cold keys (``LYCORIS_KERNEL_TUNE_DEFER``, default on): where the backend registered a
+Deferred cold keys (``LYCORIS_KERNEL_TUNE_DEFER``, default off): where the backend registered a
 deferrer (``register_deferrer``; Triton's builds the planner's first config's kernels and
 starts low-priority children building the rest of the shortlist), a cold CUDA key's first
 call runs that first config, unchecked as with tuning off, and so do the key's calls until
 the children are done; the first call after that times the shortlist (its kernels load from
 the disk cache) as in step 3. ``settle()`` waits for those children (a benchmark before its
 timed calls, ``lycoris_ops.warmup``). The cold call then costs one config's compiles, not
-a shortlist's compiles and timing.
+a shortlist's compiles and timing. Off by default: a CUDA graph captured while a key is
+deferred keeps its first config (nothing is timed during a capture), where a cold key used to
+be tuned by the eager warm-up call before the capture; with it on, ``settle()`` and one more
+eager step before capturing.
 
 ``SENTINEL_EAGER`` is a candidate like the others: if it wins, the op runs its
 eager body at that shape and the row records ``"eager"``. Keys: ``keys.py``. Table file:
