@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from lycoris_ops import settings
 
-__all__ = ["ENV_PROCS", "cpus", "tune_procs", "fork_builds", "compile_forked", "usable_procs", "fork_limit",
+__all__ = ["ENV_PROCS", "cpus", "tune_procs", "fork_builds", "poll", "kill", "compile_forked", "usable_procs", "fork_limit",
            "anon_gib"]
 
 ENV_PROCS = "LYCORIS_KERNEL_TUNE_PROCS"
@@ -113,6 +113,23 @@ def fork_builds(kernels: Sequence, procs: int, nice: int = 0) -> List[Tuple[int,
     return out
 
 
+def poll(pid: int) -> Tuple[bool, Optional[int]]:
+    """(exited, exit code) of a forked child, without blocking; (True, None) where it was
+    reaped elsewhere (SIGCHLD ignored): it is gone, its exit code unknown."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True, None
+    return (True, os.waitstatus_to_exitcode(status)) if done else (False, None)
+
+
+def kill(pid: int) -> None:
+    """Kill a forked child and reap it (one already gone is ignored)."""
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
 def compile_forked(kernels: Sequence, procs: int, timeout_s: float = TIMEOUT_S) -> Tuple[int, int]:
     """Build ``kernels`` (``build()`` each) in up to ``procs`` forked children (round robin) and wait for
     them, killing those still running after ``timeout_s``. Returns (children, failed or
@@ -126,20 +143,15 @@ def compile_forked(kernels: Sequence, procs: int, timeout_s: float = TIMEOUT_S) 
         deadline = time.monotonic() + timeout_s
         while pending and time.monotonic() < deadline:
             for pid in list(pending):
-                try:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): status unknown
-                    done, status = pid, 0
+                done, code = poll(pid)
                 if done:
                     pending.remove(pid)
-                    failures += os.waitstatus_to_exitcode(status) != 0
+                    failures += code not in (0, None)  # reaped elsewhere: not counted as failed
             if pending:
                 time.sleep(POLL_S)
     finally:
         for pid in pending:  # past the deadline (or the parent was interrupted)
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+            kill(pid)
             failures += 1
     return children, failures
 

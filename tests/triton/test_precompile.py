@@ -186,6 +186,23 @@ def test_child_past_deadline_killed(tmp_path):
 
 
 @no_fork
+def test_background_children_reaped_without_blocking(tmp_path):
+    """``precompile.Background`` (a deferred key's builds): ``done()`` polls its children with
+    the pool's non-blocking reap, counts a failed child, kills one past its deadline; ``cancel``
+    kills the rest at once."""
+    jobs = [_Job(tmp_path / "a"), _Job(tmp_path / "b", "raise")]
+    bg = precompile.Background([pid for pid, _ in build_pool.fork_builds(jobs, 2)], timeout_s=30.0)
+    assert bg.wait(30.0) and bg.done() and bg.failures == 1 and (tmp_path / "a").exists()
+    hung = precompile.Background([pid for pid, _ in build_pool.fork_builds([_Job(tmp_path / "c", "hang")], 1)],
+                                 timeout_s=0.5)
+    t0 = time.monotonic()
+    assert hung.wait(30.0) and hung.failures == 1 and time.monotonic() - t0 < 30
+    idle = precompile.Background([pid for pid, _ in build_pool.fork_builds([_Job(tmp_path / "d", "hang")], 1)])
+    idle.cancel()
+    assert idle.done() and idle.failures == 1 and not (tmp_path / "d").exists()
+
+
+@no_fork
 def test_precompile_forks_for_two_kernels_not_on_disk(tmp_path, monkeypatch):
     """Children only for at least two kernels not yet in Triton's cache; the totals add up."""
     jobs = [_Job(tmp_path / "a"), _Job(tmp_path / "b"), _Job(tmp_path / "c")]

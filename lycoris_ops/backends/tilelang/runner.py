@@ -52,9 +52,7 @@ floats (γ, scales: they do not change the cost); the exact weight sizes the fam
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import signal
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -215,21 +213,14 @@ def _reap_ahead(wait_for: Sequence[int] = (), wait_s: float = 0.0) -> None:
     end = time.monotonic() + wait_s
     while True:
         for pid, (keys, deadline) in list(_ahead.items()):
-            try:
-                done, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere: what it built is unknown
-                done, status = pid, None
+            done, code = build_pool.poll(pid)  # code None: reaped elsewhere, what it built is unknown
             if not done and time.monotonic() > deadline:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except OSError:
-                    pass
-                done, status = pid, None
+                build_pool.kill(pid)
+                done, code = True, None
             if done:
                 del _ahead[pid]
                 _background.discard(pid)
-                if status is not None and os.waitstatus_to_exitcode(status) == 0:
+                if code == 0:
                     _built_ahead.update(keys)
         if _queue:
             _pump()

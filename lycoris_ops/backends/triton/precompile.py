@@ -37,8 +37,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -239,13 +237,10 @@ class Background:
 
     def done(self) -> bool:
         for pid in list(self.pids):
-            try:
-                got, status = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere (SIGCHLD ignored): status unknown
-                got, status = pid, 0
-            if got:
+            exited, code = build_pool.poll(pid)
+            if exited:
                 self.pids.remove(pid)
-                self.failures += os.waitstatus_to_exitcode(status) != 0
+                self.failures += code not in (0, None)
         if self.pids and time.monotonic() >= self.deadline:
             self.cancel()
         return not self.pids
@@ -258,9 +253,7 @@ class Background:
 
     def cancel(self) -> None:
         for pid in self.pids:
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-                os.waitpid(pid, 0)
+            build_pool.kill(pid)
             self.failures += 1
         self.pids = []
 
