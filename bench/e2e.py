@@ -33,7 +33,8 @@ Rows per adapter (when available):
                            run by ``e2e_lyco.py`` in a process that never imports lycoris_ops,
                            ``LYCORIS_KERNEL_BACKEND=torch`` (lycoris-lora from this environment or
                            ``LYCORIS_PEER_PATH``; n/a when neither has it)
-- ``ours-graphs``          ``torch.compile(mode="reduce-overhead")`` of ``ours`` (CUDA graphs), CUDA only
+- ``ours-graphs`` / ``peft-graphs``   ``torch.compile(mode="reduce-overhead")`` (CUDA graphs) of ``ours`` /
+                           PEFT's model, CUDA only: the rows to compare where a step is host-bound
 - ``base-eager``           no adapters: the frozen blocks' forward and input-gradient backward, the
                            floor under every row (what adapter fusion cannot remove)
 - ``base-compiled``        ``torch.compile`` of ``base-eager``: the floor under the compiled rows
@@ -348,8 +349,10 @@ def variants(args, device):
          else ["plain-eager", "plain-compiled"])
     v += ["ours-eager", "ours-compiled", "lyco-eager", "lyco-compiled"]
     v[:0] = ["base-eager", "base-compiled"]  # the floor every row shares: no adapters
-    if torch.device(device).type == "cuda" and not args.quick:
-        v.append("ours-graphs")
+    named = set(args.variants.split(",")) if args.variants else set()
+    if torch.device(device).type == "cuda":  # --quick leaves them out unless named
+        v += [g for g in (["peft-graphs"] if have_peft else []) + ["ours-graphs"]
+              if not args.quick or g in named]
     if args.no_compile:
         v = [x for x in v if "compiled" not in x and "graphs" not in x]
     if args.variants:
@@ -405,7 +408,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--quick", action="store_true", help="fewer reps, no CUDA-graph row")
+    ap.add_argument("--quick", action="store_true", help="fewer reps, no CUDA-graph rows unless named in --variants")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny dims, 2 reps, no compile")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--device", default=None)
@@ -472,7 +475,7 @@ def main(argv=None):
                 if v.endswith("compiled"):
                     model = torch.compile(model, fullgraph=v.startswith("ours") or "ops" in v)
                 elif v.endswith("graphs"):
-                    model = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+                    model = torch.compile(model, mode="reduce-overhead", fullgraph=v.startswith("ours"))
                 t0 = time.perf_counter()
                 step = step_fn(model, params, x)
                 step()
