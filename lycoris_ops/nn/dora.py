@@ -16,13 +16,16 @@ from lycoris_ops.nn.lokr import LoKrConv2d, LoKrLinear
 from lycoris_ops.nn.lora import LoRAConv2d, LoRALinear
 
 
-class _AdaptedNorms(torch.autograd.Function):
-    """``n = ‖M‖ + ε`` per row (``row_axis`` 0) or column (1) of ``M = W + γ·up·down`` (W
-    frozen; ε from dora_scale's dtype, as ``dora_fwd``), fp32, from the expansion of
+class _Rescale(torch.autograd.Function):
+    """The DoRA rescale ``s = m·(d/n) + (1 − m)`` in ``out_dtype``, one per row (``row_axis``
+    0) or column (1) of ``M = W + γ·up·down`` (W frozen), with ``n = ‖M‖ + ε`` (ε from d's
+    dtype, as ``dora_fwd``) and d the learned norms (dora_scale): one autograd node (the
+    division, the blend and the cast inside it are no nodes of their own: host time per
+    layer and step in eager). The norms come in fp32 from the expansion of
     ``functional.dora.lowrank_norm_terms``: one O·I·r GEMM over W per direction, M (O×I)
-    never built. Columns are the rows of ``Mᵀ = Wᵀ + γ·downᵀ·upᵀ``. The expansion is exact algebra in fp32 (no
-    16-bit rounding of γ·up·down); it loses digits only where ‖M‖ ≪ ‖W‖, i.e. an adapter
-    that cancels its weight."""
+    never built. Columns are the rows of ``Mᵀ = Wᵀ + γ·downᵀ·upᵀ``. The expansion is exact
+    algebra in fp32 (no 16-bit rounding of γ·up·down); it loses digits only where
+    ‖M‖ ≪ ‖W‖, i.e. an adapter that cancels its weight."""
 
     @staticmethod
     def _as_rows(W, up, down, row_axis):
@@ -32,23 +35,28 @@ class _AdaptedNorms(torch.autograd.Function):
     # forward(ctx, ...) rather than forward + setup_context: torch binds a setup_context
     # Function's arguments through inspect.signature on every apply (host time per layer/step)
     @staticmethod
-    def forward(ctx, W, eps, up, down, gamma, row_axis):
-        m2, P, S = _dora.lowrank_norm_terms(*_AdaptedNorms._as_rows(W, up, down, row_axis), gamma)
-        n = m2.clamp_min(0).sqrt() + eps  # out of place: in place, the compiled CUDA graph lost up/down's grads
-        ctx.save_for_backward(W, up, down, n, P, S)
-        ctx.eps, ctx.gamma, ctx.row_axis = eps, gamma, row_axis
-        ctx.mark_non_differentiable(P, S)
-        return n, P, S
+    def forward(ctx, W, d, up, down, gamma, row_axis, multiplier, out_dtype):
+        m2, P, S = _dora.lowrank_norm_terms(*_Rescale._as_rows(W, up, down, row_axis), gamma)
+        n = m2.clamp_min(0).sqrt() + torch.finfo(d.dtype).eps  # out of place: saved (in place, a compiled CUDA graph lost up/down's grads)
+        s = torch.div(d, n)  # promoted to n's fp32
+        if multiplier != 1.0:  # the usual multiplier 1 needs no blend
+            s.mul_(multiplier).add_(1 - multiplier)
+        ctx.save_for_backward(W, d, up, down, n, P, S)
+        ctx.gamma, ctx.row_axis, ctx.multiplier = gamma, row_axis, multiplier
+        return s.to(out_dtype)
 
     @staticmethod
-    def backward(ctx, g_n, _g_p, _g_s):
-        W, up, down, n, P, S = ctx.saved_tensors
-        Wv, a, b = _AdaptedNorms._as_rows(W, up, down, ctx.row_axis)
-        norm = (n - ctx.eps).clamp_min(torch.finfo(n.dtype).tiny)
-        g_m2 = g_n.to(n.dtype) / (2 * norm)  # d‖M‖ = d‖M‖²/(2‖M‖)
+    def backward(ctx, g_s):
+        W, d, up, down, n, P, S = ctx.saved_tensors
+        g = g_s.to(n.dtype) * ctx.multiplier
+        g_d = g / n  # ∂s/∂d = m/n
+        norm = (n - torch.finfo(d.dtype).eps).clamp_min_(torch.finfo(n.dtype).tiny)
+        # ∂s/∂n = −m·d/n², and d‖M‖ = d‖M‖²/(2‖M‖)
+        g_m2 = g_d.mul(d).div_(n).div_(norm.mul_(-2))
+        Wv, a, b = _Rescale._as_rows(W, up, down, ctx.row_axis)
         g_a, g_b = _dora.lowrank_norm_grads(Wv, a, b, ctx.gamma, P, S, g_m2)
         g_up, g_down = (g_a, g_b) if ctx.row_axis == 0 else (g_b.t(), g_a.t())
-        return None, None, g_up, g_down, None, None
+        return None, g_d.to(d.dtype), g_up, g_down, None, None, None, None
 
 
 def _weight_norms(weight: torch.Tensor, on_out: bool) -> torch.Tensor:
@@ -68,7 +76,7 @@ class DoRALinear(LoRALinear):
 
     Forward without building W': the rescale is a vector s, so ``x·W'ᵀ = s ⊙ (x·Mᵀ)`` (rows) or
     ``(x ⊙ s)·Mᵀ`` (columns), and ``x·Mᵀ`` is the base layer plus the LoRA bypass op. The norms
-    come from one O·I·r GEMM over W (``_AdaptedNorms``), their gradient from one more: M is
+    come from one O·I·r GEMM over W (``_Rescale``), their gradient from one more: M is
     never built and the backward has no weight-gradient GEMM over the tokens. (With the base
     weight trainable: the merged path, ``y = F.linear(x, W', b)``.)"""
 
@@ -85,26 +93,21 @@ class DoRALinear(LoRALinear):
         delta = _locon.merge(self.lora_up, self.lora_down, self.scale, out_dtype=W.dtype)
         return _dora.weight_decompose(W, self.dora_scale, self.multiplier, self.wd_on_out, delta=delta).to(W.dtype)
 
-    def _rescale(self):
-        """s = m·(dora_scale/n − 1) + 1, fp32, one per output row (wd_on_out) or input column."""
-        d = self.dora_scale.reshape(-1)
-        n, _, _ = _AdaptedNorms.apply(self.base.weight, torch.finfo(d.dtype).eps, self.lora_up, self.lora_down,
-                                      self.scale, 0 if self.wd_on_out else 1)
-        s = torch.div(d, n)  # promoted to n's fp32
-        # multiplier 1 (the usual case) needs no blend: two launches fewer per layer and step
-        return s if self.multiplier == 1.0 else s.mul_(self.multiplier).add_(1 - self.multiplier)
+    def _rescale(self, dtype):
+        """s = m·(dora_scale/n − 1) + 1 in ``dtype``, one per output row (wd_on_out) or input column."""
+        return _Rescale.apply(self.base.weight, self.dora_scale.reshape(-1), self.lora_up, self.lora_down,
+                              self.scale, 0 if self.wd_on_out else 1, self.multiplier, dtype)
 
     def adapter_forward(self, x):
         if self.base.weight.requires_grad:
             return F.linear(x, self._weight(), self.base.bias)
-        s = self._rescale()
         # the rescale on ia3_fwd (y = t⊙s, IA3's diff form): its backward is one pass for G⊙s and
         # Σ G⊙t, where a mul's autograd runs two token-sized muls and a sum
         if not self.wd_on_out:
-            x = _ia3.ia3_scale(x, s.to(x.dtype), -1, diff=True)
+            x = _ia3.ia3_scale(x, self._rescale(x.dtype), -1, diff=True)
         z = _locon.bypass(x, self.lora_up, self.lora_down, self.scale, base=F.linear(x, self.base.weight))
         if self.wd_on_out:
-            z = _ia3.ia3_scale(z, s.to(z.dtype), -1, diff=True)
+            z = _ia3.ia3_scale(z, self._rescale(z.dtype), -1, diff=True)
         return z if self.base.bias is None else z + self.base.bias
 
     def route(self):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import lycoris_ops  # noqa: F401
 from lycoris_ops import nn as lnn
-from lycoris_ops.nn.dora import _AdaptedNorms
+from lycoris_ops.nn.dora import _Rescale
 
 
 def _perturb(model, seed=0, std=0.2):
@@ -667,7 +667,7 @@ def test_conv_adapters_export_round_trip(tmp_path):
 @pytest.mark.parametrize("wd_on_out", [True, False], ids=["rows", "cols"])
 def test_dora_bypass_equals_merged_weight(dtype, wd_on_out):
     """DoRALinear's forward (rescale vector around the base layer + LoRA bypass, norm
-    gradients through _AdaptedNorms) equals F.linear with the merged weight W' built by
+    gradients through _Rescale) equals F.linear with the merged weight W' built by
     the merge and dora ops, outputs and every gradient, at odd sizes."""
     torch.manual_seed(3)
     ad = lnn.DoRALinear(nn.Linear(37, 45).to(dtype), rank=5, multiplier=0.8, wd_on_out=wd_on_out)
@@ -686,23 +686,27 @@ def test_dora_bypass_equals_merged_weight(dtype, wd_on_out):
         assert err < tol, err
 
 
+@pytest.mark.parametrize("multiplier", [1.0, 0.6])
 @pytest.mark.parametrize("row_axis", [0, 1])
-def test_adapted_norms_gradcheck(row_axis):
-    """The norms of W + γ·up·down from the expansion (no merged weight) and their
-    gradients, against torch's norm of the built matrix, in float64 (gradcheck)."""
+def test_rescale_gradcheck(row_axis, multiplier):
+    """The rescale m·d/(‖W + γ·up·down‖ + ε) + 1 − m from the norms' expansion (no merged
+    weight) and its gradients in up, down and d, against torch's norm of the built matrix, in
+    float64 (gradcheck)."""
     torch.manual_seed(row_axis)
     W = torch.randn(7, 9, dtype=torch.float64)
     up = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
     down = torch.randn(3, 9, dtype=torch.float64, requires_grad=True)
-    n, _, _ = _AdaptedNorms.apply(W, 1e-3, up, down, 0.7, row_axis)
-    want = (W + 0.7 * up @ down).norm(dim=1 - row_axis) + 1e-3
-    torch.testing.assert_close(n, want)
-    assert torch.autograd.gradcheck(lambda u, d: _AdaptedNorms.apply(W, 1e-3, u, d, 0.7, row_axis)[0],
-                                    (up, down))
+    d = (torch.rand(9 if row_axis else 7, dtype=torch.float64) + 0.5).requires_grad_()
+    s = _Rescale.apply(W, d, up, down, 0.7, row_axis, multiplier, torch.float64)
+    eps = torch.finfo(torch.float64).eps
+    want = multiplier * d / ((W + 0.7 * up @ down).norm(dim=1 - row_axis) + eps) + 1 - multiplier
+    torch.testing.assert_close(s, want)
+    assert torch.autograd.gradcheck(lambda u, dn, dd: _Rescale.apply(W, dd, u, dn, 0.7, row_axis, multiplier,
+                                                                     torch.float64), (up, down, d))
 
 
 def test_dora_bypass_compile_and_export():
-    """The DoRA bypass (the LoRA bypass op around the base layer, norms by _AdaptedNorms)
+    """The DoRA bypass (the LoRA bypass op around the base layer, norms by _Rescale)
     compiles with fullgraph and exports; the exported graph holds the LoRA bypass and
     never builds the O×I merged weight (no merge op)."""
     from torch._dynamo.backends.debugging import aot_eager
