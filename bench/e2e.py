@@ -322,6 +322,9 @@ def host_profile(step, device, label, top=15):
                    if fn in names), reverse=True)
     print(f"  our ops' calls in Python this step: {sum(n for n, _, _ in hits)}"
           + "".join(f"\n    x{n} {where} own {tt * 1e3:.2f} ms" for n, tt, where in hits[:12]), flush=True)
+    from lycoris_ops._library import launch_record  # why a signature got no replay plan (last one per op)
+    for op, why in sorted(launch_record.refusals.items()):
+        print(f"  no replay plan, {op}: {why}"[:240], flush=True)
 
 
 def sync_report(step, device, label, top=8):
