@@ -8,7 +8,7 @@
 #      eager step-down body): warm ms and the cold first call of each;
 #   3. deferred cold keys (LYCORIS_KERNEL_TUNE_DEFER=0 / 1) on Flux cells: cold first calls,
 #      background seconds and warm ms;
-#   4. the GPU tests of the tuner, the Triton precompile children and the launch replay.
+#   4. the GPU tests of the tuner, the Triton precompile children, the launch replay and CUDA graphs.
 #
 #   bash bench/gpu_probe.sh            (OUT=dir for the logs and JSONs; default bench/out/probe)
 #
@@ -60,7 +60,7 @@ for d in 0 1; do
   cells "$OUT/cold$d/matrix.json"
 done
 echo "stage 3 done at $((SECONDS - T)) s"
-echo "== 4. GPU tests: tuner, precompile children, launch replay"
+echo "== 4. GPU tests: tuner, precompile children, launch replay, CUDA graphs (DoRA rescale, ad2919d)"
 timeout -s INT 100 $py -m pytest -q -n 8 -m "" -p no:cacheprovider --timeout 90 tests/tuner \
-  tests/triton/test_precompile.py tests/backends/test_launch_replay.py 2>&1 | tail -8
+  tests/triton/test_precompile.py tests/backends/test_launch_replay.py tests/backends/test_cuda_graphs.py 2>&1 | tail -8
 echo "total $((SECONDS - T)) s"

@@ -37,10 +37,11 @@ class _Rescale(torch.autograd.Function):
     @staticmethod
     def forward(ctx, W, d, up, down, gamma, row_axis, multiplier, out_dtype):
         m2, P, S = _dora.lowrank_norm_terms(*_Rescale._as_rows(W, up, down, row_axis), gamma)
-        n = m2.clamp_min(0).sqrt() + torch.finfo(d.dtype).eps  # out of place: saved (in place, a compiled CUDA graph lost up/down's grads)
+        # all out of place: in-place steps here made a compiled CUDA graph lose up/down's grads
+        n = m2.clamp_min(0).sqrt() + torch.finfo(d.dtype).eps
         s = torch.div(d, n)  # promoted to n's fp32
         if multiplier != 1.0:  # the usual multiplier 1 needs no blend
-            s.mul_(multiplier).add_(1 - multiplier)
+            s = s * multiplier + (1 - multiplier)
         ctx.save_for_backward(W, d, up, down, n, P, S)
         ctx.gamma, ctx.row_axis, ctx.multiplier = gamma, row_axis, multiplier
         return s.to(out_dtype)
@@ -50,9 +51,8 @@ class _Rescale(torch.autograd.Function):
         W, d, up, down, n, P, S = ctx.saved_tensors
         g = g_s.to(n.dtype) * ctx.multiplier
         g_d = g / n  # ∂s/∂d = m/n
-        norm = (n - torch.finfo(d.dtype).eps).clamp_min_(torch.finfo(n.dtype).tiny)
-        # ∂s/∂n = −m·d/n², and d‖M‖ = d‖M‖²/(2‖M‖)
-        g_m2 = g_d.mul(d).div_(n).div_(norm.mul_(-2))
+        norm = (n - torch.finfo(d.dtype).eps).clamp_min(torch.finfo(n.dtype).tiny)
+        g_m2 = g_d * d / (n * norm * -2)  # ∂s/∂n = −m·d/n², and d‖M‖ = d‖M‖²/(2‖M‖)
         Wv, a, b = _Rescale._as_rows(W, up, down, ctx.row_axis)
         g_a, g_b = _dora.lowrank_norm_grads(Wv, a, b, ctx.gamma, P, S, g_m2)
         g_up, g_down = (g_a, g_b) if ctx.row_axis == 0 else (g_b.t(), g_a.t())
