@@ -311,14 +311,15 @@ def host_profile(step, device, label, top=15):
     sync(device)
     pr.disable()
     buf = io.StringIO()
-    pstats.Stats(pr, stream=buf).sort_stats("tottime").print_stats(top)
+    stats = pstats.Stats(pr, stream=buf)
+    stats.sort_stats("tottime").print_stats(top)
     print(f"host profile, {label}:\n" + "\n".join(buf.getvalue().splitlines()[4:]), flush=True)
     # our ops' calls that reached Python (a call replayed by the C++ kernel never does): the
     # selecting kernels and the op sets' functions carry the op's name
     from lycoris_ops._library.optable import OPS
     names = {row.name for row in OPS}
     hits = sorted(((nc, tt, f"{fn} ({os.path.basename(path)}:{line})")
-                   for (path, line, fn), (cc, nc, tt, ct, callers) in pstats.Stats(pr).stats.items()
+                   for (path, line, fn), (cc, nc, tt, ct, callers) in stats.stats.items()
                    if fn in names), reverse=True)
     print(f"  our ops' calls in Python this step: {sum(n for n, _, _ in hits)}"
           + "".join(f"\n    x{n} {where} own {tt * 1e3:.2f} ms" for n, tt, where in hits[:12]), flush=True)
